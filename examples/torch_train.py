@@ -1,0 +1,85 @@
+"""Train a small MLP classifier with PyTorch on whatever strategy resilient_strategy proves works.
+
+    python examples/torch_train.py                           # one device (accumulating if needed)
+    torchrun --nproc_per_node 2 examples/torch_train.py      # DDP: NCCL if it works, else gloo
+
+On a machine without GPUs, torchrun runs 2 CPU processes over gloo (how CI runs it). torch is
+imported only after the selection, so the CUDA_VISIBLE_DEVICES it sets still counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import resilient_strategy
+
+FEATURES, CLASSES = 32, 10
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--global-batch-size", type=int, default=256)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--samples", type=int, default=20_000)
+    args = parser.parse_args()
+
+    sel = resilient_strategy.resilient_strategy(
+        framework="torch", global_batch_size=args.global_batch_size
+    )
+    if sel.is_main_process:
+        print(sel.explain())
+    if not sel.active:  # a one-device fallback under torchrun: only rank 0 trains
+        return
+
+    import torch
+    import torch.nn.functional as F
+
+    # Every rank builds the same data (same seed); the sampler gives each its shard.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(args.samples, FEATURES, generator=g)
+    y = (x @ torch.randn(FEATURES, CLASSES, generator=g) + 0.5 * torch.randn(
+        args.samples, CLASSES, generator=g)).argmax(dim=1)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y), batch_size=sel.batch_size, shuffle=True,
+        drop_last=True,
+    )
+
+    torch.manual_seed(0)
+    with sel.scope():  # builds on this rank's device
+        model = torch.nn.Sequential(
+            torch.nn.Linear(FEATURES, 256), torch.nn.ReLU(),
+            torch.nn.Linear(256, 256), torch.nn.ReLU(),
+            torch.nn.Linear(256, CLASSES),
+        )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer, loader = sel.prepare(model, optimizer, loader)  # DDP + DistributedSampler
+    if sel.is_main_process:
+        print(
+            f"{sel.num_replicas} replica(s) x {sel.per_replica_batch_size} samples x "
+            f"{sel.accumulation_steps} accumulation step(s) = global batch {sel.global_batch_size}"
+        )
+
+    for epoch in range(args.epochs):
+        sel.set_epoch(epoch)
+        start, total, batches, updates = time.perf_counter(), 0.0, 0, 0
+        for xb, yb in loader:
+            xb, yb = xb.to(sel.device, non_blocking=True), yb.to(sel.device, non_blocking=True)
+            with sel.accumulate(model):  # no gradient all-reduce until the last micro-step
+                with sel.autocast():
+                    loss = F.cross_entropy(model(xb), yb)
+                sel.backward(loss)
+            updates += sel.step(optimizer)
+            total, batches = total + loss.item(), batches + 1
+        seconds = time.perf_counter() - start
+        samples = batches * len(xb) * sel.num_replicas  # all replicas together
+        if sel.is_main_process:
+            print(
+                f"epoch {epoch + 1}: loss {total / batches:.4f} (rank 0), {updates} optimizer "
+                f"steps, {samples / seconds:,.0f} samples/s"
+            )
+    sel.shutdown()
+
+
+if __name__ == "__main__":
+    main()

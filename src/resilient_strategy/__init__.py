@@ -1,0 +1,86 @@
+"""resilient_strategy: prove which distributed strategy works here, fall back when NCCL breaks.
+
+    import resilient_strategy                      # imports no framework; watches for them
+    sel = resilient_strategy.resilient_strategy(framework="tensorflow", global_batch_size=256)
+    with sel.scope():
+        model = build_model()
+
+Importing this package does no GPU work and imports no framework (PEP 562 lazy attributes). It
+starts a cheap import watch so that a later error can name the file and line that imported a
+framework too early.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .guard import install_import_watch
+
+__version__ = "0.1.0"
+__all__ = [
+    "CacheError",
+    "Facts",
+    "FrameworkInitializedError",
+    "FrameworkNotInstalledError",
+    "InvalidOptionError",
+    "InvalidRuleError",
+    "InvalidVisibleDevicesError",
+    "NoWorkingStrategyError",
+    "ResilientStrategyError",
+    "Rule",
+    "Selection",
+    "__version__",
+    "detect_facts",
+    "resilient_strategy",
+]
+
+install_import_watch()
+
+_LAZY = {
+    "resilient_strategy": ("executor", "resilient_strategy"),
+    "Selection": ("selection", "Selection"),
+    "Facts": ("facts", "Facts"),
+    "Rule": ("rules", "Rule"),
+    "detect_facts": ("inspect", "detect_facts"),
+    "ResilientStrategyError": ("errors", "ResilientStrategyError"),
+    "InvalidVisibleDevicesError": ("errors", "InvalidVisibleDevicesError"),
+    "FrameworkInitializedError": ("errors", "FrameworkInitializedError"),
+    "FrameworkNotInstalledError": ("errors", "FrameworkNotInstalledError"),
+    "InvalidOptionError": ("errors", "InvalidOptionError"),
+    "InvalidRuleError": ("errors", "InvalidRuleError"),
+    "NoWorkingStrategyError": ("errors", "NoWorkingStrategyError"),
+    "CacheError": ("errors", "CacheError"),
+}
+
+if TYPE_CHECKING:
+    from .errors import (
+        CacheError,
+        FrameworkInitializedError,
+        FrameworkNotInstalledError,
+        InvalidOptionError,
+        InvalidRuleError,
+        InvalidVisibleDevicesError,
+        NoWorkingStrategyError,
+        ResilientStrategyError,
+    )
+    from .executor import resilient_strategy
+    from .facts import Facts
+    from .inspect import detect_facts
+    from .rules import Rule
+    from .selection import Selection
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'resilient_strategy' has no attribute {name!r}") from None
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

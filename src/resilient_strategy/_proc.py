@@ -1,0 +1,201 @@
+"""The only module that starts subprocesses: a group of workers under one deadline.
+
+Every worker gets its own session (so one ``killpg`` reaches everything it started), output to
+files (a full pipe would block it), and no stdin. The group lives or dies together: when one
+worker fails, a collective peer may wait for it forever, so the rest are stopped at once.
+Stopping is SIGTERM to each process group, a bounded wait, SIGKILL, a bounded wait, and reaping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .probe import WorkerOutcome
+
+_STDERR_TAIL_BYTES = 64 << 10
+_REPORT_MAX_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class WorkerCommand:
+    """One worker: its full argv and environment, where it runs, and where it writes its report."""
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    cwd: str
+    report_path: str
+
+
+@dataclass(frozen=True)
+class GroupOutcome:
+    """What happened to a group: one outcome per command, in order (``rank`` is the index)."""
+
+    outcomes: tuple[WorkerOutcome, ...]
+    elapsed_s: float
+    timed_out: bool
+    pids: tuple[int, ...]  # each worker's pid, which is also its process group id
+
+
+def run_group(
+    commands: Sequence[WorkerCommand],
+    timeout_s: float,
+    *,
+    poll_s: float = 0.05,
+    grace_s: float = 2.0,
+) -> GroupOutcome:
+    """Run all commands at once until all exit 0, one fails, or ``timeout_s`` passes.
+
+    On a failure or the deadline every worker still running is stopped; on any exception (also
+    KeyboardInterrupt) too, before it propagates. Nothing is left running or unreaped.
+    ``poll_s`` is the polling interval where pidfds are unavailable; ``grace_s`` bounds each of
+    the two waits when stopping (after SIGTERM, after SIGKILL).
+    """
+    start = time.monotonic()
+    deadline = start + timeout_s
+    procs: list[subprocess.Popen[bytes]] = []
+    first_failed: int | None = None
+    timed_out = False
+    waiter = _ExitWaiter(poll_s)
+    with tempfile.TemporaryDirectory(prefix="rs-proc-", ignore_cleanup_errors=True) as tmp:
+        logs = Path(tmp)
+        try:
+            for i, cmd in enumerate(commands):
+                with open(logs / f"{i}.out", "wb") as out, open(logs / f"{i}.err", "wb") as err:
+                    procs.append(subprocess.Popen(
+                        cmd.argv, env=dict(cmd.env), cwd=cmd.cwd, stdin=subprocess.DEVNULL,
+                        stdout=out, stderr=err, start_new_session=True,
+                    ))
+                waiter.add(procs[-1])
+            while True:
+                codes = [p.poll() for p in procs]
+                failed = [i for i, c in enumerate(codes) if c is not None and c != 0]
+                if failed:  # when several: one that left no report died first, the rest echo it
+                    first_failed = min(
+                        failed, key=lambda i: (os.path.exists(commands[i].report_path), i))
+                    break
+                if all(c == 0 for c in codes):
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    timed_out = True
+                    break
+                waiter.wait(left)
+        finally:
+            waiter.close()
+            stopped = _stop(procs, grace_s)
+        elapsed = time.monotonic() - start
+        outcomes = tuple(
+            _outcome(i, p, cmd, logs / f"{i}.err", i in stopped, i == first_failed)
+            for i, (p, cmd) in enumerate(zip(procs, commands, strict=True))
+        )
+    return GroupOutcome(outcomes, elapsed, timed_out, tuple(p.pid for p in procs))
+
+
+class _ExitWaiter:
+    """Sleep until a worker exits: at once through pidfds (Linux >= 5.3), else by polling.
+
+    Waking at the exit, not up to a poll interval later, tells which worker failed first before
+    its peers have written their echoes of the failure.
+    """
+
+    def __init__(self, poll_s: float) -> None:
+        self._poll_s = poll_s
+        self._poller = select.poll() if hasattr(select, "poll") else None
+        self._fds: dict[int, subprocess.Popen[bytes]] = {}
+        self._fallback = not hasattr(os, "pidfd_open") or self._poller is None
+
+    def add(self, proc: subprocess.Popen[bytes]) -> None:
+        if self._fallback or self._poller is None:
+            return
+        try:
+            fd = os.pidfd_open(proc.pid)
+        except OSError:  # old kernel, or a sandbox that forbids it
+            self._fallback = True
+            return
+        self._fds[fd] = proc
+        self._poller.register(fd, select.POLLIN)
+
+    def wait(self, left_s: float) -> None:
+        if self._fallback or self._poller is None:
+            time.sleep(min(self._poll_s, left_s))
+            return
+        for fd, proc in list(self._fds.items()):
+            if proc.poll() is not None:  # an exited worker's pidfd stays readable: stop watching
+                self._poller.unregister(fd)
+                os.close(fd)
+                del self._fds[fd]
+        self._poller.poll(max(1, int(left_s * 1000)))
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+
+
+def _stop(procs: Sequence[subprocess.Popen[bytes]], grace_s: float) -> set[int]:
+    """Stop every running worker's process group and reap; the indices of those stopped."""
+    running = [i for i, p in enumerate(procs) if p.poll() is None]
+    for i in running:
+        _signal_group(procs[i].pid, signal.SIGTERM)
+    _wait_all([procs[i] for i in running], grace_s)
+    for i in running:
+        if procs[i].poll() is None:
+            _signal_group(procs[i].pid, signal.SIGKILL)
+    _wait_all([procs[i] for i in running], grace_s)
+    for p in procs:  # whatever a worker started in its own group outlives it otherwise
+        _signal_group(p.pid, signal.SIGKILL)
+    return set(running)
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _wait_all(procs: Sequence[subprocess.Popen[bytes]], budget_s: float) -> None:
+    end = time.monotonic() + budget_s
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=max(0.0, end - time.monotonic()))
+
+
+def _outcome(
+    rank: int,
+    proc: subprocess.Popen[bytes],
+    cmd: WorkerCommand,
+    err_path: Path,
+    stopped: bool,
+    failed_first: bool,
+) -> WorkerOutcome:
+    rc = proc.returncode
+    sig = -rc if rc is not None and rc < 0 else None
+    return WorkerOutcome(
+        rank=rank,
+        returncode=None if stopped or sig is not None else rc,
+        signal=sig,
+        report=_read(Path(cmd.report_path), _REPORT_MAX_BYTES, tail=False),
+        stderr=_read(err_path, _STDERR_TAIL_BYTES, tail=True),
+        killed_by_runner=stopped,
+        failed_first=failed_first,
+    )
+
+
+def _read(path: Path, limit: int, *, tail: bool) -> str:
+    """Up to ``limit`` bytes of a file (its end when ``tail``), "" when it does not exist."""
+    try:
+        with open(path, "rb") as f:
+            if tail:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - limit))
+            data = f.read(limit)
+    except OSError:
+        return ""
+    return data.decode("utf-8", errors="replace")

@@ -1,0 +1,196 @@
+"""``python -m resilient_strategy doctor | plan | probe`` (also the ``resilient-strategy`` script).
+
+doctor  what this machine has (GPUs, links, versions, host), the rules that fired and the plan
+        with its reasons; runs usefully without a GPU. Never probes.
+plan    only the plan (for the framework given, or each one installed).
+probe   prove the candidates for real (probe="force" with --force) and print the decision.
+
+``--simulate FILE`` plans for a described machine instead (what-if before renting one): a JSON
+object with "machine" (keyword arguments of resilient_strategy.testing.machine) or "facts" (the
+Facts.to_dict() form), and optionally "probes" (simulated outcomes, see testing.FakeProber).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .errors import ResilientStrategyError
+from .facts import Facts
+
+_FRAMEWORKS = ("torch", "tensorflow")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="resilient-strategy", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, text in (("doctor", "show what is here and the plan"), ("plan", "the plan only"),
+                       ("probe", "prove the candidates with live probes")):
+        s = sub.add_parser(name, help=text)
+        s.add_argument("--framework", choices=_FRAMEWORKS)
+        s.add_argument("--global-batch-size", type=int)
+        s.add_argument("--gradient-bytes", type=int, help="model gradient size, for speed ranking")
+        s.add_argument("--json", action="store_true", help="machine-readable output")
+        s.add_argument("--simulate", type=Path, metavar="FILE", help="plan for a described machine")
+        s.add_argument("--timeout", type=float, help="seconds per probe (default 30)")
+        s.add_argument("--force", action="store_true", help="probe: ignore cached results")
+        s.add_argument("--logical-cpus", type=int, default=0,
+                       help="TensorFlow probes on N logical CPU devices (testing without GPUs)")
+    return p
+
+
+def _load_simulation(path: Path) -> tuple[Facts, dict[str, Any]]:
+    from .testing.fakes import machine
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ResilientStrategyError(f"cannot read --simulate file {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ResilientStrategyError(f"{path}: expected a JSON object")
+    try:
+        if "machine" in data:
+            facts = machine(**data["machine"])
+        else:
+            facts = Facts.from_dict(data.get("facts", data))
+    except (TypeError, ValueError) as exc:
+        raise ResilientStrategyError(f"{path}: not a machine description: {exc}") from exc
+    return facts, data
+
+
+def _frameworks(facts: Facts, asked: str | None) -> list[str]:
+    if asked:
+        return [asked]
+    return [f for f in _FRAMEWORKS if facts.framework(f).installed]
+
+
+def _facts_text(facts: Facts) -> list[str]:
+    out = ["GPUs the job can see:"]
+    if not facts.gpus:
+        out.append(f"  none ({facts.nvml_error or 'NVML reported no GPU'})")
+    for g in facts.gpus:
+        mig = ", MIG" if g.mig_enabled else ""
+        out.append(f"  [{g.index}] {g.name}  cc {g.cc}  {g.memory_bytes / 2**30:.0f} GiB  "
+                   f"pci {g.pci_bus_id or '?'}  nvml #{g.physical_index}{mig}")
+    vis = facts.visibility
+    out.append(f"  CUDA_VISIBLE_DEVICES={vis.raw!r} -> NVML {list(vis.physical)}"
+               if vis.raw is not None else "  CUDA_VISIBLE_DEVICES unset: every GPU")
+    out += [f"  note: {n}" for n in vis.notes]
+    if facts.links:
+        out.append("Links:")
+        for ln in facts.links:
+            nv = f"NVLink x{ln.nvlinks}" if ln.nvlinks else "no NVLink"
+            out.append(f"  {ln.a}-{ln.b}: {nv}, PCIe path {ln.topology}, P2P read {ln.p2p_read}")
+    if facts.driver_version:
+        out.append(f"Driver {facts.driver_version} (CUDA {facts.cuda_driver_version})")
+    h = facts.host
+    shm = "unknown" if h.shm_bytes is None else f"{h.shm_bytes / 2**20:.0f} MiB"
+    flags = [x for x, on in (("WSL2", h.wsl2), ("SageMaker", h.sagemaker), ("AWS", h.aws),
+                             ("EFA", h.efa), ("InfiniBand", h.infiniband)) if on]
+    out.append(f"Host: /dev/shm {shm}, container {h.container or 'none'}, IOMMU {h.iommu}, "
+               f"{h.cpu_count} CPUs" + (f", {', '.join(flags)}" if flags else ""))
+    out.append("Frameworks:")
+    for f in facts.frameworks:
+        if not f.installed:
+            continue
+        bits = [f"{f.name} {f.version}"]
+        if f.distribution and f.distribution != f.name:
+            bits.append(f"({f.distribution})")
+        bits.append(f"CUDA {f.cuda}" if f.cuda else "CPU-only build" if f.name != "keras" else "")
+        if f.nccl:
+            bits.append(f"NCCL {f.nccl}")
+        if f.archs:
+            bits.append("archs " + ",".join(f.archs))
+        if f.imported:
+            bits.append("IMPORTED" + (", GPUs INITIALIZED" if f.gpu_initialized else ""))
+        out.append("  " + " ".join(b for b in bits if b))
+    if not any(f.installed for f in facts.frameworks):
+        out.append("  neither torch nor tensorflow is installed")
+    return out
+
+
+def _selection_text(sel: Any, show_probes: bool) -> list[str]:
+    out = [sel.explain()]
+    if sel.plan.ranked:
+        out.append("Candidates, best first:")
+        for i, r in enumerate(sel.plan.ranked, 1):
+            c = r.candidate
+            mark = "*" if c.key == sel.candidate.key else " "
+            out.append(f" {mark}{i}. {c.label}  [{c.num_replicas}x{c.per_replica_batch_size or '-'}"
+                       f"x{c.accumulation_steps}]  ~{r.estimate.step_seconds * 1e3:.1f} ms/step")
+    if sel.plan.ruled_out:
+        out.append("Ruled out:")
+        out += [f"  - {r.candidate.label}: {r.reason}" + (f" [{r.rule}]" if r.rule else "")
+                for r in sel.plan.ruled_out]
+    if show_probes and sel.results:
+        out.append("Probes:")
+        out.append(f"  {'candidate':<58} {'status':<8} {'secs':>6} {'GB/s':>8}  cause")
+        for key, res in sel.results.items():
+            bw = f"{res.bus_bandwidth_gbps:.2f}" if res.bus_bandwidth_gbps else "-"
+            out.append(f"  {key:<58} {res.status:<8} {res.elapsed_s:>6.1f} {bw:>8}  {res.cause}")
+    return out
+
+
+def _decide(args: argparse.Namespace, facts: Facts | None, sim: Mapping[str, Any] | None,
+            framework: str) -> Any:
+    from .executor import resilient_strategy
+    from .testing.fakes import FakeProber
+
+    kw: dict[str, Any] = {
+        "framework": framework,
+        "global_batch_size": args.global_batch_size or (sim or {}).get("global_batch_size"),
+        "gradient_bytes": args.gradient_bytes or (sim or {}).get("gradient_bytes"),
+        "sample_seconds": (sim or {}).get("sample_seconds"),
+        "timeout": args.timeout,
+        "logical_cpus": args.logical_cpus,
+    }
+    if sim is not None:
+        assert facts is not None
+        probes = sim.get("probes")
+        return resilient_strategy(
+            facts=facts, env=facts.env_map, cache=False,
+            dry_run=not probes,
+            _prober=FakeProber(dict(probes or {})), **kw,
+        )
+    if args.command == "probe":
+        return resilient_strategy(probe="force" if args.force else "auto", **kw)
+    return resilient_strategy(facts=facts, dry_run=True, **kw)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.ERROR, format="%(message)s")
+    try:
+        sim: dict[str, Any] | None = None
+        if args.simulate:
+            facts, sim = _load_simulation(args.simulate)
+        else:
+            from .inspect import detect_facts
+
+            facts = detect_facts()
+        frameworks = _frameworks(facts, args.framework or (sim or {}).get("framework"))
+        selections = {fw: _decide(args, facts, sim, fw) for fw in frameworks}
+    except ResilientStrategyError as exc:
+        print(f"resilient_strategy: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({
+            "facts": facts.to_dict(),
+            "fingerprint": facts.fingerprint(),
+            "decisions": {fw: s.to_dict() for fw, s in selections.items()},
+        }, indent=2, default=str))
+        return 0
+    lines: list[str] = []
+    if args.command == "doctor":
+        lines += _facts_text(facts)
+    if not selections:
+        lines.append("No framework to plan for: pip install torch or tensorflow.")
+    for fw, sel in selections.items():
+        lines += ["", f"== {fw} =="] + _selection_text(sel, show_probes=args.command == "probe")
+    print("\n".join(lines))
+    return 0

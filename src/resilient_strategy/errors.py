@@ -1,0 +1,80 @@
+"""Typed errors. Every error says what happened and what the user should do."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class ResilientStrategyError(Exception):
+    """Base class of every error this library raises on purpose."""
+
+
+class InvalidVisibleDevicesError(ResilientStrategyError):
+    """``CUDA_VISIBLE_DEVICES`` (or the ``devices=`` argument) names GPUs that do not exist."""
+
+    def __init__(self, value: str, problem: str) -> None:
+        self.value = value
+        self.problem = problem
+        super().__init__(
+            f"CUDA_VISIBLE_DEVICES={value!r}: {problem}. Set it to GPU indices or UUIDs that "
+            "`nvidia-smi -L` lists, or unset it to use every GPU."
+        )
+
+
+class FrameworkInitializedError(ResilientStrategyError):
+    """A framework initialized the GPUs before the selection could set the visible devices."""
+
+    def __init__(self, framework: str, imported_at: str | None, wanted: str) -> None:
+        self.framework = framework
+        self.imported_at = imported_at
+        self.wanted = wanted
+        where = f" (first imported at {imported_at})" if imported_at else ""
+        super().__init__(
+            f"{framework} already initialized the GPUs{where}, so CUDA_VISIBLE_DEVICES={wanted!r} "
+            f"can no longer take effect. Move that import (or the first {framework} call that "
+            "touches a GPU) below the call to resilient_strategy(), or import it lazily inside "
+            "the function that uses it."
+        )
+
+
+class InvalidOptionError(ResilientStrategyError, ValueError):
+    """An argument to resilient_strategy() is out of range or inconsistent."""
+
+
+class InvalidRuleError(ResilientStrategyError, ValueError):
+    """A known-issue rule is malformed."""
+
+    def __init__(self, rule_id: str, problem: str, source: str = "") -> None:
+        self.rule_id = rule_id
+        self.problem = problem
+        where = f" in {source}" if source else ""
+        super().__init__(f"rule {rule_id!r}{where}: {problem}")
+
+
+class NoWorkingStrategyError(ResilientStrategyError):
+    """Every candidate was ruled out or failed its probe."""
+
+    def __init__(self, framework: str, causes: Sequence[str]) -> None:
+        self.framework = framework
+        self.causes = tuple(causes)
+        lines = "\n  - ".join(self.causes) if self.causes else "(no candidates)"
+        super().__init__(
+            f"no strategy works for {framework} on this machine:\n  - {lines}\n"
+            "Run `python -m resilient_strategy doctor` for the full trace."
+        )
+
+
+class FrameworkNotInstalledError(ResilientStrategyError):
+    """The requested framework is not installed."""
+
+    def __init__(self, framework: str) -> None:
+        self.framework = framework
+        pkg = {"torch": "torch", "tensorflow": "tensorflow"}.get(framework, framework)
+        super().__init__(
+            f"{framework} is not installed in this environment; `pip install {pkg}` "
+            "or pass framework= for the one you use."
+        )
+
+
+class CacheError(ResilientStrategyError):
+    """The decision cache could not be read or written (always handled as a logged degrade)."""

@@ -1,0 +1,419 @@
+"""The executor: guard, inspect, plan, probe, apply. The one place that acts on a plan.
+
+``resilient_strategy()`` reads the environment once (explicit argument > the user's environment >
+our default), plans purely, proves candidates with killable probes (or reuses cached results),
+sets the chosen environment without overriding anything the user set, and returns a Selection.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from . import _env
+from .cache import DEFAULT_TTL_S, DecisionCache, default_dir
+from .errors import (
+    FrameworkNotInstalledError,
+    InvalidOptionError,
+    InvalidVisibleDevicesError,
+    NoWorkingStrategyError,
+    ResilientStrategyError,
+)
+from .facts import Facts
+from .plan import Candidate, Plan, Policy, plan
+from .probe import ERROR, ProbeResult, ProbeSpec
+from .rules import Rule, load_rules
+from .selection import Launch, Selection
+
+log = logging.getLogger("resilient_strategy")
+
+Prober = Callable[[ProbeSpec, Mapping[str, str]], ProbeResult]
+PROBE_MODES = ("auto", "force", "never")
+DEFAULT_TIMEOUT_S = 30.0
+MAX_ROUNDS = 32  # probes per decision, at most (the candidate set is far smaller)
+
+
+@dataclass(frozen=True)
+class Options:
+    """Every knob, validated once. Built by :func:`options_from`."""
+
+    policy: Policy
+    probe: str = "auto"
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    budget_s: float = 4 * DEFAULT_TIMEOUT_S
+    dry_run: bool = False
+    cache_dir: Path | None = None  # None: no cache
+    cache_ttl_s: float = DEFAULT_TTL_S
+    rules: tuple[Rule, ...] = ()
+    precision: str = "auto"
+    launch: Launch = Launch()
+    logical_cpus: int = 0
+    framework_reason: str = ""
+
+
+def _env_list(env: Mapping[str, str], name: str, sep: str = ",") -> list[str]:
+    return [x.strip() for x in env.get(name, "").split(sep) if x.strip()]
+
+
+def _launch(env: Mapping[str, str]) -> Launch:
+    try:
+        return Launch(
+            rank=int(env.get("RANK", "0")),
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            world_size=int(env.get("WORLD_SIZE", "1")),
+        )
+    except ValueError as exc:
+        raise InvalidOptionError(f"RANK/LOCAL_RANK/WORLD_SIZE must be integers: {exc}") from exc
+
+
+def _pick_framework(framework: str | None, facts: Facts) -> tuple[str, str]:
+    aliases = {"tf": "tensorflow", "keras": "tensorflow", "pytorch": "torch"}
+    if framework is not None:
+        name = aliases.get(framework, framework)
+        if name not in ("torch", "tensorflow"):
+            raise InvalidOptionError(f"framework must be 'torch' or 'tensorflow', not {framework!r}")
+        if not facts.framework(name).installed:
+            raise FrameworkNotInstalledError(name)
+        return name, f"framework={framework!r} as asked"
+    imported = [f for f in ("torch", "tensorflow") if facts.framework(f).imported]
+    installed = [f for f in ("torch", "tensorflow") if facts.framework(f).installed]
+    if len(imported) == 1:
+        return imported[0], f"framework=None: {imported[0]} is the one already imported"
+    if len(installed) == 1:
+        return installed[0], f"framework=None: {installed[0]} is the one installed"
+    if not installed:
+        raise FrameworkNotInstalledError("torch or tensorflow")
+    raise InvalidOptionError(
+        "framework=None but both torch and tensorflow are installed"
+        + (" and imported" if imported else "")
+        + "; pass framework='torch' or framework='tensorflow'"
+    )
+
+
+def gradient_bytes_of(model: Any) -> int:
+    """Bytes of trainable parameters of a torch module or a Keras model (duck-typed, no import)."""
+    if hasattr(model, "parameters"):
+        return sum(
+            int(p.numel()) * int(p.element_size()) for p in model.parameters() if p.requires_grad
+        )
+    weights = getattr(model, "trainable_weights", None)
+    if weights is not None:
+        total = 0
+        for w in weights:
+            n = 1
+            for d in w.shape:
+                n *= int(d)
+            total += n * int(getattr(getattr(w, "dtype", None), "size", 4) or 4)
+        return total
+    raise InvalidOptionError("model= must be a torch.nn.Module or a Keras model")
+
+
+def options_from(
+    facts: Facts,
+    env: Mapping[str, str],
+    *,
+    framework: str | None,
+    global_batch_size: int | None,
+    devices: Sequence[int] | None,
+    probe: str | bool | None,
+    timeout: float | None,
+    prefer: str | None,
+    dry_run: bool,
+    model: Any,
+    gradient_bytes: int | None,
+    sample_seconds: float | None,
+    max_per_replica_batch: int | None,
+    rules: Sequence[str | Path | Rule],
+    disable_rules: Sequence[str],
+    cache: bool,
+    cache_dir: str | Path | None,
+    cache_ttl: float | None,
+    precision: str,
+    logical_cpus: int,
+) -> Options:
+    """Validate every argument once; environment variables fill what was not passed."""
+    fw, why = _pick_framework(framework, facts)
+    if probe is None:
+        probe = env.get("RESILIENT_STRATEGY_PROBE", "auto")
+    if probe is True:
+        probe = "auto"
+    if probe is False:
+        probe = "never"
+    if probe not in PROBE_MODES:
+        raise InvalidOptionError(f"probe must be one of {PROBE_MODES} (or a bool), not {probe!r}")
+    if timeout is None:
+        try:
+            timeout = float(env.get("RESILIENT_STRATEGY_TIMEOUT", DEFAULT_TIMEOUT_S))
+        except ValueError as exc:
+            raise InvalidOptionError(f"RESILIENT_STRATEGY_TIMEOUT: {exc}") from exc
+    if not 0 < timeout <= 3600:
+        raise InvalidOptionError(f"timeout must be in (0, 3600] seconds, not {timeout!r}")
+    if precision not in ("auto", "bf16", "fp16", "fp32"):
+        raise InvalidOptionError("precision must be 'auto', 'bf16', 'fp16' or 'fp32'")
+    if model is not None and gradient_bytes is None:
+        gradient_bytes = gradient_bytes_of(model)
+    launch = _launch(env)
+    policy = Policy(
+        framework=fw,
+        global_batch_size=global_batch_size,
+        devices=None if devices is None else tuple(int(d) for d in devices),
+        prefer=prefer,
+        gradient_bytes=gradient_bytes,
+        sample_seconds=sample_seconds,
+        max_per_replica_batch=max_per_replica_batch,
+        world_size=launch.world_size if fw == "torch" else 1,
+        user_env=tuple(sorted(env)),
+        logical_cpus=logical_cpus,
+    )
+    extra_rules: list[str | Path | Rule] = [*_env_list(env, "RESILIENT_STRATEGY_RULES", os.pathsep)]
+    extra_rules += list(rules)
+    disabled = [*_env_list(env, "RESILIENT_STRATEGY_DISABLE_RULES"), *disable_rules]
+    use_cache = cache and env.get("RESILIENT_STRATEGY_CACHE", "1") != "0"
+    return Options(
+        policy=policy,
+        probe=str(probe),
+        timeout_s=float(timeout),
+        budget_s=4 * float(timeout),
+        dry_run=dry_run,
+        cache_dir=(Path(cache_dir) if cache_dir else default_dir(env)) if use_cache else None,
+        cache_ttl_s=DEFAULT_TTL_S if cache_ttl is None else float(cache_ttl),
+        rules=load_rules(extra_rules, disabled),
+        precision=precision,
+        launch=launch,
+        logical_cpus=logical_cpus,
+        framework_reason=why,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Deciding
+# --------------------------------------------------------------------------------------------
+def spec_for(c: Candidate, opts: Options, timeout_s: float) -> ProbeSpec:
+    return ProbeSpec(
+        candidate=c.key,
+        framework=c.framework,
+        backend=c.backend,
+        devices=c.devices,
+        env=c.env,
+        world_size=c.num_replicas if c.framework == "torch" else 1,
+        timeout_s=timeout_s,
+        logical_cpus=opts.logical_cpus,
+    )
+
+
+def decide(
+    facts: Facts,
+    opts: Options,
+    env: Mapping[str, str],
+    prober: Prober,
+    clock: Callable[[], float] = time.monotonic,
+) -> tuple[Plan, dict[str, ProbeResult], bool, bool]:
+    """Plan, probing as needed. Returns (plan, results, from_cache, proven).
+
+    The probe budget is one deadline for the whole decision; each probe also has its own.
+    """
+    cache = DecisionCache(opts.cache_dir, opts.cache_ttl_s) if opts.cache_dir else None
+    fingerprint = facts.fingerprint()
+    results: dict[str, ProbeResult] = {}
+    if cache is not None and opts.probe == "auto":
+        results.update(cache.load(fingerprint))
+    cached_keys = set(results)
+    deadline = clock() + opts.budget_s
+    fresh: dict[str, ProbeResult] = {}
+    p = plan(facts, opts.rules, results, opts.policy)
+    for _ in range(MAX_ROUNDS):
+        if p.next_probe is None or opts.probe == "never" or opts.dry_run:
+            break
+        c = p.next_probe
+        if c.key in results:  # cannot happen with a sound planner; never loop on it
+            raise ResilientStrategyError(f"planner asked to probe {c.key} twice")
+        left = deadline - clock()
+        if left <= 1.0:
+            res = ProbeResult(c.key, ERROR, 0.0, "budget",
+                              f"the probe budget of {opts.budget_s:g} s is spent")
+        else:
+            res = prober(spec_for(c, opts, min(opts.timeout_s, left)), env)
+        results[c.key] = fresh[c.key] = res
+        p = plan(facts, opts.rules, results, opts.policy)
+    if cache is not None and fresh:
+        cache.store(fingerprint, fresh)
+    proven = p.next_probe is None
+    if p.next_probe is not None:  # probing off, or a dry run: the next candidate, unproven
+        why = ("dry run: it would be probed first" if opts.dry_run
+               else "UNPROVEN, probing is off (probe='never')")
+        p = replace(p, chosen=p.next_probe, next_probe=None,
+                    trace=(*p.trace, f"Chose {p.next_probe.label}: {why}."))
+    return p, results, bool(cached_keys) and not fresh, proven
+
+
+def _visible_devices_value(facts: Facts, c: Candidate) -> str:
+    """CUDA_VISIBLE_DEVICES naming exactly the chosen GPUs, by UUID where known."""
+    by_index = {g.index: g for g in facts.gpus}
+    return ",".join(
+        by_index[d].uuid or str(by_index[d].physical_index) for d in c.devices if d in by_index
+    )
+
+
+def _env_to_set(facts: Facts, c: Candidate, opts: Options, env: Mapping[str, str]) -> dict[str, str]:
+    wanted = dict(c.env)
+    if (
+        c.framework == "tensorflow"
+        and c.devices
+        and len(c.devices) < len(facts.gpus)
+        and "CUDA_VISIBLE_DEVICES" not in env
+    ):
+        # TF takes memory on every visible GPU; show it only the chosen ones.
+        wanted["CUDA_VISIBLE_DEVICES"] = _visible_devices_value(facts, c)
+    return {k: v for k, v in wanted.items() if k not in env}
+
+
+def resilient_strategy(
+    framework: str | None = None,
+    *,
+    global_batch_size: int | None = None,
+    devices: Sequence[int] | None = None,
+    probe: str | bool | None = None,
+    timeout: float | None = None,
+    prefer: str | None = None,
+    dry_run: bool = False,
+    model: Any = None,
+    gradient_bytes: int | None = None,
+    sample_seconds: float | None = None,
+    max_per_replica_batch: int | None = None,
+    rules: Sequence[str | Path | Rule] = (),
+    disable_rules: Sequence[str] = (),
+    cache: bool = True,
+    cache_dir: str | Path | None = None,
+    cache_ttl: float | None = None,
+    precision: str = "auto",
+    env: Mapping[str, str] | None = None,
+    facts: Facts | None = None,
+    logical_cpus: int = 0,
+    _prober: Prober | None = None,
+) -> Selection:
+    """Find the best distributed strategy that works here and return a Selection to train with.
+
+    Args:
+        framework: "torch" or "tensorflow"; None picks the one imported or installed.
+        global_batch_size: samples per optimizer step; kept exact on every fallback.
+        devices: GPU indices (as the job sees them) to consider; default all visible.
+        probe: "auto" (probe unless cached), "force" (re-probe), "never" (trust the plan).
+        timeout: seconds per probe and for the process group (default 30; the whole decision
+            is bounded by 4x this).
+        prefer: a backend to try first when it works.
+        dry_run: decide without probing, setting variables or building anything.
+        model / gradient_bytes / sample_seconds: what is known of the model, for speed ranking.
+        rules / disable_rules: extra rule files (or Rule values) and rule ids to switch off.
+        cache / cache_dir / cache_ttl: the decision cache (default ~/.cache/resilient_strategy).
+        env: the environment to decide on (default os.environ; nothing is ever overwritten).
+        facts: decide for described facts instead of inspecting this machine.
+        logical_cpus: TensorFlow on N logical CPU devices instead of GPUs (testing on CPU).
+    """
+    t0 = time.perf_counter()
+    snapshot = _env.snapshot(env)
+    if facts is None:
+        from .inspect import detect_facts
+
+        facts = detect_facts(snapshot)
+    _check_visibility(facts)
+    opts = options_from(
+        facts, snapshot, framework=framework, global_batch_size=global_batch_size,
+        devices=devices, probe=probe, timeout=timeout, prefer=prefer, dry_run=dry_run,
+        model=model, gradient_bytes=gradient_bytes, sample_seconds=sample_seconds,
+        max_per_replica_batch=max_per_replica_batch, rules=rules, disable_rules=disable_rules,
+        cache=cache, cache_dir=cache_dir, cache_ttl=cache_ttl, precision=precision,
+        logical_cpus=logical_cpus,
+    )
+    prober = _prober or _default_prober
+    p, results, from_cache, proven = _agreed_decision(facts, opts, snapshot, prober)
+    if p.chosen is None:
+        raise NoWorkingStrategyError(
+            opts.policy.framework, [f"{r.candidate.label}: {r.reason}" for r in p.ruled_out]
+        )
+    chosen = p.chosen
+    to_set = _env_to_set(facts, chosen, opts, snapshot)
+    _guard(facts, opts.policy.framework, to_set)
+    if not opts.dry_run and env is None:
+        to_set = _env.apply(to_set)
+    p = replace(p, trace=(f"{opts.framework_reason}.", *p.trace))
+    sel = Selection(
+        candidate=chosen, plan=p, facts=facts, env=to_set, results=results,
+        from_cache=from_cache, proven=proven, launch=opts.launch, timeout_s=opts.timeout_s,
+        precision=opts.precision, logical_cpus=opts.logical_cpus, dry_run=opts.dry_run,
+        decided_in_s=time.perf_counter() - t0,
+    )
+    for w in p.warnings:
+        log.warning("resilient_strategy: %s", w)
+    log.info("resilient_strategy: chose %s in %.2f s", chosen.label, sel.decided_in_s)
+    return sel
+
+
+def _check_visibility(facts: Facts) -> None:
+    from .visible import visible_problem
+
+    problem = visible_problem(facts.visibility, has_gpus=facts.nvml_error is None)
+    if problem:
+        raise InvalidVisibleDevicesError(facts.visibility.raw or "", problem)
+
+
+def _guard(facts: Facts, framework: str, to_set: Mapping[str, str]) -> None:
+    from .guard import check_visible_devices_settable
+
+    if "CUDA_VISIBLE_DEVICES" in to_set:
+        check_visible_devices_settable(
+            facts, (framework,), to_set["CUDA_VISIBLE_DEVICES"], facts.visibility.raw
+        )
+    info = facts.framework(framework)
+    if info.imported and not info.gpu_initialized:
+        where = f" at {info.imported_at}" if info.imported_at else ""
+        log.info("resilient_strategy: %s was imported%s before the selection; it has not "
+                 "initialized GPUs yet, so that is fine", framework, where)
+
+
+def _default_prober(spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
+    from .prober import run_probe
+
+    return run_probe(spec, env)
+
+
+# --------------------------------------------------------------------------------------------
+# One decision per node under a launcher
+# --------------------------------------------------------------------------------------------
+def _agreed_decision(
+    facts: Facts, opts: Options, env: Mapping[str, str], prober: Prober
+) -> tuple[Plan, dict[str, ProbeResult], bool, bool]:
+    """Under torchrun, local rank 0 decides (and probes); the other ranks wait for its results
+    and re-plan from them, so every rank reaches the same choice (no split brain)."""
+    launch = opts.launch
+    if not launch.launched or opts.dry_run:
+        return decide(facts, opts, env, prober)
+    from .agreement import Agreement
+
+    agreement = Agreement.for_job(env, facts.fingerprint(), opts.cache_dir)
+    deadline_s = opts.budget_s + 60.0
+    if launch.local_rank == 0:
+        p, results, from_cache, proven = decide(facts, opts, env, prober)
+        agreement.publish(
+            {"chosen": p.chosen.key if p.chosen else None,
+             "results": {k: v.to_dict() for k, v in results.items()},
+             "from_cache": from_cache, "proven": proven}
+        )
+        return p, results, from_cache, proven
+    payload = agreement.wait(deadline_s)
+    results = {k: ProbeResult.from_dict(v) for k, v in payload["results"].items()}
+    p = plan(facts, opts.rules, results, opts.policy)
+    if p.next_probe is not None and not payload["proven"]:
+        p = replace(p, chosen=p.next_probe, next_probe=None)
+    if (p.chosen.key if p.chosen else None) != payload["chosen"]:
+        raise ResilientStrategyError(
+            f"rank {launch.rank} planned {p.chosen.key if p.chosen else None} but local rank 0 "
+            f"chose {payload['chosen']}: the ranks see different machines or options. Pass the "
+            "same arguments on every rank. " + json.dumps(payload["chosen"])
+        )
+    return p, results, bool(payload["from_cache"]), bool(payload["proven"])

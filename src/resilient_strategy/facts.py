@@ -1,0 +1,262 @@
+"""The inspected facts: a frozen snapshot of the GPUs, links, host and frameworks.
+
+Everything downstream (rules, planner, cache, doctor) takes a :class:`Facts` value as a parameter.
+Facts round-trip through plain JSON (``to_dict`` / ``from_dict``) so a machine can be described in a
+file (``doctor --simulate``) or in a user's unit test.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+#: Values of NVML's topology common ancestor, nearest first (nvmlGpuTopologyLevel_t).
+TOPOLOGY_LEVELS = ("internal", "single", "multiple", "hostbridge", "node", "system", "unknown")
+
+#: Values of NVML's P2P status (nvmlGpuP2PStatus_t), as words.
+P2P_STATUSES = (
+    "ok",
+    "chipset_not_supported",
+    "gpu_not_supported",
+    "iohub_topology_not_supported",
+    "disabled_by_regkey",
+    "not_supported",
+    "unknown",
+)
+
+#: Environment variables that change what NCCL / the frameworks do; part of the fingerprint.
+RELEVANT_ENV_PREFIXES = ("NCCL_", "TF_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "GLOO_", "NVSHMEM_")
+RELEVANT_ENV_NAMES = (
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_ORDER",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "SM_HOSTS",
+    "SM_CURRENT_HOST",
+    "TF_CONFIG",
+    "FI_PROVIDER",
+    "FI_EFA_USE_DEVICE_RDMA",
+)
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU the job can see. ``index`` is the CUDA ordinal inside the job (0..n-1)."""
+
+    index: int
+    name: str
+    compute_capability: tuple[int, int]
+    memory_bytes: int = 0
+    uuid: str = ""
+    pci_bus_id: str = ""
+    physical_index: int = -1
+    mig_enabled: bool = False
+
+    @property
+    def cc(self) -> str:
+        return f"{self.compute_capability[0]}.{self.compute_capability[1]}"
+
+    @property
+    def is_consumer(self) -> bool:
+        """GeForce / workstation-consumer boards whose PCIe P2P is often claimed but broken."""
+        n = self.name.lower()
+        return "geforce" in n or " rtx 40" in n or " rtx 50" in n or "rtx 6000 ada" in n or (
+            "titan" in n
+        )
+
+
+@dataclass(frozen=True)
+class Link:
+    """What connects two visible GPUs ``a < b``. PCIe path and NVLink are separate facts."""
+
+    a: int
+    b: int
+    topology: str = "unknown"  # one of TOPOLOGY_LEVELS
+    nvlinks: int = 0  # active NVLinks from a that land on b
+    p2p_read: str = "unknown"  # one of P2P_STATUSES
+    p2p_nvlink: str = "unknown"
+
+
+@dataclass(frozen=True)
+class Host:
+    """Host facts that decide NCCL transports."""
+
+    shm_bytes: int | None = None  # size of /dev/shm; None when unknown
+    container: str = ""  # "docker", "podman", "kubernetes", "containerd", "" when none seen
+    wsl2: bool = False
+    sagemaker: bool = False
+    aws: bool = False
+    efa: bool = False  # an EFA device is present
+    infiniband: bool = False  # an IB/RoCE device is present (/sys/class/infiniband)
+    iommu: str = "unknown"  # "on", "off", "unknown"
+    kernel: str = ""
+    cpu_count: int = 1
+    platform: str = "linux"
+
+
+@dataclass(frozen=True)
+class FrameworkInfo:
+    """A framework as seen without importing it (and whether it is imported / initialized)."""
+
+    name: str  # "torch", "tensorflow", "keras"
+    version: str | None = None  # None: not installed
+    distribution: str = ""  # e.g. "tensorflow-cpu"
+    cuda: str | None = None  # CUDA version it was built with; None for CPU builds / unknown
+    nccl: str | None = None  # NCCL version it will use, where knowable
+    archs: tuple[str, ...] = ()  # compiled GPU architectures, e.g. ("sm_80", "compute_90")
+    imported: bool = False
+    gpu_initialized: bool = False
+    imported_at: str | None = None  # "file:line" of the first import, when watched
+
+    @property
+    def installed(self) -> bool:
+        return self.version is not None
+
+    @property
+    def has_cuda(self) -> bool:
+        return self.cuda is not None
+
+
+@dataclass(frozen=True)
+class Visibility:
+    """How ``CUDA_VISIBLE_DEVICES`` resolved. ``physical`` lists NVML indices in job order."""
+
+    raw: str | None = None  # the variable as set; None when unset
+    physical: tuple[int, ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Facts:
+    """Everything inspected, as one frozen value."""
+
+    gpus: tuple[Gpu, ...] = ()
+    links: tuple[Link, ...] = ()
+    driver_version: str | None = None
+    cuda_driver_version: str | None = None  # e.g. "13.0"
+    nvml_error: str | None = None  # why no GPU facts, when NVML was unusable
+    visibility: Visibility = field(default_factory=Visibility)
+    host: Host = field(default_factory=Host)
+    frameworks: tuple[FrameworkInfo, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()  # relevant environment variables, sorted
+
+    # ----- lookups -----------------------------------------------------------------------------
+    def framework(self, name: str) -> FrameworkInfo:
+        for fw in self.frameworks:
+            if fw.name == name:
+                return fw
+        return FrameworkInfo(name=name)
+
+    def link(self, a: int, b: int) -> Link | None:
+        lo, hi = min(a, b), max(a, b)
+        for ln in self.links:
+            if (ln.a, ln.b) == (lo, hi):
+                return ln
+        return None
+
+    @property
+    def env_map(self) -> dict[str, str]:
+        return dict(self.env)
+
+    # ----- serialization -----------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Facts:
+        """Build facts from a plain mapping (JSON). Unknown keys are an error, missing are defaults."""
+        _check_keys(cls, data, "facts")
+        gpus = tuple(_gpu(g) for g in data.get("gpus", ()))
+        links = tuple(_make(Link, ln, "link") for ln in data.get("links", ()))
+        vis = data.get("visibility")
+        visibility = (
+            Visibility(
+                raw=vis.get("raw"),
+                physical=tuple(vis.get("physical", ())),
+                notes=tuple(vis.get("notes", ())),
+            )
+            if vis
+            else Visibility(physical=tuple(g.physical_index for g in gpus))
+        )
+        host = _make(Host, data.get("host", {}), "host")
+        fws = tuple(
+            _make(FrameworkInfo, {**f, "archs": tuple(f.get("archs", ()))}, "framework")
+            for f in data.get("frameworks", ())
+        )
+        env = data.get("env", ())
+        env_pairs = tuple(sorted(env.items() if isinstance(env, Mapping) else map(tuple, env)))
+        return cls(
+            gpus=gpus,
+            links=links,
+            driver_version=data.get("driver_version"),
+            cuda_driver_version=data.get("cuda_driver_version"),
+            nvml_error=data.get("nvml_error"),
+            visibility=visibility,
+            host=host,
+            frameworks=fws,
+            env=env_pairs,  # type: ignore[arg-type]
+        )
+
+    def fingerprint(self) -> str:
+        """A stable hash of what decides whether a strategy works here (for the decision cache).
+
+        Includes GPUs (UUID, name, CC), links, driver, framework/NCCL versions, host transport facts
+        and the relevant environment; excludes import state, which changes every run.
+        """
+        key = {
+            "gpus": [(g.uuid, g.name, g.compute_capability, g.mig_enabled) for g in self.gpus],
+            "links": [asdict(ln) for ln in self.links],
+            "driver": self.driver_version,
+            "frameworks": [(f.name, f.version, f.cuda, f.nccl) for f in self.frameworks],
+            "host": [
+                self.host.shm_bytes,
+                self.host.container,
+                self.host.wsl2,
+                self.host.iommu,
+                self.host.kernel,
+            ],
+            "env": [kv for kv in self.env if kv[0] not in ("RANK", "LOCAL_RANK", "MASTER_PORT")],
+        }
+        blob = json.dumps(key, sort_keys=True, default=list).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _check_keys(cls: type, data: Mapping[str, Any], what: str) -> None:
+    allowed = {f.name for f in fields(cls)}
+    unknown = set(data) - allowed
+    if unknown:
+        raise ValueError(f"unknown {what} field(s): {sorted(unknown)}; allowed: {sorted(allowed)}")
+
+
+def _make(cls: type, data: Mapping[str, Any], what: str) -> Any:
+    _check_keys(cls, data, what)
+    return cls(**data)
+
+
+def _gpu(data: Mapping[str, Any]) -> Gpu:
+    d = dict(data)
+    cc = d.get("compute_capability", (0, 0))
+    if isinstance(cc, str):
+        major, _, minor = cc.partition(".")
+        cc = (int(major), int(minor or 0))
+    d["compute_capability"] = (int(cc[0]), int(cc[1]))
+    return _make(Gpu, d, "gpu")  # type: ignore[no-any-return]
+
+
+def relevant_env(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """The subset of an environment that changes distributed behaviour, sorted."""
+    return tuple(
+        sorted(
+            (k, v)
+            for k, v in env.items()
+            if k in RELEVANT_ENV_NAMES or k.startswith(RELEVANT_ENV_PREFIXES)
+        )
+    )

@@ -1,0 +1,578 @@
+"""The planner: facts + rules + probe results + policy -> ordered candidates and a trace.
+
+Pure: takes data, returns data. It never imports os, subprocess, pynvml or a framework (a test
+checks this). The executor calls :func:`plan` in a loop: probe ``plan.next_probe``, add its
+result, plan again, until a candidate is chosen. Each round adds a result for a new candidate,
+and the set of candidates is finite, so the loop ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .errors import InvalidOptionError
+from .facts import Facts
+from .probe import ProbeResult
+from .rules import BACKENDS, Rule, fired
+
+FRAMEWORKS = ("torch", "tensorflow")
+MULTI = ("nccl", "hierarchical_copy", "reduction_to_one_device", "gloo")
+
+#: Typical all-reduce bus bandwidth (GB/s) when nothing was measured. The NVLink, P2P-off,
+#: socket and gloo figures are our measurements on 2x H200 (field-notes); PCIe ones are typical
+#: PCIe 4.0 x16 figures; TF's host-staged reductions are estimates and say so.
+TYPICAL_BUS_GBPS = {
+    "nccl/nvlink": 150.0,
+    "nccl/pcie": 12.0,
+    "nccl/p2p_off/nvlink": 28.0,
+    "nccl/p2p_off/pcie": 10.0,
+    "nccl/p2p_off+shm_off": 3.8,
+    "gloo": 2.2,
+    "hierarchical_copy": 10.0,
+    "reduction_to_one_device": 8.0,
+}
+#: Effective training FLOP/s of one device by compute-capability major (conservative, fp32/tf32;
+#: 3.1e13 was measured for a 100M-parameter MLP on one H200).
+DEVICE_FLOPS = {12: 2.5e13, 10: 3.0e13, 9: 3.0e13, 8: 1.5e13, 7: 7e12, 6: 3e12, 0: 3e12}
+CPU_FLOPS = 2e11
+ASSUMED_GRADIENT_BYTES = 100 << 20  # ResNet-50: 25.6M fp32 parameters
+ASSUMED_SAMPLE_FLOPS = 1.2e10  # ResNet-50 at 224x224: ~4.1 GFLOPs forward, x3 for training
+ASSUMED_GLOBAL_BATCH = 256
+_REMEDY_FOR_CAUSE = {
+    "shared_memory": ({"NCCL_SHM_DISABLE": "1"},),
+    "cuda_error": ({"NCCL_P2P_DISABLE": "1"}, {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}),
+    "timeout": ({"NCCL_P2P_DISABLE": "1"}, {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}),
+    "crash": ({"NCCL_P2P_DISABLE": "1"},),
+    "nccl_error": ({"NCCL_P2P_DISABLE": "1"}, {"NCCL_SHM_DISABLE": "1"}),
+}
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What the user asked for, validated once."""
+
+    framework: str
+    global_batch_size: int | None = None
+    devices: tuple[int, ...] | None = None  # subset of visible GPU ordinals
+    prefer: str | None = None
+    gradient_bytes: int | None = None  # model gradient size, for speed estimates
+    sample_seconds: float | None = None  # measured compute seconds per sample on one device
+    max_per_replica_batch: int | None = None
+    world_size: int = 1  # processes started by a launcher (torchrun); 1 = plain python
+    user_env: tuple[str, ...] = ()  # names of variables the user set (never overridden)
+    logical_cpus: int = 0  # TensorFlow test mode: N logical CPU devices stand in for GPUs
+
+    def __post_init__(self) -> None:
+        if self.framework not in FRAMEWORKS:
+            raise InvalidOptionError(f"framework must be one of {FRAMEWORKS}, not {self.framework!r}")
+        for name in ("global_batch_size", "gradient_bytes", "max_per_replica_batch", "world_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise InvalidOptionError(f"{name} must be a positive integer, not {value!r}")
+        if self.prefer is not None and self.prefer not in BACKENDS:
+            raise InvalidOptionError(f"prefer must be one of {BACKENDS}, not {self.prefer!r}")
+        if self.devices is not None and (not self.devices or len(set(self.devices)) != len(self.devices)):
+            raise InvalidOptionError(f"devices must be distinct GPU indices, not {self.devices!r}")
+        if self.logical_cpus and (self.framework != "tensorflow" or self.logical_cpus < 1):
+            raise InvalidOptionError("logical_cpus is a TensorFlow test mode: a positive count")
+        if self.sample_seconds is not None and not self.sample_seconds > 0:
+            raise InvalidOptionError("sample_seconds must be positive")
+        g, w = self.global_batch_size, self.world_size
+        if g is not None and w > 1 and g % w:
+            raise InvalidOptionError(
+                f"global_batch_size={g} cannot be split exactly over the {w} processes the "
+                f"launcher started; use a multiple of {w}"
+            )
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to train: a backend on devices, with its env and batch split."""
+
+    framework: str
+    backend: str
+    devices: tuple[int, ...]
+    env: tuple[tuple[str, str], ...] = ()
+    num_replicas: int = 1
+    accumulation_steps: int = 1
+    per_replica_batch_size: int | None = None
+    global_batch_size: int | None = None
+    origin: str = "chain"  # "chain", a rule id, or "after <cause>"
+    first: bool = False  # a remedy to try before plain NCCL
+
+    @property
+    def key(self) -> str:
+        env = ";".join(f"{k}={v}" for k, v in self.env)
+        devs = ",".join(map(str, self.devices)) or "cpu"
+        return f"{self.framework}:{self.backend}:{devs}" + (f":{env}" if env else "")
+
+    @property
+    def needs_probe(self) -> bool:
+        """Multi-replica candidates run a collective, which must be proven before use."""
+        return self.backend in MULTI
+
+    @property
+    def label(self) -> str:
+        names = {
+            "nccl": "NCCL", "hierarchical_copy": "MirroredStrategy + HierarchicalCopyAllReduce",
+            "reduction_to_one_device": "MirroredStrategy + ReductionToOneDevice",
+            "gloo": "gloo", "single_device": "one GPU", "cpu": "CPU",
+        }
+        text = names[self.backend]
+        if self.backend == "nccl" and self.framework == "tensorflow":
+            text = "MirroredStrategy + NCCL"
+        if self.devices and self.backend != "cpu":
+            text += f" on GPU{'s' if len(self.devices) > 1 else ''} {','.join(map(str, self.devices))}"
+        elif self.num_replicas > 1:
+            text += f" on {self.num_replicas} CPU processes"
+        if self.env:
+            text += " with " + " ".join(f"{k}={v}" for k, v in self.env)
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "key": self.key, "label": self.label, "framework": self.framework,
+            "backend": self.backend, "devices": list(self.devices), "env": dict(self.env),
+            "num_replicas": self.num_replicas, "accumulation_steps": self.accumulation_steps,
+            "per_replica_batch_size": self.per_replica_batch_size,
+            "global_batch_size": self.global_batch_size, "origin": self.origin,
+        }
+
+
+@dataclass(frozen=True)
+class Estimate:
+    step_seconds: float  # per global batch
+    bus_gbps: float | None
+    basis: str  # words: where the numbers came from
+
+
+@dataclass(frozen=True)
+class Ranked:
+    candidate: Candidate
+    estimate: Estimate
+    result: ProbeResult | None = None
+
+
+@dataclass(frozen=True)
+class RuledOut:
+    candidate: Candidate
+    reason: str
+    rule: str = ""  # rule id, or "probe"
+
+
+@dataclass(frozen=True)
+class Plan:
+    framework: str
+    ranked: tuple[Ranked, ...]  # viable candidates, best first
+    ruled_out: tuple[RuledOut, ...]
+    trace: tuple[str, ...]
+    warnings: tuple[str, ...]
+    rules_fired: tuple[str, ...]
+    chosen: Candidate | None = None
+    next_probe: Candidate | None = None
+
+    @property
+    def candidates(self) -> tuple[Candidate, ...]:
+        return tuple(r.candidate for r in self.ranked)
+
+    def explain(self) -> str:
+        return "\n".join(self.trace)
+
+
+@dataclass
+class _Build:
+    """Mutable scratch for one plan() call; never escapes it."""
+
+    trace: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    ruled_out: list[RuledOut] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------------
+# Batch arithmetic
+# --------------------------------------------------------------------------------------------
+def split_batch(global_batch: int, replicas: int, micro_cap: int) -> tuple[int, int]:
+    """(per_replica_batch, accumulation_steps) with replicas * per * acc == global_batch exactly
+    and per <= micro_cap where possible (smallest accumulation that fits)."""
+    if global_batch % replicas:
+        raise ValueError(f"{global_batch} is not divisible by {replicas}")
+    share = global_batch // replicas
+    for acc in range(1, share + 1):
+        if share % acc == 0 and share // acc <= micro_cap:
+            return share // acc, acc
+    return 1, share
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    return max(d for d in range(1, max(1, limit) + 1) if n % d == 0)
+
+
+# --------------------------------------------------------------------------------------------
+# The plan
+# --------------------------------------------------------------------------------------------
+def plan(
+    facts: Facts,
+    rules: Sequence[Rule],
+    results: Mapping[str, ProbeResult],
+    policy: Policy,
+) -> Plan:
+    """Order every way to train on this machine, best first, and say why."""
+    b = _Build()
+    fw = policy.framework
+    info = facts.framework(fw)
+    gpus = _usable_gpus(facts, policy, b)
+    b.trace.append(_describe_facts(facts, fw, len(gpus)))
+
+    if policy.logical_cpus:
+        gpus = tuple(range(policy.logical_cpus))
+        b.trace.append(f"Test mode: {policy.logical_cpus} logical CPU devices stand in for GPUs.")
+    base = _chain(fw, gpus, info.has_cuda or bool(policy.logical_cpus), policy, b)
+    hits = fired(rules, facts, fw)
+    cands = _apply_rules(base, hits, policy, b)
+    cands = _split_batches(cands, policy, b)  # before results: keys name the devices used
+    cands = _apply_results(cands, results, policy, b)
+
+    ranked = _rank(cands, facts, results, policy, b)
+    chosen, next_probe = _choose(ranked, b)
+    return Plan(
+        framework=fw,
+        ranked=tuple(ranked),
+        ruled_out=tuple(b.ruled_out),
+        trace=tuple(b.trace),
+        warnings=tuple(b.warnings),
+        rules_fired=tuple(r.id for r in hits),
+        chosen=chosen,
+        next_probe=next_probe,
+    )
+
+
+def _usable_gpus(facts: Facts, policy: Policy, b: _Build) -> tuple[int, ...]:
+    visible = tuple(g.index for g in facts.gpus)
+    if facts.nvml_error and not visible:
+        b.trace.append(f"No GPU facts: {facts.nvml_error}.")
+    for note in facts.visibility.notes:
+        b.trace.append(f"CUDA_VISIBLE_DEVICES: {note}")
+    if policy.devices is None:
+        return visible
+    missing = [d for d in policy.devices if d not in visible]
+    if missing:
+        raise InvalidOptionError(
+            f"devices={list(policy.devices)} names GPU(s) {missing} that this job cannot see "
+            f"(visible: {list(visible)}; indices are after CUDA_VISIBLE_DEVICES)"
+        )
+    b.trace.append(f"Using GPUs {list(policy.devices)} as asked (devices=).")
+    return tuple(policy.devices)
+
+
+def _describe_facts(facts: Facts, fw: str, n: int) -> str:
+    info = facts.framework(fw)
+    names = sorted({g.name for g in facts.gpus})
+    gpu_text = f"{n} GPU(s) ({', '.join(names)})" if n else "no GPU"
+    build = f"CUDA {info.cuda}" if info.cuda else "CPU-only build"
+    nccl = f", NCCL {info.nccl}" if info.nccl else ""
+    return f"Saw {gpu_text}; {fw} {info.version or 'not installed'} ({build}{nccl})."
+
+
+def _chain(
+    fw: str, gpus: tuple[int, ...], has_cuda: bool, policy: Policy, b: _Build
+) -> list[Candidate]:
+    """The static chain for this framework, before rules and results."""
+    out: list[Candidate] = []
+    n_proc = policy.world_size if fw == "torch" else 1
+    if gpus and not has_cuda:
+        b.trace.append(
+            f"{fw} is a CPU-only build: the GPUs are unusable from it; install a CUDA build to "
+            "use them."
+        )
+        gpus = ()
+    if fw == "torch" and n_proc > 1:
+        multi_devs = gpus[:n_proc] if len(gpus) >= n_proc else ()
+        if gpus and len(gpus) < n_proc:
+            b.trace.append(f"The launcher started {n_proc} processes but only {len(gpus)} GPUs are visible.")
+    else:
+        multi_devs = gpus
+    multi_ok = len(multi_devs) >= 2 or (fw == "torch" and n_proc > 1)
+    if multi_ok and multi_devs:
+        backends = ("nccl", "gloo") if fw == "torch" else ("nccl", "hierarchical_copy", "reduction_to_one_device")
+        for backend in backends:
+            out.append(Candidate(fw, backend, multi_devs, num_replicas=len(multi_devs)))
+    elif multi_ok:  # torch under a launcher on CPU: gloo between the processes
+        out.append(Candidate(fw, "gloo", (), num_replicas=n_proc))
+    if gpus:
+        out.append(Candidate(fw, "single_device", gpus[:1]))
+    out.append(Candidate(fw, "cpu", ()))
+    return out
+
+
+def _user_set(policy: Policy, env: Mapping[str, str]) -> list[str]:
+    return sorted(k for k in env if k in policy.user_env)
+
+
+def _with_env(c: Candidate, env: Mapping[str, str], origin: str, first: bool = False) -> Candidate:
+    merged = dict(c.env)
+    merged.update(env)
+    return replace(c, env=tuple(sorted(merged.items())), origin=origin, first=first)
+
+
+def _apply_rules(
+    cands: list[Candidate], hits: Sequence[Rule], policy: Policy, b: _Build
+) -> list[Candidate]:
+    for rule in hits:
+        cite = f"[{rule.id}] {rule.message} (source: {rule.source})"
+        if rule.effect == "warn":
+            b.warnings.append(cite)
+            b.trace.append(f"Warning {cite}")
+        elif rule.effect == "veto":
+            keep = []
+            for c in cands:
+                if c.backend in rule.target:
+                    b.ruled_out.append(RuledOut(c, rule.message, rule.id))
+                    b.trace.append(f"Ruled out {c.label}: {cite}")
+                else:
+                    keep.append(c)
+            cands = keep
+        elif rule.effect == "prefer":
+            cands = [c for c in cands if c.backend in rule.target] + [
+                c for c in cands if c.backend not in rule.target
+            ]
+            b.trace.append(f"Preferred {', '.join(rule.target)}: {cite}")
+        elif rule.effect in ("remedy", "set_env"):
+            env = dict(rule.env)
+            taken = _user_set(policy, env)
+            if taken:
+                b.trace.append(
+                    f"Rule {rule.id} would set {', '.join(taken)}, but you set "
+                    f"{'it' if len(taken) == 1 else 'them'}; your value stands."
+                )
+                env = {k: v for k, v in env.items() if k not in taken}
+                if not env:
+                    continue
+            nccl = [c for c in cands if c.backend == "nccl" and c.origin == "chain"]
+            if not nccl:
+                continue
+            if rule.effect == "set_env":
+                cands = [_with_env(c, env, c.origin) if c in nccl else c for c in cands]
+                b.trace.append(f"Set {_env_text(env)} for NCCL: {cite}")
+            else:
+                cands = _insert_remedy(cands, _with_env(nccl[0], env, rule.id, rule.first))
+                when = "before" if rule.first else "after"
+                b.trace.append(f"Added NCCL with {_env_text(env)}, tried {when} plain NCCL: {cite}")
+    return cands
+
+
+def _insert_remedy(cands: list[Candidate], remedy: Candidate) -> list[Candidate]:
+    if any(c.key == remedy.key for c in cands):
+        return cands
+    last_nccl = max(i for i, c in enumerate(cands) if c.backend == "nccl")
+    return [*cands[: last_nccl + 1], remedy, *cands[last_nccl + 1 :]]
+
+
+def _env_text(env: Mapping[str, str]) -> str:
+    return " ".join(f"{k}={v}" for k, v in sorted(env.items()))
+
+
+def _apply_results(
+    cands: list[Candidate], results: Mapping[str, ProbeResult], policy: Policy, b: _Build
+) -> list[Candidate]:
+    out: list[Candidate] = []
+    queue = list(cands)
+    i = 0
+    while i < len(queue):
+        c = queue[i]
+        i += 1
+        res = results.get(c.key)
+        if res is None or res.ok:
+            out.append(c)
+            continue
+        b.ruled_out.append(RuledOut(c, res.why(), "probe"))
+        b.trace.append(f"Probe of {c.label} failed after {res.elapsed_s:.1f} s: {res.why()}.")
+        if c.backend != "nccl" or res.cause not in _REMEDY_FOR_CAUSE:
+            continue
+        at = i
+        for env in _REMEDY_FOR_CAUSE[res.cause]:
+            if set(env) <= set(dict(c.env)) or _user_set(policy, env):
+                continue
+            remedy = _with_env(c, env, f"after {res.cause}")
+            if any(x.key == remedy.key for x in queue):
+                continue
+            queue.insert(at, remedy)  # tried right after what failed; examined in this loop
+            at += 1
+            b.trace.append(f"Will try {remedy.label}, the usual remedy for {res.cause}.")
+    return out
+
+
+def _split_batches(cands: list[Candidate], policy: Policy, b: _Build) -> list[Candidate]:
+    g = policy.global_batch_size
+    top = max((c.num_replicas for c in cands), default=1)
+    if g is None:
+        out = []
+        for c in cands:
+            acc = 1 if c.num_replicas > 1 else top
+            out.append(replace(c, accumulation_steps=acc))
+        if top > 1:
+            b.trace.append(
+                f"No global_batch_size given: multi-GPU strategies use your per-device batch; the "
+                f"one-device fallbacks accumulate {top} steps so each optimizer step sees as many "
+                "samples."
+            )
+        return out
+    top_r = _largest_divisor_at_most(g, top)
+    cap = policy.max_per_replica_batch or g // top_r
+    out = []
+    for c in cands:
+        r = c.num_replicas
+        if r > 1 and g % r:
+            r_fit = _largest_divisor_at_most(g, r)
+            if c.framework == "torch" and policy.world_size > 1:
+                r_fit = r  # cannot happen: Policy checked divisibility by world size
+            b.trace.append(
+                f"global_batch_size={g} does not split over {r} replicas; {c.label} uses "
+                f"{r_fit} GPU(s) so the global batch stays exact."
+            )
+            c = replace(c, devices=c.devices[:r_fit] if c.devices else (), num_replicas=r_fit)
+            r = r_fit
+        if c.framework == "tensorflow" and r > 1:
+            # Keras cannot accumulate under MirroredStrategy (keras-team/keras#20582)
+            per, acc = g // r, 1
+        else:
+            per, acc = split_batch(g, r, cap)
+        out.append(replace(c, per_replica_batch_size=per, accumulation_steps=acc, global_batch_size=g))
+    b.trace.append(
+        f"Global batch {g} kept exact on every candidate (replicas x per-replica batch x "
+        f"accumulation steps): " + "; ".join(
+            f"{c.backend} {c.num_replicas}x{c.per_replica_batch_size}x{c.accumulation_steps}"
+            for c in _dedupe_backends(out)
+        ) + "."
+    )
+    return out
+
+
+def _dedupe_backends(cands: Sequence[Candidate]) -> list[Candidate]:
+    seen: set[str] = set()
+    out = []
+    for c in cands:
+        if c.backend not in seen:
+            seen.add(c.backend)
+            out.append(c)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Estimates and ranking
+# --------------------------------------------------------------------------------------------
+def _typical_bus(c: Candidate, facts: Facts) -> tuple[float | None, str]:
+    if c.num_replicas <= 1:
+        return None, ""
+    if c.backend != "nccl":
+        key = c.backend
+    else:
+        env = dict(c.env)
+        nvlink = all(
+            (ln := facts.link(a, b2)) is not None and ln.nvlinks > 0
+            for i, a in enumerate(c.devices) for b2 in c.devices[i + 1 :]
+        ) and len(c.devices) >= 2
+        p2p_off, shm_off = env.get("NCCL_P2P_DISABLE") == "1", env.get("NCCL_SHM_DISABLE") == "1"
+        link = "nvlink" if nvlink else "pcie"
+        if p2p_off and shm_off:
+            key = "nccl/p2p_off+shm_off"
+        elif p2p_off:
+            key = f"nccl/p2p_off/{link}"
+        else:
+            key = f"nccl/{link}"
+    return TYPICAL_BUS_GBPS[key], f"typical {key} figure"
+
+
+def _flops(facts: Facts, c: Candidate) -> float:
+    if c.backend == "cpu" or not c.devices:
+        return CPU_FLOPS
+    majors = [g.compute_capability[0] for g in facts.gpus if g.index in c.devices]
+    major = min(majors) if majors else 0
+    return DEVICE_FLOPS.get(major, DEVICE_FLOPS[0] if major < 7 else DEVICE_FLOPS[9])
+
+
+def estimate(
+    c: Candidate, facts: Facts, result: ProbeResult | None, policy: Policy
+) -> Estimate:
+    """Seconds per global batch: compute split over replicas plus the part of one gradient
+    all-reduce that backward does not hide (DDP overlaps it with backward, about 2/3 of compute;
+    Keras fit reduces after backward, so TensorFlow hides none)."""
+    known_model = policy.gradient_bytes is not None
+    grad = policy.gradient_bytes or ASSUMED_GRADIENT_BYTES
+    g = policy.global_batch_size or ASSUMED_GLOBAL_BATCH
+    if policy.sample_seconds is not None and c.backend != "cpu":
+        per_sample, how = policy.sample_seconds, "measured compute"
+    elif known_model:
+        per_sample = 6 * (grad / 4) / _flops(facts, c)
+        how = "compute from 6 FLOPs/parameter/sample"
+    else:
+        per_sample = ASSUMED_SAMPLE_FLOPS / _flops(facts, c)
+        how = "compute of a ResNet-50-sized model"
+    r = c.num_replicas
+    compute = g * per_sample / r
+    if result is not None and result.ok and result.bus_bandwidth_gbps:
+        bus, bus_how = result.bus_bandwidth_gbps, "measured bus bandwidth"
+    else:
+        bus, bus_how = _typical_bus(c, facts)
+    comm = grad * 2 * (r - 1) / r / (bus * 1e9) if bus else 0.0
+    hidden = compute * 2 / 3 if c.framework == "torch" else 0.0
+    basis = how + (f", {bus_how} {bus:g} GB/s" if bus else "")
+    return Estimate(step_seconds=compute + max(0.0, comm - hidden), bus_gbps=bus, basis=basis)
+
+
+def _rank(
+    cands: list[Candidate],
+    facts: Facts,
+    results: Mapping[str, ProbeResult],
+    policy: Policy,
+    b: _Build,
+) -> list[Ranked]:
+    ranked = [Ranked(c, estimate(c, facts, results.get(c.key), policy), results.get(c.key)) for c in cands]
+    order = {c.key: i for i, c in enumerate(cands)}
+
+    def key(r: Ranked) -> tuple[int, float, int]:
+        c = r.candidate
+        group = 2 if c.backend == "cpu" else (0 if policy.prefer == c.backend else 1)
+        return (group, r.estimate.step_seconds, order[c.key])
+
+    ranked.sort(key=key)
+    # A remedy marked `first` goes right before plain NCCL, whatever its estimate.
+    firsts = [r for r in ranked if r.candidate.first]
+    if firsts:
+        rest = [r for r in ranked if not r.candidate.first]
+        at = next((i for i, r in enumerate(rest) if r.candidate.backend == "nccl"), len(rest))
+        ranked = [*rest[:at], *firsts, *rest[at:]]
+    if policy.prefer and not any(r.candidate.backend == policy.prefer for r in ranked):
+        b.trace.append(f"prefer={policy.prefer!r} is not possible here; choosing by speed instead.")
+    basis = (
+        f"gradients {policy.gradient_bytes / 2**20:.0f} MiB" if policy.gradient_bytes
+        else f"gradients assumed {ASSUMED_GRADIENT_BYTES >> 20} MiB (ResNet-50-sized; pass "
+        "model= or gradient_bytes= for a real figure)"
+    )
+    b.trace.append(
+        f"Ranked by estimated time per global batch ({basis}): " + "; ".join(
+            f"{r.candidate.label} ~{r.estimate.step_seconds * 1e3:.1f} ms ({r.estimate.basis})"
+            for r in ranked
+        ) + "."
+    )
+    return ranked
+
+
+def _choose(ranked: Sequence[Ranked], b: _Build) -> tuple[Candidate | None, Candidate | None]:
+    for r in ranked:
+        c = r.candidate
+        if r.result is not None and r.result.ok:
+            bw = f", {r.result.bus_bandwidth_gbps:g} GB/s" if r.result.bus_bandwidth_gbps else ""
+            b.trace.append(f"Chose {c.label}: its probe passed in {r.result.elapsed_s:.1f} s{bw}.")
+            return c, None
+        if not c.needs_probe:
+            b.trace.append(
+                f"Chose {c.label} with {c.accumulation_steps} accumulation step(s): no collective "
+                "to prove, and it ranks above every candidate left."
+            )
+            return c, None
+        b.trace.append(f"Next: prove {c.label} with a live probe.")
+        return None, c
+    b.trace.append("Nothing is left to try.")
+    return None, None

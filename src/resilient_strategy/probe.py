@@ -1,0 +1,251 @@
+"""Probe specs and results as data, and the pure parser from a finished worker to a result.
+
+Nothing here starts a process: :mod:`resilient_strategy._proc` runs workers and
+:mod:`resilient_strategy.prober` ties the two together. Workers (``probes/``) write one JSON
+object per rank; :func:`parse_probe` turns exit codes, signals, those JSON texts and stderr into a
+:class:`ProbeResult`, and is tested from strings.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import Any
+
+#: Probe statuses.
+OK, ERROR, TIMEOUT = "ok", "error", "timeout"
+
+#: Classified causes, with the words a user can act on.
+CAUSES: dict[str, str] = {
+    "": "",
+    "nccl_invalid_usage": "NCCL rejected its configuration (ncclInvalidUsage): an NCCL_* variable "
+    "names an unknown algorithm, protocol, network or interface",
+    "nccl_error": "NCCL failed (ncclSystemError / ncclInternalError / remote error)",
+    "cuda_error": "an unhandled CUDA error inside NCCL: often P2P between these GPUs is broken, "
+    "or the NCCL build has no kernels for this GPU",
+    "no_kernel_image": "the framework or NCCL has no kernels for this GPU's compute capability",
+    "shared_memory": "NCCL could not create its /dev/shm segment: /dev/shm is too small "
+    "(Docker's 64 MB default); run with --ipc=host or --shm-size, or set NCCL_SHM_DISABLE=1",
+    "timeout": "the collective hung until the probe's deadline: one rank waited forever",
+    "crash": "a worker died from a signal",
+    "wrong_result": "the all-reduce completed with a wrong value",
+    "backend_unavailable": "this build of the framework does not have the backend",
+    "no_device": "the worker saw fewer devices than it needs",
+    "worker_error": "the probe worker raised an error",
+    "budget": "not probed: the time budget for the whole decision was spent (timeout= x 4)",
+}
+
+
+@dataclass(frozen=True)
+class ProbeSpec:
+    """What to prove: a candidate run by ``world_size`` processes (1 for TF single-process)."""
+
+    candidate: str  # the candidate's key
+    framework: str
+    backend: str
+    devices: tuple[int, ...]
+    env: tuple[tuple[str, str], ...] = ()
+    world_size: int = 1
+    timeout_s: float = 30.0
+    message_bytes: int = 16 << 20  # all-reduce size for the bandwidth figure
+    train_step: bool = True
+    logical_cpus: int = 0  # TF: replicas on N logical CPU devices (testing without GPUs)
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """The outcome of one probe. ``cause`` is a key of :data:`CAUSES` (``""`` when ok)."""
+
+    candidate: str
+    status: str  # OK / ERROR / TIMEOUT
+    elapsed_s: float = 0.0
+    cause: str = ""
+    detail: str = ""
+    stderr_tail: str = ""
+    bus_bandwidth_gbps: float | None = None  # measured at message_bytes
+    message_bytes: int | None = None
+    step_seconds: float | None = None  # one training step after warm-up
+    ranks: int = 1
+    extra: tuple[tuple[str, str], ...] = field(default=())
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
+
+    def why(self) -> str:
+        """One line: the cause in words plus the detail."""
+        words = CAUSES.get(self.cause, self.cause)
+        if self.detail and self.detail not in words:
+            return f"{words}: {self.detail}" if words else self.detail
+        return words
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ProbeResult:
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        if "extra" in known:
+            known["extra"] = tuple(tuple(x) for x in known["extra"])
+        return cls(**known)
+
+
+# --------------------------------------------------------------------------------------------
+# Classification of failure text (pure)
+# --------------------------------------------------------------------------------------------
+_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("shared_memory", re.compile(r"shared memory segment|posix_fallocate|/dev/shm|shm_open", re.I)),
+    ("nccl_invalid_usage", re.compile(r"invalid usage|ncclInvalidUsage|ncclInvalidArgument", re.I)),
+    ("no_kernel_image", re.compile(r"no kernel image|not compatible with the current PyTorch|"
+                                   r"sm_\d+ is not compatible", re.I)),
+    ("cuda_error", re.compile(r"unhandled cuda error|ncclUnhandledCudaError|CUDA error", re.I)),
+    ("backend_unavailable", re.compile(r"not built with|Distributed package doesn't have NCCL|"
+                                        r"NCCL is not available|No OpKernel was registered|"
+                                        r"no OpKernel|Could not find device for node.*Nccl", re.I)),
+    ("nccl_error", re.compile(r"ncclSystemError|ncclInternalError|ncclRemoteError|NCCL error|"
+                              r"Error invoking NCCL", re.I)),
+)
+
+
+def classify(text: str) -> str:
+    """The cause key that best explains a failure's text ("worker_error" when nothing matches)."""
+    for cause, pattern in _PATTERNS:
+        if pattern.search(text):
+            return cause
+    return "worker_error"
+
+
+def tail(text: str, lines: int = 20, chars: int = 4000) -> str:
+    """The last lines of a text, bounded in size."""
+    return "\n".join(text.rstrip().splitlines()[-lines:])[-chars:]
+
+
+@dataclass(frozen=True)
+class WorkerOutcome:
+    """What the process runner saw of one worker."""
+
+    rank: int
+    returncode: int | None  # None: killed by the runner (deadline or a peer failed)
+    signal: int | None = None  # the signal that ended it, when one did
+    report: str = ""  # the JSON text the worker wrote ("" when none)
+    stderr: str = ""
+    killed_by_runner: bool = False
+    failed_first: bool = False  # its failure made the runner stop the others
+
+
+def parse_probe(
+    spec: ProbeSpec,
+    outcomes: Sequence[WorkerOutcome],
+    elapsed_s: float,
+    timed_out: bool,
+) -> ProbeResult:
+    """Turn what every worker did into one result. Pure.
+
+    Order of blame: the worker whose failure stopped the group (its peers' errors, such as
+    "connection reset by peer", are only echoes of it); then a worker that reported an error or
+    wrong value; then a worker that died on its own; then the deadline. A probe is OK only when
+    every rank reported ``ok`` and its checked value, and exited 0.
+    """
+    reports: list[dict[str, Any]] = []
+    for o in outcomes:
+        try:
+            rep = json.loads(o.report) if o.report.strip() else {}
+        except json.JSONDecodeError:
+            rep = {"status": "error", "error": f"unreadable report: {o.report[:200]!r}"}
+        reports.append(rep if isinstance(rep, dict) else {})
+    stderr_all = "\n".join(f"[rank {o.rank}] {line}" for o in outcomes
+                           for line in tail(o.stderr, 8).splitlines() if line)
+    base = partial(ProbeResult, candidate=spec.candidate, elapsed_s=round(elapsed_s, 3),
+                   stderr_tail=tail(stderr_all, 30), ranks=len(outcomes))
+
+    # 0. the rank whose failure stopped the group
+    for o, rep in zip(outcomes, reports, strict=True):
+        if o.failed_first:
+            found = _reported(o, rep, base) or _died(o, base)
+            if found is not None:
+                return found
+    # 1. a rank that said what went wrong
+    for o, rep in zip(outcomes, reports, strict=True):
+        found = _reported(o, rep, base)
+        if found is not None:
+            return found
+    # 2. a rank that died on its own (not killed by us)
+    for o in outcomes:
+        found = _died(o, base)
+        if found is not None:
+            return found
+    # 3. the deadline
+    if timed_out:
+        waiting = [o.rank for o, rep in zip(outcomes, reports, strict=True) if rep.get("status") != "ok"]
+        return base(status=TIMEOUT, cause="timeout",
+                           detail=f"ranks {waiting} did not finish within {spec.timeout_s:g} s")
+    # 4. everyone must have reported ok
+    missing = [o.rank for o, rep in zip(outcomes, reports, strict=True) if rep.get("status") != "ok"]
+    if missing or not outcomes:
+        return base(status=ERROR, cause="worker_error",
+                           detail=f"ranks {missing} exited without a report")
+    bws = [float(r["bus_bandwidth_gbps"]) for r in reports if r.get("bus_bandwidth_gbps")]
+    steps = [float(r["step_seconds"]) for r in reports if r.get("step_seconds")]
+    return base(
+        status=OK,
+        bus_bandwidth_gbps=round(min(bws), 3) if bws else None,
+        message_bytes=int(reports[0].get("message_bytes") or 0) or None,
+        step_seconds=round(max(steps), 6) if steps else None,
+        detail=str(reports[0].get("detail", "")),
+    )
+
+
+_Make = Callable[..., ProbeResult]
+
+
+def _reported(o: WorkerOutcome, rep: Mapping[str, Any], base: _Make) -> ProbeResult | None:
+    """The result a worker's own error report gives, if it made one."""
+    err = str(rep.get("error", ""))
+    if rep.get("status") == "wrong_result":
+        return base(status=ERROR, cause="wrong_result", detail=f"rank {o.rank}: {_first_line(err)}")
+    if rep.get("status") == "error":
+        cause = str(rep.get("cause") or classify(err + "\n" + o.stderr))
+        return base(status=ERROR, cause=cause, detail=f"rank {o.rank}: {_summary(err)}")
+    return None
+
+
+def _died(o: WorkerOutcome, base: _Make) -> ProbeResult | None:
+    """The result of a worker that ended badly on its own (not stopped by the runner)."""
+    if o.killed_by_runner or o.returncode == 0:
+        return None
+    if o.signal is not None:
+        return base(status=ERROR, cause="crash", detail=f"rank {o.rank} died from signal {o.signal}")
+    if o.returncode is None:
+        return None
+    return base(status=ERROR, cause=classify(o.stderr),
+                detail=f"rank {o.rank} exited with code {o.returncode}: "
+                       f"{_first_line(_last_error_line(o.stderr))}")
+
+
+_NCCL_LAST_ERROR = re.compile(r"^\s*Last error:\s*\n\s*(\S.*)$", re.M)
+
+
+def _summary(err: str) -> str:
+    """The error's first line, plus NCCL's "Last error:" line: the one that names the culprit
+    (``Unrecognized element token "bogus"``, ``Bootstrap : no socket interface found``)."""
+    first = _first_line(err)
+    last = _NCCL_LAST_ERROR.search(err)
+    return f"{first} [NCCL: {last.group(1).strip()[:200]}]" if last else first
+
+
+def _first_line(text: str) -> str:
+    for line in text.strip().splitlines():
+        if line.strip():
+            return line.strip()[:300]
+    return ""
+
+
+def _last_error_line(text: str) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    for line in reversed(lines):
+        if "Error" in line or "error" in line:
+            return line
+    return lines[-1] if lines else ""

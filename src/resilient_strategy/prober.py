@@ -1,0 +1,90 @@
+"""Run one probe for real: start the workers a spec needs, under its deadline, and parse them.
+
+The environment is the caller's snapshot; nothing here reads ``os.environ``. Workers run in a
+fresh temporary directory, which also holds the torch rendezvous file (no TCP port to collide or
+leak) and the reports, and is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from . import _proc
+from .errors import InvalidOptionError
+from .probe import ERROR, ProbeResult, ProbeSpec, parse_probe
+
+#: The directory that holds the ``resilient_strategy`` package, for the workers' PYTHONPATH.
+PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+#: Extra seconds on the workers' own collective timeout, so that the runner's deadline fires first.
+WORKER_TIMEOUT_MARGIN_S = 30.0
+
+
+def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.executable) -> ProbeResult:
+    """Prove ``spec`` on this machine within ``spec.timeout_s``; never raises for a failed probe."""
+    with tempfile.TemporaryDirectory(prefix="rs-probe-", ignore_cleanup_errors=True) as tmp:
+        commands = build_commands(spec, env, tmp, python=python, parent_pid=os.getpid())
+        try:
+            group = _proc.run_group(commands, spec.timeout_s)
+        except OSError as exc:
+            return ProbeResult(spec.candidate, ERROR, cause="worker_error",
+                               detail=f"could not start the probe worker {python!r}: {exc}")
+    return parse_probe(spec, group.outcomes, group.elapsed_s, group.timed_out)
+
+
+def worker_env(spec: ProbeSpec, env: Mapping[str, str]) -> dict[str, str]:
+    """The workers' environment: ``env``, plus the candidate's variables where ``env`` lacks them,
+    plus this package on PYTHONPATH. Everything in ``env`` (NCCL_NVLS_ENABLE, ...) passes as is.
+    """
+    out = dict(env)
+    for name, value in spec.env:
+        out.setdefault(name, value)  # the caller never sends one the user set; if it did, theirs wins
+    existing = env.get("PYTHONPATH", "")
+    out["PYTHONPATH"] = os.pathsep.join([PACKAGE_ROOT, existing]) if existing else PACKAGE_ROOT
+    if spec.framework == "tensorflow":
+        out.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    return out
+
+
+def build_commands(
+    spec: ProbeSpec, env: Mapping[str, str], workdir: str, *, python: str, parent_pid: int
+) -> list[_proc.WorkerCommand]:
+    """The worker commands for ``spec``; ``workdir`` holds rendezvous and reports. Pure."""
+    wenv = worker_env(spec, env)
+    devices = ",".join(map(str, spec.devices))
+    common = ["--backend", spec.backend, "--message-bytes", str(spec.message_bytes),
+              "--parent-pid", str(parent_pid)]
+    if not spec.train_step:
+        common.append("--no-train-step")
+    work = Path(workdir)
+
+    # cwd is the temporary directory: ``-m`` puts cwd first on sys.path, where a stray
+    # torch.py or tensorflow/ in the user's directory would shadow the real package.
+    def command(module: str, rank: int, extra: list[str]) -> _proc.WorkerCommand:
+        report = str(work / f"report-{rank}.json")
+        argv = (python, "-m", f"resilient_strategy.probes.{module}", *common, *extra,
+                "--report", report)
+        return _proc.WorkerCommand(argv=argv, env=wenv, cwd=workdir, report_path=report)
+
+    if spec.framework == "torch":
+        world = max(1, spec.world_size)
+        if spec.devices and spec.backend in ("nccl", "gloo") and len(spec.devices) < world:
+            raise InvalidOptionError(
+                f"probe {spec.candidate}: {world} ranks need {world} devices, got {devices}")
+        init = (work / "rdzv").as_uri()
+        return [
+            command("torch_worker", rank, [
+                "--rank", str(rank), "--world-size", str(world), "--devices", devices,
+                "--init-method", init,
+                "--timeout", f"{spec.timeout_s + WORKER_TIMEOUT_MARGIN_S:g}",
+            ])
+            for rank in range(world)
+        ]
+    if spec.framework == "tensorflow":
+        where = (["--logical-cpus", str(spec.logical_cpus)] if spec.logical_cpus
+                 else ["--devices", devices])
+        return [command("tf_worker", 0, where)]
+    raise InvalidOptionError(f"probe {spec.candidate}: unknown framework {spec.framework!r}")

@@ -1,0 +1,87 @@
+"""What the probe workers share: fault injection, typed failures and the atomic JSON report."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any, NoReturn
+
+FAULT_VAR = "RESILIENT_STRATEGY_PROBE_FAULT"
+FAULTS = ("hang", "exit", "wrong")
+
+
+class ProbeFailure(Exception):
+    """A failure the worker recognized: carries the report status and the cause key."""
+
+    def __init__(self, cause: str, message: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+        self.status = "wrong_result" if cause == "wrong_result" else "error"
+
+
+def fault_for(rank: int, env: Mapping[str, str]) -> str:
+    """The fault ``env`` injects into ``rank`` ("hang", "exit", "wrong"), or ""."""
+    kind, _, who = env.get(FAULT_VAR, "").strip().partition(":")
+    if kind not in FAULTS:
+        return ""
+    try:
+        return kind if int(who) == rank else ""
+    except ValueError:
+        return ""
+
+
+def act_on_fault(kind: str, rank: int) -> None:
+    """Hang or exit here when told to ("wrong" is applied by the caller to its data)."""
+    if kind == "hang":
+        print(f"{FAULT_VAR}: rank {rank} hangs", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(3600)
+    if kind == "exit":
+        print(f"{FAULT_VAR}: rank {rank} exits with code 1", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+def error_text(exc: BaseException, frames: int = 6) -> str:
+    """``Type: message`` then the last lines of the traceback."""
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    lines = tb.rstrip().splitlines()
+    return f"{type(exc).__name__}: {exc}\n" + "\n".join(lines[-2 * frames:])
+
+
+def write_report(path: str, report: Mapping[str, Any]) -> None:
+    """Write the report atomically: a reader sees the old file, no file, or the whole new one."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(report, f)
+    os.replace(tmp, path)
+
+
+def run_worker(path: str, body: Callable[[dict[str, Any]], None]) -> NoReturn:
+    """Run ``body`` (which fills the report), always write the report, then exit hard.
+
+    ``os._exit`` skips interpreter teardown, where a broken NCCL communicator can hang.
+    """
+    report: dict[str, Any] = {"status": "error", "error": "the probe did not finish"}
+    try:
+        body(report)
+        report["status"] = "ok"
+        report.pop("error", None)
+    except ProbeFailure as exc:
+        report.update(status=exc.status, error=str(exc), cause=exc.cause)
+    except BaseException as exc:
+        report.update(status="error", error=error_text(exc))
+    code = 0 if report["status"] == "ok" else 1
+    try:
+        write_report(path, report)
+    except OSError as exc:
+        print(f"cannot write the probe report {path}: {exc}", file=sys.stderr)
+        code = 1
+    if code:
+        print(f"probe failed: {report.get('error', '')}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

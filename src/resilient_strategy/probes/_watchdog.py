@@ -1,0 +1,41 @@
+"""Worker-side protection against orphaning: die when the process that started us dies.
+
+The runner kills its workers on every path it controls; this covers the one it does not (the
+parent itself SIGKILLed). Call :func:`watch_parent` before importing any framework.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+
+_PR_SET_PDEATHSIG = 1
+EXIT_PARENT_GONE = 3
+
+
+def watch_parent(expected_parent: int | None = None, interval_s: float = 0.2) -> None:
+    """Exit (code 3) as soon as the parent changes; ``expected_parent`` defaults to the current one.
+
+    Passing the parent's pid closes the race where the parent died before this call.
+    """
+    parent = os.getppid() if expected_parent is None else expected_parent
+    if sys.platform.startswith("linux"):
+        try:  # fires when the parent *thread* that forked us exits; harmless: it waits for us
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:
+        os._exit(EXIT_PARENT_GONE)
+
+    def check() -> None:
+        while True:
+            time.sleep(interval_s)
+            if os.getppid() != parent:
+                os._exit(EXIT_PARENT_GONE)
+
+    threading.Thread(target=check, name="rs-parent-watchdog", daemon=True).start()

@@ -1,0 +1,326 @@
+"""Known-issue rules as data: load, validate, and evaluate them against the facts.
+
+A rule (see ``known_issues.toml``) has an ``id``, a list of ``when`` clauses that must all hold,
+an ``effect`` and a ``source``. Clauses read ``<fact> <op> <value>`` over the names that
+:func:`fact_values` computes, e.g. ``"tensorflow.version < 2.20"`` or ``"gpus.names matches RTX 50"``;
+a bare ``"host.wsl2"`` means true, ``"not host.wsl2"`` false. A clause on an unknown fact is false.
+
+Effects: ``veto`` (rule a backend out), ``prefer`` (try a backend first), ``remedy`` (add an NCCL
+variant with ``env``; ``first = true`` tries it before plain NCCL), ``set_env`` (set ``env`` on
+every NCCL candidate), ``warn`` (a warning in the trace). Pure: no I/O except :func:`load_rules`.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from packaging.version import InvalidVersion, Version
+
+from .errors import InvalidRuleError
+from .facts import Facts, Gpu
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+EFFECTS = ("veto", "prefer", "remedy", "set_env", "warn")
+BACKENDS = ("nccl", "hierarchical_copy", "reduction_to_one_device", "gloo", "single_device", "cpu")
+FRAMEWORKS = ("torch", "tensorflow")
+_OPS = ("<=", ">=", "==", "!=", "<", ">", "matches", "contains", "in")
+_CLAUSE = re.compile(
+    r"^\s*(?P<neg>not\s+)?(?P<fact>[a-z_]+\.[A-Za-z0-9_]+|framework)"
+    r"(?:\s*(?P<op><=|>=|==|!=|<|>)\s*|\s+(?P<wop>matches|contains|in)\s+|$)"
+    r"(?P<value>.*?)\s*$"
+)
+
+FactValue = str | int | bool | Version | tuple[str, ...] | None
+_ORDER_OPS = {
+    "<": operator.lt, "<=": operator.le, ">": operator.gt,
+    ">=": operator.ge, "==": operator.eq, "!=": operator.ne,
+}
+
+
+@dataclass(frozen=True)
+class Clause:
+    fact: str
+    op: str  # one of _OPS, or "truthy"
+    value: str
+    negate: bool = False
+
+    def __str__(self) -> str:
+        neg = "not " if self.negate else ""
+        return f"{neg}{self.fact}" if self.op == "truthy" else f"{self.fact} {self.op} {self.value}"
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    when: tuple[Clause, ...]
+    effect: str
+    message: str
+    source: str
+    target: tuple[str, ...] = ()  # backends, for veto / prefer
+    framework: str = ""  # "" = both
+    env: tuple[tuple[str, str], ...] = ()
+    first: bool = False  # remedy: try before plain NCCL
+    origin: str = "built-in"
+
+
+def parse_clause(text: str, rule_id: str = "?") -> Clause:
+    m = _CLAUSE.match(text)
+    if not m:
+        raise InvalidRuleError(rule_id, f"cannot read clause {text!r}; expected '<fact> <op> <value>'")
+    op = m.group("op") or m.group("wop")
+    raw = m.group("value").strip()
+    value = raw.strip("'\"")
+    if op is None:
+        if raw:
+            raise InvalidRuleError(rule_id, f"clause {text!r} has a value but no operator")
+        op = "truthy"
+    elif not raw:
+        raise InvalidRuleError(rule_id, f"clause {text!r} has no value after {op!r}")
+    return Clause(fact=m.group("fact"), op=op, value=value, negate=bool(m.group("neg")))
+
+
+def rule_from_dict(d: Mapping[str, Any], origin: str = "built-in") -> Rule:
+    rid = str(d.get("id", "")).strip()
+    if not rid:
+        raise InvalidRuleError("?", "every rule needs an id", origin)
+    allowed = {"id", "when", "effect", "message", "source", "target", "framework", "env", "first"}
+    extra = set(d) - allowed
+    if extra:
+        raise InvalidRuleError(rid, f"unknown key(s) {sorted(extra)}", origin)
+    effect = d.get("effect", "")
+    if effect not in EFFECTS:
+        raise InvalidRuleError(rid, f"effect must be one of {EFFECTS}, not {effect!r}", origin)
+    raw_target = d.get("target", ())
+    target = (raw_target,) if isinstance(raw_target, str) else tuple(map(str, raw_target))
+    if effect in ("veto", "prefer") and (not target or not set(target) <= set(BACKENDS)):
+        raise InvalidRuleError(rid, f"{effect} needs target(s) in {BACKENDS}, not {target!r}", origin)
+    env = d.get("env", {})
+    if not isinstance(env, Mapping) or not all(isinstance(v, str) for v in env.values()):
+        raise InvalidRuleError(rid, "env must be a table of strings", origin)
+    if effect in ("remedy", "set_env") and not env:
+        raise InvalidRuleError(rid, f"{effect} needs env", origin)
+    framework = str(d.get("framework", ""))
+    if framework and framework not in FRAMEWORKS:
+        raise InvalidRuleError(rid, f"framework must be one of {FRAMEWORKS}", origin)
+    when = d.get("when", [])
+    if isinstance(when, str):
+        when = [when]
+    if not d.get("message") or not d.get("source"):
+        raise InvalidRuleError(rid, "every rule needs a message and a source", origin)
+    return Rule(
+        id=rid,
+        when=tuple(parse_clause(str(c), rid) for c in when),
+        effect=effect,
+        message=str(d["message"]).strip(),
+        source=str(d["source"]).strip(),
+        target=target,
+        framework=framework,
+        env=tuple(sorted((str(k), str(v)) for k, v in env.items())),
+        first=bool(d.get("first", False)),
+        origin=origin,
+    )
+
+
+def parse_rules(text: str, origin: str) -> tuple[Rule, ...]:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise InvalidRuleError("?", f"not valid TOML: {exc}", origin) from exc
+    rules = tuple(rule_from_dict(r, origin) for r in data.get("rule", ()))
+    ids = [r.id for r in rules]
+    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    if dupes:
+        raise InvalidRuleError(dupes[0], "duplicate rule id", origin)
+    return rules
+
+
+def load_rules(
+    extra: Iterable[str | Path | Rule] = (), disabled: Iterable[str] = ()
+) -> tuple[Rule, ...]:
+    """The built-in rules plus the user's (TOML files or Rule values), minus the disabled ids.
+
+    A user rule with the id of a built-in one replaces it.
+    """
+    builtin = Path(__file__).with_name("known_issues.toml")
+    rules = {r.id: r for r in parse_rules(builtin.read_text(encoding="utf-8"), str(builtin))}
+    for item in extra:
+        if isinstance(item, Rule):
+            rules[item.id] = item
+            continue
+        path = Path(item)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise InvalidRuleError("?", f"cannot read rules file: {exc}", str(path)) from exc
+        for r in parse_rules(text, str(path)):
+            rules[r.id] = r
+    off = set(disabled)
+    return tuple(r for r in rules.values() if r.id not in off)
+
+
+# --------------------------------------------------------------------------------------------
+# Facts as named values
+# --------------------------------------------------------------------------------------------
+def _version(text: str | None) -> Version | None:
+    if not text:
+        return None
+    try:
+        return Version(text.split("+")[0])
+    except InvalidVersion:
+        return None
+
+
+def _max_arch(archs: Sequence[str]) -> Version | None:
+    """Highest compute capability in an arch list like ("sm_89", "compute_90") -> 9.0."""
+    best: Version | None = None
+    for a in archs:
+        m = re.search(r"(\d+)(\d)[a-z]?$", a)
+        if m:
+            v = Version(f"{m.group(1)}.{m.group(2)}")
+            best = v if best is None or v > best else best
+    return best
+
+
+def _kernel_coverage(archs: Sequence[str], gpus: Sequence[Gpu]) -> str | None:
+    """"native" when every GPU has SASS of its major with minor <= its own, "ptx_jit" when some
+    GPU can run only by JIT-compiling PTX of an older arch, "none" when some GPU has neither;
+    None when the arch list is unknown or there are no GPUs."""
+    if not archs or not gpus:
+        return None
+    sass, ptx = [], []
+    for a in archs:
+        m = re.fullmatch(r"(sm|compute)_(\d+)(\d)[a-z]?", a.strip())
+        if m:
+            (sass if m.group(1) == "sm" else ptx).append((int(m.group(2)), int(m.group(3))))
+    worst = "native"
+    for g in gpus:
+        major, minor = g.compute_capability
+        if any(s[0] == major and s[1] <= minor for s in sass):
+            continue
+        if any(p <= (major, minor) for p in ptx):
+            worst = "ptx_jit"
+            continue
+        return "none"
+    return worst
+
+
+def fact_values(facts: Facts, framework: str) -> dict[str, FactValue]:
+    """Every name a rule clause can use, computed from the facts (pure)."""
+    gpus = facts.gpus
+    ccs = [Version(g.cc) for g in gpus]
+    pairs = [(a.index, b.index) for i, a in enumerate(gpus) for b in gpus[i + 1 :]]
+    links = [facts.link(a, b) for a, b in pairs]
+    h = facts.host
+    values: dict[str, FactValue] = {
+        "framework": framework,
+        "gpus.count": len(gpus),
+        "gpus.names": tuple(g.name for g in gpus),
+        "gpus.min_cc": min(ccs) if ccs else None,
+        "gpus.max_cc": max(ccs) if ccs else None,
+        "gpus.consumer": any(g.is_consumer for g in gpus),
+        "gpus.mig": any(g.mig_enabled for g in gpus),
+        "gpus.mixed": len({(g.name, g.memory_bytes) for g in gpus}) > 1,
+        "links.all_nvlink": bool(pairs) and all(ln is not None and ln.nvlinks > 0 for ln in links),
+        "links.any_pcie_only": any(ln is None or ln.nvlinks == 0 for ln in links),
+        "links.p2p_unsupported": any(
+            ln is not None and ln.p2p_read not in ("ok", "unknown") and ln.nvlinks == 0
+            for ln in links
+        ),
+        "links.cross_socket": any(ln is not None and ln.topology == "system" for ln in links),
+        "driver.version": _version(facts.driver_version),
+        "driver.cuda": _version(facts.cuda_driver_version),
+        "host.shm_mb": None if h.shm_bytes is None else h.shm_bytes // (1 << 20),
+        "host.container": h.container,
+        "host.in_container": bool(h.container),
+        "host.wsl2": h.wsl2,
+        "host.sagemaker": h.sagemaker,
+        "host.aws": h.aws,
+        "host.efa": h.efa,
+        "host.infiniband": h.infiniband,
+        "host.iommu": h.iommu,
+        "host.platform": h.platform,
+    }
+    for fw in ("torch", "tensorflow", "keras"):
+        info = facts.framework(fw)
+        values[f"{fw}.installed"] = info.installed
+        values[f"{fw}.version"] = _version(info.version)
+        values[f"{fw}.cuda"] = _version(info.cuda)
+        values[f"{fw}.nccl"] = _version(info.nccl)
+        values[f"{fw}.max_arch"] = _max_arch(info.archs)
+        values[f"{fw}.imported"] = info.imported
+        values[f"{fw}.gpu_kernels"] = _kernel_coverage(info.archs, gpus)
+    for name, value in facts.env:
+        values[f"env.{name}"] = value
+    return values
+
+
+def _compare(actual: FactValue, op: str, raw: str) -> bool | None:
+    """None when the comparison cannot be made (unknown fact or incomparable value)."""
+    if actual is None:
+        return None
+    if op == "matches":
+        items = actual if isinstance(actual, tuple) else (str(actual),)
+        return any(re.search(raw, str(i), re.I) for i in items)
+    if op == "contains":
+        items = actual if isinstance(actual, tuple) else (str(actual),)
+        return raw in items if isinstance(actual, tuple) else raw in str(actual)
+    if op == "in":
+        options = [o.strip().strip("'\"") for o in raw.strip("[]").split(",")]
+        return str(actual) in options
+    expected: Any
+    value: Any = actual
+    if isinstance(actual, bool):
+        expected = raw.lower() in ("true", "1", "yes")
+    elif isinstance(actual, int):
+        try:
+            expected = int(raw)
+        except ValueError:
+            return None
+    elif isinstance(actual, Version):
+        expected = _version(raw)
+        if expected is None:
+            return None
+    elif isinstance(actual, tuple):
+        return None
+    else:
+        expected, value = raw, str(actual)
+    if isinstance(value, bool) and op not in ("==", "!="):
+        return None
+    return bool(_ORDER_OPS[op](value, expected))
+
+
+def clause_holds(clause: Clause, values: Mapping[str, FactValue]) -> bool:
+    """Whether a clause holds; a clause on an unknown fact never holds (negated or not)."""
+    if clause.fact.startswith("env.") and clause.fact not in values:
+        actual: FactValue = ""  # an unset variable reads as empty
+    else:
+        actual = values.get(clause.fact)
+    if clause.op == "truthy":
+        if actual is None:
+            return False
+        result: bool | None = bool(actual)
+    else:
+        result = _compare(actual, clause.op, clause.value)
+    if result is None:
+        return False
+    return result != clause.negate
+
+
+def fired(rules: Iterable[Rule], facts: Facts, framework: str) -> tuple[Rule, ...]:
+    """The rules whose clauses all hold for these facts and framework, in order."""
+    values = fact_values(facts, framework)
+    return tuple(
+        r for r in rules
+        if (not r.framework or r.framework == framework)
+        and all(clause_holds(c, values) for c in r.when)
+    )

@@ -1,0 +1,266 @@
+"""The Selection: what was chosen, why, and the handle to train with it.
+
+``scope()`` only enters what was chosen; it never decides again. The framework runtime (one
+TensorFlow strategy object, or the PyTorch process group and helpers) is built on first use and
+reused for the life of the Selection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from .facts import Facts
+from .plan import Candidate, Plan
+from .probe import ProbeResult
+
+T = TypeVar("T")
+
+
+class _Once(Generic[T]):
+    """Builds a value on first ``get()`` and returns the same object ever after (thread-safe)."""
+
+    def __init__(self, build: Callable[[], T]) -> None:
+        self._build = build
+        self._lock = threading.Lock()
+        self._value: list[T] = []
+
+    def get(self) -> T:
+        with self._lock:
+            if not self._value:
+                self._value.append(self._build())
+            return self._value[0]
+
+    @property
+    def built(self) -> bool:
+        return bool(self._value)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Where this process sits in a launcher's job (torchrun); (0, 0, 1) for plain python."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def launched(self) -> bool:
+        return self.world_size > 1
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The decision, with everything needed to train on it."""
+
+    candidate: Candidate
+    plan: Plan
+    facts: Facts
+    env: Mapping[str, str]  # variables this library set (never one the user had set)
+    results: Mapping[str, ProbeResult]
+    from_cache: bool = False
+    proven: bool = True  # False when probing was off and a collective ran unproven
+    launch: Launch = field(default_factory=Launch)
+    timeout_s: float = 30.0
+    precision: str = "auto"
+    logical_cpus: int = 0  # TF CPU test mode: replicas on logical CPU devices
+    dry_run: bool = False
+    decided_in_s: float = 0.0
+    _runtime: _Once[Any] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_runtime", _Once(self._build_runtime))
+
+    # ----- the decision --------------------------------------------------------------------
+    @property
+    def framework(self) -> str:
+        return self.candidate.framework
+
+    @property
+    def backend(self) -> str:
+        return self.candidate.backend
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return self.candidate.devices
+
+    @property
+    def num_replicas(self) -> int:
+        return self.candidate.num_replicas
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.candidate.accumulation_steps
+
+    @property
+    def global_batch_size(self) -> int | None:
+        return self.candidate.global_batch_size
+
+    @property
+    def per_replica_batch_size(self) -> int | None:
+        return self.candidate.per_replica_batch_size
+
+    @property
+    def active(self) -> bool:
+        """False on the ranks a launcher started that the choice leaves idle (one-device
+        fallback under torchrun trains on rank 0 only)."""
+        if self.launch.launched and self.num_replicas == 1:
+            return self.launch.rank == 0
+        return True
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.launch.rank == 0
+
+    @property
+    def batch_size(self) -> int | None:
+        """The batch to feed per step: TF: the global batch of one step across replicas (Keras
+        splits it); torch: this rank's micro-batch. Accumulation makes up the rest."""
+        per = self.per_replica_batch_size
+        if per is None:
+            return None
+        return per * self.num_replicas if self.framework == "tensorflow" else per
+
+    def explain(self) -> str:
+        head = f"resilient_strategy chose: {self.candidate.label}"
+        if self.num_replicas > 1 or self.accumulation_steps > 1:
+            head += f" ({self.num_replicas} replica(s) x {self.accumulation_steps} accumulation step(s))"
+        extras = []
+        if self.from_cache:
+            extras.append("decision from the cache (probe='force' re-probes)")
+        if not self.proven:
+            extras.append("NOT proven: probing was off")
+        if self.env:
+            extras.append("set " + " ".join(f"{k}={v}" for k, v in sorted(self.env.items())))
+        if self.dry_run:
+            extras.append("dry run: nothing was set or built")
+        if not self.active:
+            extras.append(f"rank {self.launch.rank} stays idle: only rank 0 trains")
+        lines = [head + "."] + [f"  ({e})" for e in extras] + ["Why:"]
+        lines += [f"  - {t}" for t in self.plan.trace]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "framework": self.framework,
+            "backend": self.backend,
+            "label": self.candidate.label,
+            "devices": list(self.devices),
+            "num_replicas": self.num_replicas,
+            "accumulation_steps": self.accumulation_steps,
+            "global_batch_size": self.global_batch_size,
+            "per_replica_batch_size": self.per_replica_batch_size,
+            "batch_size": self.batch_size,
+            "env": dict(self.env),
+            "from_cache": self.from_cache,
+            "proven": self.proven,
+            "active": self.active,
+            "dry_run": self.dry_run,
+            "decided_in_s": round(self.decided_in_s, 4),
+            "rank": self.launch.rank,
+            "world_size": self.launch.world_size,
+            "fingerprint": self.facts.fingerprint(),
+            "rules_fired": list(self.plan.rules_fired),
+            "warnings": list(self.plan.warnings),
+            "candidates": [
+                {**r.candidate.to_dict(), "estimated_step_s": round(r.estimate.step_seconds, 6),
+                 "estimate_basis": r.estimate.basis}
+                for r in self.plan.ranked
+            ],
+            "ruled_out": [
+                {"key": r.candidate.key, "label": r.candidate.label, "reason": r.reason, "by": r.rule}
+                for r in self.plan.ruled_out
+            ],
+            "probes": {k: v.to_dict() for k, v in self.results.items()},
+            "trace": list(self.plan.trace),
+        }
+
+    # ----- the runtime ---------------------------------------------------------------------
+    def _build_runtime(self) -> Any:
+        if self.dry_run:
+            raise RuntimeError(
+                "this Selection is a dry run: call resilient_strategy() without dry_run=True to train"
+            )
+        if self.framework == "tensorflow":
+            from .frameworks.tensorflow import TfRuntime
+
+            # when we narrowed CUDA_VISIBLE_DEVICES to the chosen GPUs, TF numbers them 0..n-1
+            devices = tuple(range(len(self.devices))) if "CUDA_VISIBLE_DEVICES" in self.env \
+                else self.devices
+            return TfRuntime(
+                self.backend, devices, self.accumulation_steps, self.global_batch_size,
+                self.per_replica_batch_size, logical_cpus=self.logical_cpus,
+            )
+        from .frameworks.torch import TorchRuntime
+
+        world = self.launch.world_size if self.num_replicas > 1 else 1
+        return TorchRuntime(
+            self.backend, self.devices, self.accumulation_steps, self.global_batch_size,
+            self.per_replica_batch_size, rank=self.launch.rank if world > 1 else 0,
+            local_rank=self.launch.local_rank if world > 1 else 0, world_size=world,
+            timeout_s=self.timeout_s, precision=self.precision,
+        )
+
+    @property
+    def runtime(self) -> Any:
+        """The framework runtime (TfRuntime / TorchRuntime), built once on first use."""
+        return self._runtime.get()
+
+    @property
+    def strategy(self) -> Any:
+        """TensorFlow: the one tf.distribute strategy object (built on first access)."""
+        if self.framework != "tensorflow":
+            raise AttributeError("strategy is TensorFlow's; PyTorch uses prepare()/scope()")
+        return self.runtime.strategy
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Selection]:
+        """Build (and compile, and load weights of) the model inside this."""
+        if self.framework == "torch":
+            rt = self.runtime
+            rt.init()
+            with rt.scope():
+                yield self
+        else:
+            with self.runtime.scope():
+                yield self
+
+    # TensorFlow helpers
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        """Pass to a Keras 3 optimizer: gradient accumulation on the one-device fallback."""
+        if self.framework != "tensorflow":
+            return {}
+        return dict(self.runtime.optimizer_kwargs())
+
+    # PyTorch helpers
+    @property
+    def device(self) -> Any:
+        return self.runtime.device
+
+    def prepare(self, model: Any, optimizer: Any = None, loader: Any = None) -> Any:
+        """Move and wrap the model (DDP when replicas > 1); shard the loader; return all three."""
+        rt = self.runtime
+        rt.init()
+        return rt.prepare(model, optimizer, loader)
+
+    def backward(self, loss: Any) -> None:
+        self.runtime.backward(loss)
+
+    def step(self, optimizer: Any) -> bool:
+        return bool(self.runtime.step(optimizer))
+
+    def accumulate(self, model: Any) -> Any:
+        return self.runtime.accumulate(model)
+
+    def autocast(self) -> Any:
+        return self.runtime.autocast()
+
+    def set_epoch(self, epoch: int) -> None:
+        self.runtime.set_epoch(epoch)
+
+    def shutdown(self) -> None:
+        if self._runtime.built and hasattr(self.runtime, "shutdown"):
+            self.runtime.shutdown()

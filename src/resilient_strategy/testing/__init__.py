@@ -1,0 +1,20 @@
+"""Testing kit: describe fake GPUs, hosts, framework versions and probe outcomes, run
+``resilient_strategy()`` against them, and assert on the decision, with no GPU.
+
+    from resilient_strategy.testing import machine, simulate
+
+    def test_my_rtx5090_box_falls_back():
+        facts = machine(2, name="NVIDIA GeForce RTX 5090", cc=(12, 0), tensorflow="2.15.1",
+                        tf_cuda="12.2", torch=None)
+        sel = simulate(facts, framework="tensorflow", global_batch_size=128)
+        assert sel.backend == "hierarchical_copy"
+
+Probe outcomes are given per candidate: ``{"nccl": "timeout", "nccl+NCCL_P2P_DISABLE=1": "ok"}``
+(see :class:`FakeProber`). Nothing touches ``os.environ``, the cache, or a real GPU.
+"""
+
+from __future__ import annotations
+
+from .fakes import FakeProber, Outcome, gpu, machine, simulate
+
+__all__ = ["FakeProber", "Outcome", "gpu", "machine", "simulate"]

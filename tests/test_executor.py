@@ -1,0 +1,176 @@
+"""The executor: options, environment precedence, cache, budget, agreement between ranks."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from resilient_strategy import _env
+from resilient_strategy.agreement import Agreement, AgreementTimeoutError
+from resilient_strategy.errors import (
+    FrameworkNotInstalledError,
+    InvalidOptionError,
+    NoWorkingStrategyError,
+)
+from resilient_strategy.executor import decide, options_from, resilient_strategy
+from resilient_strategy.rules import rule_from_dict
+from resilient_strategy.testing import FakeProber, machine, simulate
+
+H200X2 = machine(2, nvlink=18)
+
+
+def opts_for(facts, env=None, **kw):  # type: ignore[no-untyped-def]
+    base = dict(framework="torch", global_batch_size=64, devices=None, probe=None, timeout=None,
+                prefer=None, dry_run=False, model=None, gradient_bytes=None, sample_seconds=None,
+                max_per_replica_batch=None, rules=(), disable_rules=(), cache=False,
+                cache_dir=None, cache_ttl=None, precision="auto", logical_cpus=0)
+    base.update(kw)
+    return options_from(facts, env or {}, **base)
+
+
+def test_framework_resolution() -> None:
+    both = machine(2, tensorflow="2.21.0", tf_cuda="12.5")
+    with pytest.raises(InvalidOptionError, match="both torch and tensorflow"):
+        simulate(both)
+    assert simulate(machine(2)).framework == "torch"
+    assert "the one installed" in simulate(machine(2)).explain()
+    with pytest.raises(FrameworkNotInstalledError, match="pip install tensorflow"):
+        simulate(machine(2), framework="tensorflow")
+    assert simulate(both, framework="keras").framework == "tensorflow"
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [({"probe": "sometimes"}, "probe must be"), ({"timeout": 0}, "timeout"),
+     ({"global_batch_size": -1}, "positive"), ({"precision": "fp8"}, "precision"),
+     ({"framework": "jax"}, "framework must be")],
+)
+def test_bad_options_are_typed_errors(kw: dict, match: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(InvalidOptionError, match=match):
+        simulate(H200X2, **kw)
+
+
+def test_environment_fills_unset_options_and_arguments_win() -> None:
+    env = {"RESILIENT_STRATEGY_PROBE": "never", "RESILIENT_STRATEGY_TIMEOUT": "7",
+           "RESILIENT_STRATEGY_DISABLE_RULES": "small-dev-shm"}
+    o = opts_for(H200X2, env)
+    assert (o.probe, o.timeout_s, o.budget_s) == ("never", 7.0, 28.0)
+    assert "small-dev-shm" not in {r.id for r in o.rules}
+    o = opts_for(H200X2, env, probe="force", timeout=3.0)
+    assert (o.probe, o.timeout_s) == ("force", 3.0)
+    with pytest.raises(InvalidOptionError):
+        opts_for(H200X2, {"RESILIENT_STRATEGY_TIMEOUT": "soon"})
+
+
+def test_probe_never_chooses_unproven_and_says_so() -> None:
+    prober = FakeProber()
+    sel = simulate(H200X2, prober, probe="never")
+    assert sel.backend == "nccl" and not sel.proven and prober.calls == []
+    assert "UNPROVEN" in sel.explain()
+
+
+def test_dry_run_probes_nothing_and_sets_nothing() -> None:
+    prober = FakeProber()
+    sel = simulate(H200X2, prober, dry_run=True)
+    assert prober.calls == [] and sel.dry_run and not sel.proven
+    assert "dry run" in sel.explain()
+    with pytest.raises(RuntimeError, match="dry run"):
+        _ = sel.runtime
+
+
+def test_cache_hit_costs_no_probe_and_changed_machine_reprobes(tmp_path: Path) -> None:
+    first = FakeProber({"nccl": "timeout"})
+    a = simulate(H200X2, first, cache=True, cache_dir=tmp_path, global_batch_size=64)
+    assert first.probed == ["nccl", "nccl+NCCL_P2P_DISABLE=1"] and not a.from_cache
+    second = FakeProber({"nccl": "ok"})  # would answer differently: proves it is not asked
+    b = simulate(H200X2, second, cache=True, cache_dir=tmp_path, global_batch_size=64)
+    assert second.calls == [] and b.from_cache and b.candidate == a.candidate
+    assert "from the cache" in b.explain()
+    forced = FakeProber({"nccl": "ok"})
+    c = simulate(H200X2, forced, cache=True, cache_dir=tmp_path, probe="force", global_batch_size=64)
+    assert forced.probed == ["nccl"] and c.backend == "nccl" and c.env == {}
+    other = machine(2, nvlink=18, driver="590.1")
+    d_prober = FakeProber()
+    simulate(other, d_prober, cache=True, cache_dir=tmp_path, global_batch_size=64)
+    assert d_prober.probed == ["nccl"]
+
+
+def test_corrupt_cache_degrades_to_probing(tmp_path: Path) -> None:
+    (tmp_path / f"{H200X2.fingerprint()}.json").write_text("garbage")
+    prober = FakeProber()
+    sel = simulate(H200X2, prober, cache=True, cache_dir=tmp_path)
+    assert prober.probed == ["nccl"] and sel.backend == "nccl"
+
+
+def test_probe_budget_is_one_deadline_for_the_decision() -> None:
+    now = [0.0]
+
+    def slow_prober(spec, env):  # type: ignore[no-untyped-def]
+        now[0] += spec.timeout_s  # every probe hangs to its deadline
+        return FakeProber({"*": "timeout"})(spec, env)
+
+    # consumer cards on AWS: P2P-off, plain, NCCL_NET=Socket, P2P+SHM-off and gloo: 5 probes
+    facts = machine(2, name="NVIDIA GeForce RTX 4090", cc=(8, 9), aws=True)
+    o = opts_for(facts, timeout=10.0, gradient_bytes=1000, sample_seconds=1.0)
+    p, results, _, proven = decide(facts, o, {}, slow_prober, clock=lambda: now[0])
+    assert proven and p.chosen is not None and p.chosen.backend == "single_device"
+    assert now[0] <= o.budget_s == 40.0
+    probed = [r for r in results.values() if r.cause == "timeout"]
+    skipped = [r for r in results.values() if r.cause == "budget"]
+    assert len(probed) == 4 and skipped  # the rest were never started
+    assert "probe budget of 40 s is spent" in p.explain()
+
+
+def test_no_working_strategy_is_a_typed_error_with_causes() -> None:
+    veto_all = rule_from_dict({"id": "nothing-works", "effect": "veto",
+                               "target": ["nccl", "gloo", "single_device", "cpu"],
+                               "message": "lab policy", "source": "test"})
+    with pytest.raises(NoWorkingStrategyError) as err:
+        simulate(H200X2, rules=[veto_all])
+    assert "lab policy" in str(err.value) and len(err.value.causes) == 4
+
+
+def test_user_variables_are_never_overwritten(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "0")
+    monkeypatch.delenv("NCCL_SHM_DISABLE", raising=False)
+    applied = _env.apply({"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"})
+    assert applied == {"NCCL_SHM_DISABLE": "1"}
+    assert os.environ["NCCL_P2P_DISABLE"] == "0" and os.environ["NCCL_SHM_DISABLE"] == "1"
+    consumer = machine(2, name="NVIDIA GeForce RTX 4090", cc=(8, 9), env={"NCCL_P2P_DISABLE": "0"})
+    sel = simulate(consumer, FakeProber({"nccl": "timeout"}))
+    assert "NCCL_P2P_DISABLE" not in sel.env
+    assert "your value stands" in sel.explain()
+
+
+def test_ranks_agree_local_rank_0_decides_others_follow(tmp_path: Path) -> None:
+    facts = machine(2, nvlink=18)
+    launch = {"WORLD_SIZE": "2", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "t1"}
+    leader = FakeProber({"nccl": "timeout", "nccl+*": "ok:20"})
+    a = resilient_strategy(facts=facts, env={**launch, "RANK": "0", "LOCAL_RANK": "0"},
+                           cache_dir=tmp_path, _prober=leader, global_batch_size=64,
+                           gradient_bytes=1000, sample_seconds=1e-3)
+    follower = FakeProber()  # would say NCCL is fine: must not be asked
+    b = resilient_strategy(facts=facts, env={**launch, "RANK": "1", "LOCAL_RANK": "1"},
+                           cache_dir=tmp_path, _prober=follower, global_batch_size=64,
+                           gradient_bytes=1000, sample_seconds=1e-3)
+    assert follower.calls == [] and leader.probed[0] == "nccl"
+    assert a.candidate == b.candidate and a.env == b.env
+    assert (a.launch.rank, b.launch.rank) == (0, 1) and a.num_replicas == 2
+
+
+def test_agreement_wait_has_a_deadline(tmp_path: Path) -> None:
+    ag = Agreement(tmp_path / "agree.json")
+    with pytest.raises(AgreementTimeoutError, match="crashed"):
+        ag.wait(0.3, poll_s=0.05)
+    ag.publish({"chosen": "x"})
+    assert ag.wait(1.0)["chosen"] == "x"
+
+
+@pytest.mark.torch
+def test_model_gives_gradient_bytes() -> None:
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Sequential(torch.nn.Linear(100, 10), torch.nn.Linear(10, 1))
+    o = opts_for(H200X2, model=model)
+    assert o.policy.gradient_bytes == (100 * 10 + 10 + 10 + 1) * 4

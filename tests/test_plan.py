@@ -1,0 +1,193 @@
+"""The planner, from hand-written facts to whole ordered plans. No monkeypatching."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from resilient_strategy.errors import InvalidOptionError
+from resilient_strategy.facts import Facts, FrameworkInfo, Gpu, Host, Link
+from resilient_strategy.plan import Candidate, Policy, plan, split_batch
+from resilient_strategy.probe import ProbeResult
+from resilient_strategy.rules import load_rules
+
+RULES = load_rules()
+TORCH = FrameworkInfo("torch", "2.11.0", "torch", "13.0", "2.28.9")
+H200 = "NVIDIA H200"
+
+
+def h200s(n: int = 2, nvlinks: int = 18) -> Facts:
+    gpus = tuple(Gpu(i, H200, (9, 0), 141 << 30, f"GPU-{i}") for i in range(n))
+    links = tuple(Link(a, b, "hostbridge", nvlinks, "ok", "ok")
+                  for a in range(n) for b in range(a + 1, n))
+    return Facts(gpus=gpus, links=links, host=Host(shm_bytes=256 << 30), frameworks=(TORCH,))
+
+
+def order(p) -> list[str]:  # type: ignore[no-untyped-def]
+    return [c.key for c in p.candidates]
+
+
+def fail(key: str, cause: str) -> ProbeResult:
+    return ProbeResult(key, "timeout" if cause == "timeout" else "error", 5.0, cause, "x")
+
+
+def test_healthy_nvlink_pair_plans_nccl_first_and_probes_it() -> None:
+    p = plan(h200s(), RULES, {}, Policy("torch", global_batch_size=512, gradient_bytes=400_000_000))
+    assert order(p) == [
+        "torch:nccl:0,1",
+        "torch:single_device:0",
+        "torch:gloo:0,1",
+        "torch:cpu:cpu",
+    ]
+    assert p.next_probe is not None and p.next_probe.key == "torch:nccl:0,1"
+    assert p.chosen is None
+    nccl = p.candidates[0]
+    assert (nccl.num_replicas, nccl.per_replica_batch_size, nccl.accumulation_steps) == (2, 256, 1)
+    single = p.candidates[1]
+    assert (single.num_replicas, single.per_replica_batch_size, single.accumulation_steps) == (1, 256, 2)
+
+
+def test_proven_nccl_is_chosen() -> None:
+    results = {"torch:nccl:0,1": ProbeResult("torch:nccl:0,1", "ok", 8.0, bus_bandwidth_gbps=300.0)}
+    p = plan(h200s(), RULES, results, Policy("torch", global_batch_size=512, gradient_bytes=400_000_000))
+    assert p.chosen is not None and p.chosen.key == "torch:nccl:0,1"
+    assert p.next_probe is None
+    assert any("probe passed" in t and "300 GB/s" in t for t in p.trace)
+
+
+def test_hung_nccl_tries_p2p_off_remedy_next_then_steps_down_by_speed() -> None:
+    policy = Policy("torch", global_batch_size=512, gradient_bytes=400_000_000)
+    r1 = {"torch:nccl:0,1": fail("torch:nccl:0,1", "timeout")}
+    p = plan(h200s(), RULES, r1, policy)
+    # P2P-off over NVLink machines goes through SHM (28 GB/s measured): slower than one GPU for a
+    # 100M-parameter model, so one GPU with 2 accumulation steps wins without probing the remedy.
+    assert order(p)[0] == "torch:single_device:0"
+    assert p.chosen is not None and p.chosen.backend == "single_device"
+    assert p.chosen.accumulation_steps == 2
+    assert [r.candidate.key for r in p.ruled_out] == ["torch:nccl:0,1"]
+    assert "torch:nccl:0,1:NCCL_P2P_DISABLE=1" in order(p)
+
+
+def test_small_model_prefers_remedy_to_single_gpu() -> None:
+    # A small model: communication is cheap, two GPUs over P2P-off NCCL beat one.
+    facts = h200s(nvlinks=0)
+    policy = Policy("torch", global_batch_size=512, gradient_bytes=4_000_000, sample_seconds=1e-4)
+    p = plan(facts, RULES, {"torch:nccl:0,1": fail("torch:nccl:0,1", "cuda_error")}, policy)
+    assert order(p)[:2] == [
+        "torch:nccl:0,1:NCCL_P2P_DISABLE=1",
+        "torch:nccl:0,1:NCCL_P2P_DISABLE=1;NCCL_SHM_DISABLE=1",
+    ]
+    assert p.next_probe is not None and p.next_probe.key == "torch:nccl:0,1:NCCL_P2P_DISABLE=1"
+
+
+def test_measured_slow_bandwidth_loses_to_one_gpu() -> None:
+    policy = Policy("torch", global_batch_size=512, gradient_bytes=400_000_000)
+    results = {
+        "torch:nccl:0,1": fail("torch:nccl:0,1", "timeout"),
+        "torch:gloo:0,1": ProbeResult("torch:gloo:0,1", "ok", 3.0, bus_bandwidth_gbps=2.2),
+    }
+    p = plan(h200s(), RULES, results, policy)
+    assert p.chosen is not None and p.chosen.backend == "single_device"
+    gloo = next(r for r in p.ranked if r.candidate.backend == "gloo")
+    single = next(r for r in p.ranked if r.candidate.backend == "single_device")
+    assert gloo.estimate.step_seconds > 10 * single.estimate.step_seconds
+
+
+def test_user_set_variable_is_never_overridden_by_a_remedy() -> None:
+    facts = h200s()
+    policy = Policy("torch", global_batch_size=8, user_env=("NCCL_P2P_DISABLE",))
+    p = plan(facts, RULES, {"torch:nccl:0,1": fail("torch:nccl:0,1", "cuda_error")}, policy)
+    assert all("NCCL_P2P_DISABLE" not in dict(c.env) for c in p.candidates)
+    assert "torch:nccl:0,1:NCCL_SHM_DISABLE=1" not in order(p)  # cuda_error remedies need P2P
+
+
+def test_tensorflow_chain_order_and_batches() -> None:
+    tf = FrameworkInfo("tensorflow", "2.21.0", "tensorflow", "12.5.1", None, ("sm_89", "compute_90"))
+    facts = Facts(gpus=h200s().gpus, links=h200s().links, frameworks=(tf,))
+    p = plan(facts, RULES, {}, Policy("tensorflow", global_batch_size=256))
+    assert [c.backend for c in p.candidates] == [
+        "nccl", "hierarchical_copy", "reduction_to_one_device", "single_device", "cpu",
+    ]
+    for c in p.candidates:
+        assert c.num_replicas * (c.per_replica_batch_size or 0) * c.accumulation_steps == 256
+
+
+def test_batch_that_does_not_split_uses_fewer_gpus_and_stays_exact() -> None:
+    p = plan(h200s(4), RULES, {}, Policy("torch", global_batch_size=6))
+    nccl = p.candidates[0]
+    assert nccl.backend == "nccl" and nccl.devices == (0, 1, 2) and nccl.num_replicas == 3
+    assert any("does not split over 4 replicas" in t for t in p.trace)
+    for c in p.candidates:
+        assert c.num_replicas * (c.per_replica_batch_size or 0) * c.accumulation_steps == 6
+
+
+def test_no_gpu_plans_cpu_only() -> None:
+    p = plan(Facts(nvml_error="no driver", frameworks=(TORCH,)), RULES, {}, Policy("torch"))
+    assert order(p) == ["torch:cpu:cpu"]
+    assert p.chosen is not None and p.chosen.backend == "cpu"
+    assert any("no driver" in t for t in p.trace)
+
+
+def test_cpu_build_of_torch_cannot_use_gpus() -> None:
+    cpu_torch = FrameworkInfo("torch", "2.13.0", "torch", None, None)
+    facts = Facts(gpus=h200s().gpus, links=h200s().links, frameworks=(cpu_torch,))
+    p = plan(facts, RULES, {}, Policy("torch"))
+    assert order(p) == ["torch:cpu:cpu"]
+    assert any("CPU-only build" in t for t in p.trace)
+
+
+def test_under_torchrun_on_cpu_gloo_between_processes() -> None:
+    facts = Facts(frameworks=(FrameworkInfo("torch", "2.13.0", "torch", None, None),))
+    p = plan(facts, RULES, {}, Policy("torch", global_batch_size=8, world_size=2))
+    assert order(p) == ["torch:gloo:cpu", "torch:cpu:cpu"]
+    gloo, cpu = p.candidates
+    assert (gloo.num_replicas, gloo.per_replica_batch_size, gloo.accumulation_steps) == (2, 4, 1)
+    assert (cpu.num_replicas, cpu.per_replica_batch_size, cpu.accumulation_steps) == (1, 4, 2)
+
+
+def test_prefer_puts_a_backend_first_and_devices_restricts() -> None:
+    p = plan(h200s(4), RULES, {}, Policy("torch", prefer="gloo", devices=(1, 2)))
+    assert order(p)[0] == "torch:gloo:1,2"
+    assert all(set(c.devices) <= {1, 2} for c in p.candidates)
+    with pytest.raises(InvalidOptionError, match=r"GPU\(s\) \[7\]"):
+        plan(h200s(4), RULES, {}, Policy("torch", devices=(1, 7)))
+
+
+def test_policy_validation() -> None:
+    with pytest.raises(InvalidOptionError):
+        Policy("jax")
+    with pytest.raises(InvalidOptionError):
+        Policy("torch", global_batch_size=0)
+    with pytest.raises(InvalidOptionError, match="multiple of 3"):
+        Policy("torch", global_batch_size=8, world_size=3)
+    with pytest.raises(InvalidOptionError):
+        Policy("torch", prefer="mpi")
+
+
+@pytest.mark.parametrize(
+    ("g", "r", "cap", "expected"),
+    [(512, 2, 256, (256, 1)), (512, 1, 256, (256, 2)), (12, 1, 5, (4, 3)), (7, 1, 3, (1, 7))],
+)
+def test_split_batch(g: int, r: int, cap: int, expected: tuple[int, int]) -> None:
+    per, acc = split_batch(g, r, cap)
+    assert (per, acc) == expected and r * per * acc == g
+
+
+def test_candidate_labels_and_keys_are_stable() -> None:
+    c = Candidate("torch", "nccl", (0, 1), (("NCCL_P2P_DISABLE", "1"),), num_replicas=2)
+    assert c.key == "torch:nccl:0,1:NCCL_P2P_DISABLE=1"
+    assert c.label == "NCCL on GPUs 0,1 with NCCL_P2P_DISABLE=1"
+    assert c.needs_probe and not Candidate("torch", "single_device", (0,)).needs_probe
+
+
+def test_planner_imports_no_os_subprocess_nvml_or_framework() -> None:
+    src = Path(__file__).parents[1] / "src" / "resilient_strategy"
+    banned = {"os", "subprocess", "pynvml", "torch", "tensorflow", "keras", "jax"}
+    for module in ("plan.py", "rules.py", "facts.py", "probe.py"):
+        tree = ast.parse((src / module).read_text())
+        names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module.split(".")[0] for n in ast.walk(tree)
+                  if isinstance(n, ast.ImportFrom) and n.module and n.level == 0}
+        assert not names & banned, (module, names & banned)

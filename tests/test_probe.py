@@ -1,0 +1,188 @@
+"""parse_probe and classify, from strings: no process is started here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from resilient_strategy.probe import (
+    CAUSES,
+    ERROR,
+    OK,
+    TIMEOUT,
+    ProbeResult,
+    ProbeSpec,
+    WorkerOutcome,
+    classify,
+    parse_probe,
+    tail,
+)
+
+SPEC = ProbeSpec("torch:nccl:0,1", "torch", "nccl", (0, 1), world_size=2, timeout_s=20.0)
+
+
+def ok_report(gbps: float = 100.0, step: float = 0.01) -> str:
+    return json.dumps({"status": "ok", "bus_bandwidth_gbps": gbps, "message_bytes": 1 << 24,
+                       "step_seconds": step, "detail": "nccl x2"})
+
+
+@pytest.mark.parametrize(("text", "cause"), [
+    ("torch.distributed.DistBackendError: NCCL error in: ... invalid usage (run with "
+     "NCCL_DEBUG=WARN for details), NCCL version 2.28.9\nncclInvalidUsage", "nccl_invalid_usage"),
+    ("Error while creating shared memory segment /dev/shm/nccl-abc (size 9637888)", "shared_memory"),
+    ("NCCL WARN Call to posix_fallocate failed : No space left on device", "shared_memory"),
+    ("CollectiveReduceV2: Error invoking NCCL: unhandled cuda error", "cuda_error"),
+    ("NVIDIA GeForce RTX 5090 with CUDA capability sm_120 is not compatible with the current "
+     "PyTorch installation.", "no_kernel_image"),
+    ("CUDA error: no kernel image is available for execution on the device", "no_kernel_image"),
+    ("RuntimeError: Distributed package doesn't have NCCL built in", "backend_unavailable"),
+    ("InvalidArgumentError: No OpKernel was registered to support Op 'NcclAllReduce'",
+     "backend_unavailable"),
+    ("ncclSystemError: System call (e.g. socket, malloc) or external library call failed",
+     "nccl_error"),
+    ("ValueError: something unrelated", "worker_error"),
+    ("", "worker_error"),
+])
+def test_classify(text: str, cause: str) -> None:
+    assert classify(text) == cause
+    assert cause in CAUSES
+
+
+def test_tail_is_bounded() -> None:
+    text = "\n".join(f"line {i}" for i in range(1000))
+    assert tail(text, 3) == "line 997\nline 998\nline 999"
+    assert len(tail("x" * 10_000, chars=100)) == 100
+
+
+def test_all_ranks_ok_gives_the_slowest_figures() -> None:
+    res = parse_probe(SPEC, [WorkerOutcome(0, 0, report=ok_report(120.0, 0.010)),
+                             WorkerOutcome(1, 0, report=ok_report(100.0, 0.012))], 3.21, False)
+    assert (res.status, res.cause, res.ranks) == (OK, "", 2)
+    assert res.bus_bandwidth_gbps == 100.0
+    assert res.step_seconds == 0.012
+    assert res.message_bytes == 1 << 24
+    assert res.elapsed_s == 3.21
+    assert res.ok
+
+
+def test_reported_cause_wins_over_classification() -> None:
+    rep = json.dumps({"status": "error", "error": "torch 2.13.0+cpu was built without NCCL",
+                      "cause": "backend_unavailable"})
+    res = parse_probe(SPEC, [WorkerOutcome(0, 1, report=rep), WorkerOutcome(1, 1, report=rep)],
+                      1.5, False)
+    assert (res.status, res.cause) == (ERROR, "backend_unavailable")
+    assert res.detail == "rank 0: torch 2.13.0+cpu was built without NCCL"
+
+
+def test_reported_error_is_classified_from_its_text() -> None:
+    rep = json.dumps({"status": "error", "error": "DistBackendError: NCCL error: invalid usage"})
+    res = parse_probe(SPEC, [WorkerOutcome(0, 1, report=rep),
+                             WorkerOutcome(1, None, signal=15, killed_by_runner=True)], 2.0, False)
+    assert (res.status, res.cause) == (ERROR, "nccl_invalid_usage")
+
+
+# As a torch 2.11 / NCCL 2.28.9 rank reported it on 2x H200 with NCCL_ALGO=bogus.
+NCCL_BOGUS = (
+    "DistBackendError: NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:93, "
+    "invalid usage (run with NCCL_DEBUG=WARN for details), NCCL version 2.28.9\n"
+    "ncclInvalidUsage: This usually reflects invalid usage of NCCL library.\n"
+    "Last error:\n"
+    'Unrecognized element token "bogus" when parsing "bogus"\n'
+    "Traceback (most recent call last):\n  ...\n"
+)
+
+
+def test_nccl_last_error_names_the_culprit() -> None:
+    rep = json.dumps({"status": "error", "error": NCCL_BOGUS})
+    res = parse_probe(SPEC, [WorkerOutcome(0, 1, report=rep, failed_first=True),
+                             WorkerOutcome(1, None, signal=15, killed_by_runner=True)], 3.9, False)
+    assert (res.status, res.cause) == (ERROR, "nccl_invalid_usage")
+    assert res.detail.startswith("rank 0: DistBackendError: NCCL error in:")
+    assert res.detail.endswith('[NCCL: Unrecognized element token "bogus" when parsing "bogus"]')
+
+
+def test_the_rank_that_failed_first_is_blamed_not_its_echo() -> None:
+    echo = json.dumps({"status": "error", "error": "RuntimeError: Connection reset by peer"})
+    res = parse_probe(SPEC, [
+        WorkerOutcome(0, 1, report=echo),
+        WorkerOutcome(1, 1, stderr="Traceback...\nncclInvalidUsage: bad NCCL_ALGO", failed_first=True),
+    ], 1.0, False)
+    assert (res.status, res.cause) == (ERROR, "nccl_invalid_usage")
+    assert res.detail.startswith("rank 1 exited with code 1")
+
+
+def test_wrong_result_on_any_rank() -> None:
+    wrong = json.dumps({"status": "wrong_result", "error": "index 512: 4025.0 instead of 4024.0"})
+    res = parse_probe(SPEC, [WorkerOutcome(0, 0, report=ok_report()),
+                             WorkerOutcome(1, 1, report=wrong)], 1.0, False)
+    assert (res.status, res.cause) == (ERROR, "wrong_result")
+    assert "4025.0" in res.detail
+
+
+def test_a_signal_death_is_a_crash() -> None:
+    res = parse_probe(SPEC, [WorkerOutcome(0, None, signal=11, failed_first=True),
+                             WorkerOutcome(1, None, signal=15, killed_by_runner=True)], 1.0, False)
+    assert (res.status, res.cause) == (ERROR, "crash")
+    assert "signal 11" in res.detail
+
+
+def test_deadline_without_reports_is_a_timeout() -> None:
+    res = parse_probe(SPEC, [WorkerOutcome(0, None, signal=15, killed_by_runner=True),
+                             WorkerOutcome(1, None, signal=15, killed_by_runner=True,
+                                           stderr="RESILIENT_STRATEGY_PROBE_FAULT: rank 1 hangs")],
+                      20.0, True)
+    assert (res.status, res.cause) == (TIMEOUT, "timeout")
+    assert "[0, 1]" in res.detail
+    assert "rank 1 hangs" in res.stderr_tail
+
+
+def test_clean_exit_without_report_is_an_error() -> None:
+    res = parse_probe(SPEC, [WorkerOutcome(0, 0, report=ok_report()), WorkerOutcome(1, 0)],
+                      1.0, False)
+    assert (res.status, res.cause) == (ERROR, "worker_error")
+    assert "[1]" in res.detail
+
+
+def test_unreadable_report() -> None:
+    res = parse_probe(SPEC, [WorkerOutcome(0, 0, report="{not json")], 1.0, False)
+    assert res.status == ERROR
+    assert "unreadable report" in res.detail
+
+
+def test_no_outcomes_is_not_ok() -> None:
+    assert parse_probe(SPEC, [], 0.0, False).status == ERROR
+
+
+def test_result_round_trips_through_a_dict() -> None:
+    res = ProbeResult("c", OK, 1.0, bus_bandwidth_gbps=3.8, extra=(("k", "v"),))
+    assert ProbeResult.from_dict(json.loads(json.dumps(res.to_dict()))) == res
+
+
+_outcomes = st.lists(
+    st.builds(
+        WorkerOutcome,
+        rank=st.integers(0, 7),
+        returncode=st.one_of(st.none(), st.integers(0, 3)),
+        signal=st.one_of(st.none(), st.sampled_from([9, 11, 15])),
+        report=st.one_of(st.text(max_size=40), st.sampled_from([ok_report(), '{"status": "error"}',
+                                                                '{"status": "wrong_result"}', "[]"])),
+        stderr=st.text(max_size=80),
+        killed_by_runner=st.booleans(),
+        failed_first=st.booleans(),
+    ),
+    max_size=4,
+)
+
+
+@given(_outcomes, st.booleans())
+def test_parse_never_raises_and_ok_means_every_rank_ok(
+    outcomes: list[WorkerOutcome], timed_out: bool
+) -> None:
+    res = parse_probe(SPEC, outcomes, 1.0, timed_out)
+    assert res.status in (OK, ERROR, TIMEOUT)
+    if res.ok:
+        assert outcomes and not timed_out
+        assert all(o.report == ok_report() for o in outcomes)

@@ -1,0 +1,273 @@
+"""run_probe: commands and environment (pure), then real probes with torch and TensorFlow on CPU.
+
+GPU tests run only with RS_GPU_TESTS=1 on a machine with at least two CUDA GPUs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from resilient_strategy import _proc, prober
+from resilient_strategy.errors import InvalidOptionError
+from resilient_strategy.probe import ERROR, OK, TIMEOUT, ProbeSpec
+from resilient_strategy.prober import build_commands, run_probe, worker_env
+
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+HAS_TF = importlib.util.find_spec("tensorflow") is not None
+FAULT = "RESILIENT_STRATEGY_PROBE_FAULT"
+
+
+def torch_has_cuda() -> bool:
+    """Read torch/version.py without importing torch (1.6 s here)."""
+    spec = importlib.util.find_spec("torch")
+    assert spec is not None and spec.origin is not None
+    text = (Path(spec.origin).parent / "version.py").read_text()
+    return re.search(r"^cuda\b.*=\s*None\s*$", text, re.M) is None
+
+
+def gloo(timeout_s: float = 30.0, **kw: Any) -> ProbeSpec:
+    return ProbeSpec("torch:gloo:cpu", "torch", "gloo", (), world_size=2, timeout_s=timeout_s,
+                     message_bytes=4 << 20, **kw)
+
+
+@pytest.fixture
+def env() -> dict[str, str]:
+    """The user's environment as a probe gets it: a snapshot, without a stray fault."""
+    return {k: v for k, v in os.environ.items() if k != FAULT}
+
+
+@pytest.fixture
+def groups(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[_proc.GroupOutcome]]:
+    """Every GroupOutcome run_probe saw (the real runner, only watched)."""
+    seen: list[_proc.GroupOutcome] = []
+    real = _proc.run_group
+
+    def watched(*args: Any, **kwargs: Any) -> _proc.GroupOutcome:
+        seen.append(real(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(_proc, "run_group", watched)
+    yield seen
+
+
+def assert_workers_gone(group: _proc.GroupOutcome) -> None:
+    for pid in group.pids:
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)
+
+
+# ------------------------------------------------------------------------------------------
+# Commands and environment (no process)
+# ------------------------------------------------------------------------------------------
+def test_torch_commands_one_per_rank_with_a_file_rendezvous(tmp_path: Path) -> None:
+    spec = ProbeSpec("k", "torch", "nccl", (2, 3), world_size=2, timeout_s=20.0)
+    cmds = build_commands(spec, {}, str(tmp_path), python="/py", parent_pid=42)
+    assert len(cmds) == 2
+    for rank, c in enumerate(cmds):
+        argv = list(c.argv)
+        assert argv[:3] == ["/py", "-m", "resilient_strategy.probes.torch_worker"]
+        assert argv[argv.index("--rank") + 1] == str(rank)
+        assert argv[argv.index("--devices") + 1] == "2,3"
+        assert argv[argv.index("--init-method") + 1] == (tmp_path / "rdzv").as_uri()
+        assert argv[argv.index("--parent-pid") + 1] == "42"
+        assert float(argv[argv.index("--timeout") + 1]) > spec.timeout_s  # the runner's fires first
+        assert c.cwd == str(tmp_path)
+        assert argv[argv.index("--report") + 1] == c.report_path
+    assert len({c.report_path for c in cmds}) == 2
+
+
+def test_tensorflow_is_one_process(tmp_path: Path) -> None:
+    spec = ProbeSpec("k", "tensorflow", "hierarchical_copy", (), logical_cpus=2, train_step=False)
+    (c,) = build_commands(spec, {}, str(tmp_path), python="/py", parent_pid=1)
+    assert c.argv[2] == "resilient_strategy.probes.tf_worker"
+    assert "--logical-cpus" in c.argv and "--no-train-step" in c.argv
+
+
+def test_bad_specs_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(InvalidOptionError):
+        build_commands(ProbeSpec("k", "jax", "x", ()), {}, str(tmp_path), python="p", parent_pid=1)
+    with pytest.raises(InvalidOptionError):
+        build_commands(ProbeSpec("k", "torch", "nccl", (0,), world_size=2), {}, str(tmp_path),
+                       python="p", parent_pid=1)
+
+
+def test_worker_env_adds_candidate_and_path_and_keeps_the_users() -> None:
+    user = {"PATH": "/bin", "PYTHONPATH": "/mine", "NCCL_NVLS_ENABLE": "0",
+            "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    spec = ProbeSpec("k", "torch", "nccl", (0, 1), env=(("NCCL_P2P_DISABLE", "1"),
+                                                         ("NCCL_NVLS_ENABLE", "1")))
+    out = worker_env(spec, user)
+    assert out == {**user, "NCCL_P2P_DISABLE": "1",
+                   "PYTHONPATH": prober.PACKAGE_ROOT + os.pathsep + "/mine"}
+    assert (Path(prober.PACKAGE_ROOT) / "resilient_strategy" / "probes").is_dir()
+    assert worker_env(ProbeSpec("k", "torch", "cpu", ()), {})["PYTHONPATH"] == prober.PACKAGE_ROOT
+
+
+def test_worker_env_quiets_tensorflow_unless_the_user_chose() -> None:
+    spec = ProbeSpec("k", "tensorflow", "cpu", ())
+    assert worker_env(spec, {})["TF_CPP_MIN_LOG_LEVEL"] == "2"
+    assert worker_env(spec, {"TF_CPP_MIN_LOG_LEVEL": "0"})["TF_CPP_MIN_LOG_LEVEL"] == "0"
+    assert "TF_CPP_MIN_LOG_LEVEL" not in worker_env(ProbeSpec("k", "torch", "cpu", ()), {})
+
+
+def test_a_python_that_cannot_start_is_an_error_result(env: dict[str, str]) -> None:
+    res = run_probe(ProbeSpec("k", "torch", "cpu", ()), env, python="/nonexistent/python")
+    assert (res.status, res.cause) == (ERROR, "worker_error")
+    assert "could not start" in res.detail
+
+
+# ------------------------------------------------------------------------------------------
+# torch on this machine's CPU
+# ------------------------------------------------------------------------------------------
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+def test_gloo_two_processes_on_cpu(env: dict[str, str], groups: list[_proc.GroupOutcome]) -> None:
+    res = run_probe(gloo(), env)
+    assert res.status == OK, res.why() + "\n" + res.stderr_tail
+    assert res.ranks == 2
+    assert res.bus_bandwidth_gbps is not None and res.bus_bandwidth_gbps > 0
+    assert res.message_bytes == 4 << 20
+    assert res.step_seconds is not None and res.step_seconds > 0
+    assert "all-reduce exact" in res.detail
+    assert_workers_gone(groups[-1])
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+def test_nccl_on_a_cpu_build_fails_fast(env: dict[str, str]) -> None:
+    if torch_has_cuda():
+        pytest.skip("this torch has CUDA")
+    spec = ProbeSpec("torch:nccl", "torch", "nccl", (0, 1), world_size=2, timeout_s=30.0)
+    res = run_probe(spec, env)
+    assert (res.status, res.cause) == (ERROR, "backend_unavailable")
+    assert res.elapsed_s < spec.timeout_s / 2
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+def test_a_hanging_rank_times_out_and_every_worker_is_gone(
+    env: dict[str, str], groups: list[_proc.GroupOutcome]
+) -> None:
+    res = run_probe(gloo(timeout_s=8.0), {**env, FAULT: "hang:1"})
+    assert (res.status, res.cause) == (TIMEOUT, "timeout")
+    assert 8.0 <= res.elapsed_s < 8.0 + 5.0
+    assert "rank 1 hangs" in res.stderr_tail
+    assert_workers_gone(groups[-1])
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+def test_a_rank_that_exits_gets_its_peer_killed_at_once(
+    env: dict[str, str], groups: list[_proc.GroupOutcome]
+) -> None:
+    spec = gloo(timeout_s=30.0)
+    res = run_probe(spec, {**env, FAULT: "exit:1"})
+    assert res.status == ERROR
+    assert res.detail.startswith("rank 1 exited with code 1"), res.detail
+    assert res.elapsed_s < spec.timeout_s / 2
+    rank0 = groups[-1].outcomes[0]
+    assert rank0.killed_by_runner or rank0.returncode == 1  # stopped, or failed on the reset
+    assert_workers_gone(groups[-1])
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+def test_a_corrupted_contribution_is_a_wrong_result(env: dict[str, str]) -> None:
+    res = run_probe(gloo(train_step=False), {**env, FAULT: "wrong:1"})
+    assert (res.status, res.cause) == (ERROR, "wrong_result")
+    assert "index 512" in res.detail
+
+
+# ------------------------------------------------------------------------------------------
+# TensorFlow on two logical CPU devices
+# ------------------------------------------------------------------------------------------
+@pytest.mark.tensorflow
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TF, reason="tensorflow is not installed")
+@pytest.mark.parametrize(("backend", "status"), [
+    ("nccl", ERROR), ("hierarchical_copy", OK), ("reduction_to_one_device", OK),
+])
+def test_tensorflow_on_logical_cpus(backend: str, status: str, env: dict[str, str]) -> None:
+    spec = ProbeSpec(f"tensorflow:{backend}", "tensorflow", backend, (), logical_cpus=2,
+                     timeout_s=60.0, message_bytes=4 << 20)
+    res = run_probe(spec, env)
+    assert res.status == status, res.why() + "\n" + res.stderr_tail
+    if status == OK:
+        assert res.bus_bandwidth_gbps is not None and res.bus_bandwidth_gbps > 0
+        assert res.step_seconds is not None and res.step_seconds > 0
+        assert "2 replica(s)" in res.detail
+    else:
+        assert res.cause == "backend_unavailable"
+        assert "NcclAllReduce" in res.detail
+
+
+# ------------------------------------------------------------------------------------------
+# Real GPUs (RS_GPU_TESTS=1 and two CUDA GPUs)
+# ------------------------------------------------------------------------------------------
+def need_two_gpus() -> None:
+    if os.environ.get("RS_GPU_TESTS") != "1":
+        pytest.skip("set RS_GPU_TESTS=1 on a machine with 2 CUDA GPUs")
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+
+
+def nccl(timeout_s: float, **kw: Any) -> ProbeSpec:
+    return ProbeSpec("torch:nccl:0,1", "torch", "nccl", (0, 1), world_size=2,
+                     timeout_s=timeout_s, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.torch
+@pytest.mark.slow
+def test_gpu_nccl_healthy(env: dict[str, str], groups: list[_proc.GroupOutcome]) -> None:
+    need_two_gpus()
+    res = run_probe(nccl(60.0), env)
+    assert res.status == OK, res.why() + "\n" + res.stderr_tail
+    assert res.bus_bandwidth_gbps is not None and res.bus_bandwidth_gbps > 1.0
+    assert res.step_seconds is not None
+    assert_workers_gone(groups[-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.torch
+@pytest.mark.slow
+def test_gpu_nccl_bogus_algo_fails_fast(
+    env: dict[str, str], groups: list[_proc.GroupOutcome]
+) -> None:
+    need_two_gpus()
+    spec = nccl(60.0, env=(("NCCL_ALGO", "bogus"),))
+    res = run_probe(spec, {k: v for k, v in env.items() if k != "NCCL_ALGO"})
+    assert (res.status, res.cause) == (ERROR, "nccl_invalid_usage"), res.why()
+    assert res.elapsed_s < spec.timeout_s / 2
+    assert_workers_gone(groups[-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.torch
+@pytest.mark.slow
+def test_gpu_nccl_unroutable_sockets_end_within_the_deadline(
+    env: dict[str, str], groups: list[_proc.GroupOutcome]
+) -> None:
+    need_two_gpus()
+    broken = (("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1"),
+              ("NCCL_SOCKET_IFNAME", "nonexistent0"))
+    spec = nccl(30.0, env=broken)
+    res = run_probe(spec, {k: v for k, v in env.items() if k not in dict(broken)})
+    assert res.status in (ERROR, TIMEOUT)
+    assert res.elapsed_s < spec.timeout_s + 6.0  # deadline plus the bounded kill
+    assert_workers_gone(groups[-1])
+

@@ -1,0 +1,180 @@
+"""The process runner, with real ``python -c`` workers (no framework)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+
+import pytest
+
+from resilient_strategy import prober
+from resilient_strategy._proc import GroupOutcome, WorkerCommand, run_group
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux /proc")
+
+
+def cmd(code: str, tmp_path: Path, name: str, *extra: str) -> WorkerCommand:
+    env = {**os.environ, "PYTHONPATH": prober.PACKAGE_ROOT}
+    return WorkerCommand((sys.executable, "-c", code, *extra), env, str(tmp_path),
+                         str(tmp_path / f"{name}.json"))
+
+
+def running(marker: str) -> list[int]:
+    """Live (non-zombie) processes whose command line contains ``marker``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker.encode() in argv and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def gone_soon(marker: str, within_s: float = 3.0) -> bool:
+    """No live process with ``marker`` (reparented ones die asynchronously, from outside)."""
+    end = time.monotonic() + within_s
+    while running(marker) and time.monotonic() < end:
+        time.sleep(0.05)
+    return running(marker) == []
+
+
+def assert_all_gone(out: GroupOutcome) -> None:
+    assert all(group_gone(pid) for pid in out.pids)
+
+
+@pytest.fixture
+def marker() -> Iterator[str]:
+    m = f"rs-test-{uuid.uuid4().hex}"
+    yield m
+    for pid in running(m):  # never leave a stray behind, even when a test fails
+        os.kill(pid, signal.SIGKILL)
+
+
+SLEEP = "import time; time.sleep(60)"
+WRITE = "import sys, json; open(sys.argv[1], 'w').write(json.dumps({'status': 'ok'}))"
+
+
+def test_all_succeed_and_reports_are_read(tmp_path: Path) -> None:
+    commands = [cmd(WRITE, tmp_path, f"r{i}", str(tmp_path / f"r{i}.json")) for i in range(2)]
+    out = run_group(commands, 20.0)
+    assert not out.timed_out
+    assert [o.returncode for o in out.outcomes] == [0, 0]
+    assert [o.report for o in out.outcomes] == ['{"status": "ok"}'] * 2
+    assert not any(o.killed_by_runner or o.failed_first for o in out.outcomes)
+    assert_all_gone(out)
+
+
+@pytest.mark.slow
+def test_one_failure_stops_the_others_at_once(tmp_path: Path, marker: str) -> None:
+    fail = "import sys, time; time.sleep(0.3); print('boom', file=sys.stderr); sys.exit(1)"
+    out = run_group([cmd(SLEEP, tmp_path, "a", marker), cmd(fail, tmp_path, "b")], 30.0)
+    sleeper, failer = out.outcomes
+    assert (failer.returncode, failer.failed_first, failer.killed_by_runner) == (1, True, False)
+    assert "boom" in failer.stderr
+    assert (sleeper.killed_by_runner, sleeper.returncode, sleeper.signal) == (True, None, 15)
+    assert not out.timed_out
+    assert out.elapsed_s < 15.0  # half the deadline: stopped by the failure, not the clock
+    assert_all_gone(out)
+    assert running(marker) == []
+
+
+@pytest.mark.slow
+def test_deadline_kills_everyone(tmp_path: Path, marker: str) -> None:
+    out = run_group([cmd(SLEEP, tmp_path, f"s{i}", marker) for i in range(2)], 1.0)
+    assert out.timed_out
+    assert 1.0 <= out.elapsed_s < 1.0 + 2.0
+    assert all(o.killed_by_runner and o.signal == signal.SIGTERM for o in out.outcomes)
+    assert_all_gone(out)
+    assert running(marker) == []
+
+
+@pytest.mark.slow
+def test_sigterm_ignored_gets_sigkill(tmp_path: Path, marker: str) -> None:
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    out = run_group([cmd(code, tmp_path, "t", marker)], 0.5, grace_s=0.5)
+    assert out.timed_out
+    assert out.outcomes[0].signal == signal.SIGKILL
+    assert_all_gone(out)
+
+
+@pytest.mark.slow
+def test_grandchildren_in_the_worker_group_are_killed(tmp_path: Path, marker: str) -> None:
+    code = ("import subprocess, sys, time; "
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', sys.argv[1]]); "
+            "time.sleep(0.5); sys.exit(2)")
+    out = run_group([cmd(code, tmp_path, "g", marker)], 20.0)
+    assert out.outcomes[0].returncode == 2
+    assert gone_soon(marker)  # the grandchild, now a child of init, died with the group
+
+
+@pytest.mark.slow
+def test_interrupted_parent_kills_and_reaps(tmp_path: Path, marker: str) -> None:
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_group([cmd(SLEEP, tmp_path, f"s{i}", marker) for i in range(2)], 30.0)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert running(marker) == []
+
+
+def test_a_worker_that_cannot_start_stops_those_started(tmp_path: Path, marker: str) -> None:
+    missing = WorkerCommand(("/nonexistent/python",), {}, str(tmp_path), str(tmp_path / "x.json"))
+    with pytest.raises(FileNotFoundError):
+        run_group([cmd(SLEEP, tmp_path, "s", marker), missing], 30.0)
+    assert running(marker) == []
+
+
+def test_stderr_is_a_bounded_tail(tmp_path: Path) -> None:
+    code = "import sys; sys.stderr.write('x' * 300_000 + '\\nLAST LINE\\n'); sys.exit(1)"
+    out = run_group([cmd(code, tmp_path, "e")], 20.0)
+    err = out.outcomes[0].stderr
+    assert err.endswith("LAST LINE\n")
+    assert len(err) <= 64 << 10
+
+
+@pytest.mark.slow
+def test_orphaned_worker_exits_when_its_parent_is_killed(tmp_path: Path, marker: str) -> None:
+    # The middle process starts a worker in its own session (as run_group does), then dies by
+    # SIGKILL: nothing in the runner can reach that worker; its watchdog must end it.
+    worker = ("from resilient_strategy.probes._watchdog import watch_parent; watch_parent(); "
+              "import time; time.sleep(60)")
+    middle = ("import os, signal, subprocess, sys, time; "
+              f"subprocess.Popen([sys.executable, '-c', {worker!r}, sys.argv[1]], "
+              "start_new_session=True); time.sleep(1.0); os.kill(os.getpid(), signal.SIGKILL)")
+    out = run_group([cmd(middle, tmp_path, "m", marker)], 20.0)
+    assert out.outcomes[0].signal == signal.SIGKILL
+    assert not out.outcomes[0].killed_by_runner
+    assert gone_soon(marker)
+
+
+def test_watchdog_exits_at_once_when_the_parent_already_changed(tmp_path: Path) -> None:
+    code = ("from resilient_strategy.probes._watchdog import watch_parent; "
+            "watch_parent(expected_parent=1); import time; time.sleep(60)")
+    out = run_group([cmd(code, tmp_path, "w")], 20.0)
+    assert out.outcomes[0].returncode == 3
+    assert out.elapsed_s < 10.0

@@ -1,0 +1,186 @@
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from resilient_strategy import versions
+from resilient_strategy.facts import FrameworkInfo
+from resilient_strategy.versions import detect_frameworks
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _python(code: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": SRC, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True, text=True, env=env, timeout=timeout, check=False,
+    )
+
+
+def _write(path: Path, text: str) -> str:
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+# ----- build files read with ast -------------------------------------------------------------
+def test_tf_gpu_build_info_ordered_dict(tmp_path: Path) -> None:
+    path = _write(tmp_path / "build_info.py", """\
+        import collections
+        build_info = collections.OrderedDict([('cpu_compiler', '/usr/bin/clang'),
+            ('cuda_compute_capabilities', ['sm_60', 'sm_70', 'sm_80', 'sm_89', 'compute_90']),
+            ('cuda_version', '12.5.1'), ('cudnn_version', '9'), ('is_cuda_build', True)])
+        """)
+    info = versions._build_info(path)
+    assert info["cuda_version"] == "12.5.1"
+    assert info["cuda_compute_capabilities"][-1] == "compute_90"
+
+
+def test_tf_build_info_dict_literal_and_old_constants(tmp_path: Path) -> None:
+    path = _write(tmp_path / "a.py", "build_info = {'cuda_version': '11.2', 'nccl_version': '2'}")
+    assert versions._build_info(path) == {"cuda_version": "11.2", "nccl_version": "2"}
+    old = _write(tmp_path / "b.py", "is_cuda_build = True\ncuda_version_number = '10.1'\n")
+    assert versions._build_info(old)["cuda_version_number"] == "10.1"
+
+
+def test_literals_skip_code_and_survive_bad_files(tmp_path: Path) -> None:
+    path = _write(tmp_path / "version.py", """\
+        from typing import Optional
+        __version__ = '2.7.1+cu128'
+        cuda: Optional[str] = '12.8'
+        hip: Optional[str] = None
+        git_version = compute()
+        """)
+    assert versions._literals(path) == {"__version__": "2.7.1+cu128", "cuda": "12.8", "hip": None}
+    assert versions._literals(_write(tmp_path / "bad.py", "x = (\n")) == {}
+    assert versions._literals(str(tmp_path / "missing.py")) == {}
+
+
+def test_required_nccl_reads_the_pinned_wheel(monkeypatch: pytest.MonkeyPatch) -> None:
+    dist: Any = SimpleNamespace(requires=[
+        "filelock", 'nvidia-nccl-cu12==2.26.2; platform_system == "Linux"', "sympy>=1.13",
+    ])
+    monkeypatch.setattr(
+        importlib.metadata, "version",
+        lambda name: {"nvidia-nccl-cu12": "2.26.2"}[name] if name.endswith("cu12") else
+        (_ for _ in ()).throw(importlib.metadata.PackageNotFoundError(name)),
+    )
+    assert versions._required_nccl(dist) == "2.26.2"
+    no_requirements: Any = SimpleNamespace(requires=None)
+    assert versions._required_nccl(no_requirements) is None
+    assert versions._required_nccl(None) is None
+
+
+# ----- installed frameworks ----------------------------------------------------------------
+def test_installed_cpu_builds_of_this_venv() -> None:
+    fws = {f.name: f for f in detect_frameworks({})}
+    assert list(fws) == ["torch", "tensorflow", "keras"]
+    if importlib.util.find_spec("torch"):
+        torch = fws["torch"]
+        assert torch.version == importlib.metadata.version("torch")
+        assert torch.distribution == "torch"
+        if "+cpu" in (torch.version or ""):
+            assert torch.cuda is None and torch.nccl is None
+    tf = fws["tensorflow"]
+    if tf.installed:
+        assert tf.distribution in versions._DISTRIBUTIONS["tensorflow"]
+        if tf.distribution == "tensorflow-cpu":
+            assert tf.cuda is None and tf.archs == ()
+    assert not any(f.imported or f.gpu_initialized for f in fws.values())
+
+
+def test_not_installed_framework(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(versions._DISTRIBUTIONS, "keras", ("no-such-keras-dist",))
+    assert detect_frameworks({})[2] == FrameworkInfo(name="keras")
+
+
+def test_imported_and_initialized_from_modules() -> None:
+    torch = SimpleNamespace(cuda=SimpleNamespace(is_initialized=lambda: True))
+    ctx = SimpleNamespace(_physical_devices=["/physical_device:CPU:0"], _context_handle=None)
+    mods = {
+        "torch": torch,
+        "tensorflow": object(),
+        "tensorflow.python.eager.context": SimpleNamespace(context_safe=lambda: ctx),
+        "keras": object(),
+    }
+    fws = {f.name: f for f in detect_frameworks(mods)}
+    assert fws["torch"].imported and fws["torch"].gpu_initialized
+    assert fws["tensorflow"].imported and fws["tensorflow"].gpu_initialized
+    assert fws["keras"].imported and not fws["keras"].gpu_initialized
+
+
+def test_initialized_checks_never_raise_on_odd_internals() -> None:
+    def boom() -> bool:
+        raise RuntimeError("internals changed")
+
+    assert not versions._torch_initialized({"torch": SimpleNamespace(cuda=SimpleNamespace(
+        is_initialized=boom))})
+    assert not versions._torch_initialized({"torch": object()})
+    no_ctx = SimpleNamespace(context_safe=lambda: None)
+    assert not versions._tensorflow_initialized({"tensorflow.python.eager.context": no_ctx})
+    fresh = SimpleNamespace(context_safe=lambda: SimpleNamespace(_physical_devices=None))
+    assert not versions._tensorflow_initialized({"tensorflow.python.eager.context": fresh})
+    odd = SimpleNamespace(context_safe=boom)
+    assert not versions._tensorflow_initialized({"tensorflow.python.eager.context": odd})
+
+
+def test_detect_frameworks_imports_no_framework_and_is_fast() -> None:
+    out = _python("""
+        import sys, time, json
+        from resilient_strategy.versions import detect_frameworks
+        t = time.perf_counter(); detect_frameworks(); first = time.perf_counter() - t
+        t = time.perf_counter(); detect_frameworks(); again = time.perf_counter() - t
+        heavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'tensorflow', 'keras')]
+        print(json.dumps([heavy, first, again]))
+        """, timeout=60)
+    assert out.returncode == 0, out.stderr
+    heavy, first, again = json.loads(out.stdout)
+    assert heavy == []
+    assert first < 0.5 and again < 0.1  # measured ~13 ms / ~8 ms on a 2-core VM
+
+
+@pytest.mark.slow
+def test_real_tensorflow_initialized_state() -> None:
+    if not importlib.util.find_spec("tensorflow"):
+        pytest.skip("tensorflow not installed")
+    out = _python("""
+        import json
+        from resilient_strategy.versions import detect_frameworks
+        def state():
+            tf_info = detect_frameworks()[1]
+            return [tf_info.imported, tf_info.gpu_initialized]
+        seen = [state()]
+        import tensorflow as tf
+        seen.append(state())
+        tf.config.list_physical_devices()
+        seen.append(state())
+        print(json.dumps(seen))
+        """, timeout=180)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [
+        [False, False], [True, False], [True, True]
+    ]
+
+
+@pytest.mark.slow
+def test_real_torch_imported_but_not_initialized() -> None:
+    if not importlib.util.find_spec("torch"):
+        pytest.skip("torch not installed")
+    out = _python("""
+        import json, torch
+        from resilient_strategy.versions import detect_frameworks
+        t = detect_frameworks()[0]
+        print(json.dumps([t.imported, t.gpu_initialized, t.version == torch.__version__]))
+        """, timeout=180)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [True, False, True]
