@@ -8,6 +8,7 @@ before torch initializes anything.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -44,10 +45,8 @@ class Agreement:
                 json.dump({**payload, "published_at": time.time()}, fh)
             os.replace(tmp, self.path)
         except OSError as exc:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
             raise ResilientStrategyError(
                 f"cannot publish the decision for the other ranks at {self.path}: {exc}; set "
                 "RESILIENT_STRATEGY_CACHE_DIR to a writable directory"

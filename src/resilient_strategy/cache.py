@@ -9,6 +9,7 @@ directory is a logged degrade. Nothing here raises to the user.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -101,14 +102,10 @@ class DecisionCache:
         except OSError as exc:
             log.warning("resilient_strategy: cannot write cache %s (%s); continuing", path, exc)
             if tmp is not None:
-                try:
+                with contextlib.suppress(OSError):
                     os.unlink(tmp)
-                except OSError:
-                    pass
             return False
 
     def clear(self, fingerprint: str) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.path(fingerprint).unlink()
-        except OSError:
-            pass

@@ -188,9 +188,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines: list[str] = []
     if args.command == "doctor":
         lines += _facts_text(facts)
+        fired = sorted({r for s in selections.values() for r in s.plan.rules_fired})
+        lines.append("Rules fired: " + (", ".join(fired) if fired else "none"))
     if not selections:
         lines.append("No framework to plan for: pip install torch or tensorflow.")
     for fw, sel in selections.items():
-        lines += ["", f"== {fw} =="] + _selection_text(sel, show_probes=args.command == "probe")
+        lines += ["", f"== {fw} ==", *_selection_text(sel, show_probes=args.command == "probe")]
     print("\n".join(lines))
     return 0

@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,7 @@ class Options:
     cache_ttl_s: float = DEFAULT_TTL_S
     rules: tuple[Rule, ...] = ()
     precision: str = "auto"
-    launch: Launch = Launch()
+    launch: Launch = field(default_factory=Launch)
     logical_cpus: int = 0
     framework_reason: str = ""
 

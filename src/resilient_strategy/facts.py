@@ -202,7 +202,7 @@ class Facts:
             visibility=visibility,
             host=host,
             frameworks=fws,
-            env=env_pairs,  # type: ignore[arg-type]
+            env=env_pairs,
         )
 
     def fingerprint(self) -> str:

@@ -511,6 +511,7 @@ def estimate(
         how = "compute of a ResNet-50-sized model"
     r = c.num_replicas
     compute = g * per_sample / r
+    bus: float | None
     if result is not None and result.ok and result.bus_bandwidth_gbps:
         bus, bus_how = result.bus_bandwidth_gbps, "measured bus bandwidth"
     else:

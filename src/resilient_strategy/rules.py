@@ -197,7 +197,8 @@ def _kernel_coverage(archs: Sequence[str], gpus: Sequence[Gpu]) -> str | None:
     None when the arch list is unknown or there are no GPUs."""
     if not archs or not gpus:
         return None
-    sass, ptx = [], []
+    sass: list[tuple[int, int]] = []
+    ptx: list[tuple[int, int]] = []
     for a in archs:
         m = re.fullmatch(r"(sm|compute)_(\d+)(\d)[a-z]?", a.strip())
         if m:

@@ -131,7 +131,7 @@ class Selection:
         extras = []
         if self.from_cache:
             extras.append("decision from the cache (probe='force' re-probes)")
-        if not self.proven:
+        if not self.proven and not self.dry_run:
             extras.append("NOT proven: probing was off")
         if self.env:
             extras.append("set " + " ".join(f"{k}={v}" for k, v in sorted(self.env.items())))

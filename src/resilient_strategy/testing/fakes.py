@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..facts import FrameworkInfo, Facts, Gpu, Host, Link, Visibility
+from ..facts import Facts, FrameworkInfo, Gpu, Host, Link, Visibility
 from ..probe import CAUSES, ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec
 from ..selection import Selection
 
