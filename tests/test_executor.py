@@ -18,7 +18,7 @@ from resilient_strategy.executor import decide, options_from, resilient_strategy
 from resilient_strategy.rules import rule_from_dict
 from resilient_strategy.testing import FakeProber, machine, simulate
 
-H200X2 = machine(2, nvlink=18)
+H200X2 = machine(2, nvlink=18, env={"WORLD_SIZE": "2"})  # under torchrun
 
 
 def opts_for(facts, env=None, **kw):  # type: ignore[no-untyped-def]
@@ -91,7 +91,7 @@ def test_cache_hit_costs_no_probe_and_changed_machine_reprobes(tmp_path: Path) -
     forced = FakeProber({"nccl": "ok"})
     c = simulate(H200X2, forced, cache=True, cache_dir=tmp_path, probe="force", global_batch_size=64)
     assert forced.probed == ["nccl"] and c.backend == "nccl" and c.env == {}
-    other = machine(2, nvlink=18, driver="590.1")
+    other = machine(2, nvlink=18, driver="590.1", env={"WORLD_SIZE": "2"})
     d_prober = FakeProber()
     simulate(other, d_prober, cache=True, cache_dir=tmp_path, global_batch_size=64)
     assert d_prober.probed == ["nccl"]
@@ -112,8 +112,8 @@ def test_probe_budget_is_one_deadline_for_the_decision() -> None:
         return FakeProber({"*": "timeout"})(spec, env)
 
     # consumer cards on AWS: P2P-off, plain, NCCL_NET=Socket, P2P+SHM-off and gloo: 5 probes
-    facts = machine(2, name="NVIDIA GeForce RTX 4090", cc=(8, 9), aws=True)
-    o = opts_for(facts, timeout=10.0, gradient_bytes=1000, sample_seconds=1.0)
+    facts = machine(2, name="NVIDIA GeForce RTX 4090", cc=(8, 9), aws=True, env={"WORLD_SIZE": "2"})
+    o = opts_for(facts, {"WORLD_SIZE": "2"}, timeout=10.0, gradient_bytes=1000, sample_seconds=1.0)
     p, results, _, proven = decide(facts, o, {}, slow_prober, clock=lambda: now[0])
     assert proven and p.chosen is not None and p.chosen.backend == "single_device"
     assert now[0] <= o.budget_s == 40.0
@@ -138,7 +138,8 @@ def test_user_variables_are_never_overwritten(monkeypatch: pytest.MonkeyPatch) -
     applied = _env.apply({"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"})
     assert applied == {"NCCL_SHM_DISABLE": "1"}
     assert os.environ["NCCL_P2P_DISABLE"] == "0" and os.environ["NCCL_SHM_DISABLE"] == "1"
-    consumer = machine(2, name="NVIDIA GeForce RTX 4090", cc=(8, 9), env={"NCCL_P2P_DISABLE": "0"})
+    consumer = machine(2, name="NVIDIA GeForce RTX 4090", cc=(8, 9),
+                       env={"NCCL_P2P_DISABLE": "0", "WORLD_SIZE": "2"})
     sel = simulate(consumer, FakeProber({"nccl": "timeout"}))
     assert "NCCL_P2P_DISABLE" not in sel.env
     assert "your value stands" in sel.explain()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from resilient_strategy.errors import InvalidOptionError
 from resilient_strategy.plan import Policy, plan
 from resilient_strategy.rules import load_rules
 from resilient_strategy.testing import FakeProber, simulate
@@ -25,6 +27,11 @@ def test_every_decision_terminates_keeps_the_batch_and_ends_single_device(
 ) -> None:
     fw = _framework(facts)
     prober = FakeProber(outcomes)
+    world = int(facts.env_map.get("WORLD_SIZE", "1")) if fw == "torch" else 1
+    if g is not None and g % world:
+        with pytest.raises(InvalidOptionError, match="cannot be split exactly"):
+            simulate(facts, prober, framework=fw, global_batch_size=g)
+        return
     sel = simulate(facts, prober, framework=fw, global_batch_size=g)
     # terminates: each candidate is probed at most once
     assert len(prober.calls) == len({s.candidate for s in prober.calls}) <= 12
@@ -46,8 +53,11 @@ def test_every_decision_terminates_keeps_the_batch_and_ends_single_device(
 @given(machines(), outcome_tables(), st.sampled_from([None, 64, 96, 1000]))
 def test_plan_is_deterministic(facts, outcomes, g) -> None:  # type: ignore[no-untyped-def]
     fw = _framework(facts)
+    world = int(facts.env_map.get("WORLD_SIZE", "1")) if fw == "torch" else 1
+    if g is not None and g % world:
+        g = world * 8
     sel = simulate(facts, FakeProber(outcomes), framework=fw, global_batch_size=g)
-    policy = Policy(fw, global_batch_size=g, user_env=tuple(facts.env_map))
+    policy = Policy(fw, global_batch_size=g, user_env=tuple(facts.env_map), world_size=world)
     again = [plan(facts, RULES, dict(sel.results), policy) for _ in range(2)]
     assert again[0] == again[1]
     assert again[0].chosen == sel.candidate

@@ -47,6 +47,12 @@ RELEVANT_ENV_NAMES = (
 )
 
 
+#: Relevant variables that differ between runs of the same job on the same machine.
+_PER_RUN_ENV = frozenset(
+    {"RANK", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR", "TORCHELASTIC_RUN_ID"}
+)
+
+
 @dataclass(frozen=True)
 class Gpu:
     """One GPU the job can see. ``index`` is the CUDA ordinal inside the job (0..n-1)."""
@@ -223,7 +229,7 @@ class Facts:
                 self.host.iommu,
                 self.host.kernel,
             ],
-            "env": [kv for kv in self.env if kv[0] not in ("RANK", "LOCAL_RANK", "MASTER_PORT")],
+            "env": [kv for kv in self.env if kv[0] not in _PER_RUN_ENV],
         }
         blob = json.dumps(key, sort_keys=True, default=list).encode()
         return hashlib.sha256(blob).hexdigest()[:16]

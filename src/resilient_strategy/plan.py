@@ -228,10 +228,10 @@ def plan(
     if policy.logical_cpus:
         gpus = tuple(range(policy.logical_cpus))
         b.trace.append(f"Test mode: {policy.logical_cpus} logical CPU devices stand in for GPUs.")
-    base = _chain(fw, gpus, info.has_cuda or bool(policy.logical_cpus), policy, b)
+    base, reference = _chain(fw, gpus, info.has_cuda or bool(policy.logical_cpus), policy, b)
     hits = fired(rules, facts, fw)
     cands = _apply_rules(base, hits, policy, b)
-    cands = _split_batches(cands, policy, b)  # before results: keys name the devices used
+    cands = _split_batches(cands, policy, b, reference)  # before results: keys name devices
     cands = _apply_results(cands, results, policy, b)
 
     ranked = _rank(cands, facts, results, policy, b)
@@ -277,8 +277,9 @@ def _describe_facts(facts: Facts, fw: str, n: int) -> str:
 
 def _chain(
     fw: str, gpus: tuple[int, ...], has_cuda: bool, policy: Policy, b: _Build
-) -> list[Candidate]:
-    """The static chain for this framework, before rules and results."""
+) -> tuple[list[Candidate], int]:
+    """The static chain for this framework, before rules and results, and the number of
+    devices the best plan would use (the one-device fallbacks accumulate that many steps)."""
     out: list[Candidate] = []
     n_proc = policy.world_size if fw == "torch" else 1
     if gpus and not has_cuda:
@@ -294,6 +295,14 @@ def _chain(
     else:
         multi_devs = gpus
     multi_ok = len(multi_devs) >= 2 or (fw == "torch" and n_proc > 1)
+    reference = len(multi_devs) if multi_ok and multi_devs else max(1, n_proc)
+    if fw == "torch" and n_proc == 1 and len(gpus) >= 2:
+        b.trace.append(
+            f"This is one process, and PyTorch runs one process per GPU: it trains on one GPU "
+            f"with {len(gpus)} accumulation steps here. To use all {len(gpus)} GPUs, start it "
+            f"with `torchrun --nproc_per_node {len(gpus)} <your script>`."
+        )
+        multi_ok = False
     if multi_ok and multi_devs:
         backends = ("nccl", "gloo") if fw == "torch" else ("nccl", "hierarchical_copy", "reduction_to_one_device")
         for backend in backends:
@@ -303,7 +312,7 @@ def _chain(
     if gpus:
         out.append(Candidate(fw, "single_device", gpus[:1]))
     out.append(Candidate(fw, "cpu", ()))
-    return out
+    return out, reference
 
 
 def _user_set(policy: Policy, env: Mapping[str, str]) -> list[str]:
@@ -403,9 +412,11 @@ def _apply_results(
     return out
 
 
-def _split_batches(cands: list[Candidate], policy: Policy, b: _Build) -> list[Candidate]:
+def _split_batches(
+    cands: list[Candidate], policy: Policy, b: _Build, reference: int
+) -> list[Candidate]:
     g = policy.global_batch_size
-    top = max((c.num_replicas for c in cands), default=1)
+    top = max([reference, *(c.num_replicas for c in cands)])
     if g is None:
         out = []
         for c in cands:

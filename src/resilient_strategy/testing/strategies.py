@@ -40,6 +40,8 @@ def machines(draw: Any, max_gpus: int = 8) -> Facts:
     torch = draw(st.sampled_from([None, "2.0.1", "2.7.0", "2.11.0"])) if tf else \
         draw(st.sampled_from(["2.0.1", "2.7.0", "2.11.0"]))
     env: dict[str, str] = {}
+    if n >= 2 and draw(st.booleans()):  # started by torchrun, one process per GPU
+        env["WORLD_SIZE"] = str(n)
     if draw(st.booleans()):
         env[draw(st.sampled_from(["NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_IB_DISABLE"]))] = \
             draw(st.sampled_from(["0", "1"]))
