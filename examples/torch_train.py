@@ -22,10 +22,14 @@ def main() -> None:
     parser.add_argument("--global-batch-size", type=int, default=256)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--samples", type=int, default=20_000)
+    parser.add_argument("--hidden", type=int, default=256, help="width (4096 on GPUs: ~100M params)")
+    parser.add_argument("--depth", type=int, default=2, help="hidden layers (6 on GPUs)")
     args = parser.parse_args()
 
+    params = FEATURES * args.hidden + (args.depth - 1) * args.hidden**2 + args.hidden * CLASSES
     sel = resilient_strategy.resilient_strategy(
-        framework="torch", global_batch_size=args.global_batch_size
+        framework="torch", global_batch_size=args.global_batch_size,
+        gradient_bytes=4 * params,  # fp32 gradients: lets it rank strategies by speed
     )
     if sel.is_main_process:
         print(sel.explain())
@@ -47,11 +51,10 @@ def main() -> None:
 
     torch.manual_seed(0)
     with sel.scope():  # builds on this rank's device
-        model = torch.nn.Sequential(
-            torch.nn.Linear(FEATURES, 256), torch.nn.ReLU(),
-            torch.nn.Linear(256, 256), torch.nn.ReLU(),
-            torch.nn.Linear(256, CLASSES),
-        )
+        layers: list[torch.nn.Module] = [torch.nn.Linear(FEATURES, args.hidden), torch.nn.GELU()]
+        for _ in range(args.depth - 1):
+            layers += [torch.nn.Linear(args.hidden, args.hidden), torch.nn.GELU()]
+        model = torch.nn.Sequential(*layers, torch.nn.Linear(args.hidden, CLASSES))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer, loader = sel.prepare(model, optimizer, loader)  # DDP + DistributedSampler
     if sel.is_main_process:

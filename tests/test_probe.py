@@ -186,3 +186,14 @@ def test_parse_never_raises_and_ok_means_every_rank_ok(
     if res.ok:
         assert outcomes and not timed_out
         assert all(o.report == ok_report() for o in outcomes)
+
+
+def test_fault_injection_can_target_one_backend() -> None:
+    from resilient_strategy.probes._common import fault_for
+
+    env = {"RESILIENT_STRATEGY_PROBE_FAULT": "hang:1:nccl"}
+    assert fault_for(1, env, "nccl") == "hang"
+    assert fault_for(1, env, "gloo") == ""
+    assert fault_for(0, env, "nccl") == ""
+    assert fault_for(1, {"RESILIENT_STRATEGY_PROBE_FAULT": "exit:1"}, "gloo") == "exit"
+    assert fault_for(1, {"RESILIENT_STRATEGY_PROBE_FAULT": "melt:1"}, "gloo") == ""

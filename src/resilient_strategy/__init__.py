@@ -12,9 +12,9 @@ framework too early.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 from .guard import install_import_watch
+
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs ~8 ms (mypy knows both)
 
 __version__ = "0.1.0"
 __all__ = [
@@ -53,6 +53,8 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from typing import Any
+
     from .errors import (
         CacheError,
         FrameworkInitializedError,

@@ -22,6 +22,7 @@ from typing import Any
 
 from .errors import ResilientStrategyError
 from .facts import Facts
+from .plan import human_duration
 
 _FRAMEWORKS = ("torch", "tensorflow")
 
@@ -122,7 +123,7 @@ def _selection_text(sel: Any, show_probes: bool) -> list[str]:
             c = r.candidate
             mark = "*" if c.key == sel.candidate.key else " "
             out.append(f" {mark}{i}. {c.label}  [{c.num_replicas}x{c.per_replica_batch_size or '-'}"
-                       f"x{c.accumulation_steps}]  ~{r.estimate.step_seconds * 1e3:.1f} ms/step")
+                       f"x{c.accumulation_steps}]  ~{human_duration(r.estimate.step_seconds)}/step")
     if sel.plan.ruled_out:
         out.append("Ruled out:")
         out += [f"  - {r.candidate.label}: {r.reason}" + (f" [{r.rule}]" if r.rule else "")
@@ -136,7 +137,7 @@ def _selection_text(sel: Any, show_probes: bool) -> list[str]:
     return out
 
 
-def _decide(args: argparse.Namespace, facts: Facts | None, sim: Mapping[str, Any] | None,
+def _decide(args: argparse.Namespace, facts: Facts, sim: Mapping[str, Any] | None,
             framework: str) -> Any:
     from .executor import resilient_strategy
     from .testing.fakes import FakeProber
@@ -149,17 +150,32 @@ def _decide(args: argparse.Namespace, facts: Facts | None, sim: Mapping[str, Any
         "timeout": args.timeout,
         "logical_cpus": args.logical_cpus,
     }
+    env = _launch_env(facts, framework, sim)
     if sim is not None:
-        assert facts is not None
         probes = sim.get("probes")
         return resilient_strategy(
-            facts=facts, env=facts.env_map, cache=False,
+            facts=facts, env=env, cache=False,
             dry_run=not probes,
             _prober=FakeProber(dict(probes or {})), **kw,
         )
     if args.command == "probe":
-        return resilient_strategy(probe="force" if args.force else "auto", **kw)
-    return resilient_strategy(facts=facts, dry_run=True, **kw)
+        return resilient_strategy(probe="force" if args.force else "auto", env=env, **kw)
+    return resilient_strategy(facts=facts, dry_run=True, env=env, **kw)
+
+
+def _launch_env(facts: Facts, framework: str, sim: Mapping[str, Any] | None) -> dict[str, str]:
+    """The environment to plan in. PyTorch on 2+ GPUs outside a launcher is planned as rank 0
+    of `torchrun --nproc_per_node N` would plan it: that is how it uses every GPU."""
+    from . import _env
+
+    env = dict(facts.env_map) if sim is not None else _env.snapshot()
+    if as_torchrun(facts, framework, env):
+        env.update(WORLD_SIZE=str(len(facts.gpus)), RANK="0", LOCAL_RANK="0")
+    return env
+
+
+def as_torchrun(facts: Facts, framework: str, env: Mapping[str, str]) -> bool:
+    return framework == "torch" and len(facts.gpus) >= 2 and "WORLD_SIZE" not in env
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -190,6 +206,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         lines += _facts_text(facts)
         fired = sorted({r for s in selections.values() for r in s.plan.rules_fired})
         lines.append("Rules fired: " + (", ".join(fired) if fired else "none"))
+        if "torch" in selections and as_torchrun(facts, "torch", facts.env_map):
+            lines.append(f"(torch is planned as under `torchrun --nproc_per_node {len(facts.gpus)}`,"
+                         " one process per GPU)")
     if not selections:
         lines.append("No framework to plan for: pip install torch or tensorflow.")
     for fw, sel in selections.items():

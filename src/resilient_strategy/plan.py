@@ -558,17 +558,31 @@ def _rank(
     if policy.prefer and not any(r.candidate.backend == policy.prefer for r in ranked):
         b.trace.append(f"prefer={policy.prefer!r} is not possible here; choosing by speed instead.")
     basis = (
-        f"gradients {policy.gradient_bytes / 2**20:.0f} MiB" if policy.gradient_bytes
+        f"gradients {human_bytes(policy.gradient_bytes)}" if policy.gradient_bytes
         else f"gradients assumed {ASSUMED_GRADIENT_BYTES >> 20} MiB (ResNet-50-sized; pass "
         "model= or gradient_bytes= for a real figure)"
     )
     b.trace.append(
         f"Ranked by estimated time per global batch ({basis}): " + "; ".join(
-            f"{r.candidate.label} ~{r.estimate.step_seconds * 1e3:.1f} ms ({r.estimate.basis})"
+            f"{r.candidate.label} ~{human_duration(r.estimate.step_seconds)} ({r.estimate.basis})"
             for r in ranked
         ) + "."
     )
     return ranked
+
+
+def human_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n} B"
+
+
+def human_duration(seconds: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds * 1e9:.3g} ns"
 
 
 def _choose(ranked: Sequence[Ranked], b: _Build) -> tuple[Candidate | None, Candidate | None]:

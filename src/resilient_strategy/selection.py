@@ -139,6 +139,7 @@ class Selection:
             extras.append("dry run: nothing was set or built")
         if not self.active:
             extras.append(f"rank {self.launch.rank} stays idle: only rank 0 trains")
+        extras.append(f"decided in {self.decided_in_s:.2f} s")
         lines = [head + "."] + [f"  ({e})" for e in extras] + ["Why:"]
         lines += [f"  - {t}" for t in self.plan.trace]
         return "\n".join(lines)

@@ -178,6 +178,11 @@ class TorchRuntime:
         import torch.distributed as dist
 
         if dist.is_initialized():
+            # Every rank reaches here before any tears down: destroying a gloo group while a
+            # peer is still mid-teardown aborts the process ("terminate called without an active
+            # exception"; pytorch/pytorch#179291). The barrier has the group's timeout.
+            with contextlib.suppress(RuntimeError):
+                dist.barrier()
             dist.destroy_process_group()
 
     @contextlib.contextmanager

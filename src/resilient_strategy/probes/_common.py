@@ -23,10 +23,15 @@ class ProbeFailure(Exception):
         self.status = "wrong_result" if cause == "wrong_result" else "error"
 
 
-def fault_for(rank: int, env: Mapping[str, str]) -> str:
-    """The fault ``env`` injects into ``rank`` ("hang", "exit", "wrong"), or ""."""
-    kind, _, who = env.get(FAULT_VAR, "").strip().partition(":")
-    if kind not in FAULTS:
+def fault_for(rank: int, env: Mapping[str, str], backend: str = "") -> str:
+    """The fault ``env`` injects into ``rank`` ("hang", "exit", "wrong"), or "".
+
+    ``kind:rank`` hits every probe; ``kind:rank:backend`` only probes of that backend (e.g.
+    ``hang:1:nccl``: NCCL hangs, gloo works).
+    """
+    kind, _, rest = env.get(FAULT_VAR, "").strip().partition(":")
+    who, _, only = rest.partition(":")
+    if kind not in FAULTS or (only and only != backend):
         return ""
     try:
         return kind if int(who) == rank else ""

@@ -49,13 +49,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def probe(args: argparse.Namespace, report: dict[str, Any]) -> None:
     os.environ["KERAS_BACKEND"] = "tensorflow"  # a MirroredStrategy trains only TF-backed models
-    act_on_fault(fault_for(0, os.environ), 0)
+    act_on_fault(fault_for(0, os.environ, args.backend), 0)
     import tensorflow as tf
 
     names = _configure_devices(tf, args)
     strategy = _strategy(tf, args.backend, names)
     replicas = int(strategy.num_replicas_in_sync)
-    wrong = next((r for r in range(replicas) if fault_for(r, os.environ) == "wrong"), -1)
+    faults = [fault_for(r, os.environ, args.backend) for r in range(replicas)]
+    wrong = faults.index("wrong") if "wrong" in faults else -1
     used = ", ".join(names[:replicas])
     parts = [f"{args.backend} over {replicas} replica(s) on {used}; TF {tf.__version__}"]
     _check_all_reduce(tf, strategy, replicas, wrong)

@@ -53,7 +53,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def probe(args: argparse.Namespace, report: dict[str, Any]) -> None:
     rank, world = args.rank, args.world_size
-    fault = fault_for(rank, os.environ)
+    fault = fault_for(rank, os.environ, args.backend)
     import torch
     import torch.distributed as dist
 
