@@ -178,3 +178,33 @@ def test_watchdog_exits_at_once_when_the_parent_already_changed(tmp_path: Path) 
     out = run_group([cmd(code, tmp_path, "w")], 20.0)
     assert out.outcomes[0].returncode == 3
     assert out.elapsed_s < 10.0
+
+
+def test_killed_workers_leave_no_nccl_shm_segments(tmp_path: Path, marker: str) -> None:
+    import subprocess
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    (shm / "nccl-before").write_text("another job's, there before the probe")
+    hang = ("import pathlib, sys, time; d = pathlib.Path(sys.argv[1]); "
+            "(d / ('nccl-' + sys.argv[2])).write_text('x'); time.sleep(60)")
+    # another job's segment, made during the probe and still held open: must survive
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; f = open(sys.argv[1], 'w');"
+                               " f.write('x'); f.flush(); time.sleep(60)", str(shm / "nccl-held")])
+    try:
+        out = run_group([cmd(hang, tmp_path, f"w{i}", str(shm), f"leak{i}", marker)
+                         for i in range(2)], 1.5, shm_dir=str(shm))
+        assert out.timed_out
+        assert sorted(p.name for p in shm.iterdir()) == ["nccl-before", "nccl-held"]
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    assert running(marker) == []
+
+
+def test_a_clean_run_never_touches_shm(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    ok = "import pathlib, sys; (pathlib.Path(sys.argv[1]) / 'nccl-kept').write_text('x')"
+    out = run_group([cmd(ok, tmp_path, "w", str(shm))], 10.0, shm_dir=str(shm))
+    assert not out.timed_out and (shm / "nccl-kept").exists()

@@ -51,14 +51,17 @@ def run_group(
     *,
     poll_s: float = 0.05,
     grace_s: float = 2.0,
+    shm_dir: str = "/dev/shm",
 ) -> GroupOutcome:
     """Run all commands at once until all exit 0, one fails, or ``timeout_s`` passes.
 
     On a failure or the deadline every worker still running is stopped; on any exception (also
     KeyboardInterrupt) too, before it propagates. Nothing is left running or unreaped.
     ``poll_s`` is the polling interval where pidfds are unavailable; ``grace_s`` bounds each of
-    the two waits when stopping (after SIGTERM, after SIGKILL).
+    the two waits when stopping (after SIGTERM, after SIGKILL). Shared-memory segments that NCCL
+    left in ``shm_dir`` because a worker was killed mid-setup are removed (see :func:`reap_shm`).
     """
+    shm_before = _shm_segments(shm_dir)
     start = time.monotonic()
     deadline = start + timeout_s
     procs: list[subprocess.Popen[bytes]] = []
@@ -92,12 +95,69 @@ def run_group(
         finally:
             waiter.close()
             stopped = _stop(procs, grace_s)
+            if stopped:
+                reap_shm(shm_dir, shm_before)
         elapsed = time.monotonic() - start
         outcomes = tuple(
             _outcome(i, p, cmd, logs / f"{i}.err", i in stopped, i == first_failed)
             for i, (p, cmd) in enumerate(zip(procs, commands, strict=True))
         )
     return GroupOutcome(outcomes, elapsed, timed_out, tuple(p.pid for p in procs))
+
+
+#: Name prefixes of the /dev/shm segments NCCL creates (shm transport and proxy buffers).
+SHM_PREFIXES = ("nccl-",)
+
+
+def _shm_segments(shm_dir: str) -> frozenset[str]:
+    try:
+        return frozenset(n for n in os.listdir(shm_dir) if n.startswith(SHM_PREFIXES))
+    except OSError:
+        return frozenset()
+
+
+def _paths_in_use(proc_dir: str = "/proc") -> set[str]:
+    """Every file some live process has mapped or open (what /proc lets us read)."""
+    used: set[str] = set()
+    try:
+        pids = [p for p in os.listdir(proc_dir) if p.isdigit()]
+    except OSError:
+        return used
+    for pid in pids:
+        try:
+            with open(os.path.join(proc_dir, pid, "maps"), encoding="utf-8", errors="replace") as f:
+                for line in f:  # address perms offset dev inode [path]
+                    fields = line.split(None, 5)
+                    if len(fields) == 6:
+                        used.add(fields[5].strip())
+        except OSError:
+            pass
+        fd_dir = os.path.join(proc_dir, pid, "fd")
+        try:
+            for fd in os.listdir(fd_dir):
+                with contextlib.suppress(OSError):
+                    used.add(os.readlink(os.path.join(fd_dir, fd)))
+        except OSError:
+            pass
+    return used
+
+
+def reap_shm(shm_dir: str, before: frozenset[str]) -> list[str]:
+    """Remove NCCL segments that appeared in ``shm_dir`` during a probe whose workers had to be
+    killed, and that no live process maps or holds open (so never another job's). Returns them."""
+    new = _shm_segments(shm_dir) - before
+    if not new:
+        return []
+    in_use = _paths_in_use()
+    removed = []
+    for name in sorted(new):
+        path = os.path.join(shm_dir, name)
+        if path in in_use or f"{path} (deleted)" in in_use:
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+            removed.append(name)
+    return removed
 
 
 class _ExitWaiter:
