@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-import resilient_strategy  # noqa: E402
+import resilient_strategy
 
 
 def main() -> None:

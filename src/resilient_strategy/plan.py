@@ -297,11 +297,13 @@ def _chain(
     multi_ok = len(multi_devs) >= 2 or (fw == "torch" and n_proc > 1)
     reference = len(multi_devs) if multi_ok and multi_devs else max(1, n_proc)
     if fw == "torch" and n_proc == 1 and len(gpus) >= 2:
-        b.trace.append(
+        advice = (
             f"This is one process, and PyTorch runs one process per GPU: it trains on one GPU "
             f"with {len(gpus)} accumulation steps here. To use all {len(gpus)} GPUs, start it "
             f"with `torchrun --nproc_per_node {len(gpus)} <your script>`."
         )
+        b.trace.append(advice)
+        b.warnings.append(advice)
         multi_ok = False
     if multi_ok and multi_devs:
         backends = ("nccl", "gloo") if fw == "torch" else ("nccl", "hierarchical_copy", "reduction_to_one_device")

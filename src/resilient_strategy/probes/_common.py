@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -21,6 +22,14 @@ class ProbeFailure(Exception):
         super().__init__(message)
         self.cause = cause
         self.status = "wrong_result" if cause == "wrong_result" else "error"
+
+
+def add_common_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments every worker takes (the runner passes them all)."""
+    p.add_argument("--message-bytes", type=int, default=16 << 20)
+    p.add_argument("--report", required=True)
+    p.add_argument("--no-train-step", dest="train_step", action="store_false")
+    p.add_argument("--parent-pid", type=int, default=None)
 
 
 def fault_for(rank: int, env: Mapping[str, str], backend: str = "") -> str:

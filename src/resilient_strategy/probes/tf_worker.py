@@ -25,7 +25,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ._common import ProbeFailure, act_on_fault, fault_for, run_worker
+from ._common import ProbeFailure, act_on_fault, add_common_arguments, fault_for, run_worker
 from ._watchdog import watch_parent
 
 CHECK_NUMEL = 1024
@@ -40,10 +40,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     where = p.add_mutually_exclusive_group()
     where.add_argument("--devices", default="", help="GPU ordinals")
     where.add_argument("--logical-cpus", type=int, default=0)
-    p.add_argument("--message-bytes", type=int, default=16 << 20)
-    p.add_argument("--report", required=True)
-    p.add_argument("--no-train-step", dest="train_step", action="store_false")
-    p.add_argument("--parent-pid", type=int, default=None)
+    add_common_arguments(p)
     return p.parse_args(argv)
 
 

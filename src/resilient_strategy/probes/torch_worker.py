@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from ._common import ProbeFailure, act_on_fault, fault_for, run_worker
+from ._common import ProbeFailure, act_on_fault, add_common_arguments, fault_for, run_worker
 from ._watchdog import watch_parent
 
 CHECK_NUMEL = 1024  # sums stay far below 2**24, so float32 is exact for any order of addition
@@ -44,10 +44,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--devices", default="", help="CUDA ordinals, one per rank; empty: CPU")
     p.add_argument("--init-method", default="")
     p.add_argument("--timeout", type=float, default=60.0)
-    p.add_argument("--message-bytes", type=int, default=16 << 20)
-    p.add_argument("--report", required=True)
-    p.add_argument("--no-train-step", dest="train_step", action="store_false")
-    p.add_argument("--parent-pid", type=int, default=None)
+    add_common_arguments(p)
     return p.parse_args(argv)
 
 
