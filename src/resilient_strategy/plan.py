@@ -514,8 +514,10 @@ def estimate(
     known_model = policy.gradient_bytes is not None
     grad = policy.gradient_bytes or ASSUMED_GRADIENT_BYTES
     g = policy.global_batch_size or ASSUMED_GLOBAL_BATCH
-    if policy.sample_seconds is not None and c.backend != "cpu":
+    if policy.sample_seconds is not None:
         per_sample, how = policy.sample_seconds, "measured compute"
+        if c.backend == "cpu" and facts.gpus:  # measured on a GPU: a CPU is that much slower
+            per_sample *= _flops(facts, replace(c, backend="single_device", devices=(0,))) / CPU_FLOPS
     elif known_model:
         per_sample = 6 * (grad / 4) / _flops(facts, c)
         how = "compute from 6 FLOPs/parameter/sample"
