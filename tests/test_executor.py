@@ -54,9 +54,11 @@ def test_bad_options_are_typed_errors(kw: dict, match: str) -> None:  # type: ig
 
 def test_environment_fills_unset_options_and_arguments_win() -> None:
     env = {"RESILIENT_STRATEGY_PROBE": "never", "RESILIENT_STRATEGY_TIMEOUT": "7",
-           "RESILIENT_STRATEGY_DISABLE_RULES": "small-dev-shm"}
+           "RESILIENT_STRATEGY_DISABLE_RULES": "small-dev-shm", "RESILIENT_STRATEGY_PREFER": "gloo"}
     o = opts_for(H200X2, env)
     assert (o.probe, o.timeout_s, o.budget_s) == ("never", 7.0, 28.0)
+    assert o.policy.prefer == "gloo"
+    assert opts_for(H200X2, env, prefer="nccl").policy.prefer == "nccl"
     assert "small-dev-shm" not in {r.id for r in o.rules}
     o = opts_for(H200X2, env, probe="force", timeout=3.0)
     assert (o.probe, o.timeout_s) == ("force", 3.0)

@@ -159,6 +159,8 @@ def options_from(
     if model is not None and gradient_bytes is None:
         gradient_bytes = gradient_bytes_of(model)
     launch = _launch(env)
+    if prefer is None:
+        prefer = env.get("RESILIENT_STRATEGY_PREFER") or None
     policy = Policy(
         framework=fw,
         global_batch_size=global_batch_size,
