@@ -9,6 +9,7 @@ import pytest
 
 from resilient_strategy import _env
 from resilient_strategy.agreement import Agreement, AgreementTimeoutError
+from resilient_strategy.cache import DecisionCache
 from resilient_strategy.errors import (
     FrameworkNotInstalledError,
     InvalidOptionError,
@@ -106,23 +107,34 @@ def test_corrupt_cache_degrades_to_probing(tmp_path: Path) -> None:
     assert prober.probed == ["nccl"] and sel.backend == "nccl"
 
 
-def test_probe_budget_is_one_deadline_for_the_decision() -> None:
-    now = [0.0]
-
-    def slow_prober(spec, env):  # type: ignore[no-untyped-def]
-        now[0] += spec.timeout_s  # every probe hangs to its deadline
-        return FakeProber({"*": "timeout"})(spec, env)
-
-    # consumer cards on AWS: P2P-off, plain, NCCL_NET=Socket, P2P+SHM-off and gloo: 5 probes
-    facts = machine(2, name="NVIDIA GeForce RTX 4090", cc=(8, 9), aws=True, env={"WORLD_SIZE": "2"})
-    o = opts_for(facts, {"WORLD_SIZE": "2"}, timeout=10.0, gradient_bytes=1000, sample_seconds=1.0)
-    p, results, _, proven = decide(facts, o, {}, slow_prober, clock=lambda: now[0])
+def test_probe_budget_is_one_deadline_for_the_decision(tmp_path: Path) -> None:
+    # consumer cards on AWS in a container with a small /dev/shm: SHM-off and P2P-off first,
+    # plain NCCL, NCCL_NET=Socket, then gloo: 5 probes, each hanging to its deadline, for a
+    # budget of 4 timeouts
+    facts = machine(2, name="NVIDIA GeForce RTX 4090", cc=(8, 9), aws=True, container="docker",
+                    shm_mb=64, env={"WORLD_SIZE": "2"})
+    prober = FakeProber({"*": "timeout"})
+    o = opts_for(facts, {"WORLD_SIZE": "2"}, timeout=10.0, gradient_bytes=1000,
+                 sample_seconds=1.0, cache=True, cache_dir=tmp_path)
+    p, results, _, proven = decide(facts, o, {}, prober, clock=prober.clock)
     assert proven and p.chosen is not None and p.chosen.backend == "single_device"
-    assert now[0] <= o.budget_s == 40.0
+    assert prober.elapsed_s <= o.budget_s == 40.0
     probed = [r for r in results.values() if r.cause == "timeout"]
     skipped = [r for r in results.values() if r.cause == "budget"]
-    assert len(probed) == 4 and skipped  # the rest were never started
+    assert len(probed) == 4 and len(skipped) == 1  # the last was never started
     assert "probe budget of 40 s is spent" in p.explain()
+    # what was never probed is not remembered as a failure: the next run probes it
+    cached = DecisionCache(tmp_path, 3600).load(facts.fingerprint())
+    assert set(cached) == {r.candidate for r in probed}
+
+
+def test_a_failed_remedy_is_not_remedied_again() -> None:
+    prober = FakeProber({"*": "timeout"})
+    sel = simulate(H200X2, prober, global_batch_size=64, gradient_bytes=1000,
+                   sample_seconds=1.0)
+    # plain NCCL hangs -> one remedy (P2P off) -> gloo; never P2P+SHM off on top of P2P off
+    assert prober.probed == ["nccl", "nccl+NCCL_P2P_DISABLE=1", "gloo"]
+    assert sel.backend == "single_device"
 
 
 def test_no_working_strategy_is_a_typed_error_with_causes() -> None:
@@ -177,3 +189,34 @@ def test_model_gives_gradient_bytes() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(100, 10), torch.nn.Linear(10, 1))
     o = opts_for(H200X2, model=model)
     assert o.policy.gradient_bytes == (100 * 10 + 10 + 10 + 1) * 4
+
+
+def test_multi_node_plans_nccl_over_every_process_without_probing_or_cache(tmp_path: Path) -> None:
+    env = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "RANK": "2", "LOCAL_RANK": "0"}
+    facts = machine(2, nvlink=18, env=env)
+    prober = FakeProber({"nccl": "timeout"})  # would fall back, were it probed
+    sel = simulate(facts, prober, global_batch_size=512, cache=True, cache_dir=tmp_path)
+    cached = [f for f in tmp_path.glob("*.json") if not f.name.startswith("agree-")]
+    assert prober.probed == [] and not cached
+    assert (sel.backend, sel.devices, sel.num_replicas) == ("nccl", (0, 1), 4)
+    assert sel.per_replica_batch_size == 128 and not sel.proven
+    assert "Multi-node job: 2 nodes x 2 processes" in sel.explain()
+    with pytest.raises(InvalidOptionError, match="LOCAL_WORLD_SIZE=3"):
+        simulate(machine(2, env={"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "3"}))
+
+
+def test_probe_never_still_uses_what_the_cache_knows(tmp_path: Path) -> None:
+    simulate(H200X2, {"nccl": "timeout"}, cache=True, cache_dir=tmp_path, gradient_bytes=1000,
+             sample_seconds=1.0)
+    prober = FakeProber()
+    sel = simulate(H200X2, prober, probe="never", cache=True, cache_dir=tmp_path,
+                   gradient_bytes=1000, sample_seconds=1.0)
+    assert prober.probed == [] and sel.proven and sel.from_cache
+    assert sel.candidate.key == "torch:nccl:0,1:NCCL_P2P_DISABLE=1"  # plain NCCL hung last time
+
+
+def test_a_hang_cached_under_a_shorter_timeout_is_probed_again(tmp_path: Path) -> None:
+    simulate(H200X2, {"nccl": "timeout"}, cache=True, cache_dir=tmp_path, timeout=5)
+    prober = FakeProber()
+    sel = simulate(H200X2, prober, cache=True, cache_dir=tmp_path, timeout=30)
+    assert prober.probed == ["nccl"] and sel.backend == "nccl"

@@ -175,6 +175,8 @@ def test_policy_validation() -> None:
         Policy("torch", global_batch_size=8, world_size=3)
     with pytest.raises(InvalidOptionError):
         Policy("torch", prefer="mpi")
+    with pytest.raises(InvalidOptionError):
+        Policy("torch", global_batch_size=True)
 
 
 @pytest.mark.parametrize(

@@ -77,28 +77,45 @@ def test_out_of_range_stops_and_says_what_was_dropped() -> None:
     assert "ignored after it: '2'" in note
 
 
-def test_duplicate_stops() -> None:
-    assert phys("0,1,0,2") == (0, 1)
-    assert "listed before it" in notes("0,1,0,2")[0]
-    assert phys(f"1,{U[1]}") == (1,)
+def test_a_device_named_twice_hides_every_gpu_as_cuda_does() -> None:
+    assert phys("0,1,0,2") == ()
+    assert "CUDA then sees no GPU at all" in notes("0,1,0,2")[0]
+    assert phys(f"{U[1]},GPU-8932a") == ()  # two prefixes of one UUID: the same device
+
+
+def test_indices_are_read_like_strtoul() -> None:
+    assert phys("1a,2") == (1, 2)
+    assert notes("1a,2") == ("'1a' read as 1: CUDA reads its leading digits",)
+    assert phys("0 1") == (0,) and phys("1.0") == (1,)
+
+
+def test_the_first_entry_fixes_the_kind_of_the_list() -> None:
+    assert phys(f"1,{U[2]}") == (1,)
+    assert "not a GPU index" in notes(f"1,{U[2]}")[0]
+    assert phys(f"{U[3]},0") == (3,)
+    assert "not a GPU- UUID" in notes(f"{U[3]},0")[0]
 
 
 def test_uuid_and_unique_prefix() -> None:
     assert phys(U[3]) == (3,)
     assert phys("GPU-1c0e") == (2,)
-    assert phys("gpu-77E5A001") == (3,)
+
+
+def test_uuids_are_case_sensitive_and_the_note_says_so() -> None:
+    assert phys("GPU-77E5A001") == ()
+    assert "case-sensitive" in notes("GPU-77E5A001")[0]
 
 
 def test_ambiguous_or_unknown_prefix_stops() -> None:
-    assert phys("0,GPU-8932") == (0,)
-    assert "ambiguous" in notes("0,GPU-8932")[0]
+    assert phys(f"{U[2]},GPU-8932") == (2,)
+    assert "ambiguous" in notes(f"{U[2]},GPU-8932")[0]
     assert phys("GPU-deadbeef,1") == ()
     assert "matches no UUID" in notes("GPU-deadbeef,1")[0]
 
 
 def test_garbage_and_empty_entries() -> None:
     assert phys("cuda:0") == ()
-    assert "neither a GPU index nor" in notes("cuda:0")[0]
+    assert "not a GPU index" in notes("cuda:0")[0]
     assert phys("0,,1") == (0,)
     assert "empty entry" in notes("0,,1")[0]
 
@@ -115,8 +132,9 @@ def test_mig_instance_by_uuid_and_legacy_form() -> None:
 
 def test_only_one_mig_instance_is_enumerated() -> None:
     res = resolve_visible_devices(f"{MIGS[0].uuid},{MIGS[1].uuid},1", A100)
-    assert [(d.physical, d.mig) for d in res.devices] == [(0, MIGS[0]), (1, None)]
+    assert [(d.physical, d.mig) for d in res.devices] == [(0, MIGS[0])]
     assert "only one MIG instance" in res.visibility.notes[0]
+    assert "'1' is not a MIG- UUID" in res.visibility.notes[1]
 
 
 def test_whole_gpu_with_mig_enabled_gets_a_note() -> None:
@@ -153,10 +171,13 @@ def test_distinct_valid_indices_resolve_to_themselves(indices: list[int]) -> Non
 
 
 @given(st.lists(st.integers(-3, 6), min_size=1))
-def test_result_is_the_prefix_before_the_first_invalid_entry(indices: list[int]) -> None:
+def test_result_is_the_prefix_before_the_first_invalid_entry_or_empty_on_a_repeat(indices: list[int]) -> None:
     expected: list[int] = []
     for i in indices:
-        if not 0 <= i < 4 or i in expected:
+        if i in expected:  # CUDA: a device named twice empties the whole list
+            expected = []
+            break
+        if not 0 <= i < 4:
             break
         expected.append(i)
     assert phys(",".join(map(str, indices))) == tuple(expected)

@@ -28,13 +28,29 @@ class FrameworkInitializedError(ResilientStrategyError):
         self.framework = framework
         self.imported_at = imported_at
         self.wanted = wanted
-        where = f" (first imported at {imported_at})" if imported_at else ""
+        early = imported_at is not None and not _is_site(imported_at)
+        if early:  # imported before this package, so no file:line was recorded
+            where = " (it was imported before resilient_strategy, so its first import is unknown)"
+            fix = (
+                "Put `import resilient_strategy` first in your entry script so that a later "
+                f"error can name the line that imports {framework}; then move that import (or "
+                f"the first {framework} call that touches a GPU) below resilient_strategy()"
+            )
+        else:
+            where = f" (first imported at {imported_at})" if imported_at else ""
+            fix = (
+                f"Move that import (or the first {framework} call that touches a GPU) below the "
+                "call to resilient_strategy(), or import it lazily inside the function that uses it"
+            )
         super().__init__(
             f"{framework} already initialized the GPUs{where}, so CUDA_VISIBLE_DEVICES={wanted!r} "
-            f"can no longer take effect. Move that import (or the first {framework} call that "
-            "touches a GPU) below the call to resilient_strategy(), or import it lazily inside "
-            "the function that uses it."
+            f"can no longer take effect: CUDA reads it once per process. {fix}."
         )
+
+
+def _is_site(text: str) -> bool:
+    """Whether ``text`` looks like ``file:line``."""
+    return text.rpartition(":")[2].isdigit()
 
 
 class InvalidOptionError(ResilientStrategyError, ValueError):

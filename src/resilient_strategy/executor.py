@@ -27,7 +27,7 @@ from .errors import (
 )
 from .facts import Facts
 from .plan import Candidate, Plan, Policy, plan
-from .probe import ERROR, ProbeResult, ProbeSpec
+from .probe import ERROR, TIMEOUT, ProbeResult, ProbeSpec
 from .rules import Rule, load_rules
 from .selection import Launch, Selection
 
@@ -63,13 +63,16 @@ def _env_list(env: Mapping[str, str], name: str, sep: str = ",") -> list[str]:
 
 def _launch(env: Mapping[str, str]) -> Launch:
     try:
+        local_world = env.get("LOCAL_WORLD_SIZE")
         return Launch(
             rank=int(env.get("RANK", "0")),
             local_rank=int(env.get("LOCAL_RANK", "0")),
             world_size=int(env.get("WORLD_SIZE", "1")),
+            local_world_size=int(local_world) if local_world else None,
         )
     except ValueError as exc:
-        raise InvalidOptionError(f"RANK/LOCAL_RANK/WORLD_SIZE must be integers: {exc}") from exc
+        raise InvalidOptionError(
+            f"RANK/LOCAL_RANK/WORLD_SIZE/LOCAL_WORLD_SIZE must be integers: {exc}") from exc
 
 
 def _pick_framework(framework: str | None, facts: Facts) -> tuple[str, str]:
@@ -170,6 +173,7 @@ def options_from(
         sample_seconds=sample_seconds,
         max_per_replica_batch=max_per_replica_batch,
         world_size=launch.world_size if fw == "torch" else 1,
+        local_world_size=launch.local_world_size if fw == "torch" else None,
         user_env=tuple(sorted(env)),
         logical_cpus=logical_cpus,
     )
@@ -220,17 +224,21 @@ def decide(
 
     The probe budget is one deadline for the whole decision; each probe also has its own.
     """
-    cache = DecisionCache(opts.cache_dir, opts.cache_ttl_s) if opts.cache_dir else None
+    multi_node = opts.policy.framework == "torch" and opts.policy.nodes > 1
+    # Multi-node: every node must reach the same choice on its own, so neither a node's probes
+    # nor its cache may sway it (the planner says so in the trace).
+    cache = DecisionCache(opts.cache_dir, opts.cache_ttl_s) if opts.cache_dir and not multi_node \
+        else None
     fingerprint = facts.fingerprint()
     results: dict[str, ProbeResult] = {}
-    if cache is not None and opts.probe == "auto":
-        results.update(cache.load(fingerprint))
+    if cache is not None and opts.probe != "force":  # "never" still learns from the cache
+        results.update(_still_valid(cache.load(fingerprint), opts.timeout_s))
     cached_keys = set(results)
     deadline = clock() + opts.budget_s
     fresh: dict[str, ProbeResult] = {}
     p = plan(facts, opts.rules, results, opts.policy)
     for _ in range(MAX_ROUNDS):
-        if p.next_probe is None or opts.probe == "never" or opts.dry_run:
+        if p.next_probe is None or opts.probe == "never" or opts.dry_run or multi_node:
             break
         c = p.next_probe
         if c.key in results:  # cannot happen with a sound planner; never loop on it
@@ -241,17 +249,29 @@ def decide(
                               f"the probe budget of {opts.budget_s:g} s is spent")
         else:
             res = prober(spec_for(c, opts, min(opts.timeout_s, left)), env)
-        results[c.key] = fresh[c.key] = res
+        results[c.key] = res
+        if res.cause != "budget":  # never probed: nothing learned about the machine to keep
+            fresh[c.key] = res
         p = plan(facts, opts.rules, results, opts.policy)
     if cache is not None and fresh:
         cache.store(fingerprint, fresh)
     proven = p.next_probe is None
     if p.next_probe is not None:  # probing off, or a dry run: the next candidate, unproven
         why = ("dry run: it would be probed first" if opts.dry_run
+               else "UNPROVEN: a multi-node job is not probed" if multi_node
                else "UNPROVEN, probing is off (probe='never')")
         p = replace(p, chosen=p.next_probe, next_probe=None,
                     trace=(*p.trace, f"Chose {p.next_probe.label}: {why}."))
     return p, results, bool(cached_keys) and not fresh, proven
+
+
+def _still_valid(results: Mapping[str, ProbeResult], timeout_s: float) -> dict[str, ProbeResult]:
+    """Cached results that still hold for this run: a hang remembered from a shorter timeout
+    than this run's (its elapsed time is the timeout it had) may just have been too impatient."""
+    return {
+        k: r for k, r in results.items()
+        if not (r.status == TIMEOUT and r.elapsed_s < 0.95 * timeout_s)
+    }
 
 
 def _visible_devices_value(facts: Facts, c: Candidate) -> str:
@@ -298,6 +318,7 @@ def resilient_strategy(
     facts: Facts | None = None,
     logical_cpus: int = 0,
     _prober: Prober | None = None,
+    _clock: Callable[[], float] | None = None,
 ) -> Selection:
     """Find the best distributed strategy that works here and return a Selection to train with.
 
@@ -333,7 +354,8 @@ def resilient_strategy(
         logical_cpus=logical_cpus,
     )
     prober = _prober or _default_prober
-    p, results, from_cache, proven = _agreed_decision(facts, opts, snapshot, prober)
+    p, results, from_cache, proven = _agreed_decision(
+        facts, opts, snapshot, prober, _clock or time.monotonic)
     if p.chosen is None:
         raise NoWorkingStrategyError(
             opts.policy.framework, [f"{r.candidate.label}: {r.reason}" for r in p.ruled_out]
@@ -364,12 +386,16 @@ def _check_visibility(facts: Facts) -> None:
         raise InvalidVisibleDevicesError(facts.visibility.raw or "", problem)
 
 
+GPU_FRAMEWORKS = ("torch", "tensorflow")
+
+
 def _guard(facts: Facts, framework: str, to_set: Mapping[str, str]) -> None:
     from .guard import check_visible_devices_settable
 
     if "CUDA_VISIBLE_DEVICES" in to_set:
+        # CUDA reads the variable once per process, whichever framework starts it first.
         check_visible_devices_settable(
-            facts, (framework,), to_set["CUDA_VISIBLE_DEVICES"], facts.visibility.raw
+            facts, GPU_FRAMEWORKS, to_set["CUDA_VISIBLE_DEVICES"], facts.visibility.raw
         )
     info = facts.framework(framework)
     if info.imported and not info.gpu_initialized:
@@ -388,19 +414,20 @@ def _default_prober(spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
 # One decision per node under a launcher
 # --------------------------------------------------------------------------------------------
 def _agreed_decision(
-    facts: Facts, opts: Options, env: Mapping[str, str], prober: Prober
+    facts: Facts, opts: Options, env: Mapping[str, str], prober: Prober,
+    clock: Callable[[], float],
 ) -> tuple[Plan, dict[str, ProbeResult], bool, bool]:
     """Under torchrun, local rank 0 decides (and probes); the other ranks wait for its results
     and re-plan from them, so every rank reaches the same choice (no split brain)."""
     launch = opts.launch
     if not launch.launched or opts.dry_run:
-        return decide(facts, opts, env, prober)
+        return decide(facts, opts, env, prober, clock)
     from .agreement import Agreement
 
     agreement = Agreement.for_job(env, facts.fingerprint(), opts.cache_dir)
     deadline_s = opts.budget_s + 60.0
     if launch.local_rank == 0:
-        p, results, from_cache, proven = decide(facts, opts, env, prober)
+        p, results, from_cache, proven = decide(facts, opts, env, prober, clock)
         agreement.publish(
             {"chosen": p.chosen.key if p.chosen else None,
              "results": {k: v.to_dict() for k, v in results.items()},

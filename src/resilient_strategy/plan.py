@@ -43,7 +43,9 @@ ASSUMED_GLOBAL_BATCH = 256
 _REMEDY_FOR_CAUSE = {
     "shared_memory": ({"NCCL_SHM_DISABLE": "1"},),
     "cuda_error": ({"NCCL_P2P_DISABLE": "1"}, {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}),
-    "timeout": ({"NCCL_P2P_DISABLE": "1"}, {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}),
+    # A hang costs a whole probe timeout: try the likeliest cure only (broken P2P, seed 002);
+    # the fact-driven remedies (rules) come on top of it.
+    "timeout": ({"NCCL_P2P_DISABLE": "1"},),
     "crash": ({"NCCL_P2P_DISABLE": "1"},),
     "nccl_error": ({"NCCL_P2P_DISABLE": "1"}, {"NCCL_SHM_DISABLE": "1"}),
 }
@@ -61,15 +63,24 @@ class Policy:
     sample_seconds: float | None = None  # measured compute seconds per sample on one device
     max_per_replica_batch: int | None = None
     world_size: int = 1  # processes started by a launcher (torchrun); 1 = plain python
+    local_world_size: int | None = None  # of them on this node (None: all; < world_size: multi-node)
     user_env: tuple[str, ...] = ()  # names of variables the user set (never overridden)
     logical_cpus: int = 0  # TensorFlow test mode: N logical CPU devices stand in for GPUs
+
+    @property
+    def nodes(self) -> int:
+        """Nodes of a launcher's job (1 unless WORLD_SIZE > LOCAL_WORLD_SIZE)."""
+        return self.world_size // (self.local_world_size or self.world_size)
 
     def __post_init__(self) -> None:
         if self.framework not in FRAMEWORKS:
             raise InvalidOptionError(f"framework must be one of {FRAMEWORKS}, not {self.framework!r}")
-        for name in ("global_batch_size", "gradient_bytes", "max_per_replica_batch", "world_size"):
+        for name in ("global_batch_size", "gradient_bytes", "max_per_replica_batch", "world_size",
+                     "local_world_size"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
                 raise InvalidOptionError(f"{name} must be a positive integer, not {value!r}")
         if self.prefer is not None and self.prefer not in BACKENDS:
             raise InvalidOptionError(f"prefer must be one of {BACKENDS}, not {self.prefer!r}")
@@ -79,6 +90,13 @@ class Policy:
             raise InvalidOptionError("logical_cpus is a TensorFlow test mode: a positive count")
         if self.sample_seconds is not None and not self.sample_seconds > 0:
             raise InvalidOptionError("sample_seconds must be positive")
+        if self.local_world_size is not None and (
+            self.local_world_size > self.world_size or self.world_size % self.local_world_size
+        ):
+            raise InvalidOptionError(
+                f"LOCAL_WORLD_SIZE={self.local_world_size} does not divide WORLD_SIZE="
+                f"{self.world_size}: every node must run the same number of processes"
+            )
         g, w = self.global_batch_size, self.world_size
         if g is not None and w > 1 and g % w:
             raise InvalidOptionError(
@@ -199,8 +217,9 @@ def split_batch(global_batch: int, replicas: int, micro_cap: int) -> tuple[int, 
     if global_batch % replicas:
         raise ValueError(f"{global_batch} is not divisible by {replicas}")
     share = global_batch // replicas
-    for acc in range(1, share + 1):
-        if share % acc == 0 and share // acc <= micro_cap:
+    small = [d for d in range(1, int(share**0.5) + 1) if share % d == 0]
+    for acc in sorted({*small, *(share // d for d in small)}):  # every divisor, ascending
+        if share // acc <= micro_cap:
             return share // acc, acc
     return 1, share
 
@@ -282,6 +301,8 @@ def _chain(
     devices the best plan would use (the one-device fallbacks accumulate that many steps)."""
     out: list[Candidate] = []
     n_proc = policy.world_size if fw == "torch" else 1
+    nodes = policy.nodes if fw == "torch" else 1
+    local = n_proc // nodes  # processes (and GPUs used) per node
     if gpus and not has_cuda:
         b.trace.append(
             f"{fw} is a CPU-only build: the GPUs are unusable from it; install a CUDA build to "
@@ -289,9 +310,16 @@ def _chain(
         )
         gpus = ()
     if fw == "torch" and n_proc > 1:
-        multi_devs = gpus[:n_proc] if len(gpus) >= n_proc else ()
-        if gpus and len(gpus) < n_proc:
-            b.trace.append(f"The launcher started {n_proc} processes but only {len(gpus)} GPUs are visible.")
+        multi_devs = gpus[:local] if len(gpus) >= local else ()
+        if gpus and len(gpus) < local:
+            b.trace.append(f"The launcher started {local} processes on this node but only "
+                           f"{len(gpus)} GPUs are visible.")
+        if nodes > 1:
+            b.trace.append(
+                f"Multi-node job: {nodes} nodes x {local} processes. A probe on one node cannot "
+                "prove the links between nodes, and the nodes must agree without talking to each "
+                "other, so the choice comes from the rules alone (not probed, no cache)."
+            )
     else:
         multi_devs = gpus
     multi_ok = len(multi_devs) >= 2 or (fw == "torch" and n_proc > 1)
@@ -307,8 +335,9 @@ def _chain(
         multi_ok = False
     if multi_ok and multi_devs:
         backends = ("nccl", "gloo") if fw == "torch" else ("nccl", "hierarchical_copy", "reduction_to_one_device")
+        replicas = len(multi_devs) * nodes
         for backend in backends:
-            out.append(Candidate(fw, backend, multi_devs, num_replicas=len(multi_devs)))
+            out.append(Candidate(fw, backend, multi_devs, num_replicas=replicas))
     elif multi_ok:  # torch under a launcher on CPU: gloo between the processes
         out.append(Candidate(fw, "gloo", (), num_replicas=n_proc))
     if gpus:
@@ -362,20 +391,24 @@ def _apply_rules(
                     continue
             nccl = [c for c in cands if c.backend == "nccl" and c.origin == "chain"]
             if not nccl:
+                b.trace.append(f"Rule {rule.id} has nothing to act on: no NCCL candidate is left.")
                 continue
             if rule.effect == "set_env":
                 cands = [_with_env(c, env, c.origin) if c in nccl else c for c in cands]
                 b.trace.append(f"Set {_env_text(env)} for NCCL: {cite}")
-            else:
-                cands = _insert_remedy(cands, _with_env(nccl[0], env, rule.id, rule.first))
-                when = "before" if rule.first else "after"
-                b.trace.append(f"Added NCCL with {_env_text(env)}, tried {when} plain NCCL: {cite}")
+                continue
+            remedy = _with_env(nccl[0], env, rule.id, rule.first)
+            if any(c.key == remedy.key for c in cands):
+                b.trace.append(f"Rule {rule.id} also suggests NCCL with {_env_text(env)}, "
+                               "already a candidate: {cite}".replace("{cite}", cite))
+                continue
+            cands = _insert_remedy(cands, remedy)
+            when = "before" if rule.first else "after"
+            b.trace.append(f"Added NCCL with {_env_text(env)}, tried {when} plain NCCL: {cite}")
     return cands
 
 
 def _insert_remedy(cands: list[Candidate], remedy: Candidate) -> list[Candidate]:
-    if any(c.key == remedy.key for c in cands):
-        return cands
     last_nccl = max(i for i, c in enumerate(cands) if c.backend == "nccl")
     return [*cands[: last_nccl + 1], remedy, *cands[last_nccl + 1 :]]
 
@@ -399,7 +432,9 @@ def _apply_results(
             continue
         b.ruled_out.append(RuledOut(c, res.why(), "probe"))
         b.trace.append(f"Probe of {c.label} failed after {res.elapsed_s:.1f} s: {res.why()}.")
-        if c.backend != "nccl" or res.cause not in _REMEDY_FOR_CAUSE:
+        # Only plain NCCL's failure suggests remedies: a failed remedy is not remedied again
+        # (that would multiply probes, each up to a timeout long).
+        if c.backend != "nccl" or c.origin != "chain" or res.cause not in _REMEDY_FOR_CAUSE:
             continue
         at = i
         for env in _REMEDY_FOR_CAUSE[res.cause]:
@@ -434,21 +469,37 @@ def _split_batches(
     top_r = _largest_divisor_at_most(g, top)
     cap = policy.max_per_replica_batch or g // top_r
     out = []
+    said: set[str] = set()
+
+    def once(text: str) -> None:
+        if text not in said:
+            said.add(text)
+            b.trace.append(text)
+
     for c in cands:
         r = c.num_replicas
         if r > 1 and g % r:
             r_fit = _largest_divisor_at_most(g, r)
-            if c.framework == "torch" and policy.world_size > 1:
-                r_fit = r  # cannot happen: Policy checked divisibility by world size
-            b.trace.append(
-                f"global_batch_size={g} does not split over {r} replicas; {c.label} uses "
-                f"{r_fit} GPU(s) so the global batch stays exact."
-            )
+            if r_fit < 2:
+                b.ruled_out.append(RuledOut(c, f"global_batch_size={g} does not split over GPUs"))
+                once(f"global_batch_size={g} does not split over {r} or fewer (>1) replicas, so "
+                     f"no multi-GPU strategy can keep it exact; use a multiple of {r} to use "
+                     f"{r} GPUs.")
+                continue
+            once(f"global_batch_size={g} does not split over {r} replicas; the multi-GPU "
+                 f"strategies use {r_fit} GPU(s) so the global batch stays exact.")
             c = replace(c, devices=c.devices[:r_fit] if c.devices else (), num_replicas=r_fit)
             r = r_fit
         if c.framework == "tensorflow" and r > 1:
             # Keras cannot accumulate under MirroredStrategy (keras-team/keras#20582)
             per, acc = g // r, 1
+            if policy.max_per_replica_batch and per > policy.max_per_replica_batch:
+                why = (f"its per-replica batch would be {per} > max_per_replica_batch="
+                       f"{policy.max_per_replica_batch}, and Keras cannot accumulate gradients "
+                       "under MirroredStrategy (keras-team/keras#20582)")
+                b.ruled_out.append(RuledOut(c, why))
+                once(f"Ruled out {c.label}: {why}.")
+                continue
         else:
             per, acc = split_batch(g, r, cap)
         out.append(replace(c, per_replica_batch_size=per, accumulation_steps=acc, global_batch_size=g))
@@ -555,9 +606,11 @@ def _rank(
     ranked.sort(key=key)
     # A remedy marked `first` goes right before plain NCCL, whatever its estimate.
     firsts = [r for r in ranked if r.candidate.first]
-    if firsts:
+    plain = next((i for i, r in enumerate(ranked)
+                  if r.candidate.backend == "nccl" and not r.candidate.first), None)
+    if firsts and plain is not None:  # without plain NCCL left, the estimate alone orders them
         rest = [r for r in ranked if not r.candidate.first]
-        at = next((i for i, r in enumerate(rest) if r.candidate.backend == "nccl"), len(rest))
+        at = rest.index(ranked[plain])
         ranked = [*rest[:at], *firsts, *rest[at:]]
     if policy.prefer and not any(r.candidate.backend == policy.prefer for r in ranked):
         b.trace.append(f"prefer={policy.prefer!r} is not possible here; choosing by speed instead.")

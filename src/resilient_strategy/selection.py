@@ -46,10 +46,15 @@ class Launch:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    local_world_size: int | None = None  # None: every process is on this node
 
     @property
     def launched(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def multi_node(self) -> bool:
+        return self.local_world_size is not None and self.local_world_size < self.world_size
 
 
 @dataclass(frozen=True)

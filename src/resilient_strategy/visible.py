@@ -3,7 +3,10 @@
 CUDA's rules (https://docs.nvidia.com/cuda/cuda-c-programming-guide/#cuda-environment-variables):
 a comma-separated list of indices or ``GPU-<uuid>`` strings (a unique UUID prefix is enough);
 enumeration stops at the first invalid entry, keeping the ones before it, so ``0,2,-1,1`` shows
-GPUs 0 and 2. MIG instances are named ``MIG-<uuid>`` (or, before driver R470,
+GPUs 0 and 2. The finer points follow PyTorch's mirror of CUDA's parser
+(``torch.cuda._parse_visible_devices``): indices are read like ``strtoul`` (``1a`` is 1), the
+first entry decides whether the list holds indices or UUIDs, UUID prefixes are case-sensitive,
+and a device named twice hides every GPU. MIG instances are named ``MIG-<uuid>`` (or, before driver R470,
 ``MIG-GPU-<uuid>/<gpu instance>/<compute instance>``), and a CUDA process enumerates only one MIG
 instance (https://docs.nvidia.com/datacenter/tesla/mig-user-guide/#cuda-visible-devices).
 """
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 from .facts import Visibility
 
 _INDEX = re.compile(r"[+-]?\d+")
+
 _LEGACY_MIG = re.compile(r"MIG-(GPU-[0-9a-fA-F-]+)/(\d+)/(\d+)")
 
 
@@ -114,12 +118,20 @@ def visible_problem(vis: Visibility, *, has_gpus: bool = True) -> str | None:
 
 
 def _walk(entries: list[str], gpus: list[PhysicalGpu], notes: list[str]) -> list[VisibleDevice]:
+    """Enumerate as CUDA does (mirrored by PyTorch's ``torch.cuda._parse_visible_devices``):
+    the first entry fixes the list's kind (``GPU-`` UUIDs, ``MIG-`` UUIDs, or ordinals read like
+    ``strtoul``: leading digits, so ``1a`` is 1); the first entry that is not of that kind, or
+    that matches nothing, ends the list; a device named twice makes the whole list empty."""
+    first = entries[0].strip()
+    kind = "GPU-" if first.startswith("GPU-") else "MIG-" if first.startswith("MIG-") else ""
     picked: list[VisibleDevice] = []
     for pos, item in enumerate(entries):
         entry = item.strip()
-        dev, why = _match(entry, gpus)
+        dev, why = _match(entry, kind, gpus)
         if dev is not None and dev in picked:
-            dev, why = None, "names a device listed before it"
+            notes.append(
+                f"{entry!r} names a device listed before it: CUDA then sees no GPU at all")
+            return []
         if dev is not None and dev.mig is not None and any(p.mig for p in picked):
             notes.append(f"{entry!r} ignored: CUDA enumerates only one MIG instance per process")
             continue
@@ -134,41 +146,52 @@ def _walk(entries: list[str], gpus: list[PhysicalGpu], notes: list[str]) -> list
             else:
                 notes.append(f"{entry!r} {why}; CUDA stops at the first invalid entry{dropped}")
             break
+        if not kind and not _INDEX.fullmatch(entry):
+            notes.append(f"{entry!r} read as {_strtoul(entry)}: CUDA reads its leading digits")
         picked.append(dev)
     return picked
 
 
-def _match(entry: str, gpus: list[PhysicalGpu]) -> tuple[VisibleDevice | None, str]:
+def _strtoul(entry: str) -> int:
+    """The leading (optionally signed) integer of ``entry``, or -1 when there is none."""
+    m = _INDEX.match(entry)
+    return int(m.group(0)) if m else -1
+
+
+def _match(entry: str, kind: str, gpus: list[PhysicalGpu]) -> tuple[VisibleDevice | None, str]:
     if not entry:
         return None, "is an empty entry"
-    if _INDEX.fullmatch(entry):
-        i = int(entry)
+    if not kind:
+        i = _strtoul(entry)
         if i < 0:
-            return None, "negative"
+            return (None, "negative") if _INDEX.match(entry) else (
+                None, "is not a GPU index (a list that starts with an index holds only indices)")
         if i >= len(gpus):
             have = f"{len(gpus)} GPU(s), 0..{len(gpus) - 1}" if gpus else "no GPU"
             return None, f"is out of range (there are {have})"
         return VisibleDevice(gpus[i].index), ""
-    low = entry.lower()
-    if low.startswith("gpu-"):
-        hits = [g for g in gpus if g.uuid and g.uuid.lower().startswith(low)]
+    if not entry.startswith(kind):
+        return None, f"is not a {kind} UUID (a list that starts with one holds only those)"
+    if kind == "GPU-":
+        hits = [g for g in gpus if g.uuid and g.uuid.startswith(entry)]
         if len(hits) == 1:
             return VisibleDevice(hits[0].index), ""
+        near = [g.uuid for g in gpus if g.uuid.lower().startswith(entry.lower())]
+        if not hits and near:
+            return None, f"matches no UUID: UUIDs are case-sensitive (did you mean {near[0]}?)"
         return None, _uuid_miss(hits, [g.uuid for g in hits])
     legacy = _LEGACY_MIG.fullmatch(entry)
     if legacy:
-        parent, gi, ci = legacy.group(1).lower(), int(legacy.group(2)), int(legacy.group(3))
+        parent, gi, ci = legacy.group(1), int(legacy.group(2)), int(legacy.group(3))
         for g in gpus:
             for m in g.mig:
-                if g.uuid.lower() == parent and (m.gpu_instance, m.compute_instance) == (gi, ci):
+                if g.uuid == parent and (m.gpu_instance, m.compute_instance) == (gi, ci):
                     return VisibleDevice(g.index, m), ""
         return None, "matches no MIG instance"
-    if low.startswith("mig-"):
-        mig_hits = [(g, m) for g in gpus for m in g.mig if m.uuid.lower().startswith(low)]
-        if len(mig_hits) == 1:
-            return VisibleDevice(mig_hits[0][0].index, mig_hits[0][1]), ""
-        return None, _uuid_miss(mig_hits, [m.uuid for _, m in mig_hits])
-    return None, "is neither a GPU index nor a GPU-/MIG- UUID"
+    mig_hits = [(g, m) for g in gpus for m in g.mig if m.uuid.startswith(entry)]
+    if len(mig_hits) == 1:
+        return VisibleDevice(mig_hits[0][0].index, mig_hits[0][1]), ""
+    return None, _uuid_miss(mig_hits, [m.uuid for _, m in mig_hits])
 
 
 def _uuid_miss(hits: Sequence[object], uuids: list[str]) -> str:
