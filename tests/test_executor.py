@@ -46,7 +46,11 @@ def test_framework_resolution() -> None:
     ("kw", "match"),
     [({"probe": "sometimes"}, "probe must be"), ({"timeout": 0}, "timeout"),
      ({"global_batch_size": -1}, "positive"), ({"precision": "fp8"}, "precision"),
-     ({"framework": "jax"}, "framework must be")],
+     ({"framework": "jax"}, "framework must be"), ({"framework": ["torch"]}, "framework must be"),
+     ({"timeout": "30"}, "timeout must be a number"), ({"devices": 5}, "devices must be"),
+     ({"devices": ["a"]}, "devices must be"), ({"devices": "01"}, "devices must be"),
+     ({"cache_ttl": "x"}, "cache_ttl must be"), ({"sample_seconds": "1"}, "sample_seconds"),
+     ({"global_batch_size": True}, "positive integer"), ({"gradient_bytes": 1.5}, "positive")],
 )
 def test_bad_options_are_typed_errors(kw: dict, match: str) -> None:  # type: ignore[type-arg]
     with pytest.raises(InvalidOptionError, match=match):
@@ -220,3 +224,21 @@ def test_a_hang_cached_under_a_shorter_timeout_is_probed_again(tmp_path: Path) -
     prober = FakeProber()
     sel = simulate(H200X2, prober, cache=True, cache_dir=tmp_path, timeout=30)
     assert prober.probed == ["nccl"] and sel.backend == "nccl"
+
+
+def test_a_decision_for_a_given_env_changes_nothing_and_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    consumer = machine(2, name="NVIDIA GeForce RTX 4090", cc=(8, 9), env={"WORLD_SIZE": "2"})
+    sel = simulate(consumer, {"nccl+NCCL_P2P_DISABLE=1": "ok"})
+    assert sel.env == {"NCCL_P2P_DISABLE": "1"} and not sel.env_applied
+    assert "NCCL_P2P_DISABLE" not in os.environ
+    assert "would set NCCL_P2P_DISABLE=1; not applied" in sel.explain()
+
+
+def test_a_wrong_sum_from_nccl_tries_p2p_off_next() -> None:
+    prober = FakeProber({"nccl": "error:wrong_result"})
+    sel = simulate(H200X2, prober, gradient_bytes=1000, sample_seconds=1.0)
+    assert prober.probed == ["nccl", "nccl+NCCL_P2P_DISABLE=1"]
+    assert sel.candidate.env == (("NCCL_P2P_DISABLE", "1"),)

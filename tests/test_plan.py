@@ -196,11 +196,29 @@ def test_candidate_labels_and_keys_are_stable() -> None:
 
 
 def test_planner_imports_no_os_subprocess_nvml_or_framework() -> None:
+    """Follows plan.py's imports through the package (relative ones too): nothing it reaches may
+    touch the OS, a subprocess, NVML or a framework, directly or through our own modules."""
     src = Path(__file__).parents[1] / "src" / "resilient_strategy"
     banned = {"os", "subprocess", "pynvml", "torch", "tensorflow", "keras", "jax"}
-    for module in ("plan.py", "rules.py", "facts.py", "probe.py"):
-        tree = ast.parse((src / module).read_text())
-        names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        names |= {n.module.split(".")[0] for n in ast.walk(tree)
-                  if isinstance(n, ast.ImportFrom) and n.module and n.level == 0}
-        assert not names & banned, (module, names & banned)
+    banned_ours = {"_env", "_nvml", "_proc", "prober", "inspect", "host", "versions", "executor",
+                   "guard", "agreement", "cache", "selection", "frameworks", "probes"}
+    seen: set[str] = set()
+    todo = ["plan"]
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        tree = ast.parse((src / f"{module}.py").read_text())
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Import):
+                names = {a.name.split(".")[0] for a in n.names}
+                assert not names & banned, (module, names & banned)
+            elif isinstance(n, ast.ImportFrom) and n.level == 0 and n.module:
+                assert n.module.split(".")[0] not in banned, (module, n.module)
+            elif isinstance(n, ast.ImportFrom):
+                targets = [n.module.split(".")[0]] if n.module else [a.name for a in n.names]
+                for t in targets:
+                    assert t not in banned_ours, (module, t)
+                    todo.append(t)
+    assert {"plan", "rules", "facts", "probe", "errors"} <= seen

@@ -142,6 +142,39 @@ def test_interrupted_parent_kills_and_reaps(tmp_path: Path, marker: str) -> None
     assert running(marker) == []
 
 
+def test_sigterm_to_the_parent_stops_the_workers_and_still_terminates_it(
+    tmp_path: Path, marker: str
+) -> None:
+    # torchrun sends SIGTERM to every rank when one fails: a rank mid-probe must not leave
+    # its workers or their temporary directory behind, and must still die of the SIGTERM.
+    import subprocess
+
+    sleeper = "import time, sys; time.sleep(60)"
+    parent = (
+        "import os, sys, tempfile\n"
+        "from resilient_strategy._proc import WorkerCommand, run_group\n"
+        "tempfile.tempdir = sys.argv[1]\n"
+        f"cmds = [WorkerCommand((sys.executable, '-c', {sleeper!r}, os.environ['RS_MARKER']), dict(os.environ),"
+        " sys.argv[1], os.path.join(sys.argv[1], f'r{i}.json')) for i in range(2)]\n"
+        "print('started', flush=True)\n"
+        "run_group(cmds, 60.0)\n"
+        "print('not reached', flush=True)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": prober.PACKAGE_ROOT, "RS_MARKER": marker}
+    with subprocess.Popen([sys.executable, "-c", parent, str(tmp_path)], env=env,
+                          stdout=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
+        end = time.monotonic() + 10
+        while len(running(marker)) < 2 and time.monotonic() < end:
+            time.sleep(0.05)
+        assert len(running(marker)) == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == -signal.SIGTERM
+        assert "not reached" not in proc.stdout.read()
+    assert gone_soon(marker, within_s=1.0)
+    assert not list(tmp_path.glob("rs-proc-*"))
+
+
 def test_a_worker_that_cannot_start_stops_those_started(tmp_path: Path, marker: str) -> None:
     missing = WorkerCommand(("/nonexistent/python",), {}, str(tmp_path), str(tmp_path / "x.json"))
     with pytest.raises(FileNotFoundError):

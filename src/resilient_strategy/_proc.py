@@ -14,10 +14,12 @@ import select
 import signal
 import subprocess
 import tempfile
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 
 from .probe import WorkerOutcome
 
@@ -61,6 +63,45 @@ def run_group(
     the two waits when stopping (after SIGTERM, after SIGKILL). Shared-memory segments that NCCL
     left in ``shm_dir`` because a worker was killed mid-setup are removed (see :func:`reap_shm`).
     """
+    with _terminate_as_exception():
+        return _run_group(commands, timeout_s, poll_s, grace_s, shm_dir)
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived while workers ran (torchrun sends it to every rank when one fails)."""
+
+
+@contextlib.contextmanager
+def _terminate_as_exception() -> Iterator[None]:
+    """Turn SIGTERM into an exception while workers run, so the cleanup in ``finally`` stops
+    them and removes their files; then deliver the signal again to the handler that was there
+    (by default: terminate). Only the main thread can own signal handlers; elsewhere this is a
+    no-op and the workers' watchdog still ends them when this process dies."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        raise _Terminated(signum)
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    except _Terminated:
+        signal.signal(signal.SIGTERM, previous)
+        signal.raise_signal(signal.SIGTERM)
+        raise  # only reached when the previous handler returns (it ignored or handled it)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_group(
+    commands: Sequence[WorkerCommand],
+    timeout_s: float,
+    poll_s: float,
+    grace_s: float,
+    shm_dir: str,
+) -> GroupOutcome:
     shm_before = _shm_segments(shm_dir)
     start = time.monotonic()
     deadline = start + timeout_s
@@ -95,7 +136,7 @@ def run_group(
         finally:
             waiter.close()
             stopped = _stop(procs, grace_s)
-            if stopped:
+            if stopped or any(p.returncode for p in procs):  # killed, or died mid-NCCL
                 reap_shm(shm_dir, shm_before)
         elapsed = time.monotonic() - start
         outcomes = tuple(

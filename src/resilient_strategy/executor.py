@@ -99,6 +99,21 @@ def _pick_framework(framework: str | None, facts: Facts) -> tuple[str, str]:
     )
 
 
+def _number(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidOptionError(f"{name} must be a number of seconds, not {value!r}")
+    return float(value)
+
+
+def _iterable(name: str, value: Any) -> list[Any]:
+    try:
+        return list(value)
+    except TypeError:
+        raise InvalidOptionError(f"{name} must be a sequence, not {value!r}") from None
+
+
 def gradient_bytes_of(model: Any) -> int:
     """Bytes of trainable parameters of a torch module or a Keras model (duck-typed, no import)."""
     if hasattr(model, "parameters"):
@@ -141,6 +156,23 @@ def options_from(
     logical_cpus: int,
 ) -> Options:
     """Validate every argument once; environment variables fill what was not passed."""
+    if framework is not None and not isinstance(framework, str):
+        raise InvalidOptionError(f"framework must be 'torch' or 'tensorflow', not {framework!r}")
+    timeout = _number("timeout", timeout)
+    cache_ttl = _number("cache_ttl", cache_ttl)
+    sample_seconds = _number("sample_seconds", sample_seconds)
+    if cache_ttl is not None and cache_ttl <= 0:
+        raise InvalidOptionError(f"cache_ttl must be positive seconds, not {cache_ttl!r}")
+    if devices is not None:
+        if isinstance(devices, (str, bytes)) or not all(
+            isinstance(d, int) and not isinstance(d, bool) for d in _iterable("devices", devices)
+        ):
+            raise InvalidOptionError(
+                f"devices must be a sequence of GPU indices (ints), not {devices!r}")
+    if isinstance(rules, (str, Path)):  # one file, not a sequence of characters
+        rules = (rules,)
+    if isinstance(disable_rules, str):
+        disable_rules = (disable_rules,)
     fw, why = _pick_framework(framework, facts)
     if probe is None:
         probe = env.get("RESILIENT_STRATEGY_PROBE", "auto")
@@ -363,11 +395,13 @@ def resilient_strategy(
     chosen = p.chosen
     to_set = _env_to_set(facts, chosen, opts, snapshot)
     _guard(facts, opts.policy.framework, to_set)
-    if not opts.dry_run and env is None:
+    # Decided on a described environment (env=): nothing of this process is changed.
+    applied = not opts.dry_run and env is None
+    if applied:
         to_set = _env.apply(to_set)
     p = replace(p, trace=(f"{opts.framework_reason}.", *p.trace))
     sel = Selection(
-        candidate=chosen, plan=p, facts=facts, env=to_set, results=results,
+        candidate=chosen, plan=p, facts=facts, env=to_set, env_applied=applied, results=results,
         from_cache=from_cache, proven=proven, launch=opts.launch, timeout_s=opts.timeout_s,
         precision=opts.precision, logical_cpus=opts.logical_cpus, dry_run=opts.dry_run,
         decided_in_s=time.perf_counter() - t0,

@@ -48,6 +48,8 @@ _REMEDY_FOR_CAUSE = {
     "timeout": ({"NCCL_P2P_DISABLE": "1"},),
     "crash": ({"NCCL_P2P_DISABLE": "1"},),
     "nccl_error": ({"NCCL_P2P_DISABLE": "1"}, {"NCCL_SHM_DISABLE": "1"}),
+    # Wrong sums with every rank alive: the classic sign of P2P that claims to work and doesn't.
+    "wrong_result": ({"NCCL_P2P_DISABLE": "1"},),
 }
 
 

@@ -74,6 +74,7 @@ class Selection:
     logical_cpus: int = 0  # TF CPU test mode: replicas on logical CPU devices
     dry_run: bool = False
     decided_in_s: float = 0.0
+    env_applied: bool = True  # False: decided for env= or a dry run; os.environ was not touched
     _runtime: _Once[Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -139,7 +140,10 @@ class Selection:
         if not self.proven and not self.dry_run:
             extras.append("NOT proven: probing was off")
         if self.env:
-            extras.append("set " + " ".join(f"{k}={v}" for k, v in sorted(self.env.items())))
+            text = " ".join(f"{k}={v}" for k, v in sorted(self.env.items()))
+            extras.append(
+                f"set {text}" if self.env_applied else f"would set {text}"
+                + ("" if self.dry_run else "; not applied: decided for a given env="))
         if self.dry_run:
             extras.append("dry run: nothing was set or built")
         if not self.active:
@@ -161,6 +165,7 @@ class Selection:
             "per_replica_batch_size": self.per_replica_batch_size,
             "batch_size": self.batch_size,
             "env": dict(self.env),
+            "env_applied": self.env_applied,
             "from_cache": self.from_cache,
             "proven": self.proven,
             "active": self.active,
@@ -194,7 +199,8 @@ class Selection:
             from .frameworks.tensorflow import TfRuntime
 
             # when we narrowed CUDA_VISIBLE_DEVICES to the chosen GPUs, TF numbers them 0..n-1
-            devices = tuple(range(len(self.devices))) if "CUDA_VISIBLE_DEVICES" in self.env \
+            narrowed = self.env_applied and "CUDA_VISIBLE_DEVICES" in self.env
+            devices = tuple(range(len(self.devices))) if narrowed \
                 else self.devices
             return TfRuntime(
                 self.backend, devices, self.accumulation_steps, self.global_batch_size,
