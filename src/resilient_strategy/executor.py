@@ -163,12 +163,11 @@ def options_from(
     sample_seconds = _number("sample_seconds", sample_seconds)
     if cache_ttl is not None and cache_ttl <= 0:
         raise InvalidOptionError(f"cache_ttl must be positive seconds, not {cache_ttl!r}")
-    if devices is not None:
-        if isinstance(devices, (str, bytes)) or not all(
-            isinstance(d, int) and not isinstance(d, bool) for d in _iterable("devices", devices)
-        ):
-            raise InvalidOptionError(
-                f"devices must be a sequence of GPU indices (ints), not {devices!r}")
+    if devices is not None and (isinstance(devices, (str, bytes)) or not all(
+        isinstance(d, int) and not isinstance(d, bool) for d in _iterable("devices", devices)
+    )):
+        raise InvalidOptionError(
+            f"devices must be a sequence of GPU indices (ints), not {devices!r}")
     if isinstance(rules, (str, Path)):  # one file, not a sequence of characters
         rules = (rules,)
     if isinstance(disable_rules, str):
