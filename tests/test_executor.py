@@ -242,3 +242,53 @@ def test_a_wrong_sum_from_nccl_tries_p2p_off_next() -> None:
     sel = simulate(H200X2, prober, gradient_bytes=1000, sample_seconds=1.0)
     assert prober.probed == ["nccl", "nccl+NCCL_P2P_DISABLE=1"]
     assert sel.candidate.env == (("NCCL_P2P_DISABLE", "1"),)
+
+
+def test_process_group_timeout_is_its_own_option() -> None:
+    assert opts_for(H200X2).pg_timeout_s == 300.0
+    assert opts_for(H200X2, {"RESILIENT_STRATEGY_PG_TIMEOUT": "90"}).pg_timeout_s == 90.0
+    assert opts_for(H200X2, {"RESILIENT_STRATEGY_PG_TIMEOUT": "90"},
+                    process_group_timeout=45).pg_timeout_s == 45.0
+    sel = simulate(H200X2, timeout=5, process_group_timeout=120)
+    assert sel.process_group_timeout_s == 120.0  # not the probe's 5 s
+    with pytest.raises(InvalidOptionError):
+        opts_for(H200X2, process_group_timeout=0)
+
+
+def test_the_logical_cpu_test_mode_never_touches_the_cache(tmp_path: Path) -> None:
+    tf = machine(0, torch=None, tensorflow="2.21.0")
+    o = opts_for(tf, framework="tensorflow", logical_cpus=2, cache=True, cache_dir=tmp_path)
+    assert o.cache_dir is None
+
+
+def test_an_idle_rank_exits_cleanly_instead_of_training_a_duplicate(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    launch = {"WORLD_SIZE": "2", "MASTER_PORT": "29511"}
+    sels = [
+        resilient_strategy(facts=machine(2), env={**launch, "RANK": r, "LOCAL_RANK": r},
+                           cache_dir=tmp_path, _prober=FakeProber({"*": "timeout"}),
+                           global_batch_size=64, gradient_bytes=400_000_000)
+        for r in ("0", "1")  # local rank 0 decides first; rank 1 follows its decision
+    ]
+    assert [(s.backend, s.active) for s in sels] == [("single_device", True),
+                                                      ("single_device", False)]
+    with pytest.raises(SystemExit) as leave:
+        sels[1].prepare(object())
+    assert leave.value.code == 0 and "rank 1 has nothing to do" in caplog.text
+    with pytest.raises(SystemExit), sels[1].scope():
+        pass
+
+
+def test_the_real_model_size_is_checked_against_the_assumed_one() -> None:
+    # NCCL failed; gloo was ranked above one GPU for the assumed ResNet-50-sized model
+    sel = simulate(H200X2, {"nccl": "error:nccl_invalid_usage", "gloo": "ok:2.2"},
+                   global_batch_size=512)
+    assert sel.backend == "gloo" and sel.advise is not None
+    advice = sel.advise(400_000_000)
+    assert advice is not None and "one GPU" in advice and "gradient_bytes=400000000" in advice
+    healthy = simulate(H200X2, {"nccl": "ok:200"}, global_batch_size=512)
+    assert healthy.backend == "nccl" and healthy.advise is not None
+    assert healthy.advise(400_000_000) is None  # NCCL stays the best choice: nothing to say
+    described = simulate(H200X2, {"nccl": "error:nccl_invalid_usage"}, gradient_bytes=4000)
+    assert described.advise is None

@@ -26,7 +26,7 @@ from .errors import (
     ResilientStrategyError,
 )
 from .facts import Facts
-from .plan import Candidate, Plan, Policy, plan
+from .plan import Candidate, Plan, Policy, human_bytes, human_duration, plan
 from .probe import ERROR, TIMEOUT, ProbeResult, ProbeSpec
 from .rules import Rule, load_rules
 from .selection import Launch, Selection
@@ -36,6 +36,9 @@ log = logging.getLogger("resilient_strategy")
 Prober = Callable[[ProbeSpec, Mapping[str, str]], ProbeResult]
 PROBE_MODES = ("auto", "force", "never")
 DEFAULT_TIMEOUT_S = 30.0
+#: Collective timeout of the training process group. Not the probe's 30 s: a rank may rightly
+#: wait minutes for a peer that checkpoints or evaluates; not torch's 10 minutes either.
+DEFAULT_PG_TIMEOUT_S = 300.0
 MAX_ROUNDS = 32  # probes per decision, at most (the candidate set is far smaller)
 
 
@@ -47,6 +50,7 @@ class Options:
     probe: str = "auto"
     timeout_s: float = DEFAULT_TIMEOUT_S
     budget_s: float = 4 * DEFAULT_TIMEOUT_S
+    pg_timeout_s: float = DEFAULT_PG_TIMEOUT_S
     dry_run: bool = False
     cache_dir: Path | None = None  # None: no cache
     cache_ttl_s: float = DEFAULT_TTL_S
@@ -154,6 +158,7 @@ def options_from(
     cache_ttl: float | None,
     precision: str,
     logical_cpus: int,
+    process_group_timeout: float | None = None,
 ) -> Options:
     """Validate every argument once; environment variables fill what was not passed."""
     if framework is not None and not isinstance(framework, str):
@@ -188,6 +193,14 @@ def options_from(
             raise InvalidOptionError(f"RESILIENT_STRATEGY_TIMEOUT: {exc}") from exc
     if not 0 < timeout <= 3600:
         raise InvalidOptionError(f"timeout must be in (0, 3600] seconds, not {timeout!r}")
+    pg_timeout = _number("process_group_timeout", process_group_timeout)
+    if pg_timeout is None:
+        try:
+            pg_timeout = float(env.get("RESILIENT_STRATEGY_PG_TIMEOUT", DEFAULT_PG_TIMEOUT_S))
+        except ValueError as exc:
+            raise InvalidOptionError(f"RESILIENT_STRATEGY_PG_TIMEOUT: {exc}") from exc
+    if not pg_timeout > 0:
+        raise InvalidOptionError(f"process_group_timeout must be positive, not {pg_timeout!r}")
     if precision not in ("auto", "bf16", "fp16", "fp32"):
         raise InvalidOptionError("precision must be 'auto', 'bf16', 'fp16' or 'fp32'")
     if model is not None and gradient_bytes is None:
@@ -211,12 +224,14 @@ def options_from(
     extra_rules: list[str | Path | Rule] = [*_env_list(env, "RESILIENT_STRATEGY_RULES", os.pathsep)]
     extra_rules += list(rules)
     disabled = [*_env_list(env, "RESILIENT_STRATEGY_DISABLE_RULES"), *disable_rules]
-    use_cache = cache and env.get("RESILIENT_STRATEGY_CACHE", "1") != "0"
+    # The logical-CPU test mode proves nothing about this machine's GPUs: keep it out of the cache.
+    use_cache = cache and env.get("RESILIENT_STRATEGY_CACHE", "1") != "0" and not logical_cpus
     return Options(
         policy=policy,
         probe=str(probe),
         timeout_s=float(timeout),
         budget_s=4 * float(timeout),
+        pg_timeout_s=pg_timeout,
         dry_run=dry_run,
         cache_dir=(Path(cache_dir) if cache_dir else default_dir(env)) if use_cache else None,
         cache_ttl_s=DEFAULT_TTL_S if cache_ttl is None else float(cache_ttl),
@@ -345,6 +360,7 @@ def resilient_strategy(
     cache_dir: str | Path | None = None,
     cache_ttl: float | None = None,
     precision: str = "auto",
+    process_group_timeout: float | None = None,
     env: Mapping[str, str] | None = None,
     facts: Facts | None = None,
     logical_cpus: int = 0,
@@ -358,8 +374,7 @@ def resilient_strategy(
         global_batch_size: samples per optimizer step; kept exact on every fallback.
         devices: GPU indices (as the job sees them) to consider; default all visible.
         probe: "auto" (probe unless cached), "force" (re-probe), "never" (trust the plan).
-        timeout: seconds per probe and for the process group (default 30; the whole decision
-            is bounded by 4x this).
+        timeout: seconds per probe (default 30; the whole decision is bounded by 4x this).
         prefer: a backend to try first when it works.
         dry_run: decide without probing, setting variables or building anything.
         model / gradient_bytes / sample_seconds: what is known of the model, for speed ranking.
@@ -367,7 +382,10 @@ def resilient_strategy(
         cache / cache_dir / cache_ttl: the decision cache (default ~/.cache/resilient_strategy).
         env: the environment to decide on (default os.environ; nothing is ever overwritten).
         facts: decide for described facts instead of inspecting this machine.
-        logical_cpus: TensorFlow on N logical CPU devices instead of GPUs (testing on CPU).
+        logical_cpus: TensorFlow on N logical CPU devices instead of GPUs (testing on CPU;
+            never cached).
+        process_group_timeout: seconds a training collective may wait for a peer before the
+            PyTorch process group fails (default 300).
     """
     t0 = time.perf_counter()
     snapshot = _env.snapshot(env)
@@ -382,7 +400,7 @@ def resilient_strategy(
         model=model, gradient_bytes=gradient_bytes, sample_seconds=sample_seconds,
         max_per_replica_batch=max_per_replica_batch, rules=rules, disable_rules=disable_rules,
         cache=cache, cache_dir=cache_dir, cache_ttl=cache_ttl, precision=precision,
-        logical_cpus=logical_cpus,
+        logical_cpus=logical_cpus, process_group_timeout=process_group_timeout,
     )
     prober = _prober or _default_prober
     p, results, from_cache, proven = _agreed_decision(
@@ -401,14 +419,42 @@ def resilient_strategy(
     p = replace(p, trace=(f"{opts.framework_reason}.", *p.trace))
     sel = Selection(
         candidate=chosen, plan=p, facts=facts, env=to_set, env_applied=applied, results=results,
-        from_cache=from_cache, proven=proven, launch=opts.launch, timeout_s=opts.timeout_s,
+        from_cache=from_cache, proven=proven, launch=opts.launch, process_group_timeout_s=opts.pg_timeout_s,
         precision=opts.precision, logical_cpus=opts.logical_cpus, dry_run=opts.dry_run,
         decided_in_s=time.perf_counter() - t0,
+        advise=_advice(facts, opts, results, chosen),
     )
     for w in p.warnings:
         log.warning("resilient_strategy: %s", w)
     log.info("resilient_strategy: chose %s in %.2f s", chosen.label, sel.decided_in_s)
     return sel
+
+
+def _advice(
+    facts: Facts, opts: Options, results: Mapping[str, ProbeResult], chosen: Candidate
+) -> Callable[[int], str | None] | None:
+    """When the decision assumed a model size, a check of the real one (at ``prepare``)."""
+    if opts.policy.gradient_bytes is not None or opts.dry_run:
+        return None
+
+    def advise(gradient_bytes: int) -> str | None:
+        if gradient_bytes <= 0:
+            return None
+        p = plan(facts, opts.rules, results, replace(opts.policy, gradient_bytes=gradient_bytes))
+        better = p.chosen or p.next_probe
+        if better is None or better.key == chosen.key:
+            return None
+        est = {r.candidate.key: r.estimate.step_seconds for r in p.ranked}
+        then = f" (~{human_duration(est[chosen.key])})" if chosen.key in est else ""
+        return (
+            f"the model's gradients are {human_bytes(gradient_bytes)}; with that figure "
+            f"{better.label} (~{human_duration(est.get(better.key, 0.0))} per global batch"
+            f"{'' if p.chosen else ', once its probe passes'}) would beat the chosen "
+            f"{chosen.label}{then}. Pass gradient_bytes={gradient_bytes} (or model=) to "
+            "resilient_strategy() to let it choose by the real size."
+        )
+
+    return advise
 
 
 def _check_visibility(facts: Facts) -> None:

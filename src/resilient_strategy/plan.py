@@ -621,11 +621,18 @@ def _rank(
         else f"gradients assumed {ASSUMED_GRADIENT_BYTES >> 20} MiB (ResNet-50-sized; pass "
         "model= or gradient_bytes= for a real figure)"
     )
+    cpu = [r.estimate.step_seconds for r in ranked if r.candidate.backend == "cpu"]
+    cpu_note = (
+        " CPU stays last whatever its estimate: it is the fallback of last resort, and "
+        "estimates of tiny models are noise."
+        if cpu and any(r.estimate.step_seconds > cpu[0] for r in ranked
+                       if r.candidate.backend != "cpu") else ""
+    )
     b.trace.append(
         f"Ranked by estimated time per global batch ({basis}): " + "; ".join(
             f"{r.candidate.label} ~{human_duration(r.estimate.step_seconds)} ({r.estimate.basis})"
             for r in ranked
-        ) + "."
+        ) + "." + cpu_note
     )
     return ranked
 

@@ -8,6 +8,7 @@ reused for the life of the Selection.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from .plan import Candidate, Plan
 from .probe import ProbeResult
 
 T = TypeVar("T")
+log = logging.getLogger("resilient_strategy")
 
 
 class _Once(Generic[T]):
@@ -69,12 +71,15 @@ class Selection:
     from_cache: bool = False
     proven: bool = True  # False when probing was off and a collective ran unproven
     launch: Launch = field(default_factory=Launch)
-    timeout_s: float = 30.0
+    process_group_timeout_s: float = 300.0  # training collectives (torch process group)
     precision: str = "auto"
     logical_cpus: int = 0  # TF CPU test mode: replicas on logical CPU devices
     dry_run: bool = False
     decided_in_s: float = 0.0
     env_applied: bool = True  # False: decided for env= or a dry run; os.environ was not touched
+    #: Given the model's measured gradient bytes, advice when another candidate would be faster
+    #: (None when the model was described up front).
+    advise: Callable[[int], str | None] | None = field(default=None, repr=False, compare=False)
     _runtime: _Once[Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -213,7 +218,7 @@ class Selection:
             self.backend, self.devices, self.accumulation_steps, self.global_batch_size,
             self.per_replica_batch_size, rank=self.launch.rank if world > 1 else 0,
             local_rank=self.launch.local_rank if world > 1 else 0, world_size=world,
-            timeout_s=self.timeout_s, precision=self.precision,
+            timeout_s=self.process_group_timeout_s, precision=self.precision,
         )
 
     @property
@@ -228,9 +233,24 @@ class Selection:
             raise AttributeError("strategy is TensorFlow's; PyTorch uses prepare()/scope()")
         return self.runtime.strategy
 
+    def _leave_if_idle(self) -> None:
+        """On a rank this decision leaves idle, end the process cleanly (exit status 0, which
+        torchrun counts as done) instead of letting it train a duplicate of rank 0's work."""
+        if self.active:
+            return
+        log.warning(
+            "resilient_strategy: rank %d has nothing to do under this decision (%s trains on "
+            "rank 0 alone); exiting cleanly. Check `sel.active` to end the rank yourself.",
+            self.launch.rank, self.candidate.label,
+        )
+        with contextlib.suppress(Exception):
+            self.shutdown()
+        raise SystemExit(0)
+
     @contextlib.contextmanager
     def scope(self) -> Iterator[Selection]:
         """Build (and compile, and load weights of) the model inside this."""
+        self._leave_if_idle()
         if self.framework == "torch":
             rt = self.runtime
             rt.init()
@@ -254,6 +274,13 @@ class Selection:
 
     def prepare(self, model: Any, optimizer: Any = None, loader: Any = None) -> Any:
         """Move and wrap the model (DDP when replicas > 1); shard the loader; return all three."""
+        self._leave_if_idle()
+        if model is not None and self.advise is not None and self.is_main_process:
+            from .executor import gradient_bytes_of
+
+            advice = self.advise(gradient_bytes_of(model))
+            if advice:
+                log.warning("resilient_strategy: %s", advice)
         rt = self.runtime
         rt.init()
         return rt.prepare(model, optimizer, loader)
