@@ -84,7 +84,8 @@ def build_commands(
             for rank in range(world)
         ]
     if spec.framework == "tensorflow":
-        where = (["--logical-cpus", str(spec.logical_cpus)] if spec.logical_cpus
-                 else ["--devices", devices])
+        where = ["--devices", devices]
+        if spec.logical_cpus:  # the devices are logical CPUs then
+            where += ["--logical-cpus", str(spec.logical_cpus)]
         return [command("tf_worker", 0, where)]
     raise InvalidOptionError(f"probe {spec.candidate}: unknown framework {spec.framework!r}")

@@ -1,6 +1,6 @@
 """Probe worker for TensorFlow: one process that proves a strategy over its devices works.
 
-    python -m resilient_strategy.probes.tf_worker --backend B [--devices 0,1 | --logical-cpus N] \\
+    python -m resilient_strategy.probes.tf_worker --backend B [--devices 0,1] [--logical-cpus N] \\
         --message-bytes N --report PATH [--no-train-step] [--parent-pid PID]
 
 Backends: ``nccl``, ``hierarchical_copy``, ``reduction_to_one_device`` (a MirroredStrategy with
@@ -37,9 +37,8 @@ MIRRORED = ("nccl", "hierarchical_copy", "reduction_to_one_device")
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m resilient_strategy.probes.tf_worker")
     p.add_argument("--backend", required=True, choices=[*MIRRORED, "single_device", "cpu"])
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--devices", default="", help="GPU ordinals")
-    where.add_argument("--logical-cpus", type=int, default=0)
+    p.add_argument("--devices", default="", help="GPU ordinals (logical CPU ones in test mode)")
+    p.add_argument("--logical-cpus", type=int, default=0)
     add_common_arguments(p)
     return p.parse_args(argv)
 
@@ -76,7 +75,10 @@ def _configure_devices(tf: Any, args: argparse.Namespace) -> list[str]:
         tf.config.set_logical_device_configuration(
             cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(args.logical_cpus)]
         )
-        return [f"/cpu:{i}" for i in range(args.logical_cpus)]
+        wanted = [int(d) for d in args.devices.split(",") if d.strip()]
+        if args.backend == "cpu":
+            return ["/cpu:0"]
+        return [f"/cpu:{i}" for i in (wanted or range(args.logical_cpus))]
     wanted = [int(d) for d in args.devices.split(",") if d.strip()]
     if not wanted or args.backend == "cpu":
         tf.config.set_visible_devices([], "GPU")
