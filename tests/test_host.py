@@ -96,6 +96,52 @@ def test_parse_iommu(devices: list[str] | None, cmdline: str | None, state: str)
     assert host._parse_iommu(devices, cmdline) == state
 
 
+@pytest.mark.parametrize(
+    ("devices", "cmdline", "types", "state"),
+    [
+        # an IOMMU is present, but every group is passthrough (AMD's ivhd with the kernel's default)
+        (["ivhd0"], "ro quiet", ["identity", "identity"], "off"),
+        (["dmar0"], "ro intel_iommu=on", ["DMA", "identity"], "on"),
+        (["dmar0"], "ro quiet", ["DMA-FQ"], "on"),
+        # the groups are the truth, whatever the command line asked for
+        (["dmar0"], "ro iommu=pt", ["DMA-FQ"], "on"),
+        (["dmar0"], "ro intel_iommu=on", ["identity\n"], "off"),
+        # VFIO-owned groups say nothing about the host's GPUs: fall back to the older signals
+        (["dmar0"], "ro quiet", ["unmanaged"], "on"),
+        ([], "ro quiet", ["blocked"], "off"),
+        (None, None, [], "unknown"),
+    ],
+)
+def test_parse_iommu_reads_the_group_types_first(
+    devices: list[str] | None, cmdline: str | None, types: list[str], state: str
+) -> None:
+    assert host._parse_iommu(devices, cmdline, types) == state
+
+
+def test_detect_host_reads_iommu_group_types(tmp_path: Path) -> None:
+    passthrough = tmp_path / "pt"
+    _tree(passthrough, {
+        "proc/cmdline": "ro quiet\n",
+        "sys/class/iommu/ivhd0/": "",
+        "sys/kernel/iommu_groups/0/type": "identity\n",
+        "sys/kernel/iommu_groups/1/type": "identity\n",
+        "sys/kernel/iommu_groups/2/devices/": "",  # no type file (older kernel): ignored
+    })
+    assert host.detect_host({}, str(passthrough)).iommu == "off"
+    translated = tmp_path / "dma"
+    _tree(translated, {
+        "proc/cmdline": "ro iommu=pt\n",  # groups switched to DMA at run time win
+        "sys/class/iommu/dmar0/": "",
+        "sys/kernel/iommu_groups/0/type": "identity\n",
+        "sys/kernel/iommu_groups/7/type": "DMA-FQ\n",
+    })
+    assert host.detect_host({}, str(translated)).iommu == "on"
+    no_types = tmp_path / "old"
+    _tree(no_types, {"proc/cmdline": "ro quiet\n", "sys/class/iommu/dmar0/": "",
+                     "sys/kernel/iommu_groups/0/devices/": ""})
+    assert host.detect_host({}, str(no_types)).iommu == "on"
+
+
 def _tree(root: Path, files: dict[str, str]) -> None:
     for rel, text in files.items():
         path = root / rel

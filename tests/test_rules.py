@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from packaging.version import Version
 
-from resilient_strategy.errors import InvalidRuleError
+from resilient_strategy.errors import InvalidOptionError, InvalidRuleError
 from resilient_strategy.rules import (
+    FACT_NAMES,
     clause_holds,
     fact_values,
     fired,
@@ -17,7 +21,7 @@ from resilient_strategy.rules import (
     parse_rules,
     rule_from_dict,
 )
-from resilient_strategy.testing import machine
+from resilient_strategy.testing import machine, simulate
 
 RULES = load_rules()
 
@@ -150,3 +154,151 @@ def test_bad_toml_and_duplicate_ids() -> None:
         parse_rules(dup, "f.toml")
     with pytest.raises(InvalidRuleError, match="cannot read"):
         load_rules(["/nonexistent/rules.toml"])
+
+
+# ----- user rule files: every mistake is an InvalidRuleError naming the file and the rule --------
+_GOOD = 'effect = "warn"\nmessage = "m"\nsource = "https://example.org"\n'
+
+
+@pytest.mark.parametrize(
+    ("text", "rule", "problem"),
+    [
+        ("rule = 5\n", "?", "must be an array of tables"),
+        ("rule = [5]\n", "#1", "must be a table"),
+        ('[[rules]]\nid = "x"\n' + _GOOD, "?", "unknown top-level key"),
+        ('[[rule]]\nid = "x"\neffect = "veto"\ntarget = 5\nmessage = "m"\nsource = "s"\n', "x",
+         "target must be a string or an array of strings"),
+        ('[[rule]]\nid = "x"\n' + _GOOD + "[[rule]\n", "?", "not valid TOML"),
+        ('[[rule]]\nid = "x"\nwhen = ["gpus.names matches RTX(50"]\n' + _GOOD, "x",
+         "not a valid regular expression"),
+        ('[[rule]]\nid = "x"\nwhen = ["gpus.count >="]\n' + _GOOD, "x", "has no value"),
+        ('[[rule]]\nid = "x"\nwhen = ["gpus.names matches "]\n' + _GOOD, "x", "has no value"),
+        ('[[rule]]\nid = "x"\nwhen = 5\n' + _GOOD, "x", "when must be a string or an array"),
+        ('[[rule]]\nid = "x"\nwhen = ["gpus.count >= 2", 3]\n' + _GOOD, "x", "when must be"),
+        ('[[rule]]\nid = 5\n' + _GOOD, "#1", "needs an id"),
+        ('[[rule]]\nid = "x"\nfirst = "yes"\n' + _GOOD, "x", "first must be true or false"),
+        ('[[rule]]\nid = "x"\nmessage = 5\nsource = "s"\neffect = "warn"\n', "x", "message"),
+    ],
+)
+def test_bad_rule_files_name_the_file_and_the_rule(
+    tmp_path: Path, text: str, rule: str, problem: str
+) -> None:
+    f = tmp_path / "mine.toml"
+    f.write_text(text, encoding="utf-8")
+    with pytest.raises(InvalidRuleError, match=problem) as info:
+        load_rules([f])
+    assert str(f) in str(info.value)
+    assert info.value.rule_id == rule and f"rule {rule!r}" in str(info.value)
+
+
+def test_a_rule_file_that_is_not_utf8_is_a_typed_error(tmp_path: Path) -> None:
+    f = tmp_path / "latin1.toml"
+    f.write_bytes(b'[[rule]]\nid = "x"\neffect = "warn"\nmessage = "caf\xe9"\nsource = "s"\n')
+    with pytest.raises(InvalidRuleError, match="not UTF-8") as info:
+        load_rules([f])
+    assert str(f) in str(info.value)
+
+
+def test_unknown_fact_names_are_errors_that_list_the_valid_ones(tmp_path: Path) -> None:
+    f = tmp_path / "typo.toml"
+    f.write_text('[[rule]]\nid = "two-gpus"\nwhen = ["gpu.count >= 2"]\n' + _GOOD)
+    with pytest.raises(InvalidRuleError, match=r"unknown fact 'gpu\.count'") as info:
+        load_rules([f])
+    text = str(info.value)
+    assert "did you mean 'gpus.count'" in text and str(f) in text and "two-gpus" in text
+    assert all(name in text for name in FACT_NAMES) and "env.<VARIABLE>" in text
+    with pytest.raises(InvalidRuleError, match="unknown fact"):
+        parse_clause("not host.wsl")
+    assert parse_clause("env.MY_OWN_VARIABLE == 1").fact == "env.MY_OWN_VARIABLE"
+
+
+def test_fact_names_are_exactly_what_fact_values_computes() -> None:
+    facts = machine(2, tensorflow="2.17.0", tf_cuda="12.3", keras="3.5.0",
+                    env={"NCCL_DEBUG": "INFO"})
+    for fw in ("torch", "tensorflow"):
+        names = {k for k in fact_values(facts, fw) if not k.startswith("env.")}
+        assert names == set(FACT_NAMES)
+
+
+def test_matches_regex_is_compiled_when_the_rule_loads() -> None:
+    clause = parse_clause("gpus.names matches RTX 50[0-9]0")
+    assert clause.pattern is not None and clause.pattern.flags & re.IGNORECASE
+    facts = machine(2, name="NVIDIA GeForce RTX 5090", cc=(12, 0))
+    assert clause_holds(clause, fact_values(facts, "torch"))
+    with pytest.raises(InvalidRuleError, match="regular expression"):
+        parse_clause("gpus.names matches [unclosed")
+
+
+def test_a_bare_path_is_one_rules_file(tmp_path: Path) -> None:
+    f = tmp_path / "mine.toml"
+    f.write_text('[[rule]]\nid = "lab-rule"\nwhen = ["gpus.count >= 2"]\n' + _GOOD)
+    for one in (str(f), f):
+        assert "lab-rule" in {r.id for r in load_rules(one)}
+    with pytest.raises(InvalidOptionError, match="rules= takes"):
+        load_rules([5])  # type: ignore[list-item]
+
+
+def test_a_bare_string_in_disable_rules_is_one_id() -> None:
+    ids_left = {r.id for r in load_rules(disabled="small-dev-shm")}
+    assert "small-dev-shm" not in ids_left
+    assert ids_left == {r.id for r in RULES} - {"small-dev-shm"}
+
+
+def test_disabling_an_unknown_rule_id_logs_a_warning_naming_the_known_ones(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="resilient_strategy"):
+        rules = load_rules(disabled=["small-dev-shn", "mixed-gpus"])
+    assert "mixed-gpus" not in {r.id for r in rules}
+    (record,) = [r for r in caplog.records if r.name == "resilient_strategy"]
+    assert record.levelno == logging.WARNING
+    assert "small-dev-shn" in record.getMessage() and "small-dev-shm" in record.getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="resilient_strategy"):
+        load_rules(disabled=["mixed-gpus"])
+    assert not caplog.records
+
+
+# ----- torch built with CUDA < 12.8 on Blackwell --------------------------------------------
+_BLACKWELL = {"name": "NVIDIA GeForce RTX 5090", "cc": (12, 0)}
+_TORCHRUN_2 = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+
+
+@pytest.mark.parametrize("env", [_TORCHRUN_2, {}], ids=["torchrun", "one-process"])
+def test_torch_cu126_on_blackwell_vetoes_every_gpu_candidate(env: dict[str, str]) -> None:
+    # NCCL new enough for Blackwell, so only the CUDA build rules NCCL out
+    facts = machine(2, **_BLACKWELL, torch="2.6.0", torch_cuda="12.6", torch_nccl="2.26.2",
+                    env=env)
+    rid = "torch-cuda-before-12.8-on-blackwell"
+    assert rid in ids(facts, "torch")
+    sel = simulate(facts, framework="torch", global_batch_size=64)
+    assert sel.backend == "cpu" and [c.backend for c in sel.plan.candidates] == ["cpu"]
+    vetoed = {r.candidate.backend for r in sel.plan.ruled_out if r.rule == rid}
+    assert vetoed == ({"nccl", "gloo", "single_device"} if env else {"single_device"})
+    rule = next(r for r in RULES if r.id == rid)
+    assert "cu128" in rule.message and "sm_120 is not compatible" in rule.message
+    assert "https://github.com/pytorch/pytorch/issues/150733" in rule.source
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {**_BLACKWELL, "torch_cuda": "12.8"},  # a cu128 build has Blackwell kernels
+        {**_BLACKWELL, "torch_cuda": "13.0"},
+        {**_BLACKWELL, "torch_cuda": None, "torch_nccl": None},  # CPU build: planned as CPU anyway
+        {"name": "NVIDIA H100 80GB HBM3", "cc": (9, 0), "torch_cuda": "12.6"},
+    ],
+)
+def test_torch_cuda_rule_needs_blackwell_and_an_old_cuda_build(kw: dict[str, Any]) -> None:
+    assert "torch-cuda-before-12.8-on-blackwell" not in ids(machine(2, **kw), "torch")
+
+
+def test_torch_cuda_rule_does_not_apply_to_tensorflow() -> None:
+    facts = machine(2, **_BLACKWELL, torch_cuda="12.6", tensorflow="2.20.0", tf_cuda="12.5")
+    assert "torch-cuda-before-12.8-on-blackwell" not in ids(facts, "tensorflow")
+
+
+def test_every_builtin_source_is_or_carries_a_link() -> None:
+    for r in RULES:
+        parts = [p.strip() for p in r.source.split(";")]
+        assert any(p.startswith("https://") for p in parts), r.id

@@ -81,6 +81,55 @@ def test_required_nccl_reads_the_pinned_wheel(monkeypatch: pytest.MonkeyPatch) -
     assert versions._required_nccl(None) is None
 
 
+def _installed(versions_by_name: dict[str, str]) -> Any:
+    def version(name: str) -> str:
+        if name in versions_by_name:
+            return versions_by_name[name]
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    return version
+
+
+# TensorFlow 2.17's own requirement: the NCCL wheel comes only with the "and-cuda" extra.
+_TF_REQUIRES = [
+    "absl-py>=1.0.0",
+    'nvidia-cublas-cu12==12.3.4.1; extra == "and-cuda"',
+    'nvidia-nccl-cu12==2.21.5; extra == "and-cuda"',
+]
+
+
+@pytest.mark.parametrize(
+    ("requires", "installed", "extras", "nccl"),
+    [
+        # torch's nvidia-nccl-cu12 2.26.2 is installed, not the 2.21.5 TF pins: not TF's NCCL
+        (_TF_REQUIRES, {"nvidia-nccl-cu12": "2.26.2"}, ("and-cuda",), None),
+        (_TF_REQUIRES, {"nvidia-nccl-cu12": "2.21.5"}, ("and-cuda",), "2.21.5"),
+        # without the extra the requirement does not apply at all
+        (_TF_REQUIRES, {"nvidia-nccl-cu12": "2.21.5"}, (), None),
+        (['nvidia-nccl-cu12==2.21.5; extra == "other"'], {"nvidia-nccl-cu12": "2.21.5"},
+         ("and-cuda",), None),
+        # markers on the platform are evaluated for this one
+        (['nvidia-nccl-cu12>=2.20; extra == "and-cuda" and python_version < "3"'],
+         {"nvidia-nccl-cu12": "2.21.5"}, ("and-cuda",), None),
+        (["nvidia-nccl-cu12>=2.20"], {"nvidia-nccl-cu12": "2.21.5"}, (), "2.21.5"),
+        (["NVIDIA_NCCL_CU12 >=2.20"], {"nvidia-nccl-cu12": "2.21.5"}, (), "2.21.5"),
+        # a requirement that cannot be parsed, or a package that is not installed: unknown
+        (["nvidia-nccl-cu12 ===="], {"nvidia-nccl-cu12": "2.21.5"}, (), None),
+        (_TF_REQUIRES, {}, ("and-cuda",), None),
+    ],
+)
+def test_required_nccl_only_reports_the_wheel_the_requirement_accepts(
+    monkeypatch: pytest.MonkeyPatch,
+    requires: list[str],
+    installed: dict[str, str],
+    extras: tuple[str, ...],
+    nccl: str | None,
+) -> None:
+    monkeypatch.setattr(importlib.metadata, "version", _installed(installed))
+    dist: Any = SimpleNamespace(requires=requires)
+    assert versions._required_nccl(dist, extras) == nccl
+
+
 # ----- installed frameworks ----------------------------------------------------------------
 def test_installed_cpu_builds_of_this_venv() -> None:
     fws = {f.name: f for f in detect_frameworks({})}

@@ -6,8 +6,11 @@ plan    only the plan (for the framework given, or each one installed).
 probe   prove the candidates for real (probe="force" with --force) and print the decision.
 
 ``--simulate FILE`` plans for a described machine instead (what-if before renting one): a JSON
-object with "machine" (keyword arguments of resilient_strategy.testing.machine) or "facts" (the
-Facts.to_dict() form), and optionally "probes" (simulated outcomes, see testing.FakeProber).
+object with "machine" (keyword arguments of resilient_strategy.testing.machine, "links" written as
+{"0-1": 4}) or "facts" (the Facts.to_dict() form), and optionally "probes" (simulated outcomes, see
+testing.FakeProber), "framework", "global_batch_size", "gradient_bytes" and "sample_seconds". The
+simulated machine's environment is the file's; only RESILIENT_STRATEGY_RULES and
+RESILIENT_STRATEGY_DISABLE_RULES come from yours (the rules are yours, not the machine's).
 """
 
 from __future__ import annotations
@@ -16,15 +19,39 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from . import _env
 from .errors import ResilientStrategyError
 from .facts import Facts
 from .plan import human_duration
 
 _FRAMEWORKS = ("torch", "tensorflow")
+#: Variables of the user's own environment that a simulation honours (they configure this
+#: library, they do not describe the simulated machine).
+_SIMULATION_PASSTHROUGH = ("RESILIENT_STRATEGY_RULES", "RESILIENT_STRATEGY_DISABLE_RULES")
+_SIMULATION_KEYS = frozenset({
+    "what", "framework", "global_batch_size", "gradient_bytes", "sample_seconds", "machine",
+    "facts", "probes",
+})
+
+
+def _int_at_least(least: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, not {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, not {value}")
+        return value
+
+    return parse
+
+
+_positive_int = _int_at_least(1)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,19 +61,27 @@ def _parser() -> argparse.ArgumentParser:
                        ("probe", "prove the candidates with live probes")):
         s = sub.add_parser(name, help=text)
         s.add_argument("--framework", choices=_FRAMEWORKS)
-        s.add_argument("--global-batch-size", type=int)
-        s.add_argument("--gradient-bytes", type=int, help="model gradient size, for speed ranking")
+        s.add_argument("--global-batch-size", type=_positive_int)
+        s.add_argument("--gradient-bytes", type=_positive_int,
+                       help="model gradient size, for speed ranking")
         s.add_argument("--json", action="store_true", help="machine-readable output")
         s.add_argument("--simulate", type=Path, metavar="FILE", help="plan for a described machine")
         s.add_argument("--timeout", type=float, help="seconds per probe (default 30)")
         s.add_argument("--force", action="store_true", help="probe: ignore cached results")
-        s.add_argument("--logical-cpus", type=int, default=0,
-                       help="TensorFlow probes on N logical CPU devices (testing without GPUs)")
+        s.add_argument("--logical-cpus", type=_int_at_least(0), default=0,
+                       help="TensorFlow probes on N logical CPU devices (testing without GPUs); "
+                            "other frameworks plan as usual")
+        s.add_argument("--rules", action="append", default=[], type=Path, metavar="FILE",
+                       help="an extra known-issue rules file (TOML); repeatable")
+        s.add_argument("--disable-rule", action="append", default=[], metavar="ID",
+                       help="switch off a known-issue rule by id; repeatable")
     return p
 
 
 def _load_simulation(path: Path) -> tuple[Facts, dict[str, Any]]:
-    from .testing.fakes import machine
+    """The described machine and the rest of the file; every problem is one clean error that
+    names the file and the field."""
+    from .testing.fakes import FakeProber, machine
 
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -54,14 +89,51 @@ def _load_simulation(path: Path) -> tuple[Facts, dict[str, Any]]:
         raise ResilientStrategyError(f"cannot read --simulate file {path}: {exc}") from exc
     if not isinstance(data, dict):
         raise ResilientStrategyError(f"{path}: expected a JSON object")
+    described = "machine" in data or "facts" in data
+    unknown = sorted(set(data) - _SIMULATION_KEYS) if described else []
+    if unknown:
+        raise ResilientStrategyError(
+            f"{path}: unknown field(s) {unknown}; allowed: {sorted(_SIMULATION_KEYS)}")
+    _check_simulation_fields(path, data)
     try:
         if "machine" in data:
+            if not isinstance(data["machine"], dict):
+                raise ValueError("machine: expected an object of machine() keyword arguments")
             facts = machine(**data["machine"])
         else:
             facts = Facts.from_dict(data.get("facts", data))
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
         raise ResilientStrategyError(f"{path}: not a machine description: {exc}") from exc
+    probes = data.get("probes")
+    if probes is not None:
+        if not isinstance(probes, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in probes.items()
+        ):
+            raise ResilientStrategyError(
+                f'{path}: probes: expected an object of outcome strings like {{"nccl": "timeout"}}'
+                f", not {probes!r}")
+        try:
+            FakeProber(dict(probes))
+        except ValueError as exc:
+            raise ResilientStrategyError(f"{path}: probes: {exc}") from exc
     return facts, data
+
+
+def _check_simulation_fields(path: Path, data: Mapping[str, Any]) -> None:
+    framework = data.get("framework")
+    if framework is not None and framework not in _FRAMEWORKS:
+        raise ResilientStrategyError(
+            f"{path}: framework: expected one of {_FRAMEWORKS}, not {framework!r}")
+    for key in ("global_batch_size", "gradient_bytes"):
+        value = data.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ResilientStrategyError(f"{path}: {key}: expected a positive integer, not {value!r}")
+    seconds = data.get("sample_seconds")
+    if seconds is not None and (
+        isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0
+    ):
+        raise ResilientStrategyError(
+            f"{path}: sample_seconds: expected a positive number, not {seconds!r}")
 
 
 def _frameworks(facts: Facts, asked: str | None) -> list[str]:
@@ -138,37 +210,51 @@ def _selection_text(sel: Any, show_probes: bool) -> list[str]:
 
 
 def _decide(args: argparse.Namespace, facts: Facts, sim: Mapping[str, Any] | None,
-            framework: str) -> Any:
+            framework: str, real_env: Mapping[str, str]) -> Any:
     from .executor import resilient_strategy
     from .testing.fakes import FakeProber
 
+    sim_data: Mapping[str, Any] = sim or {}
+
+    def given(arg: Any, key: str) -> Any:
+        return arg if arg is not None else sim_data.get(key)
+
     kw: dict[str, Any] = {
         "framework": framework,
-        "global_batch_size": args.global_batch_size or (sim or {}).get("global_batch_size"),
-        "gradient_bytes": args.gradient_bytes or (sim or {}).get("gradient_bytes"),
-        "sample_seconds": (sim or {}).get("sample_seconds"),
+        "global_batch_size": given(args.global_batch_size, "global_batch_size"),
+        "gradient_bytes": given(args.gradient_bytes, "gradient_bytes"),
+        "sample_seconds": sim_data.get("sample_seconds"),
         "timeout": args.timeout,
-        "logical_cpus": args.logical_cpus,
+        # a TensorFlow test mode: planning torch alongside it (doctor, plan) is unaffected
+        "logical_cpus": args.logical_cpus if framework == "tensorflow" else 0,
+        "rules": list(args.rules),
+        "disable_rules": list(args.disable_rule),
     }
-    env = _launch_env(facts, framework, sim)
+    env = _launch_env(facts, framework, sim, real_env)
     if sim is not None:
         probes = sim.get("probes")
+        prober = FakeProber(dict(probes or {}))
         return resilient_strategy(
-            facts=facts, env=env, cache=False,
-            dry_run=not probes,
-            _prober=FakeProber(dict(probes or {})), **kw,
+            facts=facts, env=env, cache=False, dry_run=not probes,
+            _prober=prober, _clock=prober.clock, **kw,
         )
     if args.command == "probe":
         return resilient_strategy(probe="force" if args.force else "auto", env=env, **kw)
     return resilient_strategy(facts=facts, dry_run=True, env=env, **kw)
 
 
-def _launch_env(facts: Facts, framework: str, sim: Mapping[str, Any] | None) -> dict[str, str]:
-    """The environment to plan in. PyTorch on 2+ GPUs outside a launcher is planned as rank 0
-    of `torchrun --nproc_per_node N` would plan it: that is how it uses every GPU."""
-    from . import _env
-
-    env = dict(facts.env_map) if sim is not None else _env.snapshot()
+def _launch_env(facts: Facts, framework: str, sim: Mapping[str, Any] | None,
+                real_env: Mapping[str, str]) -> dict[str, str]:
+    """The environment to plan in: the user's, or for a simulation the described machine's plus
+    the user's rule settings. PyTorch on 2+ GPUs outside a launcher is planned as rank 0 of
+    `torchrun --nproc_per_node N` would plan it: that is how it uses every GPU."""
+    if sim is None:
+        env = dict(real_env)
+    else:
+        env = dict(facts.env_map)
+        for name in _SIMULATION_PASSTHROUGH:
+            if name in real_env and name not in env:
+                env[name] = real_env[name]
     if as_torchrun(facts, framework, env):
         env.update(WORLD_SIZE=str(len(facts.gpus)), RANK="0", LOCAL_RANK="0")
     return env
@@ -179,8 +265,12 @@ def as_torchrun(facts: Facts, framework: str, env: Mapping[str, str]) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.logical_cpus and args.framework == "torch":
+        parser.error("--logical-cpus is a TensorFlow test mode; it does not apply to torch")
     logging.basicConfig(level=logging.ERROR, format="%(message)s")
+    real_env = _env.snapshot()
     try:
         sim: dict[str, Any] | None = None
         if args.simulate:
@@ -188,9 +278,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             from .inspect import detect_facts
 
-            facts = detect_facts()
+            facts = detect_facts(real_env)
         frameworks = _frameworks(facts, args.framework or (sim or {}).get("framework"))
-        selections = {fw: _decide(args, facts, sim, fw) for fw in frameworks}
+        selections = {fw: _decide(args, facts, sim, fw, real_env) for fw in frameworks}
     except ResilientStrategyError as exc:
         print(f"resilient_strategy: {exc}", file=sys.stderr)
         return 2

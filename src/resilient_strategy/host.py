@@ -50,7 +50,9 @@ def detect_host(env: Mapping[str, str], root: str = "/") -> Host:
         aws=any(_parse_aws_vendor(t) for t in dmi),
         efa=_parse_efa(ib or ()),
         infiniband=bool(ib),
-        iommu=_parse_iommu(_list(root, "sys/class/iommu"), _read(root, "proc/cmdline")),
+        iommu=_parse_iommu(
+            _list(root, "sys/class/iommu"), _read(root, "proc/cmdline"), _iommu_group_types(root)
+        ),
         kernel=(_read(root, "proc/sys/kernel/osrelease") or "").strip(),
         cpu_count=_cpu_count(),
         platform=sys.platform,
@@ -121,13 +123,32 @@ def _parse_efa(devices: Sequence[str]) -> bool:
     return any(d.startswith(("efa", "rdmap")) for d in devices)
 
 
-def _parse_iommu(devices: Sequence[str] | None, cmdline: str | None) -> str:
+def _parse_iommu(
+    devices: Sequence[str] | None,
+    cmdline: str | None,
+    group_types: Sequence[str] | None = None,
+) -> str:
     """"on" when the IOMMU translates DMA (P2P then detours through the root complex), else
-    "off"; ``iommu=pt`` (passthrough) counts as off. "unknown" when nothing could be read.
+    "off"; passthrough counts as off. "unknown" when nothing could be read.
+
+    The kernel says what each IOMMU group's default domain does in
+    /sys/kernel/iommu_groups/<n>/type: "identity" is passthrough (DMA addresses are physical:
+    P2P is not redirected), "DMA" / "DMA-FQ" translate. Those are read first: an IOMMU that is
+    present (/sys/class/iommu has entries) is often in passthrough, by the kernel's default
+    (CONFIG_IOMMU_DEFAULT_PASSTHROUGH) or by ``iommu=pt``. Groups of other types ("unmanaged":
+    handed to VFIO; "blocked") say nothing about the host's own devices. Without group types,
+    the kernel command line decides, then whether an IOMMU is present at all.
 
     See "PCI Access Control Services" in NCCL's troubleshooting guide:
-    https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/troubleshooting.html
+    https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/troubleshooting.html and the
+    kernel's sysfs-kernel-iommu_groups ABI:
+    https://www.kernel.org/doc/Documentation/ABI/testing/sysfs-kernel-iommu_groups
     """
+    kinds = {t.strip() for t in group_types or ()}
+    if kinds & {"DMA", "DMA-FQ"}:
+        return "on"
+    if "identity" in kinds:
+        return "off"
     args = set((cmdline or "").split())
     if args & {"iommu=pt", "iommu.passthrough=1", "iommu=off", "intel_iommu=off", "amd_iommu=off"}:
         return "off"
@@ -158,6 +179,14 @@ def _list(root: str, rel: str) -> list[str] | None:
 
 def _exists(root: str, rel: str) -> bool:
     return os.path.exists(_path(root, rel))
+
+
+def _iommu_group_types(root: str) -> list[str] | None:
+    """The ``type`` of every IOMMU group that has one; None when there are none to read."""
+    groups = _list(root, "sys/kernel/iommu_groups")
+    types = [_read(root, f"sys/kernel/iommu_groups/{g}/type") for g in groups or ()]
+    found = [t.strip() for t in types if t and t.strip()]
+    return found or None
 
 
 def _shm_bytes(root: str) -> int | None:

@@ -3,7 +3,9 @@
 A rule (see ``known_issues.toml``) has an ``id``, a list of ``when`` clauses that must all hold,
 an ``effect`` and a ``source``. Clauses read ``<fact> <op> <value>`` over the names that
 :func:`fact_values` computes, e.g. ``"tensorflow.version < 2.20"`` or ``"gpus.names matches RTX 50"``;
-a bare ``"host.wsl2"`` means true, ``"not host.wsl2"`` false. A clause on an unknown fact is false.
+a bare ``"host.wsl2"`` means true, ``"not host.wsl2"`` false. A fact name that is not in
+:data:`FACT_NAMES` (or ``env.<VARIABLE>``) is an error when the rule is loaded; a known fact whose
+value is unknown on this machine (torch not installed, /dev/shm unreadable) makes the clause false.
 
 Effects: ``veto`` (rule a backend out), ``prefer`` (try a backend first), ``remedy`` (add an NCCL
 variant with ``env``; ``first = true`` tries it before plain NCCL), ``set_env`` (set ``env`` on
@@ -12,17 +14,19 @@ every NCCL candidate), ``warn`` (a warning in the trace). Pure: no I/O except :f
 
 from __future__ import annotations
 
+import difflib
+import logging
 import operator
 import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
-from .errors import InvalidRuleError
+from .errors import InvalidOptionError, InvalidRuleError
 from .facts import Facts, Gpu
 
 if sys.version_info >= (3, 11):
@@ -40,6 +44,23 @@ _CLAUSE = re.compile(
     r"(?P<value>.*?)\s*$"
 )
 
+_FRAMEWORK_FACTS = ("installed", "version", "cuda", "nccl", "max_arch", "imported", "gpu_kernels")
+#: Every fact a clause can name (what :func:`fact_values` computes), besides ``env.<VARIABLE>``.
+FACT_NAMES: tuple[str, ...] = (
+    "framework",
+    "gpus.count", "gpus.names", "gpus.min_cc", "gpus.max_cc", "gpus.consumer", "gpus.mig",
+    "gpus.mixed",
+    "links.all_nvlink", "links.any_pcie_only", "links.p2p_unsupported", "links.cross_socket",
+    "driver.version", "driver.cuda",
+    "host.shm_mb", "host.container", "host.in_container", "host.wsl2", "host.sagemaker",
+    "host.aws", "host.efa", "host.infiniband", "host.iommu", "host.platform",
+    *(f"{fw}.{name}" for fw in ("torch", "tensorflow", "keras") for name in _FRAMEWORK_FACTS),
+)
+_RULE_KEYS = frozenset(
+    {"id", "when", "effect", "message", "source", "target", "framework", "env", "first"}
+)
+log = logging.getLogger("resilient_strategy")
+
 FactValue = str | int | bool | Version | tuple[str, ...] | None
 _ORDER_OPS = {
     "<": operator.lt, "<=": operator.le, ">": operator.gt,
@@ -53,6 +74,8 @@ class Clause:
     op: str  # one of _OPS, or "truthy"
     value: str
     negate: bool = False
+    #: the compiled regular expression of a ``matches`` clause (compiled when the rule loads)
+    pattern: re.Pattern[str] | None = field(default=None, compare=False, repr=False)
 
     def __str__(self) -> str:
         neg = "not " if self.negate else ""
@@ -73,35 +96,77 @@ class Rule:
     origin: str = "built-in"
 
 
-def parse_clause(text: str, rule_id: str = "?") -> Clause:
+def parse_clause(text: str, rule_id: str = "?", origin: str = "") -> Clause:
+    """Read one ``when`` clause; every problem is an :class:`InvalidRuleError` naming the rule
+    (and ``origin``, the file it came from)."""
     m = _CLAUSE.match(text)
     if not m:
-        raise InvalidRuleError(rule_id, f"cannot read clause {text!r}; expected '<fact> <op> <value>'")
+        raise InvalidRuleError(
+            rule_id, f"cannot read clause {text!r}; expected '<fact> <op> <value>'", origin)
+    fact = m.group("fact")
+    _check_fact(fact, text, rule_id, origin)
     op = m.group("op") or m.group("wop")
     raw = m.group("value").strip()
     value = raw.strip("'\"")
     if op is None:
         if raw:
-            raise InvalidRuleError(rule_id, f"clause {text!r} has a value but no operator")
+            raise InvalidRuleError(rule_id, f"clause {text!r} has a value but no operator", origin)
         op = "truthy"
     elif not raw:
-        raise InvalidRuleError(rule_id, f"clause {text!r} has no value after {op!r}")
-    return Clause(fact=m.group("fact"), op=op, value=value, negate=bool(m.group("neg")))
+        raise InvalidRuleError(rule_id, f"clause {text!r} has no value after {op!r}", origin)
+    pattern = None
+    if op == "matches":
+        try:
+            pattern = re.compile(value, re.IGNORECASE)
+        except re.error as exc:
+            raise InvalidRuleError(
+                rule_id, f"clause {text!r}: {value!r} is not a valid regular expression ({exc})",
+                origin,
+            ) from exc
+    return Clause(fact=fact, op=op, value=value, negate=bool(m.group("neg")), pattern=pattern)
 
 
-def rule_from_dict(d: Mapping[str, Any], origin: str = "built-in") -> Rule:
-    rid = str(d.get("id", "")).strip()
+def _check_fact(fact: str, text: str, rule_id: str, origin: str) -> None:
+    if fact in FACT_NAMES or (fact.startswith("env.") and len(fact) > len("env.")):
+        return
+    close = difflib.get_close_matches(fact, FACT_NAMES, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise InvalidRuleError(
+        rule_id,
+        f"clause {text!r} names unknown fact {fact!r}{hint}; valid facts: "
+        f"{', '.join(FACT_NAMES)}, env.<VARIABLE>",
+        origin,
+    )
+
+
+def _strings(value: object, key: str, rid: str, origin: str) -> tuple[str, ...]:
+    """A TOML string or array of strings as a tuple; anything else is an InvalidRuleError."""
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise InvalidRuleError(
+        rid, f"{key} must be a string or an array of strings, not {value!r}", origin)
+
+
+def rule_from_dict(d: Mapping[str, Any], origin: str = "built-in", where: str = "?") -> Rule:
+    """One rule from its TOML table; ``where`` names it in errors until its id is known."""
+    if not isinstance(d, Mapping):
+        raise InvalidRuleError(
+            where, f"a rule must be a table (written under [[rule]]), not {d!r}", origin)
+    raw_id = d.get("id", "")
+    rid = raw_id.strip() if isinstance(raw_id, str) else ""
     if not rid:
-        raise InvalidRuleError("?", "every rule needs an id", origin)
-    allowed = {"id", "when", "effect", "message", "source", "target", "framework", "env", "first"}
-    extra = set(d) - allowed
+        raise InvalidRuleError(where, f"every rule needs an id (a non-empty string), not {raw_id!r}",
+                               origin)
+    extra = set(d) - _RULE_KEYS
     if extra:
-        raise InvalidRuleError(rid, f"unknown key(s) {sorted(extra)}", origin)
+        raise InvalidRuleError(
+            rid, f"unknown key(s) {sorted(extra)}; allowed: {sorted(_RULE_KEYS)}", origin)
     effect = d.get("effect", "")
     if effect not in EFFECTS:
         raise InvalidRuleError(rid, f"effect must be one of {EFFECTS}, not {effect!r}", origin)
-    raw_target = d.get("target", ())
-    target = (raw_target,) if isinstance(raw_target, str) else tuple(map(str, raw_target))
+    target = _strings(d.get("target", []), "target", rid, origin)
     if effect in ("veto", "prefer") and (not target or not set(target) <= set(BACKENDS)):
         raise InvalidRuleError(rid, f"{effect} needs target(s) in {BACKENDS}, not {target!r}", origin)
     env = d.get("env", {})
@@ -109,34 +174,50 @@ def rule_from_dict(d: Mapping[str, Any], origin: str = "built-in") -> Rule:
         raise InvalidRuleError(rid, "env must be a table of strings", origin)
     if effect in ("remedy", "set_env") and not env:
         raise InvalidRuleError(rid, f"{effect} needs env", origin)
-    framework = str(d.get("framework", ""))
-    if framework and framework not in FRAMEWORKS:
-        raise InvalidRuleError(rid, f"framework must be one of {FRAMEWORKS}", origin)
-    when = d.get("when", [])
-    if isinstance(when, str):
-        when = [when]
-    if not d.get("message") or not d.get("source"):
-        raise InvalidRuleError(rid, "every rule needs a message and a source", origin)
+    framework = d.get("framework", "")
+    if framework != "" and framework not in FRAMEWORKS:
+        raise InvalidRuleError(
+            rid, f"framework must be one of {FRAMEWORKS} (or left out), not {framework!r}", origin)
+    when = _strings(d.get("when", []), "when", rid, origin)
+    message, source = d.get("message"), d.get("source")
+    if not (isinstance(message, str) and message.strip()) or not (
+        isinstance(source, str) and source.strip()
+    ):
+        raise InvalidRuleError(rid, "every rule needs a message and a source (strings)", origin)
+    first = d.get("first", False)
+    if not isinstance(first, bool):
+        raise InvalidRuleError(rid, f"first must be true or false, not {first!r}", origin)
     return Rule(
         id=rid,
-        when=tuple(parse_clause(str(c), rid) for c in when),
+        when=tuple(parse_clause(c, rid, origin) for c in when),
         effect=effect,
-        message=str(d["message"]).strip(),
-        source=str(d["source"]).strip(),
+        message=message.strip(),
+        source=source.strip(),
         target=target,
         framework=framework,
-        env=tuple(sorted((str(k), str(v)) for k, v in env.items())),
-        first=bool(d.get("first", False)),
+        env=tuple(sorted((str(k), v) for k, v in env.items())),
+        first=first,
         origin=origin,
     )
 
 
 def parse_rules(text: str, origin: str) -> tuple[Rule, ...]:
+    """The rules of one TOML document (``origin`` names it in errors)."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise InvalidRuleError("?", f"not valid TOML: {exc}", origin) from exc
-    rules = tuple(rule_from_dict(r, origin) for r in data.get("rule", ()))
+    unknown = sorted(set(data) - {"rule"})
+    if unknown:
+        raise InvalidRuleError(
+            "?", f"unknown top-level key(s) {unknown}; write each rule as a [[rule]] table", origin)
+    tables = data.get("rule", [])
+    if not isinstance(tables, list):
+        raise InvalidRuleError(
+            "?", f"'rule' must be an array of tables (each rule under [[rule]]), not {tables!r}",
+            origin,
+        )
+    rules = tuple(rule_from_dict(r, origin, f"#{n}") for n, r in enumerate(tables, 1))
     ids = [r.id for r in rules]
     dupes = sorted({i for i in ids if ids.count(i) > 1})
     if dupes:
@@ -145,26 +226,42 @@ def parse_rules(text: str, origin: str) -> tuple[Rule, ...]:
 
 
 def load_rules(
-    extra: Iterable[str | Path | Rule] = (), disabled: Iterable[str] = ()
+    extra: Iterable[str | Path | Rule] | str | Path | Rule = (),
+    disabled: Iterable[str] | str = (),
 ) -> tuple[Rule, ...]:
     """The built-in rules plus the user's (TOML files or Rule values), minus the disabled ids.
 
-    A user rule with the id of a built-in one replaces it.
+    A user rule with the id of a built-in one replaces it. A bare path (``"mine.toml"``) is one
+    file and a bare string in ``disabled`` is one id. Disabling an id that no rule has is logged
+    as a warning (it is usually a typo) naming the known ids.
     """
     builtin = Path(__file__).with_name("known_issues.toml")
     rules = {r.id: r for r in parse_rules(builtin.read_text(encoding="utf-8"), str(builtin))}
-    for item in extra:
+    items = (extra,) if isinstance(extra, (str, Path, Rule)) else tuple(extra)
+    for item in items:
         if isinstance(item, Rule):
             rules[item.id] = item
             continue
+        if not isinstance(item, (str, Path)):
+            raise InvalidOptionError(
+                f"rules= takes TOML file paths or Rule values, not {item!r}")
         path = Path(item)
         try:
             text = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise InvalidRuleError("?", f"cannot read rules file: {exc}", str(path)) from exc
+        except UnicodeDecodeError as exc:
+            raise InvalidRuleError(
+                "?", f"not UTF-8 text (TOML files must be UTF-8): {exc}", str(path)) from exc
         for r in parse_rules(text, str(path)):
             rules[r.id] = r
-    off = set(disabled)
+    off = {disabled} if isinstance(disabled, str) else {str(d) for d in disabled}
+    unknown = sorted(off - set(rules))
+    if unknown:
+        log.warning(
+            "resilient_strategy: disable_rules names no known rule: %s; known rule ids: %s",
+            ", ".join(unknown), ", ".join(sorted(rules)),
+        )
     return tuple(r for r in rules.values() if r.id not in off)
 
 
@@ -265,13 +362,16 @@ def fact_values(facts: Facts, framework: str) -> dict[str, FactValue]:
     return values
 
 
-def _compare(actual: FactValue, op: str, raw: str) -> bool | None:
+def _compare(
+    actual: FactValue, op: str, raw: str, pattern: re.Pattern[str] | None = None
+) -> bool | None:
     """None when the comparison cannot be made (unknown fact or incomparable value)."""
     if actual is None:
         return None
     if op == "matches":
         items = actual if isinstance(actual, tuple) else (str(actual),)
-        return any(re.search(raw, str(i), re.I) for i in items)
+        rx = pattern or re.compile(raw, re.IGNORECASE)
+        return any(rx.search(str(i)) for i in items)
     if op == "contains":
         items = actual if isinstance(actual, tuple) else (str(actual),)
         return raw in items if isinstance(actual, tuple) else raw in str(actual)
@@ -311,7 +411,7 @@ def clause_holds(clause: Clause, values: Mapping[str, FactValue]) -> bool:
             return False
         result: bool | None = bool(actual)
     else:
-        result = _compare(actual, clause.op, clause.value)
+        result = _compare(actual, clause.op, clause.value, clause.pattern)
     if result is None:
         return False
     return result != clause.negate

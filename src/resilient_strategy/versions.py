@@ -14,8 +14,13 @@ import importlib.util
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from packaging.markers import InvalidMarker, UndefinedComparison, UndefinedEnvironmentName
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import InvalidVersion, Version
 
 from .facts import FrameworkInfo
 
@@ -35,7 +40,9 @@ _DISTRIBUTIONS = {
     ),
     "keras": ("keras", "keras-nightly"),
 }
-_NCCL_REQUIREMENT = re.compile(r"^\s*(nvidia-nccl-cu\d+)", re.IGNORECASE)
+_NCCL_WHEEL = re.compile(r"nvidia-nccl-cu\d+")  # a canonicalized distribution name
+#: The extra of TensorFlow's wheel that pins the CUDA libraries (``pip install tensorflow[and-cuda]``).
+_TF_CUDA_EXTRAS = ("and-cuda",)
 
 
 def detect_frameworks(modules: Mapping[str, object] | None = None) -> tuple[FrameworkInfo, ...]:
@@ -75,7 +82,8 @@ def _tensorflow(mods: Mapping[str, object]) -> FrameworkInfo:
     archs = info.get("cuda_compute_capabilities") or ()
     # The nvidia-nccl wheel counts only where TF pins it (its "and-cuda" extra); older TF wheels
     # carry their own NCCL and say nothing about it.
-    nccl = _str_or_none(info.get("nccl_version")) or (_required_nccl(dist) if cuda else None)
+    nccl = _str_or_none(info.get("nccl_version")) or (
+        _required_nccl(dist, _TF_CUDA_EXTRAS) if cuda else None)
     return FrameworkInfo(
         name="tensorflow",
         version=dist.version if dist else "unknown",
@@ -148,16 +156,45 @@ def _package_dir(name: str) -> str | None:
     return next(iter(locations), None) if locations else None
 
 
-def _required_nccl(dist: metadata.Distribution | None) -> str | None:
-    """The installed version of the nvidia-nccl-cuXX wheel that ``dist`` requires, if any."""
-    for req in (dist.requires or ()) if dist else ():
-        m = _NCCL_REQUIREMENT.match(req)
-        if m:
-            try:
-                return metadata.version(m.group(1))
-            except metadata.PackageNotFoundError:
-                continue
+def _required_nccl(
+    dist: metadata.Distribution | None, extras: Sequence[str] = ()
+) -> str | None:
+    """The installed version of the nvidia-nccl-cuXX wheel that ``dist`` requires, if any.
+
+    Only requirements that apply here count: markers are evaluated for this interpreter and
+    platform, with ``extras`` (TensorFlow's ``and-cuda``) as the extras asked for. And only an
+    installed version that satisfies the requirement's specifier is reported: another package
+    (torch) may have installed a different NCCL wheel, which is not the one ``dist`` uses. None
+    ("unknown") otherwise.
+    """
+    for text in (dist.requires or ()) if dist else ():
+        try:
+            req = Requirement(text)
+        except InvalidRequirement:
+            continue
+        name = canonicalize_name(req.name)
+        if not _NCCL_WHEEL.fullmatch(name) or not _applies(req, extras):
+            continue
+        try:
+            installed = metadata.version(name)
+            if req.specifier.contains(Version(installed), prereleases=True):
+                return installed
+        except (metadata.PackageNotFoundError, InvalidVersion):
+            continue
     return None
+
+
+def _applies(req: Requirement, extras: Sequence[str]) -> bool:
+    """Whether a requirement's marker holds here for one of ``extras`` (or for none)."""
+    if req.marker is None:
+        return True
+    for extra in (*extras, ""):
+        try:
+            if req.marker.evaluate({"extra": extra}):
+                return True
+        except (InvalidMarker, UndefinedComparison, UndefinedEnvironmentName):
+            return False
+    return False
 
 
 def _literals(path: str) -> dict[str, Any]:

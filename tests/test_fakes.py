@@ -1,0 +1,122 @@
+"""testing.fakes: gpu() and machine() describe what detect_facts() would report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from resilient_strategy.errors import InvalidOptionError
+from resilient_strategy.rules import fact_values
+from resilient_strategy.testing import gpu, machine, simulate
+
+MACHINES = Path(__file__).parents[1] / "examples" / "machines"
+
+
+def test_cuda_visible_devices_picks_and_renumbers_the_gpus() -> None:
+    f = machine(4, env={"CUDA_VISIBLE_DEVICES": "0"})
+    assert [(g.index, g.physical_index) for g in f.gpus] == [(0, 0)]
+    assert f.visibility.raw == "0" and f.visibility.physical == (0,)
+    assert f.links == ()
+    f = machine(4, env={"CUDA_VISIBLE_DEVICES": "3,1"})
+    assert [(g.index, g.physical_index, g.uuid) for g in f.gpus] == [
+        (0, 3, "GPU-fake-0003"), (1, 1, "GPU-fake-0001")]
+    assert f.visibility.physical == (3, 1)
+    assert [(ln.a, ln.b) for ln in f.links] == [(0, 1)]
+    assert f.env_map == {"CUDA_VISIBLE_DEVICES": "3,1"}
+
+
+def test_unset_cuda_visible_devices_shows_every_gpu() -> None:
+    f = machine(3)
+    assert [(g.index, g.physical_index) for g in f.gpus] == [(0, 0), (1, 1), (2, 2)]
+    assert f.visibility.raw is None and f.visibility.physical == (0, 1, 2)
+    assert [(ln.a, ln.b) for ln in f.links] == [(0, 1), (0, 2), (1, 2)]
+
+
+def test_an_empty_cuda_visible_devices_hides_every_gpu_but_nvml_still_works() -> None:
+    f = machine(2, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert f.gpus == () and f.links == ()
+    assert f.nvml_error is None and f.driver_version is not None
+    assert f.visibility.notes
+
+
+def test_visible_devices_decide_the_plan() -> None:
+    sel = simulate(machine(4, env={"CUDA_VISIBLE_DEVICES": "2"}),
+                   framework="torch", global_batch_size=32)
+    assert sel.backend == "single_device" and sel.devices == (0,)
+    assert "Saw 1 GPU(s)" in sel.explain() and sel.accumulation_steps == 1
+
+
+def test_links_override_nvlink_per_pair_of_physical_gpus() -> None:
+    pairs = {(0, 1): 4, (2, 3): 4, (4, 5): 4, (6, 7): 4}
+    f = machine(8, name="NVIDIA RTX A6000", cc=(8, 6), links=pairs)
+    assert f.link(0, 1) is not None and f.link(0, 1).nvlinks == 4  # type: ignore[union-attr]
+    assert f.link(1, 0).p2p_nvlink == "ok"  # type: ignore[union-attr]
+    assert f.link(1, 2).nvlinks == 0 and f.link(1, 2).p2p_nvlink == "not_supported"  # type: ignore[union-attr]
+    assert sum(ln.nvlinks > 0 for ln in f.links) == 4 and len(f.links) == 28
+    values = fact_values(f, "torch")
+    assert values["links.any_pcie_only"] and not values["links.all_nvlink"]
+    # the JSON spelling is the same machine
+    assert machine(8, name="NVIDIA RTX A6000", cc=(8, 6),
+                   links={f"{a}-{b}": n for (a, b), n in pairs.items()}) == f
+    # links name physical GPUs: after CUDA_VISIBLE_DEVICES=3,2 the pair (2, 3) is ordinals 0-1
+    sub = machine(8, links=pairs, env={"CUDA_VISIBLE_DEVICES": "3,2"})
+    assert sub.link(0, 1).nvlinks == 4  # type: ignore[union-attr]
+    # nvlink stays the default for pairs not listed
+    assert machine(3, nvlink=12, links={(0, 2): 0}).link(0, 1).nvlinks == 12  # type: ignore[union-attr]
+    assert machine(3, nvlink=12, links={(2, 0): 0}).link(0, 2).nvlinks == 0  # type: ignore[union-attr]
+
+
+def test_a_list_of_gpus_is_the_physical_gpus() -> None:
+    gs = [gpu(0, "NVIDIA A100-SXM4-80GB", (8, 0), 80), gpu(1, "NVIDIA H100 80GB HBM3", (9, 0), 80)]
+    f = machine(gs, env={"CUDA_VISIBLE_DEVICES": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
+    assert [(g.index, g.physical_index, g.name) for g in f.gpus] == [(0, 1, "NVIDIA H100 80GB HBM3")]
+    with pytest.raises(InvalidOptionError, match="distinct"):
+        machine([gpu(0), gpu(0)])
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"cc": "9.0"}, "cc"),
+        ({"cc": (9,)}, "cc"),
+        ({"gpus": "two"}, "gpus"),
+        ({"gpus": -3}, "gpus"),
+        ({"gpus": True}, "gpus"),
+        ({"nvlink": "x"}, "nvlink"),
+        ({"memory_gb": "80"}, "memory_gb"),
+        ({"p2p": "maybe"}, "p2p"),
+        ({"topology": "pcie"}, "topology"),
+        ({"iommu": True}, "iommu"),
+        ({"shm_mb": -1}, "shm_mb"),
+        ({"wsl2": "no"}, "wsl2"),
+        ({"torch": 2.1}, "torch"),
+        ({"torch_archs": "sm_90"}, "torch_archs"),
+        ({"env": {"NCCL_DEBUG": 1}}, "env"),
+        ({"links": {(0, 0): 4}}, "links"),
+        ({"links": {(0, 2): 4}}, "links"),
+        ({"links": {"0:1": 4}}, "links"),
+        ({"links": {(0, 1): -1}}, "links"),
+        ({"links": [[0, 1, 4]]}, "links"),
+    ],
+)
+def test_bad_machine_arguments_name_the_argument(kw: dict[str, Any], field: str) -> None:
+    with pytest.raises(InvalidOptionError, match=rf"machine\({field}=") as info:
+        machine(**{"gpus": 2, **kw})
+    assert "expected" in str(info.value)
+
+
+def test_bad_gpu_arguments_name_the_argument() -> None:
+    with pytest.raises(InvalidOptionError, match=r"gpu\(cc="):
+        gpu(0, cc="12.0")  # type: ignore[arg-type]
+    with pytest.raises(InvalidOptionError, match=r"gpu\(index="):
+        gpu(-1)
+
+
+def test_seed003_file_describes_the_nvlink_pairs() -> None:
+    data = json.loads((MACHINES / "seed003_a6000x8_shm.json").read_text())
+    f = machine(**data["machine"])
+    nvlinked = sorted((ln.a, ln.b) for ln in f.links if ln.nvlinks)
+    assert nvlinked == [(0, 1), (2, 3), (4, 5), (6, 7)]
