@@ -302,3 +302,14 @@ def test_every_builtin_source_is_or_carries_a_link() -> None:
     for r in RULES:
         parts = [p.strip() for p in r.source.split(";")]
         assert any(p.startswith("https://") for p in parts), r.id
+
+
+def test_an_unread_compute_capability_fires_no_cc_rule() -> None:
+    from resilient_strategy.testing import gpu
+
+    unread = [gpu(i, cc=(0, 0)) for i in range(2)]
+    facts = machine(unread, env={"WORLD_SIZE": "2"})
+    values = fact_values(facts, "torch")
+    assert values["gpus.min_cc"] is None and values["gpus.max_cc"] is None
+    fired_ids = {r.id for r in fired(load_rules(), facts, "torch")}
+    assert "nccl-cuda13-drops-pre-turing" not in fired_ids  # would veto NCCL on (0, 0) < 7.5

@@ -303,6 +303,8 @@ def _kernel_coverage(archs: Sequence[str], gpus: Sequence[Gpu]) -> str | None:
     worst = "native"
     for g in gpus:
         major, minor = g.compute_capability
+        if (major, minor) == (0, 0):  # NVML could not read it: no verdict on this GPU
+            continue
         if any(s[0] == major and s[1] <= minor for s in sass):
             continue
         if any(p <= (major, minor) for p in ptx):
@@ -315,7 +317,7 @@ def _kernel_coverage(archs: Sequence[str], gpus: Sequence[Gpu]) -> str | None:
 def fact_values(facts: Facts, framework: str) -> dict[str, FactValue]:
     """Every name a rule clause can use, computed from the facts (pure)."""
     gpus = facts.gpus
-    ccs = [Version(g.cc) for g in gpus]
+    ccs = [Version(g.cc) for g in gpus if g.compute_capability != (0, 0)]  # (0, 0): unread
     pairs = [(a.index, b.index) for i, a in enumerate(gpus) for b in gpus[i + 1 :]]
     links = [facts.link(a, b) for a, b in pairs]
     h = facts.host
