@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -43,7 +46,8 @@ def test_corrupt_file_is_set_aside_with_a_warning(
     with caplog.at_level(logging.WARNING, logger="resilient_strategy"):
         assert cache.load("fp") == {}
     assert "unreadable" in caplog.text
-    assert (tmp_path / "fp.corrupt").read_text() == content  # nothing the user had is lost
+    # nothing the user had is lost
+    assert cache.path("fp").with_suffix(".corrupt").read_text() == content
     assert cache.store("fp", {OK.candidate: OK})
     assert cache.load("fp") == {OK.candidate: OK}
 
@@ -69,7 +73,7 @@ def test_directory_that_is_a_file_degrades(tmp_path: Path, caplog: pytest.LogCap
 
 def test_file_format_is_readable_json(tmp_path: Path) -> None:
     DecisionCache(tmp_path).store("fp", {OK.candidate: OK}, now=5.0)
-    data = json.loads((tmp_path / "fp.json").read_text())
+    data = json.loads((tmp_path / "fp.v1.json").read_text())
     assert data["fingerprint"] == "fp" and data["results"][OK.candidate]["at"] == 5.0
 
 
@@ -77,3 +81,121 @@ def test_default_dir_precedence() -> None:
     assert default_dir({"RESILIENT_STRATEGY_CACHE_DIR": "/x"}) == Path("/x")
     assert default_dir({"XDG_CACHE_HOME": "/c"}) == Path("/c/resilient_strategy")
     assert default_dir({"HOME": "/h"}) == Path("/h/.cache/resilient_strategy")
+
+
+def _entry(**result: object) -> dict[str, object]:
+    return {"at": 5.0, "result": {**OK.to_dict(), **result}}
+
+
+def _file(results: object) -> str:
+    return json.dumps({"version": 1, "fingerprint": "fp", "results": results})
+
+
+@pytest.mark.parametrize("content", [
+    b"\xff\xfe not utf-8 \x80",
+    b'{"version": 1, "fingerprint": "fp", "results": {"k": "\xe9t\xe9"}}',  # latin-1 bytes
+    b'["a", "list"]',
+    b'{"version": 1, "fingerprint": "fp", "results": []}',
+    _file({OK.candidate: _entry(bus_bandwidth_gbps="fast")}).encode(),
+    _file({OK.candidate: _entry(elapsed_s=None)}).encode(),
+    _file({OK.candidate: _entry(status="weird")}).encode(),
+    _file({OK.candidate: _entry(cause="not_a_cause")}).encode(),
+    _file({OK.candidate: _entry(ranks="2")}).encode(),
+    _file({OK.candidate: _entry(extra="k=v")}).encode(),
+    _file({OK.candidate: _entry(bus_bandwidth_gbps=float("nan"))}).encode(),  # NaN in JSON
+    _file({OK.candidate: _entry(step_seconds=float("inf"))}).encode(),
+    _file({OK.candidate: {"at": float("inf"), "result": OK.to_dict()}}).encode(),
+    _file({OK.candidate: {"at": "yesterday", "result": OK.to_dict()}}).encode(),
+    _file({OK.candidate: {"at": 5.0, "result": None}}).encode(),
+    _file({OK.candidate: {"at": 5.0}}).encode(),
+    _file({"torch:gloo:0,1": _entry()}).encode(),  # the result of another candidate
+    _file({OK.candidate: [5.0, OK.to_dict()]}).encode(),
+])
+def test_corrupt_contents_degrade_never_raise(
+    tmp_path: Path, content: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = DecisionCache(tmp_path)
+    cache.path("fp").write_bytes(content)
+    with caplog.at_level(logging.WARNING, logger="resilient_strategy"):
+        assert cache.load("fp", now=6.0) == {}
+    assert "unreadable" in caplog.text
+    assert cache.path("fp").with_suffix(".corrupt").read_bytes() == content
+    assert not cache.path("fp").exists()
+    assert cache.store("fp", {OK.candidate: OK}, now=7.0)
+    assert cache.load("fp", now=8.0) == {OK.candidate: OK}
+
+
+def test_store_over_a_corrupt_file_sets_it_aside(tmp_path: Path) -> None:
+    cache = DecisionCache(tmp_path)
+    cache.path("fp").write_bytes(b"\xff\xfe")
+    assert cache.store("fp", {OK.candidate: OK}, now=7.0)
+    assert cache.path("fp").with_suffix(".corrupt").read_bytes() == b"\xff\xfe"
+    assert cache.load("fp", now=8.0) == {OK.candidate: OK}
+
+
+def test_a_result_that_cannot_be_read_back_is_not_stored(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = DecisionCache(tmp_path)
+    nan = ProbeResult("torch:nccl:0", "ok", 1.0, bus_bandwidth_gbps=float("nan"))
+    with caplog.at_level(logging.WARNING, logger="resilient_strategy"):
+        assert cache.store("fp", {nan.candidate: nan, "other-key": OK, BAD.candidate: BAD}, now=1.0)
+    assert "not caching" in caplog.text
+    assert cache.load("fp", now=2.0) == {BAD.candidate: BAD}  # the file stays readable
+
+
+def test_entry_from_the_future_expires(tmp_path: Path) -> None:
+    cache = DecisionCache(tmp_path, ttl_s=60)
+    cache.store("fp", {OK.candidate: OK}, now=1_000_000.0)  # written by a clock far ahead
+    assert cache.load("fp", now=1_000_000.0 - 61) == {}
+    assert cache.load("fp", now=1_000_000.0 - 59) == {OK.candidate: OK}
+
+
+def test_other_format_versions_are_left_alone(tmp_path: Path) -> None:
+    cache = DecisionCache(tmp_path)
+    other = {"version": 2, "fingerprint": "fp", "results": {"x": {"new": "layout"}}}
+    (tmp_path / "fp.v2.json").write_text(json.dumps(other))
+    (tmp_path / "fp.json").write_text("written by an older release")
+    assert cache.load("fp") == {}
+    assert cache.store("fp", {OK.candidate: OK})
+    assert cache.load("fp") == {OK.candidate: OK}
+    assert json.loads((tmp_path / "fp.v2.json").read_text()) == other
+    assert (tmp_path / "fp.json").read_text() == "written by an older release"
+    assert not list(tmp_path.glob("*.corrupt"))
+
+
+_WRITER = """
+import sys, time
+from pathlib import Path
+from resilient_strategy.cache import DecisionCache
+from resilient_strategy.probe import ProbeResult
+directory, worker, start = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+while time.time() < start:
+    time.sleep(0.001)
+cache = DecisionCache(directory)
+for i in range(20):
+    key = f"torch:nccl:{worker}-{i}"
+    assert cache.store("fp", {key: ProbeResult(key, "ok", float(i))})
+"""
+
+
+@pytest.mark.slow
+def test_concurrent_writers_keep_every_result(tmp_path: Path) -> None:
+    start = time.time() + 1.5  # every writer begins at once
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), str(w), str(start)],
+                         stderr=subprocess.PIPE, text=True)
+        for w in range(4)
+    ]
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    got = DecisionCache(tmp_path).load("fp")
+    assert sorted(got) == sorted(f"torch:nccl:{w}-{i}" for w in range(4) for i in range(20))
+    assert (tmp_path / "fp.lock").exists()

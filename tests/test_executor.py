@@ -105,7 +105,7 @@ def test_cache_hit_costs_no_probe_and_changed_machine_reprobes(tmp_path: Path) -
 
 
 def test_corrupt_cache_degrades_to_probing(tmp_path: Path) -> None:
-    (tmp_path / f"{H200X2.fingerprint()}.json").write_text("garbage")
+    DecisionCache(tmp_path).path(H200X2.fingerprint()).write_text("garbage")
     prober = FakeProber()
     sel = simulate(H200X2, prober, cache=True, cache_dir=tmp_path)
     assert prober.probed == ["nccl"] and sel.backend == "nccl"

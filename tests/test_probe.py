@@ -45,6 +45,25 @@ def ok_report(gbps: float = 100.0, step: float = 0.01) -> str:
      "nccl_error"),
     ("ValueError: something unrelated", "worker_error"),
     ("", "worker_error"),
+    # a busy or too-small GPU is not broken P2P (cuda_error would turn P2P off)
+    ("RuntimeError: CUDA error: out of memory\nCUDA kernel errors might be asynchronously "
+     "reported", "oom"),
+    ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", "oom"),
+    ("ncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\nCuda failure 2 "
+     "'out of memory'", "oom"),
+    ("ResourceExhaustedError: OOM when allocating tensor with shape[4096,4096]", "oom"),
+    # NCCL's own wording of a failed segment, also inside an ncclSystemError
+    ("torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:3690\n"
+     "ncclSystemError: System call (e.g. socket, malloc) or external library call failed or "
+     "device error.\nLast error:\nError while creating shared memory segment "
+     "/dev/shm/nccl-Q2nK (size 9637888)", "shared_memory"),
+    ("ncclSystemError ... Last error:\nError while attaching to shared memory segment "
+     "/dev/shm/nccl-x (size 0), error: No such file or directory (2)", "shared_memory"),
+    ("NCCL WARN shm_open failed to open /nccl-shm-3", "shared_memory"),
+    # a hint that merely mentions /dev/shm does not make the failure a shared-memory one
+    ("ncclUnhandledCudaError: unhandled cuda error (hint: if /dev/shm is small, set "
+     "NCCL_SHM_DISABLE=1)", "cuda_error"),
+    ("ValueError: bad shape; note: the dataset cache lives in /dev/shm/data", "worker_error"),
 ])
 def test_classify(text: str, cause: str) -> None:
     assert classify(text) == cause
@@ -158,6 +177,52 @@ def test_no_outcomes_is_not_ok() -> None:
 
 def test_result_round_trips_through_a_dict() -> None:
     res = ProbeResult("c", OK, 1.0, bus_bandwidth_gbps=3.8, extra=(("k", "v"),))
+    assert ProbeResult.from_dict(json.loads(json.dumps(res.to_dict()))) == res
+    assert ProbeResult.from_dict({"candidate": "c", "status": "ok", "future_field": 1}) == \
+        ProbeResult("c", OK)  # a newer writer's extra keys are ignored
+
+
+@pytest.mark.parametrize("change", [
+    {"bus_bandwidth_gbps": "fast"},
+    {"bus_bandwidth_gbps": float("nan")},
+    {"bus_bandwidth_gbps": float("inf")},
+    {"step_seconds": -1.0},
+    {"elapsed_s": None},
+    {"elapsed_s": True},
+    {"status": "weird"},
+    {"cause": "not_a_cause"},
+    {"cause": None},
+    {"candidate": 3},
+    {"detail": ["a"]},
+    {"ranks": 1.5},
+    {"message_bytes": "16M"},
+    {"extra": [["k"]]},
+    {"extra": "k=v"},
+])
+def test_from_dict_rejects_invalid_data(change: dict[str, object]) -> None:
+    good = ProbeResult("c", ERROR, 1.0, "timeout", bus_bandwidth_gbps=3.8, step_seconds=0.1,
+                       message_bytes=1 << 24).to_dict()
+    ProbeResult.from_dict(good)
+    with pytest.raises(ValueError):
+        ProbeResult.from_dict({**good, **change})
+
+
+@pytest.mark.parametrize("data", [{"status": "ok"}, {"candidate": "c"}, [], "c", None])
+def test_from_dict_rejects_what_is_not_a_result(data: object) -> None:
+    with pytest.raises(ValueError):
+        ProbeResult.from_dict(data)  # type: ignore[arg-type]
+
+
+def test_an_unknown_reported_cause_is_classified_and_non_finite_figures_are_dropped() -> None:
+    bad = json.dumps({"status": "error", "cause": "mystery", "error": "CUDA error: out of memory"})
+    res = parse_probe(SPEC, [WorkerOutcome(0, 1, report=bad, failed_first=True),
+                             WorkerOutcome(1, None, killed_by_runner=True)], 1.0, False)
+    assert res.cause == "oom"
+    odd = json.dumps({"status": "ok", "bus_bandwidth_gbps": float("nan"), "step_seconds": "x",
+                      "message_bytes": "16M"})
+    res = parse_probe(SPEC, [WorkerOutcome(0, 0, report=odd), WorkerOutcome(1, 0, report=odd)],
+                      1.0, False)
+    assert res.ok and (res.bus_bandwidth_gbps, res.step_seconds, res.message_bytes) == (None,) * 3
     assert ProbeResult.from_dict(json.loads(json.dumps(res.to_dict()))) == res
 
 

@@ -76,8 +76,19 @@ def test_seed003_without_the_shm_rule_learns_from_the_probe() -> None:
     assert "usual remedy for shared_memory" in sel.explain()
 
 
-def test_seed004_tf_deadlock_in_launcher_steps_down_to_one_gpu() -> None:
+def test_seed004_nvflare_external_process_rules_out_mirrored_without_probing() -> None:
     sel, prober = run("seed004_a30x2_tf_launcher.json")
+    assert sel.backend == "single_device" and prober.probed == []
+    assert sel.accumulation_steps == 2 and sel.per_replica_batch_size == 32
+    assert "tf-mirrored-in-nvflare-external-process" in sel.plan.rules_fired
+    assert "PyTorch DDP" in sel.explain()
+
+
+def test_seed004_deadlock_replayed_without_the_launcher_variable_steps_down_to_one_gpu() -> None:
+    _, data = load("seed004_a30x2_tf_launcher.json")
+    facts = machine(**{**data["machine"], "env": {}})
+    prober = FakeProber(data["probes"])
+    sel = simulate(facts, prober, framework="tensorflow", global_batch_size=64)
     assert sel.backend == "single_device"
     assert sel.accumulation_steps == 2 and sel.per_replica_batch_size == 32
     # P2P-off is tried after the hang; P2P+SHM-off (sockets, ~4 GB/s) would be slower than one

@@ -27,8 +27,10 @@ P2P_STATUSES = (
     "unknown",
 )
 
-#: Environment variables that change what NCCL / the frameworks do; part of the fingerprint.
-RELEVANT_ENV_PREFIXES = ("NCCL_", "TF_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "GLOO_", "NVSHMEM_")
+#: Environment variables that change what NCCL / the frameworks do; part of the fingerprint
+#: (less :data:`_PER_RUN_ENV`). TensorFlow's are named one by one: a "TF_" prefix would take in
+#: Terraform's TF_CLI_CONFIG_FILE, TF_LOG, ... and TensorFlow's log levels.
+RELEVANT_ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "GLOO_", "NVSHMEM_")
 RELEVANT_ENV_NAMES = (
     "CUDA_VISIBLE_DEVICES",
     "CUDA_DEVICE_ORDER",
@@ -42,14 +44,24 @@ RELEVANT_ENV_NAMES = (
     "SM_HOSTS",
     "SM_CURRENT_HOST",
     "TF_CONFIG",
+    "TF_FORCE_GPU_ALLOW_GROWTH",
+    "TF_GPU_ALLOCATOR",
+    "TF_GPU_THREAD_MODE",
+    "TF_GPU_THREAD_COUNT",
+    "TF_XLA_FLAGS",
     "FI_PROVIDER",
     "FI_EFA_USE_DEVICE_RDMA",
+    "CLIENT_API_TYPE",  # NVFlare's launcher mode (seed 004)
 )
 
 
-#: Relevant variables that differ between runs of the same job on the same machine.
+#: Relevant variables left out of the fingerprint: they differ between runs of the same job on
+#: the same machine (ranks, rendezvous, launch size: results are keyed by candidate, which names
+#: the devices, and `python -m resilient_strategy probe` must warm the cache a torchrun job reads)
+#: or only change what NCCL logs (turning debug output on must not force a re-probe).
 _PER_RUN_ENV = frozenset(
-    {"RANK", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR", "TORCHELASTIC_RUN_ID"}
+    {"RANK", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR", "TORCHELASTIC_RUN_ID",
+     "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NCCL_DEBUG", "NCCL_DEBUG_FILE", "NCCL_DEBUG_SUBSYS"}
 )
 
 

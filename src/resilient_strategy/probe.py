@@ -9,11 +9,12 @@ object per rank; :func:`parse_probe` turns exit codes, signals, those JSON texts
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 #: Probe statuses.
 OK, ERROR, TIMEOUT = "ok", "error", "timeout"
@@ -24,6 +25,8 @@ CAUSES: dict[str, str] = {
     "nccl_invalid_usage": "NCCL rejected its configuration (ncclInvalidUsage): an NCCL_* variable "
     "names an unknown algorithm, protocol, network or interface",
     "nccl_error": "NCCL failed (ncclSystemError / ncclInternalError / remote error)",
+    "oom": "the GPU ran out of memory: another process holds it, or the probe's buffers do not "
+    "fit; free the GPU",
     "cuda_error": "an unhandled CUDA error inside NCCL: often P2P between these GPUs is broken, "
     "or the NCCL build has no kernels for this GPU",
     "no_kernel_image": "the framework or NCCL has no kernels for this GPU's compute capability",
@@ -87,20 +90,97 @@ class ProbeResult:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ProbeResult:
-        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
-        if "extra" in known:
-            known["extra"] = tuple(tuple(x) for x in known["extra"])
-        return cls(**known)
+        """Build a result from plain data (JSON), checking every field.
+
+        Unknown keys are ignored (a newer writer may add some). Raises :class:`ValueError` for
+        anything else that is not what :meth:`to_dict` writes: a missing candidate or status, an
+        unknown status or cause, a wrong type, a negative or non-finite number.
+        """
+        if not isinstance(d, Mapping):
+            raise ValueError(f"a probe result must be an object, not {type(d).__name__}")
+        for name in ("candidate", "status"):
+            if name not in d:
+                raise ValueError(f"a probe result needs {name!r}")
+        status = _text(d, "status")
+        if status not in _STATUSES:
+            raise ValueError(f"status {status!r} is not one of {sorted(_STATUSES)}")
+        cause = _text(d, "cause")
+        if cause not in CAUSES:
+            raise ValueError(f"cause {cause!r} is not a known cause")
+        extra = d.get("extra", ())
+        if not isinstance(extra, (list, tuple)) or not all(
+            isinstance(x, (list, tuple)) and len(x) == 2 and all(isinstance(y, str) for y in x)
+            for x in extra
+        ):
+            raise ValueError(f"extra must be a list of [name, value] strings, not {extra!r}")
+        return cls(
+            candidate=_text(d, "candidate"),
+            status=status,
+            elapsed_s=_number(d, "elapsed_s", 0.0),
+            cause=cause,
+            detail=_text(d, "detail"),
+            stderr_tail=_text(d, "stderr_tail"),
+            bus_bandwidth_gbps=_maybe(d, "bus_bandwidth_gbps", _number),
+            message_bytes=_maybe(d, "message_bytes", _count),
+            step_seconds=_maybe(d, "step_seconds", _number),
+            ranks=_count(d, "ranks", 1),
+            extra=tuple((str(k), str(v)) for k, v in extra),
+        )
+
+
+_STATUSES = frozenset({OK, ERROR, TIMEOUT})
+_T = TypeVar("_T", int, float)
+
+
+def _text(d: Mapping[str, Any], name: str) -> str:
+    value = d.get(name, "")
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, not {value!r}")
+    return value
+
+
+def _number(d: Mapping[str, Any], name: str, default: float) -> float:
+    """A finite, non-negative number."""
+    value = d.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, not {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be finite and non-negative, not {value!r}")
+    return float(value)
+
+
+def _count(d: Mapping[str, Any], name: str, default: int) -> int:
+    """A non-negative integer."""
+    value = d.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, not {value!r}")
+    return value
+
+
+def _maybe(
+    d: Mapping[str, Any], name: str, read: Callable[[Mapping[str, Any], str, _T], _T]
+) -> _T | None:
+    """An optional field: None when absent or null, else what ``read`` makes of it."""
+    return None if d.get(name) is None else read(d, name, 0)
 
 
 # --------------------------------------------------------------------------------------------
 # Classification of failure text (pure)
 # --------------------------------------------------------------------------------------------
 _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("shared_memory", re.compile(r"shared memory segment|posix_fallocate|/dev/shm|shm_open", re.I)),
+    # NCCL's own words for a segment it could not make (shmutils.cc / older shm.h), not any
+    # mention of /dev/shm: hints and NCCL_SHM_* advice name it too. First, because NCCL reports
+    # these as ncclSystemError and the shared memory is what a user can fix.
+    ("shared_memory", re.compile(
+        r"Error while (?:creating|attaching to) shared memory segment|"
+        r"(?:Call to )?posix_fallocate failed|shm_open failed|"
+        r"failed to (?:extend|open|create|map) /dev/shm/", re.I)),
     ("nccl_invalid_usage", re.compile(r"invalid usage|ncclInvalidUsage|ncclInvalidArgument", re.I)),
     ("no_kernel_image", re.compile(r"no kernel image|not compatible with the current PyTorch|"
                                    r"sm_\d+ is not compatible", re.I)),
+    # Before cuda_error: "CUDA error: out of memory" is a busy or too-small GPU, not broken P2P.
+    ("oom", re.compile(r"out of memory|CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation|"
+                       r"OutOfMemoryError|ResourceExhaustedError.{0,80}\bOOM\b", re.I)),
     ("cuda_error", re.compile(r"unhandled cuda error|ncclUnhandledCudaError|CUDA error", re.I)),
     ("backend_unavailable", re.compile(r"not built with|Distributed package doesn't have NCCL|"
                                         r"NCCL is not available|No OpKernel was registered|"
@@ -187,12 +267,14 @@ def parse_probe(
     if missing or not outcomes:
         return base(status=ERROR, cause="worker_error",
                            detail=f"ranks {missing} exited without a report")
-    bws = [float(r["bus_bandwidth_gbps"]) for r in reports if r.get("bus_bandwidth_gbps")]
-    steps = [float(r["step_seconds"]) for r in reports if r.get("step_seconds")]
+    bws = [v for r in reports if (v := _positive(r.get("bus_bandwidth_gbps"))) is not None]
+    steps = [v for r in reports if (v := _positive(r.get("step_seconds"))) is not None]
+    message_bytes = reports[0].get("message_bytes")
     return base(
         status=OK,
         bus_bandwidth_gbps=round(min(bws), 3) if bws else None,
-        message_bytes=int(reports[0].get("message_bytes") or 0) or None,
+        message_bytes=message_bytes if isinstance(message_bytes, int)
+        and not isinstance(message_bytes, bool) and message_bytes > 0 else None,
         step_seconds=round(max(steps), 6) if steps else None,
         detail=str(reports[0].get("detail", "")),
     )
@@ -201,13 +283,22 @@ def parse_probe(
 _Make = Callable[..., ProbeResult]
 
 
+def _positive(value: Any) -> float | None:
+    """A worker's figure when it is a finite positive number, else None (never NaN or a str)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) and value > 0 else None
+
+
 def _reported(o: WorkerOutcome, rep: Mapping[str, Any], base: _Make) -> ProbeResult | None:
     """The result a worker's own error report gives, if it made one."""
     err = str(rep.get("error", ""))
     if rep.get("status") == "wrong_result":
         return base(status=ERROR, cause="wrong_result", detail=f"rank {o.rank}: {_first_line(err)}")
     if rep.get("status") == "error":
-        cause = str(rep.get("cause") or classify(err + "\n" + o.stderr))
+        reported = rep.get("cause")
+        cause = reported if isinstance(reported, str) and reported in CAUSES and reported \
+            else classify(err + "\n" + o.stderr)
         return base(status=ERROR, cause=cause, detail=f"rank {o.rank}: {_summary(err)}")
     return None
 

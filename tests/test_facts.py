@@ -1,0 +1,50 @@
+"""The fingerprint: what decides whether a cached probe result still holds on this machine."""
+
+from __future__ import annotations
+
+import pytest
+
+from resilient_strategy.facts import Facts, Gpu, relevant_env
+
+GPUS = (Gpu(0, "NVIDIA H200", (9, 0), uuid="GPU-a"), Gpu(1, "NVIDIA H200", (9, 0), uuid="GPU-b"))
+BASE = {"HOME": "/root", "NCCL_SOCKET_IFNAME": "eth0"}
+
+
+def fingerprint(**env: str) -> str:
+    return Facts(gpus=GPUS, env=relevant_env({**BASE, **env})).fingerprint()
+
+
+@pytest.mark.parametrize("extra", [
+    {"NCCL_DEBUG": "INFO"},
+    {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET", "NCCL_DEBUG_FILE": "/tmp/nccl.%h.%p"},
+    {"TF_CLI_CONFIG_FILE": "/home/me/.terraformrc", "TF_LOG": "DEBUG"},  # Terraform's
+    {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"},  # TensorFlow, logging / CPU only
+    {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},  # torchrun vs `python -m resilient_strategy`
+    {"RANK": "1", "LOCAL_RANK": "1", "MASTER_PORT": "29501", "TORCHELASTIC_RUN_ID": "x"},
+])
+def test_fingerprint_ignores_what_does_not_change_the_result(extra: dict[str, str]) -> None:
+    assert fingerprint(**extra) == fingerprint()
+
+
+def test_launch_size_does_not_change_the_fingerprint() -> None:
+    assert fingerprint(WORLD_SIZE="1") == fingerprint(WORLD_SIZE="2")
+
+
+@pytest.mark.parametrize("extra", [
+    {"NCCL_P2P_DISABLE": "1"},
+    {"NCCL_SHM_DISABLE": "1"},
+    {"TF_CONFIG": '{"cluster": {}}'},
+    {"TF_GPU_ALLOCATOR": "cuda_malloc_async"},
+    {"TF_FORCE_GPU_ALLOW_GROWTH": "true"},
+    {"TF_XLA_FLAGS": "--tf_xla_auto_jit=2"},
+    {"TORCH_NCCL_BLOCKING_WAIT": "1"},
+    {"CUDA_VISIBLE_DEVICES": "1,0"},
+])
+def test_fingerprint_follows_what_changes_the_result(extra: dict[str, str]) -> None:
+    assert fingerprint(**extra) != fingerprint()
+
+
+def test_relevant_env_keeps_what_other_code_reads_but_not_terraform() -> None:
+    env = relevant_env({"WORLD_SIZE": "2", "NCCL_DEBUG": "INFO", "TF_CLI_CONFIG_FILE": "x",
+                        "TF_CPP_MIN_LOG_LEVEL": "2", "TF_CONFIG": "{}", "PATH": "/bin"})
+    assert env == (("NCCL_DEBUG", "INFO"), ("TF_CONFIG", "{}"), ("WORLD_SIZE", "2"))
