@@ -108,3 +108,20 @@ def test_this_machine_without_gpus_in_a_fresh_process() -> None:
     assert heavy == []
     if n == 0:
         assert error is not None and error != ""
+
+
+def test_unreadable_values_reach_the_facts_and_the_trace(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from resilient_strategy.testing import machine, simulate
+
+    nv = h200x2()
+    nv.gpus[1].fail = {"nvmlDeviceGetCudaComputeCapability"}
+    f = facts({"WORLD_SIZE": "2"}, nv, tmp_path)
+    assert f.gpus[1].compute_capability == (0, 0)
+    assert any("GPU 1 compute capability: unknown" in n for n in f.nvml_notes)
+    assert Facts.from_dict(json.loads(json.dumps(f.to_dict()))).nvml_notes == f.nvml_notes
+    cuda_torch = replace(f, frameworks=machine().frameworks)  # this machine's torch is CPU-only
+    sel = simulate(cuda_torch, {"nccl": "ok"}, framework="torch")
+    assert sel.backend == "nccl"  # no compute-capability rule fired on the unknown value
+    assert "NVML could not read some facts" in sel.explain()

@@ -154,6 +154,7 @@ def _facts_text(facts: Facts) -> list[str]:
     out.append(f"  CUDA_VISIBLE_DEVICES={vis.raw!r} -> NVML {list(vis.physical)}"
                if vis.raw is not None else "  CUDA_VISIBLE_DEVICES unset: every GPU")
     out += [f"  note: {n}" for n in vis.notes]
+    out += [f"  NVML could not read: {n}" for n in facts.nvml_notes]
     if facts.links:
         out.append("Links:")
         for ln in facts.links:

@@ -165,6 +165,7 @@ class Facts:
     host: Host = field(default_factory=Host)
     frameworks: tuple[FrameworkInfo, ...] = ()
     env: tuple[tuple[str, str], ...] = ()  # relevant environment variables, sorted
+    nvml_notes: tuple[str, ...] = ()  # per-GPU values NVML could not read (they show as unknown)
 
     # ----- lookups -----------------------------------------------------------------------------
     def framework(self, name: str) -> FrameworkInfo:
@@ -221,6 +222,7 @@ class Facts:
             host=host,
             frameworks=fws,
             env=env_pairs,
+            nvml_notes=tuple(str(n) for n in data.get("nvml_notes", ())),
         )
 
     def fingerprint(self) -> str:

@@ -58,6 +58,7 @@ def detect_facts(
         host=detect_host(environ, root),
         frameworks=frameworks,
         env=relevant_env(environ),
+        nvml_notes=snap.notes,
     )
 
 

@@ -275,6 +275,9 @@ def _usable_gpus(facts: Facts, policy: Policy, b: _Build) -> tuple[int, ...]:
         b.trace.append(f"No GPU facts: {facts.nvml_error}.")
     for note in facts.visibility.notes:
         b.trace.append(f"CUDA_VISIBLE_DEVICES: {note}")
+    if facts.nvml_notes:
+        b.trace.append("NVML could not read some facts, which count as unknown (no rule fires on "
+                       "them): " + "; ".join(facts.nvml_notes) + ".")
     if policy.devices is None:
         return visible
     missing = [d for d in policy.devices if d not in visible]
