@@ -556,8 +556,11 @@ def _typical_bus(c: Candidate, facts: Facts) -> tuple[float | None, str]:
 def _flops(facts: Facts, c: Candidate) -> float:
     if c.backend == "cpu" or not c.devices:
         return CPU_FLOPS
-    majors = [g.compute_capability[0] for g in facts.gpus if g.index in c.devices]
-    major = min(majors) if majors else 0
+    majors = [g.compute_capability[0] for g in facts.gpus
+              if g.index in c.devices and g.compute_capability != (0, 0)]  # (0, 0): unread
+    if not majors:
+        majors = [g.compute_capability[0] for g in facts.gpus if g.compute_capability != (0, 0)]
+    major = min(majors) if majors else 8  # nothing known: a middling GPU, the same for all
     return DEVICE_FLOPS.get(major, DEVICE_FLOPS[0] if major < 7 else DEVICE_FLOPS[9])
 
 
