@@ -57,8 +57,10 @@ def main() -> None:
             keras.layers.Dense(256, activation="relu"),
             keras.layers.Dense(CLASSES),
         ])
+        # a schedule advances per optimizer update, also when the fallback accumulates
+        lr = keras.optimizers.schedules.CosineDecay(1e-3, decay_steps=args.epochs * 100)
         model.compile(
-            optimizer=keras.optimizers.Adam(1e-3, **sel.optimizer_kwargs()),
+            optimizer=keras.optimizers.Adam(**sel.optimizer_kwargs(learning_rate=lr)),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy"],
         )
@@ -83,7 +85,9 @@ def main() -> None:
         on_epoch_begin=lambda epoch, logs: start.__setitem__(0, time.perf_counter()),
         on_epoch_end=report,
     )
-    model.fit(data, epochs=args.epochs, shuffle=False, verbose=0, callbacks=[timing])  # shuffled above
+    # sel.callbacks() checks, before the first step, that the optimizer accumulates as needed
+    model.fit(data, epochs=args.epochs, shuffle=False, verbose=0,  # shuffled above
+              callbacks=[timing, *sel.callbacks()])
 
 
 if __name__ == "__main__":

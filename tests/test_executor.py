@@ -292,3 +292,15 @@ def test_the_real_model_size_is_checked_against_the_assumed_one() -> None:
     assert healthy.advise(400_000_000) is None  # NCCL stays the best choice: nothing to say
     described = simulate(H200X2, {"nccl": "error:nccl_invalid_usage"}, gradient_bytes=4000)
     assert described.advise is None
+
+
+def test_tensorflow_helpers_pass_through_and_refuse_on_torch() -> None:
+    tf_only = machine(0, torch=None, tensorflow="2.21.0")
+    sel = simulate(tf_only, framework="tensorflow", global_batch_size=64)
+    assert sel.backend == "cpu" and sel.callbacks() == []  # nothing to check: no accumulation
+    assert sel.optimizer_kwargs(learning_rate=0.1) == {"learning_rate": 0.1}
+    torch_sel = simulate(H200X2, {"nccl": "ok"})
+    assert torch_sel.optimizer_kwargs(learning_rate=0.1) == {"learning_rate": 0.1}
+    for name in ("callbacks", "wrap_optimizer", "check_optimizer"):
+        with pytest.raises(AttributeError, match="TensorFlow's"):
+            getattr(torch_sel, name)(*([] if name == "callbacks" else [object()]))

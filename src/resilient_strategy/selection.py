@@ -261,11 +261,35 @@ class Selection:
                 yield self
 
     # TensorFlow helpers
-    def optimizer_kwargs(self) -> dict[str, Any]:
-        """Pass to a Keras 3 optimizer: gradient accumulation on the one-device fallback."""
+    def optimizer_kwargs(self, learning_rate: Any = None) -> dict[str, Any]:
+        """Pass to a Keras 3 optimizer: gradient accumulation on the one-device fallback, and
+        ``learning_rate`` (a float or a Keras schedule; a schedule is wrapped so it advances per
+        optimizer update, not per micro-batch, exactly as under the strategy it replaces)."""
         if self.framework != "tensorflow":
-            return {}
-        return dict(self.runtime.optimizer_kwargs())
+            return {} if learning_rate is None else {"learning_rate": learning_rate}
+        return dict(self.runtime.optimizer_kwargs(learning_rate=learning_rate))
+
+    def wrap_optimizer(self, optimizer: Any) -> Any:
+        """TensorFlow: give an existing (unbuilt) Keras 3 optimizer this selection's gradient
+        accumulation and per-update learning-rate schedule; returns it."""
+        self._tensorflow_only("wrap_optimizer")
+        return self.runtime.wrap_optimizer(optimizer)
+
+    def callbacks(self) -> list[Any]:
+        """TensorFlow: Keras callbacks for ``fit`` that check, before the first step, that the
+        compiled optimizer accumulates as this selection needs (else the global batch would
+        silently be smaller). Empty when there is nothing to check."""
+        self._tensorflow_only("callbacks")
+        return list(self.runtime.callbacks())
+
+    def check_optimizer(self, model_or_optimizer: Any) -> None:
+        """TensorFlow: raise InvalidOptionError when the optimizer does not accumulate as needed."""
+        self._tensorflow_only("check_optimizer")
+        self.runtime.check_optimizer(model_or_optimizer)
+
+    def _tensorflow_only(self, what: str) -> None:
+        if self.framework != "tensorflow":
+            raise AttributeError(f"{what}() is TensorFlow's; PyTorch uses prepare()/step()")
 
     # PyTorch helpers
     @property

@@ -1,32 +1,55 @@
 """TensorFlow runtime: the one ``tf.distribute`` strategy a Selection trains with.
 
-    rt = TfRuntime("hierarchical_copy", (0, 1), 1, 256, 128)
+    rt = TfRuntime("single_device", (0,), 2, 256, 128)   # 1 GPU standing in for 2
     with rt.scope():                      # model build, optimizer, compile, load_weights
         model = build_model()
-        opt = keras.optimizers.SGD(0.1, **rt.optimizer_kwargs())
+        lr = keras.optimizers.schedules.ExponentialDecay(0.1, 1000, 0.9)
+        opt = keras.optimizers.SGD(**rt.optimizer_kwargs(learning_rate=lr))
         model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
-    model.fit(dataset.batch(rt.batch_size_to_feed), epochs=3)
+    model.fit(dataset.batch(rt.batch_size_to_feed), epochs=3, callbacks=rt.callbacks())
 
-TensorFlow is imported inside methods only: importing this module starts no TF runtime, so
-``CUDA_VISIBLE_DEVICES`` set by the selection still takes effect. The strategy is built once, on
-first use, and the same object is returned ever after: a second ``MirroredStrategy`` in one
-process caused NCCL errors in the field (seed report 000).
+TensorFlow is imported inside functions only: importing this module starts no TF runtime, so
+``CUDA_VISIBLE_DEVICES`` set by the selection still takes effect.
+
+One strategy per process: a second ``MirroredStrategy`` in one process caused NCCL errors in the
+field (seed report 000). Strategies live in a process-wide registry keyed by (backend, replica
+devices, logical CPUs): every TfRuntime with the same key (a second ``resilient_strategy()`` call,
+a second Selection) gets the same strategy object, and building a ``MirroredStrategy`` for a
+different key while one exists logs a warning on the ``resilient_strategy`` logger.
 
 Gradient accumulation (the one-device fallback) uses Keras 3's optimizer argument
 ``gradient_accumulation_steps``: the optimizer adds each micro-batch gradient to an accumulator
-and applies their mean every n-th step. Keras's learning-rate schedules see micro-steps
-(``optimizer._iterations``), not optimizer updates (Keras ``BaseOptimizer`` docstring). It works
-under ``OneDeviceStrategy`` only: under ``MirroredStrategy`` its ``ops.cond`` around the update
-raises "merge_call called while defining a new graph" (keras-team/keras#20582, open; reproduced
-with Keras 3.15), so a mirrored runtime with accumulation is refused at construction.
+and applies their mean every n-th step. It works under ``OneDeviceStrategy`` only: under
+``MirroredStrategy`` its ``ops.cond`` around the update raises "merge_call called while defining
+a new graph" (keras-team/keras#20582, open; reproduced with Keras 3.15), so a mirrored runtime
+with accumulation is refused at construction.
+
+Keras's learning-rate schedules see micro-steps (``optimizer._iterations``), not optimizer
+updates (Keras ``BaseOptimizer`` docstring), so under accumulation a schedule would advance n times
+faster than in the mirrored run it replaces. ``optimizer_kwargs(learning_rate=...)`` and
+``wrap_optimizer`` therefore wrap a ``LearningRateSchedule`` in ``UpdateStepSchedule``, which
+evaluates it at ``floor(step / n)``: the k-th update runs at micro-step ``k * n + n - 1``, so it
+sees the schedule at k, as the mirrored run's k-th update does.
+
+Forgetting ``**optimizer_kwargs()`` on the fallback would silently train with 1/n of the global
+batch per update. The check is a Keras callback (``callbacks()``, passed to ``model.fit``) whose
+``on_train_begin`` runs :meth:`TfRuntime.check_optimizer` on the compiled model and raises
+``InvalidOptionError`` before the first step; Keras offers no fit-time hook short of
+monkeypatching it, which this library does not do.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import InvalidOptionError, ResilientStrategyError
+
+log = logging.getLogger("resilient_strategy")
 
 #: Backend -> the ``tf.distribute`` cross-device ops class MirroredStrategy reduces with.
 MIRRORED_OPS = {
@@ -51,8 +74,50 @@ class LogicalDevicesError(ResilientStrategyError, RuntimeError):
         )
 
 
+StrategyKey = tuple[str, tuple[str, ...], int]  # (backend, replica devices, logical CPUs)
+
+
+class StrategyRegistry:
+    """The process's ``tf.distribute`` strategies: one per key, built once, never replaced.
+
+    A second MirroredStrategy in one process caused NCCL errors in the field (seed report 000),
+    so a key seen before returns the same object, and a MirroredStrategy for a new key while
+    another exists is built (refusing would break code that worked) but logged as a warning.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._built: dict[StrategyKey, Any] = {}
+
+    def get(self, key: StrategyKey, build: Callable[[], Any]) -> Any:
+        """The strategy for ``key``; ``build()`` makes it the first time (under the lock)."""
+        with self._lock:
+            if key in self._built:
+                return self._built[key]
+            mirrored = [k for k in self._built if k[0] in MIRRORED_OPS]
+            if key[0] in MIRRORED_OPS and mirrored:
+                log.warning(
+                    "building a second MirroredStrategy in this process (%s over %s) while %s "
+                    "exists: two MirroredStrategy objects in one process caused NCCL errors "
+                    "(seed report 000). Call resilient_strategy() once per process and reuse its "
+                    "Selection, or train the other configuration in a new process.",
+                    key[0], ", ".join(key[1]),
+                    "; ".join(f"{k[0]} over {', '.join(k[1])}" for k in mirrored),
+                )
+            strategy = self._built[key] = build()
+            return strategy
+
+    def keys(self) -> tuple[StrategyKey, ...]:
+        with self._lock:
+            return tuple(self._built)
+
+
+#: This process's strategies (see :class:`StrategyRegistry`).
+STRATEGIES = StrategyRegistry()
+
+
 class TfRuntime:
-    """The strategy, scope, optimizer arguments and feed batch size for one Selection."""
+    """The strategy, scope, optimizer arguments, checks and feed batch size for one Selection."""
 
     def __init__(
         self,
@@ -79,20 +144,21 @@ class TfRuntime:
         self.per_replica_batch_size = per_replica_batch_size
         self.logical_cpus = logical_cpus
         self.replica_devices = replica_devices(backend, tuple(devices), logical_cpus)
-        self._lock = threading.Lock()
-        self._strategy: list[Any] = []  # filled once by .strategy
 
     @property
     def num_replicas(self) -> int:
         return len(self.replica_devices)
 
     @property
+    def strategy_key(self) -> StrategyKey:
+        """What identifies this runtime's strategy in the process-wide :data:`STRATEGIES`."""
+        return (self.backend, self.replica_devices, self.logical_cpus)
+
+    @property
     def strategy(self) -> Any:
-        """The one ``tf.distribute`` strategy, built on first access (thread-safe)."""
-        with self._lock:
-            if not self._strategy:
-                self._strategy.append(self._build())
-            return self._strategy[0]
+        """The process's one ``tf.distribute`` strategy for this key, built on first access
+        (thread-safe; shared by every TfRuntime with the same :attr:`strategy_key`)."""
+        return STRATEGIES.get(self.strategy_key, self._build)
 
     def _build(self) -> Any:
         import tensorflow as tf
@@ -108,13 +174,27 @@ class TfRuntime:
         """``strategy.scope()``: build the model and optimizer, compile and load weights in it."""
         return self.strategy.scope()
 
-    def optimizer_kwargs(self) -> dict[str, int]:
-        """Arguments for a Keras 3 optimizer's constructor (accumulation on the fallback)."""
+    def optimizer_kwargs(self, learning_rate: Any = None) -> dict[str, Any]:
+        """Arguments for a Keras 3 optimizer's constructor.
+
+        On the accumulation fallback, ``gradient_accumulation_steps``. With ``learning_rate``,
+        also ``learning_rate``: a Keras ``LearningRateSchedule`` is wrapped (when accumulating)
+        so that it advances once per update, as in the mirrored run; anything else passes as is.
+        """
         n = self.accumulation_steps
-        return {"gradient_accumulation_steps": n} if n > 1 else {}
+        kwargs: dict[str, Any] = {}
+        if learning_rate is not None:
+            kwargs["learning_rate"] = (
+                update_step_schedule(learning_rate, n) if _is_schedule(learning_rate)
+                else learning_rate
+            )
+        if n > 1:
+            kwargs["gradient_accumulation_steps"] = n
+        return kwargs
 
     def wrap_optimizer(self, optimizer: Any) -> Any:
-        """Set gradient accumulation on an existing Keras 3 optimizer; returns it.
+        """Set gradient accumulation on an existing Keras 3 optimizer, and make its learning-rate
+        schedule advance per update; returns it (a ``LossScaleOptimizer``'s inner one is set).
 
         Works until the optimizer is built (its accumulators are created in ``build()``, at the
         first ``fit`` step); after that, pass :meth:`optimizer_kwargs` to its constructor.
@@ -122,27 +202,82 @@ class TfRuntime:
         n = self.accumulation_steps
         if n == 1:
             return optimizer
-        current = getattr(optimizer, "gradient_accumulation_steps", _MISSING)
+        inner = _innermost(optimizer)
+        current = getattr(inner, "gradient_accumulation_steps", _MISSING)
         if current is _MISSING:
             raise InvalidOptionError(
                 f"{type(optimizer).__name__} is not a Keras 3 optimizer (no "
                 "gradient_accumulation_steps); build a keras.optimizers one with "
                 "**optimizer_kwargs(), or accumulate gradients in your own train step"
             )
-        if current == n:
-            return optimizer
-        if current:
+        if current and current != n:
             raise InvalidOptionError(
                 f"the optimizer already accumulates {current} steps; this selection needs {n} "
                 "to keep the global batch"
             )
-        if getattr(optimizer, "built", False):
-            raise InvalidOptionError(
-                "the optimizer is already built, so gradient accumulation can no longer be "
-                "added; create it with **optimizer_kwargs() (or wrap it before compile/fit)"
-            )
-        optimizer.gradient_accumulation_steps = n
+        if current != n:
+            if getattr(inner, "built", False):
+                raise InvalidOptionError(
+                    "the optimizer is already built, so gradient accumulation can no longer be "
+                    "added; create it with **optimizer_kwargs() (or wrap it before compile/fit)"
+                )
+            inner.gradient_accumulation_steps = n
+        schedule = getattr(inner, "_learning_rate", None)
+        if _is_schedule(schedule):
+            wrapped = update_step_schedule(schedule, n)
+            if wrapped is not schedule:
+                inner.learning_rate = wrapped  # Keras's setter takes a schedule as is
         return optimizer
+
+    def check_optimizer(self, model_or_optimizer: Any) -> None:
+        """Raise :class:`InvalidOptionError` if a compiled model's (or an) optimizer does not
+        accumulate this selection's ``accumulation_steps``: it would train with 1/n of the global
+        batch per update. An unwrapped learning-rate schedule is logged as a warning. Does nothing
+        without accumulation. :meth:`callbacks` runs this when ``fit`` starts."""
+        n = self.accumulation_steps
+        if n == 1:
+            return
+        optimizer = model_or_optimizer
+        if not hasattr(optimizer, "gradient_accumulation_steps"):  # a model, not an optimizer
+            optimizer = getattr(model_or_optimizer, "optimizer", None)
+        if optimizer is None:
+            raise InvalidOptionError(
+                f"{type(model_or_optimizer).__name__} has no optimizer: compile the model "
+                "before checking it (or pass the optimizer)"
+            )
+        inner = _innermost(optimizer)
+        current = getattr(inner, "gradient_accumulation_steps", None) or 1
+        if current != n:
+            batch = f"{self.global_batch_size}" if self.global_batch_size else "wanted"
+            raise InvalidOptionError(
+                f"this selection trains on one device and accumulates {n} micro-batches of "
+                f"{self.batch_size_to_feed} per update (the {batch} global batch), but the "
+                f"optimizer ({type(inner).__name__}) has gradient_accumulation_steps="
+                f"{getattr(inner, 'gradient_accumulation_steps', None)}, so each update would "
+                f"average {current} micro-batch(es), {current}/{n} of the global batch. Create "
+                "it inside the scope with "
+                "keras.optimizers.<Name>(..., **sel.optimizer_kwargs(learning_rate=...)), or "
+                "pass it through sel.wrap_optimizer(opt) before compile. If you accumulate "
+                "gradients in your own train_step, leave out this check (callbacks())."
+            )
+        schedule = getattr(inner, "_learning_rate", None)
+        if _is_schedule(schedule) and not _is_update_step_schedule(schedule, n):
+            log.warning(
+                "the optimizer's learning-rate schedule %s counts micro-steps: with %d-step "
+                "gradient accumulation it advances %d times faster than in the multi-replica "
+                "run this fallback replaces. Pass the schedule through "
+                "sel.optimizer_kwargs(learning_rate=schedule) or wrap the optimizer with "
+                "sel.wrap_optimizer(opt) before compile.",
+                type(schedule).__name__, n, n,
+            )
+
+    def callbacks(self) -> list[Any]:
+        """Keras callbacks for ``model.fit(..., callbacks=rt.callbacks())``: on the accumulation
+        fallback, one that runs :meth:`check_optimizer` on the model when training begins;
+        otherwise none (so this never imports Keras then)."""
+        if self.accumulation_steps == 1:
+            return []
+        return [_check_callback_class()(self)]
 
     @property
     def batch_size_to_feed(self) -> int | None:
@@ -156,6 +291,95 @@ class TfRuntime:
 
 
 _MISSING = object()
+
+
+def _innermost(optimizer: Any) -> Any:
+    """The optimizer that does the work (Keras wraps it in a LossScaleOptimizer for float16)."""
+    while hasattr(optimizer, "inner_optimizer"):
+        optimizer = optimizer.inner_optimizer
+    return optimizer
+
+
+def _is_schedule(value: Any) -> bool:
+    """Whether ``value`` is a Keras ``LearningRateSchedule`` (never imports Keras: an instance
+    of one means Keras is imported already)."""
+    keras = sys.modules.get("keras")
+    if keras is None or value is None:
+        return False
+    return isinstance(value, keras.optimizers.schedules.LearningRateSchedule)
+
+
+def _is_update_step_schedule(value: Any, steps: int) -> bool:
+    return isinstance(value, update_step_schedule_class()) and value.steps == steps
+
+
+def update_step_schedule(schedule: Any, steps: int) -> Any:
+    """``schedule`` evaluated once per optimizer update of ``steps`` micro-steps: an
+    ``UpdateStepSchedule`` (the same object back when ``steps`` is 1 or it is wrapped so)."""
+    if steps < 1:
+        raise InvalidOptionError(f"steps must be >= 1, got {steps}")
+    cls = update_step_schedule_class()
+    if isinstance(schedule, cls):
+        if schedule.steps == steps:
+            return schedule
+        schedule = schedule.schedule
+    return schedule if steps == 1 else cls(schedule, steps)
+
+
+@functools.cache
+def update_step_schedule_class() -> type[Any]:
+    """The Keras class ``UpdateStepSchedule(schedule, steps)``, defined on first call (it
+    subclasses ``keras.optimizers.schedules.LearningRateSchedule``, so Keras is imported then).
+
+    It is registered for saving as ``resilient_strategy>UpdateStepSchedule``; to load a saved
+    optimizer or model that holds one in a new process, call this function first (or pass
+    ``custom_objects={"resilient_strategy>UpdateStepSchedule": update_step_schedule_class()}``).
+    """
+    import keras
+    from keras import ops
+
+    schedules = keras.optimizers.schedules
+
+    @keras.saving.register_keras_serializable(package="resilient_strategy")
+    class UpdateStepSchedule(keras.optimizers.schedules.LearningRateSchedule):  # type: ignore[misc]
+        """Evaluates ``schedule`` at ``floor(step / steps)``: optimizer updates, not the
+        micro-steps Keras counts under ``gradient_accumulation_steps=steps``."""
+
+        def __init__(self, schedule: Any, steps: int) -> None:
+            if not callable(schedule) or int(steps) < 1:
+                raise InvalidOptionError("UpdateStepSchedule needs a schedule and steps >= 1")
+            self.schedule = schedule
+            self.steps = int(steps)
+
+        def __call__(self, step: Any) -> Any:
+            return self.schedule(ops.floor_divide(step, self.steps))
+
+        def get_config(self) -> dict[str, Any]:
+            return {"schedule": schedules.serialize(self.schedule), "steps": self.steps}
+
+        @classmethod
+        def from_config(cls, config: dict[str, Any]) -> Any:
+            return cls(schedules.deserialize(config["schedule"]), config["steps"])
+
+    return UpdateStepSchedule
+
+
+@functools.cache
+def _check_callback_class() -> type[Any]:
+    """The Keras callback that :meth:`TfRuntime.callbacks` returns, defined on first use."""
+    import keras
+
+    class CheckAccumulation(keras.callbacks.Callback):  # type: ignore[misc]
+        """Runs ``TfRuntime.check_optimizer`` on the model before the first training step."""
+
+        def __init__(self, runtime: TfRuntime) -> None:
+            super().__init__()
+            self.runtime = runtime
+
+        def on_train_begin(self, logs: Any = None) -> None:
+            self.runtime.check_optimizer(self.model)
+
+    return CheckAccumulation
 
 
 def replica_devices(backend: str, devices: tuple[int, ...], logical_cpus: int) -> tuple[str, ...]:
