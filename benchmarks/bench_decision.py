@@ -84,7 +84,8 @@ def main() -> None:
                      f"from cache: {sel2.from_cache}"))
         hang_env = {**env, "RESILIENT_STRATEGY_PROBE_FAULT": f"hang:1:{hang_backend}"}
         sel3, hung = _decide(probe="force", env=hang_env, **base)
-        rows.append((f"{hang_backend} hangs (rank 1 never joins), timeout {args.timeout:g} s",
+        rows.append((f"{hang_backend} hangs (rank 1 stalls before the collective), "
+                     f"timeout {args.timeout:g} s",
                      f"{hung:.2f} s", sel3.candidate.label,
                      f"torch's default NCCL timeout: {TORCH_DEFAULT_NCCL_TIMEOUT_S:.0f} s "
                      f"({TORCH_DEFAULT_NCCL_TIMEOUT_S / hung:.0f}x longer), then a crash"))
