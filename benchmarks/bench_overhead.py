@@ -37,11 +37,15 @@ def main() -> None:
         framework="torch", precision="fp32", max_per_replica_batch=args.micro_batch,
         global_batch_size=args.micro_batch * args.accumulation * procs,
     )
+    if not sel.active:  # a one-device fallback under torchrun trains on rank 0 alone
+        return
     import torch
     import torch.nn.functional as F
 
     world = sel.launch.world_size if sel.num_replicas > 1 else 1
-    acc = args.accumulation
+    # The library's runtime accumulates over sel.accumulation_steps, which can exceed
+    # --accumulation (a fallback to fewer devices accumulates more): both loops use it.
+    acc = sel.accumulation_steps
 
     def build() -> torch.nn.Module:
         torch.manual_seed(0)
@@ -83,10 +87,6 @@ def main() -> None:
                 sel.backward(loss)
             sel.step(lib_opt)
 
-    # The library's runtime accumulates over sel.accumulation_steps; use it if it differs.
-    if sel.accumulation_steps != acc:
-        acc = sel.accumulation_steps
-        xs, ys = xs[:acc], ys[:acc]
     times: dict[str, list[float]] = {"hand-written": [], "resilient_strategy": []}
     for _ in range(10):  # warm-up
         hand_step()

@@ -296,8 +296,13 @@ class Selection:
     def device(self) -> Any:
         return self.runtime.device
 
-    def prepare(self, model: Any, optimizer: Any = None, loader: Any = None) -> Any:
-        """Move and wrap the model (DDP when replicas > 1); shard the loader; return all three."""
+    def prepare(
+        self, model: Any = None, optimizer: Any = None, loader: Any = None, **ddp_kwargs: Any
+    ) -> Any:
+        """Move and wrap the model (DDP when replicas > 1; ``ddp_kwargs`` such as
+        ``find_unused_parameters=True`` go to DistributedDataParallel); shard the loader
+        (DistributedSampler, reshuffled by :meth:`set_epoch`); return all three. Call it again
+        for more loaders (``prepare(None, None, val_loader)``)."""
         self._leave_if_idle()
         if model is not None and self.advise is not None and self.is_main_process:
             from .executor import gradient_bytes_of
@@ -307,10 +312,26 @@ class Selection:
                 log.warning("resilient_strategy: %s", advice)
         rt = self.runtime
         rt.init()
-        return rt.prepare(model, optimizer, loader)
+        return rt.prepare(model, optimizer, loader, **ddp_kwargs)
 
     def backward(self, loss: Any) -> None:
         self.runtime.backward(loss)
+
+    @property
+    def is_last_micro_step(self) -> bool:
+        """Whether the next :meth:`step` applies the optimizer (gradients are complete then)."""
+        return bool(self.runtime.is_last_micro_step)
+
+    @property
+    def scaler(self) -> Any:
+        """PyTorch: the GradScaler of the fp16 policy, else None."""
+        return self.runtime.scaler
+
+    def clip_grad_norm(self, model: Any, max_norm: float, optimizer: Any, *,
+                       norm_type: float = 2.0) -> Any:
+        """Clip gradients on the last micro-step (unscaling fp16 ones first); the total norm
+        before clipping, or None on micro-steps that only accumulate. Call before step()."""
+        return self.runtime.clip_grad_norm(model, max_norm, optimizer, norm_type=norm_type)
 
     def step(self, optimizer: Any) -> bool:
         return bool(self.runtime.step(optimizer))

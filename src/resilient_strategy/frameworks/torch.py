@@ -8,15 +8,26 @@ The same loop runs under plain ``python`` (one device, maybe accumulating) and `
         model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt, loader = rt.prepare(model, opt, loader)   # to device, DDP, DistributedSampler
+    _, _, val_loader = rt.prepare(None, None, val_loader)  # more loaders: model is optional
     for epoch in range(3):
-        rt.set_epoch(epoch)                     # reshuffle the shards
+        rt.set_epoch(epoch)                     # reshuffle the shards (of every loader)
         for x, y in loader:
             with rt.accumulate(model):          # DDP no_sync() on all but the last micro-step
                 with rt.autocast():
                     loss = loss_fn(model(x.to(rt.device)), y.to(rt.device))
                 rt.backward(loss)               # loss / accumulation_steps, GradScaler for fp16
+            rt.clip_grad_norm(model, 1.0, opt)  # optional; only on the last micro-step
             rt.step(opt)                        # steps and zeroes grads on the last micro-step
     rt.shutdown()
+
+``step()`` returns whether the optimizer stepped: False on micro-steps that only accumulate, and
+False when fp16's GradScaler skipped the step because the gradients held inf/nan. To clip (or
+otherwise inspect gradients) by hand, do it when ``rt.is_last_micro_step`` and unscale first::
+
+    if rt.is_last_micro_step:
+        if rt.scaler is not None:
+            rt.scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
 
 torch is imported inside methods only. Micro-steps left over at the end of an epoch carry into
 the next one, as in Keras.
@@ -28,7 +39,7 @@ import contextlib
 import functools
 import inspect
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -67,10 +78,11 @@ def precision_policy(requested: str, compute_capability: tuple[int, int] | None)
 
 @dataclass
 class _Progress:
-    """The only mutable state: micro-steps since the last optimizer step, the sampler."""
+    """The only mutable state: micro-steps since the last optimizer step, and every
+    DistributedSampler that :meth:`TorchRuntime.prepare` made or accepted (set_epoch seeds all)."""
 
     micro: int = 0
-    sampler: Any = None
+    samplers: list[Any] = field(default_factory=list)
 
 
 class TorchRuntime:
@@ -198,21 +210,71 @@ class TorchRuntime:
 
     # ----- model and data ----------------------------------------------------------------------
     def prepare(
-        self, model: Any, optimizer: Any = None, loader: Any = None
+        self, model: Any = None, optimizer: Any = None, loader: Any = None, **ddp_kwargs: Any
     ) -> tuple[Any, Any, Any]:
         """Move the model to the device (DDP-wrapped when world_size > 1) and rebuild the loader
-        with a DistributedSampler and the per-replica batch. The optimizer is returned as is:
-        ``.to()`` keeps the parameter objects, so one built before prepare still applies."""
-        self.init()
-        model = model.to(self.device)
-        if self.world_size > 1:
-            from torch.nn.parallel import DistributedDataParallel
+        with a DistributedSampler and the per-replica batch; returns ``(model, optimizer,
+        loader)``.
 
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            model = DistributedDataParallel(model, device_ids=ids)
+        Each of the three is optional and comes back as None when not given, so further loaders
+        go through ``prepare(None, None, val_loader)``; every DistributedSampler made on the way
+        is kept, and :meth:`set_epoch` seeds them all. A model that already is a
+        DistributedDataParallel is returned as is (never wrapped twice). A loader that already
+        has a DistributedSampler is kept when its ``num_replicas`` and ``rank`` match this
+        runtime (rebuilt, around the same sampler, only when the batch size must change) and
+        refused otherwise. The optimizer is returned as is: ``.to()`` keeps the parameter
+        objects, so one built before prepare still applies.
+
+        ``ddp_kwargs`` go to ``DistributedDataParallel`` (``find_unused_parameters=True``,
+        ``static_graph=True``, ``bucket_cap_mb=...``, ...). Their names are checked on every
+        run, but they are ignored when world_size == 1, where nothing is wrapped.
+        ``device_ids`` and ``output_device`` are this runtime's to choose.
+        """
+        self._check_ddp_kwargs(ddp_kwargs)
+        self.init()
+        if model is not None:
+            model = self._wrap(model, ddp_kwargs)
         if loader is not None:
             loader = self._shard(loader)
         return model, optimizer, loader
+
+    @staticmethod
+    def _check_ddp_kwargs(ddp_kwargs: dict[str, Any]) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ours = {"module", "device_ids", "output_device"} & ddp_kwargs.keys()
+        if ours:
+            raise InvalidOptionError(
+                f"prepare() chooses {sorted(ours)} itself (this rank's device); drop them"
+            )
+        known = inspect.signature(DistributedDataParallel.__init__).parameters
+        open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in known.values())
+        unknown = sorted(ddp_kwargs.keys() - known.keys())
+        if unknown and not open_ended:
+            raise InvalidOptionError(
+                f"DistributedDataParallel has no argument(s) {unknown}; "
+                f"it takes {sorted(k for k in known if k not in ('self', 'module'))}"
+            )
+
+    def _wrap(self, model: Any, ddp_kwargs: dict[str, Any]) -> Any:
+        from torch.nn.parallel import DistributedDataParallel
+
+        if isinstance(model, DistributedDataParallel):
+            if ddp_kwargs:
+                raise InvalidOptionError(
+                    "the model is already a DistributedDataParallel, so prepare() cannot apply "
+                    f"{sorted(ddp_kwargs)}; pass the unwrapped module (model.module) instead"
+                )
+            return model
+        model = model.to(self.device)
+        if self.world_size == 1:
+            return model
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids, **ddp_kwargs)
+
+    def _register(self, sampler: Any) -> None:
+        if not any(s is sampler for s in self._progress.samplers):
+            self._progress.samplers.append(sampler)
 
     def _shard(self, loader: Any) -> Any:
         from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
@@ -225,7 +287,18 @@ class TorchRuntime:
             )
         batch = self.per_replica_batch_size or loader.batch_size
         sampler = loader.sampler
-        if self.world_size > 1:
+        if isinstance(sampler, DistributedSampler):
+            if (sampler.num_replicas, sampler.rank) != (self.world_size, self.rank):
+                raise InvalidOptionError(
+                    f"the loader's DistributedSampler has num_replicas={sampler.num_replicas}, "
+                    f"rank={sampler.rank}, but this runtime runs world_size={self.world_size}, "
+                    f"rank={self.rank}; build it with num_replicas={self.world_size}, "
+                    f"rank={self.rank}, or pass the loader unsharded and prepare() shards it"
+                )
+            self._register(sampler)
+            if batch == loader.batch_size:
+                return loader
+        elif self.world_size > 1:
             if isinstance(loader.dataset, IterableDataset) or not isinstance(
                 sampler, (RandomSampler, SequentialSampler)
             ):
@@ -238,7 +311,7 @@ class TorchRuntime:
                 loader.dataset, num_replicas=self.world_size, rank=self.rank,
                 shuffle=isinstance(sampler, RandomSampler), drop_last=loader.drop_last,
             )
-            self._progress.sampler = sampler
+            self._register(sampler)
         elif batch == loader.batch_size:
             return loader
         if isinstance(loader.dataset, IterableDataset):
@@ -254,14 +327,17 @@ class TorchRuntime:
         )
 
     def set_epoch(self, epoch: int) -> None:
-        """Seed the DistributedSampler's shuffle for this epoch (no-op without one)."""
-        if self._progress.sampler is not None:
-            self._progress.sampler.set_epoch(epoch)
+        """Seed the shuffle of every DistributedSampler that :meth:`prepare` made or accepted,
+        for this epoch (no-op without one). Call it at the start of each epoch."""
+        for sampler in self._progress.samplers:
+            sampler.set_epoch(epoch)
 
     # ----- one training step -------------------------------------------------------------------
     @property
     def is_last_micro_step(self) -> bool:
-        """Whether the next :meth:`step` applies the optimizer."""
+        """Whether the next :meth:`step` applies the optimizer (always True without
+        accumulation). Gradients are complete (and all-reduced under DDP) only after the
+        backward of such a micro-step: clip or inspect them then, before :meth:`step`."""
         return self._progress.micro + 1 >= self.accumulation_steps
 
     @contextlib.contextmanager
@@ -291,17 +367,46 @@ class TorchRuntime:
             loss = self.scaler.scale(loss)
         loss.backward()
 
+    def clip_grad_norm(
+        self, model: Any, max_norm: float, optimizer: Any, *, norm_type: float = 2.0
+    ) -> Any:
+        """Clip the gradients of ``model`` to ``max_norm`` when :attr:`is_last_micro_step`
+        (call it after :meth:`backward`, before :meth:`step`); returns the total norm before
+        clipping (a tensor), or None on the micro-steps that only accumulate (nothing done).
+
+        For fp16 it first unscales the gradients through the GradScaler (``scaler.unscale_``),
+        which is why it takes the optimizer: the same loop then runs under every precision. An
+        inf/nan norm means the GradScaler will skip this step (:meth:`step` returns False).
+        Call it at most once per optimizer step; do not also call ``scaler.unscale_`` yourself.
+        """
+        if not self.is_last_micro_step:
+            return None
+        import torch
+
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+        return torch.nn.utils.clip_grad_norm_(
+            model.parameters(), max_norm, norm_type=norm_type
+        )
+
     def step(self, optimizer: Any) -> bool:
         """End a micro-step: on the last one, step the optimizer (through the GradScaler for
-        fp16) and zero the gradients; returns whether it stepped."""
+        fp16) and zero the gradients. Returns whether the optimizer stepped: False on the
+        micro-steps that only accumulate, and False when the GradScaler skipped the step
+        because the gradients held inf/nan (it then lowers its scale; that is how the skip is
+        detected, at the cost of one device sync per optimizer step under fp16)."""
         self._progress.micro += 1
         if self._progress.micro < self.accumulation_steps:
             return False
         self._progress.micro = 0
+        stepped = True
         if self.scaler is not None:
+            scale = self.scaler.get_scale()
             self.scaler.step(optimizer)
             self.scaler.update()
+            # update() multiplies the scale by backoff_factor (< 1) exactly when it skipped.
+            stepped = self.scaler.get_scale() >= scale
         else:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return True
+        return stepped
