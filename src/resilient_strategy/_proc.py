@@ -73,26 +73,28 @@ class _Terminated(BaseException):
 
 @contextlib.contextmanager
 def _terminate_as_exception() -> Iterator[None]:
-    """Turn SIGTERM into an exception while workers run, so the cleanup in ``finally`` stops
-    them and removes their files; then deliver the signal again to the handler that was there
-    (by default: terminate). Only the main thread can own signal handlers; elsewhere this is a
-    no-op and the workers' watchdog still ends them when this process dies."""
-    if threading.current_thread() is not threading.main_thread():
+    """While workers run, turn a default-action SIGTERM into an exception, so the cleanup in
+    ``finally`` stops them and removes their files; then let the signal do what it would have
+    done (terminate). A handler the user installed is left alone: if it raises, ``finally`` runs
+    anyway; if it ignores the signal, nothing dies. Only the main thread can own signal
+    handlers; elsewhere the workers' watchdog still ends them when this process dies."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
         yield
         return
 
     def on_term(signum: int, frame: FrameType | None) -> None:
         raise _Terminated(signum)
 
-    previous = signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGTERM, on_term)
     try:
         yield
     except _Terminated:
-        signal.signal(signal.SIGTERM, previous)
-        signal.raise_signal(signal.SIGTERM)
-        raise  # only reached when the previous handler returns (it ignored or handled it)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)  # terminates this process, as it would have
+        raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _run_group(
