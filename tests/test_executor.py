@@ -304,3 +304,11 @@ def test_tensorflow_helpers_pass_through_and_refuse_on_torch() -> None:
     for name in ("callbacks", "wrap_optimizer", "check_optimizer"):
         with pytest.raises(AttributeError, match="TensorFlow's"):
             getattr(torch_sel, name)(*([] if name == "callbacks" else [object()]))
+
+
+def test_from_cache_only_when_a_cached_result_shaped_the_plan(tmp_path: Path) -> None:
+    simulate(H200X2, {"nccl": "ok"}, cache=True, cache_dir=tmp_path)
+    assert simulate(H200X2, cache=True, cache_dir=tmp_path).from_cache
+    # the same machine, but only GPU 0 asked for: no candidate has a cached result
+    one = simulate(H200X2, cache=True, cache_dir=tmp_path, devices=[0])
+    assert one.backend == "single_device" and not one.from_cache

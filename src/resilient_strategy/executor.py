@@ -308,7 +308,9 @@ def decide(
                else "UNPROVEN, probing is off (probe='never')")
         p = replace(p, chosen=p.next_probe, next_probe=None,
                     trace=(*p.trace, f"Chose {p.next_probe.label}: {why}."))
-    return p, results, bool(cached_keys) and not fresh, proven
+    # "from the cache": nothing was probed now, and a cached result shaped this plan
+    used = {r.candidate.key for r in p.ranked} | {r.candidate.key for r in p.ruled_out}
+    return p, results, not fresh and bool(cached_keys & used), proven
 
 
 def _still_valid(results: Mapping[str, ProbeResult], timeout_s: float) -> dict[str, ProbeResult]:
