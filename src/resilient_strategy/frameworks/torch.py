@@ -35,8 +35,10 @@ the next one, as in Keras.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
+import gc
 import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -46,6 +48,17 @@ from typing import Any
 from ..errors import InvalidOptionError
 
 BACKENDS = ("nccl", "gloo", "single_device", "cpu")
+_EXIT_HOOK: list[bool] = []
+
+
+def _collect_before_exit() -> None:
+    """Once per process: collect garbage at exit, while the interpreter still runs. Gloo's
+    process group freed during interpreter finalization (held by a reference cycle) aborts the
+    process: "terminate called without an active exception" after training finished
+    (pytorch/pytorch#179291 describes the finalization crash)."""
+    if not _EXIT_HOOK:
+        _EXIT_HOOK.append(True)
+        atexit.register(gc.collect)
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 
 
@@ -182,6 +195,7 @@ class TorchRuntime:
             backend=self.backend, init_method=self.init_method, rank=self.rank,
             world_size=self.world_size, timeout=timedelta(seconds=self.timeout_s), **kwargs,
         )
+        _collect_before_exit()
 
     def shutdown(self) -> None:
         """Destroy the process group, if one is up (idempotent)."""
@@ -196,6 +210,7 @@ class TorchRuntime:
             with contextlib.suppress(RuntimeError):
                 dist.barrier()
             dist.destroy_process_group()
+        gc.collect()  # free what still holds the group (DDP reducers in cycles) while Python lives
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
