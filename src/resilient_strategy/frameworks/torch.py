@@ -52,10 +52,11 @@ _EXIT_HOOK: list[bool] = []
 
 
 def _collect_before_exit() -> None:
-    """Once per process: collect garbage at exit, while the interpreter still runs. Gloo's
-    process group freed during interpreter finalization (held by a reference cycle) aborts the
-    process: "terminate called without an active exception" after training finished
-    (pytorch/pytorch#179291 describes the finalization crash)."""
+    """Once per process: collect garbage at exit, while the interpreter still runs. A gloo
+    process group (or what holds it) freed during interpreter finalization can abort the process
+    after training finished: "terminate called without an active exception" (the crash
+    pytorch/pytorch#179291 describes). Which object lingers is not known; collecting before
+    finalization removed the aborts in a stress test (3 in 40 runs before, 0 in 56 after)."""
     if not _EXIT_HOOK:
         _EXIT_HOOK.append(True)
         atexit.register(gc.collect)
@@ -210,7 +211,7 @@ class TorchRuntime:
             with contextlib.suppress(RuntimeError):
                 dist.barrier()
             dist.destroy_process_group()
-        gc.collect()  # free what still holds the group (DDP reducers in cycles) while Python lives
+        gc.collect()  # free whatever may still hold the group while Python is fully alive
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
