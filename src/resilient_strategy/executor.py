@@ -265,14 +265,17 @@ def decide(
     env: Mapping[str, str],
     prober: Prober,
     clock: Callable[[], float] = time.monotonic,
+    *,
+    cross_node: bool = False,
 ) -> tuple[Plan, dict[str, ProbeResult], bool, bool]:
     """Plan, probing as needed. Returns (plan, results, from_cache, proven).
 
     The probe budget is one deadline for the whole decision; each probe also has its own.
+    ``cross_node``: ``prober`` proves candidates across every node (:mod:`.multinode`).
     """
     multi_node = opts.policy.framework == "torch" and opts.policy.nodes > 1
-    # Multi-node: every node must reach the same choice on its own, so neither a node's probes
-    # nor its cache may sway it (the planner says so in the trace).
+    # Multi-node: a node's cache cannot speak for the links between nodes; without a prober
+    # that spans the nodes (cross_node), no probe on one node may sway the choice either.
     cache = DecisionCache(opts.cache_dir, opts.cache_ttl_s) if opts.cache_dir and not multi_node \
         else None
     fingerprint = facts.fingerprint()
@@ -284,7 +287,8 @@ def decide(
     fresh: dict[str, ProbeResult] = {}
     p = plan(facts, opts.rules, results, opts.policy)
     for _ in range(MAX_ROUNDS):
-        if p.next_probe is None or opts.probe == "never" or opts.dry_run or multi_node:
+        if (p.next_probe is None or opts.probe == "never" or opts.dry_run
+                or (multi_node and not cross_node)):
             break
         c = p.next_probe
         if c.key in results:  # cannot happen with a sound planner; never loop on it
@@ -413,6 +417,10 @@ def resilient_strategy(
         )
     chosen = p.chosen
     to_set = _env_to_set(facts, chosen, opts, snapshot)
+    if opts.launch.multi_node:  # per-node values (the interface routing to the master)
+        from .multinode import node_values
+
+        to_set = node_values(to_set, snapshot)
     _guard(facts, opts.policy.framework, to_set)
     # Decided on a described environment (env=): nothing of this process is changed.
     applied = not opts.dry_run and env is None
@@ -503,6 +511,10 @@ def _agreed_decision(
     launch = opts.launch
     if not launch.launched or opts.dry_run:
         return decide(facts, opts, env, prober, clock)
+    if launch.multi_node and opts.policy.framework == "torch":
+        from .multinode import agreed_decision
+
+        return agreed_decision(facts, opts, env, prober, clock, decide)
     from .agreement import Agreement
 
     agreement = Agreement.for_job(env, facts.fingerprint(), opts.cache_dir)
