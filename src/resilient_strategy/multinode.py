@@ -395,29 +395,29 @@ def combine(spec: ProbeSpec, nodes: Sequence[Mapping[str, Any]], job: Job) -> Pr
     failed = [(k, r) for k, r in crosses if r is None or not r.ok]
     hung = [k for k, r in failed if r is not None and r.status == TIMEOUT]
     if failed and len(hung) == len(failed):  # nobody said why: one hung, the others waited
-        r = next(r for _, r in failed if r is not None)
+        tails = [r.stderr_tail for _, r in failed if r is not None]
         return ProbeResult(
             spec.candidate, TIMEOUT, round(elapsed, 3), "inter_node",
             f"nodes {hung} did not finish the collective between nodes within "
             f"{spec.timeout_s:g} s (one hung, the others waited for it)",
-            stderr_tail=r.stderr_tail, ranks=world,
+            stderr_tail="\n".join(tails)[-4000:], ranks=world,
             extra=(("nodes", str(job.nodes)), ("failed_on", "inter_node"),
                    ("node_cause", "timeout")))
     if failed:
         # blame a node that said what went wrong before one that only waited
-        k, r = min(failed, key=lambda x: (x[1] is None or x[1].status == TIMEOUT, str(x[0])))
-        if r is None:
+        k, bad = min(failed, key=lambda x: (x[1] is None or x[1].status == TIMEOUT, str(x[0])))
+        if bad is None:
             return ProbeResult(spec.candidate, ERROR, round(elapsed, 3), "inter_node",
                                f"node {k} did not join the probe between nodes", ranks=world,
                                extra=(("nodes", str(job.nodes)), ("failed_on", "inter_node")))
         return ProbeResult(
-            spec.candidate, TIMEOUT if r.status == TIMEOUT else ERROR, round(elapsed, 3),
-            "inter_node", f"node {k}: {r.why()}", stderr_tail=r.stderr_tail, ranks=world,
+            spec.candidate, TIMEOUT if bad.status == TIMEOUT else ERROR, round(elapsed, 3),
+            "inter_node", f"node {k}: {bad.why()}", stderr_tail=bad.stderr_tail, ranks=world,
             extra=(("nodes", str(job.nodes)), ("failed_on", "inter_node"),
-                   ("node_cause", r.cause)),
+                   ("node_cause", bad.cause)),
         )
-    locals_ = [r for n in nodes if (r := _result(n.get("local"))) is not None]
-    oks = [r for _, r in crosses if r is not None]
+    locals_ = [lr for n in nodes if (lr := _result(n.get("local"))) is not None]
+    oks = [cr for _, cr in crosses if cr is not None]
     cross_bw = [r.bus_bandwidth_gbps for r in oks if r.bus_bandwidth_gbps]
     local_bw = [r.bus_bandwidth_gbps for r in locals_ if r.bus_bandwidth_gbps]
     steps = [r.step_seconds for r in [*oks, *locals_] if r.step_seconds]
