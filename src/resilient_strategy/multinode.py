@@ -44,6 +44,7 @@ import socket
 import struct
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -69,12 +70,16 @@ KEY_VERSION = "v1"
 #: Slack on every wait between nodes, beyond the probe's own deadline (at least this many
 #: seconds, or half the probe timeout): the nodes start, import and time out a little apart.
 MARGIN_FLOOR_S = 10.0
+#: Every node's decider beats this often; a node silent for HEARTBEAT_STALE_S is lost.
+HEARTBEAT_S = 0.5
+HEARTBEAT_STALE_S = 10.0
 PROC_NET_ROUTE = Path("/proc/net/route")
 _SIOCGIFADDR = 0x8915
 
 Decided = tuple["Plan", dict[str, ProbeResult], bool, bool]
 Prober = Callable[[ProbeSpec, Mapping[str, str]], ProbeResult]
-CrossProber = Callable[[ProbeSpec, Mapping[str, str], "Job", str], ProbeResult]
+#: (spec, env, job, key prefix, stop) -> this node's result; ``stop()`` gives a reason to give up
+CrossProber = Callable[[ProbeSpec, Mapping[str, str], "Job", str, Callable[[], str]], ProbeResult]
 
 
 class MultiNodeError(ResilientStrategyError):
@@ -147,15 +152,16 @@ def store_available(env: Mapping[str, str]) -> bool:
 _HOSTED: list[Any] = []
 
 
-def open_store(job: Job, timeout_s: float) -> Any:
-    """A TCPStore connection to the job's store (torch imported here, lazily)."""
+def open_store(job: Job, timeout_s: float, *, client: bool = False) -> Any:
+    """A TCPStore connection to the job's store (torch imported here, lazily); global rank 0
+    hosts it when torchrun's agent does not (unless ``client``)."""
     try:
         import importlib
 
         dist: Any = importlib.import_module("torch.distributed")
     except ImportError as exc:
         raise MultiNodeError(f"a multi-node job needs torch.distributed to agree: {exc}") from exc
-    host = not job.agent_store and job.rank == 0
+    host = not job.agent_store and job.rank == 0 and not client
     try:
         store = dist.TCPStore(
             job.master_addr, job.master_port, is_master=host,
@@ -172,11 +178,18 @@ def open_store(job: Job, timeout_s: float) -> Any:
 
 
 class Channel:
-    """JSON objects under the job's key prefix, each read with its own deadline."""
+    """JSON objects under the job's key prefix, each read with its own deadline.
 
-    def __init__(self, store: Any, prefix: str) -> None:
+    A wait for a node's answer also watches that node's heartbeat (:class:`Heartbeat`): a node
+    whose decider stopped beating for :data:`HEARTBEAT_STALE_S` is lost at once, not at the end
+    of the wait (a node merely busy in a hung probe still beats).
+    """
+
+    def __init__(self, store: Any, prefix: str, poll_s: float = 0.05) -> None:
         self.store = store
         self.prefix = prefix
+        self.poll_s = poll_s
+        self._beats: dict[int, tuple[int, float]] = {}  # node -> (last count, when it changed)
 
     def put(self, key: str, value: Mapping[str, Any]) -> None:
         try:
@@ -184,16 +197,29 @@ class Channel:
         except (RuntimeError, OSError) as exc:
             raise NodeLostError(f"the job's store stopped answering: {_first_line(exc)}") from exc
 
-    def take(self, key: str, timeout_s: float, missing: str) -> dict[str, Any]:
-        """The object at ``key`` once it is there; :class:`NodeLostError` after ``timeout_s``."""
+    def take(self, key: str, timeout_s: float, missing: str, who: int | None = None
+             ) -> dict[str, Any]:
+        """The object at ``key`` once it is there; :class:`NodeLostError` after ``timeout_s``,
+        or as soon as node ``who`` (the one to write it) stops beating."""
         full = self.prefix + key
+        deadline = time.monotonic() + timeout_s
         try:
-            self.store.wait([full], timedelta(seconds=max(0.01, timeout_s)))
+            while not self.store.check([full]):
+                now = time.monotonic()
+                if now >= deadline:
+                    raise NodeLostError(
+                        f"{missing} within {timeout_s:.3g} s; it may have died or hung: see its "
+                        "log")
+                if who is not None and self.stale(who, now):
+                    raise NodeLostError(
+                        f"{missing}: node {who} stopped beating (no heartbeat for "
+                        f"{HEARTBEAT_STALE_S:g} s): its processes died or froze")
+                time.sleep(self.poll_s)
             raw = self.store.get(full)
         except (RuntimeError, OSError) as exc:
             raise NodeLostError(
-                f"{missing} within {timeout_s:.3g} s ({_first_line(exc)}); it may have died or "
-                "hung: see its log"
+                f"{missing}: the job's store stopped answering ({_first_line(exc)}); the node "
+                "that hosts it may have died: see its log"
             ) from exc
         try:
             data = json.loads(bytes(raw).decode("utf-8"))
@@ -202,6 +228,41 @@ class Channel:
         if not isinstance(data, dict):
             raise MultiNodeError(f"unreadable value at {full!r} in the job's store")
         return data
+
+    def stale(self, node: int, now: float) -> bool:
+        """Whether ``node``'s heartbeat has not moved for :data:`HEARTBEAT_STALE_S`."""
+        count = int(self.store.add(f"{self.prefix}alive/{node}", 0))
+        last = self._beats.get(node)
+        if last is None or last[0] != count:
+            self._beats[node] = (count, now)
+            return False
+        return count > 0 and now - last[1] > HEARTBEAT_STALE_S  # 0: not started yet
+
+
+class Heartbeat:
+    """A daemon thread that counts up ``alive/<node>`` in the store while this node decides
+    (its own store connection: the deciding thread's may be busy)."""
+
+    def __init__(self, store: Any, prefix: str, node: int) -> None:
+        self._store, self._key = store, f"{prefix}alive/{node}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rs-heartbeat", daemon=True)
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(HEARTBEAT_S * 4)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._store.add(self._key, 1)
+            except (RuntimeError, OSError):
+                return  # the store is gone: the deciding thread finds out on its next call
+            self._stop.wait(HEARTBEAT_S)
 
 
 def record_fault(store: Any, job: Job, fault: Mapping[str, Any]) -> None:
@@ -341,10 +402,11 @@ def remedy_rules() -> tuple[Rule, ...]:
 # --------------------------------------------------------------------------------------------
 def run_cross_probe(
     spec: ProbeSpec, env: Mapping[str, str], job: Job, key_prefix: str,
-    *, python: str = sys.executable,
+    stop: Callable[[], str] | None = None, *, python: str = sys.executable,
 ) -> ProbeResult:
     """This node's process of the probe group spanning all nodes (rank = node rank), meeting in
-    the job's store under ``key_prefix``, within ``spec.timeout_s``; never raises for a failure."""
+    the job's store under ``key_prefix``, within ``spec.timeout_s`` (or until ``stop()`` gives a
+    reason: a peer node was lost); never raises for a failure."""
     from . import _proc
     from .prober import WORKER_TIMEOUT_MARGIN_S, worker_env
 
@@ -367,11 +429,15 @@ def run_cross_probe(
         cmd = _proc.WorkerCommand(argv=tuple(argv), env=worker_env(cross, env), cwd=tmp,
                                   report_path=report)
         try:
-            group = _proc.run_group([cmd], spec.timeout_s)
+            group = _proc.run_group([cmd], spec.timeout_s, stop=stop)
         except OSError as exc:
             return ProbeResult(spec.candidate, ERROR, cause="worker_error",
                                detail=f"could not start the probe worker {python!r}: {exc}")
     from .probe import parse_probe
+
+    if group.stopped:
+        return ProbeResult(spec.candidate, ERROR, round(group.elapsed_s, 3), "inter_node",
+                           f"stopped: {group.stopped}")
 
     return parse_probe(cross, group.outcomes, group.elapsed_s, group.timed_out)
 
@@ -528,6 +594,15 @@ class _Node:
     def others(self) -> list[int]:
         return [k for k in range(self.job.nodes) if k != self.job.node]
 
+    def lost_peer(self) -> str:
+        """Why the probe across nodes is pointless now (a node stopped beating), or ""."""
+        now = time.monotonic()
+        try:
+            lost = [k for k in self.others() if self.channel.stale(k, now)]
+        except (RuntimeError, OSError) as exc:
+            return f"the job's store stopped answering ({_first_line(exc)})"
+        return f"node(s) {lost} stopped beating" if lost else ""
+
     def run_round(self, n: int, spec: ProbeSpec) -> dict[str, Any]:
         """This node's part of round ``n``: its local group, then the group across nodes."""
         t0 = time.monotonic()
@@ -539,12 +614,14 @@ class _Node:
         self.channel.put(f"r{n}/local/{self.job.node}", {"ok": mine_ok})
         peers_ok = all(
             self.channel.take(f"r{n}/local/{k}", spec.timeout_s + self.margin_s,
-                              f"node {k} did not finish its local probe of round {n}")["ok"]
+                              f"node {k} did not finish its local probe of round {n}",
+                              who=k)["ok"]
             for k in self.others()
         )
         cross = None
         if mine_ok and peers_ok:
-            cross = self.cross_prober(here, self.env, self.job, f"{self.job.prefix}r{n}/pg/")
+            cross = self.cross_prober(here, self.env, self.job, f"{self.job.prefix}r{n}/pg/",
+                                      self.lost_peer)
         out = {
             "node": self.job.node, "local": local.to_dict() if local else None,
             "cross": cross.to_dict() if cross else None, "route": self.summary.get("route"),
@@ -558,7 +635,7 @@ class _Node:
         join = self.opts.timeout_s + self.margin_s
         nodes = {0: self.summary}
         for k in self.others():
-            nodes[k] = self.channel.take(f"hello/{k}", join, f"node {k} did not join")
+            nodes[k] = self.channel.take(f"hello/{k}", join, f"node {k} did not join", who=k)
 
         def across(spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
             self.rounds += 1
@@ -566,7 +643,8 @@ class _Node:
             self.channel.put(f"round/{n}", {"kind": "probe", "spec": spec_to_dict(spec)})
             reports = [self.run_round(n, spec)] + [
                 self.channel.take(f"r{n}/result/{k}", spec.timeout_s + self.margin_s,
-                                  f"node {k} sent no result for its probe of {spec.candidate}")
+                                  f"node {k} sent no result for its probe of {spec.candidate}",
+                                  who=k)
                 for k in self.others()
             ]
             return combine(spec, reports, self.job)
@@ -582,7 +660,8 @@ class _Node:
         bad: dict[int, str] = {}
         for k in self.others():
             try:
-                ack = self.channel.take(f"ack/{k}", self.margin_s, f"node {k} did not confirm")
+                ack = self.channel.take(f"ack/{k}", self.margin_s, f"node {k} did not confirm",
+                                        who=k)
             except NodeLostError as exc:
                 self.channel.put("verdict", {"ok": False, "node": k, "why": str(exc),
                                              "lost": True})
@@ -608,7 +687,7 @@ class _Node:
         wait = self.opts.timeout_s + 2 * self.margin_s
         for n in range(1, 64):
             msg = self.channel.take(f"round/{n}", wait + (self.opts.timeout_s if n == 1 else 0),
-                                    "node 0 sent neither a probe nor its decision")
+                                    "node 0 sent neither a probe nor its decision", who=0)
             if msg.get("kind") == "probe":
                 self.run_round(n, spec_from_dict(msg.get("spec", {})))
                 continue
@@ -629,7 +708,8 @@ class _Node:
             problems.append(f"from node 0's results this node plans {mine}, not node 0's "
                             f"{payload.get('chosen')}: the nodes see different machines or options")
         self.channel.put(f"ack/{self.job.node}", {"ok": not problems, "why": "; ".join(problems)})
-        verdict = self.channel.take("verdict", 2 * self.margin_s, "node 0 gave no verdict")
+        verdict = self.channel.take("verdict", 2 * self.margin_s, "node 0 gave no verdict",
+                                    who=0)
         if problems:
             raise NodeMismatchError(
                 f"node {self.job.node} cannot run node 0's decision ({payload.get('chosen')}): "
@@ -718,11 +798,13 @@ def agreed_decision(
         node = _Node(job, Channel(store, job.prefix), facts, opts, env, prober, cross_prober,
                      margin)
         node.summary = node_summary(facts, opts.policy.framework, job, env)
-        if job.node == 0:
-            decided, payload = node.lead(decide, clock)
-        else:
-            node.channel.put(f"hello/{job.node}", node.summary)
-            decided, payload = node.follow()
+        with Heartbeat(open_store(job, opts.timeout_s + margin, client=True), job.prefix,
+                       job.node):
+            if job.node == 0:
+                decided, payload = node.lead(decide, clock)
+            else:
+                node.channel.put(f"hello/{job.node}", node.summary)
+                decided, payload = node.follow()
     except ResilientStrategyError as exc:
         if node is not None and job.node == 0:
             node.abort(str(exc))
