@@ -632,7 +632,7 @@ class _Node:
 
     # ----- node 0 ------------------------------------------------------------------------------
     def lead(self, decide: Callable[..., Decided], clock: Callable[[], float]) -> tuple[Decided, dict[str, Any]]:
-        join = self.opts.timeout_s + self.margin_s
+        join = 2 * self.margin_s  # the nodes start together (after torchrun's rendezvous)
         nodes = {0: self.summary}
         for k in self.others():
             nodes[k] = self.channel.take(f"hello/{k}", join, f"node {k} did not join", who=k)
