@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from resilient_strategy import multinode
-from resilient_strategy.executor import decide, options_from
+from resilient_strategy.executor import decide
 from resilient_strategy.multinode import (
     ROUTE,
     Job,
@@ -21,6 +21,7 @@ from resilient_strategy.multinode import (
     contradictions,
     route_interface,
 )
+from resilient_strategy.options import options_from
 from resilient_strategy.plan import Candidate, plan
 from resilient_strategy.probe import OK, TIMEOUT, ProbeResult, ProbeSpec
 from resilient_strategy.testing import FakeProber, machine
@@ -113,9 +114,9 @@ def test_remedies_between_nodes_follow_plain_nccl_and_respect_the_users_variable
     opts = mn_opts(facts, TORCHRUN)
     nccl = "torch:nccl:0,1"
     failed = ProbeResult(nccl, TIMEOUT, 2.0, "inter_node", "between nodes")
-    p = plan(facts, opts.rules, {nccl: failed}, opts.policy)
+    p = plan(facts, opts.rules, {nccl: failed}, opts)
     assert p.next_probe is not None and dict(p.next_probe.env) == {"NCCL_SOCKET_IFNAME": ROUTE}
-    p = plan(facts, opts.rules, {nccl: failed, p.next_probe.key: failed}, opts.policy)
+    p = plan(facts, opts.rules, {nccl: failed, p.next_probe.key: failed}, opts)
     assert p.next_probe is not None and dict(p.next_probe.env) == {
         "NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket", "NCCL_SOCKET_IFNAME": ROUTE}
     assert not any(dict(r.candidate.env).get("NCCL_P2P_DISABLE") for r in p.ranked)
@@ -123,7 +124,7 @@ def test_remedies_between_nodes_follow_plain_nccl_and_respect_the_users_variable
     user = {**TORCHRUN, "NCCL_SOCKET_IFNAME": "ens5"}
     facts = machine(2, nvlink=18, env=user)
     opts = mn_opts(facts, user)
-    p = plan(facts, opts.rules, {nccl: failed}, opts.policy)
+    p = plan(facts, opts.rules, {nccl: failed}, opts)
     assert p.next_probe is not None and dict(p.next_probe.env) == {
         "NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket"}
     # a CPU-only node has no NCCL to remedy

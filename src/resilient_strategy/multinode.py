@@ -57,9 +57,10 @@ from .probe import ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec
 from .rules import Rule
 
 if TYPE_CHECKING:
-    from .executor import Options
+    from .candidate import Candidate
     from .facts import Facts
-    from .plan import Candidate, Plan
+    from .options import Options
+    from .plan import Plan
 
 log = logging.getLogger("resilient_strategy")
 
@@ -702,7 +703,7 @@ class _Node:
         p = _replan(self.facts, self.opts, results, proven)
         leader = payload.get("nodes", {}).get("0", {}) if isinstance(payload.get("nodes"), dict) \
             else {}
-        problems = contradictions(self.facts, self.opts.policy.framework, p.chosen, leader)
+        problems = contradictions(self.facts, self.opts.framework, p.chosen, leader)
         mine = p.chosen.key if p.chosen else None
         if mine != payload.get("chosen") and not problems:
             problems.append(f"from node 0's results this node plans {mine}, not node 0's "
@@ -730,7 +731,7 @@ def _results(payload: Mapping[str, Any]) -> dict[str, ProbeResult]:
 def _replan(facts: Facts, opts: Options, results: Mapping[str, ProbeResult], proven: bool) -> Plan:
     from .plan import plan
 
-    p = plan(facts, opts.rules, results, opts.policy)
+    p = plan(facts, opts.rules, results, opts)
     if p.next_probe is not None and not proven:
         p = replace(p, chosen=p.next_probe, next_probe=None)
     return p
@@ -738,7 +739,7 @@ def _replan(facts: Facts, opts: Options, results: Mapping[str, ProbeResult], pro
 
 def multinode_options(opts: Options, facts: Facts) -> Options:
     """``opts`` with the remedies between nodes (only where NCCL could run: a GPU build)."""
-    if not facts.gpus or not facts.framework(opts.policy.framework).cuda:
+    if not facts.gpus or not facts.framework(opts.framework).cuda:
         return opts
     return replace(opts, rules=(*opts.rules, *remedy_rules()))
 
@@ -797,7 +798,7 @@ def agreed_decision(
         store = open_store(job, opts.timeout_s + margin)
         node = _Node(job, Channel(store, job.prefix), facts, opts, env, prober, cross_prober,
                      margin)
-        node.summary = node_summary(facts, opts.policy.framework, job, env)
+        node.summary = node_summary(facts, opts.framework, job, env)
         with Heartbeat(open_store(job, opts.timeout_s + margin, client=True), job.prefix,
                        job.node):
             if job.node == 0:
