@@ -91,6 +91,14 @@ def test_combine_blames_a_local_group_then_the_link_and_keeps_the_slowest_bus() 
     r = combine(SPEC, [report(0, ok_local, hung), report(1, ok_local, hung)], JOB)
     assert (r.status, r.cause) == (TIMEOUT, "inter_node")
 
+    # node 1 hung; stopping it closed node 0's link: node 0's error only echoes the hang
+    echo = ProbeResult(SPEC.candidate, "error", 6.1, "worker_error",
+                       "rank 0: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]")
+    r = combine(SPEC, [report(0, ok_local, echo), report(1, ok_local, hung)], JOB)
+    assert (r.status, r.cause) == (TIMEOUT, "inter_node") and "[1]" in r.detail
+    r = combine(SPEC, [report(0, ok_local, echo), report(1, ok_local, echo)], JOB)
+    assert (r.status, r.cause) == ("error", "inter_node")
+
     r = combine(SPEC, [report(0, ok_local, ok_cross), report(1, ok_local, None)], JOB)
     assert (r.status, r.cause) == ("error", "inter_node")  # node 1 never joined
 

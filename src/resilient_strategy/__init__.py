@@ -25,7 +25,10 @@ __all__ = [
     "InvalidOptionError",
     "InvalidRuleError",
     "InvalidVisibleDevicesError",
+    "MultiNodeError",
     "NoWorkingStrategyError",
+    "NodeLostError",
+    "NodeMismatchError",
     "ResilientStrategyError",
     "Rule",
     "Selection",
@@ -50,6 +53,9 @@ _LAZY = {
     "InvalidRuleError": ("errors", "InvalidRuleError"),
     "NoWorkingStrategyError": ("errors", "NoWorkingStrategyError"),
     "CacheError": ("errors", "CacheError"),
+    "MultiNodeError": ("errors", "MultiNodeError"),
+    "NodeLostError": ("errors", "NodeLostError"),
+    "NodeMismatchError": ("errors", "NodeMismatchError"),
 }
 
 if TYPE_CHECKING:
@@ -62,6 +68,9 @@ if TYPE_CHECKING:
         InvalidOptionError,
         InvalidRuleError,
         InvalidVisibleDevicesError,
+        MultiNodeError,
+        NodeLostError,
+        NodeMismatchError,
         NoWorkingStrategyError,
         ResilientStrategyError,
     )

@@ -102,3 +102,15 @@ class FrameworkNotInstalledError(ResilientStrategyError):
 
 class CacheError(ResilientStrategyError):
     """The decision cache could not be read or written (always handled as a logged degrade)."""
+
+
+class MultiNodeError(ResilientStrategyError):
+    """The nodes of a multi-node job could not agree on a strategy."""
+
+
+class NodeLostError(MultiNodeError):
+    """A node (or the job's store) stopped answering within the deadline: every node stops."""
+
+
+class NodeMismatchError(MultiNodeError):
+    """A node's facts contradict the decision: every node stops before training."""

@@ -40,6 +40,7 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import socket
 import struct
 import sys
@@ -52,7 +53,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import ResilientStrategyError
+from .errors import MultiNodeError, NodeLostError, NodeMismatchError, ResilientStrategyError
 from .probe import ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec
 from .rules import Rule
 
@@ -63,6 +64,8 @@ if TYPE_CHECKING:
     from .plan import Plan
 
 log = logging.getLogger("resilient_strategy")
+__all__ = ["Job", "MultiNodeError", "NodeLostError", "NodeMismatchError", "agreed_decision",
+           "record_fault", "recorded_faults", "route_interface"]
 
 #: A candidate's variable with this value means: the interface routing to the rendezvous host,
 #: resolved on each node (:func:`node_values`).
@@ -81,18 +84,6 @@ Decided = tuple["Plan", dict[str, ProbeResult], bool, bool]
 Prober = Callable[[ProbeSpec, Mapping[str, str]], ProbeResult]
 #: (spec, env, job, key prefix, stop) -> this node's result; ``stop()`` gives a reason to give up
 CrossProber = Callable[[ProbeSpec, Mapping[str, str], "Job", str, Callable[[], str]], ProbeResult]
-
-
-class MultiNodeError(ResilientStrategyError):
-    """The nodes of a job could not agree on a strategy."""
-
-
-class NodeLostError(MultiNodeError):
-    """A node (or the job's store) stopped answering within the deadline."""
-
-
-class NodeMismatchError(MultiNodeError):
-    """A node's facts contradict the decision: every node stops before training."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -460,29 +451,8 @@ def combine(spec: ProbeSpec, nodes: Sequence[Mapping[str, Any]], job: Job) -> Pr
                            extra=(("nodes", str(job.nodes)), ("failed_on", "local")))
     crosses = [(n.get("node"), _result(n.get("cross"))) for n in nodes]
     failed = [(k, r) for k, r in crosses if r is None or not r.ok]
-    hung = [k for k, r in failed if r is not None and r.status == TIMEOUT]
-    if failed and len(hung) == len(failed):  # nobody said why: one hung, the others waited
-        tails = [r.stderr_tail for _, r in failed if r is not None]
-        return ProbeResult(
-            spec.candidate, TIMEOUT, round(elapsed, 3), "inter_node",
-            f"nodes {hung} did not finish the collective between nodes within "
-            f"{spec.timeout_s:g} s (one hung, the others waited for it)",
-            stderr_tail="\n".join(tails)[-4000:], ranks=world,
-            extra=(("nodes", str(job.nodes)), ("failed_on", "inter_node"),
-                   ("node_cause", "timeout")))
     if failed:
-        # blame a node that said what went wrong before one that only waited
-        k, bad = min(failed, key=lambda x: (x[1] is None or x[1].status == TIMEOUT, str(x[0])))
-        if bad is None:
-            return ProbeResult(spec.candidate, ERROR, round(elapsed, 3), "inter_node",
-                               f"node {k} did not join the probe between nodes", ranks=world,
-                               extra=(("nodes", str(job.nodes)), ("failed_on", "inter_node")))
-        return ProbeResult(
-            spec.candidate, TIMEOUT if bad.status == TIMEOUT else ERROR, round(elapsed, 3),
-            "inter_node", f"node {k}: {bad.why()}", stderr_tail=bad.stderr_tail, ranks=world,
-            extra=(("nodes", str(job.nodes)), ("failed_on", "inter_node"),
-                   ("node_cause", bad.cause)),
-        )
+        return _blame(spec, failed, job, round(elapsed, 3))
     locals_ = [lr for n in nodes if (lr := _result(n.get("local"))) is not None]
     oks = [cr for _, cr in crosses if cr is not None]
     cross_bw = [r.bus_bandwidth_gbps for r in oks if r.bus_bandwidth_gbps]
@@ -503,6 +473,47 @@ def combine(spec: ProbeSpec, nodes: Sequence[Mapping[str, Any]], job: Job) -> Pr
         message_bytes=oks[0].message_bytes if oks else None,
         step_seconds=max(steps) if steps else None, ranks=world, extra=tuple(extra),
     )
+
+
+#: What a worker says when its peer on another node went away (killed at its deadline, or
+#: died): an echo of that node's failure, not a cause of its own.
+_ECHO = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe|ncclRemoteError|"
+                   r"remote process exited|peer closed", re.I)
+
+
+def _blame(spec: ProbeSpec, failed: Sequence[tuple[Any, ProbeResult | None]], job: Job,
+           elapsed: float) -> ProbeResult:
+    """The failure between nodes, blamed in order: a node that never joined; a node that said
+    what went wrong; the nodes that hung (stopping a hung worker closes its links, so its peers'
+    "connection closed by peer" is an echo); only then such an echo."""
+    extra = (("nodes", str(job.nodes)), ("failed_on", "inter_node"))
+    world = job.nodes * job.local_world
+    absent = [k for k, r in failed if r is None]
+    if absent:
+        return ProbeResult(spec.candidate, ERROR, elapsed, "inter_node",
+                           f"node {absent[0]} did not join the probe between nodes", ranks=world,
+                           extra=extra)
+    results = [(k, r) for k, r in failed if r is not None]
+    hung = [k for k, r in results if r.status == TIMEOUT]
+    echoes = [k for k, r in results if r.status != TIMEOUT and _ECHO.search(r.why())]
+    told = [(k, r) for k, r in results if k not in hung and k not in echoes]
+    if told:
+        k, bad = told[0]
+        return ProbeResult(spec.candidate, ERROR, elapsed, "inter_node", f"node {k}: {bad.why()}",
+                           stderr_tail=bad.stderr_tail, ranks=world,
+                           extra=(*extra, ("node_cause", bad.cause)))
+    if hung:
+        seen = f"; node(s) {echoes} saw the link close when it was stopped" if echoes else ""
+        tails = "\n".join(r.stderr_tail for _, r in results)[-4000:]
+        return ProbeResult(
+            spec.candidate, TIMEOUT, elapsed, "inter_node",
+            f"node(s) {hung} did not finish the collective between nodes within "
+            f"{spec.timeout_s:g} s (one hung, or waited for a peer that hung){seen}",
+            stderr_tail=tails, ranks=world, extra=(*extra, ("node_cause", "timeout")))
+    k, bad = results[0]
+    return ProbeResult(spec.candidate, ERROR, elapsed, "inter_node", f"node {k}: {bad.why()}",
+                       stderr_tail=bad.stderr_tail, ranks=world,
+                       extra=(*extra, ("node_cause", bad.cause)))
 
 
 def _result(d: Any) -> ProbeResult | None:
