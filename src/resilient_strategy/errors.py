@@ -109,7 +109,16 @@ class MultiNodeError(ResilientStrategyError):
 
 
 class NodeLostError(MultiNodeError):
-    """A node (or the job's store) stopped answering within the deadline: every node stops."""
+    """A node (or the job's store) stopped answering within the deadline: every node stops.
+
+    ``node``: the node that went silent (None: the store itself, or unknown); ``how``: "deadline"
+    (no answer in time), "heartbeat" (its decider stopped beating) or "store" (the store failed).
+    """
+
+    def __init__(self, message: str, node: int | None = None, how: str = "deadline") -> None:
+        super().__init__(message)
+        self.node = node
+        self.how = how
 
 
 class NodeMismatchError(MultiNodeError):

@@ -162,7 +162,7 @@ def open_store(job: Job, timeout_s: float, *, client: bool = False) -> Any:
     except (RuntimeError, OSError, ValueError) as exc:
         raise NodeLostError(
             f"node {job.node} cannot reach the job's store at {job.store_text} within "
-            f"{timeout_s:g} s: {_first_line(exc)}"
+            f"{timeout_s:g} s: {_first_line(exc)}", how="store"
         ) from exc
     if host:
         _HOSTED.append(store)
@@ -187,7 +187,8 @@ class Channel:
         try:
             self.store.set(self.prefix + key, json.dumps(value, allow_nan=False))
         except (RuntimeError, OSError) as exc:
-            raise NodeLostError(f"the job's store stopped answering: {_first_line(exc)}") from exc
+            raise NodeLostError(f"the job's store stopped answering: {_first_line(exc)}",
+                                how="store") from exc
 
     def take(self, key: str, timeout_s: float, missing: str, who: int | None = None
              ) -> dict[str, Any]:
@@ -201,17 +202,18 @@ class Channel:
                 if now >= deadline:
                     raise NodeLostError(
                         f"{missing} within {timeout_s:.3g} s; it may have died or hung: see its "
-                        "log")
+                        "log", who)
                 if who is not None and self.stale(who, now):
                     raise NodeLostError(
                         f"{missing}: node {who} stopped beating (no heartbeat for "
-                        f"{HEARTBEAT_STALE_S:g} s): its processes died or froze")
+                        f"{HEARTBEAT_STALE_S:g} s): its processes died or froze", who,
+                        "heartbeat")
                 time.sleep(self.poll_s)
             raw = self.store.get(full)
         except (RuntimeError, OSError) as exc:
             raise NodeLostError(
                 f"{missing}: the job's store stopped answering ({_first_line(exc)}); the node "
-                "that hosts it may have died: see its log"
+                "that hosts it may have died: see its log", how="store"
             ) from exc
         try:
             data = json.loads(bytes(raw).decode("utf-8"))
