@@ -174,16 +174,22 @@ def store() -> Any:
     return torch_dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
-def node_env(store: Any, node: int, nodes: int = 2, local: int = 2) -> dict[str, str]:
-    return {"WORLD_SIZE": str(nodes * local), "LOCAL_WORLD_SIZE": str(local),
-            "RANK": str(node * local), "LOCAL_RANK": "0", "GROUP_RANK": str(node),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
-            "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": f"t{id(store)}"}
+def node_env(store: Any, node: int, nodes: int = 2, local: int = 2,
+             port: int | None = None) -> dict[str, str]:
+    """torchrun's variables for ``node``'s local rank 0; with ``port``, no agent store: global
+    rank 0 hosts the store on MASTER_PORT itself."""
+    env = {"WORLD_SIZE": str(nodes * local), "LOCAL_WORLD_SIZE": str(local),
+           "RANK": str(node * local), "LOCAL_RANK": "0", "GROUP_RANK": str(node),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port or store.port),
+           "TORCHELASTIC_RUN_ID": f"t{id(store)}"}
+    if port is None:
+        env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    return env
 
 
 def run_nodes(
     store: Any, facts_by_node: list[Any], local: FakeProber, cross: FakeProber,
-    skip: tuple[int, ...] = (), nodes_local: int = 2,
+    skip: tuple[int, ...] = (), nodes_local: int = 2, port: int | None = None,
 ) -> dict[int, Any]:
     """Every node's agreed_decision in its own thread; node -> (plan...) or the exception."""
     out: dict[int, Any] = {}
@@ -195,7 +201,7 @@ def run_nodes(
             return cross(spec, env)
 
     def one(node: int) -> None:
-        env = node_env(store, node, len(facts_by_node), nodes_local)
+        env = node_env(store, node, len(facts_by_node), nodes_local, port)
         facts = facts_by_node[node]
         opts = options_from(facts, env, framework="torch", global_batch_size=512, devices=None,
                             probe=None, timeout=2.0, prefer=None, dry_run=False, model=None,
@@ -242,6 +248,27 @@ def test_nodes_agree_on_the_remedy_proven_between_them(store: Any, short_margin:
     assert [s.world_size for s in local.calls] == [2] * 4
     for _, results, _, proven in out.values():
         assert proven and results[c.key].ok and ("nodes", "2") in results[c.key].extra
+
+
+@pytest.mark.torch
+def test_without_an_agent_store_rank_0_hosts_one_for_the_process_group_to_reuse(
+    store: Any, short_margin: None
+) -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    h200 = machine(2, nvlink=18)
+    out = run_nodes(store, [h200, h200], FakeProber(), FakeProber(), port=port)
+    assert {v[0].chosen.key for v in out.values()} == {"torch:nccl:0,1"}, out
+    hosted = [s for s in multinode._HOSTED if s.port == port]
+    assert len(hosted) == 1  # kept alive: init_process_group(env://) on rank 0 reuses it
+    # what torch's env:// rendezvous does on rank 0 without an agent store
+    again = torch_dist.TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True,
+                                wait_for_workers=False)
+    again.set("k", "v")
+    assert hosted[0].get("k") == b"v"
 
 
 @pytest.mark.torch
