@@ -2,6 +2,8 @@
 
     python examples/torch_train.py                           # one device (accumulating if needed)
     torchrun --nproc_per_node 2 examples/torch_train.py      # DDP: NCCL if it works, else gloo
+    torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \
+        examples/torch_train.py                              # on each node: proven across nodes
 
 On a machine without GPUs, torchrun runs 2 CPU processes over gloo (how CI runs it). torch is
 imported only after the selection, so the CUDA_VISIBLE_DEVICES it sets still counts.

@@ -134,11 +134,6 @@ class Job:
         return f"{self.master_addr}:{self.master_port} ({who}, keys under {self.prefix})"
 
 
-def store_available(env: Mapping[str, str]) -> bool:
-    """Whether the launcher's variables name a store the nodes can meet in."""
-    return Job.from_env(env) is not None
-
-
 #: Stores this process hosts (non-agent launches): kept alive so that ``init_process_group``
 #: on the same port reuses the server (``multi_tenant=True``) instead of failing to bind.
 _HOSTED: list[Any] = []
@@ -692,7 +687,9 @@ class _Node:
 
     def abort(self, why: str) -> None:
         """Node 0 failed: tell the others now rather than let them wait out their deadlines."""
-        with contextlib.suppress(MultiNodeError):
+        with contextlib.suppress(MultiNodeError, RuntimeError, OSError):
+            if self.channel.store.check([self.channel.prefix + "verdict"]):
+                return  # the others already have the verdict (a mismatch, or a lost node)
             self.channel.put(f"round/{self.rounds + 1}", {"kind": "abort", "why": why})
             self.channel.put("verdict", {"ok": False, "node": 0, "why": why, "lost": True})
 
