@@ -94,3 +94,20 @@ class FrameworkNotInstalledError(ResilientStrategyError):
 
 class CacheError(ResilientStrategyError):
     """The decision cache could not be read or written (always handled as a logged degrade)."""
+
+
+class ExtraNotInstalledError(FrameworkNotInstalledError):
+    """An optional integration's tool (Lightning, Accelerate) is not installed."""
+
+    def __init__(self, tool: str, extra: str) -> None:
+        self.framework = tool
+        self.extra = extra
+        ResilientStrategyError.__init__(
+            self, f"{tool} is not installed in this environment; "
+            f"`pip install 'resilient-strategy[{extra}]'` (or `pip install {tool}`)."
+        )
+
+
+class WrongFrameworkError(ResilientStrategyError, AttributeError):
+    """A helper of one framework was used on a selection for the other (``sel.device`` on a
+    TensorFlow selection). An AttributeError too, so ``hasattr`` keeps working."""
