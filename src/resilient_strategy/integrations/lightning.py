@@ -30,14 +30,15 @@ _PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}
 
 
 def _strategies() -> tuple[Any, Any]:
-    try:
-        from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-    except ImportError:
-        try:  # the standalone package
-            from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy
+    import importlib
+
+    for name in ("lightning.pytorch.strategies", "pytorch_lightning.strategies"):  # or standalone
+        try:
+            mod = importlib.import_module(name)
         except ImportError:
-            raise ExtraNotInstalledError("lightning", "lightning") from None
-    return DDPStrategy, SingleDeviceStrategy
+            continue
+        return mod.DDPStrategy, mod.SingleDeviceStrategy
+    raise ExtraNotInstalledError("lightning", "lightning")
 
 
 def trainer_kwargs(sel: Selection) -> dict[str, Any]:
