@@ -26,9 +26,17 @@ from .errors import (
     ResilientStrategyError,
 )
 from .facts import Facts
+from .notices import (
+    ProgressLine,
+    fallback_warning,
+    progress_wanted,
+    reclassify_short_timeout,
+    short_timeout_warning,
+    startup_floor,
+)
 from .plan import Candidate, Plan, Policy, human_bytes, human_duration, plan
 from .probe import ERROR, TIMEOUT, ProbeResult, ProbeSpec
-from .rules import Rule, load_rules
+from .rules import BACKENDS, Rule, load_rules
 from .selection import Launch, Selection
 
 log = logging.getLogger("resilient_strategy")
@@ -59,6 +67,7 @@ class Options:
     launch: Launch = field(default_factory=Launch)
     logical_cpus: int = 0
     framework_reason: str = ""
+    quiet: bool | None = None  # None: a progress line per probe when stderr is a terminal
 
 
 def _env_list(env: Mapping[str, str], name: str, sep: str = ",") -> list[str]:
@@ -159,6 +168,7 @@ def options_from(
     precision: str,
     logical_cpus: int,
     process_group_timeout: float | None = None,
+    quiet: bool | None = None,
 ) -> Options:
     """Validate every argument once; environment variables fill what was not passed."""
     if framework is not None and not isinstance(framework, str):
@@ -180,12 +190,24 @@ def options_from(
     fw, why = _pick_framework(framework, facts)
     if probe is None:
         probe = env.get("RESILIENT_STRATEGY_PROBE", "auto")
+        if probe not in PROBE_MODES:
+            raise InvalidOptionError(
+                f"RESILIENT_STRATEGY_PROBE={probe!r} in your environment: use one of {PROBE_MODES}")
     if probe is True:
         probe = "auto"
     if probe is False:
         probe = "never"
     if probe not in PROBE_MODES:
         raise InvalidOptionError(f"probe must be one of {PROBE_MODES} (or a bool), not {probe!r}")
+    if quiet is not None and not isinstance(quiet, bool):
+        raise InvalidOptionError(f"quiet must be True, False or None, not {quiet!r}")
+    if quiet is None and env.get("RESILIENT_STRATEGY_QUIET", "") != "":
+        flag = env["RESILIENT_STRATEGY_QUIET"].strip().lower()
+        if flag not in ("1", "0", "true", "false"):
+            raise InvalidOptionError(
+                f"RESILIENT_STRATEGY_QUIET={flag!r} in your environment: use 1 (no progress "
+                "lines) or 0 (progress lines even when stderr is not a terminal)")
+        quiet = flag in ("1", "true")
     if timeout is None:
         try:
             timeout = float(env.get("RESILIENT_STRATEGY_TIMEOUT", DEFAULT_TIMEOUT_S))
@@ -208,6 +230,9 @@ def options_from(
     launch = _launch(env)
     if prefer is None:
         prefer = env.get("RESILIENT_STRATEGY_PREFER") or None
+        if prefer is not None and prefer not in BACKENDS:
+            raise InvalidOptionError(
+                f"RESILIENT_STRATEGY_PREFER={prefer!r} in your environment: use one of {BACKENDS}")
     policy = Policy(
         framework=fw,
         global_batch_size=global_batch_size,
@@ -240,6 +265,7 @@ def options_from(
         launch=launch,
         logical_cpus=logical_cpus,
         framework_reason=why,
+        quiet=quiet,
     )
 
 
@@ -265,10 +291,12 @@ def decide(
     env: Mapping[str, str],
     prober: Prober,
     clock: Callable[[], float] = time.monotonic,
+    progress: ProgressLine | None = None,
 ) -> tuple[Plan, dict[str, ProbeResult], bool, bool]:
     """Plan, probing as needed. Returns (plan, results, from_cache, proven).
 
     The probe budget is one deadline for the whole decision; each probe also has its own.
+    ``progress`` hears each probe start and end (the one hook for what a user sees meanwhile).
     """
     multi_node = opts.policy.framework == "torch" and opts.policy.nodes > 1
     # Multi-node: every node must reach the same choice on its own, so neither a node's probes
@@ -280,6 +308,8 @@ def decide(
     if cache is not None and opts.probe != "force":  # "never" still learns from the cache
         results.update(_still_valid(cache.load(fingerprint), opts.timeout_s))
     cached_keys = set(results)
+    startup = startup_floor(opts.policy.framework, results)
+    warned = False
     deadline = clock() + opts.budget_s
     fresh: dict[str, ProbeResult] = {}
     p = plan(facts, opts.rules, results, opts.policy)
@@ -290,13 +320,25 @@ def decide(
         if c.key in results:  # cannot happen with a sound planner; never loop on it
             raise ResilientStrategyError(f"planner asked to probe {c.key} twice")
         left = deadline - clock()
+        timeout_s = min(opts.timeout_s, left)
+        if not warned:
+            warned = True
+            short = short_timeout_warning(opts.timeout_s, startup, opts.policy.framework)
+            if short:
+                log.warning("resilient_strategy: %s", short)
+        if progress is not None:
+            progress.start(c, timeout_s)
         if left <= 1.0:
             res = ProbeResult(c.key, ERROR, 0.0, "budget",
                               f"the probe budget of {opts.budget_s:g} s is spent")
         else:
-            res = prober(spec_for(c, opts, min(opts.timeout_s, left)), env)
+            res = prober(spec_for(c, opts, timeout_s), env)
+            res = reclassify_short_timeout(res, timeout_s, startup, opts.policy.framework)
+        if progress is not None:
+            progress.end(res)
         results[c.key] = res
-        if res.cause != "budget":  # never probed: nothing learned about the machine to keep
+        # never probed, or cut short before it could start: nothing learned about the machine
+        if res.cause not in ("budget", "timeout_short"):
             fresh[c.key] = res
         p = plan(facts, opts.rules, results, opts.policy)
     if cache is not None and fresh:
@@ -366,6 +408,7 @@ def resilient_strategy(
     env: Mapping[str, str] | None = None,
     facts: Facts | None = None,
     logical_cpus: int = 0,
+    quiet: bool | None = None,
     _prober: Prober | None = None,
     _clock: Callable[[], float] | None = None,
 ) -> Selection:
@@ -388,6 +431,8 @@ def resilient_strategy(
             never cached).
         process_group_timeout: seconds a training collective may wait for a peer before the
             PyTorch process group fails (default 300).
+        quiet: True: no progress line per probe on stderr; False: one even when stderr is not a
+            terminal; None (default): one when stderr is a terminal (RESILIENT_STRATEGY_QUIET).
     """
     t0 = time.perf_counter()
     snapshot = _env.snapshot(env)
@@ -402,11 +447,11 @@ def resilient_strategy(
         model=model, gradient_bytes=gradient_bytes, sample_seconds=sample_seconds,
         max_per_replica_batch=max_per_replica_batch, rules=rules, disable_rules=disable_rules,
         cache=cache, cache_dir=cache_dir, cache_ttl=cache_ttl, precision=precision,
-        logical_cpus=logical_cpus, process_group_timeout=process_group_timeout,
+        logical_cpus=logical_cpus, process_group_timeout=process_group_timeout, quiet=quiet,
     )
     prober = _prober or _default_prober
     p, results, from_cache, proven = _agreed_decision(
-        facts, opts, snapshot, prober, _clock or time.monotonic)
+        facts, opts, snapshot, prober, _clock or time.monotonic, _progress_line(opts))
     if p.chosen is None:
         raise NoWorkingStrategyError(
             opts.policy.framework, [f"{r.candidate.label}: {r.reason}" for r in p.ruled_out]
@@ -428,8 +473,26 @@ def resilient_strategy(
     )
     for w in p.warnings:
         log.warning("resilient_strategy: %s", w)
+    if opts.launch.rank == 0 and not opts.dry_run:
+        fell = fallback_warning(p, results, facts, opts.policy, chosen)
+        if fell:
+            log.warning("resilient_strategy: %s", fell)
     log.info("resilient_strategy: chose %s in %.2f s", chosen.label, sel.decided_in_s)
     return sel
+
+
+def _progress_line(opts: Options) -> ProgressLine | None:
+    """The progress line, on the rank that probes, where wanted (never for a dry run)."""
+    import sys
+
+    if opts.dry_run or opts.launch.rank != 0 or opts.probe == "never":
+        return None
+    stream = sys.stderr
+    try:
+        terminal = bool(stream.isatty())
+    except (AttributeError, ValueError):
+        terminal = False
+    return ProgressLine(stream) if progress_wanted(opts.quiet, terminal) else None
 
 
 def _advice(
@@ -496,19 +559,19 @@ def _default_prober(spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
 # --------------------------------------------------------------------------------------------
 def _agreed_decision(
     facts: Facts, opts: Options, env: Mapping[str, str], prober: Prober,
-    clock: Callable[[], float],
+    clock: Callable[[], float], progress: ProgressLine | None = None,
 ) -> tuple[Plan, dict[str, ProbeResult], bool, bool]:
     """Under torchrun, local rank 0 decides (and probes); the other ranks wait for its results
     and re-plan from them, so every rank reaches the same choice (no split brain)."""
     launch = opts.launch
     if not launch.launched or opts.dry_run:
-        return decide(facts, opts, env, prober, clock)
+        return decide(facts, opts, env, prober, clock, progress)
     from .agreement import Agreement
 
     agreement = Agreement.for_job(env, facts.fingerprint(), opts.cache_dir)
     deadline_s = opts.budget_s + 60.0
     if launch.local_rank == 0:
-        p, results, from_cache, proven = decide(facts, opts, env, prober, clock)
+        p, results, from_cache, proven = decide(facts, opts, env, prober, clock, progress)
         agreement.publish(
             {"chosen": p.chosen.key if p.chosen else None,
              "results": {k: v.to_dict() for k, v in results.items()},
