@@ -148,3 +148,26 @@ def test_accelerate_example_ddp_over_gloo_then_fallback(tmp_path: Path) -> None:
                        RESILIENT_STRATEGY_PROBE_FAULT="exit:1")
     assert "Accelerator: 1 process(es), DistributedType.NO, gradient_accumulation_steps=2" in broken
     assert len(_losses(broken)) == 2
+
+
+def test_integrations_import_nothing_until_called() -> None:
+    code = ("import sys\n"
+            "import resilient_strategy.integrations.lightning, resilient_strategy.integrations.accelerate\n"
+            "print(sorted(m for m in ('torch', 'lightning', 'accelerate') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_a_missing_tool_is_a_typed_error_naming_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    from resilient_strategy.errors import ExtraNotInstalledError
+    from resilient_strategy.integrations import accelerate, lightning
+
+    for name in ("lightning", "lightning.pytorch", "lightning.pytorch.strategies",
+                 "pytorch_lightning", "pytorch_lightning.strategies", "accelerate"):
+        monkeypatch.setitem(sys.modules, name, None)  # import of it raises ImportError
+    sel = _sel({"nccl": "ok"})
+    with pytest.raises(ExtraNotInstalledError, match=r"resilient-strategy\[lightning\]"):
+        lightning.trainer_kwargs(sel)
+    with pytest.raises(ExtraNotInstalledError, match=r"resilient-strategy\[accelerate\]"):
+        accelerate.accelerator_kwargs(sel)

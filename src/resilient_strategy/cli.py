@@ -1,11 +1,11 @@
-"""``python -m resilient_strategy doctor | plan | probe`` (also the ``resilient-strategy`` script).
+"""python -m resilient_strategy doctor | plan | probe (also the resilient-strategy script).
 
 doctor  what this machine has (GPUs, links, versions, host), the rules that fired and the plan
         with its reasons; runs usefully without a GPU. Never probes.
 plan    only the plan (for the framework given, or each one installed).
 probe   prove the candidates for real (probe="force" with --force) and print the decision.
 
-``--simulate FILE`` plans for a described machine instead (what-if before renting one): a JSON
+--simulate FILE plans for a described machine instead (what-if before renting one): a JSON
 object with "machine" (keyword arguments of resilient_strategy.testing.machine, "links" written as
 {"0-1": 4}) or "facts" (the Facts.to_dict() form), and optionally "probes" (simulated outcomes, see
 testing.FakeProber), "framework", "global_batch_size", "gradient_bytes" and "sample_seconds". The
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -32,6 +33,7 @@ _FRAMEWORKS = ("torch", "tensorflow")
 #: Variables of the user's own environment that a simulation honours (they configure this
 #: library, they do not describe the simulated machine).
 _SIMULATION_PASSTHROUGH = ("RESILIENT_STRATEGY_RULES", "RESILIENT_STRATEGY_DISABLE_RULES")
+_LAUNCH_HINT = {"torch": "; --nproc-per-node N plans another launch", "tensorflow": ""}
 _SIMULATION_KEYS = frozenset({
     "what", "framework", "global_batch_size", "gradient_bytes", "sample_seconds", "machine",
     "facts", "probes",
@@ -56,6 +58,7 @@ _positive_int = _int_at_least(1)
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="resilient-strategy", description=__doc__.split("\n\n")[0])
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     for name, text in (("doctor", "show what is here and the plan"), ("plan", "the plan only"),
                        ("probe", "prove the candidates with live probes")):
@@ -75,7 +78,36 @@ def _parser() -> argparse.ArgumentParser:
                        help="an extra known-issue rules file (TOML); repeatable")
         s.add_argument("--disable-rule", action="append", default=[], metavar="ID",
                        help="switch off a known-issue rule by id; repeatable")
+        s.add_argument("--nproc-per-node", type=_positive_int, metavar="N",
+                       help="plan torch as rank 0 of `torchrun --nproc_per_node N` (default: one "
+                            "process per visible GPU when there are 2 or more, else plain python)")
     return p
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("resilient-strategy")
+    except PackageNotFoundError:
+        return "(not installed: running from a source tree)"
+
+
+def _check_disabled_rules(args: argparse.Namespace, real_env: Mapping[str, str]) -> None:
+    """--disable-rule with an id that no rule has is an error listing the known ids: a typo would
+    otherwise leave the rule on without a word."""
+    if not args.disable_rule:
+        return
+    from .rules import load_rules
+
+    extra: list[str | Path] = [x for x in real_env.get("RESILIENT_STRATEGY_RULES", "").split(
+        os.pathsep) if x.strip()]
+    known = {r.id for r in load_rules([*extra, *args.rules])}
+    unknown = sorted(set(args.disable_rule) - known)
+    if unknown:
+        raise ResilientStrategyError(
+            f"--disable-rule {', '.join(unknown)}: no such rule. Known rule ids: "
+            + ", ".join(sorted(known)))
 
 
 def _load_simulation(path: Path) -> tuple[Facts, dict[str, Any]]:
@@ -90,6 +122,11 @@ def _load_simulation(path: Path) -> tuple[Facts, dict[str, Any]]:
     if not isinstance(data, dict):
         raise ResilientStrategyError(f"{path}: expected a JSON object")
     described = "machine" in data or "facts" in data
+    if not described and "gpus" not in data:
+        raise ResilientStrategyError(
+            f'{path}: describe the machine: a "machine" object (keyword arguments of '
+            'resilient_strategy.testing.machine, at least "gpus") or a "facts" object (the '
+            "Facts.to_dict() form, at least \"gpus\" and \"frameworks\")")
     unknown = sorted(set(data) - _SIMULATION_KEYS) if described else []
     if unknown:
         raise ResilientStrategyError(
@@ -99,9 +136,13 @@ def _load_simulation(path: Path) -> tuple[Facts, dict[str, Any]]:
         if "machine" in data:
             if not isinstance(data["machine"], dict):
                 raise ValueError("machine: expected an object of machine() keyword arguments")
+            if "gpus" not in data["machine"]:
+                raise ValueError('machine: say how many GPUs: "gpus": 2 (0 for none)')
             facts = machine(**data["machine"])
         else:
-            facts = Facts.from_dict(data.get("facts", data))
+            raw = data.get("facts", data)
+            _check_facts_shape(raw)
+            facts = Facts.from_dict(raw)
     except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
         raise ResilientStrategyError(f"{path}: not a machine description: {exc}") from exc
     probes = data.get("probes")
@@ -117,6 +158,42 @@ def _load_simulation(path: Path) -> tuple[Facts, dict[str, Any]]:
         except ValueError as exc:
             raise ResilientStrategyError(f"{path}: probes: {exc}") from exc
     return facts, data
+
+
+def _check_facts_shape(raw: Any) -> None:
+    """Every field of a "facts" description has the JSON type the Facts.to_dict() form has, so
+    that a wrong one is named (not "'int' object is not iterable")."""
+    from .testing.fakes import machine
+
+    reference = json.loads(json.dumps(machine(2, tensorflow="2.15.1").to_dict(), default=str))
+    if not isinstance(raw, dict):
+        raise ValueError(f"facts: expected an object, not {raw!r}")
+    for key in ("gpus", "frameworks"):
+        if key not in raw:
+            raise ValueError(f"facts: {key!r} is required (a list; [] for none)")
+
+    def kind(v: Any) -> str:
+        return ("null" if v is None else "bool" if isinstance(v, bool) else "number"
+                if isinstance(v, (int, float)) else "string" if isinstance(v, str) else "list"
+                if isinstance(v, list) else "object" if isinstance(v, dict) else type(v).__name__)
+
+    def check(where: str, value: Any, ref: Any) -> None:
+        if value is None or ref is None:
+            return
+        if kind(value) != kind(ref):
+            article = "an" if kind(ref)[0] in "aeiou" else "a"
+            raise ValueError(f"{where}: expected {article} {kind(ref)}, not {value!r}")
+        if isinstance(ref, dict):
+            for k, v in value.items():
+                if k in ref:
+                    check(f"{where}.{k}", v, ref[k])
+        elif isinstance(ref, list) and ref:
+            for i, v in enumerate(value):
+                check(f"{where}[{i}]", v, ref[0])
+
+    for key, value in raw.items():
+        if key in reference:
+            check(f"facts.{key}", value, reference[key])
 
 
 def _check_simulation_fields(path: Path, data: Mapping[str, Any]) -> None:
@@ -231,7 +308,7 @@ def _decide(args: argparse.Namespace, facts: Facts, sim: Mapping[str, Any] | Non
         "rules": list(args.rules),
         "disable_rules": list(args.disable_rule),
     }
-    env = _launch_env(facts, framework, sim, real_env)
+    env = _launch_env(facts, framework, sim, real_env, args.nproc_per_node)
     if sim is not None:
         probes = sim.get("probes")
         prober = FakeProber(dict(probes or {}))
@@ -245,7 +322,7 @@ def _decide(args: argparse.Namespace, facts: Facts, sim: Mapping[str, Any] | Non
 
 
 def _launch_env(facts: Facts, framework: str, sim: Mapping[str, Any] | None,
-                real_env: Mapping[str, str]) -> dict[str, str]:
+                real_env: Mapping[str, str], nproc: int | None = None) -> dict[str, str]:
     """The environment to plan in: the user's, or for a simulation the described machine's plus
     the user's rule settings. PyTorch on 2+ GPUs outside a launcher is planned as rank 0 of
     `torchrun --nproc_per_node N` would plan it: that is how it uses every GPU."""
@@ -256,9 +333,23 @@ def _launch_env(facts: Facts, framework: str, sim: Mapping[str, Any] | None,
         for name in _SIMULATION_PASSTHROUGH:
             if name in real_env and name not in env:
                 env[name] = real_env[name]
-    if as_torchrun(facts, framework, env):
-        env.update(WORLD_SIZE=str(len(facts.gpus)), RANK="0", LOCAL_RANK="0")
+    if framework == "torch" and "WORLD_SIZE" not in env:
+        n = nproc if nproc is not None else len(facts.gpus) if as_torchrun(facts, framework, env) \
+            else 1
+        if n > 1:
+            env.update(WORLD_SIZE=str(n), RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(n))
     return env
+
+
+def launch_words(sel: Any) -> str:
+    """Which launch a plan assumed, in words."""
+    launch = sel.launch
+    if sel.framework != "torch":
+        return "as one process (plain python), as TensorFlow's MirroredStrategy runs"
+    if launch.world_size > 1:
+        return (f"as rank {launch.rank} of `torchrun --nproc_per_node {launch.world_size}` "
+                f"({launch.world_size} processes)")
+    return "as plain python (one process)"
 
 
 def as_torchrun(facts: Facts, framework: str, env: Mapping[str, str]) -> bool:
@@ -270,9 +361,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.logical_cpus and args.framework == "torch":
         parser.error("--logical-cpus is a TensorFlow test mode; it does not apply to torch")
+    if args.nproc_per_node and args.framework == "tensorflow":
+        parser.error("--nproc-per-node is for torch (one process per GPU); TensorFlow runs one")
     logging.basicConfig(level=logging.ERROR, format="%(message)s")
     real_env = _env.snapshot()
     try:
+        _check_disabled_rules(args, real_env)
         sim: dict[str, Any] | None = None
         if args.simulate:
             facts, sim = _load_simulation(args.simulate)
@@ -297,12 +391,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         lines += _facts_text(facts)
         fired = sorted({r for s in selections.values() for r in s.plan.rules_fired})
         lines.append("Rules fired: " + (", ".join(fired) if fired else "none"))
-        if "torch" in selections and as_torchrun(facts, "torch", facts.env_map):
-            lines.append(f"(torch is planned as under `torchrun --nproc_per_node {len(facts.gpus)}`,"
-                         " one process per GPU)")
     if not selections:
-        lines.append("No framework to plan for: pip install torch or tensorflow.")
+        lines.append("No plan: neither torch nor tensorflow is installed in this environment. "
+                     "Install the one you train with (pip install torch, or tensorflow) and run "
+                     "this again, or plan for a described machine with --simulate FILE.")
     for fw, sel in selections.items():
-        lines += ["", f"== {fw} ==", *_selection_text(sel, show_probes=args.command == "probe")]
-    print("\n".join(lines))
+        lines += ["", f"== {fw} ==", f"({'Planned' if args.command != 'probe' else 'Decided'} "
+                  f"{launch_words(sel)}{'' if args.nproc_per_node else _LAUNCH_HINT[fw]}.)",
+                  *_selection_text(sel, show_probes=args.command == "probe")]
+    try:
+        print("\n".join(lines))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `| head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0

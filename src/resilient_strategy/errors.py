@@ -64,7 +64,10 @@ class InvalidRuleError(ResilientStrategyError, ValueError):
         self.rule_id = rule_id
         self.problem = problem
         where = f" in {source}" if source else ""
-        super().__init__(f"rule {rule_id!r}{where}: {problem}")
+        if rule_id == "?":  # the file itself, before any rule could be named
+            super().__init__(f"rules file {source}: {problem}" if source else problem)
+        else:
+            super().__init__(f"rule {rule_id!r}{where}: {problem}")
 
 
 class NoWorkingStrategyError(ResilientStrategyError):

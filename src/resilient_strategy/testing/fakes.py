@@ -92,7 +92,8 @@ def machine(
         if text is not None:
             _check_str("machine", key, text)
     for key, archs in (("torch_archs", torch_archs), ("tf_archs", tf_archs)):
-        if isinstance(archs, str) or not all(isinstance(a, str) for a in archs):
+        if isinstance(archs, str) or not isinstance(archs, Sequence) or not all(
+                isinstance(a, str) for a in archs):
             raise _bad(key, archs, 'a list of arch names like ["sm_80", "compute_90"]')
     if isinstance(gpus, int) and not isinstance(gpus, bool):
         if gpus < 0:
