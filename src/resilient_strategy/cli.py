@@ -85,12 +85,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+    from . import __version__
 
-    try:
-        return version("resilient-strategy")
-    except PackageNotFoundError:
-        return "(not installed: running from a source tree)"
+    return __version__
 
 
 def _check_disabled_rules(args: argparse.Namespace, real_env: Mapping[str, str]) -> None:
