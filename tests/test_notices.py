@@ -54,12 +54,12 @@ def test_no_fallback_warning_when_the_best_works(caplog: pytest.LogCaptureFixtur
 
 
 def test_fallback_cost_compares_estimates() -> None:
-    from resilient_strategy.plan import Policy
+    from resilient_strategy.options import Options
 
     sel = _torch({"nccl": "error:nccl_error", "nccl+*": "error:nccl_error", "gloo": "ok"},
                  gradient_bytes=400 << 20, sample_seconds=1e-3)
     assert sel.backend == "gloo"  # type: ignore[attr-defined]
-    policy = Policy(framework="torch", global_batch_size=256, gradient_bytes=400 << 20,
+    policy = Options(framework="torch", global_batch_size=256, gradient_bytes=400 << 20,
                     sample_seconds=1e-3, world_size=2)
     text = fallback_warning(sel.plan, sel.results, sel.facts,  # type: ignore[attr-defined]
                             policy, sel.candidate)  # type: ignore[attr-defined]

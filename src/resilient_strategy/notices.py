@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING, TextIO
 from .probe import OK, TIMEOUT, ProbeResult
 
 if TYPE_CHECKING:
+    from .candidate import Candidate
     from .facts import Facts
-    from .plan import Candidate, Plan, Policy
+    from .options import Options
+    from .plan import Plan
 
 #: A probe's cold start (spawn the workers, import the framework, initialize, first collective)
 #: when no probe on this machine has been measured yet: torch ~3 s on 2 CPU processes over gloo
@@ -89,13 +91,13 @@ def _replicas_words(n: int, framework: str, chosen: Candidate) -> str:
 
 
 def fallback_warning(
-    p: Plan, results: Mapping[str, ProbeResult], facts: Facts, policy: Policy, chosen: Candidate
+    p: Plan, results: Mapping[str, ProbeResult], facts: Facts, policy: Options, chosen: Candidate
 ) -> str | None:
     """One line when the choice falls back from what the machine should do (a candidate that
     would have been used failed its probe, or a rule vetoed every candidate with as many
     replicas): what failed, why, what it trains on instead, and the estimated cost. None when
     nothing better was lost."""
-    from .plan import estimate
+    from .estimate import estimate
 
     lost = None
     why = ""
