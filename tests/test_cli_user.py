@@ -76,3 +76,11 @@ def test_plan_says_which_launch_it_assumes(tmp_path: Path,
     assert "plain python" in out and "torchrun" not in out.split("Why:")[0]
     assert main(["plan", "--simulate", two, "--nproc-per-node", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["decisions"]["torch"]["world_size"] == 2
+
+
+def test_no_framework_installed_plans_nothing_and_exits_0(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bare = _sim(tmp_path, {"machine": {"gpus": 2, "torch": None}})
+    assert main(["doctor", "--simulate", bare]) == 0
+    out = capsys.readouterr().out
+    assert "== torch ==" not in out and "== tensorflow ==" not in out and "--simulate" in out

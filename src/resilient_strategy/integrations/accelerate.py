@@ -21,7 +21,6 @@ launcher's variables while Accelerate sets up, or it would wait for the ranks th
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ExtraNotInstalledError, InvalidOptionError
@@ -55,7 +54,7 @@ def accelerator_kwargs(sel: Selection) -> dict[str, Any]:
         from accelerate.utils import InitProcessGroupKwargs
 
         kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(
-            backend=sel.backend, timeout=timedelta(seconds=sel.process_group_timeout_s))]
+            backend=sel.backend, timeout=_timeout(sel))]
     return kwargs
 
 
@@ -76,3 +75,9 @@ def make_accelerator(sel: Selection, **overrides: Any) -> Any:
 
     with launcher_hidden(sel):
         return Accelerator(**kwargs)
+
+
+def _timeout(sel: Selection) -> Any:
+    from datetime import timedelta
+
+    return timedelta(seconds=sel.process_group_timeout_s)

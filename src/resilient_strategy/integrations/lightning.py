@@ -17,7 +17,6 @@ fallback) exits cleanly here (status 0). Lightning is imported only when this is
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ExtraNotInstalledError
@@ -59,9 +58,15 @@ def trainer_kwargs(sel: Selection) -> dict[str, Any]:
             devices=per_node,
             num_nodes=launch.world_size // per_node,
             strategy=ddp(process_group_backend=sel.backend,
-                         timeout=timedelta(seconds=sel.process_group_timeout_s)),
+                         timeout=_timeout(sel)),
         )
     else:
         device = f"cuda:{sel.devices[0]}" if gpu else "cpu"
         kwargs.update(devices=1, num_nodes=1, strategy=single(device=device))
     return kwargs
+
+
+def _timeout(sel: Selection) -> Any:
+    from datetime import timedelta
+
+    return timedelta(seconds=sel.process_group_timeout_s)
