@@ -75,11 +75,14 @@ def decide(
     prober: Prober,
     clock: Callable[[], float] = time.monotonic,
     progress: ProgressLine | None = None,
+    startup_check: bool = False,
 ) -> tuple[Plan, dict[str, ProbeResult], bool, bool]:
     """Plan, probing as needed. Returns (plan, results, from_cache, proven).
 
     The probe budget is one deadline for the whole decision; each probe also has its own.
     ``progress`` hears each probe start and end (the one hook for what a user sees meanwhile).
+    ``startup_check`` (real probes only: a simulation has no start-up to measure) warns when the
+    timeout is below what a probe needs to start here, and calls a probe it cut short so.
     """
     multi_node = opts.framework == "torch" and opts.nodes > 1
     # Multi-node: every node must reach the same choice on its own, so neither a node's probes
@@ -104,7 +107,7 @@ def decide(
             raise ResilientStrategyError(f"planner asked to probe {c.key} twice")
         left = deadline - clock()
         timeout_s = min(opts.timeout_s, left)
-        if not warned:
+        if startup_check and not warned:
             warned = True
             short = short_timeout_warning(opts.timeout_s, startup, opts.framework)
             if short:
@@ -116,7 +119,8 @@ def decide(
                               f"the probe budget of {opts.budget_s:g} s is spent")
         else:
             res = prober(spec_for(c, opts, timeout_s), env)
-            res = reclassify_short_timeout(res, timeout_s, startup, opts.framework)
+            if startup_check:
+                res = reclassify_short_timeout(res, timeout_s, startup, opts.framework)
         if progress is not None:
             progress.end(res)
         results[c.key] = res
@@ -234,7 +238,8 @@ def resilient_strategy(
     )
     prober = _prober or _default_prober
     p, results, from_cache, proven = _agreed_decision(
-        facts, opts, snapshot, prober, _clock or time.monotonic, _progress_line(opts))
+        facts, opts, snapshot, prober, _clock or time.monotonic, _progress_line(opts),
+        startup_check=_prober is None)
     if p.chosen is None:
         raise NoWorkingStrategyError(
             opts.framework, [f"{r.candidate.label}: {r.reason}" for r in p.ruled_out]
@@ -343,18 +348,20 @@ def _default_prober(spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
 def _agreed_decision(
     facts: Facts, opts: Options, env: Mapping[str, str], prober: Prober,
     clock: Callable[[], float], progress: ProgressLine | None = None,
+    startup_check: bool = False,
 ) -> tuple[Plan, dict[str, ProbeResult], bool, bool]:
     """Under torchrun, local rank 0 decides (and probes); the other ranks wait for its results
     and re-plan from them, so every rank reaches the same choice (no split brain)."""
     launch = opts.launch
     if not launch.launched or opts.dry_run:
-        return decide(facts, opts, env, prober, clock, progress)
+        return decide(facts, opts, env, prober, clock, progress, startup_check)
     from .agreement import Agreement
 
     agreement = Agreement.for_job(env, facts.fingerprint(), opts.cache_dir)
     deadline_s = opts.budget_s + 60.0
     if launch.local_rank == 0:
-        p, results, from_cache, proven = decide(facts, opts, env, prober, clock, progress)
+        p, results, from_cache, proven = decide(facts, opts, env, prober, clock, progress,
+                                                startup_check)
         agreement.publish(
             {"chosen": p.chosen.key if p.chosen else None,
              "results": {k: v.to_dict() for k, v in results.items()},
