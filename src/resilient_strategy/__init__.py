@@ -19,6 +19,7 @@ TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs ~8 ms 
 __version__ = "0.1.0"
 __all__ = [
     "CacheError",
+    "ExtraNotInstalledError",
     "Facts",
     "FrameworkInitializedError",
     "FrameworkNotInstalledError",
@@ -32,6 +33,7 @@ __all__ = [
     "ResilientStrategyError",
     "Rule",
     "Selection",
+    "WrongFrameworkError",
     "__version__",
     "detect_facts",
     "resilient_strategy",
@@ -56,6 +58,8 @@ _LAZY = {
     "MultiNodeError": ("errors", "MultiNodeError"),
     "NodeLostError": ("errors", "NodeLostError"),
     "NodeMismatchError": ("errors", "NodeMismatchError"),
+    "ExtraNotInstalledError": ("errors", "ExtraNotInstalledError"),
+    "WrongFrameworkError": ("errors", "WrongFrameworkError"),
 }
 
 if TYPE_CHECKING:
@@ -63,6 +67,7 @@ if TYPE_CHECKING:
 
     from .errors import (
         CacheError,
+        ExtraNotInstalledError,
         FrameworkInitializedError,
         FrameworkNotInstalledError,
         InvalidOptionError,
@@ -73,6 +78,7 @@ if TYPE_CHECKING:
         NodeMismatchError,
         NoWorkingStrategyError,
         ResilientStrategyError,
+        WrongFrameworkError,
     )
     from .executor import resilient_strategy
     from .facts import Facts
