@@ -773,8 +773,11 @@ def trace_lines(job: Job, payload: Mapping[str, Any], p: Plan) -> list[str]:
         lines.append(f"Probed across {job.nodes} nodes: " + "; ".join(
             f"{k}: {'ok' if r.ok else r.status} ({r.why() if not r.ok else r.detail})"
             for k, r in across) + ".")
-    else:
+    elif payload.get("proven"):
         lines.append(f"Nothing was probed across the {job.nodes} nodes (nothing needed it).")
+    else:
+        lines.append(f"Nothing was probed across the {job.nodes} nodes: the choice is UNPROVEN "
+                     "(probing is off).")
     c = p.chosen
     if c is not None and c.num_replicas == 1:
         lines.append(
