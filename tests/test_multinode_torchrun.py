@@ -80,6 +80,9 @@ class Pair:
             "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
             "RESILIENT_STRATEGY_TIMEOUT": str(timeout_s), "RESILIENT_STRATEGY_CACHE": "0",
             "OMP_NUM_THREADS": "1", **env})
+        # temporary files of the launches (what a SIGKILLed node cannot remove) stay in out/
+        (out / "tmp").mkdir()
+        base["TMPDIR"] = str(out / "tmp")
         self.procs = [
             subprocess.Popen(
                 [torchrun, "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1",
