@@ -114,6 +114,7 @@ def test_unreadable_values_reach_the_facts_and_the_trace(tmp_path: Path) -> None
     from dataclasses import replace
 
     from resilient_strategy.testing import machine, simulate
+    from resilient_strategy.trace import Note
 
     nv = h200x2()
     nv.gpus[1].fail = {"nvmlDeviceGetCudaComputeCapability"}
@@ -124,4 +125,5 @@ def test_unreadable_values_reach_the_facts_and_the_trace(tmp_path: Path) -> None
     cuda_torch = replace(f, frameworks=machine().frameworks)  # this machine's torch is CPU-only
     sel = simulate(cuda_torch, {"nccl": "ok"}, framework="torch")
     assert sel.backend == "nccl"  # no compute-capability rule fired on the unknown value
-    assert "NVML could not read some facts" in sel.explain()
+    notes = [e.topic for e in sel.plan.events if isinstance(e, Note)]
+    assert "nvml_unread" in notes

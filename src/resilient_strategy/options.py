@@ -103,6 +103,8 @@ class Options:
     precision: str = "auto"
     launch: Launch = field(default_factory=Launch)
     framework_reason: str = ""
+    #: Probe outcomes come from a description (a simulation), not from running probes here.
+    simulated: bool = False
 
     @property
     def nodes(self) -> int:
@@ -242,7 +244,7 @@ def _pick_framework(framework: str | None, facts: Facts) -> tuple[str, str]:
     if len(installed) == 1:
         return installed[0], f"framework=None: {installed[0]} is the one installed"
     if not installed:
-        raise FrameworkNotInstalledError("torch or tensorflow")
+        raise FrameworkNotInstalledError(None)
     raise InvalidOptionError(
         "framework=None but both torch and tensorflow are installed"
         + (" and imported" if imported else "")

@@ -12,7 +12,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from .errors import InvalidOptionError, ResilientStrategyError
 from .facts import P2P_STATUSES, TOPOLOGY_LEVELS, Facts, FrameworkInfo, Gpu, Host, Link
@@ -257,6 +257,9 @@ class SimulatedProber:
     and joined by ","); "nccl+*" for every remedy; "*" for everything. The most specific key
     wins; anything unmatched is ``default``.
     """
+
+    #: Read by the executor: the outcomes are described, not measured (said in the trace).
+    simulated: ClassVar[bool] = True
 
     outcomes: Mapping[str, Outcome] = field(default_factory=dict)
     default: Outcome = "ok"
