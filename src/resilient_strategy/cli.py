@@ -215,6 +215,14 @@ def as_torchrun(facts: Facts, framework: str, env: Mapping[str, str]) -> bool:
     return framework == "torch" and len(facts.gpus) >= 2 and "WORLD_SIZE" not in env
 
 
+def simulate_file(path: Path, real_env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """What ``resilient-strategy plan --simulate PATH`` decides: a Selection per framework."""
+    facts, sim = load_simulation(path)
+    args = _parser().parse_args(["plan", "--simulate", str(path)])
+    return {fw: _decide(args, facts, sim, fw, real_env or {})
+            for fw in _frameworks(facts, sim.get("framework"))}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)

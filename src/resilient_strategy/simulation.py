@@ -320,7 +320,12 @@ FakeProber = SimulatedProber  # the testing kit's name for it
 #: Fields of a simulation file (``resilient-strategy --simulate``, examples/machines).
 SIMULATION_KEYS = frozenset({
     "what", "framework", "global_batch_size", "gradient_bytes", "sample_seconds", "machine",
-    "facts", "probes",
+    "facts", "probes", "expect",
+})
+#: Fields of a machine case's ``expect`` block (the decision it must reach; tests replay it).
+EXPECT_KEYS = frozenset({
+    "backend", "devices", "num_replicas", "accumulation_steps", "per_replica_batch_size", "env",
+    "probed", "rules_fired", "explain_contains",
 })
 
 
@@ -372,6 +377,11 @@ def _check_simulation_fields(path: Path, data: Mapping[str, Any]) -> None:
         value = data.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ResilientStrategyError(f"{path}: {key}: expected a positive integer, not {value!r}")
+    expect = data.get("expect")
+    if expect is not None and (not isinstance(expect, dict) or not set(expect) <= EXPECT_KEYS):
+        raise ResilientStrategyError(
+            f"{path}: expect: expected an object with fields from {sorted(EXPECT_KEYS)}, not "
+            f"{expect!r}")
     seconds = data.get("sample_seconds")
     if seconds is not None and (
         isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0
