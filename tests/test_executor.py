@@ -215,12 +215,11 @@ def test_a_used_up_round_limit_is_not_called_probing_off() -> None:
     assert not sel.proven
 
 
-def test_user_variables_are_never_overwritten(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("NCCL_P2P_DISABLE", "0")
-    monkeypatch.delenv("NCCL_SHM_DISABLE", raising=False)
-    applied = _env.apply({"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"})
+def test_user_variables_are_never_overwritten() -> None:
+    environ = {"NCCL_P2P_DISABLE": "0"}
+    applied = _env.apply({"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}, environ)
     assert applied == {"NCCL_SHM_DISABLE": "1"}
-    assert os.environ["NCCL_P2P_DISABLE"] == "0" and os.environ["NCCL_SHM_DISABLE"] == "1"
+    assert environ == {"NCCL_P2P_DISABLE": "0", "NCCL_SHM_DISABLE": "1"}
     consumer = machine(2, name="NVIDIA GeForce RTX 4090", cc=(8, 9),
                        env={"NCCL_P2P_DISABLE": "0", "WORLD_SIZE": "2"})
     sel = simulate(consumer, FakeProber({"nccl": "timeout"}))

@@ -82,11 +82,11 @@ def test_env_argument_wins_over_os_environ(
     assert facts({}, h200x2(), tmp_path).visibility.physical == (0, 1)
 
 
-def test_imported_at_comes_from_the_import_watch(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setitem(guard._sites, "keras", "train.py:3")
-    f = detect_facts({}, nvml=no_driver(), root=str(tmp_path), modules={"keras": object()})
+def test_imported_at_comes_from_the_import_watch(tmp_path: Path) -> None:
+    watch = guard.ImportWatch()
+    watch.record("keras", "train.py:3")
+    f = detect_facts({}, nvml=no_driver(), root=str(tmp_path), modules={"keras": object()},
+                     imports=watch)
     assert f.framework("keras").imported_at == "train.py:3"
     assert f.framework("torch").imported_at is None
 

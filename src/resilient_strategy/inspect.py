@@ -12,9 +12,9 @@ from dataclasses import replace
 from . import _env
 from ._nvml import NvmlSnapshot, read_nvml
 from .facts import Facts, Gpu, Visibility, relevant_env
-from .guard import first_import_site
+from .guard import ImportWatch, first_import_site
 from .host import detect_host
-from .versions import detect_frameworks
+from .versions import MetadataSource, detect_frameworks
 from .visible import VisibleDevice, renumber_links, resolve_visible_devices
 
 
@@ -24,6 +24,8 @@ def detect_facts(
     nvml: object | None = None,
     root: str = "/",
     modules: Mapping[str, object] | None = None,
+    imports: ImportWatch | None = None,
+    packages: MetadataSource | None = None,
 ) -> Facts:
     """Inspect this machine as the job will see it.
 
@@ -32,6 +34,9 @@ def detect_facts(
         nvml: a pynvml-like module to read GPUs from (default: pynvml).
         root: the file-system root for host facts (tests point it at a fake tree).
         modules: the imported modules (default ``sys.modules``).
+        imports: the import watch that knows where each framework was first imported (default
+            the package's).
+        packages: where installed packages are read from (default this interpreter's).
     """
     environ = _env.snapshot(env)
     snap = read_nvml(nvml)
@@ -45,8 +50,8 @@ def detect_facts(
         )
         visibility, devices = res.visibility, res.devices
     frameworks = tuple(
-        replace(f, imported_at=first_import_site(f.name)) if f.imported else f
-        for f in detect_frameworks(modules)
+        replace(f, imported_at=first_import_site(f.name, imports)) if f.imported else f
+        for f in detect_frameworks(modules, packages)
     )
     return Facts(
         gpus=tuple(_gpu(i, d, snap) for i, d in enumerate(devices)),
