@@ -11,7 +11,7 @@ import pytest
 from resilient_strategy.errors import FrameworkInitializedError, InvalidOptionError
 from resilient_strategy.rules import fact_values
 from resilient_strategy.testing import FakeProber, gpu, machine, simulate
-from resilient_strategy.trace import FactsSeen
+from resilient_strategy.trace import CandidateRuledOut, Chosen, FactsSeen
 
 MACHINES = Path(__file__).parents[1] / "examples" / "machines"
 
@@ -185,3 +185,20 @@ def test_a_machine_file_can_describe_all_of_it(tmp_path: Path) -> None:
     }))
     sel = simulate_file(path)["torch"]
     assert sel.backend == "nccl" and sel.results[sel.candidate.key].message_bytes == 1024
+
+
+def test_a_simulation_says_it_is_one() -> None:
+    sel = simulate(machine(2, env={"WORLD_SIZE": "2"}), {"nccl": "timeout"})
+    assert sel.simulated and sel.to_dict()["simulated"] is True
+    failed = [e for e in sel.plan.events if isinstance(e, CandidateRuledOut)]
+    chosen = [e for e in sel.plan.events if isinstance(e, Chosen)]
+    assert failed and all(e.simulated for e in failed)
+    assert [(e.how, e.simulated) for e in chosen] == [("probe_passed", True)]
+
+
+def test_the_logical_cpu_mode_names_no_gpu() -> None:
+    tf = machine(0, tensorflow="2.21.0", tf_cuda=None, torch=None)
+    sel = simulate(tf, {"nccl": "ok"}, framework="tensorflow", logical_cpus=2, global_batch_size=8)
+    assert sel.candidate.logical_cpus and sel.devices == (0,)
+    on_devices = [c for c in sel.to_dict()["candidates"] if c["devices"]]
+    assert len(on_devices) == 4 and all(c["logical_cpus"] for c in on_devices)

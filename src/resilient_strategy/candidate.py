@@ -46,6 +46,8 @@ class Candidate:
             "gloo": "gloo", "single_device": "one GPU", "cpu": "CPU",
         }
         text = names[self.backend]
+        if self.backend == "single_device" and self.logical_cpus:
+            text = "one device"
         if self.backend == "nccl" and self.framework == "tensorflow":
             text = "MirroredStrategy + NCCL"
         if self.devices and self.backend != "cpu":
@@ -64,4 +66,5 @@ class Candidate:
             "num_replicas": self.num_replicas, "accumulation_steps": self.accumulation_steps,
             "per_replica_batch_size": self.per_replica_batch_size,
             "global_batch_size": self.global_batch_size, "origin": self.origin,
+            "logical_cpus": self.logical_cpus,
         }
