@@ -116,7 +116,7 @@ def test_launch_is_the_launchers_view_and_the_planner_splits_over_torch_processe
                      sample_seconds=None, max_per_replica_batch=None, rules=(), disable_rules=(),
                      cache=False, cache_dir=None, cache_ttl=None, precision="auto",
                      logical_cpus=0)
-    assert (o.world_size, o.launch.world_size, o.launch.rank) == (1, 2, 1)
+    assert (o.processes, o.world_size, o.launch.world_size, o.launch.rank) == (1, 2, 2, 1)
 
 
 def test_the_torch_runtime_names_the_bad_value() -> None:
