@@ -128,3 +128,14 @@ def test_the_torch_runtime_names_the_bad_value() -> None:
     with pytest.raises(InvalidOptionError) as precision:
         TorchRuntime("cpu", (), 1, 8, 8, timeout_s=60, precision="fp8", **base)
     assert (timeout.value.option, precision.value.option) == ("process_group_timeout", "precision")
+
+
+def test_every_option_of_resilient_strategy_goes_to_options_from_as_is() -> None:
+    import inspect
+
+    from resilient_strategy.executor import resilient_strategy
+
+    public = set(inspect.signature(resilient_strategy).parameters) - {"env", "facts", "_prober",
+                                                                       "_clock"}
+    read = set(inspect.signature(options_from).parameters) - {"facts", "env"}
+    assert public == read

@@ -189,6 +189,10 @@ def _env_to_set(facts: Facts, c: Candidate, opts: Options, env: Mapping[str, str
     return {k: v for k, v in wanted.items() if k not in env}
 
 
+#: Parameters of resilient_strategy() that say what to decide on, not how: not options.
+_NOT_OPTIONS = frozenset({"env", "facts", "_prober", "_clock"})
+
+
 def resilient_strategy(
     framework: str | None = None,
     *,
@@ -238,6 +242,9 @@ def resilient_strategy(
         quiet: True: no progress line per probe on stderr; False: one even when stderr is not a
             terminal; None (default): one when stderr is a terminal (RESILIENT_STRATEGY_QUIET).
     """
+    # Every option, as passed: options_from validates them (a new option is a parameter here
+    # and there, nothing in between). Taken first, while the parameters are the only locals.
+    options = {k: v for k, v in locals().items() if k not in _NOT_OPTIONS}
     t0 = time.perf_counter()
     snapshot = _env.snapshot(env)
     if facts is None:
@@ -245,14 +252,7 @@ def resilient_strategy(
 
         facts = detect_facts(snapshot)
     _check_visibility(facts)
-    opts = options_from(
-        facts, snapshot, framework=framework, global_batch_size=global_batch_size,
-        devices=devices, probe=probe, timeout=timeout, prefer=prefer, dry_run=dry_run,
-        model=model, gradient_bytes=gradient_bytes, sample_seconds=sample_seconds,
-        max_per_replica_batch=max_per_replica_batch, rules=rules, disable_rules=disable_rules,
-        cache=cache, cache_dir=cache_dir, cache_ttl=cache_ttl, precision=precision,
-        logical_cpus=logical_cpus, process_group_timeout=process_group_timeout, quiet=quiet,
-    )
+    opts = options_from(facts, snapshot, **options)
     prober = _prober or _default_prober
     if getattr(prober, "simulated", False):  # outcomes from a description: say so everywhere
         opts = replace(opts, simulated=True)
