@@ -144,7 +144,7 @@ def plan(
     results: Mapping[str, ProbeResult],
     policy: Options,
 ) -> Plan:
-    """Order every way to train on this machine, best first, and say why."""
+    """Order every way to train on this machine, in the order to try them, and say why."""
     b = _Build(simulated=policy.simulated)
     fw = policy.framework
     info = facts.framework(fw)
