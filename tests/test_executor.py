@@ -201,18 +201,11 @@ def test_failed_probes_are_causes_with_their_status() -> None:
 
 def test_a_used_up_round_limit_is_not_called_probing_off() -> None:
     """More probes than the per-decision limit: the choice says the limit was reached."""
-    from resilient_strategy import executor
-
     prober = FakeProber({"*": "timeout"})
-    old = executor.MAX_ROUNDS
-    executor.MAX_ROUNDS = 1
-    try:
-        sel = simulate(H200X2, prober, timeout=1)
-    finally:
-        executor.MAX_ROUNDS = old
-    assert old == MAX_ROUNDS and len(prober.calls) == 1
-    assert [e.how for e in events(sel, Chosen)] == ["rounds_spent"]  # type: ignore[attr-defined]
-    assert not sel.proven
+    o = opts_for(H200X2, {"WORLD_SIZE": "2"}, timeout=1)
+    d = decide(H200X2, o, {}, prober, clock=prober.clock, max_rounds=1)
+    assert len(prober.calls) == 1 and not d.proven and MAX_ROUNDS > 1
+    assert [e.how for e in events(d.plan, Chosen)] == ["rounds_spent"]  # type: ignore[attr-defined]
 
 
 def test_user_variables_are_never_overwritten() -> None:

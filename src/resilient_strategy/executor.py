@@ -94,8 +94,9 @@ def decide(
     clock: Callable[[], float] = time.monotonic,
     progress: ProgressLine | None = None,
     startup_check: bool = False,
+    max_rounds: int = MAX_ROUNDS,
 ) -> Decision:
-    """Plan, probing as needed.
+    """Plan, probing as needed (at most ``max_rounds`` probes).
 
     The probe budget is one deadline for the whole decision; each probe also has its own.
     ``progress`` hears each probe start and end (the one hook for what a user sees meanwhile).
@@ -117,7 +118,7 @@ def decide(
     deadline = clock() + opts.budget_s
     fresh: dict[str, ProbeResult] = {}
     p = plan(facts, opts.rules, results, opts)
-    for _ in range(MAX_ROUNDS):
+    for _ in range(max_rounds):
         if p.next_probe is None or opts.probe == "never" or opts.dry_run or multi_node:
             break
         c = p.next_probe
@@ -153,7 +154,7 @@ def decide(
         how = ("dry_run" if opts.dry_run else "multi_node" if multi_node
                else "probing_off" if opts.probe == "never" else "rounds_spent")
         p = replace(p, chosen=p.next_probe, next_probe=None,
-                    events=(*p.events, Chosen(p.next_probe, how, max_rounds=MAX_ROUNDS)))
+                    events=(*p.events, Chosen(p.next_probe, how, max_rounds=max_rounds)))
     # "from the cache": nothing was probed now, and a cached result shaped this plan
     used = {r.candidate.key for r in p.ranked} | {r.candidate.key for r in p.ruled_out}
     return Decision(p, results, not fresh and bool(cached_keys & used), proven)
