@@ -640,7 +640,7 @@ class _Node:
         return out
 
     # ----- node 0 ------------------------------------------------------------------------------
-    def lead(self, decide: Callable[..., Decided], clock: Callable[[], float]) -> tuple[Decided, dict[str, Any]]:
+    def lead(self, decide: Callable[..., Any], clock: Callable[[], float]) -> tuple[Decided, dict[str, Any]]:
         join = 2 * self.margin_s  # the nodes start together (after torchrun's rendezvous)
         nodes = {0: self.summary}
         for k in self.others():
@@ -658,8 +658,8 @@ class _Node:
             ]
             return combine(spec, reports, self.job)
 
-        decided = decide(self.facts, self.opts, self.env, across, clock, cross_node=True)
-        p, results, _, proven = decided
+        d = decide(self.facts, self.opts, self.env, across, clock, cross_node=True)
+        p, results, proven = d.plan, dict(d.results), bool(d.proven)
         payload = {
             "kind": "decision", "chosen": p.chosen.key if p.chosen else None,
             "results": {k: v.to_dict() for k, v in results.items()}, "proven": proven,
@@ -791,14 +791,15 @@ def trace_lines(job: Job, payload: Mapping[str, Any], p: Plan) -> list[str]:
 
 def agreed_decision(
     facts: Facts, opts: Options, env: Mapping[str, str], prober: Prober,
-    clock: Callable[[], float], decide: Callable[..., Decided],
+    clock: Callable[[], float], decide: Callable[..., Any],
     *, cross_prober: CrossProber = run_cross_probe,
 ) -> Decided:
     """The decision of a multi-node job, the same on every rank of every node (see the module's
     docstring). ``decide``: the executor's, passed in (this module imports no executor)."""
     job = Job.from_env(env)
     if job is None:  # no store named: the nodes cannot talk, each plans from the rules alone
-        return decide(facts, opts, env, prober, clock)
+        d = decide(facts, opts, env, prober, clock)
+        return d.plan, dict(d.results), bool(d.from_cache), bool(d.proven)
     opts = multinode_options(opts, facts)
     from .agreement import Agreement
 
@@ -832,7 +833,7 @@ def agreed_decision(
         log.warning("resilient_strategy: node %d: no backend between the nodes beats node 0 "
                     "alone, so node 0 trains alone (%s); this node's ranks exit 0 at scope() "
                     "/ prepare().", job.node, p.chosen.label)
-    p = replace(p, trace=(*p.trace, *lines))
+    p = _with_notes(p, lines)
     if job.local_world > 1:
         local.publish({"chosen": p.chosen.key if p.chosen else None,
                        "results": {k: v.to_dict() for k, v in results.items()},
@@ -854,7 +855,14 @@ def _follow_local(facts: Facts, opts: Options, agreement: Any, timeout_s: float)
             f"{payload.get('chosen')}: pass the same arguments on every rank")
     extra = payload.get("multinode_trace", [])
     lines = [str(x) for x in extra] if isinstance(extra, list) else []
-    return replace(p, trace=(*p.trace, *lines)), results, bool(payload.get("from_cache")), proven
+    return _with_notes(p, lines), results, bool(payload.get("from_cache")), proven
+
+
+def _with_notes(p: Plan, lines: Sequence[str]) -> Plan:
+    """``p`` with ``lines`` added to its trace (as ``multi_node`` notes)."""
+    from .trace import Note
+
+    return replace(p, events=(*p.events, *(Note("multi_node", line) for line in lines)))
 
 
 def _first_line(exc: BaseException) -> str:
