@@ -15,7 +15,7 @@ from resilient_strategy.errors import (
     InvalidOptionError,
     NoWorkingStrategyError,
 )
-from resilient_strategy.executor import decide, options_from, resilient_strategy
+from resilient_strategy.executor import FAULT_VAR, decide, options_from, resilient_strategy
 from resilient_strategy.rules import rule_from_dict
 from resilient_strategy.testing import FakeProber, machine, simulate
 
@@ -91,6 +91,10 @@ def test_cache_hit_costs_no_probe_and_changed_machine_reprobes(tmp_path: Path) -
     first = FakeProber({"nccl": "timeout"})
     a = simulate(H200X2, first, cache=True, cache_dir=tmp_path, global_batch_size=64)
     assert first.probed == ["nccl", "nccl+NCCL_P2P_DISABLE=1"] and not a.from_cache
+    # a failure seen in one run only is probed again; the remedy's pass is trusted
+    again = FakeProber({"nccl": "timeout"})
+    a2 = simulate(H200X2, again, cache=True, cache_dir=tmp_path, global_batch_size=64)
+    assert again.probed == ["nccl"] and a2.candidate == a.candidate
     second = FakeProber({"nccl": "ok"})  # would answer differently: proves it is not asked
     b = simulate(H200X2, second, cache=True, cache_dir=tmp_path, global_batch_size=64)
     assert second.calls == [] and b.from_cache and b.candidate == a.candidate
@@ -207,6 +211,47 @@ def test_multi_node_plans_nccl_over_every_process_without_probing_or_cache(tmp_p
     assert "Multi-node job: 2 nodes x 2 processes" in sel.explain()
     with pytest.raises(InvalidOptionError, match="LOCAL_WORLD_SIZE=3"):
         simulate(machine(2, env={"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "3"}))
+
+
+def test_a_failure_seen_once_is_probed_again_and_trusted_once_seen_twice(
+    tmp_path: Path,
+) -> None:
+    # eight deciders on two cores: the NCCL probe timed out from load, not from NCCL
+    loaded = FakeProber({"nccl": "timeout"})
+    simulate(H200X2, loaded, cache=True, cache_dir=tmp_path, global_batch_size=64)
+    quiet = FakeProber()
+    sel = simulate(H200X2, quiet, cache=True, cache_dir=tmp_path, global_batch_size=64)
+    assert quiet.probed == ["nccl"] and sel.backend == "nccl" and sel.env == {}
+    assert "torch:nccl:0,1 (timeout) seen in one run only: probing it again" in sel.explain()
+    entries = DecisionCache(tmp_path).entries(H200X2.fingerprint())
+    assert entries["torch:nccl:0,1"].result.ok and entries["torch:nccl:0,1"].seen == 1
+    # a real failure, seen in two runs in a row, is trusted from then on
+    for _ in range(2):
+        simulate(H200X2, {"nccl": "error"}, cache=True, cache_dir=tmp_path, probe="force",
+                 global_batch_size=64)
+    assert DecisionCache(tmp_path).entries(H200X2.fingerprint())["torch:nccl:0,1"].seen == 2
+    trusting = FakeProber()
+    sel = simulate(H200X2, trusting, cache=True, cache_dir=tmp_path, global_batch_size=64)
+    assert trusting.probed == [] and sel.from_cache and sel.backend == "nccl" and sel.env
+    assert "torch:nccl:0,1 (error) trusted: seen in 2 run(s) in a row." in sel.explain()
+
+
+def test_results_under_fault_injection_are_never_cached(tmp_path: Path) -> None:
+    rehearsal = machine(2, nvlink=18, env={"WORLD_SIZE": "2", FAULT_VAR: "exit:1"})
+    prober = FakeProber({"nccl": "error", "nccl+*": "error", "gloo": "error"})
+    sel = simulate(rehearsal, prober, cache=True, cache_dir=tmp_path, global_batch_size=64)
+    assert sel.backend == "single_device" and "neither read nor written" in sel.explain()
+    assert not list(tmp_path.glob("*.json"))
+    assert rehearsal.fingerprint() == H200X2.fingerprint()  # the real run shares the key
+    real = FakeProber()
+    sel = simulate(H200X2, real, cache=True, cache_dir=tmp_path, global_batch_size=64)
+    assert real.probed == ["nccl"] and sel.backend == "nccl" and not sel.from_cache
+
+
+def test_fault_variable_is_the_one_the_workers_read() -> None:
+    from resilient_strategy.probes._common import FAULT_VAR as WORKERS
+
+    assert FAULT_VAR == WORKERS
 
 
 def test_probe_never_still_uses_what_the_cache_knows(tmp_path: Path) -> None:

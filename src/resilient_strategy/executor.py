@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _env
-from .cache import DEFAULT_TTL_S, DecisionCache, default_dir
+from .cache import DEFAULT_TTL_S, CachedResult, DecisionCache, default_dir
 from .errors import (
     FrameworkNotInstalledError,
     InvalidOptionError,
@@ -39,6 +39,8 @@ DEFAULT_TIMEOUT_S = 30.0
 #: Collective timeout of the training process group. Not the probe's 30 s: a rank may rightly
 #: wait minutes for a peer that checkpoints or evaluates; not torch's 10 minutes either.
 DEFAULT_PG_TIMEOUT_S = 300.0
+#: The workers' fault injection (probes/_common.py): its results are never cached.
+FAULT_VAR = "RESILIENT_STRATEGY_PROBE_FAULT"
 MAX_ROUNDS = 32  # probes per decision, at most (the candidate set is far smaller)
 
 
@@ -277,8 +279,17 @@ def decide(
         else None
     fingerprint = facts.fingerprint()
     results: dict[str, ProbeResult] = {}
-    if cache is not None and opts.probe != "force":  # "never" still learns from the cache
-        results.update(_still_valid(cache.load(fingerprint), opts.timeout_s))
+    notes: list[str] = []
+    fault = env.get(FAULT_VAR, "").strip()
+    if cache is not None and fault:  # a rehearsal must never change a later real decision
+        cache = None
+        notes.append(f"Fault injection is on ({FAULT_VAR}={fault}): the cache is neither read "
+                     "nor written.")
+    if cache is not None and opts.probe != "force" and cache.usable():
+        # "never" still learns from the cache, failures seen once included: nothing re-proves
+        trusted, notes_ = _trusted(cache.entries(fingerprint), opts.probe != "never")
+        results.update(_still_valid(trusted, opts.timeout_s))
+        notes += notes_
     cached_keys = set(results)
     deadline = clock() + opts.budget_s
     fresh: dict[str, ProbeResult] = {}
@@ -302,6 +313,8 @@ def decide(
     if cache is not None and fresh:
         cache.store(fingerprint, fresh)
     proven = p.next_probe is None
+    if notes:
+        p = replace(p, trace=(*p.trace, *notes))
     if p.next_probe is not None:  # probing off, or a dry run: the next candidate, unproven
         why = ("dry run: it would be probed first" if opts.dry_run
                else "UNPROVEN: a multi-node job is not probed" if multi_node
@@ -311,6 +324,29 @@ def decide(
     # "from the cache": nothing was probed now, and a cached result shaped this plan
     used = {r.candidate.key for r in p.ranked} | {r.candidate.key for r in p.ruled_out}
     return p, results, not fresh and bool(cached_keys & used), proven
+
+
+def _trusted(
+    entries: Mapping[str, CachedResult], reprove: bool
+) -> tuple[dict[str, ProbeResult], list[str]]:
+    """The cached results to plan with, and a trace line per cached failure saying why it is
+    trusted or probed again. A failure seen in one run only may have been an overloaded machine
+    (a timeout under load): with ``reprove`` it is left out, so its candidate is probed again
+    before anything slower is chosen because of it; seen in two runs in a row, it is trusted."""
+    out: dict[str, ProbeResult] = {}
+    notes: list[str] = []
+    for key, e in sorted(entries.items()):
+        if e.result.ok:
+            out[key] = e.result
+        elif e.seen >= 2 or not reprove:
+            out[key] = e.result
+            notes.append(f"Cached failure of {key} ({e.result.status}) trusted: seen in "
+                         f"{e.seen} run(s) in a row" + ("." if e.seen >= 2 else
+                                                         ", and probing is off."))
+        else:
+            notes.append(f"Cached failure of {key} ({e.result.status}) seen in one run only: "
+                         "probing it again (one failure may be an overloaded machine).")
+    return out, notes
 
 
 def _still_valid(results: Mapping[str, ProbeResult], timeout_s: float) -> dict[str, ProbeResult]:
