@@ -16,6 +16,7 @@ from resilient_strategy.errors import (
     NoWorkingStrategyError,
 )
 from resilient_strategy.executor import FAULT_VAR, decide, options_from, resilient_strategy
+from resilient_strategy.facts import relevant_env
 from resilient_strategy.rules import rule_from_dict
 from resilient_strategy.testing import FakeProber, machine, simulate
 
@@ -187,7 +188,7 @@ def test_agreement_wait_has_a_deadline(tmp_path: Path) -> None:
     ag = Agreement(tmp_path / "agree.json")
     with pytest.raises(AgreementTimeoutError, match="crashed"):
         ag.wait(0.3, poll_s=0.05)
-    ag.publish({"chosen": "x"})
+    ag.publish({"chosen": "x", "results": {}, "from_cache": False, "proven": True})
     assert ag.wait(1.0)["chosen"] == "x"
 
 
@@ -241,8 +242,8 @@ def test_results_under_fault_injection_are_never_cached(tmp_path: Path) -> None:
     prober = FakeProber({"nccl": "error", "nccl+*": "error", "gloo": "error"})
     sel = simulate(rehearsal, prober, cache=True, cache_dir=tmp_path, global_batch_size=64)
     assert sel.backend == "single_device" and "neither read nor written" in sel.explain()
-    assert not list(tmp_path.glob("*.json"))
-    assert rehearsal.fingerprint() == H200X2.fingerprint()  # the real run shares the key
+    assert not DecisionCache(tmp_path).path(rehearsal.fingerprint()).exists()
+    assert relevant_env({FAULT_VAR: "exit:1"}) == ()  # the real run shares the fingerprint
     real = FakeProber()
     sel = simulate(H200X2, real, cache=True, cache_dir=tmp_path, global_batch_size=64)
     assert real.probed == ["nccl"] and sel.backend == "nccl" and not sel.from_cache

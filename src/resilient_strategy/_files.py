@@ -54,6 +54,8 @@ MAX_RULES_BYTES = 4 << 20
 MAX_MACHINE_BYTES = 16 << 20
 MAX_REPORT_BYTES = 1 << 20
 
+NOT_REGULAR = "is not a regular file"
+
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -150,7 +152,7 @@ def read_bytes(path: Path, *, max_bytes: int, owned: bool = True) -> bytes:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise UnsafePathError(where, "is not a regular file", _fix_file(where))
+            raise UnsafePathError(where, NOT_REGULAR, _fix_file(where))
         if owned and sys.platform != "win32":
             if st.st_uid != _euid():
                 raise UnsafePathError(
