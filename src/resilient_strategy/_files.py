@@ -184,12 +184,13 @@ def _fix_file(where: str) -> str:
     return f"Remove {where} (this package did not write it); it is ignored meanwhile."
 
 
-def parse_json(data: bytes | str, what: str, *, max_depth: int = MAX_DEPTH) -> Any:
+def parse_json(data: bytes | str, what: str, *, max_depth: int = MAX_DEPTH,
+               allow_nan: bool = False) -> Any:
     """JSON text (UTF-8 bytes or str) as Python values; FileFormatError for anything that is not
-    JSON, nested deeper than ``max_depth``, or holds NaN/Infinity."""
+    JSON, nested deeper than ``max_depth``, or holds NaN/Infinity (unless ``allow_nan``)."""
     try:
         text = data.decode("utf-8") if isinstance(data, bytes) else data
-        value = json.loads(text, parse_constant=_no_constant)
+        value = json.loads(text, parse_constant=None if allow_nan else _no_constant)
     except RecursionError:
         raise FileFormatError(what, f"nested deeper than {max_depth} levels") from None
     except (ValueError, MemoryError) as exc:  # UnicodeDecodeError, JSONDecodeError too
@@ -247,11 +248,11 @@ def _short(exc: BaseException) -> str:
 # Writing
 # --------------------------------------------------------------------------------------------
 def write_json_atomic(path: Path, value: Any, *, indent: int | None = None,
-                      sort_keys: bool = False) -> None:
+                      sort_keys: bool = False, allow_nan: bool = False) -> None:
     """Write ``value`` as JSON to ``path`` atomically (temp file in the same directory, fsync,
     rename). Raises ValueError/TypeError for what JSON cannot hold (before touching the disk),
     OSError when the write fails; no temporary file is left either way."""
-    text = json.dumps(value, indent=indent, sort_keys=sort_keys, allow_nan=False)
+    text = json.dumps(value, indent=indent, sort_keys=sort_keys, allow_nan=allow_nan)
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)
     try:

@@ -168,25 +168,25 @@ class DecisionCache:
         ``locked``: the caller holds the lock already (flock does not nest across descriptors).
         """
         path = self.path(fingerprint)
+        raw: bytes | None = None
         try:
             _files.check_private_dir(self.directory)
-            raw = _files.read_bytes(path, max_bytes=_files.MAX_CACHE_BYTES)
+            data = _files.read_bytes(path, max_bytes=_files.MAX_CACHE_BYTES)
         except FileNotFoundError:
             return {}
         except UnsafePathError as exc:
             _files.warn_once(f"cache:{exc.path}", f"{exc} Probing instead of trusting it.")
             return {}
         except FileFormatError as exc:  # too large: set aside without reading it
-            raw = None
             problem = exc.problem
         except OSError as exc:
             log.warning("resilient_strategy: cannot read cache %s (%s); probing again", path, exc)
             return {}
         else:
             try:
-                return _parse(raw, fingerprint, str(path))
+                return _parse(data, fingerprint, str(path))
             except ValueError as exc:
-                problem = str(exc)
+                raw, problem = data, str(exc)
         aside = self._set_aside(fingerprint, raw, locked)
         log.warning(
             "resilient_strategy: cache file %s is unreadable (%s); kept as %s, probing again",

@@ -81,11 +81,12 @@ def _parser() -> argparse.ArgumentParser:
 def _load_simulation(path: Path) -> tuple[Facts, dict[str, Any]]:
     """The described machine and the rest of the file; every problem is one clean error that
     names the file and the field."""
+    from . import _files
     from .testing.fakes import FakeProber, machine
 
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+        data = _files.read_json(path, max_bytes=_files.MAX_MACHINE_BYTES, owned=False)
+    except (OSError, ResilientStrategyError) as exc:  # too large, too deep, not JSON, a FIFO
         raise ResilientStrategyError(f"cannot read --simulate file {path}: {exc}") from exc
     if not isinstance(data, dict):
         raise ResilientStrategyError(f"{path}: expected a JSON object")

@@ -18,7 +18,6 @@ import difflib
 import logging
 import operator
 import re
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,13 +25,9 @@ from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
-from .errors import InvalidOptionError, InvalidRuleError
+from . import _files
+from .errors import FileFormatError, InvalidOptionError, InvalidRuleError, UnsafePathError
 from .facts import Facts, Gpu
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 EFFECTS = ("veto", "prefer", "remedy", "set_env", "warn")
 BACKENDS = ("nccl", "hierarchical_copy", "reduction_to_one_device", "gloo", "single_device", "cpu")
@@ -204,9 +199,9 @@ def rule_from_dict(d: Mapping[str, Any], origin: str = "built-in", where: str = 
 def parse_rules(text: str, origin: str) -> tuple[Rule, ...]:
     """The rules of one TOML document (``origin`` names it in errors)."""
     try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise InvalidRuleError("?", f"not valid TOML: {exc}", origin) from exc
+        data = _files.parse_toml(text, origin)
+    except FileFormatError as exc:  # not TOML, or nested too deep
+        raise InvalidRuleError("?", exc.problem, origin) from None
     unknown = sorted(set(data) - {"rule"})
     if unknown:
         raise InvalidRuleError(
@@ -247,9 +242,11 @@ def load_rules(
                 f"rules= takes TOML file paths or Rule values, not {item!r}")
         path = Path(item)
         try:
-            text = path.read_text(encoding="utf-8")
+            text = _files.read_bytes(path, max_bytes=_files.MAX_RULES_BYTES, owned=False).decode()
         except OSError as exc:
             raise InvalidRuleError("?", f"cannot read rules file: {exc}", str(path)) from exc
+        except (UnsafePathError, FileFormatError) as exc:  # a FIFO, a directory, too large
+            raise InvalidRuleError("?", f"cannot read rules file: {exc}", str(path)) from None
         except UnicodeDecodeError as exc:
             raise InvalidRuleError(
                 "?", f"not UTF-8 text (TOML files must be UTF-8): {exc}", str(path)) from exc
