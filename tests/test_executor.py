@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -358,3 +359,35 @@ def test_from_cache_only_when_a_cached_result_shaped_the_plan(tmp_path: Path) ->
     # the same machine, but only GPU 0 asked for: no candidate has a cached result
     one = simulate(H200X2, cache=True, cache_dir=tmp_path, devices=[0])
     assert one.backend == "single_device" and not one.from_cache
+
+
+def test_ranks_agree_privately_when_the_cache_directory_is_open_to_others(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    facts = machine(2, nvlink=18)
+    launch = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": "29500",
+              "TORCHELASTIC_RUN_ID": "t2", "XDG_RUNTIME_DIR": str(tmp_path / "run")}
+    # another user plants a decision for CPU where the agreement used to go, and a cache entry
+    name = Agreement.for_job(launch, facts.fingerprint(), tmp_path / "any").path.name
+    (shared / name).write_text(json.dumps({"chosen": "torch:cpu", "results": {}, "from_cache": True,
+                                           "proven": True, "published_at": 4e9}))
+    bad = {"torch:nccl:0,1": {"at": 4e9, "seen": 9, "result": {
+        "candidate": "torch:nccl:0,1", "status": "error", "cause": "worker_error"}}}
+    DecisionCache(shared).path(facts.fingerprint()).write_text(json.dumps(
+        {"version": 1, "fingerprint": facts.fingerprint(), "results": bad}))
+    if os.geteuid() == 0:
+        for f in shared.iterdir():
+            os.chown(f, 65534, 65534)
+    with caplog.at_level("WARNING", logger="resilient_strategy"):
+        a = resilient_strategy(facts=facts, env={**launch, "RANK": "0", "LOCAL_RANK": "0"},
+                               cache_dir=shared, _prober=FakeProber(), global_batch_size=64)
+        b = resilient_strategy(facts=facts, env={**launch, "RANK": "1", "LOCAL_RANK": "1"},
+                               cache_dir=shared, _prober=FakeProber(), global_batch_size=64)
+    assert a.backend == b.backend == "nccl" and not a.from_cache
+    assert "writable by others" in caplog.text
+    assert sorted(f.name for f in shared.iterdir()) == sorted(
+        [name, f"{facts.fingerprint()}.v1.json"])  # refused, untouched
+    assert list((tmp_path / "run" / "resilient_strategy").iterdir()) == []  # read, then removed
