@@ -292,14 +292,15 @@ def sweep_temp_dirs(
     directory: str | None = None,
     prefixes: tuple[str, ...] = TEMP_PREFIXES,
     *,
-    min_age_s: float = SWEEP_AFTER_S,
+    min_age_s: float | None = None,
     now: float | None = None,
 ) -> list[str]:
     """Remove temporary directories that a killed run of this package left in ``directory``
     (default: the temp dir): only directories (never symlinks) owned by this user, named with a
-    prefix of ours and the pid of a process that no longer exists, unmodified for ``min_age_s``.
-    Returns the removed paths. Never raises."""
+    prefix of ours and the pid of a process that no longer exists, unmodified for ``min_age_s``
+    (default :data:`SWEEP_AFTER_S`). Returns the removed paths. Never raises."""
     directory = directory or tempfile.gettempdir()
+    min_age_s = SWEEP_AFTER_S if min_age_s is None else min_age_s
     now = time.time() if now is None else now
     removed: list[str] = []
     try:
