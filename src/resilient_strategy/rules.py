@@ -28,10 +28,9 @@ from packaging.version import InvalidVersion, Version
 from . import _files
 from .errors import FileFormatError, InvalidOptionError, InvalidRuleError, UnsafePathError
 from .facts import Facts, Gpu
+from .vocab import BACKENDS, FRAMEWORKS
 
 EFFECTS = ("veto", "prefer", "remedy", "set_env", "warn")
-BACKENDS = ("nccl", "hierarchical_copy", "reduction_to_one_device", "gloo", "single_device", "cpu")
-FRAMEWORKS = ("torch", "tensorflow")
 _OPS = ("<=", ">=", "==", "!=", "<", ">", "matches", "contains", "in")
 _CLAUSE = re.compile(
     r"^\s*(?P<neg>not\s+)?(?P<fact>[a-z_]+\.[A-Za-z0-9_]+|framework)"
