@@ -31,30 +31,30 @@ import stat
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ._bounded import (
+    MAX_DEPTH,
+    MAX_MACHINE_BYTES,
+    MAX_RULES_BYTES,
+    NOT_REGULAR,
+    check_depth,
+    parse_json,
+    parse_toml,
+    read_user_file,
+)
 from .errors import FileFormatError, UnsafePathError
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+__all__ = ["MAX_DEPTH", "MAX_MACHINE_BYTES", "MAX_RULES_BYTES", "NOT_REGULAR", "check_depth",
+           "parse_json", "parse_toml", "read_user_file"]  # re-exported from ._bounded
 
 log = logging.getLogger("resilient_strategy")
 
-#: Deepest nesting of arrays/objects (tables) any file of this package may hold. What this package
-#: writes nests at most 4 deep; 64 leaves room for every honest file.
-MAX_DEPTH = 64
 #: Byte limits per kind of file: far above what an honest file holds, far below a memory problem.
 MAX_CACHE_BYTES = 8 << 20
 MAX_AGREEMENT_BYTES = 8 << 20
-MAX_RULES_BYTES = 4 << 20
-MAX_MACHINE_BYTES = 16 << 20
 MAX_REPORT_BYTES = 1 << 20
-
-NOT_REGULAR = "is not a regular file"
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
@@ -141,19 +141,21 @@ def read_bytes(path: Path, *, max_bytes: int, owned: bool = True) -> bytes:
     Raises FileNotFoundError (an OSError) when absent, FileFormatError when larger than
     ``max_bytes``, OSError when unreadable.
     """
+    if not owned:
+        return read_user_file(path, max_bytes)
     where = str(path)
-    flags = os.O_RDONLY | _CLOEXEC | _NONBLOCK | (_NOFOLLOW if owned else 0)
+    flags = os.O_RDONLY | _CLOEXEC | _NONBLOCK | _NOFOLLOW
     try:
         fd = os.open(path, flags)
     except OSError as exc:
-        if owned and exc.errno in (errno.ELOOP, errno.EMLINK) and os.path.islink(path):
+        if exc.errno in (errno.ELOOP, errno.EMLINK) and os.path.islink(path):
             raise UnsafePathError(where, "is a symbolic link", _fix_file(where)) from None
         raise
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise UnsafePathError(where, NOT_REGULAR, _fix_file(where))
-        if owned and sys.platform != "win32":
+        if sys.platform != "win32":
             if st.st_uid != _euid():
                 raise UnsafePathError(
                     where, f"is owned by uid {st.st_uid}, not by this user (uid {_euid()})",
@@ -184,64 +186,11 @@ def _fix_file(where: str) -> str:
     return f"Remove {where} (this package did not write it); it is ignored meanwhile."
 
 
-def parse_json(data: bytes | str, what: str, *, max_depth: int = MAX_DEPTH,
-               allow_nan: bool = False) -> Any:
-    """JSON text (UTF-8 bytes or str) as Python values; FileFormatError for anything that is not
-    JSON, nested deeper than ``max_depth``, or holds NaN/Infinity (unless ``allow_nan``)."""
-    try:
-        text = data.decode("utf-8") if isinstance(data, bytes) else data
-        value = json.loads(text, parse_constant=None if allow_nan else _no_constant)
-    except RecursionError:
-        raise FileFormatError(what, f"nested deeper than {max_depth} levels") from None
-    except (ValueError, MemoryError) as exc:  # UnicodeDecodeError, JSONDecodeError too
-        raise FileFormatError(what, f"not valid JSON: {_short(exc)}") from None
-    check_depth(value, what, max_depth)
-    return value
-
-
-def parse_toml(text: str, what: str, *, max_depth: int = MAX_DEPTH) -> dict[str, Any]:
-    """A TOML document as a dict; FileFormatError when it is not TOML or nests too deep."""
-    try:
-        value = tomllib.loads(text)
-    except RecursionError:
-        raise FileFormatError(what, f"nested deeper than {max_depth} levels") from None
-    except (tomllib.TOMLDecodeError, ValueError, MemoryError) as exc:
-        raise FileFormatError(what, f"not valid TOML: {_short(exc)}") from None
-    check_depth(value, what, max_depth)
-    return value
-
-
 def read_json(path: Path, *, max_bytes: int, owned: bool = True,
               max_depth: int = MAX_DEPTH) -> Any:
     """:func:`read_bytes` then :func:`parse_json`."""
     return parse_json(read_bytes(path, max_bytes=max_bytes, owned=owned), str(path),
                       max_depth=max_depth)
-
-
-def check_depth(value: Any, what: str, max_depth: int = MAX_DEPTH) -> None:
-    """FileFormatError when lists/dicts in ``value`` nest deeper than ``max_depth`` (iterative:
-    no recursion however deep the value)."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children: Iterable[Any]
-        if isinstance(item, dict):
-            children = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
-        if depth > max_depth:
-            raise FileFormatError(what, f"nested deeper than {max_depth} levels")
-        stack.extend((c, depth + 1) for c in children)
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _short(exc: BaseException) -> str:
-    return str(exc)[:200] or type(exc).__name__
 
 
 # --------------------------------------------------------------------------------------------

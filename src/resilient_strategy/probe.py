@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
-from ._files import parse_json
+from ._bounded import parse_json
 from ._outcome import WorkerOutcome
 from .errors import FileFormatError
 

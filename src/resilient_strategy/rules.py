@@ -25,7 +25,7 @@ from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
-from . import _files
+from . import _bounded
 from .errors import FileFormatError, InvalidOptionError, InvalidRuleError, UnsafePathError
 from .facts import Facts, Gpu
 from .vocab import BACKENDS, FRAMEWORKS
@@ -198,7 +198,7 @@ def rule_from_dict(d: Mapping[str, Any], origin: str = "built-in", where: str = 
 def parse_rules(text: str, origin: str) -> tuple[Rule, ...]:
     """The rules of one TOML document (``origin`` names it in errors)."""
     try:
-        data = _files.parse_toml(text, origin)
+        data = _bounded.parse_toml(text, origin)
     except FileFormatError as exc:  # not TOML, or nested too deep
         raise InvalidRuleError("?", exc.problem, origin) from None
     unknown = sorted(set(data) - {"rule"})
@@ -241,7 +241,7 @@ def load_rules(
                 f"rules= takes TOML file paths or Rule values, not {item!r}")
         path = Path(item)
         try:
-            text = _files.read_bytes(path, max_bytes=_files.MAX_RULES_BYTES, owned=False).decode()
+            text = _bounded.read_user_file(path, _bounded.MAX_RULES_BYTES).decode()
         except OSError as exc:
             raise InvalidRuleError("?", f"cannot read rules file: {exc}", str(path)) from exc
         except (UnsafePathError, FileFormatError) as exc:  # a FIFO, a directory, too large
