@@ -16,8 +16,11 @@ ROOT = Path(__file__).parents[1]
 
 
 def _run(argv: list[str], tmp_path: Path) -> str:
+    """Run an example on CPU: on a GPU machine too, CUDA_VISIBLE_DEVICES="" hides the GPUs (these
+    tests check the CPU paths; an empty value hides GPUs on purpose, see visible.py)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1",
-           "RESILIENT_STRATEGY_CACHE_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
+           "RESILIENT_STRATEGY_CACHE_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2",
+           "CUDA_VISIBLE_DEVICES": ""}
     out = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout

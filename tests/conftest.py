@@ -1,0 +1,24 @@
+"""Markers that need a framework skip cleanly where it is not installed (a GPU workstation with
+torch only, a TensorFlow-only box): ``@pytest.mark.torch`` / ``@pytest.mark.tensorflow``.
+Installed means importable: ``importlib.util.find_spec`` finds it (it imports nothing)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+_NEEDS = {"torch": "torch", "tensorflow": "tensorflow"}
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for marker, module in _NEEDS.items():
+        if item.get_closest_marker(marker) is not None and not _installed(module):
+            pytest.skip(f"{module} is not installed")
