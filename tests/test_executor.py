@@ -239,12 +239,13 @@ def test_a_failure_seen_once_is_probed_again_and_trusted_once_seen_twice(
 
 
 def test_results_under_fault_injection_are_never_cached(tmp_path: Path) -> None:
-    rehearsal = machine(2, nvlink=18, env={"WORLD_SIZE": "2", FAULT_VAR: "exit:1"})
+    # the same machine (the fault variable is not part of the fingerprint), rehearsing a failure
+    assert relevant_env({FAULT_VAR: "exit:1"}) == ()
     prober = FakeProber({"nccl": "error", "nccl+*": "error", "gloo": "error"})
-    sel = simulate(rehearsal, prober, cache=True, cache_dir=tmp_path, global_batch_size=64)
+    sel = simulate(H200X2, prober, cache=True, cache_dir=tmp_path, global_batch_size=64,
+                   env={**H200X2.env_map, FAULT_VAR: "exit:1"})
     assert sel.backend == "single_device" and "neither read nor written" in sel.explain()
-    assert not DecisionCache(tmp_path).path(rehearsal.fingerprint()).exists()
-    assert relevant_env({FAULT_VAR: "exit:1"}) == ()  # the real run shares the fingerprint
+    assert not DecisionCache(tmp_path).path(H200X2.fingerprint()).exists()
     real = FakeProber()
     sel = simulate(H200X2, real, cache=True, cache_dir=tmp_path, global_batch_size=64)
     assert real.probed == ["nccl"] and sel.backend == "nccl" and not sel.from_cache
