@@ -6,11 +6,12 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from _fake_nvml import a100_mig, a6000x4, h200x2, no_driver, rtx5090x2
 
-from resilient_strategy import guard
+from resilient_strategy import guard, versions
 from resilient_strategy.facts import Facts, Link
 from resilient_strategy.inspect import detect_facts
 
@@ -86,6 +87,9 @@ def test_imported_at_comes_from_the_import_watch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(guard._sites, "keras", "train.py:3")
+    # keras looks installed whatever this machine has (a GPU box may have torch only)
+    monkeypatch.setattr(versions, "_distribution",
+                        lambda fw: (SimpleNamespace(version="1.0", requires=[]), fw))
     f = detect_facts({}, nvml=no_driver(), root=str(tmp_path), modules={"keras": object()})
     assert f.framework("keras").imported_at == "train.py:3"
     assert f.framework("torch").imported_at is None
