@@ -243,9 +243,9 @@ def load_rules(
         try:
             text = _bounded.read_user_file(path, _bounded.MAX_RULES_BYTES).decode()
         except OSError as exc:
-            raise InvalidRuleError("?", f"cannot read rules file: {exc}", str(path)) from exc
+            raise InvalidRuleError("?", f"cannot read it: {exc}", str(path)) from exc
         except (UnsafePathError, FileFormatError) as exc:  # a FIFO, a directory, too large
-            raise InvalidRuleError("?", f"cannot read rules file: {exc}", str(path)) from None
+            raise InvalidRuleError("?", f"cannot read it: {exc}", str(path)) from None
         except UnicodeDecodeError as exc:
             raise InvalidRuleError(
                 "?", f"not UTF-8 text (TOML files must be UTF-8): {exc}", str(path)) from exc
