@@ -197,10 +197,13 @@ def read_json(path: Path, *, max_bytes: int, owned: bool = True,
 # Writing
 # --------------------------------------------------------------------------------------------
 def write_json_atomic(path: Path, value: Any, *, indent: int | None = None,
-                      sort_keys: bool = False, allow_nan: bool = False) -> None:
+                      sort_keys: bool = False, allow_nan: bool = False,
+                      durable: bool = True) -> None:
     """Write ``value`` as JSON to ``path`` atomically (temp file in the same directory, fsync,
     rename). Raises ValueError/TypeError for what JSON cannot hold (before touching the disk),
-    OSError when the write fails; no temporary file is left either way."""
+    OSError when the write fails; no temporary file is left either way. ``durable=False`` skips
+    the fsync: still atomic for every reader, only not kept through a power loss (for files that
+    matter only while this job runs: the agreement, probe reports)."""
     text = json.dumps(value, indent=indent, sort_keys=sort_keys, allow_nan=allow_nan)
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)
@@ -208,7 +211,8 @@ def write_json_atomic(path: Path, value: Any, *, indent: int | None = None,
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
             fh.flush()
-            os.fsync(fh.fileno())
+            if durable:
+                os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -59,8 +59,8 @@ class AgreementTimeoutError(ResilientStrategyError):
 @dataclass(frozen=True)
 class Agreement:
     path: Path
-    #: This rank's local rank, and how many local ranks read the decision (LOCAL_WORLD_SIZE - 1;
-    #: None when unknown: the file is then left to the pruning by age).
+    #: This rank's local rank, and how many local ranks read the decision (LOCAL_WORLD_SIZE - 1,
+    #: else WORLD_SIZE - 1; None when unknown: the file is then left to the pruning by age).
     local_rank: int = 0
     readers: int | None = None
 
@@ -96,7 +96,8 @@ class Agreement:
                     f"cannot share the decision between local ranks through {directory} ({exc}); "
                     f"using {where} instead",
                 )
-        local = _int(env.get("LOCAL_WORLD_SIZE"))
+        # torchrun sets LOCAL_WORLD_SIZE; without it the planner takes the job for one node
+        local = _int(env.get("LOCAL_WORLD_SIZE")) or _int(env.get("WORLD_SIZE"))
         return cls(where / name, local_rank=_int(env.get("LOCAL_RANK")) or 0,
                    readers=None if local is None else max(0, local - 1))
 
@@ -110,7 +111,7 @@ class Agreement:
         try:
             for mark in self._marks():  # left by an earlier attempt of the same name
                 mark.unlink()
-            _files.write_json_atomic(self.path, {**payload, "published_at": now})
+            _files.write_json_atomic(self.path, {**payload, "published_at": now}, durable=False)
         except (OSError, ValueError, TypeError) as exc:
             raise ResilientStrategyError(
                 f"cannot publish the decision for the other ranks at {self.path}: {exc}. "

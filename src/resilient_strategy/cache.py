@@ -185,6 +185,8 @@ class DecisionCache:
         else:
             try:
                 return _parse(data, fingerprint, str(path))
+            except FileFormatError as exc:  # the message names the path already
+                raw, problem = data, exc.problem
             except ValueError as exc:
                 raw, problem = data, str(exc)
         aside = self._set_aside(fingerprint, raw, locked)

@@ -70,7 +70,7 @@ def write_report(path: str, report: Mapping[str, Any]) -> None:
     """Write the report atomically: a reader sees the old file, no file, or the whole new one."""
     from .._files import write_json_atomic
 
-    write_json_atomic(Path(path), report, allow_nan=True)
+    write_json_atomic(Path(path), report, allow_nan=True, durable=False)
 
 
 def run_worker(path: str, body: Callable[[dict[str, Any]], None]) -> NoReturn:
