@@ -11,6 +11,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
+from .._files import write_json_atomic
+
 FAULT_VAR = "RESILIENT_STRATEGY_PROBE_FAULT"
 FAULTS = ("hang", "exit", "wrong")
 
@@ -68,8 +70,6 @@ def error_text(exc: BaseException, frames: int = 6) -> str:
 
 def write_report(path: str, report: Mapping[str, Any]) -> None:
     """Write the report atomically: a reader sees the old file, no file, or the whole new one."""
-    from .._files import write_json_atomic
-
     write_json_atomic(Path(path), report, allow_nan=True, durable=False)
 
 
