@@ -276,3 +276,18 @@ def test_one_local_rank_writes_nothing(tmp_path: Path) -> None:
                            tmp_path, ppid=1)
     ag.publish(PAYLOAD)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write into a read-only directory; the "
+                    "same fallback runs for a path that cannot be created, just above")
+def test_a_read_only_cache_directory_falls_back_to_a_private_one(tmp_path: Path) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        env = {**TORCHRUN2, "XDG_RUNTIME_DIR": str(tmp_path / "run")}
+        ag = Agreement.for_job(env, "fp", ro / "cache", ppid=1)
+        assert ag.path.parent == tmp_path / "run" / "resilient_strategy"
+        ag.publish(PAYLOAD)
+    finally:
+        ro.chmod(0o700)
