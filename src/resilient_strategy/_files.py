@@ -127,7 +127,7 @@ _OTHER_DIR = "point RESILIENT_STRATEGY_CACHE_DIR (or cache_dir=) at a directory 
 
 
 def _fix_dir(where: str) -> str:
-    return f"Remove {where} (it is not yours), or {_OTHER_DIR}."
+    return f"Remove or rename {where}, or {_OTHER_DIR}."
 
 
 # --------------------------------------------------------------------------------------------
