@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -11,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 from _fake_nvml import a100_mig, a6000x4, h200x2, no_driver, rtx5090x2
 
-from resilient_strategy import guard, versions
+from resilient_strategy import guard
 from resilient_strategy.facts import Facts, Link
 from resilient_strategy.inspect import detect_facts
 
@@ -83,14 +84,27 @@ def test_env_argument_wins_over_os_environ(
     assert facts({}, h200x2(), tmp_path).visibility.physical == (0, 1)
 
 
-def test_imported_at_comes_from_the_import_watch(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setitem(guard._sites, "keras", "train.py:3")
-    # keras looks installed whatever this machine has (a GPU box may have torch only)
-    monkeypatch.setattr(versions, "_distribution",
-                        lambda fw: (SimpleNamespace(version="1.0", requires=[]), fw))
-    f = detect_facts({}, nvml=no_driver(), root=str(tmp_path), modules={"keras": object()})
+class _KerasOnly:
+    """A metadata source with keras installed, whatever this machine has (a GPU box may have
+    torch only)."""
+
+    def distribution(self, name: str) -> object:
+        if name == "keras":
+            return SimpleNamespace(version="3.0.0", requires=[])
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    def version(self, name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    def package_dir(self, name: str) -> str | None:
+        return None
+
+
+def test_imported_at_comes_from_the_import_watch(tmp_path: Path) -> None:
+    watch = guard.ImportWatch()
+    watch.record("keras", "train.py:3")
+    f = detect_facts({}, nvml=no_driver(), root=str(tmp_path), modules={"keras": object()},
+                     imports=watch, packages=_KerasOnly())
     assert f.framework("keras").imported_at == "train.py:3"
     assert f.framework("torch").imported_at is None
 
@@ -118,6 +132,7 @@ def test_unreadable_values_reach_the_facts_and_the_trace(tmp_path: Path) -> None
     from dataclasses import replace
 
     from resilient_strategy.testing import machine, simulate
+    from resilient_strategy.trace import Note
 
     nv = h200x2()
     nv.gpus[1].fail = {"nvmlDeviceGetCudaComputeCapability"}
@@ -128,4 +143,5 @@ def test_unreadable_values_reach_the_facts_and_the_trace(tmp_path: Path) -> None
     cuda_torch = replace(f, frameworks=machine().frameworks)  # this machine's torch is CPU-only
     sel = simulate(cuda_torch, {"nccl": "ok"}, framework="torch")
     assert sel.backend == "nccl"  # no compute-capability rule fired on the unknown value
-    assert "NVML could not read some facts" in sel.explain()
+    notes = [e.topic for e in sel.plan.events if isinstance(e, Note)]
+    assert "nvml_unread" in notes
