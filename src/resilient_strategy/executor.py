@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _env
-from .cache import DecisionCache
+from .cache import CachedResult, DecisionCache
 from .errors import (
     FailureCause,
     InvalidVisibleDevicesError,
@@ -46,11 +46,13 @@ from .plan import Candidate, Plan, RuledOut, plan
 from .probe import ERROR, TIMEOUT, ProbeResult, ProbeSpec
 from .rules import Rule
 from .selection import Selection
-from .trace import Chosen, FrameworkPicked
+from .trace import CachedFailure, Chosen, Event, FrameworkPicked, Note
 
 log = logging.getLogger("resilient_strategy")
 
 Prober = Callable[[ProbeSpec, Mapping[str, str]], ProbeResult]
+#: The workers' fault injection (probes/_common.py): its results are never cached.
+FAULT_VAR = "RESILIENT_STRATEGY_PROBE_FAULT"
 MAX_ROUNDS = 32  # probes per decision, at most (the candidate set is far smaller)
 
 
@@ -110,8 +112,17 @@ def decide(
         else None
     fingerprint = facts.fingerprint()
     results: dict[str, ProbeResult] = {}
-    if cache is not None and opts.probe != "force":  # "never" still learns from the cache
-        results.update(_still_valid(cache.load(fingerprint), opts.timeout_s))
+    notes: list[Event] = []
+    fault = env.get(FAULT_VAR, "").strip()
+    if cache is not None and fault:  # a rehearsal must never change a later real decision
+        cache = None
+        notes.append(Note("fault_injection", f"Fault injection is on ({FAULT_VAR}={fault}): the "
+                          "cache is neither read nor written."))
+    if cache is not None and opts.probe != "force" and cache.usable():
+        # "never" still learns from the cache, failures seen once included: nothing re-proves
+        trusted, notes_ = _trusted(cache.entries(fingerprint), opts.probe != "never")
+        results.update(_still_valid(trusted, opts.timeout_s))
+        notes += notes_
     cached_keys = set(results)
     startup = startup_floor(opts.framework, results)
     warned = False
@@ -150,6 +161,8 @@ def decide(
     if cache is not None and fresh:
         cache.store(fingerprint, fresh)
     proven = p.next_probe is None
+    if notes:  # what the cache was trusted with comes before the plan it shaped
+        p = replace(p, events=(*notes, *p.events))
     if p.next_probe is not None:  # probing off, or a dry run: the next candidate, unproven
         how = ("dry_run" if opts.dry_run else "multi_node" if multi_node
                else "probing_off" if opts.probe == "never" else "rounds_spent")
@@ -158,6 +171,26 @@ def decide(
     # "from the cache": nothing was probed now, and a cached result shaped this plan
     used = {r.candidate.key for r in p.ranked} | {r.candidate.key for r in p.ruled_out}
     return Decision(p, results, not fresh and bool(cached_keys & used), proven)
+
+
+def _trusted(
+    entries: Mapping[str, CachedResult], reprove: bool
+) -> tuple[dict[str, ProbeResult], list[Event]]:
+    """The cached results to plan with, and an event per cached failure saying whether it is
+    trusted or probed again. A failure seen in one run only may have been an overloaded machine
+    (a timeout under load): with ``reprove`` it is left out, so its candidate is probed again
+    before anything slower is chosen because of it; seen in two runs in a row, it is trusted."""
+    out: dict[str, ProbeResult] = {}
+    events: list[Event] = []
+    for key, e in sorted(entries.items()):
+        if e.result.ok:
+            out[key] = e.result
+            continue
+        trusted = e.seen >= 2 or not reprove
+        if trusted:
+            out[key] = e.result
+        events.append(CachedFailure(key, e.result.status, e.seen, trusted))
+    return out, events
 
 
 def _still_valid(results: Mapping[str, ProbeResult], timeout_s: float) -> dict[str, ProbeResult]:
