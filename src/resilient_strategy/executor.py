@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _env
 from .cache import DEFAULT_TTL_S, DecisionCache, default_dir
@@ -30,6 +30,9 @@ from .plan import Candidate, Plan, Policy, human_bytes, human_duration, plan
 from .probe import ERROR, TIMEOUT, ProbeResult, ProbeSpec
 from .rules import Rule, load_rules
 from .selection import Launch, Selection
+
+if TYPE_CHECKING:
+    from .handoff import Decision, TrainingReporter
 
 log = logging.getLogger("resilient_strategy")
 
@@ -265,10 +268,12 @@ def decide(
     env: Mapping[str, str],
     prober: Prober,
     clock: Callable[[], float] = time.monotonic,
+    known: Mapping[str, ProbeResult] | None = None,
 ) -> tuple[Plan, dict[str, ProbeResult], bool, bool]:
     """Plan, probing as needed. Returns (plan, results, from_cache, proven).
 
     The probe budget is one deadline for the whole decision; each probe also has its own.
+    ``known``: results that override the cache's (a supervisor's mid-run failures).
     """
     multi_node = opts.policy.framework == "torch" and opts.policy.nodes > 1
     # Multi-node: every node must reach the same choice on its own, so neither a node's probes
@@ -280,6 +285,7 @@ def decide(
     if cache is not None and opts.probe != "force":  # "never" still learns from the cache
         results.update(_still_valid(cache.load(fingerprint), opts.timeout_s))
     cached_keys = set(results)
+    results.update(known or {})
     deadline = clock() + opts.budget_s
     fresh: dict[str, ProbeResult] = {}
     p = plan(facts, opts.rules, results, opts.policy)
@@ -405,8 +411,14 @@ def resilient_strategy(
         logical_cpus=logical_cpus, process_group_timeout=process_group_timeout,
     )
     prober = _prober or _default_prober
-    p, results, from_cache, proven = _agreed_decision(
-        facts, opts, snapshot, prober, _clock or time.monotonic)
+    from .handoff import load_decision
+
+    handed = None if opts.dry_run else load_decision(snapshot)
+    if handed is not None:  # a worker of `resilient-strategy run`: the decision is made
+        p, results, from_cache, proven = _handed_decision(facts, opts, handed)
+    else:
+        p, results, from_cache, proven = _agreed_decision(
+            facts, opts, snapshot, prober, _clock or time.monotonic)
     if p.chosen is None:
         raise NoWorkingStrategyError(
             opts.policy.framework, [f"{r.candidate.label}: {r.reason}" for r in p.ruled_out]
@@ -425,6 +437,7 @@ def resilient_strategy(
         precision=opts.precision, logical_cpus=opts.logical_cpus, dry_run=opts.dry_run,
         decided_in_s=time.perf_counter() - t0,
         advise=_advice(facts, opts, results, chosen),
+        progress=None if handed is None else _reporter(handed, opts, chosen, snapshot),
     )
     for w in p.warnings:
         log.warning("resilient_strategy: %s", w)
@@ -527,3 +540,38 @@ def _agreed_decision(
             "same arguments on every rank. " + json.dumps(payload["chosen"])
         )
     return p, results, bool(payload["from_cache"]), bool(payload["proven"])
+
+
+# --------------------------------------------------------------------------------------------
+# A decision handed down by `resilient-strategy run`
+# --------------------------------------------------------------------------------------------
+def _handed_decision(
+    facts: Facts, opts: Options, handed: Decision,
+) -> tuple[Plan, dict[str, ProbeResult], bool, bool]:
+    """Re-plan from the supervisor's results (milliseconds, no probe) and take its candidate,
+    with this script's own batch and model figures: every rank agrees by construction."""
+    results = dict(handed.results)
+    p = plan(facts, opts.rules, results, opts.policy)
+    found = [c for c in (*p.candidates, *([p.next_probe] if p.next_probe else []))
+             if c.key == handed.chosen]
+    if not found or opts.policy.framework != handed.framework:
+        raise ResilientStrategyError(
+            f"`resilient-strategy run` chose {handed.chosen} ({handed.framework}), which this "
+            f"script's resilient_strategy(framework={opts.policy.framework!r}, ...) cannot "
+            "train on here; pass --framework to `resilient-strategy run` to match the script")
+    chosen = found[0]
+    p = replace(p, chosen=chosen, next_probe=None, trace=(
+        *p.trace, *handed.notes,
+        f"Chose {chosen.label}: decided by `resilient-strategy run` before the workers started "
+        f"(launch attempt {handed.attempt + 1})."))
+    return p, results, handed.from_cache, handed.proven
+
+
+def _reporter(handed: Decision, opts: Options, chosen: Candidate,
+              env: Mapping[str, str]) -> TrainingReporter:
+    from .handoff import reporter_for
+
+    # with several replicas the last micro-step's backward (torch) or the train step (Keras)
+    # reduces gradients across them: reported as a collective
+    return reporter_for(handed, opts.launch.rank, opts.launch.local_rank, chosen.backend,
+                        chosen.num_replicas, env)

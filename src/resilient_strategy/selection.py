@@ -12,11 +12,15 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from .facts import Facts
 from .plan import Candidate, Plan
 from .probe import ProbeResult
+
+if TYPE_CHECKING:
+    from .checkpoint import Checkpointer
+    from .handoff import TrainingReporter
 
 T = TypeVar("T")
 log = logging.getLogger("resilient_strategy")
@@ -80,6 +84,8 @@ class Selection:
     #: Given the model's measured gradient bytes, advice when another candidate would be faster
     #: (None when the model was described up front).
     advise: Callable[[int], str | None] | None = field(default=None, repr=False, compare=False)
+    #: Under `resilient-strategy run`: this rank's progress reports (None otherwise).
+    progress: TrainingReporter | None = field(default=None, repr=False, compare=False)
     _runtime: _Once[Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -253,7 +259,7 @@ class Selection:
         self._leave_if_idle()
         if self.framework == "torch":
             rt = self.runtime
-            rt.init()
+            self._init(rt)
             with rt.scope():
                 yield self
         else:
@@ -311,11 +317,52 @@ class Selection:
             if advice:
                 log.warning("resilient_strategy: %s", advice)
         rt = self.runtime
+        self._init(rt)
+        out = rt.prepare(model, optimizer, loader, **ddp_kwargs)
+        if self.progress is not None and rt.optimizer_steps:
+            self.progress.restored(rt.optimizer_steps)
+        return out
+
+    def _init(self, rt: Any) -> None:
+        """Join the process group (a collective: reported as one under the supervisor)."""
+        if self.progress is None:
+            rt.init()
+            return
+        self.progress.collective_begin()
         rt.init()
-        return rt.prepare(model, optimizer, loader, **ddp_kwargs)
+        self.progress.outside()
+
+    def checkpoint(self, directory: str | Any, *, every_steps: int | None = None,
+                   every_seconds: float | None = None) -> Checkpointer:
+        """PyTorch: checkpoint to ``directory`` every ``every_steps`` optimizer steps and/or
+        ``every_seconds`` seconds (default every 100 steps; rank 0 writes, atomically), and
+        resume from it at :meth:`prepare` (even with another number of replicas). Call it
+        before :meth:`prepare`; start the epoch loop at ``ckpt.epoch`` and call
+        :meth:`set_epoch` each epoch. See :mod:`resilient_strategy.checkpoint`."""
+        if self.framework != "torch":
+            raise AttributeError("checkpoint() is PyTorch's; TensorFlow uses "
+                                 "callbacks(backup_dir=...) (Keras BackupAndRestore)")
+        from .checkpoint import Checkpointer
+
+        rt = self.runtime
+        ckpt = Checkpointer(directory, every_steps=every_steps, every_seconds=every_seconds,
+                            rank=rt.rank, world_size=rt.world_size)
+        rt.use_checkpointer(ckpt)
+        return ckpt
+
+    @property
+    def optimizer_steps(self) -> int:
+        """PyTorch: optimizer steps taken (across relaunches when a checkpoint was restored)."""
+        return int(self.runtime.optimizer_steps)
 
     def backward(self, loss: Any) -> None:
+        rep = self.progress
+        if rep is None:
+            self.runtime.backward(loss)
+            return
+        rep.backward_begin(self.runtime.is_last_micro_step)
         self.runtime.backward(loss)
+        rep.backward_end()
 
     @property
     def is_last_micro_step(self) -> bool:
@@ -334,9 +381,14 @@ class Selection:
         return self.runtime.clip_grad_norm(model, max_norm, optimizer, norm_type=norm_type)
 
     def step(self, optimizer: Any) -> bool:
-        return bool(self.runtime.step(optimizer))
+        stepped = bool(self.runtime.step(optimizer))
+        if self.progress is not None:
+            self.progress.stepped(stepped)
+        return stepped
 
     def accumulate(self, model: Any) -> Any:
+        if self.progress is not None:
+            self.progress.compute()
         return self.runtime.accumulate(model)
 
     def autocast(self) -> Any:
