@@ -8,7 +8,8 @@ pays well under a microsecond per report.
 
 The watcher (:class:`StallWatch`) reads every rank's file, notes when anything last changed (by
 its own clock, so no clock is shared), and declares a stall when nothing changed for the stall
-timeout. :func:`classify_stall` is pure: all ranks waiting in one collective at the same step is
+timeout while some rank waits in a collective (ranks that are all in their own code, loading
+data or evaluating, wait on nobody: that is never a stall). :func:`classify_stall` is pure: all ranks waiting in one collective at the same step is
 a backend fault; ranks doing different things (one in user code while the others wait in a
 collective) diverged, which is the application's problem.
 
@@ -194,6 +195,8 @@ class StallWatch:
             return None
         if any(r is not None and r.phase == DONE for r in records.values()):
             return None  # finishing: the exit is the agent's to see
+        if not any(r is not None and r.phase == COLLECTIVE for r in records.values()):
+            return None  # nobody waits on a peer: slow user code (loading, evaluation) is fine
         waited = now - self._changed_at
         timeout = self.current_timeout()
         if waited < timeout:

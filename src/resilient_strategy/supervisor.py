@@ -47,7 +47,6 @@ from .probe import ERROR, ProbeResult
 from .progress import (
     COLLECTIVE,
     COMPUTE,
-    PHASES,
     Record,
     Stall,
     StallWatch,
@@ -451,29 +450,27 @@ def _launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
         if not had_omp:
             os.environ.pop("OMP_NUM_THREADS", None)
     stall: Stall | None = agent.stall
+    if stall is not None and any(error_path(run_dir, lr).exists() for lr in range(nproc)):
+        stall = None  # a rank raised and had not exited yet: its error is the story, not a stall
     exits: list[RankExit] = []
-    if stall is None and result.is_failed():
-        for failure in result.failures.values():
+    if stall is None:
+        for failure in (result.failures.values() if result.is_failed() else ()):
             lr = failure.local_rank
             exits.append(RankExit(
                 rank=lr, exitcode=failure.exitcode, error=_read_json(error_path(run_dir, lr)),
                 record=read_record(progress_path(run_dir, lr)),
                 stderr_tail=_stderr_tail(run_dir / "logs", lr)))
-        # ranks that failed but were stopped before the agent saw them still left records
+        # ranks that raised but were stopped before the agent saw them exit left records too
         seen = {e.rank for e in exits}
         for lr in range(nproc):
             err = _read_json(error_path(run_dir, lr))
             if lr not in seen and err is not None:
                 exits.append(RankExit(rank=lr, exitcode=1, error=err,
-                                      record=read_record(progress_path(run_dir, lr))))
-    elif stall is None and not result.is_failed() and not _finished(run_dir, nproc):
-        log.info("resilient-strategy run: the workers exited 0 without reporting the end")
+                                      record=read_record(progress_path(run_dir, lr)),
+                                      stderr_tail=_stderr_tail(run_dir / "logs", lr)))
+        if not exits and result.state.name != "SUCCEEDED":
+            return Verdict("crash", f"the workers ended in state {result.state.name}")
     return classify_attempt(stall, exits)
-
-
-def _finished(run_dir: Path, nproc: int) -> bool:
-    return all((r := read_record(progress_path(run_dir, i))) is None or r.phase == PHASES.index(
-        "done") for i in range(nproc))
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
