@@ -288,7 +288,7 @@ _LABELS: dict[str, str] = {}
 
 
 def _options(opts: RunOptions, facts: Any, env: Mapping[str, str]) -> Any:
-    from .executor import options_from
+    from .options import options_from
 
     nproc = opts.nproc if opts.nproc is not None else max(1, len(facts.gpus))
     nnodes = _nnodes(opts)
@@ -332,17 +332,17 @@ def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
         known = dict(DecisionCache(o.cache_dir, o.cache_ttl_s).load(facts.fingerprint())) \
             if o.cache_dir else {}
         known.update(failures)
-        p = make_plan(facts, o.rules, known, o.policy)
+        p = make_plan(facts, o.rules, known, o)
         c = p.chosen or p.next_probe
         if c is None:
-            raise NoWorkingStrategyError(o.policy.framework, [
+            raise NoWorkingStrategyError(o.framework, [
                 f"{r.candidate.label}: {r.reason}" for r in p.ruled_out])
         _LABELS[c.key] = c.label
-        return Decision(o.policy.framework, c.key, known, str(session)), 0
+        return Decision(o.framework, c.key, known, str(session)), 0
     p, results, from_cache, proven = decide(facts, o, plan_env, _prober, time.monotonic,
                                             known=failures)
     if p.chosen is None:
-        raise NoWorkingStrategyError(o.policy.framework, [
+        raise NoWorkingStrategyError(o.framework, [
             f"{r.candidate.label}: {r.reason}" for r in p.ruled_out])
     for r in p.ranked:
         _LABELS[r.candidate.key] = r.candidate.label
@@ -350,11 +350,11 @@ def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
     run_dir.mkdir()
     left = sum(1 for r in p.ranked if r.candidate.key != p.chosen.key)
     decision = Decision(
-        framework=o.policy.framework, chosen=p.chosen.key, results=results, run_dir=str(run_dir),
+        framework=o.framework, chosen=p.chosen.key, results=results, run_dir=str(run_dir),
         attempt=attempt, proven=proven, from_cache=from_cache, notes=notes,
-        global_batch_size=o.policy.global_batch_size)
+        global_batch_size=o.global_batch_size)
     write_decision(run_dir / "decision.json", decision)
-    _PROCS[p.chosen.key] = p.chosen.num_replicas if o.policy.framework == "torch" else 1
+    _PROCS[p.chosen.key] = p.chosen.num_replicas if o.framework == "torch" else 1
     return decision, left
 
 
@@ -372,7 +372,7 @@ def _remember(facts: Any, opts: RunOptions, env: Mapping[str, str],
     from .cache import DecisionCache
 
     o, _ = _options(opts, facts, env)
-    if o.cache_dir is not None and o.policy.nodes == 1:
+    if o.cache_dir is not None and o.nodes == 1:
         DecisionCache(o.cache_dir, o.cache_ttl_s).store(facts.fingerprint(), results)
 
 
