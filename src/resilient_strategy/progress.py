@@ -2,7 +2,7 @@
 
 A rank owns one small file (``rank<N>.progress``, 32 bytes, memory-mapped) and overwrites it in
 place at every phase change: a sequence number, the optimizer step count, the phase and the time
-of the last completed step. Writing is three ``struct.pack_into`` calls into the mapping (a
+of the last completed step. Writing is two ``struct.pack_into`` calls into the mapping (a
 seqlock: an odd sequence number means "being written"), no system call, so the training loop
 pays well under a microsecond per report.
 
@@ -73,19 +73,21 @@ class ProgressWriter:
             os.close(fd)
         self._seq = 0
         self.step = 0
-        self.phase = STARTING
+        self.phase = -1
         self._step_time = 0.0
         self.report(STARTING, 0)
 
     def report(self, phase: int, step: int) -> None:
-        if step != self.step:
+        if step == self.step:
+            if phase == self.phase:
+                return
+        else:
             self._step_time = time.monotonic()
         self.step, self.phase = step, phase
-        seq = self._seq
-        _SEQ.pack_into(self._map, 0, seq + 1)  # odd: being written
-        _FORMAT.pack_into(self._map, 0, seq + 1, step, phase, self._step_time)
-        _SEQ.pack_into(self._map, 0, seq + 2)
-        self._seq = seq + 2
+        seq = self._seq + 1  # odd while being written; the seq field is written first
+        _FORMAT.pack_into(self._map, 0, seq, step, phase, self._step_time)
+        _SEQ.pack_into(self._map, 0, seq + 1)
+        self._seq = seq + 1
 
     def close(self) -> None:
         with contextlib.suppress(ValueError, BufferError):
