@@ -14,11 +14,20 @@ from pathlib import Path
 import pytest
 
 from resilient_strategy.errors import InvalidOptionError
-from resilient_strategy.progress import COLLECTIVE, COMPUTE, OUTSIDE, Record, Stall
+from resilient_strategy.progress import (
+    COLLECTIVE,
+    COLLECTIVE_DONE,
+    STEP_DONE,
+    ProgressWriter,
+    Record,
+    Stall,
+)
 from resilient_strategy.supervisor import (
     RankExit,
+    TrainingWatch,
     classify_attempt,
     classify_error,
+    default_stall_timeout,
     guess_framework,
     options_from_args,
     step_in_progress,
@@ -57,34 +66,83 @@ def test_classify_error(types: list[str], message: str, kind: str) -> None:
     assert classify_error(types, message) == kind
 
 
-def _rec(step: int, phase: int) -> Record:
-    return Record(seq=2, step=step, phase=phase, step_time=1.0)
+def _rec(k: int, phase: str) -> Record:
+    return Record(seq=2, phase=phase, k=k, t=1.0)
+
+
+def _stall(kind: str, k: int) -> Stall:
+    return Stall(kind, COLLECTIVE, k, (1,), 5.0, 3.0, ("0: collective 20", "1: collective 20"))
 
 
 def test_stall_in_one_collective_is_a_backend_fault_else_divergence() -> None:
-    backend = Stall({0: _rec(19, COLLECTIVE), 1: _rec(19, COLLECTIVE)}, 5.0, 3.0, "backend", "")
-    v = classify_attempt(backend, [])
+    v = classify_attempt(_stall("collective", 20), [])
     assert (v.kind, v.retry, v.step, v.cause) == ("backend", True, 20, "timeout")
-    diverged = Stall({0: _rec(5, OUTSIDE), 1: _rec(5, COLLECTIVE)}, 5.0, 3.0, "diverged", "")
-    v = classify_attempt(diverged, [])
+    assert classify_attempt(_stall("setup", 0), []).kind == "backend"
+    v = classify_attempt(_stall("straggler", 6), [])
     assert (v.kind, v.retry) == ("diverged", False)
 
 
 def test_classify_exits() -> None:
-    user = RankExit(0, 1, {"types": ["builtins.ValueError"], "message": "bad"}, _rec(4, COMPUTE))
+    user = RankExit(0, 1, {"types": ["builtins.ValueError"], "message": "bad"}, _rec(4, STEP_DONE))
     peer = RankExit(1, 1, {"types": ["builtins.RuntimeError"], "message": "Connection closed by "
-                                                                          "peer"}, _rec(4, COLLECTIVE))
+                                                                          "peer"}, _rec(5, COLLECTIVE))
     v = classify_attempt(None, [user, peer])
     assert (v.kind, v.retry) == ("user", False)  # the peer's error is a consequence
-    vanished = RankExit(1, 1, None, _rec(19, COLLECTIVE))
+    vanished = RankExit(1, 1, None, _rec(20, COLLECTIVE))
     assert classify_attempt(None, [vanished, peer]).kind == "backend"
-    assert classify_attempt(None, [vanished]).kind == "backend"
-    crashed = RankExit(0, -11, None, _rec(3, COMPUTE))
+    v = classify_attempt(None, [vanished])
+    assert (v.kind, v.step) == ("backend", 20)
+    crashed = RankExit(0, -11, None, _rec(3, COLLECTIVE_DONE))
     assert classify_attempt(None, [crashed]).kind == "crash"
     oom = RankExit(0, 1, {"types": ["torch.OutOfMemoryError"], "message": "x"}, None)
     assert classify_attempt(None, [oom, peer]).kind == "oom"
     assert classify_attempt(None, []).kind == "ok"
-    assert step_in_progress([_rec(7, OUTSIDE), None]) == 7
+    assert step_in_progress([_rec(7, STEP_DONE), None]) == 7
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_training_watch_judges_with_one_timeout(tmp_path: Path) -> None:
+    clock = Clock()
+    paths = [str(tmp_path / f"r{i}") for i in range(2)]
+    writers = [ProgressWriter(p, clock=clock) for p in paths]
+    watch = TrainingWatch(paths, 5.0, clock)
+    for w in writers:
+        w.step(3)
+    clock.now += 600
+    assert watch.poll() is None  # both in their own code: never a stall
+    writers[0].enter(4)
+    writers[1].enter(4)
+    assert watch.poll() is None  # the watcher's clock starts when it sees them enter
+    clock.now += 4.9
+    assert watch.poll() is None
+    clock.now += 0.2
+    stall = watch.poll()
+    assert stall is not None and (stall.kind, stall.k) == ("collective", 4)
+    for w in writers:
+        w.close()
+
+
+def test_training_watch_default_timeout_follows_the_step_time(tmp_path: Path) -> None:
+    assert default_stall_timeout([]) == 60.0
+    assert default_stall_timeout([5.0, 4.0, 6.0]) == 100.0
+    clock = Clock()
+    path = str(tmp_path / "r0")
+    w = ProgressWriter(path, clock=clock)
+    watch = TrainingWatch([path], None, clock)
+    for k in range(1, 5):
+        clock.now += 10.0
+        w.step(k)
+        watch.poll()
+    assert watch.step_seconds == [10.0, 10.0, 10.0]
+    assert watch.timeout_s() == 200.0
+    w.close()
 
 
 def test_guess_framework_and_options() -> None:

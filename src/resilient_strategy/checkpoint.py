@@ -188,11 +188,8 @@ class Checkpointer:
             return False
         import torch
 
-        from .handoff import current_reporter, note_checkpoint
+        from .handoff import note_checkpoint
 
-        reporter = current_reporter()
-        if reporter is not None:
-            reporter.checkpoint_begin()
         self.directory.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=self.directory)
         try:
@@ -204,8 +201,6 @@ class Checkpointer:
                 os.unlink(tmp)
             raise
         note_checkpoint(self._state.optimizer_steps, self.path)
-        if reporter is not None:
-            reporter.outside()
         return True
 
     def restore(self) -> bool:

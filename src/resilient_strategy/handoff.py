@@ -26,7 +26,16 @@ from typing import Any
 
 from .errors import ResilientStrategyError
 from .probe import ProbeResult
-from .progress import CHECKPOINT, COLLECTIVE, COMPUTE, DONE, OUTSIDE, ProgressWriter, progress_path
+from .progress import (
+    COLLECTIVE,
+    COLLECTIVE_DONE,
+    COMM_READY,
+    COMM_SETUP,
+    FINISHED,
+    STARTED,
+    STEP_DONE,
+    ProgressWriter,
+)
 from .trainfault import TrainFault, fault_from
 
 #: Private: set by the worker wrapper in the worker's own process, never by the user.
@@ -103,6 +112,10 @@ def load_decision(env: Mapping[str, str]) -> Decision | None:
     return _LOADED[path]
 
 
+def progress_path(run_dir: str | Path, local_rank: int) -> Path:
+    return Path(run_dir) / f"rank{local_rank}.progress"
+
+
 def error_path(run_dir: str | Path, local_rank: int) -> Path:
     return Path(run_dir) / f"rank{local_rank}.error.json"
 
@@ -143,8 +156,14 @@ def write_error(run_dir: str | Path, local_rank: int, exc: BaseException,
 
 @dataclass
 class TrainingReporter:
-    """One rank's progress reports from the Selection's training calls (and the rehearsed
-    fault). ``step`` counts optimizer steps across relaunches (a restored checkpoint sets it)."""
+    """One rank's progress reports from the Selection's training calls, through the shared
+    progress protocol (:mod:`resilient_strategy.progress`): the gradient all-reduce of optimizer
+    step ``k`` is collective ``k`` (entered before the backward of the last micro-step, left
+    after it; its "collective_done k" also marks the step, so the watcher's count of
+    collectives never lags a rank that went on), ``step(k)`` when one process steps alone,
+    communicator setup around
+    ``init_process_group``. ``step`` counts optimizer steps across relaunches (a restored
+    checkpoint sets it). It also fires the rehearsed fault."""
 
     writer: ProgressWriter
     rank: int
@@ -152,52 +171,54 @@ class TrainingReporter:
     collective: bool  # the backward of a last micro-step all-reduces (world size > 1)
     fault: TrainFault | None = None
     step: int = 0
+    phase_name: str = STARTED
     _fault_armed: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         self._fault_armed = self.fault is not None and self.fault.applies(self.rank, self.backend)
-        self.writer.report(OUTSIDE, self.step)
-
-    @property
-    def phase_name(self) -> str:
-        from .progress import PHASES
-
-        return PHASES[self.writer.phase]
 
     def restored(self, step: int) -> None:
         self.step = step
-        self.writer.report(OUTSIDE, step)
-
-    def compute(self) -> None:
-        self.writer.report(COMPUTE, self.step)
+        self.writer.step(step)
+        self.phase_name = STEP_DONE
 
     def backward_begin(self, last_micro_step: bool) -> None:
-        if last_micro_step and self.collective:
-            self.writer.report(COLLECTIVE, self.step)
-        if last_micro_step and self._fault_armed and self.fault is not None \
-                and self.step + 1 == self.fault.step:
-            self.writer.report(COLLECTIVE, self.step)
+        if not last_micro_step:
+            return
+        k = self.step + 1
+        if self.collective:
+            self.writer.enter(k)
+            self.phase_name = COLLECTIVE
+        if self._fault_armed and self.fault is not None and k == self.fault.step:
+            if not self.collective:
+                self.writer.enter(k)
+                self.phase_name = COLLECTIVE
             self.fault.act()
 
-    def backward_end(self) -> None:
-        self.writer.report(COMPUTE, self.step)
+    def backward_end(self, last_micro_step: bool) -> None:
+        if last_micro_step and self.collective:
+            self.writer.leave(self.step + 1)
+            self.phase_name = COLLECTIVE_DONE
 
     def stepped(self, stepped: bool) -> None:
-        if stepped:
-            self.step += 1
-        self.writer.report(OUTSIDE, self.step)
+        if not stepped:
+            return
+        self.step += 1
+        if not self.collective:  # with replicas, "collective_done k" already says it
+            self.writer.step(self.step)
+            self.phase_name = STEP_DONE
 
-    def collective_begin(self) -> None:
-        self.writer.report(COLLECTIVE, self.step)
+    def setup_begin(self) -> None:
+        self.writer.phase(COMM_SETUP)
+        self.phase_name = COMM_SETUP
 
-    def outside(self) -> None:
-        self.writer.report(OUTSIDE, self.step)
-
-    def checkpoint_begin(self) -> None:
-        self.writer.report(CHECKPOINT, self.step)
+    def setup_end(self) -> None:
+        self.writer.phase(COMM_READY)
+        self.phase_name = COMM_READY
 
     def done(self) -> None:
-        self.writer.report(DONE, self.step)
+        self.writer.phase(FINISHED, self.step)
+        self.phase_name = FINISHED
 
 
 _REPORTER: list[TrainingReporter] = []
@@ -209,7 +230,8 @@ def reporter_for(decision: Decision, rank: int, local_rank: int, backend: str, r
     Files are named by local rank: each node's supervisor watches its own workers."""
     if not _REPORTER:
         _REPORTER.append(TrainingReporter(
-            ProgressWriter(progress_path(decision.run_dir, local_rank)), rank=rank, backend=backend,
+            ProgressWriter(str(progress_path(decision.run_dir, local_rank))), rank=rank,
+            backend=backend,
             collective=replicas > 1, fault=fault_from(env),
         ))
     return _REPORTER[0]

@@ -309,12 +309,13 @@ class Selection:
 
     def _init(self, rt: Any) -> None:
         """Join the process group (a collective: reported as one under the supervisor)."""
-        if self.progress is None:
+        rep = self.progress
+        if rep is None or not rep.collective or rep.phase_name != "started":
             rt.init()
             return
-        self.progress.collective_begin()
+        rep.setup_begin()
         rt.init()
-        self.progress.outside()
+        rep.setup_end()
 
     def checkpoint(self, directory: str | Any, *, every_steps: int | None = None,
                    every_seconds: float | None = None) -> Checkpointer:
@@ -344,9 +345,10 @@ class Selection:
         if rep is None:
             self.runtime.backward(loss)
             return
-        rep.backward_begin(self.runtime.is_last_micro_step)
+        last = self.runtime.is_last_micro_step
+        rep.backward_begin(last)
         self.runtime.backward(loss)
-        rep.backward_end()
+        rep.backward_end(last)
 
     @property
     def is_last_micro_step(self) -> bool:
@@ -371,8 +373,6 @@ class Selection:
         return stepped
 
     def accumulate(self, model: Any) -> Any:
-        if self.progress is not None:
-            self.progress.compute()
         return self.runtime.accumulate(model)
 
     def autocast(self) -> Any:

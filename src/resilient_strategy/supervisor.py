@@ -4,7 +4,7 @@ relaunch on the next candidate when the backend fails mid-run.
 Built on torch's elastic agent (the engine under ``torchrun``): torchrun's own argument parser
 and ``config_from_args`` read the node options; a :class:`LocalElasticAgent` subclass starts,
 monitors and stops the workers, and adds one check to its monitoring loop: the progress watcher
-(:class:`resilient_strategy.progress.StallWatch`). A stall marks the group UNHEALTHY with no
+(:class:`TrainingWatch`, on the shared :mod:`resilient_strategy.progress` protocol). A stall marks the group UNHEALTHY with no
 restart left, which is how the agent itself retires a wedged group; the agent then stops every
 worker (SIGTERM, its shutdown timeout, SIGKILL). torchrun's restarts of the same configuration
 are off: a relaunch here is on another candidate.
@@ -31,26 +31,29 @@ import logging
 import os
 import re
 import shutil
+import statistics
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from . import _env
 from .errors import InvalidOptionError, NoWorkingStrategyError, ResilientStrategyError
-from .handoff import CHECKPOINT_NOTE, Decision, error_path, write_decision
+from .handoff import CHECKPOINT_NOTE, Decision, error_path, progress_path, write_decision
 from .probe import ERROR, ProbeResult
 from .progress import (
     COLLECTIVE,
-    COMPUTE,
+    COLLECTIVE_DONE,
+    FINISHED,
+    STEP_DONE,
     Record,
     Stall,
-    StallWatch,
-    progress_path,
+    StallPolicy,
+    StallWatcher,
     read_record,
 )
 from .trainfault import FAULT_VAR, parse_fault
@@ -109,8 +112,7 @@ class RankExit:
             what = f"killed by signal {-self.exitcode}"
         else:
             what = f"exited with status {self.exitcode} without a Python exception"
-        where = "" if self.record is None else \
-            f" ({self.record.phase_name} at step {self.record.step})"
+        where = "" if self.record is None else f" ({_position(self.record)})"
         return f"rank {self.rank}{where}: {_one_line(what)}"
 
 
@@ -128,24 +130,32 @@ class Verdict:
         return self.kind == "backend"
 
 
+def _position(record: Record) -> str:
+    if record.phase in (COLLECTIVE, "collective_done"):
+        return f"{record.phase.replace('_', ' ')} of step {record.k}"
+    if record.phase == STEP_DONE:
+        return f"after step {record.k}"
+    return record.phase.replace("_", " ")
+
+
 def step_in_progress(records: Sequence[Record | None]) -> int:
-    """The optimizer step the ranks were working on (1-based): a rank computing or reducing
-    gradients is in the step after the last one it completed."""
-    return max((r.step + (r.phase in (COMPUTE, COLLECTIVE)) for r in records if r is not None),
-               default=0)
+    """The optimizer step the ranks had reached (a collective's number is its step's)."""
+    return max((r.k for r in records if r is not None), default=0)
 
 
 def classify_attempt(stall: Stall | None, exits: Sequence[RankExit]) -> Verdict:
     """The verdict on one attempt from its stall (if the watcher declared one) and the exits of
-    its failed workers (none: it succeeded). Pure."""
+    its failed workers (none: it succeeded). Pure.
+
+    A stall inside communicator setup or one collective (every rank entered it, some never
+    left) is a backend fault; ranks that never arrived where the others wait ("straggler")
+    diverged: the application's problem."""
     if stall is not None:
-        step = step_in_progress(list(stall.records.values()))
-        if stall.kind == "backend":
-            return Verdict("backend", f"stalled for {stall.seconds:.0f} s with every rank in the "
-                           f"same collective ({stall.summary})", step, "timeout")
-        return Verdict("diverged", f"the ranks diverged: no progress for {stall.seconds:.0f} s "
-                       f"while {stall.summary}. The program did not run the same collectives "
-                       "on every rank (another backend would not help)", step)
+        if stall.kind in ("collective", "setup"):
+            return Verdict("backend", f"stalled: {stall.describe()}", stall.k, "timeout")
+        return Verdict("diverged", f"the ranks diverged: {stall.describe()}. The program did not "
+                       "run the same collectives on every rank (another backend would not help)",
+                       stall.k)
     if not exits:
         return Verdict("ok", "finished")
     step = step_in_progress([e.record for e in exits])
@@ -170,6 +180,66 @@ def classify_attempt(stall: Stall | None, exits: Sequence[RankExit]) -> Verdict:
 def _one_line(text: str, limit: int = 300) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ------------------------------------------------------------------------------------------------
+# Watching training ranks
+# ------------------------------------------------------------------------------------------------
+#: The default stall timeout: the larger of this and STALL_STEPS x the median step time.
+MIN_STALL_S = 60.0
+STALL_STEPS = 20
+
+
+def default_stall_timeout(step_seconds: Sequence[float]) -> float:
+    """max(MIN_STALL_S, STALL_STEPS x the median optimizer step time) once steps were seen."""
+    if not step_seconds:
+        return MIN_STALL_S
+    return max(MIN_STALL_S, STALL_STEPS * statistics.median(step_seconds))
+
+
+def training_policy(timeout_s: float) -> StallPolicy:
+    """The progress judge's policy for training ranks: one stall timeout for every wait
+    (communicator setup, a collective every rank entered, ranks that never arrived), no
+    transfer-size allowance (a training step's all-reduce is timed by the step), and no limit
+    on time spent in the user's own code (evaluation, data loading: nobody waits on a peer)."""
+    return StallPolicy(setup_grace_s=timeout_s, arrive_grace_s=timeout_s,
+                       collective_base_s=timeout_s, first_collective_extra_s=0.0, safety=0.0,
+                       quiet_s=None)
+
+
+class TrainingWatch:
+    """The supervisor's judge: the shared :class:`~resilient_strategy.progress.StallWatcher`
+    with :func:`training_policy`, its timeout fixed (``--stall-timeout``) or following the median
+    step time seen in rank 0's records. One place owns this deadline."""
+
+    def __init__(self, paths: Sequence[str], timeout_s: float | None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.fixed = timeout_s
+        self.clock = clock
+        self.step_seconds: list[float] = []
+        self._last: tuple[int, float] | None = None  # rank 0's last step record: (k, t)
+        self.watcher = StallWatcher(paths, training_policy(self.timeout_s()), clock)
+
+    def timeout_s(self) -> float:
+        if self.fixed is not None:
+            return self.fixed
+        return default_stall_timeout(self.step_seconds[-200:])
+
+    def poll(self) -> Stall | None:
+        now = self.clock()
+        self.watcher.read(now)
+        records = self.watcher.records
+        if any(r is not None and r.phase == FINISHED for r in records):
+            return None  # finishing: the exits are the agent's to see
+        rec = records[0] if records else None
+        if rec is not None and rec.phase in (STEP_DONE, COLLECTIVE_DONE) and rec.k > 0:
+            if self._last is not None and rec.k > self._last[0] and rec.t > self._last[1]:
+                self.step_seconds.append((rec.t - self._last[1]) / (rec.k - self._last[0]))
+            if self._last is None or rec.k != self._last[0]:
+                self._last = (rec.k, rec.t)
+        if self.fixed is None:
+            self.watcher.policy = training_policy(self.timeout_s())
+        return self.watcher.judge(now)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -393,7 +463,8 @@ def _launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
             session: Path) -> Verdict:
     run_dir = Path(decision.run_dir)
     nproc = _PROCS[decision.chosen]
-    watch = StallWatch(run_dir, nproc, opts.stall_timeout_s)
+    watch = TrainingWatch([str(progress_path(run_dir, r)) for r in range(nproc)],
+                          opts.stall_timeout_s)
     agent_cls = _agent_class()
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.agent.server.api import WorkerSpec
@@ -458,7 +529,7 @@ def _launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
             lr = failure.local_rank
             exits.append(RankExit(
                 rank=lr, exitcode=failure.exitcode, error=_read_json(error_path(run_dir, lr)),
-                record=read_record(progress_path(run_dir, lr)),
+                record=read_record(str(progress_path(run_dir, lr))),
                 stderr_tail=_stderr_tail(run_dir / "logs", lr)))
         # ranks that raised but were stopped before the agent saw them exit left records too
         seen = {e.rank for e in exits}
@@ -466,7 +537,7 @@ def _launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
             err = _read_json(error_path(run_dir, lr))
             if lr not in seen and err is not None:
                 exits.append(RankExit(rank=lr, exitcode=1, error=err,
-                                      record=read_record(progress_path(run_dir, lr)),
+                                      record=read_record(str(progress_path(run_dir, lr))),
                                       stderr_tail=_stderr_tail(run_dir / "logs", lr)))
         if not exits and result.state.name != "SUCCEEDED":
             return Verdict("crash", f"the workers ended in state {result.state.name}")
@@ -501,7 +572,7 @@ def _agent_class() -> type[Any]:
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     class SupervisedAgent(LocalElasticAgent):
-        def __init__(self, *args: Any, watch: StallWatch, **kwargs: Any) -> None:
+        def __init__(self, *args: Any, watch: TrainingWatch, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.watch = watch
             self.stall: Stall | None = None
