@@ -267,12 +267,24 @@ class Selection:
         self._tensorflow_only("wrap_optimizer")
         return self.runtime.wrap_optimizer(optimizer)
 
-    def callbacks(self) -> list[Any]:
+    def callbacks(self, backup_dir: str | None = None, *,
+                  save_freq: str | int = "epoch") -> list[Any]:
         """TensorFlow: Keras callbacks for ``fit`` that check, before the first step, that the
         compiled optimizer accumulates as this selection needs (else the global batch would
-        silently be smaller). Empty when there is nothing to check."""
+        silently be smaller); under ``resilient-strategy run``, one that reports each step's
+        progress to the supervisor; with ``backup_dir``, Keras' own ``BackupAndRestore`` there
+        (``save_freq``: "epoch" or every N batches), so a relaunch resumes where it stopped."""
         self._tensorflow_only("callbacks")
-        return list(self.runtime.callbacks())
+        out = list(self.runtime.callbacks())
+        if backup_dir is not None:
+            import keras
+
+            out.append(keras.callbacks.BackupAndRestore(backup_dir, save_freq=save_freq))
+        if self.progress is not None:
+            from .frameworks.tensorflow import progress_callback
+
+            out.append(progress_callback(self.progress, self.accumulation_steps, backup_dir))
+        return out
 
     def check_optimizer(self, model_or_optimizer: Any) -> None:
         """TensorFlow: raise InvalidOptionError when the optimizer does not accumulate as needed."""

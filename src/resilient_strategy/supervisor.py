@@ -258,6 +258,7 @@ class RunOptions:
     global_batch_size: int | None = None
     gradient_bytes: int | None = None
     probe_timeout_s: float | None = None
+    logical_cpus: int = 0
     torchrun: argparse.Namespace | None = field(default=None, compare=False)
 
 
@@ -292,12 +293,10 @@ def supervise(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
         from .inspect import detect_facts
 
         facts = detect_facts(snapshot)
-        for attempt in range(10_000):
-            decision, plan_left = _decide(opts, facts, snapshot, failures, session, attempt,
-                                          tuple(notes))
+        decision, plan_left = _decide(opts, facts, snapshot, failures, session, 0, ())
+        limit = plan_left if opts.max_relaunches is None else opts.max_relaunches
+        for attempt in range(1, 10_000):
             chosen = decision.chosen
-            if attempt == 0:
-                limit = plan_left if opts.max_relaunches is None else opts.max_relaunches
             verdict = _launch(opts, decision, snapshot, session)
             if verdict.kind == "ok":
                 return 0
@@ -319,21 +318,20 @@ def supervise(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
                      "reached. Every cause: " + " | ".join(causes))
                 return 1
             relaunches += 1
-            try:
-                nxt, _ = _decide(opts, facts, snapshot, failures, session, attempt + 1,
-                                 tuple(notes), dry=True)
+            notes.append(f"Relaunched: {label} failed mid-run at step {verdict.step} "
+                         f"({_one_line(verdict.summary, 200)}).")
+            try:  # the next candidate (probed first when it needs a probe)
+                decision, _ = _decide(opts, facts, snapshot, failures, session, attempt,
+                                      tuple(notes))
             except NoWorkingStrategyError as exc:
                 _say(f"{label} failed; no candidate is left: {exc}. Every cause: "
                      + " | ".join(causes))
                 return 1
             ckpt = _last_checkpoint(session)
-            line = (f"{label} failed at step {verdict.step} ({_one_line(verdict.summary, 160)});"
-                    f" relaunching ({relaunches} of {limit}) on {_label(nxt)} from "
-                    + (f"the checkpoint at step {ckpt[0]} ({ckpt[1]})" if ckpt
-                       else "the start (no checkpoint was written)"))
-            _say(line)
-            notes.append(f"Relaunched: {label} failed mid-run at step {verdict.step} "
-                         f"({_one_line(verdict.summary, 200)}).")
+            _say(f"{label} failed at step {verdict.step} ({_one_line(verdict.summary, 160)}); "
+                 f"relaunching ({relaunches} of {limit}) on {_label(decision)} from "
+                 + (f"the checkpoint at step {ckpt[0]} ({ckpt[1]})" if ckpt
+                    else "the start (no checkpoint was noted)"))
         raise ResilientStrategyError("too many launch attempts")  # pragma: no cover
     except ResilientStrategyError as exc:
         _say(str(exc))
@@ -375,7 +373,7 @@ def _options(opts: RunOptions, facts: Any, env: Mapping[str, str]) -> Any:
         probe=None, timeout=opts.probe_timeout_s, prefer=None, dry_run=False, model=None,
         gradient_bytes=opts.gradient_bytes, sample_seconds=None, max_per_replica_batch=None,
         rules=(), disable_rules=(), cache=True, cache_dir=None, cache_ttl=None, precision="auto",
-        logical_cpus=0,
+        logical_cpus=opts.logical_cpus,
     ), plan_env
 
 
@@ -389,26 +387,12 @@ def _nnodes(opts: RunOptions) -> int:
 
 def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
             failures: Mapping[str, ProbeResult], session: Path, attempt: int,
-            notes: tuple[str, ...], dry: bool = False) -> tuple[Decision, int]:
+            notes: tuple[str, ...]) -> tuple[Decision, int]:
     """Plan (probing as needed, the cache first), without the candidates that failed mid-run.
     Returns the decision and how many candidates are left after the chosen one."""
     from .executor import decide
 
     o, plan_env = _options(opts, facts, env)
-    if dry:
-        from .cache import DecisionCache
-        from .plan import plan as make_plan
-
-        known = dict(DecisionCache(o.cache_dir, o.cache_ttl_s).load(facts.fingerprint())) \
-            if o.cache_dir else {}
-        known.update(failures)
-        p = make_plan(facts, o.rules, known, o)
-        c = p.chosen or p.next_probe
-        if c is None:
-            raise NoWorkingStrategyError(o.framework, [
-                f"{r.candidate.label}: {r.reason}" for r in p.ruled_out])
-        _LABELS[c.key] = c.label
-        return Decision(o.framework, c.key, known, str(session)), 0
     p, results, from_cache, proven = decide(facts, o, plan_env, _prober, time.monotonic,
                                             known=failures)
     if p.chosen is None:
@@ -615,6 +599,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gradient-bytes", type=int, default=None,
                    help="the model's gradient bytes, for ranking the candidates")
     p.add_argument("--probe-timeout", type=float, default=None, help="seconds per probe")
+    p.add_argument("--logical-cpus", type=int, default=0,
+                   help="TensorFlow test mode: plan for N logical CPU devices (the script "
+                        "passes logical_cpus=N too)")
     return p
 
 
@@ -649,7 +636,7 @@ def options_from_args(argv: Sequence[str]) -> RunOptions:
         script=script, script_args=tuple(ns.training_script_args), framework=framework,
         nproc=nproc, max_relaunches=ns.max_relaunches, stall_timeout_s=ns.stall_timeout,
         global_batch_size=ns.global_batch_size, gradient_bytes=ns.gradient_bytes,
-        probe_timeout_s=ns.probe_timeout, torchrun=ns)
+        probe_timeout_s=ns.probe_timeout, logical_cpus=ns.logical_cpus, torchrun=ns)
 
 
 def main(argv: Sequence[str]) -> int:
