@@ -323,3 +323,16 @@ def test_a_real_backend_error_is_cached_as_a_mid_run_failure(
             if k.startswith("torch:gloo")]
     assert len(gloo) == 1 and gloo[0]["status"] == "error"
     assert int(dict(gloo[0]["extra"])["mid_run"]) in (3, 4)
+
+
+def test_run_options_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RESILIENT_STRATEGY_STALL_TIMEOUT", "7.5")
+    monkeypatch.setenv("RESILIENT_STRATEGY_MAX_RELAUNCHES", "2")
+    opts = options_from_args([str(EXAMPLE)])
+    assert (opts.stall_timeout_s, opts.max_relaunches) == (7.5, 2)
+    opts = options_from_args(["--stall-timeout", "3", "--max-relaunches", "0", str(EXAMPLE)])
+    assert (opts.stall_timeout_s, opts.max_relaunches) == (3.0, 0)  # the command line wins
+    monkeypatch.setenv("RESILIENT_STRATEGY_STALL_TIMEOUT", "soon")
+    with pytest.raises(InvalidOptionError) as err:
+        options_from_args([str(EXAMPLE)])
+    assert err.value.option == "RESILIENT_STRATEGY_STALL_TIMEOUT"

@@ -37,13 +37,14 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from . import _env
 from .errors import InvalidOptionError, NoWorkingStrategyError, ResilientStrategyError
 from .handoff import CHECKPOINT_NOTE, Decision, error_path, progress_path, write_decision
+from .options import MIN_STALL_S, RunOptions, run_options_from
 from .probe import ERROR, ProbeResult
 from .progress import (
     COLLECTIVE,
@@ -185,8 +186,7 @@ def _one_line(text: str, limit: int = 300) -> str:
 # ------------------------------------------------------------------------------------------------
 # Watching training ranks
 # ------------------------------------------------------------------------------------------------
-#: The default stall timeout: the larger of this and STALL_STEPS x the median step time.
-MIN_STALL_S = 60.0
+#: The default stall timeout: the larger of MIN_STALL_S and STALL_STEPS x the median step time.
 STALL_STEPS = 20
 
 
@@ -245,23 +245,6 @@ class TrainingWatch:
 # ------------------------------------------------------------------------------------------------
 # Options
 # ------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class RunOptions:
-    """Everything ``resilient-strategy run`` was asked, validated once."""
-
-    script: str
-    script_args: tuple[str, ...] = ()
-    framework: str | None = None
-    nproc: int | None = None  # None: "auto" (one per visible GPU, else 1)
-    max_relaunches: int | None = None  # None: the candidates left
-    stall_timeout_s: float | None = None  # None: max(60 s, 20 x median step time)
-    global_batch_size: int | None = None
-    gradient_bytes: int | None = None
-    probe_timeout_s: float | None = None
-    logical_cpus: int = 0
-    torchrun: argparse.Namespace | None = field(default=None, compare=False)
-
-
 def guess_framework(script_text: str) -> str | None:
     """The framework a script trains with, from its text (None when it does not say)."""
     m = re.search(r"framework\s*=\s*[\"'](tensorflow|tf|keras|torch|pytorch)[\"']", script_text)
@@ -612,31 +595,17 @@ def options_from_args(argv: Sequence[str]) -> RunOptions:
             ns, "run_path", False):
         raise InvalidOptionError("resilient-strategy run runs a Python script file; -m, "
                                  "--no-python and --run-path are not supported")
-    nproc_text = str(ns.nproc_per_node)
-    if nproc_text in ("auto", "gpu"):
-        nproc = None
-    else:
-        try:
-            nproc = int(nproc_text)
-        except ValueError:
-            raise InvalidOptionError(
-                f"--nproc-per-node must be a number or 'auto', not {nproc_text!r}") from None
-        if nproc < 1:
-            raise InvalidOptionError(f"--nproc-per-node must be at least 1, not {nproc}")
-    if ns.max_relaunches is not None and ns.max_relaunches < 0:
-        raise InvalidOptionError("--max-relaunches must be >= 0")
-    if ns.stall_timeout is not None and not ns.stall_timeout > 0:
-        raise InvalidOptionError("--stall-timeout must be positive seconds")
     script = str(ns.training_script)
     framework = ns.framework
     if framework is None:
         with contextlib.suppress(OSError, UnicodeDecodeError):
             framework = guess_framework(Path(script).read_text(encoding="utf-8"))
-    return RunOptions(
-        script=script, script_args=tuple(ns.training_script_args), framework=framework,
-        nproc=nproc, max_relaunches=ns.max_relaunches, stall_timeout_s=ns.stall_timeout,
-        global_batch_size=ns.global_batch_size, gradient_bytes=ns.gradient_bytes,
-        probe_timeout_s=ns.probe_timeout, logical_cpus=ns.logical_cpus, torchrun=ns)
+    return run_options_from(
+        _env.snapshot(), script=script, script_args=tuple(ns.training_script_args),
+        framework=framework, nproc=str(ns.nproc_per_node), max_relaunches=ns.max_relaunches,
+        stall_timeout=ns.stall_timeout, global_batch_size=ns.global_batch_size,
+        gradient_bytes=ns.gradient_bytes, probe_timeout=ns.probe_timeout,
+        logical_cpus=ns.logical_cpus, torchrun=ns)
 
 
 def main(argv: Sequence[str]) -> int:
