@@ -6,8 +6,9 @@
                                                   # supervised: relaunched on the next strategy
                                                   # when a collective fails or stalls mid-run
 
-On a machine without GPUs, torchrun runs 2 CPU processes over gloo (how CI runs it). torch is
-imported only after the selection, so the CUDA_VISIBLE_DEVICES it sets still counts.
+On a machine without GPUs, torchrun runs 2 CPU processes over gloo (how CI runs it). Importing
+torch earlier would be fine too, as long as nothing touches a GPU before the selection (CUDA reads
+CUDA_VISIBLE_DEVICES when it first starts); importing it after is the habit that cannot go wrong.
 """
 
 from __future__ import annotations
@@ -36,8 +37,7 @@ def main() -> None:
         framework="torch", global_batch_size=args.global_batch_size,
         gradient_bytes=4 * params,  # fp32 gradients: lets it rank strategies by speed
     )
-    if sel.is_main_process:
-        print(sel.explain())
+    sel.print(sel.explain())  # rank 0 only: one copy under torchrun, not one per rank
     if not sel.active:  # a one-device fallback under torchrun: only rank 0 trains
         return
 
@@ -65,13 +65,12 @@ def main() -> None:
     ckpt = sel.checkpoint(args.checkpoint_dir, every_steps=args.checkpoint_every) \
         if args.checkpoint_dir else None
     model, optimizer, loader = sel.prepare(model, optimizer, loader)  # DDP + DistributedSampler
-    if ckpt is not None and ckpt.restored_step is not None and sel.is_main_process:
-        print(f"resumed from {ckpt.path} at optimizer step {ckpt.restored_step}")
-    if sel.is_main_process:
-        print(
-            f"{sel.num_replicas} replica(s) x {sel.per_replica_batch_size} samples x "
-            f"{sel.accumulation_steps} accumulation step(s) = global batch {sel.global_batch_size}"
-        )
+    if ckpt is not None and ckpt.restored_step is not None:
+        sel.print(f"resumed from {ckpt.path} at optimizer step {ckpt.restored_step}")
+    sel.print(
+        f"{sel.num_replicas} replica(s) x {sel.per_replica_batch_size} samples x "
+        f"{sel.accumulation_steps} accumulation step(s) = global batch {sel.global_batch_size}"
+    )
 
     for epoch in range(ckpt.epoch if ckpt else 0, args.epochs):
         sel.set_epoch(epoch)
@@ -86,15 +85,14 @@ def main() -> None:
             total, batches = total + loss.item(), batches + 1
         seconds = time.perf_counter() - start
         samples = batches * (sel.batch_size or 0) * sel.num_replicas  # all replicas together
-        if sel.is_main_process and batches:
-            print(
+        if batches:
+            sel.print(
                 f"epoch {epoch + 1}: loss {total / batches:.4f} (rank 0), {updates} optimizer "
                 f"steps, {samples / seconds:,.0f} samples/s"
             )
     if ckpt is not None:
         ckpt.save()  # the final state (rank 0)
-    if sel.is_main_process:
-        print(f"optimizer steps: {sel.optimizer_steps}")
+    sel.print(f"optimizer steps: {sel.optimizer_steps}")
     sel.shutdown()
 
 

@@ -373,10 +373,11 @@ def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
             notes: tuple[str, ...]) -> tuple[Decision, int]:
     """Plan (probing as needed, the cache first), without the candidates that failed mid-run.
     Returns the decision and how many candidates are left after the chosen one."""
-    from .executor import decide
+    from .executor import _progress_line, decide
 
     o, plan_env = _options(opts, facts, env)
     p, results, from_cache, proven = decide(facts, o, plan_env, _prober, time.monotonic,
+                                            _progress_line(o), startup_check=True,
                                             known=failures)
     if p.chosen is None:
         raise NoWorkingStrategyError(o.framework, [
