@@ -56,6 +56,8 @@ class Decision:
     from_cache: bool = False
     notes: tuple[str, ...] = ()  # the supervisor's story so far (relaunches), for explain()
     global_batch_size: int | None = None
+    label: str = ""  # the chosen candidate in words
+    processes: int = 1  # workers this decision needs on this node
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -63,7 +65,8 @@ class Decision:
             "results": {k: v.to_dict() for k, v in self.results.items()},
             "run_dir": self.run_dir, "attempt": self.attempt, "proven": self.proven,
             "from_cache": self.from_cache, "notes": list(self.notes),
-            "global_batch_size": self.global_batch_size,
+            "global_batch_size": self.global_batch_size, "label": self.label,
+            "processes": self.processes,
         }
 
     @classmethod
@@ -77,6 +80,7 @@ class Decision:
             run_dir=str(d["run_dir"]), attempt=int(d["attempt"]), proven=bool(d["proven"]),
             from_cache=bool(d["from_cache"]), notes=tuple(str(n) for n in d.get("notes", ())),
             global_batch_size=None if gbs is None else int(gbs),
+            label=str(d.get("label", "")), processes=int(d.get("processes", 1)),
         )
 
 

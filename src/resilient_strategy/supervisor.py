@@ -280,7 +280,13 @@ def supervise(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
         limit = plan_left if opts.max_relaunches is None else opts.max_relaunches
         for attempt in range(1, 10_000):
             chosen = decision.chosen
-            verdict = _launch(opts, decision, snapshot, session)
+            try:
+                verdict = _launch(opts, decision, snapshot, session)
+            except Exception as exc:
+                if type(exc).__name__ != "SignalException":  # the agent stopped the workers
+                    raise
+                _say(f"stopped by signal {getattr(exc, 'sigval', '?')}; the workers are stopped")
+                return 128 + int(getattr(exc, "sigval", 15))
             if verdict.kind == "ok":
                 return 0
             label = _label(decision)
@@ -332,10 +338,7 @@ def _backend(key: str) -> str:
 
 
 def _label(decision: Decision) -> str:
-    return _LABELS.get(decision.chosen, decision.chosen)
-
-
-_LABELS: dict[str, str] = {}
+    return decision.label or decision.chosen
 
 
 def _options(opts: RunOptions, facts: Any, env: Mapping[str, str]) -> Any:
@@ -382,21 +385,17 @@ def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
     if p.chosen is None:
         raise NoWorkingStrategyError(o.framework, [
             f"{r.candidate.label}: {r.reason}" for r in p.ruled_out])
-    for r in p.ranked:
-        _LABELS[r.candidate.key] = r.candidate.label
     run_dir = session / f"attempt{attempt}"
     run_dir.mkdir()
     left = sum(1 for r in p.ranked if r.candidate.key != p.chosen.key)
     decision = Decision(
         framework=o.framework, chosen=p.chosen.key, results=results, run_dir=str(run_dir),
         attempt=attempt, proven=proven, from_cache=from_cache, notes=notes,
-        global_batch_size=o.global_batch_size)
+        global_batch_size=o.global_batch_size, label=p.chosen.label,
+        # torch: one process per replica, split over the nodes; TensorFlow: one drives them all
+        processes=max(1, p.chosen.num_replicas // _nnodes(opts)) if o.framework == "torch" else 1)
     write_decision(run_dir / "decision.json", decision)
-    _PROCS[p.chosen.key] = p.chosen.num_replicas if o.framework == "torch" else 1
     return decision, left
-
-
-_PROCS: dict[str, int] = {}
 
 
 def _prober(spec: Any, env: Mapping[str, str]) -> ProbeResult:
@@ -430,7 +429,7 @@ def _last_checkpoint(session: Path) -> tuple[int, str] | None:
 def _launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
             session: Path) -> Verdict:
     run_dir = Path(decision.run_dir)
-    nproc = _PROCS[decision.chosen]
+    nproc = decision.processes
     watch = TrainingWatch([str(progress_path(run_dir, r)) for r in range(nproc)],
                           opts.stall_timeout_s)
     agent_cls = _agent_class()
