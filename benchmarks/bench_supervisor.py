@@ -114,9 +114,13 @@ def overhead(steps: int, rounds: int, hidden: int) -> list[tuple[str, str]]:
         loop(sel)
         loop(watched)
         plain, reported = [], []
-        for _ in range(rounds):
-            plain.append(loop(sel))
-            reported.append(loop(watched))
+        for i in range(rounds):  # alternate which goes first: no order effect
+            if i % 2:
+                plain.append(loop(sel))
+                reported.append(loop(watched))
+            else:
+                reported.append(loop(watched))
+                plain.append(loop(sel))
         n = 200_000
         t0 = time.perf_counter()
         for i in range(n):
