@@ -376,15 +376,14 @@ def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
             notes: tuple[str, ...]) -> tuple[Decision, int]:
     """Plan (probing as needed, the cache first), without the candidates that failed mid-run.
     Returns the decision and how many candidates are left after the chosen one."""
-    from .executor import _progress_line, decide
+    from .executor import _cause, _progress_line, decide
 
     o, plan_env = _options(opts, facts, env)
-    p, results, from_cache, proven = decide(facts, o, plan_env, _prober, time.monotonic,
-                                            _progress_line(o), startup_check=True,
-                                            known=failures)
+    made = decide(facts, o, plan_env, _prober, time.monotonic, _progress_line(o),
+                  startup_check=True, known=failures)
+    p, results, from_cache, proven = made.plan, made.results, made.from_cache, made.proven
     if p.chosen is None:
-        raise NoWorkingStrategyError(o.framework, [
-            f"{r.candidate.label}: {r.reason}" for r in p.ruled_out])
+        raise NoWorkingStrategyError(o.framework, [_cause(r) for r in p.ruled_out])
     run_dir = session / f"attempt{attempt}"
     run_dir.mkdir()
     left = sum(1 for r in p.ranked if r.candidate.key != p.chosen.key)
