@@ -1,19 +1,20 @@
 """Run one probe for real: start the workers a spec needs, under its deadline, and parse them.
 
 The environment is the caller's snapshot; nothing here reads ``os.environ``. Workers run in a
-fresh temporary directory, which also holds the torch rendezvous file (no TCP port to collide or
-leak) and the reports, and is removed afterwards.
+fresh temporary directory (``rs-probe-<pid>-*``), which also holds the torch rendezvous file (no
+TCP port to collide or leak) and the reports, and is removed afterwards, also when a SIGTERM
+ends this process meanwhile. The first probe of a process sweeps the directories a killed run
+of this user left (see :func:`._files.sweep_temp_dirs`).
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from . import _proc
+from . import _files, _proc
 from .errors import InvalidOptionError
 from .probe import ERROR, ProbeResult, ProbeSpec, parse_probe
 
@@ -25,7 +26,12 @@ WORKER_TIMEOUT_MARGIN_S = 30.0
 
 def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.executable) -> ProbeResult:
     """Prove ``spec`` on this machine within ``spec.timeout_s``; never raises for a failed probe."""
-    with tempfile.TemporaryDirectory(prefix="rs-probe-", ignore_cleanup_errors=True) as tmp:
+    global _swept
+    if not _swept:  # what a killed run of ours left (its pid gone, untouched for a while)
+        _swept = True
+        _files.sweep_temp_dirs()
+    # a SIGTERM while the workers run removes this directory too, then terminates the process
+    with _proc.terminate_as_exception(), _files.temp_dir("rs-probe-") as tmp:
         commands = build_commands(spec, env, tmp, python=python, parent_pid=os.getpid())
         try:
             group = _proc.run_group(commands, spec.timeout_s)
@@ -33,6 +39,9 @@ def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.exec
             return ProbeResult(spec.candidate, ERROR, cause="worker_error",
                                detail=f"could not start the probe worker {python!r}: {exc}")
     return parse_probe(spec, group.outcomes, group.elapsed_s, group.timed_out)
+
+
+_swept = False
 
 
 def worker_env(spec: ProbeSpec, env: Mapping[str, str]) -> dict[str, str]:
