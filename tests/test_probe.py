@@ -262,3 +262,23 @@ def test_fault_injection_can_target_one_backend() -> None:
     assert fault_for(0, env, "nccl") == ""
     assert fault_for(1, {"RESILIENT_STRATEGY_PROBE_FAULT": "exit:1"}, "gloo") == "exit"
     assert fault_for(1, {"RESILIENT_STRATEGY_PROBE_FAULT": "melt:1"}, "gloo") == ""
+
+
+def test_fault_injection_can_target_plain_nccl_or_large_messages() -> None:
+    from resilient_strategy.probes._common import corrupts, fault_for
+
+    plain = {"RESILIENT_STRATEGY_PROBE_FAULT": "hang:1:nccl:plain"}
+    assert fault_for(1, plain, "nccl") == "hang"
+    assert fault_for(1, {**plain, "NCCL_P2P_DISABLE": "1"}, "nccl") == ""  # a remedy works
+    assert fault_for(1, {**plain, "NCCL_SHM_DISABLE": "1"}, "nccl") == ""
+    large = {"RESILIENT_STRATEGY_PROBE_FAULT": "wrong:1:nccl:>=33554432"}
+    kind = fault_for(1, large, "nccl")
+    assert kind == "wrong"
+    assert not corrupts(kind, large, 4 << 10)
+    assert corrupts(kind, large, 32 << 20) and corrupts(kind, large, 64 << 20)
+    anywhere = {"RESILIENT_STRATEGY_PROBE_FAULT": "wrong:1"}
+    assert corrupts(fault_for(1, anywhere, "gloo"), anywhere, 4)
+    assert not corrupts("hang", plain, 64 << 20)
+    for bad in ("hang:1:nccl:somewhere", "wrong:1:nccl:>=x", "hang:1:nccl:plain:extra"):
+        assert fault_for(1, {"RESILIENT_STRATEGY_PROBE_FAULT": bad}, "nccl") == ""
+

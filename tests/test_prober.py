@@ -362,3 +362,14 @@ def test_the_next_run_sweeps_what_a_sigkill_left(
     res = run_probe(ProbeSpec("torch:gloo:cpu", "torch", "gloo", (), timeout_s=30.0), os.environ)
     assert res.status == OK
     assert [p.name for p in tmp_path.iterdir()] == [mine_alive.name]
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+def test_a_wrong_value_floored_above_the_checked_sizes_is_not_injected(env: dict[str, str]) -> None:
+    """``wrong:1:gloo:>=N`` corrupts only all-reduces of N bytes and more: floored above every
+    size this worker checks, the probe passes; the same fault without a floor is caught."""
+    spec = gloo(60.0, train_step=False)
+    caught = run_probe(spec, {**env, FAULT: "wrong:1:gloo"})
+    assert (caught.status, caught.cause) == (ERROR, "wrong_result")
+    floored = run_probe(spec, {**env, FAULT: f"wrong:1:gloo:>={256 << 20}"})
+    assert floored.status == OK

@@ -34,20 +34,53 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parent-pid", type=int, default=None)
 
 
+#: Variables a remedy candidate sets (see ``plan._REMEDY_FOR_CAUSE``): a worker whose
+#: environment sets none of them is plain NCCL, for the ``plain`` qualifier.
+REMEDY_VARS = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE")
+
+
+def _fields(env: Mapping[str, str]) -> list[str]:
+    return env.get(FAULT_VAR, "").strip().split(":")
+
+
 def fault_for(rank: int, env: Mapping[str, str], backend: str = "") -> str:
     """The fault ``env`` injects into ``rank`` ("hang", "exit", "wrong"), or "".
 
     ``kind:rank`` hits every probe; ``kind:rank:backend`` only probes of that backend (e.g.
-    ``hang:1:nccl``: NCCL hangs, gloo works).
+    ``hang:1:nccl``: NCCL hangs, gloo works); a fourth field narrows it further: ``plain`` hits
+    only a worker whose environment sets none of :data:`REMEDY_VARS` (plain NCCL hangs, its
+    remedies work), ``>=N`` makes a data fault corrupt only all-reduces of at least N bytes
+    (see :func:`corrupts`).
     """
-    kind, _, rest = env.get(FAULT_VAR, "").strip().partition(":")
-    who, _, only = rest.partition(":")
-    if kind not in FAULTS or (only and only != backend):
+    fields = _fields(env)
+    kind, who = fields[0], fields[1] if len(fields) > 1 else ""
+    only = fields[2] if len(fields) > 2 else ""
+    where = fields[3] if len(fields) > 3 else ""
+    if kind not in FAULTS or (only and only != backend) or len(fields) > 4:
+        return ""
+    if where == "plain" and any(env.get(v) for v in REMEDY_VARS):
+        return ""
+    if where not in ("", "plain") and _min_bytes(where) is None:
         return ""
     try:
         return kind if int(who) == rank else ""
     except ValueError:
         return ""
+
+
+def _min_bytes(where: str) -> int | None:
+    digits = where[2:] if where.startswith(">=") else ""
+    return int(digits) if digits.isdigit() else None
+
+
+def corrupts(kind: str, env: Mapping[str, str], nbytes: int) -> bool:
+    """Whether data fault ``kind`` (from :func:`fault_for`) corrupts an all-reduce of ``nbytes``:
+    always, unless the fault's fourth field is ``>=N`` and ``nbytes`` is below N."""
+    if kind != "wrong":
+        return False
+    fields = _fields(env)
+    floor = _min_bytes(fields[3]) if len(fields) > 3 else None
+    return floor is None or nbytes >= floor
 
 
 def act_on_fault(kind: str, rank: int) -> None:

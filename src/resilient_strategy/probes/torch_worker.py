@@ -31,7 +31,14 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from ._common import ProbeFailure, act_on_fault, add_common_arguments, fault_for, run_worker
+from ._common import (
+    ProbeFailure,
+    act_on_fault,
+    add_common_arguments,
+    corrupts,
+    fault_for,
+    run_worker,
+)
 from ._watchdog import watch_parent
 
 CHECK_NUMEL = 1024  # sums stay far below 2**24, so float32 is exact for any order of addition
@@ -72,7 +79,8 @@ def probe(args: argparse.Namespace, report: dict[str, Any]) -> None:
     act_on_fault(fault, rank)
     parts = [f"{args.backend} x{world} on {device}"]
     if distributed:
-        _check_all_reduce(torch, dist, device, rank, world, corrupt=fault == "wrong")
+        corrupt = corrupts(fault, os.environ, CHECK_NUMEL * 4)
+        _check_all_reduce(torch, dist, device, rank, world, corrupt=corrupt)
         parts.append("all-reduce exact")
         if world > 1:
             gbps = _bus_bandwidth(torch, dist, device, world, args.message_bytes)
