@@ -85,18 +85,22 @@ def recovery(stall_timeout: float) -> list[tuple[str, str]]:
     ]
 
 
-def overhead(steps: int, rounds: int, hidden: int) -> list[tuple[str, str]]:
+def overhead(steps: int, rounds: int, hidden: int, device: str = "cpu") -> list[tuple[str, str]]:
+    where: dict[str, object] = {"devices": (0,)} if device == "cuda" else {}
     sel = resilient_strategy.resilient_strategy(framework="torch", global_batch_size=64,
-                                                probe="never", cache=False)
+                                                probe="never", cache=False, **where)
     import torch
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    model = torch.nn.Sequential(torch.nn.Linear(32, hidden), torch.nn.GELU(),
-                                torch.nn.Linear(hidden, 10))
+    with sel.scope():
+        model = torch.nn.Sequential(torch.nn.Linear(32, hidden), torch.nn.GELU(),
+                                    torch.nn.Linear(hidden, 10))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     model, opt, _ = sel.prepare(model, opt)
-    x, y = torch.randn(64, 32), torch.randint(0, 10, (64,))
+    x = torch.randn(64, 32, device=sel.device)
+    y = torch.randint(0, 10, (64,), device=sel.device)
+    cuda = sel.device.type == "cuda"
     with tempfile.TemporaryDirectory() as tmp:
         writer = ProgressWriter(str(Path(tmp) / "rank0.progress"))
         reporter = TrainingReporter(writer, rank=0, backend=sel.backend, collective=True)
@@ -109,6 +113,8 @@ def overhead(steps: int, rounds: int, hidden: int) -> list[tuple[str, str]]:
                 with s.accumulate(model):
                     s.backward(torch.nn.functional.cross_entropy(model(x), y))
                 s.step(opt)
+            if cuda:
+                torch.cuda.synchronize()
             return (time.perf_counter() - t0) / steps
 
         loop(sel)
@@ -129,7 +135,7 @@ def overhead(steps: int, rounds: int, hidden: int) -> list[tuple[str, str]]:
         writer.close()
     p, r = statistics.median(plain), statistics.median(reported)
     return [
-        ("model", f"MLP 32-{hidden}-10, batch 64, SGD, 1 CPU thread"),
+        ("model", f"MLP 32-{hidden}-10, batch 64, SGD, on {sel.device} (1 CPU thread)"),
         ("step without reporting (median)", f"{p * 1e6:.1f} us"),
         ("step with reporting (median)", f"{r * 1e6:.1f} us"),
         ("overhead per step", f"{(r - p) * 1e6:+.2f} us ({(r - p) / p * 100:+.2f}%)"),
@@ -146,8 +152,10 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256, help="the MLP's width (the step's cost)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--skip-recovery", action="store_true")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the overhead loop trains (cuda: GPU 0)")
     args = ap.parse_args()
-    rows = overhead(args.steps, args.rounds, args.hidden)
+    rows = overhead(args.steps, args.rounds, args.hidden, args.device)
     if not args.skip_recovery:
         rows += recovery(args.stall_timeout)
     print("| measure | value |\n|---|---|")

@@ -17,7 +17,10 @@ JSON report to ``--report`` in every case it survives, and exits 0 only when it 
 
 Fault injection, to test the runner or rehearse a failure: ``RESILIENT_STRATEGY_PROBE_FAULT`` =
 ``hang:<rank>`` (that rank sleeps forever before the collective), ``exit:<rank>`` (it exits 1
-there, without a report) or ``wrong:<rank>`` (it corrupts one value of its contribution).
+there, without a report) or ``wrong:<rank>`` (it corrupts one value of its contribution); then
+optionally ``:<backend>`` and a fourth field, ``plain`` (only a worker without a remedy's
+variables) or ``>=N`` (a wrong value only in all-reduces of N bytes or more): see
+:func:`._common.fault_for`.
 """
 
 from __future__ import annotations
