@@ -465,10 +465,11 @@ def group_train(ctx: Ctx, args: argparse.Namespace) -> None:
             ", ".join(f"{k}: {v:,.0f}" for k, v in alternatives.items()) or "none measured")
 
     def chosen_vs_best(label: str, got: float | None, what: str) -> None:
-        r = got / best if got and best else None
+        top, top_label = (got, what) if got and got > best else (best, best_label)
+        r = got / top if got and top else None  # the chosen run itself may be the fastest
         ctx.add(g, f"chosen against best: {label}", f"{r:.3f}" if r else "?",
                 (">= 0.95: " + goal(bool(r and r >= 0.95))) if ctx.gpu else ">= 0.95 on GPUs",
-                f"chosen {what} {got or 0:,.0f}; best {best_label} {best:,.0f}")
+                f"chosen {what} {got or 0:,.0f}; best {top_label} {top:,.0f}")
 
     chosen_vs_best(f"{b} probe hangs", chosen_rate, default_under_fault.chose())
     for kind_ in ("hang", "exit"):
