@@ -22,6 +22,7 @@ from pathlib import Path
 from types import FrameType
 
 from .probe import WorkerOutcome
+from .progress import Stall, StallPolicy, StallWatcher
 
 _STDERR_TAIL_BYTES = 64 << 10
 _REPORT_MAX_BYTES = 1 << 20
@@ -35,6 +36,7 @@ class WorkerCommand:
     env: Mapping[str, str]
     cwd: str
     report_path: str
+    progress_path: str = ""  # where the worker writes its progress records ("" when it does not)
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class GroupOutcome:
     elapsed_s: float
     timed_out: bool
     pids: tuple[int, ...]  # each worker's pid, which is also its process group id
+    stall: Stall | None = None  # the stall that made the runner stop the group, if one did
 
 
 def run_group(
@@ -54,17 +57,20 @@ def run_group(
     poll_s: float = 0.05,
     grace_s: float = 2.0,
     shm_dir: str = "/dev/shm",
+    stall_policy: StallPolicy | None = None,
 ) -> GroupOutcome:
-    """Run all commands at once until all exit 0, one fails, or ``timeout_s`` passes.
+    """Run all commands at once until all exit 0, one fails, ``timeout_s`` passes, or (with
+    ``stall_policy``) the workers' progress records show a stall (see :mod:`.progress`).
 
     On a failure or the deadline every worker still running is stopped; on any exception (also
     KeyboardInterrupt) too, before it propagates. Nothing is left running or unreaped.
-    ``poll_s`` is the polling interval where pidfds are unavailable; ``grace_s`` bounds each of
+    ``poll_s`` is the polling interval where pidfds are unavailable, and how often progress
+    records are read; ``grace_s`` bounds each of
     the two waits when stopping (after SIGTERM, after SIGKILL). Shared-memory segments that NCCL
     left in ``shm_dir`` because a worker was killed mid-setup are removed (see :func:`reap_shm`).
     """
     with _terminate_as_exception():
-        return _run_group(commands, timeout_s, poll_s, grace_s, shm_dir)
+        return _run_group(commands, timeout_s, poll_s, grace_s, shm_dir, stall_policy)
 
 
 class _Terminated(BaseException):
@@ -103,8 +109,13 @@ def _run_group(
     poll_s: float,
     grace_s: float,
     shm_dir: str,
+    stall_policy: StallPolicy | None = None,
 ) -> GroupOutcome:
     shm_before = _shm_segments(shm_dir)
+    watcher = None
+    if stall_policy is not None and commands and all(c.progress_path for c in commands):
+        watcher = StallWatcher([c.progress_path for c in commands], stall_policy)
+    stall: Stall | None = None
     start = time.monotonic()
     deadline = start + timeout_s
     procs: list[subprocess.Popen[bytes]] = []
@@ -130,11 +141,15 @@ def _run_group(
                     break
                 if all(c == 0 for c in codes):
                     break
+                if watcher is not None:
+                    stall = watcher.poll()
+                    if stall is not None:
+                        break
                 left = deadline - time.monotonic()
                 if left <= 0:
                     timed_out = True
                     break
-                waiter.wait(left)
+                waiter.wait(left if watcher is None else min(left, poll_s))
         finally:
             waiter.close()
             stopped = _stop(procs, grace_s)
@@ -145,7 +160,7 @@ def _run_group(
             _outcome(i, p, cmd, logs / f"{i}.err", i in stopped, i == first_failed)
             for i, (p, cmd) in enumerate(zip(procs, commands, strict=True))
         )
-    return GroupOutcome(outcomes, elapsed, timed_out, tuple(p.pid for p in procs))
+    return GroupOutcome(outcomes, elapsed, timed_out, tuple(p.pid for p in procs), stall)
 
 
 #: Name prefixes of the /dev/shm segments NCCL creates (shm transport and proxy buffers).

@@ -16,8 +16,16 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
+from .progress import Stall
+
 #: Probe statuses.
 OK, ERROR, TIMEOUT = "ok", "error", "timeout"
+
+_ROUTING = (
+    ". The likeliest cause is PCIe peer-to-peer traffic routed through the IOMMU / ACS (PCIe "
+    "Access Control Services), whether or not the IOMMU was detected: disable ACS in the BIOS "
+    "(or per bridge with setpci), or boot with iommu=pt (intel_iommu=on iommu=pt / amd_iommu=on "
+    "iommu=pt), or disable the IOMMU; NCCL_P2P_DISABLE=1 avoids the peer path meanwhile")
 
 #: Classified causes, with the words a user can act on.
 CAUSES: dict[str, str] = {
@@ -32,9 +40,14 @@ CAUSES: dict[str, str] = {
     "no_kernel_image": "the framework or NCCL has no kernels for this GPU's compute capability",
     "shared_memory": "NCCL could not create its /dev/shm segment: /dev/shm is too small "
     "(Docker's 64 MB default); run with --ipc=host or --shm-size, or set NCCL_SHM_DISABLE=1",
-    "timeout": "the collective hung until the probe's deadline: one rank waited forever",
+    "timeout": "the probe hung: a rank stuck in communicator setup or a collective, or one that "
+    "never arrived while the others waited (cut as soon as its progress showed it, at the latest "
+    "at the probe's deadline)",
     "crash": "a worker died from a signal",
-    "wrong_result": "the all-reduce completed with a wrong value",
+    "wrong_result": "the all-reduce completed with a wrong value" + _ROUTING,
+    "nan_result": "the all-reduce completed with NaN values" + _ROUTING,
+    "zero_result": "the all-reduce completed with zeros where data was sent (peer copies that "
+    "return zeros)" + _ROUTING,
     "backend_unavailable": "this build of the framework does not have the backend",
     "no_device": "the worker saw fewer devices than it needs",
     "worker_error": "the probe worker raised an error",
@@ -54,6 +67,7 @@ class ProbeSpec:
     world_size: int = 1
     timeout_s: float = 30.0
     message_bytes: int = 16 << 20  # all-reduce size for the bandwidth figure
+    check_bytes: tuple[int, ...] = ()  # more sizes to check exactly (the user's largest bucket)
     train_step: bool = True
     logical_cpus: int = 0  # TF: replicas on N logical CPU devices (testing without GPUs)
 
@@ -129,6 +143,8 @@ class ProbeResult:
 
 
 _STATUSES = frozenset({OK, ERROR, TIMEOUT})
+#: Causes of a collective that completed with bad values (each its own cause).
+VALUE_CAUSES = ("wrong_result", "nan_result", "zero_result")
 _T = TypeVar("_T", int, float)
 
 
@@ -221,12 +237,15 @@ def parse_probe(
     outcomes: Sequence[WorkerOutcome],
     elapsed_s: float,
     timed_out: bool,
+    stall: Stall | None = None,
 ) -> ProbeResult:
     """Turn what every worker did into one result. Pure.
 
     Order of blame: the worker whose failure stopped the group (its peers' errors, such as
     "connection reset by peer", are only echoes of it); then a worker that reported an error or
-    wrong value; then a worker that died on its own; then the deadline. A probe is OK only when
+    wrong value; then a worker that died on its own; then a stall the runner judged from the
+    workers' progress (a hang, cut before the deadline: its ``extra`` says where); then the
+    deadline. A probe is OK only when
     every rank reported ``ok`` and its checked value, and exited 0.
     """
     reports: list[dict[str, Any]] = []
@@ -257,7 +276,10 @@ def parse_probe(
         found = _died(o, base)
         if found is not None:
             return found
-    # 3. the deadline
+    # 3. a hang judged from progress records, or the deadline
+    if stall is not None:
+        return base(status=TIMEOUT, cause="timeout", detail=f"hang: {stall.describe()}",
+                    extra=stall_extra(stall))
     if timed_out:
         waiting = [o.rank for o, rep in zip(outcomes, reports, strict=True) if rep.get("status") != "ok"]
         return base(status=TIMEOUT, cause="timeout",
@@ -283,6 +305,18 @@ def parse_probe(
 _Make = Callable[..., ProbeResult]
 
 
+def stall_extra(stall: Stall) -> tuple[tuple[str, str], ...]:
+    """A stall as ``extra`` entries of a result (cached with it)."""
+    return (("hang", stall.kind), ("hang_at", stall.where()),
+            ("hang_ranks", ",".join(map(str, stall.ranks))),
+            ("hang_waited_s", f"{stall.waited_s:g}"), ("hang_limit_s", f"{stall.limit_s:g}"))
+
+
+def judged_hang(result: ProbeResult) -> bool:
+    """Whether a timeout was judged from progress (a real hang), not by the deadline alone."""
+    return result.status == TIMEOUT and any(k == "hang" for k, _ in result.extra)
+
+
 def _positive(value: Any) -> float | None:
     """A worker's figure when it is a finite positive number, else None (never NaN or a str)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -294,7 +328,9 @@ def _reported(o: WorkerOutcome, rep: Mapping[str, Any], base: _Make) -> ProbeRes
     """The result a worker's own error report gives, if it made one."""
     err = str(rep.get("error", ""))
     if rep.get("status") == "wrong_result":
-        return base(status=ERROR, cause="wrong_result", detail=f"rank {o.rank}: {_first_line(err)}")
+        reported = rep.get("cause")
+        cause = reported if reported in VALUE_CAUSES else "wrong_result"
+        return base(status=ERROR, cause=cause, detail=f"rank {o.rank}: {_first_line(err)}")
     if rep.get("status") == "error":
         reported = rep.get("cause")
         cause = reported if isinstance(reported, str) and reported in CAUSES and reported \

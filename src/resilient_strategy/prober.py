@@ -16,6 +16,7 @@ from pathlib import Path
 from . import _proc
 from .errors import InvalidOptionError
 from .probe import ERROR, ProbeResult, ProbeSpec, parse_probe
+from .progress import StallPolicy
 
 #: The directory that holds the ``resilient_strategy`` package, for the workers' PYTHONPATH.
 PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
@@ -23,16 +24,24 @@ PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 WORKER_TIMEOUT_MARGIN_S = 30.0
 
 
+def stall_policy(spec: ProbeSpec) -> StallPolicy:
+    """How a probe's hang is judged from its workers' progress (the spec's timeout stays the
+    outer bound). A probe's code never pauses between its records once the communicator is
+    ready, so a silent ready rank is stalled too (``quiet_s``)."""
+    policy = StallPolicy()
+    return StallPolicy(quiet_s=policy.arrive_grace_s + policy.collective_base_s)
+
+
 def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.executable) -> ProbeResult:
     """Prove ``spec`` on this machine within ``spec.timeout_s``; never raises for a failed probe."""
     with tempfile.TemporaryDirectory(prefix="rs-probe-", ignore_cleanup_errors=True) as tmp:
         commands = build_commands(spec, env, tmp, python=python, parent_pid=os.getpid())
         try:
-            group = _proc.run_group(commands, spec.timeout_s)
+            group = _proc.run_group(commands, spec.timeout_s, stall_policy=stall_policy(spec))
         except OSError as exc:
             return ProbeResult(spec.candidate, ERROR, cause="worker_error",
                                detail=f"could not start the probe worker {python!r}: {exc}")
-    return parse_probe(spec, group.outcomes, group.elapsed_s, group.timed_out)
+    return parse_probe(spec, group.outcomes, group.elapsed_s, group.timed_out, group.stall)
 
 
 def worker_env(spec: ProbeSpec, env: Mapping[str, str]) -> dict[str, str]:
@@ -59,15 +68,19 @@ def build_commands(
               "--parent-pid", str(parent_pid)]
     if not spec.train_step:
         common.append("--no-train-step")
+    if spec.check_bytes:
+        common += ["--check-bytes", ",".join(map(str, spec.check_bytes))]
     work = Path(workdir)
 
     # cwd is the temporary directory: ``-m`` puts cwd first on sys.path, where a stray
     # torch.py or tensorflow/ in the user's directory would shadow the real package.
     def command(module: str, rank: int, extra: list[str]) -> _proc.WorkerCommand:
         report = str(work / f"report-{rank}.json")
+        progress = str(work / f"progress-{rank}")
         argv = (python, "-m", f"resilient_strategy.probes.{module}", *common, *extra,
-                "--report", report)
-        return _proc.WorkerCommand(argv=argv, env=wenv, cwd=workdir, report_path=report)
+                "--report", report, "--progress", progress)
+        return _proc.WorkerCommand(argv=argv, env=wenv, cwd=workdir, report_path=report,
+                                   progress_path=progress)
 
     if spec.framework == "torch":
         world = max(1, spec.world_size)

@@ -1,0 +1,359 @@
+"""Progress records: where each worker is, and the judgement that one of them has stalled.
+
+One protocol for probe workers and training ranks alike. Imports nothing but the standard
+library (no framework), so a worker may use it before it imports torch or TensorFlow.
+
+Writer (in the worker; one ``pwrite`` of a fixed-size record per call, a few microseconds, so
+cheap enough for every training step)::
+
+    w = ProgressWriter(path)            # or ProgressWriter.from_env(os.environ) (PROGRESS_VAR)
+    w.phase(IMPORTED)                   # STARTED is written by the constructor
+    w.phase(DEVICE_READY); w.phase(COMM_SETUP); w.phase(COMM_READY)
+    with w.collective(k, nbytes):       # or w.enter(k, nbytes) ... w.leave(k): collective k
+        all_reduce(buf); synchronize()  #   (k counts up from 1, the same sequence on every rank)
+    w.step(n)                           # a training step done (optional)
+    w.phase(FINISHED)
+
+Each rank owns one small file; the latest record overwrites the previous one (no growth, no
+locking). ``allow_s`` on :meth:`ProgressWriter.enter` declares extra time a region may need on
+top of the transfer (a first call that compiles a graph, DDP's first step).
+
+Watcher (in the runner, polled every few tens of milliseconds)::
+
+    watcher = StallWatcher(paths, StallPolicy())  # one path per rank, in rank order
+    stall = watcher.poll()              # a Stall once one is judged, else None
+
+What is judged (all times on the watcher's own clock, from when it saw a record change):
+
+* starting and importing: never (a generous allowance: the caller's outer deadline bounds it);
+* communicator setup: once *every* rank has entered it, all must be ready within
+  ``setup_grace_s``; a rank past its device setup that has not entered it while others wait,
+  within ``arrive_grace_s`` (kind ``straggler``);
+* collective k: once every rank has entered it, every rank must leave it within
+  :meth:`StallPolicy.collective_grace` (latency allowance + ``safety`` x the transfer time at the
+  slowest bandwidth measured, in this group or ``floor_bytes_per_s``); a rank that has not
+  entered it ``arrive_grace_s`` after the first did and after its own last record is a straggler;
+* ``quiet_s`` (optional): a rank past communicator setup and outside any collective may stay
+  silent at most this long (probes: their code never pauses; training: leave it None, or set it
+  from the measured step time).
+
+:class:`Stall` says which kind, where (``phase``, ``k``) and which ranks; the caller decides
+what to do (a probe runner kills the group and reports a hang).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+#: The environment variable a training launcher may use to hand a rank its progress file.
+PROGRESS_VAR = "RESILIENT_STRATEGY_PROGRESS"
+
+STARTED = "started"
+IMPORTED = "imported"  # the framework is imported
+DEVICE_READY = "device_ready"  # the device is chosen and initialized
+COMM_SETUP = "comm_setup"  # inside communicator setup (init_process_group, strategy creation)
+COMM_READY = "comm_ready"
+COLLECTIVE = "collective"  # inside collective k
+COLLECTIVE_DONE = "collective_done"  # collective k completed (synchronized)
+STEP_DONE = "step_done"  # training step k done
+FINISHED = "finished"
+PHASES = (STARTED, IMPORTED, DEVICE_READY, COMM_SETUP, COMM_READY, COLLECTIVE, COLLECTIVE_DONE,
+          STEP_DONE, FINISHED)
+_ORDER = {p: i for i, p in enumerate(PHASES)}
+
+_RECORD_BYTES = 128
+#: The slowest all-reduce bus bandwidth we have measured for any transport, divided by about
+#: 10: gloo on CPU tensors 2.2-2.4 GB/s and NCCL over sockets 3.8 GB/s on the 2x H200 host
+#: (field notes); gloo between 2 processes on the loaded 2-core CI machine 0.4 GB/s.
+#: A transfer that takes ``safety`` times longer than at this floor is not slow but stuck.
+FLOOR_BYTES_PER_S = 0.05e9
+
+
+@dataclass(frozen=True)
+class Record:
+    """One progress record as written: a sequence number, the phase, a counter ``k`` (the
+    collective or step), the bytes it moves, the writer's monotonic time, the region's extra
+    allowance and, on ``collective_done``, how long the collective took."""
+
+    seq: int
+    phase: str
+    k: int = 0
+    nbytes: int = 0
+    t: float = 0.0
+    allow_s: float = 0.0
+    took_s: float = 0.0
+
+    def encode(self) -> bytes:
+        body = (f"{self.seq} {self.phase} {self.k} {self.nbytes} {self.t:.6f} "
+                f"{self.allow_s:.3f} {self.took_s:.6f} {self.seq}")
+        data = body.encode("ascii")[:_RECORD_BYTES - 1]
+        return data + b" " * (_RECORD_BYTES - 1 - len(data)) + b"\n"
+
+    @classmethod
+    def decode(cls, data: bytes) -> Record | None:
+        """The record in ``data``, or None when it is empty, torn or not a record."""
+        try:
+            fields = data.decode("ascii").split()
+            if len(fields) != 8 or fields[0] != fields[7] or fields[1] not in _ORDER:
+                return None
+            return cls(int(fields[0]), fields[1], int(fields[2]), int(fields[3]),
+                       float(fields[4]), float(fields[5]), float(fields[6]))
+        except (UnicodeDecodeError, ValueError):
+            return None
+
+
+class ProgressWriter:
+    """Writes one rank's progress to ``path``; with ``path`` None or "", every call is a no-op.
+
+    Writing never raises: a worker must not fail because its progress could not be recorded
+    (the watcher then simply sees no progress, and the outer deadline still holds).
+    """
+
+    def __init__(self, path: str | None, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._seq = 0
+        self._fd: int | None = None
+        self._entered: dict[int, float] = {}
+        if path:
+            with contextlib.suppress(OSError):
+                self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.phase(STARTED)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> ProgressWriter:
+        return cls(env.get(PROGRESS_VAR) or None)
+
+    @property
+    def enabled(self) -> bool:
+        return self._fd is not None
+
+    def phase(self, name: str, k: int = 0, nbytes: int = 0, *, allow_s: float = 0.0,
+              took_s: float = 0.0) -> None:
+        if name not in _ORDER:
+            raise ValueError(f"unknown progress phase {name!r}; one of {PHASES}")
+        if self._fd is None:
+            return
+        self._seq += 1
+        rec = Record(self._seq, name, k, nbytes, self._clock(), allow_s, took_s)
+        with contextlib.suppress(OSError):
+            os.pwrite(self._fd, rec.encode(), 0)
+
+    def enter(self, k: int, nbytes: int = 0, *, allow_s: float = 0.0) -> None:
+        """About to run collective ``k`` (moving ``nbytes``); ``allow_s``: extra time it may need."""
+        self._entered[k] = self._clock()
+        self.phase(COLLECTIVE, k, nbytes, allow_s=allow_s)
+
+    def leave(self, k: int, nbytes: int = 0) -> None:
+        """Collective ``k`` completed (call after synchronizing with the device)."""
+        start = self._entered.pop(k, None)
+        took = max(0.0, self._clock() - start) if start is not None else 0.0
+        self.phase(COLLECTIVE_DONE, k, nbytes, took_s=took)
+
+    @contextlib.contextmanager
+    def collective(self, k: int, nbytes: int = 0, *, allow_s: float = 0.0) -> Iterator[None]:
+        self.enter(k, nbytes, allow_s=allow_s)
+        yield
+        self.leave(k, nbytes)
+
+    def step(self, n: int) -> None:
+        self.phase(STEP_DONE, n)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+
+
+def read_record(path: str) -> Record | None:
+    """The latest record in ``path``; None when there is none yet (or it is being rewritten)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return Record.decode(os.pread(fd, _RECORD_BYTES, 0))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class StallPolicy:
+    """How long each kind of wait may last before it is a stall. See the module docstring."""
+
+    setup_grace_s: float = 10.0
+    arrive_grace_s: float = 3.0
+    collective_base_s: float = 2.0  # latency and scheduling on a loaded host, for any collective
+    first_collective_extra_s: float = 3.0  # NCCL connects its peers lazily, at the first one
+    floor_bytes_per_s: float = FLOOR_BYTES_PER_S
+    safety: float = 4.0
+    quiet_s: float | None = None
+
+    def collective_grace(self, k: int, nbytes: int, allow_s: float = 0.0,
+                         measured_s_per_byte: float = 0.0) -> float:
+        """Seconds collective ``k`` of ``nbytes`` may take once every rank has entered it."""
+        per_byte = max(1.0 / self.floor_bytes_per_s, measured_s_per_byte)
+        extra = self.first_collective_extra_s if k <= 1 else 0.0
+        return self.collective_base_s + extra + allow_s + self.safety * nbytes * per_byte
+
+
+@dataclass(frozen=True)
+class Stall:
+    """A judged stall: ``kind`` is ``setup`` (every rank in communicator setup, none done),
+    ``collective`` (every rank entered collective ``k``, not all left), ``straggler`` (ranks
+    the others wait for never arrived) or ``quiet`` (a ready rank silent too long)."""
+
+    kind: str
+    phase: str  # COMM_SETUP or COLLECTIVE (or the quiet rank's phase)
+    k: int
+    ranks: tuple[int, ...]  # the ranks blamed: stuck inside, or never arrived
+    waited_s: float
+    limit_s: float
+    positions: tuple[str, ...]  # every rank's last phase, for the report
+
+    def where(self) -> str:
+        return "communicator setup" if self.phase == COMM_SETUP else (
+            f"collective {self.k}" if self.phase in (COLLECTIVE, COLLECTIVE_DONE) else self.phase)
+
+    def describe(self) -> str:
+        ranks = ", ".join(map(str, self.ranks))
+        s = "s" if len(self.ranks) > 1 else ""
+        if self.kind == "straggler":
+            what = (f"rank{s} {ranks} never reached {self.where()} while the others waited "
+                    f"{self.waited_s:.1f} s (allowed {self.limit_s:.1f} s)")
+        elif self.kind == "quiet":
+            what = (f"rank{s} {ranks} fell silent after {self.where()} for {self.waited_s:.1f} s "
+                    f"(allowed {self.limit_s:.1f} s)")
+        else:
+            what = (f"rank{s} {ranks} stuck in {self.where()} for {self.waited_s:.1f} s after "
+                    f"every rank entered it (allowed {self.limit_s:.1f} s)")
+        return f"{what}; ranks at: {', '.join(self.positions)}"
+
+
+class StallWatcher:
+    """Judges the progress of a group of ranks (one record file each). Not thread-safe."""
+
+    def __init__(self, paths: Sequence[str], policy: StallPolicy | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.paths = tuple(paths)
+        self.policy = policy or StallPolicy()
+        self._clock = clock
+        n = len(self.paths)
+        self.records: list[Record | None] = [None] * n
+        self._changed_at = [0.0] * n  # watcher time of each rank's last new record
+        self._setup_at: list[float | None] = [None] * n  # first seen in (or past) setup
+        self._entered_at: list[dict[int, float]] = [{} for _ in range(n)]
+        self._entered_k = [0] * n  # highest collective entered
+        self._done_k = [0] * n  # highest collective left
+        self._allow: dict[int, float] = {}
+        self._nbytes: dict[int, int] = {}
+        self.s_per_byte = 0.0  # slowest measured transfer of >= 1 MiB, seconds per byte
+
+    def read(self, now: float | None = None) -> None:
+        """Take in every rank's latest record."""
+        now = self._clock() if now is None else now
+        for r, path in enumerate(self.paths):
+            rec, old = read_record(path), self.records[r]
+            if rec is None or (old is not None and rec.seq <= old.seq):
+                continue
+            self.records[r] = rec
+            self._changed_at[r] = now
+            order = _ORDER[rec.phase]
+            if order >= _ORDER[COMM_SETUP] and self._setup_at[r] is None:
+                self._setup_at[r] = now
+            if rec.phase in (COLLECTIVE, COLLECTIVE_DONE) and rec.k > 0:
+                if rec.k > self._entered_k[r]:
+                    self._entered_k[r] = rec.k
+                    self._entered_at[r][rec.k] = now
+                if rec.phase == COLLECTIVE:
+                    self._allow[rec.k] = max(self._allow.get(rec.k, 0.0), rec.allow_s)
+                    self._nbytes[rec.k] = max(self._nbytes.get(rec.k, 0), rec.nbytes)
+                else:
+                    self._done_k[r] = max(self._done_k[r], rec.k)
+                    if rec.nbytes >= 1 << 20 and rec.took_s > 0:
+                        self.s_per_byte = max(self.s_per_byte, rec.took_s / rec.nbytes)
+
+    def poll(self, now: float | None = None) -> Stall | None:
+        """Read the records, then judge: a :class:`Stall`, or None while all is well."""
+        now = self._clock() if now is None else now
+        self.read(now)
+        return self.judge(now)
+
+    def _positions(self) -> tuple[str, ...]:
+        out = []
+        for r, rec in enumerate(self.records):
+            if rec is None:
+                out.append(f"{r}: not started")
+            elif rec.phase in (COLLECTIVE, COLLECTIVE_DONE, STEP_DONE):
+                out.append(f"{r}: {rec.phase} {rec.k}")
+            else:
+                out.append(f"{r}: {rec.phase}")
+        return tuple(out)
+
+    def judge(self, now: float) -> Stall | None:
+        p = self.policy
+        n = len(self.paths)
+        if n == 0:
+            return None
+        recs = self.records
+
+        def stall(kind: str, phase: str, k: int, ranks: Sequence[int], waited: float,
+                  limit: float) -> Stall:
+            return Stall(kind, phase, k, tuple(ranks), round(waited, 3), round(limit, 3),
+                         self._positions())
+
+        orders = [_ORDER[rec.phase] if rec is not None else -1 for rec in recs]
+        # 1. communicator setup
+        in_setup = [r for r in range(n) if orders[r] == _ORDER[COMM_SETUP]]
+        if in_setup:
+            arrived = [t for t in self._setup_at if t is not None]
+            if len(arrived) == n:
+                waited = now - max(arrived)
+                if waited > p.setup_grace_s:
+                    return stall("setup", COMM_SETUP, 0, in_setup, waited, p.setup_grace_s)
+            else:
+                first = min(arrived)
+                late = [r for r in range(n) if self._setup_at[r] is None
+                        and orders[r] >= _ORDER[DEVICE_READY]]  # importing: generous allowance
+                quiet = [now - max(first, self._changed_at[r]) for r in late]
+                if late and min(quiet) > p.arrive_grace_s:
+                    return stall("straggler", COMM_SETUP, 0, late, min(quiet), p.arrive_grace_s)
+            return None
+        # 2. collectives: the highest one any rank has entered
+        top = max(self._entered_k)
+        if top > 0:
+            waiting = [r for r in range(n) if self._entered_k[r] == top and self._done_k[r] < top]
+            if waiting:
+                late = [r for r in range(n) if self._entered_k[r] < top]
+                if late:
+                    first = min(self._entered_at[r][top] for r in range(n)
+                                if top in self._entered_at[r])
+                    quiet = [now - max(first, self._changed_at[r]) for r in late]
+                    if min(quiet) > p.arrive_grace_s:
+                        return stall("straggler", COLLECTIVE, top, late, min(quiet),
+                                     p.arrive_grace_s)
+                    return None
+                last = max(self._entered_at[r][top] for r in range(n))
+                limit = p.collective_grace(top, self._nbytes.get(top, 0), self._allow.get(top, 0.0),
+                                           self.s_per_byte)
+                if now - last > limit:
+                    return stall("collective", COLLECTIVE, top, waiting, now - last, limit)
+                return None
+        # 3. a ready rank outside any collective, silent too long
+        if p.quiet_s is not None:
+            silent = [r for r in range(n)
+                      if _ORDER[COMM_READY] <= orders[r] < _ORDER[FINISHED]
+                      and orders[r] != _ORDER[COLLECTIVE]
+                      and now - self._changed_at[r] > p.quiet_s]
+            if silent:
+                rec = recs[silent[0]]
+                assert rec is not None
+                return stall("quiet", rec.phase, rec.k, silent,
+                             now - max(self._changed_at[r] for r in silent), p.quiet_s)
+        return None
