@@ -149,14 +149,27 @@ class _Checker:
         self.faults, self.progress = list(faults), progress
         self.k = 0
 
-        def step(v: Any) -> Any:
-            def fn(x: Any) -> Any:
-                return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, x)
+        wrong = self.faults.index("wrong") if "wrong" in self.faults else -1
+        nan = self.faults.index("nan") if "nan" in self.faults else -1
 
-            return strategy.run(fn, args=(v,))
+        def step(numel: Any, it: Any) -> Any:
+            def fn() -> Any:  # built on each replica's own device, as gradients are
+                ctx = tf.distribute.get_replica_context()
+                rid = ctx.replica_id_in_sync_group
+                pattern = tf.cast(tf.range(numel) % PATTERN_MOD + 1, tf.float32)
+                mine = pattern * tf.cast(rid + 1 + it * replicas, tf.float32)
+                if wrong >= 0:
+                    mine += tf.cast(tf.equal(rid, wrong), tf.float32) * tf.one_hot(
+                        numel // 2, numel)
+                if nan >= 0:
+                    mine = tf.cond(tf.equal(rid, nan), lambda: tf.tensor_scatter_nd_update(
+                        mine, [[numel // 3]], [float("nan")]), lambda: mine)
+                return ctx.all_reduce(tf.distribute.ReduceOp.SUM, mine)
 
-        self._compiled = tf.function(step, reduce_retracing=True)
-        self._traced: set[int] = set()
+            return strategy.run(fn)
+
+        self._compiled = tf.function(step)
+        self._traced = False
 
     def checked(self, nbytes: int, iters: int, warmup: int = 0) -> float:
         import numpy as np
@@ -166,26 +179,14 @@ class _Checker:
         pattern = (np.arange(numel, dtype=np.int64) % PATTERN_MOD + 1).astype(np.float32)
         total = 0.0
         for it in range(warmup + iters):
-            def value(ctx: Any, it: int = it) -> Any:
-                r = int(ctx.replica_id_in_sync_group)
-                mine = pattern * np.float32(contribution(r, replicas, it))
-                fault = self.faults[r] if r < len(self.faults) else ""
-                if fault == "wrong":
-                    mine[numel // 2] += 1.0
-                elif fault == "nan":
-                    mine[numel // 3] = np.nan
-                return tf.constant(mine)
-
-            values = strategy.experimental_distribute_values_from_function(value)
             self.k += 1
-            first = numel not in self._traced
-            self._traced.add(numel)
+            first, self._traced = not self._traced, True
             t0 = time.perf_counter()
             self.progress.enter(self.k, numel * 4, allow_s=TRACE_ALLOW_S if first else 0.0)
             if self.k == 1:
                 act_on_fault(self.faults[0] if self.faults else "", 0, "hang_collective")
-            results = [np.asarray(v) for v in
-                       strategy.experimental_local_results(self._compiled(values))]
+            out = self._compiled(tf.constant(numel, tf.int32), tf.constant(it, tf.int32))
+            results = [np.asarray(v) for v in strategy.experimental_local_results(out)]
             self.progress.leave(self.k, numel * 4)
             if it >= warmup:
                 total += time.perf_counter() - t0
