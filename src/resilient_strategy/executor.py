@@ -27,7 +27,7 @@ from .errors import (
 )
 from .facts import Facts
 from .plan import Candidate, Plan, Policy, human_bytes, human_duration, plan
-from .probe import ERROR, TIMEOUT, ProbeResult, ProbeSpec
+from .probe import ERROR, TIMEOUT, ProbeResult, ProbeSpec, judged_hang
 from .rules import Rule, load_rules
 from .selection import Launch, Selection
 
@@ -246,7 +246,13 @@ def options_from(
 # --------------------------------------------------------------------------------------------
 # Deciding
 # --------------------------------------------------------------------------------------------
+#: DDP's default gradient bucket; a model's largest bucket is at most this (or its largest
+#: tensor, which the total gradient size bounds from above).
+DDP_BUCKET_BYTES = 25 << 20
+
+
 def spec_for(c: Candidate, opts: Options, timeout_s: float) -> ProbeSpec:
+    grad = opts.policy.gradient_bytes
     return ProbeSpec(
         candidate=c.key,
         framework=c.framework,
@@ -256,6 +262,7 @@ def spec_for(c: Candidate, opts: Options, timeout_s: float) -> ProbeSpec:
         world_size=c.num_replicas if c.framework == "torch" else 1,
         timeout_s=timeout_s,
         logical_cpus=opts.logical_cpus,
+        check_bytes=(min(grad, DDP_BUCKET_BYTES),) if grad else (),  # the user's largest bucket
     )
 
 
@@ -315,10 +322,11 @@ def decide(
 
 def _still_valid(results: Mapping[str, ProbeResult], timeout_s: float) -> dict[str, ProbeResult]:
     """Cached results that still hold for this run: a hang remembered from a shorter timeout
-    than this run's (its elapsed time is the timeout it had) may just have been too impatient."""
+    than this run's (its elapsed time is the timeout it had) may just have been too impatient.
+    A hang judged from the workers' progress (stuck in a collective) holds whatever the timeout."""
     return {
         k: r for k, r in results.items()
-        if not (r.status == TIMEOUT and r.elapsed_s < 0.95 * timeout_s)
+        if judged_hang(r) or not (r.status == TIMEOUT and r.elapsed_s < 0.95 * timeout_s)
     }
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from .errors import InvalidOptionError
 from .facts import Facts
-from .probe import ProbeResult
+from .probe import TIMEOUT, ProbeResult
 from .rules import BACKENDS, Rule, fired
 
 FRAMEWORKS = ("torch", "tensorflow")
@@ -50,7 +50,17 @@ _REMEDY_FOR_CAUSE = {
     "nccl_error": ({"NCCL_P2P_DISABLE": "1"}, {"NCCL_SHM_DISABLE": "1"}),
     # Wrong sums with every rank alive: the classic sign of P2P that claims to work and doesn't.
     "wrong_result": ({"NCCL_P2P_DISABLE": "1"},),
+    "nan_result": ({"NCCL_P2P_DISABLE": "1"},),
+    "zero_result": ({"NCCL_P2P_DISABLE": "1"},),
+    # NCCL picked an interface its peers cannot reach (a USB network card): on one node every
+    # rank is local, so the loopback interface always works.
+    "nccl_network": ({"NCCL_SOCKET_IFNAME": "lo"},),
 }
+#: A communicator that hung in its set-up on one node: the same network cause, most often.
+_SETUP_HANG_REMEDIES = ({"NCCL_SOCKET_IFNAME": "lo"}, {"NCCL_P2P_DISABLE": "1"})
+#: A remedy that fails with another cause gets that cause's first remedy on top, while the
+#: variables it sets number at most this (bounded: each combination is one more probe).
+MAX_COMPOSED_VARS = 3
 
 
 @dataclass(frozen=True)
@@ -437,20 +447,37 @@ def _apply_results(
             continue
         b.ruled_out.append(RuledOut(c, res.why(), "probe"))
         b.trace.append(f"Probe of {c.label} failed after {res.elapsed_s:.1f} s: {res.why()}.")
-        # Only plain NCCL's failure suggests remedies: a failed remedy is not remedied again
-        # (that would multiply probes, each up to a timeout long).
-        if c.backend != "nccl" or c.origin != "chain" or res.cause not in _REMEDY_FOR_CAUSE:
+        if c.backend != "nccl":
             continue
-        at = i
-        for env in _REMEDY_FOR_CAUSE[res.cause]:
-            if set(env) <= set(dict(c.env)) or _user_set(policy, env):
+        # Plain NCCL's failure suggests its cause's remedies. A remedy that fails with a
+        # *different* cause gets that cause's first remedy added on top (P2P off, then failing
+        # on shared memory: P2P and SHM off), bounded by MAX_COMPOSED_VARS; a remedy failing
+        # with the same cause, or hanging, is not remedied again (each try costs a probe, and
+        # a hang says too little to pick one).
+        cause = res.cause
+        options = _REMEDY_FOR_CAUSE.get(cause, ())
+        if cause == "timeout" and dict(res.extra).get("hang") == "setup" and policy.nodes == 1:
+            cause, options = "a hang in communicator set-up", _SETUP_HANG_REMEDIES
+        if c.origin != "chain":
+            if (res.status == TIMEOUT or c.origin == f"after {cause}"
+                    or len(c.env) >= MAX_COMPOSED_VARS):
                 continue
-            remedy = _with_env(c, env, f"after {res.cause}")
-            if any(x.key == remedy.key for x in queue):
+            options = options[:1]
+        at = i
+        for env in options:
+            if set(env.items()) <= set(c.env) or _user_set(policy, env):
+                continue
+            remedy = _with_env(c, env, f"after {cause}")
+            if any(x.key == remedy.key for x in queue) or any(
+                    r.candidate.key == remedy.key for r in b.ruled_out):
                 continue
             queue.insert(at, remedy)  # tried right after what failed; examined in this loop
             at += 1
-            b.trace.append(f"Will try {remedy.label}, the usual remedy for {res.cause}.")
+            if c.origin == "chain":
+                b.trace.append(f"Will try {remedy.label}, the usual remedy for {cause}.")
+            else:
+                b.trace.append(f"Will try {remedy.label}: the remedy {c.label} failed on "
+                               f"{cause}, so that cause's remedy is added on top.")
     return out
 
 

@@ -14,9 +14,28 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from .progress import Stall
+
+class Stall(Protocol):
+    """What :class:`resilient_strategy.progress.Stall` offers here (the planner imports this
+    module, and must not reach ``progress``, which uses ``os``)."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def ranks(self) -> tuple[int, ...]: ...
+
+    @property
+    def waited_s(self) -> float: ...
+
+    @property
+    def limit_s(self) -> float: ...
+
+    def where(self) -> str: ...
+
+    def describe(self) -> str: ...
 
 #: Probe statuses.
 OK, ERROR, TIMEOUT = "ok", "error", "timeout"
@@ -27,12 +46,19 @@ _ROUTING = (
     "(or per bridge with setpci), or boot with iommu=pt (intel_iommu=on iommu=pt / amd_iommu=on "
     "iommu=pt), or disable the IOMMU; NCCL_P2P_DISABLE=1 avoids the peer path meanwhile")
 
+#: The words for a timeout judged from the workers' progress, cut before the deadline.
+HANG_WORDS = ("the probe hung (judged from its ranks' progress, cut before the deadline): a "
+              "rank stuck in communicator setup or a collective, or one that never arrived "
+              "while the others waited")
+
 #: Classified causes, with the words a user can act on.
 CAUSES: dict[str, str] = {
     "": "",
     "nccl_invalid_usage": "NCCL rejected its configuration (ncclInvalidUsage): an NCCL_* variable "
     "names an unknown algorithm, protocol, network or interface",
     "nccl_error": "NCCL failed (ncclSystemError / ncclInternalError / remote error)",
+    "nccl_network": "NCCL could not connect its ranks over the network interface it picked (a "
+    "USB or unroutable interface); on one node NCCL_SOCKET_IFNAME=lo (loopback) works",
     "oom": "the GPU ran out of memory: another process holds it, or the probe's buffers do not "
     "fit; free the GPU",
     "cuda_error": "an unhandled CUDA error inside NCCL: often P2P between these GPUs is broken, "
@@ -40,9 +66,7 @@ CAUSES: dict[str, str] = {
     "no_kernel_image": "the framework or NCCL has no kernels for this GPU's compute capability",
     "shared_memory": "NCCL could not create its /dev/shm segment: /dev/shm is too small "
     "(Docker's 64 MB default); run with --ipc=host or --shm-size, or set NCCL_SHM_DISABLE=1",
-    "timeout": "the probe hung: a rank stuck in communicator setup or a collective, or one that "
-    "never arrived while the others waited (cut as soon as its progress showed it, at the latest "
-    "at the probe's deadline)",
+    "timeout": "the collective hung until the probe's deadline: one rank waited forever",
     "crash": "a worker died from a signal",
     "wrong_result": "the all-reduce completed with a wrong value" + _ROUTING,
     "nan_result": "the all-reduce completed with NaN values" + _ROUTING,
@@ -94,7 +118,7 @@ class ProbeResult:
 
     def why(self) -> str:
         """One line: the cause in words plus the detail."""
-        words = CAUSES.get(self.cause, self.cause)
+        words = HANG_WORDS if judged_hang(self) else CAUSES.get(self.cause, self.cause)
         if self.detail and self.detail not in words:
             return f"{words}: {self.detail}" if words else self.detail
         return words
@@ -201,6 +225,11 @@ _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("backend_unavailable", re.compile(r"not built with|Distributed package doesn't have NCCL|"
                                         r"NCCL is not available|No OpKernel was registered|"
                                         r"no OpKernel|Could not find device for node.*Nccl", re.I)),
+    # NCCL's socket layer failing to reach a peer over the interface it chose.
+    ("nccl_network", re.compile(r"Bootstrap\s*:\s*(?:no socket interface|connection|connect)|"
+                                r"NET/Socket\s*:.*(?:[Cc]onnect|failed)|"
+                                r"socket(?:Connect|Progress|StartConnect|PollConnect)|"
+                                r"Connect to \S+ failed", re.I)),
     ("nccl_error", re.compile(r"ncclSystemError|ncclInternalError|ncclRemoteError|NCCL error|"
                               r"Error invoking NCCL", re.I)),
 )

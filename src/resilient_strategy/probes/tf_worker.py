@@ -36,7 +36,6 @@ from ._common import (
     act_on_fault,
     add_common_arguments,
     check_sizes,
-    contribution,
     expected_sum,
     fault_for,
     human,

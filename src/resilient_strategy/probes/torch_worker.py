@@ -115,7 +115,7 @@ def probe(args: argparse.Namespace, report: dict[str, Any]) -> None:
             report.update(bus_bandwidth_gbps=round(gbps, 3), message_bytes=args.message_bytes)
             parts.append(f"{gbps:.2f} GB/s bus at {args.message_bytes / 2**20:g} MiB, exact")
     if args.train_step:
-        seconds = _train_step(coll if distributed else None)
+        seconds = _train_step(torch, device, coll if distributed else None)
         report["step_seconds"] = round(seconds, 6)
         parts.append(f"step {seconds * 1e3:.1f} ms")
     progress.phase(FINISHED)  # teardown is not judged: the outer deadline bounds it
@@ -227,11 +227,8 @@ def _mismatch(torch: Any, got: Any, expected: Any, numel: int, world: int, it: i
     raise ProbeFailure("wrong_result", where)
 
 
-def _train_step(coll: _Collectives | None) -> float:
+def _train_step(torch: Any, device: Any, coll: _Collectives | None) -> float:
     """One warm-up step, then the time of a second; with ``coll``, DDP and a parameter check."""
-    import torch
-
-    device = coll.device if coll is not None else torch.device("cpu")
     rank, world = (coll.rank, coll.world) if coll is not None else (0, 1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
