@@ -1,0 +1,102 @@
+"""Remedies through the testing kit: composed on a new cause (bounded), the loopback interface
+for network causes and set-up hangs on one node, bad values, hangs judged from progress."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from resilient_strategy.executor import _still_valid
+from resilient_strategy.probe import TIMEOUT, ProbeResult
+from resilient_strategy.testing import FakeProber, machine, simulate
+
+H200X2 = machine(2, nvlink=18, env={"WORLD_SIZE": "2"})  # under torchrun
+KW = {"global_batch_size": 64, "gradient_bytes": 1000, "sample_seconds": 1.0}
+
+
+def test_a_remedy_failing_on_another_cause_gets_that_remedy_on_top() -> None:
+    prober = FakeProber({
+        "nccl": "timeout",
+        "nccl+NCCL_P2P_DISABLE=1": "error:shared_memory",
+        "nccl+NCCL_P2P_DISABLE=1,NCCL_SHM_DISABLE=1": "ok:3.8",
+    })
+    sel = simulate(H200X2, prober, **KW)
+    assert prober.probed == ["nccl", "nccl+NCCL_P2P_DISABLE=1",
+                             "nccl+NCCL_P2P_DISABLE=1,NCCL_SHM_DISABLE=1"]
+    assert sel.backend == "nccl"
+    assert dict(sel.candidate.env) == {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
+    assert sel.candidate.origin == "after shared_memory"
+    assert any("failed on shared_memory" in line for line in sel.plan.trace)
+
+
+def test_composition_is_bounded_and_never_repeats_a_cause() -> None:
+    prober = FakeProber({
+        "nccl": "error:cuda_error",  # remedies: P2P off, then P2P and SHM off
+        "nccl+NCCL_P2P_DISABLE=1": "error:nccl_network",  # -> P2P off + loopback
+        "nccl+NCCL_P2P_DISABLE=1,NCCL_SOCKET_IFNAME=lo": "error:shared_memory",  # -> + SHM off
+        "nccl+NCCL_P2P_DISABLE=1,NCCL_SHM_DISABLE=1": "error:shared_memory",  # -> SHM already
+        "nccl+NCCL_P2P_DISABLE=1,NCCL_SHM_DISABLE=1,NCCL_SOCKET_IFNAME=lo": "error:cuda_error",
+        "gloo": "ok",
+    })
+    sel = simulate(H200X2, prober, **KW)
+    nccl = [p for p in prober.probed if p.startswith("nccl")]
+    assert len(nccl) == len(set(nccl))
+    assert all(p.count("=") <= 3 for p in nccl)
+    assert "nccl+NCCL_P2P_DISABLE=1,NCCL_SHM_DISABLE=1,NCCL_SOCKET_IFNAME=lo" in nccl
+    assert "nccl+NCCL_P2P_DISABLE=1,NCCL_SOCKET_IFNAME=lo" in nccl
+    assert sel.backend == "gloo"
+
+
+def test_a_remedy_that_hangs_or_fails_the_same_way_is_not_remedied_again() -> None:
+    prober = FakeProber({"nccl": "error:shared_memory", "nccl+*": "error:shared_memory",
+                         "gloo": "ok"})
+    simulate(H200X2, prober, **KW)
+    assert prober.probed == ["nccl", "nccl+NCCL_SHM_DISABLE=1", "gloo"]
+    prober = FakeProber({"nccl": "error:shared_memory", "nccl+*": "timeout", "gloo": "ok"})
+    simulate(H200X2, prober, **KW)
+    assert prober.probed == ["nccl", "nccl+NCCL_SHM_DISABLE=1", "gloo"]
+
+
+def test_a_network_cause_on_one_node_gets_the_loopback_interface() -> None:
+    prober = FakeProber({"nccl": "error:nccl_network", "nccl+NCCL_SOCKET_IFNAME=lo": "ok"})
+    sel = simulate(H200X2, prober, **KW)
+    assert prober.probed == ["nccl", "nccl+NCCL_SOCKET_IFNAME=lo"]
+    assert sel.env.get("NCCL_SOCKET_IFNAME") == "lo"
+
+
+def test_a_user_interface_choice_is_never_replaced() -> None:
+    facts = machine(2, nvlink=18, env={"WORLD_SIZE": "2", "NCCL_SOCKET_IFNAME": "eth9"})
+    prober = FakeProber({"nccl": "error:nccl_network", "gloo": "ok"})
+    simulate(facts, prober, **KW)
+    assert prober.probed == ["nccl", "gloo"]
+
+
+def test_a_hang_in_communicator_setup_tries_loopback_first() -> None:
+    prober = FakeProber({"nccl": "hang:setup", "nccl+NCCL_SOCKET_IFNAME=lo": "ok"})
+    sel = simulate(H200X2, prober, **KW)
+    assert prober.probed == ["nccl", "nccl+NCCL_SOCKET_IFNAME=lo"]
+    assert sel.candidate.origin == "after a hang in communicator set-up"
+    # a hang inside a collective is P2P's classic sign: the usual remedy
+    prober = FakeProber({"nccl": "hang:collective", "nccl+NCCL_P2P_DISABLE=1": "ok"})
+    simulate(H200X2, prober, **KW)
+    assert prober.probed == ["nccl", "nccl+NCCL_P2P_DISABLE=1"]
+
+
+def test_nan_and_zero_results_try_p2p_off() -> None:
+    for cause in ("nan_result", "zero_result"):
+        prober = FakeProber({"nccl": f"error:{cause}", "nccl+NCCL_P2P_DISABLE=1": "ok"})
+        sel = simulate(H200X2, prober, **KW)
+        assert prober.probed == ["nccl", "nccl+NCCL_P2P_DISABLE=1"]
+        failed = sel.results[next(iter(sel.results))]
+        assert failed.cause == cause and "ACS" in failed.why()
+
+
+def test_a_hang_judged_from_progress_is_cut_early_and_stays_cached(tmp_path: Path) -> None:
+    prober = FakeProber({"nccl": "hang:straggler", "nccl+*": "hang:collective", "gloo": "ok"})
+    simulate(H200X2, prober, cache=True, cache_dir=tmp_path, timeout=30, **KW)
+    assert prober.elapsed_s < 2 * 30  # two hangs, each cut well before its 30 s
+    again = FakeProber({"gloo": "ok"})
+    sel = simulate(H200X2, again, cache=True, cache_dir=tmp_path, timeout=30, **KW)
+    assert again.probed == [] and sel.backend == "gloo"
+    cut = ProbeResult("k", TIMEOUT, 4.0, "timeout", extra=(("hang", "setup"),))
+    deadline = ProbeResult("k", TIMEOUT, 4.0, "timeout")
+    assert set(_still_valid({"a": cut, "b": deadline}, 30.0)) == {"a"}
