@@ -94,3 +94,20 @@ class FrameworkNotInstalledError(ResilientStrategyError):
 
 class CacheError(ResilientStrategyError):
     """The decision cache could not be read or written (always handled as a logged degrade)."""
+
+
+class GpuUnusableError(ResilientStrategyError):
+    """A GPU no longer initializes or runs a kernel (after a hung probe was killed): training on
+    it would hang or crash, so the decision stops."""
+
+    def __init__(self, gpus: Sequence[tuple[int, str]], after: str = "") -> None:
+        self.gpus = tuple(gpus)  # (CUDA ordinal as the job sees it, what went wrong)
+        lines = "\n  - ".join(f"GPU {i}: {why}" for i, why in self.gpus)
+        when = f" after {after}" if after else ""
+        indices = ",".join(str(i) for i, _ in self.gpus)
+        super().__init__(
+            f"GPU(s) {indices} no longer work{when}:\n  - {lines}\n"
+            f"They need a reset (`nvidia-smi --gpu-reset -i <index>`, with no process using "
+            "them) or a reboot of the machine before anything can train on them. "
+            "`nvidia-smi` shows their state."
+        )

@@ -13,13 +13,13 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from . import _proc
+from . import _proc, health
 from .errors import InvalidOptionError
 from .probe import ERROR, ProbeResult, ProbeSpec, parse_probe
 from .progress import StallPolicy
 
 #: The directory that holds the ``resilient_strategy`` package, for the workers' PYTHONPATH.
-PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+PACKAGE_ROOT = health.PACKAGE_ROOT
 #: Extra seconds on the workers' own collective timeout, so that the runner's deadline fires first.
 WORKER_TIMEOUT_MARGIN_S = 30.0
 
@@ -33,7 +33,9 @@ def stall_policy(spec: ProbeSpec) -> StallPolicy:
 
 
 def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.executable) -> ProbeResult:
-    """Prove ``spec`` on this machine within ``spec.timeout_s``; never raises for a failed probe."""
+    """Prove ``spec`` on this machine within ``spec.timeout_s``; never raises for a failed probe,
+    only :class:`~resilient_strategy.errors.GpuUnusableError` when a hung probe on GPUs, once
+    killed, left a GPU that no longer initializes or runs a kernel (see :mod:`.health`)."""
     with tempfile.TemporaryDirectory(prefix="rs-probe-", ignore_cleanup_errors=True) as tmp:
         commands = build_commands(spec, env, tmp, python=python, parent_pid=os.getpid())
         try:
@@ -41,7 +43,9 @@ def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.exec
         except OSError as exc:
             return ProbeResult(spec.candidate, ERROR, cause="worker_error",
                                detail=f"could not start the probe worker {python!r}: {exc}")
-    return parse_probe(spec, group.outcomes, group.elapsed_s, group.timed_out, group.stall)
+    result = parse_probe(spec, group.outcomes, group.elapsed_s, group.timed_out, group.stall)
+    health.check_after(spec, result, env, python=python)
+    return result
 
 
 def worker_env(spec: ProbeSpec, env: Mapping[str, str]) -> dict[str, str]:
