@@ -62,8 +62,8 @@ def test_environment_fills_unset_options_and_arguments_win() -> None:
            "RESILIENT_STRATEGY_DISABLE_RULES": "small-dev-shm", "RESILIENT_STRATEGY_PREFER": "gloo"}
     o = opts_for(H200X2, env)
     assert (o.probe, o.timeout_s, o.budget_s) == ("never", 7.0, 28.0)
-    assert o.policy.prefer == "gloo"
-    assert opts_for(H200X2, env, prefer="nccl").policy.prefer == "nccl"
+    assert o.prefer == "gloo"
+    assert opts_for(H200X2, env, prefer="nccl").prefer == "nccl"
     assert "small-dev-shm" not in {r.id for r in o.rules}
     o = opts_for(H200X2, env, probe="force", timeout=3.0)
     assert (o.probe, o.timeout_s) == ("force", 3.0)
@@ -192,7 +192,7 @@ def test_model_gives_gradient_bytes() -> None:
     torch = pytest.importorskip("torch")
     model = torch.nn.Sequential(torch.nn.Linear(100, 10), torch.nn.Linear(10, 1))
     o = opts_for(H200X2, model=model)
-    assert o.policy.gradient_bytes == (100 * 10 + 10 + 10 + 1) * 4
+    assert o.gradient_bytes == (100 * 10 + 10 + 10 + 1) * 4
 
 
 def test_multi_node_plans_nccl_over_every_process_without_probing_or_cache(tmp_path: Path) -> None:

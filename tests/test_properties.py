@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from resilient_strategy.errors import InvalidOptionError
-from resilient_strategy.plan import Policy, plan
+from resilient_strategy.options import Options
+from resilient_strategy.plan import plan
 from resilient_strategy.rules import load_rules
 from resilient_strategy.testing import FakeProber, simulate
 from resilient_strategy.testing.strategies import global_batches, machines, outcome_tables
@@ -57,7 +58,7 @@ def test_plan_is_deterministic(facts, outcomes, g) -> None:  # type: ignore[no-u
     if g is not None and g % world:
         g = world * 8
     sel = simulate(facts, FakeProber(outcomes), framework=fw, global_batch_size=g)
-    policy = Policy(fw, global_batch_size=g, user_env=tuple(facts.env_map), world_size=world)
+    policy = Options(fw, global_batch_size=g, user_env=tuple(facts.env_map), world_size=world)
     again = [plan(facts, RULES, dict(sel.results), policy) for _ in range(2)]
     assert again[0] == again[1]
     assert again[0].chosen == sel.candidate

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from .probe import WorkerOutcome
+from ._outcome import WorkerOutcome
 from .progress import Stall, StallPolicy, StallWatcher
 
 _STDERR_TAIL_BYTES = 64 << 10

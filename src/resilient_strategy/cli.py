@@ -6,9 +6,9 @@ plan    only the plan (for the framework given, or each one installed).
 probe   prove the candidates for real (probe="force" with --force) and print the decision.
 
 ``--simulate FILE`` plans for a described machine instead (what-if before renting one): a JSON
-object with "machine" (keyword arguments of resilient_strategy.testing.machine, "links" written as
+object with "machine" (keyword arguments of resilient_strategy.simulation.machine, "links" written as
 {"0-1": 4}) or "facts" (the Facts.to_dict() form), and optionally "probes" (simulated outcomes, see
-testing.FakeProber), "framework", "global_batch_size", "gradient_bytes" and "sample_seconds". The
+simulation.SimulatedProber), "framework", "global_batch_size", "gradient_bytes" and "sample_seconds". The
 simulated machine's environment is the file's; only RESILIENT_STRATEGY_RULES and
 RESILIENT_STRATEGY_DISABLE_RULES come from yours (the rules are yours, not the machine's).
 """
@@ -26,16 +26,14 @@ from typing import Any
 from . import _env
 from .errors import ResilientStrategyError
 from .facts import Facts
-from .plan import human_duration
+from .human import human_duration
+from .simulation import SimulatedProber, load_simulation
+from .vocab import FRAMEWORKS
 
-_FRAMEWORKS = ("torch", "tensorflow")
+_FRAMEWORKS = FRAMEWORKS
 #: Variables of the user's own environment that a simulation honours (they configure this
 #: library, they do not describe the simulated machine).
 _SIMULATION_PASSTHROUGH = ("RESILIENT_STRATEGY_RULES", "RESILIENT_STRATEGY_DISABLE_RULES")
-_SIMULATION_KEYS = frozenset({
-    "what", "framework", "global_batch_size", "gradient_bytes", "sample_seconds", "machine",
-    "facts", "probes",
-})
 
 
 def _int_at_least(least: int) -> Callable[[str], int]:
@@ -76,64 +74,6 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--disable-rule", action="append", default=[], metavar="ID",
                        help="switch off a known-issue rule by id; repeatable")
     return p
-
-
-def _load_simulation(path: Path) -> tuple[Facts, dict[str, Any]]:
-    """The described machine and the rest of the file; every problem is one clean error that
-    names the file and the field."""
-    from .testing.fakes import FakeProber, machine
-
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ResilientStrategyError(f"cannot read --simulate file {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ResilientStrategyError(f"{path}: expected a JSON object")
-    described = "machine" in data or "facts" in data
-    unknown = sorted(set(data) - _SIMULATION_KEYS) if described else []
-    if unknown:
-        raise ResilientStrategyError(
-            f"{path}: unknown field(s) {unknown}; allowed: {sorted(_SIMULATION_KEYS)}")
-    _check_simulation_fields(path, data)
-    try:
-        if "machine" in data:
-            if not isinstance(data["machine"], dict):
-                raise ValueError("machine: expected an object of machine() keyword arguments")
-            facts = machine(**data["machine"])
-        else:
-            facts = Facts.from_dict(data.get("facts", data))
-    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
-        raise ResilientStrategyError(f"{path}: not a machine description: {exc}") from exc
-    probes = data.get("probes")
-    if probes is not None:
-        if not isinstance(probes, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in probes.items()
-        ):
-            raise ResilientStrategyError(
-                f'{path}: probes: expected an object of outcome strings like {{"nccl": "timeout"}}'
-                f", not {probes!r}")
-        try:
-            FakeProber(dict(probes))
-        except ValueError as exc:
-            raise ResilientStrategyError(f"{path}: probes: {exc}") from exc
-    return facts, data
-
-
-def _check_simulation_fields(path: Path, data: Mapping[str, Any]) -> None:
-    framework = data.get("framework")
-    if framework is not None and framework not in _FRAMEWORKS:
-        raise ResilientStrategyError(
-            f"{path}: framework: expected one of {_FRAMEWORKS}, not {framework!r}")
-    for key in ("global_batch_size", "gradient_bytes"):
-        value = data.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ResilientStrategyError(f"{path}: {key}: expected a positive integer, not {value!r}")
-    seconds = data.get("sample_seconds")
-    if seconds is not None and (
-        isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0
-    ):
-        raise ResilientStrategyError(
-            f"{path}: sample_seconds: expected a positive number, not {seconds!r}")
 
 
 def _frameworks(facts: Facts, asked: str | None) -> list[str]:
@@ -213,7 +153,6 @@ def _selection_text(sel: Any, show_probes: bool) -> list[str]:
 def _decide(args: argparse.Namespace, facts: Facts, sim: Mapping[str, Any] | None,
             framework: str, real_env: Mapping[str, str]) -> Any:
     from .executor import resilient_strategy
-    from .testing.fakes import FakeProber
 
     sim_data: Mapping[str, Any] = sim or {}
 
@@ -234,7 +173,7 @@ def _decide(args: argparse.Namespace, facts: Facts, sim: Mapping[str, Any] | Non
     env = _launch_env(facts, framework, sim, real_env)
     if sim is not None:
         probes = sim.get("probes")
-        prober = FakeProber(dict(probes or {}))
+        prober = SimulatedProber(dict(probes or {}))
         return resilient_strategy(
             facts=facts, env=env, cache=False, dry_run=not probes,
             _prober=prober, _clock=prober.clock, **kw,
@@ -275,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         sim: dict[str, Any] | None = None
         if args.simulate:
-            facts, sim = _load_simulation(args.simulate)
+            facts, sim = load_simulation(args.simulate)
         else:
             from .inspect import detect_facts
 

@@ -54,7 +54,15 @@ def _is_site(text: str) -> bool:
 
 
 class InvalidOptionError(ResilientStrategyError, ValueError):
-    """An argument to resilient_strategy() is out of range or inconsistent."""
+    """An argument to resilient_strategy() is out of range or inconsistent.
+
+    ``option`` names where the bad value came from: the argument (``"timeout"``) or the
+    environment variable (``"RESILIENT_STRATEGY_TIMEOUT"``); None where no single one is to blame.
+    """
+
+    def __init__(self, message: str, option: str | None = None) -> None:
+        self.option = option
+        super().__init__(message)
 
 
 class InvalidRuleError(ResilientStrategyError, ValueError):

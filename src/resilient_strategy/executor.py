@@ -9,238 +9,39 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from . import _env
-from .cache import DEFAULT_TTL_S, DecisionCache, default_dir
+from .cache import DecisionCache
 from .errors import (
-    FrameworkNotInstalledError,
-    InvalidOptionError,
     InvalidVisibleDevicesError,
     NoWorkingStrategyError,
     ResilientStrategyError,
 )
 from .facts import Facts
-from .plan import Candidate, Plan, Policy, human_bytes, human_duration, plan
+from .human import human_bytes, human_duration
+from .options import (  # noqa: F401  (options_from, gradient_bytes_of: importable from here too)
+    DEFAULT_PG_TIMEOUT_S,
+    DEFAULT_TIMEOUT_S,
+    FRAMEWORKS,
+    PROBE_MODES,
+    Options,
+    gradient_bytes_of,
+    options_from,
+)
+from .plan import Candidate, Plan, plan
 from .probe import ERROR, TIMEOUT, ProbeResult, ProbeSpec, judged_hang
-from .rules import Rule, load_rules
-from .selection import Launch, Selection
+from .rules import Rule
+from .selection import Selection
 
 log = logging.getLogger("resilient_strategy")
 
 Prober = Callable[[ProbeSpec, Mapping[str, str]], ProbeResult]
-PROBE_MODES = ("auto", "force", "never")
-DEFAULT_TIMEOUT_S = 30.0
-#: Collective timeout of the training process group. Not the probe's 30 s: a rank may rightly
-#: wait minutes for a peer that checkpoints or evaluates; not torch's 10 minutes either.
-DEFAULT_PG_TIMEOUT_S = 300.0
 MAX_ROUNDS = 32  # probes per decision, at most (the candidate set is far smaller)
-
-
-@dataclass(frozen=True)
-class Options:
-    """Every knob, validated once. Built by :func:`options_from`."""
-
-    policy: Policy
-    probe: str = "auto"
-    timeout_s: float = DEFAULT_TIMEOUT_S
-    budget_s: float = 4 * DEFAULT_TIMEOUT_S
-    pg_timeout_s: float = DEFAULT_PG_TIMEOUT_S
-    dry_run: bool = False
-    cache_dir: Path | None = None  # None: no cache
-    cache_ttl_s: float = DEFAULT_TTL_S
-    rules: tuple[Rule, ...] = ()
-    precision: str = "auto"
-    launch: Launch = field(default_factory=Launch)
-    logical_cpus: int = 0
-    framework_reason: str = ""
-
-
-def _env_list(env: Mapping[str, str], name: str, sep: str = ",") -> list[str]:
-    return [x.strip() for x in env.get(name, "").split(sep) if x.strip()]
-
-
-def _launch(env: Mapping[str, str]) -> Launch:
-    try:
-        local_world = env.get("LOCAL_WORLD_SIZE")
-        return Launch(
-            rank=int(env.get("RANK", "0")),
-            local_rank=int(env.get("LOCAL_RANK", "0")),
-            world_size=int(env.get("WORLD_SIZE", "1")),
-            local_world_size=int(local_world) if local_world else None,
-        )
-    except ValueError as exc:
-        raise InvalidOptionError(
-            f"RANK/LOCAL_RANK/WORLD_SIZE/LOCAL_WORLD_SIZE must be integers: {exc}") from exc
-
-
-def _pick_framework(framework: str | None, facts: Facts) -> tuple[str, str]:
-    aliases = {"tf": "tensorflow", "keras": "tensorflow", "pytorch": "torch"}
-    if framework is not None:
-        name = aliases.get(framework, framework)
-        if name not in ("torch", "tensorflow"):
-            raise InvalidOptionError(f"framework must be 'torch' or 'tensorflow', not {framework!r}")
-        if not facts.framework(name).installed:
-            raise FrameworkNotInstalledError(name)
-        return name, f"framework={framework!r} as asked"
-    imported = [f for f in ("torch", "tensorflow") if facts.framework(f).imported]
-    installed = [f for f in ("torch", "tensorflow") if facts.framework(f).installed]
-    if len(imported) == 1:
-        return imported[0], f"framework=None: {imported[0]} is the one already imported"
-    if len(installed) == 1:
-        return installed[0], f"framework=None: {installed[0]} is the one installed"
-    if not installed:
-        raise FrameworkNotInstalledError("torch or tensorflow")
-    raise InvalidOptionError(
-        "framework=None but both torch and tensorflow are installed"
-        + (" and imported" if imported else "")
-        + "; pass framework='torch' or framework='tensorflow'"
-    )
-
-
-def _number(name: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidOptionError(f"{name} must be a number of seconds, not {value!r}")
-    return float(value)
-
-
-def _iterable(name: str, value: Any) -> list[Any]:
-    try:
-        return list(value)
-    except TypeError:
-        raise InvalidOptionError(f"{name} must be a sequence, not {value!r}") from None
-
-
-def gradient_bytes_of(model: Any) -> int:
-    """Bytes of trainable parameters of a torch module or a Keras model (duck-typed, no import)."""
-    if hasattr(model, "parameters"):
-        return sum(
-            int(p.numel()) * int(p.element_size()) for p in model.parameters() if p.requires_grad
-        )
-    weights = getattr(model, "trainable_weights", None)
-    if weights is not None:
-        total = 0
-        for w in weights:
-            n = 1
-            for d in w.shape:
-                n *= int(d)
-            total += n * int(getattr(getattr(w, "dtype", None), "size", 4) or 4)
-        return total
-    raise InvalidOptionError("model= must be a torch.nn.Module or a Keras model")
-
-
-def options_from(
-    facts: Facts,
-    env: Mapping[str, str],
-    *,
-    framework: str | None,
-    global_batch_size: int | None,
-    devices: Sequence[int] | None,
-    probe: str | bool | None,
-    timeout: float | None,
-    prefer: str | None,
-    dry_run: bool,
-    model: Any,
-    gradient_bytes: int | None,
-    sample_seconds: float | None,
-    max_per_replica_batch: int | None,
-    rules: Sequence[str | Path | Rule],
-    disable_rules: Sequence[str],
-    cache: bool,
-    cache_dir: str | Path | None,
-    cache_ttl: float | None,
-    precision: str,
-    logical_cpus: int,
-    process_group_timeout: float | None = None,
-) -> Options:
-    """Validate every argument once; environment variables fill what was not passed."""
-    if framework is not None and not isinstance(framework, str):
-        raise InvalidOptionError(f"framework must be 'torch' or 'tensorflow', not {framework!r}")
-    timeout = _number("timeout", timeout)
-    cache_ttl = _number("cache_ttl", cache_ttl)
-    sample_seconds = _number("sample_seconds", sample_seconds)
-    if cache_ttl is not None and cache_ttl <= 0:
-        raise InvalidOptionError(f"cache_ttl must be positive seconds, not {cache_ttl!r}")
-    if devices is not None and (isinstance(devices, (str, bytes)) or not all(
-        isinstance(d, int) and not isinstance(d, bool) for d in _iterable("devices", devices)
-    )):
-        raise InvalidOptionError(
-            f"devices must be a sequence of GPU indices (ints), not {devices!r}")
-    if isinstance(rules, (str, Path)):  # one file, not a sequence of characters
-        rules = (rules,)
-    if isinstance(disable_rules, str):
-        disable_rules = (disable_rules,)
-    fw, why = _pick_framework(framework, facts)
-    if probe is None:
-        probe = env.get("RESILIENT_STRATEGY_PROBE", "auto")
-    if probe is True:
-        probe = "auto"
-    if probe is False:
-        probe = "never"
-    if probe not in PROBE_MODES:
-        raise InvalidOptionError(f"probe must be one of {PROBE_MODES} (or a bool), not {probe!r}")
-    if timeout is None:
-        try:
-            timeout = float(env.get("RESILIENT_STRATEGY_TIMEOUT", DEFAULT_TIMEOUT_S))
-        except ValueError as exc:
-            raise InvalidOptionError(f"RESILIENT_STRATEGY_TIMEOUT: {exc}") from exc
-    if not 0 < timeout <= 3600:
-        raise InvalidOptionError(f"timeout must be in (0, 3600] seconds, not {timeout!r}")
-    pg_timeout = _number("process_group_timeout", process_group_timeout)
-    if pg_timeout is None:
-        try:
-            pg_timeout = float(env.get("RESILIENT_STRATEGY_PG_TIMEOUT", DEFAULT_PG_TIMEOUT_S))
-        except ValueError as exc:
-            raise InvalidOptionError(f"RESILIENT_STRATEGY_PG_TIMEOUT: {exc}") from exc
-    if not pg_timeout > 0:
-        raise InvalidOptionError(f"process_group_timeout must be positive, not {pg_timeout!r}")
-    if precision not in ("auto", "bf16", "fp16", "fp32"):
-        raise InvalidOptionError("precision must be 'auto', 'bf16', 'fp16' or 'fp32'")
-    if model is not None and gradient_bytes is None:
-        gradient_bytes = gradient_bytes_of(model)
-    launch = _launch(env)
-    if prefer is None:
-        prefer = env.get("RESILIENT_STRATEGY_PREFER") or None
-    policy = Policy(
-        framework=fw,
-        global_batch_size=global_batch_size,
-        devices=None if devices is None else tuple(int(d) for d in devices),
-        prefer=prefer,
-        gradient_bytes=gradient_bytes,
-        sample_seconds=sample_seconds,
-        max_per_replica_batch=max_per_replica_batch,
-        world_size=launch.world_size if fw == "torch" else 1,
-        local_world_size=launch.local_world_size if fw == "torch" else None,
-        user_env=tuple(sorted(env)),
-        logical_cpus=logical_cpus,
-    )
-    extra_rules: list[str | Path | Rule] = [*_env_list(env, "RESILIENT_STRATEGY_RULES", os.pathsep)]
-    extra_rules += list(rules)
-    disabled = [*_env_list(env, "RESILIENT_STRATEGY_DISABLE_RULES"), *disable_rules]
-    # The logical-CPU test mode proves nothing about this machine's GPUs: keep it out of the cache.
-    use_cache = cache and env.get("RESILIENT_STRATEGY_CACHE", "1") != "0" and not logical_cpus
-    return Options(
-        policy=policy,
-        probe=str(probe),
-        timeout_s=float(timeout),
-        budget_s=4 * float(timeout),
-        pg_timeout_s=pg_timeout,
-        dry_run=dry_run,
-        cache_dir=(Path(cache_dir) if cache_dir else default_dir(env)) if use_cache else None,
-        cache_ttl_s=DEFAULT_TTL_S if cache_ttl is None else float(cache_ttl),
-        rules=load_rules(extra_rules, disabled),
-        precision=precision,
-        launch=launch,
-        logical_cpus=logical_cpus,
-        framework_reason=why,
-    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -252,7 +53,7 @@ DDP_BUCKET_BYTES = 25 << 20
 
 
 def spec_for(c: Candidate, opts: Options, timeout_s: float) -> ProbeSpec:
-    grad = opts.policy.gradient_bytes
+    grad = opts.gradient_bytes
     return ProbeSpec(
         candidate=c.key,
         framework=c.framework,
@@ -277,7 +78,7 @@ def decide(
 
     The probe budget is one deadline for the whole decision; each probe also has its own.
     """
-    multi_node = opts.policy.framework == "torch" and opts.policy.nodes > 1
+    multi_node = opts.framework == "torch" and opts.nodes > 1
     # Multi-node: every node must reach the same choice on its own, so neither a node's probes
     # nor its cache may sway it (the planner says so in the trace).
     cache = DecisionCache(opts.cache_dir, opts.cache_ttl_s) if opts.cache_dir and not multi_node \
@@ -289,7 +90,7 @@ def decide(
     cached_keys = set(results)
     deadline = clock() + opts.budget_s
     fresh: dict[str, ProbeResult] = {}
-    p = plan(facts, opts.rules, results, opts.policy)
+    p = plan(facts, opts.rules, results, opts)
     for _ in range(MAX_ROUNDS):
         if p.next_probe is None or opts.probe == "never" or opts.dry_run or multi_node:
             break
@@ -305,7 +106,7 @@ def decide(
         results[c.key] = res
         if res.cause != "budget":  # never probed: nothing learned about the machine to keep
             fresh[c.key] = res
-        p = plan(facts, opts.rules, results, opts.policy)
+        p = plan(facts, opts.rules, results, opts)
     if cache is not None and fresh:
         cache.store(fingerprint, fresh)
     proven = p.next_probe is None
@@ -417,11 +218,11 @@ def resilient_strategy(
         facts, opts, snapshot, prober, _clock or time.monotonic)
     if p.chosen is None:
         raise NoWorkingStrategyError(
-            opts.policy.framework, [f"{r.candidate.label}: {r.reason}" for r in p.ruled_out]
+            opts.framework, [f"{r.candidate.label}: {r.reason}" for r in p.ruled_out]
         )
     chosen = p.chosen
     to_set = _env_to_set(facts, chosen, opts, snapshot)
-    _guard(facts, opts.policy.framework, to_set)
+    _guard(facts, opts.framework, to_set)
     # Decided on a described environment (env=): nothing of this process is changed.
     applied = not opts.dry_run and env is None
     if applied:
@@ -444,13 +245,13 @@ def _advice(
     facts: Facts, opts: Options, results: Mapping[str, ProbeResult], chosen: Candidate
 ) -> Callable[[int], str | None] | None:
     """When the decision assumed a model size, a check of the real one (at ``prepare``)."""
-    if opts.policy.gradient_bytes is not None or opts.dry_run:
+    if opts.gradient_bytes is not None or opts.dry_run:
         return None
 
     def advise(gradient_bytes: int) -> str | None:
         if gradient_bytes <= 0:
             return None
-        p = plan(facts, opts.rules, results, replace(opts.policy, gradient_bytes=gradient_bytes))
+        p = plan(facts, opts.rules, results, replace(opts, gradient_bytes=gradient_bytes))
         better = p.chosen or p.next_probe
         if better is None or better.key == chosen.key:
             return None
@@ -475,7 +276,7 @@ def _check_visibility(facts: Facts) -> None:
         raise InvalidVisibleDevicesError(facts.visibility.raw or "", problem)
 
 
-GPU_FRAMEWORKS = ("torch", "tensorflow")
+GPU_FRAMEWORKS = FRAMEWORKS
 
 
 def _guard(facts: Facts, framework: str, to_set: Mapping[str, str]) -> None:
@@ -525,7 +326,7 @@ def _agreed_decision(
         return p, results, from_cache, proven
     payload = agreement.wait(deadline_s)
     results = {k: ProbeResult.from_dict(v) for k, v in payload["results"].items()}
-    p = plan(facts, opts.rules, results, opts.policy)
+    p = plan(facts, opts.rules, results, opts)
     if p.next_probe is not None and not payload["proven"]:
         p = replace(p, chosen=p.next_probe, next_probe=None)
     if (p.chosen.key if p.chosen else None) != payload["chosen"]:

@@ -11,11 +11,11 @@ from dataclasses import replace
 
 from . import _env
 from ._nvml import NvmlSnapshot, read_nvml
-from .facts import Facts, Gpu, Link, Visibility, relevant_env
+from .facts import Facts, Gpu, Visibility, relevant_env
 from .guard import first_import_site
 from .host import detect_host
 from .versions import detect_frameworks
-from .visible import VisibleDevice, resolve_visible_devices
+from .visible import VisibleDevice, renumber_links, resolve_visible_devices
 
 
 def detect_facts(
@@ -50,7 +50,7 @@ def detect_facts(
     )
     return Facts(
         gpus=tuple(_gpu(i, d, snap) for i, d in enumerate(devices)),
-        links=_links(devices, snap.links),
+        links=renumber_links(devices, snap.links),
         driver_version=snap.driver_version,
         cuda_driver_version=snap.cuda_driver_version,
         nvml_error=snap.error,
@@ -75,14 +75,3 @@ def _gpu(ordinal: int, dev: VisibleDevice, snap: NvmlSnapshot) -> Gpu:
         physical_index=parent.index,
         mig_enabled=mig is not None or parent.mig_enabled,
     )
-
-
-def _links(devices: tuple[VisibleDevice, ...], links: tuple[Link, ...]) -> tuple[Link, ...]:
-    """The physical links between whole visible GPUs, renumbered to job ordinals (a < b)."""
-    ordinal = {d.physical: i for i, d in enumerate(devices) if d.mig is None}
-    out = [
-        replace(ln, a=min(ordinal[ln.a], ordinal[ln.b]), b=max(ordinal[ln.a], ordinal[ln.b]))
-        for ln in links
-        if ln.a in ordinal and ln.b in ordinal
-    ]
-    return tuple(sorted(out, key=lambda ln: (ln.a, ln.b)))

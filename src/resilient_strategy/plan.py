@@ -10,36 +10,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
+from .candidate import Candidate
 from .errors import InvalidOptionError
+from .estimate import ASSUMED_GRADIENT_BYTES, Estimate, estimate
 from .facts import Facts
+from .human import human_bytes, human_duration
 from .probe import TIMEOUT, ProbeResult
-from .rules import BACKENDS, Rule, fired
+from .rules import Rule, fired
 
-FRAMEWORKS = ("torch", "tensorflow")
-MULTI = ("nccl", "hierarchical_copy", "reduction_to_one_device", "gloo")
+if TYPE_CHECKING:
+    from .options import Options
 
-#: Typical all-reduce bus bandwidth (GB/s) when nothing was measured. The NVLink, P2P-off,
-#: socket and gloo figures are our measurements on 2x H200 (field-notes); PCIe ones are typical
-#: PCIe 4.0 x16 figures; TF's host-staged reductions are estimates and say so.
-TYPICAL_BUS_GBPS = {
-    "nccl/nvlink": 150.0,
-    "nccl/pcie": 12.0,
-    "nccl/p2p_off/nvlink": 28.0,
-    "nccl/p2p_off/pcie": 10.0,
-    "nccl/p2p_off+shm_off": 3.8,
-    "gloo": 2.2,
-    "hierarchical_copy": 10.0,
-    "reduction_to_one_device": 8.0,
-}
-#: Effective training FLOP/s of one device by compute-capability major (conservative, fp32/tf32;
-#: 3.1e13 was measured for a 100M-parameter MLP on one H200).
-DEVICE_FLOPS = {12: 2.5e13, 10: 3.0e13, 9: 3.0e13, 8: 1.5e13, 7: 7e12, 6: 3e12, 0: 3e12}
-CPU_FLOPS = 2e11
-ASSUMED_GRADIENT_BYTES = 100 << 20  # ResNet-50: 25.6M fp32 parameters
-ASSUMED_SAMPLE_FLOPS = 1.2e10  # ResNet-50 at 224x224: ~4.1 GFLOPs forward, x3 for training
-ASSUMED_GLOBAL_BATCH = 256
+__all__ = ["Candidate", "Estimate", "Plan", "Ranked", "RuledOut", "estimate", "plan", "split_batch"]
+
 _REMEDY_FOR_CAUSE = {
     "shared_memory": ({"NCCL_SHM_DISABLE": "1"},),
     "cuda_error": ({"NCCL_P2P_DISABLE": "1"}, {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}),
@@ -61,121 +46,6 @@ _SETUP_HANG_REMEDIES = ({"NCCL_SOCKET_IFNAME": "lo"}, {"NCCL_P2P_DISABLE": "1"})
 #: A remedy that fails with another cause gets that cause's first remedy on top, while the
 #: variables it sets number at most this (bounded: each combination is one more probe).
 MAX_COMPOSED_VARS = 3
-
-
-@dataclass(frozen=True)
-class Policy:
-    """What the user asked for, validated once."""
-
-    framework: str
-    global_batch_size: int | None = None
-    devices: tuple[int, ...] | None = None  # subset of visible GPU ordinals
-    prefer: str | None = None
-    gradient_bytes: int | None = None  # model gradient size, for speed estimates
-    sample_seconds: float | None = None  # measured compute seconds per sample on one device
-    max_per_replica_batch: int | None = None
-    world_size: int = 1  # processes started by a launcher (torchrun); 1 = plain python
-    local_world_size: int | None = None  # of them on this node (None: all; < world_size: multi-node)
-    user_env: tuple[str, ...] = ()  # names of variables the user set (never overridden)
-    logical_cpus: int = 0  # TensorFlow test mode: N logical CPU devices stand in for GPUs
-
-    @property
-    def nodes(self) -> int:
-        """Nodes of a launcher's job (1 unless WORLD_SIZE > LOCAL_WORLD_SIZE)."""
-        return self.world_size // (self.local_world_size or self.world_size)
-
-    def __post_init__(self) -> None:
-        if self.framework not in FRAMEWORKS:
-            raise InvalidOptionError(f"framework must be one of {FRAMEWORKS}, not {self.framework!r}")
-        for name in ("global_batch_size", "gradient_bytes", "max_per_replica_batch", "world_size",
-                     "local_world_size"):
-            value = getattr(self, name)
-            if value is not None and (
-                not isinstance(value, int) or isinstance(value, bool) or value < 1
-            ):
-                raise InvalidOptionError(f"{name} must be a positive integer, not {value!r}")
-        if self.prefer is not None and self.prefer not in BACKENDS:
-            raise InvalidOptionError(f"prefer must be one of {BACKENDS}, not {self.prefer!r}")
-        if self.devices is not None and (not self.devices or len(set(self.devices)) != len(self.devices)):
-            raise InvalidOptionError(f"devices must be distinct GPU indices, not {self.devices!r}")
-        if self.logical_cpus and (self.framework != "tensorflow" or self.logical_cpus < 1):
-            raise InvalidOptionError("logical_cpus is a TensorFlow test mode: a positive count")
-        if self.sample_seconds is not None and not self.sample_seconds > 0:
-            raise InvalidOptionError("sample_seconds must be positive")
-        if self.local_world_size is not None and (
-            self.local_world_size > self.world_size or self.world_size % self.local_world_size
-        ):
-            raise InvalidOptionError(
-                f"LOCAL_WORLD_SIZE={self.local_world_size} does not divide WORLD_SIZE="
-                f"{self.world_size}: every node must run the same number of processes"
-            )
-        g, w = self.global_batch_size, self.world_size
-        if g is not None and w > 1 and g % w:
-            raise InvalidOptionError(
-                f"global_batch_size={g} cannot be split exactly over the {w} processes the "
-                f"launcher started; use a multiple of {w}"
-            )
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One way to train: a backend on devices, with its env and batch split."""
-
-    framework: str
-    backend: str
-    devices: tuple[int, ...]
-    env: tuple[tuple[str, str], ...] = ()
-    num_replicas: int = 1
-    accumulation_steps: int = 1
-    per_replica_batch_size: int | None = None
-    global_batch_size: int | None = None
-    origin: str = "chain"  # "chain", a rule id, or "after <cause>"
-    first: bool = False  # a remedy to try before plain NCCL
-
-    @property
-    def key(self) -> str:
-        env = ";".join(f"{k}={v}" for k, v in self.env)
-        devs = ",".join(map(str, self.devices)) or "cpu"
-        return f"{self.framework}:{self.backend}:{devs}" + (f":{env}" if env else "")
-
-    @property
-    def needs_probe(self) -> bool:
-        """Multi-replica candidates run a collective, which must be proven before use."""
-        return self.backend in MULTI
-
-    @property
-    def label(self) -> str:
-        names = {
-            "nccl": "NCCL", "hierarchical_copy": "MirroredStrategy + HierarchicalCopyAllReduce",
-            "reduction_to_one_device": "MirroredStrategy + ReductionToOneDevice",
-            "gloo": "gloo", "single_device": "one GPU", "cpu": "CPU",
-        }
-        text = names[self.backend]
-        if self.backend == "nccl" and self.framework == "tensorflow":
-            text = "MirroredStrategy + NCCL"
-        if self.devices and self.backend != "cpu":
-            text += f" on GPU{'s' if len(self.devices) > 1 else ''} {','.join(map(str, self.devices))}"
-        elif self.num_replicas > 1:
-            text += f" on {self.num_replicas} CPU processes"
-        if self.env:
-            text += " with " + " ".join(f"{k}={v}" for k, v in self.env)
-        return text
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "key": self.key, "label": self.label, "framework": self.framework,
-            "backend": self.backend, "devices": list(self.devices), "env": dict(self.env),
-            "num_replicas": self.num_replicas, "accumulation_steps": self.accumulation_steps,
-            "per_replica_batch_size": self.per_replica_batch_size,
-            "global_batch_size": self.global_batch_size, "origin": self.origin,
-        }
-
-
-@dataclass(frozen=True)
-class Estimate:
-    step_seconds: float  # per global batch
-    bus_gbps: float | None
-    basis: str  # words: where the numbers came from
 
 
 @dataclass(frozen=True)
@@ -247,7 +117,7 @@ def plan(
     facts: Facts,
     rules: Sequence[Rule],
     results: Mapping[str, ProbeResult],
-    policy: Policy,
+    policy: Options,
 ) -> Plan:
     """Order every way to train on this machine, best first, and say why."""
     b = _Build()
@@ -279,7 +149,7 @@ def plan(
     )
 
 
-def _usable_gpus(facts: Facts, policy: Policy, b: _Build) -> tuple[int, ...]:
+def _usable_gpus(facts: Facts, policy: Options, b: _Build) -> tuple[int, ...]:
     visible = tuple(g.index for g in facts.gpus)
     if facts.nvml_error and not visible:
         b.trace.append(f"No GPU facts: {facts.nvml_error}.")
@@ -310,7 +180,7 @@ def _describe_facts(facts: Facts, fw: str, n: int) -> str:
 
 
 def _chain(
-    fw: str, gpus: tuple[int, ...], has_cuda: bool, policy: Policy, b: _Build
+    fw: str, gpus: tuple[int, ...], has_cuda: bool, policy: Options, b: _Build
 ) -> tuple[list[Candidate], int]:
     """The static chain for this framework, before rules and results, and the number of
     devices the best plan would use (the one-device fallbacks accumulate that many steps)."""
@@ -361,7 +231,7 @@ def _chain(
     return out, reference
 
 
-def _user_set(policy: Policy, env: Mapping[str, str]) -> list[str]:
+def _user_set(policy: Options, env: Mapping[str, str]) -> list[str]:
     return sorted(k for k in env if k in policy.user_env)
 
 
@@ -372,7 +242,7 @@ def _with_env(c: Candidate, env: Mapping[str, str], origin: str, first: bool = F
 
 
 def _apply_rules(
-    cands: list[Candidate], hits: Sequence[Rule], policy: Policy, b: _Build
+    cands: list[Candidate], hits: Sequence[Rule], policy: Options, b: _Build
 ) -> list[Candidate]:
     for rule in hits:
         cite = f"[{rule.id}] {rule.message} (source: {rule.source})"
@@ -433,7 +303,7 @@ def _env_text(env: Mapping[str, str]) -> str:
 
 
 def _apply_results(
-    cands: list[Candidate], results: Mapping[str, ProbeResult], policy: Policy, b: _Build
+    cands: list[Candidate], results: Mapping[str, ProbeResult], policy: Options, b: _Build
 ) -> list[Candidate]:
     out: list[Candidate] = []
     queue = list(cands)
@@ -482,7 +352,7 @@ def _apply_results(
 
 
 def _split_batches(
-    cands: list[Candidate], policy: Policy, b: _Build, reference: int
+    cands: list[Candidate], policy: Options, b: _Build, reference: int
 ) -> list[Candidate]:
     g = policy.global_batch_size
     top = max([reference, *(c.num_replicas for c in cands)])
@@ -556,78 +426,13 @@ def _dedupe_backends(cands: Sequence[Candidate]) -> list[Candidate]:
 
 
 # --------------------------------------------------------------------------------------------
-# Estimates and ranking
+# Ranking (the cost model is estimate.py)
 # --------------------------------------------------------------------------------------------
-def _typical_bus(c: Candidate, facts: Facts) -> tuple[float | None, str]:
-    if c.num_replicas <= 1:
-        return None, ""
-    if c.backend != "nccl":
-        key = c.backend
-    else:
-        env = dict(c.env)
-        nvlink = all(
-            (ln := facts.link(a, b2)) is not None and ln.nvlinks > 0
-            for i, a in enumerate(c.devices) for b2 in c.devices[i + 1 :]
-        ) and len(c.devices) >= 2
-        p2p_off, shm_off = env.get("NCCL_P2P_DISABLE") == "1", env.get("NCCL_SHM_DISABLE") == "1"
-        link = "nvlink" if nvlink else "pcie"
-        if p2p_off and shm_off:
-            key = "nccl/p2p_off+shm_off"
-        elif p2p_off:
-            key = f"nccl/p2p_off/{link}"
-        else:
-            key = f"nccl/{link}"
-    return TYPICAL_BUS_GBPS[key], f"typical {key} figure"
-
-
-def _flops(facts: Facts, c: Candidate) -> float:
-    if c.backend == "cpu" or not c.devices:
-        return CPU_FLOPS
-    majors = [g.compute_capability[0] for g in facts.gpus
-              if g.index in c.devices and g.compute_capability != (0, 0)]  # (0, 0): unread
-    if not majors:
-        majors = [g.compute_capability[0] for g in facts.gpus if g.compute_capability != (0, 0)]
-    major = min(majors) if majors else 8  # nothing known: a middling GPU, the same for all
-    return DEVICE_FLOPS.get(major, DEVICE_FLOPS[0] if major < 7 else DEVICE_FLOPS[9])
-
-
-def estimate(
-    c: Candidate, facts: Facts, result: ProbeResult | None, policy: Policy
-) -> Estimate:
-    """Seconds per global batch: compute split over replicas plus the part of one gradient
-    all-reduce that backward does not hide (DDP overlaps it with backward, about 2/3 of compute;
-    Keras fit reduces after backward, so TensorFlow hides none)."""
-    known_model = policy.gradient_bytes is not None
-    grad = policy.gradient_bytes or ASSUMED_GRADIENT_BYTES
-    g = policy.global_batch_size or ASSUMED_GLOBAL_BATCH
-    if policy.sample_seconds is not None:
-        per_sample, how = policy.sample_seconds, "measured compute"
-        if c.backend == "cpu" and facts.gpus:  # measured on a GPU: a CPU is that much slower
-            per_sample *= _flops(facts, replace(c, backend="single_device", devices=(0,))) / CPU_FLOPS
-    elif known_model:
-        per_sample = 6 * (grad / 4) / _flops(facts, c)
-        how = "compute from 6 FLOPs/parameter/sample"
-    else:
-        per_sample = ASSUMED_SAMPLE_FLOPS / _flops(facts, c)
-        how = "compute of a ResNet-50-sized model"
-    r = c.num_replicas
-    compute = g * per_sample / r
-    bus: float | None
-    if result is not None and result.ok and result.bus_bandwidth_gbps:
-        bus, bus_how = result.bus_bandwidth_gbps, "measured bus bandwidth"
-    else:
-        bus, bus_how = _typical_bus(c, facts)
-    comm = grad * 2 * (r - 1) / r / (bus * 1e9) if bus else 0.0
-    hidden = compute * 2 / 3 if c.framework == "torch" else 0.0
-    basis = how + (f", {bus_how} {bus:g} GB/s" if bus else "")
-    return Estimate(step_seconds=compute + max(0.0, comm - hidden), bus_gbps=bus, basis=basis)
-
-
 def _rank(
     cands: list[Candidate],
     facts: Facts,
     results: Mapping[str, ProbeResult],
-    policy: Policy,
+    policy: Options,
     b: _Build,
 ) -> list[Ranked]:
     ranked = [Ranked(c, estimate(c, facts, results.get(c.key), policy), results.get(c.key)) for c in cands]
@@ -668,20 +473,6 @@ def _rank(
         ) + "." + cpu_note
     )
     return ranked
-
-
-def human_bytes(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n} B"
-
-
-def human_duration(seconds: float) -> str:
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if seconds >= scale:
-            return f"{seconds / scale:.3g} {unit}"
-    return f"{seconds * 1e9:.3g} ns"
 
 
 def _choose(ranked: Sequence[Ranked], b: _Build) -> tuple[Candidate | None, Candidate | None]:

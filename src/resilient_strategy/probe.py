@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
+from ._outcome import WorkerOutcome
+
 
 class Stall(Protocol):
     """What :class:`resilient_strategy.progress.Stall` offers here (the planner imports this
@@ -246,19 +248,6 @@ def classify(text: str) -> str:
 def tail(text: str, lines: int = 20, chars: int = 4000) -> str:
     """The last lines of a text, bounded in size."""
     return "\n".join(text.rstrip().splitlines()[-lines:])[-chars:]
-
-
-@dataclass(frozen=True)
-class WorkerOutcome:
-    """What the process runner saw of one worker."""
-
-    rank: int
-    returncode: int | None  # None: killed by the runner (deadline or a peer failed)
-    signal: int | None = None  # the signal that ended it, when one did
-    report: str = ""  # the JSON text the worker wrote ("" when none)
-    stderr: str = ""
-    killed_by_runner: bool = False
-    failed_first: bool = False  # its failure made the runner stop the others
 
 
 def parse_probe(

@@ -28,6 +28,7 @@ from packaging.version import InvalidVersion, Version
 
 from .errors import InvalidOptionError, InvalidRuleError
 from .facts import Facts, Gpu
+from .vocab import BACKENDS, FRAMEWORKS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -35,8 +36,6 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 EFFECTS = ("veto", "prefer", "remedy", "set_env", "warn")
-BACKENDS = ("nccl", "hierarchical_copy", "reduction_to_one_device", "gloo", "single_device", "cpu")
-FRAMEWORKS = ("torch", "tensorflow")
 _OPS = ("<=", ">=", "==", "!=", "<", ">", "matches", "contains", "in")
 _CLAUSE = re.compile(
     r"^\s*(?P<neg>not\s+)?(?P<fact>[a-z_]+\.[A-Za-z0-9_]+|framework)"

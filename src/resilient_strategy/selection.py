@@ -14,9 +14,13 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from .candidate import Candidate
 from .facts import Facts
-from .plan import Candidate, Plan
+from .options import Launch, gradient_bytes_of
+from .plan import Plan
 from .probe import ProbeResult
+
+__all__ = ["Launch", "Selection"]
 
 T = TypeVar("T")
 log = logging.getLogger("resilient_strategy")
@@ -39,24 +43,6 @@ class _Once(Generic[T]):
     @property
     def built(self) -> bool:
         return bool(self._value)
-
-
-@dataclass(frozen=True)
-class Launch:
-    """Where this process sits in a launcher's job (torchrun); (0, 0, 1) for plain python."""
-
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    local_world_size: int | None = None  # None: every process is on this node
-
-    @property
-    def launched(self) -> bool:
-        return self.world_size > 1
-
-    @property
-    def multi_node(self) -> bool:
-        return self.local_world_size is not None and self.local_world_size < self.world_size
 
 
 @dataclass(frozen=True)
@@ -305,8 +291,6 @@ class Selection:
         for more loaders (``prepare(None, None, val_loader)``)."""
         self._leave_if_idle()
         if model is not None and self.advise is not None and self.is_main_process:
-            from .executor import gradient_bytes_of
-
             advice = self.advise(gradient_bytes_of(model))
             if advice:
                 log.warning("resilient_strategy: %s", advice)

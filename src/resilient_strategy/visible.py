@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from .facts import Visibility
+from .facts import Link, Visibility
 
 _INDEX = re.compile(r"[+-]?\d+")
 
@@ -198,3 +198,17 @@ def _uuid_miss(hits: Sequence[object], uuids: list[str]) -> str:
     if hits:
         return f"is ambiguous (matches {', '.join(uuids)})"
     return "matches no UUID that `nvidia-smi -L` lists"
+
+
+def renumber_links(devices: Sequence[VisibleDevice], links: Sequence[Link]) -> tuple[Link, ...]:
+    """The physical links between whole visible GPUs, renumbered to job ordinals (a < b), sorted.
+
+    The one implementation: inspection and described machines both use it."""
+    ordinal = {d.physical: i for i, d in enumerate(devices) if d.mig is None}
+    out = [
+        replace(ln, a=min(ordinal[ln.a], ordinal[ln.b]), b=max(ordinal[ln.a], ordinal[ln.b]))
+        for ln in links
+        if ln.a in ordinal and ln.b in ordinal
+    ]
+    return tuple(sorted(out, key=lambda ln: (ln.a, ln.b)))
+

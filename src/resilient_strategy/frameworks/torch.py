@@ -46,6 +46,7 @@ from datetime import timedelta
 from typing import Any
 
 from ..errors import InvalidOptionError
+from ..vocab import PRECISIONS
 
 BACKENDS = ("nccl", "gloo", "single_device", "cpu")
 _EXIT_HOOK: list[bool] = []
@@ -60,7 +61,6 @@ def _collect_before_exit() -> None:
     if not _EXIT_HOOK:
         _EXIT_HOOK.append(True)
         atexit.register(gc.collect)
-PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,110 @@
+"""The cost model: seconds per global batch of a candidate on these facts.
+
+Typical bus bandwidths and device FLOP/s stand in where nothing was measured; a probe's measured
+bandwidth replaces the typical figure. The planner orders candidates by :func:`estimate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from .candidate import Candidate
+from .facts import Facts
+from .probe import ProbeResult
+
+if TYPE_CHECKING:
+    from .options import Options
+
+#: Typical all-reduce bus bandwidth (GB/s) when nothing was measured. The NVLink, P2P-off,
+#: socket and gloo figures are our measurements on 2x H200 (field-notes); PCIe ones are typical
+#: PCIe 4.0 x16 figures; TF's host-staged reductions are estimates and say so.
+TYPICAL_BUS_GBPS = {
+    "nccl/nvlink": 150.0,
+    "nccl/pcie": 12.0,
+    "nccl/p2p_off/nvlink": 28.0,
+    "nccl/p2p_off/pcie": 10.0,
+    "nccl/p2p_off+shm_off": 3.8,
+    "gloo": 2.2,
+    "hierarchical_copy": 10.0,
+    "reduction_to_one_device": 8.0,
+}
+#: Effective training FLOP/s of one device by compute-capability major (conservative, fp32/tf32;
+#: 3.1e13 was measured for a 100M-parameter MLP on one H200).
+DEVICE_FLOPS = {12: 2.5e13, 10: 3.0e13, 9: 3.0e13, 8: 1.5e13, 7: 7e12, 6: 3e12, 0: 3e12}
+CPU_FLOPS = 2e11
+ASSUMED_GRADIENT_BYTES = 100 << 20  # ResNet-50: 25.6M fp32 parameters
+ASSUMED_SAMPLE_FLOPS = 1.2e10  # ResNet-50 at 224x224: ~4.1 GFLOPs forward, x3 for training
+ASSUMED_GLOBAL_BATCH = 256
+
+
+@dataclass(frozen=True)
+class Estimate:
+    step_seconds: float  # per global batch
+    bus_gbps: float | None
+    basis: str  # words: where the numbers came from
+
+
+def _typical_bus(c: Candidate, facts: Facts) -> tuple[float | None, str]:
+    if c.num_replicas <= 1:
+        return None, ""
+    if c.backend != "nccl":
+        key = c.backend
+    else:
+        env = dict(c.env)
+        nvlink = all(
+            (ln := facts.link(a, b2)) is not None and ln.nvlinks > 0
+            for i, a in enumerate(c.devices) for b2 in c.devices[i + 1 :]
+        ) and len(c.devices) >= 2
+        p2p_off, shm_off = env.get("NCCL_P2P_DISABLE") == "1", env.get("NCCL_SHM_DISABLE") == "1"
+        link = "nvlink" if nvlink else "pcie"
+        if p2p_off and shm_off:
+            key = "nccl/p2p_off+shm_off"
+        elif p2p_off:
+            key = f"nccl/p2p_off/{link}"
+        else:
+            key = f"nccl/{link}"
+    return TYPICAL_BUS_GBPS[key], f"typical {key} figure"
+
+
+def _flops(facts: Facts, c: Candidate) -> float:
+    if c.backend == "cpu" or not c.devices:
+        return CPU_FLOPS
+    majors = [g.compute_capability[0] for g in facts.gpus
+              if g.index in c.devices and g.compute_capability != (0, 0)]  # (0, 0): unread
+    if not majors:
+        majors = [g.compute_capability[0] for g in facts.gpus if g.compute_capability != (0, 0)]
+    major = min(majors) if majors else 8  # nothing known: a middling GPU, the same for all
+    return DEVICE_FLOPS.get(major, DEVICE_FLOPS[0] if major < 7 else DEVICE_FLOPS[9])
+
+
+def estimate(
+    c: Candidate, facts: Facts, result: ProbeResult | None, policy: Options
+) -> Estimate:
+    """Seconds per global batch: compute split over replicas plus the part of one gradient
+    all-reduce that backward does not hide (DDP overlaps it with backward, about 2/3 of compute;
+    Keras fit reduces after backward, so TensorFlow hides none)."""
+    known_model = policy.gradient_bytes is not None
+    grad = policy.gradient_bytes or ASSUMED_GRADIENT_BYTES
+    g = policy.global_batch_size or ASSUMED_GLOBAL_BATCH
+    if policy.sample_seconds is not None:
+        per_sample, how = policy.sample_seconds, "measured compute"
+        if c.backend == "cpu" and facts.gpus:  # measured on a GPU: a CPU is that much slower
+            per_sample *= _flops(facts, replace(c, backend="single_device", devices=(0,))) / CPU_FLOPS
+    elif known_model:
+        per_sample = 6 * (grad / 4) / _flops(facts, c)
+        how = "compute from 6 FLOPs/parameter/sample"
+    else:
+        per_sample = ASSUMED_SAMPLE_FLOPS / _flops(facts, c)
+        how = "compute of a ResNet-50-sized model"
+    r = c.num_replicas
+    compute = g * per_sample / r
+    bus: float | None
+    if result is not None and result.ok and result.bus_bandwidth_gbps:
+        bus, bus_how = result.bus_bandwidth_gbps, "measured bus bandwidth"
+    else:
+        bus, bus_how = _typical_bus(c, facts)
+    comm = grad * 2 * (r - 1) / r / (bus * 1e9) if bus else 0.0
+    hidden = compute * 2 / 3 if c.framework == "torch" else 0.0
+    basis = how + (f", {bus_how} {bus:g} GB/s" if bus else "")
+    return Estimate(step_seconds=compute + max(0.0, comm - hidden), bus_gbps=bus, basis=basis)

@@ -1,0 +1,384 @@
+"""Options: every knob of a decision, as one frozen value, validated once.
+
+:func:`options_from` reads the arguments of ``resilient_strategy()`` and the environment
+(explicit argument > the user's environment > our default) and builds :class:`Options`, whose
+``__post_init__`` checks every field's type and range. Each error names the argument or the
+environment variable the bad value came from. Adding an option touches this module, the
+``resilient_strategy()`` signature and the README table.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .cache import DEFAULT_TTL_S, default_dir
+from .errors import FrameworkNotInstalledError, InvalidOptionError
+from .facts import Facts
+from .rules import Rule, load_rules
+from .vocab import (
+    BACKENDS,
+    FRAMEWORK_ALIASES,
+    FRAMEWORKS,
+    MULTI_BACKENDS,
+    PRECISIONS,
+    PROBE_MODES,
+)
+
+__all__ = [
+    "BACKENDS", "DEFAULT_PG_TIMEOUT_S", "DEFAULT_TIMEOUT_S", "FRAMEWORKS", "FRAMEWORK_ALIASES",
+    "MULTI_BACKENDS", "PRECISIONS", "PROBE_MODES", "Launch", "Options", "gradient_bytes_of",
+    "options_from",
+]
+
+DEFAULT_TIMEOUT_S = 30.0
+#: Collective timeout of the training process group. Not the probe's 30 s: a rank may rightly
+#: wait minutes for a peer that checkpoints or evaluates; not torch's 10 minutes either.
+DEFAULT_PG_TIMEOUT_S = 300.0
+
+# ----- ranges (inclusive upper bounds) -------------------------------------------------------
+MAX_TIMEOUT_S = 3600.0  # one probe
+MAX_PG_TIMEOUT_S = 7 * 86400.0  # a training collective: a week (timedelta and NCCL take it)
+MAX_CACHE_TTL_S = 366 * 86400.0
+MAX_SAMPLE_SECONDS = 3600.0
+#: Batch sizes fit a 32-bit integer; beyond, the divisor search of the batch split would take
+#: minutes for nothing a DataLoader could feed.
+MAX_BATCH = 2**31 - 1
+MAX_GRADIENT_BYTES = 2**50  # a pebibyte of gradients
+MAX_LOGICAL_CPUS = 1024
+MAX_WORLD_SIZE = 2**20
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Where this process sits in a launcher's job (torchrun); (0, 0, 1) for plain python."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int | None = None  # None: every process is on this node
+
+    @property
+    def launched(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def multi_node(self) -> bool:
+        return self.local_world_size is not None and self.local_world_size < self.world_size
+
+
+@dataclass(frozen=True)
+class Options:
+    """Every knob of one decision, validated once (in ``__post_init__``). Built by
+    :func:`options_from`; the planner reads it as its policy.
+
+    ``world_size``/``local_world_size`` are the processes the planner splits over: the
+    launcher's for PyTorch, 1 for TensorFlow (one process drives every GPU). ``launch`` is where
+    this process sits in the launcher's job, whatever the framework.
+    """
+
+    framework: str
+    global_batch_size: int | None = None
+    devices: tuple[int, ...] | None = None  # subset of visible GPU ordinals
+    prefer: str | None = None
+    gradient_bytes: int | None = None  # model gradient size, for speed estimates
+    sample_seconds: float | None = None  # measured compute seconds per sample on one device
+    max_per_replica_batch: int | None = None
+    world_size: int = 1  # processes started by a launcher (torchrun); 1 = plain python
+    local_world_size: int | None = None  # of them on this node (None: all; < world_size: multi-node)
+    user_env: tuple[str, ...] = ()  # names of variables the user set (never overridden)
+    logical_cpus: int = 0  # TensorFlow test mode: N logical CPU devices stand in for GPUs
+    probe: str = "auto"
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    budget_s: float = 4 * DEFAULT_TIMEOUT_S
+    pg_timeout_s: float = DEFAULT_PG_TIMEOUT_S
+    dry_run: bool = False
+    cache_dir: Path | None = None  # None: no cache
+    cache_ttl_s: float = DEFAULT_TTL_S
+    rules: tuple[Rule, ...] = ()
+    precision: str = "auto"
+    launch: Launch = field(default_factory=Launch)
+    framework_reason: str = ""
+
+    @property
+    def nodes(self) -> int:
+        """Nodes of a launcher's job (1 unless WORLD_SIZE > LOCAL_WORLD_SIZE)."""
+        return self.world_size // (self.local_world_size or self.world_size)
+
+    def __post_init__(self) -> None:
+        if self.framework not in FRAMEWORKS:
+            raise InvalidOptionError(f"framework must be one of {FRAMEWORKS}, not {self.framework!r}",
+                                     "framework")
+        for name, top in (("global_batch_size", MAX_BATCH), ("gradient_bytes", MAX_GRADIENT_BYTES),
+                          ("max_per_replica_batch", MAX_BATCH), ("world_size", MAX_WORLD_SIZE),
+                          ("local_world_size", MAX_WORLD_SIZE)):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= top
+            ):
+                raise InvalidOptionError(
+                    f"{name} must be a positive integer (at most {top}), not {value!r}", name)
+        if self.prefer is not None and self.prefer not in BACKENDS:
+            raise InvalidOptionError(f"prefer must be one of {BACKENDS}, not {self.prefer!r}", "prefer")
+        if self.devices is not None and (
+            not self.devices or len(set(self.devices)) != len(self.devices)
+            or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in self.devices)
+        ):
+            raise InvalidOptionError(f"devices must be distinct GPU indices, not {self.devices!r}",
+                                     "devices")
+        if isinstance(self.logical_cpus, bool) or not isinstance(self.logical_cpus, int) \
+                or not 0 <= self.logical_cpus <= MAX_LOGICAL_CPUS:
+            raise InvalidOptionError(
+                f"logical_cpus must be a count from 0 to {MAX_LOGICAL_CPUS}, not "
+                f"{self.logical_cpus!r}", "logical_cpus")
+        if self.logical_cpus and self.framework != "tensorflow":
+            raise InvalidOptionError("logical_cpus is a TensorFlow test mode: a positive count",
+                                     "logical_cpus")
+        _check_seconds("sample_seconds", self.sample_seconds, MAX_SAMPLE_SECONDS)
+        _check_seconds("timeout", self.timeout_s, MAX_TIMEOUT_S)
+        _check_seconds("process_group_timeout", self.pg_timeout_s, MAX_PG_TIMEOUT_S)
+        _check_seconds("cache_ttl", self.cache_ttl_s, MAX_CACHE_TTL_S)
+        if self.probe not in PROBE_MODES:
+            raise InvalidOptionError(
+                f"probe must be one of {PROBE_MODES} (or a bool), not {self.probe!r}", "probe")
+        if self.precision not in PRECISIONS:
+            raise InvalidOptionError(f"precision must be one of {PRECISIONS}, not {self.precision!r}",
+                                     "precision")
+        if self.local_world_size is not None and (
+            self.local_world_size > self.world_size or self.world_size % self.local_world_size
+        ):
+            raise InvalidOptionError(
+                f"LOCAL_WORLD_SIZE={self.local_world_size} does not divide WORLD_SIZE="
+                f"{self.world_size}: every node must run the same number of processes",
+                "LOCAL_WORLD_SIZE",
+            )
+        g, w = self.global_batch_size, self.world_size
+        if g is not None and w > 1 and g % w:
+            raise InvalidOptionError(
+                f"global_batch_size={g} cannot be split exactly over the {w} processes the "
+                f"launcher started; use a multiple of {w}", "global_batch_size"
+            )
+
+
+def _check_seconds(name: str, value: float | None, top: float) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+        math.isfinite(value) and 0 < value <= top
+    ):
+        raise InvalidOptionError(
+            f"{name} must be a number of seconds in (0, {top:g}], not {value!r}", name)
+
+
+# --------------------------------------------------------------------------------------------
+# Reading the arguments and the environment
+# --------------------------------------------------------------------------------------------
+def _env_list(env: Mapping[str, str], name: str, sep: str = ",") -> list[str]:
+    return [x.strip() for x in env.get(name, "").split(sep) if x.strip()]
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int | None) -> int | None:
+    text = env.get(name)
+    if text is None or (text == "" and name == "LOCAL_WORLD_SIZE"):
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidOptionError(f"{name}={text!r}: expected an integer", name) from None
+
+
+def _env_seconds(env: Mapping[str, str], name: str, default: float, top: float) -> float:
+    text = env.get(name)
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= top):
+        raise InvalidOptionError(
+            f"{name}={text!r}: expected a number of seconds in (0, {top:g}]", name)
+    return value
+
+
+def _launch(env: Mapping[str, str]) -> Launch:
+    rank = _env_int(env, "RANK", 0)
+    local_rank = _env_int(env, "LOCAL_RANK", 0)
+    world = _env_int(env, "WORLD_SIZE", 1)
+    local_world = _env_int(env, "LOCAL_WORLD_SIZE", None)
+    assert rank is not None and local_rank is not None and world is not None
+    if not 1 <= world <= MAX_WORLD_SIZE:
+        raise InvalidOptionError(
+            f"WORLD_SIZE={world}: expected 1 to {MAX_WORLD_SIZE} processes", "WORLD_SIZE")
+    if not 0 <= rank < world:
+        raise InvalidOptionError(f"RANK={rank}: expected 0 to WORLD_SIZE-1 ({world - 1})", "RANK")
+    if local_world is not None and not 1 <= local_world <= world:
+        raise InvalidOptionError(
+            f"LOCAL_WORLD_SIZE={local_world}: expected 1 to WORLD_SIZE ({world})",
+            "LOCAL_WORLD_SIZE")
+    if not 0 <= local_rank < (local_world or world):
+        raise InvalidOptionError(
+            f"LOCAL_RANK={local_rank}: expected 0 to {(local_world or world) - 1}", "LOCAL_RANK")
+    return Launch(rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world)
+
+
+def _pick_framework(framework: str | None, facts: Facts) -> tuple[str, str]:
+    if framework is not None:
+        name = FRAMEWORK_ALIASES.get(framework, framework)
+        if name not in FRAMEWORKS:
+            raise InvalidOptionError(
+                f"framework must be 'torch' or 'tensorflow', not {framework!r}", "framework")
+        if not facts.framework(name).installed:
+            raise FrameworkNotInstalledError(name)
+        return name, f"framework={framework!r} as asked"
+    imported = [f for f in FRAMEWORKS if facts.framework(f).imported]
+    installed = [f for f in FRAMEWORKS if facts.framework(f).installed]
+    if len(imported) == 1:
+        return imported[0], f"framework=None: {imported[0]} is the one already imported"
+    if len(installed) == 1:
+        return installed[0], f"framework=None: {installed[0]} is the one installed"
+    if not installed:
+        raise FrameworkNotInstalledError("torch or tensorflow")
+    raise InvalidOptionError(
+        "framework=None but both torch and tensorflow are installed"
+        + (" and imported" if imported else "")
+        + "; pass framework='torch' or framework='tensorflow'",
+        "framework",
+    )
+
+
+def _number(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidOptionError(f"{name} must be a number of seconds, not {value!r}", name)
+    return float(value)
+
+
+def _iterable(name: str, value: Any) -> list[Any]:
+    try:
+        return list(value)
+    except TypeError:
+        raise InvalidOptionError(f"{name} must be a sequence, not {value!r}", name) from None
+
+
+def gradient_bytes_of(model: Any) -> int:
+    """Bytes of trainable parameters of a torch module or a Keras model (duck-typed, no import)."""
+    if hasattr(model, "parameters"):
+        return sum(
+            int(p.numel()) * int(p.element_size()) for p in model.parameters() if p.requires_grad
+        )
+    weights = getattr(model, "trainable_weights", None)
+    if weights is not None:
+        total = 0
+        for w in weights:
+            n = 1
+            for d in w.shape:
+                n *= int(d)
+            total += n * int(getattr(getattr(w, "dtype", None), "size", 4) or 4)
+        return total
+    raise InvalidOptionError("model= must be a torch.nn.Module or a Keras model", "model")
+
+
+def options_from(
+    facts: Facts,
+    env: Mapping[str, str],
+    *,
+    framework: str | None,
+    global_batch_size: int | None,
+    devices: Sequence[int] | None,
+    probe: str | bool | None,
+    timeout: float | None,
+    prefer: str | None,
+    dry_run: bool,
+    model: Any,
+    gradient_bytes: int | None,
+    sample_seconds: float | None,
+    max_per_replica_batch: int | None,
+    rules: Sequence[str | Path | Rule],
+    disable_rules: Sequence[str],
+    cache: bool,
+    cache_dir: str | Path | None,
+    cache_ttl: float | None,
+    precision: str,
+    logical_cpus: int,
+    process_group_timeout: float | None = None,
+) -> Options:
+    """Validate every argument once; environment variables fill what was not passed."""
+    if framework is not None and not isinstance(framework, str):
+        raise InvalidOptionError(
+            f"framework must be 'torch' or 'tensorflow', not {framework!r}", "framework")
+    timeout = _number("timeout", timeout)
+    cache_ttl = _number("cache_ttl", cache_ttl)
+    sample_seconds = _number("sample_seconds", sample_seconds)
+    pg_timeout = _number("process_group_timeout", process_group_timeout)
+    if devices is not None and (isinstance(devices, (str, bytes)) or not all(
+        isinstance(d, int) and not isinstance(d, bool) for d in _iterable("devices", devices)
+    )):
+        raise InvalidOptionError(
+            f"devices must be a sequence of GPU indices (ints), not {devices!r}", "devices")
+    if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+        raise InvalidOptionError(
+            f"cache_dir must be a path (str or os.PathLike), not {cache_dir!r}", "cache_dir")
+    if isinstance(rules, (str, Path)):  # one file, not a sequence of characters
+        rules = (rules,)
+    if isinstance(disable_rules, str):
+        disable_rules = (disable_rules,)
+    fw, why = _pick_framework(framework, facts)
+    if probe is None:
+        probe = env.get("RESILIENT_STRATEGY_PROBE", "auto")
+        if probe not in PROBE_MODES:
+            raise InvalidOptionError(
+                f"RESILIENT_STRATEGY_PROBE={probe!r}: expected one of {PROBE_MODES}",
+                "RESILIENT_STRATEGY_PROBE")
+    if probe is True:
+        probe = "auto"
+    if probe is False:
+        probe = "never"
+    if timeout is None:
+        timeout = _env_seconds(env, "RESILIENT_STRATEGY_TIMEOUT", DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S)
+    if pg_timeout is None:
+        pg_timeout = _env_seconds(env, "RESILIENT_STRATEGY_PG_TIMEOUT", DEFAULT_PG_TIMEOUT_S,
+                                  MAX_PG_TIMEOUT_S)
+    if model is not None and gradient_bytes is None:
+        gradient_bytes = gradient_bytes_of(model)
+    launch = _launch(env)
+    if prefer is None:
+        prefer = env.get("RESILIENT_STRATEGY_PREFER") or None
+        if prefer is not None and prefer not in BACKENDS:
+            raise InvalidOptionError(
+                f"RESILIENT_STRATEGY_PREFER={prefer!r}: expected one of {BACKENDS}",
+                "RESILIENT_STRATEGY_PREFER")
+    extra_rules: list[str | Path | Rule] = [*_env_list(env, "RESILIENT_STRATEGY_RULES", os.pathsep)]
+    extra_rules += list(rules)
+    disabled = [*_env_list(env, "RESILIENT_STRATEGY_DISABLE_RULES"), *disable_rules]
+    # The logical-CPU test mode proves nothing about this machine's GPUs: keep it out of the cache.
+    use_cache = cache and env.get("RESILIENT_STRATEGY_CACHE", "1") != "0" and not logical_cpus
+    return Options(
+        framework=fw,
+        global_batch_size=global_batch_size,
+        devices=None if devices is None else tuple(int(d) for d in devices),
+        prefer=prefer,
+        gradient_bytes=gradient_bytes,
+        sample_seconds=sample_seconds,
+        max_per_replica_batch=max_per_replica_batch,
+        world_size=launch.world_size if fw == "torch" else 1,
+        local_world_size=launch.local_world_size if fw == "torch" else None,
+        user_env=tuple(sorted(env)),
+        logical_cpus=logical_cpus,
+        probe=str(probe),
+        timeout_s=float(timeout),
+        budget_s=4 * float(timeout),
+        pg_timeout_s=float(pg_timeout),
+        dry_run=dry_run,
+        cache_dir=(Path(cache_dir) if cache_dir else default_dir(env)) if use_cache else None,
+        cache_ttl_s=DEFAULT_TTL_S if cache_ttl is None else float(cache_ttl),
+        rules=load_rules(extra_rules, disabled),
+        precision=precision,
+        launch=launch,
+        framework_reason=why,
+    )

@@ -1,0 +1,17 @@
+"""The words this library understands, in one place: frameworks, backends, precisions, probe
+modes. Constants only (no imports), so every module can use them without a cycle."""
+
+from __future__ import annotations
+
+#: Frameworks a decision is made for.
+FRAMEWORKS = ("torch", "tensorflow")
+#: Other names users give them.
+FRAMEWORK_ALIASES = {"tf": "tensorflow", "keras": "tensorflow", "pytorch": "torch"}
+#: Every way to train, as a planner backend name.
+BACKENDS = ("nccl", "hierarchical_copy", "reduction_to_one_device", "gloo", "single_device", "cpu")
+#: Backends that run a collective between replicas (proven by a probe before use).
+MULTI_BACKENDS = ("nccl", "hierarchical_copy", "reduction_to_one_device", "gloo")
+#: Mixed-precision policies.
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+#: How probing is done: probe unless cached, re-probe, or trust the plan.
+PROBE_MODES = ("auto", "force", "never")

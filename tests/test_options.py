@@ -1,0 +1,119 @@
+"""Options: every option has a validated range, checked once where it is read, and the error
+names the argument or environment variable the value came from."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from resilient_strategy.errors import InvalidOptionError
+from resilient_strategy.options import Launch, Options, options_from
+from resilient_strategy.testing import machine, simulate
+from resilient_strategy.vocab import BACKENDS, FRAMEWORKS, PRECISIONS, PROBE_MODES
+
+H200X2 = machine(2, nvlink=18)
+
+
+def _options(env: dict[str, str] | None = None, **kw: Any) -> Options:
+    base: dict[str, Any] = dict(
+        framework="torch", global_batch_size=64, devices=None, probe=None, timeout=None,
+        prefer=None, dry_run=False, model=None, gradient_bytes=None, sample_seconds=None,
+        max_per_replica_batch=None, rules=(), disable_rules=(), cache=False, cache_dir=None,
+        cache_ttl=None, precision="auto", logical_cpus=0)
+    base.update(kw)
+    return options_from(H200X2, env or {}, **base)
+
+
+@pytest.mark.parametrize(
+    ("env", "option"),
+    [
+        ({"RESILIENT_STRATEGY_PG_TIMEOUT": "inf"}, "RESILIENT_STRATEGY_PG_TIMEOUT"),
+        ({"RESILIENT_STRATEGY_PG_TIMEOUT": "1e15"}, "RESILIENT_STRATEGY_PG_TIMEOUT"),
+        ({"RESILIENT_STRATEGY_PG_TIMEOUT": "nan"}, "RESILIENT_STRATEGY_PG_TIMEOUT"),
+        ({"RESILIENT_STRATEGY_PG_TIMEOUT": "0"}, "RESILIENT_STRATEGY_PG_TIMEOUT"),
+        ({"RESILIENT_STRATEGY_TIMEOUT": "soon"}, "RESILIENT_STRATEGY_TIMEOUT"),
+        ({"RESILIENT_STRATEGY_TIMEOUT": "inf"}, "RESILIENT_STRATEGY_TIMEOUT"),
+        ({"RESILIENT_STRATEGY_PROBE": "sometimes"}, "RESILIENT_STRATEGY_PROBE"),
+        ({"RESILIENT_STRATEGY_PREFER": "mpi"}, "RESILIENT_STRATEGY_PREFER"),
+        ({"WORLD_SIZE": "2", "RANK": "2"}, "RANK"),
+        ({"WORLD_SIZE": "2", "RANK": "-1"}, "RANK"),
+        ({"WORLD_SIZE": "two"}, "WORLD_SIZE"),
+        ({"WORLD_SIZE": "0"}, "WORLD_SIZE"),
+        ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "2"}, "LOCAL_RANK"),
+        ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "8"}, "LOCAL_WORLD_SIZE"),
+        ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "3"}, "LOCAL_WORLD_SIZE"),
+    ],
+)
+def test_a_bad_environment_value_names_its_variable(env: dict[str, str], option: str) -> None:
+    with pytest.raises(InvalidOptionError) as err:
+        _options(env)
+    assert err.value.option == option
+
+
+@pytest.mark.parametrize(
+    ("kw", "option"),
+    [
+        ({"process_group_timeout": math.inf}, "process_group_timeout"),
+        ({"process_group_timeout": 1e15}, "process_group_timeout"),
+        ({"cache_ttl": math.nan}, "cache_ttl"),
+        ({"cache_ttl": math.inf}, "cache_ttl"),
+        ({"cache_ttl": 0}, "cache_ttl"),
+        ({"cache_dir": 5}, "cache_dir"),
+        ({"timeout": math.nan}, "timeout"),
+        ({"timeout": 3601}, "timeout"),
+        ({"sample_seconds": math.inf}, "sample_seconds"),
+        ({"global_batch_size": 2**61 - 1}, "global_batch_size"),
+        ({"global_batch_size": 0}, "global_batch_size"),
+        ({"max_per_replica_batch": 2**40}, "max_per_replica_batch"),
+        ({"gradient_bytes": 2**60}, "gradient_bytes"),
+        ({"devices": [0, 0]}, "devices"),
+        ({"devices": [-1]}, "devices"),
+        ({"precision": "fp8"}, "precision"),
+        ({"probe": "sometimes"}, "probe"),
+        ({"prefer": "mpi"}, "prefer"),
+        ({"framework": "jax"}, "framework"),
+        ({"logical_cpus": 2}, "logical_cpus"),  # torch has no logical-CPU test mode
+        ({"model": object()}, "model"),
+    ],
+)
+def test_a_bad_argument_names_itself(kw: dict[str, Any], option: str) -> None:
+    with pytest.raises(InvalidOptionError) as err:
+        _options(**kw)
+    assert err.value.option == option
+
+
+def test_the_edges_of_the_ranges_are_accepted() -> None:
+    o = _options({"RESILIENT_STRATEGY_PG_TIMEOUT": str(7 * 86400), "WORLD_SIZE": "2", "RANK": "1",
+                  "LOCAL_RANK": "1"}, global_batch_size=2**31 - 2, cache_ttl=366 * 86400.0,
+                 timeout=3600, cache_dir=Path("x"))
+    assert (o.pg_timeout_s, o.timeout_s, o.global_batch_size) == (7 * 86400.0, 3600.0, 2**31 - 2)
+    assert o.launch == Launch(rank=1, local_rank=1, world_size=2)
+
+
+def test_the_largest_global_batch_plans_at_once() -> None:
+    """The batch split's divisor search is bounded by the range (2**31 - 1 is prime)."""
+    sel = simulate(H200X2, framework="torch", global_batch_size=2**31 - 1)
+    assert sel.global_batch_size == 2**31 - 1
+    assert sel.num_replicas * sel.per_replica_batch_size * sel.accumulation_steps == 2**31 - 1
+
+
+def test_the_vocabularies_are_one_set_of_words() -> None:
+    assert FRAMEWORKS == ("torch", "tensorflow")
+    assert set(PROBE_MODES) == {"auto", "force", "never"}
+    assert "auto" in PRECISIONS and "cpu" in BACKENDS
+    for fw in FRAMEWORKS:
+        assert Options(fw).framework == fw
+
+
+def test_launch_is_the_launchers_view_and_the_planner_splits_over_torch_processes() -> None:
+    tf = machine(2, tensorflow="2.21.0", tf_cuda="12.5", torch=None)
+    o = options_from(tf, {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"},
+                     framework="tensorflow", global_batch_size=None, devices=None, probe=None,
+                     timeout=None, prefer=None, dry_run=False, model=None, gradient_bytes=None,
+                     sample_seconds=None, max_per_replica_batch=None, rules=(), disable_rules=(),
+                     cache=False, cache_dir=None, cache_ttl=None, precision="auto",
+                     logical_cpus=0)
+    assert (o.world_size, o.launch.world_size, o.launch.rank) == (1, 2, 1)
