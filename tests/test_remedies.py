@@ -100,3 +100,46 @@ def test_a_hang_judged_from_progress_is_cut_early_and_stays_cached(tmp_path: Pat
     cut = ProbeResult("k", TIMEOUT, 4.0, "timeout", extra=(("hang", "setup"),))
     deadline = ProbeResult("k", TIMEOUT, 4.0, "timeout")
     assert set(_still_valid({"a": cut, "b": deadline}, 30.0)) == {"a"}
+
+
+# ----- advice that must reach the user -------------------------------------------------------
+def test_advice_survives_when_an_earlier_rule_already_vetoed_the_candidates() -> None:
+    # NCCL 2.20 on Blackwell with a cu126 torch: the NCCL rule vetoes nccl first, then the CUDA
+    # build rule finds nccl gone; its advice (install cu128) must still reach the trace
+    facts = machine(2, name="NVIDIA GeForce RTX 5090", cc=(12, 0), torch="2.6.0",
+                    torch_cuda="12.6", torch_nccl="2.20.5", env={"WORLD_SIZE": "2"})
+    sel = simulate(facts, framework="torch", global_batch_size=64)
+    trace = "\n".join(sel.plan.trace)
+    assert "[torch-cuda-before-12.8-on-blackwell]" in trace
+    assert "cu128" in trace
+    assert any("also applies to nccl, already ruled out" in line for line in sel.plan.trace)
+
+
+def test_a_tensorflow_build_without_kernels_says_which_tensorflow_to_install() -> None:
+    facts = machine(2, name="NVIDIA GeForce GTX 980", cc=(5, 2), torch=None, torch_cuda=None,
+                    torch_nccl=None, tensorflow="2.21.0", tf_cuda="12.5",
+                    tf_archs=("sm_60", "sm_70", "sm_80", "sm_89", "compute_90"))
+    sel = simulate(facts, framework="tensorflow", global_batch_size=64)
+    assert sel.backend == "cpu"
+    vetoed = {r.candidate.backend for r in sel.plan.ruled_out if r.rule == "tf-no-kernels-for-gpu"}
+    assert "hierarchical_copy" in vetoed and "single_device" in vetoed
+    rule = next(r for r in sel.plan.ruled_out if r.rule == "tf-no-kernels-for-gpu")
+    assert "cuda_compute_capabilities" in rule.reason and "TensorFlow 2.16" in rule.reason
+
+
+def test_rules_can_key_on_the_driver_version_and_the_trace_shows_it() -> None:
+    from resilient_strategy.rules import rule_from_dict
+
+    rule = rule_from_dict({"id": "p2p-regression-driver", "when": [
+        "gpus.count >= 2", "driver.version >= 570", "driver.version < 571"],
+        "effect": "remedy", "env": {"NCCL_P2P_DISABLE": "1"}, "first": True,
+        "message": "P2P regression in this driver branch", "source": "test"})
+    bad = machine(2, driver="570.86.10", env={"WORLD_SIZE": "2"})
+    good = machine(2, driver="580.159.04", env={"WORLD_SIZE": "2"})
+    p1 = FakeProber()
+    sel = simulate(bad, p1, rules=[rule], **KW)
+    assert p1.probed[0] == "nccl+NCCL_P2P_DISABLE=1" and sel.env == {"NCCL_P2P_DISABLE": "1"}
+    assert any("NVIDIA driver 570.86.10" in line for line in sel.plan.trace)
+    p2 = FakeProber()
+    simulate(good, p2, rules=[rule], **KW)
+    assert p2.probed == ["nccl"]

@@ -174,6 +174,8 @@ def _describe_facts(facts: Facts, fw: str, n: int) -> str:
     info = facts.framework(fw)
     names = sorted({g.name for g in facts.gpus})
     gpu_text = f"{n} GPU(s) ({', '.join(names)})" if n else "no GPU"
+    if n and facts.driver_version:  # rules can key on it (driver.version): P2P regressions
+        gpu_text += f", NVIDIA driver {facts.driver_version}"  # shipped in driver branches
     build = f"CUDA {info.cuda}" if info.cuda else "CPU-only build"
     nccl = f", NCCL {info.nccl}" if info.nccl else ""
     return f"Saw {gpu_text}; {fw} {info.version or 'not installed'} ({build}{nccl})."
@@ -257,6 +259,14 @@ def _apply_rules(
                     b.trace.append(f"Ruled out {c.label}: {cite}")
                 else:
                     keep.append(c)
+            if len(keep) == len(cands):
+                # An earlier rule already removed its targets: its advice (what to install)
+                # still reaches the trace, as that is what the user can act on.
+                gone = sorted({r.candidate.backend for r in b.ruled_out
+                               if r.candidate.backend in rule.target})
+                if gone:
+                    b.trace.append(f"Rule {rule.id} also applies to {', '.join(gone)}, already "
+                                   f"ruled out: {cite}")
             cands = keep
         elif rule.effect == "prefer":
             cands = [c for c in cands if c.backend in rule.target] + [
