@@ -143,3 +143,29 @@ def test_rules_can_key_on_the_driver_version_and_the_trace_shows_it() -> None:
     p2 = FakeProber()
     simulate(good, p2, rules=[rule], **KW)
     assert p2.probed == ["nccl"]
+
+
+# ----- stable choices ------------------------------------------------------------------------
+def _tf_results(hc: float, rod: float, spread: float) -> dict[str, ProbeResult]:
+    from resilient_strategy.probe import OK
+
+    return {
+        "hierarchical_copy": ProbeResult("x", OK, 2.0, bus_bandwidth_gbps=hc,
+                                         bandwidth_spread=spread),
+        "reduction_to_one_device": ProbeResult("x", OK, 2.0, bus_bandwidth_gbps=rod,
+                                               bandwidth_spread=spread),
+        "nccl": ProbeResult("x", "error", 1.0, "backend_unavailable"),
+    }
+
+
+def test_speeds_within_the_measured_noise_keep_the_chains_order() -> None:
+    facts = machine(0, torch=None, torch_cuda=None, torch_nccl=None, tensorflow="2.21.0")
+    for hc, rod in ((0.8, 0.9), (0.9, 0.8), (0.7, 0.95)):  # flips seen under load
+        sel = simulate(facts, FakeProber(_tf_results(hc, rod, spread=0.5)),  # type: ignore[arg-type]
+                       framework="tensorflow", global_batch_size=64, logical_cpus=2,
+                       gradient_bytes=100 << 20, sample_seconds=1.0)
+        assert sel.backend == "hierarchical_copy", (hc, rod)
+    sel = simulate(facts, FakeProber(_tf_results(0.3, 0.9, spread=0.2)),  # type: ignore[arg-type]
+                   framework="tensorflow", global_batch_size=64, logical_cpus=2,
+                   gradient_bytes=100 << 20, sample_seconds=1.0)
+    assert sel.backend == "reduction_to_one_device"  # 3x faster is beyond 20 % noise

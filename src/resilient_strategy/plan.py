@@ -454,6 +454,7 @@ def _rank(
         return (group, r.estimate.step_seconds, order[c.key])
 
     ranked.sort(key=key)
+    ranked = _within_noise_keep_order(ranked, order, {r.candidate.key: key(r)[0] for r in ranked}, b)
     # A remedy marked `first` goes right before plain NCCL, whatever its estimate.
     firsts = [r for r in ranked if r.candidate.first]
     plain = next((i for i, r in enumerate(ranked)
@@ -483,6 +484,47 @@ def _rank(
         ) + "." + cpu_note
     )
     return ranked
+
+
+def _measured(r: Ranked) -> tuple[float, float] | None:
+    """(bus GB/s, relative spread) of a candidate whose probe measured both."""
+    res = r.result
+    if res is None or not res.ok or not res.bus_bandwidth_gbps or res.bandwidth_spread is None:
+        return None
+    return res.bus_bandwidth_gbps, res.bandwidth_spread
+
+
+def _within_noise_keep_order(
+    ranked: list[Ranked], order: Mapping[str, int], groups: Mapping[str, int], b: _Build
+) -> list[Ranked]:
+    """Measured speeds rank two candidates only where they differ by more than the noise
+    measured with them; otherwise the chain's order stands (so a loaded machine does not flip
+    the choice between runs). Adjacent pairs, repeated until stable (bounded: n passes)."""
+    out = list(ranked)
+    kept: list[str] = []
+    for _ in range(len(out)):
+        swapped = False
+        for i in range(len(out) - 1):
+            a, z = out[i], out[i + 1]
+            ma, mz = _measured(a), _measured(z)
+            if ma is None or mz is None or order[a.candidate.key] < order[z.candidate.key]:
+                continue
+            if groups[a.candidate.key] != groups[z.candidate.key]:  # prefer= and CPU-last stand
+                continue
+            difference = abs(ma[0] - mz[0]) / min(ma[0], mz[0])
+            noise = max(ma[1], mz[1])
+            if difference <= noise:
+                out[i], out[i + 1] = z, a
+                swapped = True
+                kept.append(f"{z.candidate.label} ({mz[0]:g} GB/s) before {a.candidate.label} "
+                            f"({ma[0]:g} GB/s): they differ by {difference:.0%}, within the "
+                            f"measured noise of {noise:.0%}")
+        if not swapped:
+            break
+    if kept:
+        b.trace.append("Kept the chain's order where speeds are within noise: "
+                       + "; ".join(kept) + ".")
+    return out
 
 
 def _choose(ranked: Sequence[Ranked], b: _Build) -> tuple[Candidate | None, Candidate | None]:

@@ -110,6 +110,9 @@ class ProbeResult:
     stderr_tail: str = ""
     bus_bandwidth_gbps: float | None = None  # measured at message_bytes
     message_bytes: int | None = None
+    #: the spread of the timed all-reduces, relative: (slowest - fastest) / median; a speed
+    #: difference smaller than this is noise (see the planner's ranking)
+    bandwidth_spread: float | None = None
     step_seconds: float | None = None  # one training step after warm-up
     ranks: int = 1
     extra: tuple[tuple[str, str], ...] = field(default=())
@@ -162,6 +165,7 @@ class ProbeResult:
             stderr_tail=_text(d, "stderr_tail"),
             bus_bandwidth_gbps=_maybe(d, "bus_bandwidth_gbps", _number),
             message_bytes=_maybe(d, "message_bytes", _count),
+            bandwidth_spread=_maybe(d, "bandwidth_spread", _number),
             step_seconds=_maybe(d, "step_seconds", _number),
             ranks=_count(d, "ranks", 1),
             extra=tuple((str(k), str(v)) for k, v in extra),
@@ -308,11 +312,13 @@ def parse_probe(
         return base(status=ERROR, cause="worker_error",
                            detail=f"ranks {missing} exited without a report")
     bws = [v for r in reports if (v := _positive(r.get("bus_bandwidth_gbps"))) is not None]
+    spreads = [v for r in reports if (v := _positive(r.get("bandwidth_spread"))) is not None]
     steps = [v for r in reports if (v := _positive(r.get("step_seconds"))) is not None]
     message_bytes = reports[0].get("message_bytes")
     return base(
         status=OK,
         bus_bandwidth_gbps=round(min(bws), 3) if bws else None,
+        bandwidth_spread=round(max(spreads), 3) if spreads and bws else None,
         message_bytes=message_bytes if isinstance(message_bytes, int)
         and not isinstance(message_bytes, bool) and message_bytes > 0 else None,
         step_seconds=round(max(steps), 6) if steps else None,

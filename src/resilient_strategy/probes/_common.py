@@ -52,6 +52,15 @@ def expected_sum(world: int, it: int) -> int:
     return sum(contribution(r, world, it) for r in range(world))
 
 
+def spread(times: list[float]) -> float:
+    """(slowest - fastest) / median of timed repetitions: the measured noise, relative."""
+    if len(times) < 2:
+        return 0.0
+    ordered = sorted(times)
+    median = ordered[len(ordered) // 2]
+    return (ordered[-1] - ordered[0]) / median if median > 0 else 0.0
+
+
 def human(nbytes: int) -> str:
     for unit, shift in (("MiB", 20), ("KiB", 10)):
         if nbytes >= 1 << shift:

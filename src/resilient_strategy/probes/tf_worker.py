@@ -40,6 +40,7 @@ from ._common import (
     fault_for,
     human,
     run_worker,
+    spread,
 )
 from ._watchdog import watch_parent
 
@@ -84,10 +85,11 @@ def probe(args: argparse.Namespace, report: dict[str, Any]) -> None:
     parts.append(f"all-reduce exact at {len(sizes)} sizes "
                  f"({human(min(sizes))}..{human(max(sizes))}) x{CHECK_ITERS}")
     if replicas > 1:
-        per_op = checker.checked(args.message_bytes, ITERS, warmup=WARMUP)
+        per_op, noise = checker.checked(args.message_bytes, ITERS, warmup=WARMUP)
         nbytes = max(1, args.message_bytes // 4) * 4
         gbps = nbytes / per_op * 2 * (replicas - 1) / replicas / 1e9
-        report.update(bus_bandwidth_gbps=round(gbps, 3), message_bytes=args.message_bytes)
+        report.update(bus_bandwidth_gbps=round(gbps, 3), message_bytes=args.message_bytes,
+                          bandwidth_spread=round(noise, 3))
         parts.append(f"{gbps:.2f} GB/s bus at {args.message_bytes / 2**20:g} MiB, exact")
     if args.train_step:
         checker.k += 1
@@ -170,13 +172,13 @@ class _Checker:
         self._compiled = tf.function(step)
         self._traced = False
 
-    def checked(self, nbytes: int, iters: int, warmup: int = 0) -> float:
+    def checked(self, nbytes: int, iters: int, warmup: int = 0) -> tuple[float, float]:
         import numpy as np
 
         tf, strategy, replicas = self.tf, self.strategy, self.replicas
         numel = max(1, nbytes // 4)
         pattern = (np.arange(numel, dtype=np.int64) % PATTERN_MOD + 1).astype(np.float32)
-        total = 0.0
+        times: list[float] = []
         for it in range(warmup + iters):
             self.k += 1
             first, self._traced = not self._traced, True
@@ -188,7 +190,7 @@ class _Checker:
             results = [np.asarray(v) for v in strategy.experimental_local_results(out)]
             self.progress.leave(self.k, numel * 4)
             if it >= warmup:
-                total += time.perf_counter() - t0
+                times.append(time.perf_counter() - t0)
             expected = pattern * np.float32(expected_sum(replicas, it))
             for r, got in enumerate(results):
                 if self.faults[r:r + 1] == ["zero"]:
@@ -196,7 +198,7 @@ class _Checker:
                     got[numel // 4: numel // 2] = 0.0
                 if not np.array_equal(got, expected):
                     _mismatch(got, expected, numel, replicas, it, r)
-        return total / max(1, iters)
+        return sum(times) / max(1, len(times)), spread(times)
 
 
 def _mismatch(got: Any, expected: Any, numel: int, replicas: int, it: int, r: int) -> None:

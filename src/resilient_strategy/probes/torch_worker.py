@@ -58,6 +58,7 @@ from ._common import (
     fault_for,
     human,
     run_worker,
+    spread,
 )
 from ._watchdog import watch_parent
 
@@ -109,10 +110,11 @@ def probe(args: argparse.Namespace, report: dict[str, Any]) -> None:
         parts.append(f"all-reduce exact at {len(sizes)} sizes "
                      f"({human(min(sizes))}..{human(max(sizes))}) x{CHECK_ITERS}")
         if world > 1:
-            per_op = coll.checked(args.message_bytes, ITERS, warmup=WARMUP)
+            per_op, noise = coll.checked(args.message_bytes, ITERS, warmup=WARMUP)
             nbytes = _numel(args.message_bytes) * 4
             gbps = nbytes / per_op * 2 * (world - 1) / world / 1e9
-            report.update(bus_bandwidth_gbps=round(gbps, 3), message_bytes=args.message_bytes)
+            report.update(bus_bandwidth_gbps=round(gbps, 3), message_bytes=args.message_bytes,
+                          bandwidth_spread=round(noise, 3))
             parts.append(f"{gbps:.2f} GB/s bus at {args.message_bytes / 2**20:g} MiB, exact")
     if args.train_step:
         seconds = _train_step(torch, device, coll if distributed else None)
@@ -182,7 +184,7 @@ class _Collectives:
         _sync(self.torch, self.device)
         self.progress.leave(self.k, nbytes)
 
-    def checked(self, nbytes: int, iters: int, warmup: int = 0) -> float:
+    def checked(self, nbytes: int, iters: int, warmup: int = 0) -> tuple[float, float]:
         """``warmup + iters`` all-reduces of ``nbytes``, each checked exactly; the mean seconds
         of the timed ones (the all-reduce and its synchronization only)."""
         torch, rank, world = self.torch, self.rank, self.world
@@ -191,7 +193,7 @@ class _Collectives:
         pattern = (torch.arange(numel, dtype=torch.int32) % PATTERN_MOD + 1).to(
             torch.float32).to(self.device)
         buf = torch.empty_like(pattern)
-        total = 0.0
+        times: list[float] = []
         for it in range(warmup + iters):
             torch.mul(pattern, float(contribution(rank, world, it)), out=buf)
             if self.fault == "wrong":
@@ -203,13 +205,13 @@ class _Collectives:
             with self.region(numel * 4):
                 self.dist.all_reduce(buf)
             if it >= warmup:
-                total += time.perf_counter() - t0
+                times.append(time.perf_counter() - t0)
             if self.fault == "zero":
                 buf[numel // 4: numel // 2] = 0.0
             expected = pattern * float(expected_sum(world, it))
             if not torch.equal(buf, expected):
                 _mismatch(torch, buf.cpu(), expected.cpu(), numel, world, it)
-        return total / max(1, iters)
+        return sum(times) / max(1, len(times)), spread(times)
 
 
 def _mismatch(torch: Any, got: Any, expected: Any, numel: int, world: int, it: int) -> None:
