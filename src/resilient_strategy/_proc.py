@@ -16,10 +16,11 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import Protocol
 
 from ._outcome import WorkerOutcome
 from .progress import Stall, StallPolicy, StallWatcher
@@ -37,6 +38,23 @@ class WorkerCommand:
     cwd: str
     report_path: str
     progress_path: str = ""  # where the worker writes its progress records ("" when it does not)
+
+
+class Proc(Protocol):
+    """What the runner needs of a started worker: ``subprocess.Popen`` or a fork server's child
+    (:class:`._forkserver.ForkedProc`). ``pid`` is also its process group id."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+#: Starts one worker another way (a fork server): the command, its stdout and stderr paths.
+#: An OSError from it makes the runner start that worker as a fresh process instead.
+Spawn = Callable[[WorkerCommand, str, str], Proc]
 
 
 @dataclass(frozen=True)
@@ -58,6 +76,7 @@ def run_group(
     grace_s: float = 2.0,
     shm_dir: str = "/dev/shm",
     stall_policy: StallPolicy | None = None,
+    spawn: Spawn | None = None,
 ) -> GroupOutcome:
     """Run all commands at once until all exit 0, one fails, ``timeout_s`` passes, or (with
     ``stall_policy``) the workers' progress records show a stall (see :mod:`.progress`).
@@ -65,12 +84,12 @@ def run_group(
     On a failure or the deadline every worker still running is stopped; on any exception (also
     KeyboardInterrupt) too, before it propagates. Nothing is left running or unreaped.
     ``poll_s`` is the polling interval where pidfds are unavailable, and how often progress
-    records are read; ``grace_s`` bounds each of
+    records are read; ``spawn`` starts workers another way (see :data:`Spawn`); ``grace_s`` bounds each of
     the two waits when stopping (after SIGTERM, after SIGKILL). Shared-memory segments that NCCL
     left in ``shm_dir`` because a worker was killed mid-setup are removed (see :func:`reap_shm`).
     """
     with _terminate_as_exception():
-        return _run_group(commands, timeout_s, poll_s, grace_s, shm_dir, stall_policy)
+        return _run_group(commands, timeout_s, poll_s, grace_s, shm_dir, stall_policy, spawn)
 
 
 class _Terminated(BaseException):
@@ -110,6 +129,7 @@ def _run_group(
     grace_s: float,
     shm_dir: str,
     stall_policy: StallPolicy | None = None,
+    spawn: Spawn | None = None,
 ) -> GroupOutcome:
     shm_before = _shm_segments(shm_dir)
     watcher = None
@@ -118,7 +138,7 @@ def _run_group(
     stall: Stall | None = None
     start = time.monotonic()
     deadline = start + timeout_s
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[Proc] = []
     first_failed: int | None = None
     timed_out = False
     waiter = _ExitWaiter(poll_s)
@@ -126,11 +146,7 @@ def _run_group(
         logs = Path(tmp)
         try:
             for i, cmd in enumerate(commands):
-                with open(logs / f"{i}.out", "wb") as out, open(logs / f"{i}.err", "wb") as err:
-                    procs.append(subprocess.Popen(
-                        cmd.argv, env=dict(cmd.env), cwd=cmd.cwd, stdin=subprocess.DEVNULL,
-                        stdout=out, stderr=err, start_new_session=True,
-                    ))
+                procs.append(_start(cmd, logs / f"{i}.out", logs / f"{i}.err", spawn))
                 waiter.add(procs[-1])
             while True:
                 codes = [p.poll() for p in procs]
@@ -161,6 +177,19 @@ def _run_group(
             for i, (p, cmd) in enumerate(zip(procs, commands, strict=True))
         )
     return GroupOutcome(outcomes, elapsed, timed_out, tuple(p.pid for p in procs), stall)
+
+
+def _start(cmd: WorkerCommand, out_path: Path, err_path: Path, spawn: Spawn | None) -> Proc:
+    if spawn is not None:
+        try:
+            return spawn(cmd, str(out_path), str(err_path))
+        except OSError:
+            pass  # the fork server is gone or refused: a fresh process does the same work
+    with open(out_path, "wb") as out, open(err_path, "wb") as err:
+        return subprocess.Popen(
+            cmd.argv, env=dict(cmd.env), cwd=cmd.cwd, stdin=subprocess.DEVNULL,
+            stdout=out, stderr=err, start_new_session=True,
+        )
 
 
 #: Name prefixes of the /dev/shm segments NCCL creates (shm transport and proxy buffers).
@@ -228,10 +257,10 @@ class _ExitWaiter:
     def __init__(self, poll_s: float) -> None:
         self._poll_s = poll_s
         self._poller = select.poll() if hasattr(select, "poll") else None
-        self._fds: dict[int, subprocess.Popen[bytes]] = {}
+        self._fds: dict[int, Proc] = {}
         self._fallback = not hasattr(os, "pidfd_open") or self._poller is None
 
-    def add(self, proc: subprocess.Popen[bytes]) -> None:
+    def add(self, proc: Proc) -> None:
         if self._fallback or self._poller is None:
             return
         try:
@@ -259,7 +288,7 @@ class _ExitWaiter:
         self._fds.clear()
 
 
-def _stop(procs: Sequence[subprocess.Popen[bytes]], grace_s: float) -> set[int]:
+def _stop(procs: Sequence[Proc], grace_s: float) -> set[int]:
     """Stop every running worker's process group and reap; the indices of those stopped."""
     running = [i for i, p in enumerate(procs) if p.poll() is None]
     for i in running:
@@ -279,7 +308,7 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
-def _wait_all(procs: Sequence[subprocess.Popen[bytes]], budget_s: float) -> None:
+def _wait_all(procs: Sequence[Proc], budget_s: float) -> None:
     end = time.monotonic() + budget_s
     for p in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -288,7 +317,7 @@ def _wait_all(procs: Sequence[subprocess.Popen[bytes]], budget_s: float) -> None
 
 def _outcome(
     rank: int,
-    proc: subprocess.Popen[bytes],
+    proc: Proc,
     cmd: WorkerCommand,
     err_path: Path,
     stopped: bool,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -107,6 +108,7 @@ def decide(
         if res.cause != "budget":  # never probed: nothing learned about the machine to keep
             fresh[c.key] = res
         p = plan(facts, opts.rules, results, opts)
+    _close_fork_servers()  # probing is over (on an exception: idle exit or exit closes them)
     if cache is not None and fresh:
         cache.store(fingerprint, fresh)
     proven = p.next_probe is None
@@ -119,6 +121,13 @@ def decide(
     # "from the cache": nothing was probed now, and a cached result shaped this plan
     used = {r.candidate.key for r in p.ranked} | {r.candidate.key for r in p.ruled_out}
     return p, results, not fresh and bool(cached_keys & used), proven
+
+
+def _close_fork_servers() -> None:
+    """Stop the probes' fork servers (:mod:`._forkserver`), if this decision started any."""
+    forkserver = sys.modules.get(f"{__package__}._forkserver")
+    if forkserver is not None:
+        forkserver.close_all()
 
 
 def _still_valid(results: Mapping[str, ProbeResult], timeout_s: float) -> dict[str, ProbeResult]:

@@ -39,13 +39,33 @@ def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.exec
     with tempfile.TemporaryDirectory(prefix="rs-probe-", ignore_cleanup_errors=True) as tmp:
         commands = build_commands(spec, env, tmp, python=python, parent_pid=os.getpid())
         try:
-            group = _proc.run_group(commands, spec.timeout_s, stall_policy=stall_policy(spec))
+            group = _proc.run_group(commands, spec.timeout_s, stall_policy=stall_policy(spec),
+                                    spawn=_fork_spawner(spec, env, python))
         except OSError as exc:
             return ProbeResult(spec.candidate, ERROR, cause="worker_error",
                                detail=f"could not start the probe worker {python!r}: {exc}")
     result = parse_probe(spec, group.outcomes, group.elapsed_s, group.timed_out, group.stall)
     health.check_after(spec, result, env, python=python)
     return result
+
+
+def _fork_spawner(spec: ProbeSpec, env: Mapping[str, str], python: str) -> _proc.Spawn | None:
+    """Fork torch workers from a server that imported torch once (see :mod:`._forkserver`);
+    None for TensorFlow, or when switched off (``RESILIENT_STRATEGY_FORKSERVER=0``)."""
+    from . import _forkserver
+
+    if spec.framework != "torch" or not _forkserver.enabled(env):
+        return None
+    base = worker_env(ProbeSpec("", spec.framework, "", ()), env)  # no candidate variables
+
+    def spawn(cmd: _proc.WorkerCommand, stdout: str, stderr: str) -> _proc.Proc:
+        argv = list(cmd.argv)
+        if argv[:2] != [python, "-m"]:
+            raise _forkserver.ForkServerError(f"not a module command: {argv[:3]}")
+        server = _forkserver.server_for(python, base)
+        return server.spawn(argv[2], argv[3:], cmd.env, cmd.cwd, stdout, stderr)
+
+    return spawn
 
 
 def worker_env(spec: ProbeSpec, env: Mapping[str, str]) -> dict[str, str]:
