@@ -169,3 +169,23 @@ def test_speeds_within_the_measured_noise_keep_the_chains_order() -> None:
                    framework="tensorflow", global_batch_size=64, logical_cpus=2,
                    gradient_bytes=100 << 20, sample_seconds=1.0)
     assert sel.backend == "reduction_to_one_device"  # 3x faster is beyond 20 % noise
+
+
+# ----- measured TensorFlow cross-device evidence --------------------------------------------
+def test_hierarchical_copy_is_never_chosen_for_an_odd_replica_count() -> None:
+    # benchmarks/verify_tf_cross_device.py: exact on 1, 2, 4, 6, 8 replicas, wrong on 3, 5, 7
+    cpu_only = machine(0, torch=None, torch_cuda=None, torch_nccl=None, tensorflow="2.21.0")
+    rid = "tf-hierarchical-copy-odd-replicas"
+    for n, vetoed in ((2, False), (3, True), (4, False), (5, True), (7, True), (8, False)):
+        sel = simulate(cpu_only, framework="tensorflow", global_batch_size=840 * 8,
+                       logical_cpus=n, probe="never")
+        assert (rid in {r.rule for r in sel.plan.ruled_out}) is vetoed, n
+        assert sel.backend != "hierarchical_copy" or not vetoed
+    three = machine(3, tensorflow="2.21.0", tf_cuda="12.5", torch=None, torch_cuda=None,
+                    torch_nccl=None)
+    prober = FakeProber({"nccl": "error:nccl_error", "nccl+*": "error:nccl_error"})
+    sel = simulate(three, prober, framework="tensorflow", global_batch_size=96)
+    assert "hierarchical_copy" not in prober.probed
+    assert sel.backend == "reduction_to_one_device"
+    rule = next(r for r in sel.plan.ruled_out if r.rule == rid)
+    assert "1 + 2 = 3" in rule.reason

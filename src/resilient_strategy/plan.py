@@ -130,7 +130,7 @@ def plan(
         gpus = tuple(range(policy.logical_cpus))
         b.trace.append(f"Test mode: {policy.logical_cpus} logical CPU devices stand in for GPUs.")
     base, reference = _chain(fw, gpus, info.has_cuda or bool(policy.logical_cpus), policy, b)
-    hits = fired(rules, facts, fw)
+    hits = fired(rules, facts, fw, replicas=len(gpus))
     cands = _apply_rules(base, hits, policy, b)
     cands = _split_batches(cands, policy, b, reference)  # before results: keys name devices
     cands = _apply_results(cands, results, policy, b)
