@@ -29,7 +29,12 @@ def stall_policy(spec: ProbeSpec) -> StallPolicy:
     outer bound). A probe's code never pauses between its records once the communicator is
     ready, so a silent ready rank is stalled too (``quiet_s``)."""
     policy = StallPolicy()
-    return StallPolicy(quiet_s=policy.arrive_grace_s + policy.collective_base_s)
+    ranks = max(1, spec.world_size, len(spec.devices))
+    return StallPolicy(
+        # communicator set-up grows with the ranks (NCCL: bootstrap ring, topology, channels)
+        setup_grace_s=policy.setup_grace_s + 1.0 * ranks,
+        quiet_s=policy.arrive_grace_s + policy.collective_base_s,
+    )
 
 
 def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.executable) -> ProbeResult:

@@ -85,7 +85,8 @@ def probe(args: argparse.Namespace, report: dict[str, Any]) -> None:
     parts.append(f"all-reduce exact at {len(sizes)} sizes "
                  f"({human(min(sizes))}..{human(max(sizes))}) x{CHECK_ITERS}")
     if replicas > 1:
-        per_op, noise = checker.checked(args.message_bytes, ITERS, warmup=WARMUP)
+        checker.checked(args.message_bytes, CHECK_ITERS)
+        per_op, noise = checker.timed(args.message_bytes, ITERS, warmup=WARMUP)
         nbytes = max(1, args.message_bytes // 4) * 4
         gbps = nbytes / per_op * 2 * (replicas - 1) / replicas / 1e9
         report.update(bus_bandwidth_gbps=round(gbps, 3), message_bytes=args.message_bytes,
@@ -198,6 +199,35 @@ class _Checker:
                     got[numel // 4: numel // 2] = 0.0
                 if not np.array_equal(got, expected):
                     _mismatch(got, expected, numel, replicas, it, r)
+        return sum(times) / max(1, len(times)), spread(times)
+
+    def timed(self, nbytes: int, iters: int, warmup: int = 0) -> tuple[float, float]:
+        """All-reduces of zeros timed alone (a one-element fetch to wait on): the bandwidth figure
+        and its spread. Checking values needs the whole result on the host, which would be timed
+        too; :meth:`_Checker.checked` checks this size separately."""
+        tf, strategy = self.tf, self.strategy
+        numel = max(1, nbytes // 4)
+        values = strategy.experimental_distribute_values_from_function(
+            lambda _ctx: tf.zeros([numel], tf.float32))
+
+        def run(v: Any) -> Any:
+            def fn(x: Any) -> Any:
+                ctx = tf.distribute.get_replica_context()
+                return ctx.all_reduce(tf.distribute.ReduceOp.SUM, x)[:1]
+
+            return strategy.run(fn, args=(v,))
+
+        compiled = tf.function(run)
+        times: list[float] = []
+        for it in range(warmup + iters):
+            self.k += 1
+            t0 = time.perf_counter()
+            with self.progress.collective(self.k, numel * 4,
+                                          allow_s=TRACE_ALLOW_S if it == 0 else 0.0):
+                for part in strategy.experimental_local_results(compiled(values)):
+                    part.numpy()
+            if it >= warmup:
+                times.append(time.perf_counter() - t0)
         return sum(times) / max(1, len(times)), spread(times)
 
 

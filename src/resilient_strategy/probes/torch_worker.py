@@ -63,6 +63,7 @@ from ._common import (
 from ._watchdog import watch_parent
 
 WARMUP, ITERS = 2, 10
+NEW_SIZE_ALLOW_S = 3.0  # the first all-reduce at each size, on top of the transfer
 PROCESS_GROUP_BACKENDS = ("nccl", "gloo")
 
 
@@ -202,7 +203,8 @@ class _Collectives:
                 buf[numel // 3] = float("nan")
             _sync(torch, self.device)
             t0 = time.perf_counter()
-            with self.region(numel * 4):
+            # NCCL connects lazily per algorithm: a new size may set up a new one (NVLS, tree)
+            with self.region(numel * 4, NEW_SIZE_ALLOW_S if it == 0 else 0.0):
                 self.dist.all_reduce(buf)
             if it >= warmup:
                 times.append(time.perf_counter() - t0)
