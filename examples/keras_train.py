@@ -4,7 +4,9 @@
     python examples/keras_train.py --cpu-replicas 2     # CI: 2 replicas on logical CPU devices
     RESILIENT_STRATEGY_CPU_REPLICAS=2 python examples/keras_train.py
 
-TensorFlow is imported only after the selection, so the CUDA_VISIBLE_DEVICES it sets still counts.
+Importing TensorFlow earlier would be fine too, as long as nothing touches a GPU before the
+selection (CUDA reads CUDA_VISIBLE_DEVICES, which the selection may narrow, when it first starts);
+importing it after is the habit that cannot go wrong.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def main() -> None:
         framework="tensorflow", global_batch_size=args.global_batch_size,
         logical_cpus=args.cpu_replicas,
     )
-    print(sel.explain())
+    sel.print(sel.explain())
 
     import keras
     import tensorflow as tf

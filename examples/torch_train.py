@@ -3,8 +3,9 @@
     python examples/torch_train.py                           # one device (accumulating if needed)
     torchrun --nproc_per_node 2 examples/torch_train.py      # DDP: NCCL if it works, else gloo
 
-On a machine without GPUs, torchrun runs 2 CPU processes over gloo (how CI runs it). torch is
-imported only after the selection, so the CUDA_VISIBLE_DEVICES it sets still counts.
+On a machine without GPUs, torchrun runs 2 CPU processes over gloo (how CI runs it). Importing
+torch earlier would be fine too, as long as nothing touches a GPU before the selection (CUDA reads
+CUDA_VISIBLE_DEVICES when it first starts); importing it after is the habit that cannot go wrong.
 """
 
 from __future__ import annotations
@@ -31,8 +32,7 @@ def main() -> None:
         framework="torch", global_batch_size=args.global_batch_size,
         gradient_bytes=4 * params,  # fp32 gradients: lets it rank strategies by speed
     )
-    if sel.is_main_process:
-        print(sel.explain())
+    sel.print(sel.explain())  # rank 0 only: one copy under torchrun, not one per rank
     if not sel.active:  # a one-device fallback under torchrun: only rank 0 trains
         return
 
@@ -57,11 +57,10 @@ def main() -> None:
         model = torch.nn.Sequential(*layers, torch.nn.Linear(args.hidden, CLASSES))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer, loader = sel.prepare(model, optimizer, loader)  # DDP + DistributedSampler
-    if sel.is_main_process:
-        print(
-            f"{sel.num_replicas} replica(s) x {sel.per_replica_batch_size} samples x "
-            f"{sel.accumulation_steps} accumulation step(s) = global batch {sel.global_batch_size}"
-        )
+    sel.print(
+        f"{sel.num_replicas} replica(s) x {sel.per_replica_batch_size} samples x "
+        f"{sel.accumulation_steps} accumulation step(s) = global batch {sel.global_batch_size}"
+    )
 
     for epoch in range(args.epochs):
         sel.set_epoch(epoch)
@@ -76,11 +75,10 @@ def main() -> None:
             total, batches = total + loss.item(), batches + 1
         seconds = time.perf_counter() - start
         samples = batches * len(xb) * sel.num_replicas  # all replicas together
-        if sel.is_main_process:
-            print(
-                f"epoch {epoch + 1}: loss {total / batches:.4f} (rank 0), {updates} optimizer "
-                f"steps, {samples / seconds:,.0f} samples/s"
-            )
+        sel.print(
+            f"epoch {epoch + 1}: loss {total / batches:.4f} (rank 0), {updates} optimizer "
+            f"steps, {samples / seconds:,.0f} samples/s"
+        )
     sel.shutdown()
 
 

@@ -19,6 +19,7 @@ TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs ~8 ms 
 __version__ = "0.1.0"
 __all__ = [
     "CacheError",
+    "ExtraNotInstalledError",
     "Facts",
     "FrameworkInitializedError",
     "FrameworkNotInstalledError",
@@ -30,6 +31,7 @@ __all__ = [
     "ResilientStrategyError",
     "Rule",
     "Selection",
+    "WrongFrameworkError",
     "__version__",
     "detect_facts",
     "resilient_strategy",
@@ -52,6 +54,8 @@ _LAZY = {
     "InvalidRuleError": ("errors", "InvalidRuleError"),
     "NoWorkingStrategyError": ("errors", "NoWorkingStrategyError"),
     "CacheError": ("errors", "CacheError"),
+    "ExtraNotInstalledError": ("errors", "ExtraNotInstalledError"),
+    "WrongFrameworkError": ("errors", "WrongFrameworkError"),
 }
 
 if TYPE_CHECKING:
@@ -59,6 +63,7 @@ if TYPE_CHECKING:
 
     from .errors import (
         CacheError,
+        ExtraNotInstalledError,
         FrameworkInitializedError,
         FrameworkNotInstalledError,
         GpuUnusableError,
@@ -67,6 +72,7 @@ if TYPE_CHECKING:
         InvalidVisibleDevicesError,
         NoWorkingStrategyError,
         ResilientStrategyError,
+        WrongFrameworkError,
     )
     from .executor import resilient_strategy
     from .facts import Facts

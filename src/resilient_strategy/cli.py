@@ -1,11 +1,11 @@
-"""``python -m resilient_strategy doctor | plan | probe`` (also the ``resilient-strategy`` script).
+"""python -m resilient_strategy doctor | plan | probe (also the resilient-strategy script).
 
 doctor  what this machine has (GPUs, links, versions, host), the rules that fired and the plan
         with its reasons; runs usefully without a GPU. Never probes.
 plan    only the plan (for the framework given, or each one installed).
 probe   prove the candidates for real (probe="force" with --force) and print the decision.
 
-``--simulate FILE`` plans for a described machine instead (what-if before renting one): a JSON
+--simulate FILE plans for a described machine instead (what-if before renting one): a JSON
 object with "machine" (keyword arguments of resilient_strategy.simulation.machine, "links" written as
 {"0-1": 4}) or "facts" (the Facts.to_dict() form), and optionally "probes" (simulated outcomes, see
 simulation.SimulatedProber), "framework", "global_batch_size", "gradient_bytes" and "sample_seconds". The
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -34,6 +35,7 @@ _FRAMEWORKS = FRAMEWORKS
 #: Variables of the user's own environment that a simulation honours (they configure this
 #: library, they do not describe the simulated machine).
 _SIMULATION_PASSTHROUGH = ("RESILIENT_STRATEGY_RULES", "RESILIENT_STRATEGY_DISABLE_RULES")
+_LAUNCH_HINT = {"torch": "; --nproc-per-node N plans another launch", "tensorflow": ""}
 
 
 def _int_at_least(least: int) -> Callable[[str], int]:
@@ -54,6 +56,7 @@ _positive_int = _int_at_least(1)
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="resilient-strategy", description=__doc__.split("\n\n")[0])
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     for name, text in (("doctor", "show what is here and the plan"), ("plan", "the plan only"),
                        ("probe", "prove the candidates with live probes")):
@@ -73,7 +76,33 @@ def _parser() -> argparse.ArgumentParser:
                        help="an extra known-issue rules file (TOML); repeatable")
         s.add_argument("--disable-rule", action="append", default=[], metavar="ID",
                        help="switch off a known-issue rule by id; repeatable")
+        s.add_argument("--nproc-per-node", type=_positive_int, metavar="N",
+                       help="plan torch as rank 0 of `torchrun --nproc_per_node N` (default: one "
+                            "process per visible GPU when there are 2 or more, else plain python)")
     return p
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def _check_disabled_rules(args: argparse.Namespace, real_env: Mapping[str, str]) -> None:
+    """--disable-rule with an id that no rule has is an error listing the known ids: a typo would
+    otherwise leave the rule on without a word."""
+    if not args.disable_rule:
+        return
+    from .rules import load_rules
+
+    extra: list[str | Path] = [x for x in real_env.get("RESILIENT_STRATEGY_RULES", "").split(
+        os.pathsep) if x.strip()]
+    known = {r.id for r in load_rules([*extra, *args.rules])}
+    unknown = sorted(set(args.disable_rule) - known)
+    if unknown:
+        raise ResilientStrategyError(
+            f"--disable-rule {', '.join(unknown)}: no such rule. Known rule ids: "
+            + ", ".join(sorted(known)))
 
 
 def _frameworks(facts: Facts, asked: str | None) -> list[str]:
@@ -170,7 +199,7 @@ def _decide(args: argparse.Namespace, facts: Facts, sim: Mapping[str, Any] | Non
         "rules": list(args.rules),
         "disable_rules": list(args.disable_rule),
     }
-    env = _launch_env(facts, framework, sim, real_env)
+    env = _launch_env(facts, framework, sim, real_env, args.nproc_per_node)
     if sim is not None:
         probes = sim.get("probes")
         prober = SimulatedProber(dict(probes or {}))
@@ -184,7 +213,7 @@ def _decide(args: argparse.Namespace, facts: Facts, sim: Mapping[str, Any] | Non
 
 
 def _launch_env(facts: Facts, framework: str, sim: Mapping[str, Any] | None,
-                real_env: Mapping[str, str]) -> dict[str, str]:
+                real_env: Mapping[str, str], nproc: int | None = None) -> dict[str, str]:
     """The environment to plan in: the user's, or for a simulation the described machine's plus
     the user's rule settings. PyTorch on 2+ GPUs outside a launcher is planned as rank 0 of
     `torchrun --nproc_per_node N` would plan it: that is how it uses every GPU."""
@@ -195,9 +224,23 @@ def _launch_env(facts: Facts, framework: str, sim: Mapping[str, Any] | None,
         for name in _SIMULATION_PASSTHROUGH:
             if name in real_env and name not in env:
                 env[name] = real_env[name]
-    if as_torchrun(facts, framework, env):
-        env.update(WORLD_SIZE=str(len(facts.gpus)), RANK="0", LOCAL_RANK="0")
+    if framework == "torch" and "WORLD_SIZE" not in env:
+        n = nproc if nproc is not None else len(facts.gpus) if as_torchrun(facts, framework, env) \
+            else 1
+        if n > 1:
+            env.update(WORLD_SIZE=str(n), RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(n))
     return env
+
+
+def launch_words(sel: Any) -> str:
+    """Which launch a plan assumed, in words."""
+    launch = sel.launch
+    if sel.framework != "torch":
+        return "as one process (plain python), as TensorFlow's MirroredStrategy runs"
+    if launch.world_size > 1:
+        return (f"as rank {launch.rank} of `torchrun --nproc_per_node {launch.world_size}` "
+                f"({launch.world_size} processes)")
+    return "as plain python (one process)"
 
 
 def as_torchrun(facts: Facts, framework: str, env: Mapping[str, str]) -> bool:
@@ -209,9 +252,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.logical_cpus and args.framework == "torch":
         parser.error("--logical-cpus is a TensorFlow test mode; it does not apply to torch")
+    if args.nproc_per_node and args.framework == "tensorflow":
+        parser.error("--nproc-per-node is for torch (one process per GPU); TensorFlow runs one")
     logging.basicConfig(level=logging.ERROR, format="%(message)s")
     real_env = _env.snapshot()
     try:
+        _check_disabled_rules(args, real_env)
         sim: dict[str, Any] | None = None
         if args.simulate:
             facts, sim = load_simulation(args.simulate)
@@ -236,12 +282,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         lines += _facts_text(facts)
         fired = sorted({r for s in selections.values() for r in s.plan.rules_fired})
         lines.append("Rules fired: " + (", ".join(fired) if fired else "none"))
-        if "torch" in selections and as_torchrun(facts, "torch", facts.env_map):
-            lines.append(f"(torch is planned as under `torchrun --nproc_per_node {len(facts.gpus)}`,"
-                         " one process per GPU)")
     if not selections:
-        lines.append("No framework to plan for: pip install torch or tensorflow.")
+        lines.append("No plan: neither torch nor tensorflow is installed in this environment. "
+                     "Install the one you train with (pip install torch, or tensorflow) and run "
+                     "this again, or plan for a described machine with --simulate FILE.")
     for fw, sel in selections.items():
-        lines += ["", f"== {fw} ==", *_selection_text(sel, show_probes=args.command == "probe")]
-    print("\n".join(lines))
+        lines += ["", f"== {fw} ==", f"({'Planned' if args.command != 'probe' else 'Decided'} "
+                  f"{launch_words(sel)}{'' if args.nproc_per_node else _LAUNCH_HINT[fw]}.)",
+                  *_selection_text(sel, show_probes=args.command == "probe")]
+    try:
+        print("\n".join(lines))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `| head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0

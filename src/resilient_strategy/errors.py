@@ -72,7 +72,10 @@ class InvalidRuleError(ResilientStrategyError, ValueError):
         self.rule_id = rule_id
         self.problem = problem
         where = f" in {source}" if source else ""
-        super().__init__(f"rule {rule_id!r}{where}: {problem}")
+        if rule_id == "?":  # the file itself, before any rule could be named
+            super().__init__(f"rules file {source}: {problem}" if source else problem)
+        else:
+            super().__init__(f"rule {rule_id!r}{where}: {problem}")
 
 
 class NoWorkingStrategyError(ResilientStrategyError):
@@ -102,6 +105,23 @@ class FrameworkNotInstalledError(ResilientStrategyError):
 
 class CacheError(ResilientStrategyError):
     """The decision cache could not be read or written (always handled as a logged degrade)."""
+
+
+class ExtraNotInstalledError(FrameworkNotInstalledError):
+    """An optional integration's tool (Lightning, Accelerate) is not installed."""
+
+    def __init__(self, tool: str, extra: str) -> None:
+        self.framework = tool
+        self.extra = extra
+        ResilientStrategyError.__init__(
+            self, f"{tool} is not installed in this environment; "
+            f"`pip install 'resilient-strategy[{extra}]'` (or `pip install {tool}`)."
+        )
+
+
+class WrongFrameworkError(ResilientStrategyError, AttributeError):
+    """A helper of one framework was used on a selection for the other (``sel.device`` on a
+    TensorFlow selection). An AttributeError too, so ``hasattr`` keeps working."""
 
 
 class GpuUnusableError(ResilientStrategyError):

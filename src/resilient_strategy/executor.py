@@ -25,6 +25,14 @@ from .errors import (
 )
 from .facts import Facts
 from .human import human_bytes, human_duration
+from .notices import (
+    ProgressLine,
+    fallback_warning,
+    progress_wanted,
+    reclassify_short_timeout,
+    short_timeout_warning,
+    startup_floor,
+)
 from .options import (  # noqa: F401  (options_from, gradient_bytes_of: importable from here too)
     DEFAULT_PG_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
@@ -74,10 +82,15 @@ def decide(
     env: Mapping[str, str],
     prober: Prober,
     clock: Callable[[], float] = time.monotonic,
+    progress: ProgressLine | None = None,
+    startup_check: bool = False,
 ) -> tuple[Plan, dict[str, ProbeResult], bool, bool]:
     """Plan, probing as needed. Returns (plan, results, from_cache, proven).
 
     The probe budget is one deadline for the whole decision; each probe also has its own.
+    ``progress`` hears each probe start and end (the one hook for what a user sees meanwhile).
+    ``startup_check`` (real probes only: a simulation has no start-up to measure) warns when the
+    timeout is below what a probe needs to start here, and calls a probe it cut short so.
     """
     multi_node = opts.framework == "torch" and opts.nodes > 1
     # Multi-node: every node must reach the same choice on its own, so neither a node's probes
@@ -89,6 +102,8 @@ def decide(
     if cache is not None and opts.probe != "force":  # "never" still learns from the cache
         results.update(_still_valid(cache.load(fingerprint), opts.timeout_s))
     cached_keys = set(results)
+    startup = startup_floor(opts.framework, results)
+    warned = False
     deadline = clock() + opts.budget_s
     fresh: dict[str, ProbeResult] = {}
     p = plan(facts, opts.rules, results, opts)
@@ -99,13 +114,26 @@ def decide(
         if c.key in results:  # cannot happen with a sound planner; never loop on it
             raise ResilientStrategyError(f"planner asked to probe {c.key} twice")
         left = deadline - clock()
+        timeout_s = min(opts.timeout_s, left)
+        if startup_check and not warned:
+            warned = True
+            short = short_timeout_warning(opts.timeout_s, startup, opts.framework)
+            if short:
+                log.warning("resilient_strategy: %s", short)
+        if progress is not None:
+            progress.start(c, timeout_s)
         if left <= 1.0:
             res = ProbeResult(c.key, ERROR, 0.0, "budget",
                               f"the probe budget of {opts.budget_s:g} s is spent")
         else:
-            res = prober(spec_for(c, opts, min(opts.timeout_s, left)), env)
+            res = prober(spec_for(c, opts, timeout_s), env)
+            if startup_check:
+                res = reclassify_short_timeout(res, timeout_s, startup, opts.framework)
+        if progress is not None:
+            progress.end(res)
         results[c.key] = res
-        if res.cause != "budget":  # never probed: nothing learned about the machine to keep
+        # never probed, or cut short before it could start: nothing learned about the machine
+        if res.cause not in ("budget", "timeout_short"):
             fresh[c.key] = res
         p = plan(facts, opts.rules, results, opts)
     _close_fork_servers()  # probing is over (on an exception: idle exit or exit closes them)
@@ -184,6 +212,7 @@ def resilient_strategy(
     env: Mapping[str, str] | None = None,
     facts: Facts | None = None,
     logical_cpus: int = 0,
+    quiet: bool | None = None,
     _prober: Prober | None = None,
     _clock: Callable[[], float] | None = None,
 ) -> Selection:
@@ -206,6 +235,8 @@ def resilient_strategy(
             never cached).
         process_group_timeout: seconds a training collective may wait for a peer before the
             PyTorch process group fails (default 300).
+        quiet: True: no progress line per probe on stderr; False: one even when stderr is not a
+            terminal; None (default): one when stderr is a terminal (RESILIENT_STRATEGY_QUIET).
     """
     t0 = time.perf_counter()
     snapshot = _env.snapshot(env)
@@ -220,11 +251,12 @@ def resilient_strategy(
         model=model, gradient_bytes=gradient_bytes, sample_seconds=sample_seconds,
         max_per_replica_batch=max_per_replica_batch, rules=rules, disable_rules=disable_rules,
         cache=cache, cache_dir=cache_dir, cache_ttl=cache_ttl, precision=precision,
-        logical_cpus=logical_cpus, process_group_timeout=process_group_timeout,
+        logical_cpus=logical_cpus, process_group_timeout=process_group_timeout, quiet=quiet,
     )
     prober = _prober or _default_prober
     p, results, from_cache, proven = _agreed_decision(
-        facts, opts, snapshot, prober, _clock or time.monotonic)
+        facts, opts, snapshot, prober, _clock or time.monotonic, _progress_line(opts),
+        startup_check=_prober is None)
     if p.chosen is None:
         raise NoWorkingStrategyError(
             opts.framework, [f"{r.candidate.label}: {r.reason}" for r in p.ruled_out]
@@ -246,8 +278,26 @@ def resilient_strategy(
     )
     for w in p.warnings:
         log.warning("resilient_strategy: %s", w)
+    if opts.launch.rank == 0 and not opts.dry_run:
+        fell = fallback_warning(p, results, facts, opts, chosen)
+        if fell:
+            log.warning("resilient_strategy: %s", fell)
     log.info("resilient_strategy: chose %s in %.2f s", chosen.label, sel.decided_in_s)
     return sel
+
+
+def _progress_line(opts: Options) -> ProgressLine | None:
+    """The progress line, on the rank that probes, where wanted (never for a dry run)."""
+    import sys
+
+    if opts.dry_run or opts.launch.rank != 0 or opts.probe == "never":
+        return None
+    stream = sys.stderr
+    try:
+        terminal = bool(stream.isatty())
+    except (AttributeError, ValueError):
+        terminal = False
+    return ProgressLine(stream) if progress_wanted(opts.quiet, terminal) else None
 
 
 def _advice(
@@ -314,19 +364,21 @@ def _default_prober(spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
 # --------------------------------------------------------------------------------------------
 def _agreed_decision(
     facts: Facts, opts: Options, env: Mapping[str, str], prober: Prober,
-    clock: Callable[[], float],
+    clock: Callable[[], float], progress: ProgressLine | None = None,
+    startup_check: bool = False,
 ) -> tuple[Plan, dict[str, ProbeResult], bool, bool]:
     """Under torchrun, local rank 0 decides (and probes); the other ranks wait for its results
     and re-plan from them, so every rank reaches the same choice (no split brain)."""
     launch = opts.launch
     if not launch.launched or opts.dry_run:
-        return decide(facts, opts, env, prober, clock)
+        return decide(facts, opts, env, prober, clock, progress, startup_check)
     from .agreement import Agreement
 
     agreement = Agreement.for_job(env, facts.fingerprint(), opts.cache_dir)
     deadline_s = opts.budget_s + 60.0
     if launch.local_rank == 0:
-        p, results, from_cache, proven = decide(facts, opts, env, prober, clock)
+        p, results, from_cache, proven = decide(facts, opts, env, prober, clock, progress,
+                                                startup_check)
         agreement.publish(
             {"chosen": p.chosen.key if p.chosen else None,
              "results": {k: v.to_dict() for k, v in results.items()},

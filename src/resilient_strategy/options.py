@@ -103,6 +103,7 @@ class Options:
     precision: str = "auto"
     launch: Launch = field(default_factory=Launch)
     framework_reason: str = ""
+    quiet: bool | None = None  # None: a progress line per probe when stderr is a terminal
 
     @property
     def nodes(self) -> int:
@@ -145,6 +146,9 @@ class Options:
         if self.probe not in PROBE_MODES:
             raise InvalidOptionError(
                 f"probe must be one of {PROBE_MODES} (or a bool), not {self.probe!r}", "probe")
+        if self.quiet is not None and not isinstance(self.quiet, bool):
+            raise InvalidOptionError(f"quiet must be True, False or None, not {self.quiet!r}",
+                                     "quiet")
         if self.precision not in PRECISIONS:
             raise InvalidOptionError(f"precision must be one of {PRECISIONS}, not {self.precision!r}",
                                      "precision")
@@ -307,6 +311,7 @@ def options_from(
     precision: str,
     logical_cpus: int,
     process_group_timeout: float | None = None,
+    quiet: bool | None = None,
 ) -> Options:
     """Validate every argument once; environment variables fill what was not passed."""
     if framework is not None and not isinstance(framework, str):
@@ -335,6 +340,13 @@ def options_from(
             raise InvalidOptionError(
                 f"RESILIENT_STRATEGY_PROBE={probe!r}: expected one of {PROBE_MODES}",
                 "RESILIENT_STRATEGY_PROBE")
+    if quiet is None and env.get("RESILIENT_STRATEGY_QUIET", "") != "":
+        flag = env["RESILIENT_STRATEGY_QUIET"].strip().lower()
+        if flag not in ("1", "0", "true", "false"):
+            raise InvalidOptionError(
+                f"RESILIENT_STRATEGY_QUIET={flag!r}: expected 1 (no progress line per probe) or "
+                "0 (one even when stderr is not a terminal)", "RESILIENT_STRATEGY_QUIET")
+        quiet = flag in ("1", "true")
     if probe is True:
         probe = "auto"
     if probe is False:
@@ -381,4 +393,5 @@ def options_from(
         precision=precision,
         launch=launch,
         framework_reason=why,
+        quiet=quiet,
     )

@@ -69,6 +69,8 @@ CAUSES: dict[str, str] = {
     "shared_memory": "NCCL could not create its /dev/shm segment: /dev/shm is too small "
     "(Docker's 64 MB default); run with --ipc=host or --shm-size, or set NCCL_SHM_DISABLE=1",
     "timeout": "the collective hung until the probe's deadline: one rank waited forever",
+    "timeout_short": "the probe's timeout ran out before its workers could start, which is not "
+    "a hang",
     "crash": "a worker died from a signal",
     "wrong_result": "the all-reduce completed with a wrong value" + _ROUTING,
     "nan_result": "the all-reduce completed with NaN values" + _ROUTING,

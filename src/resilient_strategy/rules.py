@@ -249,7 +249,7 @@ def load_rules(
         try:
             text = path.read_text(encoding="utf-8")
         except OSError as exc:
-            raise InvalidRuleError("?", f"cannot read rules file: {exc}", str(path)) from exc
+            raise InvalidRuleError("?", f"cannot read it: {exc}", str(path)) from exc
         except UnicodeDecodeError as exc:
             raise InvalidRuleError(
                 "?", f"not UTF-8 text (TOML files must be UTF-8): {exc}", str(path)) from exc

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from .candidate import Candidate
+from .errors import WrongFrameworkError
 from .facts import Facts
 from .options import Launch, gradient_bytes_of
 from .plan import Plan
@@ -216,7 +217,7 @@ class Selection:
     def strategy(self) -> Any:
         """TensorFlow: the one tf.distribute strategy object (built on first access)."""
         if self.framework != "tensorflow":
-            raise AttributeError("strategy is TensorFlow's; PyTorch uses prepare()/scope()")
+            raise WrongFrameworkError("sel.strategy is TensorFlow's; PyTorch uses prepare()/scope()")
         return self.runtime.strategy
 
     def _leave_if_idle(self) -> None:
@@ -275,11 +276,22 @@ class Selection:
 
     def _tensorflow_only(self, what: str) -> None:
         if self.framework != "tensorflow":
-            raise AttributeError(f"{what}() is TensorFlow's; PyTorch uses prepare()/step()")
+            raise WrongFrameworkError(f"{what}() is TensorFlow's; PyTorch uses prepare()/step()")
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the main process only (rank 0), like Accelerate's ``accelerator.print``:
+        under torchrun, one copy of the output instead of one per rank, interleaved."""
+        if self.is_main_process:
+            print(*args, **kwargs)
 
     # PyTorch helpers
     @property
     def device(self) -> Any:
+        """PyTorch: this process's ``torch.device`` (TensorFlow places through ``scope()``)."""
+        if self.framework != "torch":
+            raise WrongFrameworkError(
+                "sel.device is PyTorch's; with TensorFlow, build the model inside sel.scope() "
+                "and feed batches of sel.batch_size (the global batch): the strategy places them")
         return self.runtime.device
 
     def prepare(

@@ -103,7 +103,8 @@ def machine(
         if text is not None:
             _check_str("machine", key, text)
     for key, archs in (("torch_archs", torch_archs), ("tf_archs", tf_archs)):
-        if isinstance(archs, str) or not all(isinstance(a, str) for a in archs):
+        if isinstance(archs, str) or not isinstance(archs, Sequence) or not all(
+                isinstance(a, str) for a in archs):
             raise _bad(key, archs, 'a list of arch names like ["sm_80", "compute_90"]')
     if isinstance(gpus, int) and not isinstance(gpus, bool):
         if gpus < 0:
@@ -341,6 +342,11 @@ def load_simulation(path: Path) -> tuple[Facts, dict[str, Any]]:
     if not isinstance(data, dict):
         raise ResilientStrategyError(f"{path}: expected a JSON object")
     described = "machine" in data or "facts" in data
+    if not described and "gpus" not in data:
+        raise ResilientStrategyError(
+            f'{path}: describe the machine: a "machine" object (keyword arguments of '
+            'resilient_strategy.simulation.machine, at least "gpus") or a "facts" object (the '
+            'Facts.to_dict() form, at least "gpus" and "frameworks")')
     unknown = sorted(set(data) - SIMULATION_KEYS) if described else []
     if unknown:
         raise ResilientStrategyError(
@@ -350,9 +356,13 @@ def load_simulation(path: Path) -> tuple[Facts, dict[str, Any]]:
         if "machine" in data:
             if not isinstance(data["machine"], dict):
                 raise ValueError("machine: expected an object of machine() keyword arguments")
+            if "gpus" not in data["machine"]:
+                raise ValueError('machine: say how many GPUs: "gpus": 2 (0 for none)')
             facts = machine(**data["machine"])
         else:
-            facts = Facts.from_dict(data.get("facts", data))
+            raw = data.get("facts", data)
+            _check_facts_shape(raw)
+            facts = Facts.from_dict(raw)
     except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
         raise ResilientStrategyError(f"{path}: not a machine description: {exc}") from exc
     probes = data.get("probes")
@@ -368,6 +378,40 @@ def load_simulation(path: Path) -> tuple[Facts, dict[str, Any]]:
         except ValueError as exc:
             raise ResilientStrategyError(f"{path}: probes: {exc}") from exc
     return facts, data
+
+
+def _check_facts_shape(raw: Any) -> None:
+    """Every field of a "facts" description has the JSON type the Facts.to_dict() form has, so
+    that a wrong one is named (not "'int' object is not iterable")."""
+    reference = json.loads(json.dumps(machine(2, tensorflow="2.15.1").to_dict(), default=str))
+    if not isinstance(raw, dict):
+        raise ValueError(f"facts: expected an object, not {raw!r}")
+    for key in ("gpus", "frameworks"):
+        if key not in raw:
+            raise ValueError(f"facts: {key!r} is required (a list; [] for none)")
+
+    def kind(v: Any) -> str:
+        return ("null" if v is None else "bool" if isinstance(v, bool) else "number"
+                if isinstance(v, (int, float)) else "string" if isinstance(v, str) else "list"
+                if isinstance(v, list) else "object" if isinstance(v, dict) else type(v).__name__)
+
+    def check(where: str, value: Any, ref: Any) -> None:
+        if value is None or ref is None:
+            return
+        if kind(value) != kind(ref):
+            article = "an" if kind(ref)[0] in "aeiou" else "a"
+            raise ValueError(f"{where}: expected {article} {kind(ref)}, not {value!r}")
+        if isinstance(ref, dict):
+            for k, v in value.items():
+                if k in ref:
+                    check(f"{where}.{k}", v, ref[k])
+        elif isinstance(ref, list) and ref:
+            for i, v in enumerate(value):
+                check(f"{where}[{i}]", v, ref[0])
+
+    for key, value in raw.items():
+        if key in reference:
+            check(f"facts.{key}", value, reference[key])
 
 
 def _check_simulation_fields(path: Path, data: Mapping[str, Any]) -> None:
