@@ -3,6 +3,12 @@
 The environment is the caller's snapshot; nothing here reads ``os.environ``. Workers run in a
 fresh temporary directory, which also holds the torch rendezvous file (no TCP port to collide or
 leak) and the reports, and is removed afterwards.
+
+Probes run one at a time. Running independent candidates side by side would disturb each
+other's bandwidth figures (the ranking depends on them), and whether a hung NCCL kernel in one
+probe disturbs another on the same GPUs can only be measured on GPUs, which has not been done:
+until it is, nothing runs concurrently (a later probe saves its framework import through the
+fork server instead, see :mod:`._forkserver`).
 """
 
 from __future__ import annotations
