@@ -32,7 +32,8 @@ def env() -> dict[str, str]:
 
 @pytest.fixture
 def spawned(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
-    """Every worker the fork server forked during the test."""
+    """Every worker the fork server forked during the test (servers fresh, and closed after)."""
+    _forkserver.close_all()
     seen: list[Any] = []
     real = _forkserver.ForkServer.spawn
 
@@ -42,6 +43,7 @@ def spawned(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
 
     monkeypatch.setattr(_forkserver.ForkServer, "spawn", spawn)
     yield seen
+    _forkserver.close_all()
 
 
 def gone(pid: int, within_s: float = 5.0) -> bool:

@@ -67,7 +67,9 @@ def _fork_spawner(spec: ProbeSpec, env: Mapping[str, str], python: str) -> _proc
 
     if spec.framework != "torch" or not _forkserver.enabled(env):
         return None
-    base = worker_env(ProbeSpec("", spec.framework, "", ()), env)  # no candidate variables
+    # the server's own environment: no candidate variables, no fault (each child gets its own)
+    base = {k: v for k, v in worker_env(ProbeSpec("", spec.framework, "", ()), env).items()
+            if k != "RESILIENT_STRATEGY_PROBE_FAULT"}
 
     def spawn(cmd: _proc.WorkerCommand, stdout: str, stderr: str) -> _proc.Proc:
         argv = list(cmd.argv)
