@@ -23,6 +23,13 @@ Watcher (in the runner, polled every few tens of milliseconds)::
     watcher = StallWatcher(paths, StallPolicy())  # one path per rank, in rank order
     stall = watcher.poll()              # a Stall once one is judged, else None
 
+Training ranks (mid-run supervision) use the same records: wrap each optimizer step, whose
+all-reduces run inside it, as collective k (``with w.collective(step, gradient_bytes,
+allow_s=3 * measured_step_s)``), and watch with ``StallPolicy(quiet_s=None)`` or a ``quiet_s``
+that covers evaluation and checkpoints; a rank that never reaches step k while the others wait
+in it is then a straggler after ``arrive_grace_s``, and a step every rank entered but none left
+is a hang after its grace.
+
 What is judged (all times on the watcher's own clock, from when it saw a record change):
 
 * starting and importing: never (a generous allowance: the caller's outer deadline bounds it);
