@@ -173,3 +173,17 @@ def test_simulate_honours_the_rule_variables_of_your_environment(
     monkeypatch.setenv("RESILIENT_STRATEGY_DISABLE_RULES", "small-dev-shm,container-shm-remedy")
     dec = _plan(["--simulate", str(MACHINES / "seed003_a6000x8_shm.json")], capsys)
     assert not {"small-dev-shm", "container-shm-remedy"} & set(dec["rules_fired"])
+
+
+def test_json_carries_the_typed_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    case = Path(__file__).parents[1] / "examples" / "machines" / "seed001_sagemaker_p3_8xlarge.json"
+    assert main(["plan", "--simulate", str(case), "--json"]) == 0
+    decision = json.loads(capsys.readouterr().out)["decisions"]["torch"]
+    events = decision["events"]
+    assert decision["simulated"] is True
+    assert events[0]["kind"] == "framework_picked" and events[-1]["kind"] == "chosen"
+    hangs = [e for e in events if e["kind"] == "ruled_out" and e["by"] == "probe"]
+    assert [e["result"]["status"] for e in hangs] == ["timeout"] * 3
+    assert {e["rule"] for e in events if e["kind"] == "rule_fired"} == {
+        "aws-ofi-without-efa", "sagemaker-dataparallel"}
+    assert [e["text"] for e in events if e["text"]] == decision["trace"]

@@ -11,14 +11,15 @@ import pytest
 
 from resilient_strategy import resilient_strategy
 from resilient_strategy.testing import machine
+from resilient_strategy.trace import CandidateRuledOut, Chosen
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.slow, pytest.mark.torch]
 
 
-def run(tmp_path: Path, **env: str):  # type: ignore[no-untyped-def]
+def run(tmp_path: Path, rank: int = 0, **env: str):  # type: ignore[no-untyped-def]
     facts = machine(0, torch="2.13.0", torch_cuda=None, torch_nccl=None, env={"WORLD_SIZE": "2"})
-    base = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0",
+    base = {**os.environ, "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank),
             "MASTER_PORT": str(os.getpid()), **env}
     return resilient_strategy(facts=facts, env=base, framework="torch", global_batch_size=64,
                               gradient_bytes=100_000, sample_seconds=0.01, timeout=15,
@@ -30,7 +31,8 @@ def test_gloo_between_processes_is_proven_for_real(tmp_path: Path) -> None:
     assert sel.backend == "gloo" and sel.num_replicas == 2 and sel.per_replica_batch_size == 32
     res = sel.results[sel.candidate.key]
     assert res.ok and res.ranks == 2 and res.bus_bandwidth_gbps and res.step_seconds
-    assert "its probe passed" in sel.explain()
+    chosen = [e for e in sel.plan.events if isinstance(e, Chosen)]
+    assert [(e.how, e.result) for e in chosen] == [("probe_passed", res)]
 
 
 def test_a_hang_is_cut_from_progress_and_one_process_trains(tmp_path: Path) -> None:
@@ -39,5 +41,10 @@ def test_a_hang_is_cut_from_progress_and_one_process_trains(tmp_path: Path) -> N
     assert res.status == "timeout" and res.elapsed_s < 15  # judged a hang before the deadline
     assert dict(res.extra)["hang"] == "straggler"
     assert sel.backend == "cpu" and sel.accumulation_steps == 2 and sel.per_replica_batch_size == 32
-    assert not sel.active or sel.launch.rank == 0
-    assert "judged from its ranks' progress" in sel.explain()
+    out = [e for e in sel.plan.events if isinstance(e, CandidateRuledOut)]
+    assert [(e.candidate.key, e.by, e.result) for e in out] == [("torch:gloo:cpu", "probe", res)]
+    # rank 0 trains alone; rank 1 follows rank 0's published results and stays idle
+    assert sel.active and sel.launch.rank == 0
+    follower = run(tmp_path, rank=1, RESILIENT_STRATEGY_PROBE_FAULT="hang:1:gloo")
+    assert follower.candidate == sel.candidate and follower.launch.rank == 1
+    assert not follower.active

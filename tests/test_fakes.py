@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
-from resilient_strategy.errors import InvalidOptionError
+from resilient_strategy.errors import FrameworkInitializedError, InvalidOptionError
 from resilient_strategy.rules import fact_values
-from resilient_strategy.testing import gpu, machine, simulate
+from resilient_strategy.testing import FakeProber, gpu, machine, simulate
+from resilient_strategy.trace import CandidateRuledOut, Chosen, FactsSeen
 
 MACHINES = Path(__file__).parents[1] / "examples" / "machines"
 
@@ -46,7 +47,8 @@ def test_visible_devices_decide_the_plan() -> None:
     sel = simulate(machine(4, env={"CUDA_VISIBLE_DEVICES": "2"}),
                    framework="torch", global_batch_size=32)
     assert sel.backend == "single_device" and sel.devices == (0,)
-    assert "Saw 1 GPU(s)" in sel.explain() and sel.accumulation_steps == 1
+    seen = [e for e in sel.plan.events if isinstance(e, FactsSeen)]
+    assert [e.gpus for e in seen] == [1] and sel.accumulation_steps == 1
 
 
 def test_links_override_nvlink_per_pair_of_physical_gpus() -> None:
@@ -120,3 +122,83 @@ def test_seed003_file_describes_the_nvlink_pairs() -> None:
     f = machine(**data["machine"])
     nvlinked = sorted((ln.a, ln.b) for ln in f.links if ln.nvlinks)
     assert nvlinked == [(0, 1), (2, 3), (4, 5), (6, 7)]
+
+
+# ----- every fact inspection reports, and every outcome a probe reports, can be described --------
+def test_per_pair_links_carry_topology_and_p2p() -> None:
+    f = machine(4, links={"0-1": 4, "2-3": {"topology": "system", "p2p": "not_supported"},
+                          (1, 2): {"nvlinks": 2, "topology": "single"}})
+    assert (f.link(0, 1).nvlinks, f.link(0, 1).topology) == (4, "hostbridge")  # type: ignore[union-attr]
+    assert (f.link(2, 3).topology, f.link(2, 3).p2p_read) == ("system", "not_supported")  # type: ignore[union-attr]
+    assert (f.link(1, 2).nvlinks, f.link(1, 2).topology) == (2, "single")  # type: ignore[union-attr]
+    summary = f.link_summary()
+    assert summary.cross_socket and summary.p2p_unsupported and not summary.all_nvlink
+    with pytest.raises(InvalidOptionError):
+        machine(2, links={"0-1": {"topology": "warp"}})
+
+
+def test_mig_instances_are_named_by_cuda_visible_devices() -> None:
+    f = machine(2, memory_gb=80, mig={"0": 2}, env={"CUDA_VISIBLE_DEVICES": "MIG-fake-0000-1"})
+    (g,) = f.gpus
+    assert (g.index, g.physical_index, g.uuid, g.mig_enabled) == (0, 0, "MIG-fake-0000-1", True)
+    assert g.memory_bytes == 40 * 2**30 and f.links == ()
+    with pytest.raises(InvalidOptionError):
+        machine(2, mig={5: 2})
+
+
+def test_host_and_framework_state_are_described() -> None:
+    f = machine(2, infiniband=True, cpu_count=8, platform="linux", kernel="5.15.0",
+                tensorflow="2.21.0", tf_cuda="12.5", torch=None, imported=["tensorflow"],
+                nvml_notes=["GPU 1 compute capability: unknown"])
+    assert (f.host.infiniband, f.host.cpu_count, f.host.kernel) == (True, 8, "5.15.0")
+    tf = f.framework("tensorflow")
+    assert tf.imported and not tf.gpu_initialized and f.nvml_notes
+    started = machine(2, tensorflow="2.21.0", tf_cuda="12.5", torch=None,
+                      gpu_initialized=["tensorflow"], env={"CLIENT_API_TYPE": "EX_PROCESS_API"})
+    # the rule leaves TF one GPU, so CUDA_VISIBLE_DEVICES would change under a started runtime
+    with pytest.raises(FrameworkInitializedError):
+        simulate(started, framework="tensorflow", global_batch_size=64)
+
+
+def test_a_probe_outcome_can_carry_every_field_a_probe_reports() -> None:
+    prober = FakeProber({"nccl": {"status": "ok", "bus_bandwidth_gbps": 9.5,
+                                  "message_bytes": 256 << 20, "step_seconds": 0.01, "ranks": 2,
+                                  "extra": [["value_check_iterations", "20"]]}})
+    sel = simulate(machine(2, env={"WORLD_SIZE": "2"}), prober, global_batch_size=64)
+    res = sel.results[sel.candidate.key]
+    assert (res.bus_bandwidth_gbps, res.message_bytes, res.step_seconds, res.ranks) == (
+        9.5, 256 << 20, 0.01, 2)
+    assert dict(res.extra) == {"value_check_iterations": "20"}
+    with pytest.raises(ValueError):
+        FakeProber({"nccl": {"status": "sideways"}})
+
+
+def test_a_machine_file_can_describe_all_of_it(tmp_path: Path) -> None:
+    from resilient_strategy.cli import simulate_file
+
+    path = tmp_path / "case.json"
+    path.write_text(json.dumps({
+        "framework": "torch", "global_batch_size": 64,
+        "machine": {"gpus": 2, "links": {"0-1": {"topology": "system"}},
+                    "infiniband": True, "env": {"WORLD_SIZE": "2"}},
+        "probes": {"nccl": {"status": "ok", "bus_bandwidth_gbps": 100.0, "message_bytes": 1024}},
+    }))
+    sel = simulate_file(path)["torch"]
+    assert sel.backend == "nccl" and sel.results[sel.candidate.key].message_bytes == 1024
+
+
+def test_a_simulation_says_it_is_one() -> None:
+    sel = simulate(machine(2, env={"WORLD_SIZE": "2"}), {"nccl": "timeout"})
+    assert sel.simulated and sel.to_dict()["simulated"] is True
+    failed = [e for e in sel.plan.events if isinstance(e, CandidateRuledOut)]
+    chosen = [e for e in sel.plan.events if isinstance(e, Chosen)]
+    assert failed and all(e.simulated for e in failed)
+    assert [(e.how, e.simulated) for e in chosen] == [("probe_passed", True)]
+
+
+def test_the_logical_cpu_mode_names_no_gpu() -> None:
+    tf = machine(0, tensorflow="2.21.0", tf_cuda=None, torch=None)
+    sel = simulate(tf, {"nccl": "ok"}, framework="tensorflow", logical_cpus=2, global_batch_size=8)
+    assert sel.candidate.logical_cpus and sel.devices == (0,)
+    on_devices = [c for c in sel.to_dict()["candidates"] if c["devices"]]
+    assert len(on_devices) == 4 and all(c["logical_cpus"] for c in on_devices)

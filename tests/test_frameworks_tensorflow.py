@@ -245,7 +245,7 @@ def test_one_strategy_per_key_per_process(runs: Path) -> None:
     # nccl and reduction_to_one_device are new MirroredStrategy keys beside hierarchical_copy
     warned = facts["mirrored_warnings"]
     assert len(warned) == 2, warned
-    assert all("second MirroredStrategy" in w and "seed report 000" in w for w in warned)
+    assert all("second MirroredStrategy" in w for w in warned)
     assert "nccl over /cpu:0, /cpu:1" in warned[0]
     assert "reduction_to_one_device over" in warned[1]
     assert facts["registry"] == ["cpu", "hierarchical_copy", "nccl", "reduction_to_one_device"]

@@ -118,14 +118,22 @@ def test_watch_with_the_real_torch(tmp_path: Path) -> None:
     assert out == f"{tmp_path / 'net.py'}:3"
 
 
-def test_install_is_idempotent_and_finds_nothing() -> None:
+def test_install_is_idempotent() -> None:
     guard.install_import_watch()
     guard.install_import_watch()
-    watches = [f for f in sys.meta_path if isinstance(f, guard._ImportWatch)]
-    assert len(watches) == 1
-    assert watches[0].find_spec("json") is None
-    assert watches[0].find_spec("torch") is None  # not an import: nothing recorded, still watched
-    assert "torch" in watches[0].pending or guard.first_import_site("torch") is not None
+    watches = [f for f in sys.meta_path if isinstance(f, guard.ImportWatch)]
+    assert watches == [guard.IMPORT_WATCH]
+    assert not guard.ImportWatch().install()  # a second watch is never added
+
+
+def test_a_lookup_that_is_no_import_records_nothing() -> None:
+    watch = guard.ImportWatch({"torch"})
+    assert watch.find_spec("json") is None
+    assert watch.find_spec("torch") is None  # called directly: no import is running
+    assert watch.pending == {"torch"} and watch.site("torch") is None
+    watch.record("torch", "train.py:3")
+    watch.record("torch", "later.py:9")  # the first import is the one kept
+    assert watch.pending == set() and guard.first_import_site("torch", watch) == "train.py:3"
 
 
 # ----- the initialized-framework check ------------------------------------------------------
@@ -142,13 +150,26 @@ def test_initialized_framework_and_a_change_raises() -> None:
     assert "debug.py:7" in str(err.value) and "'0,1'" in str(err.value)
 
 
-def test_no_raise_when_nothing_changes_or_nothing_started() -> None:
-    started = _facts(imported=True, gpu_initialized=True)
-    guard.check_visible_devices_settable(started, ["tensorflow"], None, None)
-    guard.check_visible_devices_settable(started, ["tensorflow"], "0", "0")
-    guard.check_visible_devices_settable(started, ["torch"], "0", None)
-    imported_only = _facts(imported=True, imported_at="x.py:1")
-    guard.check_visible_devices_settable(imported_only, ["tensorflow"], "0", None)
+@pytest.mark.parametrize(
+    ("tf", "frameworks", "wanted", "current", "raises"),
+    [
+        ({"imported": True, "gpu_initialized": True}, ["tensorflow"], "0", None, True),
+        ({"imported": True, "gpu_initialized": True}, ["tensorflow"], None, None, False),  # no change
+        ({"imported": True, "gpu_initialized": True}, ["tensorflow"], "0", "0", False),  # same value
+        ({"imported": True, "gpu_initialized": True}, ["torch"], "0", None, False),  # TF not asked
+        ({"imported": True, "imported_at": "x.py:1"}, ["tensorflow"], "0", None, False),  # no GPU yet
+    ],
+)
+def test_only_a_started_framework_and_a_real_change_raise(
+    tf: dict[str, Any], frameworks: list[str], wanted: str | None, current: str | None,
+    raises: bool,
+) -> None:
+    try:
+        guard.check_visible_devices_settable(_facts(**tf), frameworks, wanted, current)
+        raised = False
+    except FrameworkInitializedError:
+        raised = True
+    assert raised == raises
 
 
 @pytest.mark.slow

@@ -82,11 +82,11 @@ def test_env_argument_wins_over_os_environ(
     assert facts({}, h200x2(), tmp_path).visibility.physical == (0, 1)
 
 
-def test_imported_at_comes_from_the_import_watch(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setitem(guard._sites, "keras", "train.py:3")
-    f = detect_facts({}, nvml=no_driver(), root=str(tmp_path), modules={"keras": object()})
+def test_imported_at_comes_from_the_import_watch(tmp_path: Path) -> None:
+    watch = guard.ImportWatch()
+    watch.record("keras", "train.py:3")
+    f = detect_facts({}, nvml=no_driver(), root=str(tmp_path), modules={"keras": object()},
+                     imports=watch)
     assert f.framework("keras").imported_at == "train.py:3"
     assert f.framework("torch").imported_at is None
 
@@ -114,6 +114,7 @@ def test_unreadable_values_reach_the_facts_and_the_trace(tmp_path: Path) -> None
     from dataclasses import replace
 
     from resilient_strategy.testing import machine, simulate
+    from resilient_strategy.trace import Note
 
     nv = h200x2()
     nv.gpus[1].fail = {"nvmlDeviceGetCudaComputeCapability"}
@@ -124,4 +125,5 @@ def test_unreadable_values_reach_the_facts_and_the_trace(tmp_path: Path) -> None
     cuda_torch = replace(f, frameworks=machine().frameworks)  # this machine's torch is CPU-only
     sel = simulate(cuda_torch, {"nccl": "ok"}, framework="torch")
     assert sel.backend == "nccl"  # no compute-capability rule fired on the unknown value
-    assert "NVML could not read some facts" in sel.explain()
+    notes = [e.topic for e in sel.plan.events if isinstance(e, Note)]
+    assert "nvml_unread" in notes

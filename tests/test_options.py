@@ -116,4 +116,26 @@ def test_launch_is_the_launchers_view_and_the_planner_splits_over_torch_processe
                      sample_seconds=None, max_per_replica_batch=None, rules=(), disable_rules=(),
                      cache=False, cache_dir=None, cache_ttl=None, precision="auto",
                      logical_cpus=0)
-    assert (o.world_size, o.launch.world_size, o.launch.rank) == (1, 2, 1)
+    assert (o.processes, o.world_size, o.launch.world_size, o.launch.rank) == (1, 2, 2, 1)
+
+
+def test_the_torch_runtime_names_the_bad_value() -> None:
+    from resilient_strategy.frameworks.torch import TorchRuntime
+
+    base: dict[str, Any] = dict(rank=0, local_rank=0, world_size=1)
+    with pytest.raises(InvalidOptionError) as timeout:
+        TorchRuntime("cpu", (), 1, 8, 8, timeout_s=math.inf, **base)
+    with pytest.raises(InvalidOptionError) as precision:
+        TorchRuntime("cpu", (), 1, 8, 8, timeout_s=60, precision="fp8", **base)
+    assert (timeout.value.option, precision.value.option) == ("process_group_timeout", "precision")
+
+
+def test_every_option_of_resilient_strategy_goes_to_options_from_as_is() -> None:
+    import inspect
+
+    from resilient_strategy.executor import resilient_strategy
+
+    public = set(inspect.signature(resilient_strategy).parameters) - {"env", "facts", "_prober",
+                                                                       "_clock"}
+    read = set(inspect.signature(options_from).parameters) - {"facts", "env"}
+    assert public == read

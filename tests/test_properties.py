@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -30,8 +32,9 @@ def test_every_decision_terminates_keeps_the_batch_and_ends_single_device(
     prober = FakeProber(outcomes)
     world = int(facts.env_map.get("WORLD_SIZE", "1")) if fw == "torch" else 1
     if g is not None and g % world:
-        with pytest.raises(InvalidOptionError, match="cannot be split exactly"):
+        with pytest.raises(InvalidOptionError) as err:
             simulate(facts, prober, framework=fw, global_batch_size=g)
+        assert err.value.option == "global_batch_size"
         return
     sel = simulate(facts, prober, framework=fw, global_batch_size=g)
     # terminates: each candidate is probed at most once
@@ -73,3 +76,19 @@ def test_user_environment_is_never_overridden(facts, outcomes) -> None:  # type:
     for c in sel.plan.candidates:
         assert not set(dict(c.env)) & set(user)
     assert not set(sel.env) & set(user)
+
+
+@settings(max_examples=100, deadline=None)
+@given(machines(), outcome_tables())
+def test_the_trace_is_its_events_and_serializes(facts, outcomes) -> None:  # type: ignore[no-untyped-def]
+    fw = _framework(facts)
+    sel = simulate(facts, FakeProber(outcomes), framework=fw)
+    data = json.loads(json.dumps(sel.to_dict()))
+    events = data["events"]
+    assert [e["text"] for e in events if e["text"]] == data["trace"] == list(sel.plan.trace)
+    assert events[0]["kind"] == "framework_picked" and events[-1]["kind"] == "chosen"
+    assert events[-1]["candidate"]["key"] == sel.candidate.key
+    # every candidate a probe ruled out is an event with the probe's result
+    probed_out = {e["candidate"]["key"] for e in events
+                  if e["kind"] == "ruled_out" and e["by"] == "probe"}
+    assert probed_out == {k for k, r in sel.results.items() if not r.ok}

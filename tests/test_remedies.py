@@ -8,6 +8,7 @@ from pathlib import Path
 from resilient_strategy.executor import _still_valid
 from resilient_strategy.probe import TIMEOUT, ProbeResult
 from resilient_strategy.testing import FakeProber, machine, simulate
+from resilient_strategy.trace import FactsSeen, Note, RemedyQueued, RuleFired
 
 H200X2 = machine(2, nvlink=18, env={"WORLD_SIZE": "2"})  # under torchrun
 KW = {"global_batch_size": 64, "gradient_bytes": 1000, "sample_seconds": 1.0}
@@ -25,7 +26,13 @@ def test_a_remedy_failing_on_another_cause_gets_that_remedy_on_top() -> None:
     assert sel.backend == "nccl"
     assert dict(sel.candidate.env) == {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
     assert sel.candidate.origin == "after shared_memory"
-    assert any("failed on shared_memory" in line for line in sel.plan.trace)
+    queued = [e for e in sel.plan.events if isinstance(e, RemedyQueued)]
+    assert [(e.candidate.key, e.cause, e.on_top_of.key if e.on_top_of else None)
+            for e in queued] == [
+        ("torch:nccl:0,1:NCCL_P2P_DISABLE=1", "timeout", None),
+        ("torch:nccl:0,1:NCCL_P2P_DISABLE=1;NCCL_SHM_DISABLE=1", "shared_memory",
+         "torch:nccl:0,1:NCCL_P2P_DISABLE=1"),
+    ]
 
 
 def test_composition_is_bounded_and_never_repeats_a_cause() -> None:
@@ -104,15 +111,16 @@ def test_a_hang_judged_from_progress_is_cut_early_and_stays_cached(tmp_path: Pat
 
 # ----- advice that must reach the user -------------------------------------------------------
 def test_advice_survives_when_an_earlier_rule_already_vetoed_the_candidates() -> None:
-    # NCCL 2.20 on Blackwell with a cu126 torch: the NCCL rule vetoes nccl first, then the CUDA
-    # build rule finds nccl gone; its advice (install cu128) must still reach the trace
-    facts = machine(2, name="NVIDIA GeForce RTX 5090", cc=(12, 0), torch="2.6.0",
-                    torch_cuda="12.6", torch_nccl="2.20.5", env={"WORLD_SIZE": "2"})
+    # NCCL 2.20.5 on an RTX 5090: the Blackwell NCCL rule vetoes nccl first; the sm_120 rule
+    # then finds nothing left to veto, and its advice (NCCL >= 2.26.2) must still be said
+    facts = machine(2, name="NVIDIA GeForce RTX 5090", cc=(12, 0), torch="2.7.0",
+                    torch_cuda="12.8", torch_nccl="2.20.5", env={"WORLD_SIZE": "2"})
     sel = simulate(facts, framework="torch", global_batch_size=64)
-    trace = "\n".join(sel.plan.trace)
-    assert "[torch-cuda-before-12.8-on-blackwell]" in trace
-    assert "cu128" in trace
-    assert any("also applies to nccl, already ruled out" in line for line in sel.plan.trace)
+    fired = {e.rule: e for e in sel.plan.events if isinstance(e, RuleFired)}
+    assert fired["torch-nccl-before-blackwell"].action == "veto"
+    late = fired["nccl-sm120-needs-2.26.2"]
+    assert (late.action, late.targets) == ("already_ruled_out", ("nccl",))
+    assert "2.26.2" in late.message and late.text()  # it reaches the rendered trace
 
 
 def test_a_tensorflow_build_without_kernels_says_which_tensorflow_to_install() -> None:
@@ -139,7 +147,8 @@ def test_rules_can_key_on_the_driver_version_and_the_trace_shows_it() -> None:
     p1 = FakeProber()
     sel = simulate(bad, p1, rules=[rule], **KW)
     assert p1.probed[0] == "nccl+NCCL_P2P_DISABLE=1" and sel.env == {"NCCL_P2P_DISABLE": "1"}
-    assert any("NVIDIA driver 570.86.10" in line for line in sel.plan.trace)
+    seen = [e for e in sel.plan.events if isinstance(e, FactsSeen)]
+    assert [e.driver for e in seen] == ["570.86.10"]
     p2 = FakeProber()
     simulate(good, p2, rules=[rule], **KW)
     assert p2.probed == ["nccl"]
@@ -165,6 +174,7 @@ def test_speeds_within_the_measured_noise_keep_the_chains_order() -> None:
                        framework="tensorflow", global_batch_size=64, logical_cpus=2,
                        gradient_bytes=100 << 20, sample_seconds=1.0)
         assert sel.backend == "hierarchical_copy", (hc, rod)
+    assert [e.topic for e in sel.plan.events if isinstance(e, Note)].count("within_noise") == 1
     sel = simulate(facts, FakeProber(_tf_results(0.3, 0.9, spread=0.2)),  # type: ignore[arg-type]
                    framework="tensorflow", global_batch_size=64, logical_cpus=2,
                    gradient_bytes=100 << 20, sample_seconds=1.0)

@@ -29,6 +29,7 @@ def _python(code: str, timeout: float = 120) -> subprocess.CompletedProcess[str]
 
 
 def _write(path: Path, text: str) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(textwrap.dedent(text))
     return str(path)
 
@@ -66,28 +67,52 @@ def test_literals_skip_code_and_survive_bad_files(tmp_path: Path) -> None:
     assert versions._literals(str(tmp_path / "missing.py")) == {}
 
 
-def test_required_nccl_reads_the_pinned_wheel(monkeypatch: pytest.MonkeyPatch) -> None:
-    dist: Any = SimpleNamespace(requires=[
-        "filelock", 'nvidia-nccl-cu12==2.26.2; platform_system == "Linux"', "sympy>=1.13",
-    ])
-    monkeypatch.setattr(
-        importlib.metadata, "version",
-        lambda name: {"nvidia-nccl-cu12": "2.26.2"}[name] if name.endswith("cu12") else
-        (_ for _ in ()).throw(importlib.metadata.PackageNotFoundError(name)),
-    )
-    assert versions._required_nccl(dist) == "2.26.2"
-    no_requirements: Any = SimpleNamespace(requires=None)
-    assert versions._required_nccl(no_requirements) is None
-    assert versions._required_nccl(None) is None
+class Packages:
+    """A metadata source (versions.MetadataSource) describing installed packages."""
 
+    def __init__(self, dists: dict[str, Any] | None = None, installed: dict[str, str] | None = None,
+                 dirs: dict[str, str] | None = None) -> None:
+        self.dists, self.installed, self.dirs = dists or {}, installed or {}, dirs or {}
 
-def _installed(versions_by_name: dict[str, str]) -> Any:
-    def version(name: str) -> str:
-        if name in versions_by_name:
-            return versions_by_name[name]
+    def distribution(self, name: str) -> Any:
+        if name in self.dists:
+            return self.dists[name]
         raise importlib.metadata.PackageNotFoundError(name)
 
-    return version
+    def version(self, name: str) -> str:
+        if name in self.installed:
+            return self.installed[name]
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    def package_dir(self, name: str) -> str | None:
+        return self.dirs.get(name)
+
+
+def _cuda_build(tmp_path: Path, framework: str) -> str:
+    """A package folder whose generated build file says it is a CUDA build."""
+    folder = tmp_path / framework
+    if framework == "torch":
+        _write(folder / "version.py", "__version__ = '2.7.1+cu128'\ncuda = '12.8'\n")
+    else:
+        _write(folder / "python" / "platform" / "build_info.py",
+               "build_info = {'cuda_version': '12.3'}\n")
+    return str(folder)
+
+
+def _nccl_of(tmp_path: Path, requires: Any, installed: dict[str, str], tensorflow: bool) -> Any:
+    """The NCCL that detect_frameworks reports for a CUDA torch (no extras) or a CUDA
+    TensorFlow (its "and-cuda" extra) whose distribution ``requires`` these."""
+    fw = "tensorflow" if tensorflow else "torch"
+    packages = Packages(dists={fw: SimpleNamespace(version="1.0", requires=requires)},
+                        installed=installed, dirs={fw: _cuda_build(tmp_path, fw)})
+    return detect_frameworks({}, packages)[1 if tensorflow else 0].nccl
+
+
+def test_required_nccl_reads_the_pinned_wheel(tmp_path: Path) -> None:
+    requires = ["filelock", 'nvidia-nccl-cu12==2.26.2; platform_system == "Linux"', "sympy>=1.13"]
+    pinned = _nccl_of(tmp_path, requires, {"nvidia-nccl-cu12": "2.26.2"}, tensorflow=False)
+    assert pinned == ("2.26.2" if sys.platform.startswith("linux") else None)
+    assert _nccl_of(tmp_path, None, {"nvidia-nccl-cu12": "2.26.2"}, tensorflow=False) is None
 
 
 # TensorFlow 2.17's own requirement: the NCCL wheel comes only with the "and-cuda" extra.
@@ -119,15 +144,14 @@ _TF_REQUIRES = [
     ],
 )
 def test_required_nccl_only_reports_the_wheel_the_requirement_accepts(
-    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
     requires: list[str],
     installed: dict[str, str],
     extras: tuple[str, ...],
     nccl: str | None,
 ) -> None:
-    monkeypatch.setattr(importlib.metadata, "version", _installed(installed))
-    dist: Any = SimpleNamespace(requires=requires)
-    assert versions._required_nccl(dist, extras) == nccl
+    # TensorFlow is read with its "and-cuda" extra, torch with none
+    assert _nccl_of(tmp_path, requires, installed, tensorflow=bool(extras)) == nccl
 
 
 # ----- installed frameworks ----------------------------------------------------------------
@@ -142,15 +166,18 @@ def test_installed_cpu_builds_of_this_venv() -> None:
             assert torch.cuda is None and torch.nccl is None
     tf = fws["tensorflow"]
     if tf.installed:
-        assert tf.distribution in versions._DISTRIBUTIONS["tensorflow"]
+        assert tf.distribution in versions.DISTRIBUTIONS["tensorflow"]
         if tf.distribution == "tensorflow-cpu":
             assert tf.cuda is None and tf.archs == ()
     assert not any(f.imported or f.gpu_initialized for f in fws.values())
 
 
-def test_not_installed_framework(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(versions._DISTRIBUTIONS, "keras", ("no-such-keras-dist",))
-    assert detect_frameworks({})[2] == FrameworkInfo(name="keras")
+def test_not_installed_framework() -> None:
+    assert detect_frameworks({}, Packages()) == (
+        FrameworkInfo(name="torch"), FrameworkInfo(name="tensorflow"), FrameworkInfo(name="keras"))
+    keras = Packages(dists={"keras-nightly": SimpleNamespace(version="3.9.0.dev1", requires=[])})
+    assert detect_frameworks({"keras": object()}, keras)[2] == FrameworkInfo(
+        name="keras", version="3.9.0.dev1", distribution="keras-nightly", imported=True)
 
 
 def test_imported_and_initialized_from_modules() -> None:

@@ -7,7 +7,7 @@ default. Decision code takes ``env: Mapping[str, str]``; only entry points call 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 
 
 def snapshot(env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -15,16 +15,16 @@ def snapshot(env: Mapping[str, str] | None = None) -> dict[str, str]:
     return dict(os.environ if env is None else env)
 
 
-def apply(variables: Mapping[str, str], env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Set ``variables`` in ``os.environ`` where the user has not set them; return what was set.
-
-    A variable the user set (present in ``env``, default ``os.environ``) is never overwritten.
-    """
-    current = os.environ if env is None else env
+def apply(
+    variables: Mapping[str, str], target: MutableMapping[str, str] | None = None
+) -> dict[str, str]:
+    """Set ``variables`` in ``target`` (default ``os.environ``) where it has none of them yet;
+    return what was set. A variable already there (the user's) is never overwritten."""
+    into: MutableMapping[str, str] = os.environ if target is None else target
     applied: dict[str, str] = {}
     for name, value in variables.items():
-        if name in current:
+        if name in into:
             continue
-        os.environ[name] = value
+        into[name] = value
         applied[name] = value
     return applied

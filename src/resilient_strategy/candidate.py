@@ -25,6 +25,7 @@ class Candidate:
     global_batch_size: int | None = None
     origin: str = "chain"  # "chain", a rule id, or "after <cause>"
     first: bool = False  # a remedy to try before plain NCCL
+    logical_cpus: bool = False  # TF test mode: the devices are logical CPU devices, not GPUs
 
     @property
     def key(self) -> str:
@@ -45,10 +46,13 @@ class Candidate:
             "gloo": "gloo", "single_device": "one GPU", "cpu": "CPU",
         }
         text = names[self.backend]
+        if self.backend == "single_device" and self.logical_cpus:
+            text = "one device"
         if self.backend == "nccl" and self.framework == "tensorflow":
             text = "MirroredStrategy + NCCL"
         if self.devices and self.backend != "cpu":
-            text += f" on GPU{'s' if len(self.devices) > 1 else ''} {','.join(map(str, self.devices))}"
+            kind = "logical CPU device" if self.logical_cpus else "GPU"
+            text += f" on {kind}{'s' if len(self.devices) > 1 else ''} {','.join(map(str, self.devices))}"
         elif self.num_replicas > 1:
             text += f" on {self.num_replicas} CPU processes"
         if self.env:
@@ -62,4 +66,5 @@ class Candidate:
             "num_replicas": self.num_replicas, "accumulation_steps": self.accumulation_steps,
             "per_replica_batch_size": self.per_replica_batch_size,
             "global_batch_size": self.global_batch_size, "origin": self.origin,
+            "logical_cpus": self.logical_cpus,
         }

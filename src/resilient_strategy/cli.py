@@ -160,16 +160,18 @@ def _facts_text(facts: Facts) -> list[str]:
 def _selection_text(sel: Any, show_probes: bool) -> list[str]:
     out = [sel.explain()]
     if sel.plan.ranked:
-        out.append("Candidates, best first:")
+        out.append("Candidates, in the order they are tried (* = chosen):")
         for i, r in enumerate(sel.plan.ranked, 1):
             c = r.candidate
             mark = "*" if c.key == sel.candidate.key else " "
-            out.append(f" {mark}{i}. {c.label}  [{c.num_replicas}x{c.per_replica_batch_size or '-'}"
-                       f"x{c.accumulation_steps}]  ~{human_duration(r.estimate.step_seconds)}/step")
+            first = f"; tried first by rule {c.origin}" if c.first else ""
+            out.append(f" {mark}{i}. {c.label}: {_batch_words(c)}; "
+                       f"~{human_duration(r.estimate.step_seconds)} per global batch{first}")
     if sel.plan.ruled_out:
         out.append("Ruled out:")
-        out += [f"  - {r.candidate.label}: {r.reason}" + (f" [{r.rule}]" if r.rule else "")
-                for r in sel.plan.ruled_out]
+        for r in sel.plan.ruled_out:  # a rule's words are in the trace above: name it only
+            why = f"rule {r.rule} (above)" if r.rule and r.rule != "probe" else r.reason
+            out.append(f"  - {r.candidate.label}: {why}")
     if show_probes and sel.results:
         out.append("Probes:")
         out.append(f"  {'candidate':<58} {'status':<8} {'secs':>6} {'GB/s':>8}  cause")
@@ -177,6 +179,15 @@ def _selection_text(sel: Any, show_probes: bool) -> list[str]:
             bw = f"{res.bus_bandwidth_gbps:.2f}" if res.bus_bandwidth_gbps else "-"
             out.append(f"  {key:<58} {res.status:<8} {res.elapsed_s:>6.1f} {bw:>8}  {res.cause}")
     return out
+
+
+def _batch_words(c: Any) -> str:
+    """A candidate's batch split in words (replicas, batch per replica, accumulation)."""
+    replicas = f"{c.num_replicas} replica{'s' if c.num_replicas != 1 else ''}"
+    per = (f" x {c.per_replica_batch_size} samples" if c.per_replica_batch_size
+           else " (your per-device batch)")
+    steps = f"{c.accumulation_steps} accumulation step{'s' if c.accumulation_steps != 1 else ''}"
+    return f"{replicas}{per}, {steps}"
 
 
 def _decide(args: argparse.Namespace, facts: Facts, sim: Mapping[str, Any] | None,
@@ -245,6 +256,14 @@ def launch_words(sel: Any) -> str:
 
 def as_torchrun(facts: Facts, framework: str, env: Mapping[str, str]) -> bool:
     return framework == "torch" and len(facts.gpus) >= 2 and "WORLD_SIZE" not in env
+
+
+def simulate_file(path: Path, real_env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """What ``resilient-strategy plan --simulate PATH`` decides: a Selection per framework."""
+    facts, sim = load_simulation(path)
+    args = _parser().parse_args(["plan", "--simulate", str(path)])
+    return {fw: _decide(args, facts, sim, fw, real_env or {})
+            for fw in _frameworks(facts, sim.get("framework"))}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 
 class ResilientStrategyError(Exception):
@@ -78,13 +79,30 @@ class InvalidRuleError(ResilientStrategyError, ValueError):
             super().__init__(f"rule {rule_id!r}{where}: {problem}")
 
 
-class NoWorkingStrategyError(ResilientStrategyError):
-    """Every candidate was ruled out or failed its probe."""
+@dataclass(frozen=True)
+class FailureCause:
+    """Why one candidate is out: ``status`` is the probe's (``"error"``, ``"timeout"``) or
+    ``"ruled_out"`` (by a rule or the batch arithmetic); ``cause`` the probe's cause
+    (``"nccl_error"``, ``"shared_memory"``, ...), the rule id, or ``"global_batch_size"``;
+    ``detail`` the words."""
 
-    def __init__(self, framework: str, causes: Sequence[str]) -> None:
+    candidate: str  # its label
+    key: str
+    status: str
+    cause: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.candidate}: {self.detail}"
+
+
+class NoWorkingStrategyError(ResilientStrategyError):
+    """Every candidate was ruled out or failed its probe; ``causes`` says why, one each."""
+
+    def __init__(self, framework: str, causes: Sequence[FailureCause]) -> None:
         self.framework = framework
         self.causes = tuple(causes)
-        lines = "\n  - ".join(self.causes) if self.causes else "(no candidates)"
+        lines = "\n  - ".join(map(str, self.causes)) if self.causes else "(no candidates)"
         super().__init__(
             f"no strategy works for {framework} on this machine:\n  - {lines}\n"
             "Run `python -m resilient_strategy doctor` for the full trace."
@@ -94,12 +112,41 @@ class NoWorkingStrategyError(ResilientStrategyError):
 class FrameworkNotInstalledError(ResilientStrategyError):
     """The requested framework is not installed."""
 
-    def __init__(self, framework: str) -> None:
+    def __init__(self, framework: str | None) -> None:
         self.framework = framework
-        pkg = {"torch": "torch", "tensorflow": "tensorflow"}.get(framework, framework)
+        if framework is None:  # none was asked for, and none is installed
+            super().__init__(
+                "neither torch nor tensorflow is installed in this environment: install the one "
+                "you train with (README, Install) and call resilient_strategy() again."
+            )
+            return
         super().__init__(
-            f"{framework} is not installed in this environment; `pip install {pkg}` "
+            f"{framework} is not installed in this environment; `pip install {framework}` "
             "or pass framework= for the one you use."
+        )
+
+
+class RanksDisagreeError(ResilientStrategyError):
+    """A rank re-planned from local rank 0's probe results and reached another choice."""
+
+    def __init__(self, rank: int, planned: str | None, chosen: str | None) -> None:
+        self.rank = rank
+        self.planned = planned
+        self.chosen = chosen
+        super().__init__(
+            f"rank {rank} planned {planned or 'nothing'} but local rank 0 chose "
+            f"{chosen or 'nothing'}: the ranks see different machines or options. Pass the same "
+            "arguments (and environment) to resilient_strategy() on every rank."
+        )
+
+
+class DryRunError(ResilientStrategyError, RuntimeError):
+    """A dry-run Selection was asked to build a runtime (it describes, it does not train)."""
+
+    def __init__(self, what: str = "train") -> None:
+        super().__init__(
+            f"this Selection is a dry run: it cannot {what}. Call resilient_strategy() without "
+            "dry_run=True to train."
         )
 
 

@@ -52,10 +52,7 @@ def _typical_bus(c: Candidate, facts: Facts) -> tuple[float | None, str]:
         key = c.backend
     else:
         env = dict(c.env)
-        nvlink = all(
-            (ln := facts.link(a, b2)) is not None and ln.nvlinks > 0
-            for i, a in enumerate(c.devices) for b2 in c.devices[i + 1 :]
-        ) and len(c.devices) >= 2
+        nvlink = facts.all_nvlink(c.devices)
         p2p_off, shm_off = env.get("NCCL_P2P_DISABLE") == "1", env.get("NCCL_SHM_DISABLE") == "1"
         link = "nvlink" if nvlink else "pcie"
         if p2p_off and shm_off:
@@ -70,8 +67,9 @@ def _typical_bus(c: Candidate, facts: Facts) -> tuple[float | None, str]:
 def _flops(facts: Facts, c: Candidate) -> float:
     if c.backend == "cpu" or not c.devices:
         return CPU_FLOPS
+    devices = set(c.devices)
     majors = [g.compute_capability[0] for g in facts.gpus
-              if g.index in c.devices and g.compute_capability != (0, 0)]  # (0, 0): unread
+              if g.index in devices and g.compute_capability != (0, 0)]  # (0, 0): unread
     if not majors:
         majors = [g.compute_capability[0] for g in facts.gpus if g.compute_capability != (0, 0)]
     major = min(majors) if majors else 8  # nothing known: a middling GPU, the same for all

@@ -7,20 +7,21 @@ sets the chosen environment without overriding anything the user set, and return
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from . import _env
 from .cache import DecisionCache
 from .errors import (
+    FailureCause,
     InvalidVisibleDevicesError,
     NoWorkingStrategyError,
+    RanksDisagreeError,
     ResilientStrategyError,
 )
 from .facts import Facts
@@ -42,15 +43,32 @@ from .options import (  # noqa: F401  (options_from, gradient_bytes_of: importab
     gradient_bytes_of,
     options_from,
 )
-from .plan import Candidate, Plan, plan
+from .plan import Candidate, Plan, RuledOut, plan
 from .probe import ERROR, TIMEOUT, ProbeResult, ProbeSpec, judged_hang
 from .rules import Rule
 from .selection import Selection
+from .trace import Chosen, FrameworkPicked
 
 log = logging.getLogger("resilient_strategy")
 
 Prober = Callable[[ProbeSpec, Mapping[str, str]], ProbeResult]
 MAX_ROUNDS = 32  # probes per decision, at most (the candidate set is far smaller)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What deciding produced: the final plan (its ``chosen`` candidate and trace), every probe
+    result it used, whether a cached result shaped it without a probe now (``from_cache``), and
+    whether the chosen collective was proven by a probe (``proven``)."""
+
+    plan: Plan
+    results: Mapping[str, ProbeResult]
+    from_cache: bool = False
+    proven: bool = True
+
+    @property
+    def chosen(self) -> Candidate | None:
+        return self.plan.chosen
 
 
 # --------------------------------------------------------------------------------------------
@@ -84,8 +102,9 @@ def decide(
     clock: Callable[[], float] = time.monotonic,
     progress: ProgressLine | None = None,
     startup_check: bool = False,
-) -> tuple[Plan, dict[str, ProbeResult], bool, bool]:
-    """Plan, probing as needed. Returns (plan, results, from_cache, proven).
+    max_rounds: int = MAX_ROUNDS,
+) -> Decision:
+    """Plan, probing as needed (at most ``max_rounds`` probes).
 
     The probe budget is one deadline for the whole decision; each probe also has its own.
     ``progress`` hears each probe start and end (the one hook for what a user sees meanwhile).
@@ -107,7 +126,7 @@ def decide(
     deadline = clock() + opts.budget_s
     fresh: dict[str, ProbeResult] = {}
     p = plan(facts, opts.rules, results, opts)
-    for _ in range(MAX_ROUNDS):
+    for _ in range(max_rounds):
         if p.next_probe is None or opts.probe == "never" or opts.dry_run or multi_node:
             break
         c = p.next_probe
@@ -141,14 +160,13 @@ def decide(
         cache.store(fingerprint, fresh)
     proven = p.next_probe is None
     if p.next_probe is not None:  # probing off, or a dry run: the next candidate, unproven
-        why = ("dry run: it would be probed first" if opts.dry_run
-               else "UNPROVEN: a multi-node job is not probed" if multi_node
-               else "UNPROVEN, probing is off (probe='never')")
+        how = ("dry_run" if opts.dry_run else "multi_node" if multi_node
+               else "probing_off" if opts.probe == "never" else "rounds_spent")
         p = replace(p, chosen=p.next_probe, next_probe=None,
-                    trace=(*p.trace, f"Chose {p.next_probe.label}: {why}."))
+                    events=(*p.events, Chosen(p.next_probe, how, max_rounds=max_rounds)))
     # "from the cache": nothing was probed now, and a cached result shaped this plan
     used = {r.candidate.key for r in p.ranked} | {r.candidate.key for r in p.ruled_out}
-    return p, results, not fresh and bool(cached_keys & used), proven
+    return Decision(p, results, not fresh and bool(cached_keys & used), proven)
 
 
 def _close_fork_servers() -> None:
@@ -187,6 +205,10 @@ def _env_to_set(facts: Facts, c: Candidate, opts: Options, env: Mapping[str, str
         # TF takes memory on every visible GPU; show it only the chosen ones.
         wanted["CUDA_VISIBLE_DEVICES"] = _visible_devices_value(facts, c)
     return {k: v for k, v in wanted.items() if k not in env}
+
+
+#: Parameters of resilient_strategy() that say what to decide on, not how: not options.
+_NOT_OPTIONS = frozenset({"env", "facts", "_prober", "_clock"})
 
 
 def resilient_strategy(
@@ -238,6 +260,9 @@ def resilient_strategy(
         quiet: True: no progress line per probe on stderr; False: one even when stderr is not a
             terminal; None (default): one when stderr is a terminal (RESILIENT_STRATEGY_QUIET).
     """
+    # Every option, as passed: options_from validates them (a new option is a parameter here
+    # and there, nothing in between). Taken first, while the parameters are the only locals.
+    options = {k: v for k, v in locals().items() if k not in _NOT_OPTIONS}
     t0 = time.perf_counter()
     snapshot = _env.snapshot(env)
     if facts is None:
@@ -245,22 +270,15 @@ def resilient_strategy(
 
         facts = detect_facts(snapshot)
     _check_visibility(facts)
-    opts = options_from(
-        facts, snapshot, framework=framework, global_batch_size=global_batch_size,
-        devices=devices, probe=probe, timeout=timeout, prefer=prefer, dry_run=dry_run,
-        model=model, gradient_bytes=gradient_bytes, sample_seconds=sample_seconds,
-        max_per_replica_batch=max_per_replica_batch, rules=rules, disable_rules=disable_rules,
-        cache=cache, cache_dir=cache_dir, cache_ttl=cache_ttl, precision=precision,
-        logical_cpus=logical_cpus, process_group_timeout=process_group_timeout, quiet=quiet,
-    )
+    opts = options_from(facts, snapshot, **options)
     prober = _prober or _default_prober
-    p, results, from_cache, proven = _agreed_decision(
-        facts, opts, snapshot, prober, _clock or time.monotonic, _progress_line(opts),
-        startup_check=_prober is None)
+    if getattr(prober, "simulated", False):  # outcomes from a description: say so everywhere
+        opts = replace(opts, simulated=True)
+    decision = _agreed_decision(facts, opts, snapshot, prober, _clock or time.monotonic,
+                                _progress_line(opts), startup_check=_prober is None)
+    p, results = decision.plan, decision.results
     if p.chosen is None:
-        raise NoWorkingStrategyError(
-            opts.framework, [f"{r.candidate.label}: {r.reason}" for r in p.ruled_out]
-        )
+        raise NoWorkingStrategyError(opts.framework, [_cause(r) for r in p.ruled_out])
     chosen = p.chosen
     to_set = _env_to_set(facts, chosen, opts, snapshot)
     _guard(facts, opts.framework, to_set)
@@ -268,13 +286,14 @@ def resilient_strategy(
     applied = not opts.dry_run and env is None
     if applied:
         to_set = _env.apply(to_set)
-    p = replace(p, trace=(f"{opts.framework_reason}.", *p.trace))
+    p = replace(p, events=(FrameworkPicked(opts.framework, opts.framework_reason), *p.events))
     sel = Selection(
         candidate=chosen, plan=p, facts=facts, env=to_set, env_applied=applied, results=results,
-        from_cache=from_cache, proven=proven, launch=opts.launch, process_group_timeout_s=opts.pg_timeout_s,
+        from_cache=decision.from_cache, proven=decision.proven, launch=opts.launch,
+        process_group_timeout_s=opts.pg_timeout_s,
         precision=opts.precision, logical_cpus=opts.logical_cpus, dry_run=opts.dry_run,
         decided_in_s=time.perf_counter() - t0,
-        advise=_advice(facts, opts, results, chosen),
+        advise=_advice(facts, opts, results, chosen), simulated=opts.simulated,
     )
     for w in p.warnings:
         log.warning("resilient_strategy: %s", w)
@@ -284,6 +303,15 @@ def resilient_strategy(
             log.warning("resilient_strategy: %s", fell)
     log.info("resilient_strategy: chose %s in %.2f s", chosen.label, sel.decided_in_s)
     return sel
+
+
+def _cause(r: RuledOut) -> FailureCause:
+    """Why one candidate is out, for NoWorkingStrategyError."""
+    if r.result is not None:
+        return FailureCause(r.candidate.label, r.candidate.key, r.result.status, r.result.cause,
+                            r.reason)
+    return FailureCause(r.candidate.label, r.candidate.key, "ruled_out",
+                        r.rule or "global_batch_size", r.reason)
 
 
 def _progress_line(opts: Options) -> ProgressLine | None:
@@ -366,7 +394,7 @@ def _agreed_decision(
     facts: Facts, opts: Options, env: Mapping[str, str], prober: Prober,
     clock: Callable[[], float], progress: ProgressLine | None = None,
     startup_check: bool = False,
-) -> tuple[Plan, dict[str, ProbeResult], bool, bool]:
+) -> Decision:
     """Under torchrun, local rank 0 decides (and probes); the other ranks wait for its results
     and re-plan from them, so every rank reaches the same choice (no split brain)."""
     launch = opts.launch
@@ -377,23 +405,19 @@ def _agreed_decision(
     agreement = Agreement.for_job(env, facts.fingerprint(), opts.cache_dir)
     deadline_s = opts.budget_s + 60.0
     if launch.local_rank == 0:
-        p, results, from_cache, proven = decide(facts, opts, env, prober, clock, progress,
-                                                startup_check)
+        d = decide(facts, opts, env, prober, clock, progress, startup_check)
         agreement.publish(
-            {"chosen": p.chosen.key if p.chosen else None,
-             "results": {k: v.to_dict() for k, v in results.items()},
-             "from_cache": from_cache, "proven": proven}
+            {"chosen": d.chosen.key if d.chosen else None,
+             "results": {k: v.to_dict() for k, v in d.results.items()},
+             "from_cache": d.from_cache, "proven": d.proven}
         )
-        return p, results, from_cache, proven
+        return d
     payload = agreement.wait(deadline_s)
     results = {k: ProbeResult.from_dict(v) for k, v in payload["results"].items()}
     p = plan(facts, opts.rules, results, opts)
     if p.next_probe is not None and not payload["proven"]:
         p = replace(p, chosen=p.next_probe, next_probe=None)
-    if (p.chosen.key if p.chosen else None) != payload["chosen"]:
-        raise ResilientStrategyError(
-            f"rank {launch.rank} planned {p.chosen.key if p.chosen else None} but local rank 0 "
-            f"chose {payload['chosen']}: the ranks see different machines or options. Pass the "
-            "same arguments on every rank. " + json.dumps(payload["chosen"])
-        )
-    return p, results, bool(payload["from_cache"]), bool(payload["proven"])
+    mine = p.chosen.key if p.chosen else None
+    if mine != payload["chosen"]:
+        raise RanksDisagreeError(launch.rank, mine, payload["chosen"])
+    return Decision(p, results, bool(payload["from_cache"]), bool(payload["proven"]))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -153,6 +153,40 @@ class Visibility:
 
 
 @dataclass(frozen=True)
+class LinkSummary:
+    """Aggregates over every pair of visible GPUs."""
+
+    all_nvlink: bool  # every pair has an NVLink (and there is a pair)
+    any_pcie_only: bool  # some pair has no NVLink (or no link fact)
+    p2p_unsupported: bool  # some pair without NVLink reports P2P as not usable
+    cross_socket: bool  # some pair crosses CPU sockets
+
+
+_NO_PEERS: frozenset[int] = frozenset()
+
+
+@dataclass
+class _LinkIndex:
+    """Links by pair, NVLink peers by GPU, and answers already computed (one per Facts)."""
+
+    by_pair: dict[tuple[int, int], Link]
+    nvlink_peers: dict[int, frozenset[int]] | None = None
+    all_nvlink: dict[tuple[int, ...], bool] = field(default_factory=dict)
+    summary: LinkSummary | None = None
+
+    def peers(self) -> dict[int, frozenset[int]]:
+        """GPU -> the GPUs it has an NVLink to."""
+        if self.nvlink_peers is None:
+            peers: dict[int, set[int]] = {}
+            for (a, b), ln in self.by_pair.items():
+                if ln.nvlinks > 0:
+                    peers.setdefault(a, set()).add(b)
+                    peers.setdefault(b, set()).add(a)
+            self.nvlink_peers = {k: frozenset(v) for k, v in peers.items()}
+        return self.nvlink_peers
+
+
+@dataclass(frozen=True)
 class Facts:
     """Everything inspected, as one frozen value."""
 
@@ -175,11 +209,57 @@ class Facts:
         return FrameworkInfo(name=name)
 
     def link(self, a: int, b: int) -> Link | None:
-        lo, hi = min(a, b), max(a, b)
-        for ln in self.links:
-            if (ln.a, ln.b) == (lo, hi):
-                return ln
-        return None
+        """The link between GPUs ``a`` and ``b`` (either order), from an index built once."""
+        return self._index().by_pair.get((a, b) if a < b else (b, a))
+
+    def all_nvlink(self, devices: Sequence[int]) -> bool:
+        """Whether every pair of these GPUs has at least one NVLink (False for fewer than 2)."""
+        if len(devices) < 2:
+            return False
+        index = self._index()
+        key = tuple(devices)
+        known = index.all_nvlink.get(key)
+        if known is None:
+            want = set(key)
+            n = len(want) - 1
+            peers = index.peers()
+            known = all(len(peers.get(d, _NO_PEERS) & want) == n for d in want)
+            index.all_nvlink[key] = known
+        return known
+
+    def link_summary(self) -> LinkSummary:
+        """Aggregates over every pair of visible GPUs (what the rules' ``links.*`` facts read)."""
+        index = self._index()
+        if index.summary is None:
+            indices = {g.index for g in self.gpus}
+            pairs = len(indices) * (len(indices) - 1) // 2
+            nvlinked = 0
+            p2p_unsupported = cross_socket = False
+            for (a, b), ln in index.by_pair.items():
+                if a not in indices or b not in indices:
+                    continue
+                if ln.nvlinks > 0:
+                    nvlinked += 1
+                elif ln.p2p_read not in ("ok", "unknown"):
+                    p2p_unsupported = True
+                cross_socket = cross_socket or ln.topology == "system"
+            index.summary = LinkSummary(
+                all_nvlink=pairs > 0 and nvlinked == pairs,
+                any_pcie_only=nvlinked < pairs,
+                p2p_unsupported=p2p_unsupported,
+                cross_socket=cross_socket,
+            )
+        return index.summary
+
+    def _index(self) -> _LinkIndex:
+        index: _LinkIndex | None = self.__dict__.get("_link_index")
+        if index is None:
+            # reversed: where a pair is listed twice, the first one wins, as a scan would find it
+            by_pair = {((ln.a, ln.b) if ln.a < ln.b else (ln.b, ln.a)): ln
+                       for ln in reversed(self.links)}
+            index = _LinkIndex(by_pair)
+            object.__setattr__(self, "_link_index", index)  # a cache, not a field: frozen stays
+        return index
 
     @property
     def env_map(self) -> dict[str, str]:
@@ -231,9 +311,15 @@ class Facts:
         Includes GPUs (UUID, name, CC), links, driver, framework/NCCL versions, host transport facts
         and the relevant environment; excludes import state, which changes every run.
         """
+        cached: str | None = self.__dict__.get("_fingerprint")
+        if cached is not None:
+            return cached
         key = {
             "gpus": [(g.uuid, g.name, g.compute_capability, g.mig_enabled) for g in self.gpus],
-            "links": [asdict(ln) for ln in self.links],
+            "links": [  # asdict(ln), without its deep copies (a 1,024-GPU machine has 523,776)
+                {"a": ln.a, "b": ln.b, "topology": ln.topology, "nvlinks": ln.nvlinks,
+                 "p2p_read": ln.p2p_read, "p2p_nvlink": ln.p2p_nvlink} for ln in self.links
+            ],
             "driver": self.driver_version,
             "frameworks": [(f.name, f.version, f.cuda, f.nccl) for f in self.frameworks],
             "host": [
@@ -246,7 +332,9 @@ class Facts:
             "env": [kv for kv in self.env if kv[0] not in _PER_RUN_ENV],
         }
         blob = json.dumps(key, sort_keys=True, default=list).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        digest = hashlib.sha256(blob).hexdigest()[:16]
+        object.__setattr__(self, "_fingerprint", digest)  # a cache, not a field
+        return digest
 
 
 def _check_keys(cls: type, data: Mapping[str, Any], what: str) -> None:

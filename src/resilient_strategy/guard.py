@@ -29,44 +29,64 @@ _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _IMPORTLIB_DIR = os.path.dirname(os.path.abspath(importlib.__file__ or "")) + os.sep
 _STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
 
-_sites: dict[str, str] = {}
-
-
-class _ImportWatch:
-    """A ``MetaPathFinder`` that finds nothing and records where watched names are imported.
+class ImportWatch:
+    """A registry of where watched names were first imported, and the ``MetaPathFinder`` that
+    fills it: it finds nothing, and records the ``file:line`` of the first real import of each
+    watched name (``sites``). The package installs one (:data:`IMPORT_WATCH`); tests make their
+    own and pass it where a watch is read (``detect_facts(imports=...)``).
 
     Duck-typed: subclassing ``importlib.abc.MetaPathFinder`` would import importlib.abc (~20 ms).
     """
 
-    def __init__(self, names: Iterable[str]) -> None:
+    def __init__(self, names: Iterable[str] = WATCHED) -> None:
         self.pending = set(names)
+        self.sites: dict[str, str] = {}
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
     ) -> ModuleSpec | None:
         if fullname in self.pending:
             site = _import_site(sys._getframe(1))
-            if site is not None:  # set.discard and dict.setdefault are atomic under the GIL
-                self.pending.discard(fullname)
-                _sites.setdefault(fullname, site)
+            if site is not None:
+                self.record(fullname, site)
         return None
 
     def invalidate_caches(self) -> None:
         pass
 
+    def record(self, name: str, site: str) -> None:
+        """Record the first import of ``name`` (a later one is ignored)."""
+        self.pending.discard(name)  # set.discard and dict.setdefault are atomic under the GIL
+        self.sites.setdefault(name, site)
+
+    def site(self, name: str) -> str | None:
+        """``"file:line"`` of the first import of ``name`` seen, :data:`ALREADY_IMPORTED`, or
+        None."""
+        return self.sites.get(name)
+
+    def install(self, modules: Iterable[str] | None = None) -> bool:
+        """Put this watch first on ``sys.meta_path`` unless a watch is there already; names in
+        ``modules`` (default ``sys.modules``) are imported already. Returns whether it did."""
+        if any(isinstance(f, ImportWatch) for f in sys.meta_path):
+            return False
+        for name in self.pending & set(sys.modules if modules is None else modules):
+            self.record(name, ALREADY_IMPORTED)
+        sys.meta_path.insert(0, self)
+        return True
+
+
+#: The package's watch, installed when ``resilient_strategy`` is imported.
+IMPORT_WATCH = ImportWatch()
+
 
 def install_import_watch() -> None:
     """Start watching framework imports (idempotent)."""
-    if any(isinstance(f, _ImportWatch) for f in sys.meta_path):
-        return
-    for name in WATCHED & set(sys.modules):
-        _sites.setdefault(name, ALREADY_IMPORTED)
-    sys.meta_path.insert(0, _ImportWatch(WATCHED - set(_sites)))
+    IMPORT_WATCH.install()
 
 
-def first_import_site(name: str) -> str | None:
+def first_import_site(name: str, watch: ImportWatch | None = None) -> str | None:
     """``"file:line"`` of the first import of ``name`` seen, :data:`ALREADY_IMPORTED`, or None."""
-    return _sites.get(name)
+    return (IMPORT_WATCH if watch is None else watch).site(name)
 
 
 def check_visible_devices_settable(

@@ -10,12 +10,12 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from . import _env
-from ._nvml import NvmlSnapshot, read_nvml
-from .facts import Facts, Gpu, Visibility, relevant_env
-from .guard import first_import_site
+from ._nvml import read_nvml
+from .facts import Facts, Visibility, relevant_env
+from .guard import ImportWatch, first_import_site
 from .host import detect_host
-from .versions import detect_frameworks
-from .visible import VisibleDevice, renumber_links, resolve_visible_devices
+from .versions import MetadataSource, detect_frameworks
+from .visible import VisibleDevice, job_gpu, renumber_links, resolve_visible_devices
 
 
 def detect_facts(
@@ -24,6 +24,8 @@ def detect_facts(
     nvml: object | None = None,
     root: str = "/",
     modules: Mapping[str, object] | None = None,
+    imports: ImportWatch | None = None,
+    packages: MetadataSource | None = None,
 ) -> Facts:
     """Inspect this machine as the job will see it.
 
@@ -32,6 +34,9 @@ def detect_facts(
         nvml: a pynvml-like module to read GPUs from (default: pynvml).
         root: the file-system root for host facts (tests point it at a fake tree).
         modules: the imported modules (default ``sys.modules``).
+        imports: the import watch that knows where each framework was first imported (default
+            the package's).
+        packages: where installed packages are read from (default this interpreter's).
     """
     environ = _env.snapshot(env)
     snap = read_nvml(nvml)
@@ -45,11 +50,12 @@ def detect_facts(
         )
         visibility, devices = res.visibility, res.devices
     frameworks = tuple(
-        replace(f, imported_at=first_import_site(f.name)) if f.imported else f
-        for f in detect_frameworks(modules)
+        replace(f, imported_at=first_import_site(f.name, imports)) if f.imported else f
+        for f in detect_frameworks(modules, packages)
     )
+    parents = {g.index: g for g in snap.gpus}
     return Facts(
-        gpus=tuple(_gpu(i, d, snap) for i, d in enumerate(devices)),
+        gpus=tuple(job_gpu(i, d, parents[d.physical]) for i, d in enumerate(devices)),
         links=renumber_links(devices, snap.links),
         driver_version=snap.driver_version,
         cuda_driver_version=snap.cuda_driver_version,
@@ -59,19 +65,4 @@ def detect_facts(
         frameworks=frameworks,
         env=relevant_env(environ),
         nvml_notes=snap.notes,
-    )
-
-
-def _gpu(ordinal: int, dev: VisibleDevice, snap: NvmlSnapshot) -> Gpu:
-    parent = next(g for g in snap.gpus if g.index == dev.physical)
-    mig = dev.mig
-    return Gpu(
-        index=ordinal,
-        name=(mig.name or f"{parent.name} (MIG)") if mig else parent.name,
-        compute_capability=parent.compute_capability,
-        memory_bytes=mig.memory_bytes if mig else parent.memory_bytes,
-        uuid=mig.uuid if mig else parent.uuid,
-        pci_bus_id=parent.pci_bus_id,
-        physical_index=parent.index,
-        mig_enabled=mig is not None or parent.mig_enabled,
     )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -76,9 +76,10 @@ class Options:
     """Every knob of one decision, validated once (in ``__post_init__``). Built by
     :func:`options_from`; the planner reads it as its policy.
 
-    ``world_size``/``local_world_size`` are the processes the planner splits over: the
-    launcher's for PyTorch, 1 for TensorFlow (one process drives every GPU). ``launch`` is where
-    this process sits in the launcher's job, whatever the framework.
+    ``rank``, ``local_rank``, ``world_size`` and ``local_world_size`` are where this process
+    sits in a launcher's job (torchrun), whatever the framework (``launch`` gives them as one
+    value); ``processes`` is what the planner splits over: the launcher's processes for PyTorch,
+    1 for TensorFlow (one process drives every GPU).
     """
 
     framework: str
@@ -90,6 +91,8 @@ class Options:
     max_per_replica_batch: int | None = None
     world_size: int = 1  # processes started by a launcher (torchrun); 1 = plain python
     local_world_size: int | None = None  # of them on this node (None: all; < world_size: multi-node)
+    rank: int = 0
+    local_rank: int = 0
     user_env: tuple[str, ...] = ()  # names of variables the user set (never overridden)
     logical_cpus: int = 0  # TensorFlow test mode: N logical CPU devices stand in for GPUs
     probe: str = "auto"
@@ -101,14 +104,25 @@ class Options:
     cache_ttl_s: float = DEFAULT_TTL_S
     rules: tuple[Rule, ...] = ()
     precision: str = "auto"
-    launch: Launch = field(default_factory=Launch)
     framework_reason: str = ""
     quiet: bool | None = None  # None: a progress line per probe when stderr is a terminal
+    #: Probe outcomes come from a description (a simulation), not from running probes here.
+    simulated: bool = False
 
     @property
     def nodes(self) -> int:
         """Nodes of a launcher's job (1 unless WORLD_SIZE > LOCAL_WORLD_SIZE)."""
         return self.world_size // (self.local_world_size or self.world_size)
+
+    @property
+    def processes(self) -> int:
+        """The processes the planner splits over: the launcher's for PyTorch, else 1."""
+        return self.world_size if self.framework == "torch" else 1
+
+    @property
+    def launch(self) -> Launch:
+        """Where this process sits in the launcher's job."""
+        return Launch(self.rank, self.local_rank, self.world_size, self.local_world_size)
 
     def __post_init__(self) -> None:
         if self.framework not in FRAMEWORKS:
@@ -160,7 +174,17 @@ class Options:
                 f"{self.world_size}: every node must run the same number of processes",
                 "LOCAL_WORLD_SIZE",
             )
-        g, w = self.global_batch_size, self.world_size
+        for name, value in (("RANK", self.rank), ("LOCAL_RANK", self.local_rank)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidOptionError(f"{name}={value!r}: expected an integer", name)
+        if not 0 <= self.rank < self.world_size:
+            raise InvalidOptionError(
+                f"RANK={self.rank}: expected 0 to WORLD_SIZE-1 ({self.world_size - 1})", "RANK")
+        local = self.local_world_size or self.world_size
+        if not 0 <= self.local_rank < local:
+            raise InvalidOptionError(
+                f"LOCAL_RANK={self.local_rank}: expected 0 to {local - 1}", "LOCAL_RANK")
+        g, w = self.global_batch_size, self.processes
         if g is not None and w > 1 and g % w:
             raise InvalidOptionError(
                 f"global_batch_size={g} cannot be split exactly over the {w} processes the "
@@ -210,24 +234,18 @@ def _env_seconds(env: Mapping[str, str], name: str, default: float, top: float) 
 
 
 def _launch(env: Mapping[str, str]) -> Launch:
-    rank = _env_int(env, "RANK", 0)
-    local_rank = _env_int(env, "LOCAL_RANK", 0)
+    """The launcher's variables, as integers (their ranges are checked by Options)."""
     world = _env_int(env, "WORLD_SIZE", 1)
-    local_world = _env_int(env, "LOCAL_WORLD_SIZE", None)
-    assert rank is not None and local_rank is not None and world is not None
-    if not 1 <= world <= MAX_WORLD_SIZE:
+    if world is None or not 1 <= world <= MAX_WORLD_SIZE:
         raise InvalidOptionError(
             f"WORLD_SIZE={world}: expected 1 to {MAX_WORLD_SIZE} processes", "WORLD_SIZE")
-    if not 0 <= rank < world:
-        raise InvalidOptionError(f"RANK={rank}: expected 0 to WORLD_SIZE-1 ({world - 1})", "RANK")
+    local_world = _env_int(env, "LOCAL_WORLD_SIZE", None)
     if local_world is not None and not 1 <= local_world <= world:
         raise InvalidOptionError(
             f"LOCAL_WORLD_SIZE={local_world}: expected 1 to WORLD_SIZE ({world})",
             "LOCAL_WORLD_SIZE")
-    if not 0 <= local_rank < (local_world or world):
-        raise InvalidOptionError(
-            f"LOCAL_RANK={local_rank}: expected 0 to {(local_world or world) - 1}", "LOCAL_RANK")
-    return Launch(rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world)
+    return Launch(rank=_env_int(env, "RANK", 0) or 0, local_rank=_env_int(env, "LOCAL_RANK", 0) or 0,
+                  world_size=world, local_world_size=local_world)
 
 
 def _pick_framework(framework: str | None, facts: Facts) -> tuple[str, str]:
@@ -246,7 +264,7 @@ def _pick_framework(framework: str | None, facts: Facts) -> tuple[str, str]:
     if len(installed) == 1:
         return installed[0], f"framework=None: {installed[0]} is the one installed"
     if not installed:
-        raise FrameworkNotInstalledError("torch or tensorflow")
+        raise FrameworkNotInstalledError(None)
     raise InvalidOptionError(
         "framework=None but both torch and tensorflow are installed"
         + (" and imported" if imported else "")
@@ -378,8 +396,10 @@ def options_from(
         gradient_bytes=gradient_bytes,
         sample_seconds=sample_seconds,
         max_per_replica_batch=max_per_replica_batch,
-        world_size=launch.world_size if fw == "torch" else 1,
-        local_world_size=launch.local_world_size if fw == "torch" else None,
+        rank=launch.rank,
+        local_rank=launch.local_rank,
+        world_size=launch.world_size,
+        local_world_size=launch.local_world_size,
         user_env=tuple(sorted(env)),
         logical_cpus=logical_cpus,
         probe=str(probe),
@@ -391,7 +411,6 @@ def options_from(
         cache_ttl_s=DEFAULT_TTL_S if cache_ttl is None else float(cache_ttl),
         rules=load_rules(extra_rules, disabled),
         precision=precision,
-        launch=launch,
         framework_reason=why,
         quiet=quiet,
     )

@@ -10,15 +10,32 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .candidate import Candidate
 from .errors import InvalidOptionError
 from .estimate import ASSUMED_GRADIENT_BYTES, Estimate, estimate
 from .facts import Facts
-from .human import human_bytes, human_duration
+from .human import human_bytes
 from .probe import TIMEOUT, ProbeResult
 from .rules import Rule, fired
+from .trace import (
+    BatchSplit,
+    CandidateRuledOut,
+    Chosen,
+    Event,
+    FactsSeen,
+    NextProbe,
+    Note,
+    NothingLeft,
+    RankEntry,
+    Ranking,
+    RemedyQueued,
+    RuleFired,
+    Split,
+    UserSettingKept,
+    render,
+)
 
 if TYPE_CHECKING:
     from .options import Options
@@ -28,7 +45,8 @@ __all__ = ["Candidate", "Estimate", "Plan", "Ranked", "RuledOut", "estimate", "p
 _REMEDY_FOR_CAUSE = {
     "shared_memory": ({"NCCL_SHM_DISABLE": "1"},),
     "cuda_error": ({"NCCL_P2P_DISABLE": "1"}, {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}),
-    # A hang costs a whole probe timeout: try the likeliest cure only (broken P2P, seed 002);
+    # A hang costs a whole probe timeout: try the likeliest cure only (broken P2P on consumer
+    # cards: NVIDIA/nccl#1637);
     # the fact-driven remedies (rules) come on top of it.
     "timeout": ({"NCCL_P2P_DISABLE": "1"},),
     "crash": ({"NCCL_P2P_DISABLE": "1"},),
@@ -60,14 +78,15 @@ class RuledOut:
     candidate: Candidate
     reason: str
     rule: str = ""  # rule id, or "probe"
+    result: ProbeResult | None = None  # the failed probe, when a probe ruled it out
 
 
 @dataclass(frozen=True)
 class Plan:
     framework: str
-    ranked: tuple[Ranked, ...]  # viable candidates, best first
+    ranked: tuple[Ranked, ...]  # viable candidates, in the order they are tried
     ruled_out: tuple[RuledOut, ...]
-    trace: tuple[str, ...]
+    events: tuple[Event, ...]  # the trace, typed (see trace.py)
     warnings: tuple[str, ...]
     rules_fired: tuple[str, ...]
     chosen: Candidate | None = None
@@ -77,6 +96,11 @@ class Plan:
     def candidates(self) -> tuple[Candidate, ...]:
         return tuple(r.candidate for r in self.ranked)
 
+    @property
+    def trace(self) -> tuple[str, ...]:
+        """The events as lines of text."""
+        return render(self.events)
+
     def explain(self) -> str:
         return "\n".join(self.trace)
 
@@ -85,9 +109,20 @@ class Plan:
 class _Build:
     """Mutable scratch for one plan() call; never escapes it."""
 
-    trace: list[str] = field(default_factory=list)
+    simulated: bool = False
+    events: list[Event] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     ruled_out: list[RuledOut] = field(default_factory=list)
+
+    def note(self, topic: str, message: str) -> None:
+        self.events.append(Note(topic, message))
+
+    def rule_out(self, c: Candidate, by: str, reason: str, *, rule: str = "", source: str = "",
+                 result: ProbeResult | None = None, said: bool = False) -> None:
+        self.ruled_out.append(RuledOut(c, reason, rule or ("probe" if by == "probe" else ""),
+                                       result))
+        self.events.append(CandidateRuledOut(c, by, reason, rule, source, result,
+                                             self.simulated, said))
 
 
 # --------------------------------------------------------------------------------------------
@@ -119,16 +154,19 @@ def plan(
     results: Mapping[str, ProbeResult],
     policy: Options,
 ) -> Plan:
-    """Order every way to train on this machine, best first, and say why."""
-    b = _Build()
+    """Order every way to train on this machine, in the order to try them, and say why."""
+    b = _Build(simulated=policy.simulated)
     fw = policy.framework
     info = facts.framework(fw)
     gpus = _usable_gpus(facts, policy, b)
-    b.trace.append(_describe_facts(facts, fw, len(gpus)))
+    b.events.append(FactsSeen(len(gpus), tuple(sorted({g.name for g in facts.gpus})), fw,
+                              info.version, info.cuda, info.nccl,
+                              driver=facts.driver_version if gpus else None))
 
     if policy.logical_cpus:
         gpus = tuple(range(policy.logical_cpus))
-        b.trace.append(f"Test mode: {policy.logical_cpus} logical CPU devices stand in for GPUs.")
+        b.note("logical_cpus",
+               f"Test mode: {policy.logical_cpus} logical CPU devices stand in for GPUs.")
     base, reference = _chain(fw, gpus, info.has_cuda or bool(policy.logical_cpus), policy, b)
     hits = fired(rules, facts, fw, replicas=len(gpus))
     cands = _apply_rules(base, hits, policy, b)
@@ -141,7 +179,7 @@ def plan(
         framework=fw,
         ranked=tuple(ranked),
         ruled_out=tuple(b.ruled_out),
-        trace=tuple(b.trace),
+        events=tuple(b.events),
         warnings=tuple(b.warnings),
         rules_fired=tuple(r.id for r in hits),
         chosen=chosen,
@@ -152,12 +190,12 @@ def plan(
 def _usable_gpus(facts: Facts, policy: Options, b: _Build) -> tuple[int, ...]:
     visible = tuple(g.index for g in facts.gpus)
     if facts.nvml_error and not visible:
-        b.trace.append(f"No GPU facts: {facts.nvml_error}.")
+        b.note("no_gpu_facts", f"No GPU facts: {facts.nvml_error}.")
     for note in facts.visibility.notes:
-        b.trace.append(f"CUDA_VISIBLE_DEVICES: {note}")
+        b.note("visible_devices", f"CUDA_VISIBLE_DEVICES: {note}")
     if facts.nvml_notes:
-        b.trace.append("NVML could not read some facts, which count as unknown (no rule fires on "
-                       "them): " + "; ".join(facts.nvml_notes) + ".")
+        b.note("nvml_unread", "NVML could not read some facts, which count as unknown (no rule "
+               "fires on them): " + "; ".join(facts.nvml_notes) + ".")
     if policy.devices is None:
         return visible
     missing = [d for d in policy.devices if d not in visible]
@@ -166,19 +204,8 @@ def _usable_gpus(facts: Facts, policy: Options, b: _Build) -> tuple[int, ...]:
             f"devices={list(policy.devices)} names GPU(s) {missing} that this job cannot see "
             f"(visible: {list(visible)}; indices are after CUDA_VISIBLE_DEVICES)"
         )
-    b.trace.append(f"Using GPUs {list(policy.devices)} as asked (devices=).")
+    b.note("devices_asked", f"Using GPUs {list(policy.devices)} as asked (devices=).")
     return tuple(policy.devices)
-
-
-def _describe_facts(facts: Facts, fw: str, n: int) -> str:
-    info = facts.framework(fw)
-    names = sorted({g.name for g in facts.gpus})
-    gpu_text = f"{n} GPU(s) ({', '.join(names)})" if n else "no GPU"
-    if n and facts.driver_version:  # rules can key on it (driver.version): P2P regressions
-        gpu_text += f", NVIDIA driver {facts.driver_version}"  # shipped in driver branches
-    build = f"CUDA {info.cuda}" if info.cuda else "CPU-only build"
-    nccl = f", NCCL {info.nccl}" if info.nccl else ""
-    return f"Saw {gpu_text}; {fw} {info.version or 'not installed'} ({build}{nccl})."
 
 
 def _chain(
@@ -191,21 +218,21 @@ def _chain(
     nodes = policy.nodes if fw == "torch" else 1
     local = n_proc // nodes  # processes (and GPUs used) per node
     if gpus and not has_cuda:
-        b.trace.append(
-            f"{fw} is a CPU-only build: the GPUs are unusable from it; install a CUDA build to "
-            "use them."
-        )
+        b.note("cpu_only_build",
+               f"{fw} is a CPU-only build: the GPUs are unusable from it; install a CUDA build to "
+               "use them.")
         gpus = ()
     if fw == "torch" and n_proc > 1:
         multi_devs = gpus[:local] if len(gpus) >= local else ()
         if gpus and len(gpus) < local:
-            b.trace.append(f"The launcher started {local} processes on this node but only "
-                           f"{len(gpus)} GPUs are visible.")
+            b.note("too_few_gpus", f"The launcher started {local} processes on this node but "
+                   f"only {len(gpus)} GPUs are visible.")
         if nodes > 1:
-            b.trace.append(
+            b.note(
+                "multi_node",
                 f"Multi-node job: {nodes} nodes x {local} processes. A probe on one node cannot "
                 "prove the links between nodes, and the nodes must agree without talking to each "
-                "other, so the choice comes from the rules alone (not probed, no cache)."
+                "other, so the choice comes from the rules alone (not probed, no cache).",
             )
     else:
         multi_devs = gpus
@@ -217,18 +244,20 @@ def _chain(
             f"with {len(gpus)} accumulation steps here. To use all {len(gpus)} GPUs, start it "
             f"with `torchrun --nproc_per_node {len(gpus)} <your script>`."
         )
-        b.trace.append(advice)
+        b.note("one_process", advice)
         b.warnings.append(advice)
         multi_ok = False
+    logical = bool(policy.logical_cpus)  # the "GPUs" are logical CPU devices (a test mode)
     if multi_ok and multi_devs:
         backends = ("nccl", "gloo") if fw == "torch" else ("nccl", "hierarchical_copy", "reduction_to_one_device")
         replicas = len(multi_devs) * nodes
         for backend in backends:
-            out.append(Candidate(fw, backend, multi_devs, num_replicas=replicas))
+            out.append(Candidate(fw, backend, multi_devs, num_replicas=replicas,
+                                 logical_cpus=logical))
     elif multi_ok:  # torch under a launcher on CPU: gloo between the processes
         out.append(Candidate(fw, "gloo", (), num_replicas=n_proc))
     if gpus:
-        out.append(Candidate(fw, "single_device", gpus[:1]))
+        out.append(Candidate(fw, "single_device", gpus[:1], logical_cpus=logical))
     out.append(Candidate(fw, "cpu", ()))
     return out, reference
 
@@ -248,68 +277,61 @@ def _apply_rules(
 ) -> list[Candidate]:
     for rule in hits:
         cite = f"[{rule.id}] {rule.message} (source: {rule.source})"
+
+        def fired_(action: str, rule: Rule = rule, **kw: Any) -> None:
+            b.events.append(RuleFired(rule.id, rule.effect, action, rule.message, rule.source, **kw))
+
         if rule.effect == "warn":
             b.warnings.append(cite)
-            b.trace.append(f"Warning {cite}")
+            fired_("warn")
         elif rule.effect == "veto":
-            keep = []
-            for c in cands:
-                if c.backend in rule.target:
-                    b.ruled_out.append(RuledOut(c, rule.message, rule.id))
-                    b.trace.append(f"Ruled out {c.label}: {cite}")
-                else:
-                    keep.append(c)
-            if len(keep) == len(cands):
+            out = [c for c in cands if c.backend in rule.target]
+            if out:  # one line names every candidate it rules out, the rule's text once
+                fired_("veto", candidates=tuple(out), targets=tuple(rule.target))
+            else:
                 # An earlier rule already removed its targets: its advice (what to install)
                 # still reaches the trace, as that is what the user can act on.
-                gone = sorted({r.candidate.backend for r in b.ruled_out
-                               if r.candidate.backend in rule.target})
+                gone = tuple(sorted({r.candidate.backend for r in b.ruled_out
+                                     if r.candidate.backend in rule.target}))
                 if gone:
-                    b.trace.append(f"Rule {rule.id} also applies to {', '.join(gone)}, already "
-                                   f"ruled out: {cite}")
-            cands = keep
+                    fired_("already_ruled_out", targets=gone)
+            for c in out:
+                b.rule_out(c, "rule", rule.message, rule=rule.id, source=rule.source, said=True)
+            cands = [c for c in cands if c.backend not in rule.target]
         elif rule.effect == "prefer":
             cands = [c for c in cands if c.backend in rule.target] + [
                 c for c in cands if c.backend not in rule.target
             ]
-            b.trace.append(f"Preferred {', '.join(rule.target)}: {cite}")
+            fired_("prefer", targets=tuple(rule.target))
         elif rule.effect in ("remedy", "set_env"):
             env = dict(rule.env)
             taken = _user_set(policy, env)
             if taken:
-                b.trace.append(
-                    f"Rule {rule.id} would set {', '.join(taken)}, but you set "
-                    f"{'it' if len(taken) == 1 else 'them'}; your value stands."
-                )
+                b.events.append(UserSettingKept(rule.id, tuple(taken)))
                 env = {k: v for k, v in env.items() if k not in taken}
                 if not env:
                     continue
+            pairs = tuple(sorted(env.items()))
             nccl = [c for c in cands if c.backend == "nccl" and c.origin == "chain"]
             if not nccl:
-                b.trace.append(f"Rule {rule.id} has nothing to act on: no NCCL candidate is left.")
+                fired_("nothing_to_act_on", env=pairs)
                 continue
             if rule.effect == "set_env":
                 cands = [_with_env(c, env, c.origin) if c in nccl else c for c in cands]
-                b.trace.append(f"Set {_env_text(env)} for NCCL: {cite}")
+                fired_("set_env", env=pairs, candidates=tuple(nccl))
                 continue
             remedy = _with_env(nccl[0], env, rule.id, rule.first)
             if any(c.key == remedy.key for c in cands):
-                b.trace.append(f"Rule {rule.id} also suggests NCCL with {_env_text(env)}, "
-                               "already a candidate: {cite}".replace("{cite}", cite))
+                fired_("remedy_exists", env=pairs, candidates=(remedy,))
                 continue
             cands = _insert_remedy(cands, remedy)
-            when = "before" if rule.first else "after"
-            b.trace.append(f"Added NCCL with {_env_text(env)}, tried {when} plain NCCL: {cite}")
+            fired_("remedy_added", env=pairs, candidates=(remedy,), first=rule.first)
     return cands
 
 
 def _insert_remedy(cands: list[Candidate], remedy: Candidate) -> list[Candidate]:
     last_nccl = max(i for i, c in enumerate(cands) if c.backend == "nccl")
     return [*cands[: last_nccl + 1], remedy, *cands[last_nccl + 1 :]]
-
-
-def _env_text(env: Mapping[str, str]) -> str:
-    return " ".join(f"{k}={v}" for k, v in sorted(env.items()))
 
 
 def _apply_results(
@@ -325,8 +347,7 @@ def _apply_results(
         if res is None or res.ok:
             out.append(c)
             continue
-        b.ruled_out.append(RuledOut(c, res.why(), "probe"))
-        b.trace.append(f"Probe of {c.label} failed after {res.elapsed_s:.1f} s: {res.why()}.")
+        b.rule_out(c, "probe", res.why(), result=res)
         if c.backend != "nccl":
             continue
         # Plain NCCL's failure suggests its cause's remedies. A remedy that fails with a
@@ -353,11 +374,8 @@ def _apply_results(
                 continue
             queue.insert(at, remedy)  # tried right after what failed; examined in this loop
             at += 1
-            if c.origin == "chain":
-                b.trace.append(f"Will try {remedy.label}, the usual remedy for {cause}.")
-            else:
-                b.trace.append(f"Will try {remedy.label}: the remedy {c.label} failed on "
-                               f"{cause}, so that cause's remedy is added on top.")
+            b.events.append(RemedyQueued(remedy, cause,
+                                         on_top_of=None if c.origin == "chain" else c))
     return out
 
 
@@ -372,10 +390,11 @@ def _split_batches(
             acc = 1 if c.num_replicas > 1 else top
             out.append(replace(c, accumulation_steps=acc))
         if top > 1:
-            b.trace.append(
+            b.note(
+                "no_global_batch",
                 f"No global_batch_size given: multi-GPU strategies use your per-device batch; the "
                 f"one-device fallbacks accumulate {top} steps so each optimizer step sees as many "
-                "samples."
+                "samples.",
             )
         return out
     top_r = _largest_divisor_at_most(g, top)
@@ -383,22 +402,24 @@ def _split_batches(
     out = []
     said: set[str] = set()
 
-    def once(text: str) -> None:
+    def once(topic: str, text: str) -> None:
         if text not in said:
             said.add(text)
-            b.trace.append(text)
+            b.note(topic, text)
 
     for c in cands:
         r = c.num_replicas
         if r > 1 and g % r:
             r_fit = _largest_divisor_at_most(g, r)
             if r_fit < 2:
-                b.ruled_out.append(RuledOut(c, f"global_batch_size={g} does not split over GPUs"))
-                once(f"global_batch_size={g} does not split over {r} or fewer (>1) replicas, so "
+                b.rule_out(c, "batch", f"global_batch_size={g} does not split over GPUs",
+                           said=True)
+                once("batch_not_split", f"global_batch_size={g} does not split over {r} or fewer (>1) replicas, so "
                      f"no multi-GPU strategy can keep it exact; use a multiple of {r} to use "
                      f"{r} GPUs.")
                 continue
-            once(f"global_batch_size={g} does not split over {r} replicas; the multi-GPU "
+            once("batch_shrinks_replicas",
+                 f"global_batch_size={g} does not split over {r} replicas; the multi-GPU "
                  f"strategies use {r_fit} GPU(s) so the global batch stays exact.")
             c = replace(c, devices=c.devices[:r_fit] if c.devices else (), num_replicas=r_fit)
             r = r_fit
@@ -409,19 +430,15 @@ def _split_batches(
                 why = (f"its per-replica batch would be {per} > max_per_replica_batch="
                        f"{policy.max_per_replica_batch}, and Keras cannot accumulate gradients "
                        "under MirroredStrategy (keras-team/keras#20582)")
-                b.ruled_out.append(RuledOut(c, why))
-                once(f"Ruled out {c.label}: {why}.")
+                b.rule_out(c, "batch", why)
                 continue
         else:
             per, acc = split_batch(g, r, cap)
         out.append(replace(c, per_replica_batch_size=per, accumulation_steps=acc, global_batch_size=g))
-    b.trace.append(
-        f"Global batch {g} kept exact on every candidate (replicas x per-replica batch x "
-        f"accumulation steps): " + "; ".join(
-            f"{c.backend} {c.num_replicas}x{c.per_replica_batch_size}x{c.accumulation_steps}"
-            for c in _dedupe_backends(out)
-        ) + "."
-    )
+    b.events.append(BatchSplit(g, tuple(
+        Split(c.backend, c.num_replicas, c.per_replica_batch_size, c.accumulation_steps)
+        for c in _dedupe_backends(out)
+    )))
     return out
 
 
@@ -459,30 +476,31 @@ def _rank(
     firsts = [r for r in ranked if r.candidate.first]
     plain = next((i for i, r in enumerate(ranked)
                   if r.candidate.backend == "nccl" and not r.candidate.first), None)
+    tried_first: list[str] = []  # rules whose remedy goes above a candidate estimated faster
     if firsts and plain is not None:  # without plain NCCL left, the estimate alone orders them
         rest = [r for r in ranked if not r.candidate.first]
         at = rest.index(ranked[plain])
         ranked = [*rest[:at], *firsts, *rest[at:]]
+        for f in firsts:
+            below = ranked[ranked.index(f) + 1:]
+            if any(r.estimate.step_seconds < f.estimate.step_seconds for r in below
+                   if r.candidate.backend != "cpu") and f.candidate.origin not in tried_first:
+                tried_first.append(f.candidate.origin)
     if policy.prefer and not any(r.candidate.backend == policy.prefer for r in ranked):
-        b.trace.append(f"prefer={policy.prefer!r} is not possible here; choosing by speed instead.")
+        b.note("prefer_impossible",
+               f"prefer={policy.prefer!r} is not possible here; choosing by speed instead.")
     basis = (
         f"gradients {human_bytes(policy.gradient_bytes)}" if policy.gradient_bytes
         else f"gradients assumed {ASSUMED_GRADIENT_BYTES >> 20} MiB (ResNet-50-sized; pass "
         "model= or gradient_bytes= for a real figure)"
     )
     cpu = [r.estimate.step_seconds for r in ranked if r.candidate.backend == "cpu"]
-    cpu_note = (
-        " CPU stays last whatever its estimate: it is the fallback of last resort, and "
-        "estimates of tiny models are noise."
-        if cpu and any(r.estimate.step_seconds > cpu[0] for r in ranked
-                       if r.candidate.backend != "cpu") else ""
-    )
-    b.trace.append(
-        f"Ranked by estimated time per global batch ({basis}): " + "; ".join(
-            f"{r.candidate.label} ~{human_duration(r.estimate.step_seconds)} ({r.estimate.basis})"
-            for r in ranked
-        ) + "." + cpu_note
-    )
+    cpu_last = bool(cpu) and any(r.estimate.step_seconds > cpu[0] for r in ranked
+                                 if r.candidate.backend != "cpu")
+    b.events.append(Ranking(
+        tuple(RankEntry(r.candidate, r.estimate.step_seconds, r.estimate.basis) for r in ranked),
+        basis, cpu_last, tuple(tried_first),
+    ))
     return ranked
 
 
@@ -522,8 +540,8 @@ def _within_noise_keep_order(
         if not swapped:
             break
     if kept:
-        b.trace.append("Kept the chain's order where speeds are within noise: "
-                       + "; ".join(kept) + ".")
+        b.note("within_noise", "Kept the chain's order where speeds are within noise: "
+               + "; ".join(kept) + ".")
     return out
 
 
@@ -531,16 +549,12 @@ def _choose(ranked: Sequence[Ranked], b: _Build) -> tuple[Candidate | None, Cand
     for r in ranked:
         c = r.candidate
         if r.result is not None and r.result.ok:
-            bw = f", {r.result.bus_bandwidth_gbps:g} GB/s" if r.result.bus_bandwidth_gbps else ""
-            b.trace.append(f"Chose {c.label}: its probe passed in {r.result.elapsed_s:.1f} s{bw}.")
+            b.events.append(Chosen(c, "probe_passed", r.result, b.simulated))
             return c, None
         if not c.needs_probe:
-            b.trace.append(
-                f"Chose {c.label} with {c.accumulation_steps} accumulation step(s): no collective "
-                "to prove, and it ranks above every candidate left."
-            )
+            b.events.append(Chosen(c, "no_collective"))
             return c, None
-        b.trace.append(f"Next: prove {c.label} with a live probe.")
+        b.events.append(NextProbe(c))
         return None, c
-    b.trace.append("Nothing is left to try.")
+    b.events.append(NothingLeft())
     return None, None

@@ -320,8 +320,7 @@ def fact_values(facts: Facts, framework: str, replicas: int | None = None
     planner's ``plan.replicas`` (None, unknown, outside a plan)."""
     gpus = facts.gpus
     ccs = [Version(g.cc) for g in gpus if g.compute_capability != (0, 0)]  # (0, 0): unread
-    pairs = [(a.index, b.index) for i, a in enumerate(gpus) for b in gpus[i + 1 :]]
-    links = [facts.link(a, b) for a, b in pairs]
+    links = facts.link_summary()
     h = facts.host
     values: dict[str, FactValue] = {
         "framework": framework,
@@ -333,13 +332,10 @@ def fact_values(facts: Facts, framework: str, replicas: int | None = None
         "gpus.consumer": any(g.is_consumer for g in gpus),
         "gpus.mig": any(g.mig_enabled for g in gpus),
         "gpus.mixed": len({(g.name, g.memory_bytes) for g in gpus}) > 1,
-        "links.all_nvlink": bool(pairs) and all(ln is not None and ln.nvlinks > 0 for ln in links),
-        "links.any_pcie_only": any(ln is None or ln.nvlinks == 0 for ln in links),
-        "links.p2p_unsupported": any(
-            ln is not None and ln.p2p_read not in ("ok", "unknown") and ln.nvlinks == 0
-            for ln in links
-        ),
-        "links.cross_socket": any(ln is not None and ln.topology == "system" for ln in links),
+        "links.all_nvlink": links.all_nvlink,
+        "links.any_pcie_only": links.any_pcie_only,
+        "links.p2p_unsupported": links.p2p_unsupported,
+        "links.cross_socket": links.cross_socket,
         "driver.version": _version(facts.driver_version),
         "driver.cuda": _version(facts.cuda_driver_version),
         "host.shm_mb": None if h.shm_bytes is None else h.shm_bytes // (1 << 20),

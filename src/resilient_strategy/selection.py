@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from .candidate import Candidate
-from .errors import WrongFrameworkError
+from .errors import DryRunError, WrongFrameworkError
 from .facts import Facts
 from .options import Launch, gradient_bytes_of
 from .plan import Plan
@@ -64,6 +64,7 @@ class Selection:
     dry_run: bool = False
     decided_in_s: float = 0.0
     env_applied: bool = True  # False: decided for env= or a dry run; os.environ was not touched
+    simulated: bool = False  # probe outcomes came from a description, not from probes run here
     #: Given the model's measured gradient bytes, advice when another candidate would be faster
     #: (None when the model was described up front).
     advise: Callable[[int], str | None] | None = field(default=None, repr=False, compare=False)
@@ -127,6 +128,9 @@ class Selection:
         if self.num_replicas > 1 or self.accumulation_steps > 1:
             head += f" ({self.num_replicas} replica(s) x {self.accumulation_steps} accumulation step(s))"
         extras = []
+        if self.simulated:
+            extras.append("SIMULATED: decided for a described machine; every probe outcome and "
+                          "time comes from the description, nothing ran here")
         if self.from_cache:
             extras.append("decision from the cache (probe='force' re-probes)")
         if not self.proven and not self.dry_run:
@@ -179,14 +183,14 @@ class Selection:
             ],
             "probes": {k: v.to_dict() for k, v in self.results.items()},
             "trace": list(self.plan.trace),
+            "events": [e.to_dict() for e in self.plan.events],
+            "simulated": self.simulated,
         }
 
     # ----- the runtime ---------------------------------------------------------------------
     def _build_runtime(self) -> Any:
         if self.dry_run:
-            raise RuntimeError(
-                "this Selection is a dry run: call resilient_strategy() without dry_run=True to train"
-            )
+            raise DryRunError()
         if self.framework == "tensorflow":
             from .frameworks.tensorflow import TfRuntime
 

@@ -12,12 +12,12 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from .errors import InvalidOptionError, ResilientStrategyError
 from .facts import P2P_STATUSES, TOPOLOGY_LEVELS, Facts, FrameworkInfo, Gpu, Host, Link
 from .probe import CAUSES, ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec
-from .visible import PhysicalGpu, renumber_links, resolve_visible_devices
+from .visible import MigDevice, PhysicalGpu, job_gpu, renumber_links, resolve_visible_devices
 from .vocab import FRAMEWORKS
 
 #: Kinds of hang a simulated probe can be judged to have (see :class:`.progress.Stall`).
@@ -51,7 +51,7 @@ def machine(
     cc: tuple[int, int] = (9, 0),
     memory_gb: float = 141,
     nvlink: int = 0,
-    links: Mapping[tuple[int, int] | str, int] | None = None,
+    links: Mapping[tuple[int, int] | str, int | Mapping[str, Any]] | None = None,
     p2p: str = "ok",
     topology: str = "hostbridge",
     shm_mb: int | None = 65536,
@@ -61,6 +61,11 @@ def machine(
     aws: bool = False,
     efa: bool = False,
     iommu: str = "unknown",
+    infiniband: bool = False,
+    kernel: str = "6.8.0",
+    cpu_count: int = 32,
+    platform: str = "linux",
+    mig: Mapping[int | str, int] | None = None,
     torch: str | None = "2.11.0",
     torch_cuda: str | None = "13.0",
     torch_nccl: str | None = "2.28.9",
@@ -73,6 +78,9 @@ def machine(
     driver: str | None = "580.159.04",
     env: Mapping[str, str] | None = None,
     nvml_error: str | None = None,
+    nvml_notes: Sequence[str] = (),
+    imported: Sequence[str] = (),
+    gpu_initialized: Sequence[str] = (),
 ) -> Facts:
     """Facts for a described machine, as :func:`resilient_strategy.inspect.detect_facts` would
     report them. Every argument is checked: a wrong one is an ``InvalidOptionError`` naming it.
@@ -82,7 +90,13 @@ def machine(
     (:func:`resilient_strategy.visible.resolve_visible_devices`), so
     ``machine(4, env={"CUDA_VISIBLE_DEVICES": "2"})`` has one GPU, ordinal 0, NVML index 2.
     ``nvlink`` is the number of NVLinks between each pair of GPUs; ``links`` overrides it per
-    pair of physical indices: ``{(0, 1): 4, (2, 3): 4}``, or ``{"0-1": 4, "2-3": 4}`` (JSON).
+    pair of physical indices: ``{(0, 1): 4, (2, 3): 4}``, or ``{"0-1": 4, "2-3": 4}`` (JSON); a
+    pair's value may also be an object ``{"nvlinks": 0, "topology": "system", "p2p":
+    "not_supported"}`` (every field optional) for its PCIe path and P2P status. ``mig`` gives MIG
+    instances per physical GPU (``{0: 2}``: GPU 0 has two, ``MIG-fake-0000-0`` and ``-1``, which
+    ``CUDA_VISIBLE_DEVICES`` can name). ``imported`` / ``gpu_initialized`` name frameworks this
+    process imported (and whose GPU runtime started); ``nvml_notes`` are values NVML could not
+    read.
     """
     env_map = _string_map("env", env)
     _cc("machine", cc)
@@ -95,8 +109,19 @@ def machine(
         _check_int("machine", "shm_mb", shm_mb)
     _check_str("machine", "name", name)
     _check_str("machine", "container", container)
-    for flag, value in (("wsl2", wsl2), ("sagemaker", sagemaker), ("aws", aws), ("efa", efa)):
+    for flag, value in (("wsl2", wsl2), ("sagemaker", sagemaker), ("aws", aws), ("efa", efa),
+                        ("infiniband", infiniband)):
         _check_bool("machine", flag, value)
+    _check_str("machine", "kernel", kernel)
+    _check_str("machine", "platform", platform)
+    _check_int("machine", "cpu_count", cpu_count)
+    for key, names in (("imported", imported), ("gpu_initialized", gpu_initialized),
+                       ("nvml_notes", nvml_notes)):
+        if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+            raise _bad(key, names, "a list of strings")
+    for key, names in (("imported", imported), ("gpu_initialized", gpu_initialized)):
+        if not set(names) <= {"torch", "tensorflow", "keras"}:
+            raise _bad(key, names, "names out of torch, tensorflow, keras")
     for key, text in (("torch", torch), ("torch_cuda", torch_cuda), ("torch_nccl", torch_nccl),
                       ("tensorflow", tensorflow), ("tf_cuda", tf_cuda), ("tf_nccl", tf_nccl),
                       ("keras", keras), ("driver", driver), ("nvml_error", nvml_error)):
@@ -120,26 +145,36 @@ def machine(
     else:
         raise _bad("gpus", gpus, "a GPU count (0 or more) or a list of gpu() values")
 
-    per_pair = _link_counts(links, [_physical_index(g) for g in physical])
+    indices = [_physical_index(g) for g in physical]
+    per_pair = _link_specs(links, indices, nvlink, topology, p2p)
+    instances = _mig_counts(mig, indices)
     physical_links: list[Link] = []
     for i, a in enumerate(physical):
         for b in physical[i + 1:]:
             pa, pb = _physical_index(a), _physical_index(b)
-            n = per_pair.get((pa, pb), nvlink)
-            physical_links.append(Link(pa, pb, topology=topology, nvlinks=n, p2p_read=p2p,
+            n, top, p2p_read = per_pair.get((pa, pb), (nvlink, topology, p2p))
+            physical_links.append(Link(pa, pb, topology=top, nvlinks=n, p2p_read=p2p_read,
                                        p2p_nvlink="ok" if n else "not_supported"))
+    parents = [
+        PhysicalGpu(
+            index=_physical_index(g), uuid=g.uuid, name=g.name,
+            compute_capability=g.compute_capability, memory_bytes=g.memory_bytes,
+            pci_bus_id=g.pci_bus_id, mig_enabled=g.mig_enabled or _physical_index(g) in instances,
+            mig=tuple(
+                MigDevice(uuid=f"MIG-fake-{_physical_index(g):04d}-{k}", name=f"{g.name} MIG {k}",
+                          memory_bytes=g.memory_bytes // instances[_physical_index(g)],
+                          gpu_instance=k, compute_instance=0)
+                for k in range(instances.get(_physical_index(g), 0))
+            ),
+        )
+        for g in physical
+    ]
     resolution = resolve_visible_devices(
-        env_map.get("CUDA_VISIBLE_DEVICES"),
-        [PhysicalGpu(index=_physical_index(g), uuid=g.uuid, name=g.name,
-                     compute_capability=g.compute_capability, memory_bytes=g.memory_bytes,
-                     pci_bus_id=g.pci_bus_id, mig_enabled=g.mig_enabled) for g in physical],
+        env_map.get("CUDA_VISIBLE_DEVICES"), parents,
         device_order=env_map.get("CUDA_DEVICE_ORDER"),
     )
-    by_index = {_physical_index(g): g for g in physical}
-    gs = tuple(
-        replace(by_index[d.physical], index=i, physical_index=d.physical)
-        for i, d in enumerate(resolution.devices)
-    )
+    by_index = {p.index: p for p in parents}
+    gs = tuple(job_gpu(i, d, by_index[d.physical]) for i, d in enumerate(resolution.devices))
     visible_links = renumber_links(resolution.devices, physical_links)
     fws = []
     if torch:
@@ -149,6 +184,8 @@ def machine(
         fws.append(FrameworkInfo("tensorflow", tensorflow, dist, tf_cuda, tf_nccl, tuple(tf_archs)))
     if keras:
         fws.append(FrameworkInfo("keras", keras, "keras"))
+    fws = [replace(f, imported=f.name in imported or f.name in gpu_initialized,
+                   gpu_initialized=f.name in gpu_initialized) for f in fws]
     return Facts(
         gpus=gs,
         links=visible_links,
@@ -158,9 +195,10 @@ def machine(
         visibility=resolution.visibility,
         host=Host(shm_bytes=None if shm_mb is None else shm_mb << 20, container=container,
                   wsl2=wsl2, sagemaker=sagemaker, aws=aws, efa=efa, iommu=iommu,
-                  kernel="6.8.0", cpu_count=32),
+                  infiniband=infiniband, kernel=kernel, cpu_count=cpu_count, platform=platform),
         frameworks=tuple(fws),
         env=tuple(sorted(env_map.items())),
+        nvml_notes=tuple(nvml_notes),
     )
 
 
@@ -221,16 +259,18 @@ def _string_map(key: str, value: object) -> dict[str, str]:
     return dict(value)
 
 
-def _link_counts(
-    links: Mapping[tuple[int, int] | str, int] | None, indices: Sequence[int]
-) -> dict[tuple[int, int], int]:
-    """``links`` as {(a, b): NVLink count} with a < b, every index one of ``indices``."""
+def _link_specs(
+    links: Mapping[tuple[int, int] | str, int | Mapping[str, Any]] | None,
+    indices: Sequence[int], nvlink: int, topology: str, p2p: str,
+) -> dict[tuple[int, int], tuple[int, str, str]]:
+    """``links`` as {(a, b): (NVLink count, PCIe topology, P2P status)} with a < b, every index
+    one of ``indices``; what a pair does not say is the machine-wide value."""
     if links is None:
         return {}
     if not isinstance(links, Mapping):
         raise _bad("links", links, 'a mapping like {(0, 1): 4} or {"0-1": 4}')
-    out: dict[tuple[int, int], int] = {}
-    for key, count in links.items():
+    out: dict[tuple[int, int], tuple[int, str, str]] = {}
+    for key, spec in links.items():
         pair: tuple[int, ...] = ()
         if isinstance(key, str):
             a, sep, b = key.partition("-")
@@ -243,13 +283,40 @@ def _link_counts(
         if len(pair) != 2 or pair[0] == pair[1] or not set(pair) <= set(indices):
             raise _bad("links", key, f"a pair of two different GPU indices out of {list(indices)}, "
                                      'like (0, 1) or "0-1"')
+        fields_ = dict(spec) if isinstance(spec, Mapping) else {"nvlinks": spec}
+        if not set(fields_) <= {"nvlinks", "topology", "p2p"}:
+            raise _bad("links", spec, 'an NVLink count or {"nvlinks", "topology", "p2p"}')
+        count = fields_.get("nvlinks", nvlink)
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise _bad("links", count, f"an NVLink count (0 or more) for {key!r}")
-        out[(min(pair), max(pair))] = count
+        top, status = fields_.get("topology", topology), fields_.get("p2p", p2p)
+        _check_choice("links topology", top, TOPOLOGY_LEVELS)
+        _check_choice("links p2p", status, P2P_STATUSES)
+        out[(min(pair), max(pair))] = (count, str(top), str(status))
     return out
 
 
-Outcome = str | ProbeResult  # "ok", "ok:<GB/s>", "timeout", "error:<cause>", or a result
+def _mig_counts(mig: Mapping[int | str, int] | None, indices: Sequence[int]) -> dict[int, int]:
+    """``mig`` as {physical index: MIG instances (1 or more)}; JSON keys may be strings."""
+    if mig is None:
+        return {}
+    if not isinstance(mig, Mapping):
+        raise _bad("mig", mig, 'a mapping of GPU index to MIG instance count, like {"0": 2}')
+    out: dict[int, int] = {}
+    for key, count in mig.items():
+        index = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        if isinstance(index, bool) or not isinstance(index, int) or index not in indices:
+            raise _bad("mig", key, f"a GPU index out of {list(indices)}")
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 7:
+            raise _bad("mig", count, "a MIG instance count from 1 to 7")
+        out[index] = count
+    return out
+
+
+#: "ok", "ok:<GB/s>", "timeout", "error:<cause>", a result, or a result's fields as a mapping
+#: (``{"status": "ok", "bus_bandwidth_gbps": 9.5, "message_bytes": 268435456, "step_seconds":
+#: 0.01, "extra": [["value_check_iterations", "20"]]}``)
+Outcome = str | ProbeResult | Mapping[str, Any]
 
 
 @dataclass
@@ -264,6 +331,9 @@ class SimulatedProber:
     and joined by ","); "nccl+*" for every remedy; "*" for everything. The most specific key
     wins; anything unmatched is ``default``.
     """
+
+    #: Read by the executor: the outcomes are described, not measured (said in the trace).
+    simulated: ClassVar[bool] = True
 
     outcomes: Mapping[str, Outcome] = field(default_factory=dict)
     default: Outcome = "ok"
@@ -304,6 +374,11 @@ class SimulatedProber:
 def _parse(candidate: str, out: Outcome) -> ProbeResult:
     if isinstance(out, ProbeResult):
         return ProbeResult.from_dict({**out.to_dict(), "candidate": candidate})
+    if isinstance(out, Mapping):  # every field a probe can report (JSON: ProbeResult.to_dict())
+        return ProbeResult.from_dict({"elapsed_s": 2.0, "detail": "simulated", **out,
+                                      "candidate": candidate})
+    if not isinstance(out, str):
+        raise ValueError(f"probe outcome {out!r}: a string or an object of probe result fields")
     kind, _, arg = out.partition(":")
     if kind == OK:
         bw = float(arg) if arg else None
@@ -328,7 +403,12 @@ FakeProber = SimulatedProber  # the testing kit's name for it
 #: Fields of a simulation file (``resilient-strategy --simulate``, examples/machines).
 SIMULATION_KEYS = frozenset({
     "what", "framework", "global_batch_size", "gradient_bytes", "sample_seconds", "machine",
-    "facts", "probes",
+    "facts", "probes", "expect",
+})
+#: Fields of a machine case's ``expect`` block (the decision it must reach; tests replay it).
+EXPECT_KEYS = frozenset({
+    "backend", "devices", "num_replicas", "accumulation_steps", "per_replica_batch_size", "env",
+    "probed", "rules_fired", "explain_contains",
 })
 
 
@@ -368,11 +448,11 @@ def load_simulation(path: Path) -> tuple[Facts, dict[str, Any]]:
     probes = data.get("probes")
     if probes is not None:
         if not isinstance(probes, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in probes.items()
+            isinstance(k, str) and isinstance(v, (str, dict)) for k, v in probes.items()
         ):
             raise ResilientStrategyError(
-                f'{path}: probes: expected an object of outcome strings like {{"nccl": "timeout"}}'
-                f", not {probes!r}")
+                f'{path}: probes: expected an object of outcomes like {{"nccl": "timeout"}} or '
+                f'{{"nccl": {{"status": "ok", "bus_bandwidth_gbps": 9.5}}}}, not {probes!r}')
         try:
             SimulatedProber(dict(probes))
         except ValueError as exc:
@@ -423,6 +503,11 @@ def _check_simulation_fields(path: Path, data: Mapping[str, Any]) -> None:
         value = data.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ResilientStrategyError(f"{path}: {key}: expected a positive integer, not {value!r}")
+    expect = data.get("expect")
+    if expect is not None and (not isinstance(expect, dict) or not set(expect) <= EXPECT_KEYS):
+        raise ResilientStrategyError(
+            f"{path}: expect: expected an object with fields from {sorted(EXPECT_KEYS)}, not "
+            f"{expect!r}")
     seconds = data.get("sample_seconds")
     if seconds is not None and (
         isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0

@@ -15,7 +15,7 @@ import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from packaging.markers import InvalidMarker, UndefinedComparison, UndefinedEnvironmentName
 from packaging.requirements import InvalidRequirement, Requirement
@@ -24,7 +24,8 @@ from packaging.version import InvalidVersion, Version
 
 from .facts import FrameworkInfo
 
-_DISTRIBUTIONS = {
+#: The distributions that provide each framework, in the order they are looked up.
+DISTRIBUTIONS: Mapping[str, tuple[str, ...]] = {
     "torch": ("torch",),
     "tensorflow": (
         "tensorflow",
@@ -45,16 +46,54 @@ _NCCL_WHEEL = re.compile(r"nvidia-nccl-cu\d+")  # a canonicalized distribution n
 _TF_CUDA_EXTRAS = ("and-cuda",)
 
 
-def detect_frameworks(modules: Mapping[str, object] | None = None) -> tuple[FrameworkInfo, ...]:
-    """torch, tensorflow and keras as installed; ``modules`` (default ``sys.modules``) says
-    which are imported. Costs a few milliseconds and imports nothing."""
+class MetadataSource(Protocol):
+    """Where installed packages are read from (``importlib.metadata``'s calls, and a package's
+    folder found without importing it). Tests pass their own, as ``packaging.markers`` takes an
+    ``environment``."""
+
+    def distribution(self, name: str) -> Any:
+        """The distribution (``.version``, ``.requires``); raises PackageNotFoundError."""
+
+    def version(self, name: str) -> str:
+        """The installed version of a distribution; raises PackageNotFoundError."""
+
+    def package_dir(self, name: str) -> str | None:
+        """The folder of top-level package ``name``, or None."""
+
+
+class InstalledPackages:
+    """The packages installed for this interpreter (the default :class:`MetadataSource`)."""
+
+    def distribution(self, name: str) -> Any:
+        return metadata.distribution(name)
+
+    def version(self, name: str) -> str:
+        return metadata.version(name)
+
+    def package_dir(self, name: str) -> str | None:
+        """Found without importing it (``name`` must be top level)."""
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):  # ValueError: in sys.modules with no __spec__
+            return None
+        locations = spec.submodule_search_locations if spec else None
+        return next(iter(locations), None) if locations else None
+
+
+def detect_frameworks(
+    modules: Mapping[str, object] | None = None, packages: MetadataSource | None = None,
+) -> tuple[FrameworkInfo, ...]:
+    """torch, tensorflow and keras as installed (read from ``packages``, default this
+    interpreter's); ``modules`` (default ``sys.modules``) says which are imported. Costs a few
+    milliseconds and imports nothing."""
     mods: Mapping[str, object] = sys.modules if modules is None else modules
-    return (_torch(mods), _tensorflow(mods), _keras(mods))
+    src = InstalledPackages() if packages is None else packages
+    return (_torch(mods, src), _tensorflow(mods, src), _keras(mods, src))
 
 
-def _torch(mods: Mapping[str, object]) -> FrameworkInfo:
-    dist, dist_name = _distribution("torch")
-    folder = _package_dir("torch")
+def _torch(mods: Mapping[str, object], src: MetadataSource) -> FrameworkInfo:
+    dist, dist_name = _distribution("torch", src)
+    folder = src.package_dir("torch")
     if dist is None and folder is None:
         return FrameworkInfo(name="torch")
     built = _literals(os.path.join(folder, "version.py")) if folder else {}
@@ -65,15 +104,15 @@ def _torch(mods: Mapping[str, object]) -> FrameworkInfo:
         version=version or "unknown",
         distribution=dist_name,
         cuda=cuda,
-        nccl=_required_nccl(dist) if cuda else None,
+        nccl=_required_nccl(dist, (), src) if cuda else None,
         imported="torch" in mods,
         gpu_initialized=_torch_initialized(mods),
     )
 
 
-def _tensorflow(mods: Mapping[str, object]) -> FrameworkInfo:
-    dist, dist_name = _distribution("tensorflow")
-    folder = _package_dir("tensorflow")
+def _tensorflow(mods: Mapping[str, object], src: MetadataSource) -> FrameworkInfo:
+    dist, dist_name = _distribution("tensorflow", src)
+    folder = src.package_dir("tensorflow")
     if dist is None and folder is None:
         return FrameworkInfo(name="tensorflow")
     build_info = os.path.join(folder, "python", "platform", "build_info.py") if folder else ""
@@ -83,7 +122,7 @@ def _tensorflow(mods: Mapping[str, object]) -> FrameworkInfo:
     # The nvidia-nccl wheel counts only where TF pins it (its "and-cuda" extra); older TF wheels
     # carry their own NCCL and say nothing about it.
     nccl = _str_or_none(info.get("nccl_version")) or (
-        _required_nccl(dist, _TF_CUDA_EXTRAS) if cuda else None)
+        _required_nccl(dist, _TF_CUDA_EXTRAS, src) if cuda else None)
     return FrameworkInfo(
         name="tensorflow",
         version=dist.version if dist else "unknown",
@@ -96,8 +135,8 @@ def _tensorflow(mods: Mapping[str, object]) -> FrameworkInfo:
     )
 
 
-def _keras(mods: Mapping[str, object]) -> FrameworkInfo:
-    dist, dist_name = _distribution("keras")
+def _keras(mods: Mapping[str, object], src: MetadataSource) -> FrameworkInfo:
+    dist, dist_name = _distribution("keras", src)
     if dist is None:
         return FrameworkInfo(name="keras")
     return FrameworkInfo(
@@ -136,28 +175,18 @@ def _tensorflow_initialized(mods: Mapping[str, object]) -> bool:
         return False
 
 
-def _distribution(framework: str) -> tuple[metadata.Distribution | None, str]:
+def _distribution(framework: str, src: MetadataSource) -> tuple[Any, str]:
     """The installed distribution providing ``framework`` and its name as we looked it up."""
-    for name in _DISTRIBUTIONS[framework]:
+    for name in DISTRIBUTIONS[framework]:
         try:
-            return metadata.distribution(name), name
+            return src.distribution(name), name
         except (metadata.PackageNotFoundError, ValueError):
             continue
     return None, ""
 
 
-def _package_dir(name: str) -> str | None:
-    """The package's folder, found without importing it (``name`` must be top level)."""
-    try:
-        spec = importlib.util.find_spec(name)
-    except (ImportError, ValueError):  # ValueError: in sys.modules with no __spec__
-        return None
-    locations = spec.submodule_search_locations if spec else None
-    return next(iter(locations), None) if locations else None
-
-
 def _required_nccl(
-    dist: metadata.Distribution | None, extras: Sequence[str] = ()
+    dist: Any, extras: Sequence[str] = (), src: MetadataSource | None = None,
 ) -> str | None:
     """The installed version of the nvidia-nccl-cuXX wheel that ``dist`` requires, if any.
 
@@ -176,7 +205,7 @@ def _required_nccl(
         if not _NCCL_WHEEL.fullmatch(name) or not _applies(req, extras):
             continue
         try:
-            installed = metadata.version(name)
+            installed = (src or InstalledPackages()).version(name)
             if req.specifier.contains(Version(installed), prereleases=True):
                 return installed
         except (metadata.PackageNotFoundError, InvalidVersion):

@@ -17,7 +17,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from .facts import Link, Visibility
+from .facts import Gpu, Link, Visibility
 
 _INDEX = re.compile(r"[+-]?\d+")
 
@@ -211,4 +211,21 @@ def renumber_links(devices: Sequence[VisibleDevice], links: Sequence[Link]) -> t
         if ln.a in ordinal and ln.b in ordinal
     ]
     return tuple(sorted(out, key=lambda ln: (ln.a, ln.b)))
+
+
+def job_gpu(ordinal: int, dev: VisibleDevice, parent: PhysicalGpu) -> Gpu:
+    """The job's GPU ``ordinal``: a whole physical GPU, or one MIG instance of it.
+
+    The one implementation: inspection and described machines both use it."""
+    mig = dev.mig
+    return Gpu(
+        index=ordinal,
+        name=(mig.name or f"{parent.name} (MIG)") if mig else parent.name,
+        compute_capability=parent.compute_capability,
+        memory_bytes=mig.memory_bytes if mig else parent.memory_bytes,
+        uuid=mig.uuid if mig else parent.uuid,
+        pci_bus_id=parent.pci_bus_id,
+        physical_index=parent.index,
+        mig_enabled=mig is not None or parent.mig_enabled,
+    )
 

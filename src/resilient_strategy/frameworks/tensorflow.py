@@ -100,8 +100,8 @@ class StrategyRegistry:
             if key[0] in MIRRORED_OPS and mirrored:
                 log.warning(
                     "building a second MirroredStrategy in this process (%s over %s) while %s "
-                    "exists: two MirroredStrategy objects in one process caused NCCL errors "
-                    "(seed report 000). Call resilient_strategy() once per process and reuse its "
+                    "exists: two MirroredStrategy objects in one process have caused NCCL errors. "
+                    "Call resilient_strategy() once per process and reuse its "
                     "Selection, or train the other configuration in a new process.",
                     key[0], ", ".join(key[1]),
                     "; ".join(f"{k[0]} over {', '.join(k[1])}" for k in mirrored),

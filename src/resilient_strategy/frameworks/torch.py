@@ -129,8 +129,14 @@ class TorchRuntime:
         uses_gpu = backend in ("nccl", "single_device") or (backend == "gloo" and devices)
         if uses_gpu and not local_rank < len(devices):
             raise InvalidOptionError(f"{backend} needs a GPU for local rank {local_rank}: {devices}")
-        if not timeout_s > 0 or precision not in PRECISIONS:
-            raise InvalidOptionError(f"bad timeout_s={timeout_s!r} or precision={precision!r}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+                or not 0 < timeout_s < float("inf"):
+            raise InvalidOptionError(
+                f"process_group_timeout must be a positive number of seconds, not {timeout_s!r}",
+                "process_group_timeout")
+        if precision not in PRECISIONS:
+            raise InvalidOptionError(
+                f"precision must be one of {PRECISIONS}, not {precision!r}", "precision")
         self.backend = backend
         self.devices = tuple(devices)
         self.accumulation_steps = accumulation_steps

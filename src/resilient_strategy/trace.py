@@ -1,0 +1,353 @@
+"""The trace of a decision as typed events (in the spirit of resolvelib's reporter).
+
+The planner and the executor emit events; :func:`render` turns them into the lines of
+``explain()``, and :meth:`Event.to_dict` into the ``events`` of ``to_dict()``/``--json``. Tests
+assert on events (their kind and fields), never on the English of a rendered line.
+
+Every event is a frozen value. ``text()`` is one line, or "" for an event that another line
+already says (a candidate a rule vetoed is named by that rule's line).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+from .candidate import Candidate
+from .human import human_duration
+from .probe import ProbeResult
+
+__all__ = [
+    "BatchSplit",
+    "CandidateRuledOut",
+    "Chosen",
+    "Event",
+    "FactsSeen",
+    "FrameworkPicked",
+    "NextProbe",
+    "Note",
+    "NothingLeft",
+    "RankEntry",
+    "Ranking",
+    "RemedyQueued",
+    "RuleFired",
+    "Split",
+    "UserSettingKept",
+    "render",
+]
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Candidate):
+        return {"key": value.key, "label": value.label}
+    if isinstance(value, ProbeResult):
+        return value.to_dict()
+    if hasattr(value, "__dataclass_fields__"):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class Event:
+    """One thing the decision did or found."""
+
+    kind: ClassVar[str] = "event"
+
+    def text(self) -> str:
+        raise NotImplementedError
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind}
+        out.update({f.name: _plain(getattr(self, f.name)) for f in fields(self)})
+        out["text"] = self.text()
+        return out
+
+
+def _env_text(env: Sequence[tuple[str, str]]) -> str:
+    return " ".join(f"{k}={v}" for k, v in sorted(env))
+
+
+# ----- facts and settings ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FrameworkPicked(Event):
+    """Which framework the decision is for, and why."""
+
+    kind: ClassVar[str] = "framework_picked"
+    framework: str
+    reason: str
+
+    def text(self) -> str:
+        return f"{self.reason}."
+
+
+@dataclass(frozen=True)
+class FactsSeen(Event):
+    """What the planner saw: usable GPUs and the framework build."""
+
+    kind: ClassVar[str] = "facts_seen"
+    gpus: int
+    names: tuple[str, ...]
+    framework: str
+    version: str | None
+    cuda: str | None
+    nccl: str | None
+    #: the NVIDIA driver (rules key on driver.version); in the event and the JSON, while the
+    #: line leaves it to the doctor's facts
+    driver: str | None = None
+
+    def text(self) -> str:
+        gpu_text = f"{self.gpus} GPU(s) ({', '.join(self.names)})" if self.gpus else "no GPU"
+        build = f"CUDA {self.cuda}" if self.cuda else "CPU-only build"
+        nccl = f", NCCL {self.nccl}" if self.nccl else ""
+        return (f"Saw {gpu_text}; {self.framework} {self.version or 'not installed'} "
+                f"({build}{nccl}).")
+
+
+@dataclass(frozen=True)
+class Note(Event):
+    """A finding that changes what is considered, named by ``topic``:
+
+    ``no_gpu_facts``, ``visible_devices``, ``nvml_unread``, ``devices_asked``, ``logical_cpus``,
+    ``cpu_only_build``, ``too_few_gpus``, ``multi_node``, ``one_process``, ``no_global_batch``,
+    ``batch_not_split``, ``batch_shrinks_replicas``, ``prefer_impossible``, ``within_noise``
+    (measured speeds within their measured noise kept the chain's order).
+    """
+
+    kind: ClassVar[str] = "note"
+    topic: str
+    message: str
+
+    def text(self) -> str:
+        return self.message
+
+
+# ----- rules ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RuleFired(Event):
+    """A known-issue rule matched these facts, and what it did.
+
+    ``action``: ``warn``, ``veto`` (``candidates`` ruled out), ``prefer`` (``targets`` first),
+    ``set_env`` (``env`` set for NCCL), ``remedy_added`` (NCCL with ``env`` added, tried before
+    plain NCCL when ``first``), ``remedy_exists`` (that remedy was a candidate already),
+    ``nothing_to_act_on`` (no NCCL candidate left), ``already_ruled_out`` (an earlier rule
+    removed its ``targets``; its advice still stands).
+    """
+
+    kind: ClassVar[str] = "rule_fired"
+    rule: str
+    effect: str
+    action: str
+    message: str
+    source: str
+    candidates: tuple[Candidate, ...] = ()
+    targets: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    first: bool = False
+
+    @property
+    def cite(self) -> str:
+        return f"[{self.rule}] {self.message} (source: {self.source})"
+
+    def text(self) -> str:
+        a = self.action
+        if a == "warn":
+            return f"Warning {self.cite}"
+        if a == "veto":
+            return f"Ruled out {'; '.join(c.label for c in self.candidates)}: {self.cite}"
+        if a == "prefer":
+            return f"Preferred {', '.join(self.targets)}: {self.cite}"
+        if a == "set_env":
+            return f"Set {_env_text(self.env)} for NCCL: {self.cite}"
+        if a == "remedy_exists":
+            return (f"Rule {self.rule} also suggests NCCL with {_env_text(self.env)}, already a "
+                    f"candidate: {self.cite}")
+        if a == "nothing_to_act_on":
+            return f"Rule {self.rule} has nothing to act on: no NCCL candidate is left."
+        if a == "already_ruled_out":
+            return (f"Rule {self.rule} also applies to {', '.join(self.targets)}, already ruled "
+                    f"out: {self.cite}")
+        when = "before" if self.first else "after"
+        return f"Added NCCL with {_env_text(self.env)}, tried {when} plain NCCL: {self.cite}"
+
+
+@dataclass(frozen=True)
+class UserSettingKept(Event):
+    """A rule or remedy would set variables the user set: the user's values stand."""
+
+    kind: ClassVar[str] = "user_setting_kept"
+    rule: str
+    variables: tuple[str, ...]
+
+    def text(self) -> str:
+        them = "it" if len(self.variables) == 1 else "them"
+        return (f"Rule {self.rule} would set {', '.join(self.variables)}, but you set {them}; "
+                "your value stands.")
+
+
+# ----- candidates -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CandidateRuledOut(Event):
+    """A candidate left out, ``by`` a rule (``rule`` names it), a probe (``result``), or the
+    batch arithmetic (``batch``). ``said`` when another line of the trace already says it."""
+
+    kind: ClassVar[str] = "ruled_out"
+    candidate: Candidate
+    by: str
+    reason: str
+    rule: str = ""
+    source: str = ""
+    result: ProbeResult | None = None
+    simulated: bool = False
+    said: bool = False
+
+    def text(self) -> str:
+        if self.said:
+            return ""
+        if self.by == "probe" and self.result is not None:
+            sim = " (simulated)" if self.simulated else ""
+            return (f"Probe of {self.candidate.label} failed after {self.result.elapsed_s:.1f} s"
+                    f"{sim}: {self.reason}.")
+        return f"Ruled out {self.candidate.label}: {self.reason}."
+
+
+@dataclass(frozen=True)
+class RemedyQueued(Event):
+    """After plain NCCL failed with ``cause``, this remedy is tried next; ``on_top_of`` names
+    the remedy that failed with that (new) cause, whose variables this one keeps."""
+
+    kind: ClassVar[str] = "remedy_queued"
+    candidate: Candidate
+    cause: str
+    on_top_of: Candidate | None = None
+
+    def text(self) -> str:
+        if self.on_top_of is not None:
+            return (f"Will try {self.candidate.label}: the remedy {self.on_top_of.label} failed "
+                    f"on {self.cause}, so that cause's remedy is added on top.")
+        return f"Will try {self.candidate.label}, the usual remedy for {self.cause}."
+
+
+@dataclass(frozen=True)
+class Split:
+    backend: str
+    replicas: int
+    per_replica_batch: int | None
+    accumulation_steps: int
+
+
+@dataclass(frozen=True)
+class BatchSplit(Event):
+    """The global batch, kept exact on every candidate."""
+
+    kind: ClassVar[str] = "batch_split"
+    global_batch_size: int
+    splits: tuple[Split, ...]
+
+    def text(self) -> str:
+        return (
+            f"Global batch {self.global_batch_size} kept exact on every candidate (replicas x "
+            "per-replica batch x accumulation steps): " + "; ".join(
+                f"{s.backend} {s.replicas}x{s.per_replica_batch}x{s.accumulation_steps}"
+                for s in self.splits
+            ) + "."
+        )
+
+
+@dataclass(frozen=True)
+class RankEntry:
+    candidate: Candidate
+    step_seconds: float
+    basis: str
+
+
+@dataclass(frozen=True)
+class Ranking(Event):
+    """The order candidates are tried in, with each one's estimated time per global batch.
+
+    By estimate, except: a ``prefer``red backend first, CPU last (``cpu_last`` when that put it
+    below a slower candidate), and a remedy a rule marks ``first`` right before plain NCCL
+    whatever its estimate (``tried_first`` names those rules)."""
+
+    kind: ClassVar[str] = "ranking"
+    entries: tuple[RankEntry, ...]
+    gradients: str
+    cpu_last: bool = False
+    tried_first: tuple[str, ...] = ()
+
+    def text(self) -> str:
+        head = "Ranked by estimated time per global batch" if not self.tried_first \
+            else "Order of trial, with the estimated time per global batch"
+        out = f"{head} ({self.gradients}): " + "; ".join(
+            f"{e.candidate.label} ~{human_duration(e.step_seconds)} ({e.basis})"
+            for e in self.entries
+        ) + "."
+        if self.tried_first:
+            out += (f" Tried first whatever its estimate: the remedy of rule "
+                    f"{', '.join(self.tried_first)}, before plain NCCL.")
+        if self.cpu_last:
+            out += (" CPU stays last whatever its estimate: it is the fallback of last resort, "
+                    "and estimates of tiny models are noise.")
+        return out
+
+
+# ----- the choice -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NextProbe(Event):
+    kind: ClassVar[str] = "next_probe"
+    candidate: Candidate
+
+    def text(self) -> str:
+        return f"Next: prove {self.candidate.label} with a live probe."
+
+
+#: How a candidate was chosen (``Chosen.how``).
+CHOSEN_HOW = ("probe_passed", "no_collective", "dry_run", "multi_node", "probing_off",
+              "rounds_spent")
+
+
+@dataclass(frozen=True)
+class Chosen(Event):
+    """The choice. ``how`` is one of :data:`CHOSEN_HOW`; ``result`` the probe that proved it."""
+
+    kind: ClassVar[str] = "chosen"
+    candidate: Candidate
+    how: str
+    result: ProbeResult | None = None
+    simulated: bool = False
+    max_rounds: int = 0
+
+    def text(self) -> str:
+        c, r = self.candidate, self.result
+        if self.how == "probe_passed" and r is not None:
+            bw = f", {r.bus_bandwidth_gbps:g} GB/s" if r.bus_bandwidth_gbps else ""
+            sim = " (simulated)" if self.simulated else ""
+            return f"Chose {c.label}: its probe passed in {r.elapsed_s:.1f} s{sim}{bw}."
+        if self.how == "no_collective":
+            return (f"Chose {c.label} with {c.accumulation_steps} accumulation step(s): no "
+                    "collective to prove, and it ranks above every candidate left.")
+        why = {
+            "dry_run": "dry run: it would be probed first",
+            "multi_node": "UNPROVEN: a multi-node job is not probed",
+            "probing_off": "UNPROVEN, probing is off (probe='never')",
+            "rounds_spent": f"UNPROVEN: the limit of {self.max_rounds} probes per decision is "
+                            "used up",
+        }[self.how]
+        return f"Chose {c.label}: {why}."
+
+
+@dataclass(frozen=True)
+class NothingLeft(Event):
+    kind: ClassVar[str] = "nothing_left"
+
+    def text(self) -> str:
+        return "Nothing is left to try."
+
+
+def render(events: Sequence[Event]) -> tuple[str, ...]:
+    """The lines of the trace: one per event that says something new."""
+    return tuple(t for t in (e.text() for e in events) if t)

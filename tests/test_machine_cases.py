@@ -1,0 +1,61 @@
+"""Every described machine in examples/machines carries the decision it must reach (``expect``),
+and this one test replays them all, as ``resilient-strategy plan --simulate FILE`` does: data
+in, expected decision out. A new failure case is one JSON file, no Python.
+
+``XFAIL`` is the explicit list of cases that do not reach their expected decision yet, each with
+the reason (strict: a case that starts passing must leave the list)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from resilient_strategy.cli import simulate_file
+from resilient_strategy.simulation import EXPECT_KEYS
+
+MACHINES = Path(__file__).parents[1] / "examples" / "machines"
+#: case file name -> why it does not reach its expected decision yet
+XFAIL: dict[str, str] = {}
+
+
+def _probe_name(key: str) -> str:
+    """A candidate key as a probe-outcome key of the case file: "nccl", "nccl+NCCL_P2P_DISABLE=1"."""
+    parts = key.split(":", 3)
+    return parts[1] + ("+" + parts[3].replace(";", ",") if len(parts) > 3 else "")
+
+
+def _cases() -> list[Any]:
+    return [
+        pytest.param(p, id=p.stem, marks=[pytest.mark.xfail(strict=True, reason=XFAIL[p.name])]
+                     if p.name in XFAIL else [])
+        for p in sorted(MACHINES.glob("*.json"))
+    ]
+
+
+@pytest.mark.parametrize("path", _cases())
+def test_machine_case_reaches_its_expected_decision(path: Path) -> None:
+    data = json.loads(path.read_text(encoding="utf-8"))
+    expect = data.get("expect")
+    assert isinstance(expect, dict) and expect, f"{path.name} has no expect block"
+    assert set(expect) <= EXPECT_KEYS
+    selections = simulate_file(path)
+    sel = selections[data["framework"]] if "framework" in data else next(iter(selections.values()))
+    got = {
+        "backend": sel.backend, "devices": list(sel.devices), "num_replicas": sel.num_replicas,
+        "accumulation_steps": sel.accumulation_steps,
+        "per_replica_batch_size": sel.per_replica_batch_size, "env": dict(sel.env),
+        "probed": [_probe_name(k) for k in sel.results],
+    }
+    assert {k: got[k] for k in expect if k in got} == {k: expect[k] for k in expect if k in got}
+    missing_rules = set(expect.get("rules_fired", ())) - set(sel.plan.rules_fired)
+    assert not missing_rules, f"rules that did not fire: {sorted(missing_rules)}"
+    text = sel.explain()
+    assert [w for w in expect.get("explain_contains", ()) if w not in text] == []
+
+
+def test_every_case_is_replayed() -> None:
+    assert len(_cases()) == len(list(MACHINES.glob("*.json"))) >= 6
+    assert set(XFAIL) <= {p.name for p in MACHINES.glob("*.json")}
