@@ -3,6 +3,9 @@
     python examples/keras_train.py                      # GPUs if their collective works, else one
     python examples/keras_train.py --cpu-replicas 2     # CI: 2 replicas on logical CPU devices
     RESILIENT_STRATEGY_CPU_REPLICAS=2 python examples/keras_train.py
+    resilient-strategy run --logical-cpus 2 examples/keras_train.py --cpu-replicas 2 \
+        --checkpoint-dir backup     # supervised: a stalled or failed collective relaunches on
+                                    # the next strategy, Keras' BackupAndRestore resumes
 
 Importing TensorFlow earlier would be fine too, as long as nothing touches a GPU before the
 selection (CUDA reads CUDA_VISIBLE_DEVICES, which the selection may narrow, when it first starts);
@@ -40,6 +43,8 @@ def main() -> None:
         "--cpu-replicas", type=int, default=int(os.environ.get("RESILIENT_STRATEGY_CPU_REPLICAS", 0)),
         help="train on N logical CPU devices instead of GPUs (testing without GPUs)",
     )
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="Keras BackupAndRestore there (each epoch): a relaunch resumes")
     args = parser.parse_args()
 
     sel = resilient_strategy.resilient_strategy(
@@ -87,9 +92,10 @@ def main() -> None:
         on_epoch_begin=lambda epoch, logs: start.__setitem__(0, time.perf_counter()),
         on_epoch_end=report,
     )
-    # sel.callbacks() checks, before the first step, that the optimizer accumulates as needed
+    # sel.callbacks() checks, before the first step, that the optimizer accumulates as needed,
+    # reports progress under `resilient-strategy run`, and backs up to --checkpoint-dir
     model.fit(data, epochs=args.epochs, shuffle=False, verbose=0,  # shuffled above
-              callbacks=[timing, *sel.callbacks()])
+              callbacks=[timing, *sel.callbacks(backup_dir=args.checkpoint_dir)])
 
 
 if __name__ == "__main__":

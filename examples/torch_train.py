@@ -2,6 +2,9 @@
 
     python examples/torch_train.py                           # one device (accumulating if needed)
     torchrun --nproc_per_node 2 examples/torch_train.py      # DDP: NCCL if it works, else gloo
+    resilient-strategy run --nproc-per-node 2 examples/torch_train.py --checkpoint-dir ckpt
+                                                  # supervised: relaunched on the next strategy
+                                                  # when a collective fails or stalls mid-run
 
 On a machine without GPUs, torchrun runs 2 CPU processes over gloo (how CI runs it). Importing
 torch earlier would be fine too, as long as nothing touches a GPU before the selection (CUDA reads
@@ -25,6 +28,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=20_000)
     parser.add_argument("--hidden", type=int, default=256, help="width (4096 on GPUs: ~100M params)")
     parser.add_argument("--depth", type=int, default=2, help="hidden layers (6 on GPUs)")
+    parser.add_argument("--checkpoint-dir", default=None, help="checkpoint there; resume from it")
+    parser.add_argument("--checkpoint-every", type=int, default=50, help="optimizer steps")
     args = parser.parse_args()
 
     params = FEATURES * args.hidden + (args.depth - 1) * args.hidden**2 + args.hidden * CLASSES
@@ -56,13 +61,18 @@ def main() -> None:
             layers += [torch.nn.Linear(args.hidden, args.hidden), torch.nn.GELU()]
         model = torch.nn.Sequential(*layers, torch.nn.Linear(args.hidden, CLASSES))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # before prepare(): prepare() restores the last checkpoint (any replica count)
+    ckpt = sel.checkpoint(args.checkpoint_dir, every_steps=args.checkpoint_every) \
+        if args.checkpoint_dir else None
     model, optimizer, loader = sel.prepare(model, optimizer, loader)  # DDP + DistributedSampler
+    if ckpt is not None and ckpt.restored_step is not None:
+        sel.print(f"resumed from {ckpt.path} at optimizer step {ckpt.restored_step}")
     sel.print(
         f"{sel.num_replicas} replica(s) x {sel.per_replica_batch_size} samples x "
         f"{sel.accumulation_steps} accumulation step(s) = global batch {sel.global_batch_size}"
     )
 
-    for epoch in range(args.epochs):
+    for epoch in range(ckpt.epoch if ckpt else 0, args.epochs):
         sel.set_epoch(epoch)
         start, total, batches, updates = time.perf_counter(), 0.0, 0, 0
         for xb, yb in loader:
@@ -74,11 +84,15 @@ def main() -> None:
             updates += sel.step(optimizer)
             total, batches = total + loss.item(), batches + 1
         seconds = time.perf_counter() - start
-        samples = batches * len(xb) * sel.num_replicas  # all replicas together
-        sel.print(
-            f"epoch {epoch + 1}: loss {total / batches:.4f} (rank 0), {updates} optimizer "
-            f"steps, {samples / seconds:,.0f} samples/s"
-        )
+        samples = batches * (sel.batch_size or 0) * sel.num_replicas  # all replicas together
+        if batches:
+            sel.print(
+                f"epoch {epoch + 1}: loss {total / batches:.4f} (rank 0), {updates} optimizer "
+                f"steps, {samples / seconds:,.0f} samples/s"
+            )
+    if ckpt is not None:
+        ckpt.save()  # the final state (rank 0)
+    sel.print(f"optimizer steps: {sel.optimizer_steps}")
     sel.shutdown()
 
 

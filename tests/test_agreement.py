@@ -153,9 +153,9 @@ def test_default_directory_is_private_to_the_user(
     ag.publish(PAYLOAD)
     assert stat.S_IMODE(ag.path.parent.stat().st_mode) == 0o700
     assert ag.wait(1.0)["chosen"] == PAYLOAD["chosen"]
-    ag.path.parent.chmod(0o777)  # opened up by someone: closed again before use
-    ag.publish(PAYLOAD)
-    assert stat.S_IMODE(ag.path.parent.stat().st_mode) == 0o700
+    ag.path.parent.chmod(0o777)  # opened up: another user may have planted files there
+    with pytest.raises(ResilientStrategyError, match=r"writable by others \(mode 777\)"):
+        ag.publish(PAYLOAD)
 
 
 def test_default_directory_prefers_xdg_runtime_dir(tmp_path: Path) -> None:
@@ -174,7 +174,120 @@ def test_default_directory_of_another_user_is_refused(
     planted.mkdir(mode=0o777)
     os.chown(planted, 12345, 12345)
     ag = Agreement.for_job(LAUNCH, "fp", None)
-    with pytest.raises(ResilientStrategyError, match="not a directory of this user"):
+    with pytest.raises(ResilientStrategyError, match="owned by uid 12345, not by this user"):
         ag.publish(PAYLOAD)
-    with pytest.raises(ResilientStrategyError, match="not a directory of this user"):
+    with pytest.raises(ResilientStrategyError, match="owned by uid 12345, not by this user"):
         ag.wait(0.2)
+
+
+# ----- trust and cleanup -----------------------------------------------------------------------
+NOBODY = 65534
+as_root = pytest.mark.skipif(os.geteuid() != 0,
+                             reason="giving a file to another uid (os.chown) needs root")
+TORCHRUN2 = {**LAUNCH, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+
+
+def test_an_open_cache_directory_falls_back_to_a_private_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    env = {**TORCHRUN2, "XDG_RUNTIME_DIR": str(tmp_path / "run")}
+    with caplog.at_level("WARNING", logger="resilient_strategy"):
+        leader = Agreement.for_job({**env, "LOCAL_RANK": "0"}, "fp", shared, ppid=1)
+    follower = Agreement.for_job({**env, "LOCAL_RANK": "1"}, "fp", shared, ppid=1)
+    assert leader.path == follower.path and leader.path.parent == tmp_path / "run" / \
+        "resilient_strategy"
+    assert "writable by others" in caplog.text and str(shared) in caplog.text
+    leader.publish(PAYLOAD)
+    assert follower.wait(1.0, not_before=-math.inf)["chosen"] == PAYLOAD["chosen"]
+    assert list(shared.iterdir()) == []
+
+
+def test_an_unusable_cache_directory_falls_back_to_a_private_one(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    env = {**TORCHRUN2, "XDG_RUNTIME_DIR": str(tmp_path / "run")}
+    ag = Agreement.for_job(env, "fp", tmp_path / "file" / "cache", ppid=1)
+    assert ag.path.parent == tmp_path / "run" / "resilient_strategy"
+    ag.publish(PAYLOAD)  # no hard error: the decision is still shared
+
+
+@as_root
+def test_a_planted_agreement_file_is_not_followed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ag = Agreement(tmp_path / "agree-x.json")
+    ag.path.write_text(json.dumps({**PAYLOAD, "chosen": "cpu", "published_at": time.time()}))
+    os.chown(ag.path, NOBODY, NOBODY)
+    with caplog.at_level("WARNING", logger="resilient_strategy"), \
+            pytest.raises(AgreementTimeoutError, match=f"refused: .*owned by uid {NOBODY}"):
+        ag.wait(0.3, poll_s=0.05, not_before=-math.inf)
+    assert f"owned by uid {NOBODY}" in caplog.text
+    ag.publish(PAYLOAD)  # rank 0's atomic replace takes its place
+    assert ag.wait(0.3, not_before=-math.inf)["chosen"] == PAYLOAD["chosen"]
+
+
+def test_a_symlinked_agreement_file_is_not_followed(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text(json.dumps({**PAYLOAD, "chosen": "cpu", "published_at": time.time()}))
+    ag = Agreement(tmp_path / "agree-x.json")
+    ag.path.symlink_to(elsewhere)
+    with pytest.raises(AgreementTimeoutError, match="symbolic link"):
+        ag.wait(0.3, poll_s=0.05, not_before=-math.inf)
+
+
+@pytest.mark.parametrize("change", [
+    {"proven": None}, {"from_cache": "yes"}, {"chosen": 3}, {"results": []},
+    {"results": {"torch:gloo:0,1": {"candidate": "torch:nccl:0,1", "status": "ok"}}},
+])
+def test_every_payload_field_is_checked(tmp_path: Path, change: dict[str, object]) -> None:
+    ag = Agreement(tmp_path / "agree.json")
+    ag.publish({**PAYLOAD, **change})
+    with pytest.raises(ResilientStrategyError, match="cannot read"):
+        ag.wait(0.5, not_before=-math.inf)
+    for key in PAYLOAD:  # a missing key is a typed error too, never a KeyError
+        ag.publish({k: v for k, v in PAYLOAD.items() if k != key})
+        with pytest.raises(ResilientStrategyError, match="cannot read"):
+            ag.wait(0.5, not_before=-math.inf)
+
+
+def test_a_deeply_nested_agreement_is_refused_not_a_recursion_error(tmp_path: Path) -> None:
+    ag = Agreement(tmp_path / "agree.json")
+    ag.path.write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(AgreementTimeoutError, match="nested deeper than"):
+        ag.wait(0.3, poll_s=0.05, not_before=-math.inf)
+
+
+def test_the_last_reader_removes_the_file(tmp_path: Path) -> None:
+    env = {**LAUNCH, "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3"}
+    ranks = [Agreement.for_job({**env, "LOCAL_RANK": str(r)}, "fp", tmp_path, ppid=1)
+             for r in range(3)]
+    assert [a.readers for a in ranks] == [2, 2, 2]
+    ranks[0].publish(PAYLOAD)
+    assert ranks[1].wait(1.0, not_before=-math.inf)["chosen"] == PAYLOAD["chosen"]
+    assert ranks[0].path.exists()  # rank 2 has not read it yet
+    assert ranks[2].wait(1.0, not_before=-math.inf)["chosen"] == PAYLOAD["chosen"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_one_local_rank_writes_nothing(tmp_path: Path) -> None:
+    ag = Agreement.for_job({**LAUNCH, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1"}, "fp",
+                           tmp_path, ppid=1)
+    ag.publish(PAYLOAD)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write into a read-only directory; the "
+                    "same fallback runs for a path that cannot be created, just above")
+def test_a_read_only_cache_directory_falls_back_to_a_private_one(tmp_path: Path) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        env = {**TORCHRUN2, "XDG_RUNTIME_DIR": str(tmp_path / "run")}
+        ag = Agreement.for_job(env, "fp", ro / "cache", ppid=1)
+        assert ag.path.parent == tmp_path / "run" / "resilient_strategy"
+        ag.publish(PAYLOAD)
+    finally:
+        ro.chmod(0o700)

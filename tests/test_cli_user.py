@@ -31,6 +31,7 @@ def test_unknown_disabled_rule_is_an_error_listing_known_ids(
     assert "consumer-pcie-p2" in err and "consumer-pcie-p2p" in err  # the typo and the real id
 
 
+@pytest.mark.torch  # plans for torch: skipped where only TensorFlow is installed
 def test_known_disabled_rule_is_accepted() -> None:
     assert main(["plan", "--disable-rule", "consumer-pcie-p2p", "--framework", "torch"]) == 0
 
@@ -50,6 +51,7 @@ def test_simulation_errors_name_the_field(tmp_path: Path, capsys: pytest.Capture
     assert named in err and "not iterable" not in err
 
 
+@pytest.mark.torch
 def test_missing_rules_file_names_the_file(tmp_path: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "nope.toml"

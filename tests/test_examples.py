@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,8 +15,11 @@ ROOT = Path(__file__).parents[1]
 
 
 def _run(argv: list[str], tmp_path: Path) -> str:
+    """Run an example on CPU: on a GPU machine too, CUDA_VISIBLE_DEVICES="" hides the GPUs (these
+    tests check the CPU paths; an empty value hides GPUs on purpose, see visible.py)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1",
-           "RESILIENT_STRATEGY_CACHE_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
+           "RESILIENT_STRATEGY_CACHE_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2",
+           "CUDA_VISIBLE_DEVICES": ""}
     out = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
@@ -38,15 +40,15 @@ def test_keras_example_on_two_logical_cpus(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.torch
 def test_torch_example_under_torchrun_on_cpu_uses_gloo_then_the_cache(tmp_path: Path) -> None:
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
-    argv = [torchrun, "--nproc_per_node", "2", "examples/torch_train.py", "--epochs", "2",
-            "--samples", "8192"]
+    # torchrun itself, run by this interpreter (a `torchrun` script may not be on PATH)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+            "examples/torch_train.py", "--epochs", "2", "--samples", "8192"]
     out = _run(argv, tmp_path)
     assert "chose: gloo on 2 CPU processes" in out
     assert "2 replica(s) x 128 samples x 1 accumulation step(s) = global batch 256" in out
     losses = [float(x) for x in re.findall(r"epoch \d: loss ([0-9.]+)", out)]
     assert len(losses) == 2 and losses[1] < losses[0]
-    again = _run([*argv[:4], "--epochs", "1", "--samples", "2048"], tmp_path)
+    again = _run([*argv[:6], "--epochs", "1", "--samples", "2048"], tmp_path)
     assert "decision from the cache" in again
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -19,15 +20,18 @@ from resilient_strategy.errors import (
     RanksDisagreeError,
 )
 from resilient_strategy.executor import (
+    FAULT_VAR,
     MAX_ROUNDS,
     Decision,
     decide,
     options_from,
     resilient_strategy,
 )
+from resilient_strategy.facts import relevant_env
 from resilient_strategy.rules import rule_from_dict
 from resilient_strategy.testing import FakeProber, machine, simulate
 from resilient_strategy.trace import (
+    CachedFailure,
     CandidateRuledOut,
     Chosen,
     Event,
@@ -119,6 +123,10 @@ def test_cache_hit_costs_no_probe_and_changed_machine_reprobes(tmp_path: Path) -
     first = FakeProber({"nccl": "timeout"})
     a = simulate(H200X2, first, cache=True, cache_dir=tmp_path, global_batch_size=64)
     assert first.probed == ["nccl", "nccl+NCCL_P2P_DISABLE=1"] and not a.from_cache
+    # a failure seen in one run only is probed again; the remedy's pass is trusted
+    again = FakeProber({"nccl": "timeout"})
+    a2 = simulate(H200X2, again, cache=True, cache_dir=tmp_path, global_batch_size=64)
+    assert again.probed == ["nccl"] and a2.candidate == a.candidate
     second = FakeProber({"nccl": "ok"})  # would answer differently: proves it is not asked
     b = simulate(H200X2, second, cache=True, cache_dir=tmp_path, global_batch_size=64)
     assert second.calls == [] and b.from_cache and b.candidate == a.candidate
@@ -254,7 +262,7 @@ def test_agreement_wait_has_a_deadline(tmp_path: Path) -> None:
     ag = Agreement(tmp_path / "agree.json")
     with pytest.raises(AgreementTimeoutError, match="crashed"):
         ag.wait(0.3, poll_s=0.05)
-    ag.publish({"chosen": "x"})
+    ag.publish({"chosen": "x", "results": {}, "from_cache": False, "proven": True})
     assert ag.wait(1.0)["chosen"] == "x"
 
 
@@ -279,6 +287,49 @@ def test_multi_node_plans_nccl_over_every_process_without_probing_or_cache(tmp_p
     assert [e.how for e in events(sel, Chosen)] == ["multi_node"]  # type: ignore[attr-defined]
     with pytest.raises(InvalidOptionError, match="LOCAL_WORLD_SIZE=3"):
         simulate(machine(2, env={"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "3"}))
+
+
+def test_a_failure_seen_once_is_probed_again_and_trusted_once_seen_twice(
+    tmp_path: Path,
+) -> None:
+    # eight deciders on two cores: the NCCL probe timed out from load, not from NCCL
+    loaded = FakeProber({"nccl": "timeout"})
+    simulate(H200X2, loaded, cache=True, cache_dir=tmp_path, global_batch_size=64)
+    quiet = FakeProber()
+    sel = simulate(H200X2, quiet, cache=True, cache_dir=tmp_path, global_batch_size=64)
+    assert quiet.probed == ["nccl"] and sel.backend == "nccl" and sel.env == {}
+    assert events(sel, CachedFailure) == [CachedFailure("torch:nccl:0,1", "timeout", 1, False)]
+    entries = DecisionCache(tmp_path).entries(H200X2.fingerprint())
+    assert entries["torch:nccl:0,1"].result.ok and entries["torch:nccl:0,1"].seen == 1
+    # a real failure, seen in two runs in a row, is trusted from then on
+    for _ in range(2):
+        simulate(H200X2, {"nccl": "error"}, cache=True, cache_dir=tmp_path, probe="force",
+                 global_batch_size=64)
+    assert DecisionCache(tmp_path).entries(H200X2.fingerprint())["torch:nccl:0,1"].seen == 2
+    trusting = FakeProber()
+    sel = simulate(H200X2, trusting, cache=True, cache_dir=tmp_path, global_batch_size=64)
+    assert trusting.probed == [] and sel.from_cache and sel.candidate.key != "torch:nccl:0,1"
+    assert CachedFailure("torch:nccl:0,1", "error", 2, True) in events(sel, CachedFailure)
+
+
+def test_results_under_fault_injection_are_never_cached(tmp_path: Path) -> None:
+    # the same machine (the fault variable is not part of the fingerprint), rehearsing a failure
+    assert relevant_env({FAULT_VAR: "exit:1"}) == ()
+    prober = FakeProber({"nccl": "error", "nccl+*": "error", "gloo": "error"})
+    sel = simulate(H200X2, prober, cache=True, cache_dir=tmp_path, global_batch_size=64,
+                   env={**H200X2.env_map, FAULT_VAR: "exit:1"})
+    assert sel.backend == "single_device"
+    assert [e.topic for e in events(sel, Note)].count("fault_injection") == 1  # type: ignore[attr-defined]
+    assert not DecisionCache(tmp_path).path(H200X2.fingerprint()).exists()
+    real = FakeProber()
+    sel = simulate(H200X2, real, cache=True, cache_dir=tmp_path, global_batch_size=64)
+    assert real.probed == ["nccl"] and sel.backend == "nccl" and not sel.from_cache
+
+
+def test_fault_variable_is_the_one_the_workers_read() -> None:
+    from resilient_strategy.probes._common import FAULT_VAR as WORKERS
+
+    assert FAULT_VAR == WORKERS
 
 
 def test_probe_never_still_uses_what_the_cache_knows(tmp_path: Path) -> None:
@@ -384,3 +435,35 @@ def test_from_cache_only_when_a_cached_result_shaped_the_plan(tmp_path: Path) ->
     # the same machine, but only GPU 0 asked for: no candidate has a cached result
     one = simulate(H200X2, cache=True, cache_dir=tmp_path, devices=[0])
     assert one.backend == "single_device" and not one.from_cache
+
+
+def test_ranks_agree_privately_when_the_cache_directory_is_open_to_others(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    facts = machine(2, nvlink=18)
+    launch = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": "29500",
+              "TORCHELASTIC_RUN_ID": "t2", "XDG_RUNTIME_DIR": str(tmp_path / "run")}
+    # another user plants a decision for CPU where the agreement used to go, and a cache entry
+    name = Agreement.for_job(launch, facts.fingerprint(), tmp_path / "any").path.name
+    (shared / name).write_text(json.dumps({"chosen": "torch:cpu", "results": {}, "from_cache": True,
+                                           "proven": True, "published_at": 4e9}))
+    bad = {"torch:nccl:0,1": {"at": 4e9, "seen": 9, "result": {
+        "candidate": "torch:nccl:0,1", "status": "error", "cause": "worker_error"}}}
+    DecisionCache(shared).path(facts.fingerprint()).write_text(json.dumps(
+        {"version": 1, "fingerprint": facts.fingerprint(), "results": bad}))
+    if os.geteuid() == 0:
+        for f in shared.iterdir():
+            os.chown(f, 65534, 65534)
+    with caplog.at_level("WARNING", logger="resilient_strategy"):
+        a = resilient_strategy(facts=facts, env={**launch, "RANK": "0", "LOCAL_RANK": "0"},
+                               cache_dir=shared, _prober=FakeProber(), global_batch_size=64)
+        b = resilient_strategy(facts=facts, env={**launch, "RANK": "1", "LOCAL_RANK": "1"},
+                               cache_dir=shared, _prober=FakeProber(), global_batch_size=64)
+    assert a.backend == b.backend == "nccl" and not a.from_cache
+    assert "writable by others" in caplog.text
+    assert sorted(f.name for f in shared.iterdir()) == sorted(
+        [name, f"{facts.fingerprint()}.v1.json"])  # refused, untouched
+    assert list((tmp_path / "run" / "resilient_strategy").iterdir()) == []  # read, then removed

@@ -33,7 +33,7 @@ def _expected(case: str, framework: str, field: str, before: list[str]) -> list[
 
 
 def test_every_fix_is_named() -> None:
-    assert all(f["fix"] for f in RECORDED["wording_fixes"])
+    assert all(f["fix"] and f["fix"] != "TODO" for f in RECORDED["wording_fixes"])
     assert RECORDED["cases"]
 
 

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from resilient_strategy.facts import Facts, Gpu, relevant_env
@@ -48,3 +54,46 @@ def test_relevant_env_keeps_what_other_code_reads_but_not_terraform() -> None:
     env = relevant_env({"WORLD_SIZE": "2", "NCCL_DEBUG": "INFO", "TF_CLI_CONFIG_FILE": "x",
                         "TF_CPP_MIN_LOG_LEVEL": "2", "TF_CONFIG": "{}", "PATH": "/bin"})
     assert env == (("NCCL_DEBUG", "INFO"), ("TF_CONFIG", "{}"), ("WORLD_SIZE", "2"))
+
+
+#: What torchrun (torch 2.x) sets in each worker's environment, as measured by
+#: test_a_real_torchrun_sets_nothing_that_changes_the_fingerprint.
+TORCHRUN_ENV = {
+    "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+    "MASTER_ADDR": "localhost", "MASTER_PORT": "35987", "OMP_NUM_THREADS": "1", "RANK": "1",
+    "ROLE_NAME": "default", "ROLE_RANK": "1", "ROLE_WORLD_SIZE": "2",
+    "TORCHELASTIC_ERROR_FILE": "/tmp/torchelastic_x/none/attempt_0/1/error.json",
+    "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RESTART_COUNT": "0",
+    "TORCHELASTIC_RUN_ID": "59e4a589", "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP",
+    "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    "NCCL_ASYNC_ERROR_HANDLING": "1", "WORLD_SIZE": "2",
+}
+
+
+def test_what_torchrun_sets_does_not_change_the_fingerprint() -> None:
+    # a cache warmed by `python -m resilient_strategy probe` must serve the torchrun job
+    assert fingerprint(**TORCHRUN_ENV) == fingerprint()
+
+
+_DUMP = "import json, os, sys; json.dump(dict(os.environ), open(sys.argv[1], 'w'))"
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+def test_a_real_torchrun_sets_nothing_that_changes_the_fingerprint(tmp_path: Path) -> None:
+    pytest.importorskip("torch.distributed.run")
+    script = tmp_path / "dump.py"
+    script.write_text(_DUMP)
+    parent = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
+    p = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
+         "--master_port", "0", str(script), str(tmp_path / "env.json")],
+        env=parent, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert p.returncode == 0, p.stderr
+    child = json.loads((tmp_path / "env.json").read_text())
+    assert "LOCAL_RANK" in child  # it really ran under torchrun
+    added = set(child) - set(parent)
+    unknown = sorted(added - set(TORCHRUN_ENV))
+    base = Facts(gpus=GPUS, env=relevant_env(parent)).fingerprint()
+    assert Facts(gpus=GPUS, env=relevant_env(child)).fingerprint() == base, unknown

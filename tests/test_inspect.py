@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from _fake_nvml import a100_mig, a6000x4, h200x2, no_driver, rtx5090x2
@@ -82,11 +84,27 @@ def test_env_argument_wins_over_os_environ(
     assert facts({}, h200x2(), tmp_path).visibility.physical == (0, 1)
 
 
+class _KerasOnly:
+    """A metadata source with keras installed, whatever this machine has (a GPU box may have
+    torch only)."""
+
+    def distribution(self, name: str) -> object:
+        if name == "keras":
+            return SimpleNamespace(version="3.0.0", requires=[])
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    def version(self, name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    def package_dir(self, name: str) -> str | None:
+        return None
+
+
 def test_imported_at_comes_from_the_import_watch(tmp_path: Path) -> None:
     watch = guard.ImportWatch()
     watch.record("keras", "train.py:3")
     f = detect_facts({}, nvml=no_driver(), root=str(tmp_path), modules={"keras": object()},
-                     imports=watch)
+                     imports=watch, packages=_KerasOnly())
     assert f.framework("keras").imported_at == "train.py:3"
     assert f.framework("torch").imported_at is None
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import shutil
 import subprocess
 import sys
 from datetime import timedelta
@@ -104,12 +103,15 @@ def test_integrations_refuse_a_tensorflow_selection() -> None:
 
 
 def _torchrun(script: str, tmp_path: Path, **env: str) -> str:
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
     full = {k: v for k, v in os.environ.items() if k != "RESILIENT_STRATEGY_PROBE_FAULT"}
     full.update(PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1",
-                RESILIENT_STRATEGY_CACHE_DIR=str(tmp_path), **env)
+                RESILIENT_STRATEGY_CACHE_DIR=str(tmp_path),
+                CUDA_VISIBLE_DEVICES="",  # CPU tests: on a GPU machine too (empty hides GPUs)
+                **env)
     out = subprocess.run(
-        [torchrun, "--nproc_per_node", "2", f"examples/{script}", "--epochs", "2",
+        # torchrun itself, run by this interpreter (a `torchrun` script may not be on PATH)
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         f"examples/{script}", "--epochs", "2",
          "--samples", "4096"],
         cwd=ROOT, env=full, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -79,7 +79,9 @@ def test_fallback_warning_visible_without_logging_configured(tmp_path: Path) -> 
             "simulate(f, {'*': 'error:nccl_error'}, framework='torch', global_batch_size=64,\n"
             "         env={**f.env_map, 'WORLD_SIZE': '2', 'RANK': '0', 'LOCAL_RANK': '0'})\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, cwd=tmp_path)
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src"),
+                              "TMPDIR": str(tmp_path)},  # rank 0's agreement file: no rank 1
+                         cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert [ln for ln in out.stderr.splitlines() if "FALLBACK" in ln]
 

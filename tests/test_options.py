@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from resilient_strategy.errors import InvalidOptionError
 from resilient_strategy.options import Launch, Options, options_from
@@ -139,3 +141,24 @@ def test_every_option_of_resilient_strategy_goes_to_options_from_as_is() -> None
                                                                        "_clock"}
     read = set(inspect.signature(options_from).parameters) - {"facts", "env"}
     assert public == read
+
+
+_VARIABLES = ["RESILIENT_STRATEGY_PROBE", "RESILIENT_STRATEGY_TIMEOUT",
+              "RESILIENT_STRATEGY_PG_TIMEOUT", "RESILIENT_STRATEGY_PREFER", "RESILIENT_STRATEGY_CACHE",
+              "RESILIENT_STRATEGY_DISABLE_RULES", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+              "LOCAL_WORLD_SIZE"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(_VARIABLES),
+                       st.one_of(st.text(max_size=12), st.integers(-3, 10**20).map(str),
+                                 st.floats(allow_nan=True, allow_infinity=True).map(str)),
+                       max_size=6))
+def test_any_environment_gives_options_or_a_typed_error(env: dict[str, str]) -> None:
+    try:
+        o = _options(env, global_batch_size=None)
+    except InvalidOptionError as exc:
+        assert exc.option in (*_VARIABLES, "global_batch_size", None)
+        return
+    assert 0 <= o.rank < o.world_size and 0 < o.timeout_s <= 3600
+    assert math.isfinite(o.pg_timeout_s)

@@ -8,13 +8,19 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from resilient_strategy import _proc, prober
+from resilient_strategy import _files, _proc, prober
 from resilient_strategy.errors import InvalidOptionError
 from resilient_strategy.probe import ERROR, OK, TIMEOUT, ProbeSpec, judged_hang
 from resilient_strategy.prober import build_commands, run_probe, worker_env
@@ -347,3 +353,88 @@ def test_gpu_nccl_unroutable_sockets_end_within_the_deadline(
     assert res.elapsed_s < spec.timeout_s + 6.0  # deadline plus the bounded kill
     assert_workers_gone(groups[-1])
 
+
+
+# ----- temporary directories after a signal ----------------------------------------------------
+_PARENT = """
+import os, sys, tempfile
+from resilient_strategy import _proc, prober
+from resilient_strategy.probe import ProbeSpec
+tempfile.tempdir, marker = sys.argv[1], os.environ["RS_MARKER"]
+worker = ("from resilient_strategy.probes._watchdog import watch_parent; "
+          "watch_parent({}); import time; time.sleep(60)")
+def sleepers(spec, env, workdir, *, python, parent_pid):
+    code = worker.format(parent_pid)
+    return [_proc.WorkerCommand((python, "-c", code, marker), dict(os.environ), workdir,
+                                os.path.join(workdir, f"report-{i}.json")) for i in range(2)]
+prober.build_commands = sleepers  # the real runner and directories, workers that just wait
+print("started", flush=True)
+prober.run_probe(ProbeSpec("torch:gloo:cpu", "torch", "gloo", (), world_size=2,
+                           timeout_s=60.0), dict(os.environ))
+print("not reached", flush=True)
+"""
+
+
+def _with_marker(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes() \
+                    and (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def _wait_for(cond: Any, within_s: float) -> bool:
+    end = time.monotonic() + within_s
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.05)
+    return bool(cond())
+
+
+def _probe_in_a_child(tmp_path: Path, sig: signal.Signals) -> int:
+    marker = f"rs-test-{uuid.uuid4().hex}"
+    env = {**os.environ, "PYTHONPATH": prober.PACKAGE_ROOT, "RS_MARKER": marker}
+    with subprocess.Popen([sys.executable, "-c", _PARENT, str(tmp_path)], env=env,
+                          stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
+            assert _wait_for(lambda: len(_with_marker(marker)) == 2, 20)
+            assert len(list(tmp_path.glob("rs-*"))) == 2  # rs-probe-<pid>-*, rs-proc-<pid>-*
+            proc.send_signal(sig)
+            assert proc.wait(timeout=20) == -sig
+            assert "not reached" not in proc.stdout.read()
+            assert _wait_for(lambda: _with_marker(marker) == [], 10)  # no orphan either way
+        finally:
+            for pid in _with_marker(marker):
+                os.kill(pid, signal.SIGKILL)
+    return proc.pid
+
+
+@pytest.mark.slow
+def test_sigterm_mid_probe_leaves_no_temporary_directory(tmp_path: Path) -> None:
+    _probe_in_a_child(tmp_path, signal.SIGTERM)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_the_next_run_sweeps_what_a_sigkill_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pid = _probe_in_a_child(tmp_path, signal.SIGKILL)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert [n.split("-")[1:3] for n in left] == [["probe", str(pid)], ["proc", str(pid)]]
+    mine_alive = tmp_path / f"rs-probe-{os.getpid()}-running"  # a live run's: left alone
+    mine_alive.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(_files, "SWEEP_AFTER_S", 0.0)  # else only after 10 minutes untouched
+    monkeypatch.setattr(prober, "_swept", False)
+    ok = "import json, sys; json.dump({'status': 'ok'}, open(sys.argv[1], 'w'))"
+    monkeypatch.setattr(prober, "build_commands", lambda spec, env, workdir, **_: [
+        _proc.WorkerCommand((sys.executable, "-c", ok, f"{workdir}/r.json"), dict(os.environ),
+                            workdir, f"{workdir}/r.json")])
+    res = run_probe(ProbeSpec("torch:gloo:cpu", "torch", "gloo", (), timeout_s=30.0), os.environ)
+    assert res.status == OK
+    assert [p.name for p in tmp_path.iterdir()] == [mine_alive.name]

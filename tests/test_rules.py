@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -318,3 +319,21 @@ def test_an_unread_compute_capability_fires_no_cc_rule() -> None:
     assert values["gpus.min_cc"] is None and values["gpus.max_cc"] is None
     fired_ids = {r.id for r in fired(load_rules(), facts, "torch")}
     assert "nccl-cuda13-drops-pre-turing" not in fired_ids  # would veto NCCL on (0, 0) < 7.5
+
+
+@pytest.mark.parametrize("kind", ["fifo", "huge", "deep", "directory"])
+def test_a_rules_file_that_cannot_be_read_safely_is_an_invalid_rule_error(
+    tmp_path: Path, kind: str
+) -> None:
+    f = tmp_path / "rules.toml"
+    if kind == "fifo":  # opening it would wait for a writer forever
+        os.mkfifo(f)
+    elif kind == "huge":
+        with open(f, "wb") as fh:
+            fh.truncate(400 << 20)  # sparse
+    elif kind == "deep":
+        f.write_text("x = " + "[" * 200_000 + "]" * 200_000)
+    else:
+        f.mkdir()
+    with pytest.raises(InvalidRuleError, match=r"rules\.toml"):
+        load_rules([f])

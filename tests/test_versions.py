@@ -180,6 +180,12 @@ def test_not_installed_framework() -> None:
         name="keras", version="3.9.0.dev1", distribution="keras-nightly", imported=True)
 
 
+#: Every framework installed (version 1.0), whatever this machine has: the tests of imported and
+#: initialized state must not depend on TensorFlow or Keras being here.
+ALL_INSTALLED = Packages(dists={n: SimpleNamespace(version="1.0", requires=[])
+                                for n in ("torch", "tensorflow", "keras")})
+
+
 def test_imported_and_initialized_from_modules() -> None:
     torch = SimpleNamespace(cuda=SimpleNamespace(is_initialized=lambda: True))
     ctx = SimpleNamespace(_physical_devices=["/physical_device:CPU:0"], _context_handle=None)
@@ -189,7 +195,7 @@ def test_imported_and_initialized_from_modules() -> None:
         "tensorflow.python.eager.context": SimpleNamespace(context_safe=lambda: ctx),
         "keras": object(),
     }
-    fws = {f.name: f for f in detect_frameworks(mods)}
+    fws = {f.name: f for f in detect_frameworks(mods, ALL_INSTALLED)}
     assert fws["torch"].imported and fws["torch"].gpu_initialized
     assert fws["tensorflow"].imported and fws["tensorflow"].gpu_initialized
     assert fws["keras"].imported and not fws["keras"].gpu_initialized

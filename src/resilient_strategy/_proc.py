@@ -13,7 +13,6 @@ import os
 import select
 import signal
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -22,6 +21,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Protocol
 
+from . import _files
 from ._outcome import WorkerOutcome
 from .progress import Stall, StallPolicy, StallWatcher
 
@@ -88,7 +88,7 @@ def run_group(
     the two waits when stopping (after SIGTERM, after SIGKILL). Shared-memory segments that NCCL
     left in ``shm_dir`` because a worker was killed mid-setup are removed (see :func:`reap_shm`).
     """
-    with _terminate_as_exception():
+    with terminate_as_exception():
         return _run_group(commands, timeout_s, poll_s, grace_s, shm_dir, stall_policy, spawn)
 
 
@@ -97,12 +97,14 @@ class _Terminated(BaseException):
 
 
 @contextlib.contextmanager
-def _terminate_as_exception() -> Iterator[None]:
+def terminate_as_exception() -> Iterator[None]:
     """While workers run, turn a default-action SIGTERM into an exception, so the cleanup in
     ``finally`` stops them and removes their files; then let the signal do what it would have
     done (terminate). A handler the user installed is left alone: if it raises, ``finally`` runs
     anyway; if it ignores the signal, nothing dies. Only the main thread can own signal
-    handlers; elsewhere the workers' watchdog still ends them when this process dies."""
+    handlers; elsewhere the workers' watchdog still ends them when this process dies. Nested, the
+    outermost one acts: a caller that wraps its own temporary directory in it gets that removed
+    too before the signal terminates the process."""
     if (threading.current_thread() is not threading.main_thread()
             or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
         yield
@@ -142,7 +144,7 @@ def _run_group(
     first_failed: int | None = None
     timed_out = False
     waiter = _ExitWaiter(poll_s)
-    with tempfile.TemporaryDirectory(prefix="rs-proc-", ignore_cleanup_errors=True) as tmp:
+    with _files.temp_dir("rs-proc-") as tmp:
         logs = Path(tmp)
         try:
             for i, cmd in enumerate(commands):

@@ -6,28 +6,36 @@ fingerprint (GPUs, driver, framework or NCCL version, relevant environment) is a
 so it re-probes. The file name carries the format version too, so two versions of this library
 on one machine keep separate files instead of setting each other's aside.
 
-A corrupt or unreadable file (not UTF-8, not JSON, or any entry that is not what :meth:`store`
-writes) is set aside as ``.corrupt`` and probing runs again; an unwritable directory is a logged
-degrade. Writers take an advisory lock (``<fingerprint>.lock``) around read-merge-replace so that
-concurrent processes do not lose each other's results; where locking is not possible they carry
-on without it. Nothing here raises to the user.
+Every entry counts ``seen``: in how many runs in a row its candidate came out the same way
+(passed, or failed). A failure seen once may have been an overloaded machine; the executor
+trusts a cached failure only from the second (see :meth:`DecisionCache.entries`).
+
+The directory must be this user's own (see :mod:`._files`): created 0700 when absent; one owned by
+someone else, writable by group or others, or a symlink of another user's is refused with a
+warning (the cache is off for the run). A file another user planted is ignored the same way.
+A corrupt or unreadable file of ours (not UTF-8, not JSON, too large or too deeply nested, or
+any entry that is not what :meth:`store` writes) is set aside as ``.corrupt`` and probing runs
+again; an unwritable directory is a logged degrade. Writers take an advisory lock
+(``<fingerprint>.lock``, never through a symlink) around read-merge-replace so that concurrent
+processes do not lose each other's results; where locking is not possible they carry on without
+it. Nothing here raises to the user.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import _files
+from .errors import FileFormatError, UnsafePathError
 from .probe import ProbeResult
 
 if sys.platform != "win32":
@@ -40,7 +48,18 @@ DEFAULT_TTL_S = 7 * 24 * 3600.0
 #: How long a writer waits for another writer's lock before it goes on without one.
 LOCK_WAIT_S = 10.0
 
-_Entries = dict[str, tuple[float, ProbeResult]]
+
+@dataclass(frozen=True)
+class CachedResult:
+    """One cache entry: the result, when it was stored, and in how many runs in a row its
+    candidate came out the same way (passed, or failed)."""
+
+    result: ProbeResult
+    at: float
+    seen: int = 1
+
+
+_Entries = dict[str, CachedResult]
 
 
 def default_dir(env: Mapping[str, str]) -> Path:
@@ -68,20 +87,38 @@ class DecisionCache:
         An entry expires when its time is more than ``ttl_s`` away from ``now`` in either
         direction: one stamped in the future (a skewed clock) must not live forever.
         """
+        return {k: e.result for k, e in self.entries(fingerprint, now).items()}
+
+    def entries(self, fingerprint: str, now: float | None = None) -> dict[str, CachedResult]:
+        """Like :meth:`load`, with each entry's time and ``seen`` count."""
         now = time.time() if now is None else now
-        return {
-            key: result
-            for key, (at, result) in self._read(fingerprint).items()
-            if abs(now - at) <= self.ttl_s
-        }
+        return {k: e for k, e in self._read(fingerprint).items() if abs(now - e.at) <= self.ttl_s}
+
+    def usable(self) -> bool:
+        """Whether the directory is this user's own (created 0700 when absent); a warning once
+        when it is not (the cache is then off)."""
+        try:
+            _files.ensure_private_dir(self.directory)
+        except UnsafePathError as exc:
+            _files.warn_once(f"cache-dir:{self.directory}", f"{exc} The cache is off meanwhile.")
+            return False
+        except OSError as exc:
+            log.warning("resilient_strategy: cannot use cache directory %s (%s); continuing "
+                        "without the cache", self.directory, exc)
+            return False
+        return True
 
     def store(
         self, fingerprint: str, results: Mapping[str, ProbeResult], now: float | None = None
     ) -> bool:
-        """Merge these results into the file atomically; False (and a warning) when it can't."""
+        """Merge these results into the file atomically; False (and a warning) when it can't.
+
+        A result whose candidate came out the same way (passed, or failed) in the entry it
+        replaces counts one more ``seen``; otherwise it starts at 1.
+        """
         now = time.time() if now is None else now
         path = self.path(fingerprint)
-        fresh: _Entries = {}
+        fresh: dict[str, ProbeResult] = {}
         for key, res in results.items():
             try:
                 if ProbeResult.from_dict(res.to_dict()) != res or res.candidate != key:
@@ -89,31 +126,33 @@ class DecisionCache:
             except ValueError as exc:
                 log.warning("resilient_strategy: not caching the result for %s (%s)", key, exc)
                 continue
-            fresh[key] = (now, res)
-        tmp = None
+            fresh[key] = res
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            _files.ensure_private_dir(self.directory)
+        except UnsafePathError as exc:
+            _files.warn_once(f"cache-dir:{self.directory}", f"{exc} The cache is off meanwhile.")
+            return False
+        except OSError as exc:
+            log.warning("resilient_strategy: cannot write cache %s (%s); continuing", path, exc)
+            return False
+        try:
             with self._locked(fingerprint):
                 entries = {k: v for k, v in self._read(fingerprint, locked=True).items()
-                           if abs(now - v[0]) <= self.ttl_s}
-                entries.update(fresh)
+                           if abs(now - v.at) <= self.ttl_s}
+                for key, res in fresh.items():
+                    old = entries.get(key)
+                    seen = old.seen + 1 if old is not None and old.result.ok == res.ok else 1
+                    entries[key] = CachedResult(res, now, seen)
                 blob = {
                     "version": FORMAT_VERSION,
                     "fingerprint": fingerprint,
-                    "results": {k: {"at": at, "result": r.to_dict()}
-                                for k, (at, r) in sorted(entries.items())},
+                    "results": {k: {"at": e.at, "seen": e.seen, "result": e.result.to_dict()}
+                                for k, e in sorted(entries.items())},
                 }
-                fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=self.directory)
-                with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                    json.dump(blob, fh, indent=1, sort_keys=True, allow_nan=False)
-                os.replace(tmp, path)
-                tmp = None
+                _files.write_json_atomic(path, blob, indent=1, sort_keys=True)
             return True
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, TypeError) as exc:
             log.warning("resilient_strategy: cannot write cache %s (%s); continuing", path, exc)
-            if tmp is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
             return False
 
     def clear(self, fingerprint: str) -> None:
@@ -124,37 +163,57 @@ class DecisionCache:
     def _read(self, fingerprint: str, locked: bool = False) -> _Entries:
         """Every valid entry of the file, expired or not; {} when missing or unreadable.
 
-        A file whose contents are not what :meth:`store` writes is set aside, with a warning.
+        A file of ours whose contents are not what :meth:`store` writes is set aside, with a
+        warning; one that is not ours (or a directory that is not) is ignored, with a warning.
         ``locked``: the caller holds the lock already (flock does not nest across descriptors).
         """
         path = self.path(fingerprint)
+        raw: bytes | None = None
         try:
-            raw = path.read_bytes()
+            _files.check_private_dir(self.directory)
+            data = _files.read_bytes(path, max_bytes=_files.MAX_CACHE_BYTES)
         except FileNotFoundError:
             return {}
+        except UnsafePathError as exc:
+            _files.warn_once(f"cache:{exc.path}", f"{exc} Probing instead of trusting it.")
+            return {}
+        except FileFormatError as exc:  # too large: set aside without reading it
+            problem = exc.problem
         except OSError as exc:
             log.warning("resilient_strategy: cannot read cache %s (%s); probing again", path, exc)
             return {}
-        try:
-            return _parse(raw, fingerprint)
-        except ValueError as exc:
-            aside = self._set_aside(fingerprint, raw, locked)
-            log.warning(
-                "resilient_strategy: cache file %s is unreadable (%s); kept as %s, probing again",
-                path, exc, aside,
-            )
-            return {}
+        else:
+            try:
+                return _parse(data, fingerprint, str(path))
+            except FileFormatError as exc:  # the message names the path already
+                raw, problem = data, exc.problem
+            except ValueError as exc:
+                raw, problem = data, str(exc)
+        aside = self._set_aside(fingerprint, raw, locked)
+        log.warning(
+            "resilient_strategy: cache file %s is unreadable (%s); kept as %s, probing again",
+            path, problem, aside,
+        )
+        return {}
 
-    def _set_aside(self, fingerprint: str, raw: bytes, locked: bool) -> Path:
-        """Rename a corrupt file to ``.corrupt`` (unless a writer has replaced it meanwhile)."""
+    def _set_aside(self, fingerprint: str, raw: bytes | None, locked: bool) -> Path:
+        """Rename a corrupt file to ``.corrupt`` (unless a writer has replaced it meanwhile;
+        ``raw`` None: it was too large to compare, so compare size and time instead)."""
         path = self.path(fingerprint)
         aside = path.with_suffix(".corrupt")
         try:
+            before = os.lstat(path)
             with contextlib.nullcontext() if locked else self._locked(fingerprint):
-                if path.read_bytes() == raw:
+                if raw is None:
+                    now = os.lstat(path)
+                    same = (now.st_ino, now.st_size, now.st_mtime_ns) == (
+                        before.st_ino, before.st_size, before.st_mtime_ns)
+                else:
+                    same = _files.read_bytes(path, max_bytes=_files.MAX_CACHE_BYTES) == raw
+                if same:
                     os.replace(path, aside)
                     return aside
-        except OSError:
+        except (OSError, UnsafePathError, FileFormatError):
             pass
         return path
 
@@ -162,11 +221,12 @@ class DecisionCache:
     def _locked(self, fingerprint: str) -> Iterator[None]:
         """Hold the fingerprint's advisory lock, best-effort: when the lock file cannot be opened
         or locked (read-only directory, a filesystem without locks, a writer stuck for
-        LOCK_WAIT_S), go on without it; the replace is still atomic, only a merge may be lost."""
+        LOCK_WAIT_S, a symlink planted in its place), go on without it; the replace is still
+        atomic, only a merge may be lost."""
         fd = None
         if sys.platform != "win32":
             try:
-                fd = os.open(self.lock_path(fingerprint), os.O_RDWR | os.O_CREAT, 0o644)
+                fd = _files.open_lock(self.lock_path(fingerprint))
                 deadline = time.monotonic() + LOCK_WAIT_S
                 while True:
                     try:
@@ -188,9 +248,9 @@ class DecisionCache:
                 os.close(fd)  # closing releases the lock
 
 
-def _parse(raw: bytes, fingerprint: str) -> _Entries:
+def _parse(raw: bytes, fingerprint: str, where: str = "cache") -> _Entries:
     """The entries of a cache file's bytes. Raises ValueError for anything store() never wrote."""
-    data: Any = json.loads(raw.decode("utf-8"))  # UnicodeDecodeError is a ValueError
+    data: Any = _files.parse_json(raw, where)  # FileFormatError is a ValueError
     if not isinstance(data, dict):
         raise ValueError(f"the top level is a {type(data).__name__}, not an object")
     if data.get("version") != FORMAT_VERSION:
@@ -207,6 +267,9 @@ def _parse(raw: bytes, fingerprint: str) -> _Entries:
         at = entry.get("at")
         if isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at):
             raise ValueError(f"entry {key!r} has no valid time: {at!r}")
+        seen = entry.get("seen", 1)  # written before "seen" existed: one sighting
+        if isinstance(seen, bool) or not isinstance(seen, int) or seen < 1:
+            raise ValueError(f"entry {key!r} has no valid 'seen' count: {seen!r}")
         result_data: Any = entry.get("result")
         try:
             result = ProbeResult.from_dict(result_data)
@@ -214,5 +277,5 @@ def _parse(raw: bytes, fingerprint: str) -> _Entries:
             raise ValueError(f"entry {key!r}: {exc}") from exc
         if result.candidate != key:
             raise ValueError(f"entry {key!r} holds the result of {result.candidate!r}")
-        out[key] = (float(at), result)
+        out[key] = CachedResult(result, float(at), seen)
     return out

@@ -1,9 +1,12 @@
-"""python -m resilient_strategy doctor | plan | probe (also the resilient-strategy script).
+"""python -m resilient_strategy doctor | plan | probe | run (also the resilient-strategy script).
 
 doctor  what this machine has (GPUs, links, versions, host), the rules that fired and the plan
         with its reasons; runs usefully without a GPU. Never probes.
 plan    only the plan (for the framework given, or each one installed).
 probe   prove the candidates for real (probe="force" with --force) and print the decision.
+run     run a training script under the supervisor (torchrun's options; ``run --help``): decide
+        once, launch the workers the decision needs, relaunch on the next candidate when a
+        collective fails or stalls mid-run (see :mod:`resilient_strategy.supervisor`).
 
 --simulate FILE plans for a described machine instead (what-if before renting one): a JSON
 object with "machine" (keyword arguments of resilient_strategy.simulation.machine, "links" written as
@@ -267,6 +270,11 @@ def simulate_file(path: Path, real_env: Mapping[str, str] | None = None) -> dict
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["run"]:  # the supervisor takes torchrun's options: its own parser
+        from .supervisor import main as run_main
+
+        return run_main(args_list[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if args.logical_cpus and args.framework == "torch":

@@ -126,6 +126,26 @@ class FrameworkNotInstalledError(ResilientStrategyError):
         )
 
 
+class UnsafePathError(ResilientStrategyError):
+    """A file or directory this library would read or write is not safely this user's own
+    (owned by another user, writable by group or others, a symlink, not a regular file)."""
+
+    def __init__(self, path: str, problem: str, fix: str) -> None:
+        self.path = path
+        self.problem = problem
+        self.fix = fix
+        super().__init__(f"{path}: {problem}; refused. {fix}")
+
+
+class FileFormatError(ResilientStrategyError, ValueError):
+    """A file this library reads is too large, nested too deep, or not what it should hold."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        self.path = path
+        self.problem = problem
+        super().__init__(f"{path}: {problem}")
+
+
 class RanksDisagreeError(ResilientStrategyError):
     """A rank re-planned from local rank 0's probe results and reached another choice."""
 

@@ -13,10 +13,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _env
-from .cache import DecisionCache
+from .cache import CachedResult, DecisionCache
 from .errors import (
     FailureCause,
     InvalidVisibleDevicesError,
@@ -47,11 +47,17 @@ from .plan import Candidate, Plan, RuledOut, plan
 from .probe import ERROR, TIMEOUT, ProbeResult, ProbeSpec, judged_hang
 from .rules import Rule
 from .selection import Selection
-from .trace import Chosen, FrameworkPicked
+from .trace import CachedFailure, Chosen, Event, FrameworkPicked, NextProbe, Note
+
+if TYPE_CHECKING:
+    from .handoff import Decision as HandedDecision
+    from .handoff import TrainingReporter
 
 log = logging.getLogger("resilient_strategy")
 
 Prober = Callable[[ProbeSpec, Mapping[str, str]], ProbeResult]
+#: The workers' fault injection (probes/_common.py): its results are never cached.
+FAULT_VAR = "RESILIENT_STRATEGY_PROBE_FAULT"
 MAX_ROUNDS = 32  # probes per decision, at most (the candidate set is far smaller)
 
 
@@ -103,10 +109,12 @@ def decide(
     progress: ProgressLine | None = None,
     startup_check: bool = False,
     max_rounds: int = MAX_ROUNDS,
+    known: Mapping[str, ProbeResult] | None = None,
 ) -> Decision:
     """Plan, probing as needed (at most ``max_rounds`` probes).
 
     The probe budget is one deadline for the whole decision; each probe also has its own.
+    ``known``: results that override the cache's (a supervisor's mid-run failures).
     ``progress`` hears each probe start and end (the one hook for what a user sees meanwhile).
     ``startup_check`` (real probes only: a simulation has no start-up to measure) warns when the
     timeout is below what a probe needs to start here, and calls a probe it cut short so.
@@ -118,9 +126,19 @@ def decide(
         else None
     fingerprint = facts.fingerprint()
     results: dict[str, ProbeResult] = {}
-    if cache is not None and opts.probe != "force":  # "never" still learns from the cache
-        results.update(_still_valid(cache.load(fingerprint), opts.timeout_s))
+    notes: list[Event] = []
+    fault = env.get(FAULT_VAR, "").strip()
+    if cache is not None and fault:  # a rehearsal must never change a later real decision
+        cache = None
+        notes.append(Note("fault_injection", f"Fault injection is on ({FAULT_VAR}={fault}): the "
+                          "cache is neither read nor written."))
+    if cache is not None and opts.probe != "force" and cache.usable():
+        # "never" still learns from the cache, failures seen once included: nothing re-proves
+        trusted, notes_ = _trusted(cache.entries(fingerprint), opts.probe != "never")
+        results.update(_still_valid(trusted, opts.timeout_s))
+        notes += notes_
     cached_keys = set(results)
+    results.update(known or {})
     startup = startup_floor(opts.framework, results)
     warned = False
     deadline = clock() + opts.budget_s
@@ -159,6 +177,8 @@ def decide(
     if cache is not None and fresh:
         cache.store(fingerprint, fresh)
     proven = p.next_probe is None
+    if notes:  # what the cache was trusted with comes before the plan it shaped
+        p = replace(p, events=(*notes, *p.events))
     if p.next_probe is not None:  # probing off, or a dry run: the next candidate, unproven
         how = ("dry_run" if opts.dry_run else "multi_node" if multi_node
                else "probing_off" if opts.probe == "never" else "rounds_spent")
@@ -174,6 +194,26 @@ def _close_fork_servers() -> None:
     forkserver = sys.modules.get(f"{__package__}._forkserver")
     if forkserver is not None:
         forkserver.close_all()
+
+
+def _trusted(
+    entries: Mapping[str, CachedResult], reprove: bool
+) -> tuple[dict[str, ProbeResult], list[Event]]:
+    """The cached results to plan with, and an event per cached failure saying whether it is
+    trusted or probed again. A failure seen in one run only may have been an overloaded machine
+    (a timeout under load): with ``reprove`` it is left out, so its candidate is probed again
+    before anything slower is chosen because of it; seen in two runs in a row, it is trusted."""
+    out: dict[str, ProbeResult] = {}
+    events: list[Event] = []
+    for key, e in sorted(entries.items()):
+        if e.result.ok:
+            out[key] = e.result
+            continue
+        trusted = e.seen >= 2 or not reprove
+        if trusted:
+            out[key] = e.result
+        events.append(CachedFailure(key, e.result.status, e.seen, trusted))
+    return out, events
 
 
 def _still_valid(results: Mapping[str, ProbeResult], timeout_s: float) -> dict[str, ProbeResult]:
@@ -274,8 +314,14 @@ def resilient_strategy(
     prober = _prober or _default_prober
     if getattr(prober, "simulated", False):  # outcomes from a description: say so everywhere
         opts = replace(opts, simulated=True)
-    decision = _agreed_decision(facts, opts, snapshot, prober, _clock or time.monotonic,
-                                _progress_line(opts), startup_check=_prober is None)
+    from .handoff import load_decision
+
+    handed = None if opts.dry_run else load_decision(snapshot)
+    if handed is not None:  # a worker of `resilient-strategy run`: the decision is made
+        decision = _handed_decision(facts, opts, handed)
+    else:
+        decision = _agreed_decision(facts, opts, snapshot, prober, _clock or time.monotonic,
+                                    _progress_line(opts), startup_check=_prober is None)
     p, results = decision.plan, decision.results
     if p.chosen is None:
         raise NoWorkingStrategyError(opts.framework, [_cause(r) for r in p.ruled_out])
@@ -294,6 +340,7 @@ def resilient_strategy(
         precision=opts.precision, logical_cpus=opts.logical_cpus, dry_run=opts.dry_run,
         decided_in_s=time.perf_counter() - t0,
         advise=_advice(facts, opts, results, chosen), simulated=opts.simulated,
+        progress=None if handed is None else _reporter(handed, opts, chosen, snapshot),
     )
     for w in p.warnings:
         log.warning("resilient_strategy: %s", w)
@@ -421,3 +468,39 @@ def _agreed_decision(
     if mine != payload["chosen"]:
         raise RanksDisagreeError(launch.rank, mine, payload["chosen"])
     return Decision(p, results, bool(payload["from_cache"]), bool(payload["proven"]))
+
+
+# --------------------------------------------------------------------------------------------
+# A decision handed down by `resilient-strategy run`
+# --------------------------------------------------------------------------------------------
+def _handed_decision(facts: Facts, opts: Options, handed: HandedDecision) -> Decision:
+    """Re-plan from the supervisor's results (milliseconds, no probe) and take its candidate,
+    with this script's own batch and model figures: every rank agrees by construction."""
+    results = dict(handed.results)
+    p = plan(facts, opts.rules, results, opts)
+    found = [c for c in (*p.candidates, *([p.next_probe] if p.next_probe else []))
+             if c.key == handed.chosen]
+    if not found or opts.framework != handed.framework:
+        raise ResilientStrategyError(
+            f"`resilient-strategy run` chose {handed.chosen} ({handed.framework}), which this "
+            f"script's resilient_strategy(framework={opts.framework!r}, ...) cannot "
+            "train on here; pass --framework to `resilient-strategy run` to match the script")
+    chosen = found[0]
+    # the worker's own plan may end in another choice or probe: the handed one replaces them
+    events = [e for e in p.events if not isinstance(e, (Chosen, NextProbe))]
+    events += [Note("relaunched", n) for n in handed.notes]
+    events.append(Note("handed_down", (
+        f"Chose {chosen.label}: decided by `resilient-strategy run` before the workers started "
+        f"(launch attempt {handed.attempt + 1}).")))
+    p = replace(p, chosen=chosen, next_probe=None, events=tuple(events))
+    return Decision(p, results, handed.from_cache, handed.proven)
+
+
+def _reporter(handed: HandedDecision, opts: Options, chosen: Candidate,
+              env: Mapping[str, str]) -> TrainingReporter:
+    from .handoff import reporter_for
+
+    # with several replicas the last micro-step's backward (torch) or the train step (Keras)
+    # reduces gradients across them: reported as a collective
+    return reporter_for(handed, opts.launch.rank, opts.launch.local_rank, chosen.backend,
+                        chosen.num_replicas, env)

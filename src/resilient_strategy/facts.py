@@ -58,10 +58,16 @@ RELEVANT_ENV_NAMES = (
 #: Relevant variables left out of the fingerprint: they differ between runs of the same job on
 #: the same machine (ranks, rendezvous, launch size: results are keyed by candidate, which names
 #: the devices, and `python -m resilient_strategy probe` must warm the cache a torchrun job reads)
-#: or only change what NCCL logs (turning debug output on must not force a re-probe).
+#: or only change what NCCL logs (turning debug output on must not force a re-probe). Every
+#: relevant variable a launcher sets on its own belongs here, else a cache warmed from the
+#: command line never serves the launched job: torchrun sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+#: (NCCL_ASYNC_ERROR_HANDLING before torch 2.2), which changes how a failed collective is
+#: reported, not whether it works. (Its other variables, OMP_NUM_THREADS, GROUP_*, ROLE_*,
+#: TORCHELASTIC_*, are not relevant at all; tests/test_facts.py checks a real torchrun's.)
 _PER_RUN_ENV = frozenset(
     {"RANK", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR", "TORCHELASTIC_RUN_ID",
-     "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NCCL_DEBUG", "NCCL_DEBUG_FILE", "NCCL_DEBUG_SUBSYS"}
+     "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NCCL_DEBUG", "NCCL_DEBUG_FILE", "NCCL_DEBUG_SUBSYS",
+     "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"}
 )
 
 

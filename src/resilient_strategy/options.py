@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +31,8 @@ from .vocab import (
 
 __all__ = [
     "BACKENDS", "DEFAULT_PG_TIMEOUT_S", "DEFAULT_TIMEOUT_S", "FRAMEWORKS", "FRAMEWORK_ALIASES",
-    "MULTI_BACKENDS", "PRECISIONS", "PROBE_MODES", "Launch", "Options", "gradient_bytes_of",
-    "options_from",
+    "MULTI_BACKENDS", "PRECISIONS", "PROBE_MODES", "Launch", "Options", "RunOptions",
+    "gradient_bytes_of", "options_from", "run_options_from",
 ]
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -414,3 +414,75 @@ def options_from(
         framework_reason=why,
         quiet=quiet,
     )
+
+
+# ----- `resilient-strategy run` -------------------------------------------------------------
+MAX_STALL_TIMEOUT_S = 7 * 86400.0
+MAX_RELAUNCHES = 1000
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What ``resilient-strategy run`` was asked (the supervisor's knobs), validated once.
+    torchrun's own node options travel as parsed by torchrun (``torchrun``)."""
+
+    script: str
+    script_args: tuple[str, ...] = ()
+    framework: str | None = None
+    nproc: int | None = None  # None: "auto" (one per visible GPU, else 1)
+    max_relaunches: int | None = None  # None: the candidates left after the first choice
+    stall_timeout_s: float | None = None  # None: max(60 s, 20 x the median step time)
+    global_batch_size: int | None = None  # for ranking (the script's own value trains)
+    gradient_bytes: int | None = None
+    probe_timeout_s: float | None = None
+    logical_cpus: int = 0
+    torchrun: Any = field(default=None, compare=False)  # torchrun's parsed arguments
+
+    def __post_init__(self) -> None:
+        if self.framework is not None and self.framework not in FRAMEWORKS:
+            raise InvalidOptionError(f"--framework must be one of {FRAMEWORKS}, not "
+                                     f"{self.framework!r}", "--framework")
+        for name, value, low, top in (
+                ("--nproc-per-node", self.nproc, 1, MAX_WORLD_SIZE),
+                ("--max-relaunches", self.max_relaunches, 0, MAX_RELAUNCHES),
+                ("--global-batch-size", self.global_batch_size, 1, MAX_BATCH),
+                ("--gradient-bytes", self.gradient_bytes, 1, MAX_GRADIENT_BYTES),
+                ("--logical-cpus", self.logical_cpus, 0, MAX_LOGICAL_CPUS)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not low <= value <= top):
+                raise InvalidOptionError(
+                    f"{name} must be an integer from {low} to {top}, not {value!r}", name)
+        _check_seconds("--stall-timeout", self.stall_timeout_s, MAX_STALL_TIMEOUT_S)
+        _check_seconds("--probe-timeout", self.probe_timeout_s, MAX_TIMEOUT_S)
+
+
+def run_options_from(env: Mapping[str, str], *, script: str, script_args: tuple[str, ...],
+                     framework: str | None, nproc: str, max_relaunches: int | None,
+                     stall_timeout: float | None, global_batch_size: int | None,
+                     gradient_bytes: int | None, probe_timeout: float | None, logical_cpus: int,
+                     torchrun: Any = None) -> RunOptions:
+    """The supervisor's options: the command line > RESILIENT_STRATEGY_STALL_TIMEOUT /
+    RESILIENT_STRATEGY_MAX_RELAUNCHES > our defaults. ``nproc``: a count or "auto"."""
+    if nproc in ("auto", "gpu"):
+        count: int | None = None
+    else:
+        try:
+            count = int(nproc)
+        except ValueError:
+            raise InvalidOptionError(
+                f"--nproc-per-node must be a number or 'auto', not {nproc!r}",
+                "--nproc-per-node") from None
+    if stall_timeout is None and env.get("RESILIENT_STRATEGY_STALL_TIMEOUT"):
+        stall_timeout = _env_seconds(env, "RESILIENT_STRATEGY_STALL_TIMEOUT", MIN_STALL_S,
+                                     MAX_STALL_TIMEOUT_S)
+    if max_relaunches is None:
+        max_relaunches = _env_int(env, "RESILIENT_STRATEGY_MAX_RELAUNCHES", None)
+    return RunOptions(
+        script=script, script_args=script_args, framework=framework, nproc=count,
+        max_relaunches=max_relaunches, stall_timeout_s=stall_timeout,
+        global_batch_size=global_batch_size, gradient_bytes=gradient_bytes,
+        probe_timeout_s=probe_timeout, logical_cpus=logical_cpus, torchrun=torchrun)
+
+
+#: The stall timeout's floor when it follows the step time (see supervisor.default_stall_timeout)
+MIN_STALL_S = 60.0

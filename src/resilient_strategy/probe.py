@@ -8,7 +8,6 @@ object per rank; :func:`parse_probe` turns exit codes, signals, those JSON texts
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -16,7 +15,9 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
+from ._bounded import parse_json
 from ._outcome import WorkerOutcome
+from .errors import FileFormatError
 
 
 class Stall(Protocol):
@@ -275,8 +276,8 @@ def parse_probe(
     reports: list[dict[str, Any]] = []
     for o in outcomes:
         try:
-            rep = json.loads(o.report) if o.report.strip() else {}
-        except json.JSONDecodeError:
+            rep = parse_json(o.report, f"report of rank {o.rank}", allow_nan=True) if o.report.strip() else {}
+        except FileFormatError:  # not JSON, or nested too deep
             rep = {"status": "error", "error": f"unreadable report: {o.report[:200]!r}"}
         reports.append(rep if isinstance(rep, dict) else {})
     stderr_all = "\n".join(f"[rank {o.rank}] {line}" for o in outcomes

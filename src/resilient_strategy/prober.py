@@ -1,8 +1,10 @@
 """Run one probe for real: start the workers a spec needs, under its deadline, and parse them.
 
 The environment is the caller's snapshot; nothing here reads ``os.environ``. Workers run in a
-fresh temporary directory, which also holds the torch rendezvous file (no TCP port to collide or
-leak) and the reports, and is removed afterwards.
+fresh temporary directory (``rs-probe-<pid>-*``), which also holds the torch rendezvous file (no
+TCP port to collide or leak) and the reports, and is removed afterwards, also when a SIGTERM
+ends this process meanwhile. The first probe of a process sweeps the directories a killed run
+of this user left (see :func:`._files.sweep_temp_dirs`).
 
 Probes run one at a time. Running independent candidates side by side would disturb each
 other's bandwidth figures (the ranking depends on them), and whether a hung NCCL kernel in one
@@ -15,11 +17,10 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from . import _proc, health
+from . import _files, _proc, health
 from .errors import InvalidOptionError
 from .probe import ERROR, ProbeResult, ProbeSpec, parse_probe
 from .progress import StallPolicy
@@ -47,7 +48,12 @@ def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.exec
     """Prove ``spec`` on this machine within ``spec.timeout_s``; never raises for a failed probe,
     only :class:`~resilient_strategy.errors.GpuUnusableError` when a hung probe on GPUs, once
     killed, left a GPU that no longer initializes or runs a kernel (see :mod:`.health`)."""
-    with tempfile.TemporaryDirectory(prefix="rs-probe-", ignore_cleanup_errors=True) as tmp:
+    global _swept
+    if not _swept:  # what a killed run of ours left (its pid gone, untouched for a while)
+        _swept = True
+        _files.sweep_temp_dirs()
+    # a SIGTERM while the workers run removes this directory too, then terminates the process
+    with _proc.terminate_as_exception(), _files.temp_dir("rs-probe-") as tmp:
         commands = build_commands(spec, env, tmp, python=python, parent_pid=os.getpid())
         try:
             group = _proc.run_group(commands, spec.timeout_s, stall_policy=stall_policy(spec),
@@ -79,6 +85,9 @@ def _fork_spawner(spec: ProbeSpec, env: Mapping[str, str], python: str) -> _proc
         return server.spawn(argv[2], argv[3:], cmd.env, cmd.cwd, stdout, stderr)
 
     return spawn
+
+
+_swept = False
 
 
 def worker_env(spec: ProbeSpec, env: Mapping[str, str]) -> dict[str, str]:

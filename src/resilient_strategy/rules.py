@@ -18,7 +18,6 @@ import difflib
 import logging
 import operator
 import re
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,14 +25,10 @@ from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
-from .errors import InvalidOptionError, InvalidRuleError
+from . import _bounded
+from .errors import FileFormatError, InvalidOptionError, InvalidRuleError, UnsafePathError
 from .facts import Facts, Gpu
 from .vocab import BACKENDS, FRAMEWORKS
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 EFFECTS = ("veto", "prefer", "remedy", "set_env", "warn")
 _OPS = ("<=", ">=", "==", "!=", "<", ">", "matches", "contains", "in")
@@ -204,9 +199,9 @@ def rule_from_dict(d: Mapping[str, Any], origin: str = "built-in", where: str = 
 def parse_rules(text: str, origin: str) -> tuple[Rule, ...]:
     """The rules of one TOML document (``origin`` names it in errors)."""
     try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise InvalidRuleError("?", f"not valid TOML: {exc}", origin) from exc
+        data = _bounded.parse_toml(text, origin)
+    except FileFormatError as exc:  # not TOML, or nested too deep
+        raise InvalidRuleError("?", exc.problem, origin) from None
     unknown = sorted(set(data) - {"rule"})
     if unknown:
         raise InvalidRuleError(
@@ -247,9 +242,11 @@ def load_rules(
                 f"rules= takes TOML file paths or Rule values, not {item!r}")
         path = Path(item)
         try:
-            text = path.read_text(encoding="utf-8")
+            text = _bounded.read_user_file(path, _bounded.MAX_RULES_BYTES).decode()
         except OSError as exc:
             raise InvalidRuleError("?", f"cannot read it: {exc}", str(path)) from exc
+        except (UnsafePathError, FileFormatError) as exc:  # a FIFO, a directory, too large
+            raise InvalidRuleError("?", f"cannot read it: {exc}", str(path)) from None
         except UnicodeDecodeError as exc:
             raise InvalidRuleError(
                 "?", f"not UTF-8 text (TOML files must be UTF-8): {exc}", str(path)) from exc

@@ -12,7 +12,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from .candidate import Candidate
 from .errors import DryRunError, WrongFrameworkError
@@ -20,6 +20,10 @@ from .facts import Facts
 from .options import Launch, gradient_bytes_of
 from .plan import Plan
 from .probe import ProbeResult
+
+if TYPE_CHECKING:
+    from .checkpoint import Checkpointer
+    from .handoff import TrainingReporter
 
 __all__ = ["Launch", "Selection"]
 
@@ -68,6 +72,8 @@ class Selection:
     #: Given the model's measured gradient bytes, advice when another candidate would be faster
     #: (None when the model was described up front).
     advise: Callable[[int], str | None] | None = field(default=None, repr=False, compare=False)
+    #: Under `resilient-strategy run`: this rank's progress reports (None otherwise).
+    progress: TrainingReporter | None = field(default=None, repr=False, compare=False)
     _runtime: _Once[Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -244,7 +250,7 @@ class Selection:
         self._leave_if_idle()
         if self.framework == "torch":
             rt = self.runtime
-            rt.init()
+            self._init(rt)
             with rt.scope():
                 yield self
         else:
@@ -266,12 +272,24 @@ class Selection:
         self._tensorflow_only("wrap_optimizer")
         return self.runtime.wrap_optimizer(optimizer)
 
-    def callbacks(self) -> list[Any]:
+    def callbacks(self, backup_dir: str | None = None, *,
+                  save_freq: str | int = "epoch") -> list[Any]:
         """TensorFlow: Keras callbacks for ``fit`` that check, before the first step, that the
         compiled optimizer accumulates as this selection needs (else the global batch would
-        silently be smaller). Empty when there is nothing to check."""
+        silently be smaller); under ``resilient-strategy run``, one that reports each step's
+        progress to the supervisor; with ``backup_dir``, Keras' own ``BackupAndRestore`` there
+        (``save_freq``: "epoch" or every N batches), so a relaunch resumes where it stopped."""
         self._tensorflow_only("callbacks")
-        return list(self.runtime.callbacks())
+        out = list(self.runtime.callbacks())
+        if backup_dir is not None:
+            import keras
+
+            out.append(keras.callbacks.BackupAndRestore(backup_dir, save_freq=save_freq))
+        if self.progress is not None:
+            from .frameworks.tensorflow import progress_callback
+
+            out.append(progress_callback(self.progress, self.accumulation_steps, backup_dir))
+        return out
 
     def check_optimizer(self, model_or_optimizer: Any) -> None:
         """TensorFlow: raise InvalidOptionError when the optimizer does not accumulate as needed."""
@@ -311,11 +329,54 @@ class Selection:
             if advice:
                 log.warning("resilient_strategy: %s", advice)
         rt = self.runtime
+        self._init(rt)
+        out = rt.prepare(model, optimizer, loader, **ddp_kwargs)
+        if self.progress is not None and rt.optimizer_steps:
+            self.progress.restored(rt.optimizer_steps)
+        return out
+
+    def _init(self, rt: Any) -> None:
+        """Join the process group (a collective: reported as one under the supervisor)."""
+        rep = self.progress
+        if rep is None or not rep.collective or rep.phase_name != "started":
+            rt.init()
+            return
+        rep.setup_begin()
         rt.init()
-        return rt.prepare(model, optimizer, loader, **ddp_kwargs)
+        rep.setup_end()
+
+    def checkpoint(self, directory: str | Any, *, every_steps: int | None = None,
+                   every_seconds: float | None = None) -> Checkpointer:
+        """PyTorch: checkpoint to ``directory`` every ``every_steps`` optimizer steps and/or
+        ``every_seconds`` seconds (default every 100 steps; rank 0 writes, atomically), and
+        resume from it at :meth:`prepare` (even with another number of replicas). Call it
+        before :meth:`prepare`; start the epoch loop at ``ckpt.epoch`` and call
+        :meth:`set_epoch` each epoch. See :mod:`resilient_strategy.checkpoint`."""
+        if self.framework != "torch":
+            raise AttributeError("checkpoint() is PyTorch's; TensorFlow uses "
+                                 "callbacks(backup_dir=...) (Keras BackupAndRestore)")
+        from .checkpoint import Checkpointer
+
+        rt = self.runtime
+        ckpt = Checkpointer(directory, every_steps=every_steps, every_seconds=every_seconds,
+                            rank=rt.rank, world_size=rt.world_size)
+        rt.use_checkpointer(ckpt)
+        return ckpt
+
+    @property
+    def optimizer_steps(self) -> int:
+        """PyTorch: optimizer steps taken (across relaunches when a checkpoint was restored)."""
+        return int(self.runtime.optimizer_steps)
 
     def backward(self, loss: Any) -> None:
+        rep = self.progress
+        if rep is None:
+            self.runtime.backward(loss)
+            return
+        last = self.runtime.is_last_micro_step
+        rep.backward_begin(last)
         self.runtime.backward(loss)
+        rep.backward_end(last)
 
     @property
     def is_last_micro_step(self) -> bool:
@@ -334,7 +395,10 @@ class Selection:
         return self.runtime.clip_grad_norm(model, max_norm, optimizer, norm_type=norm_type)
 
     def step(self, optimizer: Any) -> bool:
-        return bool(self.runtime.step(optimizer))
+        stepped = bool(self.runtime.step(optimizer))
+        if self.progress is not None:
+            self.progress.stepped(stepped)
+        return stepped
 
     def accumulate(self, model: Any) -> Any:
         return self.runtime.accumulate(model)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
+from . import _files
 from .errors import InvalidOptionError, ResilientStrategyError
 from .facts import P2P_STATUSES, TOPOLOGY_LEVELS, Facts, FrameworkInfo, Gpu, Host, Link
 from .probe import CAUSES, ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec
@@ -416,8 +417,8 @@ def load_simulation(path: Path) -> tuple[Facts, dict[str, Any]]:
     """A ``--simulate`` file: the described machine and the rest of the file; every problem is one clean error that
     names the file and the field."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+        data = _files.read_json(path, max_bytes=_files.MAX_MACHINE_BYTES, owned=False)
+    except (OSError, ResilientStrategyError) as exc:  # too large, too deep, not JSON, a FIFO
         raise ResilientStrategyError(f"cannot read --simulate file {path}: {exc}") from exc
     if not isinstance(data, dict):
         raise ResilientStrategyError(f"{path}: expected a JSON object")

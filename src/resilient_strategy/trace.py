@@ -20,6 +20,7 @@ from .probe import ProbeResult
 
 __all__ = [
     "BatchSplit",
+    "CachedFailure",
     "CandidateRuledOut",
     "Chosen",
     "Event",
@@ -114,8 +115,9 @@ class Note(Event):
 
     ``no_gpu_facts``, ``visible_devices``, ``nvml_unread``, ``devices_asked``, ``logical_cpus``,
     ``cpu_only_build``, ``too_few_gpus``, ``multi_node``, ``one_process``, ``no_global_batch``,
-    ``batch_not_split``, ``batch_shrinks_replicas``, ``prefer_impossible``, ``within_noise``
-    (measured speeds within their measured noise kept the chain's order).
+    ``batch_not_split``, ``batch_shrinks_replicas``, ``prefer_impossible``, ``fault_injection``
+    (the cache is neither read nor written for a rehearsal), ``within_noise`` (measured speeds
+    within their measured noise kept the chain's order).
     """
 
     kind: ClassVar[str] = "note"
@@ -124,6 +126,27 @@ class Note(Event):
 
     def text(self) -> str:
         return self.message
+
+
+@dataclass(frozen=True)
+class CachedFailure(Event):
+    """A failure the cache remembers for ``candidate`` (``status``), seen in ``seen`` runs in a
+    row: ``trusted`` (seen twice or more, or probing is off) or probed again (seen once: it may
+    have been an overloaded machine)."""
+
+    kind: ClassVar[str] = "cached_failure"
+    candidate: str
+    status: str
+    seen: int
+    trusted: bool
+
+    def text(self) -> str:
+        if not self.trusted:
+            return (f"Cached failure of {self.candidate} ({self.status}) seen in one run only: "
+                    "probing it again (one failure may be an overloaded machine).")
+        return (f"Cached failure of {self.candidate} ({self.status}) trusted: seen in "
+                f"{self.seen} run(s) in a row" + ("." if self.seen >= 2 else
+                                                   ", and probing is off."))
 
 
 # ----- rules ------------------------------------------------------------------------------------

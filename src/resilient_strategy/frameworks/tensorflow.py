@@ -415,6 +415,49 @@ def _check_callback_class() -> type[Any]:
     return CheckAccumulation
 
 
+def progress_callback(reporter: Any, accumulation_steps: int, backup_dir: str | None = None
+                      ) -> Any:
+    """A Keras callback reporting each batch to the supervisor (handoff.TrainingReporter): the
+    train step of a multi-replica strategy reduces gradients across replicas, so it is
+    collective ``k``; with accumulation, every ``accumulation_steps``-th batch is a step."""
+    import keras
+
+    class ReportProgress(keras.callbacks.Callback):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.batches = 0
+
+        def _last(self) -> bool:
+            return (self.batches + 1) % accumulation_steps == 0
+
+        def on_train_begin(self, logs: Any = None) -> None:
+            # BackupAndRestore (listed before us) has restored the optimizer: count on from it
+            done = getattr(getattr(self.model, "optimizer", None), "iterations", None)
+            try:
+                steps = int(done) if done is not None else 0
+            except (TypeError, ValueError):
+                steps = 0
+            if steps:
+                reporter.restored(steps)
+
+        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+            reporter.backward_begin(self._last())
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            last = self._last()
+            self.batches += 1
+            reporter.backward_end(last)
+            reporter.stepped(last)
+
+        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+            if backup_dir is not None:  # BackupAndRestore (listed before us) has backed up
+                from ..handoff import note_checkpoint
+
+                note_checkpoint(reporter.step, backup_dir)
+
+    return ReportProgress()
+
+
 def replica_devices(backend: str, devices: tuple[int, ...], logical_cpus: int) -> tuple[str, ...]:
     """TF device names of the replicas: ``/gpu:i``, or ``/cpu:i`` in the logical-CPU test mode."""
     if backend == "cpu":

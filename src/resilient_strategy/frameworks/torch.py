@@ -97,6 +97,9 @@ class _Progress:
 
     micro: int = 0
     samplers: list[Any] = field(default_factory=list)
+    steps: int = 0  # optimizer steps taken (without a checkpointer)
+    checkpointer: Any = None  # a checkpoint.Checkpointer, set by use_checkpointer()
+    prepared: bool = False  # a loader went through prepare()
 
 
 class TorchRuntime:
@@ -256,9 +259,33 @@ class TorchRuntime:
         self.init()
         if model is not None:
             model = self._wrap(model, ddp_kwargs)
+        first_loader = loader is not None and not self._progress.prepared
         if loader is not None:
             loader = self._shard(loader)
+            self._progress.prepared = True
+        ckpt = self._progress.checkpointer
+        if ckpt is not None and model is not None:
+            # the training loader is the first one prepared (with the model or before it)
+            sampler = getattr(loader, "sampler", None) if first_loader else None
+            batch = getattr(loader, "batch_size", None) if first_loader else None
+            ckpt.attach(model, optimizer, self.scaler, sampler,
+                        int(batch or self.per_replica_batch_size or 0))
         return model, optimizer, loader
+
+    def use_checkpointer(self, checkpointer: Any) -> None:
+        """Checkpoint (and resume) through ``checkpointer`` (before :meth:`prepare`): the
+        training loader is then sharded by a ResumableSampler, at any world size."""
+        if self._progress.prepared:
+            raise InvalidOptionError(
+                "call sel.checkpoint(...) before sel.prepare(...): the training loader must be "
+                "sharded so that it can resume mid-epoch")
+        self._progress.checkpointer = checkpointer
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps taken (across relaunches, when a checkpoint was restored)."""
+        ckpt = self._progress.checkpointer
+        return ckpt.optimizer_steps if ckpt is not None else self._progress.steps
 
     @staticmethod
     def _check_ddp_kwargs(ddp_kwargs: dict[str, Any]) -> None:
@@ -309,7 +336,17 @@ class TorchRuntime:
             )
         batch = self.per_replica_batch_size or loader.batch_size
         sampler = loader.sampler
-        if isinstance(sampler, DistributedSampler):
+        resumable = self._progress.checkpointer is not None and not self._progress.prepared
+        if resumable and isinstance(sampler, (RandomSampler, SequentialSampler)) \
+                and not isinstance(loader.dataset, IterableDataset):
+            from ..checkpoint import resumable_sampler_class
+
+            sampler = resumable_sampler_class()(
+                loader.dataset, num_replicas=self.world_size, rank=self.rank,
+                shuffle=isinstance(sampler, RandomSampler), drop_last=loader.drop_last,
+            )
+            self._register(sampler)
+        elif isinstance(sampler, DistributedSampler):
             if (sampler.num_replicas, sampler.rank) != (self.world_size, self.rank):
                 raise InvalidOptionError(
                     f"the loader's DistributedSampler has num_replicas={sampler.num_replicas}, "
@@ -353,6 +390,8 @@ class TorchRuntime:
         for this epoch (no-op without one). Call it at the start of each epoch."""
         for sampler in self._progress.samplers:
             sampler.set_epoch(epoch)
+        if self._progress.checkpointer is not None:
+            self._progress.checkpointer.set_epoch(epoch)
 
     # ----- one training step -------------------------------------------------------------------
     @property
@@ -418,7 +457,10 @@ class TorchRuntime:
         because the gradients held inf/nan (it then lowers its scale; that is how the skip is
         detected, at the cost of one device sync per optimizer step under fp16)."""
         self._progress.micro += 1
+        ckpt = self._progress.checkpointer
         if self._progress.micro < self.accumulation_steps:
+            if ckpt is not None:
+                ckpt.micro_step(boundary=False, stepped=False)
             return False
         self._progress.micro = 0
         stepped = True
@@ -431,4 +473,7 @@ class TorchRuntime:
         else:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        self._progress.steps += stepped
+        if ckpt is not None:
+            ckpt.micro_step(boundary=True, stepped=stepped)
         return stepped

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, NoReturn
+
+from .._files import write_json_atomic
 
 FAULT_VAR = "RESILIENT_STRATEGY_PROBE_FAULT"
 #: ``hang``: sleep forever before the first collective (communicator ready); ``hang_setup``:
@@ -125,10 +127,7 @@ def error_text(exc: BaseException, frames: int = 6) -> str:
 
 def write_report(path: str, report: Mapping[str, Any]) -> None:
     """Write the report atomically: a reader sees the old file, no file, or the whole new one."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(report, f)
-    os.replace(tmp, path)
+    write_json_atomic(Path(path), report, allow_nan=True, durable=False)
 
 
 def run_worker(path: str, body: Callable[[dict[str, Any]], None]) -> NoReturn:
@@ -148,7 +147,7 @@ def run_worker(path: str, body: Callable[[dict[str, Any]], None]) -> NoReturn:
     code = 0 if report["status"] == "ok" else 1
     try:
         write_report(path, report)
-    except OSError as exc:
+    except (OSError, ValueError, TypeError) as exc:
         print(f"cannot write the probe report {path}: {exc}", file=sys.stderr)
         code = 1
     if code:

@@ -1,0 +1,42 @@
+"""Markers that need a framework skip cleanly where it is not installed (a GPU workstation with
+torch only, a TensorFlow-only box): ``@pytest.mark.torch`` / ``@pytest.mark.tensorflow``.
+Installed means importable: ``importlib.util.find_spec`` finds it (it imports nothing)."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+
+_NEEDS = {"torch": "torch", "tensorflow": "tensorflow"}
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for marker, module in _NEEDS.items():
+        if item.get_closest_marker(marker) is not None and not _installed(module):
+            pytest.skip(f"{module} is not installed")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _session_tempdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """What the package puts in the temp directory while the suite runs (the agreement files of
+    simulated launches, whose other ranks never come to read them; probe directories) goes to a
+    directory of this session, removed at its end: never into /tmp/resilient_strategy-<uid>."""
+    old = tempfile.tempdir
+    here = tmp_path_factory.mktemp("tempdir")
+    tempfile.tempdir = str(here)
+    try:
+        yield
+    finally:
+        tempfile.tempdir = old
+        shutil.rmtree(here, ignore_errors=True)

@@ -1,0 +1,77 @@
+"""The decision `resilient-strategy run` hands to its workers: applied in the worker without a
+probe, refused when the script asks for something it cannot train on."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import resilient_strategy
+from resilient_strategy import handoff
+from resilient_strategy.errors import ResilientStrategyError
+from resilient_strategy.probe import OK, ProbeResult
+from resilient_strategy.testing import machine
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_worker_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reporter and the loaded decision are per process: give each test its own."""
+    monkeypatch.setattr(handoff, "_REPORTER", [])
+    monkeypatch.setattr(handoff, "_LOADED", {})
+
+
+def _no_probe(spec: object, env: object) -> ProbeResult:
+    raise AssertionError("a worker of `resilient-strategy run` must not probe")
+
+
+def _decision(tmp: Path, chosen: str, framework: str = "torch") -> Path:
+    results = {"torch:gloo:cpu": ProbeResult("torch:gloo:cpu", OK, 1.0, ranks=2)}
+    d = handoff.Decision(framework=framework, chosen=chosen, results=results, run_dir=str(tmp),
+                         attempt=1, notes=("Relaunched: NCCL failed mid-run at step 20.",),
+                         label="x", processes=1)
+    path = tmp / "decision.json"
+    handoff.write_decision(path, d)
+    assert handoff.Decision.from_dict(json.loads(path.read_text())) == d
+    return path
+
+
+def test_a_handed_decision_is_applied_without_probing(tmp_path: Path) -> None:
+    facts = machine(0, torch="2.13.0")
+    env = {handoff.DECISION_VAR: str(_decision(tmp_path, "torch:cpu:cpu"))}
+    sel = resilient_strategy.resilient_strategy(
+        framework="torch", global_batch_size=64, facts=facts, env=env, _prober=_no_probe)
+    assert (sel.backend, sel.num_replicas, sel.global_batch_size) == ("cpu", 1, 64)
+    assert any("resilient-strategy run" in line for line in sel.plan.trace)
+    assert any(line.startswith("Relaunched:") for line in sel.plan.trace)
+    assert sel.progress is not None and sel.progress.collective is False
+    sel.progress.writer.close()
+
+
+def test_a_decision_the_script_cannot_train_on_is_an_error(tmp_path: Path) -> None:
+    facts = machine(0, torch="2.13.0")
+    env = {handoff.DECISION_VAR: str(_decision(tmp_path, "torch:nccl:0,1"))}
+    with pytest.raises(ResilientStrategyError):
+        resilient_strategy.resilient_strategy(framework="torch", facts=facts, env=env,
+                                              _prober=_no_probe)
+    env = {handoff.DECISION_VAR: str(tmp_path / "missing.json")}
+    with pytest.raises(ResilientStrategyError):
+        resilient_strategy.resilient_strategy(framework="torch", facts=facts, env=env,
+                                              _prober=_no_probe)
+
+
+def test_run_command_line_errors(tmp_path: Path) -> None:
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "resilient_strategy", "run", *args],
+                              capture_output=True, text=True, timeout=120,
+                              env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
+
+    pytest.importorskip("torch")
+    assert run("--help").returncode == 0
+    assert run(str(tmp_path / "missing.py")).returncode == 2
+    assert run("--stall-timeout", "-1", str(ROOT / "examples" / "torch_train.py")).returncode == 2

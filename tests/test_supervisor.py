@@ -1,0 +1,338 @@
+"""`resilient-strategy run`: classification (pure), and real supervised runs on CPU (2 gloo
+processes) with injected mid-run faults."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from resilient_strategy.errors import InvalidOptionError
+from resilient_strategy.progress import (
+    COLLECTIVE,
+    COLLECTIVE_DONE,
+    STEP_DONE,
+    ProgressWriter,
+    Record,
+    Stall,
+)
+from resilient_strategy.supervisor import (
+    RankExit,
+    TrainingWatch,
+    classify_attempt,
+    classify_error,
+    default_stall_timeout,
+    guess_framework,
+    options_from_args,
+    step_in_progress,
+)
+from resilient_strategy.trainfault import TrainFault, parse_fault
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "torch_train.py"
+
+
+# ----- pure --------------------------------------------------------------------------------------
+def test_train_fault_parses_and_rejects() -> None:
+    assert parse_fault("hang:1:gloo:20") == TrainFault("hang", 1, "gloo", 20)
+    assert parse_fault("") is None
+    for bad in ("hang:1:gloo", "boom:1:gloo:3", "exit:x:gloo:3", "exit:0:gloo:0", "exit:0::3"):
+        with pytest.raises(InvalidOptionError):
+            parse_fault(bad)
+    fault = parse_fault("exit:1:gloo:5")
+    assert fault is not None and fault.applies(1, "gloo") and not fault.applies(1, "cpu")
+
+
+@pytest.mark.parametrize(("types", "message", "kind"), [
+    (["torch.distributed.DistBackendError", "builtins.RuntimeError"], "boom", "comm"),
+    (["builtins.RuntimeError"], "[gloo/transport/tcp/pair.cc:553] Connection closed by peer",
+     "comm"),
+    (["builtins.RuntimeError"], "NCCL error in: ProcessGroupNCCL.cpp, unhandled system error",
+     "comm"),
+    (["torch.OutOfMemoryError", "builtins.RuntimeError"], "CUDA out of memory", "oom"),
+    (["builtins.RuntimeError"], "CUDA error: out of memory", "oom"),
+    (["builtins.ValueError"], "bad label 12", "user"),
+    (["builtins.RuntimeError"], "mat1 and mat2 shapes cannot be multiplied", "user"),
+    (["builtins.SystemExit"], "3", "exit"),
+    (["resilient_strategy.trainfault.RehearsedCommunicationError"], "rehearsed", "comm"),
+])
+def test_classify_error(types: list[str], message: str, kind: str) -> None:
+    assert classify_error(types, message) == kind
+
+
+def _rec(k: int, phase: str) -> Record:
+    return Record(seq=2, phase=phase, k=k, t=1.0)
+
+
+def _stall(kind: str, k: int) -> Stall:
+    return Stall(kind, COLLECTIVE, k, (1,), 5.0, 3.0, ("0: collective 20", "1: collective 20"))
+
+
+def test_stall_in_one_collective_is_a_backend_fault_else_divergence() -> None:
+    v = classify_attempt(_stall("collective", 20), [])
+    assert (v.kind, v.retry, v.step, v.cause) == ("backend", True, 20, "timeout")
+    assert classify_attempt(_stall("setup", 0), []).kind == "backend"
+    v = classify_attempt(_stall("straggler", 6), [])
+    assert (v.kind, v.retry) == ("diverged", False)
+
+
+def test_classify_exits() -> None:
+    user = RankExit(0, 1, {"types": ["builtins.ValueError"], "message": "bad"}, _rec(4, STEP_DONE))
+    peer = RankExit(1, 1, {"types": ["builtins.RuntimeError"], "message": "Connection closed by "
+                                                                          "peer"}, _rec(5, COLLECTIVE))
+    v = classify_attempt(None, [user, peer])
+    assert (v.kind, v.retry) == ("user", False)  # the peer's error is a consequence
+    vanished = RankExit(1, 1, None, _rec(20, COLLECTIVE))
+    assert classify_attempt(None, [vanished, peer]).kind == "backend"
+    v = classify_attempt(None, [vanished])
+    assert (v.kind, v.step) == ("backend", 20)
+    crashed = RankExit(0, -11, None, _rec(3, COLLECTIVE_DONE))
+    assert classify_attempt(None, [crashed]).kind == "crash"
+    oom = RankExit(0, 1, {"types": ["torch.OutOfMemoryError"], "message": "x"}, None)
+    assert classify_attempt(None, [oom, peer]).kind == "oom"
+    assert classify_attempt(None, []).kind == "ok"
+    assert step_in_progress([_rec(7, STEP_DONE), None]) == 7
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_training_watch_judges_with_one_timeout(tmp_path: Path) -> None:
+    clock = Clock()
+    paths = [str(tmp_path / f"r{i}") for i in range(2)]
+    writers = [ProgressWriter(p, clock=clock) for p in paths]
+    watch = TrainingWatch(paths, 5.0, clock)
+    for w in writers:
+        w.step(3)
+    clock.now += 600
+    assert watch.poll() is None  # both in their own code: never a stall
+    writers[0].enter(4)
+    writers[1].enter(4)
+    assert watch.poll() is None  # the watcher's clock starts when it sees them enter
+    clock.now += 4.9
+    assert watch.poll() is None
+    clock.now += 0.2
+    stall = watch.poll()
+    assert stall is not None and (stall.kind, stall.k) == ("collective", 4)
+    for w in writers:
+        w.close()
+
+
+def test_training_watch_default_timeout_follows_the_step_time(tmp_path: Path) -> None:
+    assert default_stall_timeout([]) == 60.0
+    assert default_stall_timeout([5.0, 4.0, 6.0]) == 100.0
+    clock = Clock()
+    path = str(tmp_path / "r0")
+    w = ProgressWriter(path, clock=clock)
+    watch = TrainingWatch([path], None, clock)
+    for k in range(1, 5):
+        clock.now += 10.0
+        w.step(k)
+        watch.poll()
+    assert watch.step_seconds == [10.0, 10.0, 10.0]
+    assert watch.timeout_s() == 200.0
+    w.close()
+
+
+def test_guess_framework_and_options() -> None:
+    assert guess_framework("sel = rs.resilient_strategy(framework='tensorflow')") == "tensorflow"
+    assert guess_framework("import torch\n") == "torch"
+    assert guess_framework("import keras\nimport numpy\n") == "tensorflow"
+    assert guess_framework("import torch\nimport tensorflow as tf\n") is None
+    opts = options_from_args(["--nproc-per-node", "2", "--stall-timeout", "4",
+                              "--max-relaunches", "1", "--nnodes", "1", str(EXAMPLE), "--epochs",
+                              "1"])
+    assert (opts.nproc, opts.stall_timeout_s, opts.max_relaunches, opts.framework) == (
+        2, 4.0, 1, "torch")
+    assert opts.script_args == ("--epochs", "1")
+    assert options_from_args(["--nproc-per-node", "auto", str(EXAMPLE)]).nproc is None
+    for bad in (["--nproc-per-node", "0", str(EXAMPLE)], ["--stall-timeout", "0", str(EXAMPLE)],
+                ["-m", "pkg"]):
+        with pytest.raises(InvalidOptionError):
+            options_from_args(bad)
+
+
+# ----- real supervised runs --------------------------------------------------------------------
+torch = pytest.importorskip("torch")
+ARGS = ["--samples", "4096", "--epochs", "2", "--hidden", "32", "--checkpoint-every", "5"]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One decision cache for the module: gloo is probed once."""
+    return tmp_path_factory.mktemp("cache")
+
+
+def _env(tmp: Path, cache: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")}
+    (tmp / "tmp").mkdir(exist_ok=True)
+    env.update({"PYTHONPATH": str(ROOT / "src"), "RESILIENT_STRATEGY_CACHE_DIR": str(cache),
+                "TMPDIR": str(tmp / "tmp"), "RESILIENT_STRATEGY_TIMEOUT": "60", **extra})
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
+def _run(tmp: Path, cache: Path, script: Path, script_args: list[str],
+         run_args: tuple[str, ...] = (), **extra: str) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "resilient_strategy", "run", "--nproc-per-node", "2",
+         "--stall-timeout", "3", *run_args, str(script), *script_args],
+        env=_env(tmp, cache, **extra), cwd=tmp, capture_output=True, text=True, timeout=300,
+    )
+    _assert_clean(tmp)
+    return proc
+
+
+def _assert_clean(tmp: Path) -> None:
+    """No process of the run left, no temporary file left (torch's own inductor cache aside)."""
+    left = [p.name for p in (tmp / "tmp").iterdir() if not p.name.startswith("torchinductor_")]
+    assert left == []
+    mine = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmdline = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if str(tmp).encode() in cmdline:
+                mine.append(proc.name)
+    assert mine == []
+
+
+def _steps(out: str) -> int:
+    lines = [line for line in out.splitlines() if line.startswith("optimizer steps:")]
+    assert len(lines) == 1, out
+    return int(lines[0].split(":")[1])
+
+
+def _weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(ckpt_dir / "checkpoint.pt", weights_only=True)["model"]  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path
+              ) -> tuple[int, dict[str, torch.Tensor]]:
+    tmp = tmp_path_factory.mktemp("reference")
+    proc = _run(tmp, cache_dir, EXAMPLE, [*ARGS, "--checkpoint-dir", str(tmp / "ckpt")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _steps(proc.stdout), _weights(tmp / "ckpt")
+
+
+@pytest.mark.parametrize("kind", ["hang", "exit"])
+def test_fault_at_step_20_relaunches_on_the_next_candidate(
+    kind: str, tmp_path: Path, cache_dir: Path, reference: tuple[int, dict[str, torch.Tensor]]
+) -> None:
+    proc = _run(tmp_path, cache_dir, EXAMPLE, [*ARGS, "--checkpoint-dir", str(tmp_path / "ckpt")],
+                RESILIENT_STRATEGY_TRAIN_FAULT=f"{kind}:1:gloo:20")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps, weights = reference
+    assert _steps(proc.stdout) == steps
+    mine = _weights(tmp_path / "ckpt")
+    for name, value in weights.items():
+        torch.testing.assert_close(mine[name], value, rtol=1e-4, atol=1e-5)
+    relaunch = [line for line in proc.stderr.splitlines() if "relaunching (1 of" in line]
+    assert len(relaunch) == 1
+    # the rehearsed failure never reaches the cache
+    cached = "".join(p.read_text() for p in cache_dir.glob("*.json"))
+    assert "mid_run" not in cached
+
+
+TOY = """
+import os, sys, time
+import resilient_strategy
+sel = resilient_strategy.resilient_strategy(framework="torch", global_batch_size=64)
+import torch
+with open(os.environ["LAUNCHES"], "a") as fh:
+    fh.write(f"{{sel.launch.rank}} {{sel.backend}}\\n")
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+data = torch.utils.data.TensorDataset(torch.randn(1024, 8), torch.randint(0, 2, (1024,)))
+loader = torch.utils.data.DataLoader(data, batch_size=sel.batch_size, shuffle=True)
+model, opt, loader = sel.prepare(model, opt, loader)
+step = 0
+for epoch in range(2):
+    sel.set_epoch(epoch)
+    for x, y in loader:
+        with sel.accumulate(model):
+            sel.backward(torch.nn.functional.cross_entropy(model(x), y))
+        step += sel.step(opt)
+        {action}
+print("finished", sel.launch.rank)
+sel.shutdown()
+"""
+
+
+def _toy(tmp: Path, action: str) -> Path:
+    path = tmp / "toy.py"
+    path.write_text(textwrap.dedent(TOY.format(action=action)))
+    return path
+
+
+def _launches(tmp: Path) -> list[str]:
+    return sorted((tmp / "launches").read_text().split("\n")[:-1])
+
+
+def test_diverged_ranks_are_reported_not_relaunched(tmp_path: Path, cache_dir: Path) -> None:
+    script = _toy(tmp_path, "if step == 5 and sel.launch.rank == 0: time.sleep(120)")
+    proc = _run(tmp_path, cache_dir, script, [], LAUNCHES=str(tmp_path / "launches"))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert _launches(tmp_path) == ["0 gloo", "1 gloo"]  # one launch: no other backend tried
+    assert "mid_run" not in "".join(p.read_text() for p in cache_dir.glob("*.json"))
+
+
+def test_user_exception_is_not_retried(tmp_path: Path, cache_dir: Path) -> None:
+    script = _toy(tmp_path, "if step == 3 and sel.launch.rank == 1: raise ValueError('bad batch')")
+    proc = _run(tmp_path, cache_dir, script, [], LAUNCHES=str(tmp_path / "launches"))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert _launches(tmp_path) == ["0 gloo", "1 gloo"]
+
+
+def test_relaunch_limit_is_honoured(tmp_path: Path, cache_dir: Path) -> None:
+    script = _toy(tmp_path, "")
+    proc = _run(tmp_path, cache_dir, script, [], ("--max-relaunches", "0"),
+                LAUNCHES=str(tmp_path / "launches"),
+                RESILIENT_STRATEGY_TRAIN_FAULT="error:1:gloo:4")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert _launches(tmp_path) == ["0 gloo", "1 gloo"]
+
+
+def test_a_real_backend_error_is_cached_as_a_mid_run_failure(
+    tmp_path: Path, cache_dir: Path, reference: tuple[int, dict[str, torch.Tensor]]
+) -> None:
+    cache = tmp_path / "cache"  # a copy of the module's warm cache: this test writes to it
+    shutil.copytree(cache_dir, cache)
+    script = _toy(tmp_path, "if step == 3 and sel.launch.rank == 1 and sel.backend == 'gloo': "
+                            "raise torch.distributed.DistBackendError('collective failed')")
+    proc = _run(tmp_path, cache, script, [], LAUNCHES=str(tmp_path / "launches"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _launches(tmp_path) == ["0 cpu", "0 gloo", "1 gloo"]
+    entries = [json.loads(p.read_text()) for p in cache.glob("*.json")]
+    gloo = [e["result"] for blob in entries for k, e in blob["results"].items()
+            if k.startswith("torch:gloo")]
+    assert len(gloo) == 1 and gloo[0]["status"] == "error"
+    assert int(dict(gloo[0]["extra"])["mid_run"]) in (3, 4)
+
+
+def test_run_options_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RESILIENT_STRATEGY_STALL_TIMEOUT", "7.5")
+    monkeypatch.setenv("RESILIENT_STRATEGY_MAX_RELAUNCHES", "2")
+    opts = options_from_args([str(EXAMPLE)])
+    assert (opts.stall_timeout_s, opts.max_relaunches) == (7.5, 2)
+    opts = options_from_args(["--stall-timeout", "3", "--max-relaunches", "0", str(EXAMPLE)])
+    assert (opts.stall_timeout_s, opts.max_relaunches) == (3.0, 0)  # the command line wins
+    monkeypatch.setenv("RESILIENT_STRATEGY_STALL_TIMEOUT", "soon")
+    with pytest.raises(InvalidOptionError) as err:
+        options_from_args([str(EXAMPLE)])
+    assert err.value.option == "RESILIENT_STRATEGY_STALL_TIMEOUT"
