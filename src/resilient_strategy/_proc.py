@@ -66,6 +66,7 @@ class GroupOutcome:
     timed_out: bool
     pids: tuple[int, ...]  # each worker's pid, which is also its process group id
     stall: Stall | None = None  # the stall that made the runner stop the group, if one did
+    stopped: str = ""  # why ``stop`` ended the group early ("" when it did not)
 
 
 def run_group(
@@ -77,6 +78,7 @@ def run_group(
     shm_dir: str = "/dev/shm",
     stall_policy: StallPolicy | None = None,
     spawn: Spawn | None = None,
+    stop: Callable[[], str] | None = None,
 ) -> GroupOutcome:
     """Run all commands at once until all exit 0, one fails, ``timeout_s`` passes, or (with
     ``stall_policy``) the workers' progress records show a stall (see :mod:`.progress`).
@@ -87,9 +89,15 @@ def run_group(
     records are read; ``spawn`` starts workers another way (see :data:`Spawn`); ``grace_s`` bounds each of
     the two waits when stopping (after SIGTERM, after SIGKILL). Shared-memory segments that NCCL
     left in ``shm_dir`` because a worker was killed mid-setup are removed (see :func:`reap_shm`).
+    ``stop``, asked about every :data:`STOP_POLL_S`, ends the group early when it returns a
+    reason (a peer node of a cross-node probe was lost: waiting out the deadline is pointless).
     """
     with terminate_as_exception():
-        return _run_group(commands, timeout_s, poll_s, grace_s, shm_dir, stall_policy, spawn)
+        return _run_group(commands, timeout_s, poll_s, grace_s, shm_dir, stall_policy, spawn,
+                          stop)
+
+
+STOP_POLL_S = 0.5
 
 
 class _Terminated(BaseException):
@@ -132,12 +140,14 @@ def _run_group(
     shm_dir: str,
     stall_policy: StallPolicy | None = None,
     spawn: Spawn | None = None,
+    stop: Callable[[], str] | None = None,
 ) -> GroupOutcome:
     shm_before = _shm_segments(shm_dir)
     watcher = None
     if stall_policy is not None and commands and all(c.progress_path for c in commands):
         watcher = StallWatcher([c.progress_path for c in commands], stall_policy)
     stall: Stall | None = None
+    stopped_because = ""
     start = time.monotonic()
     deadline = start + timeout_s
     procs: list[Proc] = []
@@ -167,6 +177,11 @@ def _run_group(
                 if left <= 0:
                     timed_out = True
                     break
+                if stop is not None:
+                    stopped_because = stop()
+                    if stopped_because:
+                        break
+                    left = min(left, STOP_POLL_S)
                 waiter.wait(left if watcher is None else min(left, poll_s))
         finally:
             waiter.close()
@@ -178,7 +193,8 @@ def _run_group(
             _outcome(i, p, cmd, logs / f"{i}.err", i in stopped, i == first_failed)
             for i, (p, cmd) in enumerate(zip(procs, commands, strict=True))
         )
-    return GroupOutcome(outcomes, elapsed, timed_out, tuple(p.pid for p in procs), stall)
+    return GroupOutcome(outcomes, elapsed, timed_out, tuple(p.pid for p in procs), stall,
+                        stopped_because)
 
 
 def _start(cmd: WorkerCommand, out_path: Path, err_path: Path, spawn: Spawn | None) -> Proc:
