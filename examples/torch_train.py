@@ -2,6 +2,8 @@
 
     python examples/torch_train.py                           # one device (accumulating if needed)
     torchrun --nproc_per_node 2 examples/torch_train.py      # DDP: NCCL if it works, else gloo
+    torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \
+        examples/torch_train.py                              # on each node: proven across nodes
     resilient-strategy run --nproc-per-node 2 examples/torch_train.py --checkpoint-dir ckpt
                                                   # supervised: relaunched on the next strategy
                                                   # when a collective fails or stalls mid-run

@@ -15,7 +15,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -45,6 +45,7 @@ class GroupOutcome:
     elapsed_s: float
     timed_out: bool
     pids: tuple[int, ...]  # each worker's pid, which is also its process group id
+    stopped: str = ""  # why ``stop`` ended the group early ("" when it did not)
 
 
 def run_group(
@@ -54,6 +55,7 @@ def run_group(
     poll_s: float = 0.05,
     grace_s: float = 2.0,
     shm_dir: str = "/dev/shm",
+    stop: Callable[[], str] | None = None,
 ) -> GroupOutcome:
     """Run all commands at once until all exit 0, one fails, or ``timeout_s`` passes.
 
@@ -62,9 +64,14 @@ def run_group(
     ``poll_s`` is the polling interval where pidfds are unavailable; ``grace_s`` bounds each of
     the two waits when stopping (after SIGTERM, after SIGKILL). Shared-memory segments that NCCL
     left in ``shm_dir`` because a worker was killed mid-setup are removed (see :func:`reap_shm`).
+    ``stop``, asked about every :data:`STOP_POLL_S`, ends the group early when it returns a
+    reason (a peer node of a cross-node probe was lost: waiting out the deadline is pointless).
     """
     with terminate_as_exception():
-        return _run_group(commands, timeout_s, poll_s, grace_s, shm_dir)
+        return _run_group(commands, timeout_s, poll_s, grace_s, shm_dir, stop)
+
+
+STOP_POLL_S = 0.5
 
 
 class _Terminated(BaseException):
@@ -105,8 +112,10 @@ def _run_group(
     poll_s: float,
     grace_s: float,
     shm_dir: str,
+    stop: Callable[[], str] | None = None,
 ) -> GroupOutcome:
     shm_before = _shm_segments(shm_dir)
+    stopped_because = ""
     start = time.monotonic()
     deadline = start + timeout_s
     procs: list[subprocess.Popen[bytes]] = []
@@ -136,6 +145,11 @@ def _run_group(
                 if left <= 0:
                     timed_out = True
                     break
+                if stop is not None:
+                    stopped_because = stop()
+                    if stopped_because:
+                        break
+                    left = min(left, STOP_POLL_S)
                 waiter.wait(left)
         finally:
             waiter.close()
@@ -147,7 +161,8 @@ def _run_group(
             _outcome(i, p, cmd, logs / f"{i}.err", i in stopped, i == first_failed)
             for i, (p, cmd) in enumerate(zip(procs, commands, strict=True))
         )
-    return GroupOutcome(outcomes, elapsed, timed_out, tuple(p.pid for p in procs))
+    return GroupOutcome(outcomes, elapsed, timed_out, tuple(p.pid for p in procs),
+                        stopped_because)
 
 
 #: Name prefixes of the /dev/shm segments NCCL creates (shm transport and proxy buffers).

@@ -174,6 +174,27 @@ class CacheError(ResilientStrategyError):
     """The decision cache could not be read or written (always handled as a logged degrade)."""
 
 
+class MultiNodeError(ResilientStrategyError):
+    """The nodes of a multi-node job could not agree on a strategy."""
+
+
+class NodeLostError(MultiNodeError):
+    """A node (or the job's store) stopped answering within the deadline: every node stops.
+
+    ``node``: the node that went silent (None: the store itself, or unknown); ``how``: "deadline"
+    (no answer in time), "heartbeat" (its decider stopped beating) or "store" (the store failed).
+    """
+
+    def __init__(self, message: str, node: int | None = None, how: str = "deadline") -> None:
+        super().__init__(message)
+        self.node = node
+        self.how = how
+
+
+class NodeMismatchError(MultiNodeError):
+    """A node's facts contradict the decision: every node stops before training."""
+
+
 class ExtraNotInstalledError(FrameworkNotInstalledError):
     """An optional integration's tool (Lightning, Accelerate) is not installed."""
 

@@ -29,6 +29,11 @@ TYPICAL_BUS_GBPS = {
     "hierarchical_copy": 10.0,
     "reduction_to_one_device": 8.0,
 }
+#: Typical bus bandwidth (GB/s) between nodes when nothing was measured: not measured here (no
+#: multi-node hardware was available); a 100 Gb/s InfiniBand/EFA fabric for NCCL, 10 GbE TCP for
+#: NCCL over sockets (NCCL_NET=Socket / NCCL_IB_DISABLE=1) and for gloo. A probe across the
+#: nodes replaces them with a measurement.
+TYPICAL_INTER_NODE_GBPS = {"nccl": 12.0, "nccl/socket": 1.2, "gloo": 1.0}
 #: Effective training FLOP/s of one device by compute-capability major (conservative, fp32/tf32;
 #: 3.1e13 was measured for a 100M-parameter MLP on one H200).
 DEVICE_FLOPS = {12: 2.5e13, 10: 3.0e13, 9: 3.0e13, 8: 1.5e13, 7: 7e12, 6: 3e12, 0: 3e12}
@@ -45,7 +50,7 @@ class Estimate:
     basis: str  # words: where the numbers came from
 
 
-def _typical_bus(c: Candidate, facts: Facts) -> tuple[float | None, str]:
+def _typical_bus(c: Candidate, facts: Facts, policy: Options) -> tuple[float | None, str]:
     if c.num_replicas <= 1:
         return None, ""
     if c.backend != "nccl":
@@ -61,6 +66,13 @@ def _typical_bus(c: Candidate, facts: Facts) -> tuple[float | None, str]:
             key = f"nccl/p2p_off/{link}"
         else:
             key = f"nccl/{link}"
+    if policy.nodes > 1 and c.framework == "torch":  # the slowest link is between nodes
+        env = dict(c.env)
+        inter = "nccl/socket" if c.backend == "nccl" and (
+            env.get("NCCL_NET") == "Socket" or env.get("NCCL_IB_DISABLE") == "1") else c.backend
+        if inter in TYPICAL_INTER_NODE_GBPS:
+            return (min(TYPICAL_BUS_GBPS[key], TYPICAL_INTER_NODE_GBPS[inter]),
+                    f"typical inter-node {inter} figure")
     return TYPICAL_BUS_GBPS[key], f"typical {key} figure"
 
 
@@ -101,7 +113,7 @@ def estimate(
     if result is not None and result.ok and result.bus_bandwidth_gbps:
         bus, bus_how = result.bus_bandwidth_gbps, "measured bus bandwidth"
     else:
-        bus, bus_how = _typical_bus(c, facts)
+        bus, bus_how = _typical_bus(c, facts, policy)
     comm = grad * 2 * (r - 1) / r / (bus * 1e9) if bus else 0.0
     hidden = compute * 2 / 3 if c.framework == "torch" else 0.0
     basis = how + (f", {bus_how} {bus:g} GB/s" if bus else "")

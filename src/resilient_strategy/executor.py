@@ -7,6 +7,7 @@ sets the chosen environment without overriding anything the user set, and return
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -102,6 +103,8 @@ def decide(
     startup_check: bool = False,
     max_rounds: int = MAX_ROUNDS,
     known: Mapping[str, ProbeResult] | None = None,
+    *,
+    cross_node: bool = False,
 ) -> Decision:
     """Plan, probing as needed (at most ``max_rounds`` probes).
 
@@ -110,10 +113,11 @@ def decide(
     ``progress`` hears each probe start and end (the one hook for what a user sees meanwhile).
     ``startup_check`` (real probes only: a simulation has no start-up to measure) warns when the
     timeout is below what a probe needs to start here, and calls a probe it cut short so.
+    ``cross_node``: ``prober`` proves candidates across every node (:mod:`.multinode`).
     """
     multi_node = opts.framework == "torch" and opts.nodes > 1
-    # Multi-node: every node must reach the same choice on its own, so neither a node's probes
-    # nor its cache may sway it (the planner says so in the trace).
+    # Multi-node: a node's cache cannot speak for the links between nodes; without a prober
+    # that spans the nodes (cross_node), no probe on one node may sway the choice either.
     cache = DecisionCache(opts.cache_dir, opts.cache_ttl_s) if opts.cache_dir and not multi_node \
         else None
     fingerprint = facts.fingerprint()
@@ -137,7 +141,8 @@ def decide(
     fresh: dict[str, ProbeResult] = {}
     p = plan(facts, opts.rules, results, opts)
     for _ in range(max_rounds):
-        if p.next_probe is None or opts.probe == "never" or opts.dry_run or multi_node:
+        if (p.next_probe is None or opts.probe == "never" or opts.dry_run
+                or (multi_node and not cross_node)):
             break
         c = p.next_probe
         if c.key in results:  # cannot happen with a sound planner; never loop on it
@@ -171,7 +176,7 @@ def decide(
     if notes:  # what the cache was trusted with comes before the plan it shaped
         p = replace(p, events=(*notes, *p.events))
     if p.next_probe is not None:  # probing off, or a dry run: the next candidate, unproven
-        how = ("dry_run" if opts.dry_run else "multi_node" if multi_node
+        how = ("dry_run" if opts.dry_run else "multi_node" if multi_node and not cross_node
                else "probing_off" if opts.probe == "never" else "rounds_spent")
         p = replace(p, chosen=p.next_probe, next_probe=None,
                     events=(*p.events, Chosen(p.next_probe, how, max_rounds=max_rounds)))
@@ -310,6 +315,10 @@ def resilient_strategy(
         raise NoWorkingStrategyError(opts.framework, [_cause(r) for r in p.ruled_out])
     chosen = p.chosen
     to_set = _env_to_set(facts, chosen, opts, snapshot)
+    if opts.launch.multi_node:  # per-node values (the interface routing to the master)
+        from .multinode import node_values
+
+        to_set = node_values(to_set, snapshot)
     _guard(facts, opts.framework, to_set)
     # Decided on a described environment (env=): nothing of this process is changed.
     applied = not opts.dry_run and env is None
@@ -430,6 +439,13 @@ def _agreed_decision(
     launch = opts.launch
     if not launch.launched or opts.dry_run:
         return decide(facts, opts, env, prober, clock, progress, startup_check)
+    if launch.multi_node and opts.framework == "torch":
+        from .multinode import agreed_decision
+
+        p, results, from_cache, proven = agreed_decision(
+            facts, opts, env, prober, clock,
+            functools.partial(decide, progress=progress, startup_check=startup_check))
+        return Decision(p, results, from_cache, proven)
     from .agreement import Agreement
 
     agreement = Agreement.for_job(env, facts.fingerprint(), opts.cache_dir)

@@ -219,9 +219,9 @@ def _chain(
         if nodes > 1:
             b.note(
                 "multi_node",
-                f"Multi-node job: {nodes} nodes x {local} processes. A probe on one node cannot "
-                "prove the links between nodes, and the nodes must agree without talking to each "
-                "other, so the choice comes from the rules alone (not probed, no cache).",
+                f"Multi-node job: {nodes} nodes x {local} processes; a backend between nodes "
+                "runs at the network's speed (no cache: a node's cache cannot speak for the "
+                "links).",
             )
     else:
         multi_devs = gpus

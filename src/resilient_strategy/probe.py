@@ -43,6 +43,8 @@ CAUSES: dict[str, str] = {
     "backend_unavailable": "this build of the framework does not have the backend",
     "no_device": "the worker saw fewer devices than it needs",
     "worker_error": "the probe worker raised an error",
+    "inter_node": "the collective between nodes failed (the group of one process per node "
+    "spanning the job)",
     "budget": "not probed: the time budget for the whole decision was spent (timeout= x 4)",
 }
 

@@ -2,7 +2,11 @@
 
     python -m resilient_strategy.probes.torch_worker --rank R --world-size W --backend B \\
         [--devices 0,1] --init-method file:///tmp/x/rdzv --timeout S --message-bytes N \\
-        --report PATH [--no-train-step] [--parent-pid PID]
+        --report PATH [--no-train-step] [--parent-pid PID] [--store HOST:PORT --store-prefix P]
+
+``--store`` joins the group through an existing TCPStore (as a client, under the key prefix
+``--store-prefix``) instead of ``--init-method``: the cross-node probe of a multi-node job meets
+in the launcher's own store (see :mod:`resilient_strategy.multinode`), opening no port of its own.
 
 Steps: an all-reduce whose result is checked exactly (each rank contributes distinct integers
 in float32, so any lost, doubled or corrupted contribution shows); a bus-bandwidth figure from
@@ -44,6 +48,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--devices", default="", help="CUDA ordinals, one per rank; empty: CPU")
     p.add_argument("--init-method", default="")
     p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--store", default="", help="HOST:PORT of a TCPStore to join as a client")
+    p.add_argument("--store-prefix", default="", help="key prefix in --store")
     add_common_arguments(p)
     return p.parse_args(argv)
 
@@ -100,9 +106,16 @@ def _device(torch: Any, args: argparse.Namespace, rank: int) -> Any:
 
 def _init(torch: Any, dist: Any, args: argparse.Namespace, device: Any) -> None:
     kwargs: dict[str, Any] = {
-        "backend": args.backend, "init_method": args.init_method, "rank": args.rank,
+        "backend": args.backend, "rank": args.rank,
         "world_size": args.world_size, "timeout": timedelta(seconds=args.timeout),
     }
+    if args.store:
+        host, _, port = args.store.rpartition(":")
+        client = dist.TCPStore(host.strip("[]"), int(port), is_master=False,
+                               timeout=timedelta(seconds=args.timeout), wait_for_workers=False)
+        kwargs["store"] = dist.PrefixStore(args.store_prefix, client)
+    else:
+        kwargs["init_method"] = args.init_method
     if args.backend == "nccl" and "device_id" in inspect.signature(
             dist.init_process_group).parameters:
         kwargs["device_id"] = device  # creates the communicator now: errors surface at init
