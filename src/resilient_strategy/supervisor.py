@@ -367,7 +367,7 @@ def _label(decision: Decision) -> str:
     return decision.label or decision.chosen
 
 
-def _options(opts: RunOptions, facts: Any, env: Mapping[str, str]) -> Any:
+def _options(opts: RunOptions, facts: Any, env: Mapping[str, str], rank: int = 0) -> Any:
     from .options import options_from
 
     nproc = opts.nproc if opts.nproc is not None else max(1, len(facts.gpus))
@@ -376,7 +376,7 @@ def _options(opts: RunOptions, facts: Any, env: Mapping[str, str]) -> Any:
     fw = opts.framework
     if fw in (None, "torch"):
         plan_env.update({"WORLD_SIZE": str(nproc * nnodes), "LOCAL_WORLD_SIZE": str(nproc),
-                         "RANK": env.get("RANK", "0"), "LOCAL_RANK": "0"})
+                         "RANK": str(rank), "LOCAL_RANK": "0"})
     for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK"):
         if fw == "tensorflow":
             plan_env.pop(k, None)
@@ -446,7 +446,10 @@ def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
 
     from .executor import _cause, _progress_line, decide
 
-    o, plan_env = _options(opts, facts, env if link is None else link.env(env, attempt))
+    if link is None:
+        o, plan_env = _options(opts, facts, env)
+    else:
+        o, plan_env = _options(opts, facts, link.env(env, attempt), link.node * link.nproc)
     if link is None:
         made = decide(facts, o, plan_env, _prober, time.monotonic, _progress_line(o),
                       startup_check=True, known=failures)
