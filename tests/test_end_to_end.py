@@ -1,6 +1,6 @@
 """resilient_strategy() with real probe processes on this CPU machine, as rank 0 of a 2-process
 torchrun launch: gloo between the processes is proven for real and chosen; when it hangs, the
-deadline cuts the probe and one process trains with the global batch kept by accumulation."""
+runner sees it from the ranks' progress and cuts the probe, and one process trains with the global batch kept by accumulation."""
 
 from __future__ import annotations
 
@@ -35,10 +35,11 @@ def test_gloo_between_processes_is_proven_for_real(tmp_path: Path) -> None:
     assert [(e.how, e.result) for e in chosen] == [("probe_passed", res)]
 
 
-def test_a_hang_is_cut_by_the_deadline_and_one_process_trains(tmp_path: Path) -> None:
+def test_a_hang_is_cut_from_progress_and_one_process_trains(tmp_path: Path) -> None:
     sel = run(tmp_path, RESILIENT_STRATEGY_PROBE_FAULT="hang:1:gloo")
     res = sel.results["torch:gloo:cpu"]
-    assert res.status == "timeout" and 15 <= res.elapsed_s < 20
+    assert res.status == "timeout" and res.elapsed_s < 15  # judged a hang before the deadline
+    assert dict(res.extra)["hang"] == "straggler"
     assert sel.backend == "cpu" and sel.accumulation_steps == 2 and sel.per_replica_batch_size == 32
     out = [e for e in sel.plan.events if isinstance(e, CandidateRuledOut)]
     assert [(e.candidate.key, e.by, e.result) for e in out] == [("torch:gloo:cpu", "probe", res)]

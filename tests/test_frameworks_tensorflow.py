@@ -373,7 +373,7 @@ def test_check_optimizer() -> None:
         rt.check_optimizer(Keras3Like(4))
     with pytest.raises(InvalidOptionError, match="compile the model"):
         rt.check_optimizer(ModelLike(None))
-    one = TfRuntime("hierarchical_copy", (0, 1), 1, 64, 32)
+    one = TfRuntime("nccl", (0, 1), 1, 64, 32)
     one.check_optimizer(ModelLike(Keras3Like(None)))  # nothing to check without accumulation
     assert one.callbacks() == []  # and no Keras callback (nor Keras import) then
 

@@ -22,8 +22,9 @@ import pytest
 
 from resilient_strategy import _files, _proc, prober
 from resilient_strategy.errors import InvalidOptionError
-from resilient_strategy.probe import ERROR, OK, TIMEOUT, ProbeSpec
+from resilient_strategy.probe import ERROR, OK, TIMEOUT, ProbeSpec, judged_hang
 from resilient_strategy.prober import build_commands, run_probe, worker_env
+from resilient_strategy.progress import StallPolicy
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 HAS_TF = importlib.util.find_spec("tensorflow") is not None
@@ -84,6 +85,8 @@ def test_torch_commands_one_per_rank_with_a_file_rendezvous(tmp_path: Path) -> N
         assert argv[argv.index("--init-method") + 1] == (tmp_path / "rdzv").as_uri()
         assert argv[argv.index("--parent-pid") + 1] == "42"
         assert float(argv[argv.index("--timeout") + 1]) > spec.timeout_s  # the runner's fires first
+        assert argv[argv.index("--progress") + 1] == c.progress_path == str(
+            tmp_path / f"progress-{rank}")
         assert c.cwd == str(tmp_path)
         assert argv[argv.index("--report") + 1] == c.report_path
     assert len({c.report_path for c in cmds}) == 2
@@ -161,13 +164,45 @@ def test_nccl_on_a_cpu_build_fails_fast(env: dict[str, str]) -> None:
 @pytest.mark.torch
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
-def test_a_hanging_rank_times_out_and_every_worker_is_gone(
+@pytest.mark.parametrize(("fault", "kind", "where", "ranks"), [
+    ("hang:1", "straggler", "collective 1", "1"),  # before the collective: rank 0 waits in it
+    ("hang_collective:1", "collective", "collective 1", "0,1"),  # inside it
+    ("hang_setup:1", "setup", "communicator setup", "0,1"),  # inside communicator setup
+])
+def test_each_phase_of_a_hang_is_cut_from_progress_and_every_worker_is_gone(
+    fault: str, kind: str, where: str, ranks: str,
     env: dict[str, str], groups: list[_proc.GroupOutcome]
 ) -> None:
+    spec = gloo(timeout_s=60.0)
+    res = run_probe(spec, {**env, FAULT: fault})
+    assert (res.status, res.cause) == (TIMEOUT, "timeout")
+    extra = dict(res.extra)
+    assert (extra["hang"], extra["hang_at"], extra["hang_ranks"]) == (kind, where, ranks)
+    assert judged_hang(res)
+    # cut at its judged limit (plus spawn and import), far inside the 60 s deadline
+    assert float(extra["hang_waited_s"]) >= float(extra["hang_limit_s"])
+    assert res.elapsed_s < spec.timeout_s / 2
+    assert "rank 1 hangs" in res.stderr_tail
+    group = groups[-1]
+    assert group.stall is not None and not group.timed_out
+    assert_workers_gone(group)
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+def test_the_deadline_still_bounds_a_probe_that_reports_no_progress(
+    env: dict[str, str], groups: list[_proc.GroupOutcome], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a hang during import (never judged: a generous allowance) ends at the deadline
+    monkeypatch.setattr(prober, "stall_policy",
+                        lambda spec: StallPolicy(arrive_grace_s=1e9, setup_grace_s=1e9,
+                                                 collective_base_s=1e9, quiet_s=None))
     res = run_probe(gloo(timeout_s=8.0), {**env, FAULT: "hang:1"})
     assert (res.status, res.cause) == (TIMEOUT, "timeout")
+    assert not judged_hang(res)
     assert 8.0 <= res.elapsed_s < 8.0 + 5.0
-    assert "rank 1 hangs" in res.stderr_tail
+    assert groups[-1].timed_out and groups[-1].stall is None
     assert_workers_gone(groups[-1])
 
 
@@ -196,6 +231,29 @@ def test_a_corrupted_contribution_is_a_wrong_result(env: dict[str, str]) -> None
     assert "index 512" in res.detail
 
 
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+@pytest.mark.parametrize(("fault", "cause"), [("nan:1", "nan_result"), ("zero:0", "zero_result")])
+def test_nan_and_zero_results_are_their_own_causes(
+        fault: str, cause: str, env: dict[str, str]) -> None:
+    res = run_probe(gloo(train_step=False), {**env, FAULT: fault})
+    assert (res.status, res.cause) == (ERROR, cause)
+    assert res.detail.startswith("rank ")
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+def test_a_healthy_probe_checks_every_size_ddp_sends(
+        env: dict[str, str], groups: list[_proc.GroupOutcome]) -> None:
+    bucket = (3 << 20) + 4  # an odd size, as a real model's largest bucket is
+    res = run_probe(gloo(check_bytes=(bucket,)), env)
+    assert res.status == OK, res.why() + res.stderr_tail
+    assert "all-reduce exact at 5 sizes (4 KiB..25 MiB) x3" in res.detail
+    assert groups[-1].stall is None
+
+
 # ------------------------------------------------------------------------------------------
 # TensorFlow on two logical CPU devices
 # ------------------------------------------------------------------------------------------
@@ -217,6 +275,24 @@ def test_tensorflow_on_logical_cpus(backend: str, status: str, env: dict[str, st
     else:
         assert res.cause == "backend_unavailable"
         assert "NcclAllReduce" in res.detail
+
+
+@pytest.mark.tensorflow
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TF, reason="tensorflow is not installed")
+@pytest.mark.parametrize(("fault", "status", "cause", "hang"), [
+    ("hang:0", TIMEOUT, "timeout", "quiet"),  # ready, then silent before the first all-reduce
+    ("hang_setup:0", TIMEOUT, "timeout", "setup"),
+    ("nan:1", ERROR, "nan_result", None),
+])
+def test_tensorflow_hangs_are_cut_and_bad_values_named(
+        fault: str, status: str, cause: str, hang: str | None, env: dict[str, str]) -> None:
+    spec = ProbeSpec("tensorflow:hierarchical_copy", "tensorflow", "hierarchical_copy", (),
+                     logical_cpus=2, timeout_s=60.0, message_bytes=4 << 20)
+    res = run_probe(spec, {**env, FAULT: fault})
+    assert (res.status, res.cause) == (status, cause), res.why() + res.stderr_tail
+    assert dict(res.extra).get("hang") == hang
+    assert res.elapsed_s < spec.timeout_s / 2
 
 
 # ------------------------------------------------------------------------------------------

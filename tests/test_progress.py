@@ -236,3 +236,32 @@ def test_healthy_collectives_in_sequence_are_never_judged(tmp_path: Path, clock:
             w.leave(k, 1 << 20)
         clock.t += 0.5
         assert watcher.poll() is None
+
+
+def test_a_rank_seen_past_a_collective_has_left_it(tmp_path: Path, clock: Clock) -> None:
+    """Records overwrite each other between polls: a rank whose "left k" record the watcher
+    never saw, because its "step done" record replaced it, has still left collective k."""
+    writers, watcher = group(tmp_path, 2, clock)
+    ready(writers)
+    for w in writers:
+        w.enter(1, 1 << 20)
+    assert watcher.poll() is None  # both seen inside collective 1
+    for w in writers:
+        w.leave(1, 1 << 20)
+        w.step(1)  # overwrites "left 1" before the next poll
+    clock.t += 600.0  # a long evaluation in user code: nobody waits in a collective
+    assert watcher.poll() is None
+
+
+def test_a_finished_rank_is_not_waiting_in_its_last_collective(tmp_path: Path,
+                                                               clock: Clock) -> None:
+    writers, watcher = group(tmp_path, 2, clock)
+    ready(writers)
+    for w in writers:
+        w.enter(1, 1 << 20)
+    assert watcher.poll() is None
+    for w in writers:
+        w.leave(1, 1 << 20)
+        w.phase(FINISHED)  # the watcher never sees "left 1"
+    clock.t += 600.0
+    assert watcher.poll() is None

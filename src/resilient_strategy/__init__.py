@@ -16,13 +16,14 @@ from .guard import install_import_watch
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs ~8 ms (mypy knows both)
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = [
     "CacheError",
     "ExtraNotInstalledError",
     "Facts",
     "FrameworkInitializedError",
     "FrameworkNotInstalledError",
+    "GpuUnusableError",
     "InvalidOptionError",
     "InvalidRuleError",
     "InvalidVisibleDevicesError",
@@ -51,6 +52,7 @@ _LAZY = {
     "InvalidVisibleDevicesError": ("errors", "InvalidVisibleDevicesError"),
     "FrameworkInitializedError": ("errors", "FrameworkInitializedError"),
     "FrameworkNotInstalledError": ("errors", "FrameworkNotInstalledError"),
+    "GpuUnusableError": ("errors", "GpuUnusableError"),
     "InvalidOptionError": ("errors", "InvalidOptionError"),
     "InvalidRuleError": ("errors", "InvalidRuleError"),
     "NoWorkingStrategyError": ("errors", "NoWorkingStrategyError"),
@@ -70,6 +72,7 @@ if TYPE_CHECKING:
         ExtraNotInstalledError,
         FrameworkInitializedError,
         FrameworkNotInstalledError,
+        GpuUnusableError,
         InvalidOptionError,
         InvalidRuleError,
         InvalidVisibleDevicesError,

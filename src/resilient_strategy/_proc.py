@@ -19,9 +19,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import Protocol
 
 from . import _files
 from ._outcome import WorkerOutcome
+from .progress import Stall, StallPolicy, StallWatcher
 
 _STDERR_TAIL_BYTES = 64 << 10
 _REPORT_MAX_BYTES = 1 << 20
@@ -35,6 +37,24 @@ class WorkerCommand:
     env: Mapping[str, str]
     cwd: str
     report_path: str
+    progress_path: str = ""  # where the worker writes its progress records ("" when it does not)
+
+
+class Proc(Protocol):
+    """What the runner needs of a started worker: ``subprocess.Popen`` or a fork server's child
+    (:class:`._forkserver.ForkedProc`). ``pid`` is also its process group id."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+#: Starts one worker another way (a fork server): the command, its stdout and stderr paths.
+#: An OSError from it makes the runner start that worker as a fresh process instead.
+Spawn = Callable[[WorkerCommand, str, str], Proc]
 
 
 @dataclass(frozen=True)
@@ -45,6 +65,7 @@ class GroupOutcome:
     elapsed_s: float
     timed_out: bool
     pids: tuple[int, ...]  # each worker's pid, which is also its process group id
+    stall: Stall | None = None  # the stall that made the runner stop the group, if one did
     stopped: str = ""  # why ``stop`` ended the group early ("" when it did not)
 
 
@@ -55,20 +76,25 @@ def run_group(
     poll_s: float = 0.05,
     grace_s: float = 2.0,
     shm_dir: str = "/dev/shm",
+    stall_policy: StallPolicy | None = None,
+    spawn: Spawn | None = None,
     stop: Callable[[], str] | None = None,
 ) -> GroupOutcome:
-    """Run all commands at once until all exit 0, one fails, or ``timeout_s`` passes.
+    """Run all commands at once until all exit 0, one fails, ``timeout_s`` passes, or (with
+    ``stall_policy``) the workers' progress records show a stall (see :mod:`.progress`).
 
     On a failure or the deadline every worker still running is stopped; on any exception (also
     KeyboardInterrupt) too, before it propagates. Nothing is left running or unreaped.
-    ``poll_s`` is the polling interval where pidfds are unavailable; ``grace_s`` bounds each of
+    ``poll_s`` is the polling interval where pidfds are unavailable, and how often progress
+    records are read; ``spawn`` starts workers another way (see :data:`Spawn`); ``grace_s`` bounds each of
     the two waits when stopping (after SIGTERM, after SIGKILL). Shared-memory segments that NCCL
     left in ``shm_dir`` because a worker was killed mid-setup are removed (see :func:`reap_shm`).
     ``stop``, asked about every :data:`STOP_POLL_S`, ends the group early when it returns a
     reason (a peer node of a cross-node probe was lost: waiting out the deadline is pointless).
     """
     with terminate_as_exception():
-        return _run_group(commands, timeout_s, poll_s, grace_s, shm_dir, stop)
+        return _run_group(commands, timeout_s, poll_s, grace_s, shm_dir, stall_policy, spawn,
+                          stop)
 
 
 STOP_POLL_S = 0.5
@@ -112,13 +138,19 @@ def _run_group(
     poll_s: float,
     grace_s: float,
     shm_dir: str,
+    stall_policy: StallPolicy | None = None,
+    spawn: Spawn | None = None,
     stop: Callable[[], str] | None = None,
 ) -> GroupOutcome:
     shm_before = _shm_segments(shm_dir)
+    watcher = None
+    if stall_policy is not None and commands and all(c.progress_path for c in commands):
+        watcher = StallWatcher([c.progress_path for c in commands], stall_policy)
+    stall: Stall | None = None
     stopped_because = ""
     start = time.monotonic()
     deadline = start + timeout_s
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[Proc] = []
     first_failed: int | None = None
     timed_out = False
     waiter = _ExitWaiter(poll_s)
@@ -126,11 +158,7 @@ def _run_group(
         logs = Path(tmp)
         try:
             for i, cmd in enumerate(commands):
-                with open(logs / f"{i}.out", "wb") as out, open(logs / f"{i}.err", "wb") as err:
-                    procs.append(subprocess.Popen(
-                        cmd.argv, env=dict(cmd.env), cwd=cmd.cwd, stdin=subprocess.DEVNULL,
-                        stdout=out, stderr=err, start_new_session=True,
-                    ))
+                procs.append(_start(cmd, logs / f"{i}.out", logs / f"{i}.err", spawn))
                 waiter.add(procs[-1])
             while True:
                 codes = [p.poll() for p in procs]
@@ -141,6 +169,10 @@ def _run_group(
                     break
                 if all(c == 0 for c in codes):
                     break
+                if watcher is not None:
+                    stall = watcher.poll()
+                    if stall is not None:
+                        break
                 left = deadline - time.monotonic()
                 if left <= 0:
                     timed_out = True
@@ -150,7 +182,7 @@ def _run_group(
                     if stopped_because:
                         break
                     left = min(left, STOP_POLL_S)
-                waiter.wait(left)
+                waiter.wait(left if watcher is None else min(left, poll_s))
         finally:
             waiter.close()
             stopped = _stop(procs, grace_s)
@@ -161,8 +193,21 @@ def _run_group(
             _outcome(i, p, cmd, logs / f"{i}.err", i in stopped, i == first_failed)
             for i, (p, cmd) in enumerate(zip(procs, commands, strict=True))
         )
-    return GroupOutcome(outcomes, elapsed, timed_out, tuple(p.pid for p in procs),
+    return GroupOutcome(outcomes, elapsed, timed_out, tuple(p.pid for p in procs), stall,
                         stopped_because)
+
+
+def _start(cmd: WorkerCommand, out_path: Path, err_path: Path, spawn: Spawn | None) -> Proc:
+    if spawn is not None:
+        try:
+            return spawn(cmd, str(out_path), str(err_path))
+        except OSError:
+            pass  # the fork server is gone or refused: a fresh process does the same work
+    with open(out_path, "wb") as out, open(err_path, "wb") as err:
+        return subprocess.Popen(
+            cmd.argv, env=dict(cmd.env), cwd=cmd.cwd, stdin=subprocess.DEVNULL,
+            stdout=out, stderr=err, start_new_session=True,
+        )
 
 
 #: Name prefixes of the /dev/shm segments NCCL creates (shm transport and proxy buffers).
@@ -230,10 +275,10 @@ class _ExitWaiter:
     def __init__(self, poll_s: float) -> None:
         self._poll_s = poll_s
         self._poller = select.poll() if hasattr(select, "poll") else None
-        self._fds: dict[int, subprocess.Popen[bytes]] = {}
+        self._fds: dict[int, Proc] = {}
         self._fallback = not hasattr(os, "pidfd_open") or self._poller is None
 
-    def add(self, proc: subprocess.Popen[bytes]) -> None:
+    def add(self, proc: Proc) -> None:
         if self._fallback or self._poller is None:
             return
         try:
@@ -261,7 +306,7 @@ class _ExitWaiter:
         self._fds.clear()
 
 
-def _stop(procs: Sequence[subprocess.Popen[bytes]], grace_s: float) -> set[int]:
+def _stop(procs: Sequence[Proc], grace_s: float) -> set[int]:
     """Stop every running worker's process group and reap; the indices of those stopped."""
     running = [i for i, p in enumerate(procs) if p.poll() is None]
     for i in running:
@@ -281,7 +326,7 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
-def _wait_all(procs: Sequence[subprocess.Popen[bytes]], budget_s: float) -> None:
+def _wait_all(procs: Sequence[Proc], budget_s: float) -> None:
     end = time.monotonic() + budget_s
     for p in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -290,7 +335,7 @@ def _wait_all(procs: Sequence[subprocess.Popen[bytes]], budget_s: float) -> None
 
 def _outcome(
     rank: int,
-    proc: subprocess.Popen[bytes],
+    proc: Proc,
     cmd: WorkerCommand,
     err_path: Path,
     stopped: bool,

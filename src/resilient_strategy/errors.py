@@ -210,3 +210,20 @@ class ExtraNotInstalledError(FrameworkNotInstalledError):
 class WrongFrameworkError(ResilientStrategyError, AttributeError):
     """A helper of one framework was used on a selection for the other (``sel.device`` on a
     TensorFlow selection). An AttributeError too, so ``hasattr`` keeps working."""
+
+
+class GpuUnusableError(ResilientStrategyError):
+    """A GPU no longer initializes or runs a kernel (after a hung probe was killed): training on
+    it would hang or crash, so the decision stops."""
+
+    def __init__(self, gpus: Sequence[tuple[int, str]], after: str = "") -> None:
+        self.gpus = tuple(gpus)  # (CUDA ordinal as the job sees it, what went wrong)
+        lines = "\n  - ".join(f"GPU {i}: {why}" for i, why in self.gpus)
+        when = f" after {after}" if after else ""
+        indices = ",".join(str(i) for i, _ in self.gpus)
+        super().__init__(
+            f"GPU(s) {indices} no longer work{when}:\n  - {lines}\n"
+            f"They need a reset (`nvidia-smi --gpu-reset -i <index>`, with no process using "
+            "them) or a reboot of the machine before anything can train on them. "
+            "`nvidia-smi` shows their state."
+        )

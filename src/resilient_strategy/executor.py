@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -44,7 +45,7 @@ from .options import (  # noqa: F401  (options_from, gradient_bytes_of: importab
     options_from,
 )
 from .plan import Candidate, Plan, RuledOut, plan
-from .probe import ERROR, TIMEOUT, ProbeResult, ProbeSpec
+from .probe import ERROR, TIMEOUT, ProbeResult, ProbeSpec, judged_hang
 from .rules import Rule
 from .selection import Selection
 from .trace import CachedFailure, Chosen, Event, FrameworkPicked, NextProbe, Note
@@ -80,7 +81,13 @@ class Decision:
 # --------------------------------------------------------------------------------------------
 # Deciding
 # --------------------------------------------------------------------------------------------
+#: DDP's default gradient bucket; a model's largest bucket is at most this (or its largest
+#: tensor, which the total gradient size bounds from above).
+DDP_BUCKET_BYTES = 25 << 20
+
+
 def spec_for(c: Candidate, opts: Options, timeout_s: float) -> ProbeSpec:
+    grad = opts.gradient_bytes
     return ProbeSpec(
         candidate=c.key,
         framework=c.framework,
@@ -90,6 +97,7 @@ def spec_for(c: Candidate, opts: Options, timeout_s: float) -> ProbeSpec:
         world_size=c.num_replicas if c.framework == "torch" else 1,
         timeout_s=timeout_s,
         logical_cpus=opts.logical_cpus,
+        check_bytes=(min(grad, DDP_BUCKET_BYTES),) if grad else (),  # the user's largest bucket
     )
 
 
@@ -170,6 +178,7 @@ def decide(
         if res.cause not in ("budget", "timeout_short"):
             fresh[c.key] = res
         p = plan(facts, opts.rules, results, opts)
+    _close_fork_servers()  # probing is over (on an exception: idle exit or exit closes them)
     if cache is not None and fresh:
         cache.store(fingerprint, fresh)
     proven = p.next_probe is None
@@ -183,6 +192,13 @@ def decide(
     # "from the cache": nothing was probed now, and a cached result shaped this plan
     used = {r.candidate.key for r in p.ranked} | {r.candidate.key for r in p.ruled_out}
     return Decision(p, results, not fresh and bool(cached_keys & used), proven)
+
+
+def _close_fork_servers() -> None:
+    """Stop the probes' fork servers (:mod:`._forkserver`), if this decision started any."""
+    forkserver = sys.modules.get(f"{__package__}._forkserver")
+    if forkserver is not None:
+        forkserver.close_all()
 
 
 def _trusted(
@@ -207,10 +223,11 @@ def _trusted(
 
 def _still_valid(results: Mapping[str, ProbeResult], timeout_s: float) -> dict[str, ProbeResult]:
     """Cached results that still hold for this run: a hang remembered from a shorter timeout
-    than this run's (its elapsed time is the timeout it had) may just have been too impatient."""
+    than this run's (its elapsed time is the timeout it had) may just have been too impatient.
+    A hang judged from the workers' progress (stuck in a collective) holds whatever the timeout."""
     return {
         k: r for k, r in results.items()
-        if not (r.status == TIMEOUT and r.elapsed_s < 0.95 * timeout_s)
+        if judged_hang(r) or not (r.status == TIMEOUT and r.elapsed_s < 0.95 * timeout_s)
     }
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ._bounded import parse_json
 from .errors import ResilientStrategyError
 from .probe import ProbeResult
 from .progress import (
@@ -113,7 +114,7 @@ def load_decision(env: Mapping[str, str]) -> Decision | None:
         return None
     if path not in _LOADED:
         try:
-            _LOADED[path] = Decision.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+            _LOADED[path] = Decision.from_dict(parse_json(Path(path).read_bytes(), path, allow_nan=True))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ResilientStrategyError(
                 f"cannot read the decision handed down by `resilient-strategy run` ({path}): "

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TextIO
 
-from .probe import OK, TIMEOUT, ProbeResult
+from .probe import OK, TIMEOUT, ProbeResult, judged_hang
 
 if TYPE_CHECKING:
     from .candidate import Candidate
@@ -61,8 +61,10 @@ def short_timeout_warning(timeout_s: float, startup: Startup, framework: str) ->
 
 def reclassify_short_timeout(res: ProbeResult, timeout_s: float, startup: Startup,
                              framework: str) -> ProbeResult:
-    """A timeout shorter than the start-up is not evidence of a hang: say so in the result."""
-    if res.status != TIMEOUT or res.cause != "timeout" or timeout_s >= startup.seconds:
+    """A timeout shorter than the start-up is not evidence of a hang: say so in the result.
+    A hang judged from the ranks' progress (stuck past start-up) is evidence, and stays."""
+    if (res.status != TIMEOUT or res.cause != "timeout" or timeout_s >= startup.seconds
+            or judged_hang(res)):
         return res
     return replace(res, cause="timeout_short", detail=(
         f"its {timeout_s:g} s are shorter than a {framework} probe needs to start here "

@@ -17,7 +17,7 @@ from .errors import InvalidOptionError
 from .estimate import ASSUMED_GRADIENT_BYTES, Estimate, estimate
 from .facts import Facts
 from .human import human_bytes
-from .probe import ProbeResult
+from .probe import TIMEOUT, ProbeResult
 from .rules import Rule, fired
 from .trace import (
     BatchSplit,
@@ -53,7 +53,17 @@ _REMEDY_FOR_CAUSE = {
     "nccl_error": ({"NCCL_P2P_DISABLE": "1"}, {"NCCL_SHM_DISABLE": "1"}),
     # Wrong sums with every rank alive: the classic sign of P2P that claims to work and doesn't.
     "wrong_result": ({"NCCL_P2P_DISABLE": "1"},),
+    "nan_result": ({"NCCL_P2P_DISABLE": "1"},),
+    "zero_result": ({"NCCL_P2P_DISABLE": "1"},),
+    # NCCL picked an interface its peers cannot reach (a USB network card): on one node every
+    # rank is local, so the loopback interface always works.
+    "nccl_network": ({"NCCL_SOCKET_IFNAME": "lo"},),
 }
+#: A communicator that hung in its set-up on one node: the same network cause, most often.
+_SETUP_HANG_REMEDIES = ({"NCCL_SOCKET_IFNAME": "lo"}, {"NCCL_P2P_DISABLE": "1"})
+#: A remedy that fails with another cause gets that cause's first remedy on top, while the
+#: variables it sets number at most this (bounded: each combination is one more probe).
+MAX_COMPOSED_VARS = 3
 
 
 @dataclass(frozen=True)
@@ -150,14 +160,15 @@ def plan(
     info = facts.framework(fw)
     gpus = _usable_gpus(facts, policy, b)
     b.events.append(FactsSeen(len(gpus), tuple(sorted({g.name for g in facts.gpus})), fw,
-                              info.version, info.cuda, info.nccl))
+                              info.version, info.cuda, info.nccl,
+                              driver=facts.driver_version if gpus else None))
 
     if policy.logical_cpus:
         gpus = tuple(range(policy.logical_cpus))
         b.note("logical_cpus",
                f"Test mode: {policy.logical_cpus} logical CPU devices stand in for GPUs.")
     base, reference = _chain(fw, gpus, info.has_cuda or bool(policy.logical_cpus), policy, b)
-    hits = fired(rules, facts, fw)
+    hits = fired(rules, facts, fw, replicas=len(gpus))
     cands = _apply_rules(base, hits, policy, b)
     cands = _split_batches(cands, policy, b, reference)  # before results: keys name devices
     cands = _apply_results(cands, results, policy, b)
@@ -277,6 +288,13 @@ def _apply_rules(
             out = [c for c in cands if c.backend in rule.target]
             if out:  # one line names every candidate it rules out, the rule's text once
                 fired_("veto", candidates=tuple(out), targets=tuple(rule.target))
+            else:
+                # An earlier rule already removed its targets: its advice (what to install)
+                # still reaches the trace, as that is what the user can act on.
+                gone = tuple(sorted({r.candidate.backend for r in b.ruled_out
+                                     if r.candidate.backend in rule.target}))
+                if gone:
+                    fired_("already_ruled_out", targets=gone)
             for c in out:
                 b.rule_out(c, "rule", rule.message, rule=rule.id, source=rule.source, said=True)
             cands = [c for c in cands if c.backend not in rule.target]
@@ -330,20 +348,34 @@ def _apply_results(
             out.append(c)
             continue
         b.rule_out(c, "probe", res.why(), result=res)
-        # Only plain NCCL's failure suggests remedies: a failed remedy is not remedied again
-        # (that would multiply probes, each up to a timeout long).
-        if c.backend != "nccl" or c.origin != "chain" or res.cause not in _REMEDY_FOR_CAUSE:
+        if c.backend != "nccl":
             continue
-        at = i
-        for env in _REMEDY_FOR_CAUSE[res.cause]:
-            if set(env) <= set(dict(c.env)) or _user_set(policy, env):
+        # Plain NCCL's failure suggests its cause's remedies. A remedy that fails with a
+        # *different* cause gets that cause's first remedy added on top (P2P off, then failing
+        # on shared memory: P2P and SHM off), bounded by MAX_COMPOSED_VARS; a remedy failing
+        # with the same cause, or hanging, is not remedied again (each try costs a probe, and
+        # a hang says too little to pick one).
+        cause = res.cause
+        options = _REMEDY_FOR_CAUSE.get(cause, ())
+        if cause == "timeout" and dict(res.extra).get("hang") == "setup" and policy.nodes == 1:
+            cause, options = "a hang in communicator set-up", _SETUP_HANG_REMEDIES
+        if c.origin != "chain":
+            if (res.status == TIMEOUT or c.origin == f"after {cause}"
+                    or len(c.env) >= MAX_COMPOSED_VARS):
                 continue
-            remedy = _with_env(c, env, f"after {res.cause}")
-            if any(x.key == remedy.key for x in queue):
+            options = options[:1]
+        at = i
+        for env in options:
+            if set(env.items()) <= set(c.env) or _user_set(policy, env):
+                continue
+            remedy = _with_env(c, env, f"after {cause}")
+            if any(x.key == remedy.key for x in queue) or any(
+                    r.candidate.key == remedy.key for r in b.ruled_out):
                 continue
             queue.insert(at, remedy)  # tried right after what failed; examined in this loop
             at += 1
-            b.events.append(RemedyQueued(remedy, res.cause))
+            b.events.append(RemedyQueued(remedy, cause,
+                                         on_top_of=None if c.origin == "chain" else c))
     return out
 
 
@@ -439,6 +471,7 @@ def _rank(
         return (group, r.estimate.step_seconds, order[c.key])
 
     ranked.sort(key=key)
+    ranked = _within_noise_keep_order(ranked, order, {r.candidate.key: key(r)[0] for r in ranked}, b)
     # A remedy marked `first` goes right before plain NCCL, whatever its estimate.
     firsts = [r for r in ranked if r.candidate.first]
     plain = next((i for i, r in enumerate(ranked)
@@ -469,6 +502,47 @@ def _rank(
         basis, cpu_last, tuple(tried_first),
     ))
     return ranked
+
+
+def _measured(r: Ranked) -> tuple[float, float] | None:
+    """(bus GB/s, relative spread) of a candidate whose probe measured both."""
+    res = r.result
+    if res is None or not res.ok or not res.bus_bandwidth_gbps or res.bandwidth_spread is None:
+        return None
+    return res.bus_bandwidth_gbps, res.bandwidth_spread
+
+
+def _within_noise_keep_order(
+    ranked: list[Ranked], order: Mapping[str, int], groups: Mapping[str, int], b: _Build
+) -> list[Ranked]:
+    """Measured speeds rank two candidates only where they differ by more than the noise
+    measured with them; otherwise the chain's order stands (so a loaded machine does not flip
+    the choice between runs). Adjacent pairs, repeated until stable (bounded: n passes)."""
+    out = list(ranked)
+    kept: list[str] = []
+    for _ in range(len(out)):
+        swapped = False
+        for i in range(len(out) - 1):
+            a, z = out[i], out[i + 1]
+            ma, mz = _measured(a), _measured(z)
+            if ma is None or mz is None or order[a.candidate.key] < order[z.candidate.key]:
+                continue
+            if groups[a.candidate.key] != groups[z.candidate.key]:  # prefer= and CPU-last stand
+                continue
+            difference = abs(ma[0] - mz[0]) / min(ma[0], mz[0])
+            noise = max(ma[1], mz[1])
+            if difference <= noise:
+                out[i], out[i + 1] = z, a
+                swapped = True
+                kept.append(f"{z.candidate.label} ({mz[0]:g} GB/s) before {a.candidate.label} "
+                            f"({ma[0]:g} GB/s): they differ by {difference:.0%}, within the "
+                            f"measured noise of {noise:.0%}")
+        if not swapped:
+            break
+    if kept:
+        b.note("within_noise", "Kept the chain's order where speeds are within noise: "
+               + "; ".join(kept) + ".")
+    return out
 
 
 def _choose(ranked: Sequence[Ranked], b: _Build) -> tuple[Candidate | None, Candidate | None]:

@@ -13,14 +13,46 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from ._bounded import parse_json
 from ._outcome import WorkerOutcome
 from .errors import FileFormatError
 
+
+class Stall(Protocol):
+    """What :class:`resilient_strategy.progress.Stall` offers here (the planner imports this
+    module, and must not reach ``progress``, which uses ``os``)."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def ranks(self) -> tuple[int, ...]: ...
+
+    @property
+    def waited_s(self) -> float: ...
+
+    @property
+    def limit_s(self) -> float: ...
+
+    def where(self) -> str: ...
+
+    def describe(self) -> str: ...
+
 #: Probe statuses.
 OK, ERROR, TIMEOUT = "ok", "error", "timeout"
+
+_ROUTING = (
+    ". The likeliest cause is PCIe peer-to-peer traffic routed through the IOMMU / ACS (PCIe "
+    "Access Control Services), whether or not the IOMMU was detected: disable ACS in the BIOS "
+    "(or per bridge with setpci), or boot with iommu=pt (intel_iommu=on iommu=pt / amd_iommu=on "
+    "iommu=pt), or disable the IOMMU; NCCL_P2P_DISABLE=1 avoids the peer path meanwhile")
+
+#: The words for a timeout judged from the workers' progress, cut before the deadline.
+HANG_WORDS = ("the probe hung (judged from its ranks' progress, cut before the deadline): a "
+              "rank stuck in communicator setup or a collective, or one that never arrived "
+              "while the others waited")
 
 #: Classified causes, with the words a user can act on.
 CAUSES: dict[str, str] = {
@@ -28,6 +60,8 @@ CAUSES: dict[str, str] = {
     "nccl_invalid_usage": "NCCL rejected its configuration (ncclInvalidUsage): an NCCL_* variable "
     "names an unknown algorithm, protocol, network or interface",
     "nccl_error": "NCCL failed (ncclSystemError / ncclInternalError / remote error)",
+    "nccl_network": "NCCL could not connect its ranks over the network interface it picked (a "
+    "USB or unroutable interface); on one node NCCL_SOCKET_IFNAME=lo (loopback) works",
     "oom": "the GPU ran out of memory: another process holds it, or the probe's buffers do not "
     "fit; free the GPU",
     "cuda_error": "an unhandled CUDA error inside NCCL: often P2P between these GPUs is broken, "
@@ -39,7 +73,10 @@ CAUSES: dict[str, str] = {
     "timeout_short": "the probe's timeout ran out before its workers could start, which is not "
     "a hang",
     "crash": "a worker died from a signal",
-    "wrong_result": "the all-reduce completed with a wrong value",
+    "wrong_result": "the all-reduce completed with a wrong value" + _ROUTING,
+    "nan_result": "the all-reduce completed with NaN values" + _ROUTING,
+    "zero_result": "the all-reduce completed with zeros where data was sent (peer copies that "
+    "return zeros)" + _ROUTING,
     "backend_unavailable": "this build of the framework does not have the backend",
     "no_device": "the worker saw fewer devices than it needs",
     "worker_error": "the probe worker raised an error",
@@ -61,6 +98,7 @@ class ProbeSpec:
     world_size: int = 1
     timeout_s: float = 30.0
     message_bytes: int = 16 << 20  # all-reduce size for the bandwidth figure
+    check_bytes: tuple[int, ...] = ()  # more sizes to check exactly (the user's largest bucket)
     train_step: bool = True
     logical_cpus: int = 0  # TF: replicas on N logical CPU devices (testing without GPUs)
 
@@ -77,6 +115,9 @@ class ProbeResult:
     stderr_tail: str = ""
     bus_bandwidth_gbps: float | None = None  # measured at message_bytes
     message_bytes: int | None = None
+    #: the spread of the timed all-reduces, relative: (slowest - fastest) / median; a speed
+    #: difference smaller than this is noise (see the planner's ranking)
+    bandwidth_spread: float | None = None
     step_seconds: float | None = None  # one training step after warm-up
     ranks: int = 1
     extra: tuple[tuple[str, str], ...] = field(default=())
@@ -87,7 +128,7 @@ class ProbeResult:
 
     def why(self) -> str:
         """One line: the cause in words plus the detail."""
-        words = CAUSES.get(self.cause, self.cause)
+        words = HANG_WORDS if judged_hang(self) else CAUSES.get(self.cause, self.cause)
         if self.detail and self.detail not in words:
             return f"{words}: {self.detail}" if words else self.detail
         return words
@@ -129,6 +170,7 @@ class ProbeResult:
             stderr_tail=_text(d, "stderr_tail"),
             bus_bandwidth_gbps=_maybe(d, "bus_bandwidth_gbps", _number),
             message_bytes=_maybe(d, "message_bytes", _count),
+            bandwidth_spread=_maybe(d, "bandwidth_spread", _number),
             step_seconds=_maybe(d, "step_seconds", _number),
             ranks=_count(d, "ranks", 1),
             extra=tuple((str(k), str(v)) for k, v in extra),
@@ -136,6 +178,8 @@ class ProbeResult:
 
 
 _STATUSES = frozenset({OK, ERROR, TIMEOUT})
+#: Causes of a collective that completed with bad values (each its own cause).
+VALUE_CAUSES = ("wrong_result", "nan_result", "zero_result")
 _T = TypeVar("_T", int, float)
 
 
@@ -192,6 +236,11 @@ _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("backend_unavailable", re.compile(r"not built with|Distributed package doesn't have NCCL|"
                                         r"NCCL is not available|No OpKernel was registered|"
                                         r"no OpKernel|Could not find device for node.*Nccl", re.I)),
+    # NCCL's socket layer failing to reach a peer over the interface it chose.
+    ("nccl_network", re.compile(r"Bootstrap\s*:\s*(?:no socket interface|connection|connect)|"
+                                r"NET/Socket\s*:.*(?:[Cc]onnect|failed)|"
+                                r"socket(?:Connect|Progress|StartConnect|PollConnect)|"
+                                r"Connect to \S+ failed", re.I)),
     ("nccl_error", re.compile(r"ncclSystemError|ncclInternalError|ncclRemoteError|NCCL error|"
                               r"Error invoking NCCL", re.I)),
 )
@@ -215,12 +264,15 @@ def parse_probe(
     outcomes: Sequence[WorkerOutcome],
     elapsed_s: float,
     timed_out: bool,
+    stall: Stall | None = None,
 ) -> ProbeResult:
     """Turn what every worker did into one result. Pure.
 
     Order of blame: the worker whose failure stopped the group (its peers' errors, such as
     "connection reset by peer", are only echoes of it); then a worker that reported an error or
-    wrong value; then a worker that died on its own; then the deadline. A probe is OK only when
+    wrong value; then a worker that died on its own; then a stall the runner judged from the
+    workers' progress (a hang, cut before the deadline: its ``extra`` says where); then the
+    deadline. A probe is OK only when
     every rank reported ``ok`` and its checked value, and exited 0.
     """
     reports: list[dict[str, Any]] = []
@@ -251,7 +303,10 @@ def parse_probe(
         found = _died(o, base)
         if found is not None:
             return found
-    # 3. the deadline
+    # 3. a hang judged from progress records, or the deadline
+    if stall is not None:
+        return base(status=TIMEOUT, cause="timeout", detail=f"hang: {stall.describe()}",
+                    extra=stall_extra(stall))
     if timed_out:
         waiting = [o.rank for o, rep in zip(outcomes, reports, strict=True) if rep.get("status") != "ok"]
         return base(status=TIMEOUT, cause="timeout",
@@ -262,11 +317,13 @@ def parse_probe(
         return base(status=ERROR, cause="worker_error",
                            detail=f"ranks {missing} exited without a report")
     bws = [v for r in reports if (v := _positive(r.get("bus_bandwidth_gbps"))) is not None]
+    spreads = [v for r in reports if (v := _positive(r.get("bandwidth_spread"))) is not None]
     steps = [v for r in reports if (v := _positive(r.get("step_seconds"))) is not None]
     message_bytes = reports[0].get("message_bytes")
     return base(
         status=OK,
         bus_bandwidth_gbps=round(min(bws), 3) if bws else None,
+        bandwidth_spread=round(max(spreads), 3) if spreads and bws else None,
         message_bytes=message_bytes if isinstance(message_bytes, int)
         and not isinstance(message_bytes, bool) and message_bytes > 0 else None,
         step_seconds=round(max(steps), 6) if steps else None,
@@ -275,6 +332,18 @@ def parse_probe(
 
 
 _Make = Callable[..., ProbeResult]
+
+
+def stall_extra(stall: Stall) -> tuple[tuple[str, str], ...]:
+    """A stall as ``extra`` entries of a result (cached with it)."""
+    return (("hang", stall.kind), ("hang_at", stall.where()),
+            ("hang_ranks", ",".join(map(str, stall.ranks))),
+            ("hang_waited_s", f"{stall.waited_s:g}"), ("hang_limit_s", f"{stall.limit_s:g}"))
+
+
+def judged_hang(result: ProbeResult) -> bool:
+    """Whether a timeout was judged from progress (a real hang), not by the deadline alone."""
+    return result.status == TIMEOUT and any(k == "hang" for k, _ in result.extra)
 
 
 def _positive(value: Any) -> float | None:
@@ -288,7 +357,9 @@ def _reported(o: WorkerOutcome, rep: Mapping[str, Any], base: _Make) -> ProbeRes
     """The result a worker's own error report gives, if it made one."""
     err = str(rep.get("error", ""))
     if rep.get("status") == "wrong_result":
-        return base(status=ERROR, cause="wrong_result", detail=f"rank {o.rank}: {_first_line(err)}")
+        reported = rep.get("cause")
+        cause = reported if reported in VALUE_CAUSES else "wrong_result"
+        return base(status=ERROR, cause=cause, detail=f"rank {o.rank}: {_first_line(err)}")
     if rep.get("status") == "error":
         reported = rep.get("cause")
         cause = reported if isinstance(reported, str) and reported in CAUSES and reported \

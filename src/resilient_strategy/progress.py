@@ -285,6 +285,14 @@ class StallWatcher:
                     self._done_k[r] = max(self._done_k[r], rec.k)
                     if rec.nbytes >= 1 << 20 and rec.took_s > 0:
                         self.s_per_byte = max(self.s_per_byte, rec.took_s / rec.nbytes)
+            # Records overwrite each other between polls: a rank seen outside any collective
+            # (a step done, finished, ...) has left every collective it entered, and one seen
+            # inside collective k has left the ones before it, whether or not the watcher saw
+            # their "left" records.
+            if rec.phase == COLLECTIVE:
+                self._done_k[r] = max(self._done_k[r], rec.k - 1)
+            elif rec.phase != COLLECTIVE_DONE:
+                self._done_k[r] = max(self._done_k[r], self._entered_k[r])
 
     def poll(self, now: float | None = None) -> Stall | None:
         """Read the records, then judge: a :class:`Stall`, or None while all is well."""

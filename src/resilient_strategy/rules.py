@@ -46,6 +46,7 @@ FACT_NAMES: tuple[str, ...] = (
     "gpus.mixed",
     "links.all_nvlink", "links.any_pcie_only", "links.p2p_unsupported", "links.cross_socket",
     "driver.version", "driver.cuda",
+    "plan.replicas",
     "host.shm_mb", "host.container", "host.in_container", "host.wsl2", "host.sagemaker",
     "host.aws", "host.efa", "host.infiniband", "host.iommu", "host.platform",
     *(f"{fw}.{name}" for fw in ("torch", "tensorflow", "keras") for name in _FRAMEWORK_FACTS),
@@ -310,14 +311,17 @@ def _kernel_coverage(archs: Sequence[str], gpus: Sequence[Gpu]) -> str | None:
     return worst
 
 
-def fact_values(facts: Facts, framework: str) -> dict[str, FactValue]:
-    """Every name a rule clause can use, computed from the facts (pure)."""
+def fact_values(facts: Facts, framework: str, replicas: int | None = None
+                ) -> dict[str, FactValue]:
+    """Every name a rule clause can use, computed from the facts (pure); ``replicas`` is the
+    planner's ``plan.replicas`` (None, unknown, outside a plan)."""
     gpus = facts.gpus
     ccs = [Version(g.cc) for g in gpus if g.compute_capability != (0, 0)]  # (0, 0): unread
     links = facts.link_summary()
     h = facts.host
     values: dict[str, FactValue] = {
         "framework": framework,
+        "plan.replicas": replicas,
         "gpus.count": len(gpus),
         "gpus.names": tuple(g.name for g in gpus),
         "gpus.min_cc": min(ccs) if ccs else None,
@@ -411,9 +415,12 @@ def clause_holds(clause: Clause, values: Mapping[str, FactValue]) -> bool:
     return result != clause.negate
 
 
-def fired(rules: Iterable[Rule], facts: Facts, framework: str) -> tuple[Rule, ...]:
-    """The rules whose clauses all hold for these facts and framework, in order."""
-    values = fact_values(facts, framework)
+def fired(rules: Iterable[Rule], facts: Facts, framework: str,
+          replicas: int | None = None) -> tuple[Rule, ...]:
+    """The rules whose clauses all hold for these facts and framework, in order. ``replicas``
+    (``plan.replicas``) is the number of devices a multi-device strategy would use: the GPUs
+    after ``devices=`` and CUDA_VISIBLE_DEVICES, or the logical CPUs in TF's test mode."""
+    values = fact_values(facts, framework, replicas)
     return tuple(
         r for r in rules
         if (not r.framework or r.framework == framework)

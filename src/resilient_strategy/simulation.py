@@ -21,6 +21,9 @@ from .probe import CAUSES, ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec
 from .visible import MigDevice, PhysicalGpu, job_gpu, renumber_links, resolve_visible_devices
 from .vocab import FRAMEWORKS
 
+#: Kinds of hang a simulated probe can be judged to have (see :class:`.progress.Stall`).
+HANG_KINDS = ("setup", "collective", "straggler", "quiet")
+
 
 def gpu(
     index: int = 0,
@@ -321,6 +324,9 @@ Outcome = str | ProbeResult | Mapping[str, Any]
 class SimulatedProber:
     """Answers probes from a table instead of running them, and records what was asked.
 
+    Outcomes: "ok", "ok:<GB/s>", "timeout" (a hang cut at the deadline), "hang:<kind>" (a hang
+    judged from progress: setup, collective, straggler, quiet), "error:<cause>".
+
     Keys: a backend with no extra environment ("nccl", "gloo", "hierarchical_copy", ...); a
     backend with the exact environment of a remedy ("nccl+NCCL_P2P_DISABLE=1", several sorted
     and joined by ","); "nccl+*" for every remedy; "*" for everything. The most specific key
@@ -345,7 +351,7 @@ class SimulatedProber:
         keys = [f"{spec.backend}+{env_key}", f"{spec.backend}+*"] if env_key else [spec.backend]
         out = next((self.outcomes[k] for k in (*keys, "*") if k in self.outcomes), self.default)
         res = _parse(spec.candidate, out)
-        if res.status == TIMEOUT:  # a hang lasts exactly as long as the probe was given
+        if res.status == TIMEOUT and not res.extra:  # cut by the deadline: the whole timeout
             res = replace(res, elapsed_s=spec.timeout_s)
         else:
             res = replace(res, elapsed_s=min(res.elapsed_s, spec.timeout_s))
@@ -380,11 +386,15 @@ def _parse(candidate: str, out: Outcome) -> ProbeResult:
         return ProbeResult(candidate, OK, 2.0, bus_bandwidth_gbps=bw, detail="simulated")
     if kind == TIMEOUT:
         return ProbeResult(candidate, TIMEOUT, 30.0, "timeout", "simulated hang")
+    if kind == "hang" and arg in HANG_KINDS:  # a hang judged from progress, cut early
+        return ProbeResult(candidate, TIMEOUT, 8.0, "timeout", f"simulated hang ({arg})",
+                           extra=(("hang", arg),))
     if kind == ERROR and arg in CAUSES:
         return ProbeResult(candidate, ERROR, 1.0, arg, "simulated failure")
     raise ValueError(
-        f"probe outcome {out!r}: use 'ok', 'ok:<GB/s>', 'timeout' or 'error:<cause>' with a "
-        f"cause in {sorted(c for c in CAUSES if c)}"
+        f"probe outcome {out!r}: use 'ok', 'ok:<GB/s>', 'timeout', 'hang:<kind>' with a kind in "
+        f"{list(HANG_KINDS)} (a hang cut early, from progress) or 'error:<cause>' with a cause "
+        f"in {sorted(c for c in CAUSES if c)}"
     )
 
 

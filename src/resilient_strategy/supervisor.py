@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import re
@@ -46,6 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import _env
+from ._bounded import parse_json
 from .errors import InvalidOptionError, NoWorkingStrategyError, ResilientStrategyError
 from .handoff import CHECKPOINT_NOTE, Decision, error_path, progress_path, write_decision
 from .options import MIN_STALL_S, RunOptions, run_options_from
@@ -511,7 +511,7 @@ def _last_checkpoint(session: Path) -> tuple[int, str] | None:
     best: tuple[int, str] | None = None
     for note in session.glob(f"attempt*/{CHECKPOINT_NOTE}"):
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            data = json.loads(note.read_text(encoding="utf-8"))
+            data = parse_json(note.read_bytes(), str(note), allow_nan=True)  # bounded
             if best is None or int(data["step"]) > best[0]:
                 best = (int(data["step"]), str(data["path"]))
     return best
@@ -619,7 +619,7 @@ def _launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
 
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = parse_json(path.read_bytes(), str(path), allow_nan=True)  # bounded
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None

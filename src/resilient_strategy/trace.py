@@ -97,6 +97,9 @@ class FactsSeen(Event):
     version: str | None
     cuda: str | None
     nccl: str | None
+    #: the NVIDIA driver (rules key on driver.version); in the event and the JSON, while the
+    #: line leaves it to the doctor's facts
+    driver: str | None = None
 
     def text(self) -> str:
         gpu_text = f"{self.gpus} GPU(s) ({', '.join(self.names)})" if self.gpus else "no GPU"
@@ -113,7 +116,8 @@ class Note(Event):
     ``no_gpu_facts``, ``visible_devices``, ``nvml_unread``, ``devices_asked``, ``logical_cpus``,
     ``cpu_only_build``, ``too_few_gpus``, ``multi_node``, ``one_process``, ``no_global_batch``,
     ``batch_not_split``, ``batch_shrinks_replicas``, ``prefer_impossible``, ``fault_injection``
-    (the cache is neither read nor written for a rehearsal).
+    (the cache is neither read nor written for a rehearsal), ``within_noise`` (measured speeds
+    within their measured noise kept the chain's order).
     """
 
     kind: ClassVar[str] = "note"
@@ -153,7 +157,8 @@ class RuleFired(Event):
     ``action``: ``warn``, ``veto`` (``candidates`` ruled out), ``prefer`` (``targets`` first),
     ``set_env`` (``env`` set for NCCL), ``remedy_added`` (NCCL with ``env`` added, tried before
     plain NCCL when ``first``), ``remedy_exists`` (that remedy was a candidate already),
-    ``nothing_to_act_on`` (no NCCL candidate left).
+    ``nothing_to_act_on`` (no NCCL candidate left), ``already_ruled_out`` (an earlier rule
+    removed its ``targets``; its advice still stands).
     """
 
     kind: ClassVar[str] = "rule_fired"
@@ -186,6 +191,9 @@ class RuleFired(Event):
                     f"candidate: {self.cite}")
         if a == "nothing_to_act_on":
             return f"Rule {self.rule} has nothing to act on: no NCCL candidate is left."
+        if a == "already_ruled_out":
+            return (f"Rule {self.rule} also applies to {', '.join(self.targets)}, already ruled "
+                    f"out: {self.cite}")
         when = "before" if self.first else "after"
         return f"Added NCCL with {_env_text(self.env)}, tried {when} plain NCCL: {self.cite}"
 
@@ -232,13 +240,18 @@ class CandidateRuledOut(Event):
 
 @dataclass(frozen=True)
 class RemedyQueued(Event):
-    """After plain NCCL failed with ``cause``, this remedy is tried next."""
+    """After plain NCCL failed with ``cause``, this remedy is tried next; ``on_top_of`` names
+    the remedy that failed with that (new) cause, whose variables this one keeps."""
 
     kind: ClassVar[str] = "remedy_queued"
     candidate: Candidate
     cause: str
+    on_top_of: Candidate | None = None
 
     def text(self) -> str:
+        if self.on_top_of is not None:
+            return (f"Will try {self.candidate.label}: the remedy {self.on_top_of.label} failed "
+                    f"on {self.cause}, so that cause's remedy is added on top.")
         return f"Will try {self.candidate.label}, the usual remedy for {self.cause}."
 
 

@@ -58,6 +58,8 @@ MIRRORED_OPS = {
     "reduction_to_one_device": "ReductionToOneDevice",
 }
 ONE_DEVICE = ("single_device", "cpu")
+#: Fallbacks whose cross-device op an XLA-compiled train step would bypass.
+XLA_BYPASSED = ("hierarchical_copy", "reduction_to_one_device")
 
 
 class LogicalDevicesError(ResilientStrategyError, RuntimeError):
@@ -273,11 +275,42 @@ class TfRuntime:
 
     def callbacks(self) -> list[Any]:
         """Keras callbacks for ``model.fit(..., callbacks=rt.callbacks())``: on the accumulation
-        fallback, one that runs :meth:`check_optimizer` on the model when training begins;
-        otherwise none (so this never imports Keras then)."""
-        if self.accumulation_steps == 1:
+        fallback, or a fallback whose cross-device op XLA would bypass, one that runs
+        :meth:`check_model` when training begins; otherwise none (so this never imports Keras
+        then)."""
+        if self.accumulation_steps == 1 and self.backend not in XLA_BYPASSED:
             return []
         return [_check_callback_class()(self)]
+
+    def check_model(self, model: Any) -> None:
+        """The fit-time checks: :meth:`check_optimizer` (accumulation) and :meth:`check_xla`."""
+        if self.accumulation_steps > 1:
+            self.check_optimizer(model)
+        self.check_xla(model)
+
+    def check_xla(self, model: Any) -> bool:
+        """Make a HierarchicalCopy / ReductionToOneDevice fallback real under ``jit_compile``.
+
+        A train step compiled with XLA reduces its gradients with XLA's own all-reduce and
+        ignores ``cross_device_ops``, so the fallback chosen because NCCL failed would not take
+        effect. When the model compiled with ``jit_compile=True``, this turns XLA off for that
+        model (the numbers are the same; XLA only changes speed), rebuilds its train function,
+        and warns; returns whether it did. Keras's ``jit_compile="auto"`` already resolves to
+        False under a ``tf.distribute`` strategy."""
+        if self.backend not in XLA_BYPASSED or getattr(model, "jit_compile", False) is not True:
+            return False
+        model.jit_compile = False
+        rebuild = getattr(model, "make_train_function", None)
+        if callable(rebuild):
+            rebuild(force=True)
+        log.warning(
+            "resilient_strategy: the model was compiled with jit_compile=True, but under XLA "
+            "MirroredStrategy reduces with its own all-reduce and ignores cross_device_ops, so "
+            "the %s fallback (chosen because NCCL failed) would not take effect. Turned XLA off "
+            "for this model; compile with jit_compile=False to keep it off without this warning.",
+            MIRRORED_OPS[self.backend],
+        )
+        return True
 
     @property
     def batch_size_to_feed(self) -> int | None:
@@ -370,14 +403,14 @@ def _check_callback_class() -> type[Any]:
     import keras
 
     class CheckAccumulation(keras.callbacks.Callback):  # type: ignore[misc]
-        """Runs ``TfRuntime.check_optimizer`` on the model before the first training step."""
+        """Runs ``TfRuntime.check_model`` on the model before the first training step."""
 
         def __init__(self, runtime: TfRuntime) -> None:
             super().__init__()
             self.runtime = runtime
 
         def on_train_begin(self, logs: Any = None) -> None:
-            self.runtime.check_optimizer(self.model)
+            self.runtime.check_model(self.model)
 
     return CheckAccumulation
 

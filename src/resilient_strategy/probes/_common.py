@@ -14,7 +14,61 @@ from typing import Any, NoReturn
 from .._files import write_json_atomic
 
 FAULT_VAR = "RESILIENT_STRATEGY_PROBE_FAULT"
-FAULTS = ("hang", "exit", "wrong")
+#: ``hang``: sleep forever before the first collective (communicator ready); ``hang_setup``:
+#: inside communicator setup; ``hang_collective``: inside collective 1; ``exit``: exit 1 without
+#: a report; ``wrong`` / ``nan`` / ``zero``: corrupt the all-reduce (one value off by one, a NaN
+#: in the contribution, a chunk of the result zeroed as a broken peer copy would leave it).
+FAULTS = ("hang", "hang_setup", "hang_collective", "exit", "wrong", "nan", "zero")
+HANGS = ("hang", "hang_setup", "hang_collective")
+#: Causes of a collective that completed with bad values.
+VALUE_CAUSES = ("wrong_result", "nan_result", "zero_result")
+
+
+#: Sizes every multi-rank probe checks exactly, in bytes: the old 1,024-element check, below
+#: the 512 KiB where NCCL 2.26.2 failed on RTX PRO 6000, 1 MiB (DDP's first bucket) and DDP's
+#: 25 MiB default bucket. ``--check-bytes`` adds more (the user's largest gradient bucket).
+CHECK_BYTES = (4 << 10, 256 << 10, 1 << 20, 25 << 20)
+CHECK_ITERS = 3  # iterations per size (each with different contributions)
+MAX_CHECK_BYTES = 256 << 20
+#: The contributions are multiples of the pattern 1..PATTERN_MOD: rank r adds
+#: (r + 1 + it * world) x pattern in iteration it, so each sum is exact in float32 (below 2**24)
+#: for up to 8 ranks and 16 iterations, and differs from every other iteration's.
+PATTERN_MOD = 509
+STEP_ALLOW_S = 20.0  # DDP construction and first step (bucket building; slow on a loaded host): a
+#: hang there is rare, and the checked all-reduces before it catch a broken transport in seconds
+
+
+def check_sizes(extra: str) -> list[int]:
+    """The sizes to check: :data:`CHECK_BYTES` plus the valid ones in ``extra``, sorted."""
+    sizes = set(CHECK_BYTES)
+    for part in extra.split(","):
+        if part.strip().isdigit() and 4 <= int(part) <= MAX_CHECK_BYTES:
+            sizes.add(int(part) // 4 * 4)
+    return sorted(sizes)
+
+
+def contribution(rank: int, world: int, it: int) -> int:
+    return rank + 1 + it * world
+
+
+def expected_sum(world: int, it: int) -> int:
+    return sum(contribution(r, world, it) for r in range(world))
+
+
+def spread(times: list[float]) -> float:
+    """(slowest - fastest) / median of timed repetitions: the measured noise, relative."""
+    if len(times) < 2:
+        return 0.0
+    ordered = sorted(times)
+    median = ordered[len(ordered) // 2]
+    return (ordered[-1] - ordered[0]) / median if median > 0 else 0.0
+
+
+def human(nbytes: int) -> str:
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):g} {unit}"
+    return f"{nbytes} B"
 
 
 class ProbeFailure(Exception):
@@ -23,7 +77,7 @@ class ProbeFailure(Exception):
     def __init__(self, cause: str, message: str) -> None:
         super().__init__(message)
         self.cause = cause
-        self.status = "wrong_result" if cause == "wrong_result" else "error"
+        self.status = "wrong_result" if cause in VALUE_CAUSES else "error"
 
 
 def add_common_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,10 +86,13 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", required=True)
     p.add_argument("--no-train-step", dest="train_step", action="store_false")
     p.add_argument("--parent-pid", type=int, default=None)
+    p.add_argument("--progress", default="", help="this rank's progress record file")
+    p.add_argument("--check-bytes", default="",
+                   help="extra all-reduce sizes to check exactly (comma-separated bytes)")
 
 
 def fault_for(rank: int, env: Mapping[str, str], backend: str = "") -> str:
-    """The fault ``env`` injects into ``rank`` ("hang", "exit", "wrong"), or "".
+    """The fault ``env`` injects into ``rank`` (one of :data:`FAULTS`), or "".
 
     ``kind:rank`` hits every probe; ``kind:rank:backend`` only probes of that backend (e.g.
     ``hang:1:nccl``: NCCL hangs, gloo works).
@@ -50,10 +107,11 @@ def fault_for(rank: int, env: Mapping[str, str], backend: str = "") -> str:
         return ""
 
 
-def act_on_fault(kind: str, rank: int) -> None:
-    """Hang or exit here when told to ("wrong" is applied by the caller to its data)."""
-    if kind == "hang":
-        print(f"{FAULT_VAR}: rank {rank} hangs", file=sys.stderr, flush=True)
+def act_on_fault(kind: str, rank: int, where: str = "hang") -> None:
+    """Hang (when ``kind`` is the hang for ``where``) or exit here when told to; data faults are
+    applied by the caller."""
+    if kind in HANGS and kind == where:
+        print(f"{FAULT_VAR}: rank {rank} hangs ({kind})", file=sys.stderr, flush=True)
         while True:
             time.sleep(3600)
     if kind == "exit":

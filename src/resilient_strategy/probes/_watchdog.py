@@ -17,11 +17,9 @@ _PR_SET_PDEATHSIG = 1
 EXIT_PARENT_GONE = 3
 
 
-def watch_parent(expected_parent: int | None = None, interval_s: float = 0.2) -> None:
-    """Exit (code 3) as soon as the parent changes; ``expected_parent`` defaults to the current one.
-
-    Passing the parent's pid closes the race where the parent died before this call.
-    """
+def die_with_parent(expected_parent: int | None = None) -> int:
+    """SIGKILL this process when its parent dies (Linux), and exit (code 3) at once if the
+    parent already changed; returns the parent's pid. Starts no thread."""
     parent = os.getppid() if expected_parent is None else expected_parent
     if sys.platform.startswith("linux"):
         try:  # fires when the parent *thread* that forked us exits; harmless: it waits for us
@@ -31,6 +29,15 @@ def watch_parent(expected_parent: int | None = None, interval_s: float = 0.2) ->
             pass
     if os.getppid() != parent:
         os._exit(EXIT_PARENT_GONE)
+    return parent
+
+
+def watch_parent(expected_parent: int | None = None, interval_s: float = 0.2) -> None:
+    """Exit (code 3) as soon as the parent changes; ``expected_parent`` defaults to the current one.
+
+    Passing the parent's pid closes the race where the parent died before this call.
+    """
+    parent = die_with_parent(expected_parent)
 
     def check() -> None:
         while True:

@@ -12,8 +12,11 @@ checked exactly, times one of ``--message-bytes``, and trains a tiny Keras model
 
 ``--logical-cpus N`` splits the CPU into N logical devices (a test mode for machines without
 GPUs); it must happen before anything starts the TF runtime, so it is the first TF call.
-``RESILIENT_STRATEGY_PROBE_FAULT``: ``hang:0`` / ``exit:0`` act on this process, ``wrong:<r>``
-corrupts replica r's contribution (see ``torch_worker``).
+``RESILIENT_STRATEGY_PROBE_FAULT``: ``hang:0`` (before the first all-reduce), ``hang_setup:0``
+(in strategy creation), ``hang_collective:0`` (inside the first all-reduce) act on this process;
+``wrong:<r>`` / ``nan:<r>`` / ``zero:<r>`` corrupt replica r's contribution or result (see
+``torch_worker``). Progress goes to ``--progress`` (:mod:`resilient_strategy.progress`); each
+all-reduce is checked exactly at the sizes ``torch_worker`` checks.
 """
 
 from __future__ import annotations
@@ -25,11 +28,25 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ._common import ProbeFailure, act_on_fault, add_common_arguments, fault_for, run_worker
+from ..progress import COMM_READY, COMM_SETUP, DEVICE_READY, FINISHED, IMPORTED, ProgressWriter
+from ._common import (
+    CHECK_ITERS,
+    PATTERN_MOD,
+    ProbeFailure,
+    act_on_fault,
+    add_common_arguments,
+    check_sizes,
+    expected_sum,
+    fault_for,
+    human,
+    run_worker,
+    spread,
+)
 from ._watchdog import watch_parent
 
-CHECK_NUMEL = 1024
 WARMUP, ITERS = 2, 10
+TRACE_ALLOW_S = 10.0  # the first call at a size traces and compiles a tf.function
+FIT_ALLOW_S = 20.0  # model.fit builds, traces and compiles its train function
 PER_REPLICA_BATCH = 8
 MIRRORED = ("nccl", "hierarchical_copy", "reduction_to_one_device")
 
@@ -45,26 +62,42 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def probe(args: argparse.Namespace, report: dict[str, Any]) -> None:
     os.environ["KERAS_BACKEND"] = "tensorflow"  # a MirroredStrategy trains only TF-backed models
-    act_on_fault(fault_for(0, os.environ, args.backend), 0)
+    progress = ProgressWriter(args.progress)
+    fault0 = fault_for(0, os.environ, args.backend)
     import tensorflow as tf
 
+    progress.phase(IMPORTED)
     names = _configure_devices(tf, args)
+    progress.phase(DEVICE_READY)
+    progress.phase(COMM_SETUP)
+    act_on_fault(fault0, 0, "hang_setup")
     strategy = _strategy(tf, args.backend, names)
+    progress.phase(COMM_READY)
+    act_on_fault(fault0, 0)
     replicas = int(strategy.num_replicas_in_sync)
     faults = [fault_for(r, os.environ, args.backend) for r in range(replicas)]
-    wrong = faults.index("wrong") if "wrong" in faults else -1
     used = ", ".join(names[:replicas])
     parts = [f"{args.backend} over {replicas} replica(s) on {used}; TF {tf.__version__}"]
-    _check_all_reduce(tf, strategy, replicas, wrong)
-    parts.append("all-reduce exact")
+    checker = _Checker(tf, strategy, replicas, faults, progress)
+    sizes = check_sizes(args.check_bytes)
+    for nbytes in sizes:
+        checker.checked(nbytes, CHECK_ITERS)
+    parts.append(f"all-reduce exact at {len(sizes)} sizes "
+                 f"({human(min(sizes))}..{human(max(sizes))}) x{CHECK_ITERS}")
     if replicas > 1:
-        gbps = _bus_bandwidth(tf, strategy, replicas, args.message_bytes)
-        report.update(bus_bandwidth_gbps=round(gbps, 3), message_bytes=args.message_bytes)
+        per_op, noise = checker.timed(args.message_bytes, ITERS, warmup=WARMUP)
+        nbytes = max(1, args.message_bytes // 4) * 4
+        gbps = nbytes / per_op * 2 * (replicas - 1) / replicas / 1e9
+        report.update(bus_bandwidth_gbps=round(gbps, 3), message_bytes=args.message_bytes,
+                          bandwidth_spread=round(noise, 3))
         parts.append(f"{gbps:.2f} GB/s bus at {args.message_bytes / 2**20:g} MiB")
     if args.train_step:
-        seconds = _fit(tf, strategy, replicas)
+        checker.k += 1
+        with progress.collective(checker.k, 0, allow_s=FIT_ALLOW_S):  # builds and traces
+            seconds = _fit(tf, strategy, replicas)
         report["step_seconds"] = round(seconds, 6)
         parts.append(f"fit step {seconds * 1e3:.1f} ms")
+    progress.phase(FINISHED)
     report["detail"] = "; ".join(parts)
 
 
@@ -107,61 +140,111 @@ def _strategy(tf: Any, backend: str, names: list[str]) -> Any:
     return tf.distribute.MirroredStrategy(devices=names, cross_device_ops=ops)
 
 
-def _check_all_reduce(tf: Any, strategy: Any, replicas: int, wrong: int) -> None:
-    def run() -> Any:
-        def fn() -> Any:
-            ctx = tf.distribute.get_replica_context()
-            rid = ctx.replica_id_in_sync_group
-            x = tf.range(CHECK_NUMEL, dtype=tf.float32) + 1000.0 * tf.cast(rid + 1, tf.float32)
-            if wrong >= 0:
-                x += tf.cast(tf.equal(rid, wrong), tf.float32) * tf.one_hot(
-                    CHECK_NUMEL // 2, CHECK_NUMEL)
-            return ctx.all_reduce(tf.distribute.ReduceOp.SUM, x)
+class _Checker:
+    """Replica-context all-reduces checked exactly (see ``torch_worker``), numbered and reported
+    to the runner as they run."""
 
-        return strategy.run(fn)
+    def __init__(self, tf: Any, strategy: Any, replicas: int, faults: Sequence[str],
+                 progress: ProgressWriter) -> None:
+        self.tf, self.strategy, self.replicas = tf, strategy, replicas
+        self.faults, self.progress = list(faults), progress
+        self.k = 0
 
+        wrong = self.faults.index("wrong") if "wrong" in self.faults else -1
+        nan = self.faults.index("nan") if "nan" in self.faults else -1
+
+        def step(numel: Any, it: Any) -> Any:
+            def fn() -> Any:  # built on each replica's own device, as gradients are
+                ctx = tf.distribute.get_replica_context()
+                rid = ctx.replica_id_in_sync_group
+                pattern = tf.cast(tf.range(numel) % PATTERN_MOD + 1, tf.float32)
+                mine = pattern * tf.cast(rid + 1 + it * replicas, tf.float32)
+                if wrong >= 0:
+                    mine += tf.cast(tf.equal(rid, wrong), tf.float32) * tf.one_hot(
+                        numel // 2, numel)
+                if nan >= 0:
+                    mine = tf.cond(tf.equal(rid, nan), lambda: tf.tensor_scatter_nd_update(
+                        mine, [[numel // 3]], [float("nan")]), lambda: mine)
+                return ctx.all_reduce(tf.distribute.ReduceOp.SUM, mine)
+
+            return strategy.run(fn)
+
+        self._compiled = tf.function(step)
+        self._traced = False
+
+    def checked(self, nbytes: int, iters: int, warmup: int = 0) -> tuple[float, float]:
+        import numpy as np
+
+        tf, strategy, replicas = self.tf, self.strategy, self.replicas
+        numel = max(1, nbytes // 4)
+        pattern = (np.arange(numel, dtype=np.int64) % PATTERN_MOD + 1).astype(np.float32)
+        times: list[float] = []
+        for it in range(warmup + iters):
+            self.k += 1
+            first, self._traced = not self._traced, True
+            t0 = time.perf_counter()
+            self.progress.enter(self.k, numel * 4, allow_s=TRACE_ALLOW_S if first else 0.0)
+            if self.k == 1:
+                act_on_fault(self.faults[0] if self.faults else "", 0, "hang_collective")
+            out = self._compiled(tf.constant(numel, tf.int32), tf.constant(it, tf.int32))
+            results = [np.asarray(v) for v in strategy.experimental_local_results(out)]
+            self.progress.leave(self.k, numel * 4)
+            if it >= warmup:
+                times.append(time.perf_counter() - t0)
+            expected = pattern * np.float32(expected_sum(replicas, it))
+            for r, got in enumerate(results):
+                if self.faults[r:r + 1] == ["zero"]:
+                    got = got.copy()
+                    got[numel // 4: numel // 2] = 0.0
+                if not np.array_equal(got, expected):
+                    _mismatch(got, expected, numel, replicas, it, r)
+        return sum(times) / max(1, len(times)), spread(times)
+
+    def timed(self, nbytes: int, iters: int, warmup: int = 0) -> tuple[float, float]:
+        """All-reduces of zeros timed alone (a one-element fetch to wait on): the bandwidth figure
+        and its spread. Checking values needs the whole result on the host, which would be timed
+        too; the checked sizes (4 KiB..25 MiB) already span this one."""
+        tf, strategy = self.tf, self.strategy
+        numel = max(1, nbytes // 4)
+        values = strategy.experimental_distribute_values_from_function(
+            lambda _ctx: tf.zeros([numel], tf.float32))
+
+        def run(v: Any) -> Any:
+            def fn(x: Any) -> Any:
+                ctx = tf.distribute.get_replica_context()
+                return ctx.all_reduce(tf.distribute.ReduceOp.SUM, x)[:1]
+
+            return strategy.run(fn, args=(v,))
+
+        compiled = tf.function(run)
+        times: list[float] = []
+        for it in range(warmup + iters):
+            self.k += 1
+            t0 = time.perf_counter()
+            with self.progress.collective(self.k, numel * 4,
+                                          allow_s=TRACE_ALLOW_S if it == 0 else 0.0):
+                for part in strategy.experimental_local_results(compiled(values)):
+                    part.numpy()
+            if it >= warmup:
+                times.append(time.perf_counter() - t0)
+        return sum(times) / max(1, len(times)), spread(times)
+
+
+def _mismatch(got: Any, expected: Any, numel: int, replicas: int, it: int, r: int) -> None:
     import numpy as np
 
-    expected = (np.arange(CHECK_NUMEL, dtype=np.float32) * replicas
-                + 1000.0 * replicas * (replicas + 1) / 2).astype(np.float32)
-    for r, value in enumerate(strategy.experimental_local_results(tf.function(run)())):
-        got = np.asarray(value)
-        bad = np.flatnonzero(got != expected)
-        if bad.size:
-            i = int(bad[0])
-            raise ProbeFailure(
-                "wrong_result",
-                f"replica {r}: all-reduce of {CHECK_NUMEL} float32 over {replicas} replicas: "
-                f"{bad.size} values wrong, first at index {i}: {float(got[i])!r} instead of "
-                f"{float(expected[i])!r}",
-            )
-
-
-def _bus_bandwidth(tf: Any, strategy: Any, replicas: int, message_bytes: int) -> float:
-    numel = max(1, message_bytes // 4)
-    values = strategy.experimental_distribute_values_from_function(
-        lambda _ctx: tf.zeros([numel], tf.float32))
-
-    def run(v: Any) -> Any:
-        def fn(x: Any) -> Any:
-            ctx = tf.distribute.get_replica_context()
-            return ctx.all_reduce(tf.distribute.ReduceOp.SUM, x)[:1]  # small fetch to wait on
-
-        return strategy.run(fn, args=(v,))
-
-    compiled = tf.function(run)
-
-    def once() -> None:
-        for part in strategy.experimental_local_results(compiled(values)):
-            part.numpy()
-
-    for _ in range(WARMUP):
-        once()
-    t0 = time.perf_counter()
-    for _ in range(ITERS):
-        once()
-    per_op = (time.perf_counter() - t0) / ITERS
-    return numel * 4 / per_op * 2 * (replicas - 1) / replicas / 1e9
+    bad = np.flatnonzero(got != expected)
+    i = int(bad[0])
+    where = (f"replica {r}: all-reduce of {numel} float32 ({human(numel * 4)}) over {replicas} "
+             f"replicas, iteration {it + 1}: {bad.size} values wrong, first at index {i}: "
+             f"{float(got[i])!r} instead of {float(expected[i])!r}")
+    nans = int(np.isnan(got).sum())
+    zeros = int(((got == 0) & (expected != 0)).sum())
+    if nans:
+        raise ProbeFailure("nan_result", f"{nans} NaN(s) in the {where}")
+    if zeros:
+        raise ProbeFailure("zero_result", f"{zeros} zero(s) in the {where}")
+    raise ProbeFailure("wrong_result", where)
 
 
 def _fit(tf: Any, strategy: Any, replicas: int) -> float:

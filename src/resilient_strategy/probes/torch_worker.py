@@ -8,34 +8,66 @@
 ``--store-prefix``) instead of ``--init-method``: the cross-node probe of a multi-node job meets
 in the launcher's own store (see :mod:`resilient_strategy.multinode`), opening no port of its own.
 
-Steps: an all-reduce whose result is checked exactly (each rank contributes distinct integers
-in float32, so any lost, doubled or corrupted contribution shows); a bus-bandwidth figure from
-timed all-reduces of ``--message-bytes``; one DDP step on a small MLP, after which the
-parameters must be bit-identical on every rank; the time of a second step. Backends
-``single_device`` and ``cpu`` skip the process group and only time the step. The rank writes a
-JSON report to ``--report`` in every case it survives, and exits 0 only when it is ``ok``.
+Steps, each reported to the runner through ``--progress`` (see
+:mod:`resilient_strategy.progress`): started, torch imported, device ready, communicator setup
+and ready, then every collective by number. All-reduces checked exactly at the sizes DDP sends
+(4 KiB, 256 KiB: below the 512 KiB where some NCCL builds first fail, 1 MiB, DDP's 25 MiB
+bucket, ``--check-bytes`` such as the user's largest bucket), several iterations each, with
+contributions that change every iteration (a stale buffer shows); each rank contributes a
+distinct multiple of one integer pattern, so every sum is exact in float32 and any lost,
+doubled, misplaced or corrupted contribution shows. A NaN, a zero or any other wrong value is a
+failure with its own cause. The ``--message-bytes`` all-reduces are checked too and timed for a
+bus-bandwidth figure. Then one DDP step on a small MLP, after which the parameters must be
+bit-identical on every rank, and the time of a second step. Backends ``single_device`` and
+``cpu`` skip the process group and only time the step. The rank writes a JSON report to
+``--report`` in every case it survives, and exits 0 only when it is ``ok``.
 
 Fault injection, to test the runner or rehearse a failure: ``RESILIENT_STRATEGY_PROBE_FAULT`` =
-``hang:<rank>`` (that rank sleeps forever before the collective), ``exit:<rank>`` (it exits 1
-there, without a report) or ``wrong:<rank>`` (it corrupts one value of its contribution).
+``<fault>:<rank>[:<backend>]`` with a fault of :data:`._common.FAULTS`: ``hang`` (sleeps before
+the first collective), ``hang_setup`` (inside communicator setup), ``hang_collective`` (inside
+collective 1), ``exit`` (exits 1 there, without a report), ``wrong`` / ``nan`` / ``zero``
+(corrupts its contribution or its result).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
-from ._common import ProbeFailure, act_on_fault, add_common_arguments, fault_for, run_worker
+from ..progress import (
+    COMM_READY,
+    COMM_SETUP,
+    DEVICE_READY,
+    FINISHED,
+    IMPORTED,
+    ProgressWriter,
+)
+from ._common import (
+    CHECK_ITERS,
+    PATTERN_MOD,
+    STEP_ALLOW_S,
+    ProbeFailure,
+    act_on_fault,
+    add_common_arguments,
+    check_sizes,
+    contribution,
+    expected_sum,
+    fault_for,
+    human,
+    run_worker,
+    spread,
+)
 from ._watchdog import watch_parent
 
-CHECK_NUMEL = 1024  # sums stay far below 2**24, so float32 is exact for any order of addition
 WARMUP, ITERS = 2, 10
+NEW_SIZE_ALLOW_S = 3.0  # the first all-reduce at each size, on top of the transfer
 PROCESS_GROUP_BACKENDS = ("nccl", "gloo")
 
 
@@ -56,35 +88,53 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def probe(args: argparse.Namespace, report: dict[str, Any]) -> None:
     rank, world = args.rank, args.world_size
+    progress = ProgressWriter(args.progress)
     fault = fault_for(rank, os.environ, args.backend)
     import torch
     import torch.distributed as dist
 
+    progress.phase(IMPORTED)
     distributed = args.backend in PROCESS_GROUP_BACKENDS
     if args.backend == "nccl" and not dist.is_nccl_available():
         raise ProbeFailure("backend_unavailable",
                            f"torch {torch.__version__} was built without NCCL")
     device = _device(torch, args, rank)
+    progress.phase(DEVICE_READY)
     if device.type == "cpu" and world > 1 and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as torchrun does
     if distributed:
+        progress.phase(COMM_SETUP)
+        act_on_fault(fault, rank, "hang_setup")
         _init(torch, dist, args, device)
+        progress.phase(COMM_READY)
     act_on_fault(fault, rank)
     parts = [f"{args.backend} x{world} on {device}"]
+    coll = _Collectives(torch, dist, device, rank, world, progress, fault)
     if distributed:
-        _check_all_reduce(torch, dist, device, rank, world, corrupt=fault == "wrong")
-        parts.append("all-reduce exact")
+        sizes = check_sizes(args.check_bytes)
+        for nbytes in sizes:
+            coll.checked(nbytes, CHECK_ITERS)
+        parts.append(f"all-reduce exact at {len(sizes)} sizes "
+                     f"({human(min(sizes))}..{human(max(sizes))}) x{CHECK_ITERS}")
         if world > 1:
-            gbps = _bus_bandwidth(torch, dist, device, world, args.message_bytes)
-            report.update(bus_bandwidth_gbps=round(gbps, 3), message_bytes=args.message_bytes)
-            parts.append(f"{gbps:.2f} GB/s bus at {args.message_bytes / 2**20:g} MiB")
+            per_op, noise = coll.checked(args.message_bytes, ITERS, warmup=WARMUP)
+            nbytes = _numel(args.message_bytes) * 4
+            gbps = nbytes / per_op * 2 * (world - 1) / world / 1e9
+            report.update(bus_bandwidth_gbps=round(gbps, 3), message_bytes=args.message_bytes,
+                          bandwidth_spread=round(noise, 3))
+            parts.append(f"{gbps:.2f} GB/s bus at {args.message_bytes / 2**20:g} MiB, exact")
     if args.train_step:
-        seconds = _train_step(torch, dist if distributed else None, device, rank, world)
+        seconds = _train_step(torch, device, coll if distributed else None)
         report["step_seconds"] = round(seconds, 6)
         parts.append(f"step {seconds * 1e3:.1f} ms")
+    progress.phase(FINISHED)  # teardown is not judged: the outer deadline bounds it
     if distributed:
         dist.destroy_process_group()
     report["detail"] = "; ".join(parts)
+
+
+def _numel(nbytes: int) -> int:
+    return max(1, nbytes // 4)
 
 
 def _device(torch: Any, args: argparse.Namespace, rank: int) -> Any:
@@ -101,6 +151,7 @@ def _device(torch: Any, args: argparse.Namespace, rank: int) -> Any:
         raise ProbeFailure("no_device",
                            f"GPU {index} asked for, torch sees {torch.cuda.device_count()}")
     torch.cuda.set_device(index)
+    torch.zeros(1, device=f"cuda:{index}")  # initialize the context now: "device ready"
     return torch.device("cuda", index)
 
 
@@ -127,53 +178,89 @@ def _sync(torch: Any, device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def _check_all_reduce(
-    torch: Any, dist: Any, device: Any, rank: int, world: int, *, corrupt: bool
-) -> None:
-    base = torch.arange(CHECK_NUMEL, dtype=torch.float32)
-    mine = base + 1000.0 * (rank + 1)
-    if corrupt:
-        mine[CHECK_NUMEL // 2] += 1.0
-    x = mine.to(device)
-    dist.all_reduce(x)
-    got = x.cpu()
-    expected = base * world + 1000.0 * world * (world + 1) / 2
+class _Collectives:
+    """Every collective of the probe, numbered and reported to the runner as it runs."""
+
+    def __init__(self, torch: Any, dist: Any, device: Any, rank: int, world: int,
+                 progress: ProgressWriter, fault: str) -> None:
+        self.torch, self.dist, self.device = torch, dist, device
+        self.rank, self.world, self.progress, self.fault = rank, world, progress, fault
+        self.k = 0
+
+    @contextlib.contextmanager
+    def region(self, nbytes: int, allow_s: float = 0.0) -> Iterator[None]:
+        """One numbered collective (or a step that runs them), synchronized before it ends."""
+        self.k += 1
+        self.progress.enter(self.k, nbytes, allow_s=allow_s)
+        if self.k == 1:
+            act_on_fault(self.fault, self.rank, "hang_collective")
+        yield
+        _sync(self.torch, self.device)
+        self.progress.leave(self.k, nbytes)
+
+    def checked(self, nbytes: int, iters: int, warmup: int = 0) -> tuple[float, float]:
+        """``warmup + iters`` all-reduces of ``nbytes``, each checked exactly; the mean seconds
+        of the timed ones (the all-reduce and its synchronization only)."""
+        torch, rank, world = self.torch, self.rank, self.world
+        numel = _numel(nbytes)
+        # integers 1..PATTERN_MOD: with the multipliers below every sum stays below 2**24
+        pattern = (torch.arange(numel, dtype=torch.int32) % PATTERN_MOD + 1).to(
+            torch.float32).to(self.device)
+        buf = torch.empty_like(pattern)
+        times: list[float] = []
+        for it in range(warmup + iters):
+            torch.mul(pattern, float(contribution(rank, world, it)), out=buf)
+            if self.fault == "wrong":
+                buf[numel // 2] += 1.0
+            elif self.fault == "nan":
+                buf[numel // 3] = float("nan")
+            _sync(torch, self.device)
+            t0 = time.perf_counter()
+            # NCCL connects lazily per algorithm: a new size may set up a new one (NVLS, tree)
+            with self.region(numel * 4, NEW_SIZE_ALLOW_S if it == 0 else 0.0):
+                self.dist.all_reduce(buf)
+            if it >= warmup:
+                times.append(time.perf_counter() - t0)
+            if self.fault == "zero":
+                buf[numel // 4: numel // 2] = 0.0
+            expected = pattern * float(expected_sum(world, it))
+            if not torch.equal(buf, expected):
+                _mismatch(torch, buf.cpu(), expected.cpu(), numel, world, it)
+        return sum(times) / max(1, len(times)), spread(times)
+
+
+def _mismatch(torch: Any, got: Any, expected: Any, numel: int, world: int, it: int) -> None:
     bad = (got != expected).nonzero().flatten()
-    if len(bad):
-        i = int(bad[0])
-        raise ProbeFailure(
-            "wrong_result",
-            f"all-reduce of {CHECK_NUMEL} float32 over {world} ranks: {len(bad)} values wrong, "
-            f"first at index {i}: {float(got[i])!r} instead of {float(expected[i])!r}",
-        )
+    i = int(bad[0])
+    where = (f"all-reduce of {numel} float32 ({human(numel * 4)}) over {world} ranks, "
+             f"iteration {it + 1}: {len(bad)} values wrong, first at index {i}: "
+             f"{float(got[i])!r} instead of {float(expected[i])!r}")
+    nans = int(torch.isnan(got).sum())
+    zeros = int(((got == 0) & (expected != 0)).sum())
+    if nans:
+        raise ProbeFailure("nan_result", f"{nans} NaN(s) in the {where}")
+    if zeros:
+        raise ProbeFailure("zero_result", f"{zeros} zero(s) in the {where}")
+    raise ProbeFailure("wrong_result", where)
 
 
-def _bus_bandwidth(torch: Any, dist: Any, device: Any, world: int, message_bytes: int) -> float:
-    buf = torch.zeros(max(1, message_bytes // 4), dtype=torch.float32, device=device)
-    for _ in range(WARMUP):
-        dist.all_reduce(buf)
-    _sync(torch, device)
-    t0 = time.perf_counter()
-    for _ in range(ITERS):
-        dist.all_reduce(buf)
-    _sync(torch, device)
-    per_op = (time.perf_counter() - t0) / ITERS
-    return float(buf.numel() * 4 / per_op * 2 * (world - 1) / world / 1e9)
-
-
-def _train_step(torch: Any, dist: Any | None, device: Any, rank: int, world: int) -> float:
-    """One warm-up step, then the time of a second; with ``dist``, DDP and a parameter check."""
+def _train_step(torch: Any, device: Any, coll: _Collectives | None) -> float:
+    """One warm-up step, then the time of a second; with ``coll``, DDP and a parameter check."""
+    rank, world = (coll.rank, coll.world) if coll is not None else (0, 1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 16)
     ).to(device)
+    nbytes = sum(p.numel() * 4 for p in model.parameters())
+    region = coll.region if coll is not None else _no_region
     net = model
-    if dist is not None:
+    if coll is not None:
         from torch.nn.parallel import DistributedDataParallel
 
-        net = DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
-        )
+        with region(nbytes, STEP_ALLOW_S):  # DDP broadcasts the parameters
+            net = DistributedDataParallel(
+                model, device_ids=[device.index] if device.type == "cuda" else None
+            )
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(rank + 1)
     x = torch.randn(32, 64, generator=gen).to(device)
@@ -186,22 +273,33 @@ def _train_step(torch: Any, dist: Any | None, device: Any, rank: int, world: int
         opt.step()
         return float(loss.detach())  # waits for the device
 
-    step()
+    with region(nbytes, STEP_ALLOW_S):  # the first step builds DDP's buckets
+        step()
     t0 = time.perf_counter()
-    loss = step()
+    with region(nbytes):
+        loss = step()
     _sync(torch, device)
     seconds = time.perf_counter() - t0
     if not math.isfinite(loss):
-        raise ProbeFailure("wrong_result", f"training step gave a non-finite loss {loss}")
-    if dist is not None and world > 1:
-        sums = torch.stack([p.detach().double().sum() for p in model.parameters()])
+        raise ProbeFailure("nan_result" if math.isnan(loss) else "wrong_result",
+                           f"training step gave a non-finite loss {loss}")
+    if coll is not None and world > 1:
+        dist = coll.dist
+        sums = torch.stack([p.detach().double().sum() for p in model.parameters()]).to(device)
         hi, lo = sums.clone(), sums.clone()
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+        with region(hi.numel() * 8):
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        with region(lo.numel() * 8):
+            dist.all_reduce(lo, op=dist.ReduceOp.MIN)
         if not torch.equal(hi, lo):
             raise ProbeFailure("wrong_result",
                                "after a DDP step the parameters differ between ranks")
     return seconds
+
+
+@contextlib.contextmanager
+def _no_region(nbytes: int, allow_s: float = 0.0) -> Iterator[None]:
+    yield
 
 
 def main(argv: Sequence[str] | None = None) -> None:

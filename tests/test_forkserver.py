@@ -1,0 +1,139 @@
+"""The fork server: torch imported once, workers forked per probe with their own environment and
+session, stopped like any worker, no orphans; fresh interpreters when it is off or gone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from resilient_strategy import _forkserver, _proc
+from resilient_strategy.probe import OK, TIMEOUT, ProbeSpec
+from resilient_strategy.prober import run_probe
+
+pytest.importorskip("torch")
+pytestmark = [pytest.mark.slow, pytest.mark.torch]
+FAULT = "RESILIENT_STRATEGY_PROBE_FAULT"
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+@pytest.fixture
+def env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items()
+            if k not in (FAULT, _forkserver.FORKSERVER_VAR)}
+
+
+@pytest.fixture
+def spawned(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
+    """Every worker the fork server forked during the test (servers fresh, and closed after)."""
+    _forkserver.close_all()
+    seen: list[Any] = []
+    real = _forkserver.ForkServer.spawn
+
+    def spawn(self: _forkserver.ForkServer, *a: Any, **k: Any) -> _forkserver.ForkedProc:
+        seen.append(real(self, *a, **k))
+        return seen[-1]
+
+    monkeypatch.setattr(_forkserver.ForkServer, "spawn", spawn)
+    yield seen
+    _forkserver.close_all()
+
+
+def gone(pid: int, within_s: float = 5.0) -> bool:
+    """Exited: no such process, or a zombie its parent has not reaped yet."""
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+                if f.read().rpartition(")")[2].split()[0] in ("Z", "X"):
+                    return True
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def gloo(**kw: Any) -> ProbeSpec:
+    return ProbeSpec("torch:gloo:cpu", "torch", "gloo", (), world_size=2, timeout_s=60.0,
+                     message_bytes=1 << 20, **kw)
+
+
+def test_probes_fork_from_one_server_with_their_own_environment(
+        env: dict[str, str], spawned: list[Any]) -> None:
+    first = run_probe(gloo(env=(("NCCL_DEBUG", "WARN"),)), env)
+    second = run_probe(ProbeSpec("torch:cpu", "torch", "cpu", (), timeout_s=60.0), env)
+    assert first.status == OK and second.status == OK, first.why() + second.why()
+    assert len(spawned) == 3  # two ranks, then the CPU probe, all forked
+    servers = list(_forkserver._servers.values())
+    assert len(servers) == 1 and servers[0].alive
+    for p in spawned:  # each was its own session, reaped by the server
+        assert p.returncode == 0
+        with pytest.raises(ProcessLookupError):
+            os.killpg(p.pid, 0)
+
+
+def test_a_forked_hang_is_stopped_and_reaped(env: dict[str, str], spawned: list[Any]) -> None:
+    res = run_probe(gloo(), {**env, FAULT: "hang:1"})
+    assert res.status == TIMEOUT and dict(res.extra)["hang"] == "straggler"
+    assert len(spawned) == 2
+    for p in spawned:
+        assert p.returncode is not None  # stopped by the runner, reaped by the server
+        with pytest.raises(ProcessLookupError):
+            os.killpg(p.pid, 0)
+
+
+def test_switched_off_starts_fresh_interpreters(env: dict[str, str], spawned: list[Any]) -> None:
+    res = run_probe(gloo(), {**env, _forkserver.FORKSERVER_VAR: "0"})
+    assert res.status == OK and spawned == []
+
+
+def test_a_server_that_cannot_start_falls_back_to_fresh_processes(
+        env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*a: Any, **k: Any) -> _forkserver.ForkServer:
+        raise _forkserver.ForkServerError("simulated")
+
+    monkeypatch.setattr(_forkserver, "server_for", broken)
+    seen: list[_proc.GroupOutcome] = []
+    real = _proc.run_group
+
+    def watched(*a: Any, **k: Any) -> _proc.GroupOutcome:
+        seen.append(real(*a, **k))
+        return seen[-1]
+
+    monkeypatch.setattr(_proc, "run_group", watched)
+    assert run_probe(gloo(), env).status == OK
+    assert len(seen[-1].pids) == 2
+
+
+def test_the_server_exits_when_idle_and_when_its_parent_dies(tmp_path: Path) -> None:
+    code = (
+        "import os, sys, time\n"
+        "from resilient_strategy import _forkserver\n"
+        "_forkserver.IDLE_EXIT_S = float(sys.argv[1])\n"
+        "s = _forkserver.server_for(sys.executable, dict(os.environ))\n"
+        "print(s.proc.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": SRC}
+    for idle, kill_parent in ((0.5, False), (600.0, True)):
+        parent = subprocess.Popen([sys.executable, "-c", code, str(idle)], env=env,
+                                  stdout=subprocess.PIPE, start_new_session=True)
+        try:
+            assert parent.stdout is not None
+            server = int(parent.stdout.readline())
+            if kill_parent:
+                os.kill(parent.pid, signal.SIGKILL)
+            assert gone(server, 10.0), (idle, kill_parent)
+        finally:
+            if parent.poll() is None:
+                os.kill(parent.pid, signal.SIGKILL)
+            parent.wait()
+            if parent.stdout is not None:
+                parent.stdout.close()
