@@ -504,6 +504,7 @@ def _handed_decision(facts: Facts, opts: Options, handed: HandedDecision) -> Dec
     chosen = found[0]
     # the worker's own plan may end in another choice or probe: the handed one replaces them
     events = [e for e in p.events if not isinstance(e, (Chosen, NextProbe))]
+    events += [Note("multi_node", n) for n in handed.node_trace]
     events += [Note("relaunched", n) for n in handed.notes]
     events.append(Note("handed_down", (
         f"Chose {chosen.label}: decided by `resilient-strategy run` before the workers started "

@@ -59,6 +59,8 @@ class Decision:
     global_batch_size: int | None = None
     label: str = ""  # the chosen candidate in words
     processes: int = 1  # workers this decision needs on this node
+    nodes: int = 1  # nodes that train on it (1 under --nnodes N: node 0 alone)
+    node_trace: tuple[str, ...] = ()  # how the nodes agreed (multi-node), for explain()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -67,7 +69,8 @@ class Decision:
             "run_dir": self.run_dir, "attempt": self.attempt, "proven": self.proven,
             "from_cache": self.from_cache, "notes": list(self.notes),
             "global_batch_size": self.global_batch_size, "label": self.label,
-            "processes": self.processes,
+            "processes": self.processes, "nodes": self.nodes,
+            "node_trace": list(self.node_trace),
         }
 
     @classmethod
@@ -82,6 +85,8 @@ class Decision:
             from_cache=bool(d["from_cache"]), notes=tuple(str(n) for n in d.get("notes", ())),
             global_batch_size=None if gbs is None else int(gbs),
             label=str(d.get("label", "")), processes=int(d.get("processes", 1)),
+            nodes=int(d.get("nodes", 1)),
+            node_trace=tuple(str(n) for n in d.get("node_trace", ())),
         )
 
 

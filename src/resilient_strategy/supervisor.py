@@ -20,6 +20,10 @@ error records and their last progress:
   reported, not retried on another backend.
 
 TensorFlow scripts run as one supervised process (one process drives every GPU there).
+
+With ``--nnodes N`` (torch) the nodes' supervisors agree on each attempt's decision through a
+store at the rendezvous endpoint before any worker starts, watch it for each other's fault
+records while the workers run, and relaunch together (:mod:`resilient_strategy.runnodes`).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _env
 from ._bounded import parse_json
@@ -58,6 +62,9 @@ from .progress import (
     read_record,
 )
 from .trainfault import FAULT_VAR, parse_fault
+
+if TYPE_CHECKING:
+    from .runnodes import NodeLink, PeerWatch
 
 log = logging.getLogger("resilient_strategy")
 
@@ -125,6 +132,7 @@ class Verdict:
     summary: str
     step: int = 0
     cause: str = ""  # a probe cause key, for the cache record of a backend fault
+    node: int | None = None  # another node's record this node stopped for (multi-node)
 
     @property
     def retry(self) -> bool:
@@ -276,12 +284,26 @@ def supervise(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
         from .inspect import detect_facts
 
         facts = detect_facts(snapshot)
-        decision, plan_left = _decide(opts, facts, snapshot, failures, session, 0, ())
+        link = _link(opts, facts)
+        if link is not None:
+            _say(f"node {link.node} of {link.nodes}: the nodes' supervisors agree through the "
+                 f"store at {link.where} before any worker starts")
+        decision, plan_left = _decide(opts, facts, snapshot, failures, session, 0, (), link)
         limit = plan_left if opts.max_relaunches is None else opts.max_relaunches
         for attempt in range(1, 10_000):
             chosen = decision.chosen
+            if link is not None and _alone(decision) and link.node != 0:
+                _say(f"node {link.node}: node 0 trains alone on {_label(decision)} (no backend "
+                     "between the nodes beats one node); this node has nothing to run")
+                return 0
+            peer = None
+            if link is not None:
+                from .runnodes import PeerWatch
+
+                peer = PeerWatch(link, decision.attempt, _store_timeout(opts))
             try:
-                verdict = _launch(opts, decision, snapshot, session)
+                verdict = _launch(opts, decision, snapshot, session, peer,
+                                  alone=link is not None and _alone(decision))
             except Exception as exc:
                 if type(exc).__name__ != "SignalException":  # the agent stopped the workers
                     raise
@@ -291,6 +313,8 @@ def supervise(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
                 return 0
             label = _label(decision)
             causes.append(f"{label}: {verdict.summary}")
+            if peer is not None:
+                verdict = _with_peers(peer, chosen, verdict)
             if not verdict.retry:
                 _say(f"{label}: {verdict.summary}. Not relaunched: this is not a backend fault.")
                 return 1
@@ -311,7 +335,7 @@ def supervise(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
                          f"({_one_line(verdict.summary, 200)}).")
             try:  # the next candidate (probed first when it needs a probe)
                 decision, _ = _decide(opts, facts, snapshot, failures, session, attempt,
-                                      tuple(notes))
+                                      tuple(notes), link)
             except NoWorkingStrategyError as exc:
                 _say(f"{label} failed; no candidate is left: {exc}. Every cause: "
                      + " | ".join(causes))
@@ -320,6 +344,8 @@ def supervise(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
             _say(f"{label} failed at step {verdict.step} ({_one_line(verdict.summary, 160)}); "
                  f"relaunching ({relaunches} of {limit}) on {_label(decision)} from "
                  + (f"the checkpoint at step {ckpt[0]} ({ckpt[1]})" if ckpt
+                    else "the last checkpoint (noted on the node of rank 0)"
+                    if link is not None and link.node != 0
                     else "the start (no checkpoint was noted)"))
         raise ResilientStrategyError("too many launch attempts")  # pragma: no cover
     except ResilientStrategyError as exc:
@@ -341,7 +367,7 @@ def _label(decision: Decision) -> str:
     return decision.label or decision.chosen
 
 
-def _options(opts: RunOptions, facts: Any, env: Mapping[str, str]) -> Any:
+def _options(opts: RunOptions, facts: Any, env: Mapping[str, str], rank: int = 0) -> Any:
     from .options import options_from
 
     nproc = opts.nproc if opts.nproc is not None else max(1, len(facts.gpus))
@@ -350,7 +376,7 @@ def _options(opts: RunOptions, facts: Any, env: Mapping[str, str]) -> Any:
     fw = opts.framework
     if fw in (None, "torch"):
         plan_env.update({"WORLD_SIZE": str(nproc * nnodes), "LOCAL_WORLD_SIZE": str(nproc),
-                         "RANK": "0", "LOCAL_RANK": "0"})
+                         "RANK": str(rank), "LOCAL_RANK": "0"})
     for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK"):
         if fw == "tensorflow":
             plan_env.pop(k, None)
@@ -371,17 +397,71 @@ def _nnodes(opts: RunOptions) -> int:
     return int(text.split(":")[-1])
 
 
+def _link(opts: RunOptions, facts: Any) -> NodeLink | None:
+    """This node's supervisor in a multi-node run (torch), else None."""
+    if opts.framework == "tensorflow":
+        return None
+    from .runnodes import NodeLink
+
+    nproc = opts.nproc if opts.nproc is not None else max(1, len(facts.gpus))
+    return NodeLink.from_torchrun(opts.torchrun, nproc)
+
+
+def _alone(decision: Decision) -> bool:
+    """Node 0 trains alone (one replica, accumulation keeping the global batch)."""
+    return decision.nodes == 1
+
+
+def _store_timeout(opts: RunOptions) -> float:
+    return max(10.0, opts.probe_timeout_s or 0.0)
+
+
+def _with_peers(peer: PeerWatch, chosen: str, verdict: Verdict) -> Verdict:
+    """Record this node's verdict for the other nodes, and let a peer's verdict that is not a
+    backend fault stop this node too (no node relaunches alone)."""
+    if verdict.node is None:  # this node's own verdict, not a peer's relayed
+        peer.record({"candidate": chosen, "kind": verdict.kind, "retry": verdict.retry,
+                     "step": verdict.step, "cause": verdict.cause,
+                     "summary": _one_line(verdict.summary, 500)})
+    if verdict.retry:
+        from .multinode import recorded_faults
+
+        with contextlib.suppress(Exception):
+            for node, fault in sorted(recorded_faults(peer.store, peer.job).items()):
+                if node != peer.link.node and not fault.get("retry", True):
+                    return Verdict(str(fault.get("kind", "crash")),
+                                   f"node {node}: {fault.get('summary', '')}",
+                                   int(fault.get("step", 0) or 0), node=node)
+    return verdict
+
+
 def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
             failures: Mapping[str, ProbeResult], session: Path, attempt: int,
-            notes: tuple[str, ...]) -> tuple[Decision, int]:
+            notes: tuple[str, ...], link: NodeLink | None = None) -> tuple[Decision, int]:
     """Plan (probing as needed, the cache first), without the candidates that failed mid-run.
-    Returns the decision and how many candidates are left after the chosen one."""
+    With several nodes, the nodes agree through the rendezvous endpoint's store
+    (:mod:`.runnodes`). Returns the decision and how many candidates are left after the chosen
+    one."""
+    import functools
+
     from .executor import _cause, _progress_line, decide
 
-    o, plan_env = _options(opts, facts, env)
-    made = decide(facts, o, plan_env, _prober, time.monotonic, _progress_line(o),
-                  startup_check=True, known=failures)
-    p, results, from_cache, proven = made.plan, made.results, made.from_cache, made.proven
+    if link is None:
+        o, plan_env = _options(opts, facts, env)
+    else:
+        o, plan_env = _options(opts, facts, link.env(env, attempt), link.node * link.nproc)
+    if link is None:
+        made = decide(facts, o, plan_env, _prober, time.monotonic, _progress_line(o),
+                      startup_check=True, known=failures)
+        p, results, from_cache, proven = made.plan, made.results, made.from_cache, made.proven
+    else:
+        from .multinode import agreed_decision
+
+        p, results, from_cache, proven = agreed_decision(
+            facts, o, plan_env, _prober, time.monotonic,
+            functools.partial(decide, progress=_progress_line(o), startup_check=True,
+                              known=dict(failures)))
+        results = {**results, **failures}
     if p.chosen is None:
         raise NoWorkingStrategyError(o.framework, [_cause(r) for r in p.ruled_out])
     run_dir = session / f"attempt{attempt}"
@@ -392,9 +472,24 @@ def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
         attempt=attempt, proven=proven, from_cache=from_cache, notes=notes,
         global_batch_size=o.global_batch_size, label=p.chosen.label,
         # torch: one process per replica, split over the nodes; TensorFlow: one drives them all
-        processes=max(1, p.chosen.num_replicas // _nnodes(opts)) if o.framework == "torch" else 1)
+        processes=max(1, p.chosen.num_replicas // _nnodes(opts)) if o.framework == "torch" else 1,
+        nodes=1 if o.framework != "torch" or p.chosen.num_replicas == 1 else _nnodes(opts),
+        node_trace=_node_trace(p.events) if link is not None else ())
     write_decision(run_dir / "decision.json", decision)
     return decision, left
+
+
+def _node_trace(events: Sequence[Any]) -> tuple[str, ...]:
+    """The lines :func:`~resilient_strategy.multinode.agreed_decision` added to the trace (the
+    trailing ``multi_node`` notes), for the workers' explain()."""
+    from .trace import Note
+
+    out: list[str] = []
+    for e in reversed(events):
+        if not (isinstance(e, Note) and e.topic == "multi_node"):
+            break
+        out.append(e.message)
+    return tuple(reversed(out))
 
 
 def _prober(spec: Any, env: Mapping[str, str]) -> ProbeResult:
@@ -426,7 +521,9 @@ def _last_checkpoint(session: Path) -> tuple[int, str] | None:
 # One attempt, through torch's elastic agent
 # ------------------------------------------------------------------------------------------------
 def _launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
-            session: Path) -> Verdict:
+            session: Path, peer: PeerWatch | None = None, *, alone: bool = False) -> Verdict:
+    """One attempt. ``peer``: the other nodes' fault records, watched while the workers run;
+    ``alone``: node 0 of a multi-node run trains by itself (one node, its own rendezvous)."""
     run_dir = Path(decision.run_dir)
     nproc = decision.processes
     watch = TrainingWatch([str(progress_path(run_dir, r)) for r in range(nproc)],
@@ -444,6 +541,9 @@ def _launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
     if not (getattr(ns, "redirects", "") or getattr(ns, "tee", "")):
         ns.tee = "2"  # stderr to the console and to a file we can read
     nnodes = _nnodes(opts)
+    if alone:
+        ns.nnodes, ns.node_rank, ns.rdzv_conf, ns.standalone = "1", 0, "", True
+        nnodes = 1
     if getattr(ns, "standalone", False) or (nnodes == 1 and not ns.rdzv_endpoint
                                             and ns.rdzv_backend == "static"
                                             and ns.master_port is None):
@@ -478,7 +578,7 @@ def _launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
         monitor_interval=config.monitor_interval, master_addr=master_addr,
         master_port=master_port, local_addr=config.local_addr)
     agent = agent_cls(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
-                      watch=watch)
+                      watch=watch, peer=peer)
     try:
         result = agent.run()
     finally:
@@ -486,6 +586,13 @@ def _launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
             spec.rdzv_handler.shutdown()
         if not had_omp:
             os.environ.pop("OMP_NUM_THREADS", None)
+    if agent.peer_fault is not None:  # another node saw the fault: this node stopped for it
+        f = agent.peer_fault
+        retry = bool(f.get("retry", True))
+        return Verdict("backend" if retry else str(f.get("kind", "crash")),
+                       f"node {f.get('node')}: {f.get('summary', '')}",
+                       int(f.get("step", 0) or 0), str(f.get("cause", "") or "crash"),
+                       node=int(f.get("node", -1)))
     stall: Stall | None = agent.stall
     if stall is not None and any(error_path(run_dir, lr).exists() for lr in range(nproc)):
         stall = None  # a rank raised and had not exited yet: its error is the story, not a stall
@@ -538,10 +645,13 @@ def _agent_class() -> type[Any]:
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     class SupervisedAgent(LocalElasticAgent):
-        def __init__(self, *args: Any, watch: TrainingWatch, **kwargs: Any) -> None:
+        def __init__(self, *args: Any, watch: TrainingWatch, peer: PeerWatch | None = None,
+                     **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.watch = watch
+            self.peer = peer
             self.stall: Stall | None = None
+            self.peer_fault: dict[str, Any] | None = None
 
         def _monitor_workers(self, worker_group: Any) -> Any:
             result = super()._monitor_workers(worker_group)
@@ -550,6 +660,13 @@ def _agent_class() -> type[Any]:
                 if stall is not None:
                     self.stall = stall
                     # as the agent does for a wedged (D-state) worker: no restart, stop the group
+                    self._remaining_restarts = 0
+                    return RunResult(state=WorkerState.UNHEALTHY)
+            if (result.state == WorkerState.HEALTHY and self.peer is not None
+                    and self.peer_fault is None):
+                fault = self.peer.poll()
+                if fault is not None:  # another node's workers failed: stop ours too
+                    self.peer_fault = fault
                     self._remaining_restarts = 0
                     return RunResult(state=WorkerState.UNHEALTHY)
             return result

@@ -1,0 +1,156 @@
+"""`resilient-strategy run --nnodes 2`: two supervisors on 127.0.0.1 (two simulated nodes, one
+process per node, gloo between them on CPU) agree through the rendezvous endpoint's store
+before any worker starts, and relaunch together after a mid-run fault on one node.
+
+c10d numbers the workers' nodes as they join (not by --node-rank), so a fault is named by global
+rank (``exit:1:gloo:<step>``): it hits whichever node's worker became rank 1. The supervisors
+themselves are numbered by --node-rank: node 0's hosts the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+pytestmark = [pytest.mark.slow, pytest.mark.torch]
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = Path(__file__).resolve().parent / "_two_node_job.py"
+EXAMPLE = ROOT / "examples" / "torch_train.py"
+LIMIT_S = 240  # a bound on each supervisor so that a bug fails the test instead of hanging it
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_pair(tmp: Path, script: Path, script_args: list[str], **extra: str
+             ) -> tuple[list[int], list[str]]:
+    """Both supervisors to the end (killed, with everything below them, at LIMIT_S)."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")}
+    (tmp / "tmp").mkdir(exist_ok=True)
+    env.update({"PYTHONPATH": str(ROOT / "src"), "RESILIENT_STRATEGY_CACHE_DIR": str(tmp / "cache"),
+                "RESILIENT_STRATEGY_TIMEOUT": "30", "TMPDIR": str(tmp / "tmp"),
+                "OMP_NUM_THREADS": "1", **extra})
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "resilient_strategy", "run", "--nnodes", "2", "--node-rank",
+             str(n), "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+             f"127.0.0.1:{port}", "--stall-timeout", "5", "--probe-timeout", "30",
+             str(script), *script_args],
+            env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True)
+        for n in (0, 1)
+    ]
+    codes, logs = [], []
+    try:
+        for p in procs:
+            try:
+                out, _ = p.communicate(timeout=LIMIT_S)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                out, _ = p.communicate()
+            codes.append(p.returncode)
+            logs.append(out)
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    return codes, logs
+
+
+def assert_clean(tmp: Path) -> None:
+    """No process of the run left, no temporary file left (torch's inductor cache aside)."""
+    left = [p.name for p in (tmp / "tmp").iterdir() if not p.name.startswith("torchinductor_")]
+    assert left == []
+    mine = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError):
+                if str(tmp).encode() in (proc / "cmdline").read_bytes():
+                    mine.append(proc.name)
+    assert mine == []
+
+
+def read(out: Path, name: str) -> dict[int, dict[str, Any]]:
+    return {int(f.stem.rpartition("-")[2]): json.loads(f.read_text())
+            for f in out.glob(f"{name}-*.json")}
+
+
+def test_two_supervisors_agree_across_nodes_before_launching(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    codes, logs = run_pair(tmp_path, JOB, [str(out)])
+    assert codes == [0, 0], [log[-3000:] for log in logs]
+    decisions = read(out, "decision")
+    assert set(decisions) == {0, 1}  # both nodes launched their one worker
+    d0, d1 = decisions[0], decisions[1]
+    assert (d0["backend"], d0["num_replicas"]) == ("gloo", 2)
+    assert d1["candidates"][0]["key"] == d0["candidates"][0]["key"]
+    for d in (d0, d1):  # proven across the two nodes, before the workers started
+        probe = d["probes"]["torch:gloo:cpu"]
+        assert probe["status"] == "ok" and probe["ranks"] == 2
+        assert ["nodes", "2"] in probe["extra"]
+        assert d["proven"]
+    trained = read(out, "trained")
+    assert trained[0]["optimizer_steps"] == trained[1]["optimizer_steps"] == 2
+    assert trained[0]["weights"] == trained[1]["weights"]
+    assert_clean(tmp_path)
+
+
+ARGS = ["--samples", "4096", "--epochs", "2", "--hidden", "32", "--checkpoint-every", "5"]
+
+
+def test_a_mid_run_fault_on_one_node_relaunches_both_on_the_next_candidate(
+        tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    codes, logs = run_pair(tmp_path, EXAMPLE, [*ARGS, "--checkpoint-dir", str(ckpt)],
+                           RESILIENT_STRATEGY_TRAIN_FAULT="exit:1:gloo:8")
+    assert codes == [0, 0], [log[-3000:] for log in logs]
+    # gloo failed mid-run on the pair; the next candidate is node 0 alone (accumulating): it
+    # resumed from the checkpoint and finished every optimizer step; node 1 had nothing to run
+    steps = [int(line.split(":")[1]) for line in logs[0].splitlines()
+             if line.startswith("optimizer steps:")]
+    assert steps == [2 * 4096 // 256]
+    assert [ln for ln in logs[1].splitlines() if ln.startswith("optimizer steps:")] == []
+    for log in logs:  # each supervisor relaunched once, on the same decision
+        assert sum("relaunching (1 of" in ln for ln in log.splitlines()) == 1, log[-3000:]
+    assert (ckpt / "checkpoint.pt").is_file()
+    assert_clean(tmp_path)
+
+
+def test_node_link_from_torchrun_options() -> None:
+    from resilient_strategy.errors import InvalidOptionError
+    from resilient_strategy.supervisor import options_from_args
+
+    def link(*argv: str) -> Any:
+        from resilient_strategy.runnodes import NodeLink
+
+        return NodeLink.from_torchrun(options_from_args([*argv, str(JOB)]).torchrun, 2)
+
+    assert link() is None and link("--nnodes", "1") is None
+    got = link("--nnodes", "2", "--node-rank", "1", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", "10.0.0.5:29411", "--rdzv-id", "job7")
+    assert (got.node, got.nodes, got.nproc, got.host, got.port) == (1, 2, 2, "10.0.0.5", 29411)
+    job = got.job(3)
+    assert (job.node, job.nodes, job.rank, job.agent_store) == (1, 2, 2, False)
+    assert job.prefix == "resilient_strategy/v1/run-job7/attempt3/"
+    assert got.job(0).prefix != job.prefix  # each launch attempt agrees under its own keys
+    with pytest.raises(InvalidOptionError):
+        link("--nnodes", "1:4", "--rdzv-endpoint", "10.0.0.5:29411")
