@@ -43,6 +43,12 @@ def ok_report(gbps: float = 100.0, step: float = 0.01) -> str:
      "backend_unavailable"),
     ("ncclSystemError: System call (e.g. socket, malloc) or external library call failed",
      "nccl_error"),
+    # NCCL 2.28.9 on an H100 (two simulated nodes sharing GPU 0): ncclInvalidUsage, yet no
+    # NCCL_* variable is wrong
+    ("DistBackendError: NCCL error in: NCCLUtils.cpp:93, invalid usage (run with "
+     "NCCL_DEBUG=WARN for details), NCCL version 2.28.9\nncclInvalidUsage: This usually "
+     "reflects invalid usage of NCCL library.\nLast error:\nDuplicate GPU detected : rank 0 "
+     "and rank 1 both on CUDA device 60", "nccl_duplicate_gpu"),
     ("ValueError: something unrelated", "worker_error"),
     ("", "worker_error"),
     # a busy or too-small GPU is not broken P2P (cuda_error would turn P2P off)

@@ -157,6 +157,12 @@ def test_guess_framework_and_options() -> None:
         2, 4.0, 1, "torch")
     assert opts.script_args == ("--epochs", "1")
     assert options_from_args(["--nproc-per-node", "auto", str(EXAMPLE)]).nproc is None
+    # torch 2.11's parser defaults --master-port to 29500: not given, it is None (a one-node run
+    # then rendezvouses on a free port, so two jobs on one machine do not collide); given, kept
+    assert options_from_args(["--nproc-per-node", "2", str(EXAMPLE)]).torchrun.master_port is None
+    for given in (["--master-port", "29511"], ["--master_port=29511"]):
+        assert int(options_from_args([*given, str(EXAMPLE)]).torchrun.master_port) == 29511
+    assert options_from_args([str(EXAMPLE), "--master-port", "1"]).torchrun.master_port is None
     for bad in (["--nproc-per-node", "0", str(EXAMPLE)], ["--stall-timeout", "0", str(EXAMPLE)],
                 ["-m", "pkg"]):
         with pytest.raises(InvalidOptionError):

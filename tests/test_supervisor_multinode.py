@@ -45,7 +45,8 @@ def run_pair(tmp: Path, script: Path, script_args: list[str], **extra: str
     env.update({"PYTHONPATH": str(ROOT / "src"), "RESILIENT_STRATEGY_CACHE_DIR": str(tmp / "cache"),
                 "RESILIENT_STRATEGY_TIMEOUT": "30", "TMPDIR": str(tmp / "tmp"),
                 "OMP_NUM_THREADS": "1", **extra})
-    env.pop("CUDA_VISIBLE_DEVICES", None)
+    # CPU nodes (gloo), on a GPU machine too: the simulated nodes would share its GPU 0
+    env["CUDA_VISIBLE_DEVICES"] = ""
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "resilient_strategy", "run", "--nnodes", "2", "--node-rank",

@@ -57,6 +57,9 @@ HANG_WORDS = ("the probe hung (judged from its ranks' progress, cut before the d
 #: Classified causes, with the words a user can act on.
 CAUSES: dict[str, str] = {
     "": "",
+    "nccl_duplicate_gpu": "two ranks of the group are on the same GPU (NCCL needs a GPU of its "
+    "own for each rank): give each process or node its own GPU (CUDA_VISIBLE_DEVICES, or one "
+    "process per GPU with --nproc-per-node); two 'nodes' on one host sharing a GPU do this",
     "nccl_invalid_usage": "NCCL rejected its configuration (ncclInvalidUsage): an NCCL_* variable "
     "names an unknown algorithm, protocol, network or interface",
     "nccl_error": "NCCL failed (ncclSystemError / ncclInternalError / remote error)",
@@ -226,6 +229,9 @@ _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
         r"Error while (?:creating|attaching to) shared memory segment|"
         r"(?:Call to )?posix_fallocate failed|shm_open failed|"
         r"failed to (?:extend|open|create|map) /dev/shm/", re.I)),
+    # Before nccl_invalid_usage, which NCCL reports it as (seen on an H100, NCCL 2.28.9, two
+    # simulated nodes on one GPU): no NCCL_* variable is at fault.
+    ("nccl_duplicate_gpu", re.compile(r"Duplicate GPU detected", re.I)),
     ("nccl_invalid_usage", re.compile(r"invalid usage|ncclInvalidUsage|ncclInvalidArgument", re.I)),
     ("no_kernel_image", re.compile(r"no kernel image|not compatible with the current PyTorch|"
                                    r"sm_\d+ is not compatible", re.I)),

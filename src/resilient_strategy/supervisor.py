@@ -712,6 +712,11 @@ def options_from_args(argv: Sequence[str]) -> RunOptions:
         raise InvalidOptionError("resilient-strategy run runs a Python script file; -m, "
                                  "--no-python and --run-path are not supported")
     script = str(ns.training_script)
+    ours = list(argv)[:list(argv).index(script)] if script in argv else list(argv)
+    if not any(t.split("=")[0] in ("--master-port", "--master_port") for t in ours):
+        # not given: None, as torch >= 2.12's parser says (2.11's says 29500), so that a
+        # one-node run takes a free port (standalone) and two jobs on a machine do not collide
+        ns.master_port = None
     framework = ns.framework
     if framework is None:
         with contextlib.suppress(OSError, UnicodeDecodeError):

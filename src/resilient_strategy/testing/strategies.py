@@ -27,7 +27,8 @@ GPU_MODELS = (
     ("Tesla P100-PCIE-16GB", (6, 0), 16),
 )
 CAUSES = ("nccl_invalid_usage", "cuda_error", "shared_memory", "crash", "wrong_result",
-          "backend_unavailable", "nccl_error", "nan_result", "zero_result", "nccl_network")
+          "backend_unavailable", "nccl_error", "nan_result", "zero_result", "nccl_network",
+          "nccl_duplicate_gpu")
 OUTCOME_KEYS = ("nccl", "nccl+*", "gloo", "hierarchical_copy", "reduction_to_one_device", "*")
 
 
