@@ -185,7 +185,8 @@ def _env(tmp: Path, cache: Path, **extra: str) -> dict[str, str]:
     (tmp / "tmp").mkdir(exist_ok=True)
     env.update({"PYTHONPATH": str(ROOT / "src"), "RESILIENT_STRATEGY_CACHE_DIR": str(cache),
                 "TMPDIR": str(tmp / "tmp"), "RESILIENT_STRATEGY_TIMEOUT": "60", **extra})
-    env.pop("CUDA_VISIBLE_DEVICES", None)
+    # CPU processes (gloo), on a GPU machine too: with one GPU the run would rightly choose it
+    env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
 
