@@ -51,6 +51,7 @@ what to do (a probe runner kills the group and reports a hang).
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -80,6 +81,18 @@ _RECORD_BYTES = 128
 FLOOR_BYTES_PER_S = 0.05e9
 
 
+_FORMAT = b"%d %s %d %d %.6f %.3f %.6f %d"
+_PHASE_BYTES = {p: p.encode("ascii") for p in PHASES}
+
+
+def _encode(seq: int, phase: bytes, k: int, nbytes: int, t: float, allow_s: float,
+            took_s: float) -> bytes:
+    """One record's bytes: the fields, the sequence number again (a torn record is seen),
+    padded to a fixed size. The writer calls it on every step: no objects, one format."""
+    data = _FORMAT % (seq, phase, k, nbytes, t, allow_s, took_s, seq)
+    return data[:_RECORD_BYTES - 1].ljust(_RECORD_BYTES - 1) + b"\n"
+
+
 @dataclass(frozen=True)
 class Record:
     """One progress record as written: a sequence number, the phase, a counter ``k`` (the
@@ -95,10 +108,8 @@ class Record:
     took_s: float = 0.0
 
     def encode(self) -> bytes:
-        body = (f"{self.seq} {self.phase} {self.k} {self.nbytes} {self.t:.6f} "
-                f"{self.allow_s:.3f} {self.took_s:.6f} {self.seq}")
-        data = body.encode("ascii")[:_RECORD_BYTES - 1]
-        return data + b" " * (_RECORD_BYTES - 1 - len(data)) + b"\n"
+        return _encode(self.seq, self.phase.encode("ascii"), self.k, self.nbytes, self.t,
+                       self.allow_s, self.took_s)
 
     @classmethod
     def decode(cls, data: bytes) -> Record | None:
@@ -124,10 +135,18 @@ class ProgressWriter:
         self._clock = clock
         self._seq = 0
         self._fd: int | None = None
+        self._map: mmap.mmap | None = None
         self._entered: dict[int, float] = {}
         if path:
             with contextlib.suppress(OSError):
-                self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            if self._fd is not None:
+                # A record is a store into a shared mapping of the file (readers see it through
+                # the page cache): no system call per step. pwrite where mapping fails.
+                with contextlib.suppress(OSError, ValueError):
+                    os.ftruncate(self._fd, _RECORD_BYTES)
+                    self._map = mmap.mmap(self._fd, _RECORD_BYTES, mmap.MAP_SHARED,
+                                          mmap.PROT_READ | mmap.PROT_WRITE)
         self.phase(STARTED)
 
     @classmethod
@@ -145,9 +164,12 @@ class ProgressWriter:
         if self._fd is None:
             return
         self._seq += 1
-        rec = Record(self._seq, name, k, nbytes, self._clock(), allow_s, took_s)
+        data = _encode(self._seq, _PHASE_BYTES[name], k, nbytes, self._clock(), allow_s, took_s)
+        if self._map is not None:
+            self._map[:] = data
+            return
         with contextlib.suppress(OSError):
-            os.pwrite(self._fd, rec.encode(), 0)
+            os.pwrite(self._fd, data, 0)
 
     def enter(self, k: int, nbytes: int = 0, *, allow_s: float = 0.0) -> None:
         """About to run collective ``k`` (moving ``nbytes``); ``allow_s``: extra time it may need."""
@@ -170,6 +192,10 @@ class ProgressWriter:
         self.phase(STEP_DONE, n)
 
     def close(self) -> None:
+        if self._map is not None:
+            with contextlib.suppress(OSError, ValueError, BufferError):
+                self._map.close()
+            self._map = None
         if self._fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
