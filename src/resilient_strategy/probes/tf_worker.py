@@ -109,7 +109,7 @@ def probe(args: argparse.Namespace, report: dict[str, Any]) -> None:
              else f"over {replicas} replica(s) on {used}")
     parts = [f"{args.backend} {where}; TF {tf.__version__}"]
     checker = _Checker(tf, strategy, replicas, faults, progress, first=me * local if across else 0,
-                       own_fault=fault0)
+                       own_fault=fault0, across=across)
     if across:
         checker.same_round(args.round_key, args.workers, local)
         parts.append(f"all {args.workers} workers on the same round")
@@ -215,11 +215,13 @@ class _Checker:
     to the runner as they run."""
 
     def __init__(self, tf: Any, strategy: Any, replicas: int, faults: Sequence[str],
-                 progress: ProgressWriter, first: int = 0, own_fault: str = "") -> None:
+                 progress: ProgressWriter, first: int = 0, own_fault: str = "",
+                 across: bool = False) -> None:
         self.tf, self.strategy, self.replicas = tf, strategy, replicas
         self.faults, self.progress = list(faults), progress
         self.first = first  # the global replica id of this process's first replica
         self.own_fault = own_fault
+        self.across = across  # one process of a probe across TF_CONFIG workers
         self.k = 0
 
         wrong = self.faults.index("wrong") if "wrong" in self.faults else -1
@@ -343,10 +345,13 @@ class _Checker:
         numel = max(1, nbytes // 4)
         values = strategy.experimental_distribute_values_from_function(
             lambda _ctx: tf.zeros([numel], tf.float32))
+        across = self.across
 
         def run(v: Any) -> Any:
             def fn(x: Any) -> Any:
                 ctx = tf.distribute.get_replica_context()
+                if across:  # an input has no device there: "destinations can not be empty"
+                    x = tf.identity(x)
                 return ctx.all_reduce(tf.distribute.ReduceOp.SUM, x)[:1]
 
             return strategy.run(fn, args=(v,))
