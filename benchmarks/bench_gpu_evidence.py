@@ -27,6 +27,12 @@ Groups (``--only``), each a set of table rows:
              127.0.0.1): healthy and with a cross-node probe fault.
   single     the whole test suite (RS_GPU_TESTS=1), the GPU health check, the per-step cost of
              progress reporting.
+  train1     one GPU: ``resilient-strategy run --nproc-per-node 1 examples/torch_train.py``
+             against the hand-written loop under torchrun on the same GPU.
+
+On a machine with one GPU (the lent single-GPU kinds) only ``single``, ``shm``, ``fidelity``
+(one rank: NCCL's setup and the exact checks, no link) and ``train1`` run; the results go to
+``benchmarks/results/<gpu>x1-<date>.md``.
 
 With ``--cpu-check`` NCCL is stood in for by gloo between CPU processes, the sizes are tiny and
 the probe timeout is ``--timeout`` (10 s): it checks that every step runs and every row is
@@ -70,7 +76,9 @@ from resilient_strategy.probe import ProbeSpec  # noqa: E402
 from resilient_strategy.prober import run_probe  # noqa: E402
 from resilient_strategy.probes import _common  # noqa: E402
 
-GROUPS = ("decision", "fidelity", "shm", "train", "brokenenv", "multinode", "single")
+GROUPS = ("decision", "fidelity", "shm", "train", "brokenenv", "multinode", "single", "train1")
+#: What a machine with one GPU can measure (the lent single-GPU kinds).
+ONE_GPU_GROUPS = ("single", "shm", "fidelity", "train1")
 NEEDS_GPU = "needs GPU"
 FAULT = "RESILIENT_STRATEGY_PROBE_FAULT"
 MIB = 1 << 20
@@ -244,9 +252,24 @@ def launch_env(ctx: Ctx, **extra: str) -> dict[str, str]:
 
 
 def probe_spec(ctx: Ctx, message_bytes: int, timeout_s: float = 60.0) -> ProbeSpec:
-    key = f"torch:{ctx.backend}:" + ("gpu0,1" if ctx.gpu else "cpu")
-    return ProbeSpec(key, "torch", ctx.backend, ctx.devices, world_size=2, timeout_s=timeout_s,
+    world = len(ctx.devices) if ctx.gpu else 2
+    key = f"torch:{ctx.backend}:" + (f"gpu{','.join(map(str, ctx.devices))}" if ctx.gpu else "cpu")
+    return ProbeSpec(key, "torch", ctx.backend, ctx.devices, world_size=world, timeout_s=timeout_s,
                      message_bytes=message_bytes, train_step=False)
+
+
+def last_rank(ctx: Ctx) -> int:
+    """The rank a fault is injected on: rank 1 of 2 (rank 0 alone on a 1-GPU machine)."""
+    return max(0, len(ctx.devices) - 1) if ctx.gpu else 1
+
+
+def close_fork_servers() -> None:
+    """Stop the probes' fork servers (``run_probe`` called directly keeps one for reuse; the
+    executor closes them when its decision ends)."""
+    with contextlib.suppress(ImportError):
+        from resilient_strategy import _forkserver
+
+        _forkserver.close_all()
 
 
 def shm_segments() -> set[str]:
@@ -324,7 +347,7 @@ def group_fidelity(ctx: Ctx) -> None:
                 + f"; {res.elapsed_s:.1f} s")
     big = sizes[-1]
     floor = big // 2
-    fault = f"wrong:1:{ctx.backend}:>={floor}"
+    fault = f"wrong:{last_rank(ctx)}:{ctx.backend}:>={floor}"
     res = run_probe(probe_spec(ctx, big), ctx.env(**{FAULT: fault}))
     ctx.log(f"wrong value at >= {floor} B: {res}")
     caught = res.cause == "wrong_result"
@@ -344,11 +367,13 @@ def _common_human(nbytes: int) -> str:
 def group_shm(ctx: Ctx) -> None:
     g = "shm"
     before, procs_before = shm_segments(), set(probe_processes())
-    fault = f"{hang_kind()}:1:{ctx.backend}"
+    fault = f"{hang_kind()}:{last_rank(ctx)}:{ctx.backend}"
     res = run_probe(probe_spec(ctx, 16 * MIB if ctx.gpu else MIB, timeout_s=15.0),
                     ctx.env(**{FAULT: fault}))
     ctx.log(f"hung probe: {res}")
-    ctx.add(g, f"hung {ctx.backend} probe killed at its deadline", f"{res.status}",
+    close_fork_servers()  # as the executor does at the end of every decision
+    ctx.add(g, f"hung {ctx.backend} probe ({len(ctx.devices) or 2} rank(s)) killed at its "
+            "deadline", f"{res.status}",
             "timeout", f"{FAULT}={fault}; {res.elapsed_s:.1f} s")
     health_check(ctx, g, ctx.devices, "GPU health check after the killed probe")
     left = sorted(shm_segments() - before)
@@ -574,10 +599,82 @@ def group_multinode(ctx: Ctx) -> None:
                     + (f"; {FAULT}={fault}" if fault else ""))
 
 
+def group_train1(ctx: Ctx, args: argparse.Namespace) -> None:
+    """One GPU (the lent single-GPU kinds): ``resilient-strategy run --nproc-per-node 1`` (the
+    supervisor, the hand-off, progress reporting, checkpoints) against the hand-written loop
+    under torchrun on the same GPU, the same 100M-parameter MLP, batch and checkpoint cadence."""
+    g = "train1"
+    if ctx.gpu:
+        model = ["--hidden", "4096", "--depth", "7", "--global-batch-size", "512",
+                 "--samples", "65536", "--epochs", "2", "--checkpoint-every", "50"]
+    else:
+        model = ["--hidden", "64", "--depth", "2", "--global-batch-size", "64",
+                 "--samples", "4096", "--epochs", "2", "--checkpoint-every", "5"]
+    params = 32 * int(model[1]) + (int(model[3]) - 1) * int(model[1]) ** 2 + int(model[1]) * 10
+    hand_py = ctx.tmp / "hand_ddp.py"
+    hand_py.write_text(HAND_DDP)
+    rates: dict[str, list[float]] = {"library": [], "hand": []}
+    chose = steps = "?"
+    for _ in range(2):  # alternate, so a drifting clock or a warming GPU hits both alike
+        rc, lines = run_logged(ctx, [sys.executable, "-m", "resilient_strategy", "run",
+                                     "--nproc-per-node", "1", "examples/torch_train.py", *model,
+                                     "--checkpoint-dir", tempfile.mkdtemp(dir=ctx.tmp)],
+                               ctx.env(RESILIENT_STRATEGY_CACHE_DIR=ctx.cache()), 300)
+        run = TrainRun(rc, lines)
+        if (x := run.last_rate()) is not None:
+            rates["library"].append(x)
+        chose, steps = run.chose(), run.steps()
+        rc, lines = run_logged(ctx, [sys.executable, "-m", "torch.distributed.run",
+                                     "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                                     "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(hand_py),
+                                     *model, "--checkpoint-dir", tempfile.mkdtemp(dir=ctx.tmp)],
+                               ctx.env(), 300)
+        if (x := TrainRun(rc, lines).last_rate()) is not None:
+            rates["hand"].append(x)
+    lib = max(rates["library"], default=0.0)
+    hand = max(rates["hand"], default=0.0)
+    where = "one GPU" if ctx.gpu else "CPU stand-in"
+    ctx.add(g, f"run --nproc-per-node 1 ({params:,} params, batch {model[5]}, {where}): "
+               "samples/s", f"{lib:,.0f}" if lib else "failed", "",
+            f"{chose}; optimizer steps {steps}; runs {[round(x) for x in rates['library']]}")
+    ctx.add(g, "hand-written loop under torchrun, same GPU: samples/s",
+            f"{hand:,.0f}" if hand else "failed", "",
+            f"DDP world 1; runs {[round(x) for x in rates['hand']]}")
+    ratio = lib / hand if lib and hand else None
+    ctx.add(g, "library's run against the hand-written loop", f"{ratio:.3f}" if ratio else "?",
+            (">= 0.99: " + goal(bool(ratio and ratio >= 0.99))) if ctx.gpu else ">= 0.99 on GPUs",
+            "best of 2 alternated runs each")
+
+
+def suite_counts(logs: Sequence[Path]) -> tuple[dict[str, int], int]:
+    """Pytest's closing counts summed over shard logs, and how many logs have none (killed)."""
+    counts: dict[str, int] = {}
+    killed = 0
+    for log_ in logs:
+        text = log_.read_text(errors="replace") if log_.exists() else ""
+        last = [ln for ln in text.splitlines() if re.search(r"\d+ (passed|failed)", ln)]
+        if not last or "KeyboardInterrupt" in text:  # the shard's deadline cut it short
+            killed += 1
+        if not last:
+            continue
+        for n, what in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)",
+                                  last[-1]):
+            counts[what] = counts.get(what, 0) + int(n)
+    return counts, killed
+
+
 def group_single(ctx: Ctx, args: argparse.Namespace) -> None:
     g = "single"
     has_tf = importlib.util.find_spec("tensorflow") is not None
-    if not ctx.gpu:
+    if args.suite_log:  # the suite ran beforehand (in shards, say): count what they said
+        counts, killed = suite_counts([Path(f) for f in args.suite_log])
+        bad = counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0)
+        ctx.add(g, "whole test suite on a GPU machine (RS_GPU_TESTS=1)",
+                "passed" if not bad and not killed else f"FAILED ({bad}; unfinished {killed})",
+                "passes: " + goal(not bad and not killed),
+                ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+                + f" over {len(args.suite_log)} shard(s); TensorFlow installed: {has_tf}")
+    elif not ctx.gpu:
         ctx.add(g, "whole test suite on a GPU machine (RS_GPU_TESTS=1)", NEEDS_GPU)
     else:
         rc, lines = run_logged(ctx, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
@@ -629,6 +726,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=None,
                     help="probe timeout (s); default: the library's (10 s with --cpu-check)")
     ap.add_argument("--out", default=None, help="raw output file (default: see above)")
+    ap.add_argument("--suite-log", action="append", default=[],
+                    help="single: pytest logs of the suite already run (shards); not run again")
     args = ap.parse_args()
     groups = [x for x in args.only.split(",") if x]
     if unknown := set(groups) - set(GROUPS):
@@ -638,21 +737,28 @@ def main() -> None:
         import torch
 
         ngpu = torch.cuda.device_count()
-        if ngpu < 2:
-            ap.error(f"{ngpu} GPU(s): the real run needs 2 (or pass --cpu-check)")
+        if ngpu < 1:
+            ap.error("no GPU: the real run needs 2 (1 for the groups "
+                     f"{','.join(ONE_GPU_GROUPS)}), or pass --cpu-check")
+        if ngpu == 1 and (two := sorted(set(groups) - set(ONE_GPU_GROUPS))):
+            ap.error(f"one GPU: groups {two} need 2 (one GPU can run {','.join(ONE_GPU_GROUPS)})")
+        gpu_name = torch.cuda.get_device_name(0)
     today = datetime.date.today().isoformat()
     if args.out:
         out = Path(args.out)
     elif args.cpu_check:
         out = Path(tempfile.gettempdir()) / f"gpu-evidence-cpu-check-{today}.md"
     else:
-        out = ROOT / "benchmarks" / "results" / f"h200x2-{today}.md"
+        short = next((w.lower() for w in gpu_name.split() if re.fullmatch(r"[A-Z]+\d+\w*", w)),
+                     "gpu")
+        out = ROOT / "benchmarks" / "results" / f"{short}x{min(ngpu, 2)}-{today}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     timeout = args.timeout if args.timeout is not None else (10.0 if args.cpu_check else None)
     with tempfile.TemporaryDirectory(prefix="rs-gpu-evidence-") as tmp, \
             out.open("a", encoding="utf-8") as raw:
         ctx = Ctx(gpu=not args.cpu_check, backend="gloo" if args.cpu_check else "nccl",
-                  devices=() if args.cpu_check else (0, 1), timeout=timeout, raw=raw,
+                  devices=() if args.cpu_check else tuple(range(min(ngpu, 2))),
+                  timeout=timeout, raw=raw,
                   tmp=Path(tmp))
         ctx.log(f"\n# GPU evidence ({', '.join(groups)})\n\n```\n{machine(ctx)}")
         steps: dict[str, Callable[[], None]] = {
@@ -660,6 +766,7 @@ def main() -> None:
             "shm": lambda: group_shm(ctx), "train": lambda: group_train(ctx, args),
             "brokenenv": lambda: group_brokenenv(ctx),
             "multinode": lambda: group_multinode(ctx), "single": lambda: group_single(ctx, args),
+            "train1": lambda: group_train1(ctx, args),
         }
         for name in groups:
             t = time.perf_counter()
@@ -673,13 +780,13 @@ def main() -> None:
         text = table(ctx.rows)
         ctx.log(text)
     print(f"\nraw output: {out}")
-    print(textwrap.dedent(machine_line(args.cpu_check)))
+    print(textwrap.dedent(machine_line(args.cpu_check, len(ctx.devices))))
     print(text)
 
 
-def machine_line(cpu_check: bool) -> str:
+def machine_line(cpu_check: bool, ngpu: int) -> str:
     return ("--cpu-check: gloo between CPU processes stands in for NCCL; rows that need a GPU "
-            "say so" if cpu_check else "2 GPUs, NCCL")
+            "say so" if cpu_check else f"{ngpu} GPU(s), NCCL")
 
 
 if __name__ == "__main__":

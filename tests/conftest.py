@@ -27,6 +27,17 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             pytest.skip(f"{module} is not installed")
 
 
+@pytest.fixture(autouse=True)
+def _gpus_only_where_marked(request: pytest.FixtureRequest,
+                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test describes a machine without GPUs unless it is marked ``gpu``: on a GPU machine
+    its GPUs are hidden from it (``CUDA_VISIBLE_DEVICES=""``, which this package and every
+    process the test starts read as "no GPU"), so the suite asserts the same decisions on a
+    laptop, in CI and on a GPU server. Tests marked ``gpu`` see the machine as it is."""
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _session_tempdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """What the package puts in the temp directory while the suite runs (the agreement files of

@@ -145,3 +145,24 @@ def test_unreadable_values_reach_the_facts_and_the_trace(tmp_path: Path) -> None
     assert sel.backend == "nccl"  # no compute-capability rule fired on the unknown value
     notes = [e.topic for e in sel.plan.events if isinstance(e, Note)]
     assert "nvml_unread" in notes
+
+
+@pytest.mark.gpu
+@pytest.mark.torch
+def test_real_nvml_sees_the_gpus_torch_sees() -> None:
+    """On a GPU machine (RS_GPU_TESTS=1): the real NVML inspection, without importing torch,
+    finds the GPUs torch finds, in CUDA's order, with their names and compute capabilities."""
+    if os.environ.get("RS_GPU_TESTS") != "1":
+        pytest.skip("set RS_GPU_TESTS=1 on a machine with CUDA GPUs")
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent("""
+            import json, torch
+            print(json.dumps([[torch.cuda.get_device_name(i),
+                               list(torch.cuda.get_device_capability(i))]
+                              for i in range(torch.cuda.device_count())]))
+            """)], capture_output=True, text=True, timeout=180, check=False)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    f = detect_facts()
+    assert [[g.name, list(g.compute_capability)] for g in f.gpus] == seen
+    assert f.driver_version and not f.nvml_error

@@ -262,7 +262,10 @@ def test_real_torch_imported_but_not_initialized() -> None:
         import json, torch
         from resilient_strategy.versions import detect_frameworks
         t = detect_frameworks()[0]
-        print(json.dumps([t.imported, t.gpu_initialized, t.version == torch.__version__]))
+        # the distribution's version ("2.11.0" from PyPI) may lack torch.__version__'s local
+        # part ("2.11.0+cu130"): the public parts agree
+        print(json.dumps([t.imported, t.gpu_initialized,
+                          t.version.split("+")[0] == torch.__version__.split("+")[0]]))
         """, timeout=180)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [True, False, True]
