@@ -171,3 +171,38 @@ def test_a_hang_in_the_ring_probe_falls_back_to_worker_0_alone(tmp_path: Path) -
     assert trained[0]["strategy"] == "OneDeviceStrategy"
     assert trained[0]["optimizer_updates"] == SAMPLES // GLOBAL_BATCH * EPOCHS
     assert job.leftovers() == []
+
+
+PROBE = """
+import json, sys
+from resilient_strategy.probe import ProbeSpec
+from resilient_strategy.prober import run_probe
+import os
+spec = ProbeSpec("tensorflow:mw_ring:cpu", "tensorflow", "mw_ring", (), timeout_s=45.0,
+                 workers=2, worker_rank=int(sys.argv[1]), train_step=False)
+print(json.dumps(run_probe(spec, dict(os.environ)).to_dict()))
+"""
+
+
+def test_a_wrong_value_on_one_worker_fails_the_probe_on_both(tmp_path: Path) -> None:
+    ports = free_ports(2)
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")}
+    base.update(PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+                TF_CPP_MIN_LOG_LEVEL="2", OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
+    procs = []
+    for i in (0, 1):
+        env = {**base, "TF_CONFIG": json.dumps({"cluster": cluster,
+                                                "task": {"type": "worker", "index": i}})}
+        if i == 1:  # only worker 1 is told: its contribution is off by one
+            env["RESILIENT_STRATEGY_PROBE_FAULT"] = "wrong:1:mw_ring"
+        procs.append(subprocess.Popen([sys.executable, "-c", PROBE, str(i)], env=env,
+                                      cwd=tmp_path, stdout=subprocess.PIPE,
+                                      stderr=subprocess.DEVNULL, start_new_session=True))
+    try:
+        results = [json.loads(p.communicate(timeout=LIMIT_S)[0]) for p in procs]
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+    assert [(r["status"], r["cause"]) for r in results] == [("error", "wrong_result")] * 2

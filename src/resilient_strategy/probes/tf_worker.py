@@ -293,6 +293,8 @@ class _Checker:
 
         self.k += 1
         with self.progress.collective(self.k, len(values) * 4, allow_s=TRACE_ALLOW_S):
+            if self.k == 1:  # the first collective across workers: a fault may hang in it
+                act_on_fault(self.own_fault, self.first, "hang_collective")
             out = strategy.experimental_local_results(tf.function(run)(vec))
             return np.asarray(out[0])
 
