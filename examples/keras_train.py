@@ -6,6 +6,11 @@
     resilient-strategy run --logical-cpus 2 examples/keras_train.py --cpu-replicas 2 \
         --checkpoint-dir backup     # supervised: a stalled or failed collective relaunches on
                                     # the next strategy, Keras' BackupAndRestore resumes
+    TF_CONFIG='{"cluster": {"worker": ["127.0.0.1:20001", "127.0.0.1:20002"]},
+                "task": {"type": "worker", "index": 0}}' python examples/keras_train.py
+                                    # one of 2 workers (start the other with index 1):
+                                    # MultiWorkerMirroredStrategy when proven across both, else
+                                    # worker 0 alone with accumulation (worker 1 exits 0)
 
 Importing TensorFlow earlier would be fine too, as long as nothing touches a GPU before the
 selection (CUDA reads CUDA_VISIBLE_DEVICES, which the selection may narrow, when it first starts);
@@ -15,6 +20,7 @@ importing it after is the habit that cannot go wrong.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -45,13 +51,19 @@ def main() -> None:
     )
     parser.add_argument("--checkpoint-dir", default=None,
                         help="Keras BackupAndRestore there (each epoch): a relaunch resumes")
+    parser.add_argument("--result", default=None,
+                        help="write the decision (sel.to_dict()) to RESULT.decision.json, and "
+                        "what training did to RESULT.trained.json (for tests and scripts)")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds per probe")
     args = parser.parse_args()
 
     sel = resilient_strategy.resilient_strategy(
         framework="tensorflow", global_batch_size=args.global_batch_size,
-        logical_cpus=args.cpu_replicas,
+        logical_cpus=args.cpu_replicas, timeout=args.timeout,
     )
     sel.print(sel.explain())
+    if args.result:  # before scope(): a worker the decision leaves idle exits 0 there
+        write_json(f"{args.result}.decision.json", sel.to_dict())
 
     import keras
     import tensorflow as tf
@@ -94,8 +106,22 @@ def main() -> None:
     )
     # sel.callbacks() checks, before the first step, that the optimizer accumulates as needed,
     # reports progress under `resilient-strategy run`, and backs up to --checkpoint-dir
-    model.fit(data, epochs=args.epochs, shuffle=False, verbose=0,  # shuffled above
-              callbacks=[timing, *sel.callbacks(backup_dir=args.checkpoint_dir)])
+    history = model.fit(data, epochs=args.epochs, shuffle=False, verbose=0,  # shuffled above
+                        callbacks=[timing, *sel.callbacks(backup_dir=args.checkpoint_dir)])
+    if args.result:
+        write_json(f"{args.result}.trained.json", {
+            "strategy": type(sel.strategy).__name__,
+            "replicas_in_sync": int(sel.strategy.num_replicas_in_sync),
+            "optimizer_updates": int(model.optimizer.iterations.numpy()),
+            "loss": [float(x) for x in history.history["loss"]],
+            "weights_sum": float(sum(float(np.sum(w)) for w in model.get_weights())),
+        })
+
+
+def write_json(path: str, data: dict[str, object]) -> None:
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(data, f)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

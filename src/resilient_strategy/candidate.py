@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .vocab import MULTI_BACKENDS
+from .vocab import MULTI_BACKENDS, MULTI_WORKER_BACKENDS
 
 #: Kept for readers of the planner's old name.
 MULTI = MULTI_BACKENDS
@@ -44,8 +44,15 @@ class Candidate:
             "nccl": "NCCL", "hierarchical_copy": "MirroredStrategy + HierarchicalCopyAllReduce",
             "reduction_to_one_device": "MirroredStrategy + ReductionToOneDevice",
             "gloo": "gloo", "single_device": "one GPU", "cpu": "CPU",
+            "mw_nccl": "MultiWorkerMirroredStrategy + NCCL",
+            "mw_ring": "MultiWorkerMirroredStrategy + RING",
         }
         text = names[self.backend]
+        if self.backend in MULTI_WORKER_BACKENDS:
+            local = max(1, len(self.devices))
+            where = (f"GPU{'s' if local > 1 else ''} {','.join(map(str, self.devices))}"
+                     if self.devices else "CPU")
+            return f"{text} across {self.num_replicas // local} workers ({where} each)"
         if self.backend == "single_device" and self.logical_cpus:
             text = "one device"
         if self.backend == "nccl" and self.framework == "tensorflow":

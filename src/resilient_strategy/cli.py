@@ -249,6 +249,9 @@ def _launch_env(facts: Facts, framework: str, sim: Mapping[str, Any] | None,
 def launch_words(sel: Any) -> str:
     """Which launch a plan assumed, in words."""
     launch = sel.launch
+    if sel.framework != "torch" and sel.multi_worker:
+        return (f"as worker {sel.tf_worker_rank} of the {sel.tf_workers} workers in TF_CONFIG "
+                "(one process per worker, as MultiWorkerMirroredStrategy runs)")
     if sel.framework != "torch":
         return "as one process (plain python), as TensorFlow's MirroredStrategy runs"
     if launch.world_size > 1:

@@ -34,6 +34,11 @@ TYPICAL_BUS_GBPS = {
 #: NCCL over sockets (NCCL_NET=Socket / NCCL_IB_DISABLE=1) and for gloo. A probe across the
 #: nodes replaces them with a measurement.
 TYPICAL_INTER_NODE_GBPS = {"nccl": 12.0, "nccl/socket": 1.2, "gloo": 1.0}
+#: TensorFlow between workers (MultiWorkerMirroredStrategy), not measured between hosts either:
+#: NCCL as torch's NCCL between nodes; RING is TensorFlow's ring all-reduce over gRPC, taken as
+#: a 10 GbE TCP link like gloo's (two CPU workers on one host measured more over loopback, see
+#: the README). Within a worker the local figure applies; the slower of the two counts.
+TYPICAL_INTER_WORKER_GBPS = {"mw_nccl": 12.0, "mw_ring": 1.0}
 #: Effective training FLOP/s of one device by compute-capability major (conservative, fp32/tf32;
 #: 3.1e13 was measured for a 100M-parameter MLP on one H200).
 DEVICE_FLOPS = {12: 2.5e13, 10: 3.0e13, 9: 3.0e13, 8: 1.5e13, 7: 7e12, 6: 3e12, 0: 3e12}
@@ -53,6 +58,13 @@ class Estimate:
 def _typical_bus(c: Candidate, facts: Facts, policy: Options) -> tuple[float | None, str]:
     if c.num_replicas <= 1:
         return None, ""
+    if c.backend in TYPICAL_INTER_WORKER_GBPS:
+        between = TYPICAL_INTER_WORKER_GBPS[c.backend]
+        if c.backend == "mw_nccl" and len(c.devices) > 1:
+            within = "nvlink" if facts.all_nvlink(c.devices) else "pcie"
+            return (min(TYPICAL_BUS_GBPS[f"nccl/{within}"], between),
+                    f"typical between-worker {c.backend} figure")
+        return between, f"typical between-worker {c.backend} figure"
     if c.backend != "nccl":
         key = c.backend
     else:

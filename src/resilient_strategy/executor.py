@@ -49,6 +49,7 @@ from .probe import ERROR, TIMEOUT, ProbeResult, ProbeSpec, judged_hang
 from .rules import Rule
 from .selection import Selection
 from .trace import CachedFailure, Chosen, Event, FrameworkPicked, NextProbe, Note
+from .vocab import MULTI_WORKER_BACKENDS
 
 if TYPE_CHECKING:
     from .handoff import Decision as HandedDecision
@@ -98,6 +99,8 @@ def spec_for(c: Candidate, opts: Options, timeout_s: float) -> ProbeSpec:
         timeout_s=timeout_s,
         logical_cpus=opts.logical_cpus,
         check_bytes=(min(grad, DDP_BUCKET_BYTES),) if grad else (),  # the user's largest bucket
+        workers=opts.tf_workers if c.backend in MULTI_WORKER_BACKENDS else 1,
+        worker_rank=opts.tf_worker_rank if c.backend in MULTI_WORKER_BACKENDS else 0,
     )
 
 
@@ -125,9 +128,10 @@ def decide(
     """
     multi_node = opts.framework == "torch" and opts.nodes > 1
     # Multi-node: a node's cache cannot speak for the links between nodes; without a prober
-    # that spans the nodes (cross_node), no probe on one node may sway the choice either.
-    cache = DecisionCache(opts.cache_dir, opts.cache_ttl_s) if opts.cache_dir and not multi_node \
-        else None
+    # that spans the nodes (cross_node), no probe on one node may sway the choice either. The
+    # same holds for the workers of a TF_CONFIG job (their probes span the workers themselves).
+    cache = DecisionCache(opts.cache_dir, opts.cache_ttl_s) \
+        if opts.cache_dir and not multi_node and not opts.multi_worker else None
     fingerprint = facts.fingerprint()
     results: dict[str, ProbeResult] = {}
     notes: list[Event] = []
@@ -347,13 +351,14 @@ def resilient_strategy(
         from_cache=decision.from_cache, proven=decision.proven, launch=opts.launch,
         process_group_timeout_s=opts.pg_timeout_s,
         precision=opts.precision, logical_cpus=opts.logical_cpus, dry_run=opts.dry_run,
+        tf_workers=opts.tf_workers, tf_worker_rank=opts.tf_worker_rank,
         decided_in_s=time.perf_counter() - t0,
         advise=_advice(facts, opts, results, chosen), simulated=opts.simulated,
         progress=None if handed is None else _reporter(handed, opts, chosen, snapshot),
     )
     for w in p.warnings:
         log.warning("resilient_strategy: %s", w)
-    if opts.launch.rank == 0 and not opts.dry_run:
+    if opts.launch.rank == 0 and opts.tf_worker_rank == 0 and not opts.dry_run:
         fell = fallback_warning(p, results, facts, opts, chosen)
         if fell:
             log.warning("resilient_strategy: %s", fell)
@@ -454,6 +459,13 @@ def _agreed_decision(
     """Under torchrun, local rank 0 decides (and probes); the other ranks wait for its results
     and re-plan from them, so every rank reaches the same choice (no split brain)."""
     launch = opts.launch
+    if opts.multi_worker and not opts.dry_run:
+        from .multiworker import decide_across_workers
+
+        p, results, proven = decide_across_workers(
+            facts, opts, env, prober, clock,
+            functools.partial(decide, progress=progress, startup_check=startup_check))
+        return Decision(p, results, False, proven)
     if not launch.launched or opts.dry_run:
         return decide(facts, opts, env, prober, clock, progress, startup_check)
     if launch.multi_node and opts.framework == "torch":

@@ -20,6 +20,8 @@ from .cache import DEFAULT_TTL_S, default_dir
 from .errors import FrameworkNotInstalledError, InvalidOptionError
 from .facts import Facts
 from .rules import Rule, load_rules
+from .tfcluster import VAR as TF_CONFIG_VAR
+from .tfcluster import parse_tf_config
 from .vocab import (
     BACKENDS,
     FRAMEWORK_ALIASES,
@@ -95,6 +97,12 @@ class Options:
     local_rank: int = 0
     user_env: tuple[str, ...] = ()  # names of variables the user set (never overridden)
     logical_cpus: int = 0  # TensorFlow test mode: N logical CPU devices stand in for GPUs
+    #: TensorFlow under TF_CONFIG (tfcluster.py): the workers that train together (chief
+    #: included), this task's id among them, and its task as TF_CONFIG names it ("worker:1";
+    #: "" without TF_CONFIG). 1 worker: not a multi-worker job.
+    tf_workers: int = 1
+    tf_worker_rank: int = 0
+    tf_task: str = ""
     probe: str = "auto"
     timeout_s: float = DEFAULT_TIMEOUT_S
     budget_s: float = 4 * DEFAULT_TIMEOUT_S
@@ -113,6 +121,11 @@ class Options:
     def nodes(self) -> int:
         """Nodes of a launcher's job (1 unless WORLD_SIZE > LOCAL_WORLD_SIZE)."""
         return self.world_size // (self.local_world_size or self.world_size)
+
+    @property
+    def multi_worker(self) -> bool:
+        """A TensorFlow multi-worker job (TF_CONFIG with 2+ chief/worker tasks)."""
+        return self.framework == "tensorflow" and self.tf_workers > 1
 
     @property
     def processes(self) -> int:
@@ -153,6 +166,23 @@ class Options:
         if self.logical_cpus and self.framework != "tensorflow":
             raise InvalidOptionError("logical_cpus is a TensorFlow test mode: a positive count",
                                      "logical_cpus")
+        for name, value, low, top in (("tf_workers", self.tf_workers, 1, MAX_WORLD_SIZE),
+                                      ("tf_worker_rank", self.tf_worker_rank, 0,
+                                       MAX_WORLD_SIZE - 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= top:
+                raise InvalidOptionError(f"{name} must be an integer from {low} to {top}, not "
+                                         f"{value!r}", "TF_CONFIG")
+        if self.tf_worker_rank >= self.tf_workers:
+            raise InvalidOptionError(f"TF_CONFIG: worker {self.tf_worker_rank} of "
+                                     f"{self.tf_workers}", "TF_CONFIG")
+        if self.tf_workers > 1 and self.framework != "tensorflow":
+            raise InvalidOptionError("TF_CONFIG workers are TensorFlow's; torch jobs use "
+                                     "torchrun", "TF_CONFIG")
+        if self.tf_workers > 1 and self.logical_cpus:
+            raise InvalidOptionError(
+                "logical_cpus is a single-process test mode; under a multi-worker TF_CONFIG each "
+                "CPU worker is one replica of MultiWorkerMirroredStrategy: leave logical_cpus 0",
+                "logical_cpus")
         _check_seconds("sample_seconds", self.sample_seconds, MAX_SAMPLE_SECONDS)
         _check_seconds("timeout", self.timeout_s, MAX_TIMEOUT_S)
         _check_seconds("process_group_timeout", self.pg_timeout_s, MAX_PG_TIMEOUT_S)
@@ -388,6 +418,10 @@ def options_from(
     disabled = [*_env_list(env, "RESILIENT_STRATEGY_DISABLE_RULES"), *disable_rules]
     # The logical-CPU test mode proves nothing about this machine's GPUs: keep it out of the cache.
     use_cache = cache and env.get("RESILIENT_STRATEGY_CACHE", "1") != "0" and not logical_cpus
+    cluster = parse_tf_config(env.get(TF_CONFIG_VAR)) if fw == "tensorflow" else None
+    workers = cluster.num_workers if cluster is not None and cluster.multi_worker else 1
+    worker_rank = (cluster.worker_rank or 0) if cluster is not None and cluster.multi_worker \
+        else 0
     return Options(
         framework=fw,
         global_batch_size=global_batch_size,
@@ -402,6 +436,9 @@ def options_from(
         local_world_size=launch.local_world_size,
         user_env=tuple(sorted(env)),
         logical_cpus=logical_cpus,
+        tf_workers=workers,
+        tf_worker_rank=worker_rank,
+        tf_task=cluster.task if cluster is not None else "",
         probe=str(probe),
         timeout_s=float(timeout),
         budget_s=4 * float(timeout),

@@ -36,6 +36,7 @@ from .trace import (
     UserSettingKept,
     render,
 )
+from .vocab import MULTI_WORKER_BACKENDS
 
 if TYPE_CHECKING:
     from .options import Options
@@ -222,6 +223,12 @@ def _chain(
                f"{fw} is a CPU-only build: the GPUs are unusable from it; install a CUDA build to "
                "use them.")
         gpus = ()
+    if policy.multi_worker:
+        return _multi_worker_chain(fw, gpus, has_cuda, policy, b)
+    if fw == "tensorflow" and policy.tf_task.startswith("evaluator"):
+        b.note("tf_evaluator", f"TF_CONFIG names this task {policy.tf_task}: an evaluator sits "
+               "outside the workers' collectives (as in MultiWorkerMirroredStrategy), so it plans "
+               "its own devices alone.")
     if fw == "torch" and n_proc > 1:
         multi_devs = gpus[:local] if len(gpus) >= local else ()
         if gpus and len(gpus) < local:
@@ -262,6 +269,34 @@ def _chain(
     return out, reference
 
 
+def _multi_worker_chain(
+    fw: str, gpus: tuple[int, ...], has_cuda: bool, policy: Options, b: _Build
+) -> tuple[list[Candidate], int]:
+    """TensorFlow across the workers of a TF_CONFIG cluster: MultiWorkerMirroredStrategy with
+    NCCL (GPU workers of a CUDA build), then with RING (TensorFlow's ring all-reduce over gRPC,
+    CPU or GPU), each with every worker's local devices as replicas; then worker 0 alone on its
+    own best device, accumulating as many steps as the job has replicas (the other workers exit).
+    """
+    workers = policy.tf_workers
+    local = gpus if has_cuda else ()
+    replicas = workers * max(1, len(local))
+    b.note("multi_worker", (
+        f"Multi-worker job (TF_CONFIG): this task is {policy.tf_task or 'a worker'}, worker "
+        f"{policy.tf_worker_rank} of {workers}; MultiWorkerMirroredStrategy runs at the "
+        "network's speed between workers, and every worker proves it together with the others "
+        "(no cache: a worker's cache cannot speak for the links). When no backend across the "
+        f"workers beats one worker, worker 0 trains alone with {replicas} accumulation steps and "
+        "the others exit 0."))
+    out: list[Candidate] = []
+    if local:
+        out.append(Candidate(fw, "mw_nccl", local, num_replicas=replicas))
+    out.append(Candidate(fw, "mw_ring", local, num_replicas=replicas))
+    if gpus:
+        out.append(Candidate(fw, "single_device", gpus[:1]))
+    out.append(Candidate(fw, "cpu", ()))
+    return out, replicas
+
+
 def _user_set(policy: Options, env: Mapping[str, str]) -> list[str]:
     return sorted(k for k in env if k in policy.user_env)
 
@@ -285,7 +320,7 @@ def _apply_rules(
             b.warnings.append(cite)
             fired_("warn")
         elif rule.effect == "veto":
-            out = [c for c in cands if c.backend in rule.target]
+            out = [c for c in cands if _vetoed(c, rule.target)]
             if out:  # one line names every candidate it rules out, the rule's text once
                 fired_("veto", candidates=tuple(out), targets=tuple(rule.target))
             else:
@@ -297,7 +332,7 @@ def _apply_rules(
                     fired_("already_ruled_out", targets=gone)
             for c in out:
                 b.rule_out(c, "rule", rule.message, rule=rule.id, source=rule.source, said=True)
-            cands = [c for c in cands if c.backend not in rule.target]
+            cands = [c for c in cands if not _vetoed(c, rule.target)]
         elif rule.effect == "prefer":
             cands = [c for c in cands if c.backend in rule.target] + [
                 c for c in cands if c.backend not in rule.target
@@ -327,6 +362,17 @@ def _apply_rules(
             cands = _insert_remedy(cands, remedy)
             fired_("remedy_added", env=pairs, candidates=(remedy,), first=rule.first)
     return cands
+
+
+def _vetoed(c: Candidate, target: Sequence[str]) -> bool:
+    """Whether a veto of ``target`` rules ``c`` out. Across TF workers the same NCCL runs
+    (a veto of ``nccl`` covers ``mw_nccl``), and GPUs that cannot run one device (a veto of
+    ``single_device``) cannot run a strategy across workers on them either."""
+    if c.backend in target:
+        return True
+    if c.backend == "mw_nccl" and "nccl" in target:
+        return True
+    return c.backend in MULTI_WORKER_BACKENDS and bool(c.devices) and "single_device" in target
 
 
 def _insert_remedy(cands: list[Candidate], remedy: Candidate) -> list[Candidate]:
@@ -409,6 +455,13 @@ def _split_batches(
 
     for c in cands:
         r = c.num_replicas
+        if r > 1 and g % r and c.backend in MULTI_WORKER_BACKENDS:  # workers cannot be dropped
+            b.rule_out(c, "batch", f"global_batch_size={g} does not split over the {r} replicas "
+                       "of the workers", said=True)
+            once("batch_not_split", f"global_batch_size={g} does not split over the {r} "
+                 f"replicas of the {policy.tf_workers} workers, so no strategy across them can "
+                 f"keep it exact; use a multiple of {r} to train on every worker.")
+            continue
         if r > 1 and g % r:
             r_fit = _largest_divisor_at_most(g, r)
             if r_fit < 2:

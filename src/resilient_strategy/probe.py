@@ -86,6 +86,8 @@ CAUSES: dict[str, str] = {
     "inter_node": "the collective between nodes failed (the group of one process per node "
     "spanning the job)",
     "budget": "not probed: the time budget for the whole decision was spent (timeout= x 4)",
+    "inter_worker": "the collective between the TF_CONFIG workers failed (each worker's one "
+    "process of MultiWorkerMirroredStrategy, which agree on each verdict)",
 }
 
 
@@ -104,6 +106,10 @@ class ProbeSpec:
     check_bytes: tuple[int, ...] = ()  # more sizes to check exactly (the user's largest bucket)
     train_step: bool = True
     logical_cpus: int = 0  # TF: replicas on N logical CPU devices (testing without GPUs)
+    #: TF multi-worker (TF_CONFIG): the workers that each run this probe's one local process
+    #: together, and this one's id; 1: an ordinary probe on this machine
+    workers: int = 1
+    worker_rank: int = 0
 
 
 @dataclass(frozen=True)

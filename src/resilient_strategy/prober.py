@@ -56,8 +56,11 @@ def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.exec
     with _proc.terminate_as_exception(), _files.temp_dir("rs-probe-") as tmp:
         commands = build_commands(spec, env, tmp, python=python, parent_pid=os.getpid())
         try:
-            group = _proc.run_group(commands, spec.timeout_s, stall_policy=stall_policy(spec),
-                                    spawn=_fork_spawner(spec, env, python))
+            # across TF workers the peers' progress is not seen here: the deadline alone
+            # judges (as between torch nodes), so both workers end a failed round alike
+            group = _proc.run_group(commands, spec.timeout_s,
+                                    stall_policy=stall_policy(spec) if spec.workers == 1
+                                    else None, spawn=_fork_spawner(spec, env, python))
         except OSError as exc:
             return ProbeResult(spec.candidate, ERROR, cause="worker_error",
                                detail=f"could not start the probe worker {python!r}: {exc}")
@@ -146,5 +149,9 @@ def build_commands(
         where = ["--devices", devices]
         if spec.logical_cpus:  # the devices are logical CPUs then
             where += ["--logical-cpus", str(spec.logical_cpus)]
+        if spec.workers > 1:  # one process of a probe across the TF_CONFIG workers
+            where += ["--workers", str(spec.workers), "--worker-rank", str(spec.worker_rank),
+                      "--round-key", spec.candidate, "--budget", f"{spec.timeout_s:g}",
+                      "--collective-timeout", f"{spec.timeout_s + WORKER_TIMEOUT_MARGIN_S:g}"]
         return [command("tf_worker", 0, where)]
     raise InvalidOptionError(f"probe {spec.candidate}: unknown framework {spec.framework!r}")

@@ -65,6 +65,9 @@ class Selection:
     process_group_timeout_s: float = 300.0  # training collectives (torch process group)
     precision: str = "auto"
     logical_cpus: int = 0  # TF CPU test mode: replicas on logical CPU devices
+    #: TensorFlow under a multi-worker TF_CONFIG: the workers and this one's id (chief 0)
+    tf_workers: int = 1
+    tf_worker_rank: int = 0
     dry_run: bool = False
     decided_in_s: float = 0.0
     env_applied: bool = True  # False: decided for env= or a dry run; os.environ was not touched
@@ -111,14 +114,22 @@ class Selection:
     @property
     def active(self) -> bool:
         """False on the ranks a launcher started that the choice leaves idle (one-device
-        fallback under torchrun trains on rank 0 only)."""
+        fallback under torchrun trains on rank 0 only), and on the TF_CONFIG workers other than
+        worker 0 when it trains alone."""
+        if self.tf_workers > 1 and self.num_replicas == 1:
+            return self.tf_worker_rank == 0
         if self.launch.launched and self.num_replicas == 1:
             return self.launch.rank == 0
         return True
 
     @property
+    def multi_worker(self) -> bool:
+        """A TensorFlow multi-worker job (TF_CONFIG with 2+ chief/worker tasks)."""
+        return self.tf_workers > 1
+
+    @property
     def is_main_process(self) -> bool:
-        return self.launch.rank == 0
+        return self.launch.rank == 0 and self.tf_worker_rank == 0
 
     @property
     def batch_size(self) -> int | None:
@@ -148,7 +159,9 @@ class Selection:
                 + ("" if self.dry_run else "; not applied: decided for a given env="))
         if self.dry_run:
             extras.append("dry run: nothing was set or built")
-        if not self.active:
+        if not self.active and self.multi_worker:
+            extras.append(f"worker {self.tf_worker_rank} stays idle: only worker 0 trains")
+        elif not self.active:
             extras.append(f"rank {self.launch.rank} stays idle: only rank 0 trains")
         extras.append(f"decided in {self.decided_in_s:.2f} s")
         lines = [head + "."] + [f"  ({e})" for e in extras] + ["Why:"]
@@ -175,6 +188,8 @@ class Selection:
             "decided_in_s": round(self.decided_in_s, 4),
             "rank": self.launch.rank,
             "world_size": self.launch.world_size,
+            "tf_workers": self.tf_workers,
+            "tf_worker_rank": self.tf_worker_rank,
             "fingerprint": self.facts.fingerprint(),
             "rules_fired": list(self.plan.rules_fired),
             "warnings": list(self.plan.warnings),
@@ -204,9 +219,14 @@ class Selection:
             narrowed = self.env_applied and "CUDA_VISIBLE_DEVICES" in self.env
             devices = tuple(range(len(self.devices))) if narrowed \
                 else self.devices
+            from .vocab import MULTI_WORKER_BACKENDS
+
+            across = self.backend in MULTI_WORKER_BACKENDS
             return TfRuntime(
                 self.backend, devices, self.accumulation_steps, self.global_batch_size,
                 self.per_replica_batch_size, logical_cpus=self.logical_cpus,
+                workers=self.tf_workers if across else 1,
+                timeout_s=self.process_group_timeout_s if across else None,
             )
         from .frameworks.torch import TorchRuntime
 
@@ -235,11 +255,21 @@ class Selection:
         torchrun counts as done) instead of letting it train a duplicate of rank 0's work."""
         if self.active:
             return
-        log.warning(
-            "resilient_strategy: rank %d has nothing to do under this decision (%s trains on "
-            "rank 0 alone); exiting cleanly. Check `sel.active` to end the rank yourself.",
-            self.launch.rank, self.candidate.label,
-        )
+        if self.multi_worker:
+            log.warning(
+                "resilient_strategy: worker %d of %d has nothing to do under this decision: no "
+                "strategy across the TF_CONFIG workers was proven that beats one worker, so "
+                "worker 0 trains alone (%s, %d accumulation steps keep the global batch); "
+                "exiting cleanly (status 0). Check `sel.active` to end the worker yourself.",
+                self.tf_worker_rank, self.tf_workers, self.candidate.label,
+                self.accumulation_steps,
+            )
+        else:
+            log.warning(
+                "resilient_strategy: rank %d has nothing to do under this decision (%s trains "
+                "on rank 0 alone); exiting cleanly. Check `sel.active` to end the rank yourself.",
+                self.launch.rank, self.candidate.label,
+            )
         with contextlib.suppress(Exception):
             self.shutdown()
         raise SystemExit(0)

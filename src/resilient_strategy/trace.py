@@ -26,6 +26,7 @@ __all__ = [
     "Event",
     "FactsSeen",
     "FrameworkPicked",
+    "MultiWorkerDecided",
     "NextProbe",
     "Note",
     "NothingLeft",
@@ -35,6 +36,7 @@ __all__ = [
     "RuleFired",
     "Split",
     "UserSettingKept",
+    "WorkerProbe",
     "render",
 ]
 
@@ -361,6 +363,57 @@ class Chosen(Event):
                             "used up",
         }[self.how]
         return f"Chose {c.label}: {why}."
+
+
+@dataclass(frozen=True)
+class WorkerProbe:
+    """One candidate proven across the workers of a TF_CONFIG job, and how it went."""
+
+    candidate: Candidate
+    status: str  # ok / error / timeout
+    cause: str
+    why: str  # "" when ok, else the result's why()
+
+
+@dataclass(frozen=True)
+class MultiWorkerDecided(Event):
+    """A TensorFlow multi-worker job's decision, as every worker's trace says it: the job, what
+    was probed across the ``workers`` (every worker ran the same probes together; a last
+    all-reduce made them agree on each verdict) and what was chosen. ``alone``: worker 0 trains
+    alone, the others exit 0; ``active``: this worker trains."""
+
+    kind: ClassVar[str] = "multi_worker"
+    workers: int
+    worker_rank: int
+    task: str
+    probed: tuple[WorkerProbe, ...]
+    chosen: Candidate | None
+    alone: bool
+    active: bool
+    proven: bool = True
+
+    def text(self) -> str:
+        head = (f"Multi-worker job: this is {self.task or 'worker ' + str(self.worker_rank)} "
+                f"(worker {self.worker_rank} of {self.workers}).")
+        if self.probed:
+            head += f" Probed across {self.workers} workers: " + "; ".join(
+                f"{p.candidate.label}: " + ("ok" if p.status == "ok" else f"failed ({p.why})")
+                for p in self.probed) + "."
+        elif self.proven:
+            head += f" Nothing was probed across the {self.workers} workers (nothing needed it)."
+        else:
+            head += (f" Nothing was probed across the {self.workers} workers: the choice is "
+                     "UNPROVEN (probing is off).")
+        c = self.chosen
+        if c is None:
+            return head
+        if self.alone:
+            tail = (f" Worker 0 trains alone on {c.label} with {c.accumulation_steps} "
+                    "accumulation step(s) keeping the global batch; the other workers exit 0")
+            tail += "." if self.active else " (this one too)."
+        else:
+            tail = f" Chosen across all {self.workers} workers: {c.label}, {c.num_replicas} replicas."
+        return head + tail
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,16 @@ from __future__ import annotations
 FRAMEWORKS = ("torch", "tensorflow")
 #: Other names users give them.
 FRAMEWORK_ALIASES = {"tf": "tensorflow", "keras": "tensorflow", "pytorch": "torch"}
+#: TensorFlow across the workers of a ``TF_CONFIG`` cluster: ``MultiWorkerMirroredStrategy``
+#: with ``CommunicationOptions(implementation=NCCL)`` (GPU workers of a CUDA build) or ``RING``
+#: (TensorFlow's own ring all-reduce over gRPC: CPU and GPU workers).
+MULTI_WORKER_BACKENDS = ("mw_nccl", "mw_ring")
 #: Every way to train, as a planner backend name.
-BACKENDS = ("nccl", "hierarchical_copy", "reduction_to_one_device", "gloo", "single_device", "cpu")
+BACKENDS = ("nccl", "hierarchical_copy", "reduction_to_one_device", "gloo", *MULTI_WORKER_BACKENDS,
+            "single_device", "cpu")
 #: Backends that run a collective between replicas (proven by a probe before use).
-MULTI_BACKENDS = ("nccl", "hierarchical_copy", "reduction_to_one_device", "gloo")
+MULTI_BACKENDS = ("nccl", "hierarchical_copy", "reduction_to_one_device", "gloo",
+                  *MULTI_WORKER_BACKENDS)
 #: Mixed-precision policies.
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 #: How probing is done: probe unless cached, re-probe, or trust the plan.

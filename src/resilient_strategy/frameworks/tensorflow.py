@@ -17,6 +17,17 @@ devices, logical CPUs): every TfRuntime with the same key (a second ``resilient_
 a second Selection) gets the same strategy object, and building a ``MirroredStrategy`` for a
 different key while one exists logs a warning on the ``resilient_strategy`` logger.
 
+Across the workers of a ``TF_CONFIG`` cluster (backends ``mw_nccl`` / ``mw_ring``) the strategy
+is a ``MultiWorkerMirroredStrategy`` with that ``CommunicationImplementation`` and the
+``process_group_timeout`` as ``CommunicationOptions.timeout_seconds``; it is a subclass that
+makes Keras 3's ``fit`` work under it (:func:`keras_multi_worker_class`). Every worker feeds the
+global batch (``batch_size_to_feed``: per-replica batch x every worker's replicas): the strategy
+rebatches it and shards it between the workers (measured: with a global batch of 16 on two CPU
+workers each step saw 8 rows on each worker, different rows, and the weights equalled those of
+one process training batches of 16). When worker 0 trains alone it builds a
+``OneDeviceStrategy``, which ignores ``TF_CONFIG`` (measured: it trains with ``TF_CONFIG``
+naming an absent second worker).
+
 Gradient accumulation (the one-device fallback) uses Keras 3's optimizer argument
 ``gradient_accumulation_steps``: the optimizer adds each micro-batch gradient to an accumulator
 and applies their mean every n-th step. It works under ``OneDeviceStrategy`` only: under
@@ -58,6 +69,8 @@ MIRRORED_OPS = {
     "reduction_to_one_device": "ReductionToOneDevice",
 }
 ONE_DEVICE = ("single_device", "cpu")
+#: Backend -> the ``CommunicationImplementation`` of a MultiWorkerMirroredStrategy (TF_CONFIG).
+MULTI_WORKER_IMPL = {"mw_nccl": "NCCL", "mw_ring": "RING"}
 #: Fallbacks whose cross-device op an XLA-compiled train step would bypass.
 XLA_BYPASSED = ("hierarchical_copy", "reduction_to_one_device")
 
@@ -96,8 +109,9 @@ class StrategyRegistry:
         with self._lock:
             if key in self._built:
                 return self._built[key]
-            mirrored = [k for k in self._built if k[0] in MIRRORED_OPS]
-            if key[0] in MIRRORED_OPS and mirrored:
+            family = (*MIRRORED_OPS, *MULTI_WORKER_IMPL)
+            mirrored = [k for k in self._built if k[0] in family]
+            if key[0] in family and mirrored:
                 log.warning(
                     "building a second MirroredStrategy in this process (%s over %s) while %s "
                     "exists: two MirroredStrategy objects in one process have caused NCCL errors. "
@@ -129,12 +143,20 @@ class TfRuntime:
         global_batch_size: int | None,
         per_replica_batch_size: int | None,
         logical_cpus: int = 0,
+        *,
+        workers: int = 1,
+        timeout_s: float | None = None,
     ) -> None:
-        if backend not in MIRRORED_OPS and backend not in ONE_DEVICE:
+        if backend not in MIRRORED_OPS and backend not in ONE_DEVICE \
+                and backend not in MULTI_WORKER_IMPL:
             raise InvalidOptionError(f"TensorFlow has no backend {backend!r}")
-        if accumulation_steps < 1 or logical_cpus < 0:
-            raise InvalidOptionError("accumulation_steps must be >= 1 and logical_cpus >= 0")
-        if backend in MIRRORED_OPS and accumulation_steps > 1:
+        if accumulation_steps < 1 or logical_cpus < 0 or workers < 1:
+            raise InvalidOptionError("accumulation_steps and workers must be >= 1 and "
+                                     "logical_cpus >= 0")
+        if workers > 1 and backend not in MULTI_WORKER_IMPL:
+            raise InvalidOptionError(f"{backend} runs in one process; only "
+                                     f"{sorted(MULTI_WORKER_IMPL)} span {workers} workers")
+        if (backend in MIRRORED_OPS or backend in MULTI_WORKER_IMPL) and accumulation_steps > 1:
             raise InvalidOptionError(
                 f"Keras cannot accumulate gradients under MirroredStrategy ({backend}, "
                 f"{accumulation_steps} steps; keras-team/keras#20582): use a larger "
@@ -145,11 +167,14 @@ class TfRuntime:
         self.global_batch_size = global_batch_size
         self.per_replica_batch_size = per_replica_batch_size
         self.logical_cpus = logical_cpus
+        self.workers = workers
+        self.timeout_s = timeout_s
         self.replica_devices = replica_devices(backend, tuple(devices), logical_cpus)
 
     @property
     def num_replicas(self) -> int:
-        return len(self.replica_devices)
+        """Replicas in sync: this worker's devices times the workers."""
+        return len(self.replica_devices) * self.workers
 
     @property
     def strategy_key(self) -> StrategyKey:
@@ -169,6 +194,8 @@ class TfRuntime:
             configure_logical_cpus(self.logical_cpus)
         if self.backend in ONE_DEVICE:
             return tf.distribute.OneDeviceStrategy(self.replica_devices[0])
+        if self.backend in MULTI_WORKER_IMPL:
+            return multi_worker_strategy(MULTI_WORKER_IMPL[self.backend], self.timeout_s)
         ops = getattr(tf.distribute, MIRRORED_OPS[self.backend])()
         return tf.distribute.MirroredStrategy(list(self.replica_devices), cross_device_ops=ops)
 
@@ -460,7 +487,7 @@ def progress_callback(reporter: Any, accumulation_steps: int, backup_dir: str | 
 
 def replica_devices(backend: str, devices: tuple[int, ...], logical_cpus: int) -> tuple[str, ...]:
     """TF device names of the replicas: ``/gpu:i``, or ``/cpu:i`` in the logical-CPU test mode."""
-    if backend == "cpu":
+    if backend == "cpu" or (backend in MULTI_WORKER_IMPL and not devices):
         return ("/cpu:0",)
     kind = "cpu" if logical_cpus else "gpu"
     if backend in ONE_DEVICE:
@@ -489,3 +516,56 @@ def configure_logical_cpus(n: int) -> None:
         have = len(tf.config.list_logical_devices("CPU"))
         if have != n:
             raise LogicalDevicesError(n, have) from exc
+
+
+def multi_worker_strategy(implementation: str, timeout_s: float | None) -> Any:
+    """``MultiWorkerMirroredStrategy`` over the cluster in ``TF_CONFIG`` (TensorFlow reads it),
+    all-reducing with ``implementation`` ("NCCL" or "RING"), each collective failing after
+    ``timeout_s`` instead of hanging (``CommunicationOptions.timeout_seconds``).
+
+    It is :func:`keras_multi_worker_class`'s subclass, which Keras 3's ``fit`` needs."""
+    import tensorflow as tf
+
+    options = tf.distribute.experimental.CommunicationOptions(
+        implementation=getattr(tf.distribute.experimental.CommunicationImplementation,
+                               implementation),
+        timeout_seconds=timeout_s)
+    return keras_multi_worker_class()(communication_options=options)
+
+
+@functools.cache
+def keras_multi_worker_class() -> type[Any]:
+    """``tf.distribute.MultiWorkerMirroredStrategy`` whose ``reduce`` works where Keras 3 calls it.
+
+    Keras 3's TensorFlow trainer (3.15, ``keras/src/backend/tensorflow/trainer.py``) calls
+    ``strategy.reduce("MEAN", batch, axis=None)`` on the first batch, a *structure* ``(x, y)`` of
+    per-replica values (``_maybe_symbolic_build``), and ``strategy.reduce("MEAN", loss, axis=0)``
+    on each step's per-replica *scalar* loss (``reduce_per_replica``). With 2 or more workers,
+    MultiWorkerMirroredStrategy hands the structure to its cross-device ops whole (ValueError:
+    "Attempt to convert a value (PerReplica...) to a Tensor") and reduces the scalar along axis 0
+    ("Invalid reduction dimension 0 for input with 0 dimensions"), so ``model.fit`` fails before
+    its first step (keras-team/keras#20585, tensorflow/tensorflow#72388; both reproduced with
+    TF 2.21 + Keras 3.15, two CPU workers). This subclass reduces a structure element by
+    element, as ``Strategy.reduce`` documents for nested values, and a per-replica scalar with
+    ``axis=None`` (a MEAN of scalars over replicas, which is what Keras means on one worker).
+    Keras itself is not changed. Measured: ``fit`` of a 2-worker job then gives the weights of
+    one process training the same global batch (to float32 rounding).
+    """
+    import tensorflow as tf
+
+    base = tf.distribute.MultiWorkerMirroredStrategy
+
+    class KerasMultiWorkerMirroredStrategy(base):  # type: ignore[misc, valid-type]
+        def reduce(self, reduce_op: Any, value: Any, axis: Any = None) -> Any:
+            def one(v: Any) -> Any:
+                ax = axis
+                if ax is not None:
+                    parts = self.experimental_local_results(v)
+                    if parts and all(getattr(getattr(p, "shape", None), "rank", None) == 0
+                                     for p in parts):
+                        ax = None
+                return base.reduce(self, reduce_op, v, ax)
+
+            return tf.nest.map_structure(one, value)
+
+    return KerasMultiWorkerMirroredStrategy
