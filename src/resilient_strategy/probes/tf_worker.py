@@ -156,6 +156,12 @@ def _configure_devices(tf: Any, args: argparse.Namespace) -> list[str]:
     if not wanted or args.backend == "cpu":
         tf.config.set_visible_devices([], "GPU")
         return ["/cpu:0"]
+    return _use_gpus(tf, wanted)
+
+
+def _use_gpus(tf: Any, wanted: list[int]) -> list[str]:
+    """Make exactly the GPUs ``wanted`` visible to TensorFlow (memory growing as used) and
+    return their device names, which renumber from 0; a GPU it cannot see is ``no_device``."""
     gpus = tf.config.list_physical_devices("GPU")
     missing = [d for d in wanted if d >= len(gpus)]
     if missing:
@@ -181,17 +187,7 @@ def _configure_worker_devices(tf: Any, args: argparse.Namespace) -> list[str]:
             raise ProbeFailure("no_device", "NCCL across workers needs GPUs; none were planned")
         tf.config.set_visible_devices([], "GPU")
         return ["/cpu:0"]
-    gpus = tf.config.list_physical_devices("GPU")
-    missing = [d for d in wanted if d >= len(gpus)]
-    if missing:
-        raise ProbeFailure(
-            "no_device", f"TensorFlow {tf.__version__} sees {len(gpus)} GPU(s), not GPU(s) "
-            f"{missing} (built with CUDA: {tf.test.is_built_with_cuda()})")
-    chosen = [gpus[d] for d in wanted]
-    tf.config.set_visible_devices(chosen, "GPU")
-    for gpu in chosen:
-        tf.config.experimental.set_memory_growth(gpu, True)
-    return [f"/gpu:{i}" for i in range(len(chosen))]
+    return _use_gpus(tf, wanted)
 
 
 def _strategy(tf: Any, backend: str, names: list[str], timeout_s: float | None = None) -> Any:
