@@ -262,6 +262,9 @@ sel = resilient_strategy.resilient_strategy(framework="torch", global_batch_size
 import torch
 with open(os.environ["LAUNCHES"], "a") as fh:
     fh.write(f"{{sel.launch.rank}} {{sel.backend}}\\n")
+if "SPLITS" in os.environ:
+    with open(os.environ["SPLITS"], "a") as fh:
+        fh.write(f"{{sel.launch.rank}} {{sel.backend}} {{sel.batch_size}} {{sel.accumulation_steps}}\\n")
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 2)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -289,6 +292,19 @@ def _toy(tmp: Path, action: str) -> Path:
 
 def _launches(tmp: Path) -> list[str]:
     return sorted((tmp / "launches").read_text().split("\n")[:-1])
+
+
+def test_a_relaunch_on_fewer_replicas_keeps_the_per_device_batch(
+        tmp_path: Path, cache_dir: Path) -> None:
+    """gloo on 2 processes fails mid-run; the relaunch on one process trains the same per-device
+    batch (32) with 2 accumulation steps, as the supervisor's plan says, not 64 at once (which
+    is what a worker planning its own one-process launch would do, and may not fit a GPU)."""
+    script = _toy(tmp_path, "")
+    proc = _run(tmp_path, cache_dir, script, [], LAUNCHES=str(tmp_path / "launches"),
+                SPLITS=str(tmp_path / "splits"), RESILIENT_STRATEGY_TRAIN_FAULT="exit:1:gloo:4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    splits = sorted((tmp_path / "splits").read_text().split("\n")[:-1])
+    assert splits == ["0 cpu 32 2", "0 gloo 32 1", "1 gloo 32 1"]
 
 
 def test_diverged_ranks_are_reported_not_relaunched(tmp_path: Path, cache_dir: Path) -> None:

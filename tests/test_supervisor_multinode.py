@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +37,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_pair(tmp: Path, script: Path, script_args: list[str], **extra: str
-             ) -> tuple[list[int], list[str]]:
+def run_pair(tmp: Path, script: Path, script_args: list[str], probe_timeout: float = 30,
+             **extra: str) -> tuple[list[int], list[str]]:
     """Both supervisors to the end (killed, with everything below them, at LIMIT_S)."""
+    return finish(start_pair(tmp, script, script_args, probe_timeout, **extra))
+
+
+def start_pair(tmp: Path, script: Path, script_args: list[str], probe_timeout: float = 30,
+               **extra: str) -> list[subprocess.Popen[str]]:
+    """The two supervisors (node ranks 0 and 1), started."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")}
     (tmp / "tmp").mkdir(exist_ok=True)
@@ -51,12 +58,17 @@ def run_pair(tmp: Path, script: Path, script_args: list[str], **extra: str
         subprocess.Popen(
             [sys.executable, "-m", "resilient_strategy", "run", "--nnodes", "2", "--node-rank",
              str(n), "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-             f"127.0.0.1:{port}", "--stall-timeout", "5", "--probe-timeout", "30",
-             str(script), *script_args],
+             f"127.0.0.1:{port}", "--stall-timeout", "5", "--probe-timeout",
+             f"{probe_timeout:g}", str(script), *script_args],
             env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True)
         for n in (0, 1)
     ]
+    return procs
+
+
+def finish(procs: list[subprocess.Popen[str]]) -> tuple[list[int], list[str]]:
+    """Every supervisor's exit code and output (each killed with its group at LIMIT_S)."""
     codes, logs = [], []
     try:
         for p in procs:
@@ -76,17 +88,26 @@ def run_pair(tmp: Path, script: Path, script_args: list[str], **extra: str
     return codes, logs
 
 
-def assert_clean(tmp: Path) -> None:
-    """No process of the run left, no temporary file left (torch's inductor cache aside)."""
-    left = [p.name for p in (tmp / "tmp").iterdir() if not p.name.startswith("torchinductor_")]
-    assert left == []
+def processes_of(tmp: Path, *words: str) -> list[str]:
+    """Live processes whose command line names ``tmp`` (and every one of ``words``)."""
     mine = []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             with contextlib.suppress(OSError):
-                if str(tmp).encode() in (proc / "cmdline").read_bytes():
-                    mine.append(proc.name)
-    assert mine == []
+                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                status = (proc / "stat").read_text().split(") ", 1)[-1][:1]
+                if str(tmp) in cmd and status != "Z" and all(w in cmd for w in words):
+                    mine.append(f"{proc.name} {cmd[:160]}")
+    return mine
+
+
+def assert_clean(tmp: Path, temp_files: bool = True) -> None:
+    """No process of the run left, no temporary file left (torch's inductor cache aside)."""
+    if temp_files:
+        left = [p.name for p in (tmp / "tmp").iterdir()
+                if not p.name.startswith("torchinductor_")]
+        assert left == []
+    assert processes_of(tmp) == []
 
 
 def read(out: Path, name: str) -> dict[int, dict[str, Any]]:
@@ -134,6 +155,51 @@ def test_a_mid_run_fault_on_one_node_relaunches_both_on_the_next_candidate(
         assert sum("relaunching (1 of" in ln for ln in log.splitlines()) == 1, log[-3000:]
     assert (ckpt / "checkpoint.pt").is_file()
     assert_clean(tmp_path)
+
+
+def test_a_probe_hang_on_node_1_falls_back_to_node_0_alone_on_both(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    codes, logs = run_pair(tmp_path, JOB, [str(out)], probe_timeout=8,
+                           RESILIENT_STRATEGY_PROBE_FAULT="hang:1:gloo")
+    assert codes == [0, 0], [log[-3000:] for log in logs]
+    decisions = read(out, "decision")
+    assert list(decisions) == [0]  # node 0's one worker; node 1 had nothing to run and exit 0
+    d = decisions[0]
+    assert (d["backend"], d["num_replicas"], d["accumulation_steps"]) == ("cpu", 1, 2)
+    probe = d["probes"]["torch:gloo:cpu"]
+    assert (probe["status"], probe["cause"]) == ("timeout", "inter_node")
+    trained = read(out, "trained")
+    assert list(trained) == [0] and trained[0]["optimizer_steps"] == 2  # 4 micro-steps
+    assert_clean(tmp_path)
+
+
+def test_node_1_killed_mid_decision_stops_node_0_within_the_deadlines(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    procs = start_pair(tmp_path, JOB, [str(out)], probe_timeout=60,
+                       RESILIENT_STRATEGY_PROBE_FAULT="hang:1:gloo")
+    try:
+        end = time.monotonic() + LIMIT_S  # until node 1's side of the cross-node probe is up
+        while not processes_of(tmp_path, "torch_worker", "--rank 1"):
+            assert time.monotonic() < end and procs[0].poll() is None, finish(procs)
+            time.sleep(0.2)
+        os.killpg(procs[1].pid, signal.SIGKILL)  # node 1's supervisor and all in its group
+        t = time.monotonic()
+        codes, logs = finish(procs)
+        took = time.monotonic() - t
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+    assert codes[0] not in (0, None), logs[0][-3000:]
+    assert "NodeLostError" in logs[0] or "node 1" in logs[0], logs[0][-3000:]
+    assert took < 60, took  # the heartbeat's staleness, not the 60 s probe timeout
+    assert read(out, "decision") == {} and read(out, "trained") == {}  # no worker started
+    end = time.monotonic() + 15  # node 1's probe workers see their parent gone (watchdog)
+    while processes_of(tmp_path) and time.monotonic() < end:
+        time.sleep(0.2)
+    assert_clean(tmp_path, temp_files=False)  # a SIGKILLed node cannot remove its own
 
 
 def test_node_link_from_torchrun_options() -> None:

@@ -44,7 +44,7 @@ from .options import (  # noqa: F401  (options_from, gradient_bytes_of: importab
     gradient_bytes_of,
     options_from,
 )
-from .plan import Candidate, Plan, RuledOut, plan
+from .plan import Candidate, Plan, RuledOut, plan, resplit
 from .probe import ERROR, TIMEOUT, ProbeResult, ProbeSpec, judged_hang
 from .rules import Rule
 from .selection import Selection
@@ -513,7 +513,9 @@ def _handed_decision(facts: Facts, opts: Options, handed: HandedDecision) -> Dec
             f"`resilient-strategy run` chose {handed.chosen} ({handed.framework}), which this "
             f"script's resilient_strategy(framework={opts.framework!r}, ...) cannot "
             "train on here; pass --framework to `resilient-strategy run` to match the script")
-    chosen = found[0]
+    # the batch split of the supervisor's plan (the job's per-device batch, accumulating on
+    # fewer replicas), not of this worker's own launch (one process trains it all at once)
+    chosen = resplit(found[0], opts, handed.reference_replicas)
     # the worker's own plan may end in another choice or probe: the handed one replaces them
     events = [e for e in p.events if not isinstance(e, (Chosen, NextProbe))]
     events += [Note("multi_node", n) for n in handed.node_trace]

@@ -61,6 +61,8 @@ class Decision:
     processes: int = 1  # workers this decision needs on this node
     nodes: int = 1  # nodes that train on it (1 under --nnodes N: node 0 alone)
     node_trace: tuple[str, ...] = ()  # how the nodes agreed (multi-node), for explain()
+    #: The supervisor's Plan.reference_replicas: the worker splits the batch as it did.
+    reference_replicas: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -71,6 +73,7 @@ class Decision:
             "global_batch_size": self.global_batch_size, "label": self.label,
             "processes": self.processes, "nodes": self.nodes,
             "node_trace": list(self.node_trace),
+            "reference_replicas": self.reference_replicas,
         }
 
     @classmethod
@@ -87,6 +90,7 @@ class Decision:
             label=str(d.get("label", "")), processes=int(d.get("processes", 1)),
             nodes=int(d.get("nodes", 1)),
             node_trace=tuple(str(n) for n in d.get("node_trace", ())),
+            reference_replicas=int(d.get("reference_replicas", 1)),
         )
 
 

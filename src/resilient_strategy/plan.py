@@ -92,6 +92,9 @@ class Plan:
     rules_fired: tuple[str, ...]
     chosen: Candidate | None = None
     next_probe: Candidate | None = None
+    #: The replicas of the widest way to train this job: a one-device fallback keeps its
+    #: per-device batch and accumulates up to this many steps (see :func:`resplit`).
+    reference_replicas: int = 1
 
     @property
     def candidates(self) -> tuple[Candidate, ...]:
@@ -114,6 +117,7 @@ class _Build:
     events: list[Event] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     ruled_out: list[RuledOut] = field(default_factory=list)
+    reference: int = 1  # the widest candidate's replicas, as the batch split used it
 
     def note(self, topic: str, message: str) -> None:
         self.events.append(Note(topic, message))
@@ -140,6 +144,16 @@ def split_batch(global_batch: int, replicas: int, micro_cap: int) -> tuple[int, 
         if share // acc <= micro_cap:
             return share // acc, acc
     return 1, share
+
+
+def resplit(c: Candidate, policy: Options, reference: int) -> Candidate:
+    """``c`` with the batch split it gets in a plan whose widest candidate has ``reference``
+    replicas. A worker of ``resilient-strategy run`` plans in a launch of its own (one process,
+    say, when the decision is one device), so its own plan would train the whole global batch
+    in one step; the supervisor's plan keeps the per-device batch the job was sized for and
+    accumulates (``Plan.reference_replicas`` is handed down)."""
+    out = _split_batches([c], policy, _Build(simulated=policy.simulated), max(1, reference))
+    return out[0] if out else c
 
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:
@@ -185,6 +199,7 @@ def plan(
         rules_fired=tuple(r.id for r in hits),
         chosen=chosen,
         next_probe=next_probe,
+        reference_replicas=b.reference,
     )
 
 
@@ -430,6 +445,7 @@ def _split_batches(
 ) -> list[Candidate]:
     g = policy.global_batch_size
     top = max([reference, *(c.num_replicas for c in cands)])
+    b.reference = top
     if g is None:
         out = []
         for c in cands:

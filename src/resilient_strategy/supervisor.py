@@ -474,7 +474,8 @@ def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
         # torch: one process per replica, split over the nodes; TensorFlow: one drives them all
         processes=max(1, p.chosen.num_replicas // _nnodes(opts)) if o.framework == "torch" else 1,
         nodes=1 if o.framework != "torch" or p.chosen.num_replicas == 1 else _nnodes(opts),
-        node_trace=_node_trace(p.events) if link is not None else ())
+        node_trace=_node_trace(p.events) if link is not None else (),
+        reference_replicas=p.reference_replicas)
     write_decision(run_dir / "decision.json", decision)
     return decision, left
 
