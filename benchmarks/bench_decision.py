@@ -82,7 +82,7 @@ def main() -> None:
             watcher.poll()
         per_poll = (time.perf_counter() - t) / 2000
         writer.close()
-    rows.append(("progress record: ProgressWriter.step() (one pwrite)", f"{per_write * 1e6:.1f} us",
+    rows.append(("progress record: ProgressWriter.step() (a store into a shared mapping)", f"{per_write * 1e6:.1f} us",
                  "per call, cheap enough per training step",
                  f"StallWatcher.poll() over 8 ranks: {per_poll * 1e6:.0f} us"))
 
