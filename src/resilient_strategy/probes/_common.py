@@ -192,3 +192,13 @@ def run_worker(path: str, body: Callable[[dict[str, Any]], None]) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def mismatch_failure(where: str, nans: int, zeros: int) -> ProbeFailure:
+    """A checked all-reduce that returned wrong values, as its cause: NaNs, zeros where values
+    were due (both classic signs of a broken P2P or IOMMU path), else plain wrong values."""
+    if nans:
+        return ProbeFailure("nan_result", f"{nans} NaN(s) in the {where}")
+    if zeros:
+        return ProbeFailure("zero_result", f"{zeros} zero(s) in the {where}")
+    return ProbeFailure("wrong_result", where)

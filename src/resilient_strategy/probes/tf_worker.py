@@ -40,6 +40,7 @@ from ._common import (
     expected_sum,
     fault_for,
     human,
+    mismatch_failure,
     run_worker,
     spread,
 )
@@ -378,11 +379,7 @@ def _mismatch(got: Any, expected: Any, numel: int, replicas: int, it: int, r: in
              f"{float(got[i])!r} instead of {float(expected[i])!r}")
     nans = int(np.isnan(got).sum())
     zeros = int(((got == 0) & (expected != 0)).sum())
-    if nans:
-        raise ProbeFailure("nan_result", f"{nans} NaN(s) in the {where}")
-    if zeros:
-        raise ProbeFailure("zero_result", f"{zeros} zero(s) in the {where}")
-    raise ProbeFailure("wrong_result", where)
+    raise mismatch_failure(where, nans, zeros)
 
 
 def _fit(tf: Any, strategy: Any, replicas: int) -> tuple[float, float]:

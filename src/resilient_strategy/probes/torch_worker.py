@@ -64,6 +64,7 @@ from ._common import (
     expected_sum,
     fault_for,
     human,
+    mismatch_failure,
     run_worker,
     spread,
 )
@@ -242,11 +243,7 @@ def _mismatch(torch: Any, got: Any, expected: Any, numel: int, world: int, it: i
              f"{float(got[i])!r} instead of {float(expected[i])!r}")
     nans = int(torch.isnan(got).sum())
     zeros = int(((got == 0) & (expected != 0)).sum())
-    if nans:
-        raise ProbeFailure("nan_result", f"{nans} NaN(s) in the {where}")
-    if zeros:
-        raise ProbeFailure("zero_result", f"{zeros} zero(s) in the {where}")
-    raise ProbeFailure("wrong_result", where)
+    raise mismatch_failure(where, nans, zeros)
 
 
 def _train_step(torch: Any, device: Any, coll: _Collectives | None) -> float:
