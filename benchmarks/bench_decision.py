@@ -29,7 +29,7 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 sys.path.insert(0, SRC)
 
 import resilient_strategy  # noqa: E402
-from resilient_strategy.inspect import detect_facts  # noqa: E402
+from resilient_strategy.machine.inspect import detect_facts  # noqa: E402
 
 TORCH_DEFAULT_NCCL_TIMEOUT_S = 600.0
 
@@ -67,7 +67,7 @@ def main() -> None:
     rows.append(("detect_facts() (NVML, host, frameworks; no import)",
                  f"{(time.perf_counter() - t) * 1e3:.0f} ms", f"{len(facts.gpus)} GPU(s)", ""))
 
-    from resilient_strategy.progress import ProgressWriter, StallWatcher
+    from resilient_strategy.records.progress import ProgressWriter, StallWatcher
 
     with tempfile.TemporaryDirectory() as tmp:
         writer = ProgressWriter(os.path.join(tmp, "p"))
@@ -115,9 +115,9 @@ def main() -> None:
                      f"{fresh:.2f} s", sel.candidate.label,
                      f"the fork server saves {fresh - cold:.2f} s ({(fresh - cold) / fresh:.0%})"))
         if n < 2:  # a later probe in the same decision (a remedy, the next candidate)
-            from resilient_strategy import _forkserver
-            from resilient_strategy.probe import ProbeSpec
-            from resilient_strategy.prober import run_probe
+            from resilient_strategy.core.probe import ProbeSpec
+            from resilient_strategy.probing import forkserver as _forkserver
+            from resilient_strategy.probing.prober import run_probe
 
             spec = ProbeSpec("torch:gloo:cpu", "torch", "gloo", (), world_size=2,
                              timeout_s=args.timeout)

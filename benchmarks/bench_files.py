@@ -23,10 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from resilient_strategy import _files
-from resilient_strategy.agreement import Agreement
-from resilient_strategy.cache import DecisionCache
-from resilient_strategy.probe import ProbeResult
+from resilient_strategy.core.probe import ProbeResult
+from resilient_strategy.deciding.cache import DecisionCache
+from resilient_strategy.machine import files as _files
+from resilient_strategy.nodes.onenode import Agreement
 
 
 def median_ms(fn: Callable[[], object], repeat: int) -> float:

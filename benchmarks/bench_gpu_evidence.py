@@ -72,9 +72,9 @@ SRC = str(ROOT / "src")
 sys.path.insert(0, SRC)
 
 import resilient_strategy  # noqa: E402
-from resilient_strategy.probe import ProbeSpec  # noqa: E402
-from resilient_strategy.prober import run_probe  # noqa: E402
-from resilient_strategy.probes import _common  # noqa: E402
+from resilient_strategy.core.probe import ProbeSpec  # noqa: E402
+from resilient_strategy.probing.prober import run_probe  # noqa: E402
+from resilient_strategy.probing.workers import common as _common  # noqa: E402
 
 GROUPS = ("decision", "fidelity", "shm", "train", "brokenenv", "multinode", "single", "train1")
 #: What a machine with one GPU can measure (the lent single-GPU kinds).
@@ -267,7 +267,7 @@ def close_fork_servers() -> None:
     """Stop the probes' fork servers (``run_probe`` called directly keeps one for reuse; the
     executor closes them when its decision ends)."""
     with contextlib.suppress(ImportError):
-        from resilient_strategy import _forkserver
+        from resilient_strategy.probing import forkserver as _forkserver
 
         _forkserver.close_all()
 
@@ -289,7 +289,7 @@ def probe_processes() -> list[str]:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        if "resilient_strategy.probes." in cmd and mine in cmd + " ":
+        if "resilient_strategy.probing.workers." in cmd and mine in cmd + " ":
             out.append(f"{pid} {cmd[:120]}")
     return out
 
@@ -320,7 +320,7 @@ def group_decision(ctx: Ctx) -> None:
         ctx.add(g, f"{label}: time to a working strategy", f"{dt:.2f} s",
                 f"<= {limit:g} s: {goal(dt <= limit)}" if ctx.gpu else f"<= {limit:g} s on GPUs",
                 f"{sel.candidate.label}; {FAULT}={fault}; cut: {', '.join(hung) or 'none'}")
-    forkserver = importlib.util.find_spec("resilient_strategy._forkserver") is not None
+    forkserver = importlib.util.find_spec("resilient_strategy.probing.forkserver") is not None
     for label, extra in (("healthy cold probe, fork-server (default)", {}),
                          ("healthy cold probe, RESILIENT_STRATEGY_FORKSERVER=0",
                           {"RESILIENT_STRATEGY_FORKSERVER": "0"})):
@@ -388,10 +388,10 @@ def health_check(ctx: Ctx, g: str, devices: tuple[int, ...], label: str) -> None
     if not ctx.gpu:
         ctx.add(g, label, NEEDS_GPU)
         return
-    if importlib.util.find_spec("resilient_strategy.health") is None:
+    if importlib.util.find_spec("resilient_strategy.probing.health") is None:
         ctx.add(g, label, "not run", "", "no GPU health check on this branch (issue 10)")
         return
-    from resilient_strategy import health  # type: ignore[attr-defined,unused-ignore]
+    from resilient_strategy.probing import health  # type: ignore[attr-defined,unused-ignore]
 
     t = time.perf_counter()
     broken = health.run_check("torch", devices, ctx.env())

@@ -40,14 +40,14 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, args.src)
 
-    from resilient_strategy.plan import plan
-    from resilient_strategy.rules import load_rules
+    from resilient_strategy.core.plan import plan
+    from resilient_strategy.core.rules import load_rules
     from resilient_strategy.testing import machine, simulate
 
     try:
-        from resilient_strategy.options import Options as policy_of
+        from resilient_strategy.core.options import Options as policy_of
     except ImportError:  # before options.py existed
-        from resilient_strategy.plan import Policy as policy_of  # type: ignore[attr-defined,no-redef]
+        from resilient_strategy.core.plan import Policy as policy_of  # type: ignore[attr-defined,no-redef]
 
     rules = load_rules([], [])
     rows = []

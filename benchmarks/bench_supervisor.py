@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 import resilient_strategy  # noqa: E402
-from resilient_strategy.handoff import TrainingReporter  # noqa: E402
-from resilient_strategy.progress import ProgressWriter  # noqa: E402
+from resilient_strategy.records.handoff import TrainingReporter  # noqa: E402
+from resilient_strategy.records.progress import ProgressWriter  # noqa: E402
 
 SCRIPT = """
 import sys, time

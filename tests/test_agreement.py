@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from resilient_strategy.agreement import (
+from resilient_strategy.errors import ResilientStrategyError
+from resilient_strategy.nodes.onenode import (
     START_SLACK_S,
     Agreement,
     AgreementTimeoutError,
@@ -21,7 +22,6 @@ from resilient_strategy.agreement import (
     process_start_ticks,
     process_start_time,
 )
-from resilient_strategy.errors import ResilientStrategyError
 
 LAUNCH = {"TORCHELASTIC_RUN_ID": "job1", "MASTER_PORT": "29500", "TORCHELASTIC_RESTART_COUNT": "0"}
 PAYLOAD = {"chosen": "torch:nccl:0,1", "results": {}, "from_cache": False, "proven": True}

@@ -1,53 +1,20 @@
 """The package's import graph: no cycle (lazy imports included), and nothing outside the testing
-kit imports the kit."""
+kit imports the kit, and the rooms of the house import only downwards (ARCHITECTURE.md)."""
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
+import functools
 
-SRC = Path(__file__).parents[1] / "src"
-PKG = "resilient_strategy"
+from _imports import PKG, edges
 
 
-def _modules() -> dict[str, Path]:
-    out = {}
-    for f in (SRC / PKG).rglob("*.py"):
-        parts = f.relative_to(SRC).with_suffix("").parts
-        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
-    return out
-
-
-def _edges(mods: dict[str, Path]) -> dict[str, set[str]]:
-    """Every import of one of our modules, wherever it is written (functions too), except
-    ``if TYPE_CHECKING:`` blocks, which never run."""
-    edges: dict[str, set[str]] = {m: set() for m in mods}
-    for m, f in mods.items():
-        tree = ast.parse(f.read_text())
-        typing_only = {
-            id(x) for n in ast.walk(tree)
-            if isinstance(n, ast.If) and isinstance(n.test, ast.Name) and n.test.id == "TYPE_CHECKING"
-            for x in ast.walk(n)
-        }
-        package = m.split(".") if f.name == "__init__.py" else m.split(".")[:-1]
-        for n in ast.walk(tree):
-            if id(n) in typing_only:
-                continue
-            names: list[str] = []
-            if isinstance(n, ast.ImportFrom):
-                base = ".".join(package[: len(package) - (n.level - 1)]) if n.level else ""
-                module = ".".join(x for x in (base, n.module or "") if x)
-                names = [f"{module}.{a.name}" for a in n.names]
-                if n.module:
-                    names.append(module)
-            elif isinstance(n, ast.Import):
-                names = [a.name for a in n.names]
-            edges[m] |= {t for t in names if t in mods and t != m and t != PKG}
-    return edges
+@functools.cache
+def _edges() -> dict[str, set[str]]:
+    return edges()
 
 
 def test_import_graph_has_no_cycle() -> None:
-    edges = _edges(_modules())
+    edges = _edges()
     state: dict[str, int] = {}
     cycles: list[list[str]] = []
 
@@ -67,14 +34,63 @@ def test_import_graph_has_no_cycle() -> None:
 
 
 def test_only_the_testing_kit_imports_the_testing_kit() -> None:
-    edges = _edges(_modules())
+    """The kit (pytest plugin, hypothesis strategies, fakes) is for users' tests; the one
+    exception is the CLI's ``--simulate FILE``, which reads the kit's described machines."""
+    edges = _edges()
     kit = f"{PKG}.testing"
-    users = sorted(m for m, ts in edges.items()
-                   if not m.startswith(kit) and any(t.startswith(kit) for t in ts))
-    assert users == []
+    users = sorted((m, t) for m, ts in edges.items() for t in ts
+                   if not m.startswith(kit) and t.startswith(kit))
+    assert users == [(f"{PKG}.cli", f"{PKG}.testing.simulation")]
+
+
+#: The rooms of the house, bottom first. A module may import its own folder and any room below
+#: its own; nothing imports up, and rooms on one floor do not import each other.
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("errors", "vocab"),
+    ("core",),
+    ("machine", "records"),
+    ("frameworks",),
+    ("probing",),
+    ("selection",),
+    ("nodes",),
+    ("deciding",),
+    ("run",),
+    ("integrations",),
+    ("testing",),
+    ("cli",),
+    ("__main__", ""),
+)
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")[1:]
+    return parts[0] if parts else ""
+
+
+def _floor(room: str) -> int:
+    return next(i for i, rooms in enumerate(FLOORS) if room in rooms)
+
+
+def test_every_module_has_a_room() -> None:
+    assert {_room(m) for m in _edges()} <= {r for rooms in FLOORS for r in rooms}
+
+
+def test_rooms_import_only_downwards() -> None:
+    bad = sorted((m, t) for m, ts in _edges().items() for t in ts
+                 if _room(m) != _room(t) and _floor(_room(t)) >= _floor(_room(m)))
+    assert bad == []
+
+
+def test_the_core_imports_nothing_that_touches_the_machine() -> None:
+    """The pure core (facts, rules, planning, the probe parser, the trace, options) reaches no
+    folder that reads hardware, files, processes or the network."""
+    effects = ("machine", "records", "frameworks", "probing", "nodes", "deciding", "run")
+    bad = sorted((m, t) for m, ts in _edges().items() for t in ts
+                 if _room(m) == "core" and _room(t) in effects)
+    assert bad == []
 
 
 def test_the_graph_is_read() -> None:
-    edges = _edges(_modules())
-    assert f"{PKG}.options" in edges[f"{PKG}.executor"]
-    assert f"{PKG}.simulation" in edges[f"{PKG}.cli"]
+    edges = _edges()
+    assert f"{PKG}.core.options" in edges[f"{PKG}.deciding.executor"]
+    assert f"{PKG}.testing.simulation" in edges[f"{PKG}.cli"]

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from resilient_strategy.cache import DecisionCache, default_dir
-from resilient_strategy.probe import ProbeResult
+from resilient_strategy.core.options import default_dir
+from resilient_strategy.core.probe import ProbeResult
+from resilient_strategy.deciding.cache import DecisionCache
 
 OK = ProbeResult("torch:nccl:0,1", "ok", 8.1, bus_bandwidth_gbps=301.5, ranks=2)
 BAD = ProbeResult("torch:gloo:0,1", "timeout", 30.0, "timeout", "ranks [1] did not finish")
@@ -159,8 +160,8 @@ def test_other_format_versions_are_left_alone(tmp_path: Path) -> None:
 _WRITER = """
 import sys, time
 from pathlib import Path
-from resilient_strategy.cache import DecisionCache
-from resilient_strategy.probe import ProbeResult
+from resilient_strategy.deciding.cache import DecisionCache
+from resilient_strategy.core.probe import ProbeResult
 directory, worker, start = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 while time.time() < start:
     time.sleep(0.001)
@@ -309,8 +310,8 @@ def _as_nobody() -> None:
 _UNWRITABLE = """
 import logging, sys
 from pathlib import Path
-from resilient_strategy.cache import DecisionCache
-from resilient_strategy.probe import ProbeResult
+from resilient_strategy.deciding.cache import DecisionCache
+from resilient_strategy.core.probe import ProbeResult
 logging.basicConfig(level=logging.WARNING)
 ok = ProbeResult("torch:nccl:0,1", "ok", 1.0)
 assert not DecisionCache(Path(sys.argv[1]) / "sub").store("fp", {ok.candidate: ok})

@@ -11,7 +11,7 @@ from resilient_strategy.errors import InvalidOptionError
 
 torch = pytest.importorskip("torch")
 
-from resilient_strategy.checkpoint import Checkpointer, resumable_sampler_class  # noqa: E402
+from resilient_strategy.frameworks.checkpoint import Checkpointer, resumable_sampler_class  # noqa: E402
 from resilient_strategy.frameworks.torch import TorchRuntime  # noqa: E402
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from resilient_strategy import resilient_strategy
+from resilient_strategy.core.trace import CandidateRuledOut, Chosen
 from resilient_strategy.testing import machine
-from resilient_strategy.trace import CandidateRuledOut, Chosen
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.slow, pytest.mark.torch]

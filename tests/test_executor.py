@@ -8,29 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from resilient_strategy import _env
-from resilient_strategy.agreement import Agreement, AgreementTimeoutError
-from resilient_strategy.cache import DecisionCache
-from resilient_strategy.errors import (
-    DryRunError,
-    FailureCause,
-    FrameworkNotInstalledError,
-    InvalidOptionError,
-    NoWorkingStrategyError,
-    RanksDisagreeError,
-)
-from resilient_strategy.executor import (
-    FAULT_VAR,
-    MAX_ROUNDS,
-    Decision,
-    decide,
-    options_from,
-    resilient_strategy,
-)
-from resilient_strategy.facts import relevant_env
-from resilient_strategy.rules import rule_from_dict
-from resilient_strategy.testing import FakeProber, machine, simulate
-from resilient_strategy.trace import (
+from resilient_strategy.core.facts import relevant_env
+from resilient_strategy.core.rules import rule_from_dict
+from resilient_strategy.core.trace import (
     CachedFailure,
     CandidateRuledOut,
     Chosen,
@@ -39,6 +19,26 @@ from resilient_strategy.trace import (
     Note,
     UserSettingKept,
 )
+from resilient_strategy.deciding.cache import DecisionCache
+from resilient_strategy.deciding.executor import (
+    FAULT_VAR,
+    MAX_ROUNDS,
+    Decision,
+    decide,
+    options_from,
+    resilient_strategy,
+)
+from resilient_strategy.errors import (
+    DryRunError,
+    FailureCause,
+    FrameworkNotInstalledError,
+    InvalidOptionError,
+    NoWorkingStrategyError,
+    RanksDisagreeError,
+)
+from resilient_strategy.machine import env as _env
+from resilient_strategy.nodes.onenode import Agreement, AgreementTimeoutError
+from resilient_strategy.testing import FakeProber, machine, simulate
 
 
 def events(sel_or_plan: object, kind: type[Event]) -> list[Event]:
@@ -327,7 +327,7 @@ def test_results_under_fault_injection_are_never_cached(tmp_path: Path) -> None:
 
 
 def test_fault_variable_is_the_one_the_workers_read() -> None:
-    from resilient_strategy.probes._common import FAULT_VAR as WORKERS
+    from resilient_strategy.probing.workers.common import FAULT_VAR as WORKERS
 
     assert FAULT_VAR == WORKERS
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from resilient_strategy.facts import Facts, Gpu, relevant_env
+from resilient_strategy.core.facts import Facts, Gpu, relevant_env
 
 GPUS = (Gpu(0, "NVIDIA H200", (9, 0), uuid="GPU-a"), Gpu(1, "NVIDIA H200", (9, 0), uuid="GPU-b"))
 BASE = {"HOME": "/root", "NCCL_SOCKET_IFNAME": "eth0"}

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
+from resilient_strategy.core.rules import fact_values
+from resilient_strategy.core.trace import CandidateRuledOut, Chosen, FactsSeen
 from resilient_strategy.errors import FrameworkInitializedError, InvalidOptionError
-from resilient_strategy.rules import fact_values
 from resilient_strategy.testing import FakeProber, gpu, machine, simulate
-from resilient_strategy.trace import CandidateRuledOut, Chosen, FactsSeen
 
 MACHINES = Path(__file__).parents[1] / "examples" / "machines"
 

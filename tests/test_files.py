@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from resilient_strategy import _files
 from resilient_strategy.errors import FileFormatError, ResilientStrategyError, UnsafePathError
+from resilient_strategy.machine import files as _files
 
 NOBODY = 65534
 as_root = pytest.mark.skipif(

@@ -17,12 +17,12 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from resilient_strategy.agreement import Agreement
-from resilient_strategy.cache import DecisionCache
+from resilient_strategy.core.probe import CAUSES, ProbeResult, ProbeSpec, WorkerOutcome, parse_probe
+from resilient_strategy.core.rules import parse_rules
+from resilient_strategy.deciding.cache import DecisionCache
 from resilient_strategy.errors import ResilientStrategyError
-from resilient_strategy.probe import CAUSES, ProbeResult, ProbeSpec, WorkerOutcome, parse_probe
-from resilient_strategy.rules import parse_rules
-from resilient_strategy.simulation import load_simulation
+from resilient_strategy.nodes.onenode import Agreement
+from resilient_strategy.testing.simulation import load_simulation
 
 FUZZ = settings(max_examples=120, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,

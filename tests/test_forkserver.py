@@ -14,9 +14,10 @@ from typing import Any
 
 import pytest
 
-from resilient_strategy import _forkserver, _proc
-from resilient_strategy.probe import OK, TIMEOUT, ProbeSpec
-from resilient_strategy.prober import run_probe
+from resilient_strategy.core.probe import OK, TIMEOUT, ProbeSpec
+from resilient_strategy.probing import forkserver as _forkserver
+from resilient_strategy.probing import proc as _proc
+from resilient_strategy.probing.prober import run_probe
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.slow, pytest.mark.torch]
@@ -115,7 +116,7 @@ def test_a_server_that_cannot_start_falls_back_to_fresh_processes(
 def test_the_server_exits_when_idle_and_when_its_parent_dies(tmp_path: Path) -> None:
     code = (
         "import os, sys, time\n"
-        "from resilient_strategy import _forkserver\n"
+        "from resilient_strategy.probing import forkserver as _forkserver\n"
         "_forkserver.IDLE_EXIT_S = float(sys.argv[1])\n"
         "s = _forkserver.server_for(sys.executable, dict(os.environ))\n"
         "print(s.proc.pid, flush=True)\n"

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from resilient_strategy import guard
+from resilient_strategy.core.facts import Facts, FrameworkInfo
 from resilient_strategy.errors import FrameworkInitializedError
-from resilient_strategy.facts import Facts, FrameworkInfo
+from resilient_strategy.machine import guard
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -58,7 +58,7 @@ def test_watch_names_the_exact_line_of_each_import(tmp_path: Path) -> None:
         """})
     out = _python("""
         import json, resilient_strategy
-        from resilient_strategy.guard import first_import_site
+        from resilient_strategy.machine.guard import first_import_site
         import app.model
         app.model.later()
         print(json.dumps([first_import_site(n) for n in ("torch", "tensorflow", "keras")]))
@@ -73,8 +73,8 @@ def test_find_spec_is_not_an_import(tmp_path: Path) -> None:
     _files(tmp_path, {**FAKE_FRAMEWORKS, "user.py": "import json\nimport torch\n"})
     out = _python("""
         import importlib.util, json, resilient_strategy
-        from resilient_strategy.guard import first_import_site
-        from resilient_strategy.inspect import detect_facts
+        from resilient_strategy.machine.guard import first_import_site
+        from resilient_strategy.machine.inspect import detect_facts
         importlib.util.find_spec("torch")
         detect_facts()  # looks the frameworks up with find_spec too
         before = first_import_site("torch")
@@ -91,7 +91,7 @@ def test_import_through_a_third_party_library_names_the_user_line(tmp_path: Path
     out = _python("""
         import resilient_strategy
         import train
-        print(resilient_strategy.guard.first_import_site("tensorflow"))
+        print(resilient_strategy.machine.guard.first_import_site("tensorflow"))
         """, tmp_path, site)
     assert out == f"{tmp_path / 'train.py'}:2"
 
@@ -101,7 +101,7 @@ def test_framework_imported_before_the_package(tmp_path: Path) -> None:
     out = _python("""
         import torch
         import resilient_strategy
-        print(resilient_strategy.guard.first_import_site("torch"))
+        print(resilient_strategy.machine.guard.first_import_site("torch"))
         """, tmp_path)
     assert out == guard.ALREADY_IMPORTED
 
@@ -113,7 +113,7 @@ def test_watch_with_the_real_torch(tmp_path: Path) -> None:
     _files(tmp_path, {"net.py": "# a model file\n\nimport torch.nn as nn  # line 3\n"})
     out = _python("""
         import resilient_strategy, net
-        print(resilient_strategy.guard.first_import_site("torch"))
+        print(resilient_strategy.machine.guard.first_import_site("torch"))
         """, tmp_path, timeout=120)
     assert out == f"{tmp_path / 'net.py'}:3"
 
@@ -193,8 +193,8 @@ def test_seed_000_tf_imported_in_a_utility_module_names_debug_py_7(tmp_path: Pat
     out = _python("""
         import json
         import resilient_strategy
-        from resilient_strategy.guard import check_visible_devices_settable
-        from resilient_strategy.inspect import detect_facts
+        from resilient_strategy.machine.guard import check_visible_devices_settable
+        from resilient_strategy.machine.inspect import detect_facts
         from utils import debug
         imported_only = detect_facts(env={}).framework("tensorflow")
         check_visible_devices_settable(detect_facts(env={}), ["tensorflow"], "0", None)

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 import resilient_strategy
-from resilient_strategy import handoff
+from resilient_strategy.core.probe import OK, ProbeResult
 from resilient_strategy.errors import ResilientStrategyError
-from resilient_strategy.probe import OK, ProbeResult
+from resilient_strategy.records import handoff
 from resilient_strategy.testing import machine
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from resilient_strategy import health
+from resilient_strategy.core.probe import ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec
 from resilient_strategy.errors import GpuUnusableError, ResilientStrategyError
-from resilient_strategy.probe import ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec
+from resilient_strategy.probing import health
 
 
 def spec(devices: tuple[int, ...] = (0, 1), **kw: object) -> ProbeSpec:

@@ -5,8 +5,8 @@ from typing import Any
 
 import pytest
 
-from resilient_strategy import host
-from resilient_strategy.facts import Host
+from resilient_strategy.core.facts import Host
+from resilient_strategy.machine import host
 
 CGROUP_V1_DOCKER = "12:cpu,cpuacct:/docker/4f1a2b\n1:name=systemd:/docker/4f1a2b\n"
 CGROUP_K8S = "11:memory:/kubepods/burstable/pod1234/abcd\n"

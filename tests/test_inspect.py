@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 from _fake_nvml import a100_mig, a6000x4, h200x2, no_driver, rtx5090x2
 
-from resilient_strategy import guard
-from resilient_strategy.facts import Facts, Link
-from resilient_strategy.inspect import detect_facts
+from resilient_strategy.core.facts import Facts, Link
+from resilient_strategy.machine import guard
+from resilient_strategy.machine.inspect import detect_facts
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -112,7 +112,7 @@ def test_imported_at_comes_from_the_import_watch(tmp_path: Path) -> None:
 def test_this_machine_without_gpus_in_a_fresh_process() -> None:
     code = """
         import json, sys
-        from resilient_strategy.inspect import detect_facts
+        from resilient_strategy.machine.inspect import detect_facts
         f = detect_facts()
         heavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'tensorflow', 'keras')]
         print(json.dumps([len(f.gpus), f.nvml_error, heavy, f.visibility.raw]))
@@ -131,8 +131,8 @@ def test_this_machine_without_gpus_in_a_fresh_process() -> None:
 def test_unreadable_values_reach_the_facts_and_the_trace(tmp_path: Path) -> None:
     from dataclasses import replace
 
+    from resilient_strategy.core.trace import Note
     from resilient_strategy.testing import machine, simulate
-    from resilient_strategy.trace import Note
 
     nv = h200x2()
     nv.gpus[1].fail = {"nvmlDeviceGetCudaComputeCapability"}

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from resilient_strategy.cli import simulate_file
-from resilient_strategy.simulation import EXPECT_KEYS
+from resilient_strategy.testing.simulation import EXPECT_KEYS
 
 MACHINES = Path(__file__).parents[1] / "examples" / "machines"
 #: case file name -> why it does not reach its expected decision yet

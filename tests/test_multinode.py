@@ -11,20 +11,18 @@ from typing import Any
 
 import pytest
 
-from resilient_strategy import multinode
-from resilient_strategy.executor import decide
-from resilient_strategy.multinode import (
-    ROUTE,
-    Job,
-    NodeLostError,
-    NodeMismatchError,
-    combine,
-    contradictions,
-    route_interface,
-)
-from resilient_strategy.options import options_from
-from resilient_strategy.plan import Candidate, plan
-from resilient_strategy.probe import OK, TIMEOUT, ProbeResult, ProbeSpec
+from resilient_strategy.core.options import options_from
+from resilient_strategy.core.plan import Candidate, plan
+from resilient_strategy.core.probe import OK, TIMEOUT, ProbeResult, ProbeSpec
+from resilient_strategy.deciding.executor import decide
+from resilient_strategy.errors import NodeLostError, NodeMismatchError
+from resilient_strategy.nodes import manynodes as multinode
+from resilient_strategy.nodes import routes
+from resilient_strategy.nodes import store as nodestore
+from resilient_strategy.nodes.crossprobe import combine
+from resilient_strategy.nodes.manynodes import contradictions
+from resilient_strategy.nodes.routes import ROUTE, route_interface
+from resilient_strategy.nodes.store import Job
 from resilient_strategy.testing import FakeProber, machine
 
 ROUTES = """Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT
@@ -143,9 +141,9 @@ def test_remedies_between_nodes_follow_plain_nccl_and_respect_the_users_variable
 
 def test_node_values_resolve_the_route_placeholder_per_node() -> None:
     env = {"MASTER_ADDR": "127.0.0.1"}
-    assert multinode.node_values({"NCCL_SOCKET_IFNAME": ROUTE, "X": "1"}, env)[
-        "NCCL_SOCKET_IFNAME"] in ("lo", *multinode.local_addresses())
-    assert multinode.node_values({"NCCL_SOCKET_IFNAME": ROUTE}, {}) == {}
+    assert routes.node_values({"NCCL_SOCKET_IFNAME": ROUTE, "X": "1"}, env)[
+        "NCCL_SOCKET_IFNAME"] in ("lo", *routes.local_addresses())
+    assert routes.node_values({"NCCL_SOCKET_IFNAME": ROUTE}, {}) == {}
 
 
 def test_contradictions_name_what_this_node_lacks() -> None:
@@ -262,7 +260,7 @@ def test_without_an_agent_store_rank_0_hosts_one_for_the_process_group_to_reuse(
     h200 = machine(2, nvlink=18)
     out = run_nodes(store, [h200, h200], FakeProber(), FakeProber(), port=port)
     assert {v[0].chosen.key for v in out.values()} == {"torch:nccl:0,1"}, out
-    hosted = [s for s in multinode._HOSTED if s.port == port]
+    hosted = [s for s in nodestore._HOSTED if s.port == port]
     assert len(hosted) == 1  # kept alive: init_process_group(env://) on rank 0 reuses it
     # what torch's env:// rendezvous does on rank 0 without an agent store
     again = torch_dist.TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True,
@@ -299,14 +297,14 @@ def test_a_node_that_never_joins_stops_node_0(store: Any, short_margin: None) ->
 def test_a_node_that_stops_beating_is_lost_before_the_deadline(
     store: Any, short_margin: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(multinode, "HEARTBEAT_S", 0.05)
-    monkeypatch.setattr(multinode, "HEARTBEAT_STALE_S", 0.5)
+    monkeypatch.setattr(nodestore, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(nodestore, "HEARTBEAT_STALE_S", 0.5)
     job1 = Job.from_env(node_env(store, 1))
     assert job1 is not None
     # node 1 joins and beats for a moment, then dies before its part of the first probe
     client = torch_dist.TCPStore("127.0.0.1", store.port, is_master=False)
-    multinode.Channel(client, job1.prefix).put("hello/1", {"node": 1, "gpus": 2})
-    with multinode.Heartbeat(client, job1.prefix, 1):
+    nodestore.Channel(client, job1.prefix).put("hello/1", {"node": 1, "gpus": 2})
+    with nodestore.Heartbeat(client, job1.prefix, 1):
         time.sleep(0.3)
     h200 = machine(2, nvlink=18)
     out = run_nodes(store, [h200, h200], FakeProber(), FakeProber(), skip=(1,))
@@ -318,9 +316,9 @@ def test_a_node_that_stops_beating_is_lost_before_the_deadline(
 def test_fault_records_for_the_supervisor(store: Any) -> None:
     job = Job.from_env(node_env(store, 1))
     assert job is not None
-    assert multinode.recorded_faults(store, job) == {}
-    multinode.record_fault(store, job, {"backend": "nccl", "cause": "timeout"})
-    assert multinode.recorded_faults(store, job) == {
+    assert nodestore.recorded_faults(store, job) == {}
+    nodestore.record_fault(store, job, {"backend": "nccl", "cause": "timeout"})
+    assert nodestore.recorded_faults(store, job) == {
         1: {"backend": "nccl", "cause": "timeout", "node": 1}}
 
 
@@ -328,8 +326,8 @@ def test_fault_records_for_the_supervisor(store: Any) -> None:
 def test_other_local_ranks_take_their_nodes_decision_or_its_error(
     store: Any, short_margin: None, tmp_path: Any
 ) -> None:
-    from resilient_strategy.agreement import Agreement
     from resilient_strategy.errors import MultiNodeError
+    from resilient_strategy.nodes.onenode import Agreement
 
     h200 = machine(2, nvlink=18)
     env = {**node_env(store, 1), "RANK": "3", "LOCAL_RANK": "1"}

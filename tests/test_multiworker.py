@@ -11,12 +11,17 @@ from typing import Any
 
 import pytest
 
+from resilient_strategy.core.probe import ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec
+from resilient_strategy.core.rules import Rule
 from resilient_strategy.errors import InvalidOptionError
 from resilient_strategy.frameworks.tensorflow import TfRuntime
-from resilient_strategy.multiworker import KILL_GRACE_S, SETTLE_S, SettlingProber, across_workers
-from resilient_strategy.probe import ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec
-from resilient_strategy.prober import build_commands
-from resilient_strategy.rules import Rule
+from resilient_strategy.nodes.tfworkers import (
+    KILL_GRACE_S,
+    SETTLE_S,
+    SettlingProber,
+    across_workers,
+)
+from resilient_strategy.probing.prober import build_commands
 from resilient_strategy.testing import FakeProber, machine, simulate
 
 
@@ -166,7 +171,7 @@ def test_the_probe_command_names_the_workers_and_the_round() -> None:
     def arg(name: str) -> str:
         return argv[argv.index(name) + 1]
 
-    assert argv[2] == "resilient_strategy.probes.tf_worker"
+    assert argv[2] == "resilient_strategy.probing.workers.tf_worker"
     assert (arg("--backend"), arg("--workers"), arg("--worker-rank"), arg("--round-key"),
             arg("--budget")) == ("mw_ring", "2", "1", "tensorflow:mw_ring:cpu", "12")
     assert float(arg("--collective-timeout")) > 12.0  # the runner's deadline comes first

@@ -12,16 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from resilient_strategy.cache import DecisionCache
-from resilient_strategy.errors import InvalidOptionError, WrongFrameworkError
-from resilient_strategy.notices import (
+from resilient_strategy.core.probe import OK, ProbeResult
+from resilient_strategy.deciding.cache import DecisionCache
+from resilient_strategy.deciding.notices import (
     ProgressLine,
     Startup,
     fallback_warning,
     short_timeout_warning,
     startup_floor,
 )
-from resilient_strategy.probe import OK, ProbeResult
+from resilient_strategy.errors import InvalidOptionError, WrongFrameworkError
 from resilient_strategy.testing import machine, simulate
 
 ROOT = Path(__file__).parents[1]
@@ -60,7 +60,7 @@ def test_no_fallback_warning_when_the_best_works(caplog: pytest.LogCaptureFixtur
 
 
 def test_fallback_cost_compares_estimates() -> None:
-    from resilient_strategy.options import Options
+    from resilient_strategy.core.options import Options
 
     sel = _torch({"nccl": "error:nccl_error", "nccl+*": "error:nccl_error", "gloo": "ok"},
                  gradient_bytes=400 << 20, sample_seconds=1e-3)

@@ -16,8 +16,8 @@ from _fake_nvml import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from resilient_strategy._nvml import read_nvml
-from resilient_strategy.facts import Link
+from resilient_strategy.core.facts import Link
+from resilient_strategy.machine.nvml import read_nvml
 
 
 def test_h200x2_matches_the_recording() -> None:

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from resilient_strategy.core.options import Launch, Options, options_from
 from resilient_strategy.errors import InvalidOptionError
-from resilient_strategy.options import Launch, Options, options_from
 from resilient_strategy.testing import machine, simulate
 from resilient_strategy.vocab import BACKENDS, FRAMEWORKS, PRECISIONS, PROBE_MODES
 
@@ -135,7 +135,7 @@ def test_the_torch_runtime_names_the_bad_value() -> None:
 def test_every_option_of_resilient_strategy_goes_to_options_from_as_is() -> None:
     import inspect
 
-    from resilient_strategy.executor import resilient_strategy
+    from resilient_strategy.deciding.executor import resilient_strategy
 
     public = set(inspect.signature(resilient_strategy).parameters) - {"env", "facts", "_prober",
                                                                        "_clock"}

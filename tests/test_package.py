@@ -38,10 +38,10 @@ def test_lazy_attributes_resolve() -> None:
 
 
 def test_bad_cuda_visible_devices_is_a_typed_error() -> None:
+    from resilient_strategy.core.facts import Facts, FrameworkInfo
     from resilient_strategy.errors import InvalidVisibleDevicesError
-    from resilient_strategy.facts import Facts, FrameworkInfo
+    from resilient_strategy.machine.visible import PhysicalGpu, parse_visible_devices
     from resilient_strategy.testing import gpu, simulate
-    from resilient_strategy.visible import PhysicalGpu, parse_visible_devices
 
     phys = [PhysicalGpu(index=i, uuid=f"GPU-{i}aaa", name="NVIDIA H200") for i in range(2)]
     vis = parse_visible_devices("GPU-zzz", phys)

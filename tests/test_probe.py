@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from resilient_strategy.probe import (
+from resilient_strategy.core.probe import (
     CAUSES,
     ERROR,
     OK,
@@ -260,7 +260,7 @@ def test_parse_never_raises_and_ok_means_every_rank_ok(
 
 
 def test_fault_injection_can_target_one_backend() -> None:
-    from resilient_strategy.probes._common import fault_for
+    from resilient_strategy.probing.workers.common import fault_for
 
     env = {"RESILIENT_STRATEGY_PROBE_FAULT": "hang:1:nccl"}
     assert fault_for(1, env, "nccl") == "hang"
@@ -271,7 +271,7 @@ def test_fault_injection_can_target_one_backend() -> None:
 
 
 def test_fault_injection_can_target_plain_nccl_or_large_messages() -> None:
-    from resilient_strategy.probes._common import corrupts, fault_for
+    from resilient_strategy.probing.workers.common import corrupts, fault_for
 
     plain = {"RESILIENT_STRATEGY_PROBE_FAULT": "hang:1:nccl:plain"}
     assert fault_for(1, plain, "nccl") == "hang"

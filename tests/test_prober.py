@@ -20,11 +20,13 @@ from typing import Any
 
 import pytest
 
-from resilient_strategy import _files, _proc, prober
+from resilient_strategy.core.probe import ERROR, OK, TIMEOUT, ProbeSpec, judged_hang
 from resilient_strategy.errors import InvalidOptionError
-from resilient_strategy.probe import ERROR, OK, TIMEOUT, ProbeSpec, judged_hang
-from resilient_strategy.prober import build_commands, run_probe, worker_env
-from resilient_strategy.progress import StallPolicy
+from resilient_strategy.machine import files as _files
+from resilient_strategy.probing import prober
+from resilient_strategy.probing import proc as _proc
+from resilient_strategy.probing.prober import build_commands, run_probe, worker_env
+from resilient_strategy.records.progress import StallPolicy
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 HAS_TF = importlib.util.find_spec("tensorflow") is not None
@@ -79,7 +81,7 @@ def test_torch_commands_one_per_rank_with_a_file_rendezvous(tmp_path: Path) -> N
     assert len(cmds) == 2
     for rank, c in enumerate(cmds):
         argv = list(c.argv)
-        assert argv[:3] == ["/py", "-m", "resilient_strategy.probes.torch_worker"]
+        assert argv[:3] == ["/py", "-m", "resilient_strategy.probing.workers.torch_worker"]
         assert argv[argv.index("--rank") + 1] == str(rank)
         assert argv[argv.index("--devices") + 1] == "2,3"
         assert argv[argv.index("--init-method") + 1] == (tmp_path / "rdzv").as_uri()
@@ -95,7 +97,7 @@ def test_torch_commands_one_per_rank_with_a_file_rendezvous(tmp_path: Path) -> N
 def test_tensorflow_is_one_process(tmp_path: Path) -> None:
     spec = ProbeSpec("k", "tensorflow", "hierarchical_copy", (), logical_cpus=2, train_step=False)
     (c,) = build_commands(spec, {}, str(tmp_path), python="/py", parent_pid=1)
-    assert c.argv[2] == "resilient_strategy.probes.tf_worker"
+    assert c.argv[2] == "resilient_strategy.probing.workers.tf_worker"
     assert "--logical-cpus" in c.argv and "--no-train-step" in c.argv
 
 
@@ -115,7 +117,7 @@ def test_worker_env_adds_candidate_and_path_and_keeps_the_users() -> None:
     out = worker_env(spec, user)
     assert out == {**user, "NCCL_P2P_DISABLE": "1",
                    "PYTHONPATH": prober.PACKAGE_ROOT + os.pathsep + "/mine"}
-    assert (Path(prober.PACKAGE_ROOT) / "resilient_strategy" / "probes").is_dir()
+    assert (Path(prober.PACKAGE_ROOT) / "resilient_strategy" / "probing" / "workers").is_dir()
     assert worker_env(ProbeSpec("k", "torch", "cpu", ()), {})["PYTHONPATH"] == prober.PACKAGE_ROOT
 
 
@@ -358,10 +360,11 @@ def test_gpu_nccl_unroutable_sockets_end_within_the_deadline(
 # ----- temporary directories after a signal ----------------------------------------------------
 _PARENT = """
 import os, sys, tempfile
-from resilient_strategy import _proc, prober
-from resilient_strategy.probe import ProbeSpec
+from resilient_strategy.probing import prober
+from resilient_strategy.probing import proc as _proc
+from resilient_strategy.core.probe import ProbeSpec
 tempfile.tempdir, marker = sys.argv[1], os.environ["RS_MARKER"]
-worker = ("from resilient_strategy.probes._watchdog import watch_parent; "
+worker = ("from resilient_strategy.probing.workers.watchdog import watch_parent; "
           "watch_parent({}); import time; time.sleep(60)")
 def sleepers(spec, env, workdir, *, python, parent_pid):
     code = worker.format(parent_pid)

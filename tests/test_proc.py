@@ -13,8 +13,8 @@ from types import FrameType
 
 import pytest
 
-from resilient_strategy import prober
-from resilient_strategy._proc import GroupOutcome, WorkerCommand, run_group
+from resilient_strategy.probing import prober
+from resilient_strategy.probing.proc import GroupOutcome, WorkerCommand, run_group
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux /proc")
 
@@ -152,7 +152,7 @@ def test_sigterm_to_the_parent_stops_the_workers_and_still_terminates_it(
     sleeper = "import time, sys; time.sleep(60)"
     parent = (
         "import os, sys, tempfile\n"
-        "from resilient_strategy._proc import WorkerCommand, run_group\n"
+        "from resilient_strategy.probing.proc import WorkerCommand, run_group\n"
         "tempfile.tempdir = sys.argv[1]\n"
         f"cmds = [WorkerCommand((sys.executable, '-c', {sleeper!r}, os.environ['RS_MARKER']), dict(os.environ),"
         " sys.argv[1], os.path.join(sys.argv[1], f'r{i}.json')) for i in range(2)]\n"
@@ -194,7 +194,7 @@ def test_stderr_is_a_bounded_tail(tmp_path: Path) -> None:
 def test_orphaned_worker_exits_when_its_parent_is_killed(tmp_path: Path, marker: str) -> None:
     # The middle process starts a worker in its own session (as run_group does), then dies by
     # SIGKILL: nothing in the runner can reach that worker; its watchdog must end it.
-    worker = ("from resilient_strategy.probes._watchdog import watch_parent; watch_parent(); "
+    worker = ("from resilient_strategy.probing.workers.watchdog import watch_parent; watch_parent(); "
               "import time; time.sleep(60)")
     middle = ("import os, signal, subprocess, sys, time; "
               f"subprocess.Popen([sys.executable, '-c', {worker!r}, sys.argv[1]], "
@@ -206,7 +206,7 @@ def test_orphaned_worker_exits_when_its_parent_is_killed(tmp_path: Path, marker:
 
 
 def test_watchdog_exits_at_once_when_the_parent_already_changed(tmp_path: Path) -> None:
-    code = ("from resilient_strategy.probes._watchdog import watch_parent; "
+    code = ("from resilient_strategy.probing.workers.watchdog import watch_parent; "
             "watch_parent(expected_parent=1); import time; time.sleep(60)")
     out = run_group([cmd(code, tmp_path, "w")], 20.0)
     assert out.outcomes[0].returncode == 3

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from resilient_strategy.progress import (
+from resilient_strategy.records.progress import (
     COLLECTIVE,
     COMM_READY,
     COMM_SETUP,

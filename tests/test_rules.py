@@ -11,8 +11,7 @@ from typing import Any
 import pytest
 from packaging.version import Version
 
-from resilient_strategy.errors import InvalidOptionError, InvalidRuleError
-from resilient_strategy.rules import (
+from resilient_strategy.core.rules import (
     FACT_NAMES,
     clause_holds,
     fact_values,
@@ -22,6 +21,7 @@ from resilient_strategy.rules import (
     parse_rules,
     rule_from_dict,
 )
+from resilient_strategy.errors import InvalidOptionError, InvalidRuleError
 from resilient_strategy.testing import machine, simulate
 
 RULES = load_rules()

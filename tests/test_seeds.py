@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from resilient_strategy.core.trace import CandidateRuledOut, RemedyQueued, RuleFired
 from resilient_strategy.testing import FakeProber, machine, simulate
-from resilient_strategy.trace import CandidateRuledOut, RemedyQueued, RuleFired
 
 MACHINES = Path(__file__).parents[1] / "examples" / "machines"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from resilient_strategy.errors import InvalidOptionError
-from resilient_strategy.progress import (
+from resilient_strategy.records.progress import (
     COLLECTIVE,
     COLLECTIVE_DONE,
     STEP_DONE,
@@ -22,17 +22,15 @@ from resilient_strategy.progress import (
     Record,
     Stall,
 )
-from resilient_strategy.supervisor import (
+from resilient_strategy.records.trainfault import TrainFault, parse_fault
+from resilient_strategy.run.arguments import guess_framework, options_from_args
+from resilient_strategy.run.verdicts import (
     RankExit,
-    TrainingWatch,
     classify_attempt,
     classify_error,
-    default_stall_timeout,
-    guess_framework,
-    options_from_args,
     step_in_progress,
 )
-from resilient_strategy.trainfault import TrainFault, parse_fault
+from resilient_strategy.run.watch import TrainingWatch, default_stall_timeout
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "torch_train.py"
@@ -60,7 +58,7 @@ def test_train_fault_parses_and_rejects() -> None:
     (["builtins.ValueError"], "bad label 12", "user"),
     (["builtins.RuntimeError"], "mat1 and mat2 shapes cannot be multiplied", "user"),
     (["builtins.SystemExit"], "3", "exit"),
-    (["resilient_strategy.trainfault.RehearsedCommunicationError"], "rehearsed", "comm"),
+    (["resilient_strategy.records.trainfault.RehearsedCommunicationError"], "rehearsed", "comm"),
 ])
 def test_classify_error(types: list[str], message: str, kind: str) -> None:
     assert classify_error(types, message) == kind

@@ -204,10 +204,10 @@ def test_node_1_killed_mid_decision_stops_node_0_within_the_deadlines(tmp_path: 
 
 def test_node_link_from_torchrun_options() -> None:
     from resilient_strategy.errors import InvalidOptionError
-    from resilient_strategy.supervisor import options_from_args
+    from resilient_strategy.run.arguments import options_from_args
 
     def link(*argv: str) -> Any:
-        from resilient_strategy.runnodes import NodeLink
+        from resilient_strategy.run.peers import NodeLink
 
         return NodeLink.from_torchrun(options_from_args([*argv, str(JOB)]).torchrun, 2)
 

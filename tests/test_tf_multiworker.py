@@ -175,8 +175,8 @@ def test_a_hang_in_the_ring_probe_falls_back_to_worker_0_alone(tmp_path: Path) -
 
 PROBE = """
 import json, sys
-from resilient_strategy.probe import ProbeSpec
-from resilient_strategy.prober import run_probe
+from resilient_strategy.core.probe import ProbeSpec
+from resilient_strategy.probing.prober import run_probe
 import os
 spec = ProbeSpec("tensorflow:mw_ring:cpu", "tensorflow", "mw_ring", (), timeout_s=45.0,
                  workers=2, worker_rank=int(sys.argv[1]), train_step=False)

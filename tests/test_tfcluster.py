@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from resilient_strategy.core.tfcluster import MAX_TF_CONFIG_BYTES, TfCluster, parse_tf_config
 from resilient_strategy.errors import InvalidOptionError
-from resilient_strategy.tfcluster import MAX_TF_CONFIG_BYTES, TfCluster, parse_tf_config
 
 
 def cfg(cluster: Any, task: Any = None, **extra: Any) -> str:

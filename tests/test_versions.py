@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from resilient_strategy import versions
-from resilient_strategy.facts import FrameworkInfo
-from resilient_strategy.versions import detect_frameworks
+from resilient_strategy.core.facts import FrameworkInfo
+from resilient_strategy.machine import versions
+from resilient_strategy.machine.versions import detect_frameworks
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -219,7 +219,7 @@ def test_initialized_checks_never_raise_on_odd_internals() -> None:
 def test_detect_frameworks_imports_no_framework_and_is_fast() -> None:
     out = _python("""
         import sys, time, json
-        from resilient_strategy.versions import detect_frameworks
+        from resilient_strategy.machine.versions import detect_frameworks
         t = time.perf_counter(); detect_frameworks(); first = time.perf_counter() - t
         t = time.perf_counter(); detect_frameworks(); again = time.perf_counter() - t
         heavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'tensorflow', 'keras')]
@@ -237,7 +237,7 @@ def test_real_tensorflow_initialized_state() -> None:
         pytest.skip("tensorflow not installed")
     out = _python("""
         import json
-        from resilient_strategy.versions import detect_frameworks
+        from resilient_strategy.machine.versions import detect_frameworks
         def state():
             tf_info = detect_frameworks()[1]
             return [tf_info.imported, tf_info.gpu_initialized]
@@ -260,7 +260,7 @@ def test_real_torch_imported_but_not_initialized() -> None:
         pytest.skip("torch not installed")
     out = _python("""
         import json, torch
-        from resilient_strategy.versions import detect_frameworks
+        from resilient_strategy.machine.versions import detect_frameworks
         t = detect_frameworks()[0]
         # the distribution's version ("2.11.0" from PyPI) may lack torch.__version__'s local
         # part ("2.11.0+cu130"): the public parts agree

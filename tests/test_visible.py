@@ -3,8 +3,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from resilient_strategy.facts import Visibility
-from resilient_strategy.visible import (
+from resilient_strategy.core.facts import Visibility
+from resilient_strategy.machine.visible import (
     MigDevice,
     PhysicalGpu,
     parse_visible_devices,

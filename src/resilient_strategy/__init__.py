@@ -12,7 +12,7 @@ framework too early.
 
 from __future__ import annotations
 
-from .guard import install_import_watch
+from .machine.guard import install_import_watch
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs ~8 ms (mypy knows both)
 
@@ -43,11 +43,11 @@ __all__ = [
 install_import_watch()
 
 _LAZY = {
-    "resilient_strategy": ("executor", "resilient_strategy"),
+    "resilient_strategy": ("deciding.executor", "resilient_strategy"),
     "Selection": ("selection", "Selection"),
-    "Facts": ("facts", "Facts"),
-    "Rule": ("rules", "Rule"),
-    "detect_facts": ("inspect", "detect_facts"),
+    "Facts": ("core.facts", "Facts"),
+    "Rule": ("core.rules", "Rule"),
+    "detect_facts": ("machine.inspect", "detect_facts"),
     "ResilientStrategyError": ("errors", "ResilientStrategyError"),
     "InvalidVisibleDevicesError": ("errors", "InvalidVisibleDevicesError"),
     "FrameworkInitializedError": ("errors", "FrameworkInitializedError"),
@@ -67,6 +67,9 @@ _LAZY = {
 if TYPE_CHECKING:
     from typing import Any
 
+    from .core.facts import Facts
+    from .core.rules import Rule
+    from .deciding.executor import resilient_strategy
     from .errors import (
         CacheError,
         ExtraNotInstalledError,
@@ -83,10 +86,7 @@ if TYPE_CHECKING:
         ResilientStrategyError,
         WrongFrameworkError,
     )
-    from .executor import resilient_strategy
-    from .facts import Facts
-    from .inspect import detect_facts
-    from .rules import Rule
+    from .machine.inspect import detect_facts
     from .selection import Selection
 
 

@@ -6,10 +6,10 @@ plan    only the plan (for the framework given, or each one installed).
 probe   prove the candidates for real (probe="force" with --force) and print the decision.
 run     run a training script under the supervisor (torchrun's options; ``run --help``): decide
         once, launch the workers the decision needs, relaunch on the next candidate when a
-        collective fails or stalls mid-run (see :mod:`resilient_strategy.supervisor`).
+        collective fails or stalls mid-run (see :mod:`resilient_strategy.run.supervisor`).
 
 --simulate FILE plans for a described machine instead (what-if before renting one): a JSON
-object with "machine" (keyword arguments of resilient_strategy.simulation.machine, "links" written as
+object with "machine" (keyword arguments of resilient_strategy.testing.simulation.machine, "links" written as
 {"0-1": 4}) or "facts" (the Facts.to_dict() form), and optionally "probes" (simulated outcomes, see
 simulation.SimulatedProber), "framework", "global_batch_size", "gradient_bytes" and "sample_seconds". The
 simulated machine's environment is the file's; only RESILIENT_STRATEGY_RULES and
@@ -27,11 +27,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import _env
+from .core.facts import Facts
+from .core.human import human_duration
 from .errors import ResilientStrategyError
-from .facts import Facts
-from .human import human_duration
-from .simulation import SimulatedProber, load_simulation
+from .machine import env as _env
+from .testing.simulation import SimulatedProber, load_simulation
 from .vocab import FRAMEWORKS
 
 _FRAMEWORKS = FRAMEWORKS
@@ -96,7 +96,7 @@ def _check_disabled_rules(args: argparse.Namespace, real_env: Mapping[str, str])
     otherwise leave the rule on without a word."""
     if not args.disable_rule:
         return
-    from .rules import load_rules
+    from .core.rules import load_rules
 
     extra: list[str | Path] = [x for x in real_env.get("RESILIENT_STRATEGY_RULES", "").split(
         os.pathsep) if x.strip()]
@@ -195,7 +195,7 @@ def _batch_words(c: Any) -> str:
 
 def _decide(args: argparse.Namespace, facts: Facts, sim: Mapping[str, Any] | None,
             framework: str, real_env: Mapping[str, str]) -> Any:
-    from .executor import resilient_strategy
+    from .deciding.executor import resilient_strategy
 
     sim_data: Mapping[str, Any] = sim or {}
 
@@ -275,7 +275,7 @@ def simulate_file(path: Path, real_env: Mapping[str, str] | None = None) -> dict
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == ["run"]:  # the supervisor takes torchrun's options: its own parser
-        from .supervisor import main as run_main
+        from .run.supervisor import main as run_main
 
         return run_main(args_list[1:])
     parser = _parser()
@@ -292,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.simulate:
             facts, sim = load_simulation(args.simulate)
         else:
-            from .inspect import detect_facts
+            from .machine.inspect import detect_facts
 
             facts = detect_facts(real_env)
         frameworks = _frameworks(facts, args.framework or (sim or {}).get("framework"))

@@ -14,16 +14,16 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from .candidate import Candidate
+from .core.candidate import Candidate
+from .core.facts import Facts
+from .core.options import Launch, gradient_bytes_of
+from .core.plan import Plan
+from .core.probe import ProbeResult
 from .errors import DryRunError, WrongFrameworkError
-from .facts import Facts
-from .options import Launch, gradient_bytes_of
-from .plan import Plan
-from .probe import ProbeResult
 
 if TYPE_CHECKING:
-    from .checkpoint import Checkpointer
-    from .handoff import TrainingReporter
+    from .frameworks.checkpoint import Checkpointer
+    from .records.handoff import TrainingReporter
 
 __all__ = ["Launch", "Selection"]
 
@@ -381,11 +381,11 @@ class Selection:
         ``every_seconds`` seconds (default every 100 steps; rank 0 writes, atomically), and
         resume from it at :meth:`prepare` (even with another number of replicas). Call it
         before :meth:`prepare`; start the epoch loop at ``ckpt.epoch`` and call
-        :meth:`set_epoch` each epoch. See :mod:`resilient_strategy.checkpoint`."""
+        :meth:`set_epoch` each epoch. See :mod:`resilient_strategy.frameworks.checkpoint`."""
         if self.framework != "torch":
             raise AttributeError("checkpoint() is PyTorch's; TensorFlow uses "
                                  "callbacks(backup_dir=...) (Keras BackupAndRestore)")
-        from .checkpoint import Checkpointer
+        from .frameworks.checkpoint import Checkpointer
 
         rt = self.runtime
         ckpt = Checkpointer(directory, every_steps=every_steps, every_seconds=every_seconds,

@@ -478,7 +478,7 @@ def progress_callback(reporter: Any, accumulation_steps: int, backup_dir: str | 
 
         def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
             if backup_dir is not None:  # BackupAndRestore (listed before us) has backed up
-                from ..handoff import note_checkpoint
+                from ..records.handoff import note_checkpoint
 
                 note_checkpoint(reporter.step, backup_dir)
 

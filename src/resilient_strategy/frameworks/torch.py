@@ -339,7 +339,7 @@ class TorchRuntime:
         resumable = self._progress.checkpointer is not None and not self._progress.prepared
         if resumable and isinstance(sampler, (RandomSampler, SequentialSampler)) \
                 and not isinstance(loader.dataset, IterableDataset):
-            from ..checkpoint import resumable_sampler_class
+            from .checkpoint import resumable_sampler_class
 
             sampler = resumable_sampler_class()(
                 loader.dataset, num_replicas=self.world_size, rank=self.rank,

@@ -1,14 +1,14 @@
 """Fake machines and probe outcomes for users' unit tests and ours (built on
-:mod:`resilient_strategy.simulation`, the production module that describes machines)."""
+:mod:`resilient_strategy.testing.simulation`, the production module that describes machines)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from ..facts import Facts
+from ..core.facts import Facts
 from ..selection import Selection
-from ..simulation import FakeProber, Outcome, SimulatedProber, gpu, machine
+from .simulation import FakeProber, Outcome, SimulatedProber, gpu, machine
 
 __all__ = ["FakeProber", "Outcome", "SimulatedProber", "gpu", "machine", "simulate"]
 
@@ -22,7 +22,7 @@ def simulate(
 
     Uses the facts' own env (never ``os.environ``), no cache unless asked, and sets nothing.
     """
-    from ..executor import resilient_strategy
+    from ..deciding.executor import resilient_strategy
 
     prober = outcomes if isinstance(outcomes, FakeProber) else FakeProber(dict(outcomes or {}))
     kwargs.setdefault("cache", False)

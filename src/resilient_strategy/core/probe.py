@@ -1,0 +1,419 @@
+"""Probe specs and results as data, and the pure parser from a finished worker to a result.
+
+Nothing here starts a process: :mod:`resilient_strategy.probing.proc` runs workers and
+:mod:`resilient_strategy.probing.prober` ties the two together. Workers (``probes/``) write one JSON
+object per rank; :func:`parse_probe` turns exit codes, signals, those JSON texts and stderr into a
+:class:`ProbeResult`, and is tested from strings.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import Any, Protocol, TypeVar
+
+from ..errors import FileFormatError
+from .bounded import parse_json
+from .outcome import WorkerOutcome
+
+
+class Stall(Protocol):
+    """What :class:`resilient_strategy.records.progress.Stall` offers here (the planner imports this
+    module, and must not reach ``progress``, which uses ``os``)."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def ranks(self) -> tuple[int, ...]: ...
+
+    @property
+    def waited_s(self) -> float: ...
+
+    @property
+    def limit_s(self) -> float: ...
+
+    def where(self) -> str: ...
+
+    def describe(self) -> str: ...
+
+#: Probe statuses.
+OK, ERROR, TIMEOUT = "ok", "error", "timeout"
+
+_ROUTING = (
+    ". The likeliest cause is PCIe peer-to-peer traffic routed through the IOMMU / ACS (PCIe "
+    "Access Control Services), whether or not the IOMMU was detected: disable ACS in the BIOS "
+    "(or per bridge with setpci), or boot with iommu=pt (intel_iommu=on iommu=pt / amd_iommu=on "
+    "iommu=pt), or disable the IOMMU; NCCL_P2P_DISABLE=1 avoids the peer path meanwhile")
+
+#: The words for a timeout judged from the workers' progress, cut before the deadline.
+HANG_WORDS = ("the probe hung (judged from its ranks' progress, cut before the deadline): a "
+              "rank stuck in communicator setup or a collective, or one that never arrived "
+              "while the others waited")
+
+#: Classified causes, with the words a user can act on.
+CAUSES: dict[str, str] = {
+    "": "",
+    "nccl_duplicate_gpu": "two ranks of the group are on the same GPU (NCCL needs a GPU of its "
+    "own for each rank): give each process or node its own GPU (CUDA_VISIBLE_DEVICES, or one "
+    "process per GPU with --nproc-per-node); two 'nodes' on one host sharing a GPU do this",
+    "nccl_invalid_usage": "NCCL rejected its configuration (ncclInvalidUsage): an NCCL_* variable "
+    "names an unknown algorithm, protocol, network or interface",
+    "nccl_error": "NCCL failed (ncclSystemError / ncclInternalError / remote error)",
+    "nccl_network": "NCCL could not connect its ranks over the network interface it picked (a "
+    "USB or unroutable interface); on one node NCCL_SOCKET_IFNAME=lo (loopback) works",
+    "oom": "the GPU ran out of memory: another process holds it, or the probe's buffers do not "
+    "fit; free the GPU",
+    "cuda_error": "an unhandled CUDA error inside NCCL: often P2P between these GPUs is broken, "
+    "or the NCCL build has no kernels for this GPU",
+    "no_kernel_image": "the framework or NCCL has no kernels for this GPU's compute capability",
+    "shared_memory": "NCCL could not create its /dev/shm segment: /dev/shm is too small "
+    "(Docker's 64 MB default); run with --ipc=host or --shm-size, or set NCCL_SHM_DISABLE=1",
+    "timeout": "the collective hung until the probe's deadline: one rank waited forever",
+    "timeout_short": "the probe's timeout ran out before its workers could start, which is not "
+    "a hang",
+    "crash": "a worker died from a signal",
+    "wrong_result": "the all-reduce completed with a wrong value" + _ROUTING,
+    "nan_result": "the all-reduce completed with NaN values" + _ROUTING,
+    "zero_result": "the all-reduce completed with zeros where data was sent (peer copies that "
+    "return zeros)" + _ROUTING,
+    "backend_unavailable": "this build of the framework does not have the backend",
+    "no_device": "the worker saw fewer devices than it needs",
+    "worker_error": "the probe worker raised an error",
+    "inter_node": "the collective between nodes failed (the group of one process per node "
+    "spanning the job)",
+    "budget": "not probed: the time budget for the whole decision was spent (timeout= x 4)",
+    "inter_worker": "the collective between the TF_CONFIG workers failed (each worker's one "
+    "process of MultiWorkerMirroredStrategy, which agree on each verdict)",
+}
+
+
+@dataclass(frozen=True)
+class ProbeSpec:
+    """What to prove: a candidate run by ``world_size`` processes (1 for TF single-process)."""
+
+    candidate: str  # the candidate's key
+    framework: str
+    backend: str
+    devices: tuple[int, ...]
+    env: tuple[tuple[str, str], ...] = ()
+    world_size: int = 1
+    timeout_s: float = 30.0
+    message_bytes: int = 16 << 20  # all-reduce size for the bandwidth figure
+    check_bytes: tuple[int, ...] = ()  # more sizes to check exactly (the user's largest bucket)
+    train_step: bool = True
+    logical_cpus: int = 0  # TF: replicas on N logical CPU devices (testing without GPUs)
+    #: TF multi-worker (TF_CONFIG): the workers that each run this probe's one local process
+    #: together, and this one's id; 1: an ordinary probe on this machine
+    workers: int = 1
+    worker_rank: int = 0
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """The outcome of one probe. ``cause`` is a key of :data:`CAUSES` (``""`` when ok)."""
+
+    candidate: str
+    status: str  # OK / ERROR / TIMEOUT
+    elapsed_s: float = 0.0
+    cause: str = ""
+    detail: str = ""
+    stderr_tail: str = ""
+    bus_bandwidth_gbps: float | None = None  # measured at message_bytes
+    message_bytes: int | None = None
+    #: the spread of the timed all-reduces, relative: (slowest - fastest) / median; a speed
+    #: difference smaller than this is noise (see the planner's ranking)
+    bandwidth_spread: float | None = None
+    step_seconds: float | None = None  # one training step after warm-up
+    ranks: int = 1
+    extra: tuple[tuple[str, str], ...] = field(default=())
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
+
+    def why(self) -> str:
+        """One line: the cause in words plus the detail."""
+        words = HANG_WORDS if judged_hang(self) else CAUSES.get(self.cause, self.cause)
+        if self.detail and self.detail not in words:
+            return f"{words}: {self.detail}" if words else self.detail
+        return words
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ProbeResult:
+        """Build a result from plain data (JSON), checking every field.
+
+        Unknown keys are ignored (a newer writer may add some). Raises :class:`ValueError` for
+        anything else that is not what :meth:`to_dict` writes: a missing candidate or status, an
+        unknown status or cause, a wrong type, a negative or non-finite number.
+        """
+        if not isinstance(d, Mapping):
+            raise ValueError(f"a probe result must be an object, not {type(d).__name__}")
+        for name in ("candidate", "status"):
+            if name not in d:
+                raise ValueError(f"a probe result needs {name!r}")
+        status = _text(d, "status")
+        if status not in _STATUSES:
+            raise ValueError(f"status {status!r} is not one of {sorted(_STATUSES)}")
+        cause = _text(d, "cause")
+        if cause not in CAUSES:
+            raise ValueError(f"cause {cause!r} is not a known cause")
+        extra = d.get("extra", ())
+        if not isinstance(extra, (list, tuple)) or not all(
+            isinstance(x, (list, tuple)) and len(x) == 2 and all(isinstance(y, str) for y in x)
+            for x in extra
+        ):
+            raise ValueError(f"extra must be a list of [name, value] strings, not {extra!r}")
+        return cls(
+            candidate=_text(d, "candidate"),
+            status=status,
+            elapsed_s=_number(d, "elapsed_s", 0.0),
+            cause=cause,
+            detail=_text(d, "detail"),
+            stderr_tail=_text(d, "stderr_tail"),
+            bus_bandwidth_gbps=_maybe(d, "bus_bandwidth_gbps", _number),
+            message_bytes=_maybe(d, "message_bytes", _count),
+            bandwidth_spread=_maybe(d, "bandwidth_spread", _number),
+            step_seconds=_maybe(d, "step_seconds", _number),
+            ranks=_count(d, "ranks", 1),
+            extra=tuple((str(k), str(v)) for k, v in extra),
+        )
+
+
+_STATUSES = frozenset({OK, ERROR, TIMEOUT})
+#: Causes of a collective that completed with bad values (each its own cause).
+VALUE_CAUSES = ("wrong_result", "nan_result", "zero_result")
+_T = TypeVar("_T", int, float)
+
+
+def _text(d: Mapping[str, Any], name: str) -> str:
+    value = d.get(name, "")
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, not {value!r}")
+    return value
+
+
+def _number(d: Mapping[str, Any], name: str, default: float) -> float:
+    """A finite, non-negative number."""
+    value = d.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, not {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be finite and non-negative, not {value!r}")
+    return float(value)
+
+
+def _count(d: Mapping[str, Any], name: str, default: int) -> int:
+    """A non-negative integer."""
+    value = d.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, not {value!r}")
+    return value
+
+
+def _maybe(
+    d: Mapping[str, Any], name: str, read: Callable[[Mapping[str, Any], str, _T], _T]
+) -> _T | None:
+    """An optional field: None when absent or null, else what ``read`` makes of it."""
+    return None if d.get(name) is None else read(d, name, 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Classification of failure text (pure)
+# --------------------------------------------------------------------------------------------
+_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    # NCCL's own words for a segment it could not make (shmutils.cc / older shm.h), not any
+    # mention of /dev/shm: hints and NCCL_SHM_* advice name it too. First, because NCCL reports
+    # these as ncclSystemError and the shared memory is what a user can fix.
+    ("shared_memory", re.compile(
+        r"Error while (?:creating|attaching to) shared memory segment|"
+        r"(?:Call to )?posix_fallocate failed|shm_open failed|"
+        r"failed to (?:extend|open|create|map) /dev/shm/", re.I)),
+    # Before nccl_invalid_usage, which NCCL reports it as (seen on an H100, NCCL 2.28.9, two
+    # simulated nodes on one GPU): no NCCL_* variable is at fault.
+    ("nccl_duplicate_gpu", re.compile(r"Duplicate GPU detected", re.I)),
+    ("nccl_invalid_usage", re.compile(r"invalid usage|ncclInvalidUsage|ncclInvalidArgument", re.I)),
+    ("no_kernel_image", re.compile(r"no kernel image|not compatible with the current PyTorch|"
+                                   r"sm_\d+ is not compatible", re.I)),
+    # Before cuda_error: "CUDA error: out of memory" is a busy or too-small GPU, not broken P2P.
+    ("oom", re.compile(r"out of memory|CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation|"
+                       r"OutOfMemoryError|ResourceExhaustedError.{0,80}\bOOM\b", re.I)),
+    ("cuda_error", re.compile(r"unhandled cuda error|ncclUnhandledCudaError|CUDA error", re.I)),
+    ("backend_unavailable", re.compile(r"not built with|Distributed package doesn't have NCCL|"
+                                        r"NCCL is not available|No OpKernel was registered|"
+                                        r"no OpKernel|Could not find device for node.*Nccl", re.I)),
+    # NCCL's socket layer failing to reach a peer over the interface it chose.
+    ("nccl_network", re.compile(r"Bootstrap\s*:\s*(?:no socket interface|connection|connect)|"
+                                r"NET/Socket\s*:.*(?:[Cc]onnect|failed)|"
+                                r"socket(?:Connect|Progress|StartConnect|PollConnect)|"
+                                r"Connect to \S+ failed", re.I)),
+    ("nccl_error", re.compile(r"ncclSystemError|ncclInternalError|ncclRemoteError|NCCL error|"
+                              r"Error invoking NCCL", re.I)),
+)
+
+
+def classify(text: str) -> str:
+    """The cause key that best explains a failure's text ("worker_error" when nothing matches)."""
+    for cause, pattern in _PATTERNS:
+        if pattern.search(text):
+            return cause
+    return "worker_error"
+
+
+def tail(text: str, lines: int = 20, chars: int = 4000) -> str:
+    """The last lines of a text, bounded in size."""
+    return "\n".join(text.rstrip().splitlines()[-lines:])[-chars:]
+
+
+def parse_probe(
+    spec: ProbeSpec,
+    outcomes: Sequence[WorkerOutcome],
+    elapsed_s: float,
+    timed_out: bool,
+    stall: Stall | None = None,
+) -> ProbeResult:
+    """Turn what every worker did into one result. Pure.
+
+    Order of blame: the worker whose failure stopped the group (its peers' errors, such as
+    "connection reset by peer", are only echoes of it); then a worker that reported an error or
+    wrong value; then a worker that died on its own; then a stall the runner judged from the
+    workers' progress (a hang, cut before the deadline: its ``extra`` says where); then the
+    deadline. A probe is OK only when
+    every rank reported ``ok`` and its checked value, and exited 0.
+    """
+    reports: list[dict[str, Any]] = []
+    for o in outcomes:
+        try:
+            rep = parse_json(o.report, f"report of rank {o.rank}", allow_nan=True) if o.report.strip() else {}
+        except FileFormatError:  # not JSON, or nested too deep
+            rep = {"status": "error", "error": f"unreadable report: {o.report[:200]!r}"}
+        reports.append(rep if isinstance(rep, dict) else {})
+    stderr_all = "\n".join(f"[rank {o.rank}] {line}" for o in outcomes
+                           for line in tail(o.stderr, 8).splitlines() if line)
+    base = partial(ProbeResult, candidate=spec.candidate, elapsed_s=round(elapsed_s, 3),
+                   stderr_tail=tail(stderr_all, 30), ranks=len(outcomes))
+
+    # 0. the rank whose failure stopped the group
+    for o, rep in zip(outcomes, reports, strict=True):
+        if o.failed_first:
+            found = _reported(o, rep, base) or _died(o, base)
+            if found is not None:
+                return found
+    # 1. a rank that said what went wrong
+    for o, rep in zip(outcomes, reports, strict=True):
+        found = _reported(o, rep, base)
+        if found is not None:
+            return found
+    # 2. a rank that died on its own (not killed by us)
+    for o in outcomes:
+        found = _died(o, base)
+        if found is not None:
+            return found
+    # 3. a hang judged from progress records, or the deadline
+    if stall is not None:
+        return base(status=TIMEOUT, cause="timeout", detail=f"hang: {stall.describe()}",
+                    extra=stall_extra(stall))
+    if timed_out:
+        waiting = [o.rank for o, rep in zip(outcomes, reports, strict=True) if rep.get("status") != "ok"]
+        return base(status=TIMEOUT, cause="timeout",
+                           detail=f"ranks {waiting} did not finish within {spec.timeout_s:g} s")
+    # 4. everyone must have reported ok
+    missing = [o.rank for o, rep in zip(outcomes, reports, strict=True) if rep.get("status") != "ok"]
+    if missing or not outcomes:
+        return base(status=ERROR, cause="worker_error",
+                           detail=f"ranks {missing} exited without a report")
+    bws = [v for r in reports if (v := _positive(r.get("bus_bandwidth_gbps"))) is not None]
+    spreads = [v for r in reports if (v := _positive(r.get("bandwidth_spread"))) is not None]
+    steps = [v for r in reports if (v := _positive(r.get("step_seconds"))) is not None]
+    message_bytes = reports[0].get("message_bytes")
+    return base(
+        status=OK,
+        bus_bandwidth_gbps=round(min(bws), 3) if bws else None,
+        bandwidth_spread=round(max(spreads), 3) if spreads and bws else None,
+        message_bytes=message_bytes if isinstance(message_bytes, int)
+        and not isinstance(message_bytes, bool) and message_bytes > 0 else None,
+        step_seconds=round(max(steps), 6) if steps else None,
+        detail=str(reports[0].get("detail", "")),
+    )
+
+
+_Make = Callable[..., ProbeResult]
+
+
+def stall_extra(stall: Stall) -> tuple[tuple[str, str], ...]:
+    """A stall as ``extra`` entries of a result (cached with it)."""
+    return (("hang", stall.kind), ("hang_at", stall.where()),
+            ("hang_ranks", ",".join(map(str, stall.ranks))),
+            ("hang_waited_s", f"{stall.waited_s:g}"), ("hang_limit_s", f"{stall.limit_s:g}"))
+
+
+def judged_hang(result: ProbeResult) -> bool:
+    """Whether a timeout was judged from progress (a real hang), not by the deadline alone."""
+    return result.status == TIMEOUT and any(k == "hang" for k, _ in result.extra)
+
+
+def _positive(value: Any) -> float | None:
+    """A worker's figure when it is a finite positive number, else None (never NaN or a str)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) and value > 0 else None
+
+
+def _reported(o: WorkerOutcome, rep: Mapping[str, Any], base: _Make) -> ProbeResult | None:
+    """The result a worker's own error report gives, if it made one."""
+    err = str(rep.get("error", ""))
+    if rep.get("status") == "wrong_result":
+        reported = rep.get("cause")
+        cause = reported if reported in VALUE_CAUSES else "wrong_result"
+        return base(status=ERROR, cause=cause, detail=f"rank {o.rank}: {_first_line(err)}")
+    if rep.get("status") == "error":
+        reported = rep.get("cause")
+        cause = reported if isinstance(reported, str) and reported in CAUSES and reported \
+            else classify(err + "\n" + o.stderr)
+        return base(status=ERROR, cause=cause, detail=f"rank {o.rank}: {_summary(err)}")
+    return None
+
+
+def _died(o: WorkerOutcome, base: _Make) -> ProbeResult | None:
+    """The result of a worker that ended badly on its own (not stopped by the runner)."""
+    if o.killed_by_runner or o.returncode == 0:
+        return None
+    if o.signal is not None:
+        return base(status=ERROR, cause="crash", detail=f"rank {o.rank} died from signal {o.signal}")
+    if o.returncode is None:
+        return None
+    return base(status=ERROR, cause=classify(o.stderr),
+                detail=f"rank {o.rank} exited with code {o.returncode}: "
+                       f"{_first_line(_last_error_line(o.stderr))}")
+
+
+_NCCL_LAST_ERROR = re.compile(r"^\s*Last error:\s*\n\s*(\S.*)$", re.M)
+
+
+def _summary(err: str) -> str:
+    """The error's first line, plus NCCL's "Last error:" line: the one that names the culprit
+    (``Unrecognized element token "bogus"``, ``Bootstrap : no socket interface found``)."""
+    first = _first_line(err)
+    last = _NCCL_LAST_ERROR.search(err)
+    return f"{first} [NCCL: {last.group(1).strip()[:200]}]" if last else first
+
+
+def _first_line(text: str) -> str:
+    for line in text.strip().splitlines():
+        if line.strip():
+            return line.strip()[:300]
+    return ""
+
+
+def _last_error_line(text: str) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    for line in reversed(lines):
+        if "Error" in line or "error" in line:
+            return line
+    return lines[-1] if lines else ""

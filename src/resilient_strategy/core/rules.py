@@ -1,0 +1,428 @@
+"""Known-issue rules as data: load, validate, and evaluate them against the facts.
+
+A rule (see ``known_issues.toml``) has an ``id``, a list of ``when`` clauses that must all hold,
+an ``effect`` and a ``source``. Clauses read ``<fact> <op> <value>`` over the names that
+:func:`fact_values` computes, e.g. ``"tensorflow.version < 2.20"`` or ``"gpus.names matches RTX 50"``;
+a bare ``"host.wsl2"`` means true, ``"not host.wsl2"`` false. A fact name that is not in
+:data:`FACT_NAMES` (or ``env.<VARIABLE>``) is an error when the rule is loaded; a known fact whose
+value is unknown on this machine (torch not installed, /dev/shm unreadable) makes the clause false.
+
+Effects: ``veto`` (rule a backend out), ``prefer`` (try a backend first), ``remedy`` (add an NCCL
+variant with ``env``; ``first = true`` tries it before plain NCCL), ``set_env`` (set ``env`` on
+every NCCL candidate), ``warn`` (a warning in the trace). Pure: no I/O except :func:`load_rules`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import operator
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from packaging.version import InvalidVersion, Version
+
+from ..errors import FileFormatError, InvalidOptionError, InvalidRuleError, UnsafePathError
+from ..vocab import BACKENDS, FRAMEWORKS
+from . import bounded as _bounded
+from .facts import Facts, Gpu
+
+EFFECTS = ("veto", "prefer", "remedy", "set_env", "warn")
+_OPS = ("<=", ">=", "==", "!=", "<", ">", "matches", "contains", "in")
+_CLAUSE = re.compile(
+    r"^\s*(?P<neg>not\s+)?(?P<fact>[a-z_]+\.[A-Za-z0-9_]+|framework)"
+    r"(?:\s*(?P<op><=|>=|==|!=|<|>)\s*|\s+(?P<wop>matches|contains|in)\s+|$)"
+    r"(?P<value>.*?)\s*$"
+)
+
+_FRAMEWORK_FACTS = ("installed", "version", "cuda", "nccl", "max_arch", "imported", "gpu_kernels")
+#: Every fact a clause can name (what :func:`fact_values` computes), besides ``env.<VARIABLE>``.
+FACT_NAMES: tuple[str, ...] = (
+    "framework",
+    "gpus.count", "gpus.names", "gpus.min_cc", "gpus.max_cc", "gpus.consumer", "gpus.mig",
+    "gpus.mixed",
+    "links.all_nvlink", "links.any_pcie_only", "links.p2p_unsupported", "links.cross_socket",
+    "driver.version", "driver.cuda",
+    "plan.replicas",
+    "host.shm_mb", "host.container", "host.in_container", "host.wsl2", "host.sagemaker",
+    "host.aws", "host.efa", "host.infiniband", "host.iommu", "host.platform",
+    *(f"{fw}.{name}" for fw in ("torch", "tensorflow", "keras") for name in _FRAMEWORK_FACTS),
+)
+_RULE_KEYS = frozenset(
+    {"id", "when", "effect", "message", "source", "target", "framework", "env", "first"}
+)
+log = logging.getLogger("resilient_strategy")
+
+FactValue = str | int | bool | Version | tuple[str, ...] | None
+_ORDER_OPS = {
+    "<": operator.lt, "<=": operator.le, ">": operator.gt,
+    ">=": operator.ge, "==": operator.eq, "!=": operator.ne,
+}
+
+
+@dataclass(frozen=True)
+class Clause:
+    fact: str
+    op: str  # one of _OPS, or "truthy"
+    value: str
+    negate: bool = False
+    #: the compiled regular expression of a ``matches`` clause (compiled when the rule loads)
+    pattern: re.Pattern[str] | None = field(default=None, compare=False, repr=False)
+
+    def __str__(self) -> str:
+        neg = "not " if self.negate else ""
+        return f"{neg}{self.fact}" if self.op == "truthy" else f"{self.fact} {self.op} {self.value}"
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    when: tuple[Clause, ...]
+    effect: str
+    message: str
+    source: str
+    target: tuple[str, ...] = ()  # backends, for veto / prefer
+    framework: str = ""  # "" = both
+    env: tuple[tuple[str, str], ...] = ()
+    first: bool = False  # remedy: try before plain NCCL
+    origin: str = "built-in"
+
+
+def parse_clause(text: str, rule_id: str = "?", origin: str = "") -> Clause:
+    """Read one ``when`` clause; every problem is an :class:`InvalidRuleError` naming the rule
+    (and ``origin``, the file it came from)."""
+    m = _CLAUSE.match(text)
+    if not m:
+        raise InvalidRuleError(
+            rule_id, f"cannot read clause {text!r}; expected '<fact> <op> <value>'", origin)
+    fact = m.group("fact")
+    _check_fact(fact, text, rule_id, origin)
+    op = m.group("op") or m.group("wop")
+    raw = m.group("value").strip()
+    value = raw.strip("'\"")
+    if op is None:
+        if raw:
+            raise InvalidRuleError(rule_id, f"clause {text!r} has a value but no operator", origin)
+        op = "truthy"
+    elif not raw:
+        raise InvalidRuleError(rule_id, f"clause {text!r} has no value after {op!r}", origin)
+    pattern = None
+    if op == "matches":
+        try:
+            pattern = re.compile(value, re.IGNORECASE)
+        except re.error as exc:
+            raise InvalidRuleError(
+                rule_id, f"clause {text!r}: {value!r} is not a valid regular expression ({exc})",
+                origin,
+            ) from exc
+    return Clause(fact=fact, op=op, value=value, negate=bool(m.group("neg")), pattern=pattern)
+
+
+def _check_fact(fact: str, text: str, rule_id: str, origin: str) -> None:
+    if fact in FACT_NAMES or (fact.startswith("env.") and len(fact) > len("env.")):
+        return
+    close = difflib.get_close_matches(fact, FACT_NAMES, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise InvalidRuleError(
+        rule_id,
+        f"clause {text!r} names unknown fact {fact!r}{hint}; valid facts: "
+        f"{', '.join(FACT_NAMES)}, env.<VARIABLE>",
+        origin,
+    )
+
+
+def _strings(value: object, key: str, rid: str, origin: str) -> tuple[str, ...]:
+    """A TOML string or array of strings as a tuple; anything else is an InvalidRuleError."""
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise InvalidRuleError(
+        rid, f"{key} must be a string or an array of strings, not {value!r}", origin)
+
+
+def rule_from_dict(d: Mapping[str, Any], origin: str = "built-in", where: str = "?") -> Rule:
+    """One rule from its TOML table; ``where`` names it in errors until its id is known."""
+    if not isinstance(d, Mapping):
+        raise InvalidRuleError(
+            where, f"a rule must be a table (written under [[rule]]), not {d!r}", origin)
+    raw_id = d.get("id", "")
+    rid = raw_id.strip() if isinstance(raw_id, str) else ""
+    if not rid:
+        raise InvalidRuleError(where, f"every rule needs an id (a non-empty string), not {raw_id!r}",
+                               origin)
+    extra = set(d) - _RULE_KEYS
+    if extra:
+        raise InvalidRuleError(
+            rid, f"unknown key(s) {sorted(extra)}; allowed: {sorted(_RULE_KEYS)}", origin)
+    effect = d.get("effect", "")
+    if effect not in EFFECTS:
+        raise InvalidRuleError(rid, f"effect must be one of {EFFECTS}, not {effect!r}", origin)
+    target = _strings(d.get("target", []), "target", rid, origin)
+    if effect in ("veto", "prefer") and (not target or not set(target) <= set(BACKENDS)):
+        raise InvalidRuleError(rid, f"{effect} needs target(s) in {BACKENDS}, not {target!r}", origin)
+    env = d.get("env", {})
+    if not isinstance(env, Mapping) or not all(isinstance(v, str) for v in env.values()):
+        raise InvalidRuleError(rid, "env must be a table of strings", origin)
+    if effect in ("remedy", "set_env") and not env:
+        raise InvalidRuleError(rid, f"{effect} needs env", origin)
+    framework = d.get("framework", "")
+    if framework != "" and framework not in FRAMEWORKS:
+        raise InvalidRuleError(
+            rid, f"framework must be one of {FRAMEWORKS} (or left out), not {framework!r}", origin)
+    when = _strings(d.get("when", []), "when", rid, origin)
+    message, source = d.get("message"), d.get("source")
+    if not (isinstance(message, str) and message.strip()) or not (
+        isinstance(source, str) and source.strip()
+    ):
+        raise InvalidRuleError(rid, "every rule needs a message and a source (strings)", origin)
+    first = d.get("first", False)
+    if not isinstance(first, bool):
+        raise InvalidRuleError(rid, f"first must be true or false, not {first!r}", origin)
+    return Rule(
+        id=rid,
+        when=tuple(parse_clause(c, rid, origin) for c in when),
+        effect=effect,
+        message=message.strip(),
+        source=source.strip(),
+        target=target,
+        framework=framework,
+        env=tuple(sorted((str(k), v) for k, v in env.items())),
+        first=first,
+        origin=origin,
+    )
+
+
+def parse_rules(text: str, origin: str) -> tuple[Rule, ...]:
+    """The rules of one TOML document (``origin`` names it in errors)."""
+    try:
+        data = _bounded.parse_toml(text, origin)
+    except FileFormatError as exc:  # not TOML, or nested too deep
+        raise InvalidRuleError("?", exc.problem, origin) from None
+    unknown = sorted(set(data) - {"rule"})
+    if unknown:
+        raise InvalidRuleError(
+            "?", f"unknown top-level key(s) {unknown}; write each rule as a [[rule]] table", origin)
+    tables = data.get("rule", [])
+    if not isinstance(tables, list):
+        raise InvalidRuleError(
+            "?", f"'rule' must be an array of tables (each rule under [[rule]]), not {tables!r}",
+            origin,
+        )
+    rules = tuple(rule_from_dict(r, origin, f"#{n}") for n, r in enumerate(tables, 1))
+    ids = [r.id for r in rules]
+    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    if dupes:
+        raise InvalidRuleError(dupes[0], "duplicate rule id", origin)
+    return rules
+
+
+def load_rules(
+    extra: Iterable[str | Path | Rule] | str | Path | Rule = (),
+    disabled: Iterable[str] | str = (),
+) -> tuple[Rule, ...]:
+    """The built-in rules plus the user's (TOML files or Rule values), minus the disabled ids.
+
+    A user rule with the id of a built-in one replaces it. A bare path (``"mine.toml"``) is one
+    file and a bare string in ``disabled`` is one id. Disabling an id that no rule has is logged
+    as a warning (it is usually a typo) naming the known ids.
+    """
+    builtin = Path(__file__).with_name("known_issues.toml")
+    rules = {r.id: r for r in parse_rules(builtin.read_text(encoding="utf-8"), str(builtin))}
+    items = (extra,) if isinstance(extra, (str, Path, Rule)) else tuple(extra)
+    for item in items:
+        if isinstance(item, Rule):
+            rules[item.id] = item
+            continue
+        if not isinstance(item, (str, Path)):
+            raise InvalidOptionError(
+                f"rules= takes TOML file paths or Rule values, not {item!r}")
+        path = Path(item)
+        try:
+            text = _bounded.read_user_file(path, _bounded.MAX_RULES_BYTES).decode()
+        except OSError as exc:
+            raise InvalidRuleError("?", f"cannot read it: {exc}", str(path)) from exc
+        except (UnsafePathError, FileFormatError) as exc:  # a FIFO, a directory, too large
+            raise InvalidRuleError("?", f"cannot read it: {exc}", str(path)) from None
+        except UnicodeDecodeError as exc:
+            raise InvalidRuleError(
+                "?", f"not UTF-8 text (TOML files must be UTF-8): {exc}", str(path)) from exc
+        for r in parse_rules(text, str(path)):
+            rules[r.id] = r
+    off = {disabled} if isinstance(disabled, str) else {str(d) for d in disabled}
+    unknown = sorted(off - set(rules))
+    if unknown:
+        log.warning(
+            "resilient_strategy: disable_rules names no known rule: %s; known rule ids: %s",
+            ", ".join(unknown), ", ".join(sorted(rules)),
+        )
+    return tuple(r for r in rules.values() if r.id not in off)
+
+
+# --------------------------------------------------------------------------------------------
+# Facts as named values
+# --------------------------------------------------------------------------------------------
+def _version(text: str | None) -> Version | None:
+    if not text:
+        return None
+    try:
+        return Version(text.split("+")[0])
+    except InvalidVersion:
+        return None
+
+
+def _max_arch(archs: Sequence[str]) -> Version | None:
+    """Highest compute capability in an arch list like ("sm_89", "compute_90") -> 9.0."""
+    best: Version | None = None
+    for a in archs:
+        m = re.search(r"(\d+)(\d)[a-z]?$", a)
+        if m:
+            v = Version(f"{m.group(1)}.{m.group(2)}")
+            best = v if best is None or v > best else best
+    return best
+
+
+def _kernel_coverage(archs: Sequence[str], gpus: Sequence[Gpu]) -> str | None:
+    """"native" when every GPU has SASS of its major with minor <= its own, "ptx_jit" when some
+    GPU can run only by JIT-compiling PTX of an older arch, "none" when some GPU has neither;
+    None when the arch list is unknown or there are no GPUs."""
+    if not archs or not gpus:
+        return None
+    sass: list[tuple[int, int]] = []
+    ptx: list[tuple[int, int]] = []
+    for a in archs:
+        m = re.fullmatch(r"(sm|compute)_(\d+)(\d)[a-z]?", a.strip())
+        if m:
+            (sass if m.group(1) == "sm" else ptx).append((int(m.group(2)), int(m.group(3))))
+    worst = "native"
+    for g in gpus:
+        major, minor = g.compute_capability
+        if (major, minor) == (0, 0):  # NVML could not read it: no verdict on this GPU
+            continue
+        if any(s[0] == major and s[1] <= minor for s in sass):
+            continue
+        if any(p <= (major, minor) for p in ptx):
+            worst = "ptx_jit"
+            continue
+        return "none"
+    return worst
+
+
+def fact_values(facts: Facts, framework: str, replicas: int | None = None
+                ) -> dict[str, FactValue]:
+    """Every name a rule clause can use, computed from the facts (pure); ``replicas`` is the
+    planner's ``plan.replicas`` (None, unknown, outside a plan)."""
+    gpus = facts.gpus
+    ccs = [Version(g.cc) for g in gpus if g.compute_capability != (0, 0)]  # (0, 0): unread
+    links = facts.link_summary()
+    h = facts.host
+    values: dict[str, FactValue] = {
+        "framework": framework,
+        "plan.replicas": replicas,
+        "gpus.count": len(gpus),
+        "gpus.names": tuple(g.name for g in gpus),
+        "gpus.min_cc": min(ccs) if ccs else None,
+        "gpus.max_cc": max(ccs) if ccs else None,
+        "gpus.consumer": any(g.is_consumer for g in gpus),
+        "gpus.mig": any(g.mig_enabled for g in gpus),
+        "gpus.mixed": len({(g.name, g.memory_bytes) for g in gpus}) > 1,
+        "links.all_nvlink": links.all_nvlink,
+        "links.any_pcie_only": links.any_pcie_only,
+        "links.p2p_unsupported": links.p2p_unsupported,
+        "links.cross_socket": links.cross_socket,
+        "driver.version": _version(facts.driver_version),
+        "driver.cuda": _version(facts.cuda_driver_version),
+        "host.shm_mb": None if h.shm_bytes is None else h.shm_bytes // (1 << 20),
+        "host.container": h.container,
+        "host.in_container": bool(h.container),
+        "host.wsl2": h.wsl2,
+        "host.sagemaker": h.sagemaker,
+        "host.aws": h.aws,
+        "host.efa": h.efa,
+        "host.infiniband": h.infiniband,
+        "host.iommu": h.iommu,
+        "host.platform": h.platform,
+    }
+    for fw in ("torch", "tensorflow", "keras"):
+        info = facts.framework(fw)
+        values[f"{fw}.installed"] = info.installed
+        values[f"{fw}.version"] = _version(info.version)
+        values[f"{fw}.cuda"] = _version(info.cuda)
+        values[f"{fw}.nccl"] = _version(info.nccl)
+        values[f"{fw}.max_arch"] = _max_arch(info.archs)
+        values[f"{fw}.imported"] = info.imported
+        values[f"{fw}.gpu_kernels"] = _kernel_coverage(info.archs, gpus)
+    for name, value in facts.env:
+        values[f"env.{name}"] = value
+    return values
+
+
+def _compare(
+    actual: FactValue, op: str, raw: str, pattern: re.Pattern[str] | None = None
+) -> bool | None:
+    """None when the comparison cannot be made (unknown fact or incomparable value)."""
+    if actual is None:
+        return None
+    if op == "matches":
+        items = actual if isinstance(actual, tuple) else (str(actual),)
+        rx = pattern or re.compile(raw, re.IGNORECASE)
+        return any(rx.search(str(i)) for i in items)
+    if op == "contains":
+        items = actual if isinstance(actual, tuple) else (str(actual),)
+        return raw in items if isinstance(actual, tuple) else raw in str(actual)
+    if op == "in":
+        options = [o.strip().strip("'\"") for o in raw.strip("[]").split(",")]
+        return str(actual) in options
+    expected: Any
+    value: Any = actual
+    if isinstance(actual, bool):
+        expected = raw.lower() in ("true", "1", "yes")
+    elif isinstance(actual, int):
+        try:
+            expected = int(raw)
+        except ValueError:
+            return None
+    elif isinstance(actual, Version):
+        expected = _version(raw)
+        if expected is None:
+            return None
+    elif isinstance(actual, tuple):
+        return None
+    else:
+        expected, value = raw, str(actual)
+    if isinstance(value, bool) and op not in ("==", "!="):
+        return None
+    return bool(_ORDER_OPS[op](value, expected))
+
+
+def clause_holds(clause: Clause, values: Mapping[str, FactValue]) -> bool:
+    """Whether a clause holds; a clause on an unknown fact never holds (negated or not)."""
+    if clause.fact.startswith("env.") and clause.fact not in values:
+        actual: FactValue = ""  # an unset variable reads as empty
+    else:
+        actual = values.get(clause.fact)
+    if clause.op == "truthy":
+        if actual is None:
+            return False
+        result: bool | None = bool(actual)
+    else:
+        result = _compare(actual, clause.op, clause.value, clause.pattern)
+    if result is None:
+        return False
+    return result != clause.negate
+
+
+def fired(rules: Iterable[Rule], facts: Facts, framework: str,
+          replicas: int | None = None) -> tuple[Rule, ...]:
+    """The rules whose clauses all hold for these facts and framework, in order. ``replicas``
+    (``plan.replicas``) is the number of devices a multi-device strategy would use: the GPUs
+    after ``devices=`` and CUDA_VISIBLE_DEVICES, or the logical CPUs in TF's test mode."""
+    values = fact_values(facts, framework, replicas)
+    return tuple(
+        r for r in rules
+        if (not r.framework or r.framework == framework)
+        and all(clause_holds(c, values) for c in r.when)
+    )

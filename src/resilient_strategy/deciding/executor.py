@@ -1,0 +1,533 @@
+"""The executor: guard, inspect, plan, probe, apply. The one place that acts on a plan.
+
+``resilient_strategy()`` reads the environment once (explicit argument > the user's environment >
+our default), plans purely, proves candidates with killable probes (or reuses cached results),
+sets the chosen environment without overriding anything the user set, and returns a Selection.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..core.facts import Facts
+from ..core.human import human_bytes, human_duration
+from ..core.options import (
+    FRAMEWORKS,
+    Options,
+    options_from,
+)
+from ..core.plan import Candidate, Plan, RuledOut, plan, resplit
+from ..core.probe import ERROR, TIMEOUT, ProbeResult, ProbeSpec, judged_hang
+from ..core.rules import Rule
+from ..core.trace import CachedFailure, Chosen, Event, FrameworkPicked, NextProbe, Note
+from ..errors import (
+    FailureCause,
+    InvalidVisibleDevicesError,
+    NoWorkingStrategyError,
+    RanksDisagreeError,
+    ResilientStrategyError,
+)
+from ..machine import env as _env
+from ..selection import Selection
+from ..vocab import MULTI_WORKER_BACKENDS
+from .cache import CachedResult, DecisionCache
+from .notices import (
+    ProgressLine,
+    fallback_warning,
+    progress_wanted,
+    reclassify_short_timeout,
+    short_timeout_warning,
+    startup_floor,
+)
+
+if TYPE_CHECKING:
+    from ..records.handoff import Decision as HandedDecision
+    from ..records.handoff import TrainingReporter
+
+log = logging.getLogger("resilient_strategy")
+
+Prober = Callable[[ProbeSpec, Mapping[str, str]], ProbeResult]
+#: The workers' fault injection (probes/_common.py): its results are never cached.
+FAULT_VAR = "RESILIENT_STRATEGY_PROBE_FAULT"
+MAX_ROUNDS = 32  # probes per decision, at most (the candidate set is far smaller)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What deciding produced: the final plan (its ``chosen`` candidate and trace), every probe
+    result it used, whether a cached result shaped it without a probe now (``from_cache``), and
+    whether the chosen collective was proven by a probe (``proven``)."""
+
+    plan: Plan
+    results: Mapping[str, ProbeResult]
+    from_cache: bool = False
+    proven: bool = True
+
+    @property
+    def chosen(self) -> Candidate | None:
+        return self.plan.chosen
+
+
+# --------------------------------------------------------------------------------------------
+# Deciding
+# --------------------------------------------------------------------------------------------
+#: DDP's default gradient bucket; a model's largest bucket is at most this (or its largest
+#: tensor, which the total gradient size bounds from above).
+DDP_BUCKET_BYTES = 25 << 20
+
+
+def spec_for(c: Candidate, opts: Options, timeout_s: float) -> ProbeSpec:
+    grad = opts.gradient_bytes
+    return ProbeSpec(
+        candidate=c.key,
+        framework=c.framework,
+        backend=c.backend,
+        devices=c.devices,
+        env=c.env,
+        world_size=c.num_replicas if c.framework == "torch" else 1,
+        timeout_s=timeout_s,
+        logical_cpus=opts.logical_cpus,
+        check_bytes=(min(grad, DDP_BUCKET_BYTES),) if grad else (),  # the user's largest bucket
+        workers=opts.tf_workers if c.backend in MULTI_WORKER_BACKENDS else 1,
+        worker_rank=opts.tf_worker_rank if c.backend in MULTI_WORKER_BACKENDS else 0,
+    )
+
+
+def decide(
+    facts: Facts,
+    opts: Options,
+    env: Mapping[str, str],
+    prober: Prober,
+    clock: Callable[[], float] = time.monotonic,
+    progress: ProgressLine | None = None,
+    startup_check: bool = False,
+    max_rounds: int = MAX_ROUNDS,
+    known: Mapping[str, ProbeResult] | None = None,
+    *,
+    cross_node: bool = False,
+) -> Decision:
+    """Plan, probing as needed (at most ``max_rounds`` probes).
+
+    The probe budget is one deadline for the whole decision; each probe also has its own.
+    ``known``: results that override the cache's (a supervisor's mid-run failures).
+    ``progress`` hears each probe start and end (the one hook for what a user sees meanwhile).
+    ``startup_check`` (real probes only: a simulation has no start-up to measure) warns when the
+    timeout is below what a probe needs to start here, and calls a probe it cut short so.
+    ``cross_node``: ``prober`` proves candidates across every node (:mod:`.multinode`).
+    """
+    multi_node = opts.framework == "torch" and opts.nodes > 1
+    # Multi-node: a node's cache cannot speak for the links between nodes; without a prober
+    # that spans the nodes (cross_node), no probe on one node may sway the choice either. The
+    # same holds for the workers of a TF_CONFIG job (their probes span the workers themselves).
+    cache = DecisionCache(opts.cache_dir, opts.cache_ttl_s) \
+        if opts.cache_dir and not multi_node and not opts.multi_worker else None
+    fingerprint = facts.fingerprint()
+    results: dict[str, ProbeResult] = {}
+    notes: list[Event] = []
+    fault = env.get(FAULT_VAR, "").strip()
+    if cache is not None and fault:  # a rehearsal must never change a later real decision
+        cache = None
+        notes.append(Note("fault_injection", f"Fault injection is on ({FAULT_VAR}={fault}): the "
+                          "cache is neither read nor written."))
+    if cache is not None and opts.probe != "force" and cache.usable():
+        # "never" still learns from the cache, failures seen once included: nothing re-proves
+        trusted, notes_ = _trusted(cache.entries(fingerprint), opts.probe != "never")
+        results.update(_still_valid(trusted, opts.timeout_s))
+        notes += notes_
+    cached_keys = set(results)
+    results.update(known or {})
+    startup = startup_floor(opts.framework, results)
+    warned = False
+    deadline = clock() + opts.budget_s
+    fresh: dict[str, ProbeResult] = {}
+    p = plan(facts, opts.rules, results, opts)
+    for _ in range(max_rounds):
+        if (p.next_probe is None or opts.probe == "never" or opts.dry_run
+                or (multi_node and not cross_node)):
+            break
+        c = p.next_probe
+        if c.key in results:  # cannot happen with a sound planner; never loop on it
+            raise ResilientStrategyError(f"planner asked to probe {c.key} twice")
+        left = deadline - clock()
+        timeout_s = min(opts.timeout_s, left)
+        if startup_check and not warned:
+            warned = True
+            short = short_timeout_warning(opts.timeout_s, startup, opts.framework)
+            if short:
+                log.warning("resilient_strategy: %s", short)
+        if progress is not None:
+            progress.start(c, timeout_s)
+        if left <= 1.0:
+            res = ProbeResult(c.key, ERROR, 0.0, "budget",
+                              f"the probe budget of {opts.budget_s:g} s is spent")
+        else:
+            res = prober(spec_for(c, opts, timeout_s), env)
+            if startup_check:
+                res = reclassify_short_timeout(res, timeout_s, startup, opts.framework)
+        if progress is not None:
+            progress.end(res)
+        results[c.key] = res
+        # never probed, or cut short before it could start: nothing learned about the machine
+        if res.cause not in ("budget", "timeout_short"):
+            fresh[c.key] = res
+        p = plan(facts, opts.rules, results, opts)
+    _close_fork_servers()  # probing is over (on an exception: idle exit or exit closes them)
+    if cache is not None and fresh:
+        cache.store(fingerprint, fresh)
+    proven = p.next_probe is None
+    if notes:  # what the cache was trusted with comes before the plan it shaped
+        p = replace(p, events=(*notes, *p.events))
+    if p.next_probe is not None:  # probing off, or a dry run: the next candidate, unproven
+        how = ("dry_run" if opts.dry_run else "multi_node" if multi_node and not cross_node
+               else "probing_off" if opts.probe == "never" else "rounds_spent")
+        p = replace(p, chosen=p.next_probe, next_probe=None,
+                    events=(*p.events, Chosen(p.next_probe, how, max_rounds=max_rounds)))
+    # "from the cache": nothing was probed now, and a cached result shaped this plan
+    used = {r.candidate.key for r in p.ranked} | {r.candidate.key for r in p.ruled_out}
+    return Decision(p, results, not fresh and bool(cached_keys & used), proven)
+
+
+def _close_fork_servers() -> None:
+    """Stop the probes' fork servers (:mod:`._forkserver`), if this decision started any."""
+    forkserver = sys.modules.get(f"{__package__}._forkserver")
+    if forkserver is not None:
+        forkserver.close_all()
+
+
+def _trusted(
+    entries: Mapping[str, CachedResult], reprove: bool
+) -> tuple[dict[str, ProbeResult], list[Event]]:
+    """The cached results to plan with, and an event per cached failure saying whether it is
+    trusted or probed again. A failure seen in one run only may have been an overloaded machine
+    (a timeout under load): with ``reprove`` it is left out, so its candidate is probed again
+    before anything slower is chosen because of it; seen in two runs in a row, it is trusted."""
+    out: dict[str, ProbeResult] = {}
+    events: list[Event] = []
+    for key, e in sorted(entries.items()):
+        if e.result.ok:
+            out[key] = e.result
+            continue
+        trusted = e.seen >= 2 or not reprove
+        if trusted:
+            out[key] = e.result
+        events.append(CachedFailure(key, e.result.status, e.seen, trusted))
+    return out, events
+
+
+def _still_valid(results: Mapping[str, ProbeResult], timeout_s: float) -> dict[str, ProbeResult]:
+    """Cached results that still hold for this run: a hang remembered from a shorter timeout
+    than this run's (its elapsed time is the timeout it had) may just have been too impatient.
+    A hang judged from the workers' progress (stuck in a collective) holds whatever the timeout."""
+    return {
+        k: r for k, r in results.items()
+        if judged_hang(r) or not (r.status == TIMEOUT and r.elapsed_s < 0.95 * timeout_s)
+    }
+
+
+def _visible_devices_value(facts: Facts, c: Candidate) -> str:
+    """CUDA_VISIBLE_DEVICES naming exactly the chosen GPUs, by UUID where known."""
+    by_index = {g.index: g for g in facts.gpus}
+    return ",".join(
+        by_index[d].uuid or str(by_index[d].physical_index) for d in c.devices if d in by_index
+    )
+
+
+def _env_to_set(facts: Facts, c: Candidate, opts: Options, env: Mapping[str, str]) -> dict[str, str]:
+    wanted = dict(c.env)
+    if (
+        c.framework == "tensorflow"
+        and c.devices
+        and len(c.devices) < len(facts.gpus)
+        and "CUDA_VISIBLE_DEVICES" not in env
+    ):
+        # TF takes memory on every visible GPU; show it only the chosen ones.
+        wanted["CUDA_VISIBLE_DEVICES"] = _visible_devices_value(facts, c)
+    return {k: v for k, v in wanted.items() if k not in env}
+
+
+#: Parameters of resilient_strategy() that say what to decide on, not how: not options.
+_NOT_OPTIONS = frozenset({"env", "facts", "_prober", "_clock"})
+
+
+def resilient_strategy(
+    framework: str | None = None,
+    *,
+    global_batch_size: int | None = None,
+    devices: Sequence[int] | None = None,
+    probe: str | bool | None = None,
+    timeout: float | None = None,
+    prefer: str | None = None,
+    dry_run: bool = False,
+    model: Any = None,
+    gradient_bytes: int | None = None,
+    sample_seconds: float | None = None,
+    max_per_replica_batch: int | None = None,
+    rules: Sequence[str | Path | Rule] = (),
+    disable_rules: Sequence[str] = (),
+    cache: bool = True,
+    cache_dir: str | Path | None = None,
+    cache_ttl: float | None = None,
+    precision: str = "auto",
+    process_group_timeout: float | None = None,
+    env: Mapping[str, str] | None = None,
+    facts: Facts | None = None,
+    logical_cpus: int = 0,
+    quiet: bool | None = None,
+    _prober: Prober | None = None,
+    _clock: Callable[[], float] | None = None,
+) -> Selection:
+    """Find the best distributed strategy that works here and return a Selection to train with.
+
+    Args:
+        framework: "torch" or "tensorflow"; None picks the one imported or installed.
+        global_batch_size: samples per optimizer step; kept exact on every fallback.
+        devices: GPU indices (as the job sees them) to consider; default all visible.
+        probe: "auto" (probe unless cached), "force" (re-probe), "never" (trust the plan).
+        timeout: seconds per probe (default 30; the whole decision is bounded by 4x this).
+        prefer: a backend to try first when it works.
+        dry_run: decide without probing, setting variables or building anything.
+        model / gradient_bytes / sample_seconds: what is known of the model, for speed ranking.
+        rules / disable_rules: extra rule files (or Rule values) and rule ids to switch off.
+        cache / cache_dir / cache_ttl: the decision cache (default ~/.cache/resilient_strategy).
+        env: the environment to decide on (default os.environ; nothing is ever overwritten).
+        facts: decide for described facts instead of inspecting this machine.
+        logical_cpus: TensorFlow on N logical CPU devices instead of GPUs (testing on CPU;
+            never cached).
+        process_group_timeout: seconds a training collective may wait for a peer before the
+            PyTorch process group fails (default 300).
+        quiet: True: no progress line per probe on stderr; False: one even when stderr is not a
+            terminal; None (default): one when stderr is a terminal (RESILIENT_STRATEGY_QUIET).
+    """
+    # Every option, as passed: options_from validates them (a new option is a parameter here
+    # and there, nothing in between). Taken first, while the parameters are the only locals.
+    options = {k: v for k, v in locals().items() if k not in _NOT_OPTIONS}
+    t0 = time.perf_counter()
+    snapshot = _env.snapshot(env)
+    if facts is None:
+        from ..machine.inspect import detect_facts
+
+        facts = detect_facts(snapshot)
+    _check_visibility(facts)
+    opts = options_from(facts, snapshot, **options)
+    prober = _prober or _default_prober
+    if getattr(prober, "simulated", False):  # outcomes from a description: say so everywhere
+        opts = replace(opts, simulated=True)
+    from ..records.handoff import load_decision
+
+    handed = None if opts.dry_run else load_decision(snapshot)
+    if handed is not None:  # a worker of `resilient-strategy run`: the decision is made
+        decision = _handed_decision(facts, opts, handed)
+    else:
+        decision = _agreed_decision(facts, opts, snapshot, prober, _clock or time.monotonic,
+                                    _progress_line(opts), startup_check=_prober is None)
+    p, results = decision.plan, decision.results
+    if p.chosen is None:
+        raise NoWorkingStrategyError(opts.framework, [_cause(r) for r in p.ruled_out])
+    chosen = p.chosen
+    to_set = _env_to_set(facts, chosen, opts, snapshot)
+    if opts.launch.multi_node:  # per-node values (the interface routing to the master)
+        from ..nodes.routes import node_values
+
+        to_set = node_values(to_set, snapshot)
+    _guard(facts, opts.framework, to_set)
+    # Decided on a described environment (env=): nothing of this process is changed.
+    applied = not opts.dry_run and env is None
+    if applied:
+        to_set = _env.apply(to_set)
+    p = replace(p, events=(FrameworkPicked(opts.framework, opts.framework_reason), *p.events))
+    sel = Selection(
+        candidate=chosen, plan=p, facts=facts, env=to_set, env_applied=applied, results=results,
+        from_cache=decision.from_cache, proven=decision.proven, launch=opts.launch,
+        process_group_timeout_s=opts.pg_timeout_s,
+        precision=opts.precision, logical_cpus=opts.logical_cpus, dry_run=opts.dry_run,
+        tf_workers=opts.tf_workers, tf_worker_rank=opts.tf_worker_rank,
+        decided_in_s=time.perf_counter() - t0,
+        advise=_advice(facts, opts, results, chosen), simulated=opts.simulated,
+        progress=None if handed is None else _reporter(handed, opts, chosen, snapshot),
+    )
+    for w in p.warnings:
+        log.warning("resilient_strategy: %s", w)
+    if opts.launch.rank == 0 and opts.tf_worker_rank == 0 and not opts.dry_run:
+        fell = fallback_warning(p, results, facts, opts, chosen)
+        if fell:
+            log.warning("resilient_strategy: %s", fell)
+    log.info("resilient_strategy: chose %s in %.2f s", chosen.label, sel.decided_in_s)
+    return sel
+
+
+def _cause(r: RuledOut) -> FailureCause:
+    """Why one candidate is out, for NoWorkingStrategyError."""
+    if r.result is not None:
+        return FailureCause(r.candidate.label, r.candidate.key, r.result.status, r.result.cause,
+                            r.reason)
+    return FailureCause(r.candidate.label, r.candidate.key, "ruled_out",
+                        r.rule or "global_batch_size", r.reason)
+
+
+def _progress_line(opts: Options) -> ProgressLine | None:
+    """The progress line, on the rank that probes, where wanted (never for a dry run)."""
+    import sys
+
+    if opts.dry_run or opts.launch.rank != 0 or opts.probe == "never":
+        return None
+    stream = sys.stderr
+    try:
+        terminal = bool(stream.isatty())
+    except (AttributeError, ValueError):
+        terminal = False
+    return ProgressLine(stream) if progress_wanted(opts.quiet, terminal) else None
+
+
+def _advice(
+    facts: Facts, opts: Options, results: Mapping[str, ProbeResult], chosen: Candidate
+) -> Callable[[int], str | None] | None:
+    """When the decision assumed a model size, a check of the real one (at ``prepare``)."""
+    if opts.gradient_bytes is not None or opts.dry_run:
+        return None
+
+    def advise(gradient_bytes: int) -> str | None:
+        if gradient_bytes <= 0:
+            return None
+        p = plan(facts, opts.rules, results, replace(opts, gradient_bytes=gradient_bytes))
+        better = p.chosen or p.next_probe
+        if better is None or better.key == chosen.key:
+            return None
+        est = {r.candidate.key: r.estimate.step_seconds for r in p.ranked}
+        then = f" (~{human_duration(est[chosen.key])})" if chosen.key in est else ""
+        return (
+            f"the model's gradients are {human_bytes(gradient_bytes)}; with that figure "
+            f"{better.label} (~{human_duration(est.get(better.key, 0.0))} per global batch"
+            f"{'' if p.chosen else ', once its probe passes'}) would beat the chosen "
+            f"{chosen.label}{then}. Pass gradient_bytes={gradient_bytes} (or model=) to "
+            "resilient_strategy() to let it choose by the real size."
+        )
+
+    return advise
+
+
+def _check_visibility(facts: Facts) -> None:
+    from ..machine.visible import visible_problem
+
+    problem = visible_problem(facts.visibility, has_gpus=facts.nvml_error is None)
+    if problem:
+        raise InvalidVisibleDevicesError(facts.visibility.raw or "", problem)
+
+
+GPU_FRAMEWORKS = FRAMEWORKS
+
+
+def _guard(facts: Facts, framework: str, to_set: Mapping[str, str]) -> None:
+    from ..machine.guard import check_visible_devices_settable
+
+    if "CUDA_VISIBLE_DEVICES" in to_set:
+        # CUDA reads the variable once per process, whichever framework starts it first.
+        check_visible_devices_settable(
+            facts, GPU_FRAMEWORKS, to_set["CUDA_VISIBLE_DEVICES"], facts.visibility.raw
+        )
+    info = facts.framework(framework)
+    if info.imported and not info.gpu_initialized:
+        where = f" at {info.imported_at}" if info.imported_at else ""
+        log.info("resilient_strategy: %s was imported%s before the selection; it has not "
+                 "initialized GPUs yet, so that is fine", framework, where)
+
+
+def _default_prober(spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
+    from ..probing.prober import run_probe
+
+    return run_probe(spec, env)
+
+
+# --------------------------------------------------------------------------------------------
+# One decision per node under a launcher
+# --------------------------------------------------------------------------------------------
+def _agreed_decision(
+    facts: Facts, opts: Options, env: Mapping[str, str], prober: Prober,
+    clock: Callable[[], float], progress: ProgressLine | None = None,
+    startup_check: bool = False,
+) -> Decision:
+    """Under torchrun, local rank 0 decides (and probes); the other ranks wait for its results
+    and re-plan from them, so every rank reaches the same choice (no split brain)."""
+    launch = opts.launch
+    if opts.multi_worker and not opts.dry_run:
+        from ..nodes.tfworkers import decide_across_workers
+
+        p, results, proven = decide_across_workers(
+            facts, opts, env, prober, clock,
+            functools.partial(decide, progress=progress, startup_check=startup_check))
+        return Decision(p, results, False, proven)
+    if not launch.launched or opts.dry_run:
+        return decide(facts, opts, env, prober, clock, progress, startup_check)
+    if launch.multi_node and opts.framework == "torch":
+        from ..nodes.manynodes import agreed_decision
+
+        p, results, from_cache, proven = agreed_decision(
+            facts, opts, env, prober, clock,
+            functools.partial(decide, progress=progress, startup_check=startup_check))
+        return Decision(p, results, from_cache, proven)
+    from ..nodes.onenode import Agreement
+
+    agreement = Agreement.for_job(env, facts.fingerprint(), opts.cache_dir)
+    deadline_s = opts.budget_s + 60.0
+    if launch.local_rank == 0:
+        d = decide(facts, opts, env, prober, clock, progress, startup_check)
+        agreement.publish(
+            {"chosen": d.chosen.key if d.chosen else None,
+             "results": {k: v.to_dict() for k, v in d.results.items()},
+             "from_cache": d.from_cache, "proven": d.proven}
+        )
+        return d
+    payload = agreement.wait(deadline_s)
+    results = {k: ProbeResult.from_dict(v) for k, v in payload["results"].items()}
+    p = plan(facts, opts.rules, results, opts)
+    if p.next_probe is not None and not payload["proven"]:
+        p = replace(p, chosen=p.next_probe, next_probe=None)
+    mine = p.chosen.key if p.chosen else None
+    if mine != payload["chosen"]:
+        raise RanksDisagreeError(launch.rank, mine, payload["chosen"])
+    return Decision(p, results, bool(payload["from_cache"]), bool(payload["proven"]))
+
+
+# --------------------------------------------------------------------------------------------
+# A decision handed down by `resilient-strategy run`
+# --------------------------------------------------------------------------------------------
+def _handed_decision(facts: Facts, opts: Options, handed: HandedDecision) -> Decision:
+    """Re-plan from the supervisor's results (milliseconds, no probe) and take its candidate,
+    with this script's own batch and model figures: every rank agrees by construction."""
+    results = dict(handed.results)
+    p = plan(facts, opts.rules, results, opts)
+    found = [c for c in (*p.candidates, *([p.next_probe] if p.next_probe else []))
+             if c.key == handed.chosen]
+    if not found or opts.framework != handed.framework:
+        raise ResilientStrategyError(
+            f"`resilient-strategy run` chose {handed.chosen} ({handed.framework}), which this "
+            f"script's resilient_strategy(framework={opts.framework!r}, ...) cannot "
+            "train on here; pass --framework to `resilient-strategy run` to match the script")
+    # the batch split of the supervisor's plan (the job's per-device batch, accumulating on
+    # fewer replicas), not of this worker's own launch (one process trains it all at once)
+    chosen = resplit(found[0], opts, handed.reference_replicas)
+    # the worker's own plan may end in another choice or probe: the handed one replaces them
+    events = [e for e in p.events if not isinstance(e, (Chosen, NextProbe))]
+    events += [Note("multi_node", n) for n in handed.node_trace]
+    events += [Note("relaunched", n) for n in handed.notes]
+    events.append(Note("handed_down", (
+        f"Chose {chosen.label}: decided by `resilient-strategy run` before the workers started "
+        f"(launch attempt {handed.attempt + 1}).")))
+    p = replace(p, chosen=chosen, next_probe=None, events=tuple(events))
+    return Decision(p, results, handed.from_cache, handed.proven)
+
+
+def _reporter(handed: HandedDecision, opts: Options, chosen: Candidate,
+              env: Mapping[str, str]) -> TrainingReporter:
+    from ..records.handoff import reporter_for
+
+    # with several replicas the last micro-step's backward (torch) or the train step (Keras)
+    # reduces gradients across them: reported as a collective
+    return reporter_for(handed, opts.launch.rank, opts.launch.local_rank, chosen.backend,
+                        chosen.num_replicas, env)

@@ -1,0 +1,267 @@
+"""Checkpoints for PyTorch training that resume on another strategy without losing a step.
+
+``ckpt = sel.checkpoint(directory, every_steps=100)`` (before ``sel.prepare``) makes
+``prepare`` restore the last checkpoint, if there is one, and ``sel.step`` write one every
+``every_steps`` optimizer steps and/or ``every_seconds`` seconds: the model (unwrapped from DDP),
+the optimizer, the GradScaler, the sampler's epoch and position, the optimizer step count and the
+RNG states. Rank 0 alone writes, atomically (a temporary file renamed over the last one).
+
+The position is kept in *samples of the epoch's order*, not in batches of one rank: the training
+loader is sharded by a :class:`ResumableSampler`, which orders an epoch the same way for any
+number of replicas (DistributedSampler's seeded permutation) and gives optimizer step ``k`` the
+same set of samples whether it runs as 2 replicas x 128 or 1 replica x 2 micro-steps of 128. So
+after a relaunch with a different replica count the optimizer steps done before the checkpoint
+are not redone, none are skipped, and each remaining sample is seen once in the epoch.
+
+Call ``sel.set_epoch(epoch)`` at the start of each epoch and start the epoch loop at
+``ckpt.epoch``. torch is imported only inside methods.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import random
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from ..errors import InvalidOptionError
+
+FILE_NAME = "checkpoint.pt"
+FORMAT_VERSION = 1
+
+
+@functools.cache
+def resumable_sampler_class() -> type[Any]:
+    """:class:`ResumableSampler` (built on first use: it subclasses torch's DistributedSampler)."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
+        """DistributedSampler whose next epoch can start ``skip`` samples into the epoch's order
+        (:meth:`skip_next`), the same order for any ``num_replicas``."""
+
+        _skip = 0
+
+        def skip_next(self, samples: int) -> None:
+            self._skip = max(0, int(samples))
+
+        def _order(self) -> list[int]:
+            import torch
+
+            n = len(self.dataset)  # type: ignore[arg-type]
+            if self.shuffle:
+                g = torch.Generator()
+                g.manual_seed(self.seed + self.epoch)
+                indices: list[int] = torch.randperm(n, generator=g).tolist()
+            else:
+                indices = list(range(n))
+            if not self.drop_last:
+                pad = self.total_size - len(indices)
+                if pad > 0:
+                    reps = -(-pad // len(indices))
+                    indices += (indices * reps)[:pad]
+            return indices[: self.total_size]
+
+        def __iter__(self) -> Iterator[int]:
+            skip, self._skip = self._skip, 0
+            order = self._order()
+            return iter(order[skip + self.rank: self.total_size: self.num_replicas])
+
+        def __len__(self) -> int:
+            return len(range(self._skip + self.rank, self.total_size, self.num_replicas))
+
+    return ResumableSampler
+
+
+class Checkpointer:
+    """Writes and restores one training state (see the module docstring)."""
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if every_steps is None and every_seconds is None:
+            every_steps = 100
+        if every_steps is not None and (isinstance(every_steps, bool) or not isinstance(
+                every_steps, int) or every_steps < 1):
+            raise InvalidOptionError(f"every_steps must be a positive integer, not {every_steps!r}")
+        if every_seconds is not None and not (isinstance(every_seconds, (int, float))
+                                              and every_seconds > 0):
+            raise InvalidOptionError(f"every_seconds must be positive, not {every_seconds!r}")
+        self.directory = Path(directory)
+        self.every_steps = every_steps
+        self.every_seconds = None if every_seconds is None else float(every_seconds)
+        self.rank = rank
+        self.world_size = world_size
+        self._clock = clock
+        self._state = _State(saved_at=clock())
+
+    # ----- what the training loop reads ---------------------------------------------------------
+    @property
+    def path(self) -> Path:
+        return self.directory / FILE_NAME
+
+    @property
+    def epoch(self) -> int:
+        """The epoch to (re)start at: the restored checkpoint's, else 0."""
+        return self._state.epoch
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps taken so far, across relaunches."""
+        return self._state.optimizer_steps
+
+    @property
+    def restored_step(self) -> int | None:
+        """The optimizer step count of the checkpoint restored at prepare(), else None."""
+        return self._state.restored_step
+
+    # ----- hooks of TorchRuntime ---------------------------------------------------------------
+    def attach(self, model: Any, optimizer: Any, scaler: Any, sampler: Any,
+               micro_batch: int) -> None:
+        """What to save (prepare() calls it once, with the training loader's sampler)."""
+        s = self._state
+        s.model, s.optimizer, s.scaler, s.sampler, s.micro_batch = (
+            model, optimizer, scaler, sampler, micro_batch)
+        self.restore()
+
+    def set_epoch(self, epoch: int) -> None:
+        s = self._state
+        if s.resume_pending and epoch == s.epoch:
+            s.resume_pending = False  # the restored position holds for this epoch
+            return
+        s.resume_pending = False
+        s.epoch, s.samples_in_epoch = epoch, 0
+        if s.sampler is not None and hasattr(s.sampler, "skip_next"):
+            s.sampler.skip_next(0)
+
+    def micro_step(self, boundary: bool, stepped: bool) -> None:
+        """After each micro-step: count its samples; at an optimizer step, save when due."""
+        s = self._state
+        s.samples_in_epoch += s.micro_batch * self.world_size
+        if stepped:
+            s.optimizer_steps += 1
+        if not boundary:
+            return
+        due = (self.every_steps is not None and stepped
+               and s.optimizer_steps % self.every_steps == 0) or (
+            self.every_seconds is not None
+            and self._clock() - s.saved_at >= self.every_seconds)
+        if due:
+            self.save()
+
+    # ----- saving and restoring ----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        import torch
+
+        s = self._state
+        model = getattr(s.model, "module", s.model)
+        rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        return {
+            "version": FORMAT_VERSION,
+            "model": None if model is None else model.state_dict(),
+            "optimizer": None if s.optimizer is None else s.optimizer.state_dict(),
+            "scaler": None if s.scaler is None else s.scaler.state_dict(),
+            "epoch": s.epoch,
+            "samples_in_epoch": s.samples_in_epoch,
+            "optimizer_steps": s.optimizer_steps,
+            "world_size": self.world_size,
+            "rng": rng,
+        }
+
+    def save(self) -> bool:
+        """Write the checkpoint now (rank 0 only; other ranks return False)."""
+        self._state.saved_at = self._clock()
+        if self.rank != 0:
+            return False
+        import torch
+
+        from ..records.handoff import note_checkpoint
+
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=self.directory)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                torch.save(self.state_dict(), fh)
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        note_checkpoint(self._state.optimizer_steps, self.path)
+        return True
+
+    def restore(self) -> bool:
+        """Load the checkpoint into what was attached, if one exists; True when it did."""
+        if not self.path.exists():
+            return False
+        import torch
+
+        s = self._state
+        data = torch.load(self.path, map_location="cpu", weights_only=True)
+        if data.get("version") != FORMAT_VERSION:
+            raise InvalidOptionError(
+                f"{self.path} is not a checkpoint of this format (version {data.get('version')!r})")
+        model = getattr(s.model, "module", s.model)
+        if model is not None and data["model"] is not None:
+            model.load_state_dict(data["model"])
+        if s.optimizer is not None and data["optimizer"] is not None:
+            s.optimizer.load_state_dict(data["optimizer"])
+        if s.scaler is not None and data["scaler"] is not None:
+            s.scaler.load_state_dict(data["scaler"])
+        rng = data.get("rng") or {}
+        if "torch" in rng:
+            torch.set_rng_state(rng["torch"])
+        if "python" in rng:
+            random.setstate(_as_random_state(rng["python"]))
+        if "cuda" in rng and torch.cuda.is_available():
+            with contextlib.suppress(RuntimeError, IndexError):
+                torch.cuda.set_rng_state_all(rng["cuda"])
+        s.epoch = int(data["epoch"])
+        s.samples_in_epoch = int(data["samples_in_epoch"])
+        s.optimizer_steps = int(data["optimizer_steps"])
+        s.restored_step = s.optimizer_steps
+        s.resume_pending = True
+        if s.sampler is not None:
+            s.sampler.set_epoch(s.epoch)
+            if hasattr(s.sampler, "skip_next"):
+                s.sampler.skip_next(s.samples_in_epoch)
+        return True
+
+
+def _as_random_state(state: Any) -> Any:
+    """random.setstate wants tuples; a round trip may have made lists of them."""
+    if isinstance(state, list):
+        return tuple(_as_random_state(x) for x in state)
+    if isinstance(state, tuple):
+        return tuple(_as_random_state(x) for x in state)
+    return state
+
+
+class _State:
+    """The checkpointer's mutable state (one place)."""
+
+    def __init__(self, saved_at: float) -> None:
+        self.model: Any = None
+        self.optimizer: Any = None
+        self.scaler: Any = None
+        self.sampler: Any = None
+        self.micro_batch = 0
+        self.epoch = 0
+        self.samples_in_epoch = 0
+        self.optimizer_steps = 0
+        self.restored_step: int | None = None
+        self.resume_pending = False
+        self.saved_at = saved_at

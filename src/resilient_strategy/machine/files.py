@@ -1,0 +1,293 @@
+"""Every file this package reads or writes goes through here: private directories, bounded and
+checked reads, atomic writes, and sweeping what a killed run left behind.
+
+Trust: a directory this package keeps state in (the decision cache, the agreement between local
+ranks) must be this user's own: a directory, owned by the effective uid, not writable by group or
+others. One that does not exist is created with mode 0700 (its missing parents too). A symlink is
+followed only when this user owns it and its target passes the same checks. A file read from such a
+directory (``owned=True``) is opened with ``O_NOFOLLOW`` and must be a regular file owned by this
+user and not writable by group or others. Files the user names (rules, ``--simulate`` machine
+files) may be anyone's, but must be regular files (a FIFO would block the reader forever).
+
+Bounds: every read stops at a byte limit, and JSON or TOML nested deeper than :data:`MAX_DEPTH`
+is refused, so a hostile or broken file costs a bounded amount of memory and time and ends in a
+typed error (:class:`~resilient_strategy.errors.UnsafePathError`,
+:class:`~resilient_strategy.errors.FileFormatError`), never a ``RecursionError`` or
+``MemoryError`` from deep inside.
+
+Writes: to a temporary file in the destination's directory (mode 0600), flushed and fsynced, then
+renamed over the destination, so a reader sees the old file, no file, or the whole new one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import shutil
+import stat
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ..core.bounded import (
+    MAX_DEPTH,
+    MAX_MACHINE_BYTES,
+    MAX_RULES_BYTES,
+    NOT_REGULAR,
+    check_depth,
+    parse_json,
+    parse_toml,
+    read_user_file,
+)
+from ..errors import FileFormatError, UnsafePathError
+
+__all__ = ["MAX_DEPTH", "MAX_MACHINE_BYTES", "MAX_RULES_BYTES", "NOT_REGULAR", "check_depth",
+           "parse_json", "parse_toml", "read_user_file"]  # re-exported from ._bounded
+
+log = logging.getLogger("resilient_strategy")
+
+#: Byte limits per kind of file: far above what an honest file holds, far below a memory problem.
+MAX_CACHE_BYTES = 8 << 20
+MAX_AGREEMENT_BYTES = 8 << 20
+MAX_REPORT_BYTES = 1 << 20
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_warned: set[str] = set()
+
+
+def _euid() -> int:
+    return os.geteuid() if hasattr(os, "geteuid") else -1
+
+
+def warn_once(key: str, message: str) -> None:
+    """Log ``message`` as a warning the first time ``key`` is seen in this process."""
+    if key not in _warned:
+        _warned.add(key)
+        log.warning("resilient_strategy: %s", message)
+
+
+# --------------------------------------------------------------------------------------------
+# Directories
+# --------------------------------------------------------------------------------------------
+def ensure_private_dir(path: Path, *, fix: str = "") -> Path:
+    """``path`` as a directory of this user's own, created with mode 0700 (and its missing parents)
+    when absent. Raises UnsafePathError when it exists but is not safely ours, OSError when it
+    cannot be created."""
+    path = Path(path)
+    missing: list[Path] = []
+    p = path
+    while not os.path.lexists(p) and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:  # another process made it meanwhile: checked below
+            continue
+        with contextlib.suppress(OSError):  # the umask may have taken bits away: ours to set
+            os.chmod(d, 0o700)
+    check_private_dir(path, fix=fix)
+    return path
+
+
+def check_private_dir(path: Path, *, fix: str = "") -> None:
+    """Raise UnsafePathError unless ``path`` is a directory owned by this user and not writable by
+    group or others (a symlink only when this user owns it and its target passes too)."""
+    if sys.platform == "win32":  # pragma: no cover - no POSIX owners
+        return
+    where = str(path)
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        if st.st_uid != _euid():
+            raise UnsafePathError(
+                where, f"is a symbolic link owned by uid {st.st_uid}, not by this user "
+                f"(uid {_euid()})", fix or _fix_dir(where))
+        st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafePathError(where, "is not a directory", fix or _fix_dir(where))
+    if st.st_uid != _euid():
+        raise UnsafePathError(
+            where, f"is owned by uid {st.st_uid}, not by this user (uid {_euid()}), so what it "
+            "holds cannot be trusted", fix or _fix_dir(where))
+    if st.st_mode & 0o022:
+        raise UnsafePathError(
+            where, f"is writable by {'others' if st.st_mode & 0o002 else 'its group'} (mode "
+            f"{stat.S_IMODE(st.st_mode):o}), so another user could plant files in it",
+            fix or f"Run `chmod go-w {where}`, or {_OTHER_DIR}")
+
+
+_OTHER_DIR = "point RESILIENT_STRATEGY_CACHE_DIR (or cache_dir=) at a directory of your own"
+
+
+def _fix_dir(where: str) -> str:
+    return f"Remove or rename {where}, or {_OTHER_DIR}."
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------
+def read_bytes(path: Path, *, max_bytes: int, owned: bool = True) -> bytes:
+    """The bytes of the regular file ``path``, at most ``max_bytes`` of them.
+
+    ``owned``: the file lives in one of this package's directories, so it must not be a symlink
+    and must be this user's own and not writable by group or others (else UnsafePathError).
+    Raises FileNotFoundError (an OSError) when absent, FileFormatError when larger than
+    ``max_bytes``, OSError when unreadable.
+    """
+    if not owned:
+        return read_user_file(path, max_bytes)
+    where = str(path)
+    flags = os.O_RDONLY | _CLOEXEC | _NONBLOCK | _NOFOLLOW
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK) and os.path.islink(path):
+            raise UnsafePathError(where, "is a symbolic link", _fix_file(where)) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePathError(where, NOT_REGULAR, _fix_file(where))
+        if sys.platform != "win32":
+            if st.st_uid != _euid():
+                raise UnsafePathError(
+                    where, f"is owned by uid {st.st_uid}, not by this user (uid {_euid()})",
+                    _fix_file(where))
+            if st.st_mode & 0o022:
+                raise UnsafePathError(
+                    where, f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})",
+                    _fix_file(where))
+        if st.st_size > max_bytes:
+            raise FileFormatError(where, f"is {st.st_size} bytes, more than the {max_bytes} "
+                                  "this reader takes")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= max_bytes:
+            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > max_bytes:  # grew while read
+            raise FileFormatError(where, f"holds more than the {max_bytes} bytes this reader takes")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _fix_file(where: str) -> str:
+    return f"Remove {where} (this package did not write it); it is ignored meanwhile."
+
+
+def read_json(path: Path, *, max_bytes: int, owned: bool = True,
+              max_depth: int = MAX_DEPTH) -> Any:
+    """:func:`read_bytes` then :func:`parse_json`."""
+    return parse_json(read_bytes(path, max_bytes=max_bytes, owned=owned), str(path),
+                      max_depth=max_depth)
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------
+def write_json_atomic(path: Path, value: Any, *, indent: int | None = None,
+                      sort_keys: bool = False, allow_nan: bool = False,
+                      durable: bool = True) -> None:
+    """Write ``value`` as JSON to ``path`` atomically (temp file in the same directory, fsync,
+    rename). Raises ValueError/TypeError for what JSON cannot hold (before touching the disk),
+    OSError when the write fails; no temporary file is left either way. ``durable=False`` skips
+    the fsync: still atomic for every reader, only not kept through a power loss (for files that
+    matter only while this job runs: the agreement, probe reports)."""
+    text = json.dumps(value, indent=indent, sort_keys=sort_keys, allow_nan=allow_nan)
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            if durable:
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def open_lock(path: Path) -> int:
+    """A descriptor of the lock file ``path`` (created 0600, never through a symlink)."""
+    return os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o600)
+
+
+# --------------------------------------------------------------------------------------------
+# Temporary directories of this process, and sweeping those a killed run left
+# --------------------------------------------------------------------------------------------
+#: Prefixes of the temporary directories this package creates (``<prefix><pid>-<random>``).
+TEMP_PREFIXES = ("rs-probe-", "rs-proc-")
+#: A dead process's temporary directory is swept once it is this old (seconds since modified).
+SWEEP_AFTER_S = 600.0
+
+
+def temp_dir(prefix: str) -> tempfile.TemporaryDirectory[str]:
+    """A temporary directory named ``<prefix><pid>-...`` (mode 0700), so a later run can tell a
+    dead owner's leftovers apart from a live run's."""
+    return tempfile.TemporaryDirectory(prefix=f"{prefix}{os.getpid()}-",
+                                       ignore_cleanup_errors=True)
+
+
+def sweep_temp_dirs(
+    directory: str | None = None,
+    prefixes: tuple[str, ...] = TEMP_PREFIXES,
+    *,
+    min_age_s: float | None = None,
+    now: float | None = None,
+) -> list[str]:
+    """Remove temporary directories that a killed run of this package left in ``directory``
+    (default: the temp dir): only directories (never symlinks) owned by this user, named with a
+    prefix of ours and the pid of a process that no longer exists, unmodified for ``min_age_s``
+    (default :data:`SWEEP_AFTER_S`). Returns the removed paths. Never raises."""
+    directory = directory or tempfile.gettempdir()
+    min_age_s = SWEEP_AFTER_S if min_age_s is None else min_age_s
+    now = time.time() if now is None else now
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        prefix = next((p for p in prefixes if name.startswith(p)), None)
+        if prefix is None:
+            continue
+        pid_text = name[len(prefix):].partition("-")[0]
+        if not pid_text.isdigit():
+            continue
+        path = os.path.join(directory, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if (not stat.S_ISDIR(st.st_mode) or st.st_uid != _euid()
+                or now - st.st_mtime < min_age_s or _alive(int(pid_text))):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.lexists(path):
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # not a pid we wrote: leave it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):
+        return True
+    return True

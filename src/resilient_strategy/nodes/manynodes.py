@@ -1,0 +1,389 @@
+"""Multi-node jobs: prove the links between nodes, and agree through the launcher's own store.
+
+Under ``torchrun --nnodes N`` (``WORLD_SIZE > LOCAL_WORLD_SIZE``) local rank 0 of every node
+speaks for its node, and they meet in the job's TCPStore: torchrun's agent store at
+``MASTER_ADDR:MASTER_PORT`` (``TORCHELASTIC_USE_AGENT_STORE=True``: every process is a client),
+else the store that global rank 0 hosts there with ``multi_tenant=True`` (which
+``init_process_group`` later reuses in the same process). Our keys live under their own prefix
+with the restart count (``resilient_strategy/v1/<run id>/<restart>/``), apart from torch's own.
+
+The decider of node 0 plans; for each candidate the planner wants proven it opens a *round*:
+every node proves the candidate's local group (when it has more than one process), the nodes
+tell each other, and when every local group passed, one process per node joins a probe group
+spanning all nodes (through the same store) that runs the checked all-reduce, the bandwidth
+measurement and a DDP step, under the probe's deadline, with the backend and environment that
+node would use. Node 0 combines the nodes' results and plans on; when it has chosen, it
+publishes the decision and the results that justify it. Every other node re-plans from those
+results with its own facts, says whether its facts contradict the decision (a different GPU
+count, no GPU, a build that cannot run it), and node 0 publishes the verdict: the job trains,
+or every node stops with :class:`NodeMismatchError`. A node that stops answering ends the
+decision on every node with :class:`NodeLostError` within the deadlines; no decision file is
+shared between nodes (the ranks of one node still share theirs, :mod:`.agreement`).
+
+Remedies between nodes are measured, never guessed: after plain NCCL fails between nodes,
+NCCL with ``NCCL_SOCKET_IFNAME`` set to the interface that routes to the rendezvous host on each
+node (from the kernel's routing table, :func:`route_interface`; the value ``@route`` in a
+candidate stands for it, so every node keeps the same candidate key), then NCCL over sockets
+(``NCCL_IB_DISABLE=1 NCCL_NET=Socket``). A variable the user set is never overridden. When no
+backend works between the nodes, the planner's estimate picks a slower backend across all
+nodes, or node 0 alone with accumulation keeping the global batch (the other nodes exit 0).
+
+The mid-run relaunch across nodes belongs to the supervisor (``resilient-strategy run``):
+:func:`record_fault` / :func:`recorded_faults` are its hook: a node writes the fault it saw into
+the store, every node's supervisor reads it before relaunching.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from ..core.probe import ProbeResult, ProbeSpec
+from ..errors import MultiNodeError, NodeLostError, NodeMismatchError, ResilientStrategyError
+
+if TYPE_CHECKING:
+    from ..core.candidate import Candidate
+    from ..core.facts import Facts
+    from ..core.options import Options
+    from ..core.plan import Plan
+
+from .crossprobe import (
+    CrossProber,
+    Prober,
+    combine,
+    result_of,
+    run_cross_probe,
+    spec_from_dict,
+    spec_to_dict,
+)
+from .routes import node_values, remedy_rules, route_to_master
+from .store import Channel, Heartbeat, Job, first_line, open_store
+
+log = logging.getLogger("resilient_strategy")
+__all__ = ["MultiNodeError", "NodeLostError", "NodeMismatchError", "agreed_decision"]
+
+#: Slack on every wait between nodes, beyond the probe's own deadline (at least this many
+#: seconds, or half the probe timeout): the nodes start, import and time out a little apart.
+MARGIN_FLOOR_S = 10.0
+
+Decided = tuple["Plan", dict[str, ProbeResult], bool, bool]
+
+
+def node_summary(facts: Facts, framework: str, job: Job, env: Mapping[str, str]) -> dict[str, Any]:
+    """What a node tells the others about itself (shown in every node's trace)."""
+    info = facts.framework(framework)
+    iface, how = route_to_master(env)
+    return {
+        "node": job.node, "host": socket.gethostname(), "gpus": len(facts.gpus),
+        "gpu_names": sorted({g.name for g in facts.gpus}), "version": info.version,
+        "cuda": info.cuda, "nccl": info.nccl, "route": iface, "route_how": how,
+    }
+
+
+def contradictions(
+    facts: Facts, framework: str, chosen: Candidate | None, leader: Mapping[str, Any]
+) -> list[str]:
+    """Why this node cannot run ``chosen`` as node 0 decided it; [] when it can. Pure."""
+    if chosen is None or chosen.num_replicas <= 1:
+        return []  # nothing to run, or node 0 trains alone and this node exits
+    out: list[str] = []
+    info = facts.framework(framework)
+    if chosen.devices:
+        n = len(facts.gpus)
+        if n == 0:
+            out.append("this node sees no GPU")
+        elif n < len(chosen.devices):
+            out.append(f"this node sees {n} GPU(s); the decision uses {len(chosen.devices)} per node")
+        elif isinstance(leader.get("gpus"), int) and leader["gpus"] != n:
+            out.append(f"node 0 sees {leader['gpus']} GPU(s) and this node {n}: node 0's "
+                       "decision cannot speak for this node")
+        if not info.cuda:
+            out.append(f"{framework} {info.version or '?'} here is a CPU-only build")
+        elif chosen.backend == "nccl" and not info.nccl:
+            out.append(f"{framework} {info.version or '?'} here has no NCCL")
+    return out
+
+
+@dataclass
+class _Node:
+    """One node's local rank 0 during the decision."""
+
+    job: Job
+    channel: Channel
+    facts: Facts
+    opts: Options
+    env: Mapping[str, str]
+    local_prober: Prober
+    cross_prober: CrossProber
+    margin_s: float
+    summary: dict[str, Any] = field(default_factory=dict)
+    rounds: int = 0
+
+    def others(self) -> list[int]:
+        return [k for k in range(self.job.nodes) if k != self.job.node]
+
+    def lost_peer(self) -> str:
+        """Why the probe across nodes is pointless now (a node stopped beating), or ""."""
+        now = time.monotonic()
+        try:
+            lost = [k for k in self.others() if self.channel.stale(k, now)]
+        except (RuntimeError, OSError) as exc:
+            return f"the job's store stopped answering ({first_line(exc)})"
+        return f"node(s) {lost} stopped beating" if lost else ""
+
+    def run_round(self, n: int, spec: ProbeSpec) -> dict[str, Any]:
+        """This node's part of round ``n``: its local group, then the group across nodes."""
+        t0 = time.monotonic()
+        here = replace(spec, env=tuple(node_values(dict(spec.env), self.env).items()))
+        local = None
+        if self.job.local_world > 1 and spec.backend in ("nccl", "gloo"):
+            local = self.local_prober(replace(here, world_size=self.job.local_world), self.env)
+        mine_ok = local is None or local.ok
+        self.channel.put(f"r{n}/local/{self.job.node}", {"ok": mine_ok})
+        peers_ok = all(
+            self.channel.take(f"r{n}/local/{k}", spec.timeout_s + self.margin_s,
+                              f"node {k} did not finish its local probe of round {n}",
+                              who=k)["ok"]
+            for k in self.others()
+        )
+        cross = None
+        if mine_ok and peers_ok:
+            cross = self.cross_prober(here, self.env, self.job, f"{self.job.prefix}r{n}/pg/",
+                                      self.lost_peer)
+        out = {
+            "node": self.job.node, "local": local.to_dict() if local else None,
+            "cross": cross.to_dict() if cross else None, "route": self.summary.get("route"),
+            "elapsed_s": round(time.monotonic() - t0, 3),
+        }
+        self.channel.put(f"r{n}/result/{self.job.node}", out)
+        return out
+
+    # ----- node 0 ------------------------------------------------------------------------------
+    def lead(self, decide: Callable[..., Any], clock: Callable[[], float]) -> tuple[Decided, dict[str, Any]]:
+        join = 2 * self.margin_s  # the nodes start together (after torchrun's rendezvous)
+        nodes = {0: self.summary}
+        for k in self.others():
+            nodes[k] = self.channel.take(f"hello/{k}", join, f"node {k} did not join", who=k)
+
+        def across(spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
+            self.rounds += 1
+            n = self.rounds
+            self.channel.put(f"round/{n}", {"kind": "probe", "spec": spec_to_dict(spec)})
+            reports = [self.run_round(n, spec)] + [
+                self.channel.take(f"r{n}/result/{k}", spec.timeout_s + self.margin_s,
+                                  f"node {k} sent no result for its probe of {spec.candidate}",
+                                  who=k)
+                for k in self.others()
+            ]
+            return combine(spec, reports, self.job)
+
+        d = decide(self.facts, self.opts, self.env, across, clock, cross_node=True)
+        p, results, proven = d.plan, dict(d.results), bool(d.proven)
+        payload = {
+            "kind": "decision", "chosen": p.chosen.key if p.chosen else None,
+            "results": {k: v.to_dict() for k, v in results.items()}, "proven": proven,
+            "nodes": {str(k): v for k, v in nodes.items()},
+        }
+        self.channel.put(f"round/{self.rounds + 1}", payload)
+        bad: dict[int, str] = {}
+        for k in self.others():
+            try:
+                ack = self.channel.take(f"ack/{k}", self.margin_s, f"node {k} did not confirm",
+                                        who=k)
+            except NodeLostError as exc:
+                self.channel.put("verdict", {"ok": False, "node": k, "why": str(exc),
+                                             "lost": True})
+                raise
+            if not ack.get("ok"):
+                bad[k] = str(ack.get("why", ""))
+        self.channel.put("verdict", {"ok": not bad, "node": min(bad) if bad else None,
+                                     "why": "; ".join(f"node {k}: {w}" for k, w in bad.items())})
+        if bad:
+            raise NodeMismatchError(
+                "the nodes disagree, so no node trains: " + "; ".join(
+                    f"node {k}: {w}" for k, w in sorted(bad.items())))
+        return (p, results, False, proven), payload
+
+    def abort(self, why: str) -> None:
+        """Node 0 failed: tell the others now rather than let them wait out their deadlines."""
+        with contextlib.suppress(MultiNodeError, RuntimeError, OSError):
+            if self.channel.store.check([self.channel.prefix + "verdict"]):
+                return  # the others already have the verdict (a mismatch, or a lost node)
+            self.channel.put(f"round/{self.rounds + 1}", {"kind": "abort", "why": why})
+            self.channel.put("verdict", {"ok": False, "node": 0, "why": why, "lost": True})
+
+    # ----- every other node --------------------------------------------------------------------
+    def follow(self) -> tuple[Decided, dict[str, Any]]:
+        wait = self.opts.timeout_s + 2 * self.margin_s
+        for n in range(1, 64):
+            msg = self.channel.take(f"round/{n}", wait + (self.opts.timeout_s if n == 1 else 0),
+                                    "node 0 sent neither a probe nor its decision", who=0)
+            if msg.get("kind") == "probe":
+                self.run_round(n, spec_from_dict(msg.get("spec", {})))
+                continue
+            if msg.get("kind") == "abort":
+                raise MultiNodeError(f"node 0 stopped the decision: {msg.get('why', '')}")
+            return self.accept(msg), msg
+        raise MultiNodeError("node 0 asked for more probes than a decision can need")
+
+    def accept(self, payload: Mapping[str, Any]) -> Decided:
+        results = _results(payload)
+        proven = bool(payload.get("proven"))
+        p = _replan(self.facts, self.opts, results, proven)
+        leader = payload.get("nodes", {}).get("0", {}) if isinstance(payload.get("nodes"), dict) \
+            else {}
+        problems = contradictions(self.facts, self.opts.framework, p.chosen, leader)
+        mine = p.chosen.key if p.chosen else None
+        if mine != payload.get("chosen") and not problems:
+            problems.append(f"from node 0's results this node plans {mine}, not node 0's "
+                            f"{payload.get('chosen')}: the nodes see different machines or options")
+        self.channel.put(f"ack/{self.job.node}", {"ok": not problems, "why": "; ".join(problems)})
+        verdict = self.channel.take("verdict", 2 * self.margin_s, "node 0 gave no verdict",
+                                    who=0)
+        if problems:
+            raise NodeMismatchError(
+                f"node {self.job.node} cannot run node 0's decision ({payload.get('chosen')}): "
+                + "; ".join(problems) + ". Every node stops.")
+        if not verdict.get("ok"):
+            kind = NodeLostError if verdict.get("lost") else NodeMismatchError
+            raise kind(f"no node trains: {verdict.get('why', '')}")
+        return p, results, False, proven
+
+
+def _results(payload: Mapping[str, Any]) -> dict[str, ProbeResult]:
+    raw = payload.get("results", {})
+    if not isinstance(raw, dict):
+        raise MultiNodeError("node 0's decision has no readable results")
+    return {str(k): r for k, v in raw.items() if (r := result_of(v)) is not None}
+
+
+def _replan(facts: Facts, opts: Options, results: Mapping[str, ProbeResult], proven: bool) -> Plan:
+    from ..core.plan import plan
+
+    p = plan(facts, opts.rules, results, opts)
+    if p.next_probe is not None and not proven:
+        p = replace(p, chosen=p.next_probe, next_probe=None)
+    return p
+
+
+def multinode_options(opts: Options, facts: Facts) -> Options:
+    """``opts`` with the remedies between nodes (only where NCCL could run: a GPU build)."""
+    if not facts.gpus or not facts.framework(opts.framework).cuda:
+        return opts
+    return replace(opts, rules=(*opts.rules, *remedy_rules()))
+
+
+def trace_lines(job: Job, payload: Mapping[str, Any], p: Plan) -> list[str]:
+    """What every node's trace says about the decision between nodes."""
+    lines = [f"Node {job.node} of {job.nodes}: the nodes agreed through the job's store at "
+             f"{job.store_text}; node 0 decided, every node checked it against its own facts."]
+    nodes = payload.get("nodes", {})
+    if isinstance(nodes, dict):
+        for k in sorted(nodes, key=lambda x: int(x) if str(x).isdigit() else 0):
+            n = nodes[k]
+            if isinstance(n, dict):
+                lines.append(
+                    f"Node {k} ({n.get('host')}): {n.get('gpus')} GPU(s), torch {n.get('version')}"
+                    f"; route to the rendezvous host: {n.get('route') or 'none'} "
+                    f"({n.get('route_how')}).")
+    results = _results(payload)
+    across = [(k, r) for k, r in results.items() if ("nodes", str(job.nodes)) in r.extra]
+    if across:
+        lines.append(f"Probed across {job.nodes} nodes: " + "; ".join(
+            f"{k}: {'ok' if r.ok else r.status} ({r.why() if not r.ok else r.detail})"
+            for k, r in across) + ".")
+    elif payload.get("proven"):
+        lines.append(f"Nothing was probed across the {job.nodes} nodes (nothing needed it).")
+    else:
+        lines.append(f"Nothing was probed across the {job.nodes} nodes: the choice is UNPROVEN "
+                     "(probing is off).")
+    c = p.chosen
+    if c is not None and c.num_replicas == 1:
+        lines.append(
+            f"No backend was proven between the nodes that beats one node: node 0 trains alone "
+            f"on {c.label} with {c.accumulation_steps} accumulation step(s) keeping the global "
+            f"batch; the other nodes exit 0.")
+    elif c is not None:
+        lines.append(f"Chosen across all {job.nodes} nodes: {c.label}, {c.num_replicas} replicas.")
+    return lines
+
+
+def agreed_decision(
+    facts: Facts, opts: Options, env: Mapping[str, str], prober: Prober,
+    clock: Callable[[], float], decide: Callable[..., Any],
+    *, cross_prober: CrossProber = run_cross_probe,
+) -> Decided:
+    """The decision of a multi-node job, the same on every rank of every node (see the module's
+    docstring). ``decide``: the executor's, passed in (this module imports no executor)."""
+    job = Job.from_env(env)
+    if job is None:  # no store named: the nodes cannot talk, each plans from the rules alone
+        d = decide(facts, opts, env, prober, clock)
+        return d.plan, dict(d.results), bool(d.from_cache), bool(d.proven)
+    opts = multinode_options(opts, facts)
+    from .onenode import Agreement
+
+    local = Agreement.for_job(env, facts.fingerprint(), opts.cache_dir)
+    margin = max(MARGIN_FLOOR_S, opts.timeout_s / 2)
+    if opts.launch.local_rank != 0:
+        return _follow_local(facts, opts, local, opts.budget_s + 4 * opts.timeout_s + 6 * margin)
+    node: _Node | None = None
+    try:
+        store = open_store(job, opts.timeout_s + margin)
+        node = _Node(job, Channel(store, job.prefix), facts, opts, env, prober, cross_prober,
+                     margin)
+        node.summary = node_summary(facts, opts.framework, job, env)
+        with Heartbeat(open_store(job, opts.timeout_s + margin, client=True), job.prefix,
+                       job.node):
+            if job.node == 0:
+                decided, payload = node.lead(decide, clock)
+            else:
+                node.channel.put(f"hello/{job.node}", node.summary)
+                decided, payload = node.follow()
+    except ResilientStrategyError as exc:
+        if node is not None and job.node == 0:
+            node.abort(str(exc))
+        with contextlib.suppress(ResilientStrategyError):
+            local.publish({"chosen": None, "results": {}, "proven": False, "from_cache": False,
+                           "error": str(exc)})
+        raise
+    p, results, from_cache, proven = decided
+    lines = trace_lines(job, payload, p)
+    if job.node != 0 and p.chosen is not None and p.chosen.num_replicas == 1:
+        log.warning("resilient_strategy: node %d: no backend between the nodes beats node 0 "
+                    "alone, so node 0 trains alone (%s); this node's ranks exit 0 at scope() "
+                    "/ prepare().", job.node, p.chosen.label)
+    p = _with_notes(p, lines)
+    if job.local_world > 1:
+        local.publish({"chosen": p.chosen.key if p.chosen else None,
+                       "results": {k: v.to_dict() for k, v in results.items()},
+                       "from_cache": from_cache, "proven": proven, "multinode_trace": lines})
+    return p, results, from_cache, proven
+
+
+def _follow_local(facts: Facts, opts: Options, agreement: Any, timeout_s: float) -> Decided:
+    """A local rank other than 0: take the decision its node's local rank 0 published."""
+    payload = agreement.wait(timeout_s)
+    if payload.get("error"):
+        raise MultiNodeError(f"local rank 0 of this node stopped: {payload['error']}")
+    results = _results(payload)
+    proven = bool(payload.get("proven"))
+    p = _replan(facts, opts, results, proven)
+    if (p.chosen.key if p.chosen else None) != payload.get("chosen"):
+        raise MultiNodeError(
+            f"this rank planned {p.chosen.key if p.chosen else None} but local rank 0 chose "
+            f"{payload.get('chosen')}: pass the same arguments on every rank")
+    extra = payload.get("multinode_trace", [])
+    lines = [str(x) for x in extra] if isinstance(extra, list) else []
+    return _with_notes(p, lines), results, bool(payload.get("from_cache")), proven
+
+
+def _with_notes(p: Plan, lines: Sequence[str]) -> Plan:
+    """``p`` with ``lines`` added to its trace (as ``multi_node`` notes)."""
+    from ..core.trace import Note
+
+    return replace(p, events=(*p.events, *(Note("multi_node", line) for line in lines)))

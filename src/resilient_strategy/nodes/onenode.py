@@ -1,0 +1,309 @@
+"""One decision per node under a launcher: local rank 0 publishes, the others wait for it.
+
+The rendezvous is a JSON file, written atomically, whose name identifies this launch attempt: the
+launcher's process id and start time (every local rank shares the launcher as its parent; the
+start time tells a reused process id apart), TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT
+(torchrun --max-restarts starts the workers again under the same parent), MASTER_PORT, and the
+machine fingerprint. As a second guard, a waiting rank ignores a file published before it was
+started itself (less a few seconds of slack: the launcher starts its workers together), so a
+decision left by an earlier attempt is never taken for this one. The start time comes from
+``/proc/self/stat`` (field 22, in clock ticks after boot) plus the boot time in ``/proc/stat``;
+where /proc cannot tell, only the file name separates attempts.
+
+The directory is the cache directory, else (the cache is off, or its directory cannot be used:
+unwritable, another user's, open to others) a directory of this user's own:
+``$XDG_RUNTIME_DIR/resilient_strategy``, else ``<tempdir>/resilient_strategy-<uid>``. Either way
+it must be this user's own (:mod:`._files`): created 0700, and refused when another user owns it,
+when group or others can write to it, or when it is another user's symlink. The file must be a
+regular file of this user, opened without following symlinks; its payload is checked like a cache
+entry before any rank acts on it. Every local rank reaches the same directory by the same checks.
+
+Cleanup: each waiting rank marks that it has read the decision (``<file>.read-<local rank>``); the
+last of the ``LOCAL_WORLD_SIZE - 1`` readers removes the file and the marks. With one local rank
+nothing is written. Publishing also prunes agreement files older than a day (launches that died
+before every rank read). No framework is imported and no port is opened: the decision must be
+made before torch initializes anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import re
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeGuard
+
+from ..core.probe import ProbeResult
+from ..errors import FileFormatError, ResilientStrategyError, UnsafePathError
+from ..machine import files as _files
+
+log = logging.getLogger("resilient_strategy")
+
+#: A waiting rank accepts a decision published at most this long before it started itself.
+START_SLACK_S = 5.0
+#: Publishing removes agreement files older than this (they belong to long-finished launches).
+PRUNE_AFTER_S = 24 * 3600.0
+PROC = Path("/proc")
+
+
+class AgreementTimeoutError(ResilientStrategyError):
+    """Local rank 0 did not publish a decision in time."""
+
+
+@dataclass(frozen=True)
+class Agreement:
+    path: Path
+    #: This rank's local rank, and how many local ranks read the decision (LOCAL_WORLD_SIZE - 1,
+    #: else WORLD_SIZE - 1; None when unknown: the file is then left to the pruning by age).
+    local_rank: int = 0
+    readers: int | None = None
+
+    @classmethod
+    def for_job(
+        cls,
+        env: Mapping[str, str],
+        fingerprint: str,
+        directory: Path | None,
+        *,
+        ppid: int | None = None,
+        proc_root: Path = PROC,
+    ) -> Agreement:
+        """The agreement file of this launch attempt (``ppid``: the launcher, default our parent).
+
+        ``directory`` (the cache directory) is used when it is this user's own and can be
+        created; otherwise the per-user default, with a warning naming why.
+        """
+        ppid = os.getppid() if ppid is None else ppid
+        started = process_start_ticks(ppid, proc_root) or "na"
+        run = _name_part(env.get("TORCHELASTIC_RUN_ID", "none"))
+        restart = _name_part(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        port = _name_part(env.get("MASTER_PORT", "0"))
+        name = f"agree-{ppid}-{started}-{run}-{restart}-{port}-{_name_part(fingerprint)}.json"
+        where = default_dir(env)
+        if directory is not None:
+            try:
+                _files.ensure_private_dir(Path(directory))
+                where = Path(directory)
+            except (UnsafePathError, OSError) as exc:
+                _files.warn_once(
+                    f"agree-dir:{directory}",
+                    f"cannot share the decision between local ranks through {directory} ({exc}); "
+                    f"using {where} instead",
+                )
+        # torchrun sets LOCAL_WORLD_SIZE; without it the planner takes the job for one node
+        local = _int(env.get("LOCAL_WORLD_SIZE")) or _int(env.get("WORLD_SIZE"))
+        return cls(where / name, local_rank=_int(env.get("LOCAL_RANK")) or 0,
+                   readers=None if local is None else max(0, local - 1))
+
+    def publish(self, payload: Mapping[str, Any], now: float | None = None) -> None:
+        """Write the decision atomically (stamped ``published_at``) for the other local ranks;
+        nothing when no other local rank reads it."""
+        if self.readers == 0:
+            return
+        now = time.time() if now is None else now
+        self._prepare_directory()
+        try:
+            for mark in self._marks():  # left by an earlier attempt of the same name
+                mark.unlink()
+            _files.write_json_atomic(self.path, {**payload, "published_at": now}, durable=False)
+        except (OSError, ValueError, TypeError) as exc:
+            raise ResilientStrategyError(
+                f"cannot publish the decision for the other ranks at {self.path}: {exc}. "
+                f"{_ADVICE}"
+            ) from exc
+        self._prune(now)
+
+    def wait(
+        self,
+        timeout_s: float,
+        poll_s: float = 0.1,
+        *,
+        not_before: float | None = None,
+        proc_root: Path = PROC,
+    ) -> dict[str, Any]:
+        """The decision local rank 0 published for this launch, once it is there.
+
+        ``not_before``: ignore a decision published before this time (``time.time()`` seconds);
+        default: this process's start time less :data:`START_SLACK_S`, read from ``proc_root``
+        (no check when it cannot be read). Pass ``-math.inf`` to accept any.
+        """
+        floor = not_before
+        if floor is None:
+            started = process_start_time(proc_root)
+            floor = -math.inf if started is None else started - START_SLACK_S
+        self._prepare_directory()
+        deadline = time.monotonic() + timeout_s
+        stale: float | None = None
+        problem = ""
+        while True:
+            data, problem = self._read()
+            if data is not None:
+                published = data.get("published_at")
+                if _is_number(published) and published >= floor:
+                    checked = _checked(data, self.path)
+                    self._mark_read()
+                    return checked
+                stale = published if _is_number(published) else math.nan
+            if time.monotonic() >= deadline:
+                seen = (
+                    f"; the only decision there was published at {stale} (epoch seconds), before "
+                    "this process started, by an earlier launch"
+                    if stale is not None else f"; the file there was refused: {problem}"
+                    if problem else ""
+                )
+                raise AgreementTimeoutError(
+                    f"local rank 0 published no decision within {timeout_s:g} s ({self.path})"
+                    f"{seen}; it may have crashed: see its log"
+                )
+            time.sleep(poll_s)
+
+    # ----- internals -------------------------------------------------------------------------
+    def _read(self) -> tuple[dict[str, Any] | None, str]:
+        """The file's JSON object; None while there is none (or none whole, or none of ours),
+        with why when the file there was refused."""
+        try:
+            data = _files.read_json(self.path, max_bytes=_files.MAX_AGREEMENT_BYTES)
+        except FileNotFoundError:
+            return None, ""
+        except UnsafePathError as exc:
+            if exc.problem == _files.NOT_REGULAR:  # rank 0 cannot replace it either
+                raise ResilientStrategyError(
+                    f"cannot read the decision of local rank 0: {exc}") from exc
+            # another user's file: rank 0's atomic replace will take its place
+            _files.warn_once(f"agree:{self.path}", str(exc))
+            return None, str(exc)
+        except FileFormatError as exc:  # not JSON, too large or too deep: wait for rank 0's file
+            return None, str(exc)
+        except OSError as exc:
+            raise ResilientStrategyError(
+                f"cannot read the decision of local rank 0 at {self.path}: {exc}. {_ADVICE}"
+            ) from exc
+        return (data, "") if isinstance(data, dict) else (None, "not a JSON object")
+
+    def _prepare_directory(self) -> None:
+        directory = self.path.parent
+        try:
+            _files.ensure_private_dir(directory, fix=f"Remove it, or {_WHERE}.")
+        except UnsafePathError as exc:
+            raise ResilientStrategyError(
+                f"the decision shared by the local ranks cannot be trusted there: {exc}"
+            ) from exc
+        except OSError as exc:
+            raise ResilientStrategyError(
+                f"cannot use {directory} for the decision shared by the local ranks: {exc}. "
+                f"{_ADVICE}"
+            ) from exc
+
+    def _marks(self) -> list[Path]:
+        return list(self.path.parent.glob(f"{self.path.name}.read-*"))
+
+    def _mark_read(self) -> None:
+        """Say that this rank has read the decision; the last reader removes file and marks."""
+        if self.readers is None:
+            return
+        try:
+            fd = _files.open_lock(self.path.with_name(f"{self.path.name}.read-{self.local_rank}"))
+            os.close(fd)
+            if len(self._marks()) >= self.readers:
+                for leftover in (self.path, *self._marks()):
+                    with contextlib.suppress(FileNotFoundError):
+                        leftover.unlink()
+        except OSError as exc:  # the file is pruned by age then
+            log.info("resilient_strategy: cannot clean up %s (%s)", self.path, exc)
+
+    def _prune(self, now: float) -> None:
+        """Remove agreement files (and their read marks) older than :data:`PRUNE_AFTER_S`."""
+        with contextlib.suppress(OSError):
+            for old in [*self.path.parent.glob("agree-*.json*"),
+                        *self.path.parent.glob(".tmp-*.json")]:
+                with contextlib.suppress(OSError):
+                    st = old.lstat()
+                    if (not old.name.startswith(self.path.name) and st.st_uid == os.geteuid()
+                            and now - st.st_mtime > PRUNE_AFTER_S):
+                        old.unlink()
+
+
+_WHERE = ("set XDG_RUNTIME_DIR, or turn the cache on with RESILIENT_STRATEGY_CACHE_DIR (or "
+          "cache_dir=) naming a directory of your own")
+_ADVICE = f"Make that directory writable, or {_WHERE}."
+
+
+def default_dir(env: Mapping[str, str]) -> Path:
+    """This user's directory for agreement files when no cache directory is given."""
+    if env.get("XDG_RUNTIME_DIR"):
+        return Path(env["XDG_RUNTIME_DIR"]) / "resilient_strategy"
+    return Path(tempfile.gettempdir()) / f"resilient_strategy-{os.getuid()}"
+
+
+def process_start_ticks(pid: int | str, proc_root: Path = PROC) -> str:
+    """Field 22 of ``/proc/<pid>/stat`` (start time, clock ticks after boot); "" when unreadable."""
+    try:
+        text = (proc_root / str(pid) / "stat").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+    # "pid (comm) state ...": comm may hold spaces and parentheses, so split after the last ")".
+    rest = text.rpartition(")")[2].split()
+    ticks = rest[19] if len(rest) > 19 else ""  # rest[0] is field 3
+    return ticks if ticks.isdigit() else ""
+
+
+def process_start_time(proc_root: Path = PROC, pid: int | str = "self") -> float | None:
+    """When a process started, in ``time.time()`` seconds (to about 1 s); None when unknown."""
+    ticks = process_start_ticks(pid, proc_root)
+    if not ticks:
+        return None
+    try:
+        boot = next(
+            float(line.split()[1])
+            for line in (proc_root / "stat").read_text(encoding="utf-8").splitlines()
+            if line.startswith("btime ")
+        )
+        hz = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return boot + int(ticks) / hz if hz > 0 else None
+
+
+def _name_part(value: str) -> str:
+    """A launcher value made safe for a file name."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", value)[:64] or "_"
+
+
+def _int(value: str | None) -> int | None:
+    try:
+        return int(value) if value else None
+    except ValueError:
+        return None
+
+
+def _is_number(value: Any) -> TypeGuard[float]:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+
+def _checked(data: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The payload, once every field a follower uses is what publish() writes (else a typed
+    error, never a raw KeyError or ValueError)."""
+    try:
+        results = data.get("results")
+        if not isinstance(results, dict):
+            raise ValueError("'results' is not an object")
+        for key, value in results.items():
+            if ProbeResult.from_dict(value).candidate != key:
+                raise ValueError(f"the result under {key!r} is another candidate's")
+        if "chosen" not in data or not (data["chosen"] is None or isinstance(data["chosen"], str)):
+            raise ValueError("'chosen' is not a candidate key")
+        for flag in ("from_cache", "proven"):
+            if not isinstance(data.get(flag), bool):
+                raise ValueError(f"{flag!r} is not true or false")
+    except ValueError as exc:
+        raise ResilientStrategyError(
+            f"local rank 0 published a decision this rank cannot read ({path}: {exc}); run the "
+            "same version of resilient_strategy on every rank"
+        ) from exc
+    return data

@@ -1,0 +1,220 @@
+"""A multi-node job and its store: this node's place in the job (:class:`Job`), the launcher's own
+TCPStore opened as client or host, a key/value :class:`Channel` with deadlines, the per-node
+:class:`Heartbeat`, and the fault records the supervisors of a ``run`` read before relaunching
+(:func:`record_fault` / :func:`recorded_faults`).
+
+Our keys live under their own prefix with the restart count (``resilient_strategy/v1/<run id>/
+<restart>/``), apart from torch's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from ..errors import MultiNodeError, NodeLostError
+
+if TYPE_CHECKING:
+    pass
+
+log = logging.getLogger("resilient_strategy")
+
+ROUTE = "@route"
+KEY_VERSION = "v1"
+
+MARGIN_FLOOR_S = 10.0
+#: Every node's decider beats this often; a node silent for HEARTBEAT_STALE_S is lost.
+HEARTBEAT_S = 0.5
+HEARTBEAT_STALE_S = 10.0
+
+@dataclass(frozen=True)
+class Job:
+    """This node's place in a multi-node launch, and where the job's store is."""
+
+    node: int
+    nodes: int
+    local_world: int
+    rank: int
+    master_addr: str
+    master_port: int
+    agent_store: bool  # torchrun's agent hosts the store; else global rank 0 hosts it
+    prefix: str
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Job | None:
+        """The job from torchrun's variables; None when they do not describe a multi-node job
+        with a store (then the nodes cannot talk, and plan from the rules alone)."""
+        try:
+            world = int(env.get("WORLD_SIZE", "1"))
+            local = int(env.get("LOCAL_WORLD_SIZE", "0") or 0)
+            rank = int(env.get("RANK", "0"))
+            port = int(env.get("MASTER_PORT", ""))
+        except ValueError:
+            return None
+        addr = env.get("MASTER_ADDR", "")
+        if not addr or not 0 < local < world or world % local or not 0 < port < 65536:
+            return None
+        try:
+            node = int(env.get("GROUP_RANK", str(rank // local)))
+        except ValueError:
+            node = rank // local
+        run = env.get("TORCHELASTIC_RUN_ID", "none")
+        restart = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return cls(
+            node=node, nodes=world // local, local_world=local, rank=rank, master_addr=addr,
+            master_port=port, agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            prefix=f"resilient_strategy/{KEY_VERSION}/{run}/{restart}/",
+        )
+
+    @property
+    def store_text(self) -> str:
+        who = "torchrun's agent store" if self.agent_store else "hosted by rank 0 (multi-tenant)"
+        return f"{self.master_addr}:{self.master_port} ({who}, keys under {self.prefix})"
+
+
+#: Stores this process hosts (non-agent launches): kept alive so that ``init_process_group``
+#: on the same port reuses the server (``multi_tenant=True``) instead of failing to bind.
+_HOSTED: list[Any] = []
+
+
+def open_store(job: Job, timeout_s: float, *, client: bool = False) -> Any:
+    """A TCPStore connection to the job's store (torch imported here, lazily); global rank 0
+    hosts it when torchrun's agent does not (unless ``client``)."""
+    try:
+        import importlib
+
+        dist: Any = importlib.import_module("torch.distributed")
+    except ImportError as exc:
+        raise MultiNodeError(f"a multi-node job needs torch.distributed to agree: {exc}") from exc
+    host = not job.agent_store and job.rank == 0 and not client
+    try:
+        store = dist.TCPStore(
+            job.master_addr, job.master_port, is_master=host,
+            timeout=timedelta(seconds=timeout_s), wait_for_workers=False, multi_tenant=host,
+        )
+    except (RuntimeError, OSError, ValueError) as exc:
+        raise NodeLostError(
+            f"node {job.node} cannot reach the job's store at {job.store_text} within "
+            f"{timeout_s:g} s: {first_line(exc)}", how="store"
+        ) from exc
+    if host:
+        _HOSTED.append(store)
+    return store
+
+
+class Channel:
+    """JSON objects under the job's key prefix, each read with its own deadline.
+
+    A wait for a node's answer also watches that node's heartbeat (:class:`Heartbeat`): a node
+    whose decider stopped beating for :data:`HEARTBEAT_STALE_S` is lost at once, not at the end
+    of the wait (a node merely busy in a hung probe still beats).
+    """
+
+    def __init__(self, store: Any, prefix: str, poll_s: float = 0.05) -> None:
+        self.store = store
+        self.prefix = prefix
+        self.poll_s = poll_s
+        self._beats: dict[int, tuple[int, float]] = {}  # node -> (last count, when it changed)
+
+    def put(self, key: str, value: Mapping[str, Any]) -> None:
+        try:
+            self.store.set(self.prefix + key, json.dumps(value, allow_nan=False))
+        except (RuntimeError, OSError) as exc:
+            raise NodeLostError(f"the job's store stopped answering: {first_line(exc)}",
+                                how="store") from exc
+
+    def take(self, key: str, timeout_s: float, missing: str, who: int | None = None
+             ) -> dict[str, Any]:
+        """The object at ``key`` once it is there; :class:`NodeLostError` after ``timeout_s``,
+        or as soon as node ``who`` (the one to write it) stops beating."""
+        full = self.prefix + key
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not self.store.check([full]):
+                now = time.monotonic()
+                if now >= deadline:
+                    raise NodeLostError(
+                        f"{missing} within {timeout_s:.3g} s; it may have died or hung: see its "
+                        "log", who)
+                if who is not None and self.stale(who, now):
+                    raise NodeLostError(
+                        f"{missing}: node {who} stopped beating (no heartbeat for "
+                        f"{HEARTBEAT_STALE_S:g} s): its processes died or froze", who,
+                        "heartbeat")
+                time.sleep(self.poll_s)
+            raw = self.store.get(full)
+        except (RuntimeError, OSError) as exc:
+            raise NodeLostError(
+                f"{missing}: the job's store stopped answering ({first_line(exc)}); the node "
+                "that hosts it may have died: see its log", how="store"
+            ) from exc
+        try:
+            data = json.loads(bytes(raw).decode("utf-8"))
+        except ValueError as exc:
+            raise MultiNodeError(f"unreadable value at {full!r} in the job's store: {exc}") from exc
+        if not isinstance(data, dict):
+            raise MultiNodeError(f"unreadable value at {full!r} in the job's store")
+        return data
+
+    def stale(self, node: int, now: float) -> bool:
+        """Whether ``node``'s heartbeat has not moved for :data:`HEARTBEAT_STALE_S`."""
+        count = int(self.store.add(f"{self.prefix}alive/{node}", 0))
+        last = self._beats.get(node)
+        if last is None or last[0] != count:
+            self._beats[node] = (count, now)
+            return False
+        return count > 0 and now - last[1] > HEARTBEAT_STALE_S  # 0: not started yet
+
+
+class Heartbeat:
+    """A daemon thread that counts up ``alive/<node>`` in the store while this node decides
+    (its own store connection: the deciding thread's may be busy)."""
+
+    def __init__(self, store: Any, prefix: str, node: int) -> None:
+        self._store, self._key = store, f"{prefix}alive/{node}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rs-heartbeat", daemon=True)
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(HEARTBEAT_S * 4)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._store.add(self._key, 1)
+            except (RuntimeError, OSError):
+                return  # the store is gone: the deciding thread finds out on its next call
+            self._stop.wait(HEARTBEAT_S)
+
+
+def record_fault(store: Any, job: Job, fault: Mapping[str, Any]) -> None:
+    """Supervisor hook: this node saw a backend fault mid-run; every node's supervisor reads it
+    (:func:`recorded_faults`), stops its workers and relaunches on the next candidate."""
+    Channel(store, job.prefix).put(f"fault/{job.node}", {**fault, "node": job.node})
+
+
+def recorded_faults(store: Any, job: Job) -> dict[int, dict[str, Any]]:
+    """The faults the nodes recorded (:func:`record_fault`), by node; never waits."""
+    out: dict[int, dict[str, Any]] = {}
+    ch = Channel(store, job.prefix)
+    for k in range(job.nodes):
+        with contextlib.suppress(RuntimeError, OSError):
+            if store.check([ch.prefix + f"fault/{k}"]):
+                out[k] = ch.take(f"fault/{k}", 1.0, f"node {k}'s fault record")
+    return out
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"

@@ -1,6 +1,0 @@
-"""Probe workers: run as ``python -m resilient_strategy.probes.<framework>_worker``.
-
-Each worker proves one candidate (checked all-reduce, bandwidth, one training step) and writes
-one JSON report; :mod:`resilient_strategy.prober` starts them, :func:`resilient_strategy.probe.
-parse_probe` reads what they left behind. Nothing here is imported by the library itself.
-"""

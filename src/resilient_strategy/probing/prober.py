@@ -1,0 +1,159 @@
+"""Run one probe for real: start the workers a spec needs, under its deadline, and parse them.
+
+The environment is the caller's snapshot; nothing here reads ``os.environ``. Workers run in a
+fresh temporary directory (``rs-probe-<pid>-*``), which also holds the torch rendezvous file (no
+TCP port to collide or leak) and the reports, and is removed afterwards, also when a SIGTERM
+ends this process meanwhile. The first probe of a process sweeps the directories a killed run
+of this user left (see :func:`._files.sweep_temp_dirs`).
+
+Probes run one at a time. Running independent candidates side by side would disturb each
+other's bandwidth figures (the ranking depends on them), and whether a hung NCCL kernel in one
+probe disturbs another on the same GPUs can only be measured on GPUs, which has not been done:
+until it is, nothing runs concurrently (a later probe saves its framework import through the
+fork server instead, see :mod:`._forkserver`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from ..core.probe import ERROR, ProbeResult, ProbeSpec, parse_probe
+from ..errors import InvalidOptionError
+from ..machine import files as _files
+from ..records.progress import StallPolicy
+from . import health
+from . import proc as _proc
+
+#: The directory that holds the ``resilient_strategy`` package, for the workers' PYTHONPATH.
+PACKAGE_ROOT = health.PACKAGE_ROOT
+#: Extra seconds on the workers' own collective timeout, so that the runner's deadline fires first.
+WORKER_TIMEOUT_MARGIN_S = 30.0
+
+
+def stall_policy(spec: ProbeSpec) -> StallPolicy:
+    """How a probe's hang is judged from its workers' progress (the spec's timeout stays the
+    outer bound). A probe's code never pauses between its records once the communicator is
+    ready, so a silent ready rank is stalled too (``quiet_s``)."""
+    policy = StallPolicy()
+    ranks = max(1, spec.world_size, len(spec.devices))
+    return StallPolicy(
+        # communicator set-up grows with the ranks (NCCL: bootstrap ring, topology, channels)
+        setup_grace_s=policy.setup_grace_s + 1.0 * ranks,
+        quiet_s=policy.arrive_grace_s + policy.collective_base_s,
+    )
+
+
+def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.executable) -> ProbeResult:
+    """Prove ``spec`` on this machine within ``spec.timeout_s``; never raises for a failed probe,
+    only :class:`~resilient_strategy.errors.GpuUnusableError` when a hung probe on GPUs, once
+    killed, left a GPU that no longer initializes or runs a kernel (see :mod:`.health`)."""
+    global _swept
+    if not _swept:  # what a killed run of ours left (its pid gone, untouched for a while)
+        _swept = True
+        _files.sweep_temp_dirs()
+    # a SIGTERM while the workers run removes this directory too, then terminates the process
+    with _proc.terminate_as_exception(), _files.temp_dir("rs-probe-") as tmp:
+        commands = build_commands(spec, env, tmp, python=python, parent_pid=os.getpid())
+        try:
+            # across TF workers the peers' progress is not seen here: the deadline alone
+            # judges (as between torch nodes), so both workers end a failed round alike
+            group = _proc.run_group(commands, spec.timeout_s,
+                                    stall_policy=stall_policy(spec) if spec.workers == 1
+                                    else None, spawn=_fork_spawner(spec, env, python))
+        except OSError as exc:
+            return ProbeResult(spec.candidate, ERROR, cause="worker_error",
+                               detail=f"could not start the probe worker {python!r}: {exc}")
+    result = parse_probe(spec, group.outcomes, group.elapsed_s, group.timed_out, group.stall)
+    health.check_after(spec, result, env, python=python)
+    return result
+
+
+def _fork_spawner(spec: ProbeSpec, env: Mapping[str, str], python: str) -> _proc.Spawn | None:
+    """Fork torch workers from a server that imported torch once (see :mod:`._forkserver`);
+    None for TensorFlow, or when switched off (``RESILIENT_STRATEGY_FORKSERVER=0``)."""
+    from . import forkserver as _forkserver
+
+    if spec.framework != "torch" or not _forkserver.enabled(env):
+        return None
+    # the server's own environment: no candidate variables, no fault (each child gets its own)
+    base = {k: v for k, v in worker_env(ProbeSpec("", spec.framework, "", ()), env).items()
+            if k != "RESILIENT_STRATEGY_PROBE_FAULT"}
+
+    def spawn(cmd: _proc.WorkerCommand, stdout: str, stderr: str) -> _proc.Proc:
+        argv = list(cmd.argv)
+        if argv[:2] != [python, "-m"]:
+            raise _forkserver.ForkServerError(f"not a module command: {argv[:3]}")
+        server = _forkserver.server_for(python, base)
+        return server.spawn(argv[2], argv[3:], cmd.env, cmd.cwd, stdout, stderr)
+
+    return spawn
+
+
+_swept = False
+
+
+def worker_env(spec: ProbeSpec, env: Mapping[str, str]) -> dict[str, str]:
+    """The workers' environment: ``env``, plus the candidate's variables where ``env`` lacks them,
+    plus this package on PYTHONPATH. Everything in ``env`` (NCCL_NVLS_ENABLE, ...) passes as is.
+    """
+    out = dict(env)
+    for name, value in spec.env:
+        out.setdefault(name, value)  # the caller never sends one the user set; if it did, theirs wins
+    existing = env.get("PYTHONPATH", "")
+    out["PYTHONPATH"] = os.pathsep.join([PACKAGE_ROOT, existing]) if existing else PACKAGE_ROOT
+    if spec.framework == "tensorflow":
+        out.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    return out
+
+
+def build_commands(
+    spec: ProbeSpec, env: Mapping[str, str], workdir: str, *, python: str, parent_pid: int
+) -> list[_proc.WorkerCommand]:
+    """The worker commands for ``spec``; ``workdir`` holds rendezvous and reports. Pure."""
+    wenv = worker_env(spec, env)
+    devices = ",".join(map(str, spec.devices))
+    common = ["--backend", spec.backend, "--message-bytes", str(spec.message_bytes),
+              "--parent-pid", str(parent_pid)]
+    if not spec.train_step:
+        common.append("--no-train-step")
+    if spec.check_bytes:
+        common += ["--check-bytes", ",".join(map(str, spec.check_bytes))]
+    work = Path(workdir)
+
+    # cwd is the temporary directory: ``-m`` puts cwd first on sys.path, where a stray
+    # torch.py or tensorflow/ in the user's directory would shadow the real package.
+    def command(module: str, rank: int, extra: list[str]) -> _proc.WorkerCommand:
+        report = str(work / f"report-{rank}.json")
+        progress = str(work / f"progress-{rank}")
+        argv = (python, "-m", f"resilient_strategy.probing.workers.{module}", *common, *extra,
+                "--report", report, "--progress", progress)
+        return _proc.WorkerCommand(argv=argv, env=wenv, cwd=workdir, report_path=report,
+                                   progress_path=progress)
+
+    if spec.framework == "torch":
+        world = max(1, spec.world_size)
+        if spec.devices and spec.backend in ("nccl", "gloo") and len(spec.devices) < world:
+            raise InvalidOptionError(
+                f"probe {spec.candidate}: {world} ranks need {world} devices, got {devices}")
+        init = (work / "rdzv").as_uri()
+        return [
+            command("torch_worker", rank, [
+                "--rank", str(rank), "--world-size", str(world), "--devices", devices,
+                "--init-method", init,
+                "--timeout", f"{spec.timeout_s + WORKER_TIMEOUT_MARGIN_S:g}",
+            ])
+            for rank in range(world)
+        ]
+    if spec.framework == "tensorflow":
+        where = ["--devices", devices]
+        if spec.logical_cpus:  # the devices are logical CPUs then
+            where += ["--logical-cpus", str(spec.logical_cpus)]
+        if spec.workers > 1:  # one process of a probe across the TF_CONFIG workers
+            where += ["--workers", str(spec.workers), "--worker-rank", str(spec.worker_rank),
+                      "--round-key", spec.candidate, "--budget", f"{spec.timeout_s:g}",
+                      "--collective-timeout", f"{spec.timeout_s + WORKER_TIMEOUT_MARGIN_S:g}"]
+        return [command("tf_worker", 0, where)]
+    raise InvalidOptionError(f"probe {spec.candidate}: unknown framework {spec.framework!r}")

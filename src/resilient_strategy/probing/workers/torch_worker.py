@@ -1,0 +1,314 @@
+"""Probe worker for PyTorch: one rank of a process group that proves a backend works.
+
+    python -m resilient_strategy.probing.workers.torch_worker --rank R --world-size W --backend B \\
+        [--devices 0,1] --init-method file:///tmp/x/rdzv --timeout S --message-bytes N \\
+        --report PATH [--no-train-step] [--parent-pid PID] [--store HOST:PORT --store-prefix P]
+
+``--store`` joins the group through an existing TCPStore (as a client, under the key prefix
+``--store-prefix``) instead of ``--init-method``: the cross-node probe of a multi-node job meets
+in the launcher's own store (see :mod:`resilient_strategy.nodes.manynodes`), opening no port of its own.
+
+Steps, each reported to the runner through ``--progress`` (see
+:mod:`resilient_strategy.records.progress`): started, torch imported, device ready, communicator setup
+and ready, then every collective by number. All-reduces checked exactly at the sizes DDP sends
+(4 KiB, 256 KiB: below the 512 KiB where some NCCL builds first fail, 1 MiB, DDP's 25 MiB
+bucket, ``--check-bytes`` such as the user's largest bucket), several iterations each, with
+contributions that change every iteration (a stale buffer shows); each rank contributes a
+distinct multiple of one integer pattern, so every sum is exact in float32 and any lost,
+doubled, misplaced or corrupted contribution shows. A NaN, a zero or any other wrong value is a
+failure with its own cause. The ``--message-bytes`` all-reduces are checked too and timed for a
+bus-bandwidth figure. Then one DDP step on a small MLP, after which the parameters must be
+bit-identical on every rank, and the time of a second step. Backends ``single_device`` and
+``cpu`` skip the process group and only time the step. The rank writes a JSON report to
+``--report`` in every case it survives, and exits 0 only when it is ``ok``.
+
+Fault injection, to test the runner or rehearse a failure: ``RESILIENT_STRATEGY_PROBE_FAULT`` =
+``<fault>:<rank>[:<backend>]`` with a fault of :data:`._common.FAULTS`: ``hang`` (sleeps before
+the first collective), ``hang_setup`` (inside communicator setup), ``hang_collective`` (inside
+collective 1), ``exit`` (exits 1 there, without a report), ``wrong`` / ``nan`` / ``zero``
+(corrupts its contribution or its result); a fourth field narrows it: ``plain`` (only a
+worker without a remedy's variables) or ``>=N`` (data faults only in all-reduces of N bytes or
+more): see :func:`._common.fault_for`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import math
+import os
+import time
+from collections.abc import Iterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+from ...records.progress import (
+    COMM_READY,
+    COMM_SETUP,
+    DEVICE_READY,
+    FINISHED,
+    IMPORTED,
+    ProgressWriter,
+)
+from .common import (
+    CHECK_ITERS,
+    PATTERN_MOD,
+    STEP_ALLOW_S,
+    ProbeFailure,
+    act_on_fault,
+    add_common_arguments,
+    check_sizes,
+    contribution,
+    corrupts,
+    expected_sum,
+    fault_for,
+    human,
+    mismatch_failure,
+    run_worker,
+    spread,
+)
+from .watchdog import watch_parent
+
+WARMUP, ITERS = 2, 10
+NEW_SIZE_ALLOW_S = 3.0  # the first all-reduce at each size, on top of the transfer
+PROCESS_GROUP_BACKENDS = ("nccl", "gloo")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m resilient_strategy.probing.workers.torch_worker")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--backend", required=True,
+                   choices=[*PROCESS_GROUP_BACKENDS, "single_device", "cpu"])
+    p.add_argument("--devices", default="", help="CUDA ordinals, one per rank; empty: CPU")
+    p.add_argument("--init-method", default="")
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--store", default="", help="HOST:PORT of a TCPStore to join as a client")
+    p.add_argument("--store-prefix", default="", help="key prefix in --store")
+    add_common_arguments(p)
+    return p.parse_args(argv)
+
+
+def probe(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    rank, world = args.rank, args.world_size
+    progress = ProgressWriter(args.progress)
+    fault = fault_for(rank, os.environ, args.backend)
+    import torch
+    import torch.distributed as dist
+
+    progress.phase(IMPORTED)
+    distributed = args.backend in PROCESS_GROUP_BACKENDS
+    if args.backend == "nccl" and not dist.is_nccl_available():
+        raise ProbeFailure("backend_unavailable",
+                           f"torch {torch.__version__} was built without NCCL")
+    device = _device(torch, args, rank)
+    progress.phase(DEVICE_READY)
+    if device.type == "cpu" and world > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as torchrun does
+    if distributed:
+        progress.phase(COMM_SETUP)
+        act_on_fault(fault, rank, "hang_setup")
+        _init(torch, dist, args, device)
+        progress.phase(COMM_READY)
+    act_on_fault(fault, rank)
+    parts = [f"{args.backend} x{world} on {device}"]
+    coll = _Collectives(torch, dist, device, rank, world, progress, fault)
+    if distributed:
+        sizes = check_sizes(args.check_bytes)
+        for nbytes in sizes:
+            coll.checked(nbytes, CHECK_ITERS)
+        parts.append(f"all-reduce exact at {len(sizes)} sizes "
+                     f"({human(min(sizes))}..{human(max(sizes))}) x{CHECK_ITERS}")
+        if world > 1:
+            per_op, noise = coll.checked(args.message_bytes, ITERS, warmup=WARMUP)
+            nbytes = _numel(args.message_bytes) * 4
+            gbps = nbytes / per_op * 2 * (world - 1) / world / 1e9
+            report.update(bus_bandwidth_gbps=round(gbps, 3), message_bytes=args.message_bytes,
+                          bandwidth_spread=round(noise, 3))
+            parts.append(f"{gbps:.2f} GB/s bus at {args.message_bytes / 2**20:g} MiB, exact")
+    if args.train_step:
+        seconds = _train_step(torch, device, coll if distributed else None)
+        report["step_seconds"] = round(seconds, 6)
+        parts.append(f"step {seconds * 1e3:.1f} ms")
+    progress.phase(FINISHED)  # teardown is not judged: the outer deadline bounds it
+    if distributed:
+        dist.destroy_process_group()
+    report["detail"] = "; ".join(parts)
+
+
+def _numel(nbytes: int) -> int:
+    return max(1, nbytes // 4)
+
+
+def _device(torch: Any, args: argparse.Namespace, rank: int) -> Any:
+    devices = [int(d) for d in args.devices.split(",") if d.strip()]
+    if not devices:
+        if args.backend == "nccl":
+            raise ProbeFailure("no_device", "the nccl backend needs one GPU per rank")
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise ProbeFailure("no_device", f"torch {torch.__version__} ({build}) sees no GPU")
+    index = devices[rank if args.backend in PROCESS_GROUP_BACKENDS else 0]
+    if index >= torch.cuda.device_count():
+        raise ProbeFailure("no_device",
+                           f"GPU {index} asked for, torch sees {torch.cuda.device_count()}")
+    torch.cuda.set_device(index)
+    torch.zeros(1, device=f"cuda:{index}")  # initialize the context now: "device ready"
+    return torch.device("cuda", index)
+
+
+def _init(torch: Any, dist: Any, args: argparse.Namespace, device: Any) -> None:
+    kwargs: dict[str, Any] = {
+        "backend": args.backend, "rank": args.rank,
+        "world_size": args.world_size, "timeout": timedelta(seconds=args.timeout),
+    }
+    if args.store:
+        host, _, port = args.store.rpartition(":")
+        client = dist.TCPStore(host.strip("[]"), int(port), is_master=False,
+                               timeout=timedelta(seconds=args.timeout), wait_for_workers=False)
+        kwargs["store"] = dist.PrefixStore(args.store_prefix, client)
+    else:
+        kwargs["init_method"] = args.init_method
+    if args.backend == "nccl" and "device_id" in inspect.signature(
+            dist.init_process_group).parameters:
+        kwargs["device_id"] = device  # creates the communicator now: errors surface at init
+    dist.init_process_group(**kwargs)
+
+
+def _sync(torch: Any, device: Any) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Collectives:
+    """Every collective of the probe, numbered and reported to the runner as it runs."""
+
+    def __init__(self, torch: Any, dist: Any, device: Any, rank: int, world: int,
+                 progress: ProgressWriter, fault: str) -> None:
+        self.torch, self.dist, self.device = torch, dist, device
+        self.rank, self.world, self.progress, self.fault = rank, world, progress, fault
+        self.k = 0
+
+    @contextlib.contextmanager
+    def region(self, nbytes: int, allow_s: float = 0.0) -> Iterator[None]:
+        """One numbered collective (or a step that runs them), synchronized before it ends."""
+        self.k += 1
+        self.progress.enter(self.k, nbytes, allow_s=allow_s)
+        if self.k == 1:
+            act_on_fault(self.fault, self.rank, "hang_collective")
+        yield
+        _sync(self.torch, self.device)
+        self.progress.leave(self.k, nbytes)
+
+    def checked(self, nbytes: int, iters: int, warmup: int = 0) -> tuple[float, float]:
+        """``warmup + iters`` all-reduces of ``nbytes``, each checked exactly; the mean seconds
+        of the timed ones (the all-reduce and its synchronization only)."""
+        torch, rank, world = self.torch, self.rank, self.world
+        numel = _numel(nbytes)
+        # integers 1..PATTERN_MOD: with the multipliers below every sum stays below 2**24
+        pattern = (torch.arange(numel, dtype=torch.int32) % PATTERN_MOD + 1).to(
+            torch.float32).to(self.device)
+        buf = torch.empty_like(pattern)
+        times: list[float] = []
+        # a data fault floored at N bytes (``wrong:1:nccl:>=N``) spares the smaller sizes
+        fault = self.fault if corrupts(self.fault, os.environ, numel * 4) else ""
+        for it in range(warmup + iters):
+            torch.mul(pattern, float(contribution(rank, world, it)), out=buf)
+            if fault == "wrong":
+                buf[numel // 2] += 1.0
+            elif fault == "nan":
+                buf[numel // 3] = float("nan")
+            _sync(torch, self.device)
+            t0 = time.perf_counter()
+            # NCCL connects lazily per algorithm: a new size may set up a new one (NVLS, tree)
+            with self.region(numel * 4, NEW_SIZE_ALLOW_S if it == 0 else 0.0):
+                self.dist.all_reduce(buf)
+            if it >= warmup:
+                times.append(time.perf_counter() - t0)
+            if fault == "zero":
+                buf[numel // 4: numel // 2] = 0.0
+            expected = pattern * float(expected_sum(world, it))
+            if not torch.equal(buf, expected):
+                _mismatch(torch, buf.cpu(), expected.cpu(), numel, world, it)
+        return sum(times) / max(1, len(times)), spread(times)
+
+
+def _mismatch(torch: Any, got: Any, expected: Any, numel: int, world: int, it: int) -> None:
+    bad = (got != expected).nonzero().flatten()
+    i = int(bad[0])
+    where = (f"all-reduce of {numel} float32 ({human(numel * 4)}) over {world} ranks, "
+             f"iteration {it + 1}: {len(bad)} values wrong, first at index {i}: "
+             f"{float(got[i])!r} instead of {float(expected[i])!r}")
+    nans = int(torch.isnan(got).sum())
+    zeros = int(((got == 0) & (expected != 0)).sum())
+    raise mismatch_failure(where, nans, zeros)
+
+
+def _train_step(torch: Any, device: Any, coll: _Collectives | None) -> float:
+    """One warm-up step, then the time of a second; with ``coll``, DDP and a parameter check."""
+    rank, world = (coll.rank, coll.world) if coll is not None else (0, 1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 16)
+    ).to(device)
+    nbytes = sum(p.numel() * 4 for p in model.parameters())
+    region = coll.region if coll is not None else _no_region
+    net = model
+    if coll is not None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        with region(nbytes, STEP_ALLOW_S):  # DDP broadcasts the parameters
+            net = DistributedDataParallel(
+                model, device_ids=[device.index] if device.type == "cuda" else None
+            )
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank + 1)
+    x = torch.randn(32, 64, generator=gen).to(device)
+    y = torch.randn(32, 16, generator=gen).to(device)
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(net(x), y)
+        loss.backward()
+        opt.step()
+        return float(loss.detach())  # waits for the device
+
+    with region(nbytes, STEP_ALLOW_S):  # the first step builds DDP's buckets
+        step()
+    t0 = time.perf_counter()
+    with region(nbytes):
+        loss = step()
+    _sync(torch, device)
+    seconds = time.perf_counter() - t0
+    if not math.isfinite(loss):
+        raise ProbeFailure("nan_result" if math.isnan(loss) else "wrong_result",
+                           f"training step gave a non-finite loss {loss}")
+    if coll is not None and world > 1:
+        dist = coll.dist
+        sums = torch.stack([p.detach().double().sum() for p in model.parameters()]).to(device)
+        hi, lo = sums.clone(), sums.clone()
+        with region(hi.numel() * 8):
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        with region(lo.numel() * 8):
+            dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+        if not torch.equal(hi, lo):
+            raise ProbeFailure("wrong_result",
+                               "after a DDP step the parameters differ between ranks")
+    return seconds
+
+
+@contextlib.contextmanager
+def _no_region(nbytes: int, allow_s: float = 0.0) -> Iterator[None]:
+    yield
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    watch_parent(args.parent_pid)
+    run_worker(args.report, lambda report: probe(args, report))
+
+
+if __name__ == "__main__":
+    main()

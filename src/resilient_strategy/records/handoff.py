@@ -1,0 +1,255 @@
+"""The decision ``resilient-strategy run`` hands to its workers, and the workers' side of the run.
+
+The supervisor decides once, writes the decision (the chosen candidate's key and the probe
+results it was planned from) to a private JSON file, and starts each worker through
+:mod:`resilient_strategy.run.worker` with that file's path. ``resilient_strategy()`` in the worker
+finds it (:func:`load_decision`), re-plans from the same results in milliseconds and takes the
+handed candidate, so every rank agrees by construction and nothing is probed twice.
+
+The worker then reports its progress (:class:`TrainingReporter`, through
+:mod:`resilient_strategy.records.progress`) from the Selection's training calls, acts on a rehearsed
+fault (:mod:`resilient_strategy.records.trainfault`), and on an exception leaves an error record that
+the supervisor classifies (:func:`write_error`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..core.bounded import parse_json
+from ..core.probe import ProbeResult
+from ..errors import ResilientStrategyError
+from .progress import (
+    COLLECTIVE,
+    COLLECTIVE_DONE,
+    COMM_READY,
+    COMM_SETUP,
+    FINISHED,
+    STARTED,
+    STEP_DONE,
+    ProgressWriter,
+)
+from .trainfault import TrainFault, fault_from
+
+#: Private: set by the worker wrapper in the worker's own process, never by the user.
+DECISION_VAR = "RESILIENT_STRATEGY_DECISION"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the supervisor decided, for the workers of one launch attempt."""
+
+    framework: str
+    chosen: str  # candidate key
+    results: Mapping[str, ProbeResult]
+    run_dir: str  # progress and error records of this attempt
+    attempt: int = 0
+    proven: bool = True
+    from_cache: bool = False
+    notes: tuple[str, ...] = ()  # the supervisor's story so far (relaunches), for explain()
+    global_batch_size: int | None = None
+    label: str = ""  # the chosen candidate in words
+    processes: int = 1  # workers this decision needs on this node
+    nodes: int = 1  # nodes that train on it (1 under --nnodes N: node 0 alone)
+    node_trace: tuple[str, ...] = ()  # how the nodes agreed (multi-node), for explain()
+    #: The supervisor's Plan.reference_replicas: the worker splits the batch as it did.
+    reference_replicas: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": FORMAT_VERSION, "framework": self.framework, "chosen": self.chosen,
+            "results": {k: v.to_dict() for k, v in self.results.items()},
+            "run_dir": self.run_dir, "attempt": self.attempt, "proven": self.proven,
+            "from_cache": self.from_cache, "notes": list(self.notes),
+            "global_batch_size": self.global_batch_size, "label": self.label,
+            "processes": self.processes, "nodes": self.nodes,
+            "node_trace": list(self.node_trace),
+            "reference_replicas": self.reference_replicas,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Decision:
+        if d.get("version") != FORMAT_VERSION:
+            raise ValueError(f"decision format {d.get('version')!r}, not {FORMAT_VERSION}")
+        gbs = d.get("global_batch_size")
+        return cls(
+            framework=str(d["framework"]), chosen=str(d["chosen"]),
+            results={str(k): ProbeResult.from_dict(v) for k, v in dict(d["results"]).items()},
+            run_dir=str(d["run_dir"]), attempt=int(d["attempt"]), proven=bool(d["proven"]),
+            from_cache=bool(d["from_cache"]), notes=tuple(str(n) for n in d.get("notes", ())),
+            global_batch_size=None if gbs is None else int(gbs),
+            label=str(d.get("label", "")), processes=int(d.get("processes", 1)),
+            nodes=int(d.get("nodes", 1)),
+            node_trace=tuple(str(n) for n in d.get("node_trace", ())),
+            reference_replicas=int(d.get("reference_replicas", 1)),
+        )
+
+
+def write_decision(path: str | Path, decision: Decision) -> None:
+    """Atomically (temp file + rename in the same directory)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(decision.to_dict(), fh, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+_LOADED: dict[str, Decision] = {}
+
+
+def load_decision(env: Mapping[str, str]) -> Decision | None:
+    """The handed decision when this process is a worker of ``resilient-strategy run``."""
+    path = env.get(DECISION_VAR)
+    if not path:
+        return None
+    if path not in _LOADED:
+        try:
+            _LOADED[path] = Decision.from_dict(parse_json(Path(path).read_bytes(), path, allow_nan=True))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ResilientStrategyError(
+                f"cannot read the decision handed down by `resilient-strategy run` ({path}): "
+                f"{exc}") from exc
+    return _LOADED[path]
+
+
+def progress_path(run_dir: str | Path, local_rank: int) -> Path:
+    return Path(run_dir) / f"rank{local_rank}.progress"
+
+
+def error_path(run_dir: str | Path, local_rank: int) -> Path:
+    return Path(run_dir) / f"rank{local_rank}.error.json"
+
+
+CHECKPOINT_NOTE = "checkpoint.json"
+
+
+def note_checkpoint(step: int, path: str | Path) -> None:
+    """Under the supervisor: say where the last checkpoint is (for its relaunch line)."""
+    if not _LOADED:
+        return
+    decision = next(iter(_LOADED.values()))
+    with contextlib.suppress(OSError):
+        note = Path(decision.run_dir) / CHECKPOINT_NOTE
+        tmp = note.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"step": step, "path": str(path)}), encoding="utf-8")
+        os.replace(tmp, note)
+
+
+def write_error(run_dir: str | Path, local_rank: int, exc: BaseException,
+                reporter: TrainingReporter | None) -> None:
+    """The worker's last word: the exception's type names (its MRO) and message, and where the
+    rank was. Best effort; never raises."""
+    record = {
+        "rank": reporter.rank if reporter else local_rank,
+        "at": time.time(),
+        "types": [f"{t.__module__}.{t.__qualname__}" for t in type(exc).__mro__],
+        "message": str(exc)[-4000:],
+        "step": reporter.step if reporter else None,
+        "phase": reporter.phase_name if reporter else None,
+    }
+    with contextlib.suppress(OSError, TypeError, ValueError):
+        path = error_path(run_dir, local_rank)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record), encoding="utf-8")
+        os.replace(tmp, path)
+
+
+@dataclass
+class TrainingReporter:
+    """One rank's progress reports from the Selection's training calls, through the shared
+    progress protocol (:mod:`resilient_strategy.records.progress`): the gradient all-reduce of optimizer
+    step ``k`` is collective ``k`` (entered before the backward of the last micro-step, left
+    after it; its "collective_done k" also marks the step, so the watcher's count of
+    collectives never lags a rank that went on), ``step(k)`` when one process steps alone,
+    communicator setup around
+    ``init_process_group``. ``step`` counts optimizer steps across relaunches (a restored
+    checkpoint sets it). It also fires the rehearsed fault."""
+
+    writer: ProgressWriter
+    rank: int
+    backend: str
+    collective: bool  # the backward of a last micro-step all-reduces (world size > 1)
+    fault: TrainFault | None = None
+    step: int = 0
+    phase_name: str = STARTED
+    _fault_armed: bool = field(default=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._fault_armed = self.fault is not None and self.fault.applies(self.rank, self.backend)
+
+    def restored(self, step: int) -> None:
+        self.step = step
+        self.writer.step(step)
+        self.phase_name = STEP_DONE
+
+    def backward_begin(self, last_micro_step: bool) -> None:
+        if not last_micro_step:
+            return
+        k = self.step + 1
+        if self.collective:
+            self.writer.enter(k)
+            self.phase_name = COLLECTIVE
+        if self._fault_armed and self.fault is not None and k == self.fault.step:
+            if not self.collective:
+                self.writer.enter(k)
+                self.phase_name = COLLECTIVE
+            self.fault.act()
+
+    def backward_end(self, last_micro_step: bool) -> None:
+        if last_micro_step and self.collective:
+            self.writer.leave(self.step + 1)
+            self.phase_name = COLLECTIVE_DONE
+
+    def stepped(self, stepped: bool) -> None:
+        if not stepped:
+            return
+        self.step += 1
+        if not self.collective:  # with replicas, "collective_done k" already says it
+            self.writer.step(self.step)
+            self.phase_name = STEP_DONE
+
+    def setup_begin(self) -> None:
+        self.writer.phase(COMM_SETUP)
+        self.phase_name = COMM_SETUP
+
+    def setup_end(self) -> None:
+        self.writer.phase(COMM_READY)
+        self.phase_name = COMM_READY
+
+    def done(self) -> None:
+        self.writer.phase(FINISHED, self.step)
+        self.phase_name = FINISHED
+
+
+_REPORTER: list[TrainingReporter] = []
+
+
+def reporter_for(decision: Decision, rank: int, local_rank: int, backend: str, replicas: int,
+                 env: Mapping[str, str]) -> TrainingReporter:
+    """This process's reporter (one per process: a second resilient_strategy() call reuses it).
+    Files are named by local rank: each node's supervisor watches its own workers."""
+    if not _REPORTER:
+        _REPORTER.append(TrainingReporter(
+            ProgressWriter(str(progress_path(decision.run_dir, local_rank))), rank=rank,
+            backend=backend,
+            collective=replicas > 1, fault=fault_from(env),
+        ))
+    return _REPORTER[0]
+
+
+def current_reporter() -> TrainingReporter | None:
+    return _REPORTER[0] if _REPORTER else None

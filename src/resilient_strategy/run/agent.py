@@ -1,0 +1,189 @@
+"""One attempt, through torch's elastic agent: a :class:`LocalElasticAgent` subclass starts the
+workers of one decision, adds the progress watch to its monitoring loop, and stops every worker
+(SIGTERM, its shutdown timeout, SIGKILL) when the group is unhealthy. The protected members of
+torch's agent it reaches are isolated here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..core.bounded import parse_json
+from ..core.options import RunOptions
+from ..records.handoff import Decision, error_path, progress_path
+from ..records.progress import (
+    Stall,
+    read_record,
+)
+
+if TYPE_CHECKING:
+    from .peers import PeerWatch
+
+from .arguments import node_count, parser
+from .verdicts import RankExit, Verdict, classify_attempt
+from .watch import TrainingWatch
+
+log = logging.getLogger("resilient_strategy")
+
+
+def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
+            session: Path, peer: PeerWatch | None = None, *, alone: bool = False) -> Verdict:
+    """One attempt. ``peer``: the other nodes' fault records, watched while the workers run;
+    ``alone``: node 0 of a multi-node run trains by itself (one node, its own rendezvous)."""
+    run_dir = Path(decision.run_dir)
+    nproc = decision.processes
+    watch = TrainingWatch([str(progress_path(run_dir, r)) for r in range(nproc)],
+                          opts.stall_timeout_s)
+    agent_cls = _agent_class()
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+
+    ns = argparse.Namespace(**vars(opts.torchrun or parser().parse_args([opts.script])))
+    ns.nproc_per_node = str(nproc)
+    ns.max_restarts = 0  # a relaunch is ours, on another candidate
+    ns.log_dir = str(run_dir / "logs")
+    if not (getattr(ns, "redirects", "") or getattr(ns, "tee", "")):
+        ns.tee = "2"  # stderr to the console and to a file we can read
+    nnodes = node_count(opts)
+    if alone:
+        ns.nnodes, ns.node_rank, ns.rdzv_conf, ns.standalone = "1", 0, "", True
+        nnodes = 1
+    if getattr(ns, "standalone", False) or (nnodes == 1 and not ns.rdzv_endpoint
+                                            and ns.rdzv_backend == "static"
+                                            and ns.master_port is None):
+        ns.rdzv_backend, ns.rdzv_endpoint = "c10d", "localhost:0"
+        ns.rdzv_id = str(uuid.uuid4())
+    elif ns.rdzv_id == "none" or not ns.rdzv_id:
+        ns.rdzv_id = f"resilient-strategy-{decision.attempt}"
+    else:
+        ns.rdzv_id = f"{ns.rdzv_id}-attempt{decision.attempt}"
+    if ns.master_port is None:
+        ns.master_port = 29500
+    had_omp = "OMP_NUM_THREADS" in os.environ
+    try:
+        config, _, _ = torchrun.config_from_args(ns)
+    finally:
+        if not had_omp and nproc == 1:
+            os.environ.pop("OMP_NUM_THREADS", None)
+    rdzv = RendezvousParameters(
+        backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
+        min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
+        **config.rdzv_configs)
+    master_addr = master_port = None
+    if rdzv.backend == "static":
+        from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+        master_addr, master_port = parse_rendezvous_endpoint(rdzv.endpoint, default_port=-1)
+    spec = WorkerSpec(
+        role=config.role, local_world_size=nproc, entrypoint=sys.executable,
+        args=("-u", "-m", "resilient_strategy.run.worker", str(run_dir / "decision.json"),
+              opts.script, *opts.script_args),
+        rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv), max_restarts=0,
+        monitor_interval=config.monitor_interval, master_addr=master_addr,
+        master_port=master_port, local_addr=config.local_addr)
+    agent = agent_cls(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
+                      watch=watch, peer=peer)
+    try:
+        result = agent.run()
+    finally:
+        with contextlib.suppress(Exception):
+            spec.rdzv_handler.shutdown()
+        if not had_omp:
+            os.environ.pop("OMP_NUM_THREADS", None)
+    if agent.peer_fault is not None:  # another node saw the fault: this node stopped for it
+        f = agent.peer_fault
+        retry = bool(f.get("retry", True))
+        return Verdict("backend" if retry else str(f.get("kind", "crash")),
+                       f"node {f.get('node')}: {f.get('summary', '')}",
+                       int(f.get("step", 0) or 0), str(f.get("cause", "") or "crash"),
+                       node=int(f.get("node", -1)))
+    stall: Stall | None = agent.stall
+    if stall is not None and any(error_path(run_dir, lr).exists() for lr in range(nproc)):
+        stall = None  # a rank raised and had not exited yet: its error is the story, not a stall
+    exits: list[RankExit] = []
+    if stall is None:
+        for failure in (result.failures.values() if result.is_failed() else ()):
+            lr = failure.local_rank
+            exits.append(RankExit(
+                rank=lr, exitcode=failure.exitcode, error=_read_json(error_path(run_dir, lr)),
+                record=read_record(str(progress_path(run_dir, lr))),
+                stderr_tail=_stderr_tail(run_dir / "logs", lr)))
+        # ranks that raised but were stopped before the agent saw them exit left records too
+        seen = {e.rank for e in exits}
+        for lr in range(nproc):
+            err = _read_json(error_path(run_dir, lr))
+            if lr not in seen and err is not None:
+                exits.append(RankExit(rank=lr, exitcode=1, error=err,
+                                      record=read_record(str(progress_path(run_dir, lr))),
+                                      stderr_tail=_stderr_tail(run_dir / "logs", lr)))
+        if not exits and result.state.name != "SUCCEEDED":
+            return Verdict("crash", f"the workers ended in state {result.state.name}")
+    return classify_attempt(stall, exits)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = parse_json(path.read_bytes(), str(path), allow_nan=True)  # bounded
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _stderr_tail(log_dir: Path, local_rank: int, limit: int = 8192) -> str:
+    for path in log_dir.glob(f"**/{local_rank}/stderr.log"):
+        with contextlib.suppress(OSError), open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - limit))
+            return fh.read().decode("utf-8", "replace")
+    return ""
+
+
+_AGENT: list[type[Any]] = []
+
+
+def _agent_class() -> type[Any]:
+    """LocalElasticAgent plus the stall watch in its monitoring loop (built on first use)."""
+    if _AGENT:
+        return _AGENT[0]
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class SupervisedAgent(LocalElasticAgent):
+        def __init__(self, *args: Any, watch: TrainingWatch, peer: PeerWatch | None = None,
+                     **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.watch = watch
+            self.peer = peer
+            self.stall: Stall | None = None
+            self.peer_fault: dict[str, Any] | None = None
+
+        def _monitor_workers(self, worker_group: Any) -> Any:
+            result = super()._monitor_workers(worker_group)
+            if result.state == WorkerState.HEALTHY and self.stall is None:
+                stall = self.watch.poll()
+                if stall is not None:
+                    self.stall = stall
+                    # as the agent does for a wedged (D-state) worker: no restart, stop the group
+                    self._remaining_restarts = 0
+                    return RunResult(state=WorkerState.UNHEALTHY)
+            if (result.state == WorkerState.HEALTHY and self.peer is not None
+                    and self.peer_fault is None):
+                fault = self.peer.poll()
+                if fault is not None:  # another node's workers failed: stop ours too
+                    self.peer_fault = fault
+                    self._remaining_restarts = 0
+                    return RunResult(state=WorkerState.UNHEALTHY)
+            return result
+
+    _AGENT.append(SupervisedAgent)
+    return SupervisedAgent

@@ -1,0 +1,95 @@
+"""``resilient-strategy run``'s command line: torchrun's own parser and options, ours added, into
+one :class:`RunOptions`; the framework a script uses, guessed from its text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..core.options import RunOptions, run_options_from
+from ..errors import InvalidOptionError
+from ..machine import env as _env
+
+if TYPE_CHECKING:
+    pass
+
+log = logging.getLogger("resilient_strategy")
+
+
+def guess_framework(script_text: str) -> str | None:
+    """The framework a script trains with, from its text (None when it does not say)."""
+    m = re.search(r"framework\s*=\s*[\"'](tensorflow|tf|keras|torch|pytorch)[\"']", script_text)
+    if m:
+        return {"tf": "tensorflow", "keras": "tensorflow", "pytorch": "torch"}.get(
+            m.group(1), m.group(1))
+    tf = re.search(r"^\s*(import|from)\s+(tensorflow|keras)\b", script_text, re.MULTILINE)
+    torch = re.search(r"^\s*(import|from)\s+torch\b", script_text, re.MULTILINE)
+    if bool(tf) != bool(torch):
+        return "tensorflow" if tf else "torch"
+    return None
+
+
+
+def parser() -> argparse.ArgumentParser:
+    from torch.distributed.run import get_args_parser
+
+    p = get_args_parser()
+    p.prog = "resilient-strategy run"
+    p.description = ("Run a training script on the strategy that works here and keep it running: "
+                     "relaunch on the next candidate when a collective fails or stalls mid-run. "
+                     "Takes torchrun's options.")
+    p.add_argument("--max-relaunches", type=int, default=None,
+                   help="relaunches at most (default: the candidates left)")
+    p.add_argument("--stall-timeout", type=float, default=None,
+                   help="seconds without progress on any rank before a stall is declared "
+                        "(default: max(60, 20 x the median step time))")
+    p.add_argument("--framework", choices=("torch", "tensorflow"), default=None,
+                   help="the script's framework (default: read from the script)")
+    p.add_argument("--global-batch-size", type=int, default=None,
+                   help="for ranking the candidates (the script's own value is used in training)")
+    p.add_argument("--gradient-bytes", type=int, default=None,
+                   help="the model's gradient bytes, for ranking the candidates")
+    p.add_argument("--probe-timeout", type=float, default=None, help="seconds per probe")
+    p.add_argument("--logical-cpus", type=int, default=0,
+                   help="TensorFlow test mode: plan for N logical CPU devices (the script "
+                        "passes logical_cpus=N too)")
+    return p
+
+
+def options_from_args(argv: Sequence[str]) -> RunOptions:
+    """Parse ``resilient-strategy run`` arguments (torchrun's, plus ours)."""
+    ns = parser().parse_args(list(argv))
+    if getattr(ns, "module", False) or getattr(ns, "no_python", False) or getattr(
+            ns, "run_path", False):
+        raise InvalidOptionError("resilient-strategy run runs a Python script file; -m, "
+                                 "--no-python and --run-path are not supported")
+    script = str(ns.training_script)
+    ours = list(argv)[:list(argv).index(script)] if script in argv else list(argv)
+    if not any(t.split("=")[0] in ("--master-port", "--master_port") for t in ours):
+        # not given: None, as torch >= 2.12's parser says (2.11's says 29500), so that a
+        # one-node run takes a free port (standalone) and two jobs on a machine do not collide
+        ns.master_port = None
+    framework = ns.framework
+    if framework is None:
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            framework = guess_framework(Path(script).read_text(encoding="utf-8"))
+    return run_options_from(
+        _env.snapshot(), script=script, script_args=tuple(ns.training_script_args),
+        framework=framework, nproc=str(ns.nproc_per_node), max_relaunches=ns.max_relaunches,
+        stall_timeout=ns.stall_timeout, global_batch_size=ns.global_batch_size,
+        gradient_bytes=ns.gradient_bytes, probe_timeout=ns.probe_timeout,
+        logical_cpus=ns.logical_cpus, torchrun=ns)
+
+
+def node_count(opts: RunOptions) -> int:
+    ns = opts.torchrun
+    if ns is None:
+        return 1
+    text = str(getattr(ns, "nnodes", "1"))
+    return int(text.split(":")[-1])

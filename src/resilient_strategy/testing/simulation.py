@@ -1,0 +1,523 @@
+"""Described machines and simulated probe outcomes: what-if planning without the hardware.
+
+``machine()`` builds the Facts that inspection would report for a described machine;
+``SimulatedProber`` answers probes from a table of outcomes; ``load_simulation`` reads the JSON
+files of ``resilient-strategy --simulate`` and ``examples/machines``. The testing kit
+(``resilient_strategy.testing``) builds on this module; production code never imports the kit.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ..core.facts import P2P_STATUSES, TOPOLOGY_LEVELS, Facts, FrameworkInfo, Gpu, Host, Link
+from ..core.probe import CAUSES, ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec
+from ..errors import InvalidOptionError, ResilientStrategyError
+from ..machine import files as _files
+from ..machine.visible import (
+    MigDevice,
+    PhysicalGpu,
+    job_gpu,
+    renumber_links,
+    resolve_visible_devices,
+)
+from ..vocab import FRAMEWORKS
+
+#: Kinds of hang a simulated probe can be judged to have (see :class:`.progress.Stall`).
+HANG_KINDS = ("setup", "collective", "straggler", "quiet")
+
+
+def gpu(
+    index: int = 0,
+    name: str = "NVIDIA H200",
+    cc: tuple[int, int] = (9, 0),
+    memory_gb: float = 141,
+    *,
+    mig: bool = False,
+) -> Gpu:
+    """One fake GPU. ``index`` is its NVML (physical) index, and its CUDA ordinal while no
+    ``CUDA_VISIBLE_DEVICES`` renumbers it (see :func:`machine`)."""
+    _check_int("gpu", "index", index)
+    _check_str("gpu", "name", name)
+    return Gpu(
+        index=index, name=name, compute_capability=_cc("gpu", cc),
+        memory_bytes=int(_number("gpu", "memory_gb", memory_gb) * 2**30),
+        uuid=f"GPU-fake-{index:04d}", pci_bus_id=f"00000000:{index + 1:02x}:00.0",
+        physical_index=index, mig_enabled=_check_bool("gpu", "mig", mig),
+    )
+
+
+def machine(
+    gpus: int | Sequence[Gpu] = 2,
+    *,
+    name: str = "NVIDIA H200",
+    cc: tuple[int, int] = (9, 0),
+    memory_gb: float = 141,
+    nvlink: int = 0,
+    links: Mapping[tuple[int, int] | str, int | Mapping[str, Any]] | None = None,
+    p2p: str = "ok",
+    topology: str = "hostbridge",
+    shm_mb: int | None = 65536,
+    container: str = "",
+    wsl2: bool = False,
+    sagemaker: bool = False,
+    aws: bool = False,
+    efa: bool = False,
+    iommu: str = "unknown",
+    infiniband: bool = False,
+    kernel: str = "6.8.0",
+    cpu_count: int = 32,
+    platform: str = "linux",
+    mig: Mapping[int | str, int] | None = None,
+    torch: str | None = "2.11.0",
+    torch_cuda: str | None = "13.0",
+    torch_nccl: str | None = "2.28.9",
+    torch_archs: Sequence[str] = (),
+    tensorflow: str | None = None,
+    tf_cuda: str | None = None,
+    tf_archs: Sequence[str] = (),
+    tf_nccl: str | None = None,
+    keras: str | None = None,
+    driver: str | None = "580.159.04",
+    env: Mapping[str, str] | None = None,
+    nvml_error: str | None = None,
+    nvml_notes: Sequence[str] = (),
+    imported: Sequence[str] = (),
+    gpu_initialized: Sequence[str] = (),
+) -> Facts:
+    """Facts for a described machine, as :func:`resilient_strategy.machine.inspect.detect_facts` would
+    report them. Every argument is checked: a wrong one is an ``InvalidOptionError`` naming it.
+
+    ``gpus`` are the physical GPUs (a count, or :func:`gpu` values with distinct indices), in
+    NVML order; ``env["CUDA_VISIBLE_DEVICES"]`` picks and renumbers them exactly as CUDA does
+    (:func:`resilient_strategy.machine.visible.resolve_visible_devices`), so
+    ``machine(4, env={"CUDA_VISIBLE_DEVICES": "2"})`` has one GPU, ordinal 0, NVML index 2.
+    ``nvlink`` is the number of NVLinks between each pair of GPUs; ``links`` overrides it per
+    pair of physical indices: ``{(0, 1): 4, (2, 3): 4}``, or ``{"0-1": 4, "2-3": 4}`` (JSON); a
+    pair's value may also be an object ``{"nvlinks": 0, "topology": "system", "p2p":
+    "not_supported"}`` (every field optional) for its PCIe path and P2P status. ``mig`` gives MIG
+    instances per physical GPU (``{0: 2}``: GPU 0 has two, ``MIG-fake-0000-0`` and ``-1``, which
+    ``CUDA_VISIBLE_DEVICES`` can name). ``imported`` / ``gpu_initialized`` name frameworks this
+    process imported (and whose GPU runtime started); ``nvml_notes`` are values NVML could not
+    read.
+    """
+    env_map = _string_map("env", env)
+    _cc("machine", cc)
+    _number("machine", "memory_gb", memory_gb)
+    _check_int("machine", "nvlink", nvlink)
+    _check_choice("p2p", p2p, P2P_STATUSES)
+    _check_choice("topology", topology, TOPOLOGY_LEVELS)
+    _check_choice("iommu", iommu, ("on", "off", "unknown"))
+    if shm_mb is not None:
+        _check_int("machine", "shm_mb", shm_mb)
+    _check_str("machine", "name", name)
+    _check_str("machine", "container", container)
+    for flag, value in (("wsl2", wsl2), ("sagemaker", sagemaker), ("aws", aws), ("efa", efa),
+                        ("infiniband", infiniband)):
+        _check_bool("machine", flag, value)
+    _check_str("machine", "kernel", kernel)
+    _check_str("machine", "platform", platform)
+    _check_int("machine", "cpu_count", cpu_count)
+    for key, names in (("imported", imported), ("gpu_initialized", gpu_initialized),
+                       ("nvml_notes", nvml_notes)):
+        if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+            raise _bad(key, names, "a list of strings")
+    for key, names in (("imported", imported), ("gpu_initialized", gpu_initialized)):
+        if not set(names) <= {"torch", "tensorflow", "keras"}:
+            raise _bad(key, names, "names out of torch, tensorflow, keras")
+    for key, text in (("torch", torch), ("torch_cuda", torch_cuda), ("torch_nccl", torch_nccl),
+                      ("tensorflow", tensorflow), ("tf_cuda", tf_cuda), ("tf_nccl", tf_nccl),
+                      ("keras", keras), ("driver", driver), ("nvml_error", nvml_error)):
+        if text is not None:
+            _check_str("machine", key, text)
+    for key, archs in (("torch_archs", torch_archs), ("tf_archs", tf_archs)):
+        if isinstance(archs, str) or not isinstance(archs, Sequence) or not all(
+                isinstance(a, str) for a in archs):
+            raise _bad(key, archs, 'a list of arch names like ["sm_80", "compute_90"]')
+    if isinstance(gpus, int) and not isinstance(gpus, bool):
+        if gpus < 0:
+            raise _bad("gpus", gpus, "a GPU count (0 or more) or a list of gpu() values")
+        physical = tuple(gpu(i, name, cc, memory_gb) for i in range(gpus))
+    elif isinstance(gpus, Sequence) and not isinstance(gpus, str) and all(
+        isinstance(g, Gpu) for g in gpus
+    ):
+        physical = tuple(sorted(gpus, key=_physical_index))
+        indices = [_physical_index(g) for g in physical]
+        if len(set(indices)) != len(indices):
+            raise _bad("gpus", indices, "GPUs with distinct indices")
+    else:
+        raise _bad("gpus", gpus, "a GPU count (0 or more) or a list of gpu() values")
+
+    indices = [_physical_index(g) for g in physical]
+    per_pair = _link_specs(links, indices, nvlink, topology, p2p)
+    instances = _mig_counts(mig, indices)
+    physical_links: list[Link] = []
+    for i, a in enumerate(physical):
+        for b in physical[i + 1:]:
+            pa, pb = _physical_index(a), _physical_index(b)
+            n, top, p2p_read = per_pair.get((pa, pb), (nvlink, topology, p2p))
+            physical_links.append(Link(pa, pb, topology=top, nvlinks=n, p2p_read=p2p_read,
+                                       p2p_nvlink="ok" if n else "not_supported"))
+    parents = [
+        PhysicalGpu(
+            index=_physical_index(g), uuid=g.uuid, name=g.name,
+            compute_capability=g.compute_capability, memory_bytes=g.memory_bytes,
+            pci_bus_id=g.pci_bus_id, mig_enabled=g.mig_enabled or _physical_index(g) in instances,
+            mig=tuple(
+                MigDevice(uuid=f"MIG-fake-{_physical_index(g):04d}-{k}", name=f"{g.name} MIG {k}",
+                          memory_bytes=g.memory_bytes // instances[_physical_index(g)],
+                          gpu_instance=k, compute_instance=0)
+                for k in range(instances.get(_physical_index(g), 0))
+            ),
+        )
+        for g in physical
+    ]
+    resolution = resolve_visible_devices(
+        env_map.get("CUDA_VISIBLE_DEVICES"), parents,
+        device_order=env_map.get("CUDA_DEVICE_ORDER"),
+    )
+    by_index = {p.index: p for p in parents}
+    gs = tuple(job_gpu(i, d, by_index[d.physical]) for i, d in enumerate(resolution.devices))
+    visible_links = renumber_links(resolution.devices, physical_links)
+    fws = []
+    if torch:
+        fws.append(FrameworkInfo("torch", torch, "torch", torch_cuda, torch_nccl, tuple(torch_archs)))
+    if tensorflow:
+        dist = "tensorflow" if tf_cuda else "tensorflow-cpu"
+        fws.append(FrameworkInfo("tensorflow", tensorflow, dist, tf_cuda, tf_nccl, tuple(tf_archs)))
+    if keras:
+        fws.append(FrameworkInfo("keras", keras, "keras"))
+    fws = [replace(f, imported=f.name in imported or f.name in gpu_initialized,
+                   gpu_initialized=f.name in gpu_initialized) for f in fws]
+    return Facts(
+        gpus=gs,
+        links=visible_links,
+        driver_version=driver if physical else None,
+        cuda_driver_version="13.0" if physical else None,
+        nvml_error=nvml_error if nvml_error or physical else "no GPU in this description",
+        visibility=resolution.visibility,
+        host=Host(shm_bytes=None if shm_mb is None else shm_mb << 20, container=container,
+                  wsl2=wsl2, sagemaker=sagemaker, aws=aws, efa=efa, iommu=iommu,
+                  infiniband=infiniband, kernel=kernel, cpu_count=cpu_count, platform=platform),
+        frameworks=tuple(fws),
+        env=tuple(sorted(env_map.items())),
+        nvml_notes=tuple(nvml_notes),
+    )
+
+
+# ----- argument checks for gpu() / machine() -----------------------------------------------------
+def _bad(field_name: str, value: object, expected: str, where: str = "machine") -> InvalidOptionError:
+    return InvalidOptionError(f"{where}({field_name}=...): expected {expected}, not {value!r}")
+
+
+def _physical_index(g: Gpu) -> int:
+    return g.physical_index if g.physical_index >= 0 else g.index
+
+
+def _check_int(where: str, key: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _bad(key, value, "an integer, 0 or more", where)
+    return value
+
+
+def _check_bool(where: str, key: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise _bad(key, value, "true or false", where)
+    return value
+
+
+def _check_str(where: str, key: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise _bad(key, value, "a string", where)
+    return value
+
+
+def _check_choice(key: str, value: object, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise _bad(key, value, f"one of {', '.join(choices)}")
+
+
+def _number(where: str, key: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise _bad(key, value, "a number, 0 or more", where)
+    return float(value)
+
+
+def _cc(where: str, value: object) -> tuple[int, int]:
+    if (
+        isinstance(value, (tuple, list)) and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+    ):
+        return (value[0], value[1])
+    raise _bad("cc", value, "a compute capability as two integers, like (9, 0) or [9, 0]", where)
+
+
+def _string_map(key: str, value: object) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise _bad(key, value, "a mapping of variable names to string values")
+    return dict(value)
+
+
+def _link_specs(
+    links: Mapping[tuple[int, int] | str, int | Mapping[str, Any]] | None,
+    indices: Sequence[int], nvlink: int, topology: str, p2p: str,
+) -> dict[tuple[int, int], tuple[int, str, str]]:
+    """``links`` as {(a, b): (NVLink count, PCIe topology, P2P status)} with a < b, every index
+    one of ``indices``; what a pair does not say is the machine-wide value."""
+    if links is None:
+        return {}
+    if not isinstance(links, Mapping):
+        raise _bad("links", links, 'a mapping like {(0, 1): 4} or {"0-1": 4}')
+    out: dict[tuple[int, int], tuple[int, str, str]] = {}
+    for key, spec in links.items():
+        pair: tuple[int, ...] = ()
+        if isinstance(key, str):
+            a, sep, b = key.partition("-")
+            if sep and a.strip().isdigit() and b.strip().isdigit():
+                pair = (int(a), int(b))
+        elif isinstance(key, (tuple, list)) and all(
+            isinstance(i, int) and not isinstance(i, bool) for i in key
+        ):
+            pair = tuple(key)
+        if len(pair) != 2 or pair[0] == pair[1] or not set(pair) <= set(indices):
+            raise _bad("links", key, f"a pair of two different GPU indices out of {list(indices)}, "
+                                     'like (0, 1) or "0-1"')
+        fields_ = dict(spec) if isinstance(spec, Mapping) else {"nvlinks": spec}
+        if not set(fields_) <= {"nvlinks", "topology", "p2p"}:
+            raise _bad("links", spec, 'an NVLink count or {"nvlinks", "topology", "p2p"}')
+        count = fields_.get("nvlinks", nvlink)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise _bad("links", count, f"an NVLink count (0 or more) for {key!r}")
+        top, status = fields_.get("topology", topology), fields_.get("p2p", p2p)
+        _check_choice("links topology", top, TOPOLOGY_LEVELS)
+        _check_choice("links p2p", status, P2P_STATUSES)
+        out[(min(pair), max(pair))] = (count, str(top), str(status))
+    return out
+
+
+def _mig_counts(mig: Mapping[int | str, int] | None, indices: Sequence[int]) -> dict[int, int]:
+    """``mig`` as {physical index: MIG instances (1 or more)}; JSON keys may be strings."""
+    if mig is None:
+        return {}
+    if not isinstance(mig, Mapping):
+        raise _bad("mig", mig, 'a mapping of GPU index to MIG instance count, like {"0": 2}')
+    out: dict[int, int] = {}
+    for key, count in mig.items():
+        index = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        if isinstance(index, bool) or not isinstance(index, int) or index not in indices:
+            raise _bad("mig", key, f"a GPU index out of {list(indices)}")
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 7:
+            raise _bad("mig", count, "a MIG instance count from 1 to 7")
+        out[index] = count
+    return out
+
+
+#: "ok", "ok:<GB/s>", "timeout", "error:<cause>", a result, or a result's fields as a mapping
+#: (``{"status": "ok", "bus_bandwidth_gbps": 9.5, "message_bytes": 268435456, "step_seconds":
+#: 0.01, "extra": [["value_check_iterations", "20"]]}``)
+Outcome = str | ProbeResult | Mapping[str, Any]
+
+
+@dataclass
+class SimulatedProber:
+    """Answers probes from a table instead of running them, and records what was asked.
+
+    Outcomes: "ok", "ok:<GB/s>", "timeout" (a hang cut at the deadline), "hang:<kind>" (a hang
+    judged from progress: setup, collective, straggler, quiet), "error:<cause>".
+
+    Keys: a backend with no extra environment ("nccl", "gloo", "hierarchical_copy", ...); a
+    backend with the exact environment of a remedy ("nccl+NCCL_P2P_DISABLE=1", several sorted
+    and joined by ","); "nccl+*" for every remedy; "*" for everything. The most specific key
+    wins; anything unmatched is ``default``.
+    """
+
+    #: Read by the executor: the outcomes are described, not measured (said in the trace).
+    simulated: ClassVar[bool] = True
+
+    outcomes: Mapping[str, Outcome] = field(default_factory=dict)
+    default: Outcome = "ok"
+    calls: list[ProbeSpec] = field(default_factory=list)
+    elapsed_s: float = 0.0  # simulated seconds spent probing so far (see :meth:`clock`)
+
+    def __post_init__(self) -> None:
+        for key, out in self.outcomes.items():
+            _parse(key, out)  # validate early: a typo is an error, not a silent "ok"
+
+    def __call__(self, spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
+        self.calls.append(spec)
+        env_key = ",".join(f"{k}={v}" for k, v in spec.env)
+        keys = [f"{spec.backend}+{env_key}", f"{spec.backend}+*"] if env_key else [spec.backend]
+        out = next((self.outcomes[k] for k in (*keys, "*") if k in self.outcomes), self.default)
+        res = _parse(spec.candidate, out)
+        if res.status == TIMEOUT and not res.extra:  # cut by the deadline: the whole timeout
+            res = replace(res, elapsed_s=spec.timeout_s)
+        else:
+            res = replace(res, elapsed_s=min(res.elapsed_s, spec.timeout_s))
+        self.elapsed_s += res.elapsed_s
+        return res
+
+    def clock(self) -> float:
+        """A monotonic clock that advances by each simulated probe's duration, so the executor's
+        probe budget runs out in a simulation exactly as it would on the machine."""
+        return self.elapsed_s
+
+    @property
+    def probed(self) -> list[str]:
+        """What was probed, in order, as "backend" or "backend+ENV=1"."""
+        return [
+            s.backend + ("+" + ",".join(f"{k}={v}" for k, v in s.env) if s.env else "")
+            for s in self.calls
+        ]
+
+
+def _parse(candidate: str, out: Outcome) -> ProbeResult:
+    if isinstance(out, ProbeResult):
+        return ProbeResult.from_dict({**out.to_dict(), "candidate": candidate})
+    if isinstance(out, Mapping):  # every field a probe can report (JSON: ProbeResult.to_dict())
+        return ProbeResult.from_dict({"elapsed_s": 2.0, "detail": "simulated", **out,
+                                      "candidate": candidate})
+    if not isinstance(out, str):
+        raise ValueError(f"probe outcome {out!r}: a string or an object of probe result fields")
+    kind, _, arg = out.partition(":")
+    if kind == OK:
+        bw = float(arg) if arg else None
+        return ProbeResult(candidate, OK, 2.0, bus_bandwidth_gbps=bw, detail="simulated")
+    if kind == TIMEOUT:
+        return ProbeResult(candidate, TIMEOUT, 30.0, "timeout", "simulated hang")
+    if kind == "hang" and arg in HANG_KINDS:  # a hang judged from progress, cut early
+        return ProbeResult(candidate, TIMEOUT, 8.0, "timeout", f"simulated hang ({arg})",
+                           extra=(("hang", arg),))
+    if kind == ERROR and arg in CAUSES:
+        return ProbeResult(candidate, ERROR, 1.0, arg, "simulated failure")
+    raise ValueError(
+        f"probe outcome {out!r}: use 'ok', 'ok:<GB/s>', 'timeout', 'hang:<kind>' with a kind in "
+        f"{list(HANG_KINDS)} (a hang cut early, from progress) or 'error:<cause>' with a cause "
+        f"in {sorted(c for c in CAUSES if c)}"
+    )
+
+
+FakeProber = SimulatedProber  # the testing kit's name for it
+
+
+#: Fields of a simulation file (``resilient-strategy --simulate``, examples/machines).
+SIMULATION_KEYS = frozenset({
+    "what", "framework", "global_batch_size", "gradient_bytes", "sample_seconds", "machine",
+    "facts", "probes", "expect",
+})
+#: Fields of a machine case's ``expect`` block (the decision it must reach; tests replay it).
+EXPECT_KEYS = frozenset({
+    "backend", "devices", "num_replicas", "accumulation_steps", "per_replica_batch_size", "env",
+    "probed", "rules_fired", "explain_contains",
+})
+
+
+def load_simulation(path: Path) -> tuple[Facts, dict[str, Any]]:
+    """A ``--simulate`` file: the described machine and the rest of the file; every problem is one clean error that
+    names the file and the field."""
+    try:
+        data = _files.read_json(path, max_bytes=_files.MAX_MACHINE_BYTES, owned=False)
+    except (OSError, ResilientStrategyError) as exc:  # too large, too deep, not JSON, a FIFO
+        raise ResilientStrategyError(f"cannot read --simulate file {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ResilientStrategyError(f"{path}: expected a JSON object")
+    described = "machine" in data or "facts" in data
+    if not described and "gpus" not in data:
+        raise ResilientStrategyError(
+            f'{path}: describe the machine: a "machine" object (keyword arguments of '
+            'resilient_strategy.testing.simulation.machine, at least "gpus") or a "facts" object (the '
+            'Facts.to_dict() form, at least "gpus" and "frameworks")')
+    unknown = sorted(set(data) - SIMULATION_KEYS) if described else []
+    if unknown:
+        raise ResilientStrategyError(
+            f"{path}: unknown field(s) {unknown}; allowed: {sorted(SIMULATION_KEYS)}")
+    _check_simulation_fields(path, data)
+    try:
+        if "machine" in data:
+            if not isinstance(data["machine"], dict):
+                raise ValueError("machine: expected an object of machine() keyword arguments")
+            if "gpus" not in data["machine"]:
+                raise ValueError('machine: say how many GPUs: "gpus": 2 (0 for none)')
+            facts = machine(**data["machine"])
+        else:
+            raw = data.get("facts", data)
+            _check_facts_shape(raw)
+            facts = Facts.from_dict(raw)
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
+        raise ResilientStrategyError(f"{path}: not a machine description: {exc}") from exc
+    probes = data.get("probes")
+    if probes is not None:
+        if not isinstance(probes, dict) or not all(
+            isinstance(k, str) and isinstance(v, (str, dict)) for k, v in probes.items()
+        ):
+            raise ResilientStrategyError(
+                f'{path}: probes: expected an object of outcomes like {{"nccl": "timeout"}} or '
+                f'{{"nccl": {{"status": "ok", "bus_bandwidth_gbps": 9.5}}}}, not {probes!r}')
+        try:
+            SimulatedProber(dict(probes))
+        except ValueError as exc:
+            raise ResilientStrategyError(f"{path}: probes: {exc}") from exc
+    return facts, data
+
+
+def _check_facts_shape(raw: Any) -> None:
+    """Every field of a "facts" description has the JSON type the Facts.to_dict() form has, so
+    that a wrong one is named (not "'int' object is not iterable")."""
+    reference = json.loads(json.dumps(machine(2, tensorflow="2.15.1").to_dict(), default=str))
+    if not isinstance(raw, dict):
+        raise ValueError(f"facts: expected an object, not {raw!r}")
+    for key in ("gpus", "frameworks"):
+        if key not in raw:
+            raise ValueError(f"facts: {key!r} is required (a list; [] for none)")
+
+    def kind(v: Any) -> str:
+        return ("null" if v is None else "bool" if isinstance(v, bool) else "number"
+                if isinstance(v, (int, float)) else "string" if isinstance(v, str) else "list"
+                if isinstance(v, list) else "object" if isinstance(v, dict) else type(v).__name__)
+
+    def check(where: str, value: Any, ref: Any) -> None:
+        if value is None or ref is None:
+            return
+        if kind(value) != kind(ref):
+            article = "an" if kind(ref)[0] in "aeiou" else "a"
+            raise ValueError(f"{where}: expected {article} {kind(ref)}, not {value!r}")
+        if isinstance(ref, dict):
+            for k, v in value.items():
+                if k in ref:
+                    check(f"{where}.{k}", v, ref[k])
+        elif isinstance(ref, list) and ref:
+            for i, v in enumerate(value):
+                check(f"{where}[{i}]", v, ref[0])
+
+    for key, value in raw.items():
+        if key in reference:
+            check(f"facts.{key}", value, reference[key])
+
+
+def _check_simulation_fields(path: Path, data: Mapping[str, Any]) -> None:
+    framework = data.get("framework")
+    if framework is not None and framework not in FRAMEWORKS:
+        raise ResilientStrategyError(
+            f"{path}: framework: expected one of {FRAMEWORKS}, not {framework!r}")
+    for key in ("global_batch_size", "gradient_bytes"):
+        value = data.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ResilientStrategyError(f"{path}: {key}: expected a positive integer, not {value!r}")
+    expect = data.get("expect")
+    if expect is not None and (not isinstance(expect, dict) or not set(expect) <= EXPECT_KEYS):
+        raise ResilientStrategyError(
+            f"{path}: expect: expected an object with fields from {sorted(EXPECT_KEYS)}, not "
+            f"{expect!r}")
+    seconds = data.get("sample_seconds")
+    if seconds is not None and (
+        isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0
+    ):
+        raise ResilientStrategyError(
+            f"{path}: sample_seconds: expected a positive number, not {seconds!r}")
