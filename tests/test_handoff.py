@@ -22,8 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(autouse=True)
 def _fresh_worker_state(monkeypatch: pytest.MonkeyPatch) -> None:
     """The reporter and the loaded decision are per process: give each test its own."""
-    monkeypatch.setattr(handoff, "_REPORTER", [])
-    monkeypatch.setattr(handoff, "_LOADED", {})
+    monkeypatch.setattr(handoff, "WORKER", handoff.WorkerState())
 
 
 def _no_probe(spec: object, env: object) -> ProbeResult:

@@ -57,7 +57,7 @@ def _int_at_least(least: int) -> Callable[[str], int]:
 _positive_int = _int_at_least(1)
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="resilient-strategy", description=__doc__.split("\n\n")[0])
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -267,7 +267,7 @@ def as_torchrun(facts: Facts, framework: str, env: Mapping[str, str]) -> bool:
 def simulate_file(path: Path, real_env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """What ``resilient-strategy plan --simulate PATH`` decides: a Selection per framework."""
     facts, sim = load_simulation(path)
-    args = _parser().parse_args(["plan", "--simulate", str(path)])
+    args = build_parser().parse_args(["plan", "--simulate", str(path)])
     return {fw: _decide(args, facts, sim, fw, real_env or {})
             for fw in _frameworks(facts, sim.get("framework"))}
 
@@ -278,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .run.supervisor import main as run_main
 
         return run_main(args_list[1:])
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.logical_cpus and args.framework == "torch":
         parser.error("--logical-cpus is a TensorFlow test mode; it does not apply to torch")

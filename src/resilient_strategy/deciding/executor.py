@@ -139,7 +139,7 @@ def decide(
     if cache is not None and opts.probe != "force" and cache.usable():
         # "never" still learns from the cache, failures seen once included: nothing re-proves
         trusted, notes_ = _trusted(cache.entries(fingerprint), opts.probe != "never")
-        results.update(_still_valid(trusted, opts.timeout_s))
+        results.update(still_valid(trusted, opts.timeout_s))
         notes += notes_
     cached_keys = set(results)
     results.update(known or {})
@@ -221,7 +221,7 @@ def _trusted(
     return out, events
 
 
-def _still_valid(results: Mapping[str, ProbeResult], timeout_s: float) -> dict[str, ProbeResult]:
+def still_valid(results: Mapping[str, ProbeResult], timeout_s: float) -> dict[str, ProbeResult]:
     """Cached results that still hold for this run: a hang remembered from a shorter timeout
     than this run's (its elapsed time is the timeout it had) may just have been too impatient.
     A hang judged from the workers' progress (stuck in a collective) holds whatever the timeout."""

@@ -50,10 +50,7 @@ def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.exec
     """Prove ``spec`` on this machine within ``spec.timeout_s``; never raises for a failed probe,
     only :class:`~resilient_strategy.errors.GpuUnusableError` when a hung probe on GPUs, once
     killed, left a GPU that no longer initializes or runs a kernel (see :mod:`.health`)."""
-    global _swept
-    if not _swept:  # what a killed run of ours left (its pid gone, untouched for a while)
-        _swept = True
-        _files.sweep_temp_dirs()
+    _files.TEMP_SWEEP.once()  # what a killed run of ours left (its pid gone, untouched a while)
     # a SIGTERM while the workers run removes this directory too, then terminates the process
     with _proc.terminate_as_exception(), _files.temp_dir("rs-probe-") as tmp:
         commands = build_commands(spec, env, tmp, python=python, parent_pid=os.getpid())
@@ -92,7 +89,6 @@ def _fork_spawner(spec: ProbeSpec, env: Mapping[str, str], python: str) -> _proc
     return spawn
 
 
-_swept = False
 
 
 def worker_env(spec: ProbeSpec, env: Mapping[str, str]) -> dict[str, str]:
