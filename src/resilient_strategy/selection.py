@@ -62,7 +62,8 @@ class Selection:
     from_cache: bool = False
     proven: bool = True  # False when probing was off and a collective ran unproven
     launch: Launch = field(default_factory=Launch)
-    process_group_timeout_s: float = 300.0  # training collectives (torch process group)
+    #: seconds a training collective may wait for a peer (torch process group; TF across workers)
+    process_group_timeout: float = 300.0
     precision: str = "auto"
     logical_cpus: int = 0  # TF CPU test mode: replicas on logical CPU devices
     #: TensorFlow under a multi-worker TF_CONFIG: the workers and this one's id (chief 0)
@@ -168,6 +169,11 @@ class Selection:
         lines += [f"  - {t}" for t in self.plan.trace]
         return "\n".join(lines)
 
+    @property
+    def process_group_timeout_s(self) -> float:
+        """Deprecated alias of :attr:`process_group_timeout` (v0.2's name)."""
+        return self.process_group_timeout
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "framework": self.framework,
@@ -226,7 +232,7 @@ class Selection:
                 self.backend, devices, self.accumulation_steps, self.global_batch_size,
                 self.per_replica_batch_size, logical_cpus=self.logical_cpus,
                 workers=self.tf_workers if across else 1,
-                timeout_s=self.process_group_timeout_s if across else None,
+                timeout_s=self.process_group_timeout if across else None,
             )
         from .frameworks.torch import TorchRuntime
 
@@ -235,7 +241,7 @@ class Selection:
             self.backend, self.devices, self.accumulation_steps, self.global_batch_size,
             self.per_replica_batch_size, rank=self.launch.rank if world > 1 else 0,
             local_rank=self.launch.local_rank if world > 1 else 0, world_size=world,
-            timeout_s=self.process_group_timeout_s, precision=self.precision,
+            timeout_s=self.process_group_timeout, precision=self.precision,
         )
 
     @property

@@ -24,7 +24,7 @@ from .tfcluster import VAR as TF_CONFIG_VAR
 from .tfcluster import parse_tf_config
 
 __all__ = [
-    "BACKENDS", "DEFAULT_PG_TIMEOUT_S", "DEFAULT_TIMEOUT_S", "FRAMEWORKS", "FRAMEWORK_ALIASES",
+    "BACKENDS", "DEFAULT_PROCESS_GROUP_TIMEOUT", "DEFAULT_TIMEOUT_S", "FRAMEWORKS", "FRAMEWORK_ALIASES",
     "MULTI_BACKENDS", "PRECISIONS", "PROBE_MODES", "Launch", "Options", "RunOptions",
     "gradient_bytes_of", "options_from", "run_options_from",
 ]
@@ -32,11 +32,11 @@ __all__ = [
 DEFAULT_TIMEOUT_S = 30.0
 #: Collective timeout of the training process group. Not the probe's 30 s: a rank may rightly
 #: wait minutes for a peer that checkpoints or evaluates; not torch's 10 minutes either.
-DEFAULT_PG_TIMEOUT_S = 300.0
+DEFAULT_PROCESS_GROUP_TIMEOUT = 300.0
 
 # ----- ranges (inclusive upper bounds) -------------------------------------------------------
 MAX_TIMEOUT_S = 3600.0  # one probe
-MAX_PG_TIMEOUT_S = 7 * 86400.0  # a training collective: a week (timedelta and NCCL take it)
+MAX_PROCESS_GROUP_TIMEOUT = 7 * 86400.0  # a training collective: a week (timedelta and NCCL take it)
 MAX_CACHE_TTL_S = 366 * 86400.0
 MAX_SAMPLE_SECONDS = 3600.0
 #: Batch sizes fit a 32-bit integer; beyond, the divisor search of the batch split would take
@@ -108,7 +108,7 @@ class Options:
     probe: str = "auto"
     timeout_s: float = DEFAULT_TIMEOUT_S
     budget_s: float = 4 * DEFAULT_TIMEOUT_S
-    pg_timeout_s: float = DEFAULT_PG_TIMEOUT_S
+    process_group_timeout: float = DEFAULT_PROCESS_GROUP_TIMEOUT
     dry_run: bool = False
     cache_dir: Path | None = None  # None: no cache
     cache_ttl_s: float = DEFAULT_TTL_S
@@ -187,7 +187,7 @@ class Options:
                 "logical_cpus")
         _check_seconds("sample_seconds", self.sample_seconds, MAX_SAMPLE_SECONDS)
         _check_seconds("timeout", self.timeout_s, MAX_TIMEOUT_S)
-        _check_seconds("process_group_timeout", self.pg_timeout_s, MAX_PG_TIMEOUT_S)
+        _check_seconds("process_group_timeout", self.process_group_timeout, MAX_PROCESS_GROUP_TIMEOUT)
         _check_seconds("cache_ttl", self.cache_ttl_s, MAX_CACHE_TTL_S)
         if self.probe not in PROBE_MODES:
             raise InvalidOptionError(
@@ -370,7 +370,7 @@ def options_from(
     timeout = _number("timeout", timeout)
     cache_ttl = _number("cache_ttl", cache_ttl)
     sample_seconds = _number("sample_seconds", sample_seconds)
-    pg_timeout = _number("process_group_timeout", process_group_timeout)
+    group_timeout = _number("process_group_timeout", process_group_timeout)
     if devices is not None and (isinstance(devices, (str, bytes)) or not all(
         isinstance(d, int) and not isinstance(d, bool) for d in _iterable("devices", devices)
     )):
@@ -403,9 +403,9 @@ def options_from(
         probe = "never"
     if timeout is None:
         timeout = _env_seconds(env, "RESILIENT_STRATEGY_TIMEOUT", DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S)
-    if pg_timeout is None:
-        pg_timeout = _env_seconds(env, "RESILIENT_STRATEGY_PG_TIMEOUT", DEFAULT_PG_TIMEOUT_S,
-                                  MAX_PG_TIMEOUT_S)
+    if group_timeout is None:
+        group_timeout = _env_seconds(env, "RESILIENT_STRATEGY_PG_TIMEOUT", DEFAULT_PROCESS_GROUP_TIMEOUT,
+                                  MAX_PROCESS_GROUP_TIMEOUT)
     if model is not None and gradient_bytes is None:
         gradient_bytes = gradient_bytes_of(model)
     launch = _launch(env)
@@ -444,7 +444,7 @@ def options_from(
         probe=str(probe),
         timeout_s=float(timeout),
         budget_s=4 * float(timeout),
-        pg_timeout_s=float(pg_timeout),
+        process_group_timeout=float(group_timeout),
         dry_run=dry_run,
         cache_dir=(Path(cache_dir) if cache_dir else default_dir(env)) if use_cache else None,
         cache_ttl_s=DEFAULT_TTL_S if cache_ttl is None else float(cache_ttl),

@@ -80,4 +80,4 @@ def make_accelerator(sel: Selection, **overrides: Any) -> Any:
 def _timeout(sel: Selection) -> Any:
     from datetime import timedelta
 
-    return timedelta(seconds=sel.process_group_timeout_s)
+    return timedelta(seconds=sel.process_group_timeout)

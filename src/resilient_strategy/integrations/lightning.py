@@ -69,4 +69,4 @@ def trainer_kwargs(sel: Selection) -> dict[str, Any]:
 def _timeout(sel: Selection) -> Any:
     from datetime import timedelta
 
-    return timedelta(seconds=sel.process_group_timeout_s)
+    return timedelta(seconds=sel.process_group_timeout)
