@@ -29,6 +29,7 @@ from ..core.rules import Rule
 from ..core.trace import CachedFailure, Chosen, Event, FrameworkPicked, NextProbe, Note
 from ..errors import (
     FailureCause,
+    InvalidOptionError,
     InvalidVisibleDevicesError,
     NoWorkingStrategyError,
     RanksDisagreeError,
@@ -323,6 +324,7 @@ def resilient_strategy(
 
     handed = None if opts.dry_run else load_decision(snapshot)
     if handed is not None:  # a worker of `resilient-strategy run`: the decision is made
+        opts = handed_options(opts, handed)
         decision = _handed_decision(facts, opts, handed)
     else:
         decision = _agreed_decision(facts, opts, snapshot, prober, _clock or time.monotonic,
@@ -497,6 +499,23 @@ def _agreed_decision(
 # --------------------------------------------------------------------------------------------
 # A decision handed down by `resilient-strategy run`
 # --------------------------------------------------------------------------------------------
+def handed_options(opts: Options, handed: HandedDecision) -> Options:
+    """Under ``resilient-strategy run`` the handoff is the one source of the decided values: the
+    global batch the supervisor planned with (``--global-batch-size``) is the one this worker
+    trains; a script that passes another is an error naming both (never a silent second truth).
+    """
+    want = handed.global_batch_size
+    if want is None or opts.global_batch_size == want:
+        return opts
+    if opts.global_batch_size is None:
+        return replace(opts, global_batch_size=want)
+    raise InvalidOptionError(
+        f"`resilient-strategy run --global-batch-size {want}` decided for a global batch of "
+        f"{want}, but this script passes resilient_strategy(global_batch_size="
+        f"{opts.global_batch_size}); pass the same value to both, or drop one of them",
+        "global_batch_size")
+
+
 def _handed_decision(facts: Facts, opts: Options, handed: HandedDecision) -> Decision:
     """Re-plan from the supervisor's results (milliseconds, no probe) and take its candidate,
     with this script's own batch and model figures: every rank agrees by construction."""
