@@ -3,7 +3,8 @@ and spread over many, no GPU needed.
 
     python benchmarks/bench_plan.py [--repeat 5] [--max-gpus 1024] [--src PATH]
 
-Columns: GPUs the job uses, nodes, the links the facts hold (one per pair of GPUs on this node),
+Columns: GPUs the job uses, nodes, the links the facts hold (one per pair of GPUs on this node up
+to 16 GPUs; past that a uniform fabric is held once, with the pairs that differ listed),
 the first ``plan()`` on a Facts value (it indexes the links once), the median of later ones (the
 planner runs once per probe round), and a whole simulated decision on a new Facts value
 (``testing.simulate``: options, fingerprint, every plan round, probes answered from a table). ``--src`` runs
@@ -51,14 +52,16 @@ def main() -> None:
 
     rules = load_rules([], [])
     rows = []
-    shapes = [(n, 1) for n in (8, 64, 256, 1024)] + [(1024, 128), (1024, 16)]
-    for total, nodes in shapes:
+    # (GPUs, nodes, one pair without NVLink: the facts list it beside the fabric)
+    shapes = [(n, 1, False) for n in (8, 64, 256, 1024)] + [(1024, 1, True), (1024, 128, False),
+                                                            (1024, 16, False)]
+    for total, nodes, odd_pair in shapes:
         if total > args.max_gpus:
             continue
         local = total // nodes
         env = {"WORLD_SIZE": str(total), "LOCAL_WORLD_SIZE": str(local), "RANK": "0",
                "LOCAL_RANK": "0"}
-        facts = machine(local, nvlink=18, env=env)
+        facts = machine(local, nvlink=18, env=env, links={(0, 1): 0} if odd_pair else None)
         policy = policy_of("torch", global_batch_size=8 * total, world_size=total,
                            local_world_size=local, user_env=tuple(sorted(env)))
         first = time.perf_counter()  # builds the link index (once per Facts value)
@@ -69,7 +72,8 @@ def main() -> None:
         decide_s = _median_s(
             lambda f=facts, g=8 * total: simulate(replace(f), framework="torch", global_batch_size=g),
             args.repeat)
-        rows.append((total, nodes, len(facts.links), first_s, plan_s, decide_s))
+        held = f"{len(facts.links)}" + (" + fabric" if getattr(facts, "fabric", None) else "")
+        rows.append((total, nodes, held, first_s, plan_s, decide_s))
 
     print(f"source: {args.src}\n")
     print("| GPUs | nodes | links in facts | first plan() | plan() | whole simulated decision |")

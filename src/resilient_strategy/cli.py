@@ -127,11 +127,14 @@ def _facts_text(facts: Facts) -> list[str]:
                if vis.raw is not None else "  CUDA_VISIBLE_DEVICES unset: every GPU")
     out += [f"  note: {n}" for n in vis.notes]
     out += [f"  NVML could not read: {n}" for n in facts.nvml_notes]
-    if facts.links:
+    if facts.links or facts.fabric:
         out.append("Links:")
-        for ln in facts.links:
+        listed = [(f"{ln.a}-{ln.b}", ln) for ln in facts.links]
+        if facts.fabric is not None:
+            listed.append(("every other pair" if facts.links else "every pair", facts.fabric))
+        for name, ln in listed:
             nv = f"NVLink x{ln.nvlinks}" if ln.nvlinks else "no NVLink"
-            out.append(f"  {ln.a}-{ln.b}: {nv}, PCIe path {ln.topology}, P2P read {ln.p2p_read}")
+            out.append(f"  {name}: {nv}, PCIe path {ln.topology}, P2P read {ln.p2p_read}")
     if facts.driver_version:
         out.append(f"Driver {facts.driver_version} (CUDA {facts.cuda_driver_version})")
     h = facts.host

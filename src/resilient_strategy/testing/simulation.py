@@ -14,7 +14,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..core.facts import P2P_STATUSES, TOPOLOGY_LEVELS, Facts, FrameworkInfo, Gpu, Host, Link
+from ..core.facts import (
+    FABRIC_MIN_GPUS,
+    P2P_STATUSES,
+    TOPOLOGY_LEVELS,
+    Facts,
+    FrameworkInfo,
+    Gpu,
+    Host,
+    Link,
+    compact_links,
+)
 from ..core.probe import CAUSES, ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec
 from ..errors import InvalidOptionError, ResilientStrategyError
 from ..machine import files as _files
@@ -156,7 +166,9 @@ def machine(
     per_pair = _link_specs(links, indices, nvlink, topology, p2p)
     instances = _mig_counts(mig, indices)
     physical_links: list[Link] = []
-    for i, a in enumerate(physical):
+    # a uniform machine past FABRIC_MIN_GPUS: its one kind of link, never N^2 of them
+    uniform = not per_pair and not instances and len(physical) > FABRIC_MIN_GPUS
+    for i, a in enumerate(() if uniform else physical):
         for b in physical[i + 1:]:
             pa, pb = _physical_index(a), _physical_index(b)
             n, top, p2p_read = per_pair.get((pa, pb), (nvlink, topology, p2p))
@@ -182,7 +194,11 @@ def machine(
     )
     by_index = {p.index: p for p in parents}
     gs = tuple(job_gpu(i, d, by_index[d.physical]) for i, d in enumerate(resolution.devices))
-    visible_links = renumber_links(resolution.devices, physical_links)
+    visible_links, fabric = compact_links(len(gs), renumber_links(resolution.devices,
+                                                                  physical_links))
+    if uniform:
+        fabric = Link(0, 0, topology=topology, nvlinks=nvlink, p2p_read=p2p,
+                      p2p_nvlink="ok" if nvlink else "not_supported")
     fws = []
     if torch:
         fws.append(FrameworkInfo("torch", torch, "torch", torch_cuda, torch_nccl, tuple(torch_archs)))
@@ -196,6 +212,7 @@ def machine(
     return Facts(
         gpus=gs,
         links=visible_links,
+        fabric=fabric,
         driver_version=driver if physical else None,
         cuda_driver_version="13.0" if physical else None,
         nvml_error=nvml_error if nvml_error or physical else "no GPU in this description",
