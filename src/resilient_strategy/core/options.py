@@ -20,6 +20,7 @@ from ..errors import FrameworkNotInstalledError, InvalidOptionError
 from ..vocab import BACKENDS, FRAMEWORK_ALIASES, FRAMEWORKS, MULTI_BACKENDS, PRECISIONS, PROBE_MODES
 from .facts import Facts
 from .rules import Rule, load_rules
+from .signatures import signatures_from_env
 from .tfcluster import VAR as TF_CONFIG_VAR
 from .tfcluster import parse_tf_config
 
@@ -418,6 +419,7 @@ def options_from(
     extra_rules: list[str | Path | Rule] = [*_env_list(env, "RESILIENT_STRATEGY_RULES", os.pathsep)]
     extra_rules += list(rules)
     disabled = [*_env_list(env, "RESILIENT_STRATEGY_DISABLE_RULES"), *disable_rules]
+    signatures_from_env(env, os.pathsep)  # the user's signature files: a bad one fails here
     # The logical-CPU test mode proves nothing about this machine's GPUs: keep it out of the cache.
     use_cache = cache and env.get("RESILIENT_STRATEGY_CACHE", "1") != "0" and not logical_cpus
     cluster = parse_tf_config(env.get(TF_CONFIG_VAR)) if fw == "tensorflow" else None

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ..core.probe import ERROR, ProbeResult, ProbeSpec, parse_probe
+from ..core.signatures import signatures_from_env
 from ..errors import InvalidOptionError
 from ..machine import files as _files
 from ..records.progress import StallPolicy
@@ -63,7 +64,8 @@ def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.exec
         except OSError as exc:
             return ProbeResult(spec.candidate, ERROR, cause="worker_error",
                                detail=f"could not start the probe worker {python!r}: {exc}")
-    result = parse_probe(spec, group.outcomes, group.elapsed_s, group.timed_out, group.stall)
+    result = parse_probe(spec, group.outcomes, group.elapsed_s, group.timed_out, group.stall,
+                         signatures_from_env(env, os.pathsep))
     health.check_after(spec, result, env, python=python)
     return result
 

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..core.signatures import Signatures, builtin_signatures
 from ..records.progress import (
     COLLECTIVE,
     STEP_DONE,
@@ -33,18 +34,35 @@ _COMM_TEXT = re.compile(
 _OOM_TEXT = re.compile(r"out of memory|OOM when allocating", re.IGNORECASE)
 
 
-def classify_error(types: Sequence[str], message: str) -> str:
-    """"oom", "comm", "exit" (SystemExit) or "user" for an exception's MRO names and message."""
+def classify_error(types: Sequence[str], message: str,
+                   signatures: Signatures | None = None) -> str:
+    """"oom", "comm", "exit" (SystemExit) or "user" for an exception's MRO names and message.
+    The message is placed through the signature table (``core/signatures.toml``, the one the
+    probe parser reads; the built-in table when ``signatures`` is None)."""
     names = {t.rsplit(".", 1)[-1] for t in types}
-    if names & set(_OOM_TYPES) or _OOM_TEXT.search(message):
+    placed = (signatures or builtin_signatures()).classify(message)
+    if names & set(_OOM_TYPES) or placed == "oom" or _OOM_TEXT.search(message):
         return "oom"
     if names & set(_COMM_TYPES):
         return "comm"
     if "SystemExit" in names:
         return "exit"
-    if names & {"RuntimeError", "OSError", "ConnectionError"} and _COMM_TEXT.search(message):
+    if names & {"RuntimeError", "OSError", "ConnectionError"} and (
+            placed != "worker_error" or _COMM_TEXT.search(message)):
         return "comm"
     return "user"
+
+
+def error_cause(exits: Sequence[RankExit], signatures: Signatures | None = None) -> str:
+    """The cause the signature table places on the first failed rank's error or output ("" when
+    it places none): what the planner's remedies key on after a mid-run fault."""
+    table = signatures or builtin_signatures()
+    for e in exits:
+        for text in (str((e.error or {}).get("message", "")), e.stderr_tail):
+            placed = table.classify(text)
+            if placed != "worker_error":
+                return placed
+    return ""
 
 
 @dataclass(frozen=True)
@@ -127,8 +145,8 @@ def classify_attempt(stall: Stall | None, exits: Sequence[RankExit]) -> Verdict:
     if "user" in kinds or "exit" in kinds:
         return Verdict("user", f"the script failed: {text}", step)
     if "comm" in kinds:
-        cause = "nccl_error" if any("nccl" in str((e.error or {}).get("message", "")).lower()
-                                    for e in exits) else "crash"
+        cause = error_cause(exits) or ("nccl_error" if any(
+            "nccl" in str((e.error or {}).get("message", "")).lower() for e in exits) else "crash")
         return Verdict("backend", f"a communication error: {text}", step, cause)
     in_collective = [e for e in exits if e.record is not None and e.record.phase == COLLECTIVE]
     comm_tail = [e for e in exits if _COMM_TEXT.search(e.stderr_tail)]
