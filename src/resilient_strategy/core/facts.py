@@ -128,6 +128,24 @@ class Host:
     platform: str = "linux"
 
 
+#: Link layers of an RDMA port (``/sys/class/infiniband/*/ports/*/link_layer``).
+RDMA_LINK_LAYERS = ("", "infiniband", "ethernet")
+
+
+@dataclass(frozen=True)
+class Platform:
+    """Facts of the platform around the GPUs that decide a remedy: NVSwitch fabric, hypervisor,
+    RDMA link layer, the route to the job's MASTER_ADDR. ``None`` / ``""`` mean unknown (no
+    remedy gated on it applies)."""
+
+    nvswitch: bool | None = None  # NVSwitches present (an HGX board): NVLS can apply
+    hypervisor: str = ""  # "kvm", "vmware", "hyperv", "xen", ... ("" none seen)
+    rdma_link_layer: str = ""  # one of RDMA_LINK_LAYERS: "ethernet" is RoCE
+    rdma_devices: tuple[str, ...] = ()  # HCA names, e.g. ("mlx5_0", "mlx5_1")
+    master_ifname: str = ""  # the interface whose route reaches MASTER_ADDR
+    hostname_loopback: bool | None = None  # the hostname resolves to 127.x / ::1
+
+
 @dataclass(frozen=True)
 class FrameworkInfo:
     """A framework as seen without importing it (and whether it is imported / initialized)."""
@@ -168,6 +186,9 @@ class LinkSummary:
     any_pcie_only: bool  # some pair has no NVLink (or no link fact)
     p2p_unsupported: bool  # some pair without NVLink reports P2P as not usable
     cross_socket: bool  # some pair crosses CPU sockets
+    any_nvlink: bool = False  # some pair has an NVLink
+    any_switch: bool = False  # some pair without NVLink shares a PCIe switch (PIX / PXB)
+    any_host_path: bool = False  # some pair without NVLink crosses a host bridge or CPU
 
 
 _NO_PEERS: frozenset[int] = frozenset()
@@ -214,6 +235,7 @@ class Facts:
     #: machine of N GPUs costs O(N + exceptions), not O(N^2) (:func:`compact_links`). None: an
     #: unlisted pair has no link fact.
     fabric: Link | None = None
+    platform: Platform = field(default_factory=Platform)
 
     # ----- lookups -----------------------------------------------------------------------------
     def framework(self, name: str) -> FrameworkInfo:
@@ -259,28 +281,36 @@ class Facts:
             indices = {g.index for g in self.gpus}
             pairs = len(indices) * (len(indices) - 1) // 2
             nvlinked = 0
-            p2p_unsupported = cross_socket = False
+            p2p_unsupported = cross_socket = switch = host_path = False
             for (a, b), ln in index.by_pair.items():
                 if a not in indices or b not in indices:
                     continue
+                cross_socket = cross_socket or ln.topology == "system"
                 if ln.nvlinks > 0:
                     nvlinked += 1
-                elif ln.p2p_read not in ("ok", "unknown"):
+                    continue
+                switch = switch or ln.topology in ("single", "multiple")
+                host_path = host_path or ln.topology in ("hostbridge", "node", "system")
+                if ln.p2p_read not in ("ok", "unknown"):
                     p2p_unsupported = True
-                cross_socket = cross_socket or ln.topology == "system"
             listed = sum(1 for a, b in index.by_pair if a in indices and b in indices)
             fab = self.fabric
             if fab is not None and listed < pairs:  # the pairs the fabric connects
                 if fab.nvlinks > 0:
                     nvlinked += pairs - listed
-                elif fab.p2p_read not in ("ok", "unknown"):
-                    p2p_unsupported = True
+                else:
+                    switch = switch or fab.topology in ("single", "multiple")
+                    host_path = host_path or fab.topology in ("hostbridge", "node", "system")
+                    p2p_unsupported = p2p_unsupported or fab.p2p_read not in ("ok", "unknown")
                 cross_socket = cross_socket or fab.topology == "system"
             index.summary = LinkSummary(
                 all_nvlink=pairs > 0 and nvlinked == pairs,
                 any_pcie_only=nvlinked < pairs,
                 p2p_unsupported=p2p_unsupported,
                 cross_socket=cross_socket,
+                any_nvlink=nvlinked > 0,
+                any_switch=switch,
+                any_host_path=host_path,
             )
         return index.summary
 
@@ -337,6 +367,7 @@ class Facts:
             env=env_pairs,
             nvml_notes=tuple(str(n) for n in data.get("nvml_notes", ())),
             fabric=_make(Link, data["fabric"], "fabric") if data.get("fabric") else None,
+            platform=_platform(data.get("platform", {})),
         )
 
     def fingerprint(self) -> str:
@@ -368,6 +399,8 @@ class Facts:
         if self.fabric is not None:  # absent otherwise: fingerprints of listed machines unchanged
             key["fabric"] = [self.fabric.topology, self.fabric.nvlinks, self.fabric.p2p_read,
                              self.fabric.p2p_nvlink]
+        if self.platform != Platform():  # unknown platform facts keep the older fingerprints
+            key["platform"] = asdict(self.platform)
         blob = json.dumps(key, sort_keys=True, default=list).encode()
         digest = hashlib.sha256(blob).hexdigest()[:16]
         object.__setattr__(self, "_fingerprint", digest)  # a cache, not a field
@@ -384,6 +417,17 @@ def _check_keys(cls: type, data: Mapping[str, Any], what: str) -> None:
 def _make(cls: type, data: Mapping[str, Any], what: str) -> Any:
     _check_keys(cls, data, what)
     return cls(**data)
+
+
+def _platform(data: Mapping[str, Any]) -> Platform:
+    d = dict(data)
+    if "rdma_devices" in d:
+        d["rdma_devices"] = tuple(str(x) for x in d["rdma_devices"])
+    value: Platform = _make(Platform, d, "platform")
+    if value.rdma_link_layer not in RDMA_LINK_LAYERS:
+        raise ValueError(f"platform.rdma_link_layer must be one of {RDMA_LINK_LAYERS}, not "
+                         f"{value.rdma_link_layer!r}")
+    return value
 
 
 def _gpu(data: Mapping[str, Any]) -> Gpu:

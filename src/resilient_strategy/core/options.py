@@ -19,6 +19,8 @@ from typing import Any
 from ..errors import FrameworkNotInstalledError, InvalidOptionError
 from ..vocab import BACKENDS, FRAMEWORK_ALIASES, FRAMEWORKS, MULTI_BACKENDS, PRECISIONS, PROBE_MODES
 from .facts import Facts
+from .remedies import ENV_VAR as REMEDIES_VAR
+from .remedies import Remedies, builtin_remedies, load_remedies
 from .rules import Rule, load_rules
 from .signatures import signatures_from_env
 from .tfcluster import VAR as TF_CONFIG_VAR
@@ -114,6 +116,8 @@ class Options:
     cache_dir: Path | None = None  # None: no cache
     cache_ttl_s: float = DEFAULT_TTL_S
     rules: tuple[Rule, ...] = ()
+    #: cause -> remedies (remedies.toml plus the user's RESILIENT_STRATEGY_REMEDIES files)
+    remedies: Remedies = field(default_factory=builtin_remedies, compare=False, repr=False)
     precision: str = "auto"
     framework_reason: str = ""
     quiet: bool | None = None  # None: a progress line per probe when stderr is a terminal
@@ -454,6 +458,7 @@ def options_from(
         precision=precision,
         framework_reason=why,
         quiet=quiet,
+        remedies=load_remedies(_env_list(env, REMEDIES_VAR, os.pathsep)),
     )
 
 

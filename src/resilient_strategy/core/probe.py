@@ -17,9 +17,10 @@ from typing import Any, Protocol, TypeVar
 
 from ..errors import FileFormatError
 from .bounded import parse_json
-from .causes import CAUSES, HANG_WORDS
-from .signatures import Signatures, builtin_signatures
+from .causes import CAUSES as CAUSES  # re-exported: the causes' long-standing home
+from .causes import HANG_WORDS as HANG_WORDS
 from .outcome import WorkerOutcome
+from .signatures import Signatures, builtin_signatures
 
 
 class Stall(Protocol):

@@ -467,6 +467,9 @@ def _agreed_decision(
     if not launch.launched or opts.dry_run:
         return decide(facts, opts, env, prober, clock, progress, startup_check)
     if launch.multi_node and opts.framework == "torch":
+        if opts.simulated:  # described outcomes speak for the whole job: no store, no network
+            return decide(facts, opts, env, prober, clock, progress, startup_check,
+                          cross_node=True)
         from ..nodes.manynodes import agreed_decision
 
         p, results, from_cache, proven = agreed_decision(

@@ -15,6 +15,7 @@ Probe outcomes are given per candidate: ``{"nccl": "timeout", "nccl+NCCL_P2P_DIS
 
 from __future__ import annotations
 
+from ..core.facts import Platform
 from .fakes import FakeProber, Outcome, gpu, machine, simulate
 
-__all__ = ["FakeProber", "Outcome", "gpu", "machine", "simulate"]
+__all__ = ["FakeProber", "Outcome", "Platform", "gpu", "machine", "simulate"]

@@ -23,9 +23,11 @@ from ..core.facts import (
     Gpu,
     Host,
     Link,
+    Platform,
     compact_links,
 )
-from ..core.probe import CAUSES, ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec
+from ..core.outcome import WorkerOutcome
+from ..core.probe import CAUSES, ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec, parse_probe
 from ..errors import InvalidOptionError, ResilientStrategyError
 from ..machine import files as _files
 from ..machine.visible import (
@@ -98,6 +100,7 @@ def machine(
     nvml_notes: Sequence[str] = (),
     imported: Sequence[str] = (),
     gpu_initialized: Sequence[str] = (),
+    platform_facts: Platform | Mapping[str, Any] | None = None,
 ) -> Facts:
     """Facts for a described machine, as :func:`resilient_strategy.machine.inspect.detect_facts` would
     report them. Every argument is checked: a wrong one is an ``InvalidOptionError`` naming it.
@@ -113,9 +116,13 @@ def machine(
     instances per physical GPU (``{0: 2}``: GPU 0 has two, ``MIG-fake-0000-0`` and ``-1``, which
     ``CUDA_VISIBLE_DEVICES`` can name). ``imported`` / ``gpu_initialized`` name frameworks this
     process imported (and whose GPU runtime started); ``nvml_notes`` are values NVML could not
-    read.
+    read. ``platform_facts`` is the platform around the GPUs as one value (:class:`Platform`, or
+    its fields as a mapping: ``{"nvswitch": true, "rdma_link_layer": "ethernet",
+    "rdma_devices": ["mlx5_0"], "master_ifname": "eth0", "hypervisor": "kvm",
+    "hostname_loopback": true}``).
     """
     env_map = _string_map("env", env)
+    plat = _platform_value(platform_facts)
     _cc("machine", cc)
     _number("machine", "memory_gb", memory_gb)
     _check_int("machine", "nvlink", nvlink)
@@ -223,7 +230,19 @@ def machine(
         frameworks=tuple(fws),
         env=tuple(sorted(env_map.items())),
         nvml_notes=tuple(nvml_notes),
+        platform=plat,
     )
+
+
+def _platform_value(value: Platform | Mapping[str, Any] | None) -> Platform:
+    if value is None or isinstance(value, Platform):
+        return value or Platform()
+    if not isinstance(value, Mapping):
+        raise _bad("platform_facts", value, "a Platform value or a mapping of its fields")
+    try:
+        return Facts.from_dict({"platform": dict(value)}).platform
+    except (TypeError, ValueError) as exc:
+        raise _bad("platform_facts", value, f"Platform fields ({exc})") from None
 
 
 # ----- argument checks for gpu() / machine() -----------------------------------------------------
@@ -348,7 +367,9 @@ class SimulatedProber:
     """Answers probes from a table instead of running them, and records what was asked.
 
     Outcomes: "ok", "ok:<GB/s>", "timeout" (a hang cut at the deadline), "hang:<kind>" (a hang
-    judged from progress: setup, collective, straggler, quiet), "error:<cause>".
+    judged from progress: setup, collective, straggler, quiet), "error:<cause>",
+    "fails:<text>" (what the failing worker printed, verbatim: the signature table places it,
+    as it places a real probe's), "signal:<number>" (a worker killed by that signal).
 
     Keys: a backend with no extra environment ("nccl", "gloo", "hierarchical_copy", ...); a
     backend with the exact environment of a remedy ("nccl+NCCL_P2P_DISABLE=1", several sorted
@@ -414,11 +435,25 @@ def _parse(candidate: str, out: Outcome) -> ProbeResult:
                            extra=(("hang", arg),))
     if kind == ERROR and arg in CAUSES:
         return ProbeResult(candidate, ERROR, 1.0, arg, "simulated failure")
+    if kind == "fails" and arg.strip():
+        return _as_reported(candidate, WorkerOutcome(
+            0, 1, report=json.dumps({"status": "error", "error": arg}), failed_first=True))
+    if kind == "signal" and arg.isdigit() and 1 <= int(arg) <= 64:
+        return _as_reported(candidate, WorkerOutcome(0, -int(arg), signal=int(arg),
+                                                     failed_first=True))
     raise ValueError(
         f"probe outcome {out!r}: use 'ok', 'ok:<GB/s>', 'timeout', 'hang:<kind>' with a kind in "
-        f"{list(HANG_KINDS)} (a hang cut early, from progress) or 'error:<cause>' with a cause "
-        f"in {sorted(c for c in CAUSES if c)}"
+        f"{list(HANG_KINDS)} (a hang cut early, from progress), 'error:<cause>' with a cause "
+        f"in {sorted(c for c in CAUSES if c)}, 'fails:<the text the failure printed>' (placed "
+        "by the signature table) or 'signal:<number>' (a worker killed by that signal)"
     )
+
+
+def _as_reported(candidate: str, outcome: WorkerOutcome) -> ProbeResult:
+    """What the probe parser makes of one failed worker, through the signature table (the
+    built-in one), exactly as a real probe's result is made."""
+    spec = ProbeSpec(candidate, "torch", "nccl", ())
+    return replace(parse_probe(spec, [outcome], 1.0, False), stderr_tail="")
 
 
 FakeProber = SimulatedProber  # the testing kit's name for it
@@ -428,11 +463,14 @@ FakeProber = SimulatedProber  # the testing kit's name for it
 SIMULATION_KEYS = frozenset({
     "what", "framework", "global_batch_size", "gradient_bytes", "sample_seconds", "machine",
     "facts", "probes", "expect",
+    # a field case (examples/machines/field/): where it was reported, its family, what it said
+    "source", "family", "reported",
 })
 #: Fields of a machine case's ``expect`` block (the decision it must reach; tests replay it).
 EXPECT_KEYS = frozenset({
     "backend", "devices", "num_replicas", "accumulation_steps", "per_replica_batch_size", "env",
     "probed", "rules_fired", "explain_contains",
+    "causes",  # {probe key: the cause its failure was placed on}, e.g. {"nccl": "nvls_multicast"}
 })
 
 
