@@ -75,3 +75,9 @@ CAUSES: dict[str, str] = {
     "inter_worker": "the collective between the TF_CONFIG workers failed (each worker's one "
     "process of MultiWorkerMirroredStrategy, which agree on each verdict)",
 }
+
+
+#: Causes that speak for every GPU of the process, not one backend: after a probe fails with
+#: one, no candidate on these GPUs is tried (a CUDA that cannot initialise never becomes "one
+#: GPU" silently).
+GPU_WIDE_CAUSES = frozenset({"cuda_init"})

@@ -19,6 +19,7 @@ from .estimate import ASSUMED_GRADIENT_BYTES, Estimate, estimate
 from .facts import Facts
 from .human import human_bytes
 from .probe import TIMEOUT, ProbeResult
+from .causes import GPU_WIDE_CAUSES
 from .remedies import SETUP_HANG
 from .rules import FactValue, Rule, fact_values, fired
 from .trace import (
@@ -396,6 +397,12 @@ def _apply_results(
             out.append(c)
             continue
         b.rule_out(c, "probe", res.why(), result=res)
+        if res.cause in GPU_WIDE_CAUSES:  # no GPU of this process runs: every GPU candidate out
+            for other in [x for x in out + queue[i:] if x.devices and not x.logical_cpus]:
+                b.rule_out(other, "probe", f"{c.label} failed: {res.why()}", result=res)
+            out = [x for x in out if not x.devices or x.logical_cpus]
+            queue = queue[:i] + [x for x in queue[i:] if not x.devices or x.logical_cpus]
+            continue
         if c.backend not in ("nccl", "gloo"):
             continue
         # Plain NCCL's (or gloo's) failure suggests its cause's remedies (remedies.toml, each
@@ -407,15 +414,20 @@ def _apply_results(
         if (cause == "timeout" and dict(res.extra).get("hang") == "setup"
                 and policy.remedies.for_cause(SETUP_HANG, c.backend, values)):
             cause, label = SETUP_HANG, _SETUP_HANG_WORDS
-        options = [env for _, env in policy.remedies.for_cause(cause, c.backend, values)]
+        options = list(policy.remedies.for_cause(cause, c.backend, values))
         if c.origin != "chain":
             if (res.status == TIMEOUT or c.origin == f"after {label}"
                     or len(c.env) >= MAX_COMPOSED_VARS):
                 continue
             options = options[:1]
         at = i
-        for env in options:
-            if set(env.items()) <= set(c.env) or _user_set(policy, env):
+        for remedy_entry, env in options:
+            if set(env.items()) <= set(c.env):
+                continue
+            taken = _user_set(policy, env)
+            if taken:  # the user's value stands, and the trace names it
+                b.events.append(UserSettingKept(f"{remedy_entry.id} (remedy for {label})",
+                                                tuple(taken)))
                 continue
             remedy = _with_env(c, env, f"after {label}")
             if any(x.key == remedy.key for x in queue) or any(
