@@ -137,3 +137,20 @@ def test_small_machines_list_every_pair() -> None:
 
     facts = machine(8, nvlink=4)
     assert facts.fabric is None and len(facts.links) == 28
+
+
+def test_platform_facts_round_trip_and_leave_old_fingerprints_alone() -> None:
+    from resilient_strategy.core.facts import Platform
+    from resilient_strategy.testing import machine
+
+    plain = machine(2)
+    described = machine(2, platform_facts=Platform(nvswitch=True, rdma_link_layer="ethernet",
+                                                   rdma_devices=("mlx5_0",), master_ifname="eth0"))
+    assert Facts.from_dict(described.to_dict()) == described
+    assert Facts.from_dict(plain.to_dict()).fingerprint() == plain.fingerprint()
+    assert described.fingerprint() != plain.fingerprint()
+    key = plain.to_dict()
+    del key["platform"]  # a description written before platform facts existed
+    assert Facts.from_dict(key).fingerprint() == plain.fingerprint()
+    with pytest.raises(ValueError):
+        Facts.from_dict({**plain.to_dict(), "platform": {"rdma_link_layer": "token-ring"}})

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 from ..errors import InvalidOptionError
 from ..vocab import MULTI_WORKER_BACKENDS
 from .candidate import Candidate
+from .causes import GPU_WIDE_CAUSES
 from .estimate import ASSUMED_GRADIENT_BYTES, Estimate, estimate
 from .facts import Facts
 from .human import human_bytes
 from .probe import TIMEOUT, ProbeResult
-from .causes import GPU_WIDE_CAUSES
 from .remedies import SETUP_HANG
 from .rules import FactValue, Rule, fact_values, fired
 from .trace import (
