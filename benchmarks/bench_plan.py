@@ -9,7 +9,10 @@ the first ``plan()`` on a Facts value (it indexes the links once), the median of
 planner runs once per probe round), and a whole simulated decision on a new Facts value
 (``testing.simulate``: options, fingerprint, every plan round, probes answered from a table). ``--src`` runs
 the same rows against another checkout's ``src`` (to compare with the code before a change).
-Prints a markdown table.
+Prints a markdown table. Then the field catalogue (``examples/machines/field``, issue 19): the
+time to decide every case (probes answered from each case's reported outcomes, none run), the
+largest number of probes any case spends before its decision, the cases per family, the causes
+in the signature table, the remedies, and how many cases keep NCCL at full replica count.
 """
 
 from __future__ import annotations
@@ -81,6 +84,42 @@ def main() -> None:
     for total, nodes, links, first_s, plan_s, decide_s in rows:
         print(f"| {total} | {nodes} | {links} | {first_s * 1e3:.2f} ms | {plan_s * 1e3:.2f} ms "
               f"| {decide_s * 1e3:.1f} ms |")
+    catalogue(Path(args.src).resolve().parent)
+
+
+def catalogue(root: Path) -> None:
+    """The field catalogue's row: decide every case, as ``plan --simulate`` does."""
+    import json
+    from collections import Counter
+
+    from resilient_strategy.cli import simulate_file
+    from resilient_strategy.core.remedies import builtin_remedies
+    from resilient_strategy.core.signatures import builtin_signatures
+
+    paths = sorted((root / "examples" / "machines" / "field").glob("*.json"))
+    if not paths:
+        return
+    families: Counter[str] = Counter()
+    probes, keep = [], 0
+    t = time.perf_counter()
+    for path in paths:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        families[data.get("family", "?")] += 1
+        sel = next(iter(simulate_file(path).values()))
+        probes.append((len(sel.results), path.stem))
+        keep += sel.backend in ("nccl", "mw_nccl") and \
+            sel.num_replicas >= sel.plan.reference_replicas
+    total_s = time.perf_counter() - t
+    most = max(probes)
+    causes = builtin_signatures().causes
+    print(f"\nfield catalogue: {len(paths)} cases decided in {total_s * 1e3:.0f} ms "
+          f"({total_s / len(paths) * 1e3:.1f} ms a case, no probe run); most probes: {most[0]} "
+          f"({most[1]}); keep NCCL at full replica count: {keep}/{len(paths)} "
+          f"({keep / len(paths):.0%}); signature table: {len(builtin_signatures().entries)} "
+          f"entries over {len(causes)} causes; remedies: {len(builtin_remedies().remedies)}\n")
+    print("| family | cases |\n|---|--:|")
+    for family, n in sorted(families.items()):
+        print(f"| {family} | {n} |")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from resilient_strategy.core.causes import CAUSES
-from resilient_strategy.core.probe import ERROR, ProbeSpec, WorkerOutcome, parse_probe
+from resilient_strategy.core.outcome import WorkerOutcome
+from resilient_strategy.core.probe import ERROR, ProbeSpec, parse_probe
 from resilient_strategy.core.signatures import (
     KINDS,
     VERSION,
