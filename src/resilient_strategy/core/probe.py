@@ -88,7 +88,19 @@ CAUSES: dict[str, str] = {
     "budget": "not probed: the time budget for the whole decision was spent (timeout= x 4)",
     "inter_worker": "the collective between the TF_CONFIG workers failed (each worker's one "
     "process of MultiWorkerMirroredStrategy, which agree on each verdict)",
+    # The machine's state, not the backend's: never cached (see ENVIRONMENTAL_CAUSES).
+    "no_space": "a disk the run writes to is full (No space left on device, often the temp "
+    "directory): free space there, or point TMPDIR at a disk with room, and run again",
+    "too_many_files": "the process ran out of file descriptors (Too many open files): raise the "
+    "limit (ulimit -n 65536) or use fewer DataLoader workers, and run again",
+    "permission": "a file or directory the run needs is not writable or readable by this user "
+    "(Permission denied): fix its owner or mode (or TMPDIR), and run again",
 }
+
+#: Causes that come from the state of the machine (a full disk, the descriptor limit, a file's
+#: permissions), not from the candidate: they say nothing about the backend, so they are never
+#: cached and never rule a candidate out beyond the run that met them.
+ENVIRONMENTAL_CAUSES = frozenset({"no_space", "too_many_files", "permission"})
 
 
 @dataclass(frozen=True)
@@ -238,6 +250,15 @@ _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
     # Before nccl_invalid_usage, which NCCL reports it as (seen on an H100, NCCL 2.28.9, two
     # simulated nodes on one GPU): no NCCL_* variable is at fault.
     ("nccl_duplicate_gpu", re.compile(r"Duplicate GPU detected", re.I)),
+    # The machine's state (ENVIRONMENTAL_CAUSES), before the backends' own words: a CUDA or NCCL
+    # error printed on the way out must not hide the full disk that caused it.
+    # pytorch/tutorials#3171 (ENOSPC under torch.distributed), huggingface/lerobot#59 (a full
+    # temp directory; TMPDIR elsewhere fixes it)
+    ("no_space", re.compile(r"No space left on device|\bENOSPC\b|\[Errno 28\]", re.I)),
+    # pytorch/pytorch#14768, pytorch/pytorch#34768 (the descriptor limit; ulimit -n)
+    ("too_many_files", re.compile(r"Too many open files|\bE[MN]FILE\b|\[Errno 2[34]\]", re.I)),
+    # https://docs.python.org/3/library/exceptions.html#PermissionError (EACCES / EPERM)
+    ("permission", re.compile(r"Permission denied|\bEACCES\b|\[Errno 13\]", re.I)),
     ("nccl_invalid_usage", re.compile(r"invalid usage|ncclInvalidUsage|ncclInvalidArgument", re.I)),
     ("no_kernel_image", re.compile(r"no kernel image|not compatible with the current PyTorch|"
                                    r"sm_\d+ is not compatible", re.I)),

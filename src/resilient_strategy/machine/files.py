@@ -130,6 +130,23 @@ def _fix_dir(where: str) -> str:
     return f"Remove or rename {where}, or {_OTHER_DIR}."
 
 
+def safe_name(name: str) -> bool:
+    """Whether ``name`` can be one file name of ours in a directory of ours: letters, digits,
+    ``-``, ``_`` and ``.`` only, not starting with a dot, at most 128 characters (so a name the
+    user typed, a fingerprint, never walks out of the directory)."""
+    return (0 < len(name) <= 128 and not name.startswith(".")
+            and all(c.isascii() and (c.isalnum() or c in "-_.") for c in name))
+
+
+def free_bytes(path: str | Path) -> int | None:
+    """Bytes free to this user on the filesystem of ``path``; None when unknown."""
+    try:
+        st = os.statvfs(path)
+    except (OSError, AttributeError):  # AttributeError: no statvfs on Windows
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 # --------------------------------------------------------------------------------------------
 # Reading
 # --------------------------------------------------------------------------------------------
