@@ -209,6 +209,24 @@ class DecisionCache:
             log.warning("resilient_strategy: cannot write cache %s (%s); continuing", path, exc)
             return False
 
+    def report(self, this_machine: str | None = None, now: float | None = None) -> dict[str, Any]:
+        """What is cached, per fingerprint, as JSON-able data (``cache show``, ``doctor``): each
+        entry's candidate, status, cause, ``seen``, time, whether it expired, and why it is
+        ignored (:func:`refusal`), if it is. ``this_machine``: the fingerprint to mark."""
+        now = time.time() if now is None else now
+        out: dict[str, Any] = {}
+        for fp in self.fingerprints():
+            rows = []
+            for key, e in sorted(self.all_entries(fp).items()):
+                rows.append({"candidate": key, "status": e.result.status, "cause": e.result.cause,
+                             "detail": e.result.detail, "seen": e.seen, "at": e.at,
+                             "expired": abs(now - e.at) > self.ttl_s,
+                             "ignored": refusal(e.result)})
+            out[fp] = {"this_machine": fp == this_machine, "path": str(self.path(fp)),
+                       "entries": rows}
+        return {"directory": str(self.directory), "ttl_s": self.ttl_s,
+                "this_machine": this_machine, "fingerprints": out}
+
     def record_midrun(self, fingerprint: str, failure: ProbeResult, probe: ProbeResult | None,
                       now: float | None = None) -> bool:
         """Cache a mid-run failure only as the probe that reproduced it: ``probe`` is a probe of
