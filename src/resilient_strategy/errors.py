@@ -137,6 +137,19 @@ class UnsafePathError(ResilientStrategyError):
         super().__init__(f"{path}: {problem}; refused. {fix}")
 
 
+class NoSpaceError(ResilientStrategyError):
+    """A file this library must write before training could not get its blocks: the disk (or
+    the user's quota) is full. Named, with the fix, instead of a SIGBUS or a hang later."""
+
+    def __init__(self, path: str, what: str) -> None:
+        self.path = path
+        self.what = what
+        directory = path.rpartition("/")[0] or "."
+        super().__init__(
+            f"{path}: no space left on device for {what}. Free space in {directory}, or point "
+            "TMPDIR (the run's files live there) at a disk with room, and run again.")
+
+
 class FileFormatError(ResilientStrategyError, ValueError):
     """A file this library reads is too large, nested too deep, or not what it should hold."""
 
