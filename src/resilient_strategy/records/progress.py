@@ -221,7 +221,7 @@ def _open_regular(path: str) -> int | None:
     None when it cannot be opened or is not a regular file (a FIFO, a device)."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | _NONBLOCK | _NOFOLLOW, 0o600)
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a NUL character in the path
         return None
     try:
         if stat.S_ISREG(os.fstat(fd).st_mode):
@@ -259,7 +259,7 @@ def read_record(path: str) -> Record | None:
     or when ``path`` is not a regular file (a FIFO is not opened for blocking)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | _NONBLOCK)
-    except OSError:
+    except (OSError, ValueError):
         return None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
