@@ -74,6 +74,13 @@ CAUSES: dict[str, str] = {
     "budget": "not probed: the time budget for the whole decision was spent (timeout= x 4)",
     "inter_worker": "the collective between the TF_CONFIG workers failed (each worker's one "
     "process of MultiWorkerMirroredStrategy, which agree on each verdict)",
+    # The machine's state, not the backend's: never cached (see ENVIRONMENTAL_CAUSES).
+    "no_space": "a disk the run writes to is full (No space left on device, often the temp "
+    "directory): free space there, or point TMPDIR at a disk with room, and run again",
+    "too_many_files": "the process ran out of file descriptors (Too many open files): raise the "
+    "limit (ulimit -n 65536) or use fewer DataLoader workers, and run again",
+    "permission": "a file or directory the run needs is not writable or readable by this user "
+    "(Permission denied): fix its owner or mode (or TMPDIR), and run again",
 }
 
 
@@ -81,3 +88,8 @@ CAUSES: dict[str, str] = {
 #: one, no candidate on these GPUs is tried (a CUDA that cannot initialise never becomes "one
 #: GPU" silently).
 GPU_WIDE_CAUSES = frozenset({"cuda_init"})
+
+#: Causes that come from the state of the machine (a full disk, the descriptor limit, a file's
+#: permissions), not from the candidate: they say nothing about the backend, so they are never
+#: cached and never rule a candidate out beyond the run that met them.
+ENVIRONMENTAL_CAUSES = frozenset({"no_space", "too_many_files", "permission"})

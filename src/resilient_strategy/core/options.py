@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import FrameworkNotInstalledError, InvalidOptionError
+from ..errors import FrameworkNotInstalledError, InvalidOptionError, InvalidRuleError
 from ..vocab import BACKENDS, FRAMEWORK_ALIASES, FRAMEWORKS, MULTI_BACKENDS, PRECISIONS, PROBE_MODES
 from .facts import Facts
 from .remedies import ENV_VAR as REMEDIES_VAR
@@ -246,6 +246,71 @@ def _env_list(env: Mapping[str, str], name: str, sep: str = ",") -> list[str]:
     return [x.strip() for x in env.get(name, "").split(sep) if x.strip()]
 
 
+#: The library's on/off variables: 1 or 0 (true / false too); empty is unset.
+FLAG_VARS = ("RESILIENT_STRATEGY_CACHE", "RESILIENT_STRATEGY_FORKSERVER")
+#: The library's variables that name files or directories (several, for RULES).
+PATH_VARS = ("RESILIENT_STRATEGY_CACHE_DIR", "RESILIENT_STRATEGY_RULES",
+             "RESILIENT_STRATEGY_DECISION", "RESILIENT_STRATEGY_PROGRESS")
+MAX_PATH_CHARS = 4096
+_TRUE, _FALSE = ("1", "true"), ("0", "false")
+
+
+def shown(text: str, limit: int = 120) -> str:
+    """What the user typed, quoted and cut to ``limit`` characters, for an error line."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} chars)"
+
+
+def env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """An on/off variable (:data:`FLAG_VARS`): 1/true, 0/false, unset or empty: ``default``."""
+    text = env.get(name, "").strip().lower()
+    if not text:
+        return default
+    if text not in (*_TRUE, *_FALSE):
+        raise InvalidOptionError(f"{name}={shown(env[name])}: expected 1 or 0", name)
+    return text in _TRUE
+
+
+def check_environment(env: Mapping[str, str]) -> None:
+    """The checks of this library's variables that no one reader owns: on/off values and paths
+    (no NUL byte, at most :data:`MAX_PATH_CHARS`). Each error names the variable and what it
+    holds. The others are checked where they are read, with the same kind of error."""
+    for name in FLAG_VARS:
+        env_flag(env, name, True)
+    for name in PATH_VARS:
+        text = env.get(name, "")
+        if "\0" in text or len(text) > MAX_PATH_CHARS:
+            raise InvalidOptionError(
+                f"{name}={shown(text)}: not a path (a NUL character, or more than "
+                f"{MAX_PATH_CHARS} characters)", name)
+
+
+def _env_rules(env: Mapping[str, str]) -> list[str]:
+    """RESILIENT_STRATEGY_RULES: rule files (os.pathsep between), each readable and valid."""
+    name = "RESILIENT_STRATEGY_RULES"
+    files = _env_list(env, name, os.pathsep)
+    if files:
+        try:
+            load_rules(files)
+        except (InvalidRuleError, InvalidOptionError) as exc:
+            raise InvalidOptionError(f"{name}={shown(env[name])}: {exc}", name) from None
+    return files
+
+
+def _env_disabled_rules(env: Mapping[str, str], extra: Sequence[str | Path | Rule]) -> list[str]:
+    """RESILIENT_STRATEGY_DISABLE_RULES: rule ids (commas between), each one a rule has (as
+    ``--disable-rule`` demands: a typo would leave the rule on without a word)."""
+    name = "RESILIENT_STRATEGY_DISABLE_RULES"
+    ids = _env_list(env, name)
+    if ids:
+        known = {r.id for r in load_rules(extra)}
+        unknown = sorted(set(ids) - known)
+        if unknown:
+            raise InvalidOptionError(
+                f"{name}={shown(env[name])}: no rule has the id {', '.join(unknown)}. Known rule "
+                f"ids: {', '.join(sorted(known))}", name)
+    return ids
+
+
 def _env_int(env: Mapping[str, str], name: str, default: int | None) -> int | None:
     text = env.get(name)
     if text is None or (text == "" and name == "LOCAL_WORLD_SIZE"):
@@ -253,7 +318,7 @@ def _env_int(env: Mapping[str, str], name: str, default: int | None) -> int | No
     try:
         return int(text)
     except ValueError:
-        raise InvalidOptionError(f"{name}={text!r}: expected an integer", name) from None
+        raise InvalidOptionError(f"{name}={shown(text)}: expected an integer", name) from None
 
 
 def _env_seconds(env: Mapping[str, str], name: str, default: float, top: float) -> float:
@@ -266,7 +331,7 @@ def _env_seconds(env: Mapping[str, str], name: str, default: float, top: float) 
         value = math.nan
     if not (math.isfinite(value) and 0 < value <= top):
         raise InvalidOptionError(
-            f"{name}={text!r}: expected a number of seconds in (0, {top:g}]", name)
+            f"{name}={shown(text)}: expected a number of seconds in (0, {top:g}]", name)
     return value
 
 
@@ -369,6 +434,7 @@ def options_from(
     quiet: bool | None = None,
 ) -> Options:
     """Validate every argument once; environment variables fill what was not passed."""
+    check_environment(env)
     if framework is not None and not isinstance(framework, str):
         raise InvalidOptionError(
             f"framework must be 'torch' or 'tensorflow', not {framework!r}", "framework")
@@ -393,13 +459,13 @@ def options_from(
         probe = env.get("RESILIENT_STRATEGY_PROBE", "auto")
         if probe not in PROBE_MODES:
             raise InvalidOptionError(
-                f"RESILIENT_STRATEGY_PROBE={probe!r}: expected one of {PROBE_MODES}",
+                f"RESILIENT_STRATEGY_PROBE={shown(probe)}: expected one of {PROBE_MODES}",
                 "RESILIENT_STRATEGY_PROBE")
     if quiet is None and env.get("RESILIENT_STRATEGY_QUIET", "") != "":
         flag = env["RESILIENT_STRATEGY_QUIET"].strip().lower()
         if flag not in ("1", "0", "true", "false"):
             raise InvalidOptionError(
-                f"RESILIENT_STRATEGY_QUIET={flag!r}: expected 1 (no progress line per probe) or "
+                f"RESILIENT_STRATEGY_QUIET={shown(flag)}: expected 1 (no progress line per probe) or "
                 "0 (one even when stderr is not a terminal)", "RESILIENT_STRATEGY_QUIET")
         quiet = flag in ("1", "true")
     if probe is True:
@@ -418,14 +484,14 @@ def options_from(
         prefer = env.get("RESILIENT_STRATEGY_PREFER") or None
         if prefer is not None and prefer not in BACKENDS:
             raise InvalidOptionError(
-                f"RESILIENT_STRATEGY_PREFER={prefer!r}: expected one of {BACKENDS}",
+                f"RESILIENT_STRATEGY_PREFER={shown(prefer)}: expected one of {BACKENDS}",
                 "RESILIENT_STRATEGY_PREFER")
-    extra_rules: list[str | Path | Rule] = [*_env_list(env, "RESILIENT_STRATEGY_RULES", os.pathsep)]
+    extra_rules: list[str | Path | Rule] = [*_env_rules(env)]
     extra_rules += list(rules)
-    disabled = [*_env_list(env, "RESILIENT_STRATEGY_DISABLE_RULES"), *disable_rules]
+    disabled = [*_env_disabled_rules(env, extra_rules), *disable_rules]
     signatures_from_env(env, os.pathsep)  # the user's signature files: a bad one fails here
     # The logical-CPU test mode proves nothing about this machine's GPUs: keep it out of the cache.
-    use_cache = cache and env.get("RESILIENT_STRATEGY_CACHE", "1") != "0" and not logical_cpus
+    use_cache = cache and env_flag(env, "RESILIENT_STRATEGY_CACHE", True) and not logical_cpus
     cluster = parse_tf_config(env.get(TF_CONFIG_VAR)) if fw == "tensorflow" else None
     workers = cluster.num_workers if cluster is not None and cluster.multi_worker else 1
     worker_rank = (cluster.worker_rank or 0) if cluster is not None and cluster.multi_worker \
@@ -521,8 +587,14 @@ def run_options_from(env: Mapping[str, str], *, script: str, script_args: tuple[
     if stall_timeout is None and env.get("RESILIENT_STRATEGY_STALL_TIMEOUT"):
         stall_timeout = _env_seconds(env, "RESILIENT_STRATEGY_STALL_TIMEOUT", MIN_STALL_S,
                                      MAX_STALL_TIMEOUT_S)
+    check_environment(env)
     if max_relaunches is None:
         max_relaunches = _env_int(env, "RESILIENT_STRATEGY_MAX_RELAUNCHES", None)
+        if max_relaunches is not None and not 0 <= max_relaunches <= MAX_RELAUNCHES:
+            raise InvalidOptionError(
+                f"RESILIENT_STRATEGY_MAX_RELAUNCHES={env['RESILIENT_STRATEGY_MAX_RELAUNCHES']!r}: "
+                f"expected an integer from 0 to {MAX_RELAUNCHES}",
+                "RESILIENT_STRATEGY_MAX_RELAUNCHES")
     return RunOptions(
         script=script, script_args=script_args, framework=framework, nproc=count,
         max_relaunches=max_relaunches, stall_timeout_s=stall_timeout,

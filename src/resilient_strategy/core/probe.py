@@ -18,6 +18,7 @@ from typing import Any, Protocol, TypeVar
 from ..errors import FileFormatError
 from .bounded import parse_json
 from .causes import CAUSES as CAUSES  # re-exported: the causes' long-standing home
+from .causes import ENVIRONMENTAL_CAUSES as ENVIRONMENTAL_CAUSES
 from .causes import HANG_WORDS as HANG_WORDS
 from .outcome import WorkerOutcome
 from .signatures import Signatures, builtin_signatures

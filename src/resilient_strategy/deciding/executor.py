@@ -24,7 +24,14 @@ from ..core.options import (
     options_from,
 )
 from ..core.plan import Candidate, Plan, RuledOut, plan, resplit
-from ..core.probe import ERROR, TIMEOUT, ProbeResult, ProbeSpec, judged_hang
+from ..core.probe import (
+    ENVIRONMENTAL_CAUSES,
+    ERROR,
+    TIMEOUT,
+    ProbeResult,
+    ProbeSpec,
+    judged_hang,
+)
 from ..core.rules import Rule
 from ..core.trace import CachedFailure, Chosen, Event, FrameworkPicked, NextProbe, Note
 from ..errors import (
@@ -38,7 +45,7 @@ from ..errors import (
 from ..machine import env as _env
 from ..selection import Selection
 from ..vocab import MULTI_WORKER_BACKENDS
-from .cache import CachedResult, DecisionCache
+from .cache import REHEARSAL, CachedResult, DecisionCache, last_resort
 from .notices import (
     ProgressLine,
     fallback_warning,
@@ -172,6 +179,7 @@ def decide(
             res = prober(spec_for(c, opts, timeout_s), env)
             if startup_check:
                 res = reclassify_short_timeout(res, timeout_s, startup, opts.framework)
+                res = space_short(res, _temp_root(env))
         if progress is not None:
             progress.end(res)
         results[c.key] = res
@@ -193,6 +201,57 @@ def decide(
     # "from the cache": nothing was probed now, and a cached result shaped this plan
     used = {r.candidate.key for r in p.ranked} | {r.candidate.key for r in p.ruled_out}
     return Decision(p, results, not fresh and bool(cached_keys & used), proven)
+
+
+def remember_midrun(facts: Facts, opts: Options, env: Mapping[str, str], prober: Prober,
+                    failures: Mapping[str, ProbeResult]) -> dict[str, bool]:
+    """Cache mid-run failures only where a probe proves them: each candidate that failed in
+    training is probed again here, on this machine, and its failure enters the cache only when
+    that probe fails too (:meth:`DecisionCache.record_midrun`). A candidate of last resort is
+    never probed for this (its failures are never cached), nor is anything under several nodes,
+    TF_CONFIG workers or a disabled cache. Returns, per candidate, whether it was cached."""
+    if not opts.cache_dir or (opts.framework == "torch" and opts.nodes > 1) or opts.multi_worker:
+        return {}
+    cache = DecisionCache(opts.cache_dir, opts.cache_ttl_s)
+    p = plan(facts, opts.rules, {}, opts)
+    known = {r.candidate.key: r.candidate for r in p.ranked}
+    known.update({r.candidate.key: r.candidate for r in p.ruled_out})
+    out: dict[str, bool] = {}
+    for key, failure in sorted(failures.items()):
+        c = known.get(key)
+        if c is None or last_resort(key) or REHEARSAL in dict(failure.extra):
+            out[key] = False
+            continue
+        res = space_short(prober(spec_for(c, opts, opts.timeout_s), env), _temp_root(env))
+        _close_fork_servers()
+        out[key] = cache.record_midrun(facts.fingerprint(), failure, res)
+    return out
+
+
+#: Below this many free bytes in the temp directory a failed probe is put down to the full disk
+#: (its rendezvous and progress files live there: a gloo probe looks hung, a worker dies).
+LOW_SPACE_BYTES = 16 << 20
+
+
+def _temp_root(env: Mapping[str, str]) -> str:
+    import tempfile
+
+    return env.get("TMPDIR") or tempfile.gettempdir()
+
+
+def space_short(res: ProbeResult, temp_root: str, free: int | None = None) -> ProbeResult:
+    """A failed probe, put down to a full temp directory when ``temp_root`` has less than
+    :data:`LOW_SPACE_BYTES` free (``free``: measured already, else measured now): the machine's
+    state, not the candidate's, so it is named with its fix and never cached."""
+    if res.ok or res.cause in ENVIRONMENTAL_CAUSES:
+        return res
+    from ..machine.files import free_bytes
+
+    free = free_bytes(temp_root) if free is None else free
+    if free is None or free >= LOW_SPACE_BYTES:
+        return res
+    return replace(res, cause="no_space", detail=f"the temp directory {temp_root} has "
+                   f"{human_bytes(free)} free ({res.cause}: {res.detail})")
 
 
 def _close_fork_servers() -> None:

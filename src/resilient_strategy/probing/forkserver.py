@@ -136,7 +136,8 @@ class ForkServer:
 
 
 def enabled(env: Mapping[str, str]) -> bool:
-    return env.get(FORKSERVER_VAR, "1") != "0" and hasattr(os, "fork")
+    return (env.get(FORKSERVER_VAR, "1").strip().lower() not in ("0", "false")
+            and hasattr(os, "fork"))
 
 
 class ForkServers:

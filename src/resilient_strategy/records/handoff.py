@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..core.bounded import parse_json
+from ..core.bounded import parse_json, read_user_file
 from ..core.probe import ProbeResult
 from ..errors import ResilientStrategyError
 from .progress import (
@@ -41,6 +41,8 @@ from .trainfault import TrainFault, fault_from
 
 #: Private: set by the worker wrapper in the worker's own process, never by the user.
 DECISION_VAR = "RESILIENT_STRATEGY_DECISION"
+#: A handed decision holds one plan's probe results: far below this.
+MAX_DECISION_BYTES = 16 << 20
 FORMAT_VERSION = 1
 
 
@@ -237,13 +239,13 @@ class WorkerState:
         if not path:
             return None
         if path not in self.loaded:
-            try:
-                self.loaded[path] = Decision.from_dict(
-                    parse_json(Path(path).read_bytes(), path, allow_nan=True))
-            except (OSError, ValueError, KeyError, TypeError) as exc:
+            try:  # bounded, and only a regular file: /dev/zero or a FIFO is refused, not read
+                data = read_user_file(Path(path), MAX_DECISION_BYTES)
+                self.loaded[path] = Decision.from_dict(parse_json(data, path, allow_nan=True))
+            except (OSError, ValueError, KeyError, TypeError, ResilientStrategyError) as exc:
                 raise ResilientStrategyError(
-                    f"cannot read the decision handed down by `resilient-strategy run` ({path}): "
-                    f"{exc}") from exc
+                    f"{DECISION_VAR}={path[:200]!r}: cannot read the decision handed down by "
+                    f"`resilient-strategy run`: {exc}") from None
         return self.loaded[path]
 
     def reporter_for(self, decision: Decision, rank: int, local_rank: int, backend: str,
