@@ -33,6 +33,7 @@ from resilient_strategy.run.verdicts import (
     VerdictKind,
     classify_attempt,
     classify_error,
+    merge,
     step_in_progress,
 )
 from resilient_strategy.run.watch import TrainingWatch, default_stall_timeout
@@ -98,8 +99,9 @@ def test_classify_exits() -> None:
     v = classify_attempt(None, [user, peer])
     assert (v.kind, v.relaunchable, v.ranks) == (VerdictKind.USER, False, (0,))
     vanished = RankExit(1, 1, None, _rec(20, COLLECTIVE))
-    v = classify_attempt(None, [vanished, peer])
-    assert (v.kind, v.pinned) == (VerdictKind.BACKEND, True)  # the peer's signature pins it
+    v = classify_attempt(None, [vanished, peer])  # the peer's error is what the exit did to it
+    assert (v.kind, v.pinned, v.ranks) == (VerdictKind.EXIT, False, (1,))
+    assert classify_attempt(None, [peer]).kind is VerdictKind.BACKEND  # a signature alone
     v = classify_attempt(None, [vanished])  # no signature: an exit, retried once
     assert (v.kind, v.step, v.pinned, v.transient, v.ranks) == (
         VerdictKind.EXIT, 20, False, True, (1,))
@@ -108,10 +110,25 @@ def test_classify_exits() -> None:
     said = RankExit(0, -6, None, _rec(3, COLLECTIVE), stderr_tail="NCCL error: unhandled "
                                                                   "system error")
     assert classify_attempt(None, [said]).kind is VerdictKind.BACKEND
+    chatty = RankExit(0, 1, None, _rec(3, COLLECTIVE), stderr_tail="training on gloo, 2 "
+                                                                   "processes (ProcessGroup)")
+    assert classify_attempt(None, [chatty]).kind is VerdictKind.EXIT  # names, not a signature
     oom = RankExit(0, 1, {"types": ["torch.OutOfMemoryError"], "message": "x"}, None)
     assert classify_attempt(None, [oom, peer]).kind is VerdictKind.OOM
     assert classify_attempt(None, []).ok
     assert step_in_progress([_rec(7, STEP_DONE), None]) == 7
+
+
+def test_the_nodes_verdicts_merge_the_same_way_on_every_node() -> None:
+    backend = Verdict(VerdictKind.BACKEND, "connection closed", 8)
+    exit_ = Verdict(VerdictKind.EXIT, "rank 1 left", 8, ranks=(1,))
+    faults = [PeerFault(0, "k", backend), PeerFault(1, "k", exit_)]
+    for order in (faults, faults[::-1]):
+        v = merge(order)
+        assert v is not None and (v.kind, v.node, v.ranks) == (VerdictKind.EXIT, 1, (1,))
+    user = PeerFault(1, "k", Verdict(VerdictKind.USER, "ValueError"))
+    assert merge([*faults, user]).kind is VerdictKind.USER  # type: ignore[union-attr]
+    assert merge([]) is None
 
 
 def test_verdicts_and_peer_faults_round_trip() -> None:

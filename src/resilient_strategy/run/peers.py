@@ -138,6 +138,22 @@ class PeerWatch:
                         VerdictKind.LOST, f"an unreadable fault record ({exc})", node=node)))
         return out
 
+    def await_all(self, timeout_s: float) -> list[PeerFault]:
+        """Every node's record of this attempt, waiting up to ``timeout_s`` for the missing
+        ones; a node whose record never comes is named as lost."""
+        if self.store is None:
+            return []
+        deadline = self.clock() + timeout_s
+        faults = self.faults()
+        while len({f.node for f in faults}) < self.link.nodes and self.clock() < deadline:
+            time.sleep(PEER_POLL_S / 5)
+            faults = self.faults()
+        seen = {f.node for f in faults}
+        return faults + [PeerFault(n, "", Verdict(
+            VerdictKind.LOST, f"node {n}'s supervisor gave no verdict within {timeout_s:g} s "
+            "(it vanished)", node=n, where=f"node {n}")) for n in range(self.link.nodes)
+            if n not in seen]
+
     def record(self, fault: PeerFault) -> None:
         """Tell the other nodes what this node saw (best effort: they see their own fault or
         lose this node at the next agreement)."""

@@ -69,7 +69,7 @@ from .policy import (
     floor_refusal,
     judge,
 )
-from .verdicts import PeerFault, Verdict, one_line
+from .verdicts import PeerFault, Verdict, merge, one_line
 
 log = logging.getLogger("resilient_strategy")
 
@@ -291,20 +291,17 @@ def _alone(decision: Decision) -> bool:
     return decision.nodes == 1
 
 
-def _store_timeout(opts: RunOptions) -> float:
-    return max(10.0, opts.probe_timeout_s or 0.0)
+def _store_timeout(opts: RunOptions | None) -> float:
+    return max(10.0, (opts.probe_timeout_s or 0.0) if opts is not None else 0.0)
 
 
 def _with_peers(peer: PeerWatch, chosen: str, verdict: Verdict) -> Verdict:
-    """Record this node's verdict for the other nodes, and let a peer's verdict that is the
-    script's fault stop this node too (no node relaunches alone)."""
-    if verdict.node is None:  # this node's own verdict, not a peer's relayed
-        peer.record(PeerFault(peer.link.node, chosen, verdict))
-    if verdict.relaunchable:
-        for fault in peer.faults():
-            if fault.node != peer.link.node and not fault.verdict.relaunchable:
-                return fault.as_seen_here()
-    return verdict
+    """Every node's verdict on the attempt, merged the same way on every node (so that all
+    retry, step down or stop together): this node's is recorded for the others, theirs are
+    awaited (a node whose record never comes is lost)."""
+    peer.record(PeerFault(peer.link.node, chosen, verdict))
+    merged = merge(peer.await_all(_store_timeout(opts=None)))
+    return verdict if merged is None else merged
 
 
 def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],

@@ -35,6 +35,18 @@ _COMM_TEXT = re.compile(
     r"Watchdog caught collective|collective operation timeout|CUDA error|illegal memory access|"
     r"Broken pipe|unhandled system error")
 _OOM_TEXT = re.compile(r"out of memory|OOM when allocating", re.IGNORECASE)
+#: A communication-error signature in what a dying rank printed last (stricter than
+#: :data:`_COMM_TEXT`: a rank's output names its backend in ordinary lines too, e.g. its explain()).
+_TAIL_SIGNATURE = re.compile(
+    r"NCCL (error|WARN)|nccl\w*Error|ProcessGroupNCCL|Watchdog caught collective|"
+    r"collective operation timeout|Connection (closed|reset) by peer|gloo/transport|CUDA error|"
+    r"illegal memory access|Dist(Backend|Network|Store)Error|unhandled system error")
+#: How much of a dying rank's output end is searched for a signature.
+TAIL_SIGNATURE_BYTES = 4096
+
+
+def _said_comm(tail: str) -> bool:
+    return bool(_TAIL_SIGNATURE.search(tail[-TAIL_SIGNATURE_BYTES:]))
 
 
 def classify_error(types: Sequence[str], message: str) -> str:
@@ -253,6 +265,18 @@ def classify_attempt(stall: Stall | None, exits: Sequence[RankExit]) -> Verdict:
         ranks, where = blamed("user", "exit")
         return Verdict(VerdictKind.USER, f"the script failed: {text}", step, ranks=ranks,
                        where=where)
+    # a rank that vanished (no exception, no signature in its output) is the root cause: the
+    # others' "connection closed by peer" is what its leaving did to them
+    vanished = [e for e, k in zip(exits, kinds, strict=True)
+                if k is None and not _said_comm(e.stderr_tail)]
+    if vanished:
+        in_collective = any(e.record is not None and e.record.phase == COLLECTIVE
+                            for e in vanished)
+        return Verdict(VerdictKind.EXIT, (f"a rank left in the middle of a collective: {text}"
+                                          if in_collective
+                                          else f"a worker ended outside any collective: {text}"),
+                       step, "crash", ranks=tuple(e.rank for e in vanished),
+                       where=next((e.where() for e in vanished if e.where()), ""))
     if "comm" in kinds:
         ranks, where = blamed("comm")
         cause = "nccl_error" if any("nccl" in str((e.error or {}).get("message", "")).lower()
@@ -260,16 +284,25 @@ def classify_attempt(stall: Stall | None, exits: Sequence[RankExit]) -> Verdict:
         return Verdict(VerdictKind.BACKEND, f"a communication error: {text}", step, cause,
                        ranks=ranks, where=where)
     ranks, where = blamed(None)
-    comm_tail = [e for e in exits if _COMM_TEXT.search(e.stderr_tail)]
-    if comm_tail:
-        return Verdict(VerdictKind.BACKEND, f"a rank died with a communication error in its "
-                       f"output: {text}", step, "crash", ranks=tuple(e.rank for e in comm_tail),
-                       where=where)
-    in_collective = any(e.record is not None and e.record.phase == COLLECTIVE for e in exits)
-    return Verdict(VerdictKind.EXIT, (f"a rank left in the middle of a collective: {text}"
-                                      if in_collective
-                                      else f"a worker ended outside any collective: {text}"),
-                   step, "crash", ranks=ranks, where=where)
+    return Verdict(VerdictKind.BACKEND, f"a rank died with a communication error in its "
+                   f"output: {text}", step, "crash", ranks=ranks, where=where)
+
+
+def merge(faults: Sequence[PeerFault]) -> Verdict | None:
+    """One verdict for an attempt from every node's (pure, the same on every node given the
+    same records): the script's fault first, then a rank or node that vanished (the root cause
+    of its peers' connection errors), then a stall, then a backend's signature; the lowest
+    node among equals. None for no record."""
+    order = {VerdictKind.USER: 0, VerdictKind.OOM: 0, VerdictKind.DIVERGED: 0,
+             VerdictKind.EXIT: 1, VerdictKind.LOST: 1, VerdictKind.STALL: 2,
+             VerdictKind.BACKEND: 3, VerdictKind.OK: 4}
+    ranked = sorted(faults, key=lambda f: (order[f.verdict.kind], f.node))
+    if not ranked:
+        return None
+    first = ranked[0]
+    v = first.verdict
+    return Verdict(v.kind, v.summary if v.node is not None else f"node {first.node}: {v.summary}",
+                   v.step, v.cause, node=first.node, ranks=v.ranks, where=v.where)
 
 
 def one_line(text: str, limit: int = 300) -> str:
