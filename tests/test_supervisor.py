@@ -36,7 +36,13 @@ from resilient_strategy.run.verdicts import (
     merge,
     step_in_progress,
 )
-from resilient_strategy.run.watch import TrainingWatch, default_stall_timeout
+from resilient_strategy.run.watch import (
+    AUTO_STALL_CAP_S,
+    WARMUP_STEPS,
+    TrainingWatch,
+    default_stall_timeout,
+    torch_timeouts,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "torch_train.py"
@@ -181,13 +187,24 @@ def test_training_watch_default_timeout_follows_the_step_time(tmp_path: Path) ->
     path = str(tmp_path / "r0")
     w = ProgressWriter(path, clock=clock)
     watch = TrainingWatch([path], None, clock)
-    for k in range(1, 5):
-        clock.now += 10.0
+    for k in range(1, 9):
+        clock.now += 10.0 if k > 1 else 500.0  # the first steps (warm-up) are not timed
         w.step(k)
         watch.poll()
-    assert watch.step_seconds == [10.0, 10.0, 10.0]
+    assert watch.step_seconds == [10.0] * (8 - 1 - WARMUP_STEPS)
     assert watch.timeout_s() == 200.0
+    assert default_stall_timeout([600.0]) == AUTO_STALL_CAP_S  # capped: torch's timeouts above
     w.close()
+
+
+def test_torchs_timeouts_follow_the_stall_allowance_never_the_users() -> None:
+    assert torch_timeouts(3.0, {}, 300.0) == {"RESILIENT_STRATEGY_PG_TIMEOUT": "300",
+                                              "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "360"}
+    assert torch_timeouts(600.0, {}, 300.0)["RESILIENT_STRATEGY_PG_TIMEOUT"] == "1200"
+    auto = float(torch_timeouts(None, {}, 300.0)["RESILIENT_STRATEGY_PG_TIMEOUT"])
+    assert auto > AUTO_STALL_CAP_S
+    assert torch_timeouts(None, {"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "30",
+                                 "RESILIENT_STRATEGY_PG_TIMEOUT": "9"}, 300.0) == {}
 
 
 def test_guess_framework_and_options() -> None:

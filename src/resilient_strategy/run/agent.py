@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.bounded import parse_json
-from ..core.options import RunOptions
+from ..core.options import DEFAULT_PG_TIMEOUT_S, RunOptions
 from ..records.handoff import Decision, error_path, progress_path
 from ..records.progress import (
     Stall,
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 from .arguments import node_count, parser
 from .verdicts import PeerFault, RankExit, Verdict, VerdictKind, classify_attempt
-from .watch import TrainingWatch
+from .watch import TrainingWatch, torch_timeouts
 
 log = logging.getLogger("resilient_strategy")
 
@@ -94,9 +94,13 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
         master_port=master_port, local_addr=config.local_addr)
     agent = agent_cls(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
                       watch=watch, peer=peer)
+    timeouts = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PG_TIMEOUT_S)
+    os.environ.update(timeouts)  # the workers inherit them; never one the user set
     try:
         result = agent.run()
     finally:
+        for k in timeouts:
+            os.environ.pop(k, None)
         with contextlib.suppress(Exception):
             spec.rdzv_handler.shutdown()
         if not had_omp:

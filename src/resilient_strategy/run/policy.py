@@ -86,12 +86,13 @@ def effective(verdict: Verdict, world_size: int) -> Verdict:
 
 
 def without_progress(history: Sequence[Verdict]) -> int:
-    """How many of the last attempts in a row got no further than the furthest step reached
-    before each of them."""
+    """How many of the last attempts in a row completed no optimizer step beyond the furthest
+    completed before each of them (an attempt that failed in step k completed k - 1)."""
     best, idle = 0, 0
     for v in history:
-        if v.step > best:
-            best, idle = v.step, 0
+        done = v.step if v.ok else max(0, v.step - 1)
+        if done > best:
+            best, idle = done, 0
         else:
             idle += 1
     return idle

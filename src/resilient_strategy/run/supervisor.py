@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.bounded import parse_json
 from ..core.candidate import Candidate
-from ..core.options import RunOptions
+from ..core.options import MIN_STALL_S, RunOptions
 from ..core.probe import ERROR, ProbeResult
 from ..errors import NoWorkingStrategyError, ResilientStrategyError
 from ..machine import env as _env
@@ -125,6 +125,7 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
         _say(f"node {link.node} of {link.nodes}: the nodes' supervisors agree through the "
              f"store at {link.where} before any worker starts")
     choice = _decide(opts, facts, snapshot, failures, session, 0, (), link)
+    _say(_allowance_words(opts, snapshot))
     resumed: int | None = None
     for attempt in range(0, 10_000):
         decision = choice.decision
@@ -238,6 +239,28 @@ def _summary(history: Sequence[Attempt], judgement: Judgement) -> str:
     code = judgement.exit_code if judgement.exit_code is not None else ExitCode.INFRASTRUCTURE
     return (f"summary: {len(history)} attempt(s): " + "; ".join(steps)
             + f". {judgement.reason}. Exit {int(code)} ({code.name})")
+
+
+def _allowance_words(opts: RunOptions, env: Mapping[str, str]) -> str:
+    """The stall allowance in force, and torch's timeouts set from it."""
+    from ..core.options import DEFAULT_PG_TIMEOUT_S
+    from .watch import (
+        AUTO_STALL_CAP_S,
+        HEARTBEAT_VAR,
+        PG_TIMEOUT_VAR,
+        STALL_STEPS,
+        WARMUP_STEPS,
+        torch_timeouts,
+    )
+
+    allowance = (f"{opts.stall_timeout_s:g} s (--stall-timeout)" if opts.stall_timeout_s
+                 else f"max({MIN_STALL_S:g} s, {STALL_STEPS} x the median step time after "
+                      f"{WARMUP_STEPS} warm-up steps), at most {AUTO_STALL_CAP_S:g} s")
+    set_ = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PG_TIMEOUT_S)
+    torch_words = ", ".join(f"{k}={v}" for k, v in set_.items())
+    kept = [k for k in (PG_TIMEOUT_VAR, HEARTBEAT_VAR) if k not in set_]
+    return (f"stall allowance {allowance}; torch's timeouts above it: {torch_words or 'none set'}"
+            + (f" (yours kept: {', '.join(kept)})" if kept else ""))
 
 
 def _say(text: str) -> None:
