@@ -542,13 +542,18 @@ class RunOptions:
     script_args: tuple[str, ...] = ()
     framework: str | None = None
     nproc: int | None = None  # None: "auto" (one per visible GPU, else 1)
-    max_relaunches: int | None = None  # None: the candidates left after the first choice
+    max_relaunches: int | None = None  # None: no count (the policy's bounds still hold)
     stall_timeout_s: float | None = None  # None: max(60 s, 20 x the median step time)
     global_batch_size: int | None = None  # for ranking (the script's own value trains)
     gradient_bytes: int | None = None
     probe_timeout_s: float | None = None
     logical_cpus: int = 0
     torchrun: Any = field(default=None, compare=False)  # torchrun's parsed arguments
+    #: A step-down never lands below this fraction of the estimated throughput of what failed.
+    min_throughput: float = 0.25
+    allow_cpu: bool = False  # a GPU job may step down to the CPU
+    max_attempts_without_progress: int = 3  # the crash-loop bound
+    evidence_dir: str = "resilient-strategy-evidence"  # per-rank tracebacks of each fault
 
     def __post_init__(self) -> None:
         if self.framework is not None and self.framework not in FRAMEWORKS:
@@ -566,6 +571,19 @@ class RunOptions:
                     f"{name} must be an integer from {low} to {top}, not {value!r}", name)
         _check_seconds("--stall-timeout", self.stall_timeout_s, MAX_STALL_TIMEOUT_S)
         _check_seconds("--probe-timeout", self.probe_timeout_s, MAX_TIMEOUT_S)
+        m = self.min_throughput
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not (
+                math.isfinite(m) and 0 <= m <= 1):
+            raise InvalidOptionError(f"--min-throughput must be a fraction in [0, 1], not {m!r}",
+                                     "--min-throughput")
+        n = self.max_attempts_without_progress
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_RELAUNCHES:
+            raise InvalidOptionError(
+                f"--max-attempts-without-progress must be an integer from 1 to "
+                f"{MAX_RELAUNCHES}, not {n!r}", "--max-attempts-without-progress")
+        if not self.evidence_dir or "\0" in self.evidence_dir:
+            raise InvalidOptionError(f"--evidence-dir must be a path, not {self.evidence_dir!r}",
+                                     "--evidence-dir")
 
 
 def run_options_from(env: Mapping[str, str], *, script: str, script_args: tuple[str, ...],

@@ -382,6 +382,8 @@ def resilient_strategy(
     from ..records.handoff import load_decision
 
     handed = None if opts.dry_run else load_decision(snapshot)
+    if handed is None and not opts.dry_run:
+        _check_no_train_fault(snapshot)
     if handed is not None:  # a worker of `resilient-strategy run`: the decision is made
         opts = handed_options(opts, handed)
         decision = _handed_decision(facts, opts, handed)
@@ -415,12 +417,25 @@ def resilient_strategy(
     )
     for w in p.warnings:
         log.warning("resilient_strategy: %s", w)
-    if opts.launch.rank == 0 and opts.tf_worker_rank == 0 and not opts.dry_run:
+    # under `resilient-strategy run` the supervisor announced it, in the same words
+    if opts.launch.rank == 0 and opts.tf_worker_rank == 0 and not opts.dry_run and handed is None:
         fell = fallback_warning(p, results, facts, opts, chosen)
         if fell:
             log.warning("resilient_strategy: %s", fell)
     log.info("resilient_strategy: chose %s in %.2f s", chosen.label, sel.decided_in_s)
     return sel
+
+
+def _check_no_train_fault(env: Mapping[str, str]) -> None:
+    """A rehearsed mid-run fault means nothing outside `resilient-strategy run`: say so rather
+    than train as if it were armed."""
+    from ..records.trainfault import FAULT_VAR as TRAIN_FAULT_VAR
+
+    if env.get(TRAIN_FAULT_VAR, "").strip():
+        raise InvalidOptionError(
+            f"{TRAIN_FAULT_VAR} is set, but this process is not a worker of `resilient-strategy "
+            "run` (it rehearses a mid-run fault for the supervisor): run the script with "
+            "`resilient-strategy run`, or unset the variable", TRAIN_FAULT_VAR)
 
 
 def _cause(r: RuledOut) -> FailureCause:

@@ -174,12 +174,14 @@ class TrainingReporter:
     backend: str
     collective: bool  # the backward of a last micro-step all-reduces (world size > 1)
     fault: TrainFault | None = None
+    attempt: int = 0  # the launch attempt (a rehearsed fault may fire in the first ones only)
     step: int = 0
     phase_name: str = STARTED
     _fault_armed: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._fault_armed = self.fault is not None and self.fault.applies(self.rank, self.backend)
+        self._fault_armed = self.fault is not None and self.fault.applies(
+            self.rank, self.backend, self.attempt)
 
     def restored(self, step: int) -> None:
         self.step = step
@@ -254,6 +256,7 @@ class WorkerState:
             self.reporters.append(TrainingReporter(
                 ProgressWriter(str(progress_path(decision.run_dir, local_rank))), rank=rank,
                 backend=backend, collective=replicas > 1, fault=fault_from(env),
+                attempt=decision.attempt,
             ))
         return self.reporters[0]
 
