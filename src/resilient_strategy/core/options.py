@@ -17,7 +17,15 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import FrameworkNotInstalledError, InvalidOptionError
-from ..vocab import BACKENDS, FRAMEWORK_ALIASES, FRAMEWORKS, MULTI_BACKENDS, PRECISIONS, PROBE_MODES
+from ..vocab import (
+    BACKENDS,
+    FRAMEWORK_ALIASES,
+    FRAMEWORKS,
+    MULTI_BACKENDS,
+    PRECISIONS,
+    PROBE_MODES,
+    SHARDING_MODES,
+)
 from .facts import Facts
 from .rules import Rule, load_rules
 from .tfcluster import VAR as TF_CONFIG_VAR
@@ -45,6 +53,9 @@ MAX_BATCH = 2**31 - 1
 MAX_GRADIENT_BYTES = 2**50  # a pebibyte of gradients
 MAX_LOGICAL_CPUS = 1024
 MAX_WORLD_SIZE = 2**20
+MAX_OPTIMIZER_STATE_FACTOR = 64.0
+#: AdamW: two fp32 moments per trainable parameter (SGD with momentum: 1; plain SGD: 0).
+DEFAULT_OPTIMIZER_STATE_FACTOR = 2.0
 
 
 DEFAULT_TTL_S = 7 * 24 * 3600.0
@@ -118,6 +129,14 @@ class Options:
     quiet: bool | None = None  # None: a progress line per probe when stderr is a terminal
     #: Probe outcomes come from a description (a simulation), not from running probes here.
     simulated: bool = False
+    #: Memory planning (core/memory.py): "auto" shards (FSDP2) only when a replica does not fit,
+    #: "full" always shards, "none" never; the model's parameter bytes (all, trainable or not),
+    #: the optimizer's state per gradient byte, and the largest sharding unit's parameter bytes
+    #: (from model=; None: assumed).
+    sharding: str = "auto"
+    param_bytes: int | None = None
+    optimizer_state_factor: float = DEFAULT_OPTIMIZER_STATE_FACTOR
+    shard_unit_bytes: int | None = None
 
     @property
     def nodes(self) -> int:
@@ -144,6 +163,8 @@ class Options:
             raise InvalidOptionError(f"framework must be one of {FRAMEWORKS}, not {self.framework!r}",
                                      "framework")
         for name, top in (("global_batch_size", MAX_BATCH), ("gradient_bytes", MAX_GRADIENT_BYTES),
+                          ("param_bytes", MAX_GRADIENT_BYTES),
+                          ("shard_unit_bytes", MAX_GRADIENT_BYTES),
                           ("max_per_replica_batch", MAX_BATCH), ("world_size", MAX_WORLD_SIZE),
                           ("local_world_size", MAX_WORLD_SIZE)):
             value = getattr(self, name)
@@ -185,6 +206,20 @@ class Options:
                 "logical_cpus is a single-process test mode; under a multi-worker TF_CONFIG each "
                 "CPU worker is one replica of MultiWorkerMirroredStrategy: leave logical_cpus 0",
                 "logical_cpus")
+        if self.sharding not in SHARDING_MODES:
+            raise InvalidOptionError(
+                f"sharding must be one of {SHARDING_MODES}, not {self.sharding!r}", "sharding")
+        if self.sharding == "full" and self.framework != "torch":
+            raise InvalidOptionError(
+                "sharding='full' is PyTorch's FSDP2; TensorFlow shards through keras.distribution "
+                "(out of scope here, see docs/how-to/large-models.md)", "sharding")
+        factor = self.optimizer_state_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (
+                math.isfinite(factor) and 0 <= factor <= MAX_OPTIMIZER_STATE_FACTOR):
+            raise InvalidOptionError(
+                f"optimizer_state_factor must be a number from 0 to "
+                f"{MAX_OPTIMIZER_STATE_FACTOR:g} (AdamW: 2, SGD with momentum: 1), not "
+                f"{factor!r}", "optimizer_state_factor")
         _check_seconds("sample_seconds", self.sample_seconds, MAX_SAMPLE_SECONDS)
         _check_seconds("timeout", self.timeout_s, MAX_TIMEOUT_S)
         _check_seconds("process_group_timeout", self.pg_timeout_s, MAX_PG_TIMEOUT_S)
@@ -362,6 +397,9 @@ def options_from(
     logical_cpus: int,
     process_group_timeout: float | None = None,
     quiet: bool | None = None,
+    sharding: str = "auto",
+    param_bytes: int | None = None,
+    optimizer_state_factor: float | None = None,
 ) -> Options:
     """Validate every argument once; environment variables fill what was not passed."""
     if framework is not None and not isinstance(framework, str):
@@ -408,6 +446,15 @@ def options_from(
                                   MAX_PG_TIMEOUT_S)
     if model is not None and gradient_bytes is None:
         gradient_bytes = gradient_bytes_of(model)
+    if gradient_bytes is None and param_bytes is not None:
+        gradient_bytes = param_bytes  # every parameter trainable, unless said otherwise
+    unit_bytes = None
+    if model is not None and hasattr(model, "parameters"):  # a torch module: its sharding units
+        from .memory import unit_bytes_of
+
+        if param_bytes is None:
+            param_bytes = sum(int(p.numel()) * int(p.element_size()) for p in model.parameters())
+        unit_bytes = unit_bytes_of(model) or None
     launch = _launch(env)
     if prefer is None:
         prefer = env.get("RESILIENT_STRATEGY_PREFER") or None
@@ -452,6 +499,11 @@ def options_from(
         precision=precision,
         framework_reason=why,
         quiet=quiet,
+        sharding=sharding,
+        param_bytes=param_bytes,
+        optimizer_state_factor=DEFAULT_OPTIMIZER_STATE_FACTOR if optimizer_state_factor is None
+        else optimizer_state_factor,
+        shard_unit_bytes=unit_bytes,
     )
 
 

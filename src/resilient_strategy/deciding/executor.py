@@ -26,10 +26,20 @@ from ..core.options import (
 from ..core.plan import Candidate, Plan, RuledOut, plan, resplit
 from ..core.probe import ERROR, TIMEOUT, ProbeResult, ProbeSpec, judged_hang
 from ..core.rules import Rule
-from ..core.trace import CachedFailure, Chosen, Event, FrameworkPicked, NextProbe, Note
+from ..core.trace import (
+    CachedFailure,
+    Chosen,
+    Event,
+    FrameworkPicked,
+    MemoryChecked,
+    NextProbe,
+    Note,
+)
 from ..errors import (
     FailureCause,
     InvalidVisibleDevicesError,
+    MemoryShortfall,
+    ModelDoesNotFitError,
     NoWorkingStrategyError,
     RanksDisagreeError,
     ResilientStrategyError,
@@ -97,6 +107,7 @@ def spec_for(c: Candidate, opts: Options, timeout_s: float) -> ProbeSpec:
         check_bytes=(min(grad, DDP_BUCKET_BYTES),) if grad else (),  # the user's largest bucket
         workers=opts.tf_workers if c.backend in MULTI_WORKER_BACKENDS else 1,
         worker_rank=opts.tf_worker_rank if c.backend in MULTI_WORKER_BACKENDS else 0,
+        sharded=c.sharded,
     )
 
 
@@ -280,6 +291,9 @@ def resilient_strategy(
     facts: Facts | None = None,
     logical_cpus: int = 0,
     quiet: bool | None = None,
+    sharding: str = "auto",
+    param_bytes: int | None = None,
+    optimizer_state_factor: float | None = None,
     _prober: Prober | None = None,
     _clock: Callable[[], float] | None = None,
 ) -> Selection:
@@ -304,6 +318,11 @@ def resilient_strategy(
             PyTorch process group fails (default 300).
         quiet: True: no progress line per probe on stderr; False: one even when stderr is not a
             terminal; None (default): one when stderr is a terminal (RESILIENT_STRATEGY_QUIET).
+        sharding: "auto" (default) shards the model over the replicas (PyTorch FSDP2) only when a
+            replica does not fit the GPUs' free memory; "full" always shards; "none" never.
+        param_bytes / optimizer_state_factor: the model's parameter bytes (model= gives them)
+            and its optimizer's state per gradient byte (default 2, AdamW), for memory planning:
+            candidates whose state does not fit their devices are ruled out.
     """
     # Every option, as passed: options_from validates them (a new option is a parameter here
     # and there, nothing in between). Taken first, while the parameters are the only locals.
@@ -329,6 +348,9 @@ def resilient_strategy(
                                     _progress_line(opts), startup_check=_prober is None)
     p, results = decision.plan, decision.results
     if p.chosen is None:
+        short = _memory_shortfalls(p)
+        if short:
+            raise ModelDoesNotFitError(opts.framework, [_cause(r) for r in p.ruled_out], short)
         raise NoWorkingStrategyError(opts.framework, [_cause(r) for r in p.ruled_out])
     chosen = p.chosen
     to_set = _env_to_set(facts, chosen, opts, snapshot)
@@ -360,6 +382,16 @@ def resilient_strategy(
             log.warning("resilient_strategy: %s", fell)
     log.info("resilient_strategy: chose %s in %.2f s", chosen.label, sel.decided_in_s)
     return sel
+
+
+def _memory_shortfalls(p: Plan) -> list[MemoryShortfall]:
+    """The memory table of a plan that ruled candidates out for memory (else empty)."""
+    if not any(r.rule == "memory" for r in p.ruled_out):
+        return []
+    checked = [e for e in p.events if isinstance(e, MemoryChecked)]
+    return [MemoryShortfall(r.candidate.label, r.candidate.key, r.need_bytes, r.free_bytes,
+                            r.usable_bytes, r.shards, r.where)
+            for e in checked[-1:] for r in e.rows]
 
 
 def _cause(r: RuledOut) -> FailureCause:
