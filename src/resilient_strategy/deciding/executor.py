@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.facts import Facts
+from ..core.memory import model_memory
 from ..core.human import human_bytes, human_duration
 from ..core.options import (
     FRAMEWORKS,
@@ -91,10 +92,16 @@ class Decision:
 #: DDP's default gradient bucket; a model's largest bucket is at most this (or its largest
 #: tensor, which the total gradient size bounds from above).
 DDP_BUCKET_BYTES = 25 << 20
+#: The largest sharding unit a sharded probe checks at (the workers' own cap).
+MAX_UNIT_CHECK_BYTES = 256 << 20
 
 
 def spec_for(c: Candidate, opts: Options, timeout_s: float) -> ProbeSpec:
     grad = opts.gradient_bytes
+    check = (min(grad, DDP_BUCKET_BYTES),) if grad else ()  # the user's largest bucket
+    mem = model_memory(opts) if c.sharded else None
+    if mem is not None:  # FSDP2 gathers (and reduce-scatters) one unit at a time
+        check += (min(mem.unit_bytes, MAX_UNIT_CHECK_BYTES),)
     return ProbeSpec(
         candidate=c.key,
         framework=c.framework,
@@ -104,7 +111,7 @@ def spec_for(c: Candidate, opts: Options, timeout_s: float) -> ProbeSpec:
         world_size=c.num_replicas if c.framework == "torch" else 1,
         timeout_s=timeout_s,
         logical_cpus=opts.logical_cpus,
-        check_bytes=(min(grad, DDP_BUCKET_BYTES),) if grad else (),  # the user's largest bucket
+        check_bytes=check,
         workers=opts.tf_workers if c.backend in MULTI_WORKER_BACKENDS else 1,
         worker_rank=opts.tf_worker_rank if c.backend in MULTI_WORKER_BACKENDS else 0,
         sharded=c.sharded,

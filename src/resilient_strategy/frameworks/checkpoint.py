@@ -15,6 +15,10 @@ are not redone, none are skipped, and each remaining sample is seen once in the 
 
 Call ``sel.set_epoch(epoch)`` at the start of each epoch and start the epoch loop at
 ``ckpt.epoch``. torch is imported only inside methods.
+
+A sharded model (FSDP2) is saved through ``torch.distributed.checkpoint`` instead, every rank
+writing its shards (:mod:`.sharded_checkpoint`); restoring takes the newest checkpoint of the
+directory, sharded or not, into whatever the relaunch trains.
 """
 
 from __future__ import annotations
@@ -166,13 +170,16 @@ class Checkpointer:
 
         s = self._state
         model = getattr(s.model, "module", s.model)
+        if _sharded(model):  # its tensors go through DCP (sharded_checkpoint.py), not here
+            model = None
         rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             rng["cuda"] = torch.cuda.get_rng_state_all()
         return {
             "version": FORMAT_VERSION,
             "model": None if model is None else model.state_dict(),
-            "optimizer": None if s.optimizer is None else s.optimizer.state_dict(),
+            "optimizer": None if s.optimizer is None or model is None
+            else s.optimizer.state_dict(),
             "scaler": None if s.scaler is None else s.scaler.state_dict(),
             "epoch": s.epoch,
             "samples_in_epoch": s.samples_in_epoch,
@@ -184,6 +191,16 @@ class Checkpointer:
     def save(self) -> bool:
         """Write the checkpoint now (rank 0 only; other ranks return False)."""
         self._state.saved_at = self._clock()
+        if _sharded(self._state.model):  # every rank writes its shards (a collective)
+            from . import sharded_checkpoint
+
+            step = sharded_checkpoint.save(self.directory, self._state.model,
+                                           self._state.optimizer, self.state_dict(), self.rank)
+            if self.rank == 0:
+                from ..records.handoff import note_checkpoint
+
+                note_checkpoint(self._state.optimizer_steps, step)
+            return self.rank == 0
         if self.rank != 0:
             return False
         import torch
@@ -205,12 +222,20 @@ class Checkpointer:
 
     def restore(self) -> bool:
         """Load the checkpoint into what was attached, if one exists; True when it did."""
-        if not self.path.exists():
-            return False
         import torch
 
+        from . import sharded_checkpoint
+
         s = self._state
-        data = torch.load(self.path, map_location="cpu", weights_only=True)
+        if sharded_checkpoint.newest_is_sharded(self.directory, self.path):
+            data = sharded_checkpoint.load(self.directory, getattr(s.model, "module", s.model),
+                                           s.optimizer)
+        elif self.path.exists():
+            data = torch.load(self.path, map_location="cpu", weights_only=True)
+        else:
+            return False
+        if data is None:
+            return False
         if data.get("version") != FORMAT_VERSION:
             raise InvalidOptionError(
                 f"{self.path} is not a checkpoint of this format (version {data.get('version')!r})")
@@ -239,6 +264,12 @@ class Checkpointer:
             if hasattr(s.sampler, "skip_next"):
                 s.sampler.skip_next(s.samples_in_epoch)
         return True
+
+
+def _sharded(model: Any) -> bool:
+    from .fsdp import is_sharded
+
+    return model is not None and is_sharded(model)
 
 
 def _as_random_state(state: Any) -> Any:
