@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.facts import Facts
-from ..core.memory import model_memory
 from ..core.human import human_bytes, human_duration
+from ..core.memory import model_memory
 from ..core.options import (
     FRAMEWORKS,
     Options,
