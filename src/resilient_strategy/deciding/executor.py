@@ -98,7 +98,7 @@ MAX_UNIT_CHECK_BYTES = 256 << 20
 
 def spec_for(c: Candidate, opts: Options, timeout_s: float) -> ProbeSpec:
     grad = opts.gradient_bytes
-    check = (min(grad, DDP_BUCKET_BYTES),) if grad else ()  # the user's largest bucket
+    check: tuple[int, ...] = (min(grad, DDP_BUCKET_BYTES),) if grad else ()  # largest bucket
     mem = model_memory(opts) if c.sharded else None
     if mem is not None:  # FSDP2 gathers (and reduce-scatters) one unit at a time
         check += (min(mem.unit_bytes, MAX_UNIT_CHECK_BYTES),)
