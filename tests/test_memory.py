@@ -228,6 +228,12 @@ class _M:
     def children(self) -> tuple[_M, ...]:
         return self.kids
 
+    def modules(self) -> list[_M]:
+        out: list[_M] = [self]
+        for k in self.kids:
+            out += k.modules()
+        return out
+
     def parameters(self, recurse: bool = True) -> list[_P]:
         out = [_P(self.own)] if self.own else []
         if recurse:
@@ -244,18 +250,14 @@ class _Layers(_M):
     pass
 
 
-class _Embed(_M):
-    pass
-
-
-class _Head(_M):
-    pass
 
 
 def test_repeated_blocks_are_the_default_sharding_units() -> None:
     blocks = [_Block(100), _Block(100), _Block(150)]
-    model = _M(0, _Embed(1000), _Layers(0, *blocks), _Head(10))  # embedding, layers, head
+    # the embedding and the head are of one class too (two Linear layers): the blocks hold more
+    model = _M(0, _M(200), _Layers(0, *blocks), _M(10))
     assert repeated_blocks(model) == blocks
-    # the root keeps the embedding and the head: 1,010 parameters, the largest unit
-    assert unit_bytes_of(model) == 1010 * 4
+    # the root keeps the embedding and the head: 210 parameters, the largest unit
+    assert unit_bytes_of(model) == 210 * 4
+    assert unit_bytes_of(model, blocks[:2]) == (150 + 210) * 4
     assert repeated_blocks(_M(5)) == []

@@ -152,28 +152,23 @@ def _param_bytes(module: Any, recurse: bool = True) -> int:
 
 
 def repeated_blocks(model: Any) -> list[Any]:
-    """The default sharding units of a torch module: the first level, from the root down, where
-    one parent has two or more children of the same class that hold parameters (a transformer's
-    layers, the Linear layers of an MLP); those children, in order. Empty when nothing repeats."""
-    level = [model]
-    for _ in range(64):  # bounded: deeper models are not nested this far
-        found: list[Any] = []
-        below: list[Any] = []
-        for parent in level:
-            children = [m for m in parent.children()]
-            counts: dict[type, int] = {}
-            for ch in children:
-                if _param_bytes(ch):
-                    counts[type(ch)] = counts.get(type(ch), 0) + 1
-            repeated = {t for t, n in counts.items() if n >= 2}
-            found += [ch for ch in children if type(ch) in repeated and _param_bytes(ch)]
-            below += [ch for ch in children if type(ch) not in repeated]
-        if found:
-            return found
-        if not below:
-            return []
-        level = below
-    return []
+    """The default sharding units of a torch module: the children of one class under one parent,
+    two or more of them, holding the most parameters of all such groups (a transformer's layers,
+    not the two Linear layers that are its embedding and head; the Linear layers of an MLP), in
+    order. Empty when nothing repeats."""
+    best: list[Any] = []
+    best_bytes = 0
+    for parent in [model, *(m for m in model.modules() if m is not model)]:
+        groups: dict[type, list[Any]] = {}
+        for child in parent.children():
+            groups.setdefault(type(child), []).append(child)
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            size = sum(_param_bytes(m) for m in members)
+            if size > best_bytes:
+                best, best_bytes = [m for m in members if _param_bytes(m)], size
+    return best if len(best) >= 2 else []
 
 
 def unit_bytes_of(model: Any, units: Iterable[Any] | None = None) -> int:

@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +92,9 @@ def save(directory: Path, model: Any, optimizer: Any, meta: dict[str, Any], rank
         if step.exists():  # a save at the same step that did not finish: start it afresh
             shutil.rmtree(step)
     _barrier()
-    dcp_save(_state_dicts(model, optimizer), checkpoint_id=str(step))
+    with warnings.catch_warnings():  # one process saving (a model sharded over one)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp_save(_state_dicts(model, optimizer), checkpoint_id=str(step))
     if rank == 0:
         _write_atomic(step / META, lambda fh: torch.save(meta, fh))
     _barrier()  # every rank's shards and the meta are written: now the step is complete
@@ -114,7 +117,9 @@ def load(directory: Path, model: Any, optimizer: Any) -> dict[str, Any] | None:
     wanted = _state_dicts(model, optimizer)
     if optimizer is None:
         wanted.pop("optimizer")
-    dcp_load(wanted, checkpoint_id=str(step))
+    with warnings.catch_warnings():  # one process loading: what we mean, said once here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp_load(wanted, checkpoint_id=str(step))
     set_state_dict(model, [optimizer] if optimizer is not None else [],
                    model_state_dict=wanted["model"],
                    optim_state_dict=wanted.get("optimizer", {}))
