@@ -261,3 +261,36 @@ def test_repeated_blocks_are_the_default_sharding_units() -> None:
     assert unit_bytes_of(model) == 210 * 4
     assert unit_bytes_of(model, blocks[:2]) == (150 + 210) * 4
     assert repeated_blocks(_M(5)) == []
+
+
+# ----- `resilient-strategy run`: the supervisor's sharding decides ------------------------------
+def test_a_worker_follows_the_supervisors_sharding(tmp_path: Any, monkeypatch: Any) -> None:
+    from resilient_strategy.records import handoff
+
+    monkeypatch.setattr(handoff, "_REPORTER", [])
+    monkeypatch.setattr(handoff, "_LOADED", {})
+    key = "torch:gloo/fsdp:cpu"
+    results = {key: ProbeResult(key, "ok", 1.0, ranks=2)}
+    path = tmp_path / "decision.json"
+    handoff.write_decision(path, handoff.Decision(
+        framework="torch", chosen=key, results=results, run_dir=str(tmp_path), processes=2,
+        reference_replicas=2))
+    env = {handoff.DECISION_VAR: str(path), "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+
+    def no_probe(spec: object, env: object) -> ProbeResult:
+        raise AssertionError("a worker of `resilient-strategy run` must not probe")
+
+    # the script said nothing of its model: its own plan replicates, the handed one shards
+    sel = resilient_strategy("torch", global_batch_size=64, facts=machine(0, torch="2.13.0"),
+                             env=env, _prober=no_probe)
+    assert sel.sharded and sel.candidate.key == key and sel.num_replicas == 2
+    assert sel.progress is not None
+    sel.progress.writer.close()
+
+
+def test_run_takes_the_memory_options() -> None:
+    from resilient_strategy.core.options import RunOptions
+
+    with pytest.raises(InvalidOptionError):
+        RunOptions("train.py", param_bytes=0)
+    assert RunOptions("train.py", sharding="full", param_bytes=8).sharding == "full"

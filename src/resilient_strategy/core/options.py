@@ -528,6 +528,9 @@ class RunOptions:
     probe_timeout_s: float | None = None
     logical_cpus: int = 0
     torchrun: Any = field(default=None, compare=False)  # torchrun's parsed arguments
+    sharding: str = "auto"  # memory planning, as resilient_strategy() takes it
+    param_bytes: int | None = None
+    optimizer_state_factor: float | None = None
 
     def __post_init__(self) -> None:
         if self.framework is not None and self.framework not in FRAMEWORKS:
@@ -538,6 +541,7 @@ class RunOptions:
                 ("--max-relaunches", self.max_relaunches, 0, MAX_RELAUNCHES),
                 ("--global-batch-size", self.global_batch_size, 1, MAX_BATCH),
                 ("--gradient-bytes", self.gradient_bytes, 1, MAX_GRADIENT_BYTES),
+                ("--param-bytes", self.param_bytes, 1, MAX_GRADIENT_BYTES),
                 ("--logical-cpus", self.logical_cpus, 0, MAX_LOGICAL_CPUS)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or not low <= value <= top):
@@ -551,7 +555,8 @@ def run_options_from(env: Mapping[str, str], *, script: str, script_args: tuple[
                      framework: str | None, nproc: str, max_relaunches: int | None,
                      stall_timeout: float | None, global_batch_size: int | None,
                      gradient_bytes: int | None, probe_timeout: float | None, logical_cpus: int,
-                     torchrun: Any = None) -> RunOptions:
+                     torchrun: Any = None, sharding: str = "auto", param_bytes: int | None = None,
+                     optimizer_state_factor: float | None = None) -> RunOptions:
     """The supervisor's options: the command line > RESILIENT_STRATEGY_STALL_TIMEOUT /
     RESILIENT_STRATEGY_MAX_RELAUNCHES > our defaults. ``nproc``: a count or "auto"."""
     if nproc in ("auto", "gpu"):
@@ -572,7 +577,8 @@ def run_options_from(env: Mapping[str, str], *, script: str, script_args: tuple[
         script=script, script_args=script_args, framework=framework, nproc=count,
         max_relaunches=max_relaunches, stall_timeout_s=stall_timeout,
         global_batch_size=global_batch_size, gradient_bytes=gradient_bytes,
-        probe_timeout_s=probe_timeout, logical_cpus=logical_cpus, torchrun=torchrun)
+        probe_timeout_s=probe_timeout, logical_cpus=logical_cpus, torchrun=torchrun,
+        sharding=sharding, param_bytes=param_bytes, optimizer_state_factor=optimizer_state_factor)
 
 
 #: The stall timeout's floor when it follows the step time (see supervisor.default_stall_timeout)

@@ -543,6 +543,9 @@ def _handed_decision(facts: Facts, opts: Options, handed: HandedDecision) -> Dec
     p = plan(facts, opts.rules, results, opts)
     found = [c for c in (*p.candidates, *([p.next_probe] if p.next_probe else []))
              if c.key == handed.chosen]
+    if not found:  # the supervisor planned the model's memory otherwise: its sharding decides
+        found = [replace(c, sharded=not c.sharded) for c in p.candidates
+                 if replace(c, sharded=not c.sharded).key == handed.chosen]
     if not found or opts.framework != handed.framework:
         raise ResilientStrategyError(
             f"`resilient-strategy run` chose {handed.chosen} ({handed.framework}), which this "
