@@ -59,6 +59,10 @@ def test_machine_case_reaches_its_expected_decision(path: Path) -> None:
         "accumulation_steps": sel.accumulation_steps,
         "per_replica_batch_size": sel.per_replica_batch_size, "env": dict(sel.env),
         "probed": [_probe_name(k) for k in sel.results],
+        "sharded": sel.candidate.sharded,
+        "ladder": [_probe_name(c.key) for c in sel.plan.candidates],
+        "ruled_out_by_memory": [_probe_name(r.candidate.key) for r in sel.plan.ruled_out
+                                if r.rule == "memory"],
     }
     assert {k: got[k] for k in expect if k in got} == {k: expect[k] for k in expect if k in got}
     causes = {_probe_name(k): r.cause for k, r in sel.results.items()}

@@ -289,6 +289,9 @@ def _decide(args: argparse.Namespace, facts: Facts, sim: Mapping[str, Any] | Non
         "global_batch_size": given(args.global_batch_size, "global_batch_size"),
         "gradient_bytes": given(args.gradient_bytes, "gradient_bytes"),
         "sample_seconds": sim_data.get("sample_seconds"),
+        "param_bytes": sim_data.get("param_bytes"),
+        "optimizer_state_factor": sim_data.get("optimizer_state_factor"),
+        "sharding": sim_data.get("sharding", "auto"),
         "timeout": args.timeout,
         # a TensorFlow test mode: planning torch alongside it (doctor, plan) is unaffected
         "logical_cpus": args.logical_cpus if framework == "tensorflow" else 0,

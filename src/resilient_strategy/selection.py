@@ -113,6 +113,11 @@ class Selection:
         return self.candidate.per_replica_batch_size
 
     @property
+    def sharded(self) -> bool:
+        """Whether the model is sharded over the replicas (PyTorch FSDP2), not replicated."""
+        return self.candidate.sharded
+
+    @property
     def active(self) -> bool:
         """False on the ranks a launcher started that the choice leaves idle (one-device
         fallback under torchrun trains on rank 0 only), and on the TF_CONFIG workers other than
@@ -181,6 +186,7 @@ class Selection:
             "label": self.candidate.label,
             "devices": list(self.devices),
             "num_replicas": self.num_replicas,
+            "sharded": self.sharded,
             "accumulation_steps": self.accumulation_steps,
             "global_batch_size": self.global_batch_size,
             "per_replica_batch_size": self.per_replica_batch_size,
@@ -242,6 +248,7 @@ class Selection:
             self.per_replica_batch_size, rank=self.launch.rank if world > 1 else 0,
             local_rank=self.launch.local_rank if world > 1 else 0, world_size=world,
             timeout_s=self.process_group_timeout, precision=self.precision,
+            sharded=self.candidate.sharded,
         )
 
     @property
@@ -353,12 +360,18 @@ class Selection:
         return self.runtime.device
 
     def prepare(
-        self, model: Any = None, optimizer: Any = None, loader: Any = None, **ddp_kwargs: Any
+        self, model: Any = None, optimizer: Any = None, loader: Any = None, *,
+        shard_modules: Any = None, **ddp_kwargs: Any
     ) -> Any:
         """Move and wrap the model (DDP when replicas > 1; ``ddp_kwargs`` such as
         ``find_unused_parameters=True`` go to DistributedDataParallel); shard the loader
         (DistributedSampler, reshuffled by :meth:`set_epoch`); return all three. Call it again
-        for more loaders (``prepare(None, None, val_loader)``)."""
+        for more loaders (``prepare(None, None, val_loader)``).
+
+        When the decision shards (:attr:`sharded`), FSDP2's ``fully_shard`` is applied to the
+        modules of the classes in ``shard_modules`` (default: the model's repeated blocks), then
+        the root, and the optimizer follows the sharded parameters; keyword arguments go to
+        ``fully_shard`` then. ``shard_modules`` is ignored when the decision replicates."""
         self._leave_if_idle()
         if model is not None and self.advise is not None and self.is_main_process:
             advice = self.advise(gradient_bytes_of(model))
@@ -366,7 +379,7 @@ class Selection:
                 log.warning("resilient_strategy: %s", advice)
         rt = self.runtime
         self._init(rt)
-        out = rt.prepare(model, optimizer, loader, **ddp_kwargs)
+        out = rt.prepare(model, optimizer, loader, shard_modules=shard_modules, **ddp_kwargs)
         if self.progress is not None and rt.optimizer_steps:
             self.progress.restored(rt.optimizer_steps)
         return out

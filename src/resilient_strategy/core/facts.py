@@ -85,6 +85,8 @@ class Gpu:
     pci_bus_id: str = ""
     physical_index: int = -1
     mig_enabled: bool = False
+    #: Free memory when inspected (NVML ``nvmlDeviceGetMemoryInfo().free``); None: unknown.
+    memory_free_bytes: int | None = None
 
     @property
     def cc(self) -> str:
@@ -126,6 +128,8 @@ class Host:
     kernel: str = ""
     cpu_count: int = 1
     platform: str = "linux"
+    #: Host memory available to new processes (/proc/meminfo MemAvailable); None: unknown.
+    memory_available_bytes: int | None = None
 
 
 #: Link layers of an RDMA port (``/sys/class/infiniband/*/ports/*/link_layer``).

@@ -17,7 +17,15 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import FrameworkNotInstalledError, InvalidOptionError, InvalidRuleError
-from ..vocab import BACKENDS, FRAMEWORK_ALIASES, FRAMEWORKS, MULTI_BACKENDS, PRECISIONS, PROBE_MODES
+from ..vocab import (
+    BACKENDS,
+    FRAMEWORK_ALIASES,
+    FRAMEWORKS,
+    MULTI_BACKENDS,
+    PRECISIONS,
+    PROBE_MODES,
+    SHARDING_MODES,
+)
 from .facts import Facts
 from .remedies import ENV_VAR as REMEDIES_VAR
 from .remedies import Remedies, builtin_remedies, load_remedies
@@ -48,6 +56,9 @@ MAX_BATCH = 2**31 - 1
 MAX_GRADIENT_BYTES = 2**50  # a pebibyte of gradients
 MAX_LOGICAL_CPUS = 1024
 MAX_WORLD_SIZE = 2**20
+MAX_OPTIMIZER_STATE_FACTOR = 64.0
+#: AdamW: two fp32 moments per trainable parameter (SGD with momentum: 1; plain SGD: 0).
+DEFAULT_OPTIMIZER_STATE_FACTOR = 2.0
 
 
 DEFAULT_TTL_S = 7 * 24 * 3600.0
@@ -123,6 +134,14 @@ class Options:
     quiet: bool | None = None  # None: a progress line per probe when stderr is a terminal
     #: Probe outcomes come from a description (a simulation), not from running probes here.
     simulated: bool = False
+    #: Memory planning (core/memory.py): "auto" shards (FSDP2) only when a replica does not fit,
+    #: "full" always shards, "none" never; the model's parameter bytes (all, trainable or not),
+    #: the optimizer's state per gradient byte, and the largest sharding unit's parameter bytes
+    #: (from model=; None: assumed).
+    sharding: str = "auto"
+    param_bytes: int | None = None
+    optimizer_state_factor: float = DEFAULT_OPTIMIZER_STATE_FACTOR
+    shard_unit_bytes: int | None = None
 
     @property
     def nodes(self) -> int:
@@ -149,6 +168,8 @@ class Options:
             raise InvalidOptionError(f"framework must be one of {FRAMEWORKS}, not {self.framework!r}",
                                      "framework")
         for name, top in (("global_batch_size", MAX_BATCH), ("gradient_bytes", MAX_GRADIENT_BYTES),
+                          ("param_bytes", MAX_GRADIENT_BYTES),
+                          ("shard_unit_bytes", MAX_GRADIENT_BYTES),
                           ("max_per_replica_batch", MAX_BATCH), ("world_size", MAX_WORLD_SIZE),
                           ("local_world_size", MAX_WORLD_SIZE)):
             value = getattr(self, name)
@@ -190,6 +211,20 @@ class Options:
                 "logical_cpus is a single-process test mode; under a multi-worker TF_CONFIG each "
                 "CPU worker is one replica of MultiWorkerMirroredStrategy: leave logical_cpus 0",
                 "logical_cpus")
+        if self.sharding not in SHARDING_MODES:
+            raise InvalidOptionError(
+                f"sharding must be one of {SHARDING_MODES}, not {self.sharding!r}", "sharding")
+        if self.sharding == "full" and self.framework != "torch":
+            raise InvalidOptionError(
+                "sharding='full' is PyTorch's FSDP2; TensorFlow shards through keras.distribution "
+                "(out of scope here, see docs/how-to/large-models.md)", "sharding")
+        factor = self.optimizer_state_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (
+                math.isfinite(factor) and 0 <= factor <= MAX_OPTIMIZER_STATE_FACTOR):
+            raise InvalidOptionError(
+                f"optimizer_state_factor must be a number from 0 to "
+                f"{MAX_OPTIMIZER_STATE_FACTOR:g} (AdamW: 2, SGD with momentum: 1), not "
+                f"{factor!r}", "optimizer_state_factor")
         _check_seconds("sample_seconds", self.sample_seconds, MAX_SAMPLE_SECONDS)
         _check_seconds("timeout", self.timeout_s, MAX_TIMEOUT_S)
         _check_seconds("process_group_timeout", self.process_group_timeout, MAX_PROCESS_GROUP_TIMEOUT)
@@ -432,6 +467,9 @@ def options_from(
     logical_cpus: int,
     process_group_timeout: float | None = None,
     quiet: bool | None = None,
+    sharding: str = "auto",
+    param_bytes: int | None = None,
+    optimizer_state_factor: float | None = None,
 ) -> Options:
     """Validate every argument once; environment variables fill what was not passed."""
     check_environment(env)
@@ -479,6 +517,15 @@ def options_from(
                                   MAX_PROCESS_GROUP_TIMEOUT)
     if model is not None and gradient_bytes is None:
         gradient_bytes = gradient_bytes_of(model)
+    if gradient_bytes is None and param_bytes is not None:
+        gradient_bytes = param_bytes  # every parameter trainable, unless said otherwise
+    unit_bytes = None
+    if model is not None and hasattr(model, "parameters"):  # a torch module: its sharding units
+        from .memory import unit_bytes_of
+
+        if param_bytes is None:
+            param_bytes = sum(int(p.numel()) * int(p.element_size()) for p in model.parameters())
+        unit_bytes = unit_bytes_of(model) or None
     launch = _launch(env)
     if prefer is None:
         prefer = env.get("RESILIENT_STRATEGY_PREFER") or None
@@ -525,6 +572,11 @@ def options_from(
         framework_reason=why,
         quiet=quiet,
         remedies=load_remedies(_env_list(env, REMEDIES_VAR, os.pathsep)),
+        sharding=sharding,
+        param_bytes=param_bytes,
+        optimizer_state_factor=DEFAULT_OPTIMIZER_STATE_FACTOR if optimizer_state_factor is None
+        else optimizer_state_factor,
+        shard_unit_bytes=unit_bytes,
     )
 
 
@@ -554,6 +606,9 @@ class RunOptions:
     allow_cpu: bool = False  # a GPU job may step down to the CPU
     max_attempts_without_progress: int = 3  # the crash-loop bound
     evidence_dir: str = "resilient-strategy-evidence"  # per-rank tracebacks of each fault
+    sharding: str = "auto"  # memory planning, as resilient_strategy() takes it
+    param_bytes: int | None = None
+    optimizer_state_factor: float | None = None
 
     def __post_init__(self) -> None:
         if self.framework is not None and self.framework not in FRAMEWORKS:
@@ -564,6 +619,7 @@ class RunOptions:
                 ("--max-relaunches", self.max_relaunches, 0, MAX_RELAUNCHES),
                 ("--global-batch-size", self.global_batch_size, 1, MAX_BATCH),
                 ("--gradient-bytes", self.gradient_bytes, 1, MAX_GRADIENT_BYTES),
+                ("--param-bytes", self.param_bytes, 1, MAX_GRADIENT_BYTES),
                 ("--logical-cpus", self.logical_cpus, 0, MAX_LOGICAL_CPUS)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or not low <= value <= top):
@@ -590,7 +646,8 @@ def run_options_from(env: Mapping[str, str], *, script: str, script_args: tuple[
                      framework: str | None, nproc: str, max_relaunches: int | None,
                      stall_timeout: float | None, global_batch_size: int | None,
                      gradient_bytes: int | None, probe_timeout: float | None, logical_cpus: int,
-                     torchrun: Any = None) -> RunOptions:
+                     torchrun: Any = None, sharding: str = "auto", param_bytes: int | None = None,
+                     optimizer_state_factor: float | None = None) -> RunOptions:
     """The supervisor's options: the command line > RESILIENT_STRATEGY_STALL_TIMEOUT /
     RESILIENT_STRATEGY_MAX_RELAUNCHES > our defaults. ``nproc``: a count or "auto"."""
     if nproc in ("auto", "gpu"):
@@ -617,7 +674,8 @@ def run_options_from(env: Mapping[str, str], *, script: str, script_args: tuple[
         script=script, script_args=script_args, framework=framework, nproc=count,
         max_relaunches=max_relaunches, stall_timeout_s=stall_timeout,
         global_batch_size=global_batch_size, gradient_bytes=gradient_bytes,
-        probe_timeout_s=probe_timeout, logical_cpus=logical_cpus, torchrun=torchrun)
+        probe_timeout_s=probe_timeout, logical_cpus=logical_cpus, torchrun=torchrun,
+        sharding=sharding, param_bytes=param_bytes, optimizer_state_factor=optimizer_state_factor)
 
 
 #: The stall timeout's floor when it follows the step time (see supervisor.default_stall_timeout)

@@ -22,6 +22,7 @@ from .human import human_bytes
 from .probe import TIMEOUT, ProbeResult
 from .remedies import SETUP_HANG
 from .rules import FactValue, Rule, fact_values, fired
+from .sharding import check_memory, shard_chain
 from .trace import (
     BatchSplit,
     CandidateRuledOut,
@@ -169,10 +170,12 @@ def plan(
         b.note("logical_cpus",
                f"Test mode: {policy.logical_cpus} logical CPU devices stand in for GPUs.")
     base, reference = _chain(fw, gpus, info.has_cuda or bool(policy.logical_cpus), policy, b)
+    base = _shard(base, facts, policy, b)
     hits = fired(rules, facts, fw, replicas=len(gpus))
     cands = _apply_rules(base, hits, policy, b)
     cands = _split_batches(cands, policy, b, reference)  # before results: keys name devices
     values = fact_values(facts, fw, replicas=len(gpus), nodes=policy.nodes) if results else {}
+    cands = _fitting(cands, facts, policy, b)
     cands = _apply_results(cands, results, policy, b, values)
 
     ranked = _rank(cands, facts, results, policy, b)
@@ -297,6 +300,26 @@ def _multi_worker_chain(
         out.append(Candidate(fw, "single_device", gpus[:1]))
     out.append(Candidate(fw, "cpu", ()))
     return out, replicas
+
+
+def _shard(cands: list[Candidate], facts: Facts, policy: Options, b: _Build) -> list[Candidate]:
+    """Shard the multi-process candidates (FSDP2) where ``sharding=`` says (sharding.py)."""
+    out, event = shard_chain(cands, facts, policy)
+    if event is not None:
+        b.events.append(event)
+    return out
+
+
+def _fitting(cands: list[Candidate], facts: Facts, policy: Options, b: _Build) -> list[Candidate]:
+    """Rule out the candidates whose model state does not fit their devices (sharding.py)."""
+    too_big, event = check_memory(cands, facts, policy)
+    if event is None:
+        return cands
+    b.events.append(event)
+    for row in too_big:
+        b.rule_out(row.candidate, "memory", row.text(), rule="memory", said=True)
+    out = {row.candidate.key for row in too_big}
+    return [c for c in cands if c.key not in out]
 
 
 def _user_set(policy: Options, env: Mapping[str, str]) -> list[str]:

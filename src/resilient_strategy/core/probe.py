@@ -66,6 +66,9 @@ class ProbeSpec:
     #: together, and this one's id; 1: an ordinary probe on this machine
     workers: int = 1
     worker_rank: int = 0
+    #: A sharded candidate (FSDP2): the workers also prove all-gather and reduce-scatter,
+    #: value-checked at the sizes FSDP sends, and take a sharded training step.
+    sharded: bool = False
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.facts import Facts
 from ..core.human import human_bytes, human_duration
+from ..core.memory import model_memory
 from ..core.options import (
     FRAMEWORKS,
     Options,
@@ -33,11 +34,21 @@ from ..core.probe import (
     judged_hang,
 )
 from ..core.rules import Rule
-from ..core.trace import CachedFailure, Chosen, Event, FrameworkPicked, NextProbe, Note
+from ..core.trace import (
+    CachedFailure,
+    Chosen,
+    Event,
+    FrameworkPicked,
+    MemoryChecked,
+    NextProbe,
+    Note,
+)
 from ..errors import (
     FailureCause,
     InvalidOptionError,
     InvalidVisibleDevicesError,
+    MemoryShortfall,
+    ModelDoesNotFitError,
     NoWorkingStrategyError,
     RanksDisagreeError,
     ResilientStrategyError,
@@ -89,10 +100,16 @@ class Decision:
 #: DDP's default gradient bucket; a model's largest bucket is at most this (or its largest
 #: tensor, which the total gradient size bounds from above).
 DDP_BUCKET_BYTES = 25 << 20
+#: The largest sharding unit a sharded probe checks at (the workers' own cap).
+MAX_UNIT_CHECK_BYTES = 256 << 20
 
 
 def spec_for(c: Candidate, opts: Options, timeout_s: float) -> ProbeSpec:
     grad = opts.gradient_bytes
+    check: tuple[int, ...] = (min(grad, DDP_BUCKET_BYTES),) if grad else ()  # largest bucket
+    mem = model_memory(opts) if c.sharded else None
+    if mem is not None:  # FSDP2 gathers (and reduce-scatters) one unit at a time
+        check += (min(mem.unit_bytes, MAX_UNIT_CHECK_BYTES),)
     return ProbeSpec(
         candidate=c.key,
         framework=c.framework,
@@ -102,9 +119,10 @@ def spec_for(c: Candidate, opts: Options, timeout_s: float) -> ProbeSpec:
         world_size=c.num_replicas if c.framework == "torch" else 1,
         timeout_s=timeout_s,
         logical_cpus=opts.logical_cpus,
-        check_bytes=(min(grad, DDP_BUCKET_BYTES),) if grad else (),  # the user's largest bucket
+        check_bytes=check,
         workers=opts.tf_workers if c.backend in MULTI_WORKER_BACKENDS else 1,
         worker_rank=opts.tf_worker_rank if c.backend in MULTI_WORKER_BACKENDS else 0,
+        sharded=c.sharded,
     )
 
 
@@ -340,6 +358,9 @@ def resilient_strategy(
     facts: Facts | None = None,
     logical_cpus: int = 0,
     quiet: bool | None = None,
+    sharding: str = "auto",
+    param_bytes: int | None = None,
+    optimizer_state_factor: float | None = None,
     _prober: Prober | None = None,
     _clock: Callable[[], float] | None = None,
 ) -> Selection:
@@ -364,6 +385,11 @@ def resilient_strategy(
             PyTorch process group fails (default 300).
         quiet: True: no progress line per probe on stderr; False: one even when stderr is not a
             terminal; None (default): one when stderr is a terminal (RESILIENT_STRATEGY_QUIET).
+        sharding: "auto" (default) shards the model over the replicas (PyTorch FSDP2) only when a
+            replica does not fit the GPUs' free memory; "full" always shards; "none" never.
+        param_bytes / optimizer_state_factor: the model's parameter bytes (model= gives them)
+            and its optimizer's state per gradient byte (default 2, AdamW), for memory planning:
+            candidates whose state does not fit their devices are ruled out.
     """
     # Every option, as passed: options_from validates them (a new option is a parameter here
     # and there, nothing in between). Taken first, while the parameters are the only locals.
@@ -392,6 +418,9 @@ def resilient_strategy(
                                     _progress_line(opts), startup_check=_prober is None)
     p, results = decision.plan, decision.results
     if p.chosen is None:
+        short = _memory_shortfalls(p)
+        if short:
+            raise ModelDoesNotFitError(opts.framework, [_cause(r) for r in p.ruled_out], short)
         raise NoWorkingStrategyError(opts.framework, [_cause(r) for r in p.ruled_out])
     chosen = p.chosen
     to_set = _env_to_set(facts, chosen, opts, snapshot)
@@ -436,6 +465,16 @@ def _check_no_train_fault(env: Mapping[str, str]) -> None:
             f"{TRAIN_FAULT_VAR} is set, but this process is not a worker of `resilient-strategy "
             "run` (it rehearses a mid-run fault for the supervisor): run the script with "
             "`resilient-strategy run`, or unset the variable", TRAIN_FAULT_VAR)
+
+
+def _memory_shortfalls(p: Plan) -> list[MemoryShortfall]:
+    """The memory table of a plan that ruled candidates out for memory (else empty)."""
+    if not any(r.rule == "memory" for r in p.ruled_out):
+        return []
+    checked = [e for e in p.events if isinstance(e, MemoryChecked)]
+    return [MemoryShortfall(r.candidate.label, r.candidate.key, r.need_bytes, r.free_bytes,
+                            r.usable_bytes, r.shards, r.where)
+            for e in checked[-1:] for r in e.rows]
 
 
 def _cause(r: RuledOut) -> FailureCause:
@@ -600,6 +639,9 @@ def _handed_decision(facts: Facts, opts: Options, handed: HandedDecision) -> Dec
     p = plan(facts, opts.rules, results, opts)
     found = [c for c in (*p.candidates, *([p.next_probe] if p.next_probe else []))
              if c.key == handed.chosen]
+    if not found:  # the supervisor planned the model's memory otherwise: its sharding decides
+        found = [replace(c, sharded=not c.sharded) for c in p.candidates
+                 if replace(c, sharded=not c.sharded).key == handed.chosen]
     if not found or opts.framework != handed.framework:
         raise ResilientStrategyError(
             f"`resilient-strategy run` chose {handed.chosen} ({handed.framework}), which this "

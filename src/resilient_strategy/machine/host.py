@@ -56,6 +56,7 @@ def detect_host(env: Mapping[str, str], root: str = "/") -> Host:
         kernel=(_read(root, "proc/sys/kernel/osrelease") or "").strip(),
         cpu_count=_cpu_count(),
         platform=sys.platform,
+        memory_available_bytes=_parse_meminfo(_read(root, "proc/meminfo")),
     )
 
 
@@ -158,6 +159,17 @@ def parse_iommu(
 
 
 # ----- thin readers ------------------------------------------------------------------------------
+def _parse_meminfo(text: str | None) -> int | None:
+    """MemAvailable of /proc/meminfo, in bytes (the kernel's estimate of what new processes can
+    use without swapping); None when absent."""
+    for line in (text or "").splitlines():
+        name, _, rest = line.partition(":")
+        parts = rest.split()
+        if name == "MemAvailable" and parts and parts[0].isdigit():
+            return int(parts[0]) * 1024 if parts[1:] == ["kB"] else int(parts[0])
+    return None
+
+
 def _path(root: str, rel: str) -> str:
     return os.path.join(root, rel)
 

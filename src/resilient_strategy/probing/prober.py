@@ -117,6 +117,8 @@ def build_commands(
               "--parent-pid", str(parent_pid)]
     if not spec.train_step:
         common.append("--no-train-step")
+    if spec.sharded:
+        common.append("--sharded")
     if spec.check_bytes:
         common += ["--check-bytes", ",".join(map(str, spec.check_bytes))]
     work = Path(workdir)

@@ -293,7 +293,8 @@ def _options(opts: RunOptions, facts: Any, env: Mapping[str, str], rank: int = 0
         probe=None, timeout=opts.probe_timeout_s, prefer=None, dry_run=False, model=None,
         gradient_bytes=opts.gradient_bytes, sample_seconds=None, max_per_replica_batch=None,
         rules=(), disable_rules=(), cache=True, cache_dir=None, cache_ttl=None, precision="auto",
-        logical_cpus=opts.logical_cpus,
+        logical_cpus=opts.logical_cpus, sharding=opts.sharding, param_bytes=opts.param_bytes,
+        optimizer_state_factor=opts.optimizer_state_factor,
     ), plan_env
 
 
