@@ -35,6 +35,11 @@ from .testing.simulation import SimulatedProber, load_simulation
 from .vocab import FRAMEWORKS
 
 _FRAMEWORKS = FRAMEWORKS
+#: Exit statuses of doctor / plan / probe (``run`` adds its own: see run.supervisor.supervise).
+EXIT_OK = 0
+#: a bad argument or option value (argparse exits 2 too), an unreadable --simulate or rules file,
+#: an unknown --disable-rule, or ``probe`` with no framework installed to probe
+EXIT_USAGE = 2
 #: Variables of the user's own environment that a simulation honours (they configure this
 #: library, they do not describe the simulated machine).
 _SIMULATION_PASSTHROUGH = ("RESILIENT_STRATEGY_RULES", "RESILIENT_STRATEGY_DISABLE_RULES")
@@ -132,6 +137,11 @@ def _facts_text(facts: Facts) -> list[str]:
         for ln in facts.links:
             nv = f"NVLink x{ln.nvlinks}" if ln.nvlinks else "no NVLink"
             out.append(f"  {ln.a}-{ln.b}: {nv}, PCIe path {ln.topology}, P2P read {ln.p2p_read}")
+    if len(facts.gpus) >= 2:
+        out.append("GPU link matrix (as `nvidia-smi topo -m`):")
+        out += ["  " + "  ".join(f"{cell:<5}" for cell in row).rstrip()
+                for row in link_matrix(facts)]
+        out.append("  " + _MATRIX_LEGEND)
     if facts.driver_version:
         out.append(f"Driver {facts.driver_version} (CUDA {facts.cuda_driver_version})")
     h = facts.host
@@ -158,6 +168,36 @@ def _facts_text(facts: Facts) -> list[str]:
     if not any(f.installed for f in facts.frameworks):
         out.append("  neither torch nor tensorflow is installed")
     return out
+
+
+#: NVML's PCIe path levels in ``nvidia-smi topo -m``'s words.
+_TOPO_WORDS = {"internal": "PIX", "single": "PIX", "multiple": "PXB", "hostbridge": "PHB",
+               "node": "NODE", "system": "SYS"}
+_MATRIX_LEGEND = ("X = self, NV# = # NVLinks, PIX/PXB = one/several PCIe bridges, PHB = PCIe "
+                  "host bridge, NODE = within a NUMA node, SYS = across sockets, ? = unknown")
+
+
+def link_matrix(facts: Facts) -> tuple[tuple[str, ...], ...]:
+    """The GPU link matrix the way ``nvidia-smi topo -m`` prints it, as rows of cells (the first
+    row and column are the GPU names): ``X`` on the diagonal, ``NV<n>`` for n NVLinks, else the
+    PCIe path (``PIX``, ``PXB``, ``PHB``, ``NODE``, ``SYS``; ``?`` when unknown). Pure."""
+    names = [f"GPU{g.index}" for g in facts.gpus]
+    pairs = {(ln.a, ln.b): ln for ln in facts.links}
+    rows: list[tuple[str, ...]] = [("", *names)]
+    for g in facts.gpus:
+        cells = [f"GPU{g.index}"]
+        for h in facts.gpus:
+            ln = pairs.get((min(g.index, h.index), max(g.index, h.index)))
+            if g.index == h.index:
+                cells.append("X")
+            elif ln is None:
+                cells.append("?")
+            elif ln.nvlinks:
+                cells.append(f"NV{ln.nvlinks}")
+            else:
+                cells.append(_TOPO_WORDS.get(ln.topology, "?"))
+        rows.append(tuple(cells))
+    return tuple(rows)
 
 
 def _selection_text(sel: Any, show_probes: bool) -> list[str]:
@@ -299,14 +339,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         selections = {fw: _decide(args, facts, sim, fw, real_env) for fw in frameworks}
     except ResilientStrategyError as exc:
         print(f"resilient_strategy: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    if not selections and args.command == "probe":  # asked to prove, and nothing to prove
+        print("resilient_strategy: nothing to probe: neither torch nor tensorflow is installed "
+              "in this environment (pip install torch, or tensorflow).", file=sys.stderr)
+        return EXIT_USAGE
     if args.json:
         print(json.dumps({
             "facts": facts.to_dict(),
             "fingerprint": facts.fingerprint(),
             "decisions": {fw: s.to_dict() for fw, s in selections.items()},
         }, indent=2, default=str))
-        return 0
+        return EXIT_OK
     lines: list[str] = []
     if args.command == "doctor":
         lines += _facts_text(facts)
@@ -325,4 +369,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()
     except BrokenPipeError:  # `| head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 0
+    return EXIT_OK

@@ -129,7 +129,34 @@ class Selection:
 
     @property
     def is_main_process(self) -> bool:
+        """Rank 0 (of the launcher, and worker 0 of a TF_CONFIG job): log and save there."""
         return self.launch.rank == 0 and self.tf_worker_rank == 0
+
+    @property
+    def world_size(self) -> int:
+        """The processes that train under this decision: PyTorch: the launcher's processes when
+        the choice runs a process group, else 1 (a one-device fallback trains on rank 0 alone);
+        TensorFlow: the TF_CONFIG workers when the strategy spans them, else 1 (one process
+        drives every local replica). Not :attr:`num_replicas`: a TensorFlow process can drive
+        several replicas."""
+        if self.framework == "tensorflow":
+            from .vocab import MULTI_WORKER_BACKENDS
+
+            return self.tf_workers if self.backend in MULTI_WORKER_BACKENDS else 1
+        return self.launch.world_size if self.num_replicas > 1 else 1
+
+    @property
+    def rank(self) -> int:
+        """This process's rank: the launcher's ``RANK`` (PyTorch), the worker's index in
+        ``TF_CONFIG`` (TensorFlow), 0 for a plain ``python`` run. On a rank the decision leaves
+        idle (:attr:`active` False) it is at least :attr:`world_size`."""
+        return self.tf_worker_rank if self.framework == "tensorflow" else self.launch.rank
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node (the launcher's ``LOCAL_RANK``; 0 for TensorFlow,
+        which runs one process per worker, and for a plain ``python`` run)."""
+        return 0 if self.framework == "tensorflow" else self.launch.local_rank
 
     @property
     def batch_size(self) -> int | None:
@@ -186,8 +213,10 @@ class Selection:
             "active": self.active,
             "dry_run": self.dry_run,
             "decided_in_s": round(self.decided_in_s, 4),
-            "rank": self.launch.rank,
-            "world_size": self.launch.world_size,
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "world_size": self.world_size,
+            "launch_world_size": self.launch.world_size,
             "tf_workers": self.tf_workers,
             "tf_worker_rank": self.tf_worker_rank,
             "fingerprint": self.facts.fingerprint(),
@@ -440,5 +469,12 @@ class Selection:
         self.runtime.set_epoch(epoch)
 
     def shutdown(self) -> None:
+        """End the training: PyTorch: a barrier, then destroy the process group (also one that
+        Lightning or Accelerate started). Idempotent. Forgotten, it happens at exit anyway
+        (:mod:`resilient_strategy.frameworks.teardown`)."""
         if self._runtime.built and hasattr(self.runtime, "shutdown"):
             self.runtime.shutdown()
+        elif self.framework == "torch" and not self.dry_run:
+            from .frameworks.teardown import end_process_group
+
+            end_process_group(self.process_group_timeout_s)
