@@ -293,9 +293,17 @@ def resilient_strategy(
         timeout: seconds per probe (default 30; the whole decision is bounded by 4x this).
         prefer: a backend to try first when it works.
         dry_run: decide without probing, setting variables or building anything.
-        model / gradient_bytes / sample_seconds: what is known of the model, for speed ranking.
-        rules / disable_rules: extra rule files (or Rule values) and rule ids to switch off.
-        cache / cache_dir / cache_ttl: the decision cache (default ~/.cache/resilient_strategy).
+        model: the model (its gradient size ranks the strategies by speed).
+        gradient_bytes: the model's gradient size in bytes, when the model does not exist yet.
+        sample_seconds: the compute time of one sample, for speed ranking.
+        max_per_replica_batch: the largest batch one replica may take (more accumulates).
+        rules: extra rule files (or Rule values).
+        disable_rules: rule ids to switch off.
+        cache: read and write the decision cache (default on).
+        cache_dir: where the cache lives (default ~/.cache/resilient_strategy).
+        cache_ttl: seconds a cached result stays valid (default 7 days).
+        precision: "auto", "bf16", "fp16" or "fp32" (PyTorch; auto: bf16 from compute
+            capability 8.0, fp16 with a GradScaler on 7.x).
         env: the environment to decide on (default os.environ; nothing is ever overwritten).
         facts: decide for described facts instead of inspecting this machine.
         logical_cpus: TensorFlow on N logical CPU devices instead of GPUs (testing on CPU;
