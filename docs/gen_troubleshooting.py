@@ -15,10 +15,11 @@ checks that the committed page is what this renders.
 from __future__ import annotations
 
 import sys
-import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "src" / "resilient_strategy" / "core"

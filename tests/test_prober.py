@@ -453,3 +453,15 @@ def test_a_wrong_value_floored_at_a_size_is_injected_there_only(env: dict[str, s
     assert floored.status == OK
     caught = run_probe(spec, {**env, FAULT: f"wrong:1:gloo:>={2 << 20}"})
     assert caught.status != OK and caught.cause == "wrong_result"
+
+
+@pytest.mark.tensorflow
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TF, reason="tensorflow is not installed")
+def test_a_tensorflow_probe_leaves_no_autograph_files_in_the_temp_dir(
+        env: dict[str, str], tmp_path: Path) -> None:
+    spec = ProbeSpec("tensorflow:hierarchical_copy", "tensorflow", "hierarchical_copy", (),
+                     logical_cpus=2, timeout_s=60.0, message_bytes=1 << 20)
+    res = run_probe(spec, {**env, "TMPDIR": str(tmp_path)})  # the worker's temp dir
+    assert res.status == OK, res.why() + "\n" + res.stderr_tail
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
