@@ -95,3 +95,24 @@ def test_doctor_prints_the_matrix_for_a_simulated_machine(
     row = next(line.split() for line in out if line.strip().startswith("GPU0") and "X" in line)
     assert row == ["GPU0", "X", "NV18"]
     assert link_matrix(machine(1)) == (("", "GPU0"), ("GPU0", "X"))
+
+
+# ------------------------------------------------------------------------------------------
+# probe leaves nothing behind
+# ------------------------------------------------------------------------------------------
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+def test_probe_for_a_planned_torchrun_launch_leaves_no_agreement_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                 "RESILIENT_STRATEGY_PROBE_FAULT", "RESILIENT_STRATEGY_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RESILIENT_STRATEGY_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert main(["probe", "--framework", "torch", "--nproc-per-node", "2", "--json"]) == EXIT_OK
+    decision = json.loads(capsys.readouterr().out)["decisions"]["torch"]
+    assert (decision["backend"], decision["launch_world_size"]) == ("gloo", 2)
+    assert sorted(p.name for p in tmp_path.rglob("agree-*")) == []

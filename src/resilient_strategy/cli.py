@@ -261,8 +261,9 @@ def _decide(args: argparse.Namespace, facts: Facts, sim: Mapping[str, Any] | Non
             facts=facts, env=env, cache=False, dry_run=not probes,
             _prober=prober, _clock=prober.clock, **kw,
         )
-    if args.command == "probe":
-        return resilient_strategy(probe="force" if args.force else "auto", env=env, **kw)
+    if args.command == "probe":  # a launch planned here has no other ranks to share it with
+        return resilient_strategy(probe="force" if args.force else "auto", env=env,
+                                  _alone="WORLD_SIZE" not in real_env, **kw)
     return resilient_strategy(facts=facts, dry_run=True, env=env, **kw)
 
 

@@ -253,7 +253,7 @@ def _env_to_set(facts: Facts, c: Candidate, opts: Options, env: Mapping[str, str
 
 
 #: Parameters of resilient_strategy() that say what to decide on, not how: not options.
-_NOT_OPTIONS = frozenset({"env", "facts", "_prober", "_clock"})
+_NOT_OPTIONS = frozenset({"env", "facts", "_prober", "_clock", "_alone"})
 
 
 def resilient_strategy(
@@ -282,6 +282,7 @@ def resilient_strategy(
     quiet: bool | None = None,
     _prober: Prober | None = None,
     _clock: Callable[[], float] | None = None,
+    _alone: bool = False,
 ) -> Selection:
     """Find the best distributed strategy that works here and return a Selection to train with.
 
@@ -334,7 +335,8 @@ def resilient_strategy(
         decision = _handed_decision(facts, opts, handed)
     else:
         decision = _agreed_decision(facts, opts, snapshot, prober, _clock or time.monotonic,
-                                    _progress_line(opts), startup_check=_prober is None)
+                                    _progress_line(opts), startup_check=_prober is None,
+                                    alone=_alone)
     p, results = decision.plan, decision.results
     if p.chosen is None:
         raise NoWorkingStrategyError(opts.framework, [_cause(r) for r in p.ruled_out])
@@ -459,9 +461,12 @@ def _agreed_decision(
     facts: Facts, opts: Options, env: Mapping[str, str], prober: Prober,
     clock: Callable[[], float], progress: ProgressLine | None = None,
     startup_check: bool = False,
+    alone: bool = False,
 ) -> Decision:
     """Under torchrun, local rank 0 decides (and probes); the other ranks wait for its results
-    and re-plan from them, so every rank reaches the same choice (no split brain)."""
+    and re-plan from them, so every rank reaches the same choice (no split brain). ``alone``:
+    the launch is only planned (the command line's ``--nproc-per-node``): no other rank exists,
+    so nothing is published for them."""
     launch = opts.launch
     if opts.multi_worker and not opts.dry_run:
         from ..nodes.tfworkers import decide_across_workers
@@ -470,7 +475,7 @@ def _agreed_decision(
             facts, opts, env, prober, clock,
             functools.partial(decide, progress=progress, startup_check=startup_check))
         return Decision(p, results, False, proven)
-    if not launch.launched or opts.dry_run:
+    if not launch.launched or opts.dry_run or alone:
         return decide(facts, opts, env, prober, clock, progress, startup_check)
     if launch.multi_node and opts.framework == "torch":
         from ..nodes.manynodes import agreed_decision
