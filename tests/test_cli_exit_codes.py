@@ -116,3 +116,40 @@ def test_probe_for_a_planned_torchrun_launch_leaves_no_agreement_file(
     decision = json.loads(capsys.readouterr().out)["decisions"]["torch"]
     assert (decision["backend"], decision["launch_world_size"]) == ("gloo", 2)
     assert sorted(p.name for p in tmp_path.rglob("agree-*")) == []
+
+
+# ------------------------------------------------------------------------------------------
+# a command line that behaves like one
+# ------------------------------------------------------------------------------------------
+def test_the_top_level_help_lists_every_subcommand() -> None:
+    from resilient_strategy.cli import _parser
+
+    sub = next(a for a in _parser()._actions if a.dest == "command")
+    assert set(sub.choices) == {"doctor", "plan", "probe", "run"}  # type: ignore[arg-type]
+
+
+def test_nproc_per_node_beats_a_launch_the_simulation_describes(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    launched = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
+    m = _sim(tmp_path, {"machine": {"gpus": 2, "env": launched}, "framework": "torch"})
+    assert main(["plan", "--simulate", m, "--json"]) == EXIT_OK
+    assert json.loads(capsys.readouterr().out)["decisions"]["torch"]["launch_world_size"] == 2
+    assert main(["plan", "--simulate", m, "--json", "--nproc-per-node", "1"]) == EXIT_OK
+    assert json.loads(capsys.readouterr().out)["decisions"]["torch"]["launch_world_size"] == 1
+
+
+@pytest.mark.slow
+def test_a_reader_that_leaves_early_is_no_error(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    for argv in (["doctor", "--json", "--simulate", H200], ["doctor", "--simulate", H200]):
+        with subprocess.Popen([sys.executable, "-m", "resilient_strategy", *argv], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+            assert proc.stdout is not None and proc.stderr is not None
+            proc.stdout.close()  # `| head` gone before the first line
+            err = proc.stderr.read().decode()
+            assert proc.wait(timeout=60) == EXIT_OK, err
+        assert "Traceback" not in err and "BrokenPipeError" not in err

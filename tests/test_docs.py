@@ -22,7 +22,8 @@ import gen_troubleshooting  # noqa: E402
 #: A quick start: a ```python title="x.py"``` fence whose preceding line gives its launch command.
 FENCE = re.compile(r'(?P<before>[^\n]*)\n\n```python title="(?P<name>[\w.]+\.py)"\n'
                    r"(?P<code>.*?)\n```", re.S)
-COMMAND = re.compile(r"`((?:torchrun --nproc_per_node (?P<n>\d+)|python) (?P<script>[\w.]+\.py))`")
+COMMAND = re.compile(r"`((?:torchrun --nproc_per_node (?P<n>\d+)|python(?P<pytest> -m pytest)?) "
+                     r"(?P<script>[\w.]+\.py))`")
 
 
 def _pages() -> list[Path]:
@@ -30,14 +31,15 @@ def _pages() -> list[Path]:
 
 
 def _quick_starts() -> list[tuple[str, str, str, int]]:
-    """(where, script name, code, processes) of every quick start in README.md and docs/."""
+    """(where, script name, code, processes) of every quick start in README.md and docs/
+    (processes 0: a test file, run by pytest)."""
     found = []
     for path in [ROOT / "README.md", *_pages()]:
         for m in FENCE.finditer(path.read_text(encoding="utf-8")):
             cmd = COMMAND.search(m.group("before"))
             assert cmd is not None and cmd.group("script") == m.group("name"), (path, m.group(0))
             found.append((f"{path.relative_to(ROOT)}:{m.group('name')}", m.group("name"),
-                          m.group("code"), int(cmd.group("n") or 1)))
+                          m.group("code"), 0 if cmd.group("pytest") else int(cmd.group("n") or 1)))
     return found
 
 
@@ -82,7 +84,8 @@ def test_the_readme_is_short_and_starts_with_the_two_commands() -> None:
 def test_every_quick_start_fits_on_a_screen() -> None:
     starts = _quick_starts()
     assert {name for _, name, _, _ in starts} >= {
-        "train.py", "train_keras.py", "train_lightning.py", "train_accelerate.py"}
+        "train.py", "train_keras.py", "train_lightning.py", "train_accelerate.py",
+        "test_fallback.py"}
     assert all(len(code.splitlines()) <= 15 for _, _, code, _ in starts)
 
 
@@ -114,7 +117,8 @@ def test_the_quick_start_runs(where: str, name: str, code: str, nproc: int,
            "RESILIENT_STRATEGY_CACHE_DIR": str(tmp_path / "cache"), "TF_CPP_MIN_LOG_LEVEL": "2",
            "CUDA_VISIBLE_DEVICES": ""}  # the CPU paths, also on a GPU machine
     env.pop("RESILIENT_STRATEGY_PROBE_FAULT", None)
-    argv = [sys.executable, name] if nproc == 1 else [
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", name] if nproc == 0 \
+        else [sys.executable, name] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
         "--master_port", str(_free_port()), name]
     out = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,

@@ -43,6 +43,7 @@ EXIT_USAGE = 2
 #: Variables of the user's own environment that a simulation honours (they configure this
 #: library, they do not describe the simulated machine).
 _SIMULATION_PASSTHROUGH = ("RESILIENT_STRATEGY_RULES", "RESILIENT_STRATEGY_DISABLE_RULES")
+_LAUNCH_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 _LAUNCH_HINT = {"torch": "; --nproc-per-node N plans another launch", "tensorflow": ""}
 
 
@@ -66,6 +67,10 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="resilient-strategy", description=__doc__.split("\n\n")[0])
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
+    # listed for --help only: main() hands `run ...` to the supervisor's own parser (torchrun's)
+    sub.add_parser("run", add_help=False, help="run a training script under the supervisor: "
+                   "decide once, relaunch on the next strategy when a collective fails mid-run "
+                   "(`run --help`)")
     for name, text in (("doctor", "show what is here and the plan"), ("plan", "the plan only"),
                        ("probe", "prove the candidates with live probes")):
         s = sub.add_parser(name, help=text)
@@ -263,7 +268,8 @@ def _decide(args: argparse.Namespace, facts: Facts, sim: Mapping[str, Any] | Non
         )
     if args.command == "probe":  # a launch planned here has no other ranks to share it with
         return resilient_strategy(probe="force" if args.force else "auto", env=env,
-                                  _alone="WORLD_SIZE" not in real_env, **kw)
+                                  _alone=args.nproc_per_node is not None
+                                  or "WORLD_SIZE" not in real_env, **kw)
     return resilient_strategy(facts=facts, dry_run=True, env=env, **kw)
 
 
@@ -279,6 +285,9 @@ def _launch_env(facts: Facts, framework: str, sim: Mapping[str, Any] | None,
         for name in _SIMULATION_PASSTHROUGH:
             if name in real_env and name not in env:
                 env[name] = real_env[name]
+    if framework == "torch" and nproc is not None:  # the launch asked for beats a described one
+        for name in _LAUNCH_VARS:
+            env.pop(name, None)
     if framework == "torch" and "WORLD_SIZE" not in env:
         n = nproc if nproc is not None else len(facts.gpus) if as_torchrun(facts, framework, env) \
             else 1
@@ -346,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "in this environment (pip install torch, or tensorflow).", file=sys.stderr)
         return EXIT_USAGE
     if args.json:
-        print(json.dumps({
+        _emit(json.dumps({
             "facts": facts.to_dict(),
             "fingerprint": facts.fingerprint(),
             "decisions": {fw: s.to_dict() for fw, s in selections.items()},
@@ -365,9 +374,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         lines += ["", f"== {fw} ==", f"({'Planned' if args.command != 'probe' else 'Decided'} "
                   f"{launch_words(sel)}{'' if args.nproc_per_node else _LAUNCH_HINT[fw]}.)",
                   *_selection_text(sel, show_probes=args.command == "probe")]
-    try:
-        print("\n".join(lines))
-        sys.stdout.flush()
-    except BrokenPipeError:  # `| head`: the reader left; not an error of ours
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    _emit("\n".join(lines))
     return EXIT_OK
+
+
+def _emit(text: str) -> None:
+    """Print the report; a reader that left (``| head``) is not an error of ours."""
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
