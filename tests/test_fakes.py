@@ -214,3 +214,11 @@ def test_no_nccl_candidate_on_logical_cpus_of_any_build() -> None:
         assert "nccl" not in [c["backend"] for c in sel.to_dict()["candidates"]]
         assert prober.probed == ["hierarchical_copy"]
         assert "no_nccl_on_cpu" in [e.topic for e in sel.plan.events if isinstance(e, Note)]
+
+
+def test_a_cpu_only_tensorflow_build_gets_no_gpu_probe_on_a_gpu_machine() -> None:
+    tf = machine(2, nvlink=18, tensorflow="2.21.0", tf_cuda=None, torch=None)
+    prober = FakeProber({})
+    sel = simulate(tf, prober, framework="tensorflow", global_batch_size=64)
+    assert (sel.backend, prober.probed) == ("cpu", [])
+    assert [c["backend"] for c in sel.to_dict()["candidates"]] == ["cpu"]
