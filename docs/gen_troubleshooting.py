@@ -14,6 +14,7 @@ checks that the committed page is what this renders.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -76,9 +77,12 @@ def _value(v: Any) -> str:
     return f"`{v}`"
 
 
+_URL = re.compile(r"https?://[^\s;,)>]+[^\s;,)>.]")
+
+
 def _source(text: str) -> str:
-    return " ".join(f"<{w}>" if w.startswith(("http://", "https://")) else w
-                    for w in text.split())
+    """A source with its addresses as links (a trailing ';', ',', ')' or '.' stays text)."""
+    return _URL.sub(lambda m: f"<{m.group(0)}>", text)
 
 
 def _generic(kind: str, entry: Mapping[str, Any], skip: Sequence[str] = ()) -> list[str]:
@@ -116,6 +120,14 @@ def _causes(sigs: list[tuple[str, dict[str, Any]]], remedies: list[tuple[str, di
                          + "; then ".join(_env(r) for r in tried) + ".")
         else:
             lines.append("**What it does about it**: moves on to the next candidate.")
+        lines.append("")
+        lines.append("**What you can do**: " + (
+            f"when {_env(tried[0])} is what made it work here, set it yourself on machines "
+            "like this one: they skip the failing probe (the cache remembers it for this "
+            "machine only). " if tried else "")
+            + "The failing rank's own words are in the probe's detail (`sel.explain()`, "
+            "`python -m resilient_strategy probe --json`: `probes.*.detail` and `stderr_tail`); "
+            "once fixed, `probe --force` proves the candidate again.")
         lines.append("")
         for _, e in sigs:
             if e.get("cause") == cause:
