@@ -3,6 +3,10 @@
 ``scope()`` only enters what was chosen; it never decides again. The framework runtime (one
 TensorFlow strategy object, or the PyTorch process group and helpers) is built on first use and
 reused for the life of the Selection.
+
+Longer than the house's ~450 lines on purpose: this is the public surface users read in one
+place (the reference page renders it), each helper a few lines delegating to the runtime in
+``frameworks/``; splitting it would split the one class a user learns.
 """
 
 from __future__ import annotations
@@ -85,30 +89,38 @@ class Selection:
     # ----- the decision --------------------------------------------------------------------
     @property
     def framework(self) -> str:
+        """"torch" or "tensorflow"."""
         return self.candidate.framework
 
     @property
     def backend(self) -> str:
+        """What trains: "nccl", "gloo", "hierarchical_copy", "reduction_to_one_device",
+        "mw_nccl", "mw_ring", "single_device" or "cpu"."""
         return self.candidate.backend
 
     @property
     def devices(self) -> tuple[int, ...]:
+        """The GPUs it trains on, as this job numbers them (empty on CPU)."""
         return self.candidate.devices
 
     @property
     def num_replicas(self) -> int:
+        """Model replicas that train in step (GPUs, processes, or TF_CONFIG workers' devices)."""
         return self.candidate.num_replicas
 
     @property
     def accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step (more than 1 when a fallback keeps the batch)."""
         return self.candidate.accumulation_steps
 
     @property
     def global_batch_size(self) -> int | None:
+        """Samples per optimizer step, all replicas and micro-steps together (as asked)."""
         return self.candidate.global_batch_size
 
     @property
     def per_replica_batch_size(self) -> int | None:
+        """Samples per replica per micro-step."""
         return self.candidate.per_replica_batch_size
 
     @property
@@ -168,6 +180,7 @@ class Selection:
         return per * self.num_replicas if self.framework == "tensorflow" else per
 
     def explain(self) -> str:
+        """The decision and its reasons, as text (the trace's events rendered)."""
         head = f"resilient_strategy chose: {self.candidate.label}"
         if self.num_replicas > 1 or self.accumulation_steps > 1:
             head += f" ({self.num_replicas} replica(s) x {self.accumulation_steps} accumulation step(s))"
@@ -196,6 +209,7 @@ class Selection:
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
+        """The decision as JSON-able data (what ``--json`` prints), typed events included."""
         return {
             "framework": self.framework,
             "backend": self.backend,
@@ -428,6 +442,8 @@ class Selection:
         return int(self.runtime.optimizer_steps)
 
     def backward(self, loss: Any) -> None:
+        """PyTorch: ``loss.backward()`` of ``loss / accumulation_steps`` (through the fp16
+        GradScaler when there is one)."""
         rep = self.progress
         if rep is None:
             self.runtime.backward(loss)
@@ -454,18 +470,23 @@ class Selection:
         return self.runtime.clip_grad_norm(model, max_norm, optimizer, norm_type=norm_type)
 
     def step(self, optimizer: Any) -> bool:
+        """PyTorch: end a micro-step; on the last one step the optimizer and zero the gradients.
+        Returns whether it stepped (False on accumulating micro-steps and fp16-skipped steps)."""
         stepped = bool(self.runtime.step(optimizer))
         if self.progress is not None:
             self.progress.stepped(stepped)
         return stepped
 
     def accumulate(self, model: Any) -> Any:
+        """PyTorch: a context for forward and backward; DDP syncs only on the last micro-step."""
         return self.runtime.accumulate(model)
 
     def autocast(self) -> Any:
+        """PyTorch: the precision policy's autocast (bf16 / fp16), a no-op for fp32."""
         return self.runtime.autocast()
 
     def set_epoch(self, epoch: int) -> None:
+        """PyTorch: reshuffle the shards of every prepared loader for ``epoch``."""
         self.runtime.set_epoch(epoch)
 
     def shutdown(self) -> None:
