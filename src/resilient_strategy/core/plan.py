@@ -261,7 +261,12 @@ def _chain(
         multi_ok = False
     logical = bool(policy.logical_cpus)  # the "GPUs" are logical CPU devices (a test mode)
     if multi_ok and multi_devs:
-        backends = ("nccl", "gloo") if fw == "torch" else ("nccl", "hierarchical_copy", "reduction_to_one_device")
+        backends: tuple[str, ...] = ("nccl", "gloo") if fw == "torch" \
+            else ("nccl", "hierarchical_copy", "reduction_to_one_device")
+        if fw == "tensorflow" and logical:
+            b.note("no_nccl_on_cpu", "NCCL is not tried on logical CPU devices: TensorFlow's "
+                   "NcclAllReduce has no CPU kernel (it builds, then fails at the first step).")
+            backends = backends[1:]
         replicas = len(multi_devs) * nodes
         for backend in backends:
             out.append(Candidate(fw, backend, multi_devs, num_replicas=replicas,

@@ -230,11 +230,12 @@ def parse_probe(
                    stderr_tail=tail(stderr_all, 30), ranks=len(outcomes))
 
     # 0. the rank whose failure stopped the group
-    for o, rep in zip(outcomes, reports, strict=True):
-        if o.failed_first:
-            found = _reported(o, rep, base, table) or _died(o, base, table)
-            if found is not None:
-                return found
+    first = _first_failure(outcomes, reports)
+    if first is not None:
+        found = (_reported(outcomes[first], reports[first], base, table)
+                 or _died(outcomes[first], base, table))
+        if found is not None:
+            return found
     # 1. a rank that said what went wrong
     for o, rep in zip(outcomes, reports, strict=True):
         found = _reported(o, rep, base, table)
@@ -274,6 +275,23 @@ def parse_probe(
 
 
 _Make = Callable[..., ProbeResult]
+
+
+def _first_failure(outcomes: Sequence[WorkerOutcome], reports: Sequence[Mapping[str, Any]]
+                   ) -> int | None:
+    """The index of the rank whose failure stopped the group. The runner names the one it saw
+    exit first, but it sees exits in one sweep of polls: an echo (a peer's "connection reset"
+    after the failing rank exited) can exit between two polls and be seen first. A worker's
+    failure report carries when it failed (``failed_at``, the monotonic clock, one per host),
+    so the earliest failure reported wins over the runner's pick; a rank that died without a
+    report (it could not say when) keeps the runner's pick."""
+    picked = next((i for i, o in enumerate(outcomes) if o.failed_first), None)
+    if picked is None or not reports[picked]:
+        return picked
+    times = [(t, i) for i, rep in enumerate(reports)
+             if rep.get("status") not in (None, "ok")
+             and (t := _positive(rep.get("failed_at"))) is not None]
+    return min(times)[1] if times else picked
 
 
 def stall_extra(stall: Stall) -> tuple[tuple[str, str], ...]:
@@ -355,9 +373,17 @@ def _first_line(text: str) -> str:
     return ""
 
 
+#: A framework's own INFO / WARNING log line (absl / glog as TensorFlow and XLA print them:
+#: "2026-11-25 18:00:00.123: I tensorflow/...", "W0000 00:00:...", "I1125 18:00:00.1 ..."): a
+#: banner such as oneDNN's ("... round-off errors ...") is never the reason a worker failed.
+_LOG_BANNER = re.compile(r"^\s*(?:\d{4}-\d\d-\d\d[ T][\d:.]+: [IW] |[IW]\d{4} [\d:.]+ )")
+_ERROR_WORD = re.compile(r"Error\b|Exception\b|\berror\b|\bfailed\b", re.I)
+
+
 def _last_error_line(text: str) -> str:
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    """The last line that names an error, skipping the frameworks' INFO / WARNING log lines."""
+    lines = [ln for ln in text.strip().splitlines() if ln.strip() and not _LOG_BANNER.match(ln)]
     for line in reversed(lines):
-        if "Error" in line or "error" in line:
+        if _ERROR_WORD.search(line):
             return line
     return lines[-1] if lines else ""

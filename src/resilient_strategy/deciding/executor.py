@@ -331,7 +331,7 @@ def _env_to_set(facts: Facts, c: Candidate, opts: Options, env: Mapping[str, str
 
 
 #: Parameters of resilient_strategy() that say what to decide on, not how: not options.
-_NOT_OPTIONS = frozenset({"env", "facts", "_prober", "_clock"})
+_NOT_OPTIONS = frozenset({"env", "facts", "_prober", "_clock", "_alone"})
 
 
 def resilient_strategy(
@@ -363,6 +363,7 @@ def resilient_strategy(
     optimizer_state_factor: float | None = None,
     _prober: Prober | None = None,
     _clock: Callable[[], float] | None = None,
+    _alone: bool = False,
 ) -> Selection:
     """Find the best distributed strategy that works here and return a Selection to train with.
 
@@ -374,9 +375,17 @@ def resilient_strategy(
         timeout: seconds per probe (default 30; the whole decision is bounded by 4x this).
         prefer: a backend to try first when it works.
         dry_run: decide without probing, setting variables or building anything.
-        model / gradient_bytes / sample_seconds: what is known of the model, for speed ranking.
-        rules / disable_rules: extra rule files (or Rule values) and rule ids to switch off.
-        cache / cache_dir / cache_ttl: the decision cache (default ~/.cache/resilient_strategy).
+        model: the model (its gradient size ranks the strategies by speed).
+        gradient_bytes: the model's gradient size in bytes, when the model does not exist yet.
+        sample_seconds: the compute time of one sample, for speed ranking.
+        max_per_replica_batch: the largest batch one replica may take (more accumulates).
+        rules: extra rule files (or Rule values).
+        disable_rules: rule ids to switch off.
+        cache: read and write the decision cache (default on).
+        cache_dir: where the cache lives (default ~/.cache/resilient_strategy).
+        cache_ttl: seconds a cached result stays valid (default 7 days).
+        precision: "auto", "bf16", "fp16" or "fp32" (PyTorch; auto: bf16 from compute
+            capability 8.0, fp16 with a GradScaler on 7.x).
         env: the environment to decide on (default os.environ; nothing is ever overwritten).
         facts: decide for described facts instead of inspecting this machine.
         logical_cpus: TensorFlow on N logical CPU devices instead of GPUs (testing on CPU;
@@ -415,7 +424,8 @@ def resilient_strategy(
         decision = _handed_decision(facts, opts, handed)
     else:
         decision = _agreed_decision(facts, opts, snapshot, prober, _clock or time.monotonic,
-                                    _progress_line(opts), startup_check=_prober is None)
+                                    _progress_line(opts), startup_check=_prober is None,
+                                    alone=_alone)
     p, results = decision.plan, decision.results
     if p.chosen is None:
         short = _memory_shortfalls(p)
@@ -566,9 +576,12 @@ def _agreed_decision(
     facts: Facts, opts: Options, env: Mapping[str, str], prober: Prober,
     clock: Callable[[], float], progress: ProgressLine | None = None,
     startup_check: bool = False,
+    alone: bool = False,
 ) -> Decision:
     """Under torchrun, local rank 0 decides (and probes); the other ranks wait for its results
-    and re-plan from them, so every rank reaches the same choice (no split brain)."""
+    and re-plan from them, so every rank reaches the same choice (no split brain). ``alone``:
+    the launch is only planned (the command line's ``--nproc-per-node``): no other rank exists,
+    so nothing is published for them."""
     launch = opts.launch
     if opts.multi_worker and not opts.dry_run:
         from ..nodes.tfworkers import decide_across_workers
@@ -577,7 +590,7 @@ def _agreed_decision(
             facts, opts, env, prober, clock,
             functools.partial(decide, progress=progress, startup_check=startup_check))
         return Decision(p, results, False, proven)
-    if not launch.launched or opts.dry_run:
+    if not launch.launched or opts.dry_run or alone:
         return decide(facts, opts, env, prober, clock, progress, startup_check)
     if launch.multi_node and opts.framework == "torch":
         if opts.simulated:  # described outcomes speak for the whole job: no store, no network

@@ -47,6 +47,7 @@ from typing import Any
 
 from ..errors import InvalidOptionError
 from ..vocab import PRECISIONS
+from .teardown import end_at_exit, end_process_group
 
 BACKENDS = ("nccl", "gloo", "single_device", "cpu")
 _EXIT_HOOK: list[bool] = []
@@ -209,21 +210,16 @@ class TorchRuntime:
             world_size=self.world_size, timeout=timedelta(seconds=self.timeout_s), **kwargs,
         )
         _collect_before_exit()
+        end_at_exit()
 
     def shutdown(self) -> None:
         """Destroy the process group, if one is up (idempotent)."""
         if self.world_size == 1:
             return
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            # Every rank reaches here before any tears down: destroying a gloo group while a
-            # peer is still mid-teardown aborts the process ("terminate called without an active
-            # exception"; pytorch/pytorch#179291). The barrier has the group's timeout.
-            with contextlib.suppress(RuntimeError):
-                dist.barrier()
-            dist.destroy_process_group()
-        gc.collect()  # free whatever may still hold the group while Python is fully alive
+        # Every rank reaches here before any tears down: destroying a gloo group while a peer
+        # is still mid-teardown aborts the process ("terminate called without an active
+        # exception"; pytorch/pytorch#179291). The barrier has the group's timeout.
+        end_process_group(self.timeout_s)
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
