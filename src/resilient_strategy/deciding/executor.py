@@ -396,9 +396,10 @@ def resilient_strategy(
             terminal; None (default): one when stderr is a terminal (RESILIENT_STRATEGY_QUIET).
         sharding: "auto" (default) shards the model over the replicas (PyTorch FSDP2) only when a
             replica does not fit the GPUs' free memory; "full" always shards; "none" never.
-        param_bytes / optimizer_state_factor: the model's parameter bytes (model= gives them)
-            and its optimizer's state per gradient byte (default 2, AdamW), for memory planning:
+        param_bytes: the model's parameter bytes (model= gives them), for memory planning:
             candidates whose state does not fit their devices are ruled out.
+        optimizer_state_factor: the optimizer's state per gradient byte (default 2, AdamW),
+            for the same memory planning.
     """
     # Every option, as passed: options_from validates them (a new option is a parameter here
     # and there, nothing in between). Taken first, while the parameters are the only locals.
