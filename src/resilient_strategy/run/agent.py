@@ -69,6 +69,12 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
         ns.rdzv_id = f"{ns.rdzv_id}-attempt{decision.attempt}"
     if ns.master_port is None:
         ns.master_port = 29500
+    if nnodes > 1 and not getattr(ns, "local_addr", None) and ns.rdzv_endpoint:
+        # the address the other nodes reach this one at, not the FQDN c10d would advertise as
+        # MASTER_ADDR (a hostname that resolves to 127.0.1.1 sends the workers home)
+        from ..nodes.routes import route_address
+
+        ns.local_addr = route_address(str(ns.rdzv_endpoint).rpartition(":")[0].strip("[]"))
     had_omp = "OMP_NUM_THREADS" in os.environ
     try:
         config, _, _ = torchrun.config_from_args(ns)
