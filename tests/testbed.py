@@ -104,6 +104,8 @@ def sweep(prefix: str = PREFIX) -> None:
         _ip("link", "del", link, check=False)
     for d in Path("/etc/netns").glob(f"{prefix}-*"):
         shutil.rmtree(d, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        Path("/etc/netns").rmdir()  # only when empty: another user's entries stay
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,14 @@ class Bed:
         _ip("link", "set", peer, "netns", self.switch)
         _ip("link", "set", name, "netns", n.netns)
         _ip("-n", self.switch, "link", "set", peer, "up")
+        # the peer is the decoy's gateway and knows no route anywhere: it answers "unreachable"
+        # (as a real gateway that cannot reach the master would), so that a lookup sent its way
+        # (reverse DNS) fails at once instead of timing out
+        _ip("-n", self.switch, "addr", "add", f"{DECOY_NET}.1/24", "dev", peer)
+        _ip("-n", self.switch, "route", "add", "unreachable", "default")
+        subprocess.run(["ip", "netns", "exec", self.switch, "sh", "-c",
+                        "echo 1 > /proc/sys/net/ipv4/ip_forward"], check=True,
+                       timeout=IP_TIMEOUT_S, capture_output=True)
         _ip("-n", n.netns, "addr", "add", f"{DECOY_NET}.{node + 2}/24", "dev", name)
         _ip("-n", n.netns, "link", "set", name, "up")
         _ip("-n", n.netns, "route", "add", "default", "via", f"{DECOY_NET}.1", "dev", name)
@@ -307,10 +317,13 @@ class Job:
             time.sleep(0.02)
         raise TimeoutError(f"step {step} of attempt {attempt} not reached: {self.tails()}")
 
-    def workers(self, node: int) -> list[int]:
-        """The pids of the training workers the node's supervisor started (live ones)."""
+    def workers(self, node: int, attempt: int | None = None) -> list[int]:
+        """The pids of the live training workers the node's supervisor started (of one
+        attempt: its run directory is in their command line)."""
         home = str(self.work / f"node{node}" / "tmp")
-        return [pid for pid, cmd in _processes() if WORKER in cmd and home in cmd]
+        where = "" if attempt is None else f"/attempt{attempt}/"
+        return [pid for pid, cmd in _processes() if WORKER in cmd and home in cmd
+                and where in cmd]
 
     def leftovers(self) -> list[str]:
         """Live processes of this job (anything whose command line names its directory)."""
@@ -361,3 +374,151 @@ def _processes() -> list[tuple[int, str]]:
                 if state != "Z":
                     out.append((int(proc.name), cmd))
     return out
+
+
+def tcp_addresses(pid: int) -> set[str]:
+    """The local IPv4 addresses of process ``pid``'s TCP sockets (read in its own namespace:
+    /proc/<pid>/net/tcp, matched to its descriptors by inode)."""
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+    out = set()
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+            f = line.split()
+            if len(f) > 9 and f[9] in inodes:
+                ip_hex = f[1].split(":")[0]
+                out.add(".".join(str(int(ip_hex[i:i + 2], 16)) for i in (6, 4, 2, 0)))
+    return out
+
+
+# --- faults and what came of them ---------------------------------------------------------------
+
+#: The bed's training run: ~85 ms per optimizer step on 2 busy cores, 48 steps, a checkpoint
+#: every 4 (examples/torch_train.py; global batch 256).
+SAMPLES, EPOCHS, HIDDEN, EVERY = 6144, 2, 1024, 4
+EXPECTED_STEPS = EPOCHS * (SAMPLES // 256)
+STALL_S = 5.0  # --stall-timeout: the allowance for a wait on a peer
+FAULT_STEP = 8  # strike once rank 0 is this far
+FAULTS = ("none", "sigkill", "sigstop", "link_down", "bridge_down", "straggler", "decoy")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one fault came to, from typed outputs only (exit codes, decisions, progress
+    records, checkpoint notes, processes, sockets)."""
+
+    fault: str
+    codes: tuple[int, ...]  # each node's supervisor's exit status
+    expected_steps: int
+    final_steps: int | None  # the optimizer-step count of the last checkpoint noted
+    attempts: tuple[tuple[int, ...], ...]  # per node: the launch attempts it decided
+    chosen: tuple[tuple[str, int], ...]  # node 0's decisions: (candidate key, nodes)
+    failure: Mapping[str, Any] | None  # the mid-run failure node 0 recorded for the relaunch
+    fault_step: int  # the step rank 0 had done when the fault struck
+    stopped_s: float | None  # fault -> the faulted attempt's workers gone on node 0
+    relaunched_s: float | None  # fault -> the next attempt's decision written (node 0)
+    training_again_s: float | None  # fault -> the first step of the next attempt
+    leftovers: tuple[str, ...]  # processes of the job still alive after it ended
+    addresses: tuple[str, ...] = ()  # local TCP addresses of node 1's worker (decoy)
+    decoy: str = ""  # the decoy's address (decoy)
+
+    @property
+    def relaunched(self) -> bool:
+        return len(self.attempts[0]) > 1
+
+    def row(self) -> dict[str, Any]:
+        def s(x: float | None) -> str:
+            return "-" if x is None else f"{x:.1f}"
+
+        verdict = "-" if self.failure is None else str(self.failure.get("cause", "?"))
+        action = (f"relaunch on {self.chosen[1][0].split(':')[1]} x{self.chosen[1][1]} node(s)"
+                  if self.relaunched else "none")
+        return {"fault": self.fault, "exit codes": ",".join(map(str, self.codes)),
+                "fault at step": self.fault_step, "stopped s": s(self.stopped_s),
+                "verdict (cause)": verdict, "action": action,
+                "relaunch decided s": s(self.relaunched_s),
+                "training again s": s(self.training_again_s),
+                "steps": f"{self.final_steps}/{self.expected_steps}",
+                "steps equal": self.final_steps == self.expected_steps,
+                "leftovers": len(self.leftovers)}
+
+
+def run_fault(bed: Bed, work: Path, fault: str, *, stall_s: float = STALL_S,
+              limit_s: float = 240.0) -> Outcome:
+    """Train on ``bed`` and strike ``fault`` at :data:`FAULT_STEP` (``none``: an
+    uninterrupted run; ``decoy``: a decoy interface on node 1 from the start)."""
+    if fault not in FAULTS:
+        raise ValueError(f"unknown fault {fault!r}; one of {FAULTS}")
+    decoy = f"{DECOY_NET}.3" if fault == "decoy" else ""
+    if decoy:
+        bed.add_decoy(1)
+    args = ["--samples", str(SAMPLES), "--epochs", str(EPOCHS), "--hidden", str(HIDDEN),
+            "--checkpoint-every", str(EVERY), "--checkpoint-dir", str(work / "ckpt")]
+    job = Job(bed, work, ROOT / "examples" / "torch_train.py", args, stall_timeout=stall_s,
+              limit_s=limit_s)
+    t0: float | None = None
+    stopped: float | None = None
+    addresses: set[str] = set()
+    victims: list[int] = []
+    try:
+        job.wait_for_step(FAULT_STEP, timeout_s=limit_s / 2)
+        victims = job.workers(1, 0)
+        if fault in ("sigkill", "sigstop", "straggler"):
+            assert victims, job.tails()
+        t0 = time.monotonic()
+        if fault == "sigkill":
+            os.kill(victims[0], signal.SIGKILL)
+        elif fault in ("sigstop", "straggler"):
+            os.kill(victims[0], signal.SIGSTOP)
+        elif fault == "link_down":
+            bed.node_link(1, up=False)
+        elif fault == "bridge_down":
+            bed.bridge_port(1, up=False)
+        elif fault == "decoy":
+            addresses |= {a for pid in victims for a in tcp_addresses(pid)}
+        fault_step = job.capture.last_step(0, 0)
+        restore_at = t0 + (stall_s / 2 if fault == "straggler" else stall_s + 1.0)
+        restored = fault not in ("straggler", "bridge_down")
+        end = t0 + limit_s
+        while time.monotonic() < end and any(p.poll() is None for p in job.procs):
+            now = time.monotonic()
+            if not restored and now >= restore_at:
+                if fault == "straggler":
+                    os.kill(victims[0], signal.SIGCONT)
+                else:
+                    bed.bridge_port(1, up=True)
+                restored = True
+            if stopped is None and not job.workers(0, 0):
+                stopped = now
+            time.sleep(0.05)
+        if not restored and fault == "bridge_down":
+            bed.bridge_port(1, up=True)
+        codes = tuple(job.finish())
+    finally:
+        job.stop()
+        for pid in victims:  # a stopped worker the job did not reap: never left behind stopped
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    c = job.capture
+    again = [p.at for p in c.progress if p.attempt >= 1]
+    decided = c.first_seen.get((0, 1))
+    d1 = c.decisions.get((0, 1))
+    d0 = c.decisions.get((0, 0), {})
+    failure = None if d1 is None else d1.get("results", {}).get(d0.get("chosen", ""))
+    base = t0 if t0 is not None else 0.0
+    return Outcome(
+        fault=fault, codes=codes, expected_steps=EXPECTED_STEPS, final_steps=c.final_steps(),
+        attempts=tuple(tuple(c.attempts(n.index)) for n in bed.nodes),
+        chosen=tuple((str(c.decisions[(0, a)]["chosen"]), int(c.decisions[(0, a)]["nodes"]))
+                     for a in c.attempts(0)),
+        failure=failure, fault_step=fault_step,
+        stopped_s=None if stopped is None or fault in ("none", "straggler", "decoy")
+        else stopped - base,
+        relaunched_s=None if decided is None else decided - base,
+        training_again_s=min(again) - base if again else None,
+        leftovers=tuple(job.leftovers()), addresses=tuple(sorted(addresses)), decoy=decoy)

@@ -110,7 +110,8 @@ def route_to_master(env: Mapping[str, str]) -> tuple[str | None, str]:
 def route_address(host: str) -> str | None:
     """This host's IPv4 address on the interface that routes to ``host`` (None when unknown).
     What the other nodes can reach this one at: torch's c10d rendezvous otherwise advertises the
-    agent's FQDN, which may resolve to a loopback or unreachable address on the other nodes."""
+    agent's FQDN as the workers' MASTER_ADDR, which may resolve to a loopback or unreachable
+    address on the other nodes (pytorch/pytorch#73656; torchrun's ``--local-addr`` sets it)."""
     iface, _ = route_to_master({"MASTER_ADDR": host})
     return local_addresses().get(iface) if iface else None
 
@@ -132,7 +133,8 @@ def node_values(values: Mapping[str, str], env: Mapping[str, str]) -> dict[str, 
 
 #: gloo's interface variable: without it gloo binds to the address the hostname resolves to
 #: (127.0.1.1 on Debian's /etc/hosts, 127.0.0.1 in many containers, or an interface the other
-#: nodes cannot reach) and the nodes never connect (pytorch/pytorch#68726, #110530).
+#: nodes cannot reach) and the nodes never connect: "Gloo connectFullMesh failed ...
+#: remote=[127.0.0.1]" (pytorch/gloo#70, aws-samples/aws-do-eks#69; seen in tests/testbed.py).
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
 
 

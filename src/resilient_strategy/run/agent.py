@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import logging
 import os
+import signal
 import sys
 import uuid
 from collections.abc import Mapping
@@ -190,6 +191,16 @@ def _agent_class() -> type[Any]:
                     self._remaining_restarts = 0
                     return RunResult(state=WorkerState.UNHEALTHY)
             return result
+
+        def _shutdown(self, *args: Any, **kwargs: Any) -> None:
+            # A stopped worker (SIGSTOP, a debugger, a shell's job control) would hold the
+            # agent's SIGTERM pending for the whole grace (30 s) while the other nodes' supervisors
+            # wait for this one at the next agreement: continue it so that it gets the signal now.
+            with contextlib.suppress(Exception):
+                for pid in (self._pcontext.pids().values() if self._pcontext else ()):
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGCONT)
+            super()._shutdown(*args, **kwargs)
 
     _AGENT.append(SupervisedAgent)
     return SupervisedAgent

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import re
+import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -130,7 +131,11 @@ def classify_attempt(stall: Stall | None, exits: Sequence[RankExit]) -> Verdict:
         cause = "nccl_error" if any("nccl" in str((e.error or {}).get("message", "")).lower()
                                     for e in exits) else "crash"
         return Verdict("backend", f"a communication error: {text}", step, cause)
-    in_collective = [e for e in exits if e.record is not None and e.record.phase == COLLECTIVE]
+    # a rank killed from outside (SIGKILL without a word: the OOM killer, a preemption, an
+    # operator) leaves its peers waiting at their next collective wherever it was itself; on
+    # another node they see a communication error, and the verdicts must agree
+    in_collective = [e for e in exits if (e.record is not None and e.record.phase == COLLECTIVE)
+                     or (e.error is None and e.exitcode == -signal.SIGKILL)]
     comm_tail = [e for e in exits if _COMM_TEXT.search(e.stderr_tail)]
     if in_collective or comm_tail:
         return Verdict("backend", f"a rank left in the middle of a collective: {text}", step,
