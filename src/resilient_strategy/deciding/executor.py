@@ -436,9 +436,9 @@ def resilient_strategy(
     chosen = p.chosen
     to_set = _env_to_set(facts, chosen, opts, snapshot)
     if opts.launch.multi_node:  # per-node values (the interface routing to the master)
-        from ..nodes.routes import node_values
+        from ..nodes.routes import between_nodes
 
-        to_set = node_values(to_set, snapshot)
+        to_set = between_nodes(chosen.backend, to_set, snapshot)
     _guard(facts, opts.framework, to_set)
     # Decided on a described environment (env=): nothing of this process is changed.
     applied = not opts.dry_run and env is None
