@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from resilient_strategy.core.options import Launch, Options, options_from
+from resilient_strategy.core.arguments import options_from
+from resilient_strategy.core.options import Launch, Options
 from resilient_strategy.errors import InvalidOptionError
 from resilient_strategy.testing import machine, simulate
 from resilient_strategy.vocab import BACKENDS, FRAMEWORKS, PRECISIONS, PROBE_MODES

@@ -16,14 +16,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..core.arguments import options_from
 from ..core.facts import Facts
 from ..core.human import human_bytes, human_duration
 from ..core.memory import model_memory
-from ..core.options import (
-    FRAMEWORKS,
-    Options,
-    options_from,
-)
+from ..core.options import FRAMEWORKS, Options
 from ..core.plan import Candidate, Plan, RuledOut, plan, resplit
 from ..core.probe import (
     ENVIRONMENTAL_CAUSES,
