@@ -138,10 +138,17 @@ def test_every_option_of_resilient_strategy_goes_to_options_from_as_is() -> None
 
     from resilient_strategy.deciding.executor import resilient_strategy
 
-    public = set(inspect.signature(resilient_strategy).parameters) - {"env", "facts", "_prober",
-                                                                       "_clock"}
-    read = set(inspect.signature(options_from).parameters) - {"facts", "env"}
+    from dataclasses import fields
+
+    from resilient_strategy.core.arguments import Arguments
+
+    public = {p for p in inspect.signature(resilient_strategy).parameters
+              if not p.startswith("_")} - {"env", "facts"}
+    read = {f.name for group in vars(Arguments.of()).values() for f in fields(group)}
     assert public == read
+    assert Arguments.of(framework="torch", cache=False).training.framework == "torch"
+    with pytest.raises(TypeError):
+        Arguments.of(no_such_option=1)
 
 
 _VARIABLES = ["RESILIENT_STRATEGY_PROBE", "RESILIENT_STRATEGY_TIMEOUT",
