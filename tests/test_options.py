@@ -135,12 +135,10 @@ def test_the_torch_runtime_names_the_bad_value() -> None:
 
 def test_every_option_of_resilient_strategy_goes_to_options_from_as_is() -> None:
     import inspect
-
-    from resilient_strategy.deciding.executor import resilient_strategy
-
     from dataclasses import fields
 
     from resilient_strategy.core.arguments import Arguments
+    from resilient_strategy.deciding.executor import resilient_strategy
 
     public = {p for p in inspect.signature(resilient_strategy).parameters
               if not p.startswith("_")} - {"env", "facts"}
