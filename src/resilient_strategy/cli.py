@@ -237,6 +237,7 @@ def _facts_text(facts: Facts) -> list[str]:
                              ("EFA", h.efa), ("InfiniBand", h.infiniband)) if on]
     out.append(f"Host: /dev/shm {shm}, container {h.container or 'none'}, IOMMU {h.iommu}, "
                f"{h.cpu_count} CPUs" + (f", {', '.join(flags)}" if flags else ""))
+    out.append(_platform_line(facts))
     out.append("Frameworks:")
     for f in facts.frameworks:
         if not f.installed:
@@ -396,6 +397,20 @@ def launch_words(sel: Any) -> str:
 
 def as_torchrun(facts: Facts, framework: str, env: Mapping[str, str]) -> bool:
     return framework == "torch" and len(facts.gpus) >= 2 and "WORLD_SIZE" not in env
+
+
+def _platform_line(facts: Facts) -> str:
+    """The platform facts for doctor (unknown ones say so)."""
+    p = facts.platform
+
+    def yes_no(v: bool | None) -> str:
+        return "unknown" if v is None else "yes" if v else "no"
+
+    rdma = (f"{p.rdma_link_layer} ({', '.join(p.rdma_devices) or 'no active port'})"
+            if p.rdma_link_layer else "none active")
+    return (f"Platform: NVSwitch {yes_no(p.nvswitch)}, hypervisor {p.hypervisor or 'none seen'}, "
+            f"RDMA {rdma}, route to MASTER_ADDR {p.master_ifname or 'unknown'}, hostname on "
+            f"loopback {yes_no(p.hostname_loopback)}")
 
 
 def simulate_file(path: Path, real_env: Mapping[str, str] | None = None) -> dict[str, Any]:
