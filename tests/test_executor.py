@@ -276,17 +276,19 @@ def test_model_gives_gradient_bytes() -> None:
     assert o.gradient_bytes == (100 * 10 + 10 + 10 + 1) * 4
 
 
-def test_multi_node_plans_nccl_over_every_process_without_probing_or_cache(tmp_path: Path) -> None:
+def test_multi_node_plans_nccl_over_every_process_without_store_or_cache(tmp_path: Path) -> None:
+    """A simulated multi-node job (issue 19): the described outcomes are the whole job's (a
+    simulated prober spans the nodes), decided with no store, no network and no cache."""
     env = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "RANK": "2", "LOCAL_RANK": "0"}
     facts = machine(2, nvlink=18, env=env)
-    prober = FakeProber({"nccl": "timeout"})  # would fall back, were it probed
+    prober = FakeProber({"nccl": "timeout", "nccl+NCCL_P2P_DISABLE=1": "ok:20"})
     sel = simulate(facts, prober, global_batch_size=512, cache=True, cache_dir=tmp_path)
     cached = [f for f in tmp_path.glob("*.json") if not f.name.startswith("agree-")]
-    assert prober.probed == [] and not cached
+    assert prober.probed == ["nccl", "nccl+NCCL_P2P_DISABLE=1"] and not cached
     assert (sel.backend, sel.devices, sel.num_replicas) == ("nccl", (0, 1), 4)
-    assert sel.per_replica_batch_size == 128 and not sel.proven
+    assert dict(sel.env) == {"NCCL_P2P_DISABLE": "1"} and sel.per_replica_batch_size == 128
     assert [e.topic for e in events(sel, Note)] == ["multi_node"]  # type: ignore[attr-defined]
-    assert [e.how for e in events(sel, Chosen)] == ["multi_node"]  # type: ignore[attr-defined]
+    assert [e.how for e in events(sel, Chosen)] == ["probe_passed"]  # type: ignore[attr-defined]
     with pytest.raises(InvalidOptionError, match="LOCAL_WORLD_SIZE=3"):
         simulate(machine(2, env={"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "3"}))
 

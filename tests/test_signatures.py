@@ -190,13 +190,13 @@ def test_mid_run_failures_are_judged_from_the_same_table() -> None:
     verdict = classify_attempt(None, [RankExit(0, 1, error={
         "types": ["torch.distributed.DistBackendError", "builtins.RuntimeError"],
         "message": nvls})])
-    assert (verdict.kind, verdict.cause) == ("backend", "nvls_multicast")
+    assert (verdict.kind.value, verdict.cause) == ("backend", "nvls_multicast")
     ib = ("NCCL WARN NET/IB : Got completion from peer 10.216.210.236<54862> with status=12 "
           "opcode=0 len=0 vendor err 129 (Recv)")  # NVIDIA/nccl#1405, mid-training
     verdict = classify_attempt(None, [RankExit(1, 1, error={
         "types": ["builtins.RuntimeError"], "message": "NCCL communicator was aborted"},
         stderr_tail=ib)])
-    assert (verdict.kind, verdict.cause) == ("backend", "rdma_error")
+    assert (verdict.kind.value, verdict.cause) == ("backend", "rdma_error")
     assert classify_error(["builtins.RuntimeError"],
                           "Gloo connectFullMesh failed with [../third_party/gloo/gloo/transport/"
                           "tcp/pair.cc:144] no error") == "comm"  # sgl-project/sglang#3226
