@@ -416,7 +416,7 @@ def test_relaunch_limit_is_honoured(tmp_path: Path, cache_dir: Path) -> None:
     assert _launches(tmp_path) == ["0 gloo", "1 gloo"]
 
 
-def test_a_real_backend_error_is_cached_as_a_mid_run_failure(
+def test_a_backend_error_no_probe_reproduced_is_not_cached(
     tmp_path: Path, cache_dir: Path, reference: tuple[int, dict[str, torch.Tensor]]
 ) -> None:
     cache = tmp_path / "cache"  # a copy of the module's warm cache: this test writes to it
@@ -429,8 +429,10 @@ def test_a_real_backend_error_is_cached_as_a_mid_run_failure(
     entries = [json.loads(p.read_text()) for p in cache.glob("*.json")]
     gloo = [e["result"] for blob in entries for k, e in blob["results"].items()
             if k.startswith("torch:gloo")]
-    assert len(gloo) == 1 and gloo[0]["status"] == "error"
-    assert int(dict(gloo[0]["extra"])["mid_run"]) in (3, 4)
+    # the relaunch stepped down, but only proof is cached (issue 22.1): the script's exception
+    # is a classification of its text, and gloo's probe passes on this machine
+    assert all(r["status"] == "ok" for r in gloo)
+    assert "mid_run" not in "".join(p.read_text() for p in cache.glob("*.json"))
 
 
 def test_run_options_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.bounded import parse_json
-from ..core.options import DEFAULT_PG_TIMEOUT_S, RunOptions
+from ..core.options import DEFAULT_PROCESS_GROUP_TIMEOUT, RunOptions
 from ..records.handoff import Decision, error_path, progress_path
 from ..records.progress import (
     Stall,
@@ -94,7 +94,7 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
         master_port=master_port, local_addr=config.local_addr)
     agent = agent_cls(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
                       watch=watch, peer=peer)
-    timeouts = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PG_TIMEOUT_S)
+    timeouts = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PROCESS_GROUP_TIMEOUT)
     os.environ.update(timeouts)  # the workers inherit them; never one the user set
     try:
         result = agent.run()

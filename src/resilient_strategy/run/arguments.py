@@ -69,6 +69,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gradient-bytes", type=int, default=None,
                    help="the model's gradient bytes, for ranking the candidates")
     p.add_argument("--probe-timeout", type=float, default=None, help="seconds per probe")
+    p.add_argument("--sharding", choices=("auto", "full", "none"), default="auto",
+                   help="shard the model (FSDP2): auto (when a replica does not fit), full, none")
+    p.add_argument("--param-bytes", type=int, default=None,
+                   help="the model's parameter bytes, for memory planning")
+    p.add_argument("--optimizer-state-factor", type=float, default=None,
+                   help="optimizer state per gradient byte (AdamW: 2, the default)")
     p.add_argument("--logical-cpus", type=int, default=0,
                    help="TensorFlow test mode: plan for N logical CPU devices (the script "
                         "passes logical_cpus=N too)")
@@ -97,7 +103,8 @@ def options_from_args(argv: Sequence[str]) -> RunOptions:
         framework=framework, nproc=str(ns.nproc_per_node), max_relaunches=ns.max_relaunches,
         stall_timeout=ns.stall_timeout, global_batch_size=ns.global_batch_size,
         gradient_bytes=ns.gradient_bytes, probe_timeout=ns.probe_timeout,
-        logical_cpus=ns.logical_cpus, torchrun=ns)
+        logical_cpus=ns.logical_cpus, torchrun=ns, sharding=ns.sharding,
+        param_bytes=ns.param_bytes, optimizer_state_factor=ns.optimizer_state_factor)
     return replace(opts, min_throughput=ns.min_throughput, allow_cpu=bool(ns.allow_cpu),
                    max_attempts_without_progress=ns.max_attempts_without_progress,
                    evidence_dir=ns.evidence_dir)  # validated by RunOptions, as every option

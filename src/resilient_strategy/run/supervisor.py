@@ -257,7 +257,7 @@ def _summary(history: Sequence[Attempt], judgement: Judgement) -> str:
 
 def _allowance_words(opts: RunOptions, env: Mapping[str, str]) -> str:
     """The stall allowance in force, and torch's timeouts set from it."""
-    from ..core.options import DEFAULT_PG_TIMEOUT_S
+    from ..core.options import DEFAULT_PROCESS_GROUP_TIMEOUT
     from .watch import (
         AUTO_STALL_CAP_S,
         HEARTBEAT_VAR,
@@ -270,7 +270,7 @@ def _allowance_words(opts: RunOptions, env: Mapping[str, str]) -> str:
     allowance = (f"{opts.stall_timeout_s:g} s (--stall-timeout)" if opts.stall_timeout_s
                  else f"max({MIN_STALL_S:g} s, {STALL_STEPS} x the median step time after "
                       f"{WARMUP_STEPS} warm-up steps), at most {AUTO_STALL_CAP_S:g} s")
-    set_ = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PG_TIMEOUT_S)
+    set_ = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PROCESS_GROUP_TIMEOUT)
     torch_words = ", ".join(f"{k}={v}" for k, v in set_.items())
     kept = [k for k in (PG_TIMEOUT_VAR, HEARTBEAT_VAR) if k not in set_]
     return (f"stall allowance {allowance}; torch's timeouts above it: {torch_words or 'none set'}"
@@ -307,7 +307,8 @@ def _options(opts: RunOptions, facts: Any, env: Mapping[str, str], rank: int = 0
         probe=None, timeout=opts.probe_timeout_s, prefer=None, dry_run=False, model=None,
         gradient_bytes=opts.gradient_bytes, sample_seconds=None, max_per_replica_batch=None,
         rules=(), disable_rules=(), cache=True, cache_dir=None, cache_ttl=None, precision="auto",
-        logical_cpus=opts.logical_cpus,
+        logical_cpus=opts.logical_cpus, sharding=opts.sharding, param_bytes=opts.param_bytes,
+        optimizer_state_factor=opts.optimizer_state_factor,
     ), plan_env
 
 

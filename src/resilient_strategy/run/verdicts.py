@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from ..core.signatures import Signatures, builtin_signatures
 from ..records.progress import (
     COLLECTIVE,
     STEP_DONE,
@@ -49,18 +50,35 @@ def _said_comm(tail: str) -> bool:
     return bool(_TAIL_SIGNATURE.search(tail[-TAIL_SIGNATURE_BYTES:]))
 
 
-def classify_error(types: Sequence[str], message: str) -> str:
-    """"oom", "comm", "exit" (SystemExit) or "user" for an exception's MRO names and message."""
+def classify_error(types: Sequence[str], message: str,
+                   signatures: Signatures | None = None) -> str:
+    """"oom", "comm", "exit" (SystemExit) or "user" for an exception's MRO names and message.
+    The message is placed through the signature table (``core/signatures.toml``, the one the
+    probe parser reads; the built-in table when ``signatures`` is None)."""
     names = {t.rsplit(".", 1)[-1] for t in types}
-    if names & set(_OOM_TYPES) or _OOM_TEXT.search(message):
+    placed = (signatures or builtin_signatures()).classify(message)
+    if names & set(_OOM_TYPES) or placed == "oom" or _OOM_TEXT.search(message):
         return "oom"
     if names & set(_COMM_TYPES):
         return "comm"
     if "SystemExit" in names:
         return "exit"
-    if names & {"RuntimeError", "OSError", "ConnectionError"} and _COMM_TEXT.search(message):
+    if names & {"RuntimeError", "OSError", "ConnectionError"} and (
+            placed != "worker_error" or _COMM_TEXT.search(message)):
         return "comm"
     return "user"
+
+
+def error_cause(exits: Sequence[RankExit], signatures: Signatures | None = None) -> str:
+    """The cause the signature table places on the first failed rank's error or output ("" when
+    it places none): what the planner's remedies key on after a mid-run fault."""
+    table = signatures or builtin_signatures()
+    for e in exits:
+        for text in (str((e.error or {}).get("message", "")), e.stderr_tail):
+            placed = table.classify(text)
+            if placed != "worker_error":
+                return placed
+    return ""
 
 
 class VerdictKind(Enum):
@@ -279,13 +297,14 @@ def classify_attempt(stall: Stall | None, exits: Sequence[RankExit]) -> Verdict:
                        where=next((e.where() for e in vanished if e.where()), ""))
     if "comm" in kinds:
         ranks, where = blamed("comm")
-        cause = "nccl_error" if any("nccl" in str((e.error or {}).get("message", "")).lower()
-                                    for e in exits) else "crash"
+        cause = error_cause(exits) or ("nccl_error" if any(
+            "nccl" in str((e.error or {}).get("message", "")).lower() for e in exits) else "crash")
         return Verdict(VerdictKind.BACKEND, f"a communication error: {text}", step, cause,
                        ranks=ranks, where=where)
     ranks, where = blamed(None)
     return Verdict(VerdictKind.BACKEND, f"a rank died with a communication error in its "
-                   f"output: {text}", step, "crash", ranks=ranks, where=where)
+                   f"output: {text}", step, error_cause(exits) or "crash", ranks=ranks,
+                   where=where)
 
 
 def merge(faults: Sequence[PeerFault]) -> Verdict | None:

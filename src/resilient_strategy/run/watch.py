@@ -97,8 +97,9 @@ class TrainingWatch:
         now = self.clock()
         self.watcher.read(now)
         records = self.watcher.records
-        if any(r is not None and r.phase == FINISHED for r in records):
-            return None  # finishing: the exits are the agent's to see
+        if records and all(r is not None and r.phase == FINISHED for r in records):
+            return None  # finished: the exits are the agent's to see. One rank's "finished"
+            # ends the watch for that rank only (the watcher never blames it for silence)
         rec = records[0] if records else None
         if rec is not None and rec.phase in (STEP_DONE, COLLECTIVE_DONE) and rec.k > 0:
             if self._first is None:

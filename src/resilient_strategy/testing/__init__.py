@@ -16,8 +16,9 @@ Probe outcomes are given per candidate: ``{"nccl": "timeout", "nccl+NCCL_P2P_DIS
 
 from __future__ import annotations
 
+from ..core.facts import Platform
 from .fakes import FakeProber, Outcome, gpu, machine, simulate
 from .replay import MidRunFault, Replay, replay
 
-__all__ = ["FakeProber", "MidRunFault", "Outcome", "Replay", "gpu", "machine", "replay",
-           "simulate"]
+__all__ = ["FakeProber", "MidRunFault", "Outcome", "Platform", "Replay", "gpu", "machine",
+           "replay", "simulate"]
