@@ -143,6 +143,7 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
         if link is not None and _alone(decision) and link.node != 0:
             _say(f"node {link.node}: node 0 trains alone on {_label(decision)} (no backend "
                  "between the nodes beats one node); this node has nothing to run")
+            evidence.summary(history)  # what this node saw until then (none: nothing written)
             return int(ExitCode.SUCCESS)
         peer = None
         if link is not None and not _alone(decision):  # node 0 alone has no peer to hear
