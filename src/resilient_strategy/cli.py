@@ -67,10 +67,6 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="resilient-strategy", description=__doc__.split("\n\n")[0])
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
-    # listed for --help only: main() hands `run ...` to the supervisor's own parser (torchrun's)
-    sub.add_parser("run", add_help=False, help="run a training script under the supervisor: "
-                   "decide once, relaunch on the next strategy when a collective fails mid-run "
-                   "(`run --help`)")
     for name, text in (("doctor", "show what is here and the plan"), ("plan", "the plan only"),
                        ("probe", "prove the candidates with live probes")):
         s = sub.add_parser(name, help=text)
@@ -92,6 +88,10 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--nproc-per-node", type=_positive_int, metavar="N",
                        help="plan torch as rank 0 of `torchrun --nproc_per_node N` (default: one "
                             "process per visible GPU when there are 2 or more, else plain python)")
+    # listed for --help only: main() hands `run ...` to the supervisor's own parser (torchrun's)
+    sub.add_parser("run", add_help=False, help="run a training script under the supervisor: "
+                   "decide once, relaunch on the next strategy when a collective fails mid-run "
+                   "(`run --help`)")
     return p
 
 
