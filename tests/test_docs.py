@@ -97,7 +97,8 @@ def _free_port() -> int:
 
 def _needs(code: str) -> str | None:
     for module in ("lightning", "accelerate", "tensorflow", "torch"):
-        if re.search(rf"\b(import|from) {module}\b|\b{module} as\b|, {module}\b", code) \
+        if re.search(rf"\b(import|from) {module}\b|\b{module} as\b|, {module}\b|"
+                     rf"integrations\.{module}\b", code) \
                 and importlib.util.find_spec(module) is None:
             return module
     return None
