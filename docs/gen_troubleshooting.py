@@ -80,6 +80,18 @@ def _value(v: Any) -> str:
 _URL = re.compile(r"https?://[^\s;,)>]+[^\s;,)>.]")
 
 
+_LITERAL_KEYS = ("pattern", "patterns", "regex", "match", "text", "contains")
+
+
+def _code(value: Any) -> str:
+    """A literal (a pattern, a log text) as a code span, whatever backticks it holds."""
+    if isinstance(value, list):
+        return ", ".join(_code(v) for v in value)
+    text = str(value).replace("\n", " ")
+    fence = "``" if "`" in text else "`"
+    return f"{fence} {text} {fence}" if fence == "``" else f"`{text}`"
+
+
 def _source(text: str) -> str:
     """A source with its addresses as links (a trailing ';', ',', ')' or '.' stays text)."""
     return _URL.sub(lambda m: f"<{m.group(0)}>", text)
@@ -90,7 +102,8 @@ def _generic(kind: str, entry: Mapping[str, Any], skip: Sequence[str] = ()) -> l
     for key, value in entry.items():
         if key in ("id", *skip):
             continue
-        shown = _source(_value(value)) if key == "source" else _value(value)
+        shown = _source(_value(value)) if key == "source" else _code(value) \
+            if key in _LITERAL_KEYS else _value(value)
         lines.append(f"- **{key}**: {shown}")
     return [*lines, ""]
 
@@ -131,7 +144,8 @@ def _causes(sigs: list[tuple[str, dict[str, Any]]], remedies: list[tuple[str, di
         lines.append("")
         for _, e in sigs:
             if e.get("cause") == cause:
-                lines.append(f"- Recognised from: {_value(e.get('pattern', e.get('text', _name(e))))}"
+                literal = next((e[k] for k in _LITERAL_KEYS if k in e), _name(e))
+                lines.append(f"- Recognised from: {_code(literal)}"
                              + (f" ({_source(str(e['source']))})" if e.get("source") else ""))
         for _, e in remedies:
             if e.get("cause") == cause:
