@@ -91,7 +91,7 @@ def test_the_edges_of_the_ranges_are_accepted() -> None:
     o = _options({"RESILIENT_STRATEGY_PG_TIMEOUT": str(7 * 86400), "WORLD_SIZE": "2", "RANK": "1",
                   "LOCAL_RANK": "1"}, global_batch_size=2**31 - 2, cache_ttl=366 * 86400.0,
                  timeout=3600, cache_dir=Path("x"))
-    assert (o.pg_timeout_s, o.timeout_s, o.global_batch_size) == (7 * 86400.0, 3600.0, 2**31 - 2)
+    assert (o.process_group_timeout, o.timeout_s, o.global_batch_size) == (7 * 86400.0, 3600.0, 2**31 - 2)
     assert o.launch == Launch(rank=1, local_rank=1, world_size=2)
 
 
@@ -161,4 +161,4 @@ def test_any_environment_gives_options_or_a_typed_error(env: dict[str, str]) -> 
         assert exc.option in (*_VARIABLES, "global_batch_size", None)
         return
     assert 0 <= o.rank < o.world_size and 0 < o.timeout_s <= 3600
-    assert math.isfinite(o.pg_timeout_s)
+    assert math.isfinite(o.process_group_timeout)

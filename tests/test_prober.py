@@ -433,7 +433,7 @@ def test_the_next_run_sweeps_what_a_sigkill_left(
     mine_alive.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(_files, "SWEEP_AFTER_S", 0.0)  # else only after 10 minutes untouched
-    monkeypatch.setattr(prober, "_swept", False)
+    monkeypatch.setattr(_files, "TEMP_SWEEP", _files.TempSweep())
     ok = "import json, sys; json.dump({'status': 'ok'}, open(sys.argv[1], 'w'))"
     monkeypatch.setattr(prober, "build_commands", lambda spec, env, workdir, **_: [
         _proc.WorkerCommand((sys.executable, "-c", ok, f"{workdir}/r.json"), dict(os.environ),

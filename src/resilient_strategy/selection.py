@@ -66,7 +66,8 @@ class Selection:
     from_cache: bool = False
     proven: bool = True  # False when probing was off and a collective ran unproven
     launch: Launch = field(default_factory=Launch)
-    process_group_timeout_s: float = 300.0  # training collectives (torch process group)
+    #: seconds a training collective may wait for a peer (torch process group; TF across workers)
+    process_group_timeout: float = 300.0
     precision: str = "auto"
     logical_cpus: int = 0  # TF CPU test mode: replicas on logical CPU devices
     #: TensorFlow under a multi-worker TF_CONFIG: the workers and this one's id (chief 0)
@@ -122,6 +123,11 @@ class Selection:
     def per_replica_batch_size(self) -> int | None:
         """Samples per replica per micro-step."""
         return self.candidate.per_replica_batch_size
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is sharded over the replicas (PyTorch FSDP2), not replicated."""
+        return self.candidate.sharded
 
     @property
     def active(self) -> bool:
@@ -208,6 +214,11 @@ class Selection:
         lines += [f"  - {t}" for t in self.plan.trace]
         return "\n".join(lines)
 
+    @property
+    def process_group_timeout_s(self) -> float:
+        """Deprecated alias of :attr:`process_group_timeout` (v0.2's name)."""
+        return self.process_group_timeout
+
     def to_dict(self) -> dict[str, Any]:
         """The decision as JSON-able data (what ``--json`` prints), typed events included."""
         return {
@@ -216,6 +227,7 @@ class Selection:
             "label": self.candidate.label,
             "devices": list(self.devices),
             "num_replicas": self.num_replicas,
+            "sharded": self.sharded,
             "accumulation_steps": self.accumulation_steps,
             "global_batch_size": self.global_batch_size,
             "per_replica_batch_size": self.per_replica_batch_size,
@@ -269,7 +281,7 @@ class Selection:
                 self.backend, devices, self.accumulation_steps, self.global_batch_size,
                 self.per_replica_batch_size, logical_cpus=self.logical_cpus,
                 workers=self.tf_workers if across else 1,
-                timeout_s=self.process_group_timeout_s if across else None,
+                timeout_s=self.process_group_timeout if across else None,
             )
         from .frameworks.torch import TorchRuntime
 
@@ -278,7 +290,8 @@ class Selection:
             self.backend, self.devices, self.accumulation_steps, self.global_batch_size,
             self.per_replica_batch_size, rank=self.launch.rank if world > 1 else 0,
             local_rank=self.launch.local_rank if world > 1 else 0, world_size=world,
-            timeout_s=self.process_group_timeout_s, precision=self.precision,
+            timeout_s=self.process_group_timeout, precision=self.precision,
+            sharded=self.candidate.sharded,
         )
 
     @property
@@ -390,12 +403,18 @@ class Selection:
         return self.runtime.device
 
     def prepare(
-        self, model: Any = None, optimizer: Any = None, loader: Any = None, **ddp_kwargs: Any
+        self, model: Any = None, optimizer: Any = None, loader: Any = None, *,
+        shard_modules: Any = None, **ddp_kwargs: Any
     ) -> Any:
         """Move and wrap the model (DDP when replicas > 1; ``ddp_kwargs`` such as
         ``find_unused_parameters=True`` go to DistributedDataParallel); shard the loader
         (DistributedSampler, reshuffled by :meth:`set_epoch`); return all three. Call it again
-        for more loaders (``prepare(None, None, val_loader)``)."""
+        for more loaders (``prepare(None, None, val_loader)``).
+
+        When the decision shards (:attr:`sharded`), FSDP2's ``fully_shard`` is applied to the
+        modules of the classes in ``shard_modules`` (default: the model's repeated blocks), then
+        the root, and the optimizer follows the sharded parameters; keyword arguments go to
+        ``fully_shard`` then. ``shard_modules`` is ignored when the decision replicates."""
         self._leave_if_idle()
         if model is not None and self.advise is not None and self.is_main_process:
             advice = self.advise(gradient_bytes_of(model))
@@ -403,7 +422,7 @@ class Selection:
                 log.warning("resilient_strategy: %s", advice)
         rt = self.runtime
         self._init(rt)
-        out = rt.prepare(model, optimizer, loader, **ddp_kwargs)
+        out = rt.prepare(model, optimizer, loader, shard_modules=shard_modules, **ddp_kwargs)
         if self.progress is not None and rt.optimizer_steps:
             self.progress.restored(rt.optimizer_steps)
         return out
@@ -498,4 +517,4 @@ class Selection:
         elif self.framework == "torch" and not self.dry_run:
             from .frameworks.teardown import end_process_group
 
-            end_process_group(self.process_group_timeout_s)
+            end_process_group(self.process_group_timeout)
