@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from resilient_strategy.core.options import options_from
+from resilient_strategy.core.arguments import options_from
 from resilient_strategy.core.plan import Candidate, plan
 from resilient_strategy.core.probe import OK, TIMEOUT, ProbeResult, ProbeSpec
 from resilient_strategy.deciding.executor import decide

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from resilient_strategy.core.options import Launch, Options, options_from
+from resilient_strategy.core.arguments import options_from
+from resilient_strategy.core.options import Launch, Options
 from resilient_strategy.errors import InvalidOptionError
 from resilient_strategy.testing import machine, simulate
 from resilient_strategy.vocab import BACKENDS, FRAMEWORKS, PRECISIONS, PROBE_MODES
@@ -134,13 +135,18 @@ def test_the_torch_runtime_names_the_bad_value() -> None:
 
 def test_every_option_of_resilient_strategy_goes_to_options_from_as_is() -> None:
     import inspect
+    from dataclasses import fields
 
+    from resilient_strategy.core.arguments import Arguments
     from resilient_strategy.deciding.executor import resilient_strategy
 
-    public = set(inspect.signature(resilient_strategy).parameters) - {"env", "facts", "_prober",
-                                                                       "_clock"}
-    read = set(inspect.signature(options_from).parameters) - {"facts", "env"}
+    public = {p for p in inspect.signature(resilient_strategy).parameters
+              if not p.startswith("_")} - {"env", "facts"}
+    read = {f.name for group in vars(Arguments.of()).values() for f in fields(group)}
     assert public == read
+    assert Arguments.of(framework="torch", cache=False).training.framework == "torch"
+    with pytest.raises(TypeError):
+        Arguments.of(no_such_option=1)
 
 
 _VARIABLES = ["RESILIENT_STRATEGY_PROBE", "RESILIENT_STRATEGY_TIMEOUT",

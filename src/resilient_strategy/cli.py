@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .core.facts import Facts
+from .core.facts import FABRIC_MIN_GPUS, Facts
 from .core.human import human_duration
 from .errors import ResilientStrategyError
 from .machine import env as _env
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--fingerprint", metavar="F", help="this fingerprint's (see cache show)")
     # listed for --help only: main() hands `run ...` to the supervisor's own parser (torchrun's)
     sub.add_parser("run", add_help=False, help="run a training script under the supervisor: "
-                   "decide once, relaunch on the next strategy when a collective fails mid-run "
+                   "decide once, retry or step down when a collective fails mid-run "
                    "(`run --help`)")
     return p
 
@@ -224,7 +224,7 @@ def _facts_text(facts: Facts) -> list[str]:
         for name, ln in listed:
             nv = f"NVLink x{ln.nvlinks}" if ln.nvlinks else "no NVLink"
             out.append(f"  {name}: {nv}, PCIe path {ln.topology}, P2P read {ln.p2p_read}")
-    if len(facts.gpus) >= 2:
+    if 2 <= len(facts.gpus) <= FABRIC_MIN_GPUS:  # past that, the fabric line above says it
         out.append("GPU link matrix (as `nvidia-smi topo -m`):")
         out += ["  " + "  ".join(f"{cell:<5}" for cell in row).rstrip()
                 for row in link_matrix(facts)]

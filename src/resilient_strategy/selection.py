@@ -18,9 +18,10 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from .core.arguments import gradient_bytes_of
 from .core.candidate import Candidate
 from .core.facts import Facts
-from .core.options import Launch, gradient_bytes_of
+from .core.options import Launch
 from .core.plan import Plan
 from .core.probe import ProbeResult
 from .errors import DryRunError, WrongFrameworkError

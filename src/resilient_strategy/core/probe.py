@@ -232,8 +232,8 @@ def parse_probe(
     # 0. the rank whose failure stopped the group
     first = _first_failure(outcomes, reports)
     if first is not None:
-        found = _reported(outcomes[first], reports[first], base, table) \
-            or _died(outcomes[first], base, table)
+        found = (_reported(outcomes[first], reports[first], base, table)
+                 or _died(outcomes[first], base, table))
         if found is not None:
             return found
     # 1. a rank that said what went wrong

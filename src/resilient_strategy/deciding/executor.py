@@ -16,14 +16,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..core.arguments import options_from
 from ..core.facts import Facts
 from ..core.human import human_bytes, human_duration
 from ..core.memory import model_memory
-from ..core.options import (
-    FRAMEWORKS,
-    Options,
-    options_from,
-)
+from ..core.options import FRAMEWORKS, Options
 from ..core.plan import Candidate, Plan, RuledOut, plan, resplit
 from ..core.probe import (
     ENVIRONMENTAL_CAUSES,
@@ -399,7 +396,7 @@ def resilient_strategy(
         param_bytes: the model's parameter bytes (model= gives them), for memory planning:
             candidates whose state does not fit their devices are ruled out.
         optimizer_state_factor: the optimizer's state per gradient byte (default 2, AdamW),
-            for memory planning.
+            for the same memory planning.
     """
     # Every option, as passed: options_from validates them (a new option is a parameter here
     # and there, nothing in between). Taken first, while the parameters are the only locals.
@@ -436,9 +433,9 @@ def resilient_strategy(
     chosen = p.chosen
     to_set = _env_to_set(facts, chosen, opts, snapshot)
     if opts.launch.multi_node:  # per-node values (the interface routing to the master)
-        from ..nodes.routes import node_values
+        from ..nodes.routes import between_nodes
 
-        to_set = node_values(to_set, snapshot)
+        to_set = between_nodes(chosen.backend, to_set, snapshot)
     _guard(facts, opts.framework, to_set)
     # Decided on a described environment (env=): nothing of this process is changed.
     applied = not opts.dry_run and env is None

@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import logging
 import os
+import signal
 import sys
 import uuid
 from collections.abc import Mapping
@@ -70,6 +71,12 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
         ns.rdzv_id = f"{ns.rdzv_id}-attempt{decision.attempt}"
     if ns.master_port is None:
         ns.master_port = 29500
+    if nnodes > 1 and not getattr(ns, "local_addr", None) and ns.rdzv_endpoint:
+        # the address the other nodes reach this one at, not the FQDN c10d would advertise as
+        # MASTER_ADDR (a hostname that resolves to 127.0.1.1 sends the workers home)
+        from ..nodes.routes import route_address
+
+        ns.local_addr = route_address(str(ns.rdzv_endpoint).rpartition(":")[0].strip("[]"))
     had_omp = "OMP_NUM_THREADS" in os.environ
     try:
         config, _, _ = torchrun.config_from_args(ns)
@@ -208,6 +215,16 @@ def _agent_class() -> type[Any]:
                     self._remaining_restarts = 0
                     return RunResult(state=WorkerState.UNHEALTHY)
             return result
+
+        def _shutdown(self, *args: Any, **kwargs: Any) -> None:
+            # A stopped worker (SIGSTOP, a debugger, a shell's job control) would hold the
+            # agent's SIGTERM pending for the whole grace (30 s) while the other nodes' supervisors
+            # wait for this one at the next agreement: continue it so that it gets the signal now.
+            with contextlib.suppress(Exception):
+                for pid in (self._pcontext.pids().values() if self._pcontext else ()):
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGCONT)
+            super()._shutdown(*args, **kwargs)
 
     _AGENT.append(SupervisedAgent)
     return SupervisedAgent

@@ -13,7 +13,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..core.options import RunOptions, run_options_from
+from ..core.arguments import run_options_from
+from ..core.options import RunOptions
 from ..errors import InvalidOptionError
 from ..machine import env as _env
 

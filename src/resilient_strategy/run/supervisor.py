@@ -276,7 +276,7 @@ def _label(decision: Decision) -> str:
 
 
 def _options(opts: RunOptions, facts: Any, env: Mapping[str, str], rank: int = 0) -> Any:
-    from ..core.options import options_from
+    from ..core.arguments import options_from
 
     nproc = opts.nproc if opts.nproc is not None else max(1, len(facts.gpus))
     nnodes = node_count(opts)

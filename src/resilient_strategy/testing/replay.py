@@ -23,10 +23,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.arguments import options_from
 from ..core.candidate import Candidate
 from ..core.estimate import estimate
 from ..core.facts import Facts
-from ..core.options import Options, options_from
+from ..core.options import Options
 from ..core.probe import ERROR, ProbeResult
 from ..deciding.executor import decide
 from ..errors import InvalidOptionError, NoWorkingStrategyError
