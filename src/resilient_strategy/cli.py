@@ -69,10 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="resilient-strategy", description=__doc__.split("\n\n")[0])
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
-    # listed for --help only: main() hands `run ...` to the supervisor's own parser (torchrun's)
-    sub.add_parser("run", add_help=False, help="run a training script under the supervisor: "
-                   "decide once, relaunch on the next strategy when a collective fails mid-run "
-                   "(`run --help`)")
     for name, text in (("doctor", "show what is here and the plan"), ("plan", "the plan only"),
                        ("probe", "prove the candidates with live probes")):
         s = sub.add_parser(name, help=text)
@@ -102,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     which = clear.add_mutually_exclusive_group()
     which.add_argument("--all", action="store_true", help="every fingerprint's")
     which.add_argument("--fingerprint", metavar="F", help="this fingerprint's (see cache show)")
+    # listed for --help only: main() hands `run ...` to the supervisor's own parser (torchrun's)
+    sub.add_parser("run", add_help=False, help="run a training script under the supervisor: "
+                   "decide once, retry or step down when a collective fails mid-run "
+                   "(`run --help`)")
     return p
 
 

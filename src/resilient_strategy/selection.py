@@ -518,4 +518,4 @@ class Selection:
         elif self.framework == "torch" and not self.dry_run:
             from .frameworks.teardown import end_process_group
 
-            end_process_group(self.process_group_timeout_s)
+            end_process_group(self.process_group_timeout)
