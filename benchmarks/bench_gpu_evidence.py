@@ -403,6 +403,10 @@ def health_check(ctx: Ctx, g: str, devices: tuple[int, ...], label: str) -> None
 RATE = re.compile(r"([0-9][0-9,]*) samples/s")
 
 
+#: The supervisor's relaunch line: ``relaunch N[ of M]: retrying|stepping down on <label> (...)``.
+RELAUNCH = re.compile(r"relaunch \d+(?: of \d+)?: (retrying|stepping down) on (.+?) \(")
+
+
 @dataclass
 class TrainRun:
     rc: int | None
@@ -501,16 +505,15 @@ def group_train(ctx: Ctx, args: argparse.Namespace) -> None:
         fault = f"{kind_}:1:{b}:{step}"
         run = supervised(f"train fault {fault}", RESILIENT_STRATEGY_TRAIN_FAULT=fault)
         hit = run.find(r"RESILIENT_STRATEGY_TRAIN_FAULT: rank")
-        relaunch = run.find(r"relaunching \(", hit[0] if hit else 0.0)
+        relaunch = run.find(RELAUNCH.pattern, hit[0] if hit else 0.0)
         again = run.find(r"resumed from|replica\(s\) x", relaunch[0] if relaunch else 1e18)
-        where = re.search(r"relaunching \(\d+ of \d+\) on (.+?) from", relaunch[1]) \
-            if relaunch else None
-        on = where.group(1) if where else "?"
+        where = RELAUNCH.search(relaunch[1]) if relaunch else None
+        on = f"{where.group(2)} ({where.group(1)})" if where else "?"
         after = run.last_rate()
         same = run.steps() == healthy.steps() and run.steps() != "?"
         ctx.add(g, f"TRAIN_FAULT={fault}: fault to training again",
                 f"{again[0] - hit[0]:.1f} s" if hit and again else f"? (exit {run.rc})", "",
-                f"relaunched on {on}" + (f"; failed at {relaunch[1].split('failed at', 1)[-1][:70]}"
+                f"relaunched on {on}" + (f"; {relaunch[1].split(':', 2)[-1][:90]}"
                                          if relaunch else ""))
         ctx.add(g, f"TRAIN_FAULT={fault}: samples/s after; optimizer steps",
                 f"{after:,.0f}; {run.steps()}" if after else f"?; {run.steps()}",
@@ -644,6 +647,27 @@ def group_train1(ctx: Ctx, args: argparse.Namespace) -> None:
     ctx.add(g, "library's run against the hand-written loop", f"{ratio:.3f}" if ratio else "?",
             (">= 0.99: " + goal(bool(ratio and ratio >= 0.99))) if ctx.gpu else ">= 0.99 on GPUs",
             "best of 2 alternated runs each")
+    # issue 20: a transient exit on one device is retried on the same device, not stepped down
+    backend = "single_device" if ctx.gpu else "cpu"
+    fault = f"exit:0:{backend}:60" if ctx.gpu else f"exit:0:{backend}:20"
+    rc, lines = run_logged(ctx, [sys.executable, "-m", "resilient_strategy", "run",
+                                 "--nproc-per-node", "1", "examples/torch_train.py", *model,
+                                 "--checkpoint-dir", tempfile.mkdtemp(dir=ctx.tmp)],
+                           ctx.env(RESILIENT_STRATEGY_CACHE_DIR=ctx.cache(),
+                                   RESILIENT_STRATEGY_TRAIN_FAULT=fault), 300)
+    run = TrainRun(rc, lines)
+    relaunch = run.find(RELAUNCH.pattern)
+    where = RELAUNCH.search(relaunch[1]) if relaunch else None
+    after = run.last_rate()
+    kept = bool(after and lib and after >= 0.95 * lib)
+    ctx.add(g, f"TRAIN_FAULT={fault} (one device exits once): relaunched as",
+            f"{where.group(1)} on {where.group(2)}" if where else f"? (exit {rc})",
+            "retrying on the same device: " + goal(bool(where and where.group(1) == "retrying")),
+            f"exit code {rc}; optimizer steps {run.steps()} (healthy {steps})")
+    ctx.add(g, f"TRAIN_FAULT={fault}: samples/s after the retry against before",
+            f"{after / lib:.3f}" if after and lib else "?",
+            (">= 0.95: " + goal(kept)) if ctx.gpu else ">= 0.95 on GPUs",
+            f"after {after or 0:,.0f}; healthy {lib:,.0f}")
 
 
 def suite_counts(logs: Sequence[Path]) -> tuple[dict[str, int], int]:
