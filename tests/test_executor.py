@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from resilient_strategy.core.arguments import options_from
 from resilient_strategy.core.facts import relevant_env
 from resilient_strategy.core.rules import rule_from_dict
 from resilient_strategy.core.trace import (
@@ -20,14 +21,8 @@ from resilient_strategy.core.trace import (
     UserSettingKept,
 )
 from resilient_strategy.deciding.cache import DecisionCache
-from resilient_strategy.deciding.executor import (
-    FAULT_VAR,
-    MAX_ROUNDS,
-    Decision,
-    decide,
-    options_from,
-    resilient_strategy,
-)
+from resilient_strategy.deciding.decide import FAULT_VAR, MAX_ROUNDS, Decision, decide
+from resilient_strategy.deciding.executor import resilient_strategy
 from resilient_strategy.errors import (
     DryRunError,
     FailureCause,

@@ -352,15 +352,15 @@ def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
     import functools
 
     from ..core.estimate import estimate
-    from ..deciding.executor import _cause, _progress_line, decide
-    from ..deciding.notices import fallback_warning
+    from ..deciding.decide import decide, failure_cause
+    from ..deciding.notices import fallback_warning, progress_line_for
 
     if link is None:
         o, plan_env = _options(opts, facts, env)
     else:
         o, plan_env = _options(opts, facts, link.env(env, attempt), link.node * link.nproc)
     if link is None:
-        made = decide(facts, o, plan_env, _prober, time.monotonic, _progress_line(o),
+        made = decide(facts, o, plan_env, _prober, time.monotonic, progress_line_for(o),
                       startup_check=True, known=failures)
         p, results, from_cache, proven = made.plan, made.results, made.from_cache, made.proven
     else:
@@ -368,11 +368,11 @@ def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
 
         p, results, from_cache, proven = agreed_decision(
             facts, o, plan_env, _prober, time.monotonic,
-            functools.partial(decide, progress=_progress_line(o), startup_check=True,
+            functools.partial(decide, progress=progress_line_for(o), startup_check=True,
                               known=dict(failures)))
         results = {**results, **failures}
     if p.chosen is None:
-        raise NoWorkingStrategyError(o.framework, [_cause(r) for r in p.ruled_out])
+        raise NoWorkingStrategyError(o.framework, [failure_cause(r) for r in p.ruled_out])
     if link is None or link.node == 0:
         fell = fallback_warning(p, results, facts, o, p.chosen)
         if fell:  # as deciding/executor.py says it in a script (its workers do not repeat it)
