@@ -1,5 +1,8 @@
 """python -m resilient_strategy doctor | plan | probe | run (also the resilient-strategy script).
 
+Longer than ~450 lines on purpose: one module for the command line (each subcommand's parser,
+its text and JSON output, its exit codes); the work itself lives in the rooms below.
+
 doctor  what this machine has (GPUs, links, versions, host), the rules that fired and the plan
         with its reasons; runs usefully without a GPU. Never probes.
 plan    only the plan (for the framework given, or each one installed).
