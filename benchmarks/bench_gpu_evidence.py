@@ -475,6 +475,12 @@ def group_train(ctx: Ctx, args: argparse.Namespace) -> None:
 
     # Every strategy that works when NCCL does not: NCCL's probe fails, then each is preferred.
     kind = hang_kind()
+    if args.no_alternatives:
+        for kind_ in ("hang", "exit"):
+            fault = f"{kind_}:1:{b}:{step}"
+            run = supervised(f"train fault {fault}", RESILIENT_STRATEGY_TRAIN_FAULT=fault)
+            _fault_rows(ctx, g, fault, run, healthy)
+        return
     no_b = {FAULT: f"{kind}:1:{b}"}
     alternatives: dict[str, float] = {}
     default_under_fault = supervised(f"{b} probe hangs, default choice", **no_b)
@@ -504,21 +510,29 @@ def group_train(ctx: Ctx, args: argparse.Namespace) -> None:
     for kind_ in ("hang", "exit"):
         fault = f"{kind_}:1:{b}:{step}"
         run = supervised(f"train fault {fault}", RESILIENT_STRATEGY_TRAIN_FAULT=fault)
-        hit = run.find(r"RESILIENT_STRATEGY_TRAIN_FAULT: rank")
-        relaunch = run.find(RELAUNCH.pattern, hit[0] if hit else 0.0)
-        again = run.find(r"resumed from|replica\(s\) x", relaunch[0] if relaunch else 1e18)
-        where = RELAUNCH.search(relaunch[1]) if relaunch else None
-        on = f"{where.group(2)} ({where.group(1)})" if where else "?"
-        after = run.last_rate()
-        same = run.steps() == healthy.steps() and run.steps() != "?"
-        ctx.add(g, f"TRAIN_FAULT={fault}: fault to training again",
-                f"{again[0] - hit[0]:.1f} s" if hit and again else f"? (exit {run.rc})", "",
-                f"relaunched on {on}" + (f"; {relaunch[1].split(':', 2)[-1][:90]}"
-                                         if relaunch else ""))
-        ctx.add(g, f"TRAIN_FAULT={fault}: samples/s after; optimizer steps",
-                f"{after:,.0f}; {run.steps()}" if after else f"?; {run.steps()}",
-                f"steps = healthy ({healthy.steps()}): {goal(same)}")
+        after, on = _fault_rows(ctx, g, fault, run, healthy)
         chosen_vs_best(f"TRAIN_FAULT={fault}", after, on)
+
+
+def _fault_rows(ctx: Ctx, g: str, fault: str, run: TrainRun,
+                healthy: TrainRun) -> tuple[float | None, str]:
+    """The rows of one mid-run fault: time from the fault to training again, what it relaunched
+    on (retrying or stepping down), samples/s after, optimizer steps against the healthy run."""
+    hit = run.find(r"RESILIENT_STRATEGY_TRAIN_FAULT: rank")
+    relaunch = run.find(RELAUNCH.pattern, hit[0] if hit else 0.0)
+    again = run.find(r"resumed from|replica\(s\) x", relaunch[0] if relaunch else 1e18)
+    where = RELAUNCH.search(relaunch[1]) if relaunch else None
+    on = f"{where.group(2)} ({where.group(1)})" if where else "?"
+    after = run.last_rate()
+    same = run.steps() == healthy.steps() and run.steps() != "?"
+    ctx.add(g, f"TRAIN_FAULT={fault}: fault to training again",
+            f"{again[0] - hit[0]:.1f} s" if hit and again else f"? (exit {run.rc})", "",
+            f"relaunched on {on}" + (f"; {relaunch[1].split(':', 2)[-1][:90]}"
+                                     if relaunch else ""))
+    ctx.add(g, f"TRAIN_FAULT={fault}: samples/s after; optimizer steps",
+            f"{after:,.0f}; {run.steps()}" if after else f"?; {run.steps()}",
+            f"steps = healthy ({healthy.steps()}): {goal(same)}")
+    return after, on
 
 
 def group_brokenenv(ctx: Ctx) -> None:
@@ -753,6 +767,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=None,
                     help="probe timeout (s); default: the library's (10 s with --cpu-check)")
     ap.add_argument("--out", default=None, help="raw output file (default: see above)")
+    ap.add_argument("--no-alternatives", action="store_true",
+                    help="train: skip measuring every strategy that works without the backend "
+                         "(the chosen-against-best rows; the slowest part, gloo on GPUs)")
     ap.add_argument("--suite-log", action="append", default=[],
                     help="single: pytest logs of the suite already run (shards); not run again")
     args = ap.parse_args()
