@@ -663,7 +663,7 @@ def group_train1(ctx: Ctx, args: argparse.Namespace) -> None:
             "best of 2 alternated runs each")
     # issue 20: a transient exit on one device is retried on the same device, not stepped down
     backend = "single_device" if ctx.gpu else "cpu"
-    fault = f"exit:0:{backend}:60" if ctx.gpu else f"exit:0:{backend}:20"
+    fault = f"exit:0:{backend}:60:1" if ctx.gpu else f"exit:0:{backend}:20:1"  # fires once
     rc, lines = run_logged(ctx, [sys.executable, "-m", "resilient_strategy", "run",
                                  "--nproc-per-node", "1", "examples/torch_train.py", *model,
                                  "--checkpoint-dir", tempfile.mkdtemp(dir=ctx.tmp)],
