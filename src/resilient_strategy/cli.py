@@ -366,6 +366,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.nproc_per_node and args.framework == "tensorflow":
         parser.error("--nproc-per-node is for torch (one process per GPU); TensorFlow runs one")
     logging.basicConfig(level=logging.ERROR, format="%(message)s")
+    # but a file or directory that is not safely yours is said (the cache is off meanwhile)
+    logging.getLogger("resilient_strategy.files").setLevel(logging.WARNING)
     real_env = _env.snapshot()
     try:
         _check_disabled_rules(args, real_env)
