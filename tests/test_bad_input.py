@@ -175,3 +175,18 @@ def test_fuzz_simulate_files(where: tuple[str, ...], value: Any) -> None:
         assert "\n" not in str(exc).strip() or "machine.json" in str(exc)
     else:
         assert all(sel.backend for sel in decided.values())
+
+
+def test_plan_simulate_writes_no_agreement_file(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A simulated torchrun rank 0 with probes decides alone: nothing is written to the shared
+    temporary directory (where a squatter could make it fail)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    data = copy.deepcopy(BASE)
+    data["probes"] = {"nccl": "timeout"}
+    path = tmp_path / "machine.json"
+    path.write_text(json.dumps(data))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    decided = simulate_file(path)
+    assert decided["torch"].backend != "nccl"
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
