@@ -294,12 +294,18 @@ def _decide(args: argparse.Namespace, facts: Facts, sim: Mapping[str, Any] | Non
     }
     env = _launch_env(facts, framework, sim, real_env, args.nproc_per_node)
     if sim is not None:
+        import tempfile
+
         probes = sim.get("probes")
         prober = SimulatedProber(dict(probes or {}))
-        return resilient_strategy(
-            facts=facts, env=env, cache=False, dry_run=not probes,
-            _prober=prober, _clock=prober.clock, **kw,
-        )
+        # the described launch's agreement between local ranks goes to a private directory of
+        # its own, removed after: a simulation writes nothing a squatter could stop or read
+        with tempfile.TemporaryDirectory(prefix="rs-simulate-") as private:
+            env["XDG_RUNTIME_DIR"] = private  # the described machine's, never the user's
+            return resilient_strategy(
+                facts=facts, env=env, cache=False, dry_run=not probes,
+                _prober=prober, _clock=prober.clock, **kw,
+            )
     if args.command == "probe":
         return resilient_strategy(probe="force" if args.force else "auto", env=env, **kw)
     return resilient_strategy(facts=facts, dry_run=True, env=env, **kw)

@@ -521,9 +521,7 @@ def _agreed_decision(
             facts, opts, env, prober, clock,
             functools.partial(decide, progress=progress, startup_check=startup_check))
         return Decision(p, results, False, proven)
-    # A simulation (plan --simulate) has no other rank to agree with: it decides alone and
-    # writes no agreement file (nothing outside its own process).
-    if not launch.launched or opts.dry_run or (opts.simulated and not launch.multi_node):
+    if not launch.launched or opts.dry_run:
         return decide(facts, opts, env, prober, clock, progress, startup_check)
     if launch.multi_node and opts.framework == "torch":
         from ..nodes.manynodes import agreed_decision
