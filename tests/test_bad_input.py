@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from resilient_strategy.cli import main, simulate_file
-from resilient_strategy.core.options import options_from, run_options_from
+from resilient_strategy.core.arguments import options_from, run_options_from
 from resilient_strategy.errors import ResilientStrategyError
 from resilient_strategy.records import handoff
 from resilient_strategy.records.trainfault import parse_fault
@@ -47,8 +47,7 @@ def _read_all(env: dict[str, str]) -> None:
     run_options_from(env, script="train.py", script_args=(), framework=None, nproc="auto",
                      max_relaunches=None, stall_timeout=None, global_batch_size=None,
                      gradient_bytes=None, probe_timeout=None, logical_cpus=0)
-    handoff._LOADED.clear()
-    handoff.load_decision(env)
+    handoff.load_decision(env, handoff.WorkerState())
     parse_fault(env.get("RESILIENT_STRATEGY_TRAIN_FAULT", ""))
 
 
@@ -87,8 +86,8 @@ def test_a_decision_that_is_a_fifo_is_refused_without_blocking(tmp_path: Path) -
 
     def load() -> None:
         try:
-            handoff._LOADED.clear()
-            handoff.load_decision({"RESILIENT_STRATEGY_DECISION": str(fifo)})
+            handoff.load_decision({"RESILIENT_STRATEGY_DECISION": str(fifo)},
+                                  handoff.WorkerState())
         except BaseException as exc:  # collected for the assertion below
             errors.append(exc)
 

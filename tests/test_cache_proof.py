@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from resilient_strategy.core.options import RunOptions, options_from
+from resilient_strategy.core.arguments import options_from
+from resilient_strategy.core.options import RunOptions
 from resilient_strategy.core.probe import ENVIRONMENTAL_CAUSES, ERROR, ProbeResult, classify
 from resilient_strategy.deciding.cache import (
     MID_RUN,
@@ -19,7 +20,7 @@ from resilient_strategy.deciding.cache import (
 )
 from resilient_strategy.deciding.executor import LOW_SPACE_BYTES, remember_midrun, space_short
 from resilient_strategy.run.supervisor import _remember
-from resilient_strategy.run.verdicts import RankExit, classify_attempt, one_line
+from resilient_strategy.run.verdicts import RankExit, VerdictKind, classify_attempt, one_line
 from resilient_strategy.testing import machine, simulate
 from resilient_strategy.testing.simulation import SimulatedProber
 
@@ -71,7 +72,7 @@ def test_environmental_causes_are_their_own(text: str, cause: str) -> None:
 def _user_error_verdict(types: list[str], message: str) -> ProbeResult:
     """The supervisor's path: a rank's exception record -> verdict -> the mid-run failure."""
     verdict = classify_attempt(None, [RankExit(0, 1, {"types": types, "message": message})])
-    assert verdict.retry  # the old classifier takes it for a backend fault...
+    assert verdict.kind is VerdictKind.BACKEND  # the classifier takes it for a backend fault...
     return ProbeResult("torch:cpu:cpu", ERROR, 0.0, verdict.cause,
                        f"failed mid-run at step {verdict.step}: {one_line(verdict.summary, 500)}",
                        extra=((MID_RUN, str(verdict.step)),))

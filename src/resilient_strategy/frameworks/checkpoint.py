@@ -23,6 +23,10 @@ is read only when it is a regular file of this user's, not through a symlink, ne
 so ``checkpoint.pt`` is always whole); a damaged latest checkpoint is set aside as
 ``.corrupt`` with a warning and the previous one is loaded; with none to fall back to, a
 :class:`~resilient_strategy.errors.CheckpointError` names the file.
+
+A sharded model (FSDP2) is saved through ``torch.distributed.checkpoint`` instead, every rank
+writing its shards (:mod:`.sharded_checkpoint`); restoring takes the newest checkpoint of the
+directory, sharded or not, into whatever the relaunch trains.
 """
 
 from __future__ import annotations
@@ -186,13 +190,16 @@ class Checkpointer:
 
         s = self._state
         model = getattr(s.model, "module", s.model)
+        if _sharded(model):  # its tensors go through DCP (sharded_checkpoint.py), not here
+            model = None
         rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             rng["cuda"] = torch.cuda.get_rng_state_all()
         return {
             "version": FORMAT_VERSION,
             "model": None if model is None else model.state_dict(),
-            "optimizer": None if s.optimizer is None else s.optimizer.state_dict(),
+            "optimizer": None if s.optimizer is None or model is None
+            else s.optimizer.state_dict(),
             "scaler": None if s.scaler is None else s.scaler.state_dict(),
             "epoch": s.epoch,
             "samples_in_epoch": s.samples_in_epoch,
@@ -204,6 +211,16 @@ class Checkpointer:
     def save(self) -> bool:
         """Write the checkpoint now (rank 0 only; other ranks return False)."""
         self._state.saved_at = self._clock()
+        if _sharded(self._state.model):  # every rank writes its shards (a collective)
+            from . import sharded_checkpoint
+
+            step = sharded_checkpoint.save(self.directory, self._state.model,
+                                           self._state.optimizer, self.state_dict(), self.rank)
+            if self.rank == 0:
+                from ..records.handoff import note_checkpoint
+
+                note_checkpoint(self._state.optimizer_steps, step)
+            return self.rank == 0
         if self.rank != 0:
             return False
         import torch
@@ -245,8 +262,23 @@ class Checkpointer:
     def restore(self) -> bool:
         """Load the checkpoint into what was attached, if one exists; True when it did.
 
-        Raises UnsafePathError when the directory or file is not safely this user's, and
-        CheckpointError when the checkpoint is damaged and no previous good one loads."""
+        The newest checkpoint of the directory wins: a sharded one (FSDP2, written by every rank
+        through DCP) is loaded with :mod:`.sharded_checkpoint`. Raises UnsafePathError when the
+        directory or file is not safely this user's, and CheckpointError when the checkpoint is
+        damaged and no previous good one loads."""
+        from . import sharded_checkpoint
+
+        if sharded_checkpoint.newest_is_sharded(self.directory, self.path):
+            st = self._state
+            sharded = sharded_checkpoint.load(self.directory, getattr(st.model, "module", st.model),
+                                              st.optimizer)
+            if sharded is None:
+                return False
+            if sharded.get("version") != FORMAT_VERSION:
+                raise CheckpointError(str(self.directory), "not a checkpoint of this format "
+                                      f"(version {sharded.get('version')!r})")
+            self._apply(sharded)
+            return True
         if not os.path.lexists(self.path) and not os.path.lexists(self.previous_path):
             return False
         _files.check_private_dir(self.directory, fix=_FIX_DIR)
@@ -345,6 +377,12 @@ def _problem(exc: BaseException) -> str:
     if "weights_only" in first or "weights only" in first.lower() or len(first) > 200:
         first = ""
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _sharded(model: Any) -> bool:
+    from .fsdp import is_sharded
+
+    return model is not None and is_sharded(model)
 
 
 def _as_random_state(state: Any) -> Any:

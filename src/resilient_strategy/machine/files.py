@@ -342,3 +342,21 @@ def _alive(pid: int) -> bool:
     except (PermissionError, OverflowError, OSError):
         return True
     return True
+
+
+class TempSweep:
+    """Sweeps what killed runs left (:func:`sweep_temp_dirs`) once per holder: the prober holds
+    the process's one instance (:data:`TEMP_SWEEP`), so the temp directory is read once per
+    process however many probes run; a test holds its own."""
+
+    def __init__(self) -> None:
+        self.done: list[str] = []
+
+    def once(self) -> None:
+        if not self.done:
+            self.done.append(tempfile.gettempdir())
+            sweep_temp_dirs()
+
+
+#: This process's sweep (see :class:`TempSweep`).
+TEMP_SWEEP = TempSweep()
