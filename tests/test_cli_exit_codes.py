@@ -122,10 +122,10 @@ def test_probe_for_a_planned_torchrun_launch_leaves_no_agreement_file(
 # a command line that behaves like one
 # ------------------------------------------------------------------------------------------
 def test_the_top_level_help_lists_every_subcommand() -> None:
-    from resilient_strategy.cli import _parser
+    from resilient_strategy.cli import build_parser
 
-    sub = next(a for a in _parser()._actions if a.dest == "command")
-    assert set(sub.choices) == {"doctor", "plan", "probe", "run"}  # type: ignore[arg-type]
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert set(sub.choices) == {"doctor", "plan", "probe", "run", "cache"}  # type: ignore[arg-type]
 
 
 def test_nproc_per_node_beats_a_launch_the_simulation_describes(
