@@ -42,6 +42,8 @@ EXIT_OK = 0
 #: a bad argument or option value (argparse exits 2 too), an unreadable --simulate or rules file,
 #: an unknown --disable-rule, or ``probe`` with no framework installed to probe
 EXIT_USAGE = 2
+#: ``cache clear --fingerprint F``: nothing is cached for F (a typo, or cleared already)
+EXIT_NOTHING_CACHED = 1
 #: Variables of the user's own environment that a simulation honours (they configure this
 #: library, they do not describe the simulated machine).
 _SIMULATION_PASSTHROUGH = ("RESILIENT_STRATEGY_RULES", "RESILIENT_STRATEGY_DISABLE_RULES")
@@ -106,8 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cache_command(args: argparse.Namespace, real_env: Mapping[str, str]) -> int:
-    """``cache show`` / ``cache clear``: 0 done; 1 ``--fingerprint`` names nothing cached; 2 the
-    directory is not safely this user's, or the fingerprint is not one."""
+    """``cache show`` / ``cache clear``: EXIT_OK done; EXIT_NOTHING_CACHED ``--fingerprint``
+    names nothing cached; EXIT_USAGE the directory is not safely this user's, or the fingerprint
+    is not one."""
     from .core.options import DEFAULT_TTL_S, default_dir
     from .deciding.cache import DecisionCache
     from .machine.files import check_private_dir, safe_name
@@ -119,18 +122,18 @@ def _cache_command(args: argparse.Namespace, real_env: Mapping[str, str]) -> int
         pass  # nothing cached yet
     except (ResilientStrategyError, OSError) as exc:
         print(f"resilient_strategy: cache directory {cache.directory}: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     if args.cache_command == "clear" and args.fingerprint is not None:
         if not safe_name(args.fingerprint):
             print(f"resilient_strategy: --fingerprint {args.fingerprint!r} is not a fingerprint "
                   "(see `cache show`)", file=sys.stderr)
-            return 2
+            return EXIT_USAGE
         if not cache.clear(args.fingerprint):
             print(f"resilient_strategy: nothing is cached for fingerprint {args.fingerprint} in "
                   f"{cache.directory} (see `cache show`)", file=sys.stderr)
-            return 1
+            return EXIT_NOTHING_CACHED
         print(f"Removed the cache of fingerprint {args.fingerprint}.")
-        return 0
+        return EXIT_OK
     from .machine.inspect import detect_facts
 
     here = detect_facts(real_env).fingerprint()
@@ -138,18 +141,18 @@ def _cache_command(args: argparse.Namespace, real_env: Mapping[str, str]) -> int
         gone = cache.clear_all() if args.all else [here] if cache.clear(here) else []
         print(f"Removed the cache of {len(gone)} fingerprint{'s' if len(gone) != 1 else ''}"
               + (f" ({', '.join(gone)})" if gone else "") + f" in {cache.directory}.")
-        return 0
+        return EXIT_OK
     report = cache.report(here)
     if args.json:
         print(json.dumps(report, indent=2))
-        return 0
+        return EXIT_OK
     print(f"Decision cache {cache.directory} (entries expire after "
           f"{cache.ttl_s / 86400:g} days); this machine's fingerprint is {here}.")
     if not report["fingerprints"]:
         print("Nothing is cached.")
     for fp, data in report["fingerprints"].items():
         print("", *_cache_lines(fp, data), sep="\n")
-    return 0
+    return EXIT_OK
 
 
 def _machine_cache(real_env: Mapping[str, str], fingerprint: str) -> dict[str, Any]:
