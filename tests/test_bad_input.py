@@ -34,7 +34,8 @@ VARS = ("RESILIENT_STRATEGY_CACHE", "RESILIENT_STRATEGY_CACHE_DIR", "RESILIENT_S
         "RESILIENT_STRATEGY_DISABLE_RULES", "RESILIENT_STRATEGY_STALL_TIMEOUT",
         "RESILIENT_STRATEGY_MAX_RELAUNCHES", "RESILIENT_STRATEGY_FORKSERVER",
         "RESILIENT_STRATEGY_DECISION", "RESILIENT_STRATEGY_TRAIN_FAULT",
-        "RESILIENT_STRATEGY_PROGRESS")
+        "RESILIENT_STRATEGY_PROGRESS", "RESILIENT_STRATEGY_SIGNATURES",
+        "RESILIENT_STRATEGY_REMEDIES")
 
 
 def _read_all(env: dict[str, str]) -> None:
@@ -68,6 +69,8 @@ def _one_line_naming(name: str, value: str) -> ResilientStrategyError:
     ("RESILIENT_STRATEGY_CACHE_DIR", "/tmp/a\0b"),
     ("RESILIENT_STRATEGY_RULES", "/nonexistent/rules.toml"),
     ("RESILIENT_STRATEGY_TIMEOUT", "1e999"),
+    ("RESILIENT_STRATEGY_SIGNATURES", "/nonexistent/signatures.toml"),
+    ("RESILIENT_STRATEGY_REMEDIES", "/nonexistent/remedies.toml"),
 ])
 def test_a_bad_variable_is_one_error_naming_it(name: str, value: str) -> None:
     err = _one_line_naming(name, value)
