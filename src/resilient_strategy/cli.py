@@ -1,5 +1,8 @@
 """python -m resilient_strategy doctor | plan | probe | run (also the resilient-strategy script).
 
+Longer than ~450 lines on purpose: one module for the command line (each subcommand's parser,
+its text and JSON output, its exit codes); the work itself lives in the rooms below.
+
 doctor  what this machine has (GPUs, links, versions, host), the rules that fired and the plan
         with its reasons; runs usefully without a GPU. Never probes.
 plan    only the plan (for the framework given, or each one installed).
@@ -71,10 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="resilient-strategy", description=__doc__.split("\n\n")[0])
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
-    # listed for --help only: main() hands `run ...` to the supervisor's own parser (torchrun's)
-    sub.add_parser("run", add_help=False, help="run a training script under the supervisor: "
-                   "decide once, relaunch on the next strategy when a collective fails mid-run "
-                   "(`run --help`)")
     for name, text in (("doctor", "show what is here and the plan"), ("plan", "the plan only"),
                        ("probe", "prove the candidates with live probes")):
         s = sub.add_parser(name, help=text)
@@ -104,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     which = clear.add_mutually_exclusive_group()
     which.add_argument("--all", action="store_true", help="every fingerprint's")
     which.add_argument("--fingerprint", metavar="F", help="this fingerprint's (see cache show)")
+    # listed for --help only: main() hands `run ...` to the supervisor's own parser (torchrun's)
+    sub.add_parser("run", add_help=False, help="run a training script under the supervisor: "
+                   "decide once, retry or step down when a collective fails mid-run "
+                   "(`run --help`)")
     return p
 
 
@@ -240,6 +243,7 @@ def _facts_text(facts: Facts) -> list[str]:
                              ("EFA", h.efa), ("InfiniBand", h.infiniband)) if on]
     out.append(f"Host: /dev/shm {shm}, container {h.container or 'none'}, IOMMU {h.iommu}, "
                f"{h.cpu_count} CPUs" + (f", {', '.join(flags)}" if flags else ""))
+    out.append(_platform_line(facts))
     out.append("Frameworks:")
     for f in facts.frameworks:
         if not f.installed:
@@ -405,6 +409,20 @@ def launch_words(sel: Any) -> str:
 
 def as_torchrun(facts: Facts, framework: str, env: Mapping[str, str]) -> bool:
     return framework == "torch" and len(facts.gpus) >= 2 and "WORLD_SIZE" not in env
+
+
+def _platform_line(facts: Facts) -> str:
+    """The platform facts for doctor (unknown ones say so)."""
+    p = facts.platform
+
+    def yes_no(v: bool | None) -> str:
+        return "unknown" if v is None else "yes" if v else "no"
+
+    rdma = (f"{p.rdma_link_layer} ({', '.join(p.rdma_devices) or 'no active port'})"
+            if p.rdma_link_layer else "none active")
+    return (f"Platform: NVSwitch {yes_no(p.nvswitch)}, hypervisor {p.hypervisor or 'none seen'}, "
+            f"RDMA {rdma}, route to MASTER_ADDR {p.master_ifname or 'unknown'}, hostname on "
+            f"loopback {yes_no(p.hostname_loopback)}")
 
 
 def simulate_file(path: Path, real_env: Mapping[str, str] | None = None) -> dict[str, Any]:

@@ -1,5 +1,9 @@
 """PyTorch runtime: process group, device, DDP, sharded loader, accumulation and precision.
 
+Longer than ~450 lines on purpose: one runtime per framework, whose parts (group, DDP, loader,
+accumulation, precision) share the runtime's state; FSDP2 and checkpoints live in their own
+modules.
+
 The same loop runs under plain ``python`` (one device, maybe accumulating) and ``torchrun``::
 
     rt = TorchRuntime("gloo", (), 1, 256, 128, rank=r, local_rank=r, world_size=2, timeout_s=60)

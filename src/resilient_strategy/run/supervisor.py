@@ -48,7 +48,12 @@ from ..core.bounded import parse_json
 from ..core.candidate import Candidate
 from ..core.options import MIN_STALL_S, RunOptions
 from ..core.probe import ERROR, ProbeResult
-from ..errors import NoWorkingStrategyError, ResilientStrategyError
+from ..errors import (
+    GpuUnusableError,
+    MultiNodeError,
+    NoWorkingStrategyError,
+    ResilientStrategyError,
+)
 from ..machine import env as _env
 from ..records.handoff import CHECKPOINT_NOTE, Decision, write_decision
 from ..records.trainfault import FAULT_VAR, TrainFault, parse_fault
@@ -101,9 +106,15 @@ def supervise(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
         sweep_temp_dirs(prefixes=(RUN_PREFIX,), min_age_s=0.0)
         session = Path(tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-"))
         return _supervise(opts, snapshot, fault, session)
+    except (NoWorkingStrategyError, MultiNodeError, GpuUnusableError) as exc:
+        _say(str(exc))  # this machine (or node set) cannot run it: requeue elsewhere
+        return int(ExitCode.INFRASTRUCTURE)
     except ResilientStrategyError as exc:
         _say(str(exc))
         return int(ExitCode.USAGE)
+    except KeyboardInterrupt:  # outside an attempt (deciding, probing): nothing is running
+        _say("interrupted")
+        return int(ExitCode.INTERRUPTED)
     finally:
         if session is not None:
             shutil.rmtree(session, ignore_errors=True)
@@ -132,9 +143,10 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
         if link is not None and _alone(decision) and link.node != 0:
             _say(f"node {link.node}: node 0 trains alone on {_label(decision)} (no backend "
                  "between the nodes beats one node); this node has nothing to run")
+            evidence.summary(history)  # what this node saw until then (none: nothing written)
             return int(ExitCode.SUCCESS)
         peer = None
-        if link is not None:
+        if link is not None and not _alone(decision):  # node 0 alone has no peer to hear
             from .peers import PeerWatch
 
             peer = PeerWatch(link, decision.attempt, _store_timeout(opts))
@@ -152,6 +164,9 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
             verdict = _with_peers(peer, decision.chosen, verdict)
         judgement = judge(verdict, decision.chosen, history, policy)
         label = _label(decision)
+        if not verdict.ok:  # the fault's line first; its evidence is written below
+            _say(f"attempt {attempt + 1} on {label} failed at step {verdict.step}: "
+                 f"{verdict.line()} [evidence: {evidence.path(attempt)}]")
         nxt: Choice | None = None
         if judgement.action is Action.STEP_DOWN:
             nxt, refusal = _step_down(opts, facts, snapshot, failures, session, attempt + 1,
@@ -163,10 +178,10 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
                          notes)
         done = Attempt(attempt, decision.chosen, label, verdict, judgement, resumed)
         history.append(done)
-        if not verdict.ok:
-            where = evidence.record(done, Path(decision.run_dir), decision.processes)
-            _say(f"attempt {attempt + 1} on {label} failed at step {verdict.step}: "
-                 f"{verdict.line()}" + (f" [evidence: {where}]" if where else ""))
+        if not verdict.ok and evidence.record(done, Path(decision.run_dir),
+                                              decision.processes) is None:
+            _say(f"the evidence of attempt {attempt + 1} could not be written to "
+                 f"{evidence.path(attempt)}")
         if nxt is None:
             evidence.summary(history)
             _say(_summary(history, judgement))
@@ -337,15 +352,15 @@ def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
     import functools
 
     from ..core.estimate import estimate
-    from ..deciding.executor import _cause, _progress_line, decide
-    from ..deciding.notices import fallback_warning
+    from ..deciding.decide import decide, failure_cause
+    from ..deciding.notices import fallback_warning, progress_line_for
 
     if link is None:
         o, plan_env = _options(opts, facts, env)
     else:
         o, plan_env = _options(opts, facts, link.env(env, attempt), link.node * link.nproc)
     if link is None:
-        made = decide(facts, o, plan_env, _prober, time.monotonic, _progress_line(o),
+        made = decide(facts, o, plan_env, _prober, time.monotonic, progress_line_for(o),
                       startup_check=True, known=failures)
         p, results, from_cache, proven = made.plan, made.results, made.from_cache, made.proven
     else:
@@ -353,11 +368,11 @@ def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
 
         p, results, from_cache, proven = agreed_decision(
             facts, o, plan_env, _prober, time.monotonic,
-            functools.partial(decide, progress=_progress_line(o), startup_check=True,
+            functools.partial(decide, progress=progress_line_for(o), startup_check=True,
                               known=dict(failures)))
         results = {**results, **failures}
     if p.chosen is None:
-        raise NoWorkingStrategyError(o.framework, [_cause(r) for r in p.ruled_out])
+        raise NoWorkingStrategyError(o.framework, [failure_cause(r) for r in p.ruled_out])
     if link is None or link.node == 0:
         fell = fallback_warning(p, results, facts, o, p.chosen)
         if fell:  # as deciding/executor.py says it in a script (its workers do not repeat it)
