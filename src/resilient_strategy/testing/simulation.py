@@ -9,6 +9,7 @@ files of ``resilient-strategy --simulate`` and ``examples/machines``. The testin
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -444,9 +445,13 @@ def _parse(candidate: str, out: Outcome) -> ProbeResult:
     if not isinstance(out, str):
         raise ValueError(f"probe outcome {out!r}: a string or an object of probe result fields")
     kind, _, arg = out.partition(":")
-    if kind == OK:
-        bw = float(arg) if arg else None
-        return ProbeResult(candidate, OK, 2.0, bus_bandwidth_gbps=bw, detail="simulated")
+    if kind == OK:  # checked as the object form is: a finite, non-negative GB/s
+        try:
+            bw = float(arg) if arg else None
+        except ValueError:
+            raise ValueError(f"probe outcome {out!r}: 'ok:<GB/s>' takes a number") from None
+        return ProbeResult.from_dict({"candidate": candidate, "status": OK, "elapsed_s": 2.0,
+                                      "bus_bandwidth_gbps": bw, "detail": "simulated"})
     if kind == TIMEOUT:
         return ProbeResult(candidate, TIMEOUT, 30.0, "timeout", "simulated hang")
     if kind == "hang" and arg in HANG_KINDS:  # a hang judged from progress, cut early
@@ -515,6 +520,7 @@ def load_simulation(path: Path) -> tuple[Facts, dict[str, Any]]:
         raise ResilientStrategyError(
             f"{path}: unknown field(s) {unknown}; allowed: {sorted(SIMULATION_KEYS)}")
     _check_simulation_fields(path, data)
+    _check_bounds(path, data)
     try:
         if "machine" in data:
             if not isinstance(data["machine"], dict):
@@ -575,6 +581,54 @@ def _check_facts_shape(raw: Any) -> None:
     for key, value in raw.items():
         if key in reference:
             check(f"facts.{key}", value, reference[key])
+
+
+#: The most GPUs a described machine may have (one host: 8 to 16 today; an NVLink domain of
+#: 72). Planning is quadratic in the GPUs (their links): 256 plan in well under a second.
+MAX_SIMULATED_GPUS = 256
+#: Every number of a described machine lies within this (integers exact in a float), so that
+#: no size in bytes becomes an infinity (memory_gb 1e300) or takes minutes.
+MAX_SIMULATED_NUMBER = 2.0**53
+
+
+def _check_bounds(path: Path, data: Mapping[str, Any]) -> None:
+    """The described machine is bounded: at most MAX_SIMULATED_GPUS GPUs, every number finite
+    and within MAX_SIMULATED_NUMBER. One clean error naming the file and the field."""
+    for key in ("machine", "facts"):
+        described = data.get(key)
+        if not isinstance(described, dict):
+            continue
+        gpus = described.get("gpus")
+        count = gpus if isinstance(gpus, int) and not isinstance(gpus, bool) else \
+            len(gpus) if isinstance(gpus, list) else 0
+        if not 0 <= count <= MAX_SIMULATED_GPUS:
+            raise ResilientStrategyError(
+                f"{path}: {key}.gpus: expected 0 to {MAX_SIMULATED_GPUS} GPUs, not {count}")
+        links = described.get("links")
+        if isinstance(links, (list, dict)) and len(links) > count * (count - 1) // 2 + 1:
+            raise ResilientStrategyError(
+                f"{path}: {key}.links: {len(links)} links for {count} GPUs")
+        bad = _out_of_range(described, key)
+        if bad is not None:
+            raise ResilientStrategyError(
+                f"{path}: {bad[0]}: expected a finite number within "
+                f"+-{MAX_SIMULATED_NUMBER:.0f}, not {bad[1]!r}")
+
+
+def _out_of_range(value: Any, where: str) -> tuple[str, Any] | None:
+    """The first number (with where it is) that is not finite or is out of range, else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        ok = math.isfinite(value) and abs(value) <= MAX_SIMULATED_NUMBER
+        return None if ok else (where, value)
+    items = value.items() if isinstance(value, dict) else enumerate(value) \
+        if isinstance(value, list) else ()
+    for k, v in items:
+        found = _out_of_range(v, f"{where}.{k}" if isinstance(k, str) else f"{where}[{k}]")
+        if found is not None:
+            return found
+    return None
 
 
 def _check_simulation_fields(path: Path, data: Mapping[str, Any]) -> None:
