@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import functools
+import logging
 import re
 from collections.abc import Sequence
 from dataclasses import replace
