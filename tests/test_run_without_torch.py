@@ -120,3 +120,15 @@ def test_keras_without_torch_retries_an_exit_and_resumes(tmp_path: Path) -> None
     assert _alive_with(str(tmp_path)) == []  # no worker outlives the supervisor
     assert [p.name for p in (tmp_path / "tmp").iterdir()
             if not p.name.startswith("__autograph_generated_file")] == []
+
+
+def test_a_torch_script_without_torch_is_a_usage_error(monkeypatch: pytest.MonkeyPatch,
+                                                        tmp_path: Path) -> None:
+    from resilient_strategy.errors import InvalidOptionError
+
+    monkeypatch.setattr(arguments, "torch_launcher", lambda: False)
+    script = tmp_path / "train.py"
+    script.write_text("import torch\n", encoding="utf-8")
+    with pytest.raises(InvalidOptionError) as err:
+        arguments.options_from_args([str(script)])
+    assert err.value.option == "--framework"

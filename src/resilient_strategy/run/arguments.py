@@ -138,6 +138,10 @@ def options_from_args(argv: Sequence[str]) -> RunOptions:
     if framework is None:
         with contextlib.suppress(OSError, UnicodeDecodeError):
             framework = guess_framework(Path(script).read_text(encoding="utf-8"))
+    if framework == "torch" and not with_torch:
+        raise InvalidOptionError("a torch script needs torch: its workers run under torch's "
+                                 "elastic agent (pip install torch); without it, run "
+                                 "supervises TensorFlow scripts", "--framework")
     opts = run_options_from(
         _env.snapshot(), script=script, script_args=tuple(ns.training_script_args),
         framework=framework, nproc=str(ns.nproc_per_node), max_relaunches=ns.max_relaunches,

@@ -23,10 +23,8 @@ error records and their last progress into a typed :class:`~.verdicts.Verdict`, 
 - each fault gets one line here, and its per-rank tracebacks and stacks go to the evidence file
   (:mod:`.evidence`); the run ends with a summary line and an exit code (:mod:`.exitcodes`).
 
-TensorFlow scripts run as one supervised process (one process drives every GPU there). Where
-torch is not installed, that process is started, watched and stopped by :mod:`.solo` (the same
-worker, stall watch, bounded stop and classification), and the command line is parsed by our
-own parser (:func:`~.arguments.own_parser`).
+TensorFlow scripts run as one supervised process (one process drives every GPU there); without
+torch, :mod:`.solo` runs it and :func:`~.arguments.own_parser` reads the command line.
 
 With ``--nnodes N`` (torch) the nodes' supervisors agree on each attempt's decision through a
 store at the rendezvous endpoint before any worker starts, watch it for each other's fault
@@ -323,8 +321,6 @@ def _options(opts: RunOptions, facts: Any, env: Mapping[str, str], rank: int = 0
     ), plan_env
 
 
-
-
 def _link(opts: RunOptions, facts: Any) -> NodeLink | None:
     """This node's supervisor in a multi-node run (torch), else None."""
     if opts.framework == "tensorflow" or opts.torchrun is None:
@@ -447,10 +443,6 @@ def main(argv: Sequence[str]) -> int:
         opts = options_from_args(argv)
     except ResilientStrategyError as exc:
         _say(str(exc))
-        return int(ExitCode.USAGE)
-    if opts.framework == "torch" and not torch_launcher():
-        _say("a torch script needs torch: its workers run under torch's elastic agent (pip "
-             "install torch); without it, run supervises TensorFlow scripts")
         return int(ExitCode.USAGE)
     if not Path(opts.script).is_file():
         _say(f"no such script: {opts.script}")
