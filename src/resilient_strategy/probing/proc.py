@@ -306,6 +306,21 @@ class _ExitWaiter:
         self._fds.clear()
 
 
+def start_supervised(argv: Sequence[str], env: Mapping[str, str], cwd: str,
+                     stderr: int) -> subprocess.Popen[bytes]:
+    """One long-lived worker the caller watches itself (``resilient-strategy run``'s one-process
+    agent): its own session, so that :func:`stop_groups` reaches everything it starts, no
+    stdin, stdout shared with the caller's, stderr to ``stderr`` (a pipe the caller tees)."""
+    return subprocess.Popen(list(argv), env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL,
+                            stderr=stderr, start_new_session=True)
+
+
+def stop_groups(procs: Sequence[Proc], grace_s: float) -> set[int]:
+    """The runner's bounded stop, for a caller's own workers: SIGTERM to each one's process
+    group, ``grace_s``, SIGKILL, ``grace_s``, reaped; the indices of those that were running."""
+    return _stop(procs, grace_s)
+
+
 def _stop(procs: Sequence[Proc], grace_s: float) -> set[int]:
     """Stop every running worker's process group and reap; the indices of those stopped."""
     running = [i for i, p in enumerate(procs) if p.poll() is None]

@@ -23,7 +23,8 @@ error records and their last progress into a typed :class:`~.verdicts.Verdict`, 
 - each fault gets one line here, and its per-rank tracebacks and stacks go to the evidence file
   (:mod:`.evidence`); the run ends with a summary line and an exit code (:mod:`.exitcodes`).
 
-TensorFlow scripts run as one supervised process (one process drives every GPU there).
+TensorFlow scripts run as one supervised process (one process drives every GPU there); without
+torch, :mod:`.solo` runs it and :func:`~.arguments.own_parser` reads the command line.
 
 With ``--nnodes N`` (torch) the nodes' supervisors agree on each attempt's decision through a
 store at the rendezvous endpoint before any worker starts, watch it for each other's fault
@@ -62,7 +63,7 @@ if TYPE_CHECKING:
     from .peers import NodeLink, PeerWatch
 
 from .agent import launch
-from .arguments import node_count, options_from_args
+from .arguments import node_count, options_from_args, torch_launcher
 from .evidence import Evidence
 from .exitcodes import ExitCode, interrupted
 from .policy import (
@@ -151,8 +152,13 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
 
             peer = PeerWatch(link, decision.attempt, _store_timeout(opts))
         try:
-            verdict = launch(opts, decision, snapshot, session, peer,
-                             alone=link is not None and _alone(decision))
+            if torch_launcher():
+                verdict = launch(opts, decision, snapshot, session, peer,
+                                 alone=link is not None and _alone(decision))
+            else:  # no torch: our own agent for the one process of a TensorFlow job
+                from .solo import launch_one
+
+                verdict = launch_one(opts, decision)
         except Exception as exc:
             if type(exc).__name__ != "SignalException":  # the agent stopped the workers
                 raise
@@ -271,6 +277,8 @@ def _allowance_words(opts: RunOptions, env: Mapping[str, str]) -> str:
     allowance = (f"{opts.stall_timeout_s:g} s (--stall-timeout)" if opts.stall_timeout_s
                  else f"max({MIN_STALL_S:g} s, {STALL_STEPS} x the median step time after "
                       f"{WARMUP_STEPS} warm-up steps), at most {AUTO_STALL_CAP_S:g} s")
+    if not torch_launcher():
+        return f"stall allowance {allowance}"
     set_ = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PROCESS_GROUP_TIMEOUT)
     torch_words = ", ".join(f"{k}={v}" for k, v in set_.items())
     kept = [k for k in (PG_TIMEOUT_VAR, HEARTBEAT_VAR) if k not in set_]
@@ -313,11 +321,9 @@ def _options(opts: RunOptions, facts: Any, env: Mapping[str, str], rank: int = 0
     ), plan_env
 
 
-
-
 def _link(opts: RunOptions, facts: Any) -> NodeLink | None:
     """This node's supervisor in a multi-node run (torch), else None."""
-    if opts.framework == "tensorflow":
+    if opts.framework == "tensorflow" or opts.torchrun is None:
         return None
     from .peers import NodeLink
 
@@ -433,11 +439,6 @@ def _last_checkpoint(session: Path) -> tuple[int, str] | None:
 
 
 def main(argv: Sequence[str]) -> int:
-    try:
-        import torch.distributed.run  # noqa: F401
-    except ImportError:
-        _say("needs torch: it runs the workers through torch's elastic agent (pip install torch)")
-        return int(ExitCode.USAGE)
     try:
         opts = options_from_args(argv)
     except ResilientStrategyError as exc:
