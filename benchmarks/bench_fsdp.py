@@ -94,9 +94,10 @@ def _paired(args: argparse.Namespace) -> None:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     hand = _model(args.hidden, args.depth)  # the same initial weights (seed 0)
+    hand_block = type(hand[1])  # _model defines its Block class anew: this model's own
     mesh = init_device_mesh("cpu", (world,))
     for m in hand:
-        if isinstance(m, block):
+        if isinstance(m, hand_block):
             fully_shard(m, mesh=mesh)
     fully_shard(hand, mesh=mesh)
     hand_opt = torch.optim.AdamW(hand.parameters(), lr=1e-3)
