@@ -72,7 +72,7 @@ def test_probes_fork_from_one_server_with_their_own_environment(
     second = run_probe(ProbeSpec("torch:cpu", "torch", "cpu", (), timeout_s=60.0), env)
     assert first.status == OK and second.status == OK, first.why() + second.why()
     assert len(spawned) == 3  # two ranks, then the CPU probe, all forked
-    servers = list(_forkserver._servers.values())
+    servers = list(_forkserver.FORK_SERVERS.servers.values())
     assert len(servers) == 1 and servers[0].alive
     for p in spawned:  # each was its own session, reaped by the server
         assert p.returncode == 0
@@ -138,3 +138,13 @@ def test_the_server_exits_when_idle_and_when_its_parent_dies(tmp_path: Path) -> 
             parent.wait()
             if parent.stdout is not None:
                 parent.stdout.close()
+
+
+def test_a_decision_closes_the_fork_servers_it_started() -> None:
+    """The decision loop finds the fork servers' module by name to close them (a name that no
+    longer matched left them running after the layout moved the module)."""
+    import importlib
+
+    from resilient_strategy.deciding import decide as decide_module
+
+    assert importlib.import_module(decide_module.FORKSERVER_MODULE) is _forkserver

@@ -267,8 +267,7 @@ def test_repeated_blocks_are_the_default_sharding_units() -> None:
 def test_a_worker_follows_the_supervisors_sharding(tmp_path: Any, monkeypatch: Any) -> None:
     from resilient_strategy.records import handoff
 
-    monkeypatch.setattr(handoff, "_REPORTER", [])
-    monkeypatch.setattr(handoff, "_LOADED", {})
+    monkeypatch.setattr(handoff, "WORKER", handoff.WorkerState())
     key = "torch:gloo/fsdp:cpu"
     results = {key: ProbeResult(key, "ok", 1.0, ranks=2)}
     path = tmp_path / "decision.json"

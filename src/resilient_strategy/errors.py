@@ -176,6 +176,32 @@ class UnsafePathError(ResilientStrategyError):
         super().__init__(f"{path}: {problem}; refused. {fix}")
 
 
+class NoSpaceError(ResilientStrategyError):
+    """A file this library must write before training could not get its blocks: the disk (or
+    the user's quota) is full. Named, with the fix, instead of a SIGBUS or a hang later."""
+
+    def __init__(self, path: str, what: str) -> None:
+        self.path = path
+        self.what = what
+        directory = path.rpartition("/")[0] or "."
+        super().__init__(
+            f"{path}: no space left on device for {what}. Free space in {directory}, or point "
+            "TMPDIR (the run's files live there) at a disk with room, and run again.")
+
+
+class CheckpointError(ResilientStrategyError):
+    """A checkpoint could not be loaded: damaged (truncated, not a torch file, not the layout
+    this library writes). Names the file; when a previous good checkpoint existed it was loaded
+    instead, so this is raised only when none could be."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        self.path = path
+        self.problem = problem
+        super().__init__(
+            f"{path}: not a usable checkpoint ({problem}). Move it aside to start from the "
+            "beginning, or restore a copy of it; it is never loaded as arbitrary pickled code.")
+
+
 class FileFormatError(ResilientStrategyError, ValueError):
     """A file this library reads is too large, nested too deep, or not what it should hold."""
 

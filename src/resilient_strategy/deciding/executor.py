@@ -9,35 +9,30 @@ from __future__ import annotations
 
 import functools
 import logging
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..core.arguments import options_from
 from ..core.facts import Facts
 from ..core.human import human_bytes, human_duration
-from ..core.memory import model_memory
-from ..core.options import (
-    FRAMEWORKS,
-    Options,
-    options_from,
+from ..core.options import FRAMEWORKS, Options
+from ..core.plan import Candidate, Plan, plan, resplit
+from ..core.probe import (
+    ProbeResult,
 )
-from ..core.plan import Candidate, Plan, RuledOut, plan, resplit
-from ..core.probe import ERROR, TIMEOUT, ProbeResult, ProbeSpec, judged_hang
 from ..core.rules import Rule
 from ..core.trace import (
-    CachedFailure,
     Chosen,
-    Event,
     FrameworkPicked,
     MemoryChecked,
     NextProbe,
     Note,
 )
 from ..errors import (
-    FailureCause,
+    InvalidOptionError,
     InvalidVisibleDevicesError,
     MemoryShortfall,
     ModelDoesNotFitError,
@@ -47,206 +42,26 @@ from ..errors import (
 )
 from ..machine import env as _env
 from ..selection import Selection
-from ..vocab import MULTI_WORKER_BACKENDS
-from .cache import CachedResult, DecisionCache
 from .notices import (
     ProgressLine,
     fallback_warning,
-    progress_wanted,
-    reclassify_short_timeout,
-    short_timeout_warning,
-    startup_floor,
+    progress_line_for,
 )
 
 if TYPE_CHECKING:
     from ..records.handoff import Decision as HandedDecision
     from ..records.handoff import TrainingReporter
 
+from .decide import (
+    Decision,
+    Prober,
+    decide,
+    default_prober,
+    failure_cause,
+)
+
 log = logging.getLogger("resilient_strategy")
 
-Prober = Callable[[ProbeSpec, Mapping[str, str]], ProbeResult]
-#: The workers' fault injection (probes/_common.py): its results are never cached.
-FAULT_VAR = "RESILIENT_STRATEGY_PROBE_FAULT"
-MAX_ROUNDS = 32  # probes per decision, at most (the candidate set is far smaller)
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What deciding produced: the final plan (its ``chosen`` candidate and trace), every probe
-    result it used, whether a cached result shaped it without a probe now (``from_cache``), and
-    whether the chosen collective was proven by a probe (``proven``)."""
-
-    plan: Plan
-    results: Mapping[str, ProbeResult]
-    from_cache: bool = False
-    proven: bool = True
-
-    @property
-    def chosen(self) -> Candidate | None:
-        return self.plan.chosen
-
-
-# --------------------------------------------------------------------------------------------
-# Deciding
-# --------------------------------------------------------------------------------------------
-#: DDP's default gradient bucket; a model's largest bucket is at most this (or its largest
-#: tensor, which the total gradient size bounds from above).
-DDP_BUCKET_BYTES = 25 << 20
-#: The largest sharding unit a sharded probe checks at (the workers' own cap).
-MAX_UNIT_CHECK_BYTES = 256 << 20
-
-
-def spec_for(c: Candidate, opts: Options, timeout_s: float) -> ProbeSpec:
-    grad = opts.gradient_bytes
-    check: tuple[int, ...] = (min(grad, DDP_BUCKET_BYTES),) if grad else ()  # largest bucket
-    mem = model_memory(opts) if c.sharded else None
-    if mem is not None:  # FSDP2 gathers (and reduce-scatters) one unit at a time
-        check += (min(mem.unit_bytes, MAX_UNIT_CHECK_BYTES),)
-    return ProbeSpec(
-        candidate=c.key,
-        framework=c.framework,
-        backend=c.backend,
-        devices=c.devices,
-        env=c.env,
-        world_size=c.num_replicas if c.framework == "torch" else 1,
-        timeout_s=timeout_s,
-        logical_cpus=opts.logical_cpus,
-        check_bytes=check,
-        workers=opts.tf_workers if c.backend in MULTI_WORKER_BACKENDS else 1,
-        worker_rank=opts.tf_worker_rank if c.backend in MULTI_WORKER_BACKENDS else 0,
-        sharded=c.sharded,
-    )
-
-
-def decide(
-    facts: Facts,
-    opts: Options,
-    env: Mapping[str, str],
-    prober: Prober,
-    clock: Callable[[], float] = time.monotonic,
-    progress: ProgressLine | None = None,
-    startup_check: bool = False,
-    max_rounds: int = MAX_ROUNDS,
-    known: Mapping[str, ProbeResult] | None = None,
-    *,
-    cross_node: bool = False,
-) -> Decision:
-    """Plan, probing as needed (at most ``max_rounds`` probes).
-
-    The probe budget is one deadline for the whole decision; each probe also has its own.
-    ``known``: results that override the cache's (a supervisor's mid-run failures).
-    ``progress`` hears each probe start and end (the one hook for what a user sees meanwhile).
-    ``startup_check`` (real probes only: a simulation has no start-up to measure) warns when the
-    timeout is below what a probe needs to start here, and calls a probe it cut short so.
-    ``cross_node``: ``prober`` proves candidates across every node (:mod:`.multinode`).
-    """
-    multi_node = opts.framework == "torch" and opts.nodes > 1
-    # Multi-node: a node's cache cannot speak for the links between nodes; without a prober
-    # that spans the nodes (cross_node), no probe on one node may sway the choice either. The
-    # same holds for the workers of a TF_CONFIG job (their probes span the workers themselves).
-    cache = DecisionCache(opts.cache_dir, opts.cache_ttl_s) \
-        if opts.cache_dir and not multi_node and not opts.multi_worker else None
-    fingerprint = facts.fingerprint()
-    results: dict[str, ProbeResult] = {}
-    notes: list[Event] = []
-    fault = env.get(FAULT_VAR, "").strip()
-    if cache is not None and fault:  # a rehearsal must never change a later real decision
-        cache = None
-        notes.append(Note("fault_injection", f"Fault injection is on ({FAULT_VAR}={fault}): the "
-                          "cache is neither read nor written."))
-    if cache is not None and opts.probe != "force" and cache.usable():
-        # "never" still learns from the cache, failures seen once included: nothing re-proves
-        trusted, notes_ = _trusted(cache.entries(fingerprint), opts.probe != "never")
-        results.update(_still_valid(trusted, opts.timeout_s))
-        notes += notes_
-    cached_keys = set(results)
-    results.update(known or {})
-    startup = startup_floor(opts.framework, results)
-    warned = False
-    deadline = clock() + opts.budget_s
-    fresh: dict[str, ProbeResult] = {}
-    p = plan(facts, opts.rules, results, opts)
-    for _ in range(max_rounds):
-        if (p.next_probe is None or opts.probe == "never" or opts.dry_run
-                or (multi_node and not cross_node)):
-            break
-        c = p.next_probe
-        if c.key in results:  # cannot happen with a sound planner; never loop on it
-            raise ResilientStrategyError(f"planner asked to probe {c.key} twice")
-        left = deadline - clock()
-        timeout_s = min(opts.timeout_s, left)
-        if startup_check and not warned:
-            warned = True
-            short = short_timeout_warning(opts.timeout_s, startup, opts.framework)
-            if short:
-                log.warning("resilient_strategy: %s", short)
-        if progress is not None:
-            progress.start(c, timeout_s)
-        if left <= 1.0:
-            res = ProbeResult(c.key, ERROR, 0.0, "budget",
-                              f"the probe budget of {opts.budget_s:g} s is spent")
-        else:
-            res = prober(spec_for(c, opts, timeout_s), env)
-            if startup_check:
-                res = reclassify_short_timeout(res, timeout_s, startup, opts.framework)
-        if progress is not None:
-            progress.end(res)
-        results[c.key] = res
-        # never probed, or cut short before it could start: nothing learned about the machine
-        if res.cause not in ("budget", "timeout_short"):
-            fresh[c.key] = res
-        p = plan(facts, opts.rules, results, opts)
-    _close_fork_servers()  # probing is over (on an exception: idle exit or exit closes them)
-    if cache is not None and fresh:
-        cache.store(fingerprint, fresh)
-    proven = p.next_probe is None
-    if notes:  # what the cache was trusted with comes before the plan it shaped
-        p = replace(p, events=(*notes, *p.events))
-    if p.next_probe is not None:  # probing off, or a dry run: the next candidate, unproven
-        how = ("dry_run" if opts.dry_run else "multi_node" if multi_node and not cross_node
-               else "probing_off" if opts.probe == "never" else "rounds_spent")
-        p = replace(p, chosen=p.next_probe, next_probe=None,
-                    events=(*p.events, Chosen(p.next_probe, how, max_rounds=max_rounds)))
-    # "from the cache": nothing was probed now, and a cached result shaped this plan
-    used = {r.candidate.key for r in p.ranked} | {r.candidate.key for r in p.ruled_out}
-    return Decision(p, results, not fresh and bool(cached_keys & used), proven)
-
-
-def _close_fork_servers() -> None:
-    """Stop the probes' fork servers (:mod:`._forkserver`), if this decision started any."""
-    forkserver = sys.modules.get(f"{__package__}._forkserver")
-    if forkserver is not None:
-        forkserver.close_all()
-
-
-def _trusted(
-    entries: Mapping[str, CachedResult], reprove: bool
-) -> tuple[dict[str, ProbeResult], list[Event]]:
-    """The cached results to plan with, and an event per cached failure saying whether it is
-    trusted or probed again. A failure seen in one run only may have been an overloaded machine
-    (a timeout under load): with ``reprove`` it is left out, so its candidate is probed again
-    before anything slower is chosen because of it; seen in two runs in a row, it is trusted."""
-    out: dict[str, ProbeResult] = {}
-    events: list[Event] = []
-    for key, e in sorted(entries.items()):
-        if e.result.ok:
-            out[key] = e.result
-            continue
-        trusted = e.seen >= 2 or not reprove
-        if trusted:
-            out[key] = e.result
-        events.append(CachedFailure(key, e.result.status, e.seen, trusted))
-    return out, events
-
-
-def _still_valid(results: Mapping[str, ProbeResult], timeout_s: float) -> dict[str, ProbeResult]:
-    """Cached results that still hold for this run: a hang remembered from a shorter timeout
-    than this run's (its elapsed time is the timeout it had) may just have been too impatient.
-    A hang judged from the workers' progress (stuck in a collective) holds whatever the timeout."""
-    return {
-        k: r for k, r in results.items()
-        if judged_hang(r) or not (r.status == TIMEOUT and r.elapsed_s < 0.95 * timeout_s)
-    }
 
 
 def _visible_devices_value(facts: Facts, c: Candidate) -> str:
@@ -271,7 +86,7 @@ def _env_to_set(facts: Facts, c: Candidate, opts: Options, env: Mapping[str, str
 
 
 #: Parameters of resilient_strategy() that say what to decide on, not how: not options.
-_NOT_OPTIONS = frozenset({"env", "facts", "_prober", "_clock"})
+_NOT_OPTIONS = frozenset({"env", "facts", "_prober", "_clock", "_alone"})
 
 
 def resilient_strategy(
@@ -303,6 +118,7 @@ def resilient_strategy(
     optimizer_state_factor: float | None = None,
     _prober: Prober | None = None,
     _clock: Callable[[], float] | None = None,
+    _alone: bool = False,
 ) -> Selection:
     """Find the best distributed strategy that works here and return a Selection to train with.
 
@@ -314,9 +130,17 @@ def resilient_strategy(
         timeout: seconds per probe (default 30; the whole decision is bounded by 4x this).
         prefer: a backend to try first when it works.
         dry_run: decide without probing, setting variables or building anything.
-        model / gradient_bytes / sample_seconds: what is known of the model, for speed ranking.
-        rules / disable_rules: extra rule files (or Rule values) and rule ids to switch off.
-        cache / cache_dir / cache_ttl: the decision cache (default ~/.cache/resilient_strategy).
+        model: the model (its gradient size ranks the strategies by speed).
+        gradient_bytes: the model's gradient size in bytes, when the model does not exist yet.
+        sample_seconds: the compute time of one sample, for speed ranking.
+        max_per_replica_batch: the largest batch one replica may take (more accumulates).
+        rules: extra rule files (or Rule values).
+        disable_rules: rule ids to switch off.
+        cache: read and write the decision cache (default on).
+        cache_dir: where the cache lives (default ~/.cache/resilient_strategy).
+        cache_ttl: seconds a cached result stays valid (default 7 days).
+        precision: "auto", "bf16", "fp16" or "fp32" (PyTorch; auto: bf16 from compute
+            capability 8.0, fp16 with a GradScaler on 7.x).
         env: the environment to decide on (default os.environ; nothing is ever overwritten).
         facts: decide for described facts instead of inspecting this machine.
         logical_cpus: TensorFlow on N logical CPU devices instead of GPUs (testing on CPU;
@@ -327,9 +151,10 @@ def resilient_strategy(
             terminal; None (default): one when stderr is a terminal (RESILIENT_STRATEGY_QUIET).
         sharding: "auto" (default) shards the model over the replicas (PyTorch FSDP2) only when a
             replica does not fit the GPUs' free memory; "full" always shards; "none" never.
-        param_bytes / optimizer_state_factor: the model's parameter bytes (model= gives them)
-            and its optimizer's state per gradient byte (default 2, AdamW), for memory planning:
+        param_bytes: the model's parameter bytes (model= gives them), for memory planning:
             candidates whose state does not fit their devices are ruled out.
+        optimizer_state_factor: the optimizer's state per gradient byte (default 2, AdamW),
+            for the same memory planning.
     """
     # Every option, as passed: options_from validates them (a new option is a parameter here
     # and there, nothing in between). Taken first, while the parameters are the only locals.
@@ -342,29 +167,33 @@ def resilient_strategy(
         facts = detect_facts(snapshot)
     _check_visibility(facts)
     opts = options_from(facts, snapshot, **options)
-    prober = _prober or _default_prober
+    prober = _prober or default_prober
     if getattr(prober, "simulated", False):  # outcomes from a description: say so everywhere
         opts = replace(opts, simulated=True)
     from ..records.handoff import load_decision
 
     handed = None if opts.dry_run else load_decision(snapshot)
+    if handed is None and not opts.dry_run:
+        _check_no_train_fault(snapshot)
     if handed is not None:  # a worker of `resilient-strategy run`: the decision is made
+        opts = handed_options(opts, handed)
         decision = _handed_decision(facts, opts, handed)
     else:
         decision = _agreed_decision(facts, opts, snapshot, prober, _clock or time.monotonic,
-                                    _progress_line(opts), startup_check=_prober is None)
+                                    progress_line_for(opts), startup_check=_prober is None,
+                                    alone=_alone)
     p, results = decision.plan, decision.results
     if p.chosen is None:
         short = _memory_shortfalls(p)
         if short:
-            raise ModelDoesNotFitError(opts.framework, [_cause(r) for r in p.ruled_out], short)
-        raise NoWorkingStrategyError(opts.framework, [_cause(r) for r in p.ruled_out])
+            raise ModelDoesNotFitError(opts.framework, [failure_cause(r) for r in p.ruled_out], short)
+        raise NoWorkingStrategyError(opts.framework, [failure_cause(r) for r in p.ruled_out])
     chosen = p.chosen
     to_set = _env_to_set(facts, chosen, opts, snapshot)
     if opts.launch.multi_node:  # per-node values (the interface routing to the master)
-        from ..nodes.routes import node_values
+        from ..nodes.routes import between_nodes
 
-        to_set = node_values(to_set, snapshot)
+        to_set = between_nodes(chosen.backend, to_set, snapshot)
     _guard(facts, opts.framework, to_set)
     # Decided on a described environment (env=): nothing of this process is changed.
     applied = not opts.dry_run and env is None
@@ -374,7 +203,7 @@ def resilient_strategy(
     sel = Selection(
         candidate=chosen, plan=p, facts=facts, env=to_set, env_applied=applied, results=results,
         from_cache=decision.from_cache, proven=decision.proven, launch=opts.launch,
-        process_group_timeout_s=opts.pg_timeout_s,
+        process_group_timeout=opts.process_group_timeout,
         precision=opts.precision, logical_cpus=opts.logical_cpus, dry_run=opts.dry_run,
         tf_workers=opts.tf_workers, tf_worker_rank=opts.tf_worker_rank,
         decided_in_s=time.perf_counter() - t0,
@@ -383,12 +212,25 @@ def resilient_strategy(
     )
     for w in p.warnings:
         log.warning("resilient_strategy: %s", w)
-    if opts.launch.rank == 0 and opts.tf_worker_rank == 0 and not opts.dry_run:
+    # under `resilient-strategy run` the supervisor announced it, in the same words
+    if opts.launch.rank == 0 and opts.tf_worker_rank == 0 and not opts.dry_run and handed is None:
         fell = fallback_warning(p, results, facts, opts, chosen)
         if fell:
             log.warning("resilient_strategy: %s", fell)
     log.info("resilient_strategy: chose %s in %.2f s", chosen.label, sel.decided_in_s)
     return sel
+
+
+def _check_no_train_fault(env: Mapping[str, str]) -> None:
+    """A rehearsed mid-run fault means nothing outside `resilient-strategy run`: say so rather
+    than train as if it were armed."""
+    from ..records.trainfault import FAULT_VAR as TRAIN_FAULT_VAR
+
+    if env.get(TRAIN_FAULT_VAR, "").strip():
+        raise InvalidOptionError(
+            f"{TRAIN_FAULT_VAR} is set, but this process is not a worker of `resilient-strategy "
+            "run` (it rehearses a mid-run fault for the supervisor): run the script with "
+            "`resilient-strategy run`, or unset the variable", TRAIN_FAULT_VAR)
 
 
 def _memory_shortfalls(p: Plan) -> list[MemoryShortfall]:
@@ -399,29 +241,6 @@ def _memory_shortfalls(p: Plan) -> list[MemoryShortfall]:
     return [MemoryShortfall(r.candidate.label, r.candidate.key, r.need_bytes, r.free_bytes,
                             r.usable_bytes, r.shards, r.where)
             for e in checked[-1:] for r in e.rows]
-
-
-def _cause(r: RuledOut) -> FailureCause:
-    """Why one candidate is out, for NoWorkingStrategyError."""
-    if r.result is not None:
-        return FailureCause(r.candidate.label, r.candidate.key, r.result.status, r.result.cause,
-                            r.reason)
-    return FailureCause(r.candidate.label, r.candidate.key, "ruled_out",
-                        r.rule or "global_batch_size", r.reason)
-
-
-def _progress_line(opts: Options) -> ProgressLine | None:
-    """The progress line, on the rank that probes, where wanted (never for a dry run)."""
-    import sys
-
-    if opts.dry_run or opts.launch.rank != 0 or opts.probe == "never":
-        return None
-    stream = sys.stderr
-    try:
-        terminal = bool(stream.isatty())
-    except (AttributeError, ValueError):
-        terminal = False
-    return ProgressLine(stream) if progress_wanted(opts.quiet, terminal) else None
 
 
 def _advice(
@@ -477,12 +296,6 @@ def _guard(facts: Facts, framework: str, to_set: Mapping[str, str]) -> None:
                  "initialized GPUs yet, so that is fine", framework, where)
 
 
-def _default_prober(spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
-    from ..probing.prober import run_probe
-
-    return run_probe(spec, env)
-
-
 # --------------------------------------------------------------------------------------------
 # One decision per node under a launcher
 # --------------------------------------------------------------------------------------------
@@ -490,9 +303,12 @@ def _agreed_decision(
     facts: Facts, opts: Options, env: Mapping[str, str], prober: Prober,
     clock: Callable[[], float], progress: ProgressLine | None = None,
     startup_check: bool = False,
+    alone: bool = False,
 ) -> Decision:
     """Under torchrun, local rank 0 decides (and probes); the other ranks wait for its results
-    and re-plan from them, so every rank reaches the same choice (no split brain)."""
+    and re-plan from them, so every rank reaches the same choice (no split brain). ``alone``:
+    the launch is only planned (the command line's ``--nproc-per-node``): no other rank exists,
+    so nothing is published for them."""
     launch = opts.launch
     if opts.multi_worker and not opts.dry_run:
         from ..nodes.tfworkers import decide_across_workers
@@ -501,9 +317,12 @@ def _agreed_decision(
             facts, opts, env, prober, clock,
             functools.partial(decide, progress=progress, startup_check=startup_check))
         return Decision(p, results, False, proven)
-    if not launch.launched or opts.dry_run:
+    if not launch.launched or opts.dry_run or alone:
         return decide(facts, opts, env, prober, clock, progress, startup_check)
     if launch.multi_node and opts.framework == "torch":
+        if opts.simulated:  # described outcomes speak for the whole job: no store, no network
+            return decide(facts, opts, env, prober, clock, progress, startup_check,
+                          cross_node=True)
         from ..nodes.manynodes import agreed_decision
 
         p, results, from_cache, proven = agreed_decision(
@@ -536,6 +355,23 @@ def _agreed_decision(
 # --------------------------------------------------------------------------------------------
 # A decision handed down by `resilient-strategy run`
 # --------------------------------------------------------------------------------------------
+def handed_options(opts: Options, handed: HandedDecision) -> Options:
+    """Under ``resilient-strategy run`` the handoff is the one source of the decided values: the
+    global batch the supervisor planned with (``--global-batch-size``) is the one this worker
+    trains; a script that passes another is an error naming both (never a silent second truth).
+    """
+    want = handed.global_batch_size
+    if want is None or opts.global_batch_size == want:
+        return opts
+    if opts.global_batch_size is None:
+        return replace(opts, global_batch_size=want)
+    raise InvalidOptionError(
+        f"`resilient-strategy run --global-batch-size {want}` decided for a global batch of "
+        f"{want}, but this script passes resilient_strategy(global_batch_size="
+        f"{opts.global_batch_size}); pass the same value to both, or drop one of them",
+        "global_batch_size")
+
+
 def _handed_decision(facts: Facts, opts: Options, handed: HandedDecision) -> Decision:
     """Re-plan from the supervisor's results (milliseconds, no probe) and take its candidate,
     with this script's own batch and model figures: every rank agrees by construction."""

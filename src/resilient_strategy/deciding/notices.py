@@ -109,7 +109,10 @@ def fallback_warning(
             continue
         res = results.get(c.key)
         if r.rule == "probe" and res is not None and not res.ok:
-            lost, why = c, f"its probe failed ({res.why()})"
+            mid_run = dict(res.extra).get("mid_run")
+            lost, why = c, (f"its probe failed ({res.why()})" if mid_run is None
+                            else f"it {res.detail}" if res.detail.startswith("failed mid-run")
+                            else f"it failed mid-run at step {mid_run}")
             break
         if r.rule and r.rule != "probe" and c.num_replicas > chosen.num_replicas and lost is None:
             lost, why = c, f"rule {r.rule} ruled it out ({r.reason})"
@@ -165,3 +168,17 @@ class ProgressLine:
 def progress_wanted(quiet: bool | None, is_terminal: bool) -> bool:
     """quiet=True: never; quiet=False: always (asked); None: when stderr is a terminal."""
     return not quiet if quiet is not None else is_terminal
+
+
+def progress_line_for(opts: Options) -> ProgressLine | None:
+    """The progress line, on the rank that probes, where wanted (never for a dry run)."""
+    import sys
+
+    if opts.dry_run or opts.launch.rank != 0 or opts.probe == "never":
+        return None
+    stream = sys.stderr
+    try:
+        terminal = bool(stream.isatty())
+    except (AttributeError, ValueError):
+        terminal = False
+    return ProgressLine(stream) if progress_wanted(opts.quiet, terminal) else None

@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ExtraNotInstalledError, InvalidOptionError
+from ..frameworks.teardown import end_at_exit
 from . import launcher_hidden, on_gpu, precision, require_torch_selection
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ def accelerator_kwargs(sel: Selection, *, shard_modules: Any = None) -> dict[str
         "cpu": not on_gpu(sel),
     }
     if sel.num_replicas > 1:
+        end_at_exit()  # the group the tool starts ends at exit, barrier first
         from accelerate.utils import InitProcessGroupKwargs
 
         kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(
@@ -96,4 +98,4 @@ def make_accelerator(sel: Selection, *, shard_modules: Any = None, **overrides: 
 def _timeout(sel: Selection) -> Any:
     from datetime import timedelta
 
-    return timedelta(seconds=sel.process_group_timeout_s)
+    return timedelta(seconds=sel.process_group_timeout)

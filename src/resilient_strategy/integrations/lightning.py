@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ExtraNotInstalledError
+from ..frameworks.teardown import end_at_exit
 from . import on_gpu, precision, require_torch_selection
 
 if TYPE_CHECKING:
@@ -78,6 +79,7 @@ def trainer_kwargs(sel: Selection, *, model_parallel: bool = False,
         "precision": _PRECISION[precision(sel)],
     }
     if sel.num_replicas > 1:
+        end_at_exit()  # the group the tool starts ends at exit, barrier first
         launch = sel.launch
         per_node = launch.local_world_size or launch.world_size
         kwargs.update(
@@ -95,4 +97,4 @@ def trainer_kwargs(sel: Selection, *, model_parallel: bool = False,
 def _timeout(sel: Selection) -> Any:
     from datetime import timedelta
 
-    return timedelta(seconds=sel.process_group_timeout_s)
+    return timedelta(seconds=sel.process_group_timeout)

@@ -9,11 +9,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
-from ..core.facts import Facts, Visibility, relevant_env
+from ..core.facts import Facts, Visibility, compact_links, relevant_env
 from . import env as _env
 from .guard import ImportWatch, first_import_site
 from .host import detect_host
 from .nvml import read_nvml
+from .platform import detect_platform
 from .versions import MetadataSource, detect_frameworks
 from .visible import VisibleDevice, job_gpu, renumber_links, resolve_visible_devices
 
@@ -54,9 +55,12 @@ def detect_facts(
         for f in detect_frameworks(modules, packages)
     )
     parents = {g.index: g for g in snap.gpus}
+    gpus = tuple(job_gpu(i, d, parents[d.physical]) for i, d in enumerate(devices))
+    links, fabric = compact_links(len(gpus), renumber_links(devices, snap.links))
     return Facts(
-        gpus=tuple(job_gpu(i, d, parents[d.physical]) for i, d in enumerate(devices)),
-        links=renumber_links(devices, snap.links),
+        gpus=gpus,
+        links=links,
+        fabric=fabric,
         driver_version=snap.driver_version,
         cuda_driver_version=snap.cuda_driver_version,
         nvml_error=snap.error,
@@ -65,4 +69,5 @@ def detect_facts(
         frameworks=frameworks,
         env=relevant_env(environ),
         nvml_notes=snap.notes,
+        platform=detect_platform(environ, root),
     )

@@ -61,7 +61,7 @@ from .crossprobe import (
     spec_from_dict,
     spec_to_dict,
 )
-from .routes import node_values, remedy_rules, route_to_master
+from .routes import between_nodes, remedy_rules, route_to_master
 from .store import Channel, Heartbeat, Job, first_line, open_store
 
 log = logging.getLogger("resilient_strategy")
@@ -139,7 +139,7 @@ class _Node:
     def run_round(self, n: int, spec: ProbeSpec) -> dict[str, Any]:
         """This node's part of round ``n``: its local group, then the group across nodes."""
         t0 = time.monotonic()
-        here = replace(spec, env=tuple(node_values(dict(spec.env), self.env).items()))
+        here = replace(spec, env=tuple(between_nodes(spec.backend, dict(spec.env), self.env).items()))
         local = None
         if self.job.local_world > 1 and spec.backend in ("nccl", "gloo"):
             local = self.local_prober(replace(here, world_size=self.job.local_world), self.env)

@@ -107,6 +107,15 @@ def route_to_master(env: Mapping[str, str]) -> tuple[str | None, str]:
     return iface, (how if dest == host else f"MASTER_ADDR={host} is {dest}; {how}")
 
 
+def route_address(host: str) -> str | None:
+    """This host's IPv4 address on the interface that routes to ``host`` (None when unknown).
+    What the other nodes can reach this one at: torch's c10d rendezvous otherwise advertises the
+    agent's FQDN as the workers' MASTER_ADDR, which may resolve to a loopback or unreachable
+    address on the other nodes (pytorch/pytorch#73656; torchrun's ``--local-addr`` sets it)."""
+    iface, _ = route_to_master({"MASTER_ADDR": host})
+    return local_addresses().get(iface) if iface else None
+
+
 def node_values(values: Mapping[str, str], env: Mapping[str, str]) -> dict[str, str]:
     """``values`` with :data:`ROUTE` resolved to this node's interface routing to the master
     (dropped, with a warning, when there is none)."""
@@ -120,6 +129,23 @@ def node_values(values: Mapping[str, str], env: Mapping[str, str]) -> dict[str, 
                 del out[name]
                 log.warning("resilient_strategy: %s not set: %s", name, how)
     return out
+
+
+#: gloo's interface variable: without it gloo binds to the address the hostname resolves to
+#: (127.0.1.1 on Debian's /etc/hosts, 127.0.0.1 in many containers, or an interface the other
+#: nodes cannot reach) and the nodes never connect: "Gloo connectFullMesh failed ...
+#: remote=[127.0.0.1]" (pytorch/gloo#70, aws-samples/aws-do-eks#69; seen in tests/testbed.py).
+GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
+
+
+def between_nodes(backend: str, values: Mapping[str, str], env: Mapping[str, str]) -> dict[str, str]:
+    """The variables a candidate spanning nodes needs on this node: its own ``values``, plus, for
+    gloo, :data:`GLOO_IFNAME` on the interface that routes to the master unless the user set it;
+    :data:`ROUTE` resolved (:func:`node_values`)."""
+    out = dict(values)
+    if backend == "gloo" and GLOO_IFNAME not in env:
+        out.setdefault(GLOO_IFNAME, ROUTE)
+    return node_values(out, env)
 
 
 def remedy_rules() -> tuple[Rule, ...]:

@@ -9,13 +9,26 @@ files of ``resilient-strategy --simulate`` and ``examples/machines``. The testin
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..core.facts import P2P_STATUSES, TOPOLOGY_LEVELS, Facts, FrameworkInfo, Gpu, Host, Link
-from ..core.probe import CAUSES, ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec
+from ..core.facts import (
+    FABRIC_MIN_GPUS,
+    P2P_STATUSES,
+    TOPOLOGY_LEVELS,
+    Facts,
+    FrameworkInfo,
+    Gpu,
+    Host,
+    Link,
+    Platform,
+    compact_links,
+)
+from ..core.outcome import WorkerOutcome
+from ..core.probe import CAUSES, ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec, parse_probe
 from ..errors import InvalidOptionError, ResilientStrategyError
 from ..machine import files as _files
 from ..machine.visible import (
@@ -95,6 +108,7 @@ def machine(
     nvml_notes: Sequence[str] = (),
     imported: Sequence[str] = (),
     gpu_initialized: Sequence[str] = (),
+    platform_facts: Platform | Mapping[str, Any] | None = None,
     host_memory_gb: float | None = None,
 ) -> Facts:
     """Facts for a described machine, as :func:`resilient_strategy.machine.inspect.detect_facts` would
@@ -112,8 +126,13 @@ def machine(
     ``CUDA_VISIBLE_DEVICES`` can name). ``imported`` / ``gpu_initialized`` name frameworks this
     process imported (and whose GPU runtime started); ``nvml_notes`` are values NVML could not
     read. ``host_memory_gb``: the host memory available to new processes (None: unknown).
+    ``platform_facts`` is the platform around the GPUs as one value (:class:`Platform`, or
+    its fields as a mapping: ``{"nvswitch": true, "rdma_link_layer": "ethernet",
+    "rdma_devices": ["mlx5_0"], "master_ifname": "eth0", "hypervisor": "kvm",
+    "hostname_loopback": true}``).
     """
     env_map = _string_map("env", env)
+    plat = _platform_value(platform_facts)
     host_memory = None if host_memory_gb is None else int(
         _number("machine", "host_memory_gb", host_memory_gb) * 2**30)
     described: int | Sequence[Any] = gpus
@@ -169,7 +188,9 @@ def machine(
     per_pair = _link_specs(links, indices, nvlink, topology, p2p)
     instances = _mig_counts(mig, indices)
     physical_links: list[Link] = []
-    for i, a in enumerate(physical):
+    # a uniform machine past FABRIC_MIN_GPUS: its one kind of link, never N^2 of them
+    uniform = not per_pair and not instances and len(physical) > FABRIC_MIN_GPUS
+    for i, a in enumerate(() if uniform else physical):
         for b in physical[i + 1:]:
             pa, pb = _physical_index(a), _physical_index(b)
             n, top, p2p_read = per_pair.get((pa, pb), (nvlink, topology, p2p))
@@ -195,7 +216,11 @@ def machine(
     )
     by_index = {p.index: p for p in parents}
     gs = tuple(job_gpu(i, d, by_index[d.physical]) for i, d in enumerate(resolution.devices))
-    visible_links = renumber_links(resolution.devices, physical_links)
+    visible_links, fabric = compact_links(len(gs), renumber_links(resolution.devices,
+                                                                  physical_links))
+    if uniform:
+        fabric = Link(0, 0, topology=topology, nvlinks=nvlink, p2p_read=p2p,
+                      p2p_nvlink="ok" if nvlink else "not_supported")
     fws = []
     if torch:
         fws.append(FrameworkInfo("torch", torch, "torch", torch_cuda, torch_nccl, tuple(torch_archs)))
@@ -209,6 +234,7 @@ def machine(
     return Facts(
         gpus=gs,
         links=visible_links,
+        fabric=fabric,
         driver_version=driver if physical else None,
         cuda_driver_version="13.0" if physical else None,
         nvml_error=nvml_error if nvml_error or physical else "no GPU in this description",
@@ -220,7 +246,19 @@ def machine(
         frameworks=tuple(fws),
         env=tuple(sorted(env_map.items())),
         nvml_notes=tuple(nvml_notes),
+        platform=plat,
     )
+
+
+def _platform_value(value: Platform | Mapping[str, Any] | None) -> Platform:
+    if value is None or isinstance(value, Platform):
+        return value or Platform()
+    if not isinstance(value, Mapping):
+        raise _bad("platform_facts", value, "a Platform value or a mapping of its fields")
+    try:
+        return Facts.from_dict({"platform": dict(value)}).platform
+    except (TypeError, ValueError) as exc:
+        raise _bad("platform_facts", value, f"Platform fields ({exc})") from None
 
 
 # ----- argument checks for gpu() / machine() -----------------------------------------------------
@@ -345,7 +383,9 @@ class SimulatedProber:
     """Answers probes from a table instead of running them, and records what was asked.
 
     Outcomes: "ok", "ok:<GB/s>", "timeout" (a hang cut at the deadline), "hang:<kind>" (a hang
-    judged from progress: setup, collective, straggler, quiet), "error:<cause>".
+    judged from progress: setup, collective, straggler, quiet), "error:<cause>",
+    "fails:<text>" (what the failing worker printed, verbatim: the signature table places it,
+    as it places a real probe's), "signal:<number>" (a worker killed by that signal).
 
     Keys: a backend with no extra environment ("nccl", "gloo", "hierarchical_copy", ...; a
     sharded candidate's "nccl/fsdp" wins over "nccl" for it); a
@@ -405,9 +445,13 @@ def _parse(candidate: str, out: Outcome) -> ProbeResult:
     if not isinstance(out, str):
         raise ValueError(f"probe outcome {out!r}: a string or an object of probe result fields")
     kind, _, arg = out.partition(":")
-    if kind == OK:
-        bw = float(arg) if arg else None
-        return ProbeResult(candidate, OK, 2.0, bus_bandwidth_gbps=bw, detail="simulated")
+    if kind == OK:  # checked as the object form is: a finite, non-negative GB/s
+        try:
+            bw = float(arg) if arg else None
+        except ValueError:
+            raise ValueError(f"probe outcome {out!r}: 'ok:<GB/s>' takes a number") from None
+        return ProbeResult.from_dict({"candidate": candidate, "status": OK, "elapsed_s": 2.0,
+                                      "bus_bandwidth_gbps": bw, "detail": "simulated"})
     if kind == TIMEOUT:
         return ProbeResult(candidate, TIMEOUT, 30.0, "timeout", "simulated hang")
     if kind == "hang" and arg in HANG_KINDS:  # a hang judged from progress, cut early
@@ -415,11 +459,25 @@ def _parse(candidate: str, out: Outcome) -> ProbeResult:
                            extra=(("hang", arg),))
     if kind == ERROR and arg in CAUSES:
         return ProbeResult(candidate, ERROR, 1.0, arg, "simulated failure")
+    if kind == "fails" and arg.strip():
+        return _as_reported(candidate, WorkerOutcome(
+            0, 1, report=json.dumps({"status": "error", "error": arg}), failed_first=True))
+    if kind == "signal" and arg.isdigit() and 1 <= int(arg) <= 64:
+        return _as_reported(candidate, WorkerOutcome(0, -int(arg), signal=int(arg),
+                                                     failed_first=True))
     raise ValueError(
         f"probe outcome {out!r}: use 'ok', 'ok:<GB/s>', 'timeout', 'hang:<kind>' with a kind in "
-        f"{list(HANG_KINDS)} (a hang cut early, from progress) or 'error:<cause>' with a cause "
-        f"in {sorted(c for c in CAUSES if c)}"
+        f"{list(HANG_KINDS)} (a hang cut early, from progress), 'error:<cause>' with a cause "
+        f"in {sorted(c for c in CAUSES if c)}, 'fails:<the text the failure printed>' (placed "
+        "by the signature table) or 'signal:<number>' (a worker killed by that signal)"
     )
+
+
+def _as_reported(candidate: str, outcome: WorkerOutcome) -> ProbeResult:
+    """What the probe parser makes of one failed worker, through the signature table (the
+    built-in one), exactly as a real probe's result is made."""
+    spec = ProbeSpec(candidate, "torch", "nccl", ())
+    return replace(parse_probe(spec, [outcome], 1.0, False), stderr_tail="")
 
 
 FakeProber = SimulatedProber  # the testing kit's name for it
@@ -428,12 +486,17 @@ FakeProber = SimulatedProber  # the testing kit's name for it
 #: Fields of a simulation file (``resilient-strategy --simulate``, examples/machines).
 SIMULATION_KEYS = frozenset({
     "what", "framework", "global_batch_size", "gradient_bytes", "sample_seconds", "machine",
-    "facts", "probes", "expect", "param_bytes", "optimizer_state_factor", "sharding",
+    "facts", "probes", "expect",
+    # a field case (examples/machines/field/): where it was reported, its family, what it said
+    "source", "family", "reported",
+    "param_bytes", "optimizer_state_factor", "sharding",
 })
 #: Fields of a machine case's ``expect`` block (the decision it must reach; tests replay it).
 EXPECT_KEYS = frozenset({
     "backend", "devices", "num_replicas", "accumulation_steps", "per_replica_batch_size", "env",
-    "probed", "rules_fired", "explain_contains", "sharded", "ladder", "ruled_out_by_memory",
+    "probed", "rules_fired", "explain_contains",
+    "causes",  # {probe key: the cause its failure was placed on}, e.g. {"nccl": "nvls_multicast"}
+    "sharded", "ladder", "ruled_out_by_memory",
 })
 
 
@@ -457,6 +520,7 @@ def load_simulation(path: Path) -> tuple[Facts, dict[str, Any]]:
         raise ResilientStrategyError(
             f"{path}: unknown field(s) {unknown}; allowed: {sorted(SIMULATION_KEYS)}")
     _check_simulation_fields(path, data)
+    _check_bounds(path, data)
     try:
         if "machine" in data:
             if not isinstance(data["machine"], dict):
@@ -517,6 +581,54 @@ def _check_facts_shape(raw: Any) -> None:
     for key, value in raw.items():
         if key in reference:
             check(f"facts.{key}", value, reference[key])
+
+
+#: The most GPUs a described machine may have (one host: 8 to 16 today; an NVLink domain of
+#: 72). Planning is quadratic in the GPUs (their links): 256 plan in well under a second.
+MAX_SIMULATED_GPUS = 256
+#: Every number of a described machine lies within this (integers exact in a float), so that
+#: no size in bytes becomes an infinity (memory_gb 1e300) or takes minutes.
+MAX_SIMULATED_NUMBER = 2.0**53
+
+
+def _check_bounds(path: Path, data: Mapping[str, Any]) -> None:
+    """The described machine is bounded: at most MAX_SIMULATED_GPUS GPUs, every number finite
+    and within MAX_SIMULATED_NUMBER. One clean error naming the file and the field."""
+    for key in ("machine", "facts"):
+        described = data.get(key)
+        if not isinstance(described, dict):
+            continue
+        gpus = described.get("gpus")
+        count = gpus if isinstance(gpus, int) and not isinstance(gpus, bool) else \
+            len(gpus) if isinstance(gpus, list) else 0
+        if not 0 <= count <= MAX_SIMULATED_GPUS:
+            raise ResilientStrategyError(
+                f"{path}: {key}.gpus: expected 0 to {MAX_SIMULATED_GPUS} GPUs, not {count}")
+        links = described.get("links")
+        if isinstance(links, (list, dict)) and len(links) > count * (count - 1) // 2 + 1:
+            raise ResilientStrategyError(
+                f"{path}: {key}.links: {len(links)} links for {count} GPUs")
+        bad = _out_of_range(described, key)
+        if bad is not None:
+            raise ResilientStrategyError(
+                f"{path}: {bad[0]}: expected a finite number within "
+                f"+-{MAX_SIMULATED_NUMBER:.0f}, not {bad[1]!r}")
+
+
+def _out_of_range(value: Any, where: str) -> tuple[str, Any] | None:
+    """The first number (with where it is) that is not finite or is out of range, else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        ok = math.isfinite(value) and abs(value) <= MAX_SIMULATED_NUMBER
+        return None if ok else (where, value)
+    items = value.items() if isinstance(value, dict) else enumerate(value) \
+        if isinstance(value, list) else ()
+    for k, v in items:
+        found = _out_of_range(v, f"{where}.{k}" if isinstance(k, str) else f"{where}[{k}]")
+        if found is not None:
+            return found
+    return None
 
 
 def _check_simulation_fields(path: Path, data: Mapping[str, Any]) -> None:

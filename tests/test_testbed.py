@@ -1,0 +1,133 @@
+"""Real faults on a multi-node test bed (tests/testbed.py): two nodes as network namespaces on a
+bridge, ``resilient-strategy run --nnodes 2`` in each (CPU, gloo, examples/torch_train.py), and
+faults struck from outside the job at a chosen step: a worker SIGKILLed or SIGSTOPped, a node's
+link set down, the bridge's side of its link set down then up, a worker stopped for less than
+the stall allowance, a decoy interface holding a node's default route and hostname.
+
+Asserted from typed outcomes only (exit codes, the decisions and progress records the
+supervisors write, the checkpoint's optimizer-step count, live processes, sockets, namespaces).
+Skipped where namespaces cannot be made (not root, no ``ip``). Each scenario is one run of
+about half a minute on two cores.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import testbed as tb
+
+from resilient_strategy.records.progress import COLLECTIVE, COLLECTIVE_DONE, Record
+from resilient_strategy.run.verdicts import RankExit, classify_attempt
+
+#: Detection: the stall allowance plus this much (the watch's poll, stopping the workers).
+MARGIN_S = 6.0
+
+
+# --- fast: what the bed taught, as data ----------------------------------------------------------
+
+def test_a_rank_killed_from_outside_is_a_fault_of_the_group_wherever_it_was() -> None:
+    # node 1 of the bed saw only its own worker SIGKILLed between two collectives; node 0 saw a
+    # communication error: the verdicts must agree that the group is broken, not the script
+    killed = RankExit(0, -signal.SIGKILL, None, Record(5, COLLECTIVE_DONE, 8, t=1.0))
+    v = classify_attempt(None, [killed])
+    assert (v.kind, v.retry, v.step, v.cause) == ("backend", True, 8, "crash")
+    segfault = RankExit(0, -signal.SIGSEGV, None, Record(5, COLLECTIVE_DONE, 8, t=1.0))
+    assert classify_attempt(None, [segfault]).kind == "crash"  # a crash of its own stays one
+    said = RankExit(0, -signal.SIGKILL, {"types": ["builtins.ValueError"], "message": "x"},
+                    Record(5, COLLECTIVE, 8, t=1.0))
+    assert classify_attempt(None, [said]).kind == "user"  # its own error is the story
+
+
+def test_gloo_between_nodes_binds_to_the_route_to_the_master_unless_the_user_chose() -> None:
+    from resilient_strategy.nodes.routes import between_nodes
+
+    local = {"MASTER_ADDR": "127.0.0.1"}
+    assert between_nodes("gloo", {}, local) == {"GLOO_SOCKET_IFNAME": "lo"}
+    assert between_nodes("gloo", {}, {**local, "GLOO_SOCKET_IFNAME": "eth9"}) == {}
+    assert between_nodes("nccl", {"NCCL_SOCKET_IFNAME": "@route"}, local) == {
+        "NCCL_SOCKET_IFNAME": "lo"}
+
+
+# --- the bed -----------------------------------------------------------------------------------
+
+def _unavailable() -> str | None:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return "needs torch"
+    return tb.unavailable()
+
+
+@pytest.fixture
+def bed(tmp_path: Path) -> Iterator[tb.Bed]:
+    why = _unavailable()
+    if why is not None:
+        pytest.skip(f"the multi-node test bed cannot run here: {why}")
+    with tb.testbed() as b:
+        yield b
+    assert tb.namespaces() == [] and tb.root_links() == []  # nothing left on the machine
+
+
+@pytest.mark.slow
+def test_the_bed_sweeps_what_an_earlier_bed_left(tmp_path: Path) -> None:
+    why = tb.unavailable()
+    if why is not None:
+        pytest.skip(f"the multi-node test bed cannot run here: {why}")
+    tb._ip("netns", "add", f"{tb.PREFIX}-n7")  # as if a killed run had left it
+    with tb.testbed() as b:
+        assert tb.namespaces() == sorted([b.switch, *(n.netns for n in b.nodes)])
+    assert tb.namespaces() == [] and tb.root_links() == []
+
+
+def _finished_exactly(o: tb.Outcome) -> None:
+    assert o.final_steps == o.expected_steps, o
+    assert o.leftovers == (), o
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+def test_sigkill_of_a_worker_relaunches_and_finishes_every_step(bed: tb.Bed,
+                                                                tmp_path: Path) -> None:
+    o = tb.run_fault(bed, tmp_path, "sigkill")
+    assert o.codes == (0, 0), o
+    assert o.relaunched and o.failure is not None, o
+    assert (o.failure["status"], o.failure["cause"]) == ("error", "crash"), o
+    assert o.stopped_s is not None and o.stopped_s < tb.STALL_S + MARGIN_S, o
+    assert o.training_again_s is not None, o
+    _finished_exactly(o)
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+def test_sigstop_of_a_worker_is_a_stall_detected_within_the_allowance(bed: tb.Bed,
+                                                                      tmp_path: Path) -> None:
+    o = tb.run_fault(bed, tmp_path, "sigstop")
+    assert o.codes == (0, 0), o
+    assert o.relaunched and o.failure is not None, o
+    assert (o.failure["status"], o.failure["cause"]) == ("error", "timeout"), o
+    assert o.stopped_s is not None and o.stopped_s < tb.STALL_S + MARGIN_S, o
+    _finished_exactly(o)
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+def test_a_straggler_shorter_than_the_allowance_is_not_relaunched(bed: tb.Bed,
+                                                                  tmp_path: Path) -> None:
+    o = tb.run_fault(bed, tmp_path, "straggler")
+    assert o.codes == (0, 0), o
+    assert o.attempts == ((0,), (0,)) and o.failure is None, o
+    _finished_exactly(o)
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+def test_a_decoy_default_route_is_never_what_gloo_binds_to(bed: tb.Bed, tmp_path: Path) -> None:
+    # also the uninterrupted run: the pair trains across the nodes, every step, one attempt
+    o = tb.run_fault(bed, tmp_path, "decoy")
+    assert o.codes == (0, 0), o
+    assert o.attempts == ((0,), (0,)) and o.chosen == (("torch:gloo:cpu", 2),), o
+    assert bed.nodes[1].address in o.addresses and o.decoy not in o.addresses, o
+    _finished_exactly(o)
