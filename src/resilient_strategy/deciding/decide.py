@@ -11,14 +11,14 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..core.facts import Facts
 from ..core.human import human_bytes
 from ..core.memory import model_memory
 from ..core.options import Options
-from ..core.plan import Candidate, Plan, RuledOut, plan
+from ..core.plan import Candidate, RuledOut, plan
 from ..core.probe import (
     ENVIRONMENTAL_CAUSES,
     ERROR,
@@ -49,6 +49,8 @@ from .notices import (
 if TYPE_CHECKING:
     pass
 
+from ..core.decision import Decision as Decision  # re-exported: the deciders' one shape
+
 log = logging.getLogger("resilient_strategy")
 
 Prober = Callable[[ProbeSpec, Mapping[str, str]], ProbeResult]
@@ -59,20 +61,6 @@ MAX_ROUNDS = 32  # probes per decision, at most (the candidate set is far smalle
 FORKSERVER_MODULE = __name__.rpartition(".deciding.")[0] + ".probing.forkserver"
 
 
-@dataclass(frozen=True)
-class Decision:
-    """What deciding produced: the final plan (its ``chosen`` candidate and trace), every probe
-    result it used, whether a cached result shaped it without a probe now (``from_cache``), and
-    whether the chosen collective was proven by a probe (``proven``)."""
-
-    plan: Plan
-    results: Mapping[str, ProbeResult]
-    from_cache: bool = False
-    proven: bool = True
-
-    @property
-    def chosen(self) -> Candidate | None:
-        return self.plan.chosen
 
 
 # --------------------------------------------------------------------------------------------

@@ -325,10 +325,9 @@ def _agreed_decision(
                           cross_node=True)
         from ..nodes.manynodes import agreed_decision
 
-        p, results, from_cache, proven = agreed_decision(
+        return agreed_decision(
             facts, opts, env, prober, clock,
             functools.partial(decide, progress=progress, startup_check=startup_check))
-        return Decision(p, results, from_cache, proven)
     from ..nodes.onenode import Agreement
 
     agreement = Agreement.for_job(env, facts.fingerprint(), opts.cache_dir)

@@ -158,7 +158,7 @@ def _run_group(
         logs = Path(tmp)
         try:
             for i, cmd in enumerate(commands):
-                procs.append(_start(cmd, logs / f"{i}.out", logs / f"{i}.err", spawn))
+                procs.append(start_worker(cmd, logs / f"{i}.out", logs / f"{i}.err", spawn))
                 waiter.add(procs[-1])
             while True:
                 codes = [p.poll() for p in procs]
@@ -197,7 +197,7 @@ def _run_group(
                         stopped_because)
 
 
-def _start(cmd: WorkerCommand, out_path: Path, err_path: Path, spawn: Spawn | None) -> Proc:
+def start_worker(cmd: WorkerCommand, out_path: Path, err_path: Path, spawn: Spawn | None) -> Proc:
     if spawn is not None:
         try:
             return spawn(cmd, str(out_path), str(err_path))

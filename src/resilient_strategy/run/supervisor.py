@@ -372,11 +372,12 @@ def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
     else:
         from ..nodes.manynodes import agreed_decision
 
-        p, results, from_cache, proven = agreed_decision(
+        made = agreed_decision(
             facts, o, plan_env, _prober, time.monotonic,
             functools.partial(decide, progress=progress_line_for(o), startup_check=True,
                               known=dict(failures)))
-        results = {**results, **failures}
+        p, from_cache, proven = made.plan, made.from_cache, made.proven
+        results = {**made.results, **failures}
     if p.chosen is None:
         raise NoWorkingStrategyError(o.framework, [failure_cause(r) for r in p.ruled_out])
     if link is None or link.node == 0:
