@@ -410,6 +410,9 @@ class SimulatedProber:
     default: Outcome = "ok"
     calls: list[ProbeSpec] = field(default_factory=list)
     elapsed_s: float = 0.0  # simulated seconds spent probing so far (see :meth:`clock`)
+    #: the phase figures of the machine described (None: the typical ones of its class,
+    #: :data:`..probing.cost.TYPICAL`), e.g. its measured framework import
+    figures: _cost.Figures | None = None
 
     def __post_init__(self) -> None:
         for key, out in self.outcomes.items():
@@ -431,11 +434,11 @@ class SimulatedProber:
         else:  # the real prober's clock: start-up, phases, a hang cut from progress
             forked = spec.framework == "torch" and _forkserver.enabled(env)
             res = replace(res, elapsed_s=_cost.probe_seconds(spec, ending, forked=forked,
-                                                             warm=warm))
+                                                             warm=warm, figures=self.figures))
             if ending == "collective" and not res.extra:  # a plain "timeout", as judged
                 res = replace(res, detail="simulated hang (collective)",
                               extra=(("hang", "collective"),))
-            after = _cost.after_probe_seconds(spec, ending)
+            after = _cost.after_probe_seconds(spec, ending, self.figures)
         self.elapsed_s += res.elapsed_s + after
         return res
 
