@@ -110,3 +110,9 @@ def test_four_gpus_with_every_multi_replica_candidate_hanging() -> None:
     total = sum(r.elapsed_s for r in sel.results.values())
     assert prober.clock() == pytest.approx(total + 3 * cost.figures_for(spec).health_s)
     assert prober.clock() < 2 * 30.0  # before: 3 x the whole timeout
+
+
+def test_a_described_machines_figures_replace_the_typical_ones() -> None:
+    prober = FakeProber({"*": "hang:quiet"}, figures=ZERO)
+    res = prober(NCCL2, {})
+    assert res.elapsed_s == stall_policy(NCCL2).quiet_s and prober.clock() == res.elapsed_s
