@@ -4,6 +4,8 @@
 ``SimulatedProber`` answers probes from a table of outcomes; ``load_simulation`` reads the JSON
 files of ``resilient-strategy --simulate`` and ``examples/machines``. The testing kit
 (``resilient_strategy.testing``) builds on this module; production code never imports the kit.
+Over 450 lines for a reason: a described machine, its file format and the prober that answers
+for it are one description, checked together (a field or outcome typo is one clean error).
 """
 
 from __future__ import annotations
