@@ -148,7 +148,9 @@ def test_probe_budget_is_one_deadline_for_the_decision(tmp_path: Path) -> None:
     # budget of 4 timeouts
     facts = machine(2, name="NVIDIA GeForce RTX 4090", cc=(8, 9), aws=True, container="docker",
                     shm_mb=64, env={"WORLD_SIZE": "2"})
-    prober = FakeProber({"*": "timeout"})
+    # a hang no progress judges, described with its elapsed time (the deadline), so that no
+    # GPU health check after it adds to the clock (issue 21: the kit charges what the prober does)
+    prober = FakeProber({"*": {"status": "timeout", "cause": "timeout", "elapsed_s": 10.0}})
     o = opts_for(facts, {"WORLD_SIZE": "2"}, timeout=10.0, gradient_bytes=1000,
                  sample_seconds=1.0, cache=True, cache_dir=tmp_path)
     d = decide(facts, o, {}, prober, clock=prober.clock)
