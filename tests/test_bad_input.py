@@ -192,3 +192,32 @@ def test_plan_simulate_writes_no_agreement_file(tmp_path: Path,
     decided = simulate_file(path)
     assert decided["torch"].backend != "nccl"
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize(("argv", "option"), [
+    (["--nnodes", "abc"], "--nnodes"),
+    (["--nnodes", "2:1"], "--nnodes"),
+    (["--master-port", "70000"], "--master-port"),
+    (["--rdzv-endpoint", "::::"], "--rdzv-endpoint"),
+    (["--rdzv-endpoint", "[::1"], "--rdzv-endpoint"),
+    (["--node-rank", "-1"], "--node-rank"),
+])
+def test_bad_node_options_of_run_name_their_flag(argv: list[str], option: str) -> None:
+    """torchrun's node options are checked before torch reads them (it raised a ValueError
+    traceback from deep inside for each of these)."""
+    pytest.importorskip("torch")
+    from resilient_strategy.errors import InvalidOptionError
+    from resilient_strategy.run.arguments import options_from_args
+
+    with pytest.raises(InvalidOptionError) as err:
+        options_from_args([*argv, "train.py"])
+    assert err.value.option == option
+
+
+def test_good_node_options_of_run_pass() -> None:
+    pytest.importorskip("torch")
+    from resilient_strategy.run.arguments import options_from_args
+
+    for argv in (["--nnodes", "1:2"], ["--rdzv-endpoint", "[::1]:29500"],
+                 ["--rdzv-endpoint", "node0"], ["--master-port", "0"]):
+        assert options_from_args([*argv, "train.py"]).script == "train.py"

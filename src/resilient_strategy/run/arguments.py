@@ -134,6 +134,8 @@ def options_from_args(argv: Sequence[str]) -> RunOptions:
         # not given: None, as torch >= 2.12's parser says (2.11's says 29500), so that a
         # one-node run takes a free port (standalone) and two jobs on a machine do not collide
         ns.master_port = None
+    if with_torch:
+        check_node_options(ns)
     framework = ns.framework
     if framework is None:
         with contextlib.suppress(OSError, UnicodeDecodeError):
@@ -160,3 +162,42 @@ def node_count(opts: RunOptions) -> int:
         return 1
     text = str(getattr(ns, "nnodes", "1"))
     return int(text.split(":")[-1])
+
+
+def _port(text: str) -> int | None:
+    return int(text) if text.isdigit() and 0 <= int(text) <= 65535 else None
+
+
+def check_node_options(ns: argparse.Namespace) -> None:
+    """torchrun's node options, checked before torch reads them: a bad one is one line naming
+    the flag and what was typed (torch's own parser lets them through to a traceback)."""
+    nnodes = str(getattr(ns, "nnodes", "1"))
+    parts = nnodes.split(":")
+    if len(parts) > 2 or not all(p.isdigit() and int(p) >= 1 for p in parts) or (
+            len(parts) == 2 and int(parts[0]) > int(parts[1])):
+        raise InvalidOptionError(f"--nnodes must be a node count N or a range MIN:MAX of "
+                                 f"positive integers, not {nnodes!r}", "--nnodes")
+    port = getattr(ns, "master_port", None)
+    if port is not None and _port(str(port)) is None:
+        raise InvalidOptionError(f"--master-port must be a port from 0 to 65535, not {port!r}",
+                                 "--master-port")
+    rank = getattr(ns, "node_rank", 0)
+    if not str(rank).isdigit():
+        raise InvalidOptionError(f"--node-rank must be an integer from 0, not {rank!r}",
+                                 "--node-rank")
+    endpoint = str(getattr(ns, "rdzv_endpoint", "") or "")
+    if endpoint:
+        host, sep, tail = endpoint.rpartition(":")
+        if endpoint.startswith("["):  # [IPv6]:port or [IPv6]
+            close = endpoint.find("]")
+            host, tail = endpoint[1:close], endpoint[close + 2:] if close >= 0 else ""
+            sep = ":" if tail else ""
+            bad = close < 0 or not host
+        elif not sep:
+            host, bad = endpoint, False
+        else:
+            bad = not host or ":" in host
+        if bad or (sep and _port(tail) is None):
+            raise InvalidOptionError(
+                f"--rdzv-endpoint must be HOST or HOST:PORT (an IPv6 host in brackets, a port "
+                f"from 0 to 65535), not {endpoint!r}", "--rdzv-endpoint")
