@@ -181,30 +181,56 @@ def test_a_missing_or_foreign_steps_file_reads_as_zero(tmp_path: Path) -> None:
     assert read_steps(tmp_path / "s.json") == 7
 
 
+def _supervised(tmp: Path, example: str, *args: str) -> tuple[list[str], list[dict[str, Any]]]:
+    """``resilient-strategy run`` of an example on 2 gloo processes whose rank 1 hangs in the
+    collective of optimizer step 20 on every gloo attempt: its ``optimizer steps:`` lines and
+    its attempts."""
+    (tmp / "tmp").mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")}
+    env.update(PYTHONPATH=str(ROOT / "src"), TMPDIR=str(tmp / "tmp"), CUDA_VISIBLE_DEVICES="",
+               RESILIENT_STRATEGY_CACHE_DIR=str(tmp / "cache"),
+               RESILIENT_STRATEGY_TIMEOUT="60",
+               RESILIENT_STRATEGY_TRAIN_FAULT="hang:1:gloo:20")  # in epoch 3 of 3 (8 steps each)
+    proc = subprocess.run(
+        [sys.executable, "-m", "resilient_strategy", "run", "--nproc-per-node", "2",
+         "--stall-timeout", "3", str(ROOT / "examples" / example), "--samples", "2048",
+         "--epochs", "3", "--checkpoint-dir", str(tmp / "ckpt"), *args],
+        env=env, cwd=tmp, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [record] = (tmp / "resilient-strategy-evidence").glob("*/attempts.json")
+    return ([line for line in proc.stdout.splitlines() if line.startswith("optimizer steps:")],
+            json.loads(record.read_text())["attempts"])
+
+
+def _story(attempts: list[dict[str, Any]]) -> list[tuple[str, str, str, int]]:
+    """(backend, verdict kind, action, step it failed at) per attempt."""
+    return [(a["candidate"].split(":")[1], a["verdict"]["kind"], a["action"], a["verdict"]["step"])
+            for a in attempts]
+
+
+#: Stalled at step 20, retried on gloo, the same stall again, stepped down to one process.
+LADDER = [("gloo", "stall", "retry", 20), ("gloo", "stall", "step_down", 20),
+          ("cpu", "ok", "finish", 0)]
+
+
 @pytest.mark.slow
 @pytest.mark.torch
 @needs_accelerate
 def test_an_accelerate_job_that_hangs_under_run_relaunches_and_finishes_its_steps(
         tmp_path: Path) -> None:
-    (tmp_path / "tmp").mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")}
-    env.update(PYTHONPATH=str(ROOT / "src"), TMPDIR=str(tmp_path / "tmp"), CUDA_VISIBLE_DEVICES="",
-               RESILIENT_STRATEGY_CACHE_DIR=str(tmp_path / "cache"),
-               RESILIENT_STRATEGY_TIMEOUT="60",
-               RESILIENT_STRATEGY_TRAIN_FAULT="hang:1:gloo:20")  # in epoch 3 of 3 (8 steps each)
-    proc = subprocess.run(
-        [sys.executable, "-m", "resilient_strategy", "run", "--nproc-per-node", "2",
-         "--stall-timeout", "3", str(ROOT / "examples" / "accelerate_train.py"),
-         "--samples", "2048", "--epochs", "3", "--checkpoint-every", "5",
-         "--checkpoint-dir", str(tmp_path / "ckpt")],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    steps = [line for line in proc.stdout.splitlines() if line.startswith("optimizer steps:")]
+    steps, attempts = _supervised(tmp_path, "accelerate_train.py", "--checkpoint-every", "5")
     assert steps == ["optimizer steps: 24"]  # 3 epochs x 2048 / 256, as uninterrupted
-    [record] = (tmp_path / "resilient-strategy-evidence").glob("*/attempts.json")
-    attempts = json.loads(record.read_text())["attempts"]
-    assert [(a["candidate"].split(":")[1], a["verdict"]["kind"], a["action"])
-            for a in attempts] == [("gloo", "stall", "retry"), ("gloo", "stall", "step_down"),
-                                   ("cpu", "ok", "finish")]
-    assert [a["verdict"]["step"] for a in attempts[:2]] == [20, 20]
+    assert _story(attempts) == LADDER
     assert [a["resumed_from"] for a in attempts] == [None, 15, 15]
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+@needs_lightning
+def test_a_lightning_job_that_hangs_under_run_relaunches_and_finishes_its_steps(
+        tmp_path: Path) -> None:
+    steps, attempts = _supervised(tmp_path, "lightning_train.py")
+    assert steps == ["optimizer steps: 24"]
+    assert _story(attempts) == LADDER  # a stall, though Lightning's SIGTERM handler made rank 1
+    # raise "connection closed" after the stop
+    assert [a["resumed_from"] for a in attempts] == [None, 16, 16]  # epoch-end checkpoints

@@ -131,8 +131,11 @@ def report_progress(accelerator: Any, sel: Selection) -> None:
         prepared = prepare_optimizer(optimizer, device_placement=device_placement)
         inner = getattr(prepared, "optimizer", prepared)
         # fires when the optimizer really steps: not on accumulating micro-steps, nor on an
-        # fp16 step the scaler skipped (Accelerate calls the inner step only then)
-        inner.register_step_post_hook(lambda *_: reporter.stepped(True))
+        # fp16 step the scaler skipped (Accelerate calls the inner step only then); an
+        # optimizer that is no torch.optim.Optimizer has no such hook: its steps go uncounted
+        register = getattr(inner, "register_step_post_hook", None)
+        if register is not None:
+            register(lambda *_: reporter.stepped(True))
         return prepared
 
     accelerator.backward = reported_backward
