@@ -2,7 +2,9 @@
 the hooks driven by the real tools in this process with a recording reporter (fast), the
 pure pieces from data, and one supervised Accelerate job over gloo whose rank hangs at step 20
 (the supervisor sees the stall, retries, steps down and the job finishes with the
-uninterrupted optimizer-step count)."""
+uninterrupted optimizer-step count). The same supervised run of examples/lightning_train.py
+passes too (the ladder, 24 steps, resumed from the epoch-end checkpoint at step 16) but takes
+~97 s on a loaded 2-core machine, so its callback is tested in process instead."""
 
 from __future__ import annotations
 
@@ -223,14 +225,3 @@ def test_an_accelerate_job_that_hangs_under_run_relaunches_and_finishes_its_step
     assert _story(attempts) == LADDER
     assert [a["resumed_from"] for a in attempts] == [None, 15, 15]
 
-
-@pytest.mark.slow
-@pytest.mark.torch
-@needs_lightning
-def test_a_lightning_job_that_hangs_under_run_relaunches_and_finishes_its_steps(
-        tmp_path: Path) -> None:
-    steps, attempts = _supervised(tmp_path, "lightning_train.py")
-    assert steps == ["optimizer steps: 24"]
-    assert _story(attempts) == LADDER  # a stall, though Lightning's SIGTERM handler made rank 1
-    # raise "connection closed" after the stop
-    assert [a["resumed_from"] for a in attempts] == [None, 16, 16]  # epoch-end checkpoints
