@@ -4,14 +4,21 @@
     torchrun --nproc_per_node 2 examples/lightning_train.py      # DDP: NCCL if it works, else gloo
     RESILIENT_STRATEGY_PROBE_FAULT=exit:1 torchrun --nproc_per_node 2 examples/lightning_train.py
 
-The last one breaks the collective probe on purpose: the selection falls back to one device with
+    resilient-strategy run --nproc-per-node 2 examples/lightning_train.py --checkpoint-dir ckpt
+
+The third one breaks the collective probe on purpose: the selection falls back to one device with
 2 accumulation steps (same global batch), and Lightning trains on that; rank 1 exits cleanly.
+The last one is supervised: ``trainer_kwargs`` adds a callback that reports each optimizer step,
+so a rank that hangs or fails mid-run is seen, and the job is relaunched (on the next strategy
+when it repeats) and resumes from the last checkpoint (Lightning's ``ModelCheckpoint``, at each
+epoch's end).
 Needs ``pip install 'resilient-strategy[lightning]'``.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import resilient_strategy
 
@@ -23,17 +30,26 @@ def main() -> None:
     parser.add_argument("--global-batch-size", type=int, default=256)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--samples", type=int, default=8192)
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="checkpoint there at each epoch's end; resume from it")
     args = parser.parse_args()
 
     # Decide first: the selection sets its variables before Lightning touches CUDA.
     sel = resilient_strategy.resilient_strategy(framework="torch",
                                                 global_batch_size=args.global_batch_size)
     sel.print(sel.explain())  # rank 0 only
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
     from resilient_strategy.integrations.lightning import trainer_kwargs
 
-    kwargs = trainer_kwargs(sel)  # an idle rank of a one-device fallback exits here (status 0)
-
-    import lightning as L
+    # at epoch ends: Lightning resumes a plain DataLoader exactly only there (from a mid-epoch
+    # checkpoint it replays the epoch's remaining batches by index, which is another number of
+    # steps once a relaunch trains on fewer processes)
+    saves = [] if args.checkpoint_dir is None else [ModelCheckpoint(
+        args.checkpoint_dir, save_last=True, save_top_k=1, every_n_epochs=1)]
+    # yours go through trainer_kwargs: under `resilient-strategy run` it adds the progress one
+    kwargs = trainer_kwargs(sel, callbacks=saves)  # an idle rank of a 1-device fallback exits
     import torch
     import torch.nn.functional as F
 
@@ -72,9 +88,11 @@ def main() -> None:
               f"{sel.batch_size} samples x {sel.accumulation_steps} accumulation step(s) = "
               f"global batch {sel.global_batch_size}")
     torch.manual_seed(0)
-    trainer = L.Trainer(max_epochs=args.epochs, logger=False, enable_checkpointing=False,
+    trainer = L.Trainer(max_epochs=args.epochs, logger=False, enable_checkpointing=bool(saves),
                         enable_progress_bar=False, enable_model_summary=False, **kwargs)
-    trainer.fit(Classifier(), loader)
+    last = None if args.checkpoint_dir is None else Path(args.checkpoint_dir) / "last.ckpt"
+    trainer.fit(Classifier(), loader, ckpt_path=last if last and last.exists() else None)
+    sel.print(f"optimizer steps: {trainer.global_step}")
 
 
 if __name__ == "__main__":

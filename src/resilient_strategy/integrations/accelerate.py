@@ -20,17 +20,27 @@ same variables). Under a launcher, a rank the choice leaves idle (a one-device f
 cleanly (status 0) here; on the rank that trains alone, :func:`make_accelerator` hides the
 launcher's variables while Accelerate sets up, or it would wait for the ranks that left (with
 :func:`accelerator_kwargs` alone, do that yourself). Accelerate is imported only when called.
+
+Under ``resilient-strategy run``, :func:`make_accelerator` also has the accelerator report each
+optimizer step to the supervisor (:func:`report_progress`; with ``Accelerator(**accelerator_kwargs(
+sel))``, call ``report_progress(accelerator, sel)`` yourself, before ``prepare``): the backward of
+a step's last micro-step (``accelerator.sync_gradients``) is collective ``k``, a step is counted
+when the prepared optimizer really steps, ``save_state`` records the count in its directory and
+``load_state`` resumes it, so a rank that hangs is seen and the job relaunched; a rehearsed
+``RESILIENT_STRATEGY_TRAIN_FAULT`` fires there. Outside ``run`` nothing is added.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ExtraNotInstalledError, InvalidOptionError
+from ..errors import ExtraNotInstalledError, InvalidOptionError, ResilientStrategyError
 from ..frameworks.teardown import end_at_exit
 from . import launcher_hidden, on_gpu, precision, require_torch_selection
 
 if TYPE_CHECKING:
+    from ..records.handoff import TrainingReporter
     from ..selection import Selection
 
 _MIXED = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
@@ -92,7 +102,76 @@ def make_accelerator(sel: Selection, *, shard_modules: Any = None, **overrides: 
     from accelerate import Accelerator
 
     with launcher_hidden(sel):
-        return Accelerator(**kwargs)
+        accelerator = Accelerator(**kwargs)
+    report_progress(accelerator, sel)
+    return accelerator
+
+
+#: Written by ``save_state`` (main process) under the supervisor: the optimizer steps taken.
+STEPS_FILE = "resilient_strategy_steps.json"
+
+
+def report_progress(accelerator: Any, sel: Selection) -> None:
+    """Under ``resilient-strategy run``, report ``accelerator``'s training to the supervisor (see
+    the module docstring); nothing otherwise. Call it before ``accelerator.prepare``."""
+    reporter = sel.progress
+    if reporter is None:
+        return
+    backward = accelerator.backward
+    prepare_optimizer = accelerator.prepare_optimizer
+
+    def reported_backward(loss: Any, **kwargs: Any) -> Any:
+        last = bool(accelerator.sync_gradients)
+        reporter.backward_begin(last)
+        out = backward(loss, **kwargs)
+        reporter.backward_end(last)
+        return out
+
+    def reported_prepare_optimizer(optimizer: Any, device_placement: Any = None) -> Any:
+        prepared = prepare_optimizer(optimizer, device_placement=device_placement)
+        inner = getattr(prepared, "optimizer", prepared)
+        # fires when the optimizer really steps: not on accumulating micro-steps, nor on an
+        # fp16 step the scaler skipped (Accelerate calls the inner step only then); an
+        # optimizer that is no torch.optim.Optimizer has no such hook: its steps go uncounted
+        register = getattr(inner, "register_step_post_hook", None)
+        if register is not None:
+            register(lambda *_: reporter.stepped(True))
+        return prepared
+
+    accelerator.backward = reported_backward
+    accelerator.prepare_optimizer = reported_prepare_optimizer
+    accelerator.register_save_state_pre_hook(
+        lambda _models, _weights, output_dir: _save_steps(accelerator, reporter, output_dir))
+    accelerator.register_load_state_pre_hook(
+        lambda _models, input_dir: _load_steps(reporter, input_dir))
+
+
+def _save_steps(accelerator: Any, reporter: TrainingReporter, output_dir: str) -> None:
+    if not accelerator.is_main_process:
+        return
+    from ..machine.files import write_json_atomic
+    from ..records.handoff import note_checkpoint
+
+    write_json_atomic(Path(output_dir) / STEPS_FILE, {"optimizer_steps": reporter.step})
+    note_checkpoint(reporter.step, output_dir)
+
+
+def _load_steps(reporter: TrainingReporter, input_dir: str) -> None:
+    """The count ``save_state`` recorded (none: a checkpoint saved outside the supervisor)."""
+    steps = read_steps(Path(input_dir) / STEPS_FILE)
+    if steps:
+        reporter.restored(steps)
+
+
+def read_steps(path: Path) -> int:
+    """The optimizer steps recorded in ``path``; 0 when it is missing or unreadable."""
+    from ..machine.files import read_json
+
+    try:  # bounded, a regular file only (the directory is the user's)
+        value = read_json(path, max_bytes=4096, owned=False).get("optimizer_steps", 0)
+    except (OSError, ValueError, AttributeError, ResilientStrategyError):
+        return 0
+    return value if type(value) is int and value >= 0 else 0
 
 
 def _timeout(sel: Selection) -> Any:

@@ -19,6 +19,13 @@ the strategy is Lightning's ``FSDPStrategy`` with the same backend and timeout, 
 checkpoints and ``auto_wrap_policy`` = the module classes in ``shard_modules`` (Lightning's own
 FSDP wrapping); with ``model_parallel=True`` it is ``ModelParallelStrategy`` instead (FSDP2: your
 LightningModule applies ``fully_shard`` in ``configure_model``), data-parallel over every process.
+
+``callbacks``: yours (``trainer_kwargs(sel, callbacks=[...])``) and, under ``resilient-strategy
+run``, one that reports each optimizer step to the supervisor like ``sel.step()`` does (the
+gradient all-reduce of step ``k``, in the backward of its last micro-step, is collective ``k``), so
+a rank that hangs there is seen and the job relaunched; it also fires a rehearsed
+``RESILIENT_STRATEGY_TRAIN_FAULT``. The key is always there: pass your callbacks through it, not
+beside it.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from ..frameworks.teardown import end_at_exit
 from . import on_gpu, precision, require_torch_selection
 
 if TYPE_CHECKING:
+    from ..records.handoff import TrainingReporter
     from ..selection import Selection
 
 _PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}
@@ -66,9 +74,10 @@ def _sharded_strategy(sel: Selection, model_parallel: bool, shard_modules: Any) 
 
 
 def trainer_kwargs(sel: Selection, *, model_parallel: bool = False,
-                   shard_modules: Any = None) -> dict[str, Any]:
+                   shard_modules: Any = None, callbacks: Any = None) -> dict[str, Any]:
     """Keyword arguments for ``lightning.Trainer`` that train on what ``sel`` chose
-    (``model_parallel`` and ``shard_modules`` apply when it shards, see the module docstring)."""
+    (``model_parallel`` and ``shard_modules`` apply when it shards; ``callbacks``: yours, kept
+    first; see the module docstring)."""
     require_torch_selection(sel, "Lightning")
     sel._leave_if_idle()
     ddp, single = _strategies()
@@ -77,6 +86,8 @@ def trainer_kwargs(sel: Selection, *, model_parallel: bool = False,
         "accelerator": "gpu" if gpu else "cpu",
         "accumulate_grad_batches": sel.accumulation_steps,
         "precision": _PRECISION[precision(sel)],
+        "callbacks": [*(callbacks or ()),
+                      *(() if sel.progress is None else (progress_callback(sel.progress),))],
     }
     if sel.num_replicas > 1:
         end_at_exit()  # the group the tool starts ends at exit, barrier first
@@ -92,6 +103,68 @@ def trainer_kwargs(sel: Selection, *, model_parallel: bool = False,
         device = f"cuda:{sel.devices[0]}" if gpu else "cpu"
         kwargs.update(devices=1, num_nodes=1, strategy=single(device=device))
     return kwargs
+
+
+def _callback_base() -> Any:
+    import importlib
+
+    for name in ("lightning.pytorch.callbacks", "pytorch_lightning.callbacks"):
+        try:
+            return importlib.import_module(name).Callback
+        except ImportError:
+            continue
+    raise ExtraNotInstalledError("lightning", "lightning")
+
+
+def progress_callback(reporter: TrainingReporter) -> Any:
+    """A Lightning ``Callback`` that reports each optimizer step through ``reporter`` (the
+    supervisor's progress records, :class:`~resilient_strategy.records.handoff.TrainingReporter`):
+    the backward of the last micro-step (``accumulate_grad_batches``) is collective ``k`` of step
+    ``k``; a step is counted when ``trainer.global_step`` moves; a restored checkpoint's step count
+    is reported at the start of training, and a saved one noted for the supervisor. Lightning is
+    imported here, when used."""
+
+    class ReportProgress(_callback_base()):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.last = True  # whether the running batch's backward is its step's last
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            if trainer.global_step > reporter.step:  # resumed from a checkpoint
+                reporter.restored(int(trainer.global_step))
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
+                                 batch_idx: int) -> None:
+            self.last = last_micro_step(batch_idx, trainer.accumulate_grad_batches,
+                                        trainer.num_training_batches)
+
+        def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+            reporter.backward_begin(self.last)
+
+        def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+            reporter.backward_end(self.last)
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                               batch_idx: int) -> None:
+            for _ in range(max(0, int(trainer.global_step) - reporter.step)):
+                reporter.stepped(True)
+
+        def on_save_checkpoint(self, trainer: Any, pl_module: Any,
+                               checkpoint: dict[str, Any]) -> None:
+            where = getattr(trainer.checkpoint_callback, "dirpath", None)
+            if trainer.is_global_zero and where:  # for the supervisor's relaunch line
+                from ..records.handoff import note_checkpoint
+
+                note_checkpoint(int(checkpoint.get("global_step", reporter.step)), where)
+
+    return ReportProgress()
+
+
+def last_micro_step(batch_idx: int, accumulate: int, batches: float) -> bool:
+    """Whether batch ``batch_idx`` (from 0 in its epoch) ends an optimizer step: every
+    ``accumulate``-th batch, and the epoch's last (Lightning steps there too; ``batches`` may be
+    ``inf`` for an iterable without a length)."""
+    return (batch_idx + 1) % max(1, accumulate) == 0 or batch_idx + 1 == batches
 
 
 def _timeout(sel: Selection) -> Any:

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -116,7 +117,8 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
         relayed: Verdict = agent.peer_fault.as_seen_here()
         return relayed
     stall: Stall | None = agent.stall
-    if stall is not None and any(error_path(run_dir, lr).exists() for lr in range(nproc)):
+    if stall is not None and raised_before(
+            [_read_json(error_path(run_dir, lr)) for lr in range(nproc)], agent.stall_at):
         stall = None  # a rank raised and had not exited yet: its error is the story, not a stall
     exits: list[RankExit] = []
     if stall is None:
@@ -137,6 +139,20 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
         if not exits and result.state.name != "SUCCEEDED":
             return Verdict(VerdictKind.EXIT, f"the workers ended in state {result.state.name}")
     return classify_attempt(stall, exits)
+
+
+def raised_before(errors: list[dict[str, Any] | None], stopped_at: float) -> bool:
+    """Whether a rank's error record (``at``: its wall time) was written before the group was
+    stopped at ``stopped_at``: an error raised after is what the stop did to it (a tool's own
+    SIGTERM handler, such as Lightning's, turns the stop into a peer's "connection closed"), not
+    the story. A record without a time counts as before."""
+    for err in errors:
+        if err is None:
+            continue
+        at = err.get("at")
+        if not isinstance(at, (int, float)) or at < stopped_at:
+            return True
+    return False
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -193,6 +209,7 @@ def _agent_class() -> type[Any]:
             self.watch = watch
             self.peer = peer
             self.stall: Stall | None = None
+            self.stall_at = float("inf")
             self.peer_fault: PeerFault | None = None
 
         def _monitor_workers(self, worker_group: Any) -> Any:
@@ -201,6 +218,7 @@ def _agent_class() -> type[Any]:
                 stall = self.watch.poll()
                 if stall is not None:
                     self.stall = stall
+                    self.stall_at = time.time()  # wall time, as the ranks' error records
                     with contextlib.suppress(Exception):  # evidence before the kill
                         if self._pcontext is not None:
                             dump_stacks(list(self._pcontext.pids().values()))
