@@ -24,6 +24,8 @@ from resilient_strategy.run.verdicts import RankExit, classify_attempt
 
 #: Detection: the stall allowance plus this much (the watch's poll, stopping the workers).
 MARGIN_S = 6.0
+#: node 1, cut off, does not end by itself: the bed kills what is left at this limit
+LINK_DOWN_LIMIT_S = 100.0
 
 
 # --- fast: what the bed taught, as data ----------------------------------------------------------
@@ -130,4 +132,35 @@ def test_a_decoy_default_route_is_never_what_gloo_binds_to(bed: tb.Bed, tmp_path
     assert o.codes == (0, 0), o
     assert o.attempts == ((0,), (0,)) and o.chosen == (("torch:gloo:cpu", 2),), o
     assert bed.nodes[1].address in o.addresses and o.decoy not in o.addresses, o
+    _finished_exactly(o)
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+def test_silent_loss_on_the_bridge_is_a_collective_stall_then_a_relaunch(bed: tb.Bed,
+                                                                          tmp_path: Path) -> None:
+    # the bridge's side of node 1's link down (node 1's own link stays up: its sends vanish,
+    # nothing errors), restored just after the allowance: a transient
+    o = tb.run_fault(bed, tmp_path, "bridge_down")
+    assert o.codes == (0, 0), o
+    assert o.relaunched and o.failure is not None, o
+    assert (o.failure["status"], o.failure["cause"]) == ("error", "timeout"), o
+    assert o.stopped_s is not None and o.stopped_s < tb.STALL_S + MARGIN_S, o
+    _finished_exactly(o)
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+def test_a_node_whose_link_goes_down_is_detected_within_the_allowance(bed: tb.Bed,
+                                                                      tmp_path: Path) -> None:
+    o = tb.run_fault(bed, tmp_path, "link_down", limit_s=LINK_DOWN_LIMIT_S)
+    # node 0's collective waits on a node that is gone: a stall, judged within the allowance
+    assert o.stopped_s is not None and o.stopped_s < tb.STALL_S + MARGIN_S, o
+    assert o.codes[0] not in (0, None) or o.final_steps == o.expected_steps, o
+    if o.final_steps != o.expected_steps or o.codes[1] == -signal.SIGKILL:
+        # found by this bed (docs/reliability.md): node 0 stops at the relaunch agreement
+        # (node 1 never joins) instead of training on alone, and node 1, cut off, never ends by
+        # itself (its worker outlives its supervisor killed at the bed's limit)
+        pytest.xfail(f"a lost node ends the job (exit codes {o.codes}, steps "
+                     f"{o.final_steps}/{o.expected_steps})")
     _finished_exactly(o)

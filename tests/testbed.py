@@ -41,6 +41,7 @@ PREFIX = "rstb"  # every namespace, link and /etc/netns entry the bed makes star
 NET = "198.18.0"  # the nodes' network (/24): benchmarking range, never routed off the machine
 DECOY_NET = "198.19.0"  # a decoy's network: same range, reaches nobody
 PORT = 29400  # the rendezvous port on node 0 (each node has its own port space)
+PROBE_S = 40.0  # --probe-timeout: the probe across nodes takes ~10 s, longer on busy cores
 IP_TIMEOUT_S = 10.0  # a deadline on every `ip` command
 WORKER = "resilient_strategy.run.worker"
 
@@ -244,7 +245,7 @@ class Job:
     """``resilient-strategy run --nnodes N`` on every node of ``bed``, watched from outside."""
 
     def __init__(self, bed: Bed, work: Path, script: Path, script_args: Sequence[str], *,
-                 stall_timeout: float, probe_timeout: float = 20.0,
+                 stall_timeout: float, probe_timeout: float = PROBE_S,
                  extra_env: Mapping[str, str] | None = None, limit_s: float = 240.0) -> None:
         self.bed, self.work, self.limit_s = bed, work, limit_s
         self.capture = Capture()
