@@ -1,14 +1,17 @@
-"""`resilient-strategy run` on CPU: time from an injected stall to training again, and the cost of
-progress reporting per training step.
+"""`resilient-strategy run` on CPU: what a relaunch costs (a same-strategy retry against a
+step-down, and from an injected stall), and the cost of progress reporting per training step.
 
-    python benchmarks/bench_supervisor.py [--stall-timeout 5] [--steps 300]
+    python benchmarks/bench_supervisor.py [--stall-timeout 5] [--steps 300] [--repeats 3]
 
-1. Recovery: `resilient-strategy run --nproc-per-node 2` trains a small MLP over gloo; rank 1
-   hangs in the all-reduce of optimizer step 20 (RESILIENT_STRATEGY_TRAIN_FAULT). The script
-   prints a timestamp after every optimizer step; the table splits the time from the last step
-   before the hang to the first step after the relaunch (on one CPU process, from the checkpoint
-   of step 15) into the stall timeout and the rest (detect, stop the group, re-plan from the
-   cache, start the worker, import torch, restore).
+1. Relaunches: `resilient-strategy run --nproc-per-node 2` trains a small MLP over gloo with a
+   fault at optimizer step 20 (RESILIENT_STRATEGY_TRAIN_FAULT). The script prints a timestamp
+   and its pid after every optimizer step; the table gives the time from the last step of the
+   failed attempt to the first step of the next one (from the checkpoint of step 15), median of
+   ``--repeats`` runs:
+   - retry: ``exit:1:gloo:20:1`` (a rank exits once, no signature): retried on gloo, 2 processes;
+   - step-down: ``error:1:gloo:20`` (a communication error): relaunched on one CPU process;
+   - stall: ``hang:1:gloo:20:1``: retried on gloo after the stall timeout, split into the timeout
+     and the rest (detect, dump the stacks, stop the group, start the workers, restore).
 2. Overhead: the same single-process loop (sel.accumulate / sel.backward / sel.step) with and
    without a progress reporter attached (reporting as a replica of a DDP job does: entering and
    leaving the all-reduce of every optimizer step), alternating blocks, median per step; plus
@@ -37,7 +40,7 @@ from resilient_strategy.records.handoff import TrainingReporter  # noqa: E402
 from resilient_strategy.records.progress import ProgressWriter  # noqa: E402
 
 SCRIPT = """
-import sys, time
+import os, sys, time
 import resilient_strategy
 sel = resilient_strategy.resilient_strategy(framework="torch", global_batch_size=256)
 import torch
@@ -54,36 +57,53 @@ for epoch in range(ckpt.epoch, 2):
         with sel.accumulate(model):
             sel.backward(torch.nn.functional.cross_entropy(model(x), y))
         if sel.step(opt) and sel.is_main_process:
-            print(f"STEP {sel.optimizer_steps} {time.time():.6f} {sel.backend}", flush=True)
+            print(f"STEP {sel.optimizer_steps} {time.time():.6f} {sel.backend} {os.getpid()}",
+                  flush=True)
 sel.shutdown()
 """
 
 
-def recovery(stall_timeout: float) -> list[tuple[str, str]]:
+def relaunch_gap(fault: str, stall_timeout: float) -> tuple[float, str, str] | str:
+    """Seconds from the last step of the first attempt to the first step of the second, and the
+    backends of the two; or why the run failed."""
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "train.py"
         script.write_text(textwrap.dedent(SCRIPT))
-        env = dict(os.environ, PYTHONPATH=str(ROOT / "src"),
-                   RESILIENT_STRATEGY_TRAIN_FAULT="hang:1:gloo:20",
-                   RESILIENT_STRATEGY_CACHE_DIR=str(Path(tmp) / "cache"))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")}
+        env.update(PYTHONPATH=str(ROOT / "src"), RESILIENT_STRATEGY_TRAIN_FAULT=fault,
+                   RESILIENT_STRATEGY_CACHE_DIR=str(Path(tmp) / "cache"), CUDA_VISIBLE_DEVICES="")
         proc = subprocess.run(
             [sys.executable, "-m", "resilient_strategy", "run", "--nproc-per-node", "2",
-             "--stall-timeout", str(stall_timeout), str(script), str(Path(tmp) / "ckpt")],
+             "--stall-timeout", str(stall_timeout), "--evidence-dir", str(Path(tmp) / "ev"),
+             str(script), str(Path(tmp) / "ckpt")],
             env=env, capture_output=True, text=True, timeout=600, check=False)
     steps = [line.split() for line in proc.stdout.splitlines() if line.startswith("STEP ")]
-    before = [s for s in steps if s[3] == "gloo"]
-    after = [s for s in steps if s[3] != "gloo"]
-    if proc.returncode != 0 or not before or not after:
-        return [("recovery run failed", proc.stderr[-500:].replace("\n", " "))]
-    gap = float(after[0][2]) - float(before[-1][2])
-    return [
-        ("last step before the hang", f"step {before[-1][1]} on gloo (2 processes)"),
-        ("first step after the relaunch", f"step {after[0][1]} on {after[0][3]} (1 process)"),
-        ("stall timeout (--stall-timeout)", f"{stall_timeout:.1f} s"),
-        ("last step -> first step after relaunch", f"{gap:.2f} s"),
-        ("of which not the stall timeout", f"{gap - stall_timeout:.2f} s"),
-        ("optimizer steps at the end", steps[-1][1]),
-    ]
+    pids = list(dict.fromkeys(s[4] for s in steps))
+    if proc.returncode != 0 or len(pids) < 2:
+        return f"run failed ({proc.returncode}): {proc.stderr[-400:]}".replace("\n", " ")
+    first = [s for s in steps if s[4] == pids[0]]
+    second = [s for s in steps if s[4] == pids[1]]
+    return float(second[0][2]) - float(first[-1][2]), first[-1][3], second[0][3]
+
+
+def relaunches(stall_timeout: float, repeats: int) -> list[tuple[str, str]]:
+    rows: list[tuple[str, str]] = []
+    for name, fault in (("retry (exit once, no signature)", "exit:1:gloo:20:1"),
+                        ("step-down (communication error)", "error:1:gloo:20"),
+                        ("stall then retry", "hang:1:gloo:20:1")):
+        got = [relaunch_gap(fault, stall_timeout) for _ in range(repeats)]
+        ok = [g for g in got if not isinstance(g, str)]
+        if not ok:
+            rows.append((name, str(got[0])))
+            continue
+        gaps = sorted(g[0] for g in ok)
+        median = statistics.median(gaps)
+        value = (f"{median:.2f} s (median of {len(gaps)}: {', '.join(f'{g:.2f}' for g in gaps)}), "
+                 f"{ok[0][1]} -> {ok[0][2]}")
+        if fault.startswith("hang"):
+            value += f"; without the {stall_timeout:g} s stall timeout: {median - stall_timeout:.2f} s"
+        rows.append((f"{name}: last step -> first step after the relaunch", value))
+    return rows
 
 
 class _NoOpLoss:
@@ -194,12 +214,15 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256, help="the MLP's width (the step's cost)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--skip-recovery", action="store_true")
+    ap.add_argument("--skip-overhead", action="store_true")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per relaunch kind")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="where the overhead loop trains (cuda: GPU 0)")
     args = ap.parse_args()
-    rows = overhead(args.steps, args.rounds, args.hidden, args.device)
+    rows = [] if args.skip_overhead else overhead(args.steps, args.rounds, args.hidden,
+                                                  args.device)
     if not args.skip_recovery:
-        rows += recovery(args.stall_timeout)
+        rows += relaunches(args.stall_timeout, args.repeats)
     print("| measure | value |\n|---|---|")
     for name, value in rows:
         print(f"| {name} | {value} |")

@@ -66,7 +66,9 @@ def main() -> None:
             total, batches = total + float(loss.detach()), batches + 1
         accelerator.print(f"epoch {epoch + 1}: loss {total / batches:.4f} (rank 0), {updates} "
                           "optimizer steps")
-    accelerator.end_training()
+    # a barrier, then the process group destroyed (accelerator.end_training() destroys it
+    # without the barrier; use it too when you have trackers to finish)
+    sel.shutdown()
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from resilient_strategy.cli import _parser, main
+from resilient_strategy.cli import build_parser, main
 
 
 def _sim(tmp_path: Path, data: object) -> str:
@@ -61,7 +61,7 @@ def test_missing_rules_file_names_the_file(tmp_path: Path,
 
 
 def test_help_has_no_raw_markup() -> None:
-    parser = _parser()
+    parser = build_parser()
     texts = [parser.format_help()]
     for action in parser._subparsers._group_actions:  # type: ignore[union-attr]
         texts += [p.format_help() for p in action.choices.values()]  # type: ignore[union-attr]

@@ -97,3 +97,60 @@ def test_a_real_torchrun_sets_nothing_that_changes_the_fingerprint(tmp_path: Pat
     unknown = sorted(added - set(TORCHRUN_ENV))
     base = Facts(gpus=GPUS, env=relevant_env(parent)).fingerprint()
     assert Facts(gpus=GPUS, env=relevant_env(child)).fingerprint() == base, unknown
+
+
+# ----- a uniform fabric held once ------------------------------------------------------------
+def _listed(facts: Facts) -> Facts:
+    """The same machine with every pair listed (what NVML reports before compaction)."""
+    from dataclasses import replace
+
+    from resilient_strategy.core.facts import Link
+
+    n = len(facts.gpus)
+    links = tuple(facts.link(a, b) or Link(a, b) for a in range(n) for b in range(a + 1, n))
+    return replace(facts, links=links, fabric=None)
+
+
+@pytest.mark.parametrize("links", [None, {(0, 1): 0}, {"3-7": {"nvlinks": 0, "p2p": "not_supported"}}])
+@pytest.mark.parametrize("nvlink", [0, 18])
+def test_a_fabric_changes_no_answer_and_no_decision(links: object, nvlink: int) -> None:
+    from resilient_strategy.core.facts import FABRIC_MIN_GPUS, compact_links
+    from resilient_strategy.testing import machine, simulate
+
+    n = FABRIC_MIN_GPUS + 4
+    facts = machine(n, nvlink=nvlink, links=links, torch="2.13.0")
+    full = _listed(facts)
+    assert facts.fabric is not None and len(facts.links) <= 1
+    assert compact_links(n, full.links) == (facts.links, facts.fabric)
+    assert facts.link_summary() == full.link_summary()
+    for devices in ((0, 1), (2, 3), tuple(range(n)), (3, 7, 9)):
+        assert facts.all_nvlink(devices) == full.all_nvlink(devices)
+    assert facts.link(5, 2) == full.link(2, 5) and facts.link(1, 1) is None
+    assert Facts.from_dict(json.loads(json.dumps(facts.to_dict()))) == facts
+    one, other = simulate(facts, global_batch_size=4 * n), simulate(full, global_batch_size=4 * n)
+    assert one.candidate == other.candidate and one.plan.rules_fired == other.plan.rules_fired
+    assert [r.candidate for r in one.plan.ranked] == [r.candidate for r in other.plan.ranked]
+
+
+def test_small_machines_list_every_pair() -> None:
+    from resilient_strategy.testing import machine
+
+    facts = machine(8, nvlink=4)
+    assert facts.fabric is None and len(facts.links) == 28
+
+
+def test_platform_facts_round_trip_and_leave_old_fingerprints_alone() -> None:
+    from resilient_strategy.core.facts import Platform
+    from resilient_strategy.testing import machine
+
+    plain = machine(2)
+    described = machine(2, platform_facts=Platform(nvswitch=True, rdma_link_layer="ethernet",
+                                                   rdma_devices=("mlx5_0",), master_ifname="eth0"))
+    assert Facts.from_dict(described.to_dict()) == described
+    assert Facts.from_dict(plain.to_dict()).fingerprint() == plain.fingerprint()
+    assert described.fingerprint() != plain.fingerprint()
+    key = plain.to_dict()
+    del key["platform"]  # a description written before platform facts existed
+    assert Facts.from_dict(key).fingerprint() == plain.fingerprint()
+    with pytest.raises(ValueError):
+        Facts.from_dict({**plain.to_dict(), "platform": {"rdma_link_layer": "token-ring"}})

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from resilient_strategy.core.rules import fact_values
-from resilient_strategy.core.trace import CandidateRuledOut, Chosen, FactsSeen
+from resilient_strategy.core.trace import CandidateRuledOut, Chosen, FactsSeen, Note
 from resilient_strategy.errors import FrameworkInitializedError, InvalidOptionError
 from resilient_strategy.testing import FakeProber, gpu, machine, simulate
 
@@ -198,7 +198,27 @@ def test_a_simulation_says_it_is_one() -> None:
 
 def test_the_logical_cpu_mode_names_no_gpu() -> None:
     tf = machine(0, tensorflow="2.21.0", tf_cuda=None, torch=None)
-    sel = simulate(tf, {"nccl": "ok"}, framework="tensorflow", logical_cpus=2, global_batch_size=8)
+    sel = simulate(tf, {"hierarchical_copy": "ok"}, framework="tensorflow", logical_cpus=2,
+                   global_batch_size=8)
     assert sel.candidate.logical_cpus and sel.devices == (0,)
     on_devices = [c for c in sel.to_dict()["candidates"] if c["devices"]]
-    assert len(on_devices) == 4 and all(c["logical_cpus"] for c in on_devices)
+    assert len(on_devices) == 3 and all(c["logical_cpus"] for c in on_devices)
+
+
+def test_no_nccl_candidate_on_logical_cpus_of_any_build() -> None:
+    for cuda in (None, "12.5"):  # a CPU-only build, and a CUDA build in the CPU test mode
+        tf = machine(0, tensorflow="2.21.0", tf_cuda=cuda, torch=None)
+        prober = FakeProber({"hierarchical_copy": "ok"})
+        sel = simulate(tf, prober, framework="tensorflow", logical_cpus=2, global_batch_size=256)
+        assert (sel.backend, sel.num_replicas) == ("hierarchical_copy", 2)
+        assert "nccl" not in [c["backend"] for c in sel.to_dict()["candidates"]]
+        assert prober.probed == ["hierarchical_copy"]
+        assert "no_nccl_on_cpu" in [e.topic for e in sel.plan.events if isinstance(e, Note)]
+
+
+def test_a_cpu_only_tensorflow_build_gets_no_gpu_probe_on_a_gpu_machine() -> None:
+    tf = machine(2, nvlink=18, tensorflow="2.21.0", tf_cuda=None, torch=None)
+    prober = FakeProber({})
+    sel = simulate(tf, prober, framework="tensorflow", global_batch_size=64)
+    assert (sel.backend, prober.probed) == ("cpu", [])
+    assert [c["backend"] for c in sel.to_dict()["candidates"]] == ["cpu"]

@@ -72,7 +72,7 @@ def test_probes_fork_from_one_server_with_their_own_environment(
     second = run_probe(ProbeSpec("torch:cpu", "torch", "cpu", (), timeout_s=60.0), env)
     assert first.status == OK and second.status == OK, first.why() + second.why()
     assert len(spawned) == 3  # two ranks, then the CPU probe, all forked
-    servers = list(_forkserver._servers.values())
+    servers = list(_forkserver.FORK_SERVERS.servers.values())
     assert len(servers) == 1 and servers[0].alive
     for p in spawned:  # each was its own session, reaped by the server
         assert p.returncode == 0

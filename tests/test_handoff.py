@@ -12,7 +12,7 @@ import pytest
 
 import resilient_strategy
 from resilient_strategy.core.probe import OK, ProbeResult
-from resilient_strategy.errors import ResilientStrategyError
+from resilient_strategy.errors import InvalidOptionError, ResilientStrategyError
 from resilient_strategy.records import handoff
 from resilient_strategy.testing import machine
 
@@ -22,19 +22,19 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(autouse=True)
 def _fresh_worker_state(monkeypatch: pytest.MonkeyPatch) -> None:
     """The reporter and the loaded decision are per process: give each test its own."""
-    monkeypatch.setattr(handoff, "_REPORTER", [])
-    monkeypatch.setattr(handoff, "_LOADED", {})
+    monkeypatch.setattr(handoff, "WORKER", handoff.WorkerState())
 
 
 def _no_probe(spec: object, env: object) -> ProbeResult:
     raise AssertionError("a worker of `resilient-strategy run` must not probe")
 
 
-def _decision(tmp: Path, chosen: str, framework: str = "torch") -> Path:
+def _decision(tmp: Path, chosen: str, framework: str = "torch",
+              global_batch_size: int | None = None) -> Path:
     results = {"torch:gloo:cpu": ProbeResult("torch:gloo:cpu", OK, 1.0, ranks=2)}
     d = handoff.Decision(framework=framework, chosen=chosen, results=results, run_dir=str(tmp),
                          attempt=1, notes=("Relaunched: NCCL failed mid-run at step 20.",),
-                         label="x", processes=1)
+                         label="x", processes=1, global_batch_size=global_batch_size)
     path = tmp / "decision.json"
     handoff.write_decision(path, d)
     assert handoff.Decision.from_dict(json.loads(path.read_text())) == d
@@ -51,6 +51,24 @@ def test_a_handed_decision_is_applied_without_probing(tmp_path: Path) -> None:
     assert any(line.startswith("Relaunched:") for line in sel.plan.trace)
     assert sel.progress is not None and sel.progress.collective is False
     sel.progress.writer.close()
+
+
+def test_the_handoff_is_the_one_source_of_the_global_batch(tmp_path: Path) -> None:
+    """Under `run --global-batch-size 64` the worker trains 64 whether the script passes it or
+    not; a script that passes another value gets an error naming the option."""
+    facts = machine(0, torch="2.13.0")
+    env = {handoff.DECISION_VAR: str(_decision(tmp_path, "torch:cpu:cpu", global_batch_size=64))}
+    for script_value in (None, 64):
+        sel = resilient_strategy.resilient_strategy(
+            framework="torch", global_batch_size=script_value, facts=facts, env=env,
+            _prober=_no_probe)
+        assert sel.global_batch_size == 64
+        assert sel.progress is not None
+        sel.progress.writer.close()
+    with pytest.raises(InvalidOptionError) as err:
+        resilient_strategy.resilient_strategy(framework="torch", global_batch_size=32,
+                                              facts=facts, env=env, _prober=_no_probe)
+    assert err.value.option == "global_batch_size"
 
 
 def test_a_decision_the_script_cannot_train_on_is_an_error(tmp_path: Path) -> None:

@@ -31,14 +31,14 @@ MOUNTINFO_HOST_RUNNING_DOCKER = (
     ],
 )
 def test_parse_cgroup(text: str, runtime: str) -> None:
-    assert host._parse_cgroup(text) == runtime
+    assert host.parse_cgroup(text) == runtime
 
 
 def test_parse_mountinfo_only_trusts_the_runtime_bind_mounts() -> None:
-    assert host._parse_mountinfo(MOUNTINFO_DOCKER) == "docker"
-    assert host._parse_mountinfo(MOUNTINFO_HOST_RUNNING_DOCKER) == ""
+    assert host.parse_mountinfo(MOUNTINFO_DOCKER) == "docker"
+    assert host.parse_mountinfo(MOUNTINFO_HOST_RUNNING_DOCKER) == ""
     k8s = "9 1 0:1 /var/lib/kubelet/pods/x/etc-hosts /etc/hosts rw - ext4 /dev/x rw\n"
-    assert host._parse_mountinfo(k8s) == "kubernetes"
+    assert host.parse_mountinfo(k8s) == "kubernetes"
 
 
 def test_parse_container_precedence() -> None:
@@ -46,7 +46,7 @@ def test_parse_container_precedence() -> None:
         args: dict[str, Any] = {
             "dockerenv": False, "containerenv": False, "cgroup": None, "mountinfo": None, **kw
         }
-        return host._parse_container(env or {}, **args)
+        return host.parse_container(env or {}, **args)
 
     assert run() == ""
     assert run({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, dockerenv=True) == "kubernetes"
@@ -67,17 +67,17 @@ def test_parse_container_precedence() -> None:
     ],
 )
 def test_parse_wsl(release: str | None, wsl: bool) -> None:
-    assert host._parse_wsl(release) is wsl
+    assert host.parse_wsl(release) is wsl
 
 
 def test_parse_sagemaker_env_aws_and_efa() -> None:
-    assert host._parse_sagemaker_env({"SM_CURRENT_HOST": "algo-1"})
-    assert host._parse_sagemaker_env({"SAGEMAKER_REGION": "us-east-1"})
-    assert not host._parse_sagemaker_env({"SMTP_HOST": "x", "HOME": "/root"})
-    assert host._parse_aws_vendor("Amazon EC2\n") and not host._parse_aws_vendor("QEMU")
-    assert host._parse_aws_vendor(None) is False
-    assert host._parse_efa(["rdmap0s6"]) and host._parse_efa(["efa_0"])
-    assert not host._parse_efa(["mlx5_0"]) and not host._parse_efa([])
+    assert host.parse_sagemaker_env({"SM_CURRENT_HOST": "algo-1"})
+    assert host.parse_sagemaker_env({"SAGEMAKER_REGION": "us-east-1"})
+    assert not host.parse_sagemaker_env({"SMTP_HOST": "x", "HOME": "/root"})
+    assert host.parse_aws_vendor("Amazon EC2\n") and not host.parse_aws_vendor("QEMU")
+    assert host.parse_aws_vendor(None) is False
+    assert host.parse_efa(["rdmap0s6"]) and host.parse_efa(["efa_0"])
+    assert not host.parse_efa(["mlx5_0"]) and not host.parse_efa([])
 
 
 @pytest.mark.parametrize(
@@ -93,7 +93,7 @@ def test_parse_sagemaker_env_aws_and_efa() -> None:
     ],
 )
 def test_parse_iommu(devices: list[str] | None, cmdline: str | None, state: str) -> None:
-    assert host._parse_iommu(devices, cmdline) == state
+    assert host.parse_iommu(devices, cmdline) == state
 
 
 @pytest.mark.parametrize(
@@ -115,7 +115,7 @@ def test_parse_iommu(devices: list[str] | None, cmdline: str | None, state: str)
 def test_parse_iommu_reads_the_group_types_first(
     devices: list[str] | None, cmdline: str | None, types: list[str], state: str
 ) -> None:
-    assert host._parse_iommu(devices, cmdline, types) == state
+    assert host.parse_iommu(devices, cmdline, types) == state
 
 
 def test_detect_host_reads_iommu_group_types(tmp_path: Path) -> None:

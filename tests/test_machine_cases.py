@@ -17,7 +17,13 @@ from resilient_strategy.cli import simulate_file
 from resilient_strategy.testing.simulation import EXPECT_KEYS
 
 MACHINES = Path(__file__).parents[1] / "examples" / "machines"
-#: case file name -> why it does not reach its expected decision yet
+#: The field catalogue: cases copied from public reports, each with its source and family.
+FIELD = MACHINES / "field"
+FAMILIES = frozenset({
+    "nvswitch", "pcie_p2p", "consumer_gpu", "vm", "container_shm", "rdma", "sockets",
+    "multi_node", "windows_wsl", "versions", "user_variables", "tensorflow", "mid_run",
+})
+#: case file (relative to examples/machines) -> why it does not reach its expected decision yet
 XFAIL: dict[str, str] = {}
 
 
@@ -27,11 +33,16 @@ def _probe_name(key: str) -> str:
     return parts[1] + ("+" + parts[3].replace(";", ",") if len(parts) > 3 else "")
 
 
+def _name(p: Path) -> str:
+    return p.relative_to(MACHINES).as_posix()
+
+
 def _cases() -> list[Any]:
     return [
-        pytest.param(p, id=p.stem, marks=[pytest.mark.xfail(strict=True, reason=XFAIL[p.name])]
-                     if p.name in XFAIL else [])
-        for p in sorted(MACHINES.glob("*.json"))
+        pytest.param(p, id=_name(p).removesuffix(".json"),
+                     marks=[pytest.mark.xfail(strict=True, reason=XFAIL[_name(p)])]
+                     if _name(p) in XFAIL else [])
+        for p in sorted(MACHINES.rglob("*.json"))
     ]
 
 
@@ -48,8 +59,14 @@ def test_machine_case_reaches_its_expected_decision(path: Path) -> None:
         "accumulation_steps": sel.accumulation_steps,
         "per_replica_batch_size": sel.per_replica_batch_size, "env": dict(sel.env),
         "probed": [_probe_name(k) for k in sel.results],
+        "sharded": sel.candidate.sharded,
+        "ladder": [_probe_name(c.key) for c in sel.plan.candidates],
+        "ruled_out_by_memory": [_probe_name(r.candidate.key) for r in sel.plan.ruled_out
+                                if r.rule == "memory"],
     }
     assert {k: got[k] for k in expect if k in got} == {k: expect[k] for k in expect if k in got}
+    causes = {_probe_name(k): r.cause for k, r in sel.results.items()}
+    assert {k: causes.get(k) for k in expect.get("causes", {})} == expect.get("causes", {})
     missing_rules = set(expect.get("rules_fired", ())) - set(sel.plan.rules_fired)
     assert not missing_rules, f"rules that did not fire: {sorted(missing_rules)}"
     text = sel.explain()
@@ -57,5 +74,13 @@ def test_machine_case_reaches_its_expected_decision(path: Path) -> None:
 
 
 def test_every_case_is_replayed() -> None:
-    assert len(_cases()) == len(list(MACHINES.glob("*.json"))) >= 6
-    assert set(XFAIL) <= {p.name for p in MACHINES.glob("*.json")}
+    assert len(_cases()) == len(list(MACHINES.rglob("*.json"))) >= 6
+    assert set(XFAIL) <= {_name(p) for p in MACHINES.rglob("*.json")}
+
+
+def test_every_field_case_is_sourced_and_in_a_family() -> None:
+    cases = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(FIELD.glob("*.json"))]
+    assert len(cases) >= 40
+    assert [c.get("family") for c in cases if c.get("family") not in FAMILIES] == []
+    assert [c.get("what") for c in cases if not str(c.get("source", "")).strip()] == []
+    assert len({c["family"] for c in cases}) >= 10

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from resilient_strategy.core.options import options_from
+from resilient_strategy.core.arguments import options_from
 from resilient_strategy.core.plan import Candidate, plan
 from resilient_strategy.core.probe import OK, TIMEOUT, ProbeResult, ProbeSpec
 from resilient_strategy.deciding.executor import decide
@@ -260,7 +260,7 @@ def test_without_an_agent_store_rank_0_hosts_one_for_the_process_group_to_reuse(
     h200 = machine(2, nvlink=18)
     out = run_nodes(store, [h200, h200], FakeProber(), FakeProber(), port=port)
     assert {v[0].chosen.key for v in out.values()} == {"torch:nccl:0,1"}, out
-    hosted = [s for s in nodestore._HOSTED if s.port == port]
+    hosted = [s for s in nodestore.HOSTED if s.port == port]
     assert len(hosted) == 1  # kept alive: init_process_group(env://) on rank 0 reuses it
     # what torch's env:// rendezvous does on rank 0 without an agent store
     again = torch_dist.TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True,

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from resilient_strategy.core.options import Launch, Options, options_from
+from resilient_strategy.core.arguments import options_from
+from resilient_strategy.core.options import Launch, Options
 from resilient_strategy.errors import InvalidOptionError
 from resilient_strategy.testing import machine, simulate
 from resilient_strategy.vocab import BACKENDS, FRAMEWORKS, PRECISIONS, PROBE_MODES
@@ -91,7 +92,7 @@ def test_the_edges_of_the_ranges_are_accepted() -> None:
     o = _options({"RESILIENT_STRATEGY_PG_TIMEOUT": str(7 * 86400), "WORLD_SIZE": "2", "RANK": "1",
                   "LOCAL_RANK": "1"}, global_batch_size=2**31 - 2, cache_ttl=366 * 86400.0,
                  timeout=3600, cache_dir=Path("x"))
-    assert (o.pg_timeout_s, o.timeout_s, o.global_batch_size) == (7 * 86400.0, 3600.0, 2**31 - 2)
+    assert (o.process_group_timeout, o.timeout_s, o.global_batch_size) == (7 * 86400.0, 3600.0, 2**31 - 2)
     assert o.launch == Launch(rank=1, local_rank=1, world_size=2)
 
 
@@ -134,13 +135,18 @@ def test_the_torch_runtime_names_the_bad_value() -> None:
 
 def test_every_option_of_resilient_strategy_goes_to_options_from_as_is() -> None:
     import inspect
+    from dataclasses import fields
 
+    from resilient_strategy.core.arguments import Arguments
     from resilient_strategy.deciding.executor import resilient_strategy
 
-    public = set(inspect.signature(resilient_strategy).parameters) - {"env", "facts", "_prober",
-                                                                       "_clock"}
-    read = set(inspect.signature(options_from).parameters) - {"facts", "env"}
+    public = {p for p in inspect.signature(resilient_strategy).parameters
+              if not p.startswith("_")} - {"env", "facts"}
+    read = {f.name for group in vars(Arguments.of()).values() for f in fields(group)}
     assert public == read
+    assert Arguments.of(framework="torch", cache=False).training.framework == "torch"
+    with pytest.raises(TypeError):
+        Arguments.of(no_such_option=1)
 
 
 _VARIABLES = ["RESILIENT_STRATEGY_PROBE", "RESILIENT_STRATEGY_TIMEOUT",
@@ -161,4 +167,4 @@ def test_any_environment_gives_options_or_a_typed_error(env: dict[str, str]) -> 
         assert exc.option in (*_VARIABLES, "global_batch_size", None)
         return
     assert 0 <= o.rank < o.world_size and 0 < o.timeout_s <= 3600
-    assert math.isfinite(o.pg_timeout_s)
+    assert math.isfinite(o.process_group_timeout)

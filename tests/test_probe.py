@@ -288,3 +288,40 @@ def test_fault_injection_can_target_plain_nccl_or_large_messages() -> None:
     for bad in ("hang:1:nccl:somewhere", "wrong:1:nccl:>=x", "hang:1:nccl:plain:extra"):
         assert fault_for(1, {"RESILIENT_STRATEGY_PROBE_FAULT": bad}, "nccl") == ""
 
+
+
+def test_the_earliest_reported_failure_is_blamed_when_the_runner_saw_the_echo_exit_first() -> None:
+    # zero:0: rank 0 found zeros and left; rank 1, in the next all-reduce, got "connection
+    # reset" and happened to be polled as exited before rank 0 (the runner's pick)
+    cause = json.dumps({"status": "wrong_result", "cause": "zero_result", "failed_at": 100.0,
+                        "error": "zero_result: 3 zero(s) in the all-reduce"})
+    echo = json.dumps({"status": "error", "failed_at": 100.2,
+                       "error": "RuntimeError: Connection reset by peer"})
+    res = parse_probe(SPEC, [WorkerOutcome(0, 1, report=cause),
+                             WorkerOutcome(1, 1, report=echo, failed_first=True)], 1.0, False)
+    assert (res.status, res.cause) == (ERROR, "zero_result")
+    assert res.detail.startswith("rank 0")
+
+
+def test_without_failure_times_the_runners_pick_stands() -> None:
+    first = json.dumps({"status": "error", "error": "RuntimeError: ncclInvalidUsage"})
+    other = json.dumps({"status": "wrong_result", "cause": "nan_result", "error": "nan"})
+    res = parse_probe(SPEC, [WorkerOutcome(0, 1, report=other),
+                             WorkerOutcome(1, 1, report=first, failed_first=True)], 1.0, False)
+    assert res.cause == "nccl_invalid_usage" and res.detail.startswith("rank 1")
+
+
+def test_a_framework_log_banner_is_never_the_cause_of_a_worker_that_died() -> None:
+    banner = ("2026-11-25 18:00:00.123456: I tensorflow/core/util/port.cc:153] oneDNN custom "
+              "operations are on. You may see slightly different numerical results due to "
+              "floating-point round-off errors from different computation orders.")
+    seen = ("I0000 00:00:1795632271.642737   12217 port.cc:153] oneDNN custom operations are "
+            "on. You may see slightly different numerical results due to floating-point "
+            "round-off errors from different computation orders.")  # TF 2.21, as it printed it
+    for stderr in (f"ValueError: no devices\n{banner}", f"ValueError: no devices\n{seen}",
+                   f"Traceback (most recent call last):\nRuntimeError: collective failed\n{banner}\n"
+                   "W0000 00:00:1732550000.1 123 warn.cc:1] a warning about errors"):
+        res = parse_probe(SPEC, [WorkerOutcome(0, 1, stderr=stderr, failed_first=True)], 1.0,
+                          False)
+        assert "oneDNN" not in res.detail and "warning" not in res.detail
+        assert res.detail.split(": ", 1)[1].split(":")[0] in ("ValueError", "RuntimeError")

@@ -433,7 +433,7 @@ def test_the_next_run_sweeps_what_a_sigkill_left(
     mine_alive.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(_files, "SWEEP_AFTER_S", 0.0)  # else only after 10 minutes untouched
-    monkeypatch.setattr(prober, "_swept", False)
+    monkeypatch.setattr(_files, "TEMP_SWEEP", _files.TempSweep())
     ok = "import json, sys; json.dump({'status': 'ok'}, open(sys.argv[1], 'w'))"
     monkeypatch.setattr(prober, "build_commands", lambda spec, env, workdir, **_: [
         _proc.WorkerCommand((sys.executable, "-c", ok, f"{workdir}/r.json"), dict(os.environ),
@@ -453,3 +453,60 @@ def test_a_wrong_value_floored_at_a_size_is_injected_there_only(env: dict[str, s
     assert floored.status == OK
     caught = run_probe(spec, {**env, FAULT: f"wrong:1:gloo:>={2 << 20}"})
     assert caught.status != OK and caught.cause == "wrong_result"
+
+
+@pytest.mark.tensorflow
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TF, reason="tensorflow is not installed")
+def test_a_tensorflow_probe_leaves_no_autograph_files_in_the_temp_dir(
+        env: dict[str, str], tmp_path: Path) -> None:
+    spec = ProbeSpec("tensorflow:hierarchical_copy", "tensorflow", "hierarchical_copy", (),
+                     logical_cpus=2, timeout_s=60.0, message_bytes=1 << 20)
+    res = run_probe(spec, {**env, "TMPDIR": str(tmp_path)})  # the worker's temp dir
+    assert res.status == OK, res.why() + "\n" + res.stderr_tail
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+class _LaggingPoll:
+    """A worker whose exit the runner sees late: ``poll()`` says "running" until ``other`` has
+    exited (the runner's sweep of polls, where an echo can be seen exit first)."""
+
+    def __init__(self, proc: Any, other: list[Any]) -> None:
+        self._proc, self._other, self._lagged = proc, other, False
+
+    def poll(self) -> int | None:
+        if not self._other or self._other[0].poll() is None:
+            return None
+        if not self._lagged:  # the sweep that sees the other exit still sees this one running
+            self._lagged = True
+            return None
+        return self._proc.poll()  # type: ignore[no-any-return]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._proc, name)
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+def test_the_rank_that_found_zeros_is_blamed_when_its_echo_is_seen_exit_first(
+        env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # zero:0: rank 0 finds zeros and exits; rank 1 then fails in the next all-reduce
+    # ("connection reset"). The runner is made to see rank 1's exit first, which is how the
+    # suite saw `worker_error` now and then.
+    real_start = _proc._start
+    started: list[Any] = []
+    rank1: list[Any] = []
+
+    def start(cmd: Any, out: Path, err: Path, spawn: Any) -> Any:
+        proc = real_start(cmd, out, err, spawn)
+        if not started:
+            started.append(proc)
+            return _LaggingPoll(proc, rank1)
+        rank1.append(proc)
+        return proc
+
+    monkeypatch.setattr(_proc, "_start", start)
+    res = run_probe(gloo(train_step=False), {**env, FAULT: "zero:0"})
+    assert (res.status, res.cause) == (ERROR, "zero_result"), res.detail
+    assert res.detail.startswith("rank 0")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from resilient_strategy.core.probe import TIMEOUT, ProbeResult
 from resilient_strategy.core.trace import FactsSeen, Note, RemedyQueued, RuleFired
-from resilient_strategy.deciding.executor import _still_valid
+from resilient_strategy.deciding.executor import still_valid
 from resilient_strategy.testing import FakeProber, machine, simulate
 
 H200X2 = machine(2, nvlink=18, env={"WORLD_SIZE": "2"})  # under torchrun
@@ -108,7 +108,7 @@ def test_a_hang_judged_from_progress_is_cut_early_and_stays_cached(tmp_path: Pat
     assert again.probed == [] and sel.backend == "gloo"
     cut = ProbeResult("k", TIMEOUT, 4.0, "timeout", extra=(("hang", "setup"),))
     deadline = ProbeResult("k", TIMEOUT, 4.0, "timeout")
-    assert set(_still_valid({"a": cut, "b": deadline}, 30.0)) == {"a"}
+    assert set(still_valid({"a": cut, "b": deadline}, 30.0)) == {"a"}
 
 
 # ----- advice that must reach the user -------------------------------------------------------

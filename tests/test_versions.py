@@ -42,16 +42,16 @@ def test_tf_gpu_build_info_ordered_dict(tmp_path: Path) -> None:
             ('cuda_compute_capabilities', ['sm_60', 'sm_70', 'sm_80', 'sm_89', 'compute_90']),
             ('cuda_version', '12.5.1'), ('cudnn_version', '9'), ('is_cuda_build', True)])
         """)
-    info = versions._build_info(path)
+    info = versions.build_info(path)
     assert info["cuda_version"] == "12.5.1"
     assert info["cuda_compute_capabilities"][-1] == "compute_90"
 
 
 def test_tf_build_info_dict_literal_and_old_constants(tmp_path: Path) -> None:
     path = _write(tmp_path / "a.py", "build_info = {'cuda_version': '11.2', 'nccl_version': '2'}")
-    assert versions._build_info(path) == {"cuda_version": "11.2", "nccl_version": "2"}
+    assert versions.build_info(path) == {"cuda_version": "11.2", "nccl_version": "2"}
     old = _write(tmp_path / "b.py", "is_cuda_build = True\ncuda_version_number = '10.1'\n")
-    assert versions._build_info(old)["cuda_version_number"] == "10.1"
+    assert versions.build_info(old)["cuda_version_number"] == "10.1"
 
 
 def test_literals_skip_code_and_survive_bad_files(tmp_path: Path) -> None:
@@ -62,9 +62,9 @@ def test_literals_skip_code_and_survive_bad_files(tmp_path: Path) -> None:
         hip: Optional[str] = None
         git_version = compute()
         """)
-    assert versions._literals(path) == {"__version__": "2.7.1+cu128", "cuda": "12.8", "hip": None}
-    assert versions._literals(_write(tmp_path / "bad.py", "x = (\n")) == {}
-    assert versions._literals(str(tmp_path / "missing.py")) == {}
+    assert versions.literals(path) == {"__version__": "2.7.1+cu128", "cuda": "12.8", "hip": None}
+    assert versions.literals(_write(tmp_path / "bad.py", "x = (\n")) == {}
+    assert versions.literals(str(tmp_path / "missing.py")) == {}
 
 
 class Packages:
@@ -205,15 +205,15 @@ def test_initialized_checks_never_raise_on_odd_internals() -> None:
     def boom() -> bool:
         raise RuntimeError("internals changed")
 
-    assert not versions._torch_initialized({"torch": SimpleNamespace(cuda=SimpleNamespace(
+    assert not versions.torch_initialized({"torch": SimpleNamespace(cuda=SimpleNamespace(
         is_initialized=boom))})
-    assert not versions._torch_initialized({"torch": object()})
+    assert not versions.torch_initialized({"torch": object()})
     no_ctx = SimpleNamespace(context_safe=lambda: None)
-    assert not versions._tensorflow_initialized({"tensorflow.python.eager.context": no_ctx})
+    assert not versions.tensorflow_initialized({"tensorflow.python.eager.context": no_ctx})
     fresh = SimpleNamespace(context_safe=lambda: SimpleNamespace(_physical_devices=None))
-    assert not versions._tensorflow_initialized({"tensorflow.python.eager.context": fresh})
+    assert not versions.tensorflow_initialized({"tensorflow.python.eager.context": fresh})
     odd = SimpleNamespace(context_safe=boom)
-    assert not versions._tensorflow_initialized({"tensorflow.python.eager.context": odd})
+    assert not versions.tensorflow_initialized({"tensorflow.python.eager.context": odd})
 
 
 def test_detect_frameworks_imports_no_framework_and_is_fast() -> None:

@@ -4,6 +4,8 @@ doctor  what this machine has (GPUs, links, versions, host), the rules that fire
         with its reasons; runs usefully without a GPU. Never probes.
 plan    only the plan (for the framework given, or each one installed).
 probe   prove the candidates for real (probe="force" with --force) and print the decision.
+cache   what the decision cache holds per machine fingerprint (``cache show [--json]``), and
+        removing it (``cache clear`` this machine's, ``--fingerprint F`` or ``--all``).
 run     run a training script under the supervisor (torchrun's options; ``run --help``): decide
         once, launch the workers the decision needs, relaunch on the next candidate when a
         collective fails or stalls mid-run (see :mod:`resilient_strategy.run.supervisor`).
@@ -27,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .core.facts import Facts
+from .core.facts import FABRIC_MIN_GPUS, Facts
 from .core.human import human_duration
 from .errors import ResilientStrategyError
 from .machine import env as _env
@@ -35,9 +37,15 @@ from .testing.simulation import SimulatedProber, load_simulation
 from .vocab import FRAMEWORKS
 
 _FRAMEWORKS = FRAMEWORKS
+#: Exit statuses of doctor / plan / probe (``run`` adds its own: see run.supervisor.supervise).
+EXIT_OK = 0
+#: a bad argument or option value (argparse exits 2 too), an unreadable --simulate or rules file,
+#: an unknown --disable-rule, or ``probe`` with no framework installed to probe
+EXIT_USAGE = 2
 #: Variables of the user's own environment that a simulation honours (they configure this
 #: library, they do not describe the simulated machine).
 _SIMULATION_PASSTHROUGH = ("RESILIENT_STRATEGY_RULES", "RESILIENT_STRATEGY_DISABLE_RULES")
+_LAUNCH_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 _LAUNCH_HINT = {"torch": "; --nproc-per-node N plans another launch", "tensorflow": ""}
 
 
@@ -57,10 +65,14 @@ def _int_at_least(least: int) -> Callable[[str], int]:
 _positive_int = _int_at_least(1)
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="resilient-strategy", description=__doc__.split("\n\n")[0])
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
+    # listed for --help only: main() hands `run ...` to the supervisor's own parser (torchrun's)
+    sub.add_parser("run", add_help=False, help="run a training script under the supervisor: "
+                   "decide once, relaunch on the next strategy when a collective fails mid-run "
+                   "(`run --help`)")
     for name, text in (("doctor", "show what is here and the plan"), ("plan", "the plan only"),
                        ("probe", "prove the candidates with live probes")):
         s = sub.add_parser(name, help=text)
@@ -82,7 +94,84 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--nproc-per-node", type=_positive_int, metavar="N",
                        help="plan torch as rank 0 of `torchrun --nproc_per_node N` (default: one "
                             "process per visible GPU when there are 2 or more, else plain python)")
+    c = sub.add_parser("cache", help="show or clear the cached probe results")
+    csub = c.add_subparsers(dest="cache_command", required=True)
+    show = csub.add_parser("show", help="list what is cached, per machine fingerprint")
+    show.add_argument("--json", action="store_true", help="machine-readable output")
+    clear = csub.add_parser("clear", help="remove cached results (default: this machine's)")
+    which = clear.add_mutually_exclusive_group()
+    which.add_argument("--all", action="store_true", help="every fingerprint's")
+    which.add_argument("--fingerprint", metavar="F", help="this fingerprint's (see cache show)")
     return p
+
+
+def _cache_command(args: argparse.Namespace, real_env: Mapping[str, str]) -> int:
+    """``cache show`` / ``cache clear``: 0 done; 1 ``--fingerprint`` names nothing cached; 2 the
+    directory is not safely this user's, or the fingerprint is not one."""
+    from .core.options import DEFAULT_TTL_S, default_dir
+    from .deciding.cache import DecisionCache
+    from .machine.files import check_private_dir, safe_name
+
+    cache = DecisionCache(default_dir(real_env), DEFAULT_TTL_S)
+    try:
+        check_private_dir(cache.directory)
+    except FileNotFoundError:
+        pass  # nothing cached yet
+    except (ResilientStrategyError, OSError) as exc:
+        print(f"resilient_strategy: cache directory {cache.directory}: {exc}", file=sys.stderr)
+        return 2
+    if args.cache_command == "clear" and args.fingerprint is not None:
+        if not safe_name(args.fingerprint):
+            print(f"resilient_strategy: --fingerprint {args.fingerprint!r} is not a fingerprint "
+                  "(see `cache show`)", file=sys.stderr)
+            return 2
+        if not cache.clear(args.fingerprint):
+            print(f"resilient_strategy: nothing is cached for fingerprint {args.fingerprint} in "
+                  f"{cache.directory} (see `cache show`)", file=sys.stderr)
+            return 1
+        print(f"Removed the cache of fingerprint {args.fingerprint}.")
+        return 0
+    from .machine.inspect import detect_facts
+
+    here = detect_facts(real_env).fingerprint()
+    if args.cache_command == "clear":
+        gone = cache.clear_all() if args.all else [here] if cache.clear(here) else []
+        print(f"Removed the cache of {len(gone)} fingerprint{'s' if len(gone) != 1 else ''}"
+              + (f" ({', '.join(gone)})" if gone else "") + f" in {cache.directory}.")
+        return 0
+    report = cache.report(here)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"Decision cache {cache.directory} (entries expire after "
+          f"{cache.ttl_s / 86400:g} days); this machine's fingerprint is {here}.")
+    if not report["fingerprints"]:
+        print("Nothing is cached.")
+    for fp, data in report["fingerprints"].items():
+        print("", *_cache_lines(fp, data), sep="\n")
+    return 0
+
+
+def _machine_cache(real_env: Mapping[str, str], fingerprint: str) -> dict[str, Any]:
+    """This machine's cache entries for ``doctor`` (``cache show``'s data for one fingerprint)."""
+    from .core.options import DEFAULT_TTL_S, default_dir
+    from .deciding.cache import DecisionCache
+
+    cache = DecisionCache(default_dir(real_env), DEFAULT_TTL_S)
+    empty = {"this_machine": True, "path": str(cache.path(fingerprint)), "entries": []}
+    data: dict[str, Any] = cache.report(fingerprint)["fingerprints"].get(fingerprint, empty)
+    return data
+
+
+def _cache_lines(fp: str, data: Mapping[str, Any]) -> list[str]:
+    out = [f"{fp}{' (this machine)' if data['this_machine'] else ''}: {data['path']}"]
+    for e in data["entries"]:
+        why = f" {e['cause']}" if e["cause"] else ""
+        notes = [n for n in ("expired" if e["expired"] else "",
+                             f"ignored: {e['ignored']}" if e["ignored"] else "") if n]
+        out.append(f"  {e['candidate']}: {e['status']}{why}, seen {e['seen']}x"
+                   + (f" ({'; '.join(notes)})" if notes else ""))
+    return out
 
 
 def _version() -> str:
@@ -127,11 +216,19 @@ def _facts_text(facts: Facts) -> list[str]:
                if vis.raw is not None else "  CUDA_VISIBLE_DEVICES unset: every GPU")
     out += [f"  note: {n}" for n in vis.notes]
     out += [f"  NVML could not read: {n}" for n in facts.nvml_notes]
-    if facts.links:
+    if facts.links or facts.fabric:
         out.append("Links:")
-        for ln in facts.links:
+        listed = [(f"{ln.a}-{ln.b}", ln) for ln in facts.links]
+        if facts.fabric is not None:
+            listed.append(("every other pair" if facts.links else "every pair", facts.fabric))
+        for name, ln in listed:
             nv = f"NVLink x{ln.nvlinks}" if ln.nvlinks else "no NVLink"
-            out.append(f"  {ln.a}-{ln.b}: {nv}, PCIe path {ln.topology}, P2P read {ln.p2p_read}")
+            out.append(f"  {name}: {nv}, PCIe path {ln.topology}, P2P read {ln.p2p_read}")
+    if 2 <= len(facts.gpus) <= FABRIC_MIN_GPUS:  # past that, the fabric line above says it
+        out.append("GPU link matrix (as `nvidia-smi topo -m`):")
+        out += ["  " + "  ".join(f"{cell:<5}" for cell in row).rstrip()
+                for row in link_matrix(facts)]
+        out.append("  " + _MATRIX_LEGEND)
     if facts.driver_version:
         out.append(f"Driver {facts.driver_version} (CUDA {facts.cuda_driver_version})")
     h = facts.host
@@ -158,6 +255,35 @@ def _facts_text(facts: Facts) -> list[str]:
     if not any(f.installed for f in facts.frameworks):
         out.append("  neither torch nor tensorflow is installed")
     return out
+
+
+#: NVML's PCIe path levels in ``nvidia-smi topo -m``'s words.
+_TOPO_WORDS = {"internal": "PIX", "single": "PIX", "multiple": "PXB", "hostbridge": "PHB",
+               "node": "NODE", "system": "SYS"}
+_MATRIX_LEGEND = ("X = self, NV# = # NVLinks, PIX/PXB = one/several PCIe bridges, PHB = PCIe "
+                  "host bridge, NODE = within a NUMA node, SYS = across sockets, ? = unknown")
+
+
+def link_matrix(facts: Facts) -> tuple[tuple[str, ...], ...]:
+    """The GPU link matrix the way ``nvidia-smi topo -m`` prints it, as rows of cells (the first
+    row and column are the GPU names): ``X`` on the diagonal, ``NV<n>`` for n NVLinks, else the
+    PCIe path (``PIX``, ``PXB``, ``PHB``, ``NODE``, ``SYS``; ``?`` when unknown). Pure."""
+    names = [f"GPU{g.index}" for g in facts.gpus]
+    rows: list[tuple[str, ...]] = [("", *names)]
+    for g in facts.gpus:
+        cells = [f"GPU{g.index}"]
+        for h in facts.gpus:
+            ln = facts.link(g.index, h.index)
+            if g.index == h.index:
+                cells.append("X")
+            elif ln is None:
+                cells.append("?")
+            elif ln.nvlinks:
+                cells.append(f"NV{ln.nvlinks}")
+            else:
+                cells.append(_TOPO_WORDS.get(ln.topology, "?"))
+        rows.append(tuple(cells))
+    return tuple(rows)
 
 
 def _selection_text(sel: Any, show_probes: bool) -> list[str]:
@@ -207,6 +333,9 @@ def _decide(args: argparse.Namespace, facts: Facts, sim: Mapping[str, Any] | Non
         "global_batch_size": given(args.global_batch_size, "global_batch_size"),
         "gradient_bytes": given(args.gradient_bytes, "gradient_bytes"),
         "sample_seconds": sim_data.get("sample_seconds"),
+        "param_bytes": sim_data.get("param_bytes"),
+        "optimizer_state_factor": sim_data.get("optimizer_state_factor"),
+        "sharding": sim_data.get("sharding", "auto"),
         "timeout": args.timeout,
         # a TensorFlow test mode: planning torch alongside it (doctor, plan) is unaffected
         "logical_cpus": args.logical_cpus if framework == "tensorflow" else 0,
@@ -221,8 +350,10 @@ def _decide(args: argparse.Namespace, facts: Facts, sim: Mapping[str, Any] | Non
             facts=facts, env=env, cache=False, dry_run=not probes,
             _prober=prober, _clock=prober.clock, **kw,
         )
-    if args.command == "probe":
-        return resilient_strategy(probe="force" if args.force else "auto", env=env, **kw)
+    if args.command == "probe":  # a launch planned here has no other ranks to share it with
+        return resilient_strategy(probe="force" if args.force else "auto", env=env,
+                                  _alone=args.nproc_per_node is not None
+                                  or "WORLD_SIZE" not in real_env, **kw)
     return resilient_strategy(facts=facts, dry_run=True, env=env, **kw)
 
 
@@ -238,6 +369,9 @@ def _launch_env(facts: Facts, framework: str, sim: Mapping[str, Any] | None,
         for name in _SIMULATION_PASSTHROUGH:
             if name in real_env and name not in env:
                 env[name] = real_env[name]
+    if framework == "torch" and nproc is not None:  # the launch asked for beats a described one
+        for name in _LAUNCH_VARS:
+            env.pop(name, None)
     if framework == "torch" and "WORLD_SIZE" not in env:
         n = nproc if nproc is not None else len(facts.gpus) if as_torchrun(facts, framework, env) \
             else 1
@@ -267,7 +401,7 @@ def as_torchrun(facts: Facts, framework: str, env: Mapping[str, str]) -> bool:
 def simulate_file(path: Path, real_env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """What ``resilient-strategy plan --simulate PATH`` decides: a Selection per framework."""
     facts, sim = load_simulation(path)
-    args = _parser().parse_args(["plan", "--simulate", str(path)])
+    args = build_parser().parse_args(["plan", "--simulate", str(path)])
     return {fw: _decide(args, facts, sim, fw, real_env or {})
             for fw in _frameworks(facts, sim.get("framework"))}
 
@@ -278,8 +412,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .run.supervisor import main as run_main
 
         return run_main(args_list[1:])
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "cache":
+        return _cache_command(args, _env.snapshot())
     if args.logical_cpus and args.framework == "torch":
         parser.error("--logical-cpus is a TensorFlow test mode; it does not apply to torch")
     if args.nproc_per_node and args.framework == "tensorflow":
@@ -299,19 +435,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         selections = {fw: _decide(args, facts, sim, fw, real_env) for fw in frameworks}
     except ResilientStrategyError as exc:
         print(f"resilient_strategy: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    if not selections and args.command == "probe":  # asked to prove, and nothing to prove
+        print("resilient_strategy: nothing to probe: neither torch nor tensorflow is installed "
+              "in this environment (pip install torch, or tensorflow).", file=sys.stderr)
+        return EXIT_USAGE
+    cached = _machine_cache(real_env, facts.fingerprint()) \
+        if args.command == "doctor" and sim is None else None
     if args.json:
-        print(json.dumps({
+        _emit(json.dumps({
             "facts": facts.to_dict(),
             "fingerprint": facts.fingerprint(),
             "decisions": {fw: s.to_dict() for fw, s in selections.items()},
+            **({"cache": cached} if cached is not None else {}),
         }, indent=2, default=str))
-        return 0
+        return EXIT_OK
     lines: list[str] = []
     if args.command == "doctor":
         lines += _facts_text(facts)
         fired = sorted({r for s in selections.values() for r in s.plan.rules_fired})
         lines.append("Rules fired: " + (", ".join(fired) if fired else "none"))
+        if cached is not None:
+            lines += _cache_lines(facts.fingerprint(), cached) if cached["entries"] else [
+                f"Cache: nothing cached for this machine ({cached['path']})"]
+            lines.append("  (`python -m resilient_strategy cache show` lists every machine's "
+                         "entries; `cache clear` removes this machine's)")
     if not selections:
         lines.append("No plan: neither torch nor tensorflow is installed in this environment. "
                      "Install the one you train with (pip install torch, or tensorflow) and run "
@@ -320,9 +468,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         lines += ["", f"== {fw} ==", f"({'Planned' if args.command != 'probe' else 'Decided'} "
                   f"{launch_words(sel)}{'' if args.nproc_per_node else _LAUNCH_HINT[fw]}.)",
                   *_selection_text(sel, show_probes=args.command == "probe")]
+    _emit("\n".join(lines))
+    return EXIT_OK
+
+
+def _emit(text: str) -> None:
+    """Print the report; a reader that left (``| head``) is not an error of ours."""
     try:
-        print("\n".join(lines))
+        print(text)
         sys.stdout.flush()
-    except BrokenPipeError:  # `| head`: the reader left; not an error of ours
+    except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 0

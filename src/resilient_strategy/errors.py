@@ -109,6 +109,45 @@ class NoWorkingStrategyError(ResilientStrategyError):
         )
 
 
+@dataclass(frozen=True)
+class MemoryShortfall:
+    """One row of the memory table: what a candidate needs per device against its devices'
+    free memory (the smallest; ``free_bytes`` None: unknown), sharded over ``shards`` devices
+    (1: replicated)."""
+
+    candidate: str  # its label
+    key: str
+    need_bytes: int
+    free_bytes: int | None
+    usable_bytes: int | None
+    shards: int
+    where: str
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.usable_bytes is None else self.need_bytes <= self.usable_bytes
+
+    def __str__(self) -> str:
+        free = "unknown" if self.free_bytes is None else f"{self.free_bytes / 2**30:.3g} GiB"
+        usable = "" if self.usable_bytes is None else f" ({self.usable_bytes / 2**30:.3g} usable)"
+        return (f"{self.candidate}: needs {self.need_bytes / 2**30:.3g} GiB per device; "
+                f"{self.where} has {free} free{usable}")
+
+
+class ModelDoesNotFitError(NoWorkingStrategyError):
+    """No candidate that fits the model was left: ``table`` says what each candidate needs per
+    device and what its devices have free."""
+
+    def __init__(self, framework: str, causes: Sequence[FailureCause],
+                 table: Sequence[MemoryShortfall]) -> None:
+        super().__init__(framework, causes)
+        self.table = tuple(table)
+        rows = "\n  ".join(map(str, self.table))
+        self.args = (f"the model does not fit on any strategy left for {framework} here:\n  "
+                     f"{rows}\nShard it over more GPUs (sharding='full', more processes), free "
+                     "GPU memory, or lower optimizer_state_factor (a lighter optimizer).",)
+
+
 class FrameworkNotInstalledError(ResilientStrategyError):
     """The requested framework is not installed."""
 
@@ -135,6 +174,32 @@ class UnsafePathError(ResilientStrategyError):
         self.problem = problem
         self.fix = fix
         super().__init__(f"{path}: {problem}; refused. {fix}")
+
+
+class NoSpaceError(ResilientStrategyError):
+    """A file this library must write before training could not get its blocks: the disk (or
+    the user's quota) is full. Named, with the fix, instead of a SIGBUS or a hang later."""
+
+    def __init__(self, path: str, what: str) -> None:
+        self.path = path
+        self.what = what
+        directory = path.rpartition("/")[0] or "."
+        super().__init__(
+            f"{path}: no space left on device for {what}. Free space in {directory}, or point "
+            "TMPDIR (the run's files live there) at a disk with room, and run again.")
+
+
+class CheckpointError(ResilientStrategyError):
+    """A checkpoint could not be loaded: damaged (truncated, not a torch file, not the layout
+    this library writes). Names the file; when a previous good checkpoint existed it was loaded
+    instead, so this is raised only when none could be."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        self.path = path
+        self.problem = problem
+        super().__init__(
+            f"{path}: not a usable checkpoint ({problem}). Move it aside to start from the "
+            "beginning, or restore a copy of it; it is never loaded as arbitrary pickled code.")
 
 
 class FileFormatError(ResilientStrategyError, ValueError):

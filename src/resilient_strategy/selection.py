@@ -3,6 +3,10 @@
 ``scope()`` only enters what was chosen; it never decides again. The framework runtime (one
 TensorFlow strategy object, or the PyTorch process group and helpers) is built on first use and
 reused for the life of the Selection.
+
+Longer than the house's ~450 lines on purpose: this is the public surface users read in one
+place (the reference page renders it), each helper a few lines delegating to the runtime in
+``frameworks/``; splitting it would split the one class a user learns.
 """
 
 from __future__ import annotations
@@ -14,9 +18,10 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from .core.arguments import gradient_bytes_of
 from .core.candidate import Candidate
 from .core.facts import Facts
-from .core.options import Launch, gradient_bytes_of
+from .core.options import Launch
 from .core.plan import Plan
 from .core.probe import ProbeResult
 from .errors import DryRunError, WrongFrameworkError
@@ -62,7 +67,8 @@ class Selection:
     from_cache: bool = False
     proven: bool = True  # False when probing was off and a collective ran unproven
     launch: Launch = field(default_factory=Launch)
-    process_group_timeout_s: float = 300.0  # training collectives (torch process group)
+    #: seconds a training collective may wait for a peer (torch process group; TF across workers)
+    process_group_timeout: float = 300.0
     precision: str = "auto"
     logical_cpus: int = 0  # TF CPU test mode: replicas on logical CPU devices
     #: TensorFlow under a multi-worker TF_CONFIG: the workers and this one's id (chief 0)
@@ -85,31 +91,44 @@ class Selection:
     # ----- the decision --------------------------------------------------------------------
     @property
     def framework(self) -> str:
+        """"torch" or "tensorflow"."""
         return self.candidate.framework
 
     @property
     def backend(self) -> str:
+        """What trains: "nccl", "gloo", "hierarchical_copy", "reduction_to_one_device",
+        "mw_nccl", "mw_ring", "single_device" or "cpu"."""
         return self.candidate.backend
 
     @property
     def devices(self) -> tuple[int, ...]:
+        """The GPUs it trains on, as this job numbers them (empty on CPU)."""
         return self.candidate.devices
 
     @property
     def num_replicas(self) -> int:
+        """Model replicas that train in step (GPUs, processes, or TF_CONFIG workers' devices)."""
         return self.candidate.num_replicas
 
     @property
     def accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step (more than 1 when a fallback keeps the batch)."""
         return self.candidate.accumulation_steps
 
     @property
     def global_batch_size(self) -> int | None:
+        """Samples per optimizer step, all replicas and micro-steps together (as asked)."""
         return self.candidate.global_batch_size
 
     @property
     def per_replica_batch_size(self) -> int | None:
+        """Samples per replica per micro-step."""
         return self.candidate.per_replica_batch_size
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is sharded over the replicas (PyTorch FSDP2), not replicated."""
+        return self.candidate.sharded
 
     @property
     def active(self) -> bool:
@@ -129,7 +148,34 @@ class Selection:
 
     @property
     def is_main_process(self) -> bool:
+        """Rank 0 (of the launcher, and worker 0 of a TF_CONFIG job): log and save there."""
         return self.launch.rank == 0 and self.tf_worker_rank == 0
+
+    @property
+    def world_size(self) -> int:
+        """The processes that train under this decision: PyTorch: the launcher's processes when
+        the choice runs a process group, else 1 (a one-device fallback trains on rank 0 alone);
+        TensorFlow: the TF_CONFIG workers when the strategy spans them, else 1 (one process
+        drives every local replica). Not :attr:`num_replicas`: a TensorFlow process can drive
+        several replicas."""
+        if self.framework == "tensorflow":
+            from .vocab import MULTI_WORKER_BACKENDS
+
+            return self.tf_workers if self.backend in MULTI_WORKER_BACKENDS else 1
+        return self.launch.world_size if self.num_replicas > 1 else 1
+
+    @property
+    def rank(self) -> int:
+        """This process's rank: the launcher's ``RANK`` (PyTorch), the worker's index in
+        ``TF_CONFIG`` (TensorFlow), 0 for a plain ``python`` run. On a rank the decision leaves
+        idle (:attr:`active` False) it is at least :attr:`world_size`."""
+        return self.tf_worker_rank if self.framework == "tensorflow" else self.launch.rank
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node (the launcher's ``LOCAL_RANK``; 0 for TensorFlow,
+        which runs one process per worker, and for a plain ``python`` run)."""
+        return 0 if self.framework == "tensorflow" else self.launch.local_rank
 
     @property
     def batch_size(self) -> int | None:
@@ -141,6 +187,7 @@ class Selection:
         return per * self.num_replicas if self.framework == "tensorflow" else per
 
     def explain(self) -> str:
+        """The decision and its reasons, as text (the trace's events rendered)."""
         head = f"resilient_strategy chose: {self.candidate.label}"
         if self.num_replicas > 1 or self.accumulation_steps > 1:
             head += f" ({self.num_replicas} replica(s) x {self.accumulation_steps} accumulation step(s))"
@@ -168,13 +215,20 @@ class Selection:
         lines += [f"  - {t}" for t in self.plan.trace]
         return "\n".join(lines)
 
+    @property
+    def process_group_timeout_s(self) -> float:
+        """Deprecated alias of :attr:`process_group_timeout` (v0.2's name)."""
+        return self.process_group_timeout
+
     def to_dict(self) -> dict[str, Any]:
+        """The decision as JSON-able data (what ``--json`` prints), typed events included."""
         return {
             "framework": self.framework,
             "backend": self.backend,
             "label": self.candidate.label,
             "devices": list(self.devices),
             "num_replicas": self.num_replicas,
+            "sharded": self.sharded,
             "accumulation_steps": self.accumulation_steps,
             "global_batch_size": self.global_batch_size,
             "per_replica_batch_size": self.per_replica_batch_size,
@@ -186,8 +240,10 @@ class Selection:
             "active": self.active,
             "dry_run": self.dry_run,
             "decided_in_s": round(self.decided_in_s, 4),
-            "rank": self.launch.rank,
-            "world_size": self.launch.world_size,
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "world_size": self.world_size,
+            "launch_world_size": self.launch.world_size,
             "tf_workers": self.tf_workers,
             "tf_worker_rank": self.tf_worker_rank,
             "fingerprint": self.facts.fingerprint(),
@@ -226,7 +282,7 @@ class Selection:
                 self.backend, devices, self.accumulation_steps, self.global_batch_size,
                 self.per_replica_batch_size, logical_cpus=self.logical_cpus,
                 workers=self.tf_workers if across else 1,
-                timeout_s=self.process_group_timeout_s if across else None,
+                timeout_s=self.process_group_timeout if across else None,
             )
         from .frameworks.torch import TorchRuntime
 
@@ -235,7 +291,8 @@ class Selection:
             self.backend, self.devices, self.accumulation_steps, self.global_batch_size,
             self.per_replica_batch_size, rank=self.launch.rank if world > 1 else 0,
             local_rank=self.launch.local_rank if world > 1 else 0, world_size=world,
-            timeout_s=self.process_group_timeout_s, precision=self.precision,
+            timeout_s=self.process_group_timeout, precision=self.precision,
+            sharded=self.candidate.sharded,
         )
 
     @property
@@ -347,12 +404,18 @@ class Selection:
         return self.runtime.device
 
     def prepare(
-        self, model: Any = None, optimizer: Any = None, loader: Any = None, **ddp_kwargs: Any
+        self, model: Any = None, optimizer: Any = None, loader: Any = None, *,
+        shard_modules: Any = None, **ddp_kwargs: Any
     ) -> Any:
         """Move and wrap the model (DDP when replicas > 1; ``ddp_kwargs`` such as
         ``find_unused_parameters=True`` go to DistributedDataParallel); shard the loader
         (DistributedSampler, reshuffled by :meth:`set_epoch`); return all three. Call it again
-        for more loaders (``prepare(None, None, val_loader)``)."""
+        for more loaders (``prepare(None, None, val_loader)``).
+
+        When the decision shards (:attr:`sharded`), FSDP2's ``fully_shard`` is applied to the
+        modules of the classes in ``shard_modules`` (default: the model's repeated blocks), then
+        the root, and the optimizer follows the sharded parameters; keyword arguments go to
+        ``fully_shard`` then. ``shard_modules`` is ignored when the decision replicates."""
         self._leave_if_idle()
         if model is not None and self.advise is not None and self.is_main_process:
             advice = self.advise(gradient_bytes_of(model))
@@ -360,7 +423,7 @@ class Selection:
                 log.warning("resilient_strategy: %s", advice)
         rt = self.runtime
         self._init(rt)
-        out = rt.prepare(model, optimizer, loader, **ddp_kwargs)
+        out = rt.prepare(model, optimizer, loader, shard_modules=shard_modules, **ddp_kwargs)
         if self.progress is not None and rt.optimizer_steps:
             self.progress.restored(rt.optimizer_steps)
         return out
@@ -399,6 +462,8 @@ class Selection:
         return int(self.runtime.optimizer_steps)
 
     def backward(self, loss: Any) -> None:
+        """PyTorch: ``loss.backward()`` of ``loss / accumulation_steps`` (through the fp16
+        GradScaler when there is one)."""
         rep = self.progress
         if rep is None:
             self.runtime.backward(loss)
@@ -425,20 +490,32 @@ class Selection:
         return self.runtime.clip_grad_norm(model, max_norm, optimizer, norm_type=norm_type)
 
     def step(self, optimizer: Any) -> bool:
+        """PyTorch: end a micro-step; on the last one step the optimizer and zero the gradients.
+        Returns whether it stepped (False on accumulating micro-steps and fp16-skipped steps)."""
         stepped = bool(self.runtime.step(optimizer))
         if self.progress is not None:
             self.progress.stepped(stepped)
         return stepped
 
     def accumulate(self, model: Any) -> Any:
+        """PyTorch: a context for forward and backward; DDP syncs only on the last micro-step."""
         return self.runtime.accumulate(model)
 
     def autocast(self) -> Any:
+        """PyTorch: the precision policy's autocast (bf16 / fp16), a no-op for fp32."""
         return self.runtime.autocast()
 
     def set_epoch(self, epoch: int) -> None:
+        """PyTorch: reshuffle the shards of every prepared loader for ``epoch``."""
         self.runtime.set_epoch(epoch)
 
     def shutdown(self) -> None:
+        """End the training: PyTorch: a barrier, then destroy the process group (also one that
+        Lightning or Accelerate started). Idempotent. Forgotten, it happens at exit anyway
+        (:mod:`resilient_strategy.frameworks.teardown`)."""
         if self._runtime.built and hasattr(self.runtime, "shutdown"):
             self.runtime.shutdown()
+        elif self.framework == "torch" and not self.dry_run:
+            from .frameworks.teardown import end_process_group
+
+            end_process_group(self.process_group_timeout_s)

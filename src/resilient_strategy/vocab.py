@@ -17,6 +17,9 @@ BACKENDS = ("nccl", "hierarchical_copy", "reduction_to_one_device", "gloo", *MUL
 #: Backends that run a collective between replicas (proven by a probe before use).
 MULTI_BACKENDS = ("nccl", "hierarchical_copy", "reduction_to_one_device", "gloo",
                   *MULTI_WORKER_BACKENDS)
+#: How the model's state is placed over the devices: "auto" shards (FSDP2) only when a
+#: replica does not fit the devices' free memory; "full" always shards; "none" never does.
+SHARDING_MODES = ("auto", "full", "none")
 #: Mixed-precision policies.
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 #: How probing is done: probe unless cached, re-probe, or trust the plan.

@@ -26,12 +26,16 @@ class Candidate:
     origin: str = "chain"  # "chain", a rule id, or "after <cause>"
     first: bool = False  # a remedy to try before plain NCCL
     logical_cpus: bool = False  # TF test mode: the devices are logical CPU devices, not GPUs
+    #: The model's state sharded over the replicas (PyTorch FSDP2 ``fully_shard``), not
+    #: replicated on each (DDP). Its key says ``<backend>/fsdp``.
+    sharded: bool = False
 
     @property
     def key(self) -> str:
         env = ";".join(f"{k}={v}" for k, v in self.env)
         devs = ",".join(map(str, self.devices)) or "cpu"
-        return f"{self.framework}:{self.backend}:{devs}" + (f":{env}" if env else "")
+        backend = self.backend + ("/fsdp" if self.sharded else "")
+        return f"{self.framework}:{backend}:{devs}" + (f":{env}" if env else "")
 
     @property
     def needs_probe(self) -> bool:
@@ -57,6 +61,8 @@ class Candidate:
             text = "one device"
         if self.backend == "nccl" and self.framework == "tensorflow":
             text = "MirroredStrategy + NCCL"
+        if self.sharded:
+            text = f"FSDP over {text}"
         if self.devices and self.backend != "cpu":
             kind = "logical CPU device" if self.logical_cpus else "GPU"
             text += f" on {kind}{'s' if len(self.devices) > 1 else ''} {','.join(map(str, self.devices))}"
@@ -73,5 +79,5 @@ class Candidate:
             "num_replicas": self.num_replicas, "accumulation_steps": self.accumulation_steps,
             "per_replica_batch_size": self.per_replica_batch_size,
             "global_batch_size": self.global_batch_size, "origin": self.origin,
-            "logical_cpus": self.logical_cpus,
+            "logical_cpus": self.logical_cpus, "sharded": self.sharded,
         }

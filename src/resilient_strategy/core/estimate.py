@@ -104,7 +104,8 @@ def estimate(
     c: Candidate, facts: Facts, result: ProbeResult | None, policy: Options
 ) -> Estimate:
     """Seconds per global batch: compute split over replicas plus the part of one gradient
-    all-reduce that backward does not hide (DDP overlaps it with backward, about 2/3 of compute;
+    all-reduce (sharded: two parameter all-gathers and a gradient reduce-scatter) that backward
+    does not hide (DDP overlaps it with backward, about 2/3 of compute;
     Keras fit reduces after backward, so TensorFlow hides none)."""
     known_model = policy.gradient_bytes is not None
     grad = policy.gradient_bytes or ASSUMED_GRADIENT_BYTES
@@ -126,7 +127,10 @@ def estimate(
         bus, bus_how = result.bus_bandwidth_gbps, "measured bus bandwidth"
     else:
         bus, bus_how = _typical_bus(c, facts, policy)
-    comm = grad * 2 * (r - 1) / r / (bus * 1e9) if bus else 0.0
+    # an all-reduce moves 2x the gradients; FSDP2 all-gathers the parameters twice (forward,
+    # and again in backward after resharding) and reduce-scatters the gradients once
+    volume = 2 * (policy.param_bytes or grad) + grad if c.sharded else grad * 2
+    comm = volume * (r - 1) / r / (bus * 1e9) if bus else 0.0
     hidden = compute * 2 / 3 if c.framework == "torch" else 0.0
     basis = how + (f", {bus_how} {bus:g} GB/s" if bus else "")
     return Estimate(step_seconds=compute + max(0.0, comm - hidden), bus_gbps=bus, basis=basis)

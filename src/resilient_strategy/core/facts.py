@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
+from operator import attrgetter
 from typing import Any
 
 #: Values of NVML's topology common ancestor, nearest first (nvmlGpuTopologyLevel_t).
@@ -83,6 +85,8 @@ class Gpu:
     pci_bus_id: str = ""
     physical_index: int = -1
     mig_enabled: bool = False
+    #: Free memory when inspected (NVML ``nvmlDeviceGetMemoryInfo().free``); None: unknown.
+    memory_free_bytes: int | None = None
 
     @property
     def cc(self) -> str:
@@ -124,6 +128,26 @@ class Host:
     kernel: str = ""
     cpu_count: int = 1
     platform: str = "linux"
+    #: Host memory available to new processes (/proc/meminfo MemAvailable); None: unknown.
+    memory_available_bytes: int | None = None
+
+
+#: Link layers of an RDMA port (``/sys/class/infiniband/*/ports/*/link_layer``).
+RDMA_LINK_LAYERS = ("", "infiniband", "ethernet")
+
+
+@dataclass(frozen=True)
+class Platform:
+    """Facts of the platform around the GPUs that decide a remedy: NVSwitch fabric, hypervisor,
+    RDMA link layer, the route to the job's MASTER_ADDR. ``None`` / ``""`` mean unknown (no
+    remedy gated on it applies)."""
+
+    nvswitch: bool | None = None  # NVSwitches present (an HGX board): NVLS can apply
+    hypervisor: str = ""  # "kvm", "vmware", "hyperv", "xen", ... ("" none seen)
+    rdma_link_layer: str = ""  # one of RDMA_LINK_LAYERS: "ethernet" is RoCE
+    rdma_devices: tuple[str, ...] = ()  # HCA names, e.g. ("mlx5_0", "mlx5_1")
+    master_ifname: str = ""  # the interface whose route reaches MASTER_ADDR
+    hostname_loopback: bool | None = None  # the hostname resolves to 127.x / ::1
 
 
 @dataclass(frozen=True)
@@ -166,6 +190,9 @@ class LinkSummary:
     any_pcie_only: bool  # some pair has no NVLink (or no link fact)
     p2p_unsupported: bool  # some pair without NVLink reports P2P as not usable
     cross_socket: bool  # some pair crosses CPU sockets
+    any_nvlink: bool = False  # some pair has an NVLink
+    any_switch: bool = False  # some pair without NVLink shares a PCIe switch (PIX / PXB)
+    any_host_path: bool = False  # some pair without NVLink crosses a host bridge or CPU
 
 
 _NO_PEERS: frozenset[int] = frozenset()
@@ -176,6 +203,7 @@ class _LinkIndex:
     """Links by pair, NVLink peers by GPU, and answers already computed (one per Facts)."""
 
     by_pair: dict[tuple[int, int], Link]
+    gpu_indices: frozenset[int] = frozenset()
     nvlink_peers: dict[int, frozenset[int]] | None = None
     all_nvlink: dict[tuple[int, ...], bool] = field(default_factory=dict)
     summary: LinkSummary | None = None
@@ -206,6 +234,12 @@ class Facts:
     frameworks: tuple[FrameworkInfo, ...] = ()
     env: tuple[tuple[str, str], ...] = ()  # relevant environment variables, sorted
     nvml_notes: tuple[str, ...] = ()  # per-GPU values NVML could not read (they show as unknown)
+    #: How every pair of GPUs *not* listed in ``links`` is connected (its ``a``/``b`` are unused):
+    #: a uniform fabric (an NVSwitch box, a PCIe tree) held once instead of once per pair, so a
+    #: machine of N GPUs costs O(N + exceptions), not O(N^2) (:func:`compact_links`). None: an
+    #: unlisted pair has no link fact.
+    fabric: Link | None = None
+    platform: Platform = field(default_factory=Platform)
 
     # ----- lookups -----------------------------------------------------------------------------
     def framework(self, name: str) -> FrameworkInfo:
@@ -216,7 +250,12 @@ class Facts:
 
     def link(self, a: int, b: int) -> Link | None:
         """The link between GPUs ``a`` and ``b`` (either order), from an index built once."""
-        return self._index().by_pair.get((a, b) if a < b else (b, a))
+        found = self._index().by_pair.get((a, b) if a < b else (b, a))
+        if found is None and self.fabric is not None and a != b:
+            known = self._index().gpu_indices
+            if a in known and b in known:
+                return replace(self.fabric, a=min(a, b), b=max(a, b))
+        return found
 
     def all_nvlink(self, devices: Sequence[int]) -> bool:
         """Whether every pair of these GPUs has at least one NVLink (False for fewer than 2)."""
@@ -227,9 +266,15 @@ class Facts:
         known = index.all_nvlink.get(key)
         if known is None:
             want = set(key)
-            n = len(want) - 1
-            peers = index.peers()
-            known = all(len(peers.get(d, _NO_PEERS) & want) == n for d in want)
+            if self.fabric is None:
+                n = len(want) - 1
+                peers = index.peers()
+                known = all(len(peers.get(d, _NO_PEERS) & want) == n for d in want)
+            else:  # unlisted pairs ride the fabric; the listed ones are the exceptions
+                inside = [ln for (a, b), ln in index.by_pair.items() if a in want and b in want]
+                known = (self.fabric.nvlinks > 0 or
+                         len(inside) == len(want) * (len(want) - 1) // 2) and \
+                    all(ln.nvlinks > 0 for ln in inside)
             index.all_nvlink[key] = known
         return known
 
@@ -240,20 +285,36 @@ class Facts:
             indices = {g.index for g in self.gpus}
             pairs = len(indices) * (len(indices) - 1) // 2
             nvlinked = 0
-            p2p_unsupported = cross_socket = False
+            p2p_unsupported = cross_socket = switch = host_path = False
             for (a, b), ln in index.by_pair.items():
                 if a not in indices or b not in indices:
                     continue
+                cross_socket = cross_socket or ln.topology == "system"
                 if ln.nvlinks > 0:
                     nvlinked += 1
-                elif ln.p2p_read not in ("ok", "unknown"):
+                    continue
+                switch = switch or ln.topology in ("single", "multiple")
+                host_path = host_path or ln.topology in ("hostbridge", "node", "system")
+                if ln.p2p_read not in ("ok", "unknown"):
                     p2p_unsupported = True
-                cross_socket = cross_socket or ln.topology == "system"
+            listed = sum(1 for a, b in index.by_pair if a in indices and b in indices)
+            fab = self.fabric
+            if fab is not None and listed < pairs:  # the pairs the fabric connects
+                if fab.nvlinks > 0:
+                    nvlinked += pairs - listed
+                else:
+                    switch = switch or fab.topology in ("single", "multiple")
+                    host_path = host_path or fab.topology in ("hostbridge", "node", "system")
+                    p2p_unsupported = p2p_unsupported or fab.p2p_read not in ("ok", "unknown")
+                cross_socket = cross_socket or fab.topology == "system"
             index.summary = LinkSummary(
                 all_nvlink=pairs > 0 and nvlinked == pairs,
                 any_pcie_only=nvlinked < pairs,
                 p2p_unsupported=p2p_unsupported,
                 cross_socket=cross_socket,
+                any_nvlink=nvlinked > 0,
+                any_switch=switch,
+                any_host_path=host_path,
             )
         return index.summary
 
@@ -263,7 +324,7 @@ class Facts:
             # reversed: where a pair is listed twice, the first one wins, as a scan would find it
             by_pair = {((ln.a, ln.b) if ln.a < ln.b else (ln.b, ln.a)): ln
                        for ln in reversed(self.links)}
-            index = _LinkIndex(by_pair)
+            index = _LinkIndex(by_pair, frozenset(g.index for g in self.gpus))
             object.__setattr__(self, "_link_index", index)  # a cache, not a field: frozen stays
         return index
 
@@ -309,6 +370,8 @@ class Facts:
             frameworks=fws,
             env=env_pairs,
             nvml_notes=tuple(str(n) for n in data.get("nvml_notes", ())),
+            fabric=_make(Link, data["fabric"], "fabric") if data.get("fabric") else None,
+            platform=_platform(data.get("platform", {})),
         )
 
     def fingerprint(self) -> str:
@@ -337,6 +400,11 @@ class Facts:
             ],
             "env": [kv for kv in self.env if kv[0] not in _PER_RUN_ENV],
         }
+        if self.fabric is not None:  # absent otherwise: fingerprints of listed machines unchanged
+            key["fabric"] = [self.fabric.topology, self.fabric.nvlinks, self.fabric.p2p_read,
+                             self.fabric.p2p_nvlink]
+        if self.platform != Platform():  # unknown platform facts keep the older fingerprints
+            key["platform"] = asdict(self.platform)
         blob = json.dumps(key, sort_keys=True, default=list).encode()
         digest = hashlib.sha256(blob).hexdigest()[:16]
         object.__setattr__(self, "_fingerprint", digest)  # a cache, not a field
@@ -353,6 +421,17 @@ def _check_keys(cls: type, data: Mapping[str, Any], what: str) -> None:
 def _make(cls: type, data: Mapping[str, Any], what: str) -> Any:
     _check_keys(cls, data, what)
     return cls(**data)
+
+
+def _platform(data: Mapping[str, Any]) -> Platform:
+    d = dict(data)
+    if "rdma_devices" in d:
+        d["rdma_devices"] = tuple(str(x) for x in d["rdma_devices"])
+    value: Platform = _make(Platform, d, "platform")
+    if value.rdma_link_layer not in RDMA_LINK_LAYERS:
+        raise ValueError(f"platform.rdma_link_layer must be one of {RDMA_LINK_LAYERS}, not "
+                         f"{value.rdma_link_layer!r}")
+    return value
 
 
 def _gpu(data: Mapping[str, Any]) -> Gpu:
@@ -374,3 +453,26 @@ def relevant_env(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
             if k in RELEVANT_ENV_NAMES or k.startswith(RELEVANT_ENV_PREFIXES)
         )
     )
+
+
+#: Machines with more GPUs than this keep a uniform fabric once (:func:`compact_links`); smaller
+#: ones list every pair, as ``doctor`` and their JSON always showed them.
+FABRIC_MIN_GPUS = 16
+
+
+def compact_links(gpus: int, links: tuple[Link, ...]) -> tuple[tuple[Link, ...], Link | None]:
+    """``(listed, fabric)`` for the links of ``gpus`` GPUs: where there are more than
+    :data:`FABRIC_MIN_GPUS` and every pair is listed once, the most common kind of link becomes
+    the fabric and only the pairs that differ stay listed. Otherwise ``(links, None)``."""
+    if gpus <= FABRIC_MIN_GPUS or len(links) != gpus * (gpus - 1) // 2:
+        return links, None
+    kinds = Counter(map(_LINK_KIND, links))
+    (topology, nvlinks, p2p_read, p2p_nvlink), _ = kinds.most_common(1)[0]
+    fabric = Link(0, 0, topology, nvlinks, p2p_read, p2p_nvlink)
+    if len(kinds) == 1:
+        return (), fabric
+    common = _LINK_KIND(fabric)
+    return tuple(ln for ln in links if _LINK_KIND(ln) != common), fabric
+
+
+_LINK_KIND = attrgetter("topology", "nvlinks", "p2p_read", "p2p_nvlink")

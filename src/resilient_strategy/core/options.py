@@ -1,42 +1,47 @@
 """Options: every knob of a decision, as one frozen value, validated once.
 
-:func:`options_from` reads the arguments of ``resilient_strategy()`` and the environment
-(explicit argument > the user's environment > our default) and builds :class:`Options`, whose
-``__post_init__`` checks every field's type and range. Each error names the argument or the
-environment variable the bad value came from. Adding an option touches this module, the
-``resilient_strategy()`` signature and the README table.
+:class:`Options` (a decision) and :class:`RunOptions` (``resilient-strategy run``) check every
+field's type and range in ``__post_init__``; each error names the argument or the environment
+variable the bad value came from. :mod:`.arguments` reads the arguments of
+``resilient_strategy()`` and the environment into them. Adding an option touches this module,
+:mod:`.arguments`, the ``resilient_strategy()`` signature and the options reference page.
 """
 
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import FrameworkNotInstalledError, InvalidOptionError
-from ..vocab import BACKENDS, FRAMEWORK_ALIASES, FRAMEWORKS, MULTI_BACKENDS, PRECISIONS, PROBE_MODES
-from .facts import Facts
-from .rules import Rule, load_rules
-from .tfcluster import VAR as TF_CONFIG_VAR
-from .tfcluster import parse_tf_config
+from ..errors import InvalidOptionError
+from ..vocab import (
+    BACKENDS,
+    FRAMEWORK_ALIASES,
+    FRAMEWORKS,
+    MULTI_BACKENDS,
+    PRECISIONS,
+    PROBE_MODES,
+    SHARDING_MODES,
+)
+from .remedies import Remedies, builtin_remedies
+from .rules import Rule
 
 __all__ = [
-    "BACKENDS", "DEFAULT_PG_TIMEOUT_S", "DEFAULT_TIMEOUT_S", "FRAMEWORKS", "FRAMEWORK_ALIASES",
+    "BACKENDS", "DEFAULT_PROCESS_GROUP_TIMEOUT", "DEFAULT_TIMEOUT_S", "FRAMEWORKS", "FRAMEWORK_ALIASES",
     "MULTI_BACKENDS", "PRECISIONS", "PROBE_MODES", "Launch", "Options", "RunOptions",
-    "gradient_bytes_of", "options_from", "run_options_from",
+    "default_dir",
 ]
 
 DEFAULT_TIMEOUT_S = 30.0
 #: Collective timeout of the training process group. Not the probe's 30 s: a rank may rightly
 #: wait minutes for a peer that checkpoints or evaluates; not torch's 10 minutes either.
-DEFAULT_PG_TIMEOUT_S = 300.0
+DEFAULT_PROCESS_GROUP_TIMEOUT = 300.0
 
 # ----- ranges (inclusive upper bounds) -------------------------------------------------------
 MAX_TIMEOUT_S = 3600.0  # one probe
-MAX_PG_TIMEOUT_S = 7 * 86400.0  # a training collective: a week (timedelta and NCCL take it)
+MAX_PROCESS_GROUP_TIMEOUT = 7 * 86400.0  # a training collective: a week (timedelta and NCCL take it)
 MAX_CACHE_TTL_S = 366 * 86400.0
 MAX_SAMPLE_SECONDS = 3600.0
 #: Batch sizes fit a 32-bit integer; beyond, the divisor search of the batch split would take
@@ -45,6 +50,9 @@ MAX_BATCH = 2**31 - 1
 MAX_GRADIENT_BYTES = 2**50  # a pebibyte of gradients
 MAX_LOGICAL_CPUS = 1024
 MAX_WORLD_SIZE = 2**20
+MAX_OPTIMIZER_STATE_FACTOR = 64.0
+#: AdamW: two fp32 moments per trainable parameter (SGD with momentum: 1; plain SGD: 0).
+DEFAULT_OPTIMIZER_STATE_FACTOR = 2.0
 
 
 DEFAULT_TTL_S = 7 * 24 * 3600.0
@@ -108,16 +116,26 @@ class Options:
     probe: str = "auto"
     timeout_s: float = DEFAULT_TIMEOUT_S
     budget_s: float = 4 * DEFAULT_TIMEOUT_S
-    pg_timeout_s: float = DEFAULT_PG_TIMEOUT_S
+    process_group_timeout: float = DEFAULT_PROCESS_GROUP_TIMEOUT
     dry_run: bool = False
     cache_dir: Path | None = None  # None: no cache
     cache_ttl_s: float = DEFAULT_TTL_S
     rules: tuple[Rule, ...] = ()
+    #: cause -> remedies (remedies.toml plus the user's RESILIENT_STRATEGY_REMEDIES files)
+    remedies: Remedies = field(default_factory=builtin_remedies, compare=False, repr=False)
     precision: str = "auto"
     framework_reason: str = ""
     quiet: bool | None = None  # None: a progress line per probe when stderr is a terminal
     #: Probe outcomes come from a description (a simulation), not from running probes here.
     simulated: bool = False
+    #: Memory planning (core/memory.py): "auto" shards (FSDP2) only when a replica does not fit,
+    #: "full" always shards, "none" never; the model's parameter bytes (all, trainable or not),
+    #: the optimizer's state per gradient byte, and the largest sharding unit's parameter bytes
+    #: (from model=; None: assumed).
+    sharding: str = "auto"
+    param_bytes: int | None = None
+    optimizer_state_factor: float = DEFAULT_OPTIMIZER_STATE_FACTOR
+    shard_unit_bytes: int | None = None
 
     @property
     def nodes(self) -> int:
@@ -144,6 +162,8 @@ class Options:
             raise InvalidOptionError(f"framework must be one of {FRAMEWORKS}, not {self.framework!r}",
                                      "framework")
         for name, top in (("global_batch_size", MAX_BATCH), ("gradient_bytes", MAX_GRADIENT_BYTES),
+                          ("param_bytes", MAX_GRADIENT_BYTES),
+                          ("shard_unit_bytes", MAX_GRADIENT_BYTES),
                           ("max_per_replica_batch", MAX_BATCH), ("world_size", MAX_WORLD_SIZE),
                           ("local_world_size", MAX_WORLD_SIZE)):
             value = getattr(self, name)
@@ -185,9 +205,23 @@ class Options:
                 "logical_cpus is a single-process test mode; under a multi-worker TF_CONFIG each "
                 "CPU worker is one replica of MultiWorkerMirroredStrategy: leave logical_cpus 0",
                 "logical_cpus")
+        if self.sharding not in SHARDING_MODES:
+            raise InvalidOptionError(
+                f"sharding must be one of {SHARDING_MODES}, not {self.sharding!r}", "sharding")
+        if self.sharding == "full" and self.framework != "torch":
+            raise InvalidOptionError(
+                "sharding='full' is PyTorch's FSDP2; TensorFlow shards through keras.distribution "
+                "(out of scope here, see docs/how-to/large-models.md)", "sharding")
+        factor = self.optimizer_state_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (
+                math.isfinite(factor) and 0 <= factor <= MAX_OPTIMIZER_STATE_FACTOR):
+            raise InvalidOptionError(
+                f"optimizer_state_factor must be a number from 0 to "
+                f"{MAX_OPTIMIZER_STATE_FACTOR:g} (AdamW: 2, SGD with momentum: 1), not "
+                f"{factor!r}", "optimizer_state_factor")
         _check_seconds("sample_seconds", self.sample_seconds, MAX_SAMPLE_SECONDS)
         _check_seconds("timeout", self.timeout_s, MAX_TIMEOUT_S)
-        _check_seconds("process_group_timeout", self.pg_timeout_s, MAX_PG_TIMEOUT_S)
+        _check_seconds("process_group_timeout", self.process_group_timeout, MAX_PROCESS_GROUP_TIMEOUT)
         _check_seconds("cache_ttl", self.cache_ttl_s, MAX_CACHE_TTL_S)
         if self.probe not in PROBE_MODES:
             raise InvalidOptionError(
@@ -234,227 +268,6 @@ def _check_seconds(name: str, value: float | None, top: float) -> None:
             f"{name} must be a number of seconds in (0, {top:g}], not {value!r}", name)
 
 
-# --------------------------------------------------------------------------------------------
-# Reading the arguments and the environment
-# --------------------------------------------------------------------------------------------
-def _env_list(env: Mapping[str, str], name: str, sep: str = ",") -> list[str]:
-    return [x.strip() for x in env.get(name, "").split(sep) if x.strip()]
-
-
-def _env_int(env: Mapping[str, str], name: str, default: int | None) -> int | None:
-    text = env.get(name)
-    if text is None or (text == "" and name == "LOCAL_WORLD_SIZE"):
-        return default
-    try:
-        return int(text)
-    except ValueError:
-        raise InvalidOptionError(f"{name}={text!r}: expected an integer", name) from None
-
-
-def _env_seconds(env: Mapping[str, str], name: str, default: float, top: float) -> float:
-    text = env.get(name)
-    if text is None:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and 0 < value <= top):
-        raise InvalidOptionError(
-            f"{name}={text!r}: expected a number of seconds in (0, {top:g}]", name)
-    return value
-
-
-def _launch(env: Mapping[str, str]) -> Launch:
-    """The launcher's variables, as integers (their ranges are checked by Options)."""
-    world = _env_int(env, "WORLD_SIZE", 1)
-    if world is None or not 1 <= world <= MAX_WORLD_SIZE:
-        raise InvalidOptionError(
-            f"WORLD_SIZE={world}: expected 1 to {MAX_WORLD_SIZE} processes", "WORLD_SIZE")
-    local_world = _env_int(env, "LOCAL_WORLD_SIZE", None)
-    if local_world is not None and not 1 <= local_world <= world:
-        raise InvalidOptionError(
-            f"LOCAL_WORLD_SIZE={local_world}: expected 1 to WORLD_SIZE ({world})",
-            "LOCAL_WORLD_SIZE")
-    return Launch(rank=_env_int(env, "RANK", 0) or 0, local_rank=_env_int(env, "LOCAL_RANK", 0) or 0,
-                  world_size=world, local_world_size=local_world)
-
-
-def _pick_framework(framework: str | None, facts: Facts) -> tuple[str, str]:
-    if framework is not None:
-        name = FRAMEWORK_ALIASES.get(framework, framework)
-        if name not in FRAMEWORKS:
-            raise InvalidOptionError(
-                f"framework must be 'torch' or 'tensorflow', not {framework!r}", "framework")
-        if not facts.framework(name).installed:
-            raise FrameworkNotInstalledError(name)
-        return name, f"framework={framework!r} as asked"
-    imported = [f for f in FRAMEWORKS if facts.framework(f).imported]
-    installed = [f for f in FRAMEWORKS if facts.framework(f).installed]
-    if len(imported) == 1:
-        return imported[0], f"framework=None: {imported[0]} is the one already imported"
-    if len(installed) == 1:
-        return installed[0], f"framework=None: {installed[0]} is the one installed"
-    if not installed:
-        raise FrameworkNotInstalledError(None)
-    raise InvalidOptionError(
-        "framework=None but both torch and tensorflow are installed"
-        + (" and imported" if imported else "")
-        + "; pass framework='torch' or framework='tensorflow'",
-        "framework",
-    )
-
-
-def _number(name: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidOptionError(f"{name} must be a number of seconds, not {value!r}", name)
-    return float(value)
-
-
-def _iterable(name: str, value: Any) -> list[Any]:
-    try:
-        return list(value)
-    except TypeError:
-        raise InvalidOptionError(f"{name} must be a sequence, not {value!r}", name) from None
-
-
-def gradient_bytes_of(model: Any) -> int:
-    """Bytes of trainable parameters of a torch module or a Keras model (duck-typed, no import)."""
-    if hasattr(model, "parameters"):
-        return sum(
-            int(p.numel()) * int(p.element_size()) for p in model.parameters() if p.requires_grad
-        )
-    weights = getattr(model, "trainable_weights", None)
-    if weights is not None:
-        total = 0
-        for w in weights:
-            n = 1
-            for d in w.shape:
-                n *= int(d)
-            total += n * int(getattr(getattr(w, "dtype", None), "size", 4) or 4)
-        return total
-    raise InvalidOptionError("model= must be a torch.nn.Module or a Keras model", "model")
-
-
-def options_from(
-    facts: Facts,
-    env: Mapping[str, str],
-    *,
-    framework: str | None,
-    global_batch_size: int | None,
-    devices: Sequence[int] | None,
-    probe: str | bool | None,
-    timeout: float | None,
-    prefer: str | None,
-    dry_run: bool,
-    model: Any,
-    gradient_bytes: int | None,
-    sample_seconds: float | None,
-    max_per_replica_batch: int | None,
-    rules: Sequence[str | Path | Rule],
-    disable_rules: Sequence[str],
-    cache: bool,
-    cache_dir: str | Path | None,
-    cache_ttl: float | None,
-    precision: str,
-    logical_cpus: int,
-    process_group_timeout: float | None = None,
-    quiet: bool | None = None,
-) -> Options:
-    """Validate every argument once; environment variables fill what was not passed."""
-    if framework is not None and not isinstance(framework, str):
-        raise InvalidOptionError(
-            f"framework must be 'torch' or 'tensorflow', not {framework!r}", "framework")
-    timeout = _number("timeout", timeout)
-    cache_ttl = _number("cache_ttl", cache_ttl)
-    sample_seconds = _number("sample_seconds", sample_seconds)
-    pg_timeout = _number("process_group_timeout", process_group_timeout)
-    if devices is not None and (isinstance(devices, (str, bytes)) or not all(
-        isinstance(d, int) and not isinstance(d, bool) for d in _iterable("devices", devices)
-    )):
-        raise InvalidOptionError(
-            f"devices must be a sequence of GPU indices (ints), not {devices!r}", "devices")
-    if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
-        raise InvalidOptionError(
-            f"cache_dir must be a path (str or os.PathLike), not {cache_dir!r}", "cache_dir")
-    if isinstance(rules, (str, Path)):  # one file, not a sequence of characters
-        rules = (rules,)
-    if isinstance(disable_rules, str):
-        disable_rules = (disable_rules,)
-    fw, why = _pick_framework(framework, facts)
-    if probe is None:
-        probe = env.get("RESILIENT_STRATEGY_PROBE", "auto")
-        if probe not in PROBE_MODES:
-            raise InvalidOptionError(
-                f"RESILIENT_STRATEGY_PROBE={probe!r}: expected one of {PROBE_MODES}",
-                "RESILIENT_STRATEGY_PROBE")
-    if quiet is None and env.get("RESILIENT_STRATEGY_QUIET", "") != "":
-        flag = env["RESILIENT_STRATEGY_QUIET"].strip().lower()
-        if flag not in ("1", "0", "true", "false"):
-            raise InvalidOptionError(
-                f"RESILIENT_STRATEGY_QUIET={flag!r}: expected 1 (no progress line per probe) or "
-                "0 (one even when stderr is not a terminal)", "RESILIENT_STRATEGY_QUIET")
-        quiet = flag in ("1", "true")
-    if probe is True:
-        probe = "auto"
-    if probe is False:
-        probe = "never"
-    if timeout is None:
-        timeout = _env_seconds(env, "RESILIENT_STRATEGY_TIMEOUT", DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S)
-    if pg_timeout is None:
-        pg_timeout = _env_seconds(env, "RESILIENT_STRATEGY_PG_TIMEOUT", DEFAULT_PG_TIMEOUT_S,
-                                  MAX_PG_TIMEOUT_S)
-    if model is not None and gradient_bytes is None:
-        gradient_bytes = gradient_bytes_of(model)
-    launch = _launch(env)
-    if prefer is None:
-        prefer = env.get("RESILIENT_STRATEGY_PREFER") or None
-        if prefer is not None and prefer not in BACKENDS:
-            raise InvalidOptionError(
-                f"RESILIENT_STRATEGY_PREFER={prefer!r}: expected one of {BACKENDS}",
-                "RESILIENT_STRATEGY_PREFER")
-    extra_rules: list[str | Path | Rule] = [*_env_list(env, "RESILIENT_STRATEGY_RULES", os.pathsep)]
-    extra_rules += list(rules)
-    disabled = [*_env_list(env, "RESILIENT_STRATEGY_DISABLE_RULES"), *disable_rules]
-    # The logical-CPU test mode proves nothing about this machine's GPUs: keep it out of the cache.
-    use_cache = cache and env.get("RESILIENT_STRATEGY_CACHE", "1") != "0" and not logical_cpus
-    cluster = parse_tf_config(env.get(TF_CONFIG_VAR)) if fw == "tensorflow" else None
-    workers = cluster.num_workers if cluster is not None and cluster.multi_worker else 1
-    worker_rank = (cluster.worker_rank or 0) if cluster is not None and cluster.multi_worker \
-        else 0
-    return Options(
-        framework=fw,
-        global_batch_size=global_batch_size,
-        devices=None if devices is None else tuple(int(d) for d in devices),
-        prefer=prefer,
-        gradient_bytes=gradient_bytes,
-        sample_seconds=sample_seconds,
-        max_per_replica_batch=max_per_replica_batch,
-        rank=launch.rank,
-        local_rank=launch.local_rank,
-        world_size=launch.world_size,
-        local_world_size=launch.local_world_size,
-        user_env=tuple(sorted(env)),
-        logical_cpus=logical_cpus,
-        tf_workers=workers,
-        tf_worker_rank=worker_rank,
-        tf_task=cluster.task if cluster is not None else "",
-        probe=str(probe),
-        timeout_s=float(timeout),
-        budget_s=4 * float(timeout),
-        pg_timeout_s=float(pg_timeout),
-        dry_run=dry_run,
-        cache_dir=(Path(cache_dir) if cache_dir else default_dir(env)) if use_cache else None,
-        cache_ttl_s=DEFAULT_TTL_S if cache_ttl is None else float(cache_ttl),
-        rules=load_rules(extra_rules, disabled),
-        precision=precision,
-        framework_reason=why,
-        quiet=quiet,
-    )
-
-
 # ----- `resilient-strategy run` -------------------------------------------------------------
 MAX_STALL_TIMEOUT_S = 7 * 86400.0
 MAX_RELAUNCHES = 1000
@@ -469,13 +282,21 @@ class RunOptions:
     script_args: tuple[str, ...] = ()
     framework: str | None = None
     nproc: int | None = None  # None: "auto" (one per visible GPU, else 1)
-    max_relaunches: int | None = None  # None: the candidates left after the first choice
+    max_relaunches: int | None = None  # None: no count (the policy's bounds still hold)
     stall_timeout_s: float | None = None  # None: max(60 s, 20 x the median step time)
     global_batch_size: int | None = None  # for ranking (the script's own value trains)
     gradient_bytes: int | None = None
     probe_timeout_s: float | None = None
     logical_cpus: int = 0
     torchrun: Any = field(default=None, compare=False)  # torchrun's parsed arguments
+    #: A step-down never lands below this fraction of the estimated throughput of what failed.
+    min_throughput: float = 0.25
+    allow_cpu: bool = False  # a GPU job may step down to the CPU
+    max_attempts_without_progress: int = 3  # the crash-loop bound
+    evidence_dir: str = "resilient-strategy-evidence"  # per-rank tracebacks of each fault
+    sharding: str = "auto"  # memory planning, as resilient_strategy() takes it
+    param_bytes: int | None = None
+    optimizer_state_factor: float | None = None
 
     def __post_init__(self) -> None:
         if self.framework is not None and self.framework not in FRAMEWORKS:
@@ -486,6 +307,7 @@ class RunOptions:
                 ("--max-relaunches", self.max_relaunches, 0, MAX_RELAUNCHES),
                 ("--global-batch-size", self.global_batch_size, 1, MAX_BATCH),
                 ("--gradient-bytes", self.gradient_bytes, 1, MAX_GRADIENT_BYTES),
+                ("--param-bytes", self.param_bytes, 1, MAX_GRADIENT_BYTES),
                 ("--logical-cpus", self.logical_cpus, 0, MAX_LOGICAL_CPUS)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or not low <= value <= top):
@@ -493,34 +315,19 @@ class RunOptions:
                     f"{name} must be an integer from {low} to {top}, not {value!r}", name)
         _check_seconds("--stall-timeout", self.stall_timeout_s, MAX_STALL_TIMEOUT_S)
         _check_seconds("--probe-timeout", self.probe_timeout_s, MAX_TIMEOUT_S)
-
-
-def run_options_from(env: Mapping[str, str], *, script: str, script_args: tuple[str, ...],
-                     framework: str | None, nproc: str, max_relaunches: int | None,
-                     stall_timeout: float | None, global_batch_size: int | None,
-                     gradient_bytes: int | None, probe_timeout: float | None, logical_cpus: int,
-                     torchrun: Any = None) -> RunOptions:
-    """The supervisor's options: the command line > RESILIENT_STRATEGY_STALL_TIMEOUT /
-    RESILIENT_STRATEGY_MAX_RELAUNCHES > our defaults. ``nproc``: a count or "auto"."""
-    if nproc in ("auto", "gpu"):
-        count: int | None = None
-    else:
-        try:
-            count = int(nproc)
-        except ValueError:
+        m = self.min_throughput
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not (
+                math.isfinite(m) and 0 <= m <= 1):
+            raise InvalidOptionError(f"--min-throughput must be a fraction in [0, 1], not {m!r}",
+                                     "--min-throughput")
+        n = self.max_attempts_without_progress
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_RELAUNCHES:
             raise InvalidOptionError(
-                f"--nproc-per-node must be a number or 'auto', not {nproc!r}",
-                "--nproc-per-node") from None
-    if stall_timeout is None and env.get("RESILIENT_STRATEGY_STALL_TIMEOUT"):
-        stall_timeout = _env_seconds(env, "RESILIENT_STRATEGY_STALL_TIMEOUT", MIN_STALL_S,
-                                     MAX_STALL_TIMEOUT_S)
-    if max_relaunches is None:
-        max_relaunches = _env_int(env, "RESILIENT_STRATEGY_MAX_RELAUNCHES", None)
-    return RunOptions(
-        script=script, script_args=script_args, framework=framework, nproc=count,
-        max_relaunches=max_relaunches, stall_timeout_s=stall_timeout,
-        global_batch_size=global_batch_size, gradient_bytes=gradient_bytes,
-        probe_timeout_s=probe_timeout, logical_cpus=logical_cpus, torchrun=torchrun)
+                f"--max-attempts-without-progress must be an integer from 1 to "
+                f"{MAX_RELAUNCHES}, not {n!r}", "--max-attempts-without-progress")
+        if not self.evidence_dir or "\0" in self.evidence_dir:
+            raise InvalidOptionError(f"--evidence-dir must be a path, not {self.evidence_dir!r}",
+                                     "--evidence-dir")
 
 
 #: The stall timeout's floor when it follows the step time (see supervisor.default_stall_timeout)

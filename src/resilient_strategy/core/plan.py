@@ -15,11 +15,14 @@ from typing import TYPE_CHECKING, Any
 from ..errors import InvalidOptionError
 from ..vocab import MULTI_WORKER_BACKENDS
 from .candidate import Candidate
+from .causes import GPU_WIDE_CAUSES
 from .estimate import ASSUMED_GRADIENT_BYTES, Estimate, estimate
 from .facts import Facts
 from .human import human_bytes
 from .probe import TIMEOUT, ProbeResult
-from .rules import Rule, fired
+from .remedies import SETUP_HANG
+from .rules import FactValue, Rule, fact_values, fired
+from .sharding import check_memory, shard_chain
 from .trace import (
     BatchSplit,
     CandidateRuledOut,
@@ -43,25 +46,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Candidate", "Estimate", "Plan", "Ranked", "RuledOut", "estimate", "plan", "split_batch"]
 
-_REMEDY_FOR_CAUSE = {
-    "shared_memory": ({"NCCL_SHM_DISABLE": "1"},),
-    "cuda_error": ({"NCCL_P2P_DISABLE": "1"}, {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}),
-    # A hang costs a whole probe timeout: try the likeliest cure only (broken P2P on consumer
-    # cards: NVIDIA/nccl#1637);
-    # the fact-driven remedies (rules) come on top of it.
-    "timeout": ({"NCCL_P2P_DISABLE": "1"},),
-    "crash": ({"NCCL_P2P_DISABLE": "1"},),
-    "nccl_error": ({"NCCL_P2P_DISABLE": "1"}, {"NCCL_SHM_DISABLE": "1"}),
-    # Wrong sums with every rank alive: the classic sign of P2P that claims to work and doesn't.
-    "wrong_result": ({"NCCL_P2P_DISABLE": "1"},),
-    "nan_result": ({"NCCL_P2P_DISABLE": "1"},),
-    "zero_result": ({"NCCL_P2P_DISABLE": "1"},),
-    # NCCL picked an interface its peers cannot reach (a USB network card): on one node every
-    # rank is local, so the loopback interface always works.
-    "nccl_network": ({"NCCL_SOCKET_IFNAME": "lo"},),
-}
-#: A communicator that hung in its set-up on one node: the same network cause, most often.
-_SETUP_HANG_REMEDIES = ({"NCCL_SOCKET_IFNAME": "lo"}, {"NCCL_P2P_DISABLE": "1"})
+#: Cause -> remedies is data (``remedies.toml``, :mod:`.remedies`, ``Options.remedies``); a hang
+#: judged in communicator set-up is its own cause there (``setup_hang``), in words:
+_SETUP_HANG_WORDS = "a hang in communicator set-up"
 #: A remedy that fails with another cause gets that cause's first remedy on top, while the
 #: variables it sets number at most this (bounded: each combination is one more probe).
 MAX_COMPOSED_VARS = 3
@@ -183,10 +170,13 @@ def plan(
         b.note("logical_cpus",
                f"Test mode: {policy.logical_cpus} logical CPU devices stand in for GPUs.")
     base, reference = _chain(fw, gpus, info.has_cuda or bool(policy.logical_cpus), policy, b)
+    base = _shard(base, facts, policy, b)
     hits = fired(rules, facts, fw, replicas=len(gpus))
     cands = _apply_rules(base, hits, policy, b)
     cands = _split_batches(cands, policy, b, reference)  # before results: keys name devices
-    cands = _apply_results(cands, results, policy, b)
+    values = fact_values(facts, fw, replicas=len(gpus), nodes=policy.nodes) if results else {}
+    cands = _fitting(cands, facts, policy, b)
+    cands = _apply_results(cands, results, policy, b, values)
 
     ranked = _rank(cands, facts, results, policy, b)
     chosen, next_probe = _choose(ranked, b)
@@ -271,7 +261,12 @@ def _chain(
         multi_ok = False
     logical = bool(policy.logical_cpus)  # the "GPUs" are logical CPU devices (a test mode)
     if multi_ok and multi_devs:
-        backends = ("nccl", "gloo") if fw == "torch" else ("nccl", "hierarchical_copy", "reduction_to_one_device")
+        backends: tuple[str, ...] = ("nccl", "gloo") if fw == "torch" \
+            else ("nccl", "hierarchical_copy", "reduction_to_one_device")
+        if fw == "tensorflow" and logical:
+            b.note("no_nccl_on_cpu", "NCCL is not tried on logical CPU devices: TensorFlow's "
+                   "NcclAllReduce has no CPU kernel (it builds, then fails at the first step).")
+            backends = backends[1:]
         replicas = len(multi_devs) * nodes
         for backend in backends:
             out.append(Candidate(fw, backend, multi_devs, num_replicas=replicas,
@@ -310,6 +305,26 @@ def _multi_worker_chain(
         out.append(Candidate(fw, "single_device", gpus[:1]))
     out.append(Candidate(fw, "cpu", ()))
     return out, replicas
+
+
+def _shard(cands: list[Candidate], facts: Facts, policy: Options, b: _Build) -> list[Candidate]:
+    """Shard the multi-process candidates (FSDP2) where ``sharding=`` says (sharding.py)."""
+    out, event = shard_chain(cands, facts, policy)
+    if event is not None:
+        b.events.append(event)
+    return out
+
+
+def _fitting(cands: list[Candidate], facts: Facts, policy: Options, b: _Build) -> list[Candidate]:
+    """Rule out the candidates whose model state does not fit their devices (sharding.py)."""
+    too_big, event = check_memory(cands, facts, policy)
+    if event is None:
+        return cands
+    b.events.append(event)
+    for row in too_big:
+        b.rule_out(row.candidate, "memory", row.text(), rule="memory", said=True)
+    out = {row.candidate.key for row in too_big}
+    return [c for c in cands if c.key not in out]
 
 
 def _user_set(policy: Options, env: Mapping[str, str]) -> list[str]:
@@ -396,7 +411,8 @@ def _insert_remedy(cands: list[Candidate], remedy: Candidate) -> list[Candidate]
 
 
 def _apply_results(
-    cands: list[Candidate], results: Mapping[str, ProbeResult], policy: Options, b: _Build
+    cands: list[Candidate], results: Mapping[str, ProbeResult], policy: Options, b: _Build,
+    values: Mapping[str, FactValue],
 ) -> list[Candidate]:
     out: list[Candidate] = []
     queue = list(cands)
@@ -409,33 +425,45 @@ def _apply_results(
             out.append(c)
             continue
         b.rule_out(c, "probe", res.why(), result=res)
-        if c.backend != "nccl":
+        if res.cause in GPU_WIDE_CAUSES:  # no GPU of this process runs: every GPU candidate out
+            for other in [x for x in out + queue[i:] if x.devices and not x.logical_cpus]:
+                b.rule_out(other, "probe", f"{c.label} failed: {res.why()}", result=res)
+            out = [x for x in out if not x.devices or x.logical_cpus]
+            queue = queue[:i] + [x for x in queue[i:] if not x.devices or x.logical_cpus]
             continue
-        # Plain NCCL's failure suggests its cause's remedies. A remedy that fails with a
-        # *different* cause gets that cause's first remedy added on top (P2P off, then failing
-        # on shared memory: P2P and SHM off), bounded by MAX_COMPOSED_VARS; a remedy failing
-        # with the same cause, or hanging, is not remedied again (each try costs a probe, and
-        # a hang says too little to pick one).
-        cause = res.cause
-        options = _REMEDY_FOR_CAUSE.get(cause, ())
-        if cause == "timeout" and dict(res.extra).get("hang") == "setup" and policy.nodes == 1:
-            cause, options = "a hang in communicator set-up", _SETUP_HANG_REMEDIES
+        if c.backend not in ("nccl", "gloo"):
+            continue
+        # Plain NCCL's (or gloo's) failure suggests its cause's remedies (remedies.toml, each
+        # gated by the facts). A remedy that fails with a *different* cause gets that cause's
+        # first remedy added on top (P2P off, then failing on shared memory: P2P and SHM off),
+        # bounded by MAX_COMPOSED_VARS; a remedy failing with the same cause, or hanging, is not
+        # remedied again (each try costs a probe, and a hang says too little to pick one).
+        cause = label = res.cause
+        if (cause == "timeout" and dict(res.extra).get("hang") == "setup"
+                and policy.remedies.for_cause(SETUP_HANG, c.backend, values)):
+            cause, label = SETUP_HANG, _SETUP_HANG_WORDS
+        options = list(policy.remedies.for_cause(cause, c.backend, values))
         if c.origin != "chain":
-            if (res.status == TIMEOUT or c.origin == f"after {cause}"
+            if (res.status == TIMEOUT or c.origin == f"after {label}"
                     or len(c.env) >= MAX_COMPOSED_VARS):
                 continue
             options = options[:1]
         at = i
-        for env in options:
-            if set(env.items()) <= set(c.env) or _user_set(policy, env):
+        for remedy_entry, env in options:
+            if set(env.items()) <= set(c.env):
                 continue
-            remedy = _with_env(c, env, f"after {cause}")
+            taken = _user_set(policy, env)
+            if taken:  # the user's value stands, and the trace names it
+                b.events.append(UserSettingKept(f"{remedy_entry.id} (remedy for {label})",
+                                                tuple(taken)))
+                continue
+            remedy = _with_env(c, env, f"after {label}")
             if any(x.key == remedy.key for x in queue) or any(
                     r.candidate.key == remedy.key for r in b.ruled_out):
                 continue
             queue.insert(at, remedy)  # tried right after what failed; examined in this loop
             at += 1
-            b.events.append(RemedyQueued(remedy, cause,
+            b.events.append(RemedyQueued(remedy, label,
                                          on_top_of=None if c.origin == "chain" else c))
     return out
 

@@ -17,7 +17,11 @@ from typing import Any, Protocol, TypeVar
 
 from ..errors import FileFormatError
 from .bounded import parse_json
+from .causes import CAUSES as CAUSES  # re-exported: the causes' long-standing home
+from .causes import ENVIRONMENTAL_CAUSES as ENVIRONMENTAL_CAUSES
+from .causes import HANG_WORDS as HANG_WORDS
 from .outcome import WorkerOutcome
+from .signatures import Signatures, builtin_signatures
 
 
 class Stall(Protocol):
@@ -43,54 +47,6 @@ class Stall(Protocol):
 #: Probe statuses.
 OK, ERROR, TIMEOUT = "ok", "error", "timeout"
 
-_ROUTING = (
-    ". The likeliest cause is PCIe peer-to-peer traffic routed through the IOMMU / ACS (PCIe "
-    "Access Control Services), whether or not the IOMMU was detected: disable ACS in the BIOS "
-    "(or per bridge with setpci), or boot with iommu=pt (intel_iommu=on iommu=pt / amd_iommu=on "
-    "iommu=pt), or disable the IOMMU; NCCL_P2P_DISABLE=1 avoids the peer path meanwhile")
-
-#: The words for a timeout judged from the workers' progress, cut before the deadline.
-HANG_WORDS = ("the probe hung (judged from its ranks' progress, cut before the deadline): a "
-              "rank stuck in communicator setup or a collective, or one that never arrived "
-              "while the others waited")
-
-#: Classified causes, with the words a user can act on.
-CAUSES: dict[str, str] = {
-    "": "",
-    "nccl_duplicate_gpu": "two ranks of the group are on the same GPU (NCCL needs a GPU of its "
-    "own for each rank): give each process or node its own GPU (CUDA_VISIBLE_DEVICES, or one "
-    "process per GPU with --nproc-per-node); two 'nodes' on one host sharing a GPU do this",
-    "nccl_invalid_usage": "NCCL rejected its configuration (ncclInvalidUsage): an NCCL_* variable "
-    "names an unknown algorithm, protocol, network or interface",
-    "nccl_error": "NCCL failed (ncclSystemError / ncclInternalError / remote error)",
-    "nccl_network": "NCCL could not connect its ranks over the network interface it picked (a "
-    "USB or unroutable interface); on one node NCCL_SOCKET_IFNAME=lo (loopback) works",
-    "oom": "the GPU ran out of memory: another process holds it, or the probe's buffers do not "
-    "fit; free the GPU",
-    "cuda_error": "an unhandled CUDA error inside NCCL: often P2P between these GPUs is broken, "
-    "or the NCCL build has no kernels for this GPU",
-    "no_kernel_image": "the framework or NCCL has no kernels for this GPU's compute capability",
-    "shared_memory": "NCCL could not create its /dev/shm segment: /dev/shm is too small "
-    "(Docker's 64 MB default); run with --ipc=host or --shm-size, or set NCCL_SHM_DISABLE=1",
-    "timeout": "the collective hung until the probe's deadline: one rank waited forever",
-    "timeout_short": "the probe's timeout ran out before its workers could start, which is not "
-    "a hang",
-    "crash": "a worker died from a signal",
-    "wrong_result": "the all-reduce completed with a wrong value" + _ROUTING,
-    "nan_result": "the all-reduce completed with NaN values" + _ROUTING,
-    "zero_result": "the all-reduce completed with zeros where data was sent (peer copies that "
-    "return zeros)" + _ROUTING,
-    "backend_unavailable": "this build of the framework does not have the backend",
-    "no_device": "the worker saw fewer devices than it needs",
-    "worker_error": "the probe worker raised an error",
-    "inter_node": "the collective between nodes failed (the group of one process per node "
-    "spanning the job)",
-    "budget": "not probed: the time budget for the whole decision was spent (timeout= x 4)",
-    "inter_worker": "the collective between the TF_CONFIG workers failed (each worker's one "
-    "process of MultiWorkerMirroredStrategy, which agree on each verdict)",
-}
-
-
 @dataclass(frozen=True)
 class ProbeSpec:
     """What to prove: a candidate run by ``world_size`` processes (1 for TF single-process)."""
@@ -110,6 +66,9 @@ class ProbeSpec:
     #: together, and this one's id; 1: an ordinary probe on this machine
     workers: int = 1
     worker_rank: int = 0
+    #: A sharded candidate (FSDP2): the workers also prove all-gather and reduce-scatter,
+    #: value-checked at the sizes FSDP sends, and take a sharded training step.
+    sharded: bool = False
 
 
 @dataclass(frozen=True)
@@ -227,43 +186,10 @@ def _maybe(
 # --------------------------------------------------------------------------------------------
 # Classification of failure text (pure)
 # --------------------------------------------------------------------------------------------
-_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
-    # NCCL's own words for a segment it could not make (shmutils.cc / older shm.h), not any
-    # mention of /dev/shm: hints and NCCL_SHM_* advice name it too. First, because NCCL reports
-    # these as ncclSystemError and the shared memory is what a user can fix.
-    ("shared_memory", re.compile(
-        r"Error while (?:creating|attaching to) shared memory segment|"
-        r"(?:Call to )?posix_fallocate failed|shm_open failed|"
-        r"failed to (?:extend|open|create|map) /dev/shm/", re.I)),
-    # Before nccl_invalid_usage, which NCCL reports it as (seen on an H100, NCCL 2.28.9, two
-    # simulated nodes on one GPU): no NCCL_* variable is at fault.
-    ("nccl_duplicate_gpu", re.compile(r"Duplicate GPU detected", re.I)),
-    ("nccl_invalid_usage", re.compile(r"invalid usage|ncclInvalidUsage|ncclInvalidArgument", re.I)),
-    ("no_kernel_image", re.compile(r"no kernel image|not compatible with the current PyTorch|"
-                                   r"sm_\d+ is not compatible", re.I)),
-    # Before cuda_error: "CUDA error: out of memory" is a busy or too-small GPU, not broken P2P.
-    ("oom", re.compile(r"out of memory|CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation|"
-                       r"OutOfMemoryError|ResourceExhaustedError.{0,80}\bOOM\b", re.I)),
-    ("cuda_error", re.compile(r"unhandled cuda error|ncclUnhandledCudaError|CUDA error", re.I)),
-    ("backend_unavailable", re.compile(r"not built with|Distributed package doesn't have NCCL|"
-                                        r"NCCL is not available|No OpKernel was registered|"
-                                        r"no OpKernel|Could not find device for node.*Nccl", re.I)),
-    # NCCL's socket layer failing to reach a peer over the interface it chose.
-    ("nccl_network", re.compile(r"Bootstrap\s*:\s*(?:no socket interface|connection|connect)|"
-                                r"NET/Socket\s*:.*(?:[Cc]onnect|failed)|"
-                                r"socket(?:Connect|Progress|StartConnect|PollConnect)|"
-                                r"Connect to \S+ failed", re.I)),
-    ("nccl_error", re.compile(r"ncclSystemError|ncclInternalError|ncclRemoteError|NCCL error|"
-                              r"Error invoking NCCL", re.I)),
-)
-
-
-def classify(text: str) -> str:
-    """The cause key that best explains a failure's text ("worker_error" when nothing matches)."""
-    for cause, pattern in _PATTERNS:
-        if pattern.search(text):
-            return cause
-    return "worker_error"
+def classify(text: str, signatures: Signatures | None = None) -> str:
+    """The cause that best explains a failure's text, from the signature table
+    (``signatures.toml``; "worker_error" when no entry places it)."""
+    return (signatures or builtin_signatures()).classify(text)
 
 
 def tail(text: str, lines: int = 20, chars: int = 4000) -> str:
@@ -277,8 +203,11 @@ def parse_probe(
     elapsed_s: float,
     timed_out: bool,
     stall: Stall | None = None,
+    signatures: Signatures | None = None,
 ) -> ProbeResult:
-    """Turn what every worker did into one result. Pure.
+    """Turn what every worker did into one result. Pure. Failure text is placed on a cause by
+    ``signatures`` (the built-in table when None); text no entry places stays ``worker_error``
+    and the result's ``extra`` quotes the line it could not place (``unplaced``).
 
     Order of blame: the worker whose failure stopped the group (its peers' errors, such as
     "connection reset by peer", are only echoes of it); then a worker that reported an error or
@@ -296,23 +225,25 @@ def parse_probe(
         reports.append(rep if isinstance(rep, dict) else {})
     stderr_all = "\n".join(f"[rank {o.rank}] {line}" for o in outcomes
                            for line in tail(o.stderr, 8).splitlines() if line)
+    table = signatures or builtin_signatures()
     base = partial(ProbeResult, candidate=spec.candidate, elapsed_s=round(elapsed_s, 3),
                    stderr_tail=tail(stderr_all, 30), ranks=len(outcomes))
 
     # 0. the rank whose failure stopped the group
-    for o, rep in zip(outcomes, reports, strict=True):
-        if o.failed_first:
-            found = _reported(o, rep, base) or _died(o, base)
-            if found is not None:
-                return found
+    first = _first_failure(outcomes, reports)
+    if first is not None:
+        found = (_reported(outcomes[first], reports[first], base, table)
+                 or _died(outcomes[first], base, table))
+        if found is not None:
+            return found
     # 1. a rank that said what went wrong
     for o, rep in zip(outcomes, reports, strict=True):
-        found = _reported(o, rep, base)
+        found = _reported(o, rep, base, table)
         if found is not None:
             return found
     # 2. a rank that died on its own (not killed by us)
     for o in outcomes:
-        found = _died(o, base)
+        found = _died(o, base, table)
         if found is not None:
             return found
     # 3. a hang judged from progress records, or the deadline
@@ -346,6 +277,23 @@ def parse_probe(
 _Make = Callable[..., ProbeResult]
 
 
+def _first_failure(outcomes: Sequence[WorkerOutcome], reports: Sequence[Mapping[str, Any]]
+                   ) -> int | None:
+    """The index of the rank whose failure stopped the group. The runner names the one it saw
+    exit first, but it sees exits in one sweep of polls: an echo (a peer's "connection reset"
+    after the failing rank exited) can exit between two polls and be seen first. A worker's
+    failure report carries when it failed (``failed_at``, the monotonic clock, one per host),
+    so the earliest failure reported wins over the runner's pick; a rank that died without a
+    report (it could not say when) keeps the runner's pick."""
+    picked = next((i for i, o in enumerate(outcomes) if o.failed_first), None)
+    if picked is None or not reports[picked]:
+        return picked
+    times = [(t, i) for i, rep in enumerate(reports)
+             if rep.get("status") not in (None, "ok")
+             and (t := _positive(rep.get("failed_at"))) is not None]
+    return min(times)[1] if times else picked
+
+
 def stall_extra(stall: Stall) -> tuple[tuple[str, str], ...]:
     """A stall as ``extra`` entries of a result (cached with it)."""
     return (("hang", stall.kind), ("hang_at", stall.where()),
@@ -365,7 +313,8 @@ def _positive(value: Any) -> float | None:
     return float(value) if math.isfinite(value) and value > 0 else None
 
 
-def _reported(o: WorkerOutcome, rep: Mapping[str, Any], base: _Make) -> ProbeResult | None:
+def _reported(o: WorkerOutcome, rep: Mapping[str, Any], base: _Make,
+              table: Signatures) -> ProbeResult | None:
     """The result a worker's own error report gives, if it made one."""
     err = str(rep.get("error", ""))
     if rep.get("status") == "wrong_result":
@@ -374,23 +323,36 @@ def _reported(o: WorkerOutcome, rep: Mapping[str, Any], base: _Make) -> ProbeRes
         return base(status=ERROR, cause=cause, detail=f"rank {o.rank}: {_first_line(err)}")
     if rep.get("status") == "error":
         reported = rep.get("cause")
-        cause = reported if isinstance(reported, str) and reported in CAUSES and reported \
-            else classify(err + "\n" + o.stderr)
-        return base(status=ERROR, cause=cause, detail=f"rank {o.rank}: {_summary(err)}")
+        if isinstance(reported, str) and reported in CAUSES and reported:
+            return base(status=ERROR, cause=reported, detail=f"rank {o.rank}: {_summary(err)}")
+        text = err + "\n" + o.stderr
+        return base(status=ERROR, cause=table.classify(text),
+                    detail=f"rank {o.rank}: {_summary(err)}", extra=_unplaced(table, text))
     return None
 
 
-def _died(o: WorkerOutcome, base: _Make) -> ProbeResult | None:
+def _died(o: WorkerOutcome, base: _Make, table: Signatures) -> ProbeResult | None:
     """The result of a worker that ended badly on its own (not stopped by the runner)."""
     if o.killed_by_runner or o.returncode == 0:
         return None
     if o.signal is not None:
-        return base(status=ERROR, cause="crash", detail=f"rank {o.rank} died from signal {o.signal}")
+        entry = table.for_signal(o.signal)
+        return base(status=ERROR, cause="crash" if entry is None else entry.cause,
+                    detail=f"rank {o.rank} died from signal {o.signal}")
     if o.returncode is None:
         return None
-    return base(status=ERROR, cause=classify(o.stderr),
+    return base(status=ERROR, cause=table.classify(o.stderr),
                 detail=f"rank {o.rank} exited with code {o.returncode}: "
-                       f"{_first_line(_last_error_line(o.stderr))}")
+                       f"{_first_line(_last_error_line(o.stderr))}",
+                extra=_unplaced(table, o.stderr))
+
+
+def _unplaced(table: Signatures, text: str) -> tuple[tuple[str, str], ...]:
+    """``(("unplaced", line),)`` quoting the line of a failure no signature places, else ()."""
+    if table.match(text) is not None:
+        return ()
+    line = _first_line(_last_error_line(text))
+    return (("unplaced", line),) if line else (("unplaced", "(no output)"),)
 
 
 _NCCL_LAST_ERROR = re.compile(r"^\s*Last error:\s*\n\s*(\S.*)$", re.M)
@@ -411,9 +373,17 @@ def _first_line(text: str) -> str:
     return ""
 
 
+#: A framework's own INFO / WARNING log line (absl / glog as TensorFlow and XLA print them:
+#: "2026-11-25 18:00:00.123: I tensorflow/...", "W0000 00:00:...", "I1125 18:00:00.1 ..."): a
+#: banner such as oneDNN's ("... round-off errors ...") is never the reason a worker failed.
+_LOG_BANNER = re.compile(r"^\s*(?:\d{4}-\d\d-\d\d[ T][\d:.]+: [IW] |[IW]\d{4} [\d:.]+ )")
+_ERROR_WORD = re.compile(r"Error\b|Exception\b|\berror\b|\bfailed\b", re.I)
+
+
 def _last_error_line(text: str) -> str:
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    """The last line that names an error, skipping the frameworks' INFO / WARNING log lines."""
+    lines = [ln for ln in text.strip().splitlines() if ln.strip() and not _LOG_BANNER.match(ln)]
     for line in reversed(lines):
-        if "Error" in line or "error" in line:
+        if _ERROR_WORD.search(line):
             return line
     return lines[-1] if lines else ""

@@ -45,8 +45,11 @@ FACT_NAMES: tuple[str, ...] = (
     "gpus.count", "gpus.names", "gpus.min_cc", "gpus.max_cc", "gpus.consumer", "gpus.mig",
     "gpus.mixed",
     "links.all_nvlink", "links.any_pcie_only", "links.p2p_unsupported", "links.cross_socket",
+    "links.any_nvlink", "links.any_switch", "links.any_host_path",
     "driver.version", "driver.cuda",
-    "plan.replicas",
+    "plan.replicas", "plan.nodes", "nccl.version",
+    "platform.nvswitch", "platform.hypervisor", "platform.vm", "platform.rdma_link_layer",
+    "platform.rdma_devices", "platform.master_ifname", "platform.hostname_loopback",
     "host.shm_mb", "host.container", "host.in_container", "host.wsl2", "host.sagemaker",
     "host.aws", "host.efa", "host.infiniband", "host.iommu", "host.platform",
     *(f"{fw}.{name}" for fw in ("torch", "tensorflow", "keras") for name in _FRAMEWORK_FACTS),
@@ -311,10 +314,11 @@ def _kernel_coverage(archs: Sequence[str], gpus: Sequence[Gpu]) -> str | None:
     return worst
 
 
-def fact_values(facts: Facts, framework: str, replicas: int | None = None
-                ) -> dict[str, FactValue]:
-    """Every name a rule clause can use, computed from the facts (pure); ``replicas`` is the
-    planner's ``plan.replicas`` (None, unknown, outside a plan)."""
+def fact_values(facts: Facts, framework: str, replicas: int | None = None,
+                nodes: int | None = None) -> dict[str, FactValue]:
+    """Every name a rule clause can use, computed from the facts (pure); ``replicas`` and
+    ``nodes`` are the planner's ``plan.replicas`` / ``plan.nodes`` (None, unknown, outside a
+    plan)."""
     gpus = facts.gpus
     ccs = [Version(g.cc) for g in gpus if g.compute_capability != (0, 0)]  # (0, 0): unread
     links = facts.link_summary()
@@ -333,6 +337,18 @@ def fact_values(facts: Facts, framework: str, replicas: int | None = None
         "links.any_pcie_only": links.any_pcie_only,
         "links.p2p_unsupported": links.p2p_unsupported,
         "links.cross_socket": links.cross_socket,
+        "links.any_nvlink": links.any_nvlink,
+        "links.any_switch": links.any_switch,
+        "links.any_host_path": links.any_host_path,
+        "plan.nodes": nodes,
+        "nccl.version": _version(facts.framework(framework).nccl),
+        "platform.nvswitch": facts.platform.nvswitch,
+        "platform.hypervisor": facts.platform.hypervisor,
+        "platform.vm": bool(facts.platform.hypervisor),
+        "platform.rdma_link_layer": facts.platform.rdma_link_layer,
+        "platform.rdma_devices": facts.platform.rdma_devices,
+        "platform.master_ifname": facts.platform.master_ifname,
+        "platform.hostname_loopback": facts.platform.hostname_loopback,
         "driver.version": _version(facts.driver_version),
         "driver.cuda": _version(facts.cuda_driver_version),
         "host.shm_mb": None if h.shm_bytes is None else h.shm_bytes // (1 << 20),

@@ -15,7 +15,8 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 from .candidate import Candidate
-from .human import human_duration
+from .human import human_bytes, human_duration
+from .memory import MemoryRow
 from .probe import ProbeResult
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "Event",
     "FactsSeen",
     "FrameworkPicked",
+    "MemoryChecked",
     "MultiWorkerDecided",
     "NextProbe",
     "Note",
@@ -34,6 +36,7 @@ __all__ = [
     "Ranking",
     "RemedyQueued",
     "RuleFired",
+    "ShardingDecided",
     "Split",
     "UserSettingKept",
     "WorkerProbe",
@@ -238,6 +241,52 @@ class CandidateRuledOut(Event):
             return (f"Probe of {self.candidate.label} failed after {self.result.elapsed_s:.1f} s"
                     f"{sim}: {self.reason}.")
         return f"Ruled out {self.candidate.label}: {self.reason}."
+
+
+@dataclass(frozen=True)
+class ShardingDecided(Event):
+    """Whether the multi-device candidates shard the model (FSDP2) or replicate it, and why:
+    ``mode`` is the ``sharding=`` option; ``reason`` one of "asked" (``"full"``),
+    "replica_does_not_fit", "replica_fits"; the bytes a replica needs per device
+    against the smallest usable free memory of those devices (None: unknown). Emitted only when
+    sharding was asked for or the sizes were known."""
+
+    kind: ClassVar[str] = "sharding"
+    mode: str
+    sharded: bool
+    reason: str
+    replica_bytes: int | None = None
+    sharded_bytes: int | None = None
+    usable_bytes: int | None = None
+
+    def text(self) -> str:
+        if self.reason == "asked":
+            return "Sharding the model over the replicas (FSDP2), as asked (sharding='full')."
+        numbers = (f"a replica needs {human_bytes(self.replica_bytes or 0)} per device, "
+                   f"{human_bytes(self.usable_bytes or 0)} is usable")
+        if self.sharded:
+            return (f"sharding='auto' shards the model (FSDP2): {numbers}; sharded it needs "
+                    f"{human_bytes(self.sharded_bytes or 0)}.")
+        return f"sharding='auto' replicates: {numbers}."
+
+
+@dataclass(frozen=True)
+class MemoryChecked(Event):
+    """The memory each candidate needs per device against its devices' free memory; the
+    candidates that do not fit are ruled out (``ruled_out`` events with ``by="memory"``)."""
+
+    kind: ClassVar[str] = "memory_check"
+    model: str  # the model's state, in words (memory.ModelMemory.describe)
+    state_bytes: int
+    rows: tuple[MemoryRow, ...]
+
+    @property
+    def does_not_fit(self) -> tuple[MemoryRow, ...]:
+        return tuple(r for r in self.rows if r.fits is False)
+
+    def text(self) -> str:
+        return (f"Memory per device for {self.model} ({human_bytes(self.state_bytes)} in all): "
+                + "; ".join(r.text() for r in self.rows) + ".")
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,17 @@ fingerprint (GPUs, driver, framework or NCCL version, relevant environment) is a
 so it re-probes. The file name carries the format version too, so two versions of this library
 on one machine keep separate files instead of setting each other's aside.
 
+Only proof is cached. A result enters the file only when a probe on this machine produced it
+(:func:`refusal` says why one may not): a failure a training process met mid-run is only a
+classification of its exception text (a ``ConnectionResetError`` of the user's own code reads like
+a network fault), so it is kept for the supervisor's session and enters the cache only through
+:meth:`DecisionCache.record_midrun`, with the probe that reproduced it. A failure of a candidate
+of last resort (one device, the CPU: no collective to prove) is never cached, so nothing cached
+can leave a machine with no way to train; a failure from the machine's state (a full disk, the
+descriptor limit, a permission: :data:`~resilient_strategy.core.probe.ENVIRONMENTAL_CAUSES`) says
+nothing about the backend and is never cached either. The same rules apply to what is read, so
+an entry an older version wrote against them is ignored (``cache show`` lists it as ignored).
+
 Every entry counts ``seen``: in how many runs in a row its candidate came out the same way
 (passed, or failed). A failure seen once may have been an overloaded machine; the executor
 trusts a cached failure only from the second (see :meth:`DecisionCache.entries`).
@@ -30,14 +41,15 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ..core.options import DEFAULT_TTL_S
-from ..core.probe import ProbeResult
+from ..core.probe import ENVIRONMENTAL_CAUSES, ProbeResult
 from ..errors import FileFormatError, UnsafePathError
 from ..machine import files as _files
+from ..vocab import MULTI_BACKENDS
 
 if sys.platform != "win32":
     import fcntl
@@ -61,6 +73,33 @@ class CachedResult:
 
 _Entries = dict[str, CachedResult]
 
+#: ``extra`` keys: a failure met by a training process mid-run (its step), a rehearsed fault,
+#: and the mid-run failure (its step) that a probe of the candidate then reproduced.
+MID_RUN, REHEARSAL, REPRODUCES = "mid_run", "rehearsal", "reproduces_mid_run"
+
+
+def last_resort(key: str) -> bool:
+    """Whether a candidate (by key) is one of last resort: one device or the CPU, with no
+    collective to prove. Its failures are never cached: it is always tried again."""
+    parts = key.split(":")
+    return len(parts) < 2 or parts[1] not in MULTI_BACKENDS
+
+
+def refusal(result: ProbeResult) -> str | None:
+    """Why this result may not be cached, or None when it may (a pass always may). Pure."""
+    if result.ok:
+        return None
+    extra = dict(result.extra)
+    if last_resort(result.candidate):
+        return "a failure of a candidate of last resort (one device / CPU is always tried again)"
+    if result.cause in ENVIRONMENTAL_CAUSES:
+        return f"a cause of the machine's state ({result.cause}), not of the backend"
+    if REHEARSAL in extra:
+        return "a rehearsed fault"
+    if MID_RUN in extra:
+        return "a mid-run failure that no probe reproduced"
+    return None
+
 
 
 @dataclass(frozen=True)
@@ -83,9 +122,27 @@ class DecisionCache:
         return {k: e.result for k, e in self.entries(fingerprint, now).items()}
 
     def entries(self, fingerprint: str, now: float | None = None) -> dict[str, CachedResult]:
-        """Like :meth:`load`, with each entry's time and ``seen`` count."""
+        """Like :meth:`load`, with each entry's time and ``seen`` count. An entry that may not
+        be cached (:func:`refusal`: an older version wrote it) is left out."""
         now = time.time() if now is None else now
-        return {k: e for k, e in self._read(fingerprint).items() if abs(now - e.at) <= self.ttl_s}
+        return {k: e for k, e in self._read(fingerprint).items()
+                if abs(now - e.at) <= self.ttl_s and refusal(e.result) is None}
+
+    def all_entries(self, fingerprint: str) -> dict[str, CachedResult]:
+        """Every valid entry of the file, expired or refused ones too (for ``cache show``)."""
+        return self._read(fingerprint)
+
+    def fingerprints(self) -> list[str]:
+        """The fingerprints with a cache file of this format in the directory, sorted; [] when
+        the directory is missing or not this user's own."""
+        try:
+            _files.check_private_dir(self.directory)
+            names = os.listdir(self.directory)
+        except (OSError, UnsafePathError):
+            return []
+        suffix = f".v{FORMAT_VERSION}.json"
+        return sorted(n[: -len(suffix)] for n in names
+                      if n.endswith(suffix) and _files.safe_name(n[: -len(suffix)]))
 
     def usable(self) -> bool:
         """Whether the directory is this user's own (created 0700 when absent); a warning once
@@ -113,6 +170,10 @@ class DecisionCache:
         path = self.path(fingerprint)
         fresh: dict[str, ProbeResult] = {}
         for key, res in results.items():
+            why = refusal(res)
+            if why is not None:
+                log.info("resilient_strategy: not caching the result for %s: %s", key, why)
+                continue
             try:
                 if ProbeResult.from_dict(res.to_dict()) != res or res.candidate != key:
                     raise ValueError("it does not survive a round trip through JSON")
@@ -131,7 +192,7 @@ class DecisionCache:
         try:
             with self._locked(fingerprint):
                 entries = {k: v for k, v in self._read(fingerprint, locked=True).items()
-                           if abs(now - v.at) <= self.ttl_s}
+                           if abs(now - v.at) <= self.ttl_s and refusal(v.result) is None}
                 for key, res in fresh.items():
                     old = entries.get(key)
                     seen = old.seen + 1 if old is not None and old.result.ok == res.ok else 1
@@ -148,9 +209,58 @@ class DecisionCache:
             log.warning("resilient_strategy: cannot write cache %s (%s); continuing", path, exc)
             return False
 
-    def clear(self, fingerprint: str) -> None:
-        with contextlib.suppress(OSError):
-            self.path(fingerprint).unlink()
+    def report(self, this_machine: str | None = None, now: float | None = None) -> dict[str, Any]:
+        """What is cached, per fingerprint, as JSON-able data (``cache show``, ``doctor``): each
+        entry's candidate, status, cause, ``seen``, time, whether it expired, and why it is
+        ignored (:func:`refusal`), if it is. ``this_machine``: the fingerprint to mark."""
+        now = time.time() if now is None else now
+        out: dict[str, Any] = {}
+        for fp in self.fingerprints():
+            rows = []
+            for key, e in sorted(self.all_entries(fp).items()):
+                rows.append({"candidate": key, "status": e.result.status, "cause": e.result.cause,
+                             "detail": e.result.detail, "seen": e.seen, "at": e.at,
+                             "expired": abs(now - e.at) > self.ttl_s,
+                             "ignored": refusal(e.result)})
+            out[fp] = {"this_machine": fp == this_machine, "path": str(self.path(fp)),
+                       "entries": rows}
+        return {"directory": str(self.directory), "ttl_s": self.ttl_s,
+                "this_machine": this_machine, "fingerprints": out}
+
+    def record_midrun(self, fingerprint: str, failure: ProbeResult, probe: ProbeResult | None,
+                      now: float | None = None) -> bool:
+        """Cache a mid-run failure only as the probe that reproduced it: ``probe`` is a probe of
+        the same candidate run on this machine after ``failure``. True when it was cached.
+
+        Nothing is cached when no probe ran (``None``), when the probe passed (the failure was
+        the script's, or passing), or when the probe's own failure may not be cached
+        (:func:`refusal`: last resort, the machine's state)."""
+        if probe is None or probe.ok or probe.candidate != failure.candidate:
+            log.info("resilient_strategy: not caching the mid-run failure of %s: no probe "
+                     "reproduced it", failure.candidate)
+            return False
+        step = dict(failure.extra).get(MID_RUN, "?")
+        proof = replace(probe, extra=(*(x for x in probe.extra if x[0] != MID_RUN),
+                                      (REPRODUCES, step)))
+        if refusal(proof) is not None:
+            return False
+        return self.store(fingerprint, {proof.candidate: proof}, now)
+
+    def clear(self, fingerprint: str) -> bool:
+        """Remove this fingerprint's file (and what was set aside of it). True when one was."""
+        removed = False
+        for path in (self.path(fingerprint), self.path(fingerprint).with_suffix(".corrupt"),
+                     self.lock_path(fingerprint)):
+            try:
+                path.unlink()
+            except OSError:
+                continue
+            removed = removed or path == self.path(fingerprint)
+        return removed
+
+    def clear_all(self) -> list[str]:
+        """Remove every fingerprint's file; the fingerprints removed."""
+        return [fp for fp in self.fingerprints() if self.clear(fp)]
 
     # ----- internals -------------------------------------------------------------------------
     def _read(self, fingerprint: str, locked: bool = False) -> _Entries:

@@ -16,20 +16,36 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..core.arguments import options_from
 from ..core.facts import Facts
 from ..core.human import human_bytes, human_duration
-from ..core.options import (
-    FRAMEWORKS,
-    Options,
-    options_from,
-)
+from ..core.memory import model_memory
+from ..core.options import FRAMEWORKS, Options
 from ..core.plan import Candidate, Plan, RuledOut, plan, resplit
-from ..core.probe import ERROR, TIMEOUT, ProbeResult, ProbeSpec, judged_hang
+from ..core.probe import (
+    ENVIRONMENTAL_CAUSES,
+    ERROR,
+    TIMEOUT,
+    ProbeResult,
+    ProbeSpec,
+    judged_hang,
+)
 from ..core.rules import Rule
-from ..core.trace import CachedFailure, Chosen, Event, FrameworkPicked, NextProbe, Note
+from ..core.trace import (
+    CachedFailure,
+    Chosen,
+    Event,
+    FrameworkPicked,
+    MemoryChecked,
+    NextProbe,
+    Note,
+)
 from ..errors import (
     FailureCause,
+    InvalidOptionError,
     InvalidVisibleDevicesError,
+    MemoryShortfall,
+    ModelDoesNotFitError,
     NoWorkingStrategyError,
     RanksDisagreeError,
     ResilientStrategyError,
@@ -37,7 +53,7 @@ from ..errors import (
 from ..machine import env as _env
 from ..selection import Selection
 from ..vocab import MULTI_WORKER_BACKENDS
-from .cache import CachedResult, DecisionCache
+from .cache import REHEARSAL, CachedResult, DecisionCache, last_resort
 from .notices import (
     ProgressLine,
     fallback_warning,
@@ -81,10 +97,16 @@ class Decision:
 #: DDP's default gradient bucket; a model's largest bucket is at most this (or its largest
 #: tensor, which the total gradient size bounds from above).
 DDP_BUCKET_BYTES = 25 << 20
+#: The largest sharding unit a sharded probe checks at (the workers' own cap).
+MAX_UNIT_CHECK_BYTES = 256 << 20
 
 
 def spec_for(c: Candidate, opts: Options, timeout_s: float) -> ProbeSpec:
     grad = opts.gradient_bytes
+    check: tuple[int, ...] = (min(grad, DDP_BUCKET_BYTES),) if grad else ()  # largest bucket
+    mem = model_memory(opts) if c.sharded else None
+    if mem is not None:  # FSDP2 gathers (and reduce-scatters) one unit at a time
+        check += (min(mem.unit_bytes, MAX_UNIT_CHECK_BYTES),)
     return ProbeSpec(
         candidate=c.key,
         framework=c.framework,
@@ -94,9 +116,10 @@ def spec_for(c: Candidate, opts: Options, timeout_s: float) -> ProbeSpec:
         world_size=c.num_replicas if c.framework == "torch" else 1,
         timeout_s=timeout_s,
         logical_cpus=opts.logical_cpus,
-        check_bytes=(min(grad, DDP_BUCKET_BYTES),) if grad else (),  # the user's largest bucket
+        check_bytes=check,
         workers=opts.tf_workers if c.backend in MULTI_WORKER_BACKENDS else 1,
         worker_rank=opts.tf_worker_rank if c.backend in MULTI_WORKER_BACKENDS else 0,
+        sharded=c.sharded,
     )
 
 
@@ -139,7 +162,7 @@ def decide(
     if cache is not None and opts.probe != "force" and cache.usable():
         # "never" still learns from the cache, failures seen once included: nothing re-proves
         trusted, notes_ = _trusted(cache.entries(fingerprint), opts.probe != "never")
-        results.update(_still_valid(trusted, opts.timeout_s))
+        results.update(still_valid(trusted, opts.timeout_s))
         notes += notes_
     cached_keys = set(results)
     results.update(known or {})
@@ -171,6 +194,7 @@ def decide(
             res = prober(spec_for(c, opts, timeout_s), env)
             if startup_check:
                 res = reclassify_short_timeout(res, timeout_s, startup, opts.framework)
+                res = space_short(res, _temp_root(env))
         if progress is not None:
             progress.end(res)
         results[c.key] = res
@@ -192,6 +216,57 @@ def decide(
     # "from the cache": nothing was probed now, and a cached result shaped this plan
     used = {r.candidate.key for r in p.ranked} | {r.candidate.key for r in p.ruled_out}
     return Decision(p, results, not fresh and bool(cached_keys & used), proven)
+
+
+def remember_midrun(facts: Facts, opts: Options, env: Mapping[str, str], prober: Prober,
+                    failures: Mapping[str, ProbeResult]) -> dict[str, bool]:
+    """Cache mid-run failures only where a probe proves them: each candidate that failed in
+    training is probed again here, on this machine, and its failure enters the cache only when
+    that probe fails too (:meth:`DecisionCache.record_midrun`). A candidate of last resort is
+    never probed for this (its failures are never cached), nor is anything under several nodes,
+    TF_CONFIG workers or a disabled cache. Returns, per candidate, whether it was cached."""
+    if not opts.cache_dir or (opts.framework == "torch" and opts.nodes > 1) or opts.multi_worker:
+        return {}
+    cache = DecisionCache(opts.cache_dir, opts.cache_ttl_s)
+    p = plan(facts, opts.rules, {}, opts)
+    known = {r.candidate.key: r.candidate for r in p.ranked}
+    known.update({r.candidate.key: r.candidate for r in p.ruled_out})
+    out: dict[str, bool] = {}
+    for key, failure in sorted(failures.items()):
+        c = known.get(key)
+        if c is None or last_resort(key) or REHEARSAL in dict(failure.extra):
+            out[key] = False
+            continue
+        res = space_short(prober(spec_for(c, opts, opts.timeout_s), env), _temp_root(env))
+        _close_fork_servers()
+        out[key] = cache.record_midrun(facts.fingerprint(), failure, res)
+    return out
+
+
+#: Below this many free bytes in the temp directory a failed probe is put down to the full disk
+#: (its rendezvous and progress files live there: a gloo probe looks hung, a worker dies).
+LOW_SPACE_BYTES = 16 << 20
+
+
+def _temp_root(env: Mapping[str, str]) -> str:
+    import tempfile
+
+    return env.get("TMPDIR") or tempfile.gettempdir()
+
+
+def space_short(res: ProbeResult, temp_root: str, free: int | None = None) -> ProbeResult:
+    """A failed probe, put down to a full temp directory when ``temp_root`` has less than
+    :data:`LOW_SPACE_BYTES` free (``free``: measured already, else measured now): the machine's
+    state, not the candidate's, so it is named with its fix and never cached."""
+    if res.ok or res.cause in ENVIRONMENTAL_CAUSES:
+        return res
+    from ..machine.files import free_bytes
+
+    free = free_bytes(temp_root) if free is None else free
+    if free is None or free >= LOW_SPACE_BYTES:
+        return res
+    return replace(res, cause="no_space", detail=f"the temp directory {temp_root} has "
+                   f"{human_bytes(free)} free ({res.cause}: {res.detail})")
 
 
 def _close_fork_servers() -> None:
@@ -221,7 +296,7 @@ def _trusted(
     return out, events
 
 
-def _still_valid(results: Mapping[str, ProbeResult], timeout_s: float) -> dict[str, ProbeResult]:
+def still_valid(results: Mapping[str, ProbeResult], timeout_s: float) -> dict[str, ProbeResult]:
     """Cached results that still hold for this run: a hang remembered from a shorter timeout
     than this run's (its elapsed time is the timeout it had) may just have been too impatient.
     A hang judged from the workers' progress (stuck in a collective) holds whatever the timeout."""
@@ -253,7 +328,7 @@ def _env_to_set(facts: Facts, c: Candidate, opts: Options, env: Mapping[str, str
 
 
 #: Parameters of resilient_strategy() that say what to decide on, not how: not options.
-_NOT_OPTIONS = frozenset({"env", "facts", "_prober", "_clock"})
+_NOT_OPTIONS = frozenset({"env", "facts", "_prober", "_clock", "_alone"})
 
 
 def resilient_strategy(
@@ -280,8 +355,12 @@ def resilient_strategy(
     facts: Facts | None = None,
     logical_cpus: int = 0,
     quiet: bool | None = None,
+    sharding: str = "auto",
+    param_bytes: int | None = None,
+    optimizer_state_factor: float | None = None,
     _prober: Prober | None = None,
     _clock: Callable[[], float] | None = None,
+    _alone: bool = False,
 ) -> Selection:
     """Find the best distributed strategy that works here and return a Selection to train with.
 
@@ -293,9 +372,17 @@ def resilient_strategy(
         timeout: seconds per probe (default 30; the whole decision is bounded by 4x this).
         prefer: a backend to try first when it works.
         dry_run: decide without probing, setting variables or building anything.
-        model / gradient_bytes / sample_seconds: what is known of the model, for speed ranking.
-        rules / disable_rules: extra rule files (or Rule values) and rule ids to switch off.
-        cache / cache_dir / cache_ttl: the decision cache (default ~/.cache/resilient_strategy).
+        model: the model (its gradient size ranks the strategies by speed).
+        gradient_bytes: the model's gradient size in bytes, when the model does not exist yet.
+        sample_seconds: the compute time of one sample, for speed ranking.
+        max_per_replica_batch: the largest batch one replica may take (more accumulates).
+        rules: extra rule files (or Rule values).
+        disable_rules: rule ids to switch off.
+        cache: read and write the decision cache (default on).
+        cache_dir: where the cache lives (default ~/.cache/resilient_strategy).
+        cache_ttl: seconds a cached result stays valid (default 7 days).
+        precision: "auto", "bf16", "fp16" or "fp32" (PyTorch; auto: bf16 from compute
+            capability 8.0, fp16 with a GradScaler on 7.x).
         env: the environment to decide on (default os.environ; nothing is ever overwritten).
         facts: decide for described facts instead of inspecting this machine.
         logical_cpus: TensorFlow on N logical CPU devices instead of GPUs (testing on CPU;
@@ -304,6 +391,12 @@ def resilient_strategy(
             PyTorch process group fails (default 300).
         quiet: True: no progress line per probe on stderr; False: one even when stderr is not a
             terminal; None (default): one when stderr is a terminal (RESILIENT_STRATEGY_QUIET).
+        sharding: "auto" (default) shards the model over the replicas (PyTorch FSDP2) only when a
+            replica does not fit the GPUs' free memory; "full" always shards; "none" never.
+        param_bytes: the model's parameter bytes (model= gives them), for memory planning:
+            candidates whose state does not fit their devices are ruled out.
+        optimizer_state_factor: the optimizer's state per gradient byte (default 2, AdamW),
+            for the same memory planning.
     """
     # Every option, as passed: options_from validates them (a new option is a parameter here
     # and there, nothing in between). Taken first, while the parameters are the only locals.
@@ -322,13 +415,20 @@ def resilient_strategy(
     from ..records.handoff import load_decision
 
     handed = None if opts.dry_run else load_decision(snapshot)
+    if handed is None and not opts.dry_run:
+        _check_no_train_fault(snapshot)
     if handed is not None:  # a worker of `resilient-strategy run`: the decision is made
+        opts = handed_options(opts, handed)
         decision = _handed_decision(facts, opts, handed)
     else:
         decision = _agreed_decision(facts, opts, snapshot, prober, _clock or time.monotonic,
-                                    _progress_line(opts), startup_check=_prober is None)
+                                    _progress_line(opts), startup_check=_prober is None,
+                                    alone=_alone)
     p, results = decision.plan, decision.results
     if p.chosen is None:
+        short = _memory_shortfalls(p)
+        if short:
+            raise ModelDoesNotFitError(opts.framework, [_cause(r) for r in p.ruled_out], short)
         raise NoWorkingStrategyError(opts.framework, [_cause(r) for r in p.ruled_out])
     chosen = p.chosen
     to_set = _env_to_set(facts, chosen, opts, snapshot)
@@ -345,7 +445,7 @@ def resilient_strategy(
     sel = Selection(
         candidate=chosen, plan=p, facts=facts, env=to_set, env_applied=applied, results=results,
         from_cache=decision.from_cache, proven=decision.proven, launch=opts.launch,
-        process_group_timeout_s=opts.pg_timeout_s,
+        process_group_timeout=opts.process_group_timeout,
         precision=opts.precision, logical_cpus=opts.logical_cpus, dry_run=opts.dry_run,
         tf_workers=opts.tf_workers, tf_worker_rank=opts.tf_worker_rank,
         decided_in_s=time.perf_counter() - t0,
@@ -354,12 +454,35 @@ def resilient_strategy(
     )
     for w in p.warnings:
         log.warning("resilient_strategy: %s", w)
-    if opts.launch.rank == 0 and opts.tf_worker_rank == 0 and not opts.dry_run:
+    # under `resilient-strategy run` the supervisor announced it, in the same words
+    if opts.launch.rank == 0 and opts.tf_worker_rank == 0 and not opts.dry_run and handed is None:
         fell = fallback_warning(p, results, facts, opts, chosen)
         if fell:
             log.warning("resilient_strategy: %s", fell)
     log.info("resilient_strategy: chose %s in %.2f s", chosen.label, sel.decided_in_s)
     return sel
+
+
+def _check_no_train_fault(env: Mapping[str, str]) -> None:
+    """A rehearsed mid-run fault means nothing outside `resilient-strategy run`: say so rather
+    than train as if it were armed."""
+    from ..records.trainfault import FAULT_VAR as TRAIN_FAULT_VAR
+
+    if env.get(TRAIN_FAULT_VAR, "").strip():
+        raise InvalidOptionError(
+            f"{TRAIN_FAULT_VAR} is set, but this process is not a worker of `resilient-strategy "
+            "run` (it rehearses a mid-run fault for the supervisor): run the script with "
+            "`resilient-strategy run`, or unset the variable", TRAIN_FAULT_VAR)
+
+
+def _memory_shortfalls(p: Plan) -> list[MemoryShortfall]:
+    """The memory table of a plan that ruled candidates out for memory (else empty)."""
+    if not any(r.rule == "memory" for r in p.ruled_out):
+        return []
+    checked = [e for e in p.events if isinstance(e, MemoryChecked)]
+    return [MemoryShortfall(r.candidate.label, r.candidate.key, r.need_bytes, r.free_bytes,
+                            r.usable_bytes, r.shards, r.where)
+            for e in checked[-1:] for r in e.rows]
 
 
 def _cause(r: RuledOut) -> FailureCause:
@@ -451,9 +574,12 @@ def _agreed_decision(
     facts: Facts, opts: Options, env: Mapping[str, str], prober: Prober,
     clock: Callable[[], float], progress: ProgressLine | None = None,
     startup_check: bool = False,
+    alone: bool = False,
 ) -> Decision:
     """Under torchrun, local rank 0 decides (and probes); the other ranks wait for its results
-    and re-plan from them, so every rank reaches the same choice (no split brain)."""
+    and re-plan from them, so every rank reaches the same choice (no split brain). ``alone``:
+    the launch is only planned (the command line's ``--nproc-per-node``): no other rank exists,
+    so nothing is published for them."""
     launch = opts.launch
     if opts.multi_worker and not opts.dry_run:
         from ..nodes.tfworkers import decide_across_workers
@@ -462,9 +588,12 @@ def _agreed_decision(
             facts, opts, env, prober, clock,
             functools.partial(decide, progress=progress, startup_check=startup_check))
         return Decision(p, results, False, proven)
-    if not launch.launched or opts.dry_run:
+    if not launch.launched or opts.dry_run or alone:
         return decide(facts, opts, env, prober, clock, progress, startup_check)
     if launch.multi_node and opts.framework == "torch":
+        if opts.simulated:  # described outcomes speak for the whole job: no store, no network
+            return decide(facts, opts, env, prober, clock, progress, startup_check,
+                          cross_node=True)
         from ..nodes.manynodes import agreed_decision
 
         p, results, from_cache, proven = agreed_decision(
@@ -497,6 +626,23 @@ def _agreed_decision(
 # --------------------------------------------------------------------------------------------
 # A decision handed down by `resilient-strategy run`
 # --------------------------------------------------------------------------------------------
+def handed_options(opts: Options, handed: HandedDecision) -> Options:
+    """Under ``resilient-strategy run`` the handoff is the one source of the decided values: the
+    global batch the supervisor planned with (``--global-batch-size``) is the one this worker
+    trains; a script that passes another is an error naming both (never a silent second truth).
+    """
+    want = handed.global_batch_size
+    if want is None or opts.global_batch_size == want:
+        return opts
+    if opts.global_batch_size is None:
+        return replace(opts, global_batch_size=want)
+    raise InvalidOptionError(
+        f"`resilient-strategy run --global-batch-size {want}` decided for a global batch of "
+        f"{want}, but this script passes resilient_strategy(global_batch_size="
+        f"{opts.global_batch_size}); pass the same value to both, or drop one of them",
+        "global_batch_size")
+
+
 def _handed_decision(facts: Facts, opts: Options, handed: HandedDecision) -> Decision:
     """Re-plan from the supervisor's results (milliseconds, no probe) and take its candidate,
     with this script's own batch and model figures: every rank agrees by construction."""
@@ -504,6 +650,9 @@ def _handed_decision(facts: Facts, opts: Options, handed: HandedDecision) -> Dec
     p = plan(facts, opts.rules, results, opts)
     found = [c for c in (*p.candidates, *([p.next_probe] if p.next_probe else []))
              if c.key == handed.chosen]
+    if not found:  # the supervisor planned the model's memory otherwise: its sharding decides
+        found = [replace(c, sharded=not c.sharded) for c in p.candidates
+                 if replace(c, sharded=not c.sharded).key == handed.chosen]
     if not found or opts.framework != handed.framework:
         raise ResilientStrategyError(
             f"`resilient-strategy run` chose {handed.chosen} ({handed.framework}), which this "

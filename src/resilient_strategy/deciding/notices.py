@@ -109,7 +109,10 @@ def fallback_warning(
             continue
         res = results.get(c.key)
         if r.rule == "probe" and res is not None and not res.ok:
-            lost, why = c, f"its probe failed ({res.why()})"
+            mid_run = dict(res.extra).get("mid_run")
+            lost, why = c, (f"its probe failed ({res.why()})" if mid_run is None
+                            else f"it {res.detail}" if res.detail.startswith("failed mid-run")
+                            else f"it failed mid-run at step {mid_run}")
             break
         if r.rule and r.rule != "probe" and c.num_replicas > chosen.num_replicas and lost is None:
             lost, why = c, f"rule {r.rule} ruled it out ({r.reason})"

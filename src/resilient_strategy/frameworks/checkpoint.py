@@ -15,12 +15,25 @@ are not redone, none are skipped, and each remaining sample is seen once in the 
 
 Call ``sel.set_epoch(epoch)`` at the start of each epoch and start the epoch loop at
 ``ckpt.epoch``. torch is imported only inside methods.
+
+Files (the decision cache's rules, :mod:`resilient_strategy.machine.files`): the directory must
+be this user's own and not writable by group or others (created 0700 when absent); a checkpoint
+is read only when it is a regular file of this user's, not through a symlink, never with
+``weights_only=False``. Each save keeps the one before as ``checkpoint.prev.pt`` (a hard link,
+so ``checkpoint.pt`` is always whole); a damaged latest checkpoint is set aside as
+``.corrupt`` with a warning and the previous one is loaded; with none to fall back to, a
+:class:`~resilient_strategy.errors.CheckpointError` names the file.
+
+A sharded model (FSDP2) is saved through ``torch.distributed.checkpoint`` instead, every rank
+writing its shards (:mod:`.sharded_checkpoint`); restoring takes the newest checkpoint of the
+directory, sharded or not, into whatever the relaunch trains.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import random
 import tempfile
@@ -29,10 +42,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ..errors import InvalidOptionError
+from ..errors import CheckpointError, InvalidOptionError, UnsafePathError
+from ..machine import files as _files
+
+log = logging.getLogger("resilient_strategy")
 
 FILE_NAME = "checkpoint.pt"
+PREVIOUS_NAME = "checkpoint.prev.pt"
 FORMAT_VERSION = 1
+#: The keys a checkpoint of this format holds (what :meth:`Checkpointer.state_dict` writes).
+_KEYS = ("version", "model", "optimizer", "scaler", "epoch", "samples_in_epoch",
+         "optimizer_steps", "world_size", "rng")
 
 
 @functools.cache
@@ -112,6 +132,10 @@ class Checkpointer:
         return self.directory / FILE_NAME
 
     @property
+    def previous_path(self) -> Path:
+        return self.directory / PREVIOUS_NAME
+
+    @property
     def epoch(self) -> int:
         """The epoch to (re)start at: the restored checkpoint's, else 0."""
         return self._state.epoch
@@ -166,13 +190,16 @@ class Checkpointer:
 
         s = self._state
         model = getattr(s.model, "module", s.model)
+        if _sharded(model):  # its tensors go through DCP (sharded_checkpoint.py), not here
+            model = None
         rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             rng["cuda"] = torch.cuda.get_rng_state_all()
         return {
             "version": FORMAT_VERSION,
             "model": None if model is None else model.state_dict(),
-            "optimizer": None if s.optimizer is None else s.optimizer.state_dict(),
+            "optimizer": None if s.optimizer is None or model is None
+            else s.optimizer.state_dict(),
             "scaler": None if s.scaler is None else s.scaler.state_dict(),
             "epoch": s.epoch,
             "samples_in_epoch": s.samples_in_epoch,
@@ -184,17 +211,30 @@ class Checkpointer:
     def save(self) -> bool:
         """Write the checkpoint now (rank 0 only; other ranks return False)."""
         self._state.saved_at = self._clock()
+        if _sharded(self._state.model):  # every rank writes its shards (a collective)
+            from . import sharded_checkpoint
+
+            step = sharded_checkpoint.save(self.directory, self._state.model,
+                                           self._state.optimizer, self.state_dict(), self.rank)
+            if self.rank == 0:
+                from ..records.handoff import note_checkpoint
+
+                note_checkpoint(self._state.optimizer_steps, step)
+            return self.rank == 0
         if self.rank != 0:
             return False
         import torch
 
         from ..records.handoff import note_checkpoint
 
-        self.directory.mkdir(parents=True, exist_ok=True)
+        _files.ensure_private_dir(self.directory, fix=_FIX_DIR)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=self.directory)
         try:
             with os.fdopen(fd, "wb") as fh:
                 torch.save(self.state_dict(), fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            self._keep_previous()
             os.replace(tmp, self.path)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -203,17 +243,72 @@ class Checkpointer:
         note_checkpoint(self._state.optimizer_steps, self.path)
         return True
 
+    def _keep_previous(self) -> None:
+        """Keep the current checkpoint as the previous one (a hard link: the current name stays
+        whole throughout); best effort."""
+        if not os.path.lexists(self.path):
+            return
+        link = self.directory / f".prev-{os.getpid()}.pt"
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(link)
+            os.link(self.path, link, follow_symlinks=False)
+            os.replace(link, self.previous_path)
+        except OSError as exc:
+            log.info("resilient_strategy: no previous checkpoint kept (%s)", exc)
+            with contextlib.suppress(OSError):
+                os.unlink(link)
+
     def restore(self) -> bool:
-        """Load the checkpoint into what was attached, if one exists; True when it did."""
-        if not self.path.exists():
+        """Load the checkpoint into what was attached, if one exists; True when it did.
+
+        The newest checkpoint of the directory wins: a sharded one (FSDP2, written by every rank
+        through DCP) is loaded with :mod:`.sharded_checkpoint`. Raises UnsafePathError when the
+        directory or file is not safely this user's, and CheckpointError when the checkpoint is
+        damaged and no previous good one loads."""
+        from . import sharded_checkpoint
+
+        if sharded_checkpoint.newest_is_sharded(self.directory, self.path):
+            st = self._state
+            sharded = sharded_checkpoint.load(self.directory, getattr(st.model, "module", st.model),
+                                              st.optimizer)
+            if sharded is None:
+                return False
+            if sharded.get("version") != FORMAT_VERSION:
+                raise CheckpointError(str(self.directory), "not a checkpoint of this format "
+                                      f"(version {sharded.get('version')!r})")
+            self._apply(sharded)
+            return True
+        if not os.path.lexists(self.path) and not os.path.lexists(self.previous_path):
             return False
+        _files.check_private_dir(self.directory, fix=_FIX_DIR)
+        problems: list[tuple[Path, str]] = []
+        for path in (self.path, self.previous_path):
+            if not os.path.lexists(path):
+                continue
+            try:
+                data = _load(path)
+            except CheckpointError as exc:
+                problems.append((path, exc.problem))
+                continue
+            if problems:
+                bad, problem = problems[0]
+                aside = bad.with_suffix(".corrupt")
+                with contextlib.suppress(OSError):
+                    os.replace(bad, aside)
+                log.warning("resilient_strategy: checkpoint %s is damaged (%s); kept as %s, "
+                            "resuming from the previous one, %s", bad, problem, aside, path)
+            self._apply(data)
+            return True
+        path, problem = problems[0]
+        raise CheckpointError(str(path), problem + (
+            f"; the previous one, {problems[1][0]}, too ({problems[1][1]})"
+            if len(problems) > 1 else "; there is no previous checkpoint to fall back to"))
+
+    def _apply(self, data: dict[str, Any]) -> None:
         import torch
 
         s = self._state
-        data = torch.load(self.path, map_location="cpu", weights_only=True)
-        if data.get("version") != FORMAT_VERSION:
-            raise InvalidOptionError(
-                f"{self.path} is not a checkpoint of this format (version {data.get('version')!r})")
         model = getattr(s.model, "module", s.model)
         if model is not None and data["model"] is not None:
             model.load_state_dict(data["model"])
@@ -238,7 +333,56 @@ class Checkpointer:
             s.sampler.set_epoch(s.epoch)
             if hasattr(s.sampler, "skip_next"):
                 s.sampler.skip_next(s.samples_in_epoch)
-        return True
+
+
+_FIX_DIR = ("Pass sel.checkpoint() a directory of your own (mode 0700), or fix this one's owner "
+            "and mode (chmod go-w).")
+
+
+def _load(path: Path) -> dict[str, Any]:
+    """A checkpoint's contents, checked for this format. UnsafePathError when the file is not
+    safely this user's; CheckpointError (naming the file) for anything damaged."""
+    import pickle
+    import warnings
+
+    import torch
+
+    try:
+        # torch warns about a pickle protocol it did not write before it refuses the file
+        with _files.open_owned(path) as fh, warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.load(fh, map_location="cpu", weights_only=True)
+    except UnsafePathError:
+        raise
+    except (pickle.UnpicklingError, EOFError, RuntimeError, ValueError, TypeError, KeyError,
+            AttributeError, IndexError, OSError) as exc:
+        raise CheckpointError(str(path), _problem(exc)) from None
+    if not isinstance(data, dict):
+        raise CheckpointError(str(path), f"it holds a {type(data).__name__}, not a dict")
+    if data.get("version") != FORMAT_VERSION:
+        raise CheckpointError(str(path), f"format version {data.get('version')!r}, not "
+                              f"{FORMAT_VERSION}")
+    missing = [k for k in _KEYS if k not in data]
+    if missing:
+        raise CheckpointError(str(path), f"it lacks {', '.join(missing)}")
+    for key in ("epoch", "samples_in_epoch", "optimizer_steps"):
+        if isinstance(data[key], bool) or not isinstance(data[key], int) or data[key] < 0:
+            raise CheckpointError(str(path), f"{key} is {data[key]!r}, not a count")
+    return data
+
+
+def _problem(exc: BaseException) -> str:
+    """An exception of torch.load in a few words, never its advice to load arbitrary pickles."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    if "weights_only" in first or "weights only" in first.lower() or len(first) > 200:
+        first = ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _sharded(model: Any) -> bool:
+    from .fsdp import is_sharded
+
+    return model is not None and is_sharded(model)
 
 
 def _as_random_state(state: Any) -> Any:

@@ -47,6 +47,7 @@ from typing import Any
 
 from ..errors import InvalidOptionError
 from ..vocab import PRECISIONS
+from .teardown import end_at_exit, end_process_group
 
 BACKENDS = ("nccl", "gloo", "single_device", "cpu")
 _EXIT_HOOK: list[bool] = []
@@ -119,6 +120,7 @@ class TorchRuntime:
         timeout_s: float,
         precision: str = "auto",
         init_method: str = "env://",
+        sharded: bool = False,
     ) -> None:
         if backend not in BACKENDS:
             raise InvalidOptionError(f"PyTorch has no backend {backend!r}; one of {BACKENDS}")
@@ -151,6 +153,8 @@ class TorchRuntime:
         self.timeout_s = timeout_s
         self.requested_precision = precision
         self.init_method = init_method
+        #: FSDP2 (frameworks/fsdp.py) instead of DDP when several processes train
+        self.sharded = bool(sharded) and world_size > 1
         self._progress = _Progress()
 
     # ----- where to run ------------------------------------------------------------------------
@@ -206,21 +210,16 @@ class TorchRuntime:
             world_size=self.world_size, timeout=timedelta(seconds=self.timeout_s), **kwargs,
         )
         _collect_before_exit()
+        end_at_exit()
 
     def shutdown(self) -> None:
         """Destroy the process group, if one is up (idempotent)."""
         if self.world_size == 1:
             return
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            # Every rank reaches here before any tears down: destroying a gloo group while a
-            # peer is still mid-teardown aborts the process ("terminate called without an active
-            # exception"; pytorch/pytorch#179291). The barrier has the group's timeout.
-            with contextlib.suppress(RuntimeError):
-                dist.barrier()
-            dist.destroy_process_group()
-        gc.collect()  # free whatever may still hold the group while Python is fully alive
+        # Every rank reaches here before any tears down: destroying a gloo group while a peer
+        # is still mid-teardown aborts the process ("terminate called without an active
+        # exception"; pytorch/pytorch#179291). The barrier has the group's timeout.
+        end_process_group(self.timeout_s)
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
@@ -235,7 +234,8 @@ class TorchRuntime:
 
     # ----- model and data ----------------------------------------------------------------------
     def prepare(
-        self, model: Any = None, optimizer: Any = None, loader: Any = None, **ddp_kwargs: Any
+        self, model: Any = None, optimizer: Any = None, loader: Any = None, *,
+        shard_modules: Any = None, **ddp_kwargs: Any
     ) -> tuple[Any, Any, Any]:
         """Move the model to the device (DDP-wrapped when world_size > 1) and rebuild the loader
         with a DistributedSampler and the per-replica batch; returns ``(model, optimizer,
@@ -254,10 +254,27 @@ class TorchRuntime:
         ``static_graph=True``, ``bucket_cap_mb=...``, ...). Their names are checked on every
         run, but they are ignored when world_size == 1, where nothing is wrapped.
         ``device_ids`` and ``output_device`` are this runtime's to choose.
+
+        Sharded (FSDP2, :mod:`.fsdp`): ``fully_shard`` on the module classes in
+        ``shard_modules`` (default: the model's repeated blocks), then the root, and the
+        optimizer pointed at the sharded parameters; the keyword arguments go to
+        ``fully_shard`` (``reshard_after_forward=False``, ...). ``shard_modules`` is ignored
+        when the decision replicates, so one script runs under every decision.
         """
-        self._check_ddp_kwargs(ddp_kwargs)
+        if self.sharded:
+            from .fsdp import check_kwargs
+
+            check_kwargs(ddp_kwargs)
+        else:
+            self._check_ddp_kwargs(ddp_kwargs)
         self.init()
-        if model is not None:
+        if model is not None and self.sharded:
+            from .fsdp import shard
+
+            model, optimizer = shard(model, optimizer, device=self.device,
+                                     world_size=self.world_size, dtype=self.precision.dtype,
+                                     classes=shard_modules, **ddp_kwargs)
+        elif model is not None:
             model = self._wrap(model, ddp_kwargs)
         first_loader = loader is not None and not self._progress.prepared
         if loader is not None:
@@ -404,7 +421,12 @@ class TorchRuntime:
     @contextlib.contextmanager
     def accumulate(self, model: Any) -> Iterator[None]:
         """Wrap forward and backward: skips DDP's all-reduce on all but the last micro-step
-        (``DistributedDataParallel.no_sync``); the gradients are still correct without it."""
+        (``DistributedDataParallel.no_sync``), FSDP2's reduce-scatter likewise
+        (``set_requires_gradient_sync(False)``); the gradients are still correct without it."""
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: set on every micro-step
+            model.set_requires_gradient_sync(self.is_last_micro_step)
+            yield
+            return
         if self.is_last_micro_step or not hasattr(model, "no_sync"):
             yield
             return

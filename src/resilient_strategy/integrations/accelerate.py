@@ -12,7 +12,10 @@
 
 ``gradient_accumulation_steps`` (the global batch stays exact), ``mixed_precision``, ``cpu``, and
 ``kwargs_handlers=[InitProcessGroupKwargs(backend=..., timeout=...)]`` with the proven backend and
-the training timeout. It works under ``accelerate launch`` as under ``torchrun`` (both set the
+the training timeout; when the selection shards (``sel.sharded``), ``fsdp_plugin``: Accelerate's
+``FullyShardedDataParallelPlugin`` for FSDP2 (``fsdp_version=2``, sharded state dicts, and
+``shard_modules`` wrapped one by one when given: ``accelerator_kwargs(sel, shard_modules=[Block])``).
+It works under ``accelerate launch`` as under ``torchrun`` (both set the
 same variables). Under a launcher, a rank the choice leaves idle (a one-device fallback) exits
 cleanly (status 0) here; on the rank that trains alone, :func:`make_accelerator` hides the
 launcher's variables while Accelerate sets up, or it would wait for the ranks that left (with
@@ -24,6 +27,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ExtraNotInstalledError, InvalidOptionError
+from ..frameworks.teardown import end_at_exit
 from . import launcher_hidden, on_gpu, precision, require_torch_selection
 
 if TYPE_CHECKING:
@@ -39,8 +43,9 @@ def _accelerate() -> None:
         raise ExtraNotInstalledError("accelerate", "accelerate") from None
 
 
-def accelerator_kwargs(sel: Selection) -> dict[str, Any]:
-    """Keyword arguments for ``accelerate.Accelerator`` that train on what ``sel`` chose."""
+def accelerator_kwargs(sel: Selection, *, shard_modules: Any = None) -> dict[str, Any]:
+    """Keyword arguments for ``accelerate.Accelerator`` that train on what ``sel`` chose
+    (``shard_modules``: the module classes FSDP2 shards one by one, when it shards)."""
     require_torch_selection(sel, "Accelerate")
     sel._leave_if_idle()
     _accelerate()  # a clear error when it is missing
@@ -51,17 +56,30 @@ def accelerator_kwargs(sel: Selection) -> dict[str, Any]:
         "cpu": not on_gpu(sel),
     }
     if sel.num_replicas > 1:
+        end_at_exit()  # the group the tool starts ends at exit, barrier first
         from accelerate.utils import InitProcessGroupKwargs
 
         kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(
             backend=sel.backend, timeout=_timeout(sel))]
+    if sel.sharded and sel.num_replicas > 1:
+        kwargs["fsdp_plugin"] = _fsdp_plugin(sel, shard_modules)
     return kwargs
 
 
-def make_accelerator(sel: Selection, **overrides: Any) -> Any:
+def _fsdp_plugin(sel: Selection, shard_modules: Any) -> Any:
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    names = [c.__name__ for c in shard_modules] if shard_modules else None
+    return FullyShardedDataParallelPlugin(
+        fsdp_version=2, reshard_after_forward=True, state_dict_type="SHARDED_STATE_DICT",
+        auto_wrap_policy="transformer_based_wrap" if names else None,
+        transformer_cls_names_to_wrap=names)
+
+
+def make_accelerator(sel: Selection, *, shard_modules: Any = None, **overrides: Any) -> Any:
     """An ``accelerate.Accelerator`` for ``sel`` (``overrides`` add or replace keyword
     arguments; ``kwargs_handlers`` given here are added to ours)."""
-    kwargs = accelerator_kwargs(sel)
+    kwargs = accelerator_kwargs(sel, shard_modules=shard_modules)
     extra_handlers = list(overrides.pop("kwargs_handlers", []) or [])
     if extra_handlers:
         kwargs["kwargs_handlers"] = [*kwargs.get("kwargs_handlers", []), *extra_handlers]
@@ -80,4 +98,4 @@ def make_accelerator(sel: Selection, **overrides: Any) -> Any:
 def _timeout(sel: Selection) -> Any:
     from datetime import timedelta
 
-    return timedelta(seconds=sel.process_group_timeout_s)
+    return timedelta(seconds=sel.process_group_timeout)

@@ -13,6 +13,12 @@ process-group backend and the training timeout, or a ``SingleDeviceStrategy``),
 ``resilient_strategy()`` and before the Trainer: the selection has set its variables by then and
 Lightning has not touched CUDA. Under torchrun, a rank the choice leaves idle (a one-device
 fallback) exits cleanly here (status 0). Lightning is imported only when this is called.
+
+When the selection shards (``sel.sharded``: FSDP2 was chosen, see docs/how-to/large-models.md)
+the strategy is Lightning's ``FSDPStrategy`` with the same backend and timeout, sharded
+checkpoints and ``auto_wrap_policy`` = the module classes in ``shard_modules`` (Lightning's own
+FSDP wrapping); with ``model_parallel=True`` it is ``ModelParallelStrategy`` instead (FSDP2: your
+LightningModule applies ``fully_shard`` in ``configure_model``), data-parallel over every process.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ExtraNotInstalledError
+from ..frameworks.teardown import end_at_exit
 from . import on_gpu, precision, require_torch_selection
 
 if TYPE_CHECKING:
@@ -40,8 +47,28 @@ def _strategies() -> tuple[Any, Any]:
     raise ExtraNotInstalledError("lightning", "lightning")
 
 
-def trainer_kwargs(sel: Selection) -> dict[str, Any]:
-    """Keyword arguments for ``lightning.Trainer`` that train on what ``sel`` chose."""
+def _sharded_strategy(sel: Selection, model_parallel: bool, shard_modules: Any) -> Any:
+    import importlib
+
+    for name in ("lightning.pytorch.strategies", "pytorch_lightning.strategies"):
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        if model_parallel:
+            return mod.ModelParallelStrategy(
+                data_parallel_size=sel.num_replicas, tensor_parallel_size=1,
+                process_group_backend=sel.backend, timeout=_timeout(sel))
+        wrap = set(shard_modules) if shard_modules else None
+        return mod.FSDPStrategy(process_group_backend=sel.backend, timeout=_timeout(sel),
+                                state_dict_type="sharded", auto_wrap_policy=wrap)
+    raise ExtraNotInstalledError("lightning", "lightning")
+
+
+def trainer_kwargs(sel: Selection, *, model_parallel: bool = False,
+                   shard_modules: Any = None) -> dict[str, Any]:
+    """Keyword arguments for ``lightning.Trainer`` that train on what ``sel`` chose
+    (``model_parallel`` and ``shard_modules`` apply when it shards, see the module docstring)."""
     require_torch_selection(sel, "Lightning")
     sel._leave_if_idle()
     ddp, single = _strategies()
@@ -52,13 +79,14 @@ def trainer_kwargs(sel: Selection) -> dict[str, Any]:
         "precision": _PRECISION[precision(sel)],
     }
     if sel.num_replicas > 1:
+        end_at_exit()  # the group the tool starts ends at exit, barrier first
         launch = sel.launch
         per_node = launch.local_world_size or launch.world_size
         kwargs.update(
             devices=per_node,
             num_nodes=launch.world_size // per_node,
-            strategy=ddp(process_group_backend=sel.backend,
-                         timeout=_timeout(sel)),
+            strategy=_sharded_strategy(sel, model_parallel, shard_modules) if sel.sharded
+            else ddp(process_group_backend=sel.backend, timeout=_timeout(sel)),
         )
     else:
         device = f"cuda:{sel.devices[0]}" if gpu else "cpu"
@@ -69,4 +97,4 @@ def trainer_kwargs(sel: Selection) -> dict[str, Any]:
 def _timeout(sel: Selection) -> Any:
     from datetime import timedelta
 
-    return timedelta(seconds=sel.process_group_timeout_s)
+    return timedelta(seconds=sel.process_group_timeout)

@@ -130,6 +130,23 @@ def _fix_dir(where: str) -> str:
     return f"Remove or rename {where}, or {_OTHER_DIR}."
 
 
+def safe_name(name: str) -> bool:
+    """Whether ``name`` can be one file name of ours in a directory of ours: letters, digits,
+    ``-``, ``_`` and ``.`` only, not starting with a dot, at most 128 characters (so a name the
+    user typed, a fingerprint, never walks out of the directory)."""
+    return (0 < len(name) <= 128 and not name.startswith(".")
+            and all(c.isascii() and (c.isalnum() or c in "-_.") for c in name))
+
+
+def free_bytes(path: str | Path) -> int | None:
+    """Bytes free to this user on the filesystem of ``path``; None when unknown."""
+    try:
+        st = os.statvfs(path)
+    except (OSError, AttributeError):  # AttributeError: no statvfs on Windows
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 # --------------------------------------------------------------------------------------------
 # Reading
 # --------------------------------------------------------------------------------------------
@@ -180,6 +197,37 @@ def read_bytes(path: Path, *, max_bytes: int, owned: bool = True) -> bytes:
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def open_owned(path: Path) -> Any:
+    """``path`` opened for reading (a binary file object), with the rules of :func:`read_bytes`
+    for ``owned=True`` but no size bound: a regular file, not through a symlink, this user's
+    own, not writable by group or others; never blocking on a FIFO. For large files a reader
+    streams (checkpoints). Raises UnsafePathError, FileNotFoundError, OSError."""
+    where = str(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | _CLOEXEC | _NONBLOCK | _NOFOLLOW)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK) and os.path.islink(path):
+            raise UnsafePathError(where, "is a symbolic link", _fix_file(where)) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePathError(where, NOT_REGULAR, _fix_file(where))
+        if sys.platform != "win32":
+            if st.st_uid != _euid():
+                raise UnsafePathError(
+                    where, f"is owned by uid {st.st_uid}, not by this user (uid {_euid()})",
+                    _fix_file(where))
+            if st.st_mode & 0o022:
+                raise UnsafePathError(
+                    where, f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})",
+                    _fix_file(where))
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
 
 
 def _fix_file(where: str) -> str:
@@ -291,3 +339,21 @@ def _alive(pid: int) -> bool:
     except (PermissionError, OverflowError, OSError):
         return True
     return True
+
+
+class TempSweep:
+    """Sweeps what killed runs left (:func:`sweep_temp_dirs`) once per holder: the prober holds
+    the process's one instance (:data:`TEMP_SWEEP`), so the temp directory is read once per
+    process however many probes run; a test holds its own."""
+
+    def __init__(self) -> None:
+        self.done: list[str] = []
+
+    def once(self) -> None:
+        if not self.done:
+            self.done.append(tempfile.gettempdir())
+            sweep_temp_dirs()
+
+
+#: This process's sweep (see :class:`TempSweep`).
+TEMP_SWEEP = TempSweep()

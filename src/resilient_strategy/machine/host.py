@@ -37,30 +37,31 @@ def detect_host(env: Mapping[str, str], root: str = "/") -> Host:
     dmi = [_read(root, f"sys/devices/virtual/dmi/id/{f}") for f in ("sys_vendor", "board_vendor")]
     return Host(
         shm_bytes=_shm_bytes(root),
-        container=_parse_container(
+        container=parse_container(
             env,
             dockerenv=_exists(root, ".dockerenv"),
             containerenv=_exists(root, "run/.containerenv"),
             cgroup=_read(root, "proc/1/cgroup"),
             mountinfo=_read(root, "proc/self/mountinfo"),
         ),
-        wsl2=_parse_wsl(_read(root, "proc/sys/kernel/osrelease")),
+        wsl2=parse_wsl(_read(root, "proc/sys/kernel/osrelease")),
         sagemaker=_exists(root, "opt/ml/input/config/resourceconfig.json")
-        or _parse_sagemaker_env(env),
-        aws=any(_parse_aws_vendor(t) for t in dmi),
-        efa=_parse_efa(ib or ()),
+        or parse_sagemaker_env(env),
+        aws=any(parse_aws_vendor(t) for t in dmi),
+        efa=parse_efa(ib or ()),
         infiniband=bool(ib),
-        iommu=_parse_iommu(
+        iommu=parse_iommu(
             _list(root, "sys/class/iommu"), _read(root, "proc/cmdline"), _iommu_group_types(root)
         ),
         kernel=(_read(root, "proc/sys/kernel/osrelease") or "").strip(),
         cpu_count=_cpu_count(),
         platform=sys.platform,
+        memory_available_bytes=_parse_meminfo(_read(root, "proc/meminfo")),
     )
 
 
 # ----- pure parsers ------------------------------------------------------------------------------
-def _parse_container(
+def parse_container(
     env: Mapping[str, str],
     *,
     dockerenv: bool,
@@ -71,7 +72,7 @@ def _parse_container(
     """The container runtime this process runs in, "" when none is seen."""
     if "KUBERNETES_SERVICE_HOST" in env:
         return "kubernetes"
-    seen = _parse_cgroup(cgroup or "") or _parse_mountinfo(mountinfo or "")
+    seen = parse_cgroup(cgroup or "") or parse_mountinfo(mountinfo or "")
     if seen == "kubernetes":
         return seen
     if containerenv:
@@ -81,7 +82,7 @@ def _parse_container(
     return seen
 
 
-def _parse_cgroup(text: str) -> str:
+def parse_cgroup(text: str) -> str:
     """Runtime named by /proc/1/cgroup lines ("12:cpu:/docker/<id>"); "" on cgroup v2 ("0::/")."""
     for line in text.splitlines():
         path = line.split(":", 2)[-1]
@@ -91,7 +92,7 @@ def _parse_cgroup(text: str) -> str:
     return ""
 
 
-def _parse_mountinfo(text: str) -> str:
+def parse_mountinfo(text: str) -> str:
     """Runtime named by the source of the /etc/hostname-like bind mounts in /proc/self/mountinfo.
 
     Only those mounts count: a host running containers lists their overlay mounts too.
@@ -105,25 +106,25 @@ def _parse_mountinfo(text: str) -> str:
     return ""
 
 
-def _parse_wsl(osrelease: str | None) -> bool:
+def parse_wsl(osrelease: str | None) -> bool:
     """WSL2 kernels are named like "5.15.153.1-microsoft-standard-WSL2"."""
     return "microsoft" in (osrelease or "").lower()
 
 
-def _parse_sagemaker_env(env: Mapping[str, str]) -> bool:
+def parse_sagemaker_env(env: Mapping[str, str]) -> bool:
     return any(k in env for k in _SAGEMAKER_ENV) or any(k.startswith("SAGEMAKER_") for k in env)
 
 
-def _parse_aws_vendor(text: str | None) -> bool:
+def parse_aws_vendor(text: str | None) -> bool:
     return "amazon" in (text or "").lower()
 
 
-def _parse_efa(devices: Sequence[str]) -> bool:
+def parse_efa(devices: Sequence[str]) -> bool:
     """EFA devices appear in /sys/class/infiniband as efa_0 / rdmap<...> (AWS EFA driver)."""
     return any(d.startswith(("efa", "rdmap")) for d in devices)
 
 
-def _parse_iommu(
+def parse_iommu(
     devices: Sequence[str] | None,
     cmdline: str | None,
     group_types: Sequence[str] | None = None,
@@ -158,6 +159,17 @@ def _parse_iommu(
 
 
 # ----- thin readers ------------------------------------------------------------------------------
+def _parse_meminfo(text: str | None) -> int | None:
+    """MemAvailable of /proc/meminfo, in bytes (the kernel's estimate of what new processes can
+    use without swapping); None when absent."""
+    for line in (text or "").splitlines():
+        name, _, rest = line.partition(":")
+        parts = rest.split()
+        if name == "MemAvailable" and parts and parts[0].isdigit():
+            return int(parts[0]) * 1024 if parts[1:] == ["kB"] else int(parts[0])
+    return None
+
+
 def _path(root: str, rel: str) -> str:
     return os.path.join(root, rel)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
-from ..core.facts import Facts, Visibility, relevant_env
+from ..core.facts import Facts, Visibility, compact_links, relevant_env
 from . import env as _env
 from .guard import ImportWatch, first_import_site
 from .host import detect_host
@@ -54,9 +54,12 @@ def detect_facts(
         for f in detect_frameworks(modules, packages)
     )
     parents = {g.index: g for g in snap.gpus}
+    gpus = tuple(job_gpu(i, d, parents[d.physical]) for i, d in enumerate(devices))
+    links, fabric = compact_links(len(gpus), renumber_links(devices, snap.links))
     return Facts(
-        gpus=tuple(job_gpu(i, d, parents[d.physical]) for i, d in enumerate(devices)),
-        links=renumber_links(devices, snap.links),
+        gpus=gpus,
+        links=links,
+        fabric=fabric,
         driver_version=snap.driver_version,
         cuda_driver_version=snap.cuda_driver_version,
         nvml_error=snap.error,

@@ -127,6 +127,7 @@ class _Reader:
             pci_bus_id="" if pci is None else _bus_id(pci),
             mig_enabled=mig_enabled,
             mig=self.mig_devices(h) if mig_enabled else (),
+            memory_free_bytes=None if mem is None else int(mem.free),
         )
 
     def mig_devices(self, h: Any) -> tuple[MigDevice, ...]:

@@ -96,7 +96,7 @@ def _torch(mods: Mapping[str, object], src: MetadataSource) -> FrameworkInfo:
     folder = src.package_dir("torch")
     if dist is None and folder is None:
         return FrameworkInfo(name="torch")
-    built = _literals(os.path.join(folder, "version.py")) if folder else {}
+    built = literals(os.path.join(folder, "version.py")) if folder else {}
     cuda = _str_or_none(built.get("cuda"))
     version = dist.version if dist else _str_or_none(built.get("__version__"))
     return FrameworkInfo(
@@ -106,7 +106,7 @@ def _torch(mods: Mapping[str, object], src: MetadataSource) -> FrameworkInfo:
         cuda=cuda,
         nccl=_required_nccl(dist, (), src) if cuda else None,
         imported="torch" in mods,
-        gpu_initialized=_torch_initialized(mods),
+        gpu_initialized=torch_initialized(mods),
     )
 
 
@@ -115,8 +115,8 @@ def _tensorflow(mods: Mapping[str, object], src: MetadataSource) -> FrameworkInf
     folder = src.package_dir("tensorflow")
     if dist is None and folder is None:
         return FrameworkInfo(name="tensorflow")
-    build_info = os.path.join(folder, "python", "platform", "build_info.py") if folder else ""
-    info = _build_info(build_info) if build_info else {}
+    info_path = os.path.join(folder, "python", "platform", "build_info.py") if folder else ""
+    info = build_info(info_path) if info_path else {}
     cuda = _str_or_none(info.get("cuda_version") or info.get("cuda_version_number"))
     archs = info.get("cuda_compute_capabilities") or ()
     # The nvidia-nccl wheel counts only where TF pins it (its "and-cuda" extra); older TF wheels
@@ -131,7 +131,7 @@ def _tensorflow(mods: Mapping[str, object], src: MetadataSource) -> FrameworkInf
         nccl=nccl,
         archs=tuple(str(a) for a in archs) if isinstance(archs, (list, tuple)) else (),
         imported="tensorflow" in mods,
-        gpu_initialized=_tensorflow_initialized(mods),
+        gpu_initialized=tensorflow_initialized(mods),
     )
 
 
@@ -145,7 +145,7 @@ def _keras(mods: Mapping[str, object], src: MetadataSource) -> FrameworkInfo:
     )
 
 
-def _torch_initialized(mods: Mapping[str, object]) -> bool:
+def torch_initialized(mods: Mapping[str, object]) -> bool:
     """``torch.cuda.is_initialized()``, which does not initialize CUDA itself."""
     try:
         cuda = getattr(mods.get("torch"), "cuda", None)
@@ -154,7 +154,7 @@ def _torch_initialized(mods: Mapping[str, object]) -> bool:
         return False
 
 
-def _tensorflow_initialized(mods: Mapping[str, object]) -> bool:
+def tensorflow_initialized(mods: Mapping[str, object]) -> bool:
     """Whether TF's eager context has listed (initialized) its physical devices.
 
     Checked against TF 2.21: a fresh import, ``context.context()`` alone and building a Keras layer
@@ -226,7 +226,7 @@ def _applies(req: Requirement, extras: Sequence[str]) -> bool:
     return False
 
 
-def _literals(path: str) -> dict[str, Any]:
+def literals(path: str) -> dict[str, Any]:
     """Module-level ``name = <literal>`` assignments of a Python file, never executing it."""
     try:
         with open(path, encoding="utf-8") as f:
@@ -261,9 +261,9 @@ def _literal(node: ast.expr) -> Any:
         raise ValueError(str(exc)) from None
 
 
-def _build_info(path: str) -> dict[str, Any]:
+def build_info(path: str) -> dict[str, Any]:
     """TF's build info: the ``build_info`` mapping (2.3+), or older module-level constants."""
-    found = _literals(path)
+    found = literals(path)
     info = found.pop("build_info", None)
     return {**found, **info} if isinstance(info, Mapping) else found
 

@@ -47,6 +47,7 @@ class PhysicalGpu:
     pci_bus_id: str = ""
     mig_enabled: bool = False
     mig: tuple[MigDevice, ...] = ()
+    memory_free_bytes: int | None = None  # None: unknown
 
 
 @dataclass(frozen=True)
@@ -227,5 +228,7 @@ def job_gpu(ordinal: int, dev: VisibleDevice, parent: PhysicalGpu) -> Gpu:
         pci_bus_id=parent.pci_bus_id,
         physical_index=parent.index,
         mig_enabled=mig is not None or parent.mig_enabled,
+        # a MIG instance's own free memory is not read: unknown rather than the parent's
+        memory_free_bytes=None if mig else parent.memory_free_bytes,
     )
 

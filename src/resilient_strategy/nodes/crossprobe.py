@@ -181,7 +181,7 @@ def spec_from_dict(d: Mapping[str, Any]) -> ProbeSpec:
             env=tuple((str(k), str(v)) for k, v in d["env"]),
             world_size=int(d["world_size"]), timeout_s=float(d["timeout_s"]),
             message_bytes=int(d["message_bytes"]), train_step=bool(d["train_step"]),
-            logical_cpus=int(d.get("logical_cpus", 0)),
+            logical_cpus=int(d.get("logical_cpus", 0)), sharded=bool(d.get("sharded", False)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise MultiNodeError(f"node 0 sent a probe this node cannot read ({exc}); run the same "

@@ -81,7 +81,7 @@ class Job:
 
 #: Stores this process hosts (non-agent launches): kept alive so that ``init_process_group``
 #: on the same port reuses the server (``multi_tenant=True``) instead of failing to bind.
-_HOSTED: list[Any] = []
+HOSTED: list[Any] = []
 
 
 def open_store(job: Job, timeout_s: float, *, client: bool = False) -> Any:
@@ -105,7 +105,7 @@ def open_store(job: Job, timeout_s: float, *, client: bool = False) -> Any:
             f"{timeout_s:g} s: {first_line(exc)}", how="store"
         ) from exc
     if host:
-        _HOSTED.append(store)
+        HOSTED.append(store)
     return store
 
 

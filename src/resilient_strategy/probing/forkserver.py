@@ -31,8 +31,6 @@ IDLE_EXIT_S = 10.0
 START_TIMEOUT_S = 60.0
 FORKSERVER_VAR = "RESILIENT_STRATEGY_FORKSERVER"
 
-_lock = threading.Lock()
-_servers: dict[tuple[str, tuple[tuple[str, str], ...]], ForkServer] = {}
 
 
 class ForkServerError(OSError):
@@ -138,31 +136,53 @@ class ForkServer:
 
 
 def enabled(env: Mapping[str, str]) -> bool:
-    return env.get(FORKSERVER_VAR, "1") != "0" and hasattr(os, "fork")
+    return (env.get(FORKSERVER_VAR, "1").strip().lower() not in ("0", "false")
+            and hasattr(os, "fork"))
+
+
+class ForkServers:
+    """The fork servers one holder started, by interpreter and environment. The prober uses this
+    process's instance (:data:`FORK_SERVERS`, closed at exit); a test may hold its own."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.servers: dict[tuple[str, tuple[tuple[str, str], ...]], ForkServer] = {}
+
+    def server_for(self, python: str, env: Mapping[str, str]) -> ForkServer:
+        """A live torch fork server for this interpreter and environment (started when needed)."""
+        key = (python, tuple(sorted(env.items())))
+        with self.lock:
+            for k, old in list(self.servers.items()):  # reap the ones that exited while idle
+                if k != key and not old.alive:
+                    old.close()
+                    del self.servers[k]
+            server = self.servers.get(key)
+            if server is not None and server.alive:
+                return server
+            if server is not None:
+                server.close()
+            server = ForkServer(python, env)
+            self.servers[key] = server
+            return server
+
+    def close_all(self) -> None:
+        """Stop every server this holder started."""
+        with self.lock:
+            for server in self.servers.values():
+                server.close()
+            self.servers.clear()
+
+
+#: This process's fork servers.
+FORK_SERVERS = ForkServers()
+atexit.register(FORK_SERVERS.close_all)
 
 
 def server_for(python: str, env: Mapping[str, str]) -> ForkServer:
-    """A live torch fork server for this interpreter and environment (started when needed)."""
-    key = (python, tuple(sorted(env.items())))
-    with _lock:
-        for k, old in list(_servers.items()):  # reap the ones that exited while idle
-            if k != key and not old.alive:
-                old.close()
-                del _servers[k]
-        server = _servers.get(key)
-        if server is not None and server.alive:
-            return server
-        if server is not None:
-            server.close()
-        server = ForkServer(python, env)
-        _servers[key] = server
-        return server
+    """A live torch fork server for this interpreter and environment, from :data:`FORK_SERVERS`."""
+    return FORK_SERVERS.server_for(python, env)
 
 
-@atexit.register
 def close_all() -> None:
     """Stop every server this process started."""
-    with _lock:
-        for server in _servers.values():
-            server.close()
-        _servers.clear()
+    FORK_SERVERS.close_all()

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ..core.probe import ERROR, ProbeResult, ProbeSpec, parse_probe
+from ..core.signatures import signatures_from_env
 from ..errors import InvalidOptionError
 from ..machine import files as _files
 from ..records.progress import StallPolicy
@@ -50,10 +51,7 @@ def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.exec
     """Prove ``spec`` on this machine within ``spec.timeout_s``; never raises for a failed probe,
     only :class:`~resilient_strategy.errors.GpuUnusableError` when a hung probe on GPUs, once
     killed, left a GPU that no longer initializes or runs a kernel (see :mod:`.health`)."""
-    global _swept
-    if not _swept:  # what a killed run of ours left (its pid gone, untouched for a while)
-        _swept = True
-        _files.sweep_temp_dirs()
+    _files.TEMP_SWEEP.once()  # what a killed run of ours left (its pid gone, untouched a while)
     # a SIGTERM while the workers run removes this directory too, then terminates the process
     with _proc.terminate_as_exception(), _files.temp_dir("rs-probe-") as tmp:
         commands = build_commands(spec, env, tmp, python=python, parent_pid=os.getpid())
@@ -66,7 +64,8 @@ def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.exec
         except OSError as exc:
             return ProbeResult(spec.candidate, ERROR, cause="worker_error",
                                detail=f"could not start the probe worker {python!r}: {exc}")
-    result = parse_probe(spec, group.outcomes, group.elapsed_s, group.timed_out, group.stall)
+    result = parse_probe(spec, group.outcomes, group.elapsed_s, group.timed_out, group.stall,
+                         signatures_from_env(env, os.pathsep))
     health.check_after(spec, result, env, python=python)
     return result
 
@@ -92,7 +91,6 @@ def _fork_spawner(spec: ProbeSpec, env: Mapping[str, str], python: str) -> _proc
     return spawn
 
 
-_swept = False
 
 
 def worker_env(spec: ProbeSpec, env: Mapping[str, str]) -> dict[str, str]:
@@ -119,6 +117,8 @@ def build_commands(
               "--parent-pid", str(parent_pid)]
     if not spec.train_step:
         common.append("--no-train-step")
+    if spec.sharded:
+        common.append("--sharded")
     if spec.check_bytes:
         common += ["--check-bytes", ",".join(map(str, spec.check_bytes))]
     work = Path(workdir)

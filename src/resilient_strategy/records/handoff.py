@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..core.bounded import parse_json
+from ..core.bounded import parse_json, read_user_file
 from ..core.probe import ProbeResult
 from ..errors import ResilientStrategyError
 from .progress import (
@@ -41,6 +41,8 @@ from .trainfault import TrainFault, fault_from
 
 #: Private: set by the worker wrapper in the worker's own process, never by the user.
 DECISION_VAR = "RESILIENT_STRATEGY_DECISION"
+#: A handed decision holds one plan's probe results: far below this.
+MAX_DECISION_BYTES = 16 << 20
 FORMAT_VERSION = 1
 
 
@@ -108,22 +110,9 @@ def write_decision(path: str | Path, decision: Decision) -> None:
         raise
 
 
-_LOADED: dict[str, Decision] = {}
-
-
-def load_decision(env: Mapping[str, str]) -> Decision | None:
+def load_decision(env: Mapping[str, str], state: WorkerState | None = None) -> Decision | None:
     """The handed decision when this process is a worker of ``resilient-strategy run``."""
-    path = env.get(DECISION_VAR)
-    if not path:
-        return None
-    if path not in _LOADED:
-        try:
-            _LOADED[path] = Decision.from_dict(parse_json(Path(path).read_bytes(), path, allow_nan=True))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ResilientStrategyError(
-                f"cannot read the decision handed down by `resilient-strategy run` ({path}): "
-                f"{exc}") from exc
-    return _LOADED[path]
+    return (state or WORKER).load_decision(env)
 
 
 def progress_path(run_dir: str | Path, local_rank: int) -> Path:
@@ -137,11 +126,12 @@ def error_path(run_dir: str | Path, local_rank: int) -> Path:
 CHECKPOINT_NOTE = "checkpoint.json"
 
 
-def note_checkpoint(step: int, path: str | Path) -> None:
+def note_checkpoint(step: int, path: str | Path, state: WorkerState | None = None) -> None:
     """Under the supervisor: say where the last checkpoint is (for its relaunch line)."""
-    if not _LOADED:
+    loaded = (state or WORKER).loaded
+    if not loaded:
         return
-    decision = next(iter(_LOADED.values()))
+    decision = next(iter(loaded.values()))
     with contextlib.suppress(OSError):
         note = Path(decision.run_dir) / CHECKPOINT_NOTE
         tmp = note.with_suffix(".tmp")
@@ -184,12 +174,14 @@ class TrainingReporter:
     backend: str
     collective: bool  # the backward of a last micro-step all-reduces (world size > 1)
     fault: TrainFault | None = None
+    attempt: int = 0  # the launch attempt (a rehearsed fault may fire in the first ones only)
     step: int = 0
     phase_name: str = STARTED
     _fault_armed: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._fault_armed = self.fault is not None and self.fault.applies(self.rank, self.backend)
+        self._fault_armed = self.fault is not None and self.fault.applies(
+            self.rank, self.backend, self.attempt)
 
     def restored(self, step: int) -> None:
         self.step = step
@@ -235,21 +227,53 @@ class TrainingReporter:
         self.phase_name = FINISHED
 
 
-_REPORTER: list[TrainingReporter] = []
+class WorkerState:
+    """What one worker process of ``resilient-strategy run`` holds: the decisions it loaded (by
+    path) and its one reporter (a second ``resilient_strategy()`` call in the process reuses
+    both). The public functions use the default instance, :data:`WORKER`; a test makes its own."""
+
+    def __init__(self) -> None:
+        self.loaded: dict[str, Decision] = {}
+        self.reporters: list[TrainingReporter] = []
+
+    def load_decision(self, env: Mapping[str, str]) -> Decision | None:
+        path = env.get(DECISION_VAR)
+        if not path:
+            return None
+        if path not in self.loaded:
+            try:  # bounded, and only a regular file: /dev/zero or a FIFO is refused, not read
+                data = read_user_file(Path(path), MAX_DECISION_BYTES)
+                self.loaded[path] = Decision.from_dict(parse_json(data, path, allow_nan=True))
+            except (OSError, ValueError, KeyError, TypeError, ResilientStrategyError) as exc:
+                raise ResilientStrategyError(
+                    f"{DECISION_VAR}={path[:200]!r}: cannot read the decision handed down by "
+                    f"`resilient-strategy run`: {exc}") from None
+        return self.loaded[path]
+
+    def reporter_for(self, decision: Decision, rank: int, local_rank: int, backend: str,
+                     replicas: int, env: Mapping[str, str]) -> TrainingReporter:
+        if not self.reporters:
+            self.reporters.append(TrainingReporter(
+                ProgressWriter(str(progress_path(decision.run_dir, local_rank))), rank=rank,
+                backend=backend, collective=replicas > 1, fault=fault_from(env),
+                attempt=decision.attempt,
+            ))
+        return self.reporters[0]
+
+    def current_reporter(self) -> TrainingReporter | None:
+        return self.reporters[0] if self.reporters else None
+
+
+#: The state of this process (the public functions' default).
+WORKER = WorkerState()
 
 
 def reporter_for(decision: Decision, rank: int, local_rank: int, backend: str, replicas: int,
-                 env: Mapping[str, str]) -> TrainingReporter:
+                 env: Mapping[str, str], state: WorkerState | None = None) -> TrainingReporter:
     """This process's reporter (one per process: a second resilient_strategy() call reuses it).
     Files are named by local rank: each node's supervisor watches its own workers."""
-    if not _REPORTER:
-        _REPORTER.append(TrainingReporter(
-            ProgressWriter(str(progress_path(decision.run_dir, local_rank))), rank=rank,
-            backend=backend,
-            collective=replicas > 1, fault=fault_from(env),
-        ))
-    return _REPORTER[0]
+    return (state or WORKER).reporter_for(decision, rank, local_rank, backend, replicas, env)
 
 
-def current_reporter() -> TrainingReporter | None:
-    return _REPORTER[0] if _REPORTER else None
+def current_reporter(state: WorkerState | None = None) -> TrainingReporter | None:
+    return (state or WORKER).current_reporter()

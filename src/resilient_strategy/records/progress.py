@@ -15,7 +15,11 @@ cheap enough for every training step)::
     w.phase(FINISHED)
 
 Each rank owns one small file; the latest record overwrites the previous one (no growth, no
-locking). ``allow_s`` on :meth:`ProgressWriter.enter` declares extra time a region may need on
+locking). The file's blocks are allocated when the writer opens it (``posix_fallocate``, else
+zeros written), so a full disk is a :class:`~resilient_strategy.errors.NoSpaceError` naming the
+file before any training, never a SIGBUS through the mapping mid-run. Only a regular file is
+written or read: a FIFO or device planted in its place is refused without blocking (opened
+``O_NONBLOCK``, checked with ``fstat``), and the writer never follows a symlink. ``allow_s`` on :meth:`ProgressWriter.enter` declares extra time a region may need on
 top of the transfer (a first call that compiles a graph, DDP's first step).
 
 Watcher (in the runner, polled every few tens of milliseconds)::
@@ -51,11 +55,15 @@ what to do (a probe runner kills the group and reports a hang).
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
+import stat
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+
+from ..errors import NoSpaceError
 
 #: The environment variable a training launcher may use to hand a rank its progress file.
 PROGRESS_VAR = "RESILIENT_STRATEGY_PROGRESS"
@@ -138,13 +146,12 @@ class ProgressWriter:
         self._map: mmap.mmap | None = None
         self._entered: dict[int, float] = {}
         if path:
-            with contextlib.suppress(OSError):
-                self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            if self._fd is not None:
+            self._fd = _open_regular(path)
+            if self._fd is not None and _allocate(self._fd, path):
                 # A record is a store into a shared mapping of the file (readers see it through
-                # the page cache): no system call per step. pwrite where mapping fails.
+                # the page cache): no system call per step. pwrite where mapping fails. Only
+                # over allocated blocks: a store into a hole on a full disk is a SIGBUS.
                 with contextlib.suppress(OSError, ValueError):
-                    os.ftruncate(self._fd, _RECORD_BYTES)
                     self._map = mmap.mmap(self._fd, _RECORD_BYTES, mmap.MAP_SHARED,
                                           mmap.PROT_READ | mmap.PROT_WRITE)
         self.phase(STARTED)
@@ -202,13 +209,61 @@ class ProgressWriter:
             self._fd = None
 
 
-def read_record(path: str) -> Record | None:
-    """The latest record in ``path``; None when there is none yet (or it is being rewritten)."""
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+#: posix_fallocate's answers where the filesystem cannot preallocate (write zeros instead).
+_NO_FALLOCATE = (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS)
+_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+
+
+def _open_regular(path: str) -> int | None:
+    """``path`` opened for writing (created 0600), never through a symlink, never blocking;
+    None when it cannot be opened or is not a regular file (a FIFO, a device)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | _NONBLOCK | _NOFOLLOW, 0o600)
+    except (OSError, ValueError):  # ValueError: a NUL character in the path
         return None
     try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def _allocate(fd: int, path: str) -> bool:
+    """Give the record's bytes real blocks now. True when they have them; raises NoSpaceError
+    when the disk (or quota) is full; False for any other failure (then no mapping)."""
+    try:
+        os.ftruncate(fd, _RECORD_BYTES)
+        try:
+            os.posix_fallocate(fd, 0, _RECORD_BYTES)
+        except AttributeError:  # no posix_fallocate on this platform
+            os.pwrite(fd, b"\0" * _RECORD_BYTES, 0)
+        except OSError as exc:
+            if exc.errno not in _NO_FALLOCATE:
+                raise
+            os.pwrite(fd, b"\0" * _RECORD_BYTES, 0)
+            os.fsync(fd)
+    except OSError as exc:
+        if exc.errno in _FULL:
+            os.close(fd)
+            raise NoSpaceError(path, "the progress file") from exc
+        return False
+    return True
+
+
+def read_record(path: str) -> Record | None:
+    """The latest record in ``path``; None when there is none yet (or it is being rewritten),
+    or when ``path`` is not a regular file (a FIFO is not opened for blocking)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | _NONBLOCK)
+    except (OSError, ValueError):
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
         return Record.decode(os.pread(fd, _RECORD_BYTES, 0))
     except OSError:
         return None

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.bounded import parse_json
-from ..core.options import RunOptions
+from ..core.options import DEFAULT_PROCESS_GROUP_TIMEOUT, RunOptions
 from ..records.handoff import Decision, error_path, progress_path
 from ..records.progress import (
     Stall,
@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from .peers import PeerWatch
 
 from .arguments import node_count, parser
-from .verdicts import RankExit, Verdict, classify_attempt
-from .watch import TrainingWatch
+from .verdicts import PeerFault, RankExit, Verdict, VerdictKind, classify_attempt
+from .watch import TrainingWatch, torch_timeouts
 
 log = logging.getLogger("resilient_strategy")
 
@@ -53,8 +53,9 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
     ns.nproc_per_node = str(nproc)
     ns.max_restarts = 0  # a relaunch is ours, on another candidate
     ns.log_dir = str(run_dir / "logs")
-    if not (getattr(ns, "redirects", "") or getattr(ns, "tee", "")):
-        ns.tee = "2"  # stderr to the console and to a file we can read
+    if str(getattr(ns, "redirects", "0") or "0") == "0" and str(getattr(ns, "tee", "0")
+                                                                or "0") == "0":
+        ns.tee = "2"  # stderr to the console and to a file we can read (torch's default: "0")
     nnodes = node_count(opts)
     if alone:
         ns.nnodes, ns.node_rank, ns.rdzv_conf, ns.standalone = "1", 0, "", True
@@ -93,27 +94,27 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
         master_addr, master_port = parse_rendezvous_endpoint(rdzv.endpoint, default_port=-1)
     spec = WorkerSpec(
         role=config.role, local_world_size=nproc, entrypoint=sys.executable,
-        args=("-u", "-m", "resilient_strategy.run.worker", str(run_dir / "decision.json"),
-              opts.script, *opts.script_args),
+        args=("-u", "-m", "resilient_strategy.run.worker", "--supervisor", str(os.getpid()),
+              str(run_dir / "decision.json"), opts.script, *opts.script_args),
         rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv), max_restarts=0,
         monitor_interval=config.monitor_interval, master_addr=master_addr,
         master_port=master_port, local_addr=config.local_addr)
     agent = agent_cls(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
                       watch=watch, peer=peer)
+    timeouts = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PROCESS_GROUP_TIMEOUT)
+    os.environ.update(timeouts)  # the workers inherit them; never one the user set
     try:
         result = agent.run()
     finally:
+        for k in timeouts:
+            os.environ.pop(k, None)
         with contextlib.suppress(Exception):
             spec.rdzv_handler.shutdown()
         if not had_omp:
             os.environ.pop("OMP_NUM_THREADS", None)
     if agent.peer_fault is not None:  # another node saw the fault: this node stopped for it
-        f = agent.peer_fault
-        retry = bool(f.get("retry", True))
-        return Verdict("backend" if retry else str(f.get("kind", "crash")),
-                       f"node {f.get('node')}: {f.get('summary', '')}",
-                       int(f.get("step", 0) or 0), str(f.get("cause", "") or "crash"),
-                       node=int(f.get("node", -1)))
+        relayed: Verdict = agent.peer_fault.as_seen_here()
+        return relayed
     stall: Stall | None = agent.stall
     if stall is not None and any(error_path(run_dir, lr).exists() for lr in range(nproc)):
         stall = None  # a rank raised and had not exited yet: its error is the story, not a stall
@@ -134,7 +135,7 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
                                       record=read_record(str(progress_path(run_dir, lr))),
                                       stderr_tail=_stderr_tail(run_dir / "logs", lr)))
         if not exits and result.state.name != "SUCCEEDED":
-            return Verdict("crash", f"the workers ended in state {result.state.name}")
+            return Verdict(VerdictKind.EXIT, f"the workers ended in state {result.state.name}")
     return classify_attempt(stall, exits)
 
 
@@ -155,6 +156,26 @@ def _stderr_tail(log_dir: Path, local_rank: int, limit: int = 8192) -> str:
     return ""
 
 
+#: How long the workers get to write their Python stacks (SIGUSR1, faulthandler) before a
+#: stalled group is stopped.
+STACKS_WAIT_S = 1.0
+
+
+def dump_stacks(pids: list[int], wait_s: float = STACKS_WAIT_S) -> None:
+    """Ask each worker for its Python stacks (:mod:`.worker` registers faulthandler on SIGUSR1,
+    written to its ``rank<N>.stacks.txt``), then give them ``wait_s`` to write them."""
+    import signal
+    import time
+
+    sig = getattr(signal, "SIGUSR1", None)
+    if sig is None or not pids:
+        return
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, sig)
+    time.sleep(wait_s)
+
+
 _AGENT: list[type[Any]] = []
 
 
@@ -172,7 +193,7 @@ def _agent_class() -> type[Any]:
             self.watch = watch
             self.peer = peer
             self.stall: Stall | None = None
-            self.peer_fault: dict[str, Any] | None = None
+            self.peer_fault: PeerFault | None = None
 
         def _monitor_workers(self, worker_group: Any) -> Any:
             result = super()._monitor_workers(worker_group)
@@ -180,6 +201,9 @@ def _agent_class() -> type[Any]:
                 stall = self.watch.poll()
                 if stall is not None:
                     self.stall = stall
+                    with contextlib.suppress(Exception):  # evidence before the kill
+                        if self._pcontext is not None:
+                            dump_stacks(list(self._pcontext.pids().values()))
                     # as the agent does for a wedged (D-state) worker: no restart, stop the group
                     self._remaining_restarts = 0
                     return RunResult(state=WorkerState.UNHEALTHY)

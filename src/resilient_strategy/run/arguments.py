@@ -9,10 +9,12 @@ import contextlib
 import logging
 import re
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..core.options import RunOptions, run_options_from
+from ..core.arguments import run_options_from
+from ..core.options import RunOptions
 from ..errors import InvalidOptionError
 from ..machine import env as _env
 
@@ -45,7 +47,19 @@ def parser() -> argparse.ArgumentParser:
                      "relaunch on the next candidate when a collective fails or stalls mid-run. "
                      "Takes torchrun's options.")
     p.add_argument("--max-relaunches", type=int, default=None,
-                   help="relaunches at most (default: the candidates left)")
+                   help="relaunches at most, retries included (default: no count; the "
+                        "candidates and --max-attempts-without-progress bound it)")
+    p.add_argument("--min-throughput", type=float, default=0.25,
+                   help="never step down to a candidate estimated below this fraction of the "
+                        "throughput of the one that failed (default 0.25; 0: any)")
+    p.add_argument("--allow-cpu", action="store_true",
+                   help="a GPU job may step down to the CPU (refused by default)")
+    p.add_argument("--max-attempts-without-progress", type=int, default=3,
+                   help="stop after this many attempts in a row that get no further than the "
+                        "furthest step reached before (default 3)")
+    p.add_argument("--evidence-dir", default="resilient-strategy-evidence",
+                   help="where each fault's per-rank tracebacks and the attempts record go "
+                        "(default: ./resilient-strategy-evidence)")
     p.add_argument("--stall-timeout", type=float, default=None,
                    help="seconds without progress on any rank before a stall is declared "
                         "(default: max(60, 20 x the median step time))")
@@ -56,6 +70,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gradient-bytes", type=int, default=None,
                    help="the model's gradient bytes, for ranking the candidates")
     p.add_argument("--probe-timeout", type=float, default=None, help="seconds per probe")
+    p.add_argument("--sharding", choices=("auto", "full", "none"), default="auto",
+                   help="shard the model (FSDP2): auto (when a replica does not fit), full, none")
+    p.add_argument("--param-bytes", type=int, default=None,
+                   help="the model's parameter bytes, for memory planning")
+    p.add_argument("--optimizer-state-factor", type=float, default=None,
+                   help="optimizer state per gradient byte (AdamW: 2, the default)")
     p.add_argument("--logical-cpus", type=int, default=0,
                    help="TensorFlow test mode: plan for N logical CPU devices (the script "
                         "passes logical_cpus=N too)")
@@ -79,12 +99,16 @@ def options_from_args(argv: Sequence[str]) -> RunOptions:
     if framework is None:
         with contextlib.suppress(OSError, UnicodeDecodeError):
             framework = guess_framework(Path(script).read_text(encoding="utf-8"))
-    return run_options_from(
+    opts = run_options_from(
         _env.snapshot(), script=script, script_args=tuple(ns.training_script_args),
         framework=framework, nproc=str(ns.nproc_per_node), max_relaunches=ns.max_relaunches,
         stall_timeout=ns.stall_timeout, global_batch_size=ns.global_batch_size,
         gradient_bytes=ns.gradient_bytes, probe_timeout=ns.probe_timeout,
-        logical_cpus=ns.logical_cpus, torchrun=ns)
+        logical_cpus=ns.logical_cpus, torchrun=ns, sharding=ns.sharding,
+        param_bytes=ns.param_bytes, optimizer_state_factor=ns.optimizer_state_factor)
+    return replace(opts, min_throughput=ns.min_throughput, allow_cpu=bool(ns.allow_cpu),
+                   max_attempts_without_progress=ns.max_attempts_without_progress,
+                   evidence_dir=ns.evidence_dir)  # validated by RunOptions, as every option
 
 
 def node_count(opts: RunOptions) -> int:

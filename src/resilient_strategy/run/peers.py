@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..nodes.store import KEY_VERSION, Job, open_store, record_fault, recorded_faults
+from .verdicts import PeerFault, Verdict, VerdictKind
 
 #: The least time between two looks at the store for other nodes' fault records.
 PEER_POLL_S = 0.5
@@ -115,21 +116,47 @@ class PeerWatch:
         with contextlib.suppress(Exception):
             self.store = open_store(self.job, timeout_s, client=True)
 
-    def poll(self) -> dict[str, Any] | None:
+    def poll(self) -> PeerFault | None:
         """The first other node's fault record, or None."""
         now = self.clock()
         if self.store is None or now < self._next:
             return None
         self._next = now + PEER_POLL_S
-        with contextlib.suppress(Exception):
-            for node, fault in sorted(recorded_faults(self.store, self.job).items()):
-                if node != self.link.node:
-                    return fault
-        return None
+        return next((f for f in self.faults() if f.node != self.link.node), None)
 
-    def record(self, fault: Mapping[str, Any]) -> None:
+    def faults(self) -> list[PeerFault]:
+        """Every node's fault record, by node (an unreadable one is a lost node's)."""
+        out: list[PeerFault] = []
+        if self.store is None:
+            return out
+        with contextlib.suppress(Exception):
+            for node, record in sorted(recorded_faults(self.store, self.job).items()):
+                try:
+                    out.append(PeerFault.from_dict({**record, "node": node}))
+                except ValueError as exc:
+                    out.append(PeerFault(node, str(record.get("candidate", "")), Verdict(
+                        VerdictKind.LOST, f"an unreadable fault record ({exc})", node=node)))
+        return out
+
+    def await_all(self, timeout_s: float) -> list[PeerFault]:
+        """Every node's record of this attempt, waiting up to ``timeout_s`` for the missing
+        ones; a node whose record never comes is named as lost."""
+        if self.store is None:
+            return []
+        deadline = self.clock() + timeout_s
+        faults = self.faults()
+        while len({f.node for f in faults}) < self.link.nodes and self.clock() < deadline:
+            time.sleep(PEER_POLL_S / 5)
+            faults = self.faults()
+        seen = {f.node for f in faults}
+        return faults + [PeerFault(n, "", Verdict(
+            VerdictKind.LOST, f"node {n}'s supervisor gave no verdict within {timeout_s:g} s "
+            "(it vanished)", node=n, where=f"node {n}")) for n in range(self.link.nodes)
+            if n not in seen]
+
+    def record(self, fault: PeerFault) -> None:
         """Tell the other nodes what this node saw (best effort: they see their own fault or
         lose this node at the next agreement)."""
         if self.store is not None:
             with contextlib.suppress(Exception):
-                record_fault(self.store, self.job, fault)
+                record_fault(self.store, self.job, fault.to_dict())

@@ -10,14 +10,18 @@ worker (SIGTERM, its shutdown timeout, SIGKILL). torchrun's restarts of the same
 are off: a relaunch here is on another candidate.
 
 After each attempt :func:`classify_attempt` (pure) reads the stall, the workers' exits, their
-error records and their last progress:
+error records and their last progress into a typed :class:`~.verdicts.Verdict`, and
+:func:`~.policy.judge` (pure) says what follows:
 
-- backend fault (all ranks stuck in one collective; a rank raising a communication error; a rank
-  vanishing inside a collective): the candidate's mid-run failure is recorded in the decision
-  cache for this machine (not for a rehearsed fault), the plan is made again without it, and the
-  script is relaunched on the next candidate with the same global batch;
-- diverged ranks, an exception in user code, an out-of-memory, a crash outside collectives:
-  reported, not retried on another backend.
+- a first stall, exit or lost node on a strategy is retried once there, from the last
+  checkpoint; a repeat (the retry fails the same way before getting past that step), or a
+  communication-error signature, steps down: the candidate's mid-run failure is added to the
+  plan (and to the decision cache for a signature, never for a rehearsal), and the script is
+  relaunched on the next candidate with the same global batch, unless that candidate is below
+  the throughput floor (``--min-throughput``, ``--allow-cpu``);
+- diverged ranks, an exception in user code, an out-of-memory: reported, not relaunched;
+- each fault gets one line here, and its per-rank tracebacks and stacks go to the evidence file
+  (:mod:`.evidence`); the run ends with a summary line and an exit code (:mod:`.exitcodes`).
 
 TensorFlow scripts run as one supervised process (one process drives every GPU there).
 
@@ -30,116 +34,233 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
 import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.bounded import parse_json
-from ..core.options import RunOptions
+from ..core.candidate import Candidate
+from ..core.options import MIN_STALL_S, RunOptions
 from ..core.probe import ERROR, ProbeResult
 from ..errors import NoWorkingStrategyError, ResilientStrategyError
 from ..machine import env as _env
 from ..records.handoff import CHECKPOINT_NOTE, Decision, write_decision
-from ..records.trainfault import FAULT_VAR, parse_fault
+from ..records.trainfault import FAULT_VAR, TrainFault, parse_fault
 
 if TYPE_CHECKING:
     from .peers import NodeLink, PeerWatch
 
 from .agent import launch
 from .arguments import node_count, options_from_args
-from .verdicts import Verdict, one_line
+from .evidence import Evidence
+from .exitcodes import ExitCode, interrupted
+from .policy import (
+    Action,
+    Attempt,
+    Judgement,
+    RelaunchPolicy,
+    effective,
+    floor_refusal,
+    judge,
+)
+from .verdicts import PeerFault, Verdict, merge, one_line
 
 log = logging.getLogger("resilient_strategy")
 
+#: The session directory's prefix (``rs-run-<pid>-...``): a killed run's is swept by the next.
+RUN_PREFIX = "rs-run-"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A decision with what the relaunch policy needs of it: the candidate and its estimate."""
+
+    decision: Decision
+    candidate: Candidate
+    step_seconds: float  # estimated, per global batch (core/estimate.py)
+    left: int  # candidates left after this one
+
+
 def supervise(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
-    """Run the script to the end, relaunching on the next candidate after each backend fault.
-    Returns the exit status for the command line (0: the training finished)."""
+    """Run the script to the end: retry a transient fault once on the same strategy, step down
+    to the next candidate on a repeat or a backend's signature, stop at the throughput floor.
+    Returns the exit status for the command line (:class:`~.exitcodes.ExitCode`)."""
     snapshot = _env.snapshot(env)
-    fault = parse_fault(snapshot.get(FAULT_VAR, ""))
-    session = Path(tempfile.mkdtemp(prefix="resilient-strategy-run-"))
-    failures: dict[str, ProbeResult] = {}  # mid-run failures of this session, by candidate key
-    causes: list[str] = []
-    notes: list[str] = []
-    relaunches = 0
-    limit = 0
+    session: Path | None = None
     try:
-        from ..machine.inspect import detect_facts
+        fault = parse_fault(snapshot.get(FAULT_VAR, ""))
+        from ..machine.files import sweep_temp_dirs
 
-        facts = detect_facts(snapshot)
-        link = _link(opts, facts)
-        if link is not None:
-            _say(f"node {link.node} of {link.nodes}: the nodes' supervisors agree through the "
-                 f"store at {link.where} before any worker starts")
-        decision, plan_left = _decide(opts, facts, snapshot, failures, session, 0, (), link)
-        limit = plan_left if opts.max_relaunches is None else opts.max_relaunches
-        for attempt in range(1, 10_000):
-            chosen = decision.chosen
-            if link is not None and _alone(decision) and link.node != 0:
-                _say(f"node {link.node}: node 0 trains alone on {_label(decision)} (no backend "
-                     "between the nodes beats one node); this node has nothing to run")
-                return 0
-            peer = None
-            if link is not None:
-                from .peers import PeerWatch
-
-                peer = PeerWatch(link, decision.attempt, _store_timeout(opts))
-            try:
-                verdict = launch(opts, decision, snapshot, session, peer,
-                                  alone=link is not None and _alone(decision))
-            except Exception as exc:
-                if type(exc).__name__ != "SignalException":  # the agent stopped the workers
-                    raise
-                _say(f"stopped by signal {getattr(exc, 'sigval', '?')}; the workers are stopped")
-                return 128 + int(getattr(exc, "sigval", 15))
-            if verdict.kind == "ok":
-                return 0
-            label = _label(decision)
-            causes.append(f"{label}: {verdict.summary}")
-            if peer is not None:
-                verdict = _with_peers(peer, chosen, verdict)
-            if not verdict.retry:
-                _say(f"{label}: {verdict.summary}. Not relaunched: this is not a backend fault.")
-                return 1
-            rehearsed = fault is not None and fault.backend == _backend(chosen)
-            failures[chosen] = ProbeResult(
-                chosen, ERROR, 0.0, verdict.cause,
-                f"failed mid-run at step {verdict.step}: {one_line(verdict.summary, 500)}",
-                extra=(("mid_run", str(verdict.step)),) + ((("rehearsal", "1"),) if rehearsed
-                                                            else ()))
-            if not rehearsed:
-                _remember(facts, opts, snapshot, {chosen: failures[chosen]})
-            if relaunches >= limit:
-                _say(f"{label} failed ({verdict.summary}); the relaunch limit ({limit}) is "
-                     "reached. Every cause: " + " | ".join(causes))
-                return 1
-            relaunches += 1
-            notes.append(f"Relaunched: {label} failed mid-run at step {verdict.step} "
-                         f"({one_line(verdict.summary, 200)}).")
-            try:  # the next candidate (probed first when it needs a probe)
-                decision, _ = _decide(opts, facts, snapshot, failures, session, attempt,
-                                      tuple(notes), link)
-            except NoWorkingStrategyError as exc:
-                _say(f"{label} failed; no candidate is left: {exc}. Every cause: "
-                     + " | ".join(causes))
-                return 1
-            ckpt = _last_checkpoint(session)
-            _say(f"{label} failed at step {verdict.step} ({one_line(verdict.summary, 160)}); "
-                 f"relaunching ({relaunches} of {limit}) on {_label(decision)} from "
-                 + (f"the checkpoint at step {ckpt[0]} ({ckpt[1]})" if ckpt
-                    else "the last checkpoint (noted on the node of rank 0)"
-                    if link is not None and link.node != 0
-                    else "the start (no checkpoint was noted)"))
-        raise ResilientStrategyError("too many launch attempts")  # pragma: no cover
+        # what a killed run left (its workers died with it: see worker.py)
+        sweep_temp_dirs(prefixes=(RUN_PREFIX,), min_age_s=0.0)
+        session = Path(tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-"))
+        return _supervise(opts, snapshot, fault, session)
     except ResilientStrategyError as exc:
         _say(str(exc))
-        return 2
+        return int(ExitCode.USAGE)
     finally:
-        shutil.rmtree(session, ignore_errors=True)
+        if session is not None:
+            shutil.rmtree(session, ignore_errors=True)
+
+
+def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault | None,
+               session: Path) -> int:
+    from ..machine.inspect import detect_facts
+
+    policy = RelaunchPolicy(opts.min_throughput, opts.allow_cpu,
+                            opts.max_attempts_without_progress, opts.max_relaunches)
+    evidence = Evidence(Path(os.path.abspath(opts.evidence_dir)), session.name)
+    failures: dict[str, ProbeResult] = {}  # candidates stepped down from, by key
+    history: list[Attempt] = []
+    notes: list[str] = []
+    facts = detect_facts(snapshot)
+    link = _link(opts, facts)
+    if link is not None:
+        _say(f"node {link.node} of {link.nodes}: the nodes' supervisors agree through the "
+             f"store at {link.where} before any worker starts")
+    choice = _decide(opts, facts, snapshot, failures, session, 0, (), link)
+    _say(_allowance_words(opts, snapshot))
+    resumed: int | None = None
+    for attempt in range(0, 10_000):
+        decision = choice.decision
+        if link is not None and _alone(decision) and link.node != 0:
+            _say(f"node {link.node}: node 0 trains alone on {_label(decision)} (no backend "
+                 "between the nodes beats one node); this node has nothing to run")
+            return int(ExitCode.SUCCESS)
+        peer = None
+        if link is not None:
+            from .peers import PeerWatch
+
+            peer = PeerWatch(link, decision.attempt, _store_timeout(opts))
+        try:
+            verdict = launch(opts, decision, snapshot, session, peer,
+                             alone=link is not None and _alone(decision))
+        except Exception as exc:
+            if type(exc).__name__ != "SignalException":  # the agent stopped the workers
+                raise
+            signum = int(getattr(exc, "sigval", 15))
+            _say(f"stopped by signal {signum}; the workers are stopped")
+            return interrupted(signum)
+        verdict = effective(verdict, choice.candidate.num_replicas)
+        if peer is not None:
+            verdict = _with_peers(peer, decision.chosen, verdict)
+        judgement = judge(verdict, decision.chosen, history, policy)
+        label = _label(decision)
+        nxt: Choice | None = None
+        if judgement.action is Action.STEP_DOWN:
+            nxt, refusal = _step_down(opts, facts, snapshot, failures, session, attempt + 1,
+                                      notes, link, choice, verdict, fault)
+            if nxt is None:
+                judgement = Judgement(Action.STOP, refusal, ExitCode.INFRASTRUCTURE)
+        elif judgement.action is Action.RETRY:
+            nxt = _retry(choice, session, attempt + 1, link, opts, facts, snapshot, failures,
+                         notes)
+        done = Attempt(attempt, decision.chosen, label, verdict, judgement, resumed)
+        history.append(done)
+        if not verdict.ok:
+            where = evidence.record(done, Path(decision.run_dir), decision.processes)
+            _say(f"attempt {attempt + 1} on {label} failed at step {verdict.step}: "
+                 f"{verdict.line()}" + (f" [evidence: {where}]" if where else ""))
+        if nxt is None:
+            evidence.summary(history)
+            _say(_summary(history, judgement))
+            return int(judgement.exit_code if judgement.exit_code is not None
+                       else ExitCode.INFRASTRUCTURE)
+        ckpt = _last_checkpoint(session)
+        resumed = None if ckpt is None else ckpt[0]
+        how = "retrying" if judgement.action is Action.RETRY else "stepping down"
+        notes.append(f"Relaunched ({how}): {label} failed mid-run at step {verdict.step} "
+                     f"({verdict.kind.value}: {one_line(verdict.summary, 160)}).")
+        limit = f" of {policy.max_relaunches}" if policy.max_relaunches is not None else ""
+        _say(f"relaunch {len(history)}{limit}: {how} on {_label(nxt.decision)} "
+             f"({judgement.reason}) from "
+             + (f"the checkpoint at step {ckpt[0]} ({ckpt[1]})" if ckpt
+                else "the last checkpoint (noted on the node of rank 0)"
+                if link is not None and link.node != 0
+                else "the start (no checkpoint was noted)"))
+        choice = nxt
+    raise ResilientStrategyError("too many launch attempts")  # pragma: no cover
+
+
+def _retry(choice: Choice, session: Path, attempt: int, link: NodeLink | None,
+           opts: RunOptions, facts: Any, env: Mapping[str, str],
+           failures: Mapping[str, ProbeResult], notes: list[str]) -> Choice:
+    """The same candidate again, in a fresh attempt directory. Across nodes the supervisors
+    agree again (the same plan: nothing new failed), which keeps their attempts in step."""
+    if link is not None:
+        return _decide(opts, facts, env, failures, session, attempt, tuple(notes), link)
+    run_dir = session / f"attempt{attempt}"
+    run_dir.mkdir()
+    decision = replace(choice.decision, run_dir=str(run_dir), attempt=attempt, notes=tuple(notes))
+    write_decision(run_dir / "decision.json", decision)
+    return replace(choice, decision=decision)
+
+
+def _step_down(opts: RunOptions, facts: Any, env: Mapping[str, str],
+               failures: dict[str, ProbeResult], session: Path, attempt: int, notes: list[str],
+               link: NodeLink | None, failed: Choice, verdict: Verdict,
+               fault: TrainFault | None) -> tuple[Choice | None, str]:
+    """The next candidate without the one that failed (probed first when it needs a probe), or
+    None and why not: none left, or the floor refuses it."""
+    chosen = failed.decision.chosen
+    rehearsed = fault is not None and fault.backend == _backend(chosen)
+    failures[chosen] = ProbeResult(  # a probe cause only for a signature: the detail says it
+        chosen, ERROR, 0.0, (verdict.cause or "crash") if verdict.pinned else "",
+        f"failed mid-run at step {verdict.step}: {one_line(verdict.summary, 500)}",
+        extra=(("mid_run", str(verdict.step)),) + ((("rehearsal", "1"),) if rehearsed else ()))
+    if verdict.pinned and not rehearsed:  # only a backend's signature is remembered
+        _remember(facts, opts, env, {chosen: failures[chosen]})
+    try:
+        nxt = _decide(opts, facts, env, failures, session, attempt, tuple(notes), link)
+    except NoWorkingStrategyError as exc:
+        return None, f"no candidate is left: {one_line(str(exc), 400)}"
+    refusal = floor_refusal(
+        _label(failed.decision), bool(failed.candidate.devices), failed.step_seconds,
+        _label(nxt.decision), nxt.candidate.backend == "cpu", nxt.step_seconds, RelaunchPolicy(
+            opts.min_throughput, opts.allow_cpu, opts.max_attempts_without_progress,
+            opts.max_relaunches))
+    if refusal is not None:
+        return None, f"not relaunched: {refusal}"
+    return nxt, ""
+
+
+def _summary(history: Sequence[Attempt], judgement: Judgement) -> str:
+    """The run in one line: each attempt's verdict and what followed, then the exit code."""
+    steps = []
+    for a in history:
+        what = "finished" if a.verdict.ok else f"{a.verdict.kind.value} at step {a.verdict.step}"
+        steps.append(f"{a.label}: {what} -> {a.judgement.action.value.replace('_', ' ')}")
+    code = judgement.exit_code if judgement.exit_code is not None else ExitCode.INFRASTRUCTURE
+    return (f"summary: {len(history)} attempt(s): " + "; ".join(steps)
+            + f". {judgement.reason}. Exit {int(code)} ({code.name})")
+
+
+def _allowance_words(opts: RunOptions, env: Mapping[str, str]) -> str:
+    """The stall allowance in force, and torch's timeouts set from it."""
+    from ..core.options import DEFAULT_PROCESS_GROUP_TIMEOUT
+    from .watch import (
+        AUTO_STALL_CAP_S,
+        HEARTBEAT_VAR,
+        PG_TIMEOUT_VAR,
+        STALL_STEPS,
+        WARMUP_STEPS,
+        torch_timeouts,
+    )
+
+    allowance = (f"{opts.stall_timeout_s:g} s (--stall-timeout)" if opts.stall_timeout_s
+                 else f"max({MIN_STALL_S:g} s, {STALL_STEPS} x the median step time after "
+                      f"{WARMUP_STEPS} warm-up steps), at most {AUTO_STALL_CAP_S:g} s")
+    set_ = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PROCESS_GROUP_TIMEOUT)
+    torch_words = ", ".join(f"{k}={v}" for k, v in set_.items())
+    kept = [k for k in (PG_TIMEOUT_VAR, HEARTBEAT_VAR) if k not in set_]
+    return (f"stall allowance {allowance}; torch's timeouts above it: {torch_words or 'none set'}"
+            + (f" (yours kept: {', '.join(kept)})" if kept else ""))
 
 
 def _say(text: str) -> None:
@@ -155,7 +276,7 @@ def _label(decision: Decision) -> str:
 
 
 def _options(opts: RunOptions, facts: Any, env: Mapping[str, str], rank: int = 0) -> Any:
-    from ..core.options import options_from
+    from ..core.arguments import options_from
 
     nproc = opts.nproc if opts.nproc is not None else max(1, len(facts.gpus))
     nnodes = node_count(opts)
@@ -172,7 +293,8 @@ def _options(opts: RunOptions, facts: Any, env: Mapping[str, str], rank: int = 0
         probe=None, timeout=opts.probe_timeout_s, prefer=None, dry_run=False, model=None,
         gradient_bytes=opts.gradient_bytes, sample_seconds=None, max_per_replica_batch=None,
         rules=(), disable_rules=(), cache=True, cache_dir=None, cache_ttl=None, precision="auto",
-        logical_cpus=opts.logical_cpus,
+        logical_cpus=opts.logical_cpus, sharding=opts.sharding, param_bytes=opts.param_bytes,
+        optimizer_state_factor=opts.optimizer_state_factor,
     ), plan_env
 
 
@@ -193,39 +315,30 @@ def _alone(decision: Decision) -> bool:
     return decision.nodes == 1
 
 
-def _store_timeout(opts: RunOptions) -> float:
-    return max(10.0, opts.probe_timeout_s or 0.0)
+def _store_timeout(opts: RunOptions | None) -> float:
+    return max(10.0, (opts.probe_timeout_s or 0.0) if opts is not None else 0.0)
 
 
 def _with_peers(peer: PeerWatch, chosen: str, verdict: Verdict) -> Verdict:
-    """Record this node's verdict for the other nodes, and let a peer's verdict that is not a
-    backend fault stop this node too (no node relaunches alone)."""
-    if verdict.node is None:  # this node's own verdict, not a peer's relayed
-        peer.record({"candidate": chosen, "kind": verdict.kind, "retry": verdict.retry,
-                     "step": verdict.step, "cause": verdict.cause,
-                     "summary": one_line(verdict.summary, 500)})
-    if verdict.retry:
-        from ..nodes.store import recorded_faults
-
-        with contextlib.suppress(Exception):
-            for node, fault in sorted(recorded_faults(peer.store, peer.job).items()):
-                if node != peer.link.node and not fault.get("retry", True):
-                    return Verdict(str(fault.get("kind", "crash")),
-                                   f"node {node}: {fault.get('summary', '')}",
-                                   int(fault.get("step", 0) or 0), node=node)
-    return verdict
+    """Every node's verdict on the attempt, merged the same way on every node (so that all
+    retry, step down or stop together): this node's is recorded for the others, theirs are
+    awaited (a node whose record never comes is lost)."""
+    peer.record(PeerFault(peer.link.node, chosen, verdict))
+    merged = merge(peer.await_all(_store_timeout(opts=None)))
+    return verdict if merged is None else merged
 
 
 def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
             failures: Mapping[str, ProbeResult], session: Path, attempt: int,
-            notes: tuple[str, ...], link: NodeLink | None = None) -> tuple[Decision, int]:
+            notes: tuple[str, ...], link: NodeLink | None = None) -> Choice:
     """Plan (probing as needed, the cache first), without the candidates that failed mid-run.
     With several nodes, the nodes agree through the rendezvous endpoint's store
-    (:mod:`.runnodes`). Returns the decision and how many candidates are left after the chosen
-    one."""
+    (:mod:`.peers`). A fallback is announced as the script would announce it."""
     import functools
 
+    from ..core.estimate import estimate
     from ..deciding.executor import _cause, _progress_line, decide
+    from ..deciding.notices import fallback_warning
 
     if link is None:
         o, plan_env = _options(opts, facts, env)
@@ -245,6 +358,10 @@ def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
         results = {**results, **failures}
     if p.chosen is None:
         raise NoWorkingStrategyError(o.framework, [_cause(r) for r in p.ruled_out])
+    if link is None or link.node == 0:
+        fell = fallback_warning(p, results, facts, o, p.chosen)
+        if fell:  # as deciding/executor.py says it in a script (its workers do not repeat it)
+            print(f"resilient_strategy: {fell}", file=sys.stderr, flush=True)
     run_dir = session / f"attempt{attempt}"
     run_dir.mkdir()
     left = sum(1 for r in p.ranked if r.candidate.key != p.chosen.key)
@@ -258,7 +375,8 @@ def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
         node_trace=_node_trace(p.events) if link is not None else (),
         reference_replicas=p.reference_replicas)
     write_decision(run_dir / "decision.json", decision)
-    return decision, left
+    step_s = estimate(p.chosen, facts, results.get(p.chosen.key), o).step_seconds
+    return Choice(decision, p.chosen, step_s, left)
 
 
 def _node_trace(events: Sequence[Any]) -> tuple[str, ...]:
@@ -304,15 +422,16 @@ def main(argv: Sequence[str]) -> int:
         import torch.distributed.run  # noqa: F401
     except ImportError:
         _say("needs torch: it runs the workers through torch's elastic agent (pip install torch)")
-        return 2
+        return int(ExitCode.USAGE)
     try:
         opts = options_from_args(argv)
     except ResilientStrategyError as exc:
         _say(str(exc))
-        return 2
+        return int(ExitCode.USAGE)
     if not Path(opts.script).is_file():
         _say(f"no such script: {opts.script}")
-        return 2
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+        return int(ExitCode.USAGE)
+    # the agent's own "failed (exitcode: 1)" lines: each fault gets our one line instead
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     return supervise(replace(opts))
 

@@ -1,25 +1,29 @@
 """What happened to one attempt, judged from its exits, error records and last progress (pure):
-:func:`classify_attempt` turns a stall and the ranks' exits into a :class:`Verdict`.
+:func:`classify_attempt` turns a stall and the ranks' exits into a :class:`Verdict`, whose typed
+:class:`VerdictKind` the relaunch policy (:mod:`resilient_strategy.run.policy`) acts on.
+
+Only a communication-error signature pins a fault on the backend (:attr:`VerdictKind.BACKEND`);
+a stall, a rank that exited without one, or a node that vanished may be transient
+(:attr:`Verdict.transient`); diverged ranks, an exception in the user's code and an
+out-of-memory are the script's (:attr:`Verdict.users`).
 """
 
 from __future__ import annotations
 
 import logging
 import re
-import signal
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
 
+from ..core.signatures import Signatures, builtin_signatures
 from ..records.progress import (
     COLLECTIVE,
     STEP_DONE,
     Record,
     Stall,
 )
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger("resilient_strategy")
 
@@ -32,20 +36,83 @@ _COMM_TEXT = re.compile(
     r"Watchdog caught collective|collective operation timeout|CUDA error|illegal memory access|"
     r"Broken pipe|unhandled system error")
 _OOM_TEXT = re.compile(r"out of memory|OOM when allocating", re.IGNORECASE)
+#: A communication-error signature in what a dying rank printed last (stricter than
+#: :data:`_COMM_TEXT`: a rank's output names its backend in ordinary lines too, e.g. its explain()).
+_TAIL_SIGNATURE = re.compile(
+    r"NCCL (error|WARN)|nccl\w*Error|ProcessGroupNCCL|Watchdog caught collective|"
+    r"collective operation timeout|Connection (closed|reset) by peer|gloo/transport|CUDA error|"
+    r"illegal memory access|Dist(Backend|Network|Store)Error|unhandled system error")
+#: How much of a dying rank's output end is searched for a signature.
+TAIL_SIGNATURE_BYTES = 4096
 
 
-def classify_error(types: Sequence[str], message: str) -> str:
-    """"oom", "comm", "exit" (SystemExit) or "user" for an exception's MRO names and message."""
+def _said_comm(tail: str) -> bool:
+    return bool(_TAIL_SIGNATURE.search(tail[-TAIL_SIGNATURE_BYTES:]))
+
+
+def classify_error(types: Sequence[str], message: str,
+                   signatures: Signatures | None = None) -> str:
+    """"oom", "comm", "exit" (SystemExit) or "user" for an exception's MRO names and message.
+    The message is placed through the signature table (``core/signatures.toml``, the one the
+    probe parser reads; the built-in table when ``signatures`` is None)."""
     names = {t.rsplit(".", 1)[-1] for t in types}
-    if names & set(_OOM_TYPES) or _OOM_TEXT.search(message):
+    placed = (signatures or builtin_signatures()).classify(message)
+    if names & set(_OOM_TYPES) or placed == "oom" or _OOM_TEXT.search(message):
         return "oom"
     if names & set(_COMM_TYPES):
         return "comm"
     if "SystemExit" in names:
         return "exit"
-    if names & {"RuntimeError", "OSError", "ConnectionError"} and _COMM_TEXT.search(message):
+    if names & {"RuntimeError", "OSError", "ConnectionError"} and (
+            placed != "worker_error" or _COMM_TEXT.search(message)):
         return "comm"
     return "user"
+
+
+def error_cause(exits: Sequence[RankExit], signatures: Signatures | None = None) -> str:
+    """The cause the signature table places on the first failed rank's error or output ("" when
+    it places none): what the planner's remedies key on after a mid-run fault."""
+    table = signatures or builtin_signatures()
+    for e in exits:
+        for text in (str((e.error or {}).get("message", "")), e.stderr_tail):
+            placed = table.classify(text)
+            if placed != "worker_error":
+                return placed
+    return ""
+
+
+class VerdictKind(Enum):
+    """What an attempt came to. The value is the word written to records and reports."""
+
+    OK = "ok"
+    #: A communication-error signature (a rank raised one, or printed one as it died): the
+    #: backend's fault. Steps down at once (except for a one-device job: no backend to blame).
+    BACKEND = "backend"
+    #: Every rank entered one collective (or communicator setup) and some never left: retried
+    #: once on the same strategy, stepped down on a repeat.
+    STALL = "stall"
+    #: A rank exited, or was killed, without a communication-error signature: retried once.
+    EXIT = "exit"
+    #: Another node's supervisor vanished (multi-node): retried once.
+    LOST = "lost"
+    #: The ranks did not run the same collectives: the program's fault.
+    DIVERGED = "diverged"
+    #: Out of memory: the program's (its batch or model).
+    OOM = "oom"
+    #: An exception in the user's code.
+    USER = "user"
+
+    @classmethod
+    def parse(cls, word: str) -> VerdictKind:
+        try:
+            return cls(word)
+        except ValueError:
+            raise ValueError(f"not a verdict kind: {word!r} (one of "
+                             f"{', '.join(k.value for k in cls)})") from None
+
+
+_TRANSIENT = frozenset({VerdictKind.STALL, VerdictKind.EXIT, VerdictKind.LOST})
+_USERS = frozenset({VerdictKind.DIVERGED, VerdictKind.OOM, VerdictKind.USER})
 
 
 @dataclass(frozen=True)
@@ -64,35 +131,115 @@ class RankExit:
             return None
         return classify_error(list(self.error.get("types", ())), str(self.error.get("message", "")))
 
-    def describe(self) -> str:
+    def what(self) -> str:
         if self.error is not None:
             types = list(self.error.get("types", ()))
             name = types[0].rsplit(".", 1)[-1] if types else "error"
-            what = f"{name}: {self.error.get('message', '')}".strip()
-        elif self.exitcode < 0:
-            what = f"killed by signal {-self.exitcode}"
-        else:
-            what = f"exited with status {self.exitcode} without a Python exception"
-        where = "" if self.record is None else f" ({_position(self.record)})"
-        return f"rank {self.rank}{where}: {one_line(what)}"
+            return one_line(f"{name}: {self.error.get('message', '')}".strip())
+        if self.exitcode < 0:
+            return f"killed by signal {-self.exitcode}"
+        return f"exited with status {self.exitcode} without a Python exception"
+
+    def where(self) -> str:
+        return "" if self.record is None else position(self.record)
+
+    def describe(self) -> str:
+        where = self.where()
+        return f"rank {self.rank}{f' ({where})' if where else ''}: {self.what()}"
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """What an attempt came to."""
+    """What an attempt came to: its kind, the ranks it names, where they were, in words."""
 
-    kind: str  # "ok", "backend", "diverged", "oom", "user", "crash"
+    kind: VerdictKind
     summary: str
     step: int = 0
     cause: str = ""  # a probe cause key, for the cache record of a backend fault
     node: int | None = None  # another node's record this node stopped for (multi-node)
+    ranks: tuple[int, ...] = ()
+    where: str = ""
 
     @property
-    def retry(self) -> bool:
-        return self.kind == "backend"
+    def ok(self) -> bool:
+        return self.kind is VerdictKind.OK
+
+    @property
+    def pinned(self) -> bool:
+        """The backend's fault by its signature."""
+        return self.kind is VerdictKind.BACKEND
+
+    @property
+    def transient(self) -> bool:
+        """A fault that may not come back: retried once on the same strategy."""
+        return self.kind in _TRANSIENT
+
+    @property
+    def users(self) -> bool:
+        """The script's fault: never relaunched."""
+        return self.kind in _USERS
+
+    @property
+    def relaunchable(self) -> bool:
+        return self.pinned or self.transient
+
+    def line(self) -> str:
+        """One line: the cause, the ranks, where."""
+        s = "s" if len(self.ranks) > 1 else ""
+        ranks = f"rank{s} {', '.join(map(str, self.ranks))}" if self.ranks else ""
+        context = ", ".join(p for p in (ranks, self.where) if p)
+        return (f"{self.kind.value}{f' ({context})' if context else ''}: "
+                f"{one_line(self.summary, 240)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind.value, "summary": one_line(self.summary, 500),
+                "step": self.step, "cause": self.cause, "node": self.node,
+                "ranks": list(self.ranks), "where": self.where}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Verdict:
+        """Raises ValueError for a record that is not what :meth:`to_dict` writes."""
+        try:
+            node = d.get("node")
+            return cls(kind=VerdictKind.parse(str(d["kind"])), summary=str(d.get("summary", "")),
+                       step=int(d.get("step", 0) or 0), cause=str(d.get("cause", "") or ""),
+                       node=None if node is None else int(node),
+                       ranks=tuple(int(r) for r in d.get("ranks", ())),
+                       where=str(d.get("where", "")))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a verdict record: {exc}") from None
 
 
-def _position(record: Record) -> str:
+@dataclass(frozen=True)
+class PeerFault:
+    """A node's verdict on an attempt, as the nodes' supervisors exchange it through the store
+    (:func:`resilient_strategy.nodes.store.record_fault`)."""
+
+    node: int
+    candidate: str
+    verdict: Verdict = field(default_factory=lambda: Verdict(VerdictKind.LOST, ""))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.verdict.to_dict(), "candidate": self.candidate, "node": self.node}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> PeerFault:
+        """Raises ValueError for a record that is not what :meth:`to_dict` writes."""
+        verdict = Verdict.from_dict(d)
+        if verdict.node is None:
+            raise ValueError("a peer's fault record names no node")
+        return cls(node=verdict.node, candidate=str(d.get("candidate", "")), verdict=verdict)
+
+    def as_seen_here(self) -> Verdict:
+        """This node's verdict when it stopped for this record: the peer's kind, its node named."""
+        v = self.verdict
+        return Verdict(v.kind, f"node {self.node}: {v.summary}", v.step,
+                       v.cause or ("crash" if v.relaunchable else ""), node=self.node,
+                       ranks=v.ranks, where=f"node {self.node}" + (f", {v.where}" if v.where
+                                                                    else ""))
+
+
+def position(record: Record) -> str:
     if record.phase in (COLLECTIVE, "collective_done"):
         return f"{record.phase.replace('_', ' ')} of step {record.k}"
     if record.phase == STEP_DONE:
@@ -110,37 +257,71 @@ def classify_attempt(stall: Stall | None, exits: Sequence[RankExit]) -> Verdict:
     its failed workers (none: it succeeded). Pure.
 
     A stall inside communicator setup or one collective (every rank entered it, some never
-    left) is a backend fault; ranks that never arrived where the others wait ("straggler")
-    diverged: the application's problem."""
+    left) is a :attr:`~VerdictKind.STALL`; ranks that never arrived where the others wait
+    ("straggler") diverged: the application's problem."""
     if stall is not None:
         if stall.kind in ("collective", "setup"):
-            return Verdict("backend", f"stalled: {stall.describe()}", stall.k, "timeout")
-        return Verdict("diverged", f"the ranks diverged: {stall.describe()}. The program did not "
-                       "run the same collectives on every rank (another backend would not help)",
-                       stall.k)
+            return Verdict(VerdictKind.STALL, f"stalled: {stall.describe()}", stall.k, "timeout",
+                           ranks=stall.ranks, where=stall.where())
+        return Verdict(VerdictKind.DIVERGED, f"the ranks diverged: {stall.describe()}. The "
+                       "program did not run the same collectives on every rank (another backend "
+                       "would not help)", stall.k, ranks=stall.ranks, where=stall.where())
     if not exits:
-        return Verdict("ok", "finished")
+        return Verdict(VerdictKind.OK, "finished")
     step = step_in_progress([e.record for e in exits])
     text = "; ".join(e.describe() for e in exits)
     kinds = [e.error_kind for e in exits]
+
+    def blamed(*which: str | None) -> tuple[tuple[int, ...], str]:
+        named = [e for e, k in zip(exits, kinds, strict=True) if k in which] or list(exits)
+        return tuple(e.rank for e in named), next((e.where() for e in named if e.where()), "")
+
     if "oom" in kinds:
-        return Verdict("oom", f"out of memory: {text}", step)
+        ranks, where = blamed("oom")
+        return Verdict(VerdictKind.OOM, f"out of memory: {text}", step, ranks=ranks, where=where)
     if "user" in kinds or "exit" in kinds:
-        return Verdict("user", f"the script failed: {text}", step)
+        ranks, where = blamed("user", "exit")
+        return Verdict(VerdictKind.USER, f"the script failed: {text}", step, ranks=ranks,
+                       where=where)
+    # a rank that vanished (no exception, no signature in its output) is the root cause: the
+    # others' "connection closed by peer" is what its leaving did to them
+    vanished = [e for e, k in zip(exits, kinds, strict=True)
+                if k is None and not _said_comm(e.stderr_tail)]
+    if vanished:
+        in_collective = any(e.record is not None and e.record.phase == COLLECTIVE
+                            for e in vanished)
+        return Verdict(VerdictKind.EXIT, (f"a rank left in the middle of a collective: {text}"
+                                          if in_collective
+                                          else f"a worker ended outside any collective: {text}"),
+                       step, "crash", ranks=tuple(e.rank for e in vanished),
+                       where=next((e.where() for e in vanished if e.where()), ""))
     if "comm" in kinds:
-        cause = "nccl_error" if any("nccl" in str((e.error or {}).get("message", "")).lower()
-                                    for e in exits) else "crash"
-        return Verdict("backend", f"a communication error: {text}", step, cause)
-    # a rank killed from outside (SIGKILL without a word: the OOM killer, a preemption, an
-    # operator) leaves its peers waiting at their next collective wherever it was itself; on
-    # another node they see a communication error, and the verdicts must agree
-    in_collective = [e for e in exits if (e.record is not None and e.record.phase == COLLECTIVE)
-                     or (e.error is None and e.exitcode == -signal.SIGKILL)]
-    comm_tail = [e for e in exits if _COMM_TEXT.search(e.stderr_tail)]
-    if in_collective or comm_tail:
-        return Verdict("backend", f"a rank left in the middle of a collective: {text}", step,
-                       "crash")
-    return Verdict("crash", f"a worker crashed outside any collective: {text}", step)
+        ranks, where = blamed("comm")
+        cause = error_cause(exits) or ("nccl_error" if any(
+            "nccl" in str((e.error or {}).get("message", "")).lower() for e in exits) else "crash")
+        return Verdict(VerdictKind.BACKEND, f"a communication error: {text}", step, cause,
+                       ranks=ranks, where=where)
+    ranks, where = blamed(None)
+    return Verdict(VerdictKind.BACKEND, f"a rank died with a communication error in its "
+                   f"output: {text}", step, error_cause(exits) or "crash", ranks=ranks,
+                   where=where)
+
+
+def merge(faults: Sequence[PeerFault]) -> Verdict | None:
+    """One verdict for an attempt from every node's (pure, the same on every node given the
+    same records): the script's fault first, then a rank or node that vanished (the root cause
+    of its peers' connection errors), then a stall, then a backend's signature; the lowest
+    node among equals. None for no record."""
+    order = {VerdictKind.USER: 0, VerdictKind.OOM: 0, VerdictKind.DIVERGED: 0,
+             VerdictKind.EXIT: 1, VerdictKind.LOST: 1, VerdictKind.STALL: 2,
+             VerdictKind.BACKEND: 3, VerdictKind.OK: 4}
+    ranked = sorted(faults, key=lambda f: (order[f.verdict.kind], f.node))
+    if not ranked:
+        return None
+    first = ranked[0]
+    v = first.verdict
+    return Verdict(v.kind, v.summary if v.node is not None else f"node {first.node}: {v.summary}",
+                   v.step, v.cause, node=first.node, ranks=v.ranks, where=v.where)
 
 
 def one_line(text: str, limit: int = 300) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from ..core.options import MIN_STALL_S
@@ -27,15 +27,41 @@ if TYPE_CHECKING:
 log = logging.getLogger("resilient_strategy")
 
 
-#: The default stall timeout: the larger of MIN_STALL_S and STALL_STEPS x the median step time.
+#: The default stall timeout: the larger of MIN_STALL_S and STALL_STEPS x the median step time,
+#: at most AUTO_STALL_CAP_S (so that torch's own timeouts, set from it, never decide first).
 STALL_STEPS = 20
+AUTO_STALL_CAP_S = 1800.0
+#: Optimizer steps not timed at the start of an attempt (compilation, autotuning, caches).
+WARMUP_STEPS = 3
+#: Torch's own timeouts under the supervisor: the process group's (a collective that waits
+#: longer raises in the worker) and NCCL's heartbeat monitor (kills a rank whose watchdog is
+#: stuck) are set above the stall allowance, so the supervisor judges a stall first, with its
+#: evidence, rather than torch's 10- and 8-minute defaults.
+PG_TIMEOUT_VAR = "RESILIENT_STRATEGY_PG_TIMEOUT"
+HEARTBEAT_VAR = "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"
 
 
 def default_stall_timeout(step_seconds: Sequence[float]) -> float:
-    """max(MIN_STALL_S, STALL_STEPS x the median optimizer step time) once steps were seen."""
+    """max(MIN_STALL_S, STALL_STEPS x the median optimizer step time) once steps were seen, at
+    most AUTO_STALL_CAP_S."""
     if not step_seconds:
         return MIN_STALL_S
-    return max(MIN_STALL_S, STALL_STEPS * statistics.median(step_seconds))
+    return min(AUTO_STALL_CAP_S, max(MIN_STALL_S, STALL_STEPS * statistics.median(step_seconds)))
+
+
+def stall_ceiling(fixed_s: float | None) -> float:
+    """The most the stall allowance can be: the fixed one, or the automatic one's cap."""
+    return fixed_s if fixed_s is not None else AUTO_STALL_CAP_S
+
+
+def torch_timeouts(fixed_s: float | None, env: Mapping[str, str],
+                   default_pg_s: float) -> dict[str, str]:
+    """The variables that put torch's timeouts above the stall allowance: the process-group
+    timeout (twice the allowance's ceiling, at least ``default_pg_s``) and NCCL's heartbeat (a
+    minute more). Never one the user set (in ``env``)."""
+    pg = max(default_pg_s, 2 * stall_ceiling(fixed_s))
+    wanted = {PG_TIMEOUT_VAR: f"{pg:g}", HEARTBEAT_VAR: f"{pg + 60:g}"}
+    return {k: v for k, v in wanted.items() if k not in env}
 
 
 def training_policy(timeout_s: float) -> StallPolicy:
@@ -59,6 +85,7 @@ class TrainingWatch:
         self.clock = clock
         self.step_seconds: list[float] = []
         self._last: tuple[int, float] | None = None  # rank 0's last step record: (k, t)
+        self._first: int | None = None  # the first step this attempt reported (after a resume)
         self.watcher = StallWatcher(paths, training_policy(self.timeout_s()), clock)
 
     def timeout_s(self) -> float:
@@ -70,11 +97,15 @@ class TrainingWatch:
         now = self.clock()
         self.watcher.read(now)
         records = self.watcher.records
-        if any(r is not None and r.phase == FINISHED for r in records):
-            return None  # finishing: the exits are the agent's to see
+        if records and all(r is not None and r.phase == FINISHED for r in records):
+            return None  # finished: the exits are the agent's to see. One rank's "finished"
+            # ends the watch for that rank only (the watcher never blames it for silence)
         rec = records[0] if records else None
         if rec is not None and rec.phase in (STEP_DONE, COLLECTIVE_DONE) and rec.k > 0:
-            if self._last is not None and rec.k > self._last[0] and rec.t > self._last[1]:
+            if self._first is None:
+                self._first = rec.k
+            if (self._last is not None and rec.k > self._last[0] and rec.t > self._last[1]
+                    and self._last[0] >= self._first + WARMUP_STEPS):
                 self.step_seconds.append((rec.t - self._last[1]) / (rec.k - self._last[0]))
             if self._last is None or rec.k != self._last[0]:
                 self._last = (rec.k, rec.t)

@@ -1,27 +1,47 @@
-"""A worker of ``resilient-strategy run``: ``python -m resilient_strategy.run.worker DECISION SCRIPT
-[ARGS...]`` runs SCRIPT as ``python SCRIPT ARGS`` would, with the supervisor's decision handed to
-``resilient_strategy()`` (see :mod:`resilient_strategy.records.handoff`), and leaves an error record for
-the supervisor when the script fails."""
+"""A worker of ``resilient-strategy run``: ``python -m resilient_strategy.run.worker --supervisor
+PID DECISION SCRIPT [ARGS...]`` runs SCRIPT as ``python SCRIPT ARGS`` would, with the
+supervisor's decision handed to ``resilient_strategy()`` (see
+:mod:`resilient_strategy.records.handoff`).
+
+Around the script it:
+
+- dies with its supervisor, however the supervisor dies (``PR_SET_PDEATHSIG`` on Linux, a
+  watchdog thread elsewhere: :mod:`resilient_strategy.probing.workers.watchdog`), so that a
+  SIGKILLed ``run`` leaves no worker training;
+- writes its Python stacks to ``rank<N>.stacks.txt`` on SIGUSR1 (faulthandler), which the
+  supervisor sends before it stops a stalled group;
+- on an exception, leaves an error record for the supervisor's classification, its full
+  traceback in ``rank<N>.traceback.txt`` (the supervisor copies both into the evidence file),
+  and one line on stderr instead of the traceback.
+"""
 
 from __future__ import annotations
 
 import os
 import runpy
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import IO
 
+from ..probing.workers.watchdog import watch_parent
 from ..records.handoff import DECISION_VAR, current_reporter, write_error
+
+_USAGE = "usage: python -m resilient_strategy.run.worker --supervisor PID DECISION SCRIPT [ARGS...]"
+_KEEP: list[IO[str]] = []  # the stacks file stays open for faulthandler
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) < 2:
-        raise SystemExit("usage: python -m resilient_strategy.run.worker DECISION SCRIPT [ARGS...]")
-    decision, script, rest = args[0], args[1], args[2:]
+    if len(args) < 4 or args[0] != "--supervisor" or not args[1].isdigit():
+        raise SystemExit(_USAGE)
+    watch_parent(int(args[1]))  # before anything slow: the supervisor may already be gone
+    decision, script, rest = args[2], args[3], args[4:]
     os.environ[DECISION_VAR] = decision  # private to this run; read by resilient_strategy()
-    run_dir = str(Path(decision).parent)
+    run_dir = Path(decision).parent
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    _stacks_on_signal(run_dir / f"rank{local_rank}.stacks.txt")
     sys.argv = [script, *rest]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` sets it
     try:
@@ -30,12 +50,39 @@ def main(argv: Sequence[str] | None = None) -> None:
         if exc.code not in (None, 0):
             write_error(run_dir, local_rank, exc, current_reporter())
         raise
+    except Exception as exc:
+        write_error(run_dir, local_rank, exc, current_reporter())
+        where = run_dir / f"rank{local_rank}.traceback.txt"
+        try:
+            where.write_text("".join(traceback.format_exception(exc)), encoding="utf-8")
+        except OSError:
+            raise exc from None  # nowhere to keep it: the traceback goes to stderr as usual
+        text = " ".join(str(exc).split())
+        print(f"resilient-strategy run: rank {os.environ.get('RANK', local_rank)}: "
+              f"{type(exc).__name__}: {text[:300]} (the traceback goes to the evidence file)",
+              file=sys.stderr, flush=True)
+        sys.exit(1)
     except BaseException as exc:
         write_error(run_dir, local_rank, exc, current_reporter())
         raise
     reporter = current_reporter()
     if reporter is not None:
         reporter.done()
+
+
+def _stacks_on_signal(path: Path) -> None:
+    import faulthandler
+    import signal
+
+    sig = getattr(signal, "SIGUSR1", None)
+    if sig is None:
+        return
+    try:
+        fh = open(path, "w", encoding="utf-8")  # noqa: SIM115 - open while the process lives
+    except OSError:
+        return
+    _KEEP.append(fh)
+    faulthandler.register(sig, file=fh, all_threads=True, chain=False)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,15 @@
         assert sel.backend == "hierarchical_copy"
 
 Probe outcomes are given per candidate: ``{"nccl": "timeout", "nccl+NCCL_P2P_DISABLE=1": "ok"}``
-(see :class:`FakeProber`). Nothing touches ``os.environ``, the cache, or a real GPU.
+(see :class:`FakeProber`). A supervised job with faults at given steps replays with
+:func:`replay` (the attempts, retry or step-down, exit code). Nothing touches ``os.environ``, the cache, or a real GPU.
 """
 
 from __future__ import annotations
 
+from ..core.facts import Platform
 from .fakes import FakeProber, Outcome, gpu, machine, simulate
+from .replay import MidRunFault, Replay, replay
 
-__all__ = ["FakeProber", "Outcome", "gpu", "machine", "simulate"]
+__all__ = ["FakeProber", "MidRunFault", "Outcome", "Platform", "Replay", "gpu", "machine",
+           "replay", "simulate"]

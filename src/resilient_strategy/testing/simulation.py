@@ -14,8 +14,20 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..core.facts import P2P_STATUSES, TOPOLOGY_LEVELS, Facts, FrameworkInfo, Gpu, Host, Link
-from ..core.probe import CAUSES, ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec
+from ..core.facts import (
+    FABRIC_MIN_GPUS,
+    P2P_STATUSES,
+    TOPOLOGY_LEVELS,
+    Facts,
+    FrameworkInfo,
+    Gpu,
+    Host,
+    Link,
+    Platform,
+    compact_links,
+)
+from ..core.outcome import WorkerOutcome
+from ..core.probe import CAUSES, ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec, parse_probe
 from ..errors import InvalidOptionError, ResilientStrategyError
 from ..machine import files as _files
 from ..machine.visible import (
@@ -38,21 +50,28 @@ def gpu(
     memory_gb: float = 141,
     *,
     mig: bool = False,
+    free_gb: float | None = None,
 ) -> Gpu:
     """One fake GPU. ``index`` is its NVML (physical) index, and its CUDA ordinal while no
-    ``CUDA_VISIBLE_DEVICES`` renumbers it (see :func:`machine`)."""
+    ``CUDA_VISIBLE_DEVICES`` renumbers it (see :func:`machine`). ``free_gb``: its free memory
+    as NVML would report it (None: unknown, so no memory check rules a candidate out on it)."""
     _check_int("gpu", "index", index)
     _check_str("gpu", "name", name)
+    free = None if free_gb is None else int(_number("gpu", "free_gb", free_gb) * 2**30)
+    total = int(_number("gpu", "memory_gb", memory_gb) * 2**30)
+    if free is not None and free > total:
+        raise _bad("free_gb", free_gb, f"at most memory_gb ({memory_gb})", "gpu")
     return Gpu(
         index=index, name=name, compute_capability=_cc("gpu", cc),
         memory_bytes=int(_number("gpu", "memory_gb", memory_gb) * 2**30),
         uuid=f"GPU-fake-{index:04d}", pci_bus_id=f"00000000:{index + 1:02x}:00.0",
         physical_index=index, mig_enabled=_check_bool("gpu", "mig", mig),
+        memory_free_bytes=free,
     )
 
 
 def machine(
-    gpus: int | Sequence[Gpu] = 2,
+    gpus: int | Sequence[Gpu | Mapping[str, Any]] = 2,
     *,
     name: str = "NVIDIA H200",
     cc: tuple[int, int] = (9, 0),
@@ -88,12 +107,14 @@ def machine(
     nvml_notes: Sequence[str] = (),
     imported: Sequence[str] = (),
     gpu_initialized: Sequence[str] = (),
+    platform_facts: Platform | Mapping[str, Any] | None = None,
+    host_memory_gb: float | None = None,
 ) -> Facts:
     """Facts for a described machine, as :func:`resilient_strategy.machine.inspect.detect_facts` would
     report them. Every argument is checked: a wrong one is an ``InvalidOptionError`` naming it.
 
-    ``gpus`` are the physical GPUs (a count, or :func:`gpu` values with distinct indices), in
-    NVML order; ``env["CUDA_VISIBLE_DEVICES"]`` picks and renumbers them exactly as CUDA does
+    ``gpus`` are the physical GPUs (a count, or :func:`gpu` values with distinct indices, or
+    objects of :func:`gpu` keyword arguments as a JSON file gives them), in NVML order; ``env["CUDA_VISIBLE_DEVICES"]`` picks and renumbers them exactly as CUDA does
     (:func:`resilient_strategy.machine.visible.resolve_visible_devices`), so
     ``machine(4, env={"CUDA_VISIBLE_DEVICES": "2"})`` has one GPU, ordinal 0, NVML index 2.
     ``nvlink`` is the number of NVLinks between each pair of GPUs; ``links`` overrides it per
@@ -103,9 +124,19 @@ def machine(
     instances per physical GPU (``{0: 2}``: GPU 0 has two, ``MIG-fake-0000-0`` and ``-1``, which
     ``CUDA_VISIBLE_DEVICES`` can name). ``imported`` / ``gpu_initialized`` name frameworks this
     process imported (and whose GPU runtime started); ``nvml_notes`` are values NVML could not
-    read.
+    read. ``host_memory_gb``: the host memory available to new processes (None: unknown).
+    ``platform_facts`` is the platform around the GPUs as one value (:class:`Platform`, or
+    its fields as a mapping: ``{"nvswitch": true, "rdma_link_layer": "ethernet",
+    "rdma_devices": ["mlx5_0"], "master_ifname": "eth0", "hypervisor": "kvm",
+    "hostname_loopback": true}``).
     """
     env_map = _string_map("env", env)
+    plat = _platform_value(platform_facts)
+    host_memory = None if host_memory_gb is None else int(
+        _number("machine", "host_memory_gb", host_memory_gb) * 2**30)
+    described: int | Sequence[Any] = gpus
+    if isinstance(gpus, Sequence) and not isinstance(gpus, str):
+        described = [gpu(**g) if isinstance(g, Mapping) else g for g in gpus]
     _cc("machine", cc)
     _number("machine", "memory_gb", memory_gb)
     _check_int("machine", "nvlink", nvlink)
@@ -142,10 +173,10 @@ def machine(
         if gpus < 0:
             raise _bad("gpus", gpus, "a GPU count (0 or more) or a list of gpu() values")
         physical = tuple(gpu(i, name, cc, memory_gb) for i in range(gpus))
-    elif isinstance(gpus, Sequence) and not isinstance(gpus, str) and all(
-        isinstance(g, Gpu) for g in gpus
+    elif isinstance(described, Sequence) and not isinstance(described, str) and all(
+        isinstance(g, Gpu) for g in described
     ):
-        physical = tuple(sorted(gpus, key=_physical_index))
+        physical = tuple(sorted(described, key=_physical_index))
         indices = [_physical_index(g) for g in physical]
         if len(set(indices)) != len(indices):
             raise _bad("gpus", indices, "GPUs with distinct indices")
@@ -156,7 +187,9 @@ def machine(
     per_pair = _link_specs(links, indices, nvlink, topology, p2p)
     instances = _mig_counts(mig, indices)
     physical_links: list[Link] = []
-    for i, a in enumerate(physical):
+    # a uniform machine past FABRIC_MIN_GPUS: its one kind of link, never N^2 of them
+    uniform = not per_pair and not instances and len(physical) > FABRIC_MIN_GPUS
+    for i, a in enumerate(() if uniform else physical):
         for b in physical[i + 1:]:
             pa, pb = _physical_index(a), _physical_index(b)
             n, top, p2p_read = per_pair.get((pa, pb), (nvlink, topology, p2p))
@@ -166,7 +199,7 @@ def machine(
         PhysicalGpu(
             index=_physical_index(g), uuid=g.uuid, name=g.name,
             compute_capability=g.compute_capability, memory_bytes=g.memory_bytes,
-            pci_bus_id=g.pci_bus_id, mig_enabled=g.mig_enabled or _physical_index(g) in instances,
+            memory_free_bytes=g.memory_free_bytes, pci_bus_id=g.pci_bus_id, mig_enabled=g.mig_enabled or _physical_index(g) in instances,
             mig=tuple(
                 MigDevice(uuid=f"MIG-fake-{_physical_index(g):04d}-{k}", name=f"{g.name} MIG {k}",
                           memory_bytes=g.memory_bytes // instances[_physical_index(g)],
@@ -182,7 +215,11 @@ def machine(
     )
     by_index = {p.index: p for p in parents}
     gs = tuple(job_gpu(i, d, by_index[d.physical]) for i, d in enumerate(resolution.devices))
-    visible_links = renumber_links(resolution.devices, physical_links)
+    visible_links, fabric = compact_links(len(gs), renumber_links(resolution.devices,
+                                                                  physical_links))
+    if uniform:
+        fabric = Link(0, 0, topology=topology, nvlinks=nvlink, p2p_read=p2p,
+                      p2p_nvlink="ok" if nvlink else "not_supported")
     fws = []
     if torch:
         fws.append(FrameworkInfo("torch", torch, "torch", torch_cuda, torch_nccl, tuple(torch_archs)))
@@ -196,17 +233,31 @@ def machine(
     return Facts(
         gpus=gs,
         links=visible_links,
+        fabric=fabric,
         driver_version=driver if physical else None,
         cuda_driver_version="13.0" if physical else None,
         nvml_error=nvml_error if nvml_error or physical else "no GPU in this description",
         visibility=resolution.visibility,
         host=Host(shm_bytes=None if shm_mb is None else shm_mb << 20, container=container,
                   wsl2=wsl2, sagemaker=sagemaker, aws=aws, efa=efa, iommu=iommu,
-                  infiniband=infiniband, kernel=kernel, cpu_count=cpu_count, platform=platform),
+                  infiniband=infiniband, kernel=kernel, cpu_count=cpu_count, platform=platform,
+                  memory_available_bytes=host_memory),
         frameworks=tuple(fws),
         env=tuple(sorted(env_map.items())),
         nvml_notes=tuple(nvml_notes),
+        platform=plat,
     )
+
+
+def _platform_value(value: Platform | Mapping[str, Any] | None) -> Platform:
+    if value is None or isinstance(value, Platform):
+        return value or Platform()
+    if not isinstance(value, Mapping):
+        raise _bad("platform_facts", value, "a Platform value or a mapping of its fields")
+    try:
+        return Facts.from_dict({"platform": dict(value)}).platform
+    except (TypeError, ValueError) as exc:
+        raise _bad("platform_facts", value, f"Platform fields ({exc})") from None
 
 
 # ----- argument checks for gpu() / machine() -----------------------------------------------------
@@ -331,9 +382,12 @@ class SimulatedProber:
     """Answers probes from a table instead of running them, and records what was asked.
 
     Outcomes: "ok", "ok:<GB/s>", "timeout" (a hang cut at the deadline), "hang:<kind>" (a hang
-    judged from progress: setup, collective, straggler, quiet), "error:<cause>".
+    judged from progress: setup, collective, straggler, quiet), "error:<cause>",
+    "fails:<text>" (what the failing worker printed, verbatim: the signature table places it,
+    as it places a real probe's), "signal:<number>" (a worker killed by that signal).
 
-    Keys: a backend with no extra environment ("nccl", "gloo", "hierarchical_copy", ...); a
+    Keys: a backend with no extra environment ("nccl", "gloo", "hierarchical_copy", ...; a
+    sharded candidate's "nccl/fsdp" wins over "nccl" for it); a
     backend with the exact environment of a remedy ("nccl+NCCL_P2P_DISABLE=1", several sorted
     and joined by ","); "nccl+*" for every remedy; "*" for everything. The most specific key
     wins; anything unmatched is ``default``.
@@ -354,7 +408,9 @@ class SimulatedProber:
     def __call__(self, spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
         self.calls.append(spec)
         env_key = ",".join(f"{k}={v}" for k, v in spec.env)
-        keys = [f"{spec.backend}+{env_key}", f"{spec.backend}+*"] if env_key else [spec.backend]
+        # a sharded candidate's own outcome ("nccl/fsdp") wins over its backend's ("nccl")
+        names = [f"{spec.backend}/fsdp", spec.backend] if spec.sharded else [spec.backend]
+        keys = [k for n in names for k in ((f"{n}+{env_key}", f"{n}+*") if env_key else (n,))]
         out = next((self.outcomes[k] for k in (*keys, "*") if k in self.outcomes), self.default)
         res = _parse(spec.candidate, out)
         if res.status == TIMEOUT and not res.extra:  # cut by the deadline: the whole timeout
@@ -373,7 +429,8 @@ class SimulatedProber:
     def probed(self) -> list[str]:
         """What was probed, in order, as "backend" or "backend+ENV=1"."""
         return [
-            s.backend + ("+" + ",".join(f"{k}={v}" for k, v in s.env) if s.env else "")
+            s.backend + ("/fsdp" if s.sharded else "")
+            + ("+" + ",".join(f"{k}={v}" for k, v in s.env) if s.env else "")
             for s in self.calls
         ]
 
@@ -397,11 +454,25 @@ def _parse(candidate: str, out: Outcome) -> ProbeResult:
                            extra=(("hang", arg),))
     if kind == ERROR and arg in CAUSES:
         return ProbeResult(candidate, ERROR, 1.0, arg, "simulated failure")
+    if kind == "fails" and arg.strip():
+        return _as_reported(candidate, WorkerOutcome(
+            0, 1, report=json.dumps({"status": "error", "error": arg}), failed_first=True))
+    if kind == "signal" and arg.isdigit() and 1 <= int(arg) <= 64:
+        return _as_reported(candidate, WorkerOutcome(0, -int(arg), signal=int(arg),
+                                                     failed_first=True))
     raise ValueError(
         f"probe outcome {out!r}: use 'ok', 'ok:<GB/s>', 'timeout', 'hang:<kind>' with a kind in "
-        f"{list(HANG_KINDS)} (a hang cut early, from progress) or 'error:<cause>' with a cause "
-        f"in {sorted(c for c in CAUSES if c)}"
+        f"{list(HANG_KINDS)} (a hang cut early, from progress), 'error:<cause>' with a cause "
+        f"in {sorted(c for c in CAUSES if c)}, 'fails:<the text the failure printed>' (placed "
+        "by the signature table) or 'signal:<number>' (a worker killed by that signal)"
     )
+
+
+def _as_reported(candidate: str, outcome: WorkerOutcome) -> ProbeResult:
+    """What the probe parser makes of one failed worker, through the signature table (the
+    built-in one), exactly as a real probe's result is made."""
+    spec = ProbeSpec(candidate, "torch", "nccl", ())
+    return replace(parse_probe(spec, [outcome], 1.0, False), stderr_tail="")
 
 
 FakeProber = SimulatedProber  # the testing kit's name for it
@@ -411,11 +482,16 @@ FakeProber = SimulatedProber  # the testing kit's name for it
 SIMULATION_KEYS = frozenset({
     "what", "framework", "global_batch_size", "gradient_bytes", "sample_seconds", "machine",
     "facts", "probes", "expect",
+    # a field case (examples/machines/field/): where it was reported, its family, what it said
+    "source", "family", "reported",
+    "param_bytes", "optimizer_state_factor", "sharding",
 })
 #: Fields of a machine case's ``expect`` block (the decision it must reach; tests replay it).
 EXPECT_KEYS = frozenset({
     "backend", "devices", "num_replicas", "accumulation_steps", "per_replica_batch_size", "env",
     "probed", "rules_fired", "explain_contains",
+    "causes",  # {probe key: the cause its failure was placed on}, e.g. {"nccl": "nvls_multicast"}
+    "sharded", "ladder", "ruled_out_by_memory",
 })
 
 
@@ -506,7 +582,7 @@ def _check_simulation_fields(path: Path, data: Mapping[str, Any]) -> None:
     if framework is not None and framework not in FRAMEWORKS:
         raise ResilientStrategyError(
             f"{path}: framework: expected one of {FRAMEWORKS}, not {framework!r}")
-    for key in ("global_batch_size", "gradient_bytes"):
+    for key in ("global_batch_size", "gradient_bytes", "param_bytes"):
         value = data.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ResilientStrategyError(f"{path}: {key}: expected a positive integer, not {value!r}")

@@ -178,9 +178,10 @@ def run_worker(path: str, body: Callable[[dict[str, Any]], None]) -> NoReturn:
         report["status"] = "ok"
         report.pop("error", None)
     except ProbeFailure as exc:
-        report.update(status=exc.status, error=str(exc), cause=exc.cause)
+        report.update(status=exc.status, error=str(exc), cause=exc.cause,
+                      failed_at=time.monotonic())
     except BaseException as exc:
-        report.update(status="error", error=error_text(exc))
+        report.update(status="error", error=error_text(exc), failed_at=time.monotonic())
     code = 0 if report["status"] == "ok" else 1
     try:
         write_report(path, report)

@@ -443,7 +443,19 @@ def _replica_copies(var: Any) -> Sequence[Any]:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     watch_parent(args.parent_pid)
+    private_temp(args.report)
     run_worker(args.report, lambda report: probe(args, report))
+
+
+def private_temp(report_path: str) -> str:
+    """Python's temporary files of this worker go to the probe's own directory (the one holding
+    its report, removed with it by the runner), not to the user's temp directory: TensorFlow's
+    autograph writes an ``__autograph_generated_file*.py`` there for every function it converts
+    and never removes them. Sets ``tempfile.tempdir`` (the process's, not ``TMPDIR``)."""
+    import tempfile
+
+    tempfile.tempdir = os.path.dirname(os.path.abspath(report_path))
+    return tempfile.tempdir
 
 
 if __name__ == "__main__":

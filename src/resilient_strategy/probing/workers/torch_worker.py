@@ -18,7 +18,11 @@ distinct multiple of one integer pattern, so every sum is exact in float32 and a
 doubled, misplaced or corrupted contribution shows. A NaN, a zero or any other wrong value is a
 failure with its own cause. The ``--message-bytes`` all-reduces are checked too and timed for a
 bus-bandwidth figure. Then one DDP step on a small MLP, after which the parameters must be
-bit-identical on every rank, and the time of a second step. Backends ``single_device`` and
+bit-identical on every rank, and the time of a second step. With ``--sharded`` (an FSDP2
+candidate) the probe also proves the collectives FSDP2 runs: all-gather (parameters) and
+reduce-scatter (gradients), at the same sizes, each checked exactly (every rank's chunk where it
+belongs, every sum exact), and its training step shards the MLP with ``fully_shard`` instead of
+DDP (the full parameters, gathered, must then match on every rank). Backends ``single_device`` and
 ``cpu`` skip the process group and only time the step. The rank writes a JSON report to
 ``--report`` in every case it survives, and exits 0 only when it is ``ok``.
 
@@ -86,6 +90,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--store", default="", help="HOST:PORT of a TCPStore to join as a client")
     p.add_argument("--store-prefix", default="", help="key prefix in --store")
+    p.add_argument("--sharded", action="store_true",
+                   help="also prove all-gather and reduce-scatter, and step with FSDP2")
     add_common_arguments(p)
     return p.parse_args(argv)
 
@@ -127,8 +133,14 @@ def probe(args: argparse.Namespace, report: dict[str, Any]) -> None:
             report.update(bus_bandwidth_gbps=round(gbps, 3), message_bytes=args.message_bytes,
                           bandwidth_spread=round(noise, 3))
             parts.append(f"{gbps:.2f} GB/s bus at {args.message_bytes / 2**20:g} MiB, exact")
+        if args.sharded:
+            for nbytes in sizes:
+                coll.gathered(nbytes, CHECK_ITERS)
+                coll.scattered(nbytes, CHECK_ITERS)
+            parts.append(f"all-gather and reduce-scatter exact at {len(sizes)} sizes")
     if args.train_step:
-        seconds = _train_step(torch, device, coll if distributed else None)
+        seconds = _train_step(torch, device, coll if distributed else None,
+                              sharded=args.sharded and distributed)
         report["step_seconds"] = round(seconds, 6)
         parts.append(f"step {seconds * 1e3:.1f} ms")
     progress.phase(FINISHED)  # teardown is not judged: the outer deadline bounds it
@@ -234,11 +246,60 @@ class _Collectives:
                 _mismatch(torch, buf.cpu(), expected.cpu(), numel, world, it)
         return sum(times) / max(1, len(times)), spread(times)
 
+    def _chunks(self, nbytes: int) -> tuple[int, Any]:
+        """Elements per rank for ``nbytes`` in all, and the pattern of the whole buffer."""
+        torch = self.torch
+        per = max(1, _numel(nbytes) // self.world)
+        whole = (torch.arange(per * self.world, dtype=torch.int32) % PATTERN_MOD + 1).to(
+            torch.float32).to(self.device)
+        return per, whole
 
-def _mismatch(torch: Any, got: Any, expected: Any, numel: int, world: int, it: int) -> None:
+    def gathered(self, nbytes: int, iters: int) -> None:
+        """All-gathers of ``nbytes`` in all (FSDP2 gathers a unit's parameters so): rank r
+        sends its chunk of the pattern times its contribution; each chunk must land in place."""
+        torch, rank, world = self.torch, self.rank, self.world
+        per, whole = self._chunks(nbytes)
+        gather = getattr(self.dist, "all_gather_single", None) or self.dist.all_gather_into_tensor
+        out = torch.empty_like(whole)
+        scale = torch.repeat_interleave(
+            torch.arange(world, dtype=torch.float32), per).to(self.device)
+        wrong = corrupts(self.fault, os.environ, per * world * 4) and self.fault == "wrong"
+        for it in range(iters):
+            mine = whole[rank * per:(rank + 1) * per] * float(contribution(rank, world, it))
+            if wrong:
+                mine[per // 2] += 1.0
+            with self.region(per * world * 4, NEW_SIZE_ALLOW_S if it == 0 else 0.0):
+                gather(out, mine.contiguous())
+            expected = whole * (scale + 1 + it * world)  # contribution(r, world, it) per chunk
+            if not torch.equal(out, expected):
+                _mismatch(torch, out.cpu(), expected.cpu(), per * world, world, it,
+                          "all-gather")
+
+    def scattered(self, nbytes: int, iters: int) -> None:
+        """Reduce-scatters of ``nbytes`` in all (FSDP2 reduces gradients so): every rank sends
+        the whole pattern times its contribution; rank r must get the sum of its chunk."""
+        torch, rank, world = self.torch, self.rank, self.world
+        per, whole = self._chunks(nbytes)
+        scatter = getattr(self.dist, "reduce_scatter_single", None) \
+            or self.dist.reduce_scatter_tensor
+        out = torch.empty(per, dtype=torch.float32, device=self.device)
+        wrong = corrupts(self.fault, os.environ, per * world * 4) and self.fault == "wrong"
+        for it in range(iters):
+            sent = whole * float(contribution(rank, world, it))
+            if wrong:
+                sent[per // 2] += 1.0
+            with self.region(per * world * 4, NEW_SIZE_ALLOW_S if it == 0 else 0.0):
+                scatter(out, sent)
+            expected = whole[rank * per:(rank + 1) * per] * float(expected_sum(world, it))
+            if not torch.equal(out, expected):
+                _mismatch(torch, out.cpu(), expected.cpu(), per, world, it, "reduce-scatter")
+
+
+def _mismatch(torch: Any, got: Any, expected: Any, numel: int, world: int, it: int,
+              what: str = "all-reduce") -> None:
     bad = (got != expected).nonzero().flatten()
     i = int(bad[0])
-    where = (f"all-reduce of {numel} float32 ({human(numel * 4)}) over {world} ranks, "
+    where = (f"{what} of {numel} float32 ({human(numel * 4)}) over {world} ranks, "
              f"iteration {it + 1}: {len(bad)} values wrong, first at index {i}: "
              f"{float(got[i])!r} instead of {float(expected[i])!r}")
     nans = int(torch.isnan(got).sum())
@@ -246,8 +307,10 @@ def _mismatch(torch: Any, got: Any, expected: Any, numel: int, world: int, it: i
     raise mismatch_failure(where, nans, zeros)
 
 
-def _train_step(torch: Any, device: Any, coll: _Collectives | None) -> float:
-    """One warm-up step, then the time of a second; with ``coll``, DDP and a parameter check."""
+def _train_step(torch: Any, device: Any, coll: _Collectives | None,
+                sharded: bool = False) -> float:
+    """One warm-up step, then the time of a second; with ``coll``, DDP (``sharded``: FSDP2)
+    and a parameter check."""
     rank, world = (coll.rank, coll.world) if coll is not None else (0, 1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -256,7 +319,16 @@ def _train_step(torch: Any, device: Any, coll: _Collectives | None) -> float:
     nbytes = sum(p.numel() * 4 for p in model.parameters())
     region = coll.region if coll is not None else _no_region
     net = model
-    if coll is not None:
+    if coll is not None and sharded:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        with region(nbytes, STEP_ALLOW_S):  # FSDP2 shards the parameters
+            mesh = init_device_mesh(device.type, (world,))
+            for layer in (model[0], model[2]):
+                fully_shard(layer, mesh=mesh)
+            net = fully_shard(model, mesh=mesh)
+    elif coll is not None:
         from torch.nn.parallel import DistributedDataParallel
 
         with region(nbytes, STEP_ALLOW_S):  # DDP broadcasts the parameters
@@ -287,15 +359,17 @@ def _train_step(torch: Any, device: Any, coll: _Collectives | None) -> float:
                            f"training step gave a non-finite loss {loss}")
     if coll is not None and world > 1:
         dist = coll.dist
-        sums = torch.stack([p.detach().double().sum() for p in model.parameters()]).to(device)
+        with region(nbytes):  # sharded: gathering the full parameters is a collective
+            full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+        sums = torch.stack([p.detach().double().sum() for p in full]).to(device)
         hi, lo = sums.clone(), sums.clone()
         with region(hi.numel() * 8):
             dist.all_reduce(hi, op=dist.ReduceOp.MAX)
         with region(lo.numel() * 8):
             dist.all_reduce(lo, op=dist.ReduceOp.MIN)
         if not torch.equal(hi, lo):
-            raise ProbeFailure("wrong_result",
-                               "after a DDP step the parameters differ between ranks")
+            raise ProbeFailure("wrong_result", f"after a {'FSDP2' if sharded else 'DDP'} step "
+                               "the parameters differ between ranks")
     return seconds
 
 

@@ -1,0 +1,198 @@
+"""Generate docs/troubleshooting.md from the data the tool decides with, so it cannot drift.
+
+Sources, each read when it exists:
+
+- ``core/probe.py`` ``CAUSES``: every cause a probe (or a mid-run failure) can be given;
+- the planner's remedies per cause (``core/plan.py``), and ``core/remedies.toml``;
+- ``core/signatures.toml``: failure texts and the cause they mean;
+- ``core/known_issues.toml``: the rules that veto, prefer, remedy, set or warn from the facts.
+
+Run as a MkDocs hook (``hooks:`` in mkdocs.yml: the page is rendered at build time), or by hand,
+``python docs/gen_troubleshooting.py`` (rewrites the committed page). ``tests/test_docs.py``
+checks that the committed page is what this renders.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+CORE = ROOT / "src" / "resilient_strategy" / "core"
+PAGE = ROOT / "docs" / "troubleshooting.md"
+if str(ROOT / "src") not in sys.path:
+    sys.path.insert(0, str(ROOT / "src"))
+
+_EFFECT = {
+    "veto": "rules the candidate(s) out before any probe",
+    "prefer": "tries the candidate(s) first",
+    "remedy": "probes the candidate again with these variables set",
+    "set_env": "sets these variables for the chosen strategy",
+    "warn": "warns (in the trace and the log); decides nothing",
+}
+_OUTCOME = ("The candidate that failed is ruled out for this decision and the next one in the "
+            "ranking is probed (or the fastest one left is chosen); the same global batch is kept. "
+            "A failure is cached for this machine and trusted from the cache once it was seen "
+            "in two runs in a row.")
+
+
+def _toml(name: str, core: Path = CORE) -> dict[str, Any]:
+    path = core / name
+    if not path.is_file():
+        return {}
+    with path.open("rb") as f:
+        return tomllib.load(f)
+
+
+def _entries(data: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Every table of arrays (``[[signature]]``, ``[[remedy]]``, ...) as (kind, entry)."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    for kind, value in data.items():
+        if isinstance(value, list):
+            out += [(kind, e) for e in value if isinstance(e, dict)]
+        elif isinstance(value, dict):  # [cause.x] tables
+            out += [(kind, {"id": k, **v}) for k, v in value.items() if isinstance(v, dict)]
+    return out
+
+
+def _name(entry: Mapping[str, Any]) -> str:
+    for key in ("id", "cause", "name", "key"):
+        if isinstance(entry.get(key), str):
+            return str(entry[key])
+    return "entry"
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, str):
+        return v.replace("\n", " ").strip()
+    if isinstance(v, Mapping):
+        return ", ".join(f"`{k}={x}`" for k, x in v.items())
+    if isinstance(v, Sequence):
+        return ", ".join(_value(x) if isinstance(x, Mapping) else f"`{x}`" for x in v)
+    return f"`{v}`"
+
+
+_URL = re.compile(r"https?://[^\s;,)>]+[^\s;,)>.]")
+
+
+def _source(text: str) -> str:
+    """A source with its addresses as links (a trailing ';', ',', ')' or '.' stays text)."""
+    return _URL.sub(lambda m: f"<{m.group(0)}>", text)
+
+
+def _generic(kind: str, entry: Mapping[str, Any], skip: Sequence[str] = ()) -> list[str]:
+    lines = [f"#### `{_name(entry)}`", ""]
+    for key, value in entry.items():
+        if key in ("id", *skip):
+            continue
+        shown = _source(_value(value)) if key == "source" else _value(value)
+        lines.append(f"- **{key}**: {shown}")
+    return [*lines, ""]
+
+
+def _env(remedy: Mapping[str, str]) -> str:
+    return " ".join(f"`{k}={v}`" for k, v in remedy.items())
+
+
+def _causes(sigs: list[tuple[str, dict[str, Any]]], remedies: list[tuple[str, dict[str, Any]]]
+            ) -> list[str]:
+    from resilient_strategy.core import plan as _plan
+    from resilient_strategy.core.probe import CAUSES
+
+    built_in: Mapping[str, Sequence[Mapping[str, str]]] = getattr(_plan, "_REMEDY_FOR_CAUSE", {})
+    lines = ["## Causes a probe or a training run can be given", "",
+             "Each failed probe, and each mid-run failure under `resilient-strategy run`, has "
+             "one of these causes (`ProbeResult.cause`, `FailureCause.cause`, `--json` "
+             "`probes.*.cause`). " + _OUTCOME, ""]
+    for cause, meaning in CAUSES.items():
+        if not cause:
+            continue
+        lines += [f"### `{cause}`", "", f"**What it means**: {meaning}.", ""]
+        tried = built_in.get(cause, ())
+        if tried:
+            lines.append("**What it does about it**: for NCCL, probes these remedies in turn "
+                         "(never over a variable you set): "
+                         + "; then ".join(_env(r) for r in tried) + ".")
+        else:
+            lines.append("**What it does about it**: moves on to the next candidate.")
+        lines.append("")
+        lines.append("**What you can do**: " + (
+            f"when {_env(tried[0])} is what made it work here, set it yourself on machines "
+            "like this one: they skip the failing probe (the cache remembers it for this "
+            "machine only). " if tried else "")
+            + "The failing rank's own words are in the probe's detail (`sel.explain()`, "
+            "`python -m resilient_strategy probe --json`: `probes.*.detail` and `stderr_tail`); "
+            "once fixed, `probe --force` proves the candidate again.")
+        lines.append("")
+        for _, e in sigs:
+            if e.get("cause") == cause:
+                lines.append(f"- Recognised from: {_value(e.get('pattern', e.get('text', _name(e))))}"
+                             + (f" ({_source(str(e['source']))})" if e.get("source") else ""))
+        for _, e in remedies:
+            if e.get("cause") == cause:
+                lines.append(f"- Remedy `{_name(e)}`: "
+                             + _value({k: v for k, v in e.items() if k not in ("id", "cause")}))
+        if lines[-1] != "":
+            lines.append("")
+    return lines
+
+
+def _rules(data: Mapping[str, Any]) -> list[str]:
+    lines = ["## Known issues (rules from the machine's facts)", "",
+             "Rules fire from what inspection reads, before any probe "
+             "(`core/known_issues.toml`; add yours with `rules=` or `RESILIENT_STRATEGY_RULES`, "
+             "switch one off with `disable_rules=` or `RESILIENT_STRATEGY_DISABLE_RULES`). "
+             "A rule that fired is named in `sel.explain()` and in `to_dict()['rules_fired']`.", ""]
+    for rule in data.get("rule", []):
+        effect = str(rule.get("effect", ""))
+        lines += [f"### `{rule.get('id', '?')}`", ""]
+        lines.append(f"**When** ({rule.get('framework', 'any framework')}): "
+                     + " and ".join(f"`{c}`" for c in rule.get("when", [])) + ".")
+        lines.append("")
+        lines.append(f"**What it means**: {_value(rule.get('message', ''))}")
+        lines.append("")
+        what = _EFFECT.get(effect, effect)
+        if rule.get("target"):
+            what += f": {_value(rule['target'] if isinstance(rule['target'], list) else [rule['target']])}"
+        if rule.get("env"):
+            what += f": {_value(rule['env'])}"
+        lines += [f"**What it does**: {what}.", "",
+                  f"**Source**: {_source(_value(rule.get('source', '')))}", ""]
+    return lines
+
+
+def render(core: Path = CORE) -> str:
+    """The page, from the data files in ``core`` (the package's ``core/`` folder)."""
+    sigs = _entries(_toml("signatures.toml", core))
+    remedies = _entries(_toml("remedies.toml", core))
+    lines = ["# Troubleshooting: every cause the tool can name", "",
+             "<!-- Generated by docs/gen_troubleshooting.py from the tool's own data; do not edit "
+             "by hand. -->", "",
+             "When a probe fails, `resilient_strategy` names a cause, says it in the FALLBACK "
+             "warning and in `sel.explain()`, and acts on it. This page lists every cause, what "
+             "it does about it, and every known-issue rule. What you can do is in each entry's "
+             "words; [Reading a decision trace](how-to/decision-trace.md) shows where to find "
+             "them for your run.", ""]
+    lines += _causes(sigs, remedies)
+    lines += _rules(_toml("known_issues.toml", core))
+    for title, entries in (("Failure signatures", sigs), ("Remedies", remedies)):
+        if entries:
+            lines += [f"## {title}", ""]
+            for kind, e in entries:
+                lines += _generic(kind, e)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:
+    """MkDocs hook: the troubleshooting page is rendered from the data at build time."""
+    return render() if page.file.src_uri == "troubleshooting.md" else markdown
+
+
+if __name__ == "__main__":
+    PAGE.write_text(render(), encoding="utf-8")
+    print(f"wrote {PAGE}")

@@ -1,0 +1,56 @@
+"""The end of a PyTorch process group: a barrier, then ``destroy_process_group``, also at exit.
+
+A script that forgets ``sel.shutdown()`` (or ends with Accelerate's ``end_training()``, which
+destroys the group without a barrier) could abort after training finished: a gloo group torn
+down while a peer is still mid-teardown, or freed during interpreter finalization, aborts with
+"terminate called without an active exception" (pytorch/pytorch#179291), so the job exits 1
+although every step ran. :func:`end_at_exit` registers, once per process, an ``atexit`` hook that
+ends any group still up while Python is fully alive: every rank meets in a barrier bounded by
+:data:`EXIT_BARRIER_S` (a rank that died leaves its peers waiting that long at most), then the
+group is destroyed and garbage collected. After an uncaught exception (``sys.last_value`` is set
+before ``atexit`` runs) the barrier is skipped: the peers may never come.
+
+torch is imported only when a group is up (``torch.distributed`` already imported).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import gc
+import sys
+from datetime import timedelta
+
+#: The longest the exit barrier waits for the other ranks.
+EXIT_BARRIER_S = 30.0
+_REGISTERED: list[bool] = []
+
+
+def end_process_group(barrier_s: float | None = EXIT_BARRIER_S) -> bool:
+    """End the default process group if one is up: a barrier of at most ``barrier_s`` seconds
+    (None: no barrier), then destroy it. Returns whether a group was ended. Never raises for a
+    peer that is gone."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        gc.collect()
+        return False
+    if barrier_s is not None:
+        with contextlib.suppress(Exception):
+            work = dist.barrier(async_op=True)
+            work.wait(timeout=timedelta(seconds=barrier_s))
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+    gc.collect()  # free whatever may still hold the group while Python is fully alive
+    return True
+
+
+def _at_exit() -> None:
+    failed = getattr(sys, "last_value", None) is not None  # an uncaught exception was printed
+    end_process_group(None if failed else EXIT_BARRIER_S)
+
+
+def end_at_exit() -> None:
+    """Once per process: end any process group still up when the interpreter exits."""
+    if not _REGISTERED:
+        _REGISTERED.append(True)
+        atexit.register(_at_exit)

@@ -1,0 +1,87 @@
+"""Where a fault's evidence goes: one file per failed attempt under ``--evidence-dir``
+(``<dir>/<session>/attempt<N>.txt``: the verdict, then each rank's traceback, the Python stacks
+dumped before a stalled group was stopped, and the tail of its stderr) and ``attempts.json`` (every
+attempt: candidate, verdict, what followed, exit code). The console gets one line per fault and
+this file's path, not the tracebacks.
+
+The workers leave ``rank<N>.traceback.txt`` and ``rank<N>.stacks.txt`` in the attempt's run
+directory (:mod:`.worker`); the run directory is removed at the end of the run, these files are
+not. Never raises: evidence that cannot be written is said in the line, not fatal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..machine.files import ensure_private_dir, write_json_atomic
+from .policy import Attempt
+
+#: How much of each rank's stderr the evidence keeps (its end).
+STDERR_TAIL_BYTES = 64 << 10
+#: How much of a traceback or stack dump file is read.
+DUMP_BYTES = 256 << 10
+
+
+def traceback_path(run_dir: Path, local_rank: int) -> Path:
+    return run_dir / f"rank{local_rank}.traceback.txt"
+
+
+def stacks_path(run_dir: Path, local_rank: int) -> Path:
+    return run_dir / f"rank{local_rank}.stacks.txt"
+
+
+class Evidence:
+    """The evidence files of one run (``root/session``), created on the first fault."""
+
+    def __init__(self, root: Path, session: str) -> None:
+        self.dir = root / session
+
+    def record(self, attempt: Attempt, run_dir: Path, ranks: int) -> str | None:
+        """Write one failed attempt's evidence; its path, or None when it could not be written."""
+        parts = [f"attempt {attempt.number + 1} on {attempt.label} ({attempt.candidate})",
+                 f"verdict: {attempt.verdict.line()}", f"step: {attempt.verdict.step}",
+                 f"next: {attempt.judgement.action.value}: {attempt.judgement.reason}",
+                 f"summary: {attempt.verdict.summary}", ""]
+        for r in range(ranks):
+            for title, path, limit in (
+                    ("traceback", traceback_path(run_dir, r), DUMP_BYTES),
+                    ("Python stacks before the stop", stacks_path(run_dir, r), DUMP_BYTES),
+                    ("stderr (end)", _stderr_log(run_dir / "logs", r), STDERR_TAIL_BYTES)):
+                text = _tail(path, limit) if path is not None else ""
+                if text.strip():
+                    parts += [f"===== rank {r}: {title} ({path}) =====", text.rstrip(), ""]
+        path = self.dir / f"attempt{attempt.number + 1}.txt"
+        try:
+            ensure_private_dir(self.dir)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0),
+                         0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write("\n".join(parts) + "\n")
+        except Exception:
+            return None
+        return str(path)
+
+    def summary(self, history: Sequence[Attempt]) -> str | None:
+        """``attempts.json`` when there was a fault (the directory exists); its path or None."""
+        if not self.dir.is_dir():
+            return None
+        path = self.dir / "attempts.json"
+        with contextlib.suppress(Exception):
+            write_json_atomic(path, {"attempts": [a.to_dict() for a in history]}, indent=1)
+            return str(path)
+        return None
+
+
+def _stderr_log(log_dir: Path, local_rank: int) -> Path | None:
+    return next(iter(log_dir.glob(f"**/{local_rank}/stderr.log")), None)
+
+
+def _tail(path: Path, limit: int) -> str:
+    with contextlib.suppress(OSError), open(path, "rb") as fh:
+        fh.seek(0, os.SEEK_END)
+        fh.seek(max(0, fh.tell() - limit))
+        return fh.read().decode("utf-8", "replace")
+    return ""

@@ -1,0 +1,32 @@
+"""The exit codes of ``resilient-strategy run``, for schedulers (one enum, documented in
+``docs/how-to/run.md``).
+
+A requeue script reads them as: 0 done; 1 the user's code failed (requeueing would fail the
+same way); 75 this machine could not keep the job running (requeue it elsewhere: sysexits'
+``EX_TEMPFAIL``, "a temporary failure, the user is invited to retry"); 128 + N interrupted by
+signal N (130 for Ctrl-C, 143 for SIGTERM: a scheduler's preemption); 2 the command line or an
+environment variable was wrong (nothing ran).
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    SUCCESS = 0
+    #: The script failed in its own code (an exception, out of memory, ranks that diverged):
+    #: do not requeue.
+    USER_ERROR = 1
+    #: The command line or a ``RESILIENT_STRATEGY_*`` variable is invalid: nothing ran.
+    USAGE = 2
+    #: The infrastructure of this machine is exhausted: no candidate left, only candidates below
+    #: the throughput floor, the relaunch limit, or attempts without progress. Requeue elsewhere.
+    INFRASTRUCTURE = 75
+    #: Interrupted by SIGINT (Ctrl-C); another signal N gives 128 + N (:func:`interrupted`).
+    INTERRUPTED = 130
+
+
+def interrupted(signum: int) -> int:
+    """The exit status for a run stopped by signal ``signum`` (the shell's 128 + N)."""
+    return 128 + signum

@@ -1,0 +1,127 @@
+"""The docs: the generated troubleshooting page is current, the nav names every page, the README
+keeps its shape, and every quick-start script in the README and the docs runs (on CPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+DOCS = ROOT / "docs"
+sys.path.insert(0, str(DOCS))
+import gen_troubleshooting  # noqa: E402
+
+#: A quick start: a ```python title="x.py"``` fence whose preceding line gives its launch command.
+FENCE = re.compile(r'(?P<before>[^\n]*)\n\n```python title="(?P<name>[\w.]+\.py)"\n'
+                   r"(?P<code>.*?)\n```", re.S)
+COMMAND = re.compile(r"`((?:torchrun --nproc_per_node (?P<n>\d+)|python(?P<pytest> -m pytest)?) "
+                     r"(?P<script>[\w.]+\.py))`")
+
+
+def _pages() -> list[Path]:
+    return sorted(DOCS.rglob("*.md"))
+
+
+def _quick_starts() -> list[tuple[str, str, str, int]]:
+    """(where, script name, code, processes) of every quick start in README.md and docs/
+    (processes 0: a test file, run by pytest)."""
+    found = []
+    for path in [ROOT / "README.md", *_pages()]:
+        for m in FENCE.finditer(path.read_text(encoding="utf-8")):
+            cmd = COMMAND.search(m.group("before"))
+            assert cmd is not None and cmd.group("script") == m.group("name"), (path, m.group(0))
+            found.append((f"{path.relative_to(ROOT)}:{m.group('name')}", m.group("name"),
+                          m.group("code"), 0 if cmd.group("pytest") else int(cmd.group("n") or 1)))
+    return found
+
+
+def test_the_troubleshooting_page_is_generated_from_the_current_data() -> None:
+    committed = (DOCS / "troubleshooting.md").read_text(encoding="utf-8")
+    assert committed == gen_troubleshooting.render(), \
+        "run `python docs/gen_troubleshooting.py` and commit docs/troubleshooting.md"
+
+
+def test_the_generator_includes_signatures_and_remedies_when_they_exist(tmp_path: Path) -> None:
+    shutil.copy(gen_troubleshooting.CORE / "known_issues.toml", tmp_path)
+    (tmp_path / "signatures.toml").write_text(
+        '[[signature]]\nid = "shm-fallocate"\ncause = "shared_memory"\n'
+        'pattern = "posix_fallocate failed"\nsource = "https://github.com/NVIDIA/nccl/issues/342"\n')
+    (tmp_path / "remedies.toml").write_text(
+        '[[remedy]]\nid = "shm-off"\ncause = "shared_memory"\nenv = {NCCL_SHM_DISABLE = "1"}\n')
+    page = gen_troubleshooting.render(tmp_path)
+    assert "#### `shm-fallocate`" in page and "#### `shm-off`" in page
+    assert page != gen_troubleshooting.render()  # the package's own data has neither file yet
+
+
+def test_every_page_is_in_the_nav_and_every_nav_entry_exists() -> None:
+    nav = set(re.findall(r":\s*([\w/.-]+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), re.M))
+    pages = {str(p.relative_to(DOCS)) for p in _pages()}
+    assert nav == pages
+
+
+def test_the_readme_is_short_and_starts_with_the_two_commands() -> None:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.split()) < 1600
+    first = re.search(r"\A# resilient_strategy\n\n```bash\n(.*?)\n```", text, re.S)
+    assert first is not None
+    doctor, tests = first.group(1).splitlines()
+    assert doctor.endswith("python -m resilient_strategy doctor")
+    ci = (ROOT / ".ci" / "run").read_text()
+    pins = '"torch==2.13.0" "tensorflow-cpu==2.21.0" -e ".[tests,lightning,accelerate]"'
+    assert pins in tests and pins in ci
+    assert tests.endswith("&& python -m pytest -q") and "\npython -m pytest -q\n" in ci
+    assert "mkdocs build --strict" in ci
+
+
+def test_every_quick_start_fits_on_a_screen() -> None:
+    starts = _quick_starts()
+    assert {name for _, name, _, _ in starts} >= {
+        "train.py", "train_keras.py", "train_lightning.py", "train_accelerate.py",
+        "test_fallback.py"}
+    assert all(len(code.splitlines()) <= 15 for _, _, code, _ in starts)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _needs(code: str) -> str | None:
+    for module in ("lightning", "accelerate", "tensorflow", "torch"):
+        if re.search(rf"\b(import|from) {module}\b|\b{module} as\b|, {module}\b", code) \
+                and importlib.util.find_spec(module) is None:
+            return module
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+@pytest.mark.parametrize(("where", "name", "code", "nproc"), _quick_starts(),
+                         ids=[w for w, *_ in _quick_starts()])
+def test_the_quick_start_runs(where: str, name: str, code: str, nproc: int,
+                              tmp_path: Path) -> None:
+    missing = _needs(code)
+    if missing:
+        pytest.skip(f"{missing} is not installed")
+    (tmp_path / name).write_text(code + "\n", encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1",
+           "RESILIENT_STRATEGY_CACHE_DIR": str(tmp_path / "cache"), "TF_CPP_MIN_LOG_LEVEL": "2",
+           "CUDA_VISIBLE_DEVICES": ""}  # the CPU paths, also on a GPU machine
+    env.pop("RESILIENT_STRATEGY_PROBE_FAULT", None)
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", name] if nproc == 0 \
+        else [sys.executable, name] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+        "--master_port", str(_free_port()), name]
+    out = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "terminate called" not in out.stderr

@@ -1,0 +1,68 @@
+"""frameworks/teardown.py: the process group is ended at exit, also when the script forgets
+``sel.shutdown()``; and after an uncaught exception, without waiting for the peers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from resilient_strategy.frameworks import teardown
+
+ROOT = Path(__file__).parents[1]
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+#: Registered before the library's hook, so it runs after it (atexit is last in, first out):
+#: it records whether a process group was still up when the interpreter was about to exit.
+SCRIPT = '''
+import atexit, json, os, sys
+def _record():
+    import torch.distributed as dist
+    with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.json"), "w") as f:
+        json.dump({"initialized": dist.is_initialized()}, f)
+atexit.register(_record)
+import resilient_strategy, torch
+sel = resilient_strategy.resilient_strategy(framework="torch", global_batch_size=8)
+model, opt, _ = sel.prepare(torch.nn.Linear(4, 2), None, None)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+with sel.accumulate(model):
+    sel.backward(model(torch.randn(4, 4)).sum())
+sel.step(opt)
+# no sel.shutdown(): the library ends the group at exit
+'''
+
+
+def test_nothing_to_end_without_torch_distributed() -> None:
+    if "torch.distributed" in sys.modules:
+        pytest.skip("torch.distributed is imported in this process")
+    assert teardown.end_process_group() is False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+def test_a_script_that_forgets_shutdown_ends_its_process_group_at_exit(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1",
+           "RESILIENT_STRATEGY_CACHE_DIR": str(tmp_path / "cache"), "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("RESILIENT_STRATEGY_PROBE_FAULT", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", str(_free_port()), str(script), str(tmp_path)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    seen = {p.name: json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    assert seen == {"rank0.json": {"initialized": False}, "rank1.json": {"initialized": False}}
