@@ -289,8 +289,8 @@ class Job:
         now = time.monotonic()
         c = self.capture
         for node in self.bed.nodes:
-            for run_dir in (self.work / f"node{node.index}" / "tmp").glob(
-                    "resilient-strategy-run-*/attempt*"):
+            # the supervisors' sessions (the node's TMPDIR is its own)
+            for run_dir in (self.work / f"node{node.index}" / "tmp").glob("*/attempt*"):
                 with contextlib.suppress(ValueError):
                     key = (node.index, int(run_dir.name.removeprefix("attempt")))
                     c.first_seen.setdefault(key, now)
