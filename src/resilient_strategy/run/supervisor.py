@@ -48,7 +48,7 @@ from ..core.bounded import parse_json
 from ..core.candidate import Candidate
 from ..core.options import MIN_STALL_S, RunOptions
 from ..core.probe import ERROR, ProbeResult
-from ..errors import NoWorkingStrategyError, ResilientStrategyError
+from ..errors import NodeLostError, NoWorkingStrategyError, ResilientStrategyError
 from ..machine import env as _env
 from ..records.handoff import CHECKPOINT_NOTE, Decision, write_decision
 from ..records.trainfault import FAULT_VAR, TrainFault, parse_fault
@@ -101,6 +101,9 @@ def supervise(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
         sweep_temp_dirs(prefixes=(RUN_PREFIX,), min_age_s=0.0)
         session = Path(tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-"))
         return _supervise(opts, snapshot, fault, session)
+    except NodeLostError as exc:  # a node or the job's store went silent: not the command line
+        _say(str(exc))
+        return int(ExitCode.INFRASTRUCTURE)
     except ResilientStrategyError as exc:
         _say(str(exc))
         return int(ExitCode.USAGE)
