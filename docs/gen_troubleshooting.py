@@ -14,6 +14,7 @@ checks that the committed page is what this renders.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -37,8 +38,9 @@ _EFFECT = {
 }
 _OUTCOME = ("The candidate that failed is ruled out for this decision and the next one in the "
             "ranking is probed (or the fastest one left is chosen); the same global batch is kept. "
-            "A failure is cached for this machine and trusted from the cache once it was seen "
-            "in two runs in a row.")
+            "A probe's failure is cached for this machine (not one of the last-resort one "
+            "device or CPU, of a rehearsal, or of a cause of the machine's state) and trusted "
+            "from the cache once it was seen in two runs in a row.")
 
 
 def _toml(name: str, core: Path = CORE) -> dict[str, Any]:
@@ -80,6 +82,18 @@ def _value(v: Any) -> str:
 _URL = re.compile(r"https?://[^\s;,)>]+[^\s;,)>.]")
 
 
+_LITERAL_KEYS = ("pattern", "patterns", "regex", "match", "text", "contains")
+
+
+def _code(value: Any) -> str:
+    """A literal (a pattern, a log text) as a code span, whatever backticks it holds."""
+    if isinstance(value, list):
+        return ", ".join(_code(v) for v in value)
+    text = str(value).replace("\n", " ")
+    fence = "``" if "`" in text else "`"
+    return f"{fence} {text} {fence}" if fence == "``" else f"`{text}`"
+
+
 def _source(text: str) -> str:
     """A source with its addresses as links (a trailing ';', ',', ')' or '.' stays text)."""
     return _URL.sub(lambda m: f"<{m.group(0)}>", text)
@@ -90,7 +104,8 @@ def _generic(kind: str, entry: Mapping[str, Any], skip: Sequence[str] = ()) -> l
     for key, value in entry.items():
         if key in ("id", *skip):
             continue
-        shown = _source(_value(value)) if key == "source" else _value(value)
+        shown = _source(_value(value)) if key == "source" else _code(value) \
+            if key in _LITERAL_KEYS else _value(value)
         lines.append(f"- **{key}**: {shown}")
     return [*lines, ""]
 
@@ -99,12 +114,29 @@ def _env(remedy: Mapping[str, str]) -> str:
     return " ".join(f"`{k}={v}`" for k, v in remedy.items())
 
 
-def _causes(sigs: list[tuple[str, dict[str, Any]]], remedies: list[tuple[str, dict[str, Any]]]
+def _remedy_words(r: Mapping[str, Any]) -> str:
+    """One remedy: its variables, where it applies (backends, facts), and its id."""
+    words = _env(r.get("env", {}))
+    backends = r.get("backends")
+    if backends and list(backends) != ["nccl"]:
+        words += f" (for {', '.join(backends)})"
+    if r.get("when"):
+        words += " when " + " and ".join(f"`{c}`" for c in r["when"])
+    return words + f" [`{r.get('id', '?')}`]"
+
+
+def _causes(sigs: list[tuple[str, dict[str, Any]]], remedy_data: Mapping[str, Any]
             ) -> list[str]:
     from resilient_strategy.core import plan as _plan
     from resilient_strategy.core.probe import CAUSES
 
-    built_in: Mapping[str, Sequence[Mapping[str, str]]] = getattr(_plan, "_REMEDY_FOR_CAUSE", {})
+    environmental: frozenset[str] = frozenset()
+    with contextlib.suppress(ImportError):
+        from resilient_strategy.core.causes import ENVIRONMENTAL_CAUSES as environmental
+    by_id = {str(r.get("id")): r for r in remedy_data.get("remedy", []) if isinstance(r, dict)}
+    order: Mapping[str, Sequence[str]] = remedy_data.get("causes", {})
+    # before the remedy table existed, the planner held the remedies per cause in code
+    in_code: Mapping[str, Sequence[Mapping[str, str]]] = getattr(_plan, "_REMEDY_FOR_CAUSE", {})
     lines = ["## Causes a probe or a training run can be given", "",
              "Each failed probe, and each mid-run failure under `resilient-strategy run`, has "
              "one of these causes (`ProbeResult.cause`, `FailureCause.cause`, `--json` "
@@ -113,30 +145,34 @@ def _causes(sigs: list[tuple[str, dict[str, Any]]], remedies: list[tuple[str, di
         if not cause:
             continue
         lines += [f"### `{cause}`", "", f"**What it means**: {meaning}.", ""]
-        tried = built_in.get(cause, ())
+        tried = [_remedy_words(by_id[i]) for i in order.get(cause, ()) if i in by_id] \
+            or [_env(r) for r in in_code.get(cause, ())]
+        first = [by_id[i] for i in order.get(cause, ()) if i in by_id][:1]
         if tried:
-            lines.append("**What it does about it**: for NCCL, probes these remedies in turn "
-                         "(never over a variable you set): "
-                         + "; then ".join(_env(r) for r in tried) + ".")
+            lines.append("**What it does about it**: probes these remedies in turn, each where "
+                         "its facts hold and never over a variable you set: "
+                         + "; then ".join(tried) + ".")
         else:
             lines.append("**What it does about it**: moves on to the next candidate.")
+        if cause in environmental:
+            lines.append(" It is never cached: a cause of the machine's state, not of the "
+                         "backend.")
         lines.append("")
         lines.append("**What you can do**: " + (
-            f"when {_env(tried[0])} is what made it work here, set it yourself on machines "
-            "like this one: they skip the failing probe (the cache remembers it for this "
-            "machine only). " if tried else "")
+            f"when {_env(first[0].get('env', {}))} is what made it work here, set it yourself on "
+            "machines like this one: they skip the failing probe (the cache remembers it for "
+            "this machine only). " if first else "")
             + "The failing rank's own words are in the probe's detail (`sel.explain()`, "
             "`python -m resilient_strategy probe --json`: `probes.*.detail` and `stderr_tail`); "
             "once fixed, `probe --force` proves the candidate again.")
         lines.append("")
         for _, e in sigs:
-            if e.get("cause") == cause:
-                lines.append(f"- Recognised from: {_value(e.get('pattern', e.get('text', _name(e))))}"
-                             + (f" ({_source(str(e['source']))})" if e.get("source") else ""))
-        for _, e in remedies:
-            if e.get("cause") == cause:
-                lines.append(f"- Remedy `{_name(e)}`: "
-                             + _value({k: v for k, v in e.items() if k not in ("id", "cause")}))
+            if e.get("cause") != cause:
+                continue
+            literal = f"exit signal {e['signal']}" if "signal" in e \
+                else _code(next((e[k] for k in _LITERAL_KEYS if k in e), _name(e)))
+            lines.append(f"- Recognised from ({e.get('kind', 'text')}, `{_name(e)}`): {literal}"
+                         + (f" ({_source(str(e['source']))})" if e.get("source") else ""))
         if lines[-1] != "":
             lines.append("")
     return lines
@@ -169,7 +205,8 @@ def _rules(data: Mapping[str, Any]) -> list[str]:
 def render(core: Path = CORE) -> str:
     """The page, from the data files in ``core`` (the package's ``core/`` folder)."""
     sigs = _entries(_toml("signatures.toml", core))
-    remedies = _entries(_toml("remedies.toml", core))
+    remedy_data = _toml("remedies.toml", core)
+    remedies = _entries({"remedy": remedy_data.get("remedy", [])})
     lines = ["# Troubleshooting: every cause the tool can name", "",
              "<!-- Generated by docs/gen_troubleshooting.py from the tool's own data; do not edit "
              "by hand. -->", "",
@@ -178,9 +215,12 @@ def render(core: Path = CORE) -> str:
              "it does about it, and every known-issue rule. What you can do is in each entry's "
              "words; [Reading a decision trace](how-to/decision-trace.md) shows where to find "
              "them for your run.", ""]
-    lines += _causes(sigs, remedies)
+    lines += _causes(sigs, remedy_data)
+    from resilient_strategy.core.probe import CAUSES
+
+    stray = [(k, e) for k, e in sigs if e.get("cause") not in CAUSES]
     lines += _rules(_toml("known_issues.toml", core))
-    for title, entries in (("Failure signatures", sigs), ("Remedies", remedies)):
+    for title, entries in (("Remedies", remedies), ("Other failure signatures", stray)):
         if entries:
             lines += [f"## {title}", ""]
             for kind, e in entries:

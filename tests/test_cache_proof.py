@@ -18,7 +18,7 @@ from resilient_strategy.deciding.cache import (
     last_resort,
     refusal,
 )
-from resilient_strategy.deciding.executor import LOW_SPACE_BYTES, remember_midrun, space_short
+from resilient_strategy.deciding.decide import LOW_SPACE_BYTES, remember_midrun, space_short
 from resilient_strategy.run.supervisor import _remember
 from resilient_strategy.run.verdicts import RankExit, VerdictKind, classify_attempt, one_line
 from resilient_strategy.testing import machine, simulate

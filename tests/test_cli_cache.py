@@ -100,3 +100,21 @@ def test_doctor_names_this_machines_entries(
     data = json.loads(capsys.readouterr().out)
     assert data["fingerprint"] == here
     assert {e["candidate"] for e in data["cache"]["entries"]} == {OK.candidate, POISON.candidate}
+
+
+@pytest.mark.slow
+def test_the_cli_says_when_the_cache_directory_is_not_safely_yours(tmp_path: Path) -> None:
+    """The CLI quiets the library's logging, but not the ownership warnings (issue 22.5)."""
+    import os
+    import subprocess
+    import sys
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"),
+           "RESILIENT_STRATEGY_CACHE_DIR": str(shared)}
+    out = subprocess.run([sys.executable, "-m", "resilient_strategy", "probe", "--framework",
+                          "torch"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert str(shared) in out.stderr and "refused" in out.stderr

@@ -122,10 +122,10 @@ def test_probe_for_a_planned_torchrun_launch_leaves_no_agreement_file(
 # a command line that behaves like one
 # ------------------------------------------------------------------------------------------
 def test_the_top_level_help_lists_every_subcommand() -> None:
-    from resilient_strategy.cli import _parser
+    from resilient_strategy.cli import build_parser
 
-    sub = next(a for a in _parser()._actions if a.dest == "command")
-    assert set(sub.choices) == {"doctor", "plan", "probe", "run"}  # type: ignore[arg-type]
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert set(sub.choices) == {"doctor", "plan", "probe", "cache", "run"}  # type: ignore[arg-type]
 
 
 def test_nproc_per_node_beats_a_launch_the_simulation_describes(
@@ -153,3 +153,15 @@ def test_a_reader_that_leaves_early_is_no_error(tmp_path: Path) -> None:
             err = proc.stderr.read().decode()
             assert proc.wait(timeout=60) == EXIT_OK, err
         assert "Traceback" not in err and "BrokenPipeError" not in err
+
+
+def test_cache_show_and_clear_exit_codes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("RESILIENT_STRATEGY_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["cache", "show", "--json"]) == EXIT_OK
+    assert main(["cache", "clear"]) == EXIT_OK  # nothing there is not an error
+    assert main(["cache", "clear", "--fingerprint", "0123456789abcdef"]) == 1  # nothing cached
+    assert main(["cache", "clear", "--fingerprint", "../etc"]) == EXIT_USAGE  # not a fingerprint
+    with pytest.raises(SystemExit) as done:
+        main(["cache"])
+    assert done.value.code == EXIT_USAGE

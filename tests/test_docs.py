@@ -49,16 +49,29 @@ def test_the_troubleshooting_page_is_generated_from_the_current_data() -> None:
         "run `python docs/gen_troubleshooting.py` and commit docs/troubleshooting.md"
 
 
-def test_the_generator_includes_signatures_and_remedies_when_they_exist(tmp_path: Path) -> None:
-    shutil.copy(gen_troubleshooting.CORE / "known_issues.toml", tmp_path)
+def test_the_page_names_every_cause_signature_remedy_and_rule() -> None:
+    import tomllib
+
+    from resilient_strategy.core.probe import CAUSES
+
+    page = gen_troubleshooting.render()
+    core = gen_troubleshooting.CORE
+    data = {name: tomllib.loads((core / name).read_text()) for name in
+            ("signatures.toml", "remedies.toml", "known_issues.toml")}
+    assert all(f"### `{c}`" in page for c in CAUSES if c)
+    assert all(f"`{e['id']}`" in page for e in data["signatures.toml"]["signature"])
+    assert all(f"`{e['id']}`" in page for e in data["remedies.toml"]["remedy"])
+    assert all(f"### `{e['id']}`" in page for e in data["known_issues.toml"]["rule"])
+
+
+def test_a_signature_of_an_unknown_cause_is_still_listed(tmp_path: Path) -> None:
+    for name in ("known_issues.toml", "remedies.toml"):
+        shutil.copy(gen_troubleshooting.CORE / name, tmp_path)
     (tmp_path / "signatures.toml").write_text(
-        '[[signature]]\nid = "shm-fallocate"\ncause = "shared_memory"\n'
-        'pattern = "posix_fallocate failed"\nsource = "https://github.com/NVIDIA/nccl/issues/342"\n')
-    (tmp_path / "remedies.toml").write_text(
-        '[[remedy]]\nid = "shm-off"\ncause = "shared_memory"\nenv = {NCCL_SHM_DISABLE = "1"}\n')
+        '[[signature]]\nid = "new-thing"\ncause = "not_a_cause_yet"\nmatch = "boom"\n'
+        'source = "https://github.com/NVIDIA/nccl/issues/342"\n')
     page = gen_troubleshooting.render(tmp_path)
-    assert "#### `shm-fallocate`" in page and "#### `shm-off`" in page
-    assert page != gen_troubleshooting.render()  # the package's own data has neither file yet
+    assert "#### `new-thing`" in page and "`boom`" in page
 
 
 def test_every_page_is_in_the_nav_and_every_nav_entry_exists() -> None:
@@ -97,7 +110,8 @@ def _free_port() -> int:
 
 def _needs(code: str) -> str | None:
     for module in ("lightning", "accelerate", "tensorflow", "torch"):
-        if re.search(rf"\b(import|from) {module}\b|\b{module} as\b|, {module}\b", code) \
+        if re.search(rf"\b(import|from) {module}\b|\b{module} as\b|, {module}\b|"
+                     rf"integrations\.{module}\b", code) \
                 and importlib.util.find_spec(module) is None:
             return module
     return None

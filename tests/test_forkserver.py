@@ -138,3 +138,13 @@ def test_the_server_exits_when_idle_and_when_its_parent_dies(tmp_path: Path) -> 
             parent.wait()
             if parent.stdout is not None:
                 parent.stdout.close()
+
+
+def test_a_decision_closes_the_fork_servers_it_started() -> None:
+    """The decision loop finds the fork servers' module by name to close them (a name that no
+    longer matched left them running after the layout moved the module)."""
+    import importlib
+
+    from resilient_strategy.deciding import decide as decide_module
+
+    assert importlib.import_module(decide_module.FORKSERVER_MODULE) is _forkserver

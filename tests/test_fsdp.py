@@ -225,3 +225,19 @@ def test_example_shards_on_two_processes_and_resumes_on_one(tmp_path: Path) -> N
     second = _example(tmp_path, 1, "--epochs", "2")
     assert "resumed at optimizer step 8" in second
     assert "optimizer steps: 16" in second
+
+
+def test_run_arguments_plan_memory_like_the_script() -> None:
+    from resilient_strategy.run.arguments import options_from_args
+    from resilient_strategy.run.supervisor import _options
+    from resilient_strategy.testing import machine
+
+    script = str(ROOT / "examples" / "torch_fsdp_train.py")
+    opts = options_from_args(["--nproc-per-node", "2", "--sharding", "full", "--param-bytes",
+                              "4096", "--optimizer-state-factor", "1", script])
+    assert (opts.sharding, opts.param_bytes, opts.optimizer_state_factor) == ("full", 4096, 1.0)
+    planned, _ = _options(opts, machine(0, torch="2.13.0"), {})
+    assert (planned.sharding, planned.param_bytes, planned.optimizer_state_factor) == (
+        "full", 4096, 1.0)
+    with pytest.raises(SystemExit):  # argparse refuses a mode it does not know
+        options_from_args(["--sharding", "half", script])

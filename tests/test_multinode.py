@@ -14,7 +14,7 @@ import pytest
 from resilient_strategy.core.arguments import options_from
 from resilient_strategy.core.plan import Candidate, plan
 from resilient_strategy.core.probe import OK, TIMEOUT, ProbeResult, ProbeSpec
-from resilient_strategy.deciding.executor import decide
+from resilient_strategy.deciding.decide import decide
 from resilient_strategy.errors import NodeLostError, NodeMismatchError
 from resilient_strategy.nodes import manynodes as multinode
 from resilient_strategy.nodes import routes
@@ -233,7 +233,7 @@ def test_nodes_agree_on_the_remedy_proven_between_them(store: Any, short_margin:
     local = FakeProber()  # every local group works
     cross = FakeProber({"nccl": "timeout", "nccl+*": "ok"})  # NCCL's own pick hangs
     out = run_nodes(store, [h200, h200], local, cross)
-    chosen = {k: v[0].chosen for k, v in out.items()}
+    chosen = {k: v.plan.chosen for k, v in out.items()}
     assert all(c is not None for c in chosen.values()), out
     keys = {c.key for c in chosen.values()}
     assert len(keys) == 1  # no split
@@ -244,7 +244,8 @@ def test_nodes_agree_on_the_remedy_proven_between_them(store: Any, short_margin:
     assert sorted(cross.probed) == ["nccl", "nccl", "nccl+NCCL_SOCKET_IFNAME=lo",
                                     "nccl+NCCL_SOCKET_IFNAME=lo"]
     assert [s.world_size for s in local.calls] == [2] * 4
-    for _, results, _, proven in out.values():
+    for made in out.values():
+        results, proven = made.results, made.proven
         assert proven and results[c.key].ok and ("nodes", "2") in results[c.key].extra
 
 
@@ -259,7 +260,7 @@ def test_without_an_agent_store_rank_0_hosts_one_for_the_process_group_to_reuse(
         port = int(sock.getsockname()[1])
     h200 = machine(2, nvlink=18)
     out = run_nodes(store, [h200, h200], FakeProber(), FakeProber(), port=port)
-    assert {v[0].chosen.key for v in out.values()} == {"torch:nccl:0,1"}, out
+    assert {v.plan.chosen.key for v in out.values()} == {"torch:nccl:0,1"}, out
     hosted = [s for s in nodestore.HOSTED if s.port == port]
     assert len(hosted) == 1  # kept alive: init_process_group(env://) on rank 0 reuses it
     # what torch's env:// rendezvous does on rank 0 without an agent store
@@ -273,7 +274,7 @@ def test_without_an_agent_store_rank_0_hosts_one_for_the_process_group_to_reuse(
 def test_no_backend_between_nodes_leaves_node_0_alone(store: Any, short_margin: None) -> None:
     h200 = machine(2, nvlink=18)
     out = run_nodes(store, [h200, h200], FakeProber(), FakeProber({"*": "timeout"}))
-    for p, _, _, _ in out.values():
+    for p in (made.plan for made in out.values()):
         assert p.chosen is not None and p.chosen.backend == "single_device"
         assert p.chosen.accumulation_steps == 4  # 512 = 1 x 128 x 4: the global batch kept
 
@@ -341,9 +342,9 @@ def test_other_local_ranks_take_their_nodes_decision_or_its_error(
     ok = ProbeResult(key, OK, 1.0, bus_bandwidth_gbps=10.0, ranks=4, extra=(("nodes", "2"),))
     local.publish({"chosen": key, "results": {key: ok.to_dict()}, "proven": True,
                    "from_cache": False, "multinode_trace": ["Node 1 of 2: ..."]})
-    p, results, _, proven = multinode.agreed_decision(h200, opts, env, FakeProber(), lambda: 0.0,
-                                                      decide)
-    assert p.chosen is not None and p.chosen.key == key and proven and results[key].ok
+    made = multinode.agreed_decision(h200, opts, env, FakeProber(), lambda: 0.0, decide)
+    p = made.plan
+    assert p.chosen is not None and p.chosen.key == key and made.proven and made.results[key].ok
     assert p.trace[-1] == "Node 1 of 2: ..."
     local.publish({"chosen": None, "results": {}, "proven": False, "from_cache": False,
                    "error": "node 0 is gone"})

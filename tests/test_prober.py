@@ -494,7 +494,7 @@ def test_the_rank_that_found_zeros_is_blamed_when_its_echo_is_seen_exit_first(
     # zero:0: rank 0 finds zeros and exits; rank 1 then fails in the next all-reduce
     # ("connection reset"). The runner is made to see rank 1's exit first, which is how the
     # suite saw `worker_error` now and then.
-    real_start = _proc._start
+    real_start = _proc.start_worker
     started: list[Any] = []
     rank1: list[Any] = []
 
@@ -506,7 +506,7 @@ def test_the_rank_that_found_zeros_is_blamed_when_its_echo_is_seen_exit_first(
         rank1.append(proc)
         return proc
 
-    monkeypatch.setattr(_proc, "_start", start)
+    monkeypatch.setattr(_proc, "start_worker", start)
     res = run_probe(gloo(train_step=False), {**env, FAULT: "zero:0"})
     assert (res.status, res.cause) == (ERROR, "zero_result"), res.detail
     assert res.detail.startswith("rank 0")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from resilient_strategy.core.probe import TIMEOUT, ProbeResult
 from resilient_strategy.core.trace import FactsSeen, Note, RemedyQueued, RuleFired
-from resilient_strategy.deciding.executor import still_valid
+from resilient_strategy.deciding.decide import still_valid
 from resilient_strategy.testing import FakeProber, machine, simulate
 
 H200X2 = machine(2, nvlink=18, env={"WORLD_SIZE": "2"})  # under torchrun

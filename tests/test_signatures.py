@@ -176,3 +176,35 @@ def test_the_simulation_places_reported_text_through_the_table() -> None:
     assert prober(SPEC, {}).cause == "nvls_multicast"
     gloo = ProbeSpec("torch:gloo:0,1", "torch", "gloo", (0, 1), world_size=2)
     assert prober(gloo, {}).cause == "shared_memory"
+
+
+def test_mid_run_failures_are_judged_from_the_same_table() -> None:
+    """Verbatim mid-run texts (the supervisor's side): a backend fault with the cause the
+    planner's remedies key on."""
+    from resilient_strategy.run.verdicts import RankExit, classify_attempt
+
+    nvls = ("NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:93, unhandled "
+            "cuda error, NCCL version 2.29.7\nncclUnhandledCudaError: Call to CUDA function "
+            "failed.\nFailed to bind NVLink SHARP (NVLS) Multicast memory of size 2097152 : CUDA "
+            "error 2 'out of memory'.")  # NVIDIA/nccl#2077, during FSDP
+    verdict = classify_attempt(None, [RankExit(0, 1, error={
+        "types": ["torch.distributed.DistBackendError", "builtins.RuntimeError"],
+        "message": nvls})])
+    assert (verdict.kind.value, verdict.cause) == ("backend", "nvls_multicast")
+    ib = ("NCCL WARN NET/IB : Got completion from peer 10.216.210.236<54862> with status=12 "
+          "opcode=0 len=0 vendor err 129 (Recv)")  # NVIDIA/nccl#1405, mid-training
+    verdict = classify_attempt(None, [RankExit(1, 1, error={
+        "types": ["builtins.RuntimeError"], "message": "NCCL communicator was aborted"},
+        stderr_tail=ib)])
+    assert (verdict.kind.value, verdict.cause) == ("backend", "rdma_error")
+    assert classify_error(["builtins.RuntimeError"],
+                          "Gloo connectFullMesh failed with [../third_party/gloo/gloo/transport/"
+                          "tcp/pair.cc:144] no error") == "comm"  # sgl-project/sglang#3226
+    assert classify_error(["builtins.RuntimeError"], "mat1 and mat2 shapes cannot be "
+                          "multiplied") == "user"
+
+
+def test_an_unplaced_failure_says_so_in_its_words() -> None:
+    rep = json.dumps({"status": "error", "error": "KeyError: 'fc.weight'"})
+    res = parse_probe(SPEC, [WorkerOutcome(0, 1, report=rep, failed_first=True)], 1.0, False)
+    assert dict(res.extra)["unplaced"] in res.why()

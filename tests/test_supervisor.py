@@ -327,6 +327,11 @@ def test_a_fault_at_step_20_is_retried_then_steps_down_on_its_repeat(
     verdict = "stall" if kind == "hang" else "exit"
     assert _story(tmp_path) == [("gloo", verdict, "retry"), ("gloo", verdict, "step_down"),
                                 ("cpu", "ok", "finish")]
+    if kind == "hang":  # every rank's Python stacks were dumped before the group was stopped
+        evidence = next((tmp_path / "resilient-strategy-evidence").glob("*/attempt1.txt"))
+        stacks = evidence.read_text().split("Python stacks before the stop")
+        assert len(stacks) == 3  # ranks 0 and 1
+        assert 'trainfault.py", line' in stacks[2] and "in act" in stacks[2]  # the hung frame
     # the rehearsed failure never reaches the cache
     cached = "".join(p.read_text() for p in cache_dir.glob("*.json"))
     assert "mid_run" not in cached

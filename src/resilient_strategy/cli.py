@@ -1,5 +1,8 @@
 """python -m resilient_strategy doctor | plan | probe | run (also the resilient-strategy script).
 
+Longer than ~450 lines on purpose: one module for the command line (each subcommand's parser,
+its text and JSON output, its exit codes); the work itself lives in the rooms below.
+
 doctor  what this machine has (GPUs, links, versions, host), the rules that fired and the plan
         with its reasons; runs usefully without a GPU. Never probes.
 plan    only the plan (for the framework given, or each one installed).
@@ -42,6 +45,8 @@ EXIT_OK = 0
 #: a bad argument or option value (argparse exits 2 too), an unreadable --simulate or rules file,
 #: an unknown --disable-rule, or ``probe`` with no framework installed to probe
 EXIT_USAGE = 2
+#: ``cache clear --fingerprint F``: nothing is cached for F (a typo, or cleared already)
+EXIT_NOTHING_CACHED = 1
 #: Variables of the user's own environment that a simulation honours (they configure this
 #: library, they do not describe the simulated machine).
 _SIMULATION_PASSTHROUGH = ("RESILIENT_STRATEGY_RULES", "RESILIENT_STRATEGY_DISABLE_RULES")
@@ -69,10 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="resilient-strategy", description=__doc__.split("\n\n")[0])
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
-    # listed for --help only: main() hands `run ...` to the supervisor's own parser (torchrun's)
-    sub.add_parser("run", add_help=False, help="run a training script under the supervisor: "
-                   "decide once, relaunch on the next strategy when a collective fails mid-run "
-                   "(`run --help`)")
     for name, text in (("doctor", "show what is here and the plan"), ("plan", "the plan only"),
                        ("probe", "prove the candidates with live probes")):
         s = sub.add_parser(name, help=text)
@@ -102,12 +103,17 @@ def build_parser() -> argparse.ArgumentParser:
     which = clear.add_mutually_exclusive_group()
     which.add_argument("--all", action="store_true", help="every fingerprint's")
     which.add_argument("--fingerprint", metavar="F", help="this fingerprint's (see cache show)")
+    # listed for --help only: main() hands `run ...` to the supervisor's own parser (torchrun's)
+    sub.add_parser("run", add_help=False, help="run a training script under the supervisor: "
+                   "decide once, retry or step down when a collective fails mid-run "
+                   "(`run --help`)")
     return p
 
 
 def _cache_command(args: argparse.Namespace, real_env: Mapping[str, str]) -> int:
-    """``cache show`` / ``cache clear``: 0 done; 1 ``--fingerprint`` names nothing cached; 2 the
-    directory is not safely this user's, or the fingerprint is not one."""
+    """``cache show`` / ``cache clear``: EXIT_OK done; EXIT_NOTHING_CACHED ``--fingerprint``
+    names nothing cached; EXIT_USAGE the directory is not safely this user's, or the fingerprint
+    is not one."""
     from .core.options import DEFAULT_TTL_S, default_dir
     from .deciding.cache import DecisionCache
     from .machine.files import check_private_dir, safe_name
@@ -119,18 +125,18 @@ def _cache_command(args: argparse.Namespace, real_env: Mapping[str, str]) -> int
         pass  # nothing cached yet
     except (ResilientStrategyError, OSError) as exc:
         print(f"resilient_strategy: cache directory {cache.directory}: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     if args.cache_command == "clear" and args.fingerprint is not None:
         if not safe_name(args.fingerprint):
             print(f"resilient_strategy: --fingerprint {args.fingerprint!r} is not a fingerprint "
                   "(see `cache show`)", file=sys.stderr)
-            return 2
+            return EXIT_USAGE
         if not cache.clear(args.fingerprint):
             print(f"resilient_strategy: nothing is cached for fingerprint {args.fingerprint} in "
                   f"{cache.directory} (see `cache show`)", file=sys.stderr)
-            return 1
+            return EXIT_NOTHING_CACHED
         print(f"Removed the cache of fingerprint {args.fingerprint}.")
-        return 0
+        return EXIT_OK
     from .machine.inspect import detect_facts
 
     here = detect_facts(real_env).fingerprint()
@@ -138,18 +144,18 @@ def _cache_command(args: argparse.Namespace, real_env: Mapping[str, str]) -> int
         gone = cache.clear_all() if args.all else [here] if cache.clear(here) else []
         print(f"Removed the cache of {len(gone)} fingerprint{'s' if len(gone) != 1 else ''}"
               + (f" ({', '.join(gone)})" if gone else "") + f" in {cache.directory}.")
-        return 0
+        return EXIT_OK
     report = cache.report(here)
     if args.json:
         print(json.dumps(report, indent=2))
-        return 0
+        return EXIT_OK
     print(f"Decision cache {cache.directory} (entries expire after "
           f"{cache.ttl_s / 86400:g} days); this machine's fingerprint is {here}.")
     if not report["fingerprints"]:
         print("Nothing is cached.")
     for fp, data in report["fingerprints"].items():
         print("", *_cache_lines(fp, data), sep="\n")
-    return 0
+    return EXIT_OK
 
 
 def _machine_cache(real_env: Mapping[str, str], fingerprint: str) -> dict[str, Any]:
@@ -237,6 +243,7 @@ def _facts_text(facts: Facts) -> list[str]:
                              ("EFA", h.efa), ("InfiniBand", h.infiniband)) if on]
     out.append(f"Host: /dev/shm {shm}, container {h.container or 'none'}, IOMMU {h.iommu}, "
                f"{h.cpu_count} CPUs" + (f", {', '.join(flags)}" if flags else ""))
+    out.append(_platform_line(facts))
     out.append("Frameworks:")
     for f in facts.frameworks:
         if not f.installed:
@@ -344,12 +351,18 @@ def _decide(args: argparse.Namespace, facts: Facts, sim: Mapping[str, Any] | Non
     }
     env = _launch_env(facts, framework, sim, real_env, args.nproc_per_node)
     if sim is not None:
+        import tempfile
+
         probes = sim.get("probes")
         prober = SimulatedProber(dict(probes or {}))
-        return resilient_strategy(
-            facts=facts, env=env, cache=False, dry_run=not probes,
-            _prober=prober, _clock=prober.clock, **kw,
-        )
+        # the described launch's agreement between local ranks goes to a private directory of
+        # its own, removed after: a simulation writes nothing a squatter could stop or read
+        with tempfile.TemporaryDirectory(prefix="rs-simulate-") as private:
+            env["XDG_RUNTIME_DIR"] = private  # the described machine's, never the user's
+            return resilient_strategy(
+                facts=facts, env=env, cache=False, dry_run=not probes,
+                _prober=prober, _clock=prober.clock, **kw,
+            )
     if args.command == "probe":  # a launch planned here has no other ranks to share it with
         return resilient_strategy(probe="force" if args.force else "auto", env=env,
                                   _alone=args.nproc_per_node is not None
@@ -398,6 +411,20 @@ def as_torchrun(facts: Facts, framework: str, env: Mapping[str, str]) -> bool:
     return framework == "torch" and len(facts.gpus) >= 2 and "WORLD_SIZE" not in env
 
 
+def _platform_line(facts: Facts) -> str:
+    """The platform facts for doctor (unknown ones say so)."""
+    p = facts.platform
+
+    def yes_no(v: bool | None) -> str:
+        return "unknown" if v is None else "yes" if v else "no"
+
+    rdma = (f"{p.rdma_link_layer} ({', '.join(p.rdma_devices) or 'no active port'})"
+            if p.rdma_link_layer else "none active")
+    return (f"Platform: NVSwitch {yes_no(p.nvswitch)}, hypervisor {p.hypervisor or 'none seen'}, "
+            f"RDMA {rdma}, route to MASTER_ADDR {p.master_ifname or 'unknown'}, hostname on "
+            f"loopback {yes_no(p.hostname_loopback)}")
+
+
 def simulate_file(path: Path, real_env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """What ``resilient-strategy plan --simulate PATH`` decides: a Selection per framework."""
     facts, sim = load_simulation(path)
@@ -421,6 +448,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.nproc_per_node and args.framework == "tensorflow":
         parser.error("--nproc-per-node is for torch (one process per GPU); TensorFlow runs one")
     logging.basicConfig(level=logging.ERROR, format="%(message)s")
+    # but a file or directory that is not safely yours is said (the cache is off meanwhile)
+    logging.getLogger("resilient_strategy.files").setLevel(logging.WARNING)
     real_env = _env.snapshot()
     try:
         _check_disabled_rules(args, real_env)

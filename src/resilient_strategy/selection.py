@@ -1,5 +1,8 @@
 """The Selection: what was chosen, why, and the handle to train with it.
 
+Longer than ~450 lines on purpose: every public attribute and method of ``Selection`` lives
+here, each with the docstring the API reference renders, so the class reads as its reference.
+
 ``scope()`` only enters what was chosen; it never decides again. The framework runtime (one
 TensorFlow strategy object, or the PyTorch process group and helpers) is built on first use and
 reused for the life of the Selection.
@@ -518,4 +521,4 @@ class Selection:
         elif self.framework == "torch" and not self.dry_run:
             from .frameworks.teardown import end_process_group
 
-            end_process_group(self.process_group_timeout_s)
+            end_process_group(self.process_group_timeout)

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import FrameworkNotInstalledError, InvalidOptionError, InvalidRuleError
 from ..vocab import (
@@ -58,7 +58,8 @@ def _env_list(env: Mapping[str, str], name: str, sep: str = ",") -> list[str]:
 FLAG_VARS = ("RESILIENT_STRATEGY_CACHE", "RESILIENT_STRATEGY_FORKSERVER")
 #: The library's variables that name files or directories (several, for RULES).
 PATH_VARS = ("RESILIENT_STRATEGY_CACHE_DIR", "RESILIENT_STRATEGY_RULES",
-             "RESILIENT_STRATEGY_DECISION", "RESILIENT_STRATEGY_PROGRESS")
+             "RESILIENT_STRATEGY_DECISION", "RESILIENT_STRATEGY_PROGRESS",
+             "RESILIENT_STRATEGY_SIGNATURES", "RESILIENT_STRATEGY_REMEDIES")
 MAX_PATH_CHARS = 4096
 _TRUE, _FALSE = ("1", "true"), ("0", "false")
 
@@ -90,6 +91,19 @@ def check_environment(env: Mapping[str, str]) -> None:
             raise InvalidOptionError(
                 f"{name}={shown(text)}: not a path (a NUL character, or more than "
                 f"{MAX_PATH_CHARS} characters)", name)
+
+
+_T = TypeVar("_T")
+
+
+def _named(env: Mapping[str, str], name: str, read: Callable[[], _T]) -> _T:
+    """``read()`` of what variable ``name`` names; its error says the variable and its value."""
+    try:
+        return read()
+    except (InvalidRuleError, InvalidOptionError) as exc:
+        if name not in env:
+            raise
+        raise InvalidOptionError(f"{name}={shown(env[name])}: {exc}", name) from None
 
 
 def _env_rules(env: Mapping[str, str]) -> list[str]:
@@ -375,7 +389,10 @@ def options_from(facts: Facts, env: Mapping[str, str], arguments: Arguments | No
     extra_rules: list[str | Path | Rule] = [*_env_rules(env)]
     extra_rules += list(rules)
     disabled = [*_env_disabled_rules(env, extra_rules), *disable_rules]
-    signatures_from_env(env, os.pathsep)  # the user's signature files: a bad one fails here
+    # the user's signature and remedy files: a bad one fails here, named by its variable
+    _named(env, "RESILIENT_STRATEGY_SIGNATURES", lambda: signatures_from_env(env, os.pathsep))
+    remedies = _named(env, REMEDIES_VAR,
+                      lambda: load_remedies(_env_list(env, REMEDIES_VAR, os.pathsep)))
     # The logical-CPU test mode proves nothing about this machine's GPUs: keep it out of the cache.
     use_cache = cache and env_flag(env, "RESILIENT_STRATEGY_CACHE", True) and not logical_cpus
     cluster = parse_tf_config(env.get(TF_CONFIG_VAR)) if fw == "tensorflow" else None
@@ -410,7 +427,7 @@ def options_from(facts: Facts, env: Mapping[str, str], arguments: Arguments | No
         precision=precision,
         framework_reason=why,
         quiet=quiet,
-        remedies=load_remedies(_env_list(env, REMEDIES_VAR, os.pathsep)),
+        remedies=remedies,
         sharding=sharding,
         param_bytes=param_bytes,
         optimizer_state_factor=DEFAULT_OPTIMIZER_STATE_FACTOR if optimizer_state_factor is None

@@ -1,5 +1,8 @@
 """The inspected facts: a frozen snapshot of the GPUs, links, host and frameworks.
 
+Longer than ~450 lines on purpose: the one frozen value of the machine (GPUs, links and the
+fabric, host, platform, frameworks) with its lookups, JSON form and fingerprint.
+
 Everything downstream (rules, planner, cache, doctor) takes a :class:`Facts` value as a parameter.
 Facts round-trip through plain JSON (``to_dict`` / ``from_dict``) so a machine can be described in a
 file (``doctor --simulate``) or in a user's unit test.

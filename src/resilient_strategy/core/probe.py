@@ -97,6 +97,9 @@ class ProbeResult:
     def why(self) -> str:
         """One line: the cause in words plus the detail."""
         words = HANG_WORDS if judged_hang(self) else CAUSES.get(self.cause, self.cause)
+        if any(k == "unplaced" for k, _ in self.extra):
+            words += (" (no entry of the signature table places its text; "
+                      "RESILIENT_STRATEGY_SIGNATURES adds one)")
         if self.detail and self.detail not in words:
             return f"{words}: {self.detail}" if words else self.detail
         return words

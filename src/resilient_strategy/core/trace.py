@@ -1,5 +1,8 @@
 """The trace of a decision as typed events (in the spirit of resolvelib's reporter).
 
+Longer than ~450 lines on purpose: one frozen class per event kind, each with its ``text()``;
+kept together so that the trace's vocabulary is one file.
+
 The planner and the executor emit events; :func:`render` turns them into the lines of
 ``explain()``, and :meth:`Event.to_dict` into the ``events`` of ``to_dict()``/``--json``. Tests
 assert on events (their kind and fields), never on the English of a rendered line.

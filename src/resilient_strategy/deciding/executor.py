@@ -9,39 +9,29 @@ from __future__ import annotations
 
 import functools
 import logging
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.arguments import options_from
 from ..core.facts import Facts
 from ..core.human import human_bytes, human_duration
-from ..core.memory import model_memory
 from ..core.options import FRAMEWORKS, Options
-from ..core.plan import Candidate, Plan, RuledOut, plan, resplit
+from ..core.plan import Candidate, Plan, plan, resplit
 from ..core.probe import (
-    ENVIRONMENTAL_CAUSES,
-    ERROR,
-    TIMEOUT,
     ProbeResult,
-    ProbeSpec,
-    judged_hang,
 )
 from ..core.rules import Rule
 from ..core.trace import (
-    CachedFailure,
     Chosen,
-    Event,
     FrameworkPicked,
     MemoryChecked,
     NextProbe,
     Note,
 )
 from ..errors import (
-    FailureCause,
     InvalidOptionError,
     InvalidVisibleDevicesError,
     MemoryShortfall,
@@ -52,258 +42,26 @@ from ..errors import (
 )
 from ..machine import env as _env
 from ..selection import Selection
-from ..vocab import MULTI_WORKER_BACKENDS
-from .cache import REHEARSAL, CachedResult, DecisionCache, last_resort
 from .notices import (
     ProgressLine,
     fallback_warning,
-    progress_wanted,
-    reclassify_short_timeout,
-    short_timeout_warning,
-    startup_floor,
+    progress_line_for,
 )
 
 if TYPE_CHECKING:
     from ..records.handoff import Decision as HandedDecision
     from ..records.handoff import TrainingReporter
 
+from .decide import (
+    Decision,
+    Prober,
+    decide,
+    default_prober,
+    failure_cause,
+)
+
 log = logging.getLogger("resilient_strategy")
 
-Prober = Callable[[ProbeSpec, Mapping[str, str]], ProbeResult]
-#: The workers' fault injection (probes/_common.py): its results are never cached.
-FAULT_VAR = "RESILIENT_STRATEGY_PROBE_FAULT"
-MAX_ROUNDS = 32  # probes per decision, at most (the candidate set is far smaller)
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What deciding produced: the final plan (its ``chosen`` candidate and trace), every probe
-    result it used, whether a cached result shaped it without a probe now (``from_cache``), and
-    whether the chosen collective was proven by a probe (``proven``)."""
-
-    plan: Plan
-    results: Mapping[str, ProbeResult]
-    from_cache: bool = False
-    proven: bool = True
-
-    @property
-    def chosen(self) -> Candidate | None:
-        return self.plan.chosen
-
-
-# --------------------------------------------------------------------------------------------
-# Deciding
-# --------------------------------------------------------------------------------------------
-#: DDP's default gradient bucket; a model's largest bucket is at most this (or its largest
-#: tensor, which the total gradient size bounds from above).
-DDP_BUCKET_BYTES = 25 << 20
-#: The largest sharding unit a sharded probe checks at (the workers' own cap).
-MAX_UNIT_CHECK_BYTES = 256 << 20
-
-
-def spec_for(c: Candidate, opts: Options, timeout_s: float) -> ProbeSpec:
-    grad = opts.gradient_bytes
-    check: tuple[int, ...] = (min(grad, DDP_BUCKET_BYTES),) if grad else ()  # largest bucket
-    mem = model_memory(opts) if c.sharded else None
-    if mem is not None:  # FSDP2 gathers (and reduce-scatters) one unit at a time
-        check += (min(mem.unit_bytes, MAX_UNIT_CHECK_BYTES),)
-    return ProbeSpec(
-        candidate=c.key,
-        framework=c.framework,
-        backend=c.backend,
-        devices=c.devices,
-        env=c.env,
-        world_size=c.num_replicas if c.framework == "torch" else 1,
-        timeout_s=timeout_s,
-        logical_cpus=opts.logical_cpus,
-        check_bytes=check,
-        workers=opts.tf_workers if c.backend in MULTI_WORKER_BACKENDS else 1,
-        worker_rank=opts.tf_worker_rank if c.backend in MULTI_WORKER_BACKENDS else 0,
-        sharded=c.sharded,
-    )
-
-
-def decide(
-    facts: Facts,
-    opts: Options,
-    env: Mapping[str, str],
-    prober: Prober,
-    clock: Callable[[], float] = time.monotonic,
-    progress: ProgressLine | None = None,
-    startup_check: bool = False,
-    max_rounds: int = MAX_ROUNDS,
-    known: Mapping[str, ProbeResult] | None = None,
-    *,
-    cross_node: bool = False,
-) -> Decision:
-    """Plan, probing as needed (at most ``max_rounds`` probes).
-
-    The probe budget is one deadline for the whole decision; each probe also has its own.
-    ``known``: results that override the cache's (a supervisor's mid-run failures).
-    ``progress`` hears each probe start and end (the one hook for what a user sees meanwhile).
-    ``startup_check`` (real probes only: a simulation has no start-up to measure) warns when the
-    timeout is below what a probe needs to start here, and calls a probe it cut short so.
-    ``cross_node``: ``prober`` proves candidates across every node (:mod:`.multinode`).
-    """
-    multi_node = opts.framework == "torch" and opts.nodes > 1
-    # Multi-node: a node's cache cannot speak for the links between nodes; without a prober
-    # that spans the nodes (cross_node), no probe on one node may sway the choice either. The
-    # same holds for the workers of a TF_CONFIG job (their probes span the workers themselves).
-    cache = DecisionCache(opts.cache_dir, opts.cache_ttl_s) \
-        if opts.cache_dir and not multi_node and not opts.multi_worker else None
-    fingerprint = facts.fingerprint()
-    results: dict[str, ProbeResult] = {}
-    notes: list[Event] = []
-    fault = env.get(FAULT_VAR, "").strip()
-    if cache is not None and fault:  # a rehearsal must never change a later real decision
-        cache = None
-        notes.append(Note("fault_injection", f"Fault injection is on ({FAULT_VAR}={fault}): the "
-                          "cache is neither read nor written."))
-    if cache is not None and opts.probe != "force" and cache.usable():
-        # "never" still learns from the cache, failures seen once included: nothing re-proves
-        trusted, notes_ = _trusted(cache.entries(fingerprint), opts.probe != "never")
-        results.update(still_valid(trusted, opts.timeout_s))
-        notes += notes_
-    cached_keys = set(results)
-    results.update(known or {})
-    startup = startup_floor(opts.framework, results)
-    warned = False
-    deadline = clock() + opts.budget_s
-    fresh: dict[str, ProbeResult] = {}
-    p = plan(facts, opts.rules, results, opts)
-    for _ in range(max_rounds):
-        if (p.next_probe is None or opts.probe == "never" or opts.dry_run
-                or (multi_node and not cross_node)):
-            break
-        c = p.next_probe
-        if c.key in results:  # cannot happen with a sound planner; never loop on it
-            raise ResilientStrategyError(f"planner asked to probe {c.key} twice")
-        left = deadline - clock()
-        timeout_s = min(opts.timeout_s, left)
-        if startup_check and not warned:
-            warned = True
-            short = short_timeout_warning(opts.timeout_s, startup, opts.framework)
-            if short:
-                log.warning("resilient_strategy: %s", short)
-        if progress is not None:
-            progress.start(c, timeout_s)
-        if left <= 1.0:
-            res = ProbeResult(c.key, ERROR, 0.0, "budget",
-                              f"the probe budget of {opts.budget_s:g} s is spent")
-        else:
-            res = prober(spec_for(c, opts, timeout_s), env)
-            if startup_check:
-                res = reclassify_short_timeout(res, timeout_s, startup, opts.framework)
-                res = space_short(res, _temp_root(env))
-        if progress is not None:
-            progress.end(res)
-        results[c.key] = res
-        # never probed, or cut short before it could start: nothing learned about the machine
-        if res.cause not in ("budget", "timeout_short"):
-            fresh[c.key] = res
-        p = plan(facts, opts.rules, results, opts)
-    _close_fork_servers()  # probing is over (on an exception: idle exit or exit closes them)
-    if cache is not None and fresh:
-        cache.store(fingerprint, fresh)
-    proven = p.next_probe is None
-    if notes:  # what the cache was trusted with comes before the plan it shaped
-        p = replace(p, events=(*notes, *p.events))
-    if p.next_probe is not None:  # probing off, or a dry run: the next candidate, unproven
-        how = ("dry_run" if opts.dry_run else "multi_node" if multi_node and not cross_node
-               else "probing_off" if opts.probe == "never" else "rounds_spent")
-        p = replace(p, chosen=p.next_probe, next_probe=None,
-                    events=(*p.events, Chosen(p.next_probe, how, max_rounds=max_rounds)))
-    # "from the cache": nothing was probed now, and a cached result shaped this plan
-    used = {r.candidate.key for r in p.ranked} | {r.candidate.key for r in p.ruled_out}
-    return Decision(p, results, not fresh and bool(cached_keys & used), proven)
-
-
-def remember_midrun(facts: Facts, opts: Options, env: Mapping[str, str], prober: Prober,
-                    failures: Mapping[str, ProbeResult]) -> dict[str, bool]:
-    """Cache mid-run failures only where a probe proves them: each candidate that failed in
-    training is probed again here, on this machine, and its failure enters the cache only when
-    that probe fails too (:meth:`DecisionCache.record_midrun`). A candidate of last resort is
-    never probed for this (its failures are never cached), nor is anything under several nodes,
-    TF_CONFIG workers or a disabled cache. Returns, per candidate, whether it was cached."""
-    if not opts.cache_dir or (opts.framework == "torch" and opts.nodes > 1) or opts.multi_worker:
-        return {}
-    cache = DecisionCache(opts.cache_dir, opts.cache_ttl_s)
-    p = plan(facts, opts.rules, {}, opts)
-    known = {r.candidate.key: r.candidate for r in p.ranked}
-    known.update({r.candidate.key: r.candidate for r in p.ruled_out})
-    out: dict[str, bool] = {}
-    for key, failure in sorted(failures.items()):
-        c = known.get(key)
-        if c is None or last_resort(key) or REHEARSAL in dict(failure.extra):
-            out[key] = False
-            continue
-        res = space_short(prober(spec_for(c, opts, opts.timeout_s), env), _temp_root(env))
-        _close_fork_servers()
-        out[key] = cache.record_midrun(facts.fingerprint(), failure, res)
-    return out
-
-
-#: Below this many free bytes in the temp directory a failed probe is put down to the full disk
-#: (its rendezvous and progress files live there: a gloo probe looks hung, a worker dies).
-LOW_SPACE_BYTES = 16 << 20
-
-
-def _temp_root(env: Mapping[str, str]) -> str:
-    import tempfile
-
-    return env.get("TMPDIR") or tempfile.gettempdir()
-
-
-def space_short(res: ProbeResult, temp_root: str, free: int | None = None) -> ProbeResult:
-    """A failed probe, put down to a full temp directory when ``temp_root`` has less than
-    :data:`LOW_SPACE_BYTES` free (``free``: measured already, else measured now): the machine's
-    state, not the candidate's, so it is named with its fix and never cached."""
-    if res.ok or res.cause in ENVIRONMENTAL_CAUSES:
-        return res
-    from ..machine.files import free_bytes
-
-    free = free_bytes(temp_root) if free is None else free
-    if free is None or free >= LOW_SPACE_BYTES:
-        return res
-    return replace(res, cause="no_space", detail=f"the temp directory {temp_root} has "
-                   f"{human_bytes(free)} free ({res.cause}: {res.detail})")
-
-
-def _close_fork_servers() -> None:
-    """Stop the probes' fork servers (:mod:`._forkserver`), if this decision started any."""
-    forkserver = sys.modules.get(f"{__package__}._forkserver")
-    if forkserver is not None:
-        forkserver.close_all()
-
-
-def _trusted(
-    entries: Mapping[str, CachedResult], reprove: bool
-) -> tuple[dict[str, ProbeResult], list[Event]]:
-    """The cached results to plan with, and an event per cached failure saying whether it is
-    trusted or probed again. A failure seen in one run only may have been an overloaded machine
-    (a timeout under load): with ``reprove`` it is left out, so its candidate is probed again
-    before anything slower is chosen because of it; seen in two runs in a row, it is trusted."""
-    out: dict[str, ProbeResult] = {}
-    events: list[Event] = []
-    for key, e in sorted(entries.items()):
-        if e.result.ok:
-            out[key] = e.result
-            continue
-        trusted = e.seen >= 2 or not reprove
-        if trusted:
-            out[key] = e.result
-        events.append(CachedFailure(key, e.result.status, e.seen, trusted))
-    return out, events
-
-
-def still_valid(results: Mapping[str, ProbeResult], timeout_s: float) -> dict[str, ProbeResult]:
-    """Cached results that still hold for this run: a hang remembered from a shorter timeout
-    than this run's (its elapsed time is the timeout it had) may just have been too impatient.
-    A hang judged from the workers' progress (stuck in a collective) holds whatever the timeout."""
-    return {
-        k: r for k, r in results.items()
-        if judged_hang(r) or not (r.status == TIMEOUT and r.elapsed_s < 0.95 * timeout_s)
-    }
 
 
 def _visible_devices_value(facts: Facts, c: Candidate) -> str:
@@ -409,7 +167,7 @@ def resilient_strategy(
         facts = detect_facts(snapshot)
     _check_visibility(facts)
     opts = options_from(facts, snapshot, **options)
-    prober = _prober or _default_prober
+    prober = _prober or default_prober
     if getattr(prober, "simulated", False):  # outcomes from a description: say so everywhere
         opts = replace(opts, simulated=True)
     from ..records.handoff import load_decision
@@ -422,14 +180,14 @@ def resilient_strategy(
         decision = _handed_decision(facts, opts, handed)
     else:
         decision = _agreed_decision(facts, opts, snapshot, prober, _clock or time.monotonic,
-                                    _progress_line(opts), startup_check=_prober is None,
+                                    progress_line_for(opts), startup_check=_prober is None,
                                     alone=_alone)
     p, results = decision.plan, decision.results
     if p.chosen is None:
         short = _memory_shortfalls(p)
         if short:
-            raise ModelDoesNotFitError(opts.framework, [_cause(r) for r in p.ruled_out], short)
-        raise NoWorkingStrategyError(opts.framework, [_cause(r) for r in p.ruled_out])
+            raise ModelDoesNotFitError(opts.framework, [failure_cause(r) for r in p.ruled_out], short)
+        raise NoWorkingStrategyError(opts.framework, [failure_cause(r) for r in p.ruled_out])
     chosen = p.chosen
     to_set = _env_to_set(facts, chosen, opts, snapshot)
     if opts.launch.multi_node:  # per-node values (the interface routing to the master)
@@ -485,29 +243,6 @@ def _memory_shortfalls(p: Plan) -> list[MemoryShortfall]:
             for e in checked[-1:] for r in e.rows]
 
 
-def _cause(r: RuledOut) -> FailureCause:
-    """Why one candidate is out, for NoWorkingStrategyError."""
-    if r.result is not None:
-        return FailureCause(r.candidate.label, r.candidate.key, r.result.status, r.result.cause,
-                            r.reason)
-    return FailureCause(r.candidate.label, r.candidate.key, "ruled_out",
-                        r.rule or "global_batch_size", r.reason)
-
-
-def _progress_line(opts: Options) -> ProgressLine | None:
-    """The progress line, on the rank that probes, where wanted (never for a dry run)."""
-    import sys
-
-    if opts.dry_run or opts.launch.rank != 0 or opts.probe == "never":
-        return None
-    stream = sys.stderr
-    try:
-        terminal = bool(stream.isatty())
-    except (AttributeError, ValueError):
-        terminal = False
-    return ProgressLine(stream) if progress_wanted(opts.quiet, terminal) else None
-
-
 def _advice(
     facts: Facts, opts: Options, results: Mapping[str, ProbeResult], chosen: Candidate
 ) -> Callable[[int], str | None] | None:
@@ -561,12 +296,6 @@ def _guard(facts: Facts, framework: str, to_set: Mapping[str, str]) -> None:
                  "initialized GPUs yet, so that is fine", framework, where)
 
 
-def _default_prober(spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
-    from ..probing.prober import run_probe
-
-    return run_probe(spec, env)
-
-
 # --------------------------------------------------------------------------------------------
 # One decision per node under a launcher
 # --------------------------------------------------------------------------------------------
@@ -596,10 +325,9 @@ def _agreed_decision(
                           cross_node=True)
         from ..nodes.manynodes import agreed_decision
 
-        p, results, from_cache, proven = agreed_decision(
+        return agreed_decision(
             facts, opts, env, prober, clock,
             functools.partial(decide, progress=progress, startup_check=startup_check))
-        return Decision(p, results, from_cache, proven)
     from ..nodes.onenode import Agreement
 
     agreement = Agreement.for_job(env, facts.fingerprint(), opts.cache_dir)

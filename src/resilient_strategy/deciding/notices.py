@@ -168,3 +168,17 @@ class ProgressLine:
 def progress_wanted(quiet: bool | None, is_terminal: bool) -> bool:
     """quiet=True: never; quiet=False: always (asked); None: when stderr is a terminal."""
     return not quiet if quiet is not None else is_terminal
+
+
+def progress_line_for(opts: Options) -> ProgressLine | None:
+    """The progress line, on the rank that probes, where wanted (never for a dry run)."""
+    import sys
+
+    if opts.dry_run or opts.launch.rank != 0 or opts.probe == "never":
+        return None
+    stream = sys.stderr
+    try:
+        terminal = bool(stream.isatty())
+    except (AttributeError, ValueError):
+        terminal = False
+    return ProgressLine(stream) if progress_wanted(opts.quiet, terminal) else None

@@ -81,13 +81,15 @@ def _descendants(module: Any) -> set[int]:
     return {id(x) for x in module.modules()}
 
 
-def _mixed_precision(dtype: str) -> Any:
+def _mixed_precision(dtype: str) -> dict[str, Any]:
+    """``fully_shard``'s ``mp_policy`` for the selection's precision (none for fp32)."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if dtype == "float32":
-        return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)
+        return {}
+    return {"mp_policy": MixedPrecisionPolicy(param_dtype=getattr(torch, dtype),
+                                              reduce_dtype=torch.float32)}
 
 
 def shard(model: Any, optimizer: Any, *, device: Any, world_size: int, dtype: str,
@@ -109,8 +111,8 @@ def shard(model: Any, optimizer: Any, *, device: Any, world_size: int, dtype: st
     mesh = init_device_mesh(device.type, (world_size,))
     policy = _mixed_precision(dtype)
     for unit in units_of(model, classes):
-        fully_shard(unit, mesh=mesh, mp_policy=policy, **fsdp_kwargs)
-    fully_shard(model, mesh=mesh, mp_policy=policy, **fsdp_kwargs)
+        fully_shard(unit, mesh=mesh, **policy, **fsdp_kwargs)
+    fully_shard(model, mesh=mesh, **policy, **fsdp_kwargs)
     if optimizer is not None:
         now = dict(model.named_parameters(remove_duplicate=False))
         for group in optimizer.param_groups:

@@ -1,5 +1,8 @@
 """TensorFlow runtime: the one ``tf.distribute`` strategy a Selection trains with.
 
+Longer than ~450 lines on purpose: one runtime per framework; the Keras pieces (callbacks,
+accumulating optimizer, multi-worker strategy) share the one strategy object.
+
     rt = TfRuntime("single_device", (0,), 2, 256, 128)   # 1 GPU standing in for 2
     with rt.scope():                      # model build, optimizer, compile, load_weights
         model = build_model()

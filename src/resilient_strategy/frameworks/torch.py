@@ -1,5 +1,9 @@
 """PyTorch runtime: process group, device, DDP, sharded loader, accumulation and precision.
 
+Longer than ~450 lines on purpose: one runtime per framework, whose parts (group, DDP, loader,
+accumulation, precision) share the runtime's state; FSDP2 and checkpoints live in their own
+modules.
+
 The same loop runs under plain ``python`` (one device, maybe accumulating) and ``torchrun``::
 
     rt = TorchRuntime("gloo", (), 1, 256, 128, rank=r, local_rank=r, world_size=2, timeout_s=60)
@@ -101,6 +105,13 @@ class _Progress:
     steps: int = 0  # optimizer steps taken (without a checkpointer)
     checkpointer: Any = None  # a checkpoint.Checkpointer, set by use_checkpointer()
     prepared: bool = False  # a loader went through prepare()
+    # The epoch of the training loader (the first one prepared), from set_epoch(): what is left
+    # of it for this rank (micro-batches, samples), and the samples of the optimizer step under
+    # way. None: unknown (set_epoch not called, or a loader without a length).
+    train_loader: Any = None
+    epoch_micro_left: int | None = None
+    epoch_samples_left: int | None = None
+    step_samples: int = 0
 
 
 class TorchRuntime:
@@ -279,6 +290,8 @@ class TorchRuntime:
         first_loader = loader is not None and not self._progress.prepared
         if loader is not None:
             loader = self._shard(loader)
+            if first_loader:
+                self._progress.train_loader = loader
             self._progress.prepared = True
         ckpt = self._progress.checkpointer
         if ckpt is not None and model is not None:
@@ -409,6 +422,26 @@ class TorchRuntime:
             sampler.set_epoch(epoch)
         if self._progress.checkpointer is not None:
             self._progress.checkpointer.set_epoch(epoch)
+        self._start_epoch()
+
+    def _start_epoch(self) -> None:
+        """Measure what is left of the training loader's epoch for this rank (after a resume:
+        from the checkpoint's position), so that the epoch's last micro-batch ends an optimizer
+        step: a step never spans two epochs, whatever the micro-batch count per epoch. Then the
+        steps per epoch are ceil(samples / global batch) for any split of the global batch
+        into replicas x micro-batch x accumulation, and a relaunch on another split takes the
+        same steps as the uninterrupted run."""
+        p = self._progress
+        p.epoch_micro_left = p.epoch_samples_left = None
+        loader = p.train_loader
+        batch = getattr(loader, "batch_size", None)
+        if loader is None or not batch:
+            return
+        try:
+            micro, samples = len(loader), len(loader.sampler)
+        except TypeError:  # an iterable dataset: no length, no epoch to measure
+            return
+        p.epoch_micro_left, p.epoch_samples_left = micro, min(samples, micro * batch)
 
     # ----- one training step -------------------------------------------------------------------
     @property
@@ -416,7 +449,30 @@ class TorchRuntime:
         """Whether the next :meth:`step` applies the optimizer (always True without
         accumulation). Gradients are complete (and all-reduced under DDP) only after the
         backward of such a micro-step: clip or inspect them then, before :meth:`step`."""
-        return self._progress.micro + 1 >= self.accumulation_steps
+        p = self._progress
+        return (p.micro + 1 >= self.accumulation_steps
+                or (p.epoch_micro_left is not None and p.epoch_micro_left <= 1))
+
+    def _micro_samples(self) -> int | None:
+        """Samples of the micro-step under way (the epoch's last may be short); None unknown."""
+        p = self._progress
+        batch = getattr(p.train_loader, "batch_size", None)
+        if p.epoch_samples_left is None or not batch:
+            return None
+        return max(0, min(int(batch), p.epoch_samples_left))
+
+    def _loss_share(self) -> float:
+        """The micro-step's share of its optimizer step: its samples over the step's (1 /
+        accumulation_steps for a full step), so that the epoch's last, short step averages
+        over its own samples, as a run with another micro-batch size would."""
+        p = self._progress
+        samples = self._micro_samples()
+        if samples is None or p.epoch_samples_left is None:
+            return 1.0 / self.accumulation_steps
+        if p.micro == 0:
+            batch = int(p.train_loader.batch_size)
+            p.step_samples = min(self.accumulation_steps * batch, p.epoch_samples_left)
+        return samples / p.step_samples if p.step_samples else 1.0 / self.accumulation_steps
 
     @contextlib.contextmanager
     def accumulate(self, model: Any) -> Iterator[None]:
@@ -443,9 +499,12 @@ class TorchRuntime:
         return torch.autocast(device_type=self.device.type, dtype=getattr(torch, dtype))
 
     def backward(self, loss: Any) -> None:
-        """``(loss / accumulation_steps).backward()``, through the GradScaler for fp16."""
-        if self.accumulation_steps > 1:
-            loss = loss / self.accumulation_steps
+        """``(loss / accumulation_steps).backward()``, through the GradScaler for fp16. (The
+        epoch's last optimizer step may hold fewer micro-batches, or a short one: each then
+        weighs its samples' share of that step.)"""
+        share = self._loss_share()
+        if share != 1.0:
+            loss = loss * share
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
         loss.backward()
@@ -478,9 +537,14 @@ class TorchRuntime:
         micro-steps that only accumulate, and False when the GradScaler skipped the step
         because the gradients held inf/nan (it then lowers its scale; that is how the skip is
         detected, at the cost of one device sync per optimizer step under fp16)."""
+        p = self._progress
+        last_of_epoch = p.epoch_micro_left is not None and p.epoch_micro_left <= 1
+        if p.epoch_micro_left is not None and p.epoch_samples_left is not None:
+            p.epoch_samples_left -= self._micro_samples() or 0
+            p.epoch_micro_left -= 1
         self._progress.micro += 1
         ckpt = self._progress.checkpointer
-        if self._progress.micro < self.accumulation_steps:
+        if self._progress.micro < self.accumulation_steps and not last_of_epoch:
             if ckpt is not None:
                 ckpt.micro_step(boundary=False, stepped=False)
             return False

@@ -50,6 +50,9 @@ __all__ = ["MAX_DEPTH", "MAX_MACHINE_BYTES", "MAX_RULES_BYTES", "NOT_REGULAR", "
            "parse_json", "parse_toml", "read_user_file"]  # re-exported from ._bounded
 
 log = logging.getLogger("resilient_strategy")
+#: The warnings that a file or directory is not safely this user's (warn_once): a logger of
+#: their own, so that the command line shows them while it quiets the rest.
+trust_log = logging.getLogger("resilient_strategy.files")
 
 #: Byte limits per kind of file: far above what an honest file holds, far below a memory problem.
 MAX_CACHE_BYTES = 8 << 20
@@ -70,7 +73,7 @@ def warn_once(key: str, message: str) -> None:
     """Log ``message`` as a warning the first time ``key`` is seen in this process."""
     if key not in _warned:
         _warned.add(key)
-        log.warning("resilient_strategy: %s", message)
+        trust_log.warning("resilient_strategy: %s", message)
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from . import env as _env
 from .guard import ImportWatch, first_import_site
 from .host import detect_host
 from .nvml import read_nvml
+from .platform import detect_platform
 from .versions import MetadataSource, detect_frameworks
 from .visible import VisibleDevice, job_gpu, renumber_links, resolve_visible_devices
 
@@ -68,4 +69,5 @@ def detect_facts(
         frameworks=frameworks,
         env=relevant_env(environ),
         nvml_notes=snap.notes,
+        platform=detect_platform(environ, root),
     )

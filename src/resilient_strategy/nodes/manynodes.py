@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from ..core.options import Options
     from ..core.plan import Plan
 
+from ..core.decision import Decision
 from .crossprobe import (
     CrossProber,
     Prober,
@@ -71,7 +72,6 @@ __all__ = ["MultiNodeError", "NodeLostError", "NodeMismatchError", "agreed_decis
 #: seconds, or half the probe timeout): the nodes start, import and time out a little apart.
 MARGIN_FLOOR_S = 10.0
 
-Decided = tuple["Plan", dict[str, ProbeResult], bool, bool]
 
 
 def node_summary(facts: Facts, framework: str, job: Job, env: Mapping[str, str]) -> dict[str, Any]:
@@ -164,7 +164,7 @@ class _Node:
         return out
 
     # ----- node 0 ------------------------------------------------------------------------------
-    def lead(self, decide: Callable[..., Any], clock: Callable[[], float]) -> tuple[Decided, dict[str, Any]]:
+    def lead(self, decide: Callable[..., Any], clock: Callable[[], float]) -> tuple[Decision, dict[str, Any]]:
         join = 2 * self.margin_s  # the nodes start together (after torchrun's rendezvous)
         nodes = {0: self.summary}
         for k in self.others():
@@ -207,7 +207,7 @@ class _Node:
             raise NodeMismatchError(
                 "the nodes disagree, so no node trains: " + "; ".join(
                     f"node {k}: {w}" for k, w in sorted(bad.items())))
-        return (p, results, False, proven), payload
+        return Decision(p, results, False, proven), payload
 
     def abort(self, why: str) -> None:
         """Node 0 failed: tell the others now rather than let them wait out their deadlines."""
@@ -218,7 +218,7 @@ class _Node:
             self.channel.put("verdict", {"ok": False, "node": 0, "why": why, "lost": True})
 
     # ----- every other node --------------------------------------------------------------------
-    def follow(self) -> tuple[Decided, dict[str, Any]]:
+    def follow(self) -> tuple[Decision, dict[str, Any]]:
         wait = self.opts.timeout_s + 2 * self.margin_s
         for n in range(1, 64):
             msg = self.channel.take(f"round/{n}", wait + (self.opts.timeout_s if n == 1 else 0),
@@ -231,7 +231,7 @@ class _Node:
             return self.accept(msg), msg
         raise MultiNodeError("node 0 asked for more probes than a decision can need")
 
-    def accept(self, payload: Mapping[str, Any]) -> Decided:
+    def accept(self, payload: Mapping[str, Any]) -> Decision:
         results = _results(payload)
         proven = bool(payload.get("proven"))
         p = _replan(self.facts, self.opts, results, proven)
@@ -252,7 +252,7 @@ class _Node:
         if not verdict.get("ok"):
             kind = NodeLostError if verdict.get("lost") else NodeMismatchError
             raise kind(f"no node trains: {verdict.get('why', '')}")
-        return p, results, False, proven
+        return Decision(p, results, False, proven)
 
 
 def _results(payload: Mapping[str, Any]) -> dict[str, ProbeResult]:
@@ -317,13 +317,13 @@ def agreed_decision(
     facts: Facts, opts: Options, env: Mapping[str, str], prober: Prober,
     clock: Callable[[], float], decide: Callable[..., Any],
     *, cross_prober: CrossProber = run_cross_probe,
-) -> Decided:
+) -> Decision:
     """The decision of a multi-node job, the same on every rank of every node (see the module's
     docstring). ``decide``: the executor's, passed in (this module imports no executor)."""
     job = Job.from_env(env)
     if job is None:  # no store named: the nodes cannot talk, each plans from the rules alone
-        d = decide(facts, opts, env, prober, clock)
-        return d.plan, dict(d.results), bool(d.from_cache), bool(d.proven)
+        d: Decision = decide(facts, opts, env, prober, clock)
+        return d
     opts = multinode_options(opts, facts)
     from .onenode import Agreement
 
@@ -351,7 +351,8 @@ def agreed_decision(
             local.publish({"chosen": None, "results": {}, "proven": False, "from_cache": False,
                            "error": str(exc)})
         raise
-    p, results, from_cache, proven = decided
+    p, results, from_cache, proven = (decided.plan, dict(decided.results), decided.from_cache,
+                                      decided.proven)
     lines = trace_lines(job, payload, p)
     if job.node != 0 and p.chosen is not None and p.chosen.num_replicas == 1:
         log.warning("resilient_strategy: node %d: no backend between the nodes beats node 0 "
@@ -362,10 +363,10 @@ def agreed_decision(
         local.publish({"chosen": p.chosen.key if p.chosen else None,
                        "results": {k: v.to_dict() for k, v in results.items()},
                        "from_cache": from_cache, "proven": proven, "multinode_trace": lines})
-    return p, results, from_cache, proven
+    return Decision(p, results, from_cache, proven)
 
 
-def _follow_local(facts: Facts, opts: Options, agreement: Any, timeout_s: float) -> Decided:
+def _follow_local(facts: Facts, opts: Options, agreement: Any, timeout_s: float) -> Decision:
     """A local rank other than 0: take the decision its node's local rank 0 published."""
     payload = agreement.wait(timeout_s)
     if payload.get("error"):
@@ -379,7 +380,7 @@ def _follow_local(facts: Facts, opts: Options, agreement: Any, timeout_s: float)
             f"{payload.get('chosen')}: pass the same arguments on every rank")
     extra = payload.get("multinode_trace", [])
     lines = [str(x) for x in extra] if isinstance(extra, list) else []
-    return _with_notes(p, lines), results, bool(payload.get("from_cache")), proven
+    return Decision(_with_notes(p, lines), results, bool(payload.get("from_cache")), proven)
 
 
 def _with_notes(p: Plan, lines: Sequence[str]) -> Plan:

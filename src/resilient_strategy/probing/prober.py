@@ -24,27 +24,14 @@ from ..core.probe import ERROR, ProbeResult, ProbeSpec, parse_probe
 from ..core.signatures import signatures_from_env
 from ..errors import InvalidOptionError
 from ..machine import files as _files
-from ..records.progress import StallPolicy
 from . import health
 from . import proc as _proc
+from .cost import judged_by_progress, stall_policy
 
 #: The directory that holds the ``resilient_strategy`` package, for the workers' PYTHONPATH.
 PACKAGE_ROOT = health.PACKAGE_ROOT
 #: Extra seconds on the workers' own collective timeout, so that the runner's deadline fires first.
 WORKER_TIMEOUT_MARGIN_S = 30.0
-
-
-def stall_policy(spec: ProbeSpec) -> StallPolicy:
-    """How a probe's hang is judged from its workers' progress (the spec's timeout stays the
-    outer bound). A probe's code never pauses between its records once the communicator is
-    ready, so a silent ready rank is stalled too (``quiet_s``)."""
-    policy = StallPolicy()
-    ranks = max(1, spec.world_size, len(spec.devices))
-    return StallPolicy(
-        # communicator set-up grows with the ranks (NCCL: bootstrap ring, topology, channels)
-        setup_grace_s=policy.setup_grace_s + 1.0 * ranks,
-        quiet_s=policy.arrive_grace_s + policy.collective_base_s,
-    )
 
 
 def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.executable) -> ProbeResult:
@@ -59,7 +46,7 @@ def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.exec
             # across TF workers the peers' progress is not seen here: the deadline alone
             # judges (as between torch nodes), so both workers end a failed round alike
             group = _proc.run_group(commands, spec.timeout_s,
-                                    stall_policy=stall_policy(spec) if spec.workers == 1
+                                    stall_policy=stall_policy(spec) if judged_by_progress(spec)
                                     else None, spawn=_fork_spawner(spec, env, python))
         except OSError as exc:
             return ProbeResult(spec.candidate, ERROR, cause="worker_error",

@@ -158,7 +158,7 @@ def _run_group(
         logs = Path(tmp)
         try:
             for i, cmd in enumerate(commands):
-                procs.append(_start(cmd, logs / f"{i}.out", logs / f"{i}.err", spawn))
+                procs.append(start_worker(cmd, logs / f"{i}.out", logs / f"{i}.err", spawn))
                 waiter.add(procs[-1])
             while True:
                 codes = [p.poll() for p in procs]
@@ -197,7 +197,7 @@ def _run_group(
                         stopped_because)
 
 
-def _start(cmd: WorkerCommand, out_path: Path, err_path: Path, spawn: Spawn | None) -> Proc:
+def start_worker(cmd: WorkerCommand, out_path: Path, err_path: Path, spawn: Spawn | None) -> Proc:
     if spawn is not None:
         try:
             return spawn(cmd, str(out_path), str(err_path))
@@ -304,6 +304,21 @@ class _ExitWaiter:
         for fd in self._fds:
             os.close(fd)
         self._fds.clear()
+
+
+def start_supervised(argv: Sequence[str], env: Mapping[str, str], cwd: str,
+                     stderr: int) -> subprocess.Popen[bytes]:
+    """One long-lived worker the caller watches itself (``resilient-strategy run``'s one-process
+    agent): its own session, so that :func:`stop_groups` reaches everything it starts, no
+    stdin, stdout shared with the caller's, stderr to ``stderr`` (a pipe the caller tees)."""
+    return subprocess.Popen(list(argv), env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL,
+                            stderr=stderr, start_new_session=True)
+
+
+def stop_groups(procs: Sequence[Proc], grace_s: float) -> set[int]:
+    """The runner's bounded stop, for a caller's own workers: SIGTERM to each one's process
+    group, ``grace_s``, SIGKILL, ``grace_s``, reaped; the indices of those that were running."""
+    return _stop(procs, grace_s)
 
 
 def _stop(procs: Sequence[Proc], grace_s: float) -> set[int]:

@@ -1,25 +1,26 @@
 """``resilient-strategy run``'s command line: torchrun's own parser and options, ours added, into
 one :class:`RunOptions`; the framework a script uses, guessed from its text.
+
+Without torch (a TensorFlow-only install) the parser is our own: the script, its arguments,
+``--nproc-per-node`` and our options, the same names and defaults; torchrun's node options
+(``--nnodes``, ``--rdzv-*``, ...) are torch's and absent there.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import re
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..core.arguments import run_options_from
 from ..core.options import RunOptions
 from ..errors import InvalidOptionError
 from ..machine import env as _env
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger("resilient_strategy")
 
@@ -36,16 +37,51 @@ def guess_framework(script_text: str) -> str | None:
         return "tensorflow" if tf else "torch"
     return None
 
+@functools.cache
+def torch_launcher() -> bool:
+    """torch's elastic agent (and torchrun's parser) can be imported here."""
+    try:
+        import torch.distributed.run  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
-def parser() -> argparse.ArgumentParser:
+_DESCRIPTION = ("Run a training script on the strategy that works here and keep it running: "
+                "relaunch on the next candidate when a collective fails or stalls mid-run.")
+
+
+def parser(with_torch: bool | None = None) -> argparse.ArgumentParser:
+    """torchrun's parser plus ours where torch is installed (``with_torch`` None: when
+    :func:`torch_launcher`), else :func:`own_parser`."""
+    if not (torch_launcher() if with_torch is None else with_torch):
+        return own_parser()
     from torch.distributed.run import get_args_parser
 
     p = get_args_parser()
     p.prog = "resilient-strategy run"
-    p.description = ("Run a training script on the strategy that works here and keep it running: "
-                     "relaunch on the next candidate when a collective fails or stalls mid-run. "
-                     "Takes torchrun's options.")
+    p.description = _DESCRIPTION + " Takes torchrun's options."
+    return _ours(p)
+
+
+def own_parser() -> argparse.ArgumentParser:
+    """The parser without torch: the script and its arguments, ``--nproc-per-node`` (as
+    torchrun spells it, both ways) and our options."""
+    p = argparse.ArgumentParser(
+        prog="resilient-strategy run",
+        description=_DESCRIPTION + " torch is not installed: TensorFlow scripts run as one "
+        "supervised process (torchrun's node options need torch).")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default="1",
+                   help="processes per node for a torch script (a count or 'auto'); a "
+                        "TensorFlow script runs one process that drives every device")
+    _ours(p)
+    p.add_argument("training_script", help="the training script")
+    p.add_argument("training_script_args", nargs=argparse.REMAINDER,
+                   help="the script's own arguments")
+    return p
+
+
+def _ours(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-relaunches", type=int, default=None,
                    help="relaunches at most, retries included (default: no count; the "
                         "candidates and --max-attempts-without-progress bound it)")
@@ -83,15 +119,18 @@ def parser() -> argparse.ArgumentParser:
 
 
 def options_from_args(argv: Sequence[str]) -> RunOptions:
-    """Parse ``resilient-strategy run`` arguments (torchrun's, plus ours)."""
-    ns = parser().parse_args(list(argv))
+    """Parse ``resilient-strategy run`` arguments (torchrun's, plus ours; ours alone without
+    torch)."""
+    with_torch = torch_launcher()
+    ns = parser(with_torch).parse_args(list(argv))
     if getattr(ns, "module", False) or getattr(ns, "no_python", False) or getattr(
             ns, "run_path", False):
         raise InvalidOptionError("resilient-strategy run runs a Python script file; -m, "
                                  "--no-python and --run-path are not supported")
     script = str(ns.training_script)
     ours = list(argv)[:list(argv).index(script)] if script in argv else list(argv)
-    if not any(t.split("=")[0] in ("--master-port", "--master_port") for t in ours):
+    if with_torch and not any(t.split("=")[0] in ("--master-port", "--master_port")
+                              for t in ours):
         # not given: None, as torch >= 2.12's parser says (2.11's says 29500), so that a
         # one-node run takes a free port (standalone) and two jobs on a machine do not collide
         ns.master_port = None
@@ -99,12 +138,16 @@ def options_from_args(argv: Sequence[str]) -> RunOptions:
     if framework is None:
         with contextlib.suppress(OSError, UnicodeDecodeError):
             framework = guess_framework(Path(script).read_text(encoding="utf-8"))
+    if framework == "torch" and not with_torch:
+        raise InvalidOptionError("a torch script needs torch: its workers run under torch's "
+                                 "elastic agent (pip install torch); without it, run "
+                                 "supervises TensorFlow scripts", "--framework")
     opts = run_options_from(
         _env.snapshot(), script=script, script_args=tuple(ns.training_script_args),
         framework=framework, nproc=str(ns.nproc_per_node), max_relaunches=ns.max_relaunches,
         stall_timeout=ns.stall_timeout, global_batch_size=ns.global_batch_size,
         gradient_bytes=ns.gradient_bytes, probe_timeout=ns.probe_timeout,
-        logical_cpus=ns.logical_cpus, torchrun=ns, sharding=ns.sharding,
+        logical_cpus=ns.logical_cpus, torchrun=ns if with_torch else None, sharding=ns.sharding,
         param_bytes=ns.param_bytes, optimizer_state_factor=ns.optimizer_state_factor)
     return replace(opts, min_throughput=ns.min_throughput, allow_cpu=bool(ns.allow_cpu),
                    max_attempts_without_progress=ns.max_attempts_without_progress,

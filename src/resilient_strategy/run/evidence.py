@@ -39,6 +39,10 @@ class Evidence:
     def __init__(self, root: Path, session: str) -> None:
         self.dir = root / session
 
+    def path(self, number: int) -> Path:
+        """Where attempt ``number``'s evidence goes (0 for the first attempt)."""
+        return self.dir / f"attempt{number + 1}.txt"
+
     def record(self, attempt: Attempt, run_dir: Path, ranks: int) -> str | None:
         """Write one failed attempt's evidence; its path, or None when it could not be written."""
         parts = [f"attempt {attempt.number + 1} on {attempt.label} ({attempt.candidate})",
@@ -53,7 +57,7 @@ class Evidence:
                 text = _tail(path, limit) if path is not None else ""
                 if text.strip():
                     parts += [f"===== rank {r}: {title} ({path}) =====", text.rstrip(), ""]
-        path = self.dir / f"attempt{attempt.number + 1}.txt"
+        path = self.path(attempt.number)
         try:
             ensure_private_dir(self.dir)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0),

@@ -20,8 +20,9 @@ class ExitCode(IntEnum):
     USER_ERROR = 1
     #: The command line or a ``RESILIENT_STRATEGY_*`` variable is invalid: nothing ran.
     USAGE = 2
-    #: The infrastructure of this machine is exhausted: no candidate left, only candidates below
-    #: the throughput floor, the relaunch limit, or attempts without progress. Requeue elsewhere.
+    #: The infrastructure of this machine is exhausted: no strategy works here, a node was lost,
+    #: no candidate left, only candidates below the throughput floor, the relaunch limit, or
+    #: attempts without progress. Requeue elsewhere.
     INFRASTRUCTURE = 75
     #: Interrupted by SIGINT (Ctrl-C); another signal N gives 128 + N (:func:`interrupted`).
     INTERRUPTED = 130

@@ -23,7 +23,8 @@ error records and their last progress into a typed :class:`~.verdicts.Verdict`, 
 - each fault gets one line here, and its per-rank tracebacks and stacks go to the evidence file
   (:mod:`.evidence`); the run ends with a summary line and an exit code (:mod:`.exitcodes`).
 
-TensorFlow scripts run as one supervised process (one process drives every GPU there).
+TensorFlow scripts run as one supervised process (one process drives every GPU there); without
+torch, :mod:`.solo` runs it and :func:`~.arguments.own_parser` reads the command line.
 
 With ``--nnodes N`` (torch) the nodes' supervisors agree on each attempt's decision through a
 store at the rendezvous endpoint before any worker starts, watch it for each other's fault
@@ -48,7 +49,12 @@ from ..core.bounded import parse_json
 from ..core.candidate import Candidate
 from ..core.options import MIN_STALL_S, RunOptions
 from ..core.probe import ERROR, ProbeResult
-from ..errors import NodeLostError, NoWorkingStrategyError, ResilientStrategyError
+from ..errors import (
+    GpuUnusableError,
+    MultiNodeError,
+    NoWorkingStrategyError,
+    ResilientStrategyError,
+)
 from ..machine import env as _env
 from ..records.handoff import CHECKPOINT_NOTE, Decision, write_decision
 from ..records.trainfault import FAULT_VAR, TrainFault, parse_fault
@@ -57,7 +63,7 @@ if TYPE_CHECKING:
     from .peers import NodeLink, PeerWatch
 
 from .agent import launch
-from .arguments import node_count, options_from_args
+from .arguments import node_count, options_from_args, torch_launcher
 from .evidence import Evidence
 from .exitcodes import ExitCode, interrupted
 from .policy import (
@@ -101,12 +107,15 @@ def supervise(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
         sweep_temp_dirs(prefixes=(RUN_PREFIX,), min_age_s=0.0)
         session = Path(tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-"))
         return _supervise(opts, snapshot, fault, session)
-    except NodeLostError as exc:  # a node or the job's store went silent: not the command line
-        _say(str(exc))
+    except (NoWorkingStrategyError, MultiNodeError, GpuUnusableError) as exc:
+        _say(str(exc))  # this machine (or node set) cannot run it: requeue elsewhere
         return int(ExitCode.INFRASTRUCTURE)
     except ResilientStrategyError as exc:
         _say(str(exc))
         return int(ExitCode.USAGE)
+    except KeyboardInterrupt:  # outside an attempt (deciding, probing): nothing is running
+        _say("interrupted")
+        return int(ExitCode.INTERRUPTED)
     finally:
         if session is not None:
             shutil.rmtree(session, ignore_errors=True)
@@ -135,15 +144,21 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
         if link is not None and _alone(decision) and link.node != 0:
             _say(f"node {link.node}: node 0 trains alone on {_label(decision)} (no backend "
                  "between the nodes beats one node); this node has nothing to run")
+            evidence.summary(history)  # what this node saw until then (none: nothing written)
             return int(ExitCode.SUCCESS)
         peer = None
-        if link is not None:
+        if link is not None and not _alone(decision):  # node 0 alone has no peer to hear
             from .peers import PeerWatch
 
             peer = PeerWatch(link, decision.attempt, _store_timeout(opts))
         try:
-            verdict = launch(opts, decision, snapshot, session, peer,
-                             alone=link is not None and _alone(decision))
+            if torch_launcher():
+                verdict = launch(opts, decision, snapshot, session, peer,
+                                 alone=link is not None and _alone(decision))
+            else:  # no torch: our own agent for the one process of a TensorFlow job
+                from .solo import launch_one
+
+                verdict = launch_one(opts, decision)
         except Exception as exc:
             if type(exc).__name__ != "SignalException":  # the agent stopped the workers
                 raise
@@ -155,6 +170,9 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
             verdict = _with_peers(peer, decision.chosen, verdict)
         judgement = judge(verdict, decision.chosen, history, policy)
         label = _label(decision)
+        if not verdict.ok:  # the fault's line first; its evidence is written below
+            _say(f"attempt {attempt + 1} on {label} failed at step {verdict.step}: "
+                 f"{verdict.line()} [evidence: {evidence.path(attempt)}]")
         nxt: Choice | None = None
         if judgement.action is Action.STEP_DOWN:
             nxt, refusal = _step_down(opts, facts, snapshot, failures, session, attempt + 1,
@@ -166,10 +184,10 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
                          notes)
         done = Attempt(attempt, decision.chosen, label, verdict, judgement, resumed)
         history.append(done)
-        if not verdict.ok:
-            where = evidence.record(done, Path(decision.run_dir), decision.processes)
-            _say(f"attempt {attempt + 1} on {label} failed at step {verdict.step}: "
-                 f"{verdict.line()}" + (f" [evidence: {where}]" if where else ""))
+        if not verdict.ok and evidence.record(done, Path(decision.run_dir),
+                                              decision.processes) is None:
+            _say(f"the evidence of attempt {attempt + 1} could not be written to "
+                 f"{evidence.path(attempt)}")
         if nxt is None:
             evidence.summary(history)
             _say(_summary(history, judgement))
@@ -259,6 +277,8 @@ def _allowance_words(opts: RunOptions, env: Mapping[str, str]) -> str:
     allowance = (f"{opts.stall_timeout_s:g} s (--stall-timeout)" if opts.stall_timeout_s
                  else f"max({MIN_STALL_S:g} s, {STALL_STEPS} x the median step time after "
                       f"{WARMUP_STEPS} warm-up steps), at most {AUTO_STALL_CAP_S:g} s")
+    if not torch_launcher():
+        return f"stall allowance {allowance}"
     set_ = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PROCESS_GROUP_TIMEOUT)
     torch_words = ", ".join(f"{k}={v}" for k, v in set_.items())
     kept = [k for k in (PG_TIMEOUT_VAR, HEARTBEAT_VAR) if k not in set_]
@@ -301,11 +321,9 @@ def _options(opts: RunOptions, facts: Any, env: Mapping[str, str], rank: int = 0
     ), plan_env
 
 
-
-
 def _link(opts: RunOptions, facts: Any) -> NodeLink | None:
     """This node's supervisor in a multi-node run (torch), else None."""
-    if opts.framework == "tensorflow":
+    if opts.framework == "tensorflow" or opts.torchrun is None:
         return None
     from .peers import NodeLink
 
@@ -340,27 +358,28 @@ def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
     import functools
 
     from ..core.estimate import estimate
-    from ..deciding.executor import _cause, _progress_line, decide
-    from ..deciding.notices import fallback_warning
+    from ..deciding.decide import decide, failure_cause
+    from ..deciding.notices import fallback_warning, progress_line_for
 
     if link is None:
         o, plan_env = _options(opts, facts, env)
     else:
         o, plan_env = _options(opts, facts, link.env(env, attempt), link.node * link.nproc)
     if link is None:
-        made = decide(facts, o, plan_env, _prober, time.monotonic, _progress_line(o),
+        made = decide(facts, o, plan_env, _prober, time.monotonic, progress_line_for(o),
                       startup_check=True, known=failures)
         p, results, from_cache, proven = made.plan, made.results, made.from_cache, made.proven
     else:
         from ..nodes.manynodes import agreed_decision
 
-        p, results, from_cache, proven = agreed_decision(
+        made = agreed_decision(
             facts, o, plan_env, _prober, time.monotonic,
-            functools.partial(decide, progress=_progress_line(o), startup_check=True,
+            functools.partial(decide, progress=progress_line_for(o), startup_check=True,
                               known=dict(failures)))
-        results = {**results, **failures}
+        p, from_cache, proven = made.plan, made.from_cache, made.proven
+        results = {**made.results, **failures}
     if p.chosen is None:
-        raise NoWorkingStrategyError(o.framework, [_cause(r) for r in p.ruled_out])
+        raise NoWorkingStrategyError(o.framework, [failure_cause(r) for r in p.ruled_out])
     if link is None or link.node == 0:
         fell = fallback_warning(p, results, facts, o, p.chosen)
         if fell:  # as deciding/executor.py says it in a script (its workers do not repeat it)
@@ -421,11 +440,6 @@ def _last_checkpoint(session: Path) -> tuple[int, str] | None:
 
 
 def main(argv: Sequence[str]) -> int:
-    try:
-        import torch.distributed.run  # noqa: F401
-    except ImportError:
-        _say("needs torch: it runs the workers through torch's elastic agent (pip install torch)")
-        return int(ExitCode.USAGE)
     try:
         opts = options_from_args(argv)
     except ResilientStrategyError as exc:

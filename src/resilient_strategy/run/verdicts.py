@@ -57,7 +57,9 @@ def classify_error(types: Sequence[str], message: str,
     probe parser reads; the built-in table when ``signatures`` is None)."""
     names = {t.rsplit(".", 1)[-1] for t in types}
     placed = (signatures or builtin_signatures()).classify(message)
-    if names & set(_OOM_TYPES) or placed == "oom" or _OOM_TEXT.search(message):
+    # a placed cause first: an NVLS failure quotes "out of memory" and is not one
+    if names & set(_OOM_TYPES) or placed == "oom" or (
+            placed == "worker_error" and _OOM_TEXT.search(message)):
         return "oom"
     if names & set(_COMM_TYPES):
         return "comm"

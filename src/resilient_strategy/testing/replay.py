@@ -29,7 +29,7 @@ from ..core.estimate import estimate
 from ..core.facts import Facts
 from ..core.options import Options
 from ..core.probe import ERROR, ProbeResult
-from ..deciding.executor import decide
+from ..deciding.decide import decide
 from ..errors import InvalidOptionError, NoWorkingStrategyError
 from ..records.trainfault import KINDS
 from ..run.exitcodes import ExitCode

@@ -4,11 +4,14 @@
 ``SimulatedProber`` answers probes from a table of outcomes; ``load_simulation`` reads the JSON
 files of ``resilient-strategy --simulate`` and ``examples/machines``. The testing kit
 (``resilient_strategy.testing``) builds on this module; production code never imports the kit.
+Over 450 lines for a reason: a described machine, its file format and the prober that answers
+for it are one description, checked together (a field or outcome typo is one clean error).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -37,6 +40,8 @@ from ..machine.visible import (
     renumber_links,
     resolve_visible_devices,
 )
+from ..probing import cost as _cost
+from ..probing import forkserver as _forkserver
 from ..vocab import FRAMEWORKS
 
 #: Kinds of hang a simulated probe can be judged to have (see :class:`.progress.Stall`).
@@ -381,8 +386,9 @@ Outcome = str | ProbeResult | Mapping[str, Any]
 class SimulatedProber:
     """Answers probes from a table instead of running them, and records what was asked.
 
-    Outcomes: "ok", "ok:<GB/s>", "timeout" (a hang cut at the deadline), "hang:<kind>" (a hang
-    judged from progress: setup, collective, straggler, quiet), "error:<cause>",
+    Outcomes: "ok", "ok:<GB/s>", "timeout" (the commonest real hang: inside the first
+    collective), "hang:<kind>" (a hang judged from progress: setup, collective, straggler,
+    quiet), "error:<cause>",
     "fails:<text>" (what the failing worker printed, verbatim: the signature table places it,
     as it places a real probe's), "signal:<number>" (a worker killed by that signal).
 
@@ -391,6 +397,13 @@ class SimulatedProber:
     backend with the exact environment of a remedy ("nccl+NCCL_P2P_DISABLE=1", several sorted
     and joined by ","); "nccl+*" for every remedy; "*" for everything. The most specific key
     wins; anything unmatched is ``default``.
+
+    Each probe takes the seconds the real prober would spend on it (:mod:`..probing.cost`): a
+    healthy one its phases at typical figures for its class of machine (the fork server's saving
+    included), a hang the start-up plus the allowance of the prober's own stall policy (a hang of
+    TF across workers, which progress cannot judge, the whole timeout), plus the GPU health check
+    after a killed GPU probe. :meth:`clock` advances by them, so the probe budget runs out as it
+    would on the machine.
     """
 
     #: Read by the executor: the outcomes are described, not measured (said in the trace).
@@ -400,12 +413,16 @@ class SimulatedProber:
     default: Outcome = "ok"
     calls: list[ProbeSpec] = field(default_factory=list)
     elapsed_s: float = 0.0  # simulated seconds spent probing so far (see :meth:`clock`)
+    #: the phase figures of the machine described (None: the typical ones of its class,
+    #: :data:`..probing.cost.TYPICAL`), e.g. its measured framework import
+    figures: _cost.Figures | None = None
 
     def __post_init__(self) -> None:
         for key, out in self.outcomes.items():
             _parse(key, out)  # validate early: a typo is an error, not a silent "ok"
 
     def __call__(self, spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
+        warm = any(c.framework == "torch" for c in self.calls)  # the fork server imported torch
         self.calls.append(spec)
         env_key = ",".join(f"{k}={v}" for k, v in spec.env)
         # a sharded candidate's own outcome ("nccl/fsdp") wins over its backend's ("nccl")
@@ -413,11 +430,19 @@ class SimulatedProber:
         keys = [k for n in names for k in ((f"{n}+{env_key}", f"{n}+*") if env_key else (n,))]
         out = next((self.outcomes[k] for k in (*keys, "*") if k in self.outcomes), self.default)
         res = _parse(spec.candidate, out)
-        if res.status == TIMEOUT and not res.extra:  # cut by the deadline: the whole timeout
-            res = replace(res, elapsed_s=spec.timeout_s)
-        else:
+        ending = _ending(spec, out, res)
+        if ending is None:  # an error, or a result with its own elapsed time: as described
             res = replace(res, elapsed_s=min(res.elapsed_s, spec.timeout_s))
-        self.elapsed_s += res.elapsed_s
+            after = 0.0
+        else:  # the real prober's clock: start-up, phases, a hang cut from progress
+            forked = spec.framework == "torch" and _forkserver.enabled(env)
+            res = replace(res, elapsed_s=_cost.probe_seconds(spec, ending, forked=forked,
+                                                             warm=warm, figures=self.figures))
+            if ending == "collective" and not res.extra:  # a plain "timeout", as judged
+                res = replace(res, detail="simulated hang (collective)",
+                              extra=(("hang", "collective"),))
+            after = _cost.after_probe_seconds(spec, ending, self.figures)
+        self.elapsed_s += res.elapsed_s + after
         return res
 
     def clock(self) -> float:
@@ -435,6 +460,19 @@ class SimulatedProber:
         ]
 
 
+def _ending(spec: ProbeSpec, out: Outcome, res: ProbeResult) -> str | None:
+    """How the simulated probe ends, for its cost (:mod:`..probing.cost`); None: its described
+    elapsed time stands (an error, or a result or mapping that gives ``elapsed_s``)."""
+    if isinstance(out, ProbeResult) or (isinstance(out, Mapping) and "elapsed_s" in out):
+        return None
+    if res.status == OK:
+        return "ok"
+    if res.status != TIMEOUT:
+        return None
+    kind = dict(res.extra).get("hang", "collective")  # "timeout": the commonest real hang
+    return kind if _cost.judged_by_progress(spec) and kind in _cost.HANG_KINDS else "deadline"
+
+
 def _parse(candidate: str, out: Outcome) -> ProbeResult:
     if isinstance(out, ProbeResult):
         return ProbeResult.from_dict({**out.to_dict(), "candidate": candidate})
@@ -444,9 +482,13 @@ def _parse(candidate: str, out: Outcome) -> ProbeResult:
     if not isinstance(out, str):
         raise ValueError(f"probe outcome {out!r}: a string or an object of probe result fields")
     kind, _, arg = out.partition(":")
-    if kind == OK:
-        bw = float(arg) if arg else None
-        return ProbeResult(candidate, OK, 2.0, bus_bandwidth_gbps=bw, detail="simulated")
+    if kind == OK:  # checked as the object form is: a finite, non-negative GB/s
+        try:
+            bw = float(arg) if arg else None
+        except ValueError:
+            raise ValueError(f"probe outcome {out!r}: 'ok:<GB/s>' takes a number") from None
+        return ProbeResult.from_dict({"candidate": candidate, "status": OK, "elapsed_s": 2.0,
+                                      "bus_bandwidth_gbps": bw, "detail": "simulated"})
     if kind == TIMEOUT:
         return ProbeResult(candidate, TIMEOUT, 30.0, "timeout", "simulated hang")
     if kind == "hang" and arg in HANG_KINDS:  # a hang judged from progress, cut early
@@ -515,6 +557,7 @@ def load_simulation(path: Path) -> tuple[Facts, dict[str, Any]]:
         raise ResilientStrategyError(
             f"{path}: unknown field(s) {unknown}; allowed: {sorted(SIMULATION_KEYS)}")
     _check_simulation_fields(path, data)
+    _check_bounds(path, data)
     try:
         if "machine" in data:
             if not isinstance(data["machine"], dict):
@@ -575,6 +618,54 @@ def _check_facts_shape(raw: Any) -> None:
     for key, value in raw.items():
         if key in reference:
             check(f"facts.{key}", value, reference[key])
+
+
+#: The most GPUs a described machine may have (one host: 8 to 16 today; an NVLink domain of
+#: 72). Planning is quadratic in the GPUs (their links): 256 plan in well under a second.
+MAX_SIMULATED_GPUS = 256
+#: Every number of a described machine lies within this (integers exact in a float), so that
+#: no size in bytes becomes an infinity (memory_gb 1e300) or takes minutes.
+MAX_SIMULATED_NUMBER = 2.0**53
+
+
+def _check_bounds(path: Path, data: Mapping[str, Any]) -> None:
+    """The described machine is bounded: at most MAX_SIMULATED_GPUS GPUs, every number finite
+    and within MAX_SIMULATED_NUMBER. One clean error naming the file and the field."""
+    for key in ("machine", "facts"):
+        described = data.get(key)
+        if not isinstance(described, dict):
+            continue
+        gpus = described.get("gpus")
+        count = gpus if isinstance(gpus, int) and not isinstance(gpus, bool) else \
+            len(gpus) if isinstance(gpus, list) else 0
+        if not 0 <= count <= MAX_SIMULATED_GPUS:
+            raise ResilientStrategyError(
+                f"{path}: {key}.gpus: expected 0 to {MAX_SIMULATED_GPUS} GPUs, not {count}")
+        links = described.get("links")
+        if isinstance(links, (list, dict)) and len(links) > count * (count - 1) // 2 + 1:
+            raise ResilientStrategyError(
+                f"{path}: {key}.links: {len(links)} links for {count} GPUs")
+        bad = _out_of_range(described, key)
+        if bad is not None:
+            raise ResilientStrategyError(
+                f"{path}: {bad[0]}: expected a finite number within "
+                f"+-{MAX_SIMULATED_NUMBER:.0f}, not {bad[1]!r}")
+
+
+def _out_of_range(value: Any, where: str) -> tuple[str, Any] | None:
+    """The first number (with where it is) that is not finite or is out of range, else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        ok = math.isfinite(value) and abs(value) <= MAX_SIMULATED_NUMBER
+        return None if ok else (where, value)
+    items = value.items() if isinstance(value, dict) else enumerate(value) \
+        if isinstance(value, list) else ()
+    for k, v in items:
+        found = _out_of_range(v, f"{where}.{k}" if isinstance(k, str) else f"{where}[{k}]")
+        if found is not None:
+            return found
+    return None
 
 
 def _check_simulation_fields(path: Path, data: Mapping[str, Any]) -> None:

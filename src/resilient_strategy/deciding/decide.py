@@ -1,0 +1,293 @@
+"""One decision's bounded loop: plan, prove the next candidate (or reuse what the cache knows),
+plan again, until the planner chooses; and what a mid-run failure may leave in the cache.
+
+:func:`decide` is the seam the executor (``resilient_strategy()``), the supervisor and the
+testing kit's replay all use; nothing here applies an environment or builds a runtime.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from ..core.facts import Facts
+from ..core.human import human_bytes
+from ..core.memory import model_memory
+from ..core.options import Options
+from ..core.plan import Candidate, RuledOut, plan
+from ..core.probe import (
+    ENVIRONMENTAL_CAUSES,
+    ERROR,
+    TIMEOUT,
+    ProbeResult,
+    ProbeSpec,
+    judged_hang,
+)
+from ..core.trace import (
+    CachedFailure,
+    Chosen,
+    Event,
+    Note,
+)
+from ..errors import (
+    FailureCause,
+    ResilientStrategyError,
+)
+from ..vocab import MULTI_WORKER_BACKENDS
+from .cache import REHEARSAL, CachedResult, DecisionCache, last_resort
+from .notices import (
+    ProgressLine,
+    reclassify_short_timeout,
+    short_timeout_warning,
+    startup_floor,
+)
+
+if TYPE_CHECKING:
+    pass
+
+from ..core.decision import Decision as Decision  # re-exported: the deciders' one shape
+
+log = logging.getLogger("resilient_strategy")
+
+Prober = Callable[[ProbeSpec, Mapping[str, str]], ProbeResult]
+#: The workers' fault injection (probing/workers/common.py): its results are never cached.
+FAULT_VAR = "RESILIENT_STRATEGY_PROBE_FAULT"
+MAX_ROUNDS = 32  # probes per decision, at most (the candidate set is far smaller)
+#: The fork servers' module (closed when a decision's probing is over, if it was loaded).
+FORKSERVER_MODULE = __name__.rpartition(".deciding.")[0] + ".probing.forkserver"
+
+
+
+
+# --------------------------------------------------------------------------------------------
+# Deciding
+# --------------------------------------------------------------------------------------------
+#: DDP's default gradient bucket; a model's largest bucket is at most this (or its largest
+#: tensor, which the total gradient size bounds from above).
+DDP_BUCKET_BYTES = 25 << 20
+#: The largest sharding unit a sharded probe checks at (the workers' own cap).
+MAX_UNIT_CHECK_BYTES = 256 << 20
+
+
+def spec_for(c: Candidate, opts: Options, timeout_s: float) -> ProbeSpec:
+    grad = opts.gradient_bytes
+    check: tuple[int, ...] = (min(grad, DDP_BUCKET_BYTES),) if grad else ()  # largest bucket
+    mem = model_memory(opts) if c.sharded else None
+    if mem is not None:  # FSDP2 gathers (and reduce-scatters) one unit at a time
+        check += (min(mem.unit_bytes, MAX_UNIT_CHECK_BYTES),)
+    return ProbeSpec(
+        candidate=c.key,
+        framework=c.framework,
+        backend=c.backend,
+        devices=c.devices,
+        env=c.env,
+        world_size=c.num_replicas if c.framework == "torch" else 1,
+        timeout_s=timeout_s,
+        logical_cpus=opts.logical_cpus,
+        check_bytes=check,
+        workers=opts.tf_workers if c.backend in MULTI_WORKER_BACKENDS else 1,
+        worker_rank=opts.tf_worker_rank if c.backend in MULTI_WORKER_BACKENDS else 0,
+        sharded=c.sharded,
+    )
+
+
+def decide(
+    facts: Facts,
+    opts: Options,
+    env: Mapping[str, str],
+    prober: Prober,
+    clock: Callable[[], float] = time.monotonic,
+    progress: ProgressLine | None = None,
+    startup_check: bool = False,
+    max_rounds: int = MAX_ROUNDS,
+    known: Mapping[str, ProbeResult] | None = None,
+    *,
+    cross_node: bool = False,
+) -> Decision:
+    """Plan, probing as needed (at most ``max_rounds`` probes).
+
+    The probe budget is one deadline for the whole decision; each probe also has its own.
+    ``known``: results that override the cache's (a supervisor's mid-run failures).
+    ``progress`` hears each probe start and end (the one hook for what a user sees meanwhile).
+    ``startup_check`` (real probes only: a simulation has no start-up to measure) warns when the
+    timeout is below what a probe needs to start here, and calls a probe it cut short so.
+    ``cross_node``: ``prober`` proves candidates across every node (:mod:`.multinode`).
+    """
+    multi_node = opts.framework == "torch" and opts.nodes > 1
+    # Multi-node: a node's cache cannot speak for the links between nodes; without a prober
+    # that spans the nodes (cross_node), no probe on one node may sway the choice either. The
+    # same holds for the workers of a TF_CONFIG job (their probes span the workers themselves).
+    cache = DecisionCache(opts.cache_dir, opts.cache_ttl_s) \
+        if opts.cache_dir and not multi_node and not opts.multi_worker else None
+    fingerprint = facts.fingerprint()
+    results: dict[str, ProbeResult] = {}
+    notes: list[Event] = []
+    fault = env.get(FAULT_VAR, "").strip()
+    if cache is not None and fault:  # a rehearsal must never change a later real decision
+        cache = None
+        notes.append(Note("fault_injection", f"Fault injection is on ({FAULT_VAR}={fault}): the "
+                          "cache is neither read nor written."))
+    if cache is not None and opts.probe != "force" and cache.usable():
+        # "never" still learns from the cache, failures seen once included: nothing re-proves
+        trusted, notes_ = trusted_results(cache.entries(fingerprint), opts.probe != "never")
+        results.update(still_valid(trusted, opts.timeout_s))
+        notes += notes_
+    cached_keys = set(results)
+    results.update(known or {})
+    startup = startup_floor(opts.framework, results)
+    warned = False
+    deadline = clock() + opts.budget_s
+    fresh: dict[str, ProbeResult] = {}
+    p = plan(facts, opts.rules, results, opts)
+    for _ in range(max_rounds):
+        if (p.next_probe is None or opts.probe == "never" or opts.dry_run
+                or (multi_node and not cross_node)):
+            break
+        c = p.next_probe
+        if c.key in results:  # cannot happen with a sound planner; never loop on it
+            raise ResilientStrategyError(f"planner asked to probe {c.key} twice")
+        left = deadline - clock()
+        timeout_s = min(opts.timeout_s, left)
+        if startup_check and not warned:
+            warned = True
+            short = short_timeout_warning(opts.timeout_s, startup, opts.framework)
+            if short:
+                log.warning("resilient_strategy: %s", short)
+        if progress is not None:
+            progress.start(c, timeout_s)
+        if left <= 1.0:
+            res = ProbeResult(c.key, ERROR, 0.0, "budget",
+                              f"the probe budget of {opts.budget_s:g} s is spent")
+        else:
+            res = prober(spec_for(c, opts, timeout_s), env)
+            if startup_check:
+                res = reclassify_short_timeout(res, timeout_s, startup, opts.framework)
+                res = space_short(res, temp_root(env))
+        if progress is not None:
+            progress.end(res)
+        results[c.key] = res
+        # never probed, or cut short before it could start: nothing learned about the machine
+        if res.cause not in ("budget", "timeout_short"):
+            fresh[c.key] = res
+        p = plan(facts, opts.rules, results, opts)
+    close_fork_servers()  # probing is over (on an exception: idle exit or exit closes them)
+    if cache is not None and fresh:
+        cache.store(fingerprint, fresh)
+    proven = p.next_probe is None
+    if notes:  # what the cache was trusted with comes before the plan it shaped
+        p = replace(p, events=(*notes, *p.events))
+    if p.next_probe is not None:  # probing off, or a dry run: the next candidate, unproven
+        how = ("dry_run" if opts.dry_run else "multi_node" if multi_node and not cross_node
+               else "probing_off" if opts.probe == "never" else "rounds_spent")
+        p = replace(p, chosen=p.next_probe, next_probe=None,
+                    events=(*p.events, Chosen(p.next_probe, how, max_rounds=max_rounds)))
+    # "from the cache": nothing was probed now, and a cached result shaped this plan
+    used = {r.candidate.key for r in p.ranked} | {r.candidate.key for r in p.ruled_out}
+    return Decision(p, results, not fresh and bool(cached_keys & used), proven)
+
+
+def remember_midrun(facts: Facts, opts: Options, env: Mapping[str, str], prober: Prober,
+                    failures: Mapping[str, ProbeResult]) -> dict[str, bool]:
+    """Cache mid-run failures only where a probe proves them: each candidate that failed in
+    training is probed again here, on this machine, and its failure enters the cache only when
+    that probe fails too (:meth:`DecisionCache.record_midrun`). A candidate of last resort is
+    never probed for this (its failures are never cached), nor is anything under several nodes,
+    TF_CONFIG workers or a disabled cache. Returns, per candidate, whether it was cached."""
+    if not opts.cache_dir or (opts.framework == "torch" and opts.nodes > 1) or opts.multi_worker:
+        return {}
+    cache = DecisionCache(opts.cache_dir, opts.cache_ttl_s)
+    p = plan(facts, opts.rules, {}, opts)
+    known = {r.candidate.key: r.candidate for r in p.ranked}
+    known.update({r.candidate.key: r.candidate for r in p.ruled_out})
+    out: dict[str, bool] = {}
+    for key, failure in sorted(failures.items()):
+        c = known.get(key)
+        if c is None or last_resort(key) or REHEARSAL in dict(failure.extra):
+            out[key] = False
+            continue
+        res = space_short(prober(spec_for(c, opts, opts.timeout_s), env), temp_root(env))
+        close_fork_servers()
+        out[key] = cache.record_midrun(facts.fingerprint(), failure, res)
+    return out
+
+
+#: Below this many free bytes in the temp directory a failed probe is put down to the full disk
+#: (its rendezvous and progress files live there: a gloo probe looks hung, a worker dies).
+LOW_SPACE_BYTES = 16 << 20
+
+
+def temp_root(env: Mapping[str, str]) -> str:
+    import tempfile
+
+    return env.get("TMPDIR") or tempfile.gettempdir()
+
+
+def space_short(res: ProbeResult, temp_root: str, free: int | None = None) -> ProbeResult:
+    """A failed probe, put down to a full temp directory when ``temp_root`` has less than
+    :data:`LOW_SPACE_BYTES` free (``free``: measured already, else measured now): the machine's
+    state, not the candidate's, so it is named with its fix and never cached."""
+    if res.ok or res.cause in ENVIRONMENTAL_CAUSES:
+        return res
+    from ..machine.files import free_bytes
+
+    free = free_bytes(temp_root) if free is None else free
+    if free is None or free >= LOW_SPACE_BYTES:
+        return res
+    return replace(res, cause="no_space", detail=f"the temp directory {temp_root} has "
+                   f"{human_bytes(free)} free ({res.cause}: {res.detail})")
+
+
+def close_fork_servers() -> None:
+    """Stop the probes' fork servers (:mod:`._forkserver`), if this decision started any."""
+    forkserver = sys.modules.get(FORKSERVER_MODULE)
+    if forkserver is not None:
+        forkserver.close_all()
+
+
+def trusted_results(
+    entries: Mapping[str, CachedResult], reprove: bool
+) -> tuple[dict[str, ProbeResult], list[Event]]:
+    """The cached results to plan with, and an event per cached failure saying whether it is
+    trusted or probed again. A failure seen in one run only may have been an overloaded machine
+    (a timeout under load): with ``reprove`` it is left out, so its candidate is probed again
+    before anything slower is chosen because of it; seen in two runs in a row, it is trusted."""
+    out: dict[str, ProbeResult] = {}
+    events: list[Event] = []
+    for key, e in sorted(entries.items()):
+        if e.result.ok:
+            out[key] = e.result
+            continue
+        trusted = e.seen >= 2 or not reprove
+        if trusted:
+            out[key] = e.result
+        events.append(CachedFailure(key, e.result.status, e.seen, trusted))
+    return out, events
+
+
+def still_valid(results: Mapping[str, ProbeResult], timeout_s: float) -> dict[str, ProbeResult]:
+    """Cached results that still hold for this run: a hang remembered from a shorter timeout
+    than this run's (its elapsed time is the timeout it had) may just have been too impatient.
+    A hang judged from the workers' progress (stuck in a collective) holds whatever the timeout."""
+    return {
+        k: r for k, r in results.items()
+        if judged_hang(r) or not (r.status == TIMEOUT and r.elapsed_s < 0.95 * timeout_s)
+    }
+
+
+def failure_cause(r: RuledOut) -> FailureCause:
+    """Why one candidate is out, for NoWorkingStrategyError."""
+    if r.result is not None:
+        return FailureCause(r.candidate.label, r.candidate.key, r.result.status, r.result.cause,
+                            r.reason)
+    return FailureCause(r.candidate.label, r.candidate.key, "ruled_out",
+                        r.rule or "global_batch_size", r.reason)
+
+
+def default_prober(spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
+    from ..probing.prober import run_probe
+
+    return run_probe(spec, env)

@@ -1,0 +1,124 @@
+"""Platform facts around the GPUs, read from files under ``root`` (testable): the NVSwitch
+fabric, a hypervisor, the RDMA ports' link layer, whether the hostname resolves to loopback.
+
+Each reading is a pure ``parse_*`` function over text, plus a thin reader that turns an
+unreadable file into "unknown" (``None`` / ``""``). No DNS, no process, no framework: the route
+to ``MASTER_ADDR`` is resolved per node where it is used (``nodes/routes.py``), so
+``Platform.master_ifname`` stays unknown here.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping, Sequence
+
+from ..core.facts import Platform
+
+#: DMI system vendors / product names of hypervisors, as words.
+_HYPERVISORS = (
+    ("qemu", "kvm"), ("kvm", "kvm"), ("vmware", "vmware"), ("microsoft corporation", "hyperv"),
+    ("virtualbox", "virtualbox"), ("innotek", "virtualbox"), ("xen", "xen"),
+    ("amazon ec2", "kvm"), ("google compute engine", "kvm"), ("openstack", "kvm"),
+)
+#: How much of /proc/cpuinfo is read: the first processor's block has the flags.
+_CPUINFO_BYTES = 64 << 10
+
+
+def detect_platform(env: Mapping[str, str], root: str = "/") -> Platform:
+    """Read the platform facts; ``root`` lets tests point at a fake file tree."""
+    del env  # nothing of the environment decides these facts (kept for a uniform reader)
+    devices = _list(root, "sys/class/infiniband") or []
+    ports = {d: [(_read(root, f"sys/class/infiniband/{d}/ports/{p}/link_layer") or "",
+                  _read(root, f"sys/class/infiniband/{d}/ports/{p}/state") or "")
+                 for p in _list(root, f"sys/class/infiniband/{d}/ports") or ()]
+             for d in devices}
+    layer, active = parse_rdma(ports)
+    return Platform(
+        nvswitch=parse_nvswitch(_list(root, "proc/driver/nvidia-nvswitch/devices"),
+                                _exists(root, "proc/driver/nvidia")),
+        hypervisor=parse_hypervisor(
+            _read(root, "proc/cpuinfo", _CPUINFO_BYTES),
+            [_read(root, f"sys/devices/virtual/dmi/id/{f}") for f in ("sys_vendor",
+                                                                      "product_name")],
+            _read(root, "sys/hypervisor/type")),
+        rdma_link_layer=layer,
+        rdma_devices=active,
+        hostname_loopback=parse_hosts(_read(root, "etc/hosts"), _hostname()),
+    )
+
+
+def parse_nvswitch(devices: Sequence[str] | None, nvidia_driver: bool) -> bool | None:
+    """True when the NVSwitch driver lists devices; False when the NVIDIA driver is loaded and
+    it lists none; None (unknown) without the driver."""
+    if devices:
+        return True
+    return False if nvidia_driver else None
+
+
+def parse_hypervisor(cpuinfo: str | None, dmi: Sequence[str | None],
+                     xen_type: str | None) -> str:
+    """The hypervisor this runs under ("kvm", "vmware", "hyperv", "xen", ..., "other"), or ""
+    when the CPU does not report one."""
+    if xen_type and xen_type.strip():
+        return "xen"
+    if cpuinfo is None or " hypervisor" not in cpuinfo:
+        return ""
+    words = " ".join((t or "").strip().lower() for t in dmi)
+    return next((name for hint, name in _HYPERVISORS if hint in words), "other")
+
+
+def parse_rdma(ports: Mapping[str, Sequence[tuple[str, str]]]) -> tuple[str, tuple[str, ...]]:
+    """(link layer of the active ports, the HCAs with an active port). The layer is
+    "infiniband" when any active port is InfiniBand, else "ethernet" (RoCE) when any is, else
+    "" (no active RDMA port)."""
+    layers: set[str] = set()
+    active: list[str] = []
+    for device, states in sorted(ports.items()):
+        for layer, state in states:
+            if "ACTIVE" in state.upper():
+                layers.add(layer.strip().lower())
+                if device not in active:
+                    active.append(device)
+    layer = "infiniband" if "infiniband" in layers else "ethernet" if "ethernet" in layers else ""
+    return layer, tuple(active)
+
+
+def parse_hosts(hosts: str | None, hostname: str) -> bool | None:
+    """Whether ``/etc/hosts`` maps the hostname to a loopback address (127.x, ::1): gloo and
+    NCCL then advertise an address the other nodes cannot reach. None when it does not name it."""
+    if hosts is None or not hostname:
+        return None
+    short = hostname.split(".")[0]
+    for line in hosts.splitlines():
+        fields = line.split("#", 1)[0].split()
+        if len(fields) >= 2 and (hostname in fields[1:] or short in fields[1:]):
+            return fields[0].startswith("127.") or fields[0] == "::1"
+    return None
+
+
+# ----- thin readers ------------------------------------------------------------------------------
+def _read(root: str, rel: str, limit: int = 4096) -> str | None:
+    try:
+        with open(os.path.join(root, rel), encoding="utf-8", errors="replace") as f:
+            return f.read(limit)
+    except OSError:
+        return None
+
+
+def _list(root: str, rel: str) -> list[str] | None:
+    try:
+        return sorted(os.listdir(os.path.join(root, rel)))
+    except OSError:
+        return None
+
+
+def _exists(root: str, rel: str) -> bool:
+    return os.path.exists(os.path.join(root, rel))
+
+
+def _hostname() -> str:
+    try:
+        return socket.gethostname()
+    except OSError:
+        return ""

@@ -1,0 +1,148 @@
+"""What a probe costs, in seconds, by how it ends: the prober's own clock, for planning and for
+the testing kit's simulated probes.
+
+Pure: no process, no clock, no environment. A hang is charged what the real prober charges for
+it: the start-up of its workers, then the allowance of the same :class:`StallPolicy` that
+:func:`stall_policy` hands the runner (:mod:`.proc`), because that allowance is when the runner
+cuts it; a hang the progress records cannot judge (TensorFlow across ``TF_CONFIG`` workers, whose
+peers' progress is not seen here) runs to the deadline. A healthy probe is charged its phases at
+the typical figures of its class of machine (:data:`TYPICAL`): start-up (a fresh interpreter that
+imports the framework, or a worker forked from the warm fork server), device and communicator
+set-up, the value-checked all-reduces at every checked size, the timed ones for the bandwidth
+figure, and the training step. A killed probe on GPUs is followed by the GPU health check
+(:mod:`.health`), charged by :func:`after_probe_seconds`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..core.probe import ProbeSpec
+from ..records.progress import StallPolicy
+from .workers.common import CHECK_ITERS, check_sizes
+from .workers.tf_worker import TRACE_ALLOW_S
+from .workers.torch_worker import ITERS, NEW_SIZE_ALLOW_S, PROCESS_GROUP_BACKENDS, WARMUP
+
+#: How a probe ends, as its cost sees it: ``ok`` (healthy, every phase run), a hang the progress
+#: records judge (``setup``, ``straggler``, ``collective``, ``quiet``: see
+#: :class:`~resilient_strategy.records.progress.Stall`) or ``deadline`` (a hang nothing judges
+#: before the probe's timeout).
+HANG_KINDS = ("setup", "straggler", "collective", "quiet")
+ENDINGS = ("ok", *HANG_KINDS, "deadline")
+
+
+def stall_policy(spec: ProbeSpec) -> StallPolicy:
+    """How a probe's hang is judged from its workers' progress (the spec's timeout stays the
+    outer bound). A probe's code never pauses between its records once the communicator is
+    ready, so a silent ready rank is stalled too (``quiet_s``)."""
+    policy = StallPolicy()
+    return StallPolicy(
+        # communicator set-up grows with the ranks (NCCL: bootstrap ring, topology, channels)
+        setup_grace_s=policy.setup_grace_s + 1.0 * ranks_of(spec),
+        quiet_s=policy.arrive_grace_s + policy.collective_base_s,
+    )
+
+
+def ranks_of(spec: ProbeSpec) -> int:
+    """The replicas a probe proves: its processes, or the devices of one TF process."""
+    return max(1, spec.world_size, len(spec.devices))
+
+
+def judged_by_progress(spec: ProbeSpec) -> bool:
+    """Whether the runner judges this probe's hangs from progress (else only the deadline)."""
+    return spec.workers == 1
+
+
+@dataclass(frozen=True)
+class Figures:
+    """Typical seconds of a healthy probe's phases on one class of machine."""
+
+    import_s: float  # start an interpreter and import the framework
+    fork_s: float  # a worker forked from the fork server, the framework already imported
+    device_s: float  # choose and initialize the device (a CUDA context)
+    setup_s: float  # communicator set-up (torch's NCCL connects lazily: inside collective 1)
+    bus_bytes_per_s: float  # all-reduce bus bandwidth of a healthy transport
+    latency_s: float  # each collective call, synchronized
+    step_s: float  # the training step: DDP (or Keras fit) built, traced, two steps
+    health_s: float  # the GPU health check after a killed probe (a fresh import + CUDA init)
+
+
+#: Sources: torch import 2.6 s and the fork server measured on a 16-core host (issue 21);
+#: the field run on 2x H100 (benchmarks/results/h100x2-2026-11-25.md): a hung NCCL probe cut
+#: 9.1 s after its workers were forked with collective 1 allowed 8.0 s (so 1.1 s from fork to
+#: every rank inside it), a healthy cold probe 7.2 s, and 22.5 s for a decision of two probes
+#: (9.1 + 8.2 s) of which ~4 s went to the health check after the hang; gloo on the loaded
+#: 2-core CI machine 0.4 GB/s (records/progress.py); TensorFlow's start-up 5 s
+#: (deciding/notices.py TYPICAL_STARTUP_S) and its traced first collective.
+TYPICAL: dict[tuple[str, bool], Figures] = {
+    # (framework, on GPUs)
+    ("torch", True): Figures(import_s=2.6, fork_s=0.3, device_s=0.6, setup_s=0.2,
+                             bus_bytes_per_s=50e9, latency_s=0.001, step_s=3.4, health_s=4.0),
+    ("torch", False): Figures(import_s=2.6, fork_s=0.3, device_s=0.0, setup_s=0.3,
+                              bus_bytes_per_s=0.4e9, latency_s=0.002, step_s=0.6, health_s=0.0),
+    ("tensorflow", True): Figures(import_s=5.0, fork_s=5.0, device_s=0.6, setup_s=1.0,
+                                  bus_bytes_per_s=20e9, latency_s=0.002, step_s=4.0, health_s=4.0),
+    ("tensorflow", False): Figures(import_s=5.0, fork_s=5.0, device_s=0.0, setup_s=0.5,
+                                   bus_bytes_per_s=0.4e9, latency_s=0.005, step_s=3.0,
+                                   health_s=0.0),
+}
+
+
+def on_gpus(spec: ProbeSpec) -> bool:
+    return bool(spec.devices) and not spec.logical_cpus and spec.backend != "cpu"
+
+
+def figures_for(spec: ProbeSpec) -> Figures:
+    return TYPICAL[("tensorflow" if spec.framework == "tensorflow" else "torch", on_gpus(spec))]
+
+
+def _collective_s(f: Figures, nbytes: int, ranks: int) -> float:
+    return f.latency_s + nbytes * 2 * (ranks - 1) / ranks / f.bus_bytes_per_s
+
+
+def first_collective(spec: ProbeSpec) -> tuple[int, float]:
+    """Bytes and declared allowance of a probe's collective 1, as its worker records them."""
+    nbytes = min(check_sizes(",".join(map(str, spec.check_bytes))))
+    return nbytes, TRACE_ALLOW_S if spec.framework == "tensorflow" else NEW_SIZE_ALLOW_S
+
+
+def probe_seconds(spec: ProbeSpec, ending: str, *, forked: bool = False,
+                  warm: bool = False, figures: Figures | None = None) -> float:
+    """Seconds a probe of ``spec`` runs until it ends as ``ending`` (one of :data:`ENDINGS`),
+    at most its timeout. ``forked``: its workers come from the fork server (torch), which
+    ``warm`` says had already imported the framework for an earlier probe."""
+    if ending not in ENDINGS:
+        raise ValueError(f"probe ending {ending!r}: one of {list(ENDINGS)}")
+    f = figures or figures_for(spec)
+    if ending == "deadline" or (ending != "ok" and not judged_by_progress(spec)):
+        return spec.timeout_s
+    policy = stall_policy(spec)
+    start = (f.fork_s + (0.0 if warm else f.import_s) if forked else f.import_s) + f.device_s
+    ranks = ranks_of(spec)
+    group = spec.framework == "tensorflow" or spec.backend in PROCESS_GROUP_BACKENDS
+    ready = start + (f.setup_s if group else 0.0)
+    if ending == "setup":
+        cost = start + policy.setup_grace_s
+    elif ending == "straggler":
+        cost = start + policy.arrive_grace_s
+    elif ending == "collective":
+        nbytes, allow = first_collective(spec)
+        cost = ready + policy.collective_grace(1, nbytes, allow)
+    elif ending == "quiet":
+        cost = ready + (policy.quiet_s or 0.0)
+    else:
+        cost = ready + f.step_s
+        if group:
+            sizes = check_sizes(",".join(map(str, spec.check_bytes)))
+            cost += sum(CHECK_ITERS * _collective_s(f, n, ranks) for n in sizes)
+            if ranks > 1:
+                cost += (WARMUP + ITERS) * _collective_s(f, spec.message_bytes, ranks)
+    return round(min(cost, spec.timeout_s), 3)
+
+
+def after_probe_seconds(spec: ProbeSpec, ending: str, figures: Figures | None = None) -> float:
+    """Seconds the prober spends after a probe that ended as ``ending``: the GPU health check
+    after a killed probe on GPUs (see :func:`.health.needs_check`), else nothing."""
+    if ending == "ok" or not on_gpus(spec):
+        return 0.0
+    return (figures or figures_for(spec)).health_s

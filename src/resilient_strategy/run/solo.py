@@ -1,0 +1,150 @@
+"""One attempt without torch: the one process of a TensorFlow job (one process drives every
+device there), started, watched and stopped as torch's elastic agent does it for its workers
+(:mod:`.agent`), for an install that has no torch.
+
+- started as :mod:`.worker` (the handoff environment, its stacks on SIGUSR1, its error record,
+  dying with this supervisor however it dies), in its own session
+  (:func:`~resilient_strategy.probing.proc.start_supervised`), stderr to the console and to
+  ``logs/0/stderr.log`` as torch's agent tees it;
+- watched by the same :class:`~.watch.TrainingWatch` on its progress records, every
+  :data:`MONITOR_S` (torchrun's monitor interval);
+- on a stall, its stacks asked for first (:func:`~.agent.dump_stacks`), then stopped with the
+  runner's bounded stop (SIGTERM to its process group, :data:`STOP_GRACE_S`, SIGKILL, reaped:
+  :func:`~resilient_strategy.probing.proc.stop_groups`); on a signal to this supervisor too
+  (raised as :class:`SignalException`, as torch's agent raises its own).
+
+The verdict is :func:`~.verdicts.classify_attempt`'s, from the same stall, exit, error record,
+progress record and stderr tail torch's path reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+from typing import IO
+
+from ..core.options import RunOptions
+from ..errors import ResilientStrategyError
+from ..machine import env as _env
+from ..probing.proc import start_supervised, stop_groups
+from ..records.handoff import Decision, error_path, progress_path
+from ..records.progress import Stall, read_record
+from .agent import _read_json, _stderr_tail, dump_stacks
+from .verdicts import RankExit, Verdict, classify_attempt
+from .watch import TrainingWatch
+
+#: How often the worker's progress is judged (torchrun's ``--monitor-interval`` default).
+MONITOR_S = 0.1
+#: SIGTERM to SIGKILL, and SIGKILL to giving up on the reap (torch's agent's shutdown timeout).
+STOP_GRACE_S = 30.0
+_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
+
+
+class SignalException(Exception):
+    """A signal stopped this supervisor while the worker ran (the worker is stopped first); the
+    supervisor answers it as it answers torch's agent's exception of the same name."""
+
+    def __init__(self, sigval: int) -> None:
+        super().__init__(f"stopped by signal {sigval}")
+        self.sigval = sigval
+
+
+def launch_one(opts: RunOptions, decision: Decision, *, poll_s: float = MONITOR_S,
+               grace_s: float = STOP_GRACE_S) -> Verdict:
+    """One attempt of a one-process decision: start, watch, stop, classify."""
+    if decision.processes != 1 or decision.nodes != 1:
+        raise ResilientStrategyError(
+            f"{decision.label or decision.chosen} needs {decision.processes} processes on "
+            f"{decision.nodes} node(s): without torch, resilient-strategy run starts one "
+            "(pip install torch for torch's elastic agent)")
+    run_dir = Path(decision.run_dir)
+    watch = TrainingWatch([str(progress_path(run_dir, 0))], opts.stall_timeout_s)
+    log_path = run_dir / "logs" / "0" / "stderr.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    argv = (sys.executable, "-u", "-m", "resilient_strategy.run.worker", "--supervisor",
+            str(os.getpid()), str(run_dir / "decision.json"), opts.script, *opts.script_args)
+    stall: Stall | None = None
+    with _signals_as_exception():
+        proc = start_supervised(argv, _env.snapshot(), os.getcwd(), subprocess.PIPE)
+        tee = _Tee(proc.stderr, log_path)
+        try:
+            while proc.poll() is None:
+                stall = watch.poll()
+                if stall is not None:
+                    with contextlib.suppress(Exception):  # evidence before the kill
+                        dump_stacks([proc.pid])
+                    break
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=poll_s)
+        finally:
+            stop_groups([proc], grace_s)
+            tee.join(grace_s)
+    err = _read_json(error_path(run_dir, 0))
+    if stall is not None and err is not None:
+        stall = None  # it raised and had not exited yet: its error is the story, not a stall
+    code = proc.returncode if proc.returncode is not None else -int(signal.SIGKILL)
+    if stall is not None or (code == 0 and err is None):
+        return classify_attempt(stall, [])
+    return classify_attempt(None, [RankExit(
+        rank=0, exitcode=code if code != 0 else 1, error=err,
+        record=read_record(str(progress_path(run_dir, 0))),
+        stderr_tail=_stderr_tail(run_dir / "logs", 0))])
+
+
+class _Tee:
+    """The worker's stderr to this process's stderr and to a file, as it comes."""
+
+    def __init__(self, source: IO[bytes] | None, path: Path) -> None:
+        self._source = source
+        self._path = path
+        self._thread = threading.Thread(target=self._copy, name="rs-stderr-tee", daemon=True)
+        self._thread.start()
+
+    def _copy(self) -> None:
+        if self._source is None:
+            return
+        out = getattr(sys.stderr, "buffer", None)
+        with open(self._path, "wb") as log, self._source:
+            fd = self._source.fileno()
+            while chunk := os.read(fd, 65536):
+                log.write(chunk)
+                log.flush()
+                with contextlib.suppress(OSError, ValueError):
+                    if out is not None:
+                        out.write(chunk)
+                        out.flush()
+                    else:
+                        sys.stderr.write(chunk.decode("utf-8", "replace"))
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+
+
+@contextlib.contextmanager
+def _signals_as_exception() -> Iterator[None]:
+    """SIGTERM, SIGINT and SIGHUP raise :class:`SignalException` while the worker runs (main
+    thread only), so that ``finally`` stops it first; the previous handlers come back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        raise SignalException(signum)
+
+    before = {}
+    for name in _SIGNALS:
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            before[sig] = signal.signal(sig, on_signal)
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
