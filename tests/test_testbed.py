@@ -20,25 +20,29 @@ import pytest
 import testbed as tb
 
 from resilient_strategy.records.progress import COLLECTIVE, COLLECTIVE_DONE, Record
-from resilient_strategy.run.verdicts import RankExit, classify_attempt
+from resilient_strategy.run.exitcodes import ExitCode
+from resilient_strategy.run.verdicts import RankExit, VerdictKind, classify_attempt
 
 #: Detection: the stall allowance plus this much (the watch's poll, stopping the workers).
 MARGIN_S = 6.0
+#: What the supervisor may do after a fault that is not the script's (its policy: retry the
+#: same strategy once, or step down).
+RELAUNCHED = ("retry", "step_down")
+#: node 1, cut off, does not end by itself: the bed kills what is left at this limit
+LINK_DOWN_LIMIT_S = 100.0
 
 
 # --- fast: what the bed taught, as data ----------------------------------------------------------
 
-def test_a_rank_killed_from_outside_is_a_fault_of_the_group_wherever_it_was() -> None:
+def test_a_rank_killed_from_outside_is_an_exit_wherever_it_was() -> None:
     # node 1 of the bed saw only its own worker SIGKILLed between two collectives; node 0 saw a
-    # communication error: the verdicts must agree that the group is broken, not the script
+    # communication error: the rank that vanished is the root cause (retried), not the script
     killed = RankExit(0, -signal.SIGKILL, None, Record(5, COLLECTIVE_DONE, 8, t=1.0))
     v = classify_attempt(None, [killed])
-    assert (v.kind, v.retry, v.step, v.cause) == ("backend", True, 8, "crash")
-    segfault = RankExit(0, -signal.SIGSEGV, None, Record(5, COLLECTIVE_DONE, 8, t=1.0))
-    assert classify_attempt(None, [segfault]).kind == "crash"  # a crash of its own stays one
+    assert (v.kind, v.step, v.cause) == (VerdictKind.EXIT, 8, "crash")
     said = RankExit(0, -signal.SIGKILL, {"types": ["builtins.ValueError"], "message": "x"},
                     Record(5, COLLECTIVE, 8, t=1.0))
-    assert classify_attempt(None, [said]).kind == "user"  # its own error is the story
+    assert classify_attempt(None, [said]).kind is VerdictKind.USER  # its own error is the story
 
 
 def test_gloo_between_nodes_binds_to_the_route_to_the_master_unless_the_user_chose() -> None:
@@ -93,8 +97,9 @@ def test_sigkill_of_a_worker_relaunches_and_finishes_every_step(bed: tb.Bed,
                                                                 tmp_path: Path) -> None:
     o = tb.run_fault(bed, tmp_path, "sigkill")
     assert o.codes == (0, 0), o
-    assert o.relaunched and o.failure is not None, o
-    assert (o.failure["status"], o.failure["cause"]) == ("error", "crash"), o
+    assert o.relaunched and o.verdict is not None, o
+    assert (o.verdict["kind"], o.verdict["cause"]) == ("exit", "crash"), o
+    assert o.action in RELAUNCHED, o
     assert o.stopped_s is not None and o.stopped_s < tb.STALL_S + MARGIN_S, o
     assert o.training_again_s is not None, o
     _finished_exactly(o)
@@ -106,8 +111,9 @@ def test_sigstop_of_a_worker_is_a_stall_detected_within_the_allowance(bed: tb.Be
                                                                       tmp_path: Path) -> None:
     o = tb.run_fault(bed, tmp_path, "sigstop")
     assert o.codes == (0, 0), o
-    assert o.relaunched and o.failure is not None, o
-    assert (o.failure["status"], o.failure["cause"]) == ("error", "timeout"), o
+    assert o.relaunched and o.verdict is not None, o
+    assert (o.verdict["kind"], o.verdict["cause"]) == ("stall", "timeout"), o
+    assert o.action in RELAUNCHED, o
     assert o.stopped_s is not None and o.stopped_s < tb.STALL_S + MARGIN_S, o
     _finished_exactly(o)
 
@@ -118,7 +124,7 @@ def test_a_straggler_shorter_than_the_allowance_is_not_relaunched(bed: tb.Bed,
                                                                   tmp_path: Path) -> None:
     o = tb.run_fault(bed, tmp_path, "straggler")
     assert o.codes == (0, 0), o
-    assert o.attempts == ((0,), (0,)) and o.failure is None, o
+    assert o.attempts == ((0,), (0,)) and o.history == (), o
     _finished_exactly(o)
 
 
@@ -130,4 +136,39 @@ def test_a_decoy_default_route_is_never_what_gloo_binds_to(bed: tb.Bed, tmp_path
     assert o.codes == (0, 0), o
     assert o.attempts == ((0,), (0,)) and o.chosen == (("torch:gloo:cpu", 2),), o
     assert bed.nodes[1].address in o.addresses and o.decoy not in o.addresses, o
+    _finished_exactly(o)
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+def test_silent_loss_on_the_bridge_is_a_collective_stall_then_a_relaunch(bed: tb.Bed,
+                                                                          tmp_path: Path) -> None:
+    # the bridge's side of node 1's link down (node 1's own link stays up: its sends vanish,
+    # nothing errors), restored just after the allowance: a transient
+    o = tb.run_fault(bed, tmp_path, "bridge_down")
+    assert o.codes == (0, 0), o
+    assert o.relaunched and o.verdict is not None, o
+    assert (o.verdict["kind"], o.verdict["cause"]) == ("stall", "timeout"), o
+    assert o.action in RELAUNCHED, o
+    assert o.stopped_s is not None and o.stopped_s < tb.STALL_S + MARGIN_S, o
+    _finished_exactly(o)
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+def test_a_node_whose_link_goes_down_is_detected_within_the_allowance(bed: tb.Bed,
+                                                                      tmp_path: Path) -> None:
+    o = tb.run_fault(bed, tmp_path, "link_down", limit_s=LINK_DOWN_LIMIT_S)
+    # node 0's collective waits on a node that is gone: a stall, judged within the allowance
+    assert o.stopped_s is not None and o.stopped_s < tb.STALL_S + MARGIN_S, o
+    # node 0 either trains on or stops as the machine's failure (requeue elsewhere), never as
+    # the script's or the command line's, never "done" with steps missing
+    assert (o.codes[0] == ExitCode.SUCCESS and o.final_steps == o.expected_steps) or (
+        o.codes[0] == ExitCode.INFRASTRUCTURE), o
+    if o.final_steps != o.expected_steps or o.codes[1] == -signal.SIGKILL:
+        # found by this bed (docs/reliability.md): node 0 stops at the relaunch agreement
+        # (node 1 never joins) instead of training on alone, and node 1, cut off, never ends by
+        # itself (its worker outlives its supervisor killed at the bed's limit)
+        pytest.xfail(f"a lost node ends the job (exit codes {o.codes}, steps "
+                     f"{o.final_steps}/{o.expected_steps})")
     _finished_exactly(o)

@@ -41,6 +41,7 @@ PREFIX = "rstb"  # every namespace, link and /etc/netns entry the bed makes star
 NET = "198.18.0"  # the nodes' network (/24): benchmarking range, never routed off the machine
 DECOY_NET = "198.19.0"  # a decoy's network: same range, reaches nobody
 PORT = 29400  # the rendezvous port on node 0 (each node has its own port space)
+PROBE_S = 40.0  # --probe-timeout: the probe across nodes takes ~10 s, longer on busy cores
 IP_TIMEOUT_S = 10.0  # a deadline on every `ip` command
 WORKER = "resilient_strategy.run.worker"
 
@@ -244,7 +245,7 @@ class Job:
     """``resilient-strategy run --nnodes N`` on every node of ``bed``, watched from outside."""
 
     def __init__(self, bed: Bed, work: Path, script: Path, script_args: Sequence[str], *,
-                 stall_timeout: float, probe_timeout: float = 20.0,
+                 stall_timeout: float, probe_timeout: float = PROBE_S,
                  extra_env: Mapping[str, str] | None = None, limit_s: float = 240.0) -> None:
         self.bed, self.work, self.limit_s = bed, work, limit_s
         self.capture = Capture()
@@ -288,8 +289,8 @@ class Job:
         now = time.monotonic()
         c = self.capture
         for node in self.bed.nodes:
-            for run_dir in (self.work / f"node{node.index}" / "tmp").glob(
-                    "resilient-strategy-run-*/attempt*"):
+            # the supervisors' sessions (the node's TMPDIR is its own)
+            for run_dir in (self.work / f"node{node.index}" / "tmp").glob("*/attempt*"):
                 with contextlib.suppress(ValueError):
                     key = (node.index, int(run_dir.name.removeprefix("attempt")))
                     c.first_seen.setdefault(key, now)
@@ -345,6 +346,16 @@ class Job:
         finally:
             self.stop()
         return codes
+
+    def history(self, node: int) -> list[dict[str, Any]]:
+        """The node's supervisor's record of every attempt (``attempts.json`` in its evidence
+        directory, written when there was a fault): candidate, verdict, action, exit code."""
+        for path in (self.work / f"node{node}").glob(
+                "resilient-strategy-evidence/*/attempts.json"):
+            data = _read(path)
+            if data is not None and isinstance(data.get("attempts"), list):
+                return [a for a in data["attempts"] if isinstance(a, dict)]
+        return []
 
     def stop(self) -> None:
         for p in self.procs:
@@ -418,7 +429,7 @@ class Outcome:
     final_steps: int | None  # the optimizer-step count of the last checkpoint noted
     attempts: tuple[tuple[int, ...], ...]  # per node: the launch attempts it decided
     chosen: tuple[tuple[str, int], ...]  # node 0's decisions: (candidate key, nodes)
-    failure: Mapping[str, Any] | None  # the mid-run failure node 0 recorded for the relaunch
+    history: tuple[Mapping[str, Any], ...]  # node 0's attempts.json: verdict, action, exit code
     fault_step: int  # the step rank 0 had done when the fault struck
     stopped_s: float | None  # fault -> the faulted attempt's workers gone on node 0
     relaunched_s: float | None  # fault -> the next attempt's decision written (node 0)
@@ -431,13 +442,25 @@ class Outcome:
     def relaunched(self) -> bool:
         return len(self.attempts[0]) > 1
 
+    @property
+    def verdict(self) -> Mapping[str, Any] | None:
+        """Node 0's verdict on the faulted attempt (kind, cause, step), None without a fault."""
+        return self.history[0]["verdict"] if self.history else None
+
+    @property
+    def action(self) -> str | None:
+        """What node 0's supervisor did after the faulted attempt (retry, step_down, stop)."""
+        return str(self.history[0]["action"]) if self.history else None
+
     def row(self) -> dict[str, Any]:
         def s(x: float | None) -> str:
             return "-" if x is None else f"{x:.1f}"
 
-        verdict = "-" if self.failure is None else str(self.failure.get("cause", "?"))
-        action = (f"relaunch on {self.chosen[1][0].split(':')[1]} x{self.chosen[1][1]} node(s)"
-                  if self.relaunched else "none")
+        v = self.verdict
+        verdict = "-" if v is None else f"{v.get('kind')} ({v.get('cause') or '-'})"
+        action = self.action or "none"
+        if self.relaunched:
+            action += (f": {self.chosen[1][0].split(':')[1]} on {self.chosen[1][1]} node(s)")
         return {"fault": self.fault, "exit codes": ",".join(map(str, self.codes)),
                 "fault at step": self.fault_step, "stopped s": s(self.stopped_s),
                 "verdict (cause)": verdict, "action": action,
@@ -507,16 +530,13 @@ def run_fault(bed: Bed, work: Path, fault: str, *, stall_s: float = STALL_S,
     c = job.capture
     again = [p.at for p in c.progress if p.attempt >= 1]
     decided = c.first_seen.get((0, 1))
-    d1 = c.decisions.get((0, 1))
-    d0 = c.decisions.get((0, 0), {})
-    failure = None if d1 is None else d1.get("results", {}).get(d0.get("chosen", ""))
     base = t0 if t0 is not None else 0.0
     return Outcome(
         fault=fault, codes=codes, expected_steps=EXPECTED_STEPS, final_steps=c.final_steps(),
         attempts=tuple(tuple(c.attempts(n.index)) for n in bed.nodes),
         chosen=tuple((str(c.decisions[(0, a)]["chosen"]), int(c.decisions[(0, a)]["nodes"]))
                      for a in c.attempts(0)),
-        failure=failure, fault_step=fault_step,
+        history=tuple(job.history(0)), fault_step=fault_step,
         stopped_s=None if stopped is None or fault in ("none", "straggler", "decoy")
         else stopped - base,
         relaunched_s=None if decided is None else decided - base,
