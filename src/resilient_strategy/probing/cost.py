@@ -140,12 +140,9 @@ def probe_seconds(spec: ProbeSpec, ending: str, *, forked: bool = False,
     return round(min(cost, spec.timeout_s), 3)
 
 
-def after_probe_seconds(spec: ProbeSpec, ending: str, figures: Figures | None = None, *,
-                        forked: bool = False) -> float:
+def after_probe_seconds(spec: ProbeSpec, ending: str, figures: Figures | None = None) -> float:
     """Seconds the prober spends after a probe that ended as ``ending``: the GPU health check
-    after a killed probe on GPUs (see :func:`.health.needs_check`), else nothing. ``forked``:
-    the check forks from the probe's fork server (torch), so it skips the framework's import."""
+    after a killed probe on GPUs (see :func:`.health.needs_check`), else nothing."""
     if ending == "ok" or not on_gpus(spec):
         return 0.0
-    f = figures or figures_for(spec)
-    return max(0.0, f.health_s - f.import_s + f.fork_s) if forked else f.health_s
+    return (figures or figures_for(spec)).health_s

@@ -70,24 +70,19 @@ def broken_gpus(devices: Sequence[int], report: str, timed_out: bool,
 
 
 def check_after(spec: ProbeSpec, result: ProbeResult, env: Mapping[str, str], *,
-                python: str = sys.executable, timeout_s: float = HEALTH_TIMEOUT_S,
-                spawn: _proc.Spawn | None = None) -> None:
-    """Raise :class:`GpuUnusableError` when ``result`` left a GPU of ``spec`` unusable.
-    ``spawn``: start the check another way (the probe's fork server: the framework is imported
-    already, so the check costs CUDA's initialization, not an import)."""
+                python: str = sys.executable, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
+    """Raise :class:`GpuUnusableError` when ``result`` left a GPU of ``spec`` unusable."""
     if not needs_check(spec, result):
         return
-    broken = run_check(spec.framework, spec.devices, env, python=python, timeout_s=timeout_s,
-                       spawn=spawn)
+    broken = run_check(spec.framework, spec.devices, env, python=python, timeout_s=timeout_s)
     if broken:
         raise GpuUnusableError(broken, after=f"the hung probe of {spec.candidate} was killed")
 
 
 def run_check(framework: str, devices: Sequence[int], env: Mapping[str, str], *,
               python: str = sys.executable, timeout_s: float = HEALTH_TIMEOUT_S,
-              spawn: _proc.Spawn | None = None) -> list[tuple[int, str]]:
-    """Check each GPU in a new process (fresh, or forked by ``spawn``: its CUDA is initialized
-    only in the child); the broken ones with why."""
+              ) -> list[tuple[int, str]]:
+    """Check each GPU in a fresh process; the broken ones with why."""
     wenv = dict(env)
     existing = env.get("PYTHONPATH", "")
     wenv["PYTHONPATH"] = os.pathsep.join([PACKAGE_ROOT, existing]) if existing else PACKAGE_ROOT
@@ -98,7 +93,7 @@ def run_check(framework: str, devices: Sequence[int], env: Mapping[str, str], *,
                 "--parent-pid", str(os.getpid()))
         cmd = _proc.WorkerCommand(argv=argv, env=wenv, cwd=tmp, report_path=report)
         try:
-            group = _proc.run_group([cmd], timeout_s, spawn=spawn)
+            group = _proc.run_group([cmd], timeout_s)
         except OSError as exc:
             return [(d, f"the health check could not start: {exc}") for d in devices]
     o = group.outcomes[0]

@@ -53,8 +53,7 @@ def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.exec
                                detail=f"could not start the probe worker {python!r}: {exc}")
     result = parse_probe(spec, group.outcomes, group.elapsed_s, group.timed_out, group.stall,
                          signatures_from_env(env, os.pathsep))
-    # the check forks from the probe's server where there is one (the import is paid already)
-    health.check_after(spec, result, env, python=python, spawn=_fork_spawner(spec, env, python))
+    health.check_after(spec, result, env, python=python)
     return result
 
 

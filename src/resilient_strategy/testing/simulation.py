@@ -441,7 +441,7 @@ class SimulatedProber:
             if ending == "collective" and not res.extra:  # a plain "timeout", as judged
                 res = replace(res, detail="simulated hang (collective)",
                               extra=(("hang", "collective"),))
-            after = _cost.after_probe_seconds(spec, ending, self.figures, forked=forked)
+            after = _cost.after_probe_seconds(spec, ending, self.figures)
         self.elapsed_s += res.elapsed_s + after
         return res
 
