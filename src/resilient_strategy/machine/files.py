@@ -164,26 +164,8 @@ def read_bytes(path: Path, *, max_bytes: int, owned: bool = True) -> bytes:
     if not owned:
         return read_user_file(path, max_bytes)
     where = str(path)
-    flags = os.O_RDONLY | _CLOEXEC | _NONBLOCK | _NOFOLLOW
+    fd, st = _open_owned_fd(path)
     try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.EMLINK) and os.path.islink(path):
-            raise UnsafePathError(where, "is a symbolic link", _fix_file(where)) from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UnsafePathError(where, NOT_REGULAR, _fix_file(where))
-        if sys.platform != "win32":
-            if st.st_uid != _euid():
-                raise UnsafePathError(
-                    where, f"is owned by uid {st.st_uid}, not by this user (uid {_euid()})",
-                    _fix_file(where))
-            if st.st_mode & 0o022:
-                raise UnsafePathError(
-                    where, f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})",
-                    _fix_file(where))
         if st.st_size > max_bytes:
             raise FileFormatError(where, f"is {st.st_size} bytes, more than the {max_bytes} "
                                   "this reader takes")
@@ -202,11 +184,9 @@ def read_bytes(path: Path, *, max_bytes: int, owned: bool = True) -> bytes:
         os.close(fd)
 
 
-def open_owned(path: Path) -> Any:
-    """``path`` opened for reading (a binary file object), with the rules of :func:`read_bytes`
-    for ``owned=True`` but no size bound: a regular file, not through a symlink, this user's
-    own, not writable by group or others; never blocking on a FIFO. For large files a reader
-    streams (checkpoints). Raises UnsafePathError, FileNotFoundError, OSError."""
+def _open_owned_fd(path: Path) -> tuple[int, os.stat_result]:
+    """``path`` opened read-only (never through a symlink, never blocking on a FIFO) and checked:
+    a regular file, this user's own, not writable by group or others. The caller closes it."""
     where = str(path)
     try:
         fd = os.open(path, os.O_RDONLY | _CLOEXEC | _NONBLOCK | _NOFOLLOW)
@@ -230,6 +210,15 @@ def open_owned(path: Path) -> Any:
     except BaseException:
         os.close(fd)
         raise
+    return fd, st
+
+
+def open_owned(path: Path) -> Any:
+    """``path`` opened for reading (a binary file object), with the rules of :func:`read_bytes`
+    for ``owned=True`` but no size bound: a regular file, not through a symlink, this user's
+    own, not writable by group or others; never blocking on a FIFO. For large files a reader
+    streams (checkpoints). Raises UnsafePathError, FileNotFoundError, OSError."""
+    fd, _ = _open_owned_fd(path)
     return os.fdopen(fd, "rb")
 
 
