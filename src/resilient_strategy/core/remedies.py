@@ -21,7 +21,7 @@ from typing import Any
 from ..errors import FileFormatError, InvalidRuleError, UnsafePathError
 from ..vocab import BACKENDS
 from . import bounded as _bounded
-from .rules import Clause, FactValue, clause_holds, parse_clause
+from .rules import Clause, FactValue, clause_holds, parse_clause, table_id
 
 #: The table format this code reads.
 VERSION = 1
@@ -109,15 +109,7 @@ def _strings(value: object, key: str, rid: str, origin: str) -> tuple[str, ...]:
 
 def remedy_from_dict(d: Mapping[str, Any], origin: str, where: str) -> Remedy:
     """One remedy from its TOML table; every problem an :class:`InvalidRuleError` naming it."""
-    if not isinstance(d, Mapping):
-        raise InvalidRuleError(where, f"a remedy must be a table ([[remedy]]), not {d!r}", origin)
-    rid = d.get("id")
-    if not isinstance(rid, str) or not rid.strip():
-        raise InvalidRuleError(where, f"every remedy needs an id, not {rid!r}", origin)
-    rid = rid.strip()
-    extra = sorted(set(d) - _KEYS)
-    if extra:
-        raise InvalidRuleError(rid, f"unknown key(s) {extra}; allowed: {sorted(_KEYS)}", origin)
+    rid = table_id(d, "remedy", _KEYS, origin, where)
     env = d.get("env")
     if not isinstance(env, Mapping) or not env or not all(
             isinstance(k, str) and k and isinstance(v, str) for k, v in env.items()):

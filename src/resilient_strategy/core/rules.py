@@ -442,3 +442,19 @@ def fired(rules: Iterable[Rule], facts: Facts, framework: str,
         if (not r.framework or r.framework == framework)
         and all(clause_holds(c, values) for c in r.when)
     )
+
+
+def table_id(d: Any, what: str, keys: frozenset[str] | set[str], origin: str, where: str) -> str:
+    """The id of one ``[[what]]`` table of a data file (rules, signatures, remedies), after
+    checking it is a table with a non-empty id and no key outside ``keys``; every problem an
+    :class:`InvalidRuleError` naming the entry and the file."""
+    if not isinstance(d, Mapping):
+        raise InvalidRuleError(where, f"a {what} must be a table ([[{what}]]), not {d!r}", origin)
+    tid = d.get("id")
+    if not isinstance(tid, str) or not tid.strip():
+        raise InvalidRuleError(where, f"every {what} needs an id, not {tid!r}", origin)
+    tid = tid.strip()
+    extra = sorted(set(d) - set(keys))
+    if extra:
+        raise InvalidRuleError(tid, f"unknown key(s) {extra}; allowed: {sorted(keys)}", origin)
+    return tid

@@ -21,6 +21,7 @@ from typing import Any
 from ..errors import FileFormatError, InvalidRuleError, UnsafePathError
 from . import bounded as _bounded
 from .causes import CAUSES
+from .rules import table_id
 
 #: The table format this code reads; a file of a newer version is refused (it may mean more).
 VERSION = 1
@@ -78,16 +79,7 @@ class Signatures:
 
 def signature_from_dict(d: Mapping[str, Any], origin: str, where: str) -> Signature:
     """One entry from its TOML table; every problem is an :class:`InvalidRuleError` naming it."""
-    if not isinstance(d, Mapping):
-        raise InvalidRuleError(where, f"a signature must be a table ([[signature]]), not {d!r}",
-                               origin)
-    sid = d.get("id")
-    if not isinstance(sid, str) or not sid.strip():
-        raise InvalidRuleError(where, f"every signature needs an id, not {sid!r}", origin)
-    sid = sid.strip()
-    extra = sorted(set(d) - _KEYS)
-    if extra:
-        raise InvalidRuleError(sid, f"unknown key(s) {extra}; allowed: {sorted(_KEYS)}", origin)
+    sid = table_id(d, "signature", _KEYS, origin, where)
     cause, kind, source = d.get("cause"), d.get("kind", ""), d.get("source")
     if cause not in CAUSES or not cause or cause in ("budget", "timeout_short"):
         raise InvalidRuleError(sid, f"cause must be one of {sorted(c for c in CAUSES if c)}, "
