@@ -2,6 +2,9 @@
 (explicit argument > the user's environment > our default), and ``resilient-strategy run``'s
 command line into :class:`RunOptions`.
 
+Slightly over ~450 lines: every argument and every ``RESILIENT_STRATEGY_*`` variable is read
+and checked here, once, so that each error names what the user typed.
+
 The arguments travel in small groups (:class:`Arguments`: training, model, probing, cache,
 rules) rather than one 25-keyword call; :func:`options_from` still takes the flat keywords that
 ``resilient_strategy()`` passes on (``options_from(facts, env, framework="torch", ...)``).

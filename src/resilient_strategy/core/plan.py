@@ -1,5 +1,10 @@
 """The planner: facts + rules + probe results + policy -> ordered candidates and a trace.
 
+Longer than ~450 lines on purpose: the planner's steps (chain, rules, batch split, memory,
+results, ranking, choice) each take and return data in order, and reading them top to bottom is
+reading one plan; each step's tables live in their own modules (rules, remedies, sharding,
+estimate).
+
 Pure: takes data, returns data. It never imports os, subprocess, pynvml or a framework (a test
 checks this). The executor calls :func:`plan` in a loop: probe ``plan.next_probe``, add its
 result, plan again, until a candidate is chosen. Each round adds a result for a new candidate,

@@ -1,5 +1,8 @@
 """Probe worker for TensorFlow: one process that proves a strategy over its devices works.
 
+Slightly over ~450 lines: one script per framework, run as ``python -m``; its strategy
+building, checked collectives, multi-worker verdict and training step share one process.
+
     python -m resilient_strategy.probing.workers.tf_worker --backend B [--devices 0,1] [--logical-cpus N] \\
         --message-bytes N --report PATH [--no-train-step] [--parent-pid PID]
 
