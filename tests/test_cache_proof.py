@@ -19,7 +19,7 @@ from resilient_strategy.deciding.cache import (
     refusal,
 )
 from resilient_strategy.deciding.decide import LOW_SPACE_BYTES, remember_midrun, space_short
-from resilient_strategy.run.supervisor import _remember
+from resilient_strategy.run.supervisor import remember_failures
 from resilient_strategy.run.verdicts import RankExit, VerdictKind, classify_attempt, one_line
 from resilient_strategy.testing import machine, simulate
 from resilient_strategy.testing.simulation import SimulatedProber
@@ -92,7 +92,7 @@ def test_user_exception_that_looks_like_a_network_error_does_not_poison_the_cach
     opts = RunOptions(script="train.py", framework="torch", nproc=1)
     for _ in range(2):
         failure = _user_error_verdict(types, message)
-        _remember(facts, opts, env, {failure.candidate: failure})  # the supervisor's own call
+        remember_failures(facts, opts, env, {failure.candidate: failure})  # the supervisor's own call
     assert DecisionCache(tmp_path).all_entries(facts.fingerprint()) == {}
     sel = simulate(facts, framework="torch", cache=True, cache_dir=tmp_path)
     assert sel.backend == "cpu"

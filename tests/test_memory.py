@@ -25,7 +25,7 @@ from resilient_strategy.core.rules import load_rules
 from resilient_strategy.core.trace import CandidateRuledOut, MemoryChecked, ShardingDecided
 from resilient_strategy.deciding.executor import resilient_strategy
 from resilient_strategy.errors import InvalidOptionError, ModelDoesNotFitError
-from resilient_strategy.machine.host import _parse_meminfo
+from resilient_strategy.machine.host import parse_meminfo
 from resilient_strategy.testing.simulation import gpu, machine
 
 RULES = load_rules()
@@ -203,9 +203,9 @@ def test_gpu_describes_free_memory_and_machine_takes_gpu_objects() -> None:
 
 def test_meminfo_gives_available_bytes() -> None:
     text = "MemTotal:       16314856 kB\nMemFree:  1 kB\nMemAvailable:   12000000 kB\n"
-    assert _parse_meminfo(text) == 12000000 * 1024
-    assert _parse_meminfo("MemTotal: 5 kB\n") is None
-    assert _parse_meminfo(None) is None
+    assert parse_meminfo(text) == 12000000 * 1024
+    assert parse_meminfo("MemTotal: 5 kB\n") is None
+    assert parse_meminfo(None) is None
 
 
 class _P:

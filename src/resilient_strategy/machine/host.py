@@ -56,7 +56,7 @@ def detect_host(env: Mapping[str, str], root: str = "/") -> Host:
         kernel=(_read(root, "proc/sys/kernel/osrelease") or "").strip(),
         cpu_count=_cpu_count(),
         platform=sys.platform,
-        memory_available_bytes=_parse_meminfo(_read(root, "proc/meminfo")),
+        memory_available_bytes=parse_meminfo(_read(root, "proc/meminfo")),
     )
 
 
@@ -159,7 +159,7 @@ def parse_iommu(
 
 
 # ----- thin readers ------------------------------------------------------------------------------
-def _parse_meminfo(text: str | None) -> int | None:
+def parse_meminfo(text: str | None) -> int | None:
     """MemAvailable of /proc/meminfo, in bytes (the kernel's estimate of what new processes can
     use without swapping); None when absent."""
     for line in (text or "").splitlines():

@@ -236,7 +236,7 @@ def _step_down(opts: RunOptions, facts: Any, env: Mapping[str, str],
         f"failed mid-run at step {verdict.step}: {one_line(verdict.summary, 500)}",
         extra=(("mid_run", str(verdict.step)),) + ((("rehearsal", "1"),) if rehearsed else ()))
     if verdict.pinned and not rehearsed:  # only a backend's signature is remembered
-        _remember(facts, opts, env, {chosen: failures[chosen]})
+        remember_failures(facts, opts, env, {chosen: failures[chosen]})
     try:
         nxt = _decide(opts, facts, env, failures, session, attempt, tuple(notes), link)
     except NoWorkingStrategyError as exc:
@@ -420,7 +420,7 @@ def _prober(spec: Any, env: Mapping[str, str]) -> ProbeResult:
     return run_probe(spec, env)
 
 
-def _remember(facts: Any, opts: RunOptions, env: Mapping[str, str],
+def remember_failures(facts: Any, opts: RunOptions, env: Mapping[str, str],
               results: Mapping[str, ProbeResult]) -> None:
     from ..deciding.cache import DecisionCache
 
