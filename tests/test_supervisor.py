@@ -558,3 +558,34 @@ def test_the_fault_variable_outside_run_is_an_error() -> None:
         resilient_strategy(framework="torch", facts=machine(0), probe="never",
                            env={"RESILIENT_STRATEGY_TRAIN_FAULT": "exit:0:cpu:3"})
     assert err.value.option == "RESILIENT_STRATEGY_TRAIN_FAULT"
+
+
+class _Peers:
+    """What the supervisor uses of a PeerWatch: this node, its record, every node's records."""
+
+    def __init__(self, node: int, others: list[PeerFault]) -> None:
+        self.link = type("Link", (), {"node": node, "nodes": 2})()
+        self.others, self.recorded = others, []
+
+    def record(self, fault: PeerFault) -> None:
+        self.recorded.append(fault)
+
+    def await_all(self, timeout_s: float) -> list[PeerFault]:
+        return [*self.recorded, *self.others]
+
+
+def test_a_node_that_finished_is_not_undone_by_a_peer_gone_after_the_job() -> None:
+    """Node 0 hosts the store and may exit first once the job is done: node 1, whose ranks
+    finished every collective, must not read the vanished store as a lost node (it exited 75
+    after a finished job under load in the namespace bed)."""
+    from resilient_strategy.run.supervisor import verdict_with_peers
+
+    ok = Verdict(VerdictKind.OK, "finished")
+    lost = PeerFault(0, "", Verdict(VerdictKind.LOST, "node 0 gave no verdict", node=0))
+    assert verdict_with_peers(_Peers(1, [lost]), "torch:gloo:cpu", ok).kind is VerdictKind.OK
+    # a fault of this node's own still meets the peers' records as before
+    died = Verdict(VerdictKind.EXIT, "a rank left", 8, "crash")
+    assert verdict_with_peers(_Peers(1, [lost]), "torch:gloo:cpu", died).kind in (
+        VerdictKind.EXIT, VerdictKind.LOST)
+    user = PeerFault(0, "torch:gloo:cpu", Verdict(VerdictKind.USER, "the script failed", node=0))
+    assert verdict_with_peers(_Peers(1, [user]), "torch:gloo:cpu", ok).kind is VerdictKind.USER

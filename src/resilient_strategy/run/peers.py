@@ -144,11 +144,12 @@ class PeerWatch:
         if self.store is None:
             return []
         deadline = self.clock() + timeout_s
-        faults = self.faults()
-        while len({f.node for f in faults}) < self.link.nodes and self.clock() < deadline:
+        read = {f.node: f for f in self.faults()}  # kept: a record read stays read
+        while len(read) < self.link.nodes and self.clock() < deadline:
             time.sleep(PEER_POLL_S / 5)
-            faults = self.faults()
-        seen = {f.node for f in faults}
+            read.update((f.node, f) for f in self.faults())
+        faults = [read[n] for n in sorted(read)]
+        seen = set(read)
         return faults + [PeerFault(n, "", Verdict(
             VerdictKind.LOST, f"node {n}'s supervisor gave no verdict within {timeout_s:g} s "
             "(it vanished)", node=n, where=f"node {n}")) for n in range(self.link.nodes)

@@ -75,7 +75,7 @@ from .policy import (
     floor_refusal,
     judge,
 )
-from .verdicts import PeerFault, Verdict, merge, one_line
+from .verdicts import PeerFault, Verdict, VerdictKind, merge, one_line
 
 log = logging.getLogger("resilient_strategy")
 
@@ -167,7 +167,7 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
             return interrupted(signum)
         verdict = effective(verdict, choice.candidate.num_replicas)
         if peer is not None:
-            verdict = _with_peers(peer, decision.chosen, verdict)
+            verdict = verdict_with_peers(peer, decision.chosen, verdict)
         judgement = judge(verdict, decision.chosen, history, policy)
         label = _label(decision)
         if not verdict.ok:  # the fault's line first; its evidence is written below
@@ -340,13 +340,20 @@ def _store_timeout(opts: RunOptions | None) -> float:
     return max(10.0, (opts.probe_timeout_s or 0.0) if opts is not None else 0.0)
 
 
-def _with_peers(peer: PeerWatch, chosen: str, verdict: Verdict) -> Verdict:
+def verdict_with_peers(peer: PeerWatch, chosen: str, verdict: Verdict) -> Verdict:
     """Every node's verdict on the attempt, merged the same way on every node (so that all
     retry, step down or stop together): this node's is recorded for the others, theirs are
     awaited (a node whose record never comes is lost)."""
     peer.record(PeerFault(peer.link.node, chosen, verdict))
     merged = merge(peer.await_all(_store_timeout(opts=None)))
-    return verdict if merged is None else merged
+    if merged is None:
+        return verdict
+    if verdict.ok and merged.kind is VerdictKind.LOST:
+        # this node's ranks finished every collective of the job, so the silent node took part
+        # to the end: the job is done (the node that hosts the store takes it along when it
+        # exits first, and its record can no longer be read)
+        return verdict
+    return merged
 
 
 def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
