@@ -21,7 +21,7 @@ from typing import Any
 from ..errors import FileFormatError, InvalidRuleError, UnsafePathError
 from ..vocab import BACKENDS
 from . import bounded as _bounded
-from .rules import Clause, FactValue, clause_holds, parse_clause, table_id
+from .rules import Clause, FactValue, clause_holds, data_tables, parse_clause, table_id
 
 #: The table format this code reads.
 VERSION = 1
@@ -134,21 +134,7 @@ def remedy_from_dict(d: Mapping[str, Any], origin: str, where: str) -> Remedy:
 
 def parse_remedies(text: str, origin: str) -> tuple[tuple[Remedy, ...], dict[str, tuple[str, ...]]]:
     """The remedies and cause lists of one TOML document (bounded parse)."""
-    try:
-        data = _bounded.parse_toml(text, origin)
-    except FileFormatError as exc:
-        raise InvalidRuleError("?", exc.problem, origin) from None
-    unknown = sorted(set(data) - {"version", "remedy", "causes"})
-    if unknown:
-        raise InvalidRuleError("?", f"unknown top-level key(s) {unknown}; write a version, "
-                               "[causes] and [[remedy]] tables", origin)
-    version = data.get("version")
-    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= VERSION:
-        raise InvalidRuleError("?", f"version must be an integer from 1 to {VERSION}, not "
-                               f"{version!r}", origin)
-    tables = data.get("remedy", [])
-    if not isinstance(tables, list):
-        raise InvalidRuleError("?", "'remedy' must be an array of tables ([[remedy]])", origin)
+    data, tables = data_tables(text, origin, "remedy", VERSION, frozenset({"causes"}))
     remedies = tuple(remedy_from_dict(t, origin, f"#{n}") for n, t in enumerate(tables, 1))
     ids = [r.id for r in remedies]
     dupes = sorted({i for i in ids if ids.count(i) > 1})

@@ -458,3 +458,29 @@ def table_id(d: Any, what: str, keys: frozenset[str] | set[str], origin: str, wh
     if extra:
         raise InvalidRuleError(tid, f"unknown key(s) {extra}; allowed: {sorted(keys)}", origin)
     return tid
+
+
+def data_tables(text: str, origin: str, what: str, version: int,
+                extra_keys: frozenset[str] = frozenset()) -> tuple[dict[str, Any], list[Any]]:
+    """One versioned TOML data file of ``[[what]]`` tables (signatures, remedies), parsed with
+    its bounds and checked: the top-level keys, the version (1 to ``version``), the array of
+    tables. Returns the whole document and the tables; every problem an InvalidRuleError."""
+    from . import bounded as _bounded
+
+    try:
+        data = _bounded.parse_toml(text, origin)
+    except FileFormatError as exc:
+        raise InvalidRuleError("?", exc.problem, origin) from None
+    unknown = sorted(set(data) - {"version", what} - extra_keys)
+    if unknown:
+        raise InvalidRuleError("?", f"unknown top-level key(s) {unknown}; write a version and "
+                               f"[[{what}]] tables", origin)
+    found = data.get("version")
+    if isinstance(found, bool) or not isinstance(found, int) or not 1 <= found <= version:
+        raise InvalidRuleError("?", f"version must be an integer from 1 to {version} (this "
+                               f"resilient_strategy reads version {version}), not {found!r}",
+                               origin)
+    tables = data.get(what, [])
+    if not isinstance(tables, list):
+        raise InvalidRuleError("?", f"'{what}' must be an array of tables ([[{what}]])", origin)
+    return data, tables

@@ -21,7 +21,7 @@ from typing import Any
 from ..errors import FileFormatError, InvalidRuleError, UnsafePathError
 from . import bounded as _bounded
 from .causes import CAUSES
-from .rules import table_id
+from .rules import data_tables, table_id
 
 #: The table format this code reads; a file of a newer version is refused (it may mean more).
 VERSION = 1
@@ -112,23 +112,7 @@ def signature_from_dict(d: Mapping[str, Any], origin: str, where: str) -> Signat
 
 def parse_signatures(text: str, origin: str) -> tuple[Signature, ...]:
     """The entries of one TOML document (bounded parse; ``origin`` names it in errors)."""
-    try:
-        data = _bounded.parse_toml(text, origin)
-    except FileFormatError as exc:
-        raise InvalidRuleError("?", exc.problem, origin) from None
-    unknown = sorted(set(data) - {"version", "signature"})
-    if unknown:
-        raise InvalidRuleError("?", f"unknown top-level key(s) {unknown}; write a version and "
-                               "[[signature]] tables", origin)
-    version = data.get("version")
-    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= VERSION:
-        raise InvalidRuleError("?", f"version must be an integer from 1 to {VERSION} (this "
-                               f"resilient_strategy reads version {VERSION}), not {version!r}",
-                               origin)
-    tables = data.get("signature", [])
-    if not isinstance(tables, list):
-        raise InvalidRuleError("?", "'signature' must be an array of tables ([[signature]])",
-                               origin)
+    _, tables = data_tables(text, origin, "signature", VERSION)
     entries = tuple(signature_from_dict(t, origin, f"#{n}") for n, t in enumerate(tables, 1))
     ids = [e.id for e in entries]
     dupes = sorted({i for i in ids if ids.count(i) > 1})
