@@ -136,6 +136,7 @@ def main() -> None:
         imports: list[float] = []
         floors: list[float] = []
         colds: dict[str, list[float]] = {"1": [], "0": []}
+        phases: dict[str, str] = {"1": "", "0": ""}
         label = ""
         with tempfile.TemporaryDirectory() as cache:
             for _ in range(args.repeat):
@@ -147,6 +148,8 @@ def main() -> None:
                                                             "RESILIENT_STRATEGY_FORKSERVER": fs})
                     colds[fs].append(dt)
                     label = sel.candidate.label
+                    probe = sel.to_dict()["probes"].get(sel.candidate.key) or {}
+                    phases[fs] = ", ".join(f"{k} {v:.2f}" for k, v in probe.get("phases", ()))
         floor = _median(floors)
         rows.append((f"import floor: {args.nproc} interpreters importing torch in parallel",
                      f"{_median(imports):.2f} s", "", ""))
@@ -157,6 +160,8 @@ def main() -> None:
             rows.append((f"cold decision, {words}: {label}", f"{cold:.2f} s",
                          f"{cold / floor:.2f}x", f"goal <= {GOAL}x: "
                          + ("met" if cold / floor <= GOAL else "NOT met")))
+            rows.append(("  its probe's phases (last run, s from the first worker's start)",
+                         "", "", phases[fs]))
     if gpus and facts.framework("torch").installed:
         from resilient_strategy.core.probe import ProbeSpec
         from resilient_strategy.probing.prober import run_probe

@@ -18,6 +18,7 @@ from resilient_strategy.core.probe import (
     WorkerOutcome,
     classify,
     parse_probe,
+    phase_times,
     tail,
 )
 
@@ -325,3 +326,29 @@ def test_a_framework_log_banner_is_never_the_cause_of_a_worker_that_died() -> No
                           False)
         assert "oneDNN" not in res.detail and "warning" not in res.detail
         assert res.detail.split(": ", 1)[1].split(":")[0] in ("ValueError", "RuntimeError")
+
+
+def test_phase_times_are_the_slowest_ranks_in_order_and_bad_marks_are_left_out() -> None:
+    start = 1000.0
+
+    def outcome(rank: int, marks: object) -> WorkerOutcome:
+        return WorkerOutcome(rank, 0, report=json.dumps({"status": "ok", "phase_at": marks}))
+
+    outcomes = (
+        outcome(0, {"started": 1000.5, "imported": 1002.0, "comm_ready": 1002.25}),
+        outcome(1, {"started": 1000.25, "imported": 1003.0, "comm_ready": 1003.5,
+                    "bogus": "x", "before": 999.0, "nan": float("nan")}),
+        WorkerOutcome(2, None, report=""),  # killed: no report
+        WorkerOutcome(3, 1, report="{not json"),
+    )
+    assert phase_times(outcomes, start) == (("started", 0.5), ("imported", 3.0),
+                                            ("comm_ready", 3.5))
+    assert phase_times((), start) == ()
+
+
+def test_phases_survive_the_round_trip_and_bad_ones_are_refused() -> None:
+    res = ProbeResult("torch:gloo:cpu", OK, elapsed_s=2.0, phases=(("imported", 1.5),))
+    assert ProbeResult.from_dict(json.loads(json.dumps(res.to_dict()))) == res
+    for bad in ([["imported"]], [["imported", -1.0]], [[1, 2.0]], "imported", [["x", True]]):
+        with pytest.raises(ValueError):
+            ProbeResult.from_dict({**res.to_dict(), "phases": bad})

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from resilient_strategy.core.probe import ERROR, OK, TIMEOUT, ProbeSpec, judged_hang
+from resilient_strategy.core.probe import ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec, judged_hang
 from resilient_strategy.errors import InvalidOptionError
 from resilient_strategy.machine import files as _files
 from resilient_strategy.probing import prober
@@ -148,6 +148,14 @@ def test_gloo_two_processes_on_cpu(env: dict[str, str], groups: list[_proc.Group
     assert res.message_bytes == 4 << 20
     assert res.step_seconds is not None and res.step_seconds > 0
     assert "all-reduce exact" in res.detail
+    # where the time went, in the order the worker went: up, torch, gloo, checks, step
+    names = [name for name, _ in res.phases]
+    for earlier, later in (("started", "imported"), ("imported", "comm_ready"),
+                           ("comm_ready", "checked"), ("checked", "measured"),
+                           ("measured", "stepped")):
+        assert names.index(earlier) <= names.index(later)
+    assert all(0 <= s <= res.elapsed_s for _, s in res.phases)
+    assert ProbeResult.from_dict(res.to_dict()) == res
     assert_workers_gone(groups[-1])
 
 

@@ -89,6 +89,9 @@ class ProbeResult:
     step_seconds: float | None = None  # one training step after warm-up
     ranks: int = 1
     extra: tuple[tuple[str, str], ...] = field(default=())
+    #: where the time went: (phase, seconds from the first worker's start when the slowest rank
+    #: reached it), in order - started, imported, comm_ready, checked, measured, stepped, ...
+    phases: tuple[tuple[str, float], ...] = field(default=())
 
     @property
     def ok(self) -> bool:
@@ -145,7 +148,41 @@ class ProbeResult:
             step_seconds=_maybe(d, "step_seconds", _number),
             ranks=_count(d, "ranks", 1),
             extra=tuple((str(k), str(v)) for k, v in extra),
+            phases=_phases(d.get("phases", ())),
         )
+
+
+def _phases(value: Any) -> tuple[tuple[str, float], ...]:
+    if not isinstance(value, (list, tuple)) or not all(
+        isinstance(x, (list, tuple)) and len(x) == 2 and isinstance(x[0], str)
+        and isinstance(x[1], (int, float)) and not isinstance(x[1], bool)
+        and math.isfinite(x[1]) and x[1] >= 0 for x in value
+    ):
+        raise ValueError(f"phases must be a list of [name, seconds], not {value!r}")
+    return tuple((str(k), float(v)) for k, v in value)
+
+
+def phase_times(outcomes: Sequence[WorkerOutcome], started_at: float
+                ) -> tuple[tuple[str, float], ...]:
+    """Where a probe's time went, from the ``phase_at`` marks its workers reported (monotonic
+    seconds, one clock for every process of the machine): per phase, the seconds from
+    ``started_at`` until the slowest rank reached it, in time order. Ranks without marks (no
+    report, an older worker) are left out; nothing here raises."""
+    latest: dict[str, float] = {}
+    for o in outcomes:
+        try:
+            rep = parse_json(o.report, f"report of rank {o.rank}", allow_nan=True) \
+                if o.report.strip() else {}
+        except (FileFormatError, ValueError):
+            continue
+        marks = rep.get("phase_at") if isinstance(rep, dict) else None
+        if not isinstance(marks, dict):
+            continue
+        for name, at in marks.items():
+            if (isinstance(name, str) and isinstance(at, (int, float))
+                    and not isinstance(at, bool) and math.isfinite(at) and at >= started_at):
+                latest[name] = max(latest.get(name, 0.0), at - started_at)
+    return tuple(sorted(((k, round(v, 3)) for k, v in latest.items()), key=lambda kv: kv[1]))
 
 
 _STATUSES = frozenset({OK, ERROR, TIMEOUT})

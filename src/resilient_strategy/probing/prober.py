@@ -15,12 +15,13 @@ fork server instead, see :mod:`._forkserver`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..core.probe import ERROR, ProbeResult, ProbeSpec, parse_probe
+from ..core.probe import ERROR, ProbeResult, ProbeSpec, parse_probe, phase_times
 from ..core.signatures import signatures_from_env
 from ..errors import InvalidOptionError
 from ..machine import files as _files
@@ -53,6 +54,9 @@ def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.exec
                                detail=f"could not start the probe worker {python!r}: {exc}")
     result = parse_probe(spec, group.outcomes, group.elapsed_s, group.timed_out, group.stall,
                          signatures_from_env(env, os.pathsep))
+    phases = phase_times(group.outcomes, group.started_at)
+    if phases:
+        result = dataclasses.replace(result, phases=phases)
     health.check_after(spec, result, env, python=python)
     return result
 

@@ -67,6 +67,7 @@ class GroupOutcome:
     pids: tuple[int, ...]  # each worker's pid, which is also its process group id
     stall: Stall | None = None  # the stall that made the runner stop the group, if one did
     stopped: str = ""  # why ``stop`` ended the group early ("" when it did not)
+    started_at: float = 0.0  # time.monotonic() when the first worker was started
 
 
 def run_group(
@@ -194,7 +195,7 @@ def _run_group(
             for i, (p, cmd) in enumerate(zip(procs, commands, strict=True))
         )
     return GroupOutcome(outcomes, elapsed, timed_out, tuple(p.pid for p in procs), stall,
-                        stopped_because)
+                        stopped_because, start)
 
 
 def start_worker(cmd: WorkerCommand, out_path: Path, err_path: Path, spawn: Spawn | None) -> Proc:

@@ -145,6 +145,9 @@ class ProgressWriter:
         self._fd: int | None = None
         self._map: mmap.mmap | None = None
         self._entered: dict[int, float] = {}
+        #: when each phase was first reached (the clock's seconds): a probe reports them so that
+        #: the trace says where its time went (start-up, backend set-up, checks, ...)
+        self.marks: dict[str, float] = {}
         if path:
             self._fd = _open_regular(path)
             if self._fd is not None and _allocate(self._fd, path):
@@ -168,10 +171,12 @@ class ProgressWriter:
               took_s: float = 0.0) -> None:
         if name not in _ORDER:
             raise ValueError(f"unknown progress phase {name!r}; one of {PHASES}")
+        now = self._clock()
+        self.marks.setdefault(name, now)
         if self._fd is None:
             return
         self._seq += 1
-        data = _encode(self._seq, _PHASE_BYTES[name], k, nbytes, self._clock(), allow_s, took_s)
+        data = _encode(self._seq, _PHASE_BYTES[name], k, nbytes, now, allow_s, took_s)
         if self._map is not None:
             self._map[:] = data
             return

@@ -149,6 +149,7 @@ def probe(args: argparse.Namespace, report: dict[str, Any]) -> None:
                                  weights)
         parts.append(agreed)
     progress.phase(FINISHED)
+    report["phase_at"] = dict(progress.marks)
     report["detail"] = "; ".join(parts)
 
 
