@@ -221,3 +221,24 @@ def test_planner_imports_no_os_subprocess_nvml_or_framework() -> None:
             todo.append(t)
     assert {f"{PKG}.{m}" for m in ("core.plan", "core.rules", "core.facts", "core.probe",
                                    "errors")} <= seen
+
+
+def test_a_measured_host_staged_reduction_is_not_outbid_by_its_siblings_typical_figure() -> None:
+    # TF on 2 logical CPUs: HierarchicalCopy measured below its typical figure; the typical
+    # figure of ReductionToOneDevice (the same host path) is scaled alike, so no second probe
+    tf = FrameworkInfo("tensorflow", "2.21.0", "tensorflow", None)
+    facts = Facts(frameworks=(tf,))
+    opts = Options("tensorflow", global_batch_size=256, logical_cpus=2)
+    first = plan(facts, RULES, {}, opts)
+    assert first.next_probe is not None and first.next_probe.backend == "hierarchical_copy"
+    key = first.next_probe.key
+    measured = {key: ProbeResult(key, "ok", 12.0, bus_bandwidth_gbps=4.98)}
+    p = plan(facts, RULES, measured, opts)
+    assert p.chosen is not None and p.chosen.key == key and p.next_probe is None
+    rtod = next(r for r in p.ranked if r.candidate.backend == "reduction_to_one_device")
+    assert rtod.estimate.bus_gbps is not None and rtod.estimate.bus_gbps < 4.98
+    # a sibling measured faster than typical never raises an estimate
+    fast = {key: ProbeResult(key, "ok", 12.0, bus_bandwidth_gbps=50.0)}
+    rtod = next(r for r in plan(facts, RULES, fast, opts).ranked
+                if r.candidate.backend == "reduction_to_one_device")
+    assert rtod.estimate.bus_gbps == 8.0
