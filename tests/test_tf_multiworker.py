@@ -222,3 +222,36 @@ def test_auto_is_proven_across_two_workers(tmp_path: Path) -> None:
     results = probe_both(tmp_path, "mw_auto")
     assert [(r["status"], r["candidate"]) for r in results] == [("ok", AUTO)] * 2
     assert results[0]["bus_bandwidth_gbps"] == results[1]["bus_bandwidth_gbps"] > 0
+
+
+CHIEF_ALONE = """
+import json, os
+os.environ["KERAS_BACKEND"] = "tensorflow"
+import numpy as np, keras
+from resilient_strategy.frameworks.tensorflow import TfRuntime
+rt = TfRuntime("hierarchical_copy", (0, 1), 1, 32, 16, logical_cpus=2)
+with rt.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+x = np.random.default_rng(0).random((64, 4), dtype="float32")
+model.fit(x, x.sum(1, keepdims=True), batch_size=rt.batch_size_to_feed, epochs=1, verbose=0)
+print(json.dumps({"strategy": type(rt.strategy).__name__,
+                  "replicas": int(rt.strategy.num_replicas_in_sync),
+                  "updates": int(model.optimizer.iterations)}))
+"""
+
+
+def test_worker_0_alone_trains_under_mirrored_strategy_whatever_tf_config_says(
+        tmp_path: Path) -> None:
+    """Worker 0 alone on its own devices (2 logical CPUs standing in for its GPUs): TensorFlow's
+    MirroredStrategy over local devices ignores the TF_CONFIG that names the absent workers."""
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in free_ports(2)]}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")}
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+               TF_CPP_MIN_LOG_LEVEL="2", OMP_NUM_THREADS="1", TMPDIR=str(tmp_path),
+               TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": 0}}))
+    out = subprocess.run([sys.executable, "-c", CHIEF_ALONE], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=LIMIT_S)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"strategy": "MirroredStrategy", "replicas": 2, "updates": 2}
