@@ -237,7 +237,7 @@ x = np.random.default_rng(0).random((64, 4), dtype="float32")
 model.fit(x, x.sum(1, keepdims=True), batch_size=rt.batch_size_to_feed, epochs=1, verbose=0)
 print(json.dumps({"strategy": type(rt.strategy).__name__,
                   "replicas": int(rt.strategy.num_replicas_in_sync),
-                  "updates": int(model.optimizer.iterations)}))
+                  "updates": int(model.optimizer.iterations.numpy())}))
 """
 
 
