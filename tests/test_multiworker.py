@@ -178,6 +178,15 @@ def test_ring_passing_keeps_every_worker_and_auto_is_not_probed() -> None:
     assert (sel.backend, sel.num_replicas, sel.active) == ("mw_ring", 8, True)
 
 
+def test_a_slow_ring_measured_is_chosen_without_probing_auto() -> None:
+    """AUTO is TensorFlow's ring too: RING's measured figure below AUTO's typical one must not
+    spend a probe on AUTO (measured on two CPU workers over loopback: 0.145 GB/s)."""
+    prober = FakeProber({"mw_ring": "ok:0.145"})
+    sel = simulate(cpu_worker(0), prober, framework="tensorflow", global_batch_size=64)
+    assert [s.backend for s in prober.calls] == ["mw_ring"]
+    assert sel.backend == "mw_ring"
+
+
 def test_one_gpu_per_worker_has_no_local_mirrored_candidate() -> None:
     sel = simulate(gpu_worker(0, gpus=1), FakeProber(LADDER), framework="tensorflow", **BIG)
     assert [c.backend for c in sel.plan.candidates] == ["single_device", "cpu"]

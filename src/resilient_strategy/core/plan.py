@@ -289,11 +289,11 @@ def _multi_worker_chain(
 ) -> tuple[list[Candidate], int]:
     """TensorFlow across the workers of a TF_CONFIG cluster: MultiWorkerMirroredStrategy with
     NCCL (GPU workers of a CUDA build), then with RING (TensorFlow's ring all-reduce over gRPC,
-    CPU or GPU), then with AUTO (TensorFlow's pick), each with every worker's local devices as
-    replicas. Then worker 0 alone (the other workers exit): with 2+ local GPUs, MirroredStrategy
+    CPU or GPU), then with AUTO (TensorFlow's pick, after RING: :func:`_multi_worker_order`), each
+    with every worker's local devices as replicas. Then worker 0 alone (the other workers exit): with 2+ local GPUs, MirroredStrategy
     over all of them (the local chain: NCCL, HierarchicalCopy, ReductionToOneDevice; the global
     batch kept by a larger per-replica batch, as Keras cannot accumulate under it), then on one
-    device accumulating as many steps as the job has replicas. :func:`_alone_after_workers`
+    device accumulating as many steps as the job has replicas. :func:`_multi_worker_order`
     places worker 0's MirroredStrategy between the two.
     """
     workers = policy.tf_workers
@@ -599,7 +599,7 @@ def _rank(
                    if r.candidate.backend != "cpu") and f.candidate.origin not in tried_first:
                 tried_first.append(f.candidate.origin)
     if policy.multi_worker:
-        ranked = _alone_after_workers(ranked, b)
+        ranked = _multi_worker_order(ranked, b)
     if policy.prefer and not any(r.candidate.backend == policy.prefer for r in ranked):
         b.note("prefer_impossible",
                f"prefer={policy.prefer!r} is not possible here; choosing by speed instead.")
@@ -618,14 +618,24 @@ def _rank(
     return ranked
 
 
-def _alone_after_workers(ranked: list[Ranked], b: _Build) -> list[Ranked]:
-    """A TF_CONFIG job: worker 0's own MirroredStrategy (a local candidate that needs a probe,
-    which only worker 0 runs) goes right before the first candidate without a collective (one
-    device, or CPU: where worker 0 trains alone anyway), after every candidate across the
-    workers ranked above that one. So the workers agree without a store: once a plan reaches
-    worker 0 alone, no candidate across the workers follows (the others exit then), and the
-    estimate still decides whether the workers are tried at all and whether the local
-    MirroredStrategy beats one device (ranked below it, it is never reached)."""
+def _multi_worker_order(ranked: list[Ranked], b: _Build) -> list[Ranked]:
+    """A TF_CONFIG job's two orders the estimate alone does not give.
+
+    AUTO never ranks above RING: TensorFlow resolves it to the same ring all-reduce (see
+    ``estimate.TYPICAL_INTER_WORKER_GBPS``), so it is the rung after a failed RING, never a probe
+    spent because RING's measured figure fell below AUTO's typical one.
+
+    Worker 0's own MirroredStrategy (a local candidate that needs a probe, which only worker 0
+    runs) goes right before the first candidate without a collective (one device, or CPU: where
+    worker 0 trains alone anyway), after every candidate across the workers ranked above that
+    one. So the workers agree without a store: once a plan reaches worker 0 alone, no candidate
+    across the workers follows (the others exit then), and the estimate still decides whether
+    the workers are tried at all and whether the local MirroredStrategy beats one device (ranked
+    below it, it is never reached)."""
+    where = {r.candidate.backend: i for i, r in enumerate(ranked)}
+    ring, auto = where.get("mw_ring"), where.get("mw_auto")
+    if ring is not None and auto is not None and auto < ring:
+        ranked = [*ranked[:auto], *ranked[auto + 1:ring + 1], ranked[auto], *ranked[ring + 1:]]
     anchor = next((i for i, r in enumerate(ranked) if not r.candidate.needs_probe), None)
     if anchor is None:
         return ranked

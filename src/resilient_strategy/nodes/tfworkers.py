@@ -23,7 +23,7 @@ nodes (:mod:`.multinode`). When no candidate across the workers is proven, or th
 worker 0 alone is faster, worker 0 trains alone keeping the global batch and the other workers
 exit 0 at ``scope()`` (``Selection.active`` is False there), saying why. Worker 0 alone first
 tries MirroredStrategy over its own GPUs (2 or more), which it alone probes: the planner places
-it after every candidate across the workers that is tried (``plan._alone_after_workers``), so a
+it after every candidate across the workers that is tried (``plan._multi_worker_order``), so a
 worker other than 0 that reaches it knows worker 0 trains alone whatever that probe says, and
 exits without probing it (``Chosen.how == "worker_0_alone"``).
 
