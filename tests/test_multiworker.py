@@ -147,7 +147,8 @@ def test_the_ladder_is_nccl_ring_auto_then_worker_0s_gpus_then_one_gpu() -> None
 def test_across_workers_fails_then_worker_0_proves_its_own_gpus(
         local: str, backend: str, replicas: int, acc: int) -> None:
     # anything unnamed (the local ones after NCCL, its remedies) ends as NCCL did, or passes
-    prober = FakeProber({**LADDER, "nccl": local}, default="timeout" if local == "timeout" else "ok")
+    prober = FakeProber({**LADDER, "nccl": local},
+                        default="timeout" if local == "timeout" else "ok")
     sel = simulate(gpu_worker(0, gpus=4), prober, framework="tensorflow", **BIG)
     assert [s.backend for s in prober.calls][:4] == ["mw_nccl", "mw_ring", "mw_auto", "nccl"]
     assert all(s.workers == 1 for s in prober.calls[3:])  # worker 0's own probes
