@@ -125,7 +125,9 @@ class Note(Event):
     ``cpu_only_build``, ``too_few_gpus``, ``multi_node``, ``one_process``, ``no_global_batch``,
     ``batch_not_split``, ``batch_shrinks_replicas``, ``prefer_impossible``, ``fault_injection``
     (the cache is neither read nor written for a rehearsal), ``within_noise`` (measured speeds
-    within their measured noise kept the chain's order).
+    within their measured noise kept the chain's order), ``multi_worker`` (a TF_CONFIG job's
+    ladder), ``alone_after_workers`` (worker 0's own MirroredStrategy moved after the strategies
+    across the workers).
     """
 
     kind: ClassVar[str] = "note"
