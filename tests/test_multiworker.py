@@ -159,6 +159,8 @@ def test_across_workers_fails_then_worker_0_proves_its_own_gpus(
     assert [p["candidate"]["key"].split(":")[1] for p in ev["probed"]] == [
         "mw_nccl", "mw_ring", "mw_auto"]
     assert (ev["alone"], ev["worker_rank"]) == (True, 0)
+    rt = sel.runtime  # built without TensorFlow: one process, its own replicas
+    assert (rt.workers, rt.num_replicas, rt.batch_size_to_feed) == (1, replicas, 256 // acc)
 
 
 def test_a_worker_other_than_0_stops_at_worker_0s_gpus_without_probing_them() -> None:
