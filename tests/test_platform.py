@@ -134,3 +134,15 @@ def test_the_route_is_shown_by_doctor_json_under_simulate(
     platform = json.loads(capsys.readouterr().out)["facts"]["platform"]
     assert (platform["master_ifname"], platform["master_route"]) == (
         "bond0", "kernel route 10.0.0.0/8")
+
+
+def test_doctor_shows_the_route_on_this_machine(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("RESILIENT_STRATEGY_CACHE_DIR", str(tmp_path))
+    assert main(["doctor", "--json", "--framework", "torch"]) == 0
+    platform = json.loads(capsys.readouterr().out)["facts"]["platform"]
+    iface = platform["master_ifname"]
+    assert iface and ipaddress.ip_address(local_addresses().get(iface, "127.0.0.1")).is_loopback
+    assert platform["master_route"]
