@@ -5,9 +5,10 @@
 Starts, for real, two processes with a TF_CONFIG naming two free 127.0.0.1 ports (CPU workers:
 MultiWorkerMirroredStrategy + RING over gRPC on loopback), next to one TF process alone, and
 prints per run: the decision, the time to decide on each worker, the probe's own time, and the
-bus bandwidth it measured (the figure both workers agreed on). The hang row injects
-RESILIENT_STRATEGY_PROBE_FAULT=hang:1:mw_ring: the time until both workers agree on worker 0
-alone. Loopback is not a network: the bandwidth says what the probe measures, not what a real
+bus bandwidth it measured (the figure both workers agreed on). The AUTO row injects a wrong
+value into worker 1's RING probe (``wrong:1:mw_ring``): RING fails on both, AUTO is proven next.
+The hang row injects RESILIENT_STRATEGY_PROBE_FAULT=hang:1 (every probe of worker 1 hangs: RING,
+then AUTO): the time until both workers agree on worker 0 alone. Loopback is not a network: the bandwidth says what the probe measures, not what a real
 fabric gives (no multi-host hardware was available).
 """
 
@@ -33,9 +34,6 @@ sel = resilient_strategy.resilient_strategy(framework="tensorflow", global_batch
 with open(sys.argv[1], "w") as f:
     json.dump(sel.to_dict(), f)
 '''
-KEY = "tensorflow:mw_ring:cpu"
-
-
 def free_ports(n: int) -> list[int]:
     socks = [socket.socket() for _ in range(n)]
     for s in socks:
@@ -73,12 +71,14 @@ def launch(workers: int, timeout_s: float, fault: str = "") -> dict[str, Any]:
         decisions = [json.loads(f.read_text()) for f in sorted(Path(tmp).glob("decision-*.json"))]
     if codes != [0] * workers or len(decisions) != workers:
         raise SystemExit(f"launch failed: exit codes {codes}")
-    probe = decisions[0]["probes"].get(KEY, {})
+    probes = decisions[0]["probes"]  # the chosen candidate's probe, else the last one run
+    chosen = f"tensorflow:{decisions[0]['backend']}:cpu"
+    probe = probes.get(chosen) or (list(probes.values())[-1] if probes else {})
     return {
         "choice": decisions[0]["label"], "same": len({d["label"] for d in decisions}) == 1,
         "decided": [d["decided_in_s"] for d in decisions], "probe_s": probe.get("elapsed_s"),
         "bus": probe.get("bus_bandwidth_gbps"), "status": probe.get("status", "no"),
-        "wall": wall,
+        "wall": wall, "probes": len(probes),
     }
 
 
@@ -92,11 +92,13 @@ def main() -> None:
     rows = [
         ("1 TF process, no TF_CONFIG (nothing to probe on CPU)", 1, "", args.timeout),
         ("2 TF_CONFIG workers (RING probed across both)", 2, "", args.timeout),
-        (f"2 workers, RING hangs on worker 1 (timeout {args.hang_timeout:g} s)", 2,
-         "hang:1:mw_ring", args.hang_timeout),
+        ("2 workers, RING fails (wrong value on worker 1), AUTO probed next", 2,
+         "wrong:1:mw_ring", args.timeout),
+        (f"2 workers, RING and AUTO hang on worker 1 (timeout {args.hang_timeout:g} s)", 2,
+         "hang:1", args.hang_timeout),
     ]
-    print("| run | decision | same on every worker | decided in (s, per worker) | probe (s) | "
-          "bus GB/s | wall (s) |\n|---|---|---|---|---|---|---|")
+    print("| run | decision | same on every worker | probes | decided in (s, per worker) | "
+          "probe (s) | bus GB/s | wall (s) |\n|---|---|---|---|---|---|---|---|")
     med = statistics.median
     for name, workers, fault, timeout in rows:
         runs = [launch(workers, timeout, fault) for _ in range(args.repeat)]
@@ -104,7 +106,7 @@ def main() -> None:
         probe = [r["probe_s"] for r in runs if r["probe_s"] is not None]
         bus = [r["bus"] for r in runs if r["bus"]]
         print(f"| {name} | {runs[0]['choice']} ({runs[0]['status']} probe) | "
-              f"{all(r['same'] for r in runs)} | {', '.join(f'{d:.2f}' for d in decided)} | "
+              f"{all(r['same'] for r in runs)} | {runs[0]['probes']} | {', '.join(f'{d:.2f}' for d in decided)} | "
               f"{f'{med(probe):.2f}' if probe else '-'} | {f'{med(bus):.3f}' if bus else '-'} | "
               f"{med(r['wall'] for r in runs):.1f} |")
 

@@ -154,3 +154,14 @@ def test_platform_facts_round_trip_and_leave_old_fingerprints_alone() -> None:
     assert Facts.from_dict(key).fingerprint() == plain.fingerprint()
     with pytest.raises(ValueError):
         Facts.from_dict({**plain.to_dict(), "platform": {"rdma_link_layer": "token-ring"}})
+
+
+def test_the_route_to_master_addr_is_not_part_of_the_fingerprint() -> None:
+    """It follows MASTER_ADDR, a per-run variable: a single-node torchrun (127.0.0.1, lo) must
+    read the cache a command-line probe (no MASTER_ADDR) warmed."""
+    from resilient_strategy.core.facts import Platform
+    from resilient_strategy.testing import machine
+
+    routed = machine(2, platform_facts=Platform(master_ifname="lo", master_route="loopback"))
+    assert routed.fingerprint() == machine(2).fingerprint()
+    assert Facts.from_dict(routed.to_dict()) == routed

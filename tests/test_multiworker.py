@@ -13,6 +13,7 @@ import pytest
 
 from resilient_strategy.core.probe import ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec
 from resilient_strategy.core.rules import Rule
+from resilient_strategy.core.trace import Chosen
 from resilient_strategy.errors import InvalidOptionError
 from resilient_strategy.frameworks.tensorflow import TfRuntime
 from resilient_strategy.nodes.tfworkers import (
@@ -53,7 +54,7 @@ def test_two_cpu_workers_plan_ring_across_both_then_worker_0_alone() -> None:
     sel = simulate(cpu_worker(1), prober, framework="tensorflow", global_batch_size=64)
     plan = [(c.backend, c.num_replicas, c.per_replica_batch_size, c.accumulation_steps)
             for c in sel.plan.candidates]
-    assert plan == [("mw_ring", 2, 32, 1), ("cpu", 1, 32, 2)]
+    assert plan == [("mw_ring", 2, 32, 1), ("mw_auto", 2, 32, 1), ("cpu", 1, 32, 2)]
     assert (sel.backend, sel.num_replicas, sel.batch_size, sel.active) == ("mw_ring", 2, 64, True)
     assert [(s.backend, s.workers, s.worker_rank, s.world_size) for s in prober.calls] == [
         ("mw_ring", 2, 1, 1)]
@@ -67,16 +68,17 @@ def test_two_cpu_workers_plan_ring_across_both_then_worker_0_alone() -> None:
 
 
 @pytest.mark.parametrize("index", [0, 1])
-def test_ring_hangs_worker_0_trains_alone_and_the_others_exit(index: int) -> None:
-    sel = simulate(cpu_worker(index), {"mw_ring": "timeout"}, framework="tensorflow",
-                   global_batch_size=64)
+def test_ring_and_auto_hang_worker_0_trains_alone_and_the_others_exit(index: int) -> None:
+    sel = simulate(cpu_worker(index), {"mw_ring": "timeout", "mw_auto": "timeout"},
+                   framework="tensorflow", global_batch_size=64)
     assert (sel.backend, sel.num_replicas, sel.accumulation_steps, sel.per_replica_batch_size) \
         == ("cpu", 1, 2, 32)
     assert sel.active is (index == 0)
     assert sel.is_main_process is (index == 0)
     ev = multi_worker_event(sel)
     assert (ev["alone"], ev["active"]) == (True, index == 0)
-    assert [(p["status"], p["cause"]) for p in ev["probed"]] == [(TIMEOUT, "timeout")]
+    assert [(p["candidate"]["key"], p["status"]) for p in ev["probed"]] == [
+        ("tensorflow:mw_ring:cpu", TIMEOUT), ("tensorflow:mw_auto:cpu", TIMEOUT)]
     if index:
         with pytest.raises(SystemExit) as leave, sel.scope():
             pass
@@ -98,9 +100,100 @@ def test_a_small_model_trains_on_one_gpu_of_worker_0_without_probing() -> None:
     prober = FakeProber({})
     sel = simulate(gpu_worker(1), prober, framework="tensorflow", global_batch_size=256,
                    gradient_bytes=20_000_000)
-    assert prober.calls == []  # the estimate says one GPU beats the network: nothing to prove
+    assert prober.calls == []  # the estimate says one GPU beats the network and its 2 GPUs
     assert (sel.backend, sel.accumulation_steps, sel.active) == ("single_device", 4, False)
     assert multi_worker_event(sel)["probed"] == []
+
+
+def nvlink_worker(index: int, gpus: int = 4) -> Any:
+    return machine(gpus, tensorflow="2.21.0", tf_cuda="12.5", tf_archs=("sm_80", "compute_90"),
+                   torch=None, cc=(8, 0), nvlink=12, env={"TF_CONFIG": tf_config(index)})
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_gradients_that_overwhelm_the_network_train_on_worker_0s_gpus(index: int) -> None:
+    prober = FakeProber({})
+    sel = simulate(nvlink_worker(index), prober, framework="tensorflow", global_batch_size=256,
+                   gradient_bytes=4_000_000_000, sample_seconds=0.002)
+    # the estimate: worker 0's 4 NVLinked GPUs beat one GPU, which beats 8 GPUs across the
+    # network; worker 0 proves its MirroredStrategy, the other worker exits without probing it
+    assert [s.backend for s in prober.calls] == (["nccl"] if index == 0 else [])
+    assert (sel.backend, sel.devices, sel.num_replicas, sel.accumulation_steps, sel.active) == (
+        "nccl", (0, 1, 2, 3), 4, 1, index == 0)
+    assert sel.per_replica_batch_size == 64  # Keras cannot accumulate under MirroredStrategy
+    assert multi_worker_event(sel)["probed"] == []
+    assert multi_worker_event(sel)["alone"] is True
+    how = [e.how for e in sel.plan.events if isinstance(e, Chosen)]
+    assert how == (["probe_passed"] if index == 0 else ["worker_0_alone"])
+
+
+LADDER = {"mw_nccl": "error:nccl_network", "mw_ring": "timeout", "mw_auto": "error:inter_worker"}
+BIG = {"global_batch_size": 256, "gradient_bytes": 100_000_000, "sample_seconds": 0.002}
+
+
+def test_the_ladder_is_nccl_ring_auto_then_worker_0s_gpus_then_one_gpu() -> None:
+    sel = simulate(gpu_worker(0, gpus=4), FakeProber({}), framework="tensorflow",
+                   probe="never", **BIG)
+    assert [(c.backend, c.num_replicas) for c in sel.plan.candidates] == [
+        ("mw_nccl", 8), ("mw_ring", 8), ("mw_auto", 8), ("nccl", 4), ("hierarchical_copy", 4),
+        ("reduction_to_one_device", 4), ("single_device", 1), ("cpu", 1)]
+
+
+@pytest.mark.parametrize(("local", "backend", "replicas", "acc"), [
+    ("ok:120", "nccl", 4, 1),  # worker 0 alone on its 4 GPUs
+    ("error:worker_error", "hierarchical_copy", 4, 1),  # its next local reduction
+    ("timeout", "single_device", 1, 8),  # every local MirroredStrategy hangs: one GPU
+])
+def test_across_workers_fails_then_worker_0_proves_its_own_gpus(
+        local: str, backend: str, replicas: int, acc: int) -> None:
+    # anything unnamed (the local ones after NCCL, its remedies) ends as NCCL did, or passes
+    prober = FakeProber({**LADDER, "nccl": local},
+                        default="timeout" if local == "timeout" else "ok")
+    sel = simulate(gpu_worker(0, gpus=4), prober, framework="tensorflow", **BIG)
+    assert [s.backend for s in prober.calls][:4] == ["mw_nccl", "mw_ring", "mw_auto", "nccl"]
+    assert all(s.workers == 1 for s in prober.calls[3:])  # worker 0's own probes
+    assert (sel.backend, sel.num_replicas, sel.accumulation_steps, sel.active) == (
+        backend, replicas, acc, True)
+    assert sel.num_replicas * sel.per_replica_batch_size * sel.accumulation_steps == 256
+    ev = multi_worker_event(sel)
+    assert [p["candidate"]["key"].split(":")[1] for p in ev["probed"]] == [
+        "mw_nccl", "mw_ring", "mw_auto"]
+    assert (ev["alone"], ev["worker_rank"]) == (True, 0)
+    rt = sel.runtime  # built without TensorFlow: one process, its own replicas
+    assert (rt.workers, rt.num_replicas, rt.batch_size_to_feed) == (1, replicas, 256 // acc)
+
+
+def test_a_worker_other_than_0_stops_at_worker_0s_gpus_without_probing_them() -> None:
+    prober = FakeProber(LADDER)
+    sel = simulate(gpu_worker(1, gpus=4), prober, framework="tensorflow", **BIG)
+    assert [s.backend for s in prober.calls] == ["mw_nccl", "mw_ring", "mw_auto"]
+    assert (sel.backend, sel.active, sel.proven) == ("nccl", False, True)
+    assert [e.how for e in sel.plan.events if isinstance(e, Chosen)] == ["worker_0_alone"]
+    with pytest.raises(SystemExit) as leave, sel.scope():
+        pass
+    assert leave.value.code == 0
+
+
+def test_ring_passing_keeps_every_worker_and_auto_is_not_probed() -> None:
+    prober = FakeProber({"mw_nccl": "error:nccl_network", "mw_ring": "ok:1.5"})
+    sel = simulate(gpu_worker(0, gpus=4), prober, framework="tensorflow", **BIG)
+    assert [s.backend for s in prober.calls] == ["mw_nccl", "mw_ring"]
+    assert (sel.backend, sel.num_replicas, sel.active) == ("mw_ring", 8, True)
+
+
+def test_a_slow_ring_measured_is_chosen_without_probing_auto() -> None:
+    """AUTO is TensorFlow's ring too: RING's measured figure below AUTO's typical one must not
+    spend a probe on AUTO (measured on two CPU workers over loopback: 0.145 GB/s)."""
+    prober = FakeProber({"mw_ring": "ok:0.145"})
+    sel = simulate(cpu_worker(0), prober, framework="tensorflow", global_batch_size=64)
+    assert [s.backend for s in prober.calls] == ["mw_ring"]
+    assert sel.backend == "mw_ring"
+
+
+def test_one_gpu_per_worker_has_no_local_mirrored_candidate() -> None:
+    sel = simulate(gpu_worker(0, gpus=1), FakeProber(LADDER), framework="tensorflow", **BIG)
+    assert [c.backend for c in sel.plan.candidates] == ["single_device", "cpu"]
+    assert (sel.backend, sel.accumulation_steps) == ("single_device", 2)
 
 
 def test_a_batch_that_does_not_split_over_the_workers_rules_them_out() -> None:
@@ -118,6 +211,7 @@ def test_a_nccl_veto_covers_nccl_across_workers() -> None:
                    gradient_bytes=100_000_000, sample_seconds=0.002, rules=[veto])
     assert "mw_nccl" not in [c.backend for c in sel.plan.candidates]
     assert [s.backend for s in prober.calls] == ["mw_ring"]
+    assert "nccl" not in [c.backend for c in sel.plan.candidates]  # worker 0's own NCCL too
 
 
 def test_an_evaluator_task_plans_alone() -> None:

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import ipaddress
+import json
+import socket
+import threading
 from pathlib import Path
 
+import pytest
+
+from resilient_strategy.cli import main
 from resilient_strategy.core.facts import Platform
 from resilient_strategy.machine.platform import (
     detect_platform,
@@ -12,6 +19,7 @@ from resilient_strategy.machine.platform import (
     parse_nvswitch,
     parse_rdma,
 )
+from resilient_strategy.machine.routes import local_addresses, resolve_ipv4, route_to_master
 
 
 def test_nvswitch_present_absent_or_unknown() -> None:
@@ -54,3 +62,87 @@ def test_detect_platform_reads_a_fake_tree(tmp_path: Path) -> None:
     got = detect_platform({}, str(tmp_path))
     assert (got.nvswitch, got.rdma_link_layer, got.rdma_devices) == (True, "ethernet", ("mlx5_0",))
     assert detect_platform({}, str(tmp_path / "empty")) == Platform()
+
+
+# ----- the route to MASTER_ADDR (machine/routes.py) ----------------------------------------------
+ROUTES = """Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT
+eth0\t00000000\t0100000A\t0003\t0\t0\t100\t00000000\t0\t0\t0
+ib0\t0000000A\t00000000\t0001\t0\t0\t0\t000000FF\t0\t0\t0
+"""
+LOCAL = {"lo": "127.0.0.1", "eth0": "192.168.1.5", "ib0": "10.9.0.5"}
+
+
+def fake_tree(tmp_path: Path) -> str:
+    (tmp_path / "proc/net").mkdir(parents=True)
+    (tmp_path / "proc/net/route").write_text(ROUTES)
+    return str(tmp_path)
+
+
+def test_the_route_to_master_addr_or_the_rendezvous_endpoint(tmp_path: Path) -> None:
+    root = fake_tree(tmp_path)
+
+    def route(env: dict[str, str]) -> str | None:
+        return route_to_master(env, root, addresses=lambda: LOCAL)[0]
+
+    assert route({"MASTER_ADDR": "10.2.0.7"}) == "ib0"  # the /8 beats the default route
+    assert route({"MASTER_ADDR": "172.16.0.1"}) == "eth0"
+    assert route({"MASTER_ADDR": "192.168.1.5"}) == "eth0"  # this host's own address
+    assert route({"MASTER_ADDR": "127.0.0.1"}) == "lo"
+    assert route({"PET_RDZV_ENDPOINT": "10.2.0.7:29400"}) == "ib0"  # torchrun's endpoint
+    assert route({"PET_RDZV_ENDPOINT": "[10.2.0.7]:29400"}) == "ib0"
+    assert route({}) is None
+    named = route_to_master({"MASTER_ADDR": "node0"}, root, addresses=lambda: LOCAL,
+                            resolve=lambda host: ("10.2.0.8", ""))
+    assert named[0] == "ib0" and "10.2.0.8" in named[1]
+    unresolved = route_to_master({"MASTER_ADDR": "node0"}, root, addresses=lambda: LOCAL,
+                                 resolve=lambda host: (None, "no such host"))
+    assert unresolved == (None, "no such host")
+
+
+def test_detect_platform_has_the_route_only_where_master_addr_is_set(tmp_path: Path) -> None:
+    root = fake_tree(tmp_path)
+    assert (detect_platform({}, root).master_ifname, detect_platform({}, root).master_route) == (
+        "", "")
+    assert detect_platform({"MASTER_ADDR": "172.16.0.1"}, root).master_ifname == "eth0"
+    lo = detect_platform({"MASTER_ADDR": "127.0.0.1"}, root).master_ifname
+    assert lo and ipaddress.ip_address(local_addresses().get(lo, "127.0.0.1")).is_loopback
+
+
+def test_a_host_name_that_does_not_resolve_in_time_leaves_the_route_unknown(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    release = threading.Event()
+
+    def hang(*args: object, **kwargs: object) -> object:
+        release.wait(10)
+        raise OSError("released")
+
+    monkeypatch.setattr(socket, "getaddrinfo", hang)
+    try:
+        assert resolve_ipv4("node0", deadline_s=0.05)[0] is None
+    finally:
+        release.set()
+    assert resolve_ipv4("10.0.0.1", deadline_s=0.0) == ("10.0.0.1", "")  # no lookup for an address
+
+
+def test_the_route_is_shown_by_doctor_json_under_simulate(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    described = tmp_path / "node.json"
+    described.write_text(json.dumps({"machine": {
+        "gpus": 2, "env": {"MASTER_ADDR": "10.0.0.1"},
+        "platform_facts": {"master_ifname": "bond0", "master_route": "kernel route 10.0.0.0/8"}}}))
+    assert main(["doctor", "--json", "--simulate", str(described)]) == 0
+    platform = json.loads(capsys.readouterr().out)["facts"]["platform"]
+    assert (platform["master_ifname"], platform["master_route"]) == (
+        "bond0", "kernel route 10.0.0.0/8")
+
+
+def test_doctor_shows_the_route_on_this_machine(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("RESILIENT_STRATEGY_CACHE_DIR", str(tmp_path))
+    assert main(["doctor", "--json", "--framework", "torch"]) == 0
+    platform = json.loads(capsys.readouterr().out)["facts"]["platform"]
+    iface = platform["master_ifname"]
+    assert iface and ipaddress.ip_address(local_addresses().get(iface, "127.0.0.1")).is_loopback
+    assert platform["master_route"]

@@ -420,8 +420,14 @@ def _platform_line(facts: Facts) -> str:
 
     rdma = (f"{p.rdma_link_layer} ({', '.join(p.rdma_devices) or 'no active port'})"
             if p.rdma_link_layer else "none active")
+    master = dict(facts.env).get("MASTER_ADDR")
+    route = (p.master_ifname or "unknown") if p.master_ifname or master else "not set"
+    if master:
+        route = f"{master} via {route}"
+    if p.master_route:
+        route += f" ({p.master_route})"
     return (f"Platform: NVSwitch {yes_no(p.nvswitch)}, hypervisor {p.hypervisor or 'none seen'}, "
-            f"RDMA {rdma}, route to MASTER_ADDR {p.master_ifname or 'unknown'}, hostname on "
+            f"RDMA {rdma}, route to MASTER_ADDR: {route}, hostname on "
             f"loopback {yes_no(p.hostname_loopback)}")
 
 

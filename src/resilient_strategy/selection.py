@@ -100,7 +100,7 @@ class Selection:
     @property
     def backend(self) -> str:
         """What trains: "nccl", "gloo", "hierarchical_copy", "reduction_to_one_device",
-        "mw_nccl", "mw_ring", "single_device" or "cpu"."""
+        "mw_nccl", "mw_ring", "mw_auto", "single_device" or "cpu"."""
         return self.candidate.backend
 
     @property
@@ -137,9 +137,12 @@ class Selection:
     def active(self) -> bool:
         """False on the ranks a launcher started that the choice leaves idle (one-device
         fallback under torchrun trains on rank 0 only), and on the TF_CONFIG workers other than
-        worker 0 when it trains alone."""
-        if self.tf_workers > 1 and self.num_replicas == 1:
-            return self.tf_worker_rank == 0
+        worker 0 when it trains alone (on one device, or under MirroredStrategy over its own
+        GPUs)."""
+        if self.tf_workers > 1 and self.framework == "tensorflow":
+            from .vocab import MULTI_WORKER_BACKENDS
+
+            return self.backend in MULTI_WORKER_BACKENDS or self.tf_worker_rank == 0
         if self.launch.launched and self.num_replicas == 1:
             return self.launch.rank == 0
         return True
@@ -318,11 +321,10 @@ class Selection:
         if self.multi_worker:
             log.warning(
                 "resilient_strategy: worker %d of %d has nothing to do under this decision: no "
-                "strategy across the TF_CONFIG workers was proven that beats one worker, so "
-                "worker 0 trains alone (%s, %d accumulation steps keep the global batch); "
-                "exiting cleanly (status 0). Check `sel.active` to end the worker yourself.",
+                "strategy across the TF_CONFIG workers was proven that beats worker 0 alone, so "
+                "worker 0 trains alone (%s first, keeping the global batch); exiting cleanly "
+                "(status 0). Check `sel.active` to end the worker yourself.",
                 self.tf_worker_rank, self.tf_workers, self.candidate.label,
-                self.accumulation_steps,
             )
         else:
             log.warning(

@@ -8,9 +8,10 @@ FRAMEWORKS = ("torch", "tensorflow")
 #: Other names users give them.
 FRAMEWORK_ALIASES = {"tf": "tensorflow", "keras": "tensorflow", "pytorch": "torch"}
 #: TensorFlow across the workers of a ``TF_CONFIG`` cluster: ``MultiWorkerMirroredStrategy``
-#: with ``CommunicationOptions(implementation=NCCL)`` (GPU workers of a CUDA build) or ``RING``
-#: (TensorFlow's own ring all-reduce over gRPC: CPU and GPU workers).
-MULTI_WORKER_BACKENDS = ("mw_nccl", "mw_ring")
+#: with ``CommunicationOptions(implementation=NCCL)`` (GPU workers of a CUDA build), ``RING``
+#: (TensorFlow's own ring all-reduce over gRPC: CPU and GPU workers) or ``AUTO`` (TensorFlow's
+#: runtime picks; see ``core/estimate.TYPICAL_INTER_WORKER_GBPS`` for what it picks).
+MULTI_WORKER_BACKENDS = ("mw_nccl", "mw_ring", "mw_auto")
 #: Every way to train, as a planner backend name.
 BACKENDS = ("nccl", "hierarchical_copy", "reduction_to_one_device", "gloo", *MULTI_WORKER_BACKENDS,
             "single_device", "cpu")

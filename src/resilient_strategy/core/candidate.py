@@ -50,6 +50,7 @@ class Candidate:
             "gloo": "gloo", "single_device": "one GPU", "cpu": "CPU",
             "mw_nccl": "MultiWorkerMirroredStrategy + NCCL",
             "mw_ring": "MultiWorkerMirroredStrategy + RING",
+            "mw_auto": "MultiWorkerMirroredStrategy + AUTO",
         }
         text = names[self.backend]
         if self.backend in MULTI_WORKER_BACKENDS:

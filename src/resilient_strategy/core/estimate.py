@@ -38,8 +38,13 @@ TYPICAL_INTER_NODE_GBPS = {"nccl": 12.0, "nccl/socket": 1.2, "gloo": 1.0}
 #: TensorFlow between workers (MultiWorkerMirroredStrategy), not measured between hosts either:
 #: NCCL as torch's NCCL between nodes; RING is TensorFlow's ring all-reduce over gRPC, taken as
 #: a 10 GbE TCP link like gloo's (two CPU workers on one host measured more over loopback, see
-#: the README). Within a worker the local figure applies; the slower of the two counts.
-TYPICAL_INTER_WORKER_GBPS = {"mw_nccl": 12.0, "mw_ring": 1.0}
+#: the README). Within a worker the local figure applies; the slower of the two counts. AUTO
+#: is "automatically chosen by TensorFlow" (tensorflow.org/api_docs/python/tf/distribute/
+#: experimental/CommunicationImplementation); TensorFlow's runtime picks NCCL only when the hint
+#: is "nccl" or the session config's ``collective_nccl`` is on, else its ring reduce
+#: (``AssignCollectiveType`` in tensorflow/core/common_runtime/collective_param_resolver_local.cc;
+#: MultiWorkerMirroredStrategy sets ``collective_nccl`` for NCCL only), so AUTO is costed as RING.
+TYPICAL_INTER_WORKER_GBPS = {"mw_nccl": 12.0, "mw_ring": 1.0, "mw_auto": 1.0}
 #: Effective training FLOP/s of one device by compute-capability major (conservative, fp32/tf32;
 #: 3.1e13 was measured for a 100M-parameter MLP on one H200).
 DEVICE_FLOPS = {12: 2.5e13, 10: 3.0e13, 9: 3.0e13, 8: 1.5e13, 7: 7e12, 6: 3e12, 0: 3e12}

@@ -150,6 +150,8 @@ class Platform:
     rdma_link_layer: str = ""  # one of RDMA_LINK_LAYERS: "ethernet" is RoCE
     rdma_devices: tuple[str, ...] = ()  # HCA names, e.g. ("mlx5_0", "mlx5_1")
     master_ifname: str = ""  # the interface whose route reaches MASTER_ADDR
+    #: how ``master_ifname`` was found, or why it is unknown ("" with no MASTER_ADDR set)
+    master_route: str = ""
     hostname_loopback: bool | None = None  # the hostname resolves to 127.x / ::1
 
 
@@ -406,8 +408,12 @@ class Facts:
         if self.fabric is not None:  # absent otherwise: fingerprints of listed machines unchanged
             key["fabric"] = [self.fabric.topology, self.fabric.nvlinks, self.fabric.p2p_read,
                              self.fabric.p2p_nvlink]
-        if self.platform != Platform():  # unknown platform facts keep the older fingerprints
-            key["platform"] = asdict(self.platform)
+        # The route to MASTER_ADDR follows a per-run variable (a single-node torchrun sets it to
+        # 127.0.0.1, a command-line probe does not) and decides only between nodes, where no
+        # cache is used: left out, as MASTER_ADDR is.
+        platform = replace(self.platform, master_ifname="", master_route="")
+        if platform != Platform():  # unknown platform facts keep the older fingerprints
+            key["platform"] = asdict(platform)
         blob = json.dumps(key, sort_keys=True, default=list).encode()
         digest = hashlib.sha256(blob).hexdigest()[:16]
         object.__setattr__(self, "_fingerprint", digest)  # a cache, not a field

@@ -184,7 +184,7 @@ def plan(
     cands = _apply_results(cands, results, policy, b, values)
 
     ranked = _rank(cands, facts, results, policy, b)
-    chosen, next_probe = _choose(ranked, b)
+    chosen, next_probe = _choose(ranked, b, policy)
     return Plan(
         framework=fw,
         ranked=tuple(ranked),
@@ -289,8 +289,12 @@ def _multi_worker_chain(
 ) -> tuple[list[Candidate], int]:
     """TensorFlow across the workers of a TF_CONFIG cluster: MultiWorkerMirroredStrategy with
     NCCL (GPU workers of a CUDA build), then with RING (TensorFlow's ring all-reduce over gRPC,
-    CPU or GPU), each with every worker's local devices as replicas; then worker 0 alone on its
-    own best device, accumulating as many steps as the job has replicas (the other workers exit).
+    CPU or GPU), then with AUTO (TensorFlow's pick, after RING: :func:`_multi_worker_order`),
+    each with every worker's local devices as replicas. Then worker 0 alone (the other workers
+    exit): with 2+ local GPUs, MirroredStrategy over all of them (the local chain: NCCL,
+    HierarchicalCopy, ReductionToOneDevice; the global batch kept by a larger per-replica batch,
+    as Keras cannot accumulate under it), then on one device accumulating as many steps as the
+    job has replicas. :func:`_multi_worker_order` places worker 0's MirroredStrategy between.
     """
     workers = policy.tf_workers
     local = gpus if has_cuda else ()
@@ -300,12 +304,18 @@ def _multi_worker_chain(
         f"{policy.tf_worker_rank} of {workers}; MultiWorkerMirroredStrategy runs at the "
         "network's speed between workers, and every worker proves it together with the others "
         "(no cache: a worker's cache cannot speak for the links). When no backend across the "
-        f"workers beats one worker, worker 0 trains alone with {replicas} accumulation steps and "
-        "the others exit 0."))
+        "workers beats worker 0 alone, worker 0 trains alone and the others exit 0: "
+        + (f"on its {len(local)} GPUs under MirroredStrategy if that passes its probe, else "
+           if len(local) >= 2 else "")
+        + f"on one device with {replicas} accumulation steps."))
     out: list[Candidate] = []
     if local:
         out.append(Candidate(fw, "mw_nccl", local, num_replicas=replicas))
     out.append(Candidate(fw, "mw_ring", local, num_replicas=replicas))
+    out.append(Candidate(fw, "mw_auto", local, num_replicas=replicas))
+    if len(local) >= 2:  # worker 0 alone on all of its GPUs
+        out += [Candidate(fw, backend, local, num_replicas=len(local))
+                for backend in ("nccl", "hierarchical_copy", "reduction_to_one_device")]
     if gpus:
         out.append(Candidate(fw, "single_device", gpus[:1]))
     out.append(Candidate(fw, "cpu", ()))
@@ -590,6 +600,8 @@ def _rank(
             if any(r.estimate.step_seconds < f.estimate.step_seconds for r in below
                    if r.candidate.backend != "cpu") and f.candidate.origin not in tried_first:
                 tried_first.append(f.candidate.origin)
+    if policy.multi_worker:
+        ranked = _multi_worker_order(ranked, b)
     if policy.prefer and not any(r.candidate.backend == policy.prefer for r in ranked):
         b.note("prefer_impossible",
                f"prefer={policy.prefer!r} is not possible here; choosing by speed instead.")
@@ -606,6 +618,37 @@ def _rank(
         basis, cpu_last, tuple(tried_first),
     ))
     return ranked
+
+
+def _multi_worker_order(ranked: list[Ranked], b: _Build) -> list[Ranked]:
+    """A TF_CONFIG job's two orders the estimate alone does not give.
+
+    AUTO never ranks above RING: TensorFlow resolves it to the same ring all-reduce (see
+    ``estimate.TYPICAL_INTER_WORKER_GBPS``), so it is the rung after a failed RING, never a probe
+    spent because RING's measured figure fell below AUTO's typical one.
+
+    Worker 0's own MirroredStrategy (a local candidate that needs a probe, which only worker 0
+    runs) goes right before the first candidate without a collective (one device, or CPU: where
+    worker 0 trains alone anyway), after every candidate across the workers ranked above that
+    one. So the workers agree without a store: once a plan reaches worker 0 alone, no candidate
+    across the workers follows (the others exit then), and the estimate still decides whether
+    the workers are tried at all and whether the local MirroredStrategy beats one device (ranked
+    below it, it is never reached)."""
+    where = {r.candidate.backend: i for i, r in enumerate(ranked)}
+    ring, auto = where.get("mw_ring"), where.get("mw_auto")
+    if ring is not None and auto is not None and auto < ring:
+        ranked = [*ranked[:auto], *ranked[auto + 1:ring + 1], ranked[auto], *ranked[ring + 1:]]
+    anchor = next((i for i, r in enumerate(ranked) if not r.candidate.needs_probe), None)
+    if anchor is None:
+        return ranked
+    local = [r for r in ranked[:anchor] if r.candidate.backend not in MULTI_WORKER_BACKENDS]
+    workers = [r for r in ranked[:anchor] if r.candidate.backend in MULTI_WORKER_BACKENDS]
+    out = [*workers, *local, *ranked[anchor:]]
+    if local and workers and out != ranked:
+        b.note("alone_after_workers", f"Worker 0's own {local[0].candidate.label} is tried only "
+               "after the strategies across the workers estimated faster than one device: once "
+               "worker 0 trains alone, the other workers have exited.")
+    return out
 
 
 def _measured(r: Ranked) -> tuple[float, float] | None:
@@ -649,7 +692,8 @@ def _within_noise_keep_order(
     return out
 
 
-def _choose(ranked: Sequence[Ranked], b: _Build) -> tuple[Candidate | None, Candidate | None]:
+def _choose(ranked: Sequence[Ranked], b: _Build, policy: Options
+            ) -> tuple[Candidate | None, Candidate | None]:
     for r in ranked:
         c = r.candidate
         if r.result is not None and r.result.ok:
@@ -657,6 +701,11 @@ def _choose(ranked: Sequence[Ranked], b: _Build) -> tuple[Candidate | None, Cand
             return c, None
         if not c.needs_probe:
             b.events.append(Chosen(c, "no_collective"))
+            return c, None
+        if (policy.multi_worker and policy.tf_worker_rank
+                and c.backend not in MULTI_WORKER_BACKENDS):
+            # worker 0 proves its own MirroredStrategy; what it finds changes nothing here
+            b.events.append(Chosen(c, "worker_0_alone"))
             return c, None
         b.events.append(NextProbe(c))
         return None, c

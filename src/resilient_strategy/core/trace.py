@@ -125,7 +125,9 @@ class Note(Event):
     ``cpu_only_build``, ``too_few_gpus``, ``multi_node``, ``one_process``, ``no_global_batch``,
     ``batch_not_split``, ``batch_shrinks_replicas``, ``prefer_impossible``, ``fault_injection``
     (the cache is neither read nor written for a rehearsal), ``within_noise`` (measured speeds
-    within their measured noise kept the chain's order).
+    within their measured noise kept the chain's order), ``multi_worker`` (a TF_CONFIG job's
+    ladder), ``alone_after_workers`` (worker 0's own MirroredStrategy moved after the strategies
+    across the workers).
     """
 
     kind: ClassVar[str] = "note"
@@ -384,7 +386,7 @@ class NextProbe(Event):
 
 #: How a candidate was chosen (``Chosen.how``).
 CHOSEN_HOW = ("probe_passed", "no_collective", "dry_run", "multi_node", "probing_off",
-              "rounds_spent")
+              "rounds_spent", "worker_0_alone")
 
 
 @dataclass(frozen=True)
@@ -413,6 +415,8 @@ class Chosen(Event):
             "probing_off": "UNPROVEN, probing is off (probe='never')",
             "rounds_spent": f"UNPROVEN: the limit of {self.max_rounds} probes per decision is "
                             "used up",
+            "worker_0_alone": "worker 0 trains alone from here on, proving its own GPUs (this "
+                              "worker does not: it exits 0)",
         }[self.how]
         return f"Chose {c.label}: {why}."
 
@@ -459,7 +463,10 @@ class MultiWorkerDecided(Event):
         c = self.chosen
         if c is None:
             return head
-        if self.alone:
+        if self.alone and c.needs_probe and not self.active:
+            tail = (f" Worker 0 trains alone, first trying {c.label} (its own probe decides, "
+                    "one device after it); the other workers exit 0")
+        elif self.alone:
             tail = (f" Worker 0 trains alone on {c.label} with {c.accumulation_steps} "
                     "accumulation step(s) keeping the global batch; the other workers exit 0")
             tail += "." if self.active else " (this one too)."

@@ -20,7 +20,7 @@ devices, logical CPUs): every TfRuntime with the same key (a second ``resilient_
 a second Selection) gets the same strategy object, and building a ``MirroredStrategy`` for a
 different key while one exists logs a warning on the ``resilient_strategy`` logger.
 
-Across the workers of a ``TF_CONFIG`` cluster (backends ``mw_nccl`` / ``mw_ring``) the strategy
+Across the workers of a ``TF_CONFIG`` cluster (backends ``mw_nccl`` / ``mw_ring`` / ``mw_auto``) the strategy
 is a ``MultiWorkerMirroredStrategy`` with that ``CommunicationImplementation`` and the
 ``process_group_timeout`` as ``CommunicationOptions.timeout_seconds``; it is a subclass that
 makes Keras 3's ``fit`` work under it (:func:`keras_multi_worker_class`). Every worker feeds the
@@ -73,7 +73,7 @@ MIRRORED_OPS = {
 }
 ONE_DEVICE = ("single_device", "cpu")
 #: Backend -> the ``CommunicationImplementation`` of a MultiWorkerMirroredStrategy (TF_CONFIG).
-MULTI_WORKER_IMPL = {"mw_nccl": "NCCL", "mw_ring": "RING"}
+MULTI_WORKER_IMPL = {"mw_nccl": "NCCL", "mw_ring": "RING", "mw_auto": "AUTO"}
 #: Fallbacks whose cross-device op an XLA-compiled train step would bypass.
 XLA_BYPASSED = ("hierarchical_copy", "reduction_to_one_device")
 
@@ -523,7 +523,7 @@ def configure_logical_cpus(n: int) -> None:
 
 def multi_worker_strategy(implementation: str, timeout_s: float | None) -> Any:
     """``MultiWorkerMirroredStrategy`` over the cluster in ``TF_CONFIG`` (TensorFlow reads it),
-    all-reducing with ``implementation`` ("NCCL" or "RING"), each collective failing after
+    all-reducing with ``implementation`` ("NCCL", "RING" or "AUTO"), each collective failing after
     ``timeout_s`` instead of hanging (``CommunicationOptions.timeout_seconds``).
 
     It is :func:`keras_multi_worker_class`'s subclass, which Keras 3's ``fit`` needs."""

@@ -1,10 +1,11 @@
 """Platform facts around the GPUs, read from files under ``root`` (testable): the NVSwitch
-fabric, a hypervisor, the RDMA ports' link layer, whether the hostname resolves to loopback.
+fabric, a hypervisor, the RDMA ports' link layer, whether the hostname resolves to loopback, and
+the interface that routes to ``MASTER_ADDR`` (:mod:`.routes`, where ``MASTER_ADDR`` or torchrun's
+rendezvous endpoint is set).
 
 Each reading is a pure ``parse_*`` function over text, plus a thin reader that turns an
-unreadable file into "unknown" (``None`` / ``""``). No DNS, no process, no framework: the route
-to ``MASTER_ADDR`` is resolved per node where it is used (``nodes/routes.py``), so
-``Platform.master_ifname`` stays unknown here.
+unreadable file into "unknown" (``None`` / ``""``). No process, no framework; the one name
+lookup (a ``MASTER_ADDR`` that is a host name) has a deadline (:data:`.routes.RESOLVE_DEADLINE_S`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import socket
 from collections.abc import Mapping, Sequence
 
 from ..core.facts import Platform
+from .routes import master_host, route_to_master
 
 #: DMI system vendors / product names of hypervisors, as words.
 _HYPERVISORS = (
@@ -26,8 +28,9 @@ _CPUINFO_BYTES = 64 << 10
 
 
 def detect_platform(env: Mapping[str, str], root: str = "/") -> Platform:
-    """Read the platform facts; ``root`` lets tests point at a fake file tree."""
-    del env  # nothing of the environment decides these facts (kept for a uniform reader)
+    """Read the platform facts; ``root`` lets tests point at a fake file tree. ``env`` names the
+    rendezvous host (``MASTER_ADDR``) whose route is read."""
+    iface, how = route_to_master(env, root) if master_host(env)[0] else (None, "")
     devices = _list(root, "sys/class/infiniband") or []
     ports = {d: [(_read(root, f"sys/class/infiniband/{d}/ports/{p}/link_layer") or "",
                   _read(root, f"sys/class/infiniband/{d}/ports/{p}/state") or "")
@@ -45,6 +48,8 @@ def detect_platform(env: Mapping[str, str], root: str = "/") -> Platform:
         rdma_link_layer=layer,
         rdma_devices=active,
         hostname_loopback=parse_hosts(_read(root, "etc/hosts"), _hostname()),
+        master_ifname=iface or "",
+        master_route=how,
     )
 
 

@@ -5,7 +5,8 @@ Under a ``TF_CONFIG`` of 2 or more chief/worker tasks (:mod:`.tfcluster`), every
 before a strategy exists, so the agreement is the probes themselves:
 
 - every worker plans from its own facts with the same options, so it plans the same candidates
-  in the same order (``MultiWorkerMirroredStrategy`` with NCCL, then RING, then worker 0 alone);
+  in the same order (``MultiWorkerMirroredStrategy`` with NCCL, then RING, then AUTO, then
+  worker 0 alone: under MirroredStrategy over its own GPUs, then on one device);
 - a candidate across the workers is proven by one process on *each* worker (the probe worker
   ``probes/tf_worker.py`` with the user's ``TF_CONFIG``: the same addresses the training will
   bind, free again once the probe process has exited or been killed at its deadline);
@@ -19,8 +20,12 @@ before a strategy exists, so the agreement is the probes themselves:
 
 No cache is read or written (a worker's cache cannot speak for the links), as between torch
 nodes (:mod:`.multinode`). When no candidate across the workers is proven, or the estimate says
-worker 0 alone is faster, worker 0 trains alone with accumulation keeping the global batch and
-the other workers exit 0 at ``scope()`` (``Selection.active`` is False there), saying why.
+worker 0 alone is faster, worker 0 trains alone keeping the global batch and the other workers
+exit 0 at ``scope()`` (``Selection.active`` is False there), saying why. Worker 0 alone first
+tries MirroredStrategy over its own GPUs (2 or more), which it alone probes: the planner places
+it after every candidate across the workers that is tried (``plan._multi_worker_order``), so a
+worker other than 0 that reaches it knows worker 0 trains alone whatever that probe says, and
+exits without probing it (``Chosen.how == "worker_0_alone"``).
 
 Rounds: after a failed round, a worker waits until every worker's process of that round is
 surely gone before starting the next (:class:`SettlingProber`): the round's start + its timeout +
@@ -128,7 +133,7 @@ def decide_across_workers(
         if k in known and known[k].backend in MULTI_WORKER_BACKENDS
     )
     chosen = p.chosen
-    alone = chosen is not None and chosen.num_replicas == 1
+    alone = chosen is not None and chosen.backend not in MULTI_WORKER_BACKENDS
     active = not alone or opts.tf_worker_rank == 0
     event = MultiWorkerDecided(opts.tf_workers, opts.tf_worker_rank, opts.tf_task, probed,
                                chosen, alone, active, bool(d.proven))

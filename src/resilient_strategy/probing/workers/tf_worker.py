@@ -62,7 +62,7 @@ FIT_ALLOW_S = 20.0  # model.fit builds, traces and compiles its train function
 PER_REPLICA_BATCH = 8
 MIRRORED = ("nccl", "hierarchical_copy", "reduction_to_one_device")
 #: Across the TF_CONFIG workers: MultiWorkerMirroredStrategy with this CommunicationImplementation
-MULTI_WORKER = {"mw_nccl": "NCCL", "mw_ring": "RING"}
+MULTI_WORKER = {"mw_nccl": "NCCL", "mw_ring": "RING", "mw_auto": "AUTO"}
 #: A worker with less than this left of its probe's time votes "fail" in the verdict, so that
 #: the verdict completes well inside every worker's deadline (see resilient_strategy.nodes.tfworkers)
 VERDICT_MARGIN_S = 3.0
