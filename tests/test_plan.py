@@ -223,9 +223,9 @@ def test_planner_imports_no_os_subprocess_nvml_or_framework() -> None:
                                    "errors")} <= seen
 
 
-def test_a_measured_host_staged_reduction_is_not_outbid_by_its_siblings_typical_figure() -> None:
-    # TF on 2 logical CPUs: HierarchicalCopy measured below its typical figure; the typical
-    # figure of ReductionToOneDevice (the same host path) is scaled alike, so no second probe
+def test_on_logical_cpus_a_measured_hierarchical_copy_is_not_outbid_by_a_gpu_figure() -> None:
+    # TF on 2 logical CPUs: the typical figures are the logical-CPU ones, so HierarchicalCopy
+    # measured at its usual 4.98 GB/s is chosen without a second TensorFlow probe
     tf = FrameworkInfo("tensorflow", "2.21.0", "tensorflow", None)
     facts = Facts(frameworks=(tf,))
     opts = Options("tensorflow", global_batch_size=256, logical_cpus=2)
@@ -235,10 +235,3 @@ def test_a_measured_host_staged_reduction_is_not_outbid_by_its_siblings_typical_
     measured = {key: ProbeResult(key, "ok", 12.0, bus_bandwidth_gbps=4.98)}
     p = plan(facts, RULES, measured, opts)
     assert p.chosen is not None and p.chosen.key == key and p.next_probe is None
-    rtod = next(r for r in p.ranked if r.candidate.backend == "reduction_to_one_device")
-    assert rtod.estimate.bus_gbps is not None and rtod.estimate.bus_gbps < 4.98
-    # a sibling measured faster than typical never raises an estimate
-    fast = {key: ProbeResult(key, "ok", 12.0, bus_bandwidth_gbps=50.0)}
-    rtod = next(r for r in plan(facts, RULES, fast, opts).ranked
-                if r.candidate.backend == "reduction_to_one_device")
-    assert rtod.estimate.bus_gbps == 8.0

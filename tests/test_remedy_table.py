@@ -58,9 +58,15 @@ def test_rdma_remedies_only_with_hcas_and_fill_in_the_facts() -> None:
         {"NCCL_IB_GID_INDEX": "3"}, {"NCCL_IB_HCA": "=mlx5_0,mlx5_3"}, {"NCCL_CROSS_NIC": "0"},
         {"NCCL_IB_DISABLE": "1"}]
     assert _envs(machine(8), "rdma_error", nodes=2) == []
-    assert _envs(roce, "nccl_network", nodes=2) == [{"NCCL_SOCKET_IFNAME": "bond0"}]
+    # between nodes the interface is resolved on each node (its name may differ per node, and a
+    # literal name would give the nodes different candidates): the value says so
+    assert _envs(roce, "nccl_network", nodes=2) == [{"NCCL_SOCKET_IFNAME": "@route"}]
     assert _envs(roce, "nccl_network", nodes=1) == [{"NCCL_SOCKET_IFNAME": "lo"}]
-    assert _envs(roce, "gloo_connection", "gloo", nodes=2) == [{"GLOO_SOCKET_IFNAME": "bond0"}]
+    assert _envs(roce, "gloo_connection", "gloo", nodes=2) == [{"GLOO_SOCKET_IFNAME": "@route"}]
+    other = machine(8, infiniband=True, platform_facts={
+        "rdma_link_layer": "ethernet", "rdma_devices": ["mlx5_0", "mlx5_3"],
+        "master_ifname": "enp1s0"})  # another node, another name: the same candidates
+    assert _envs(other, "nccl_network", nodes=2) == _envs(roce, "nccl_network", nodes=2)
     assert _envs(machine(8), "nccl_network", nodes=2) == []  # no route known: nothing to set
 
 
@@ -123,9 +129,10 @@ def test_a_gloo_failure_gets_the_gloo_interface_remedy() -> None:
                          "LOCAL_RANK": "0", "GROUP_RANK": "0", "MASTER_ADDR": "10.0.0.1",
                          "MASTER_PORT": "29500"},
                     platform_facts={"master_ifname": "eth1", "hostname_loopback": True})
-    prober = FakeProber({"gloo": "error:gloo_connection", "gloo+GLOO_SOCKET_IFNAME=eth1": "ok:1"})
+    prober = FakeProber({"gloo": "error:gloo_connection",
+                         "gloo+GLOO_SOCKET_IFNAME=@route": "ok:1"})
     sel = simulate(facts, prober, **KW)
-    assert (sel.backend, dict(sel.env)) == ("gloo", {"GLOO_SOCKET_IFNAME": "eth1"})
+    assert (sel.backend, dict(sel.env)) == ("gloo", {"GLOO_SOCKET_IFNAME": "eth1"})  # resolved here
     queued = [e for e in sel.plan.events if isinstance(e, RemedyQueued)]
     assert [(e.candidate.backend, e.cause) for e in queued] == [("gloo", "gloo_connection")]
 

@@ -6,7 +6,6 @@ bandwidth replaces the typical figure. The planner orders candidates by :func:`e
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -29,6 +28,14 @@ TYPICAL_BUS_GBPS = {
     "gloo": 2.2,
     "hierarchical_copy": 10.0,
     "reduction_to_one_device": 8.0,
+    # TensorFlow on logical CPU devices: copies within one process's memory, nothing like the
+    # GPU figures above. Measured on the project's 2-core machine (bench_floor / a cold
+    # decision's probes, 2026-11-26, TF 2.21): HierarchicalCopy 4.98 GB/s, ReductionToOneDevice
+    # 0.84 GB/s (under load both fall to ~0.7-0.95, tests/test_remedies.py). With the GPU figures
+    # ReductionToOneDevice's 8 outbid HierarchicalCopy's measured 4.98 and cost every cold
+    # decision a second TensorFlow probe (12-19 s there) that measured 0.84.
+    "hierarchical_copy/logical_cpu": 5.0,
+    "reduction_to_one_device/logical_cpu": 0.85,
 }
 #: Typical bus bandwidth (GB/s) between nodes when nothing was measured: not measured here (no
 #: multi-node hardware was available); a 100 Gb/s InfiniBand/EFA fabric for NCCL, 10 GbE TCP for
@@ -73,6 +80,8 @@ def _typical_bus(c: Candidate, facts: Facts, policy: Options) -> tuple[float | N
         return between, f"typical between-worker {c.backend} figure"
     if c.backend != "nccl":
         key = c.backend
+        if policy.logical_cpus and f"{key}/logical_cpu" in TYPICAL_BUS_GBPS:
+            key = f"{key}/logical_cpu"
     else:
         env = dict(c.env)
         nvlink = facts.all_nvlink(c.devices)
@@ -106,42 +115,13 @@ def _flops(facts: Facts, c: Candidate) -> float:
     return DEVICE_FLOPS.get(major, DEVICE_FLOPS[0] if major < 7 else DEVICE_FLOPS[9])
 
 
-#: TensorFlow's host-staged cross-device reductions: copies through the same path, whose typical
-#: figures above are estimates. Once one of them is measured on a device set, the other's typical
-#: figure is scaled by what that measurement made of its own (never up), so an estimate does not
-#: outbid a measurement of the same path: on 2 logical CPUs HierarchicalCopy measured 4.98 GB/s
-#: (typical 10), ReductionToOneDevice's 8 then won the ranking and cost a second TensorFlow probe
-#: (12-19 s on the 2-core machine) that measured 0.84 GB/s.
-HOST_STAGED = ("hierarchical_copy", "reduction_to_one_device")
-
-
-def _measured_scale(c: Candidate, facts: Facts, policy: Options,
-                    peers: Sequence[tuple[Candidate, ProbeResult]]) -> tuple[float, str]:
-    """How a measured sibling of ``c`` (same framework, same devices, host-staged) did against
-    its typical figure: the lowest such ratio below 1, with the sibling's label; else 1."""
-    best, who = 1.0, ""
-    if c.backend not in HOST_STAGED:
-        return best, who
-    for other, res in peers:
-        if (other.key == c.key or other.backend not in HOST_STAGED
-                or other.framework != c.framework or other.devices != c.devices
-                or not res.ok or not res.bus_bandwidth_gbps):
-            continue
-        typical, _ = _typical_bus(other, facts, policy)
-        if typical and res.bus_bandwidth_gbps / typical < best:
-            best, who = res.bus_bandwidth_gbps / typical, other.label
-    return best, who
-
-
 def estimate(
-    c: Candidate, facts: Facts, result: ProbeResult | None, policy: Options,
-    peers: Sequence[tuple[Candidate, ProbeResult]] = (),
+    c: Candidate, facts: Facts, result: ProbeResult | None, policy: Options
 ) -> Estimate:
     """Seconds per global batch: compute split over replicas plus the part of one gradient
     all-reduce (sharded: two parameter all-gathers and a gradient reduce-scatter) that backward
     does not hide (DDP overlaps it with backward, about 2/3 of compute;
-    Keras fit reduces after backward, so TensorFlow hides none). ``peers``: the candidates
-    measured so far with their results (see :data:`HOST_STAGED`)."""
+    Keras fit reduces after backward, so TensorFlow hides none)."""
     known_model = policy.gradient_bytes is not None
     grad = policy.gradient_bytes or ASSUMED_GRADIENT_BYTES
     g = policy.global_batch_size or ASSUMED_GLOBAL_BATCH
@@ -162,10 +142,6 @@ def estimate(
         bus, bus_how = result.bus_bandwidth_gbps, "measured bus bandwidth"
     else:
         bus, bus_how = _typical_bus(c, facts, policy)
-        scale, sibling = _measured_scale(c, facts, policy, peers)
-        if bus and scale < 1.0:
-            bus = round(bus * scale, 3)
-            bus_how = f"{bus_how}, scaled by {scale:.2f} as {sibling} measured against its own:"
     # an all-reduce moves 2x the gradients; FSDP2 all-gathers the parameters twice (forward,
     # and again in backward after resharding) and reduce-scatters the gradients once
     volume = 2 * (policy.param_bytes or grad) + grad if c.sharded else grad * 2

@@ -574,9 +574,7 @@ def _rank(
     policy: Options,
     b: _Build,
 ) -> list[Ranked]:
-    peers = [(c, r) for c in cands if (r := results.get(c.key)) is not None]
-    ranked = [Ranked(c, estimate(c, facts, results.get(c.key), policy, peers),
-                     results.get(c.key)) for c in cands]
+    ranked = [Ranked(c, estimate(c, facts, results.get(c.key), policy), results.get(c.key)) for c in cands]
     order = {c.key: i for i, c in enumerate(cands)}
 
     def key(r: Ranked) -> tuple[int, float, int]:

@@ -193,7 +193,10 @@ def resilient_strategy(
     if opts.launch.multi_node:  # per-node values (the interface routing to the master)
         from ..nodes.routes import between_nodes
 
-        to_set = between_nodes(chosen.backend, to_set, snapshot)
+        # a described machine's route is its own fact, never this host's routing table
+        route = ((facts.platform.master_ifname or None, "the described machine's master_ifname")
+                 if opts.simulated else None)
+        to_set = between_nodes(chosen.backend, to_set, snapshot, route)
     _guard(facts, opts.framework, to_set)
     # Decided on a described environment (env=): nothing of this process is changed.
     applied = not opts.dry_run and env is None

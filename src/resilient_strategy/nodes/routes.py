@@ -29,13 +29,15 @@ log = logging.getLogger("resilient_strategy")
 ROUTE = "@route"
 
 
-def node_values(values: Mapping[str, str], env: Mapping[str, str]) -> dict[str, str]:
+def node_values(values: Mapping[str, str], env: Mapping[str, str],
+                route: tuple[str | None, str] | None = None) -> dict[str, str]:
     """``values`` with :data:`ROUTE` resolved to this node's interface routing to the master
-    (dropped, with a warning, when there is none)."""
+    (dropped, with a warning, when there is none). ``route``: the interface and how it was found,
+    when already known (a described machine: never this host's routing table)."""
     out = dict(values)
     for name, value in values.items():
         if value == ROUTE:
-            iface, how = route_to_master(env)
+            iface, how = route if route is not None else route_to_master(env)
             if iface:
                 out[name] = iface
             else:
@@ -51,14 +53,15 @@ def node_values(values: Mapping[str, str], env: Mapping[str, str]) -> dict[str, 
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
 
 
-def between_nodes(backend: str, values: Mapping[str, str], env: Mapping[str, str]) -> dict[str, str]:
+def between_nodes(backend: str, values: Mapping[str, str], env: Mapping[str, str],
+                  route: tuple[str | None, str] | None = None) -> dict[str, str]:
     """The variables a candidate spanning nodes needs on this node: its own ``values``, plus, for
     gloo, :data:`GLOO_IFNAME` on the interface that routes to the master unless the user set it;
-    :data:`ROUTE` resolved (:func:`node_values`)."""
+    :data:`ROUTE` resolved (:func:`node_values`, ``route`` as there)."""
     out = dict(values)
     if backend == "gloo" and GLOO_IFNAME not in env:
         out.setdefault(GLOO_IFNAME, ROUTE)
-    return node_values(out, env)
+    return node_values(out, env, route)
 
 
 def remedy_rules() -> tuple[Rule, ...]:
