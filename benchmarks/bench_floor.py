@@ -180,6 +180,8 @@ def main() -> None:
                      f"{f:.2f} s", "1.00x", facts.gpus[0].name))
         rows.append((f"run_probe(NCCL on GPU 0): {res.status}", f"{lib:.2f} s", f"{lib / f:.2f}x",
                      f"goal <= {GOAL}x: " + ("met" if lib / f <= GOAL else "NOT met")))
+        rows.append(("  its phases (last run, s from the first worker's start)", "", "",
+                     ", ".join(f"{k} {v:.2f}" for k, v in res.phases)))
     if facts.framework("tensorflow").installed and not args.skip_tf:
         tfloor, tcold = [], []
         with tempfile.TemporaryDirectory() as cache:
