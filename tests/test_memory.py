@@ -22,7 +22,13 @@ from resilient_strategy.core.options import Options
 from resilient_strategy.core.plan import plan
 from resilient_strategy.core.probe import ProbeResult
 from resilient_strategy.core.rules import load_rules
-from resilient_strategy.core.trace import CandidateRuledOut, MemoryChecked, ShardingDecided
+from resilient_strategy.core.trace import (
+    CandidateRuledOut,
+    FewerDevices,
+    MemoryChecked,
+    OffloadConsidered,
+    ShardingDecided,
+)
 from resilient_strategy.deciding.executor import resilient_strategy
 from resilient_strategy.errors import InvalidOptionError, ModelDoesNotFitError
 from resilient_strategy.machine.host import parse_meminfo
@@ -141,7 +147,9 @@ def test_the_smallest_free_memory_among_the_devices_decides() -> None:
     rows = {r.candidate.key: r for r in event(p, MemoryChecked).rows}
     assert rows["torch:nccl/fsdp:0,1,2,3"].where == "GPU 2"
     assert rows["torch:nccl/fsdp:0,1,2,3"].fits is False
-    assert keys(p) == []
+    # the step-down shards over the GPUs with the most free memory (3 does not split 64)
+    assert event(p, FewerDevices).unsplit == (3,)
+    assert keys(p) == ["torch:nccl/fsdp:0,1", "torch:gloo/fsdp:0,1"]
 
 
 def test_a_failed_sharded_probe_steps_down_to_sharded_gloo_never_to_one_gpu() -> None:
@@ -168,10 +176,15 @@ def test_nothing_fits_raises_the_memory_table() -> None:
     with pytest.raises(ModelDoesNotFitError) as err:
         resilient_strategy("torch", facts=facts, env=LAUNCH, dry_run=True, cache=False,
                            param_bytes=28 * GiB, global_batch_size=64)
-    table = {row.key: row for row in err.value.table}
-    assert set(table) == {"torch:nccl/fsdp:0,1,2,3", "torch:gloo/fsdp:0,1,2,3",
-                          "torch:single_device:0", "torch:cpu:cpu"}
-    assert all(row.fits is False for row in table.values())
+    table = {(row.key, row.where): row for row in err.value.table}
+    assert {key for key, _ in table} == {
+        "torch:nccl/fsdp:0,1,2,3", "torch:gloo/fsdp:0,1,2,3", "torch:single_device:0",
+        "torch:cpu:cpu", "torch:nccl/fsdp:0,1", "torch:nccl/fsdp+offload:0,1,2,3",
+        "torch:gloo/fsdp+offload:0,1,2,3", "torch:single_device/fsdp+offload:0"}
+    assert not err.value.offload_would_fit
+    assert all(row.fits is False for (key, _), row in table.items() if "offload" not in key)
+    assert all(table[key, "host"].fits is False for key, _ in table if "offload" in key)
+    table = {key: row for (key, _), row in table.items()}
     assert table["torch:nccl/fsdp:0,1,2,3"].shards == 4
     assert table["torch:nccl/fsdp:0,1,2,3"].free_bytes == 10 * GiB
     assert {c.cause for c in err.value.causes} == {"memory"}

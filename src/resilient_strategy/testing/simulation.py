@@ -427,6 +427,8 @@ class SimulatedProber:
         env_key = ",".join(f"{k}={v}" for k, v in spec.env)
         # a sharded candidate's own outcome ("nccl/fsdp") wins over its backend's ("nccl")
         names = [f"{spec.backend}/fsdp", spec.backend] if spec.sharded else [spec.backend]
+        if spec.candidate.split(":")[1].endswith("+offload"):  # its own outcome wins again
+            names.insert(0, f"{spec.backend}/fsdp+offload")
         keys = [k for n in names for k in ((f"{n}+{env_key}", f"{n}+*") if env_key else (n,))]
         out = next((self.outcomes[k] for k in (*keys, "*") if k in self.outcomes), self.default)
         res = _parse(spec.candidate, out)
@@ -526,7 +528,7 @@ SIMULATION_KEYS = frozenset({
     "facts", "probes", "expect",
     # a field case (examples/machines/field/): where it was reported, its family, what it said
     "source", "family", "reported",
-    "param_bytes", "optimizer_state_factor", "sharding",
+    "param_bytes", "optimizer_state_factor", "sharding", "offload",
 })
 #: Fields of a machine case's ``expect`` block (the decision it must reach; tests replay it).
 EXPECT_KEYS = frozenset({
@@ -534,6 +536,9 @@ EXPECT_KEYS = frozenset({
     "probed", "rules_fired", "explain_contains",
     "causes",  # {probe key: the cause its failure was placed on}, e.g. {"nccl": "nvls_multicast"}
     "sharded", "ladder", "ruled_out_by_memory",
+    "offload",  # the chosen candidate offloads its state to the host
+    # no decision: the typed error it ends in, {"type": "ModelDoesNotFitError", ...its fields}
+    "error",
 })
 
 
