@@ -393,7 +393,8 @@ class SimulatedProber:
     as it places a real probe's), "signal:<number>" (a worker killed by that signal).
 
     Keys: a backend with no extra environment ("nccl", "gloo", "hierarchical_copy", ...; a
-    sharded candidate's "nccl/fsdp" wins over "nccl" for it); a
+    sharded candidate's "nccl/fsdp" wins over "nccl" for it, an offloaded one's
+    "nccl/fsdp+offload" over both; "nccl/fsdp@0,1" on GPUs 0 and 1 only wins over all); a
     backend with the exact environment of a remedy ("nccl+NCCL_P2P_DISABLE=1", several sorted
     and joined by ","); "nccl+*" for every remedy; "*" for everything. The most specific key
     wins; anything unmatched is ``default``.
@@ -429,6 +430,9 @@ class SimulatedProber:
         names = [f"{spec.backend}/fsdp", spec.backend] if spec.sharded else [spec.backend]
         if spec.candidate.split(":")[1].endswith("+offload"):  # its own outcome wins again
             names.insert(0, f"{spec.backend}/fsdp+offload")
+        if spec.devices:  # "nccl/fsdp@0,1": on these GPUs only (the most specific)
+            on = ",".join(map(str, spec.devices))
+            names = [*(f"{n}@{on}" for n in names), *names]
         keys = [k for n in names for k in ((f"{n}+{env_key}", f"{n}+*") if env_key else (n,))]
         out = next((self.outcomes[k] for k in (*keys, "*") if k in self.outcomes), self.default)
         res = _parse(spec.candidate, out)
