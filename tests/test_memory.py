@@ -51,7 +51,8 @@ def a100s(free_gib: float | None = 79, n: int = 4, host_gib: int | None = 64) ->
 
 
 def opts(param_gib: float | None, sharding: str = "auto", **kw: Any) -> Options:
-    return Options("torch", global_batch_size=64, world_size=4, sharding=sharding,
+    kw.setdefault("global_batch_size", 64)
+    return Options("torch", world_size=4, sharding=sharding,
                    param_bytes=None if param_gib is None else int(param_gib * GiB), **kw)
 
 
@@ -306,3 +307,45 @@ def test_run_takes_the_memory_options() -> None:
     with pytest.raises(InvalidOptionError):
         RunOptions("train.py", param_bytes=0)
     assert RunOptions("train.py", sharding="full", param_bytes=8).sharding == "full"
+
+
+# ----- the step-down rungs: FSDP over fewer GPUs, CPU offload ----------------------------------
+def _failed(*keys: str) -> dict[str, ProbeResult]:
+    return {k: ProbeResult(k, "error", 2.0, "nccl_error", "x") for k in keys}
+
+
+def test_fewer_gpus_only_once_fsdp_over_all_of_them_is_out() -> None:
+    o = opts(8, "full", global_batch_size=96)
+    first = plan(a100s(free_gib=40), RULES, {}, o)
+    assert not any(isinstance(e, FewerDevices) for e in first.events)
+    wide = ("torch:nccl/fsdp:0,1,2,3", "torch:nccl/fsdp:0,1,2,3:NCCL_P2P_DISABLE=1",
+            "torch:nccl/fsdp:0,1,2,3:NCCL_SHM_DISABLE=1", "torch:gloo/fsdp:0,1,2,3")
+    p = plan(a100s(free_gib=40), RULES, _failed(*wide), o)
+    step = event(p, FewerDevices)
+    assert step.widest == 4 and step.chosen is not None and step.chosen.num_replicas == 3
+    sub = [c for c in p.candidates if c.num_replicas == 3]
+    assert [c.key for c in sub] == ["torch:nccl/fsdp:0,1,2", "torch:gloo/fsdp:0,1,2"]
+    # the job's per-device batch (24) stays; accumulation keeps the global batch exact
+    assert [(c.per_replica_batch_size, c.accumulation_steps) for c in sub] == [(16, 2), (16, 2)]
+
+
+def test_offload_is_planned_only_when_allowed_and_says_its_cost() -> None:
+    facts = a100s(free_gib=16, host_gib=512)
+    none = plan(facts, RULES, {}, opts(28))
+    said = event(none, OffloadConsidered)
+    assert said.mode == "none" and said.would_fit and not any(c.offload for c in none.candidates)
+    auto = plan(facts, RULES, {}, opts(28, offload="auto"))
+    planned = event(auto, OffloadConsidered)
+    assert planned.mode == "auto" and planned.costs
+    assert all(copy_s > 0 and opt_s > 0 for _, copy_s, opt_s in planned.costs)
+    assert auto.next_probe is not None and auto.next_probe.offload
+    assert {c.key for c in auto.candidates} >= {"torch:nccl/fsdp+offload:0,1,2,3",
+                                                 "torch:single_device/fsdp+offload:0"}
+
+
+def test_offload_is_validated_like_the_other_options() -> None:
+    with pytest.raises(InvalidOptionError) as err:
+        opts(28, offload="params")
+    assert err.value.option == "offload"
+    with pytest.raises(InvalidOptionError):
+        Options("tensorflow", offload="auto")
