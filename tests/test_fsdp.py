@@ -252,3 +252,40 @@ def test_an_offloading_decision_chooses_the_offload_policy_itself() -> None:
     fsdp.check_kwargs({"offload_policy": None})  # the user's own, when the decision keeps it
     with pytest.raises(InvalidOptionError):
         fsdp.check_kwargs({"offload_policy": None}, offload=True)
+
+
+ONE_RANK_OFFLOAD = r"""
+import json, sys
+import torch
+from resilient_strategy.frameworks.torch import TorchRuntime
+rt = TorchRuntime("cpu", (), 2, None, 4, rank=0, local_rank=0, world_size=1, timeout_s=30,
+                  precision="fp32", sharded=True, offload=True)
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+m, opt, _ = rt.prepare(m, opt)
+x, y = torch.randn(16, 4), torch.randn(16, 2)
+losses, steps = [], 0
+for _ in range(8):
+    with rt.accumulate(m):
+        loss = torch.nn.functional.mse_loss(m(x), y)
+        rt.backward(loss)
+    losses.append(loss.item())
+    steps += rt.step(opt)
+policy = type(m[0]._get_fsdp_state()._fsdp_param_group.offload_policy).__name__
+print(json.dumps({"steps": steps, "policy": policy, "first": losses[0], "last": losses[-1]}))
+rt.shutdown()
+"""
+
+
+def test_one_process_fsdp_with_cpu_offload_joins_a_group_of_one_and_trains() -> None:
+    # the single-rank path of a one-GPU offload decision, here on the CPU (a fresh interpreter:
+    # the runtime starts its own group of one)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", ONE_RANK_OFFLOAD], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["steps"] == 4 and got["policy"] == "CPUOffloadPolicy"
+    assert got["last"] < got["first"]

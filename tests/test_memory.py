@@ -349,3 +349,7 @@ def test_offload_is_validated_like_the_other_options() -> None:
     assert err.value.option == "offload"
     with pytest.raises(InvalidOptionError):
         Options("tensorflow", offload="auto")
+    with pytest.raises(InvalidOptionError) as err:
+        opts(28, "none", offload="auto")
+    assert err.value.option == "offload"
+    assert opts(28).offload == "none"  # the default never offloads

@@ -223,6 +223,10 @@ class Options:
             raise InvalidOptionError(
                 "offload is PyTorch's FSDP2 CPUOffloadPolicy; TensorFlow has no such option here",
                 "offload")
+        if self.offload != "none" and self.sharding == "none":
+            raise InvalidOptionError(
+                "offload='auto' offloads a sharded (FSDP2) model's state, and sharding='none' "
+                "never shards: drop one of them", "offload")
         factor = self.optimizer_state_factor
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (
                 math.isfinite(factor) and 0 <= factor <= MAX_OPTIMIZER_STATE_FACTOR):

@@ -27,8 +27,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from .candidate import Candidate
-from .facts import Facts
 from .estimate import offload_seconds
+from .facts import Facts
 from .memory import MemoryRow, memory_row, model_memory, offload_rows
 from .trace import FewerDevices, MemoryChecked, OffloadConsidered, ShardingDecided
 

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 from ..core.arguments import options_from
 from ..core.facts import Facts
 from ..core.human import human_bytes, human_duration
+from ..core.memory import MemoryRow
 from ..core.options import FRAMEWORKS, Options
 from ..core.plan import Candidate, Plan, plan, resplit
 from ..core.probe import (
     ProbeResult,
 )
 from ..core.rules import Rule
-from ..core.memory import MemoryRow
 from ..core.trace import (
     Chosen,
     FewerDevices,

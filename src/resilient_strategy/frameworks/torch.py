@@ -216,8 +216,9 @@ class TorchRuntime:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0,
-                                    world_size=1, timeout=timedelta(seconds=self.timeout_s))
+            store = dist.HashStore()  # type: ignore[attr-defined]
+            dist.init_process_group(backend=backend, store=store, rank=0, world_size=1,
+                                    timeout=timedelta(seconds=self.timeout_s))
             end_at_exit()
             return
         kwargs: dict[str, Any] = {}
