@@ -353,3 +353,20 @@ def test_offload_is_validated_like_the_other_options() -> None:
         opts(28, "none", offload="auto")
     assert err.value.option == "offload"
     assert opts(28).offload == "none"  # the default never offloads
+
+
+def test_ranks_beyond_the_subset_leave_and_the_first_ones_train_as_one_group() -> None:
+    from pathlib import Path
+
+    from resilient_strategy.testing.simulation import SimulatedProber, load_simulation
+
+    case = Path(__file__).parents[1] / "examples/machines/a100x4_fsdp_steps_down_to_two_gpus.json"
+    facts, sim = load_simulation(case)
+    got = {}
+    for rank in (1, 3):
+        env = {**facts.env_map, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        sel = resilient_strategy("torch", facts=facts, env=env, cache=False, quiet=True,
+                                 param_bytes=sim["param_bytes"], global_batch_size=96,
+                                 _prober=SimulatedProber(sim["probes"]), _alone=True)
+        got[rank] = (sel.active, sel.world_size, sel.devices)
+    assert got == {1: (True, 2, (0, 1)), 3: (False, 2, (0, 1))}
