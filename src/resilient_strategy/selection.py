@@ -240,6 +240,7 @@ class Selection:
             "devices": list(self.devices),
             "num_replicas": self.num_replicas,
             "sharded": self.sharded,
+            "offload": self.offload,
             "accumulation_steps": self.accumulation_steps,
             "global_batch_size": self.global_batch_size,
             "per_replica_batch_size": self.per_replica_batch_size,

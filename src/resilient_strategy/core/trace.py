@@ -319,8 +319,9 @@ class FewerDevices(Event):
         tried = "; ".join(r.text() for r in self.rows)
         if self.chosen is None:
             return f"{head}{skipped}: no subset fits: {tried}."
-        return (f"{head}{skipped}: {tried}; {self.chosen.label} trains, accumulating to keep "
-                "the global batch.")
+        on = ",".join(map(str, self.chosen.devices))
+        return (f"{head}{skipped}: {tried}; the step-down is FSDP on GPUs {on} (each backend of "
+                "the chain), accumulating to keep the global batch.")
 
 
 @dataclass(frozen=True)
