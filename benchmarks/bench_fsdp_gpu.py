@@ -161,7 +161,7 @@ def main() -> int:
         t0 = time.perf_counter()
         for _ in range(sel.accumulation_steps):
             with sel.accumulate(model):
-                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss = torch.nn.functional.mse_loss(model(x).float(), y)  # bf16 out
                 sel.backward(loss)
         steps += sel.step(opt)
         torch.cuda.synchronize()
