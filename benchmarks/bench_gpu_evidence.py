@@ -630,9 +630,14 @@ def group_train1(ctx: Ctx, args: argparse.Namespace) -> None:
     params = 32 * int(model[1]) + (int(model[3]) - 1) * int(model[1]) ** 2 + int(model[1]) * 10
     hand_py = ctx.tmp / "hand_ddp.py"
     hand_py.write_text(HAND_DDP)
-    rates: dict[str, list[float]] = {"library": [], "hand": []}
+    rates: dict[str, list[float]] = {"library": [], "hand": [], "retried": []}
     chose = steps = "?"
-    for _ in range(2):  # alternate, so a drifting clock or a warming GPU hits both alike
+    # issue 20: a transient exit on one device is retried on the same device, not stepped down
+    backend = "single_device" if ctx.gpu else "cpu"
+    fault = f"exit:0:{backend}:60:1" if ctx.gpu else f"exit:0:{backend}:20:1"  # fires once
+    faulted: TrainRun | None = None
+    frc = 0
+    for _ in range(2):  # alternate, so a drifting clock or a warming GPU hits all alike
         rc, lines = run_logged(ctx, [sys.executable, "-m", "resilient_strategy", "run",
                                      "--nproc-per-node", "1", "examples/torch_train.py", *model,
                                      "--checkpoint-dir", tempfile.mkdtemp(dir=ctx.tmp)],
@@ -648,6 +653,14 @@ def group_train1(ctx: Ctx, args: argparse.Namespace) -> None:
                                ctx.env(), 300)
         if (x := TrainRun(rc, lines).last_rate()) is not None:
             rates["hand"].append(x)
+        frc, lines = run_logged(ctx, [sys.executable, "-m", "resilient_strategy", "run",
+                                      "--nproc-per-node", "1", "examples/torch_train.py", *model,
+                                      "--checkpoint-dir", tempfile.mkdtemp(dir=ctx.tmp)],
+                                ctx.env(RESILIENT_STRATEGY_CACHE_DIR=ctx.cache(),
+                                        RESILIENT_STRATEGY_TRAIN_FAULT=fault), 300)
+        faulted = TrainRun(frc, lines)
+        if (x := faulted.last_rate()) is not None:  # the epoch after the retry
+            rates["retried"].append(x)
     lib = max(rates["library"], default=0.0)
     hand = max(rates["hand"], default=0.0)
     where = "one GPU" if ctx.gpu else "CPU stand-in"
@@ -661,18 +674,11 @@ def group_train1(ctx: Ctx, args: argparse.Namespace) -> None:
     ctx.add(g, "library's run against the hand-written loop", f"{ratio:.3f}" if ratio else "?",
             (">= 0.99: " + goal(bool(ratio and ratio >= 0.99))) if ctx.gpu else ">= 0.99 on GPUs",
             "best of 2 alternated runs each")
-    # issue 20: a transient exit on one device is retried on the same device, not stepped down
-    backend = "single_device" if ctx.gpu else "cpu"
-    fault = f"exit:0:{backend}:60:1" if ctx.gpu else f"exit:0:{backend}:20:1"  # fires once
-    rc, lines = run_logged(ctx, [sys.executable, "-m", "resilient_strategy", "run",
-                                 "--nproc-per-node", "1", "examples/torch_train.py", *model,
-                                 "--checkpoint-dir", tempfile.mkdtemp(dir=ctx.tmp)],
-                           ctx.env(RESILIENT_STRATEGY_CACHE_DIR=ctx.cache(),
-                                   RESILIENT_STRATEGY_TRAIN_FAULT=fault), 300)
-    run = TrainRun(rc, lines)
+    assert faulted is not None
+    run, rc = faulted, frc
     relaunch = run.find(RELAUNCH.pattern)
     where = RELAUNCH.search(relaunch[1]) if relaunch else None
-    after = run.last_rate()
+    after = max(rates["retried"], default=0.0)
     kept = bool(after and lib and after >= 0.95 * lib)
     ctx.add(g, f"TRAIN_FAULT={fault} (one device exits once): relaunched as",
             f"{where.group(1)} on {where.group(2)}" if where else f"? (exit {rc})",
@@ -681,7 +687,8 @@ def group_train1(ctx: Ctx, args: argparse.Namespace) -> None:
     ctx.add(g, f"TRAIN_FAULT={fault}: samples/s after the retry against before",
             f"{after / lib:.3f}" if after and lib else "?",
             (">= 0.95: " + goal(kept)) if ctx.gpu else ">= 0.95 on GPUs",
-            f"after {after or 0:,.0f}; healthy {lib:,.0f}")
+            f"best of 2 alternated runs each: after {after or 0:,.0f} "
+            f"(runs {[round(x) for x in rates['retried']]}); healthy {lib:,.0f}")
 
 
 def suite_counts(logs: Sequence[Path]) -> tuple[dict[str, int], int]:

@@ -134,7 +134,8 @@ from resilient_strategy.frameworks.torch import TorchRuntime
 out, rank, world, init, _ = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 acc = 2
 rt = TorchRuntime("gloo", (), acc, None, 4, rank=rank, local_rank=rank, world_size=world,
-                  timeout_s=60, init_method=init, sharded=True, precision="fp32")
+                  timeout_s=60, init_method=init, sharded=True, precision="fp32",
+                  offload=sys.argv[6:] == ["offload"])
 model = net()
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 g = torch.Generator().manual_seed(1)
@@ -147,13 +148,14 @@ for xb, yb in loader:
         rt.backward(torch.nn.functional.mse_loss(model(xb), yb))
     steps += rt.step(opt)
 weights = [p.full_tensor().tolist() for p in model.parameters()]
+policy = type(model._get_fsdp_state()._fsdp_param_group.offload_policy).__name__
 if rank == 0:
-    json.dump({"weights": weights, "steps": steps}, open(out, "w"))
+    json.dump({"weights": weights, "steps": steps, "policy": policy}, open(out, "w"))
 rt.shutdown()
 """
 
 
-def _two_ranks(tmp_path: Path, timeout: float = 120) -> dict[str, Any]:
+def _two_ranks(tmp_path: Path, timeout: float = 120, *extra: str) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     init = f"file://{tmp_path / 'store'}"
@@ -162,7 +164,7 @@ def _two_ranks(tmp_path: Path, timeout: float = 120) -> dict[str, Any]:
         with open(tmp_path / f"r{r}.log", "w") as log:
             procs.append(subprocess.Popen(
                 [sys.executable, "-c", WORKER, str(tmp_path / "out.json"), str(r), "2", init,
-                 str(Path(__file__).parent)], env=env, stdout=log, stderr=subprocess.STDOUT))
+                 str(Path(__file__).parent), *extra], env=env, stdout=log, stderr=subprocess.STDOUT))
     try:
         for p in procs:
             p.wait(timeout=timeout)
@@ -177,10 +179,13 @@ def _two_ranks(tmp_path: Path, timeout: float = 120) -> dict[str, Any]:
     return result
 
 
-def test_fsdp_over_gloo_accumulating_matches_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("offload", [False, True], ids=["on_device", "cpu_offload"])
+def test_fsdp_over_gloo_accumulating_matches_one_process(tmp_path: Path, offload: bool) -> None:
     # 2 ranks x 2 micro-steps of 4 cover what 1 process x 4 micro-steps of 4 covers (rank r
     # gets samples r::2); the mean gradient is the same, so are the weights after each step.
-    got = _two_ranks(tmp_path)
+    # With CPU offload (CPUOffloadPolicy, unpinned on a CPU-only build) the same steps train.
+    got = _two_ranks(tmp_path, 120, *(["offload"] if offload else []))
+    assert got["policy"] == ("CPUOffloadPolicy" if offload else "OffloadPolicy")
     rt = TorchRuntime("cpu", (), 4, None, 4, rank=0, local_rank=0, world_size=1, timeout_s=5,
                       precision="fp32")
     model = net()
@@ -241,3 +246,46 @@ def test_run_arguments_plan_memory_like_the_script() -> None:
         "full", 4096, 1.0)
     with pytest.raises(SystemExit):  # argparse refuses a mode it does not know
         options_from_args(["--sharding", "half", script])
+
+
+def test_an_offloading_decision_chooses_the_offload_policy_itself() -> None:
+    fsdp.check_kwargs({"offload_policy": None})  # the user's own, when the decision keeps it
+    with pytest.raises(InvalidOptionError):
+        fsdp.check_kwargs({"offload_policy": None}, offload=True)
+
+
+ONE_RANK_OFFLOAD = r"""
+import json, sys
+import torch
+from resilient_strategy.frameworks.torch import TorchRuntime
+rt = TorchRuntime("cpu", (), 2, None, 4, rank=0, local_rank=0, world_size=1, timeout_s=30,
+                  precision="fp32", sharded=True, offload=True)
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+m, opt, _ = rt.prepare(m, opt)
+x, y = torch.randn(16, 4), torch.randn(16, 2)
+losses, steps = [], 0
+for _ in range(8):
+    with rt.accumulate(m):
+        loss = torch.nn.functional.mse_loss(m(x), y)
+        rt.backward(loss)
+    losses.append(loss.item())
+    steps += rt.step(opt)
+policy = type(m[0]._get_fsdp_state()._fsdp_param_group.offload_policy).__name__
+print(json.dumps({"steps": steps, "policy": policy, "first": losses[0], "last": losses[-1]}))
+rt.shutdown()
+"""
+
+
+def test_one_process_fsdp_with_cpu_offload_joins_a_group_of_one_and_trains() -> None:
+    # the single-rank path of a one-GPU offload decision, here on the CPU (a fresh interpreter:
+    # the runtime starts its own group of one)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", ONE_RANK_OFFLOAD], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["steps"] == 4 and got["policy"] == "CPUOffloadPolicy"
+    assert got["last"] < got["first"]

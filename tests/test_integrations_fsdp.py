@@ -58,3 +58,32 @@ def test_accelerate_gets_an_fsdp2_plugin_when_the_selection_shards() -> None:
     assert plugin.fsdp_version == 2
     assert plugin.transformer_cls_names_to_wrap == ["Block"]
     assert kw["kwargs_handlers"][0].backend == "nccl"
+
+
+def _offloaded(n: int) -> Any:
+    from resilient_strategy.testing.simulation import gpu
+
+    facts = machine([gpu(i, "NVIDIA RTX A5000", (8, 6), 24, free_gb=12) for i in range(n)],
+                    host_memory_gb=64)
+    env = {**facts.env_map, **(TORCHRUN_ENV if n > 1 else {})}
+    sel = simulate(facts, {"*": "ok"}, framework="torch", global_batch_size=32, env=env,
+                   param_bytes=6 * 2**30, offload="auto")
+    assert sel.offload and sel.num_replicas == n
+    return sel
+
+
+@needs_lightning
+@needs_accelerate
+def test_the_tools_offload_with_the_selection_and_refuse_one_process_offload() -> None:
+    from resilient_strategy.errors import InvalidOptionError
+    from resilient_strategy.integrations.accelerate import accelerator_kwargs
+    from resilient_strategy.integrations.lightning import trainer_kwargs
+
+    sel = _offloaded(2)
+    assert trainer_kwargs(sel)["strategy"].cpu_offload.offload_params
+    assert accelerator_kwargs(sel)["fsdp_plugin"].cpu_offload
+    one = _offloaded(1)
+    for tool in (trainer_kwargs, accelerator_kwargs):
+        with pytest.raises(InvalidOptionError) as err:
+            tool(one)
+        assert err.value.option == "offload"

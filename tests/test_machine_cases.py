@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from resilient_strategy.cli import simulate_file
+from resilient_strategy.errors import ResilientStrategyError
 from resilient_strategy.testing.simulation import EXPECT_KEYS
 
 MACHINES = Path(__file__).parents[1] / "examples" / "machines"
@@ -52,6 +53,16 @@ def test_machine_case_reaches_its_expected_decision(path: Path) -> None:
     expect = data.get("expect")
     assert isinstance(expect, dict) and expect, f"{path.name} has no expect block"
     assert set(expect) <= EXPECT_KEYS
+    if "error" in expect:  # no decision: the typed error it ends in, and its fields
+        with pytest.raises(ResilientStrategyError) as err:
+            simulate_file(path)
+        want = dict(expect["error"])
+        assert type(err.value).__name__ == want.pop("type")
+        table = getattr(err.value, "table", ())
+        got_error = {"offload_would_fit": getattr(err.value, "offload_would_fit", None),
+                     "table_keys": sorted({row.key for row in table})}
+        assert {k: got_error[k] for k in want} == want
+        return
     selections = simulate_file(path)
     sel = selections[data["framework"]] if "framework" in data else next(iter(selections.values()))
     got = {
@@ -60,6 +71,7 @@ def test_machine_case_reaches_its_expected_decision(path: Path) -> None:
         "per_replica_batch_size": sel.per_replica_batch_size, "env": dict(sel.env),
         "probed": [_probe_name(k) for k in sel.results],
         "sharded": sel.candidate.sharded,
+        "offload": sel.candidate.offload,
         "ladder": [_probe_name(c.key) for c in sel.plan.candidates],
         "ruled_out_by_memory": [_probe_name(r.candidate.key) for r in sel.plan.ruled_out
                                 if r.rule == "memory"],

@@ -22,7 +22,13 @@ from resilient_strategy.core.options import Options
 from resilient_strategy.core.plan import plan
 from resilient_strategy.core.probe import ProbeResult
 from resilient_strategy.core.rules import load_rules
-from resilient_strategy.core.trace import CandidateRuledOut, MemoryChecked, ShardingDecided
+from resilient_strategy.core.trace import (
+    CandidateRuledOut,
+    FewerDevices,
+    MemoryChecked,
+    OffloadConsidered,
+    ShardingDecided,
+)
 from resilient_strategy.deciding.executor import resilient_strategy
 from resilient_strategy.errors import InvalidOptionError, ModelDoesNotFitError
 from resilient_strategy.machine.host import parse_meminfo
@@ -45,7 +51,8 @@ def a100s(free_gib: float | None = 79, n: int = 4, host_gib: int | None = 64) ->
 
 
 def opts(param_gib: float | None, sharding: str = "auto", **kw: Any) -> Options:
-    return Options("torch", global_batch_size=64, world_size=4, sharding=sharding,
+    kw.setdefault("global_batch_size", 64)
+    return Options("torch", world_size=4, sharding=sharding,
                    param_bytes=None if param_gib is None else int(param_gib * GiB), **kw)
 
 
@@ -141,7 +148,9 @@ def test_the_smallest_free_memory_among_the_devices_decides() -> None:
     rows = {r.candidate.key: r for r in event(p, MemoryChecked).rows}
     assert rows["torch:nccl/fsdp:0,1,2,3"].where == "GPU 2"
     assert rows["torch:nccl/fsdp:0,1,2,3"].fits is False
-    assert keys(p) == []
+    # the step-down shards over the GPUs with the most free memory (3 does not split 64)
+    assert event(p, FewerDevices).unsplit == (3,)
+    assert keys(p) == ["torch:nccl/fsdp:0,1", "torch:gloo/fsdp:0,1"]
 
 
 def test_a_failed_sharded_probe_steps_down_to_sharded_gloo_never_to_one_gpu() -> None:
@@ -168,10 +177,15 @@ def test_nothing_fits_raises_the_memory_table() -> None:
     with pytest.raises(ModelDoesNotFitError) as err:
         resilient_strategy("torch", facts=facts, env=LAUNCH, dry_run=True, cache=False,
                            param_bytes=28 * GiB, global_batch_size=64)
-    table = {row.key: row for row in err.value.table}
-    assert set(table) == {"torch:nccl/fsdp:0,1,2,3", "torch:gloo/fsdp:0,1,2,3",
-                          "torch:single_device:0", "torch:cpu:cpu"}
-    assert all(row.fits is False for row in table.values())
+    table = {(row.key, row.where): row for row in err.value.table}
+    assert {key for key, _ in table} == {
+        "torch:nccl/fsdp:0,1,2,3", "torch:gloo/fsdp:0,1,2,3", "torch:single_device:0",
+        "torch:cpu:cpu", "torch:nccl/fsdp:0,1", "torch:nccl/fsdp+offload:0,1,2,3",
+        "torch:gloo/fsdp+offload:0,1,2,3", "torch:single_device/fsdp+offload:0"}
+    assert not err.value.offload_would_fit
+    assert all(row.fits is False for (key, _), row in table.items() if "offload" not in key)
+    assert all(table[key, "host"].fits is False for key, _ in table if "offload" in key)
+    table = {key: row for (key, _), row in table.items()}
     assert table["torch:nccl/fsdp:0,1,2,3"].shards == 4
     assert table["torch:nccl/fsdp:0,1,2,3"].free_bytes == 10 * GiB
     assert {c.cause for c in err.value.causes} == {"memory"}
@@ -293,3 +307,66 @@ def test_run_takes_the_memory_options() -> None:
     with pytest.raises(InvalidOptionError):
         RunOptions("train.py", param_bytes=0)
     assert RunOptions("train.py", sharding="full", param_bytes=8).sharding == "full"
+
+
+# ----- the step-down rungs: FSDP over fewer GPUs, CPU offload ----------------------------------
+def _failed(*keys: str) -> dict[str, ProbeResult]:
+    return {k: ProbeResult(k, "error", 2.0, "nccl_error", "x") for k in keys}
+
+
+def test_fewer_gpus_only_once_fsdp_over_all_of_them_is_out() -> None:
+    o = opts(8, "full", global_batch_size=96)
+    first = plan(a100s(free_gib=40), RULES, {}, o)
+    assert not any(isinstance(e, FewerDevices) for e in first.events)
+    wide = ("torch:nccl/fsdp:0,1,2,3", "torch:nccl/fsdp:0,1,2,3:NCCL_P2P_DISABLE=1",
+            "torch:nccl/fsdp:0,1,2,3:NCCL_SHM_DISABLE=1", "torch:gloo/fsdp:0,1,2,3")
+    p = plan(a100s(free_gib=40), RULES, _failed(*wide), o)
+    step = event(p, FewerDevices)
+    assert step.widest == 4 and step.chosen is not None and step.chosen.num_replicas == 3
+    sub = [c for c in p.candidates if c.num_replicas == 3]
+    assert [c.key for c in sub] == ["torch:nccl/fsdp:0,1,2", "torch:gloo/fsdp:0,1,2"]
+    # the job's per-device batch (24) stays; accumulation keeps the global batch exact
+    assert [(c.per_replica_batch_size, c.accumulation_steps) for c in sub] == [(16, 2), (16, 2)]
+
+
+def test_offload_is_planned_only_when_allowed_and_says_its_cost() -> None:
+    facts = a100s(free_gib=16, host_gib=512)
+    none = plan(facts, RULES, {}, opts(28))
+    said = event(none, OffloadConsidered)
+    assert said.mode == "none" and said.would_fit and not any(c.offload for c in none.candidates)
+    auto = plan(facts, RULES, {}, opts(28, offload="auto"))
+    planned = event(auto, OffloadConsidered)
+    assert planned.mode == "auto" and planned.costs
+    assert all(copy_s > 0 and opt_s > 0 for _, copy_s, opt_s in planned.costs)
+    assert auto.next_probe is not None and auto.next_probe.offload
+    assert {c.key for c in auto.candidates} >= {"torch:nccl/fsdp+offload:0,1,2,3",
+                                                 "torch:single_device/fsdp+offload:0"}
+
+
+def test_offload_is_validated_like_the_other_options() -> None:
+    with pytest.raises(InvalidOptionError) as err:
+        opts(28, offload="params")
+    assert err.value.option == "offload"
+    with pytest.raises(InvalidOptionError):
+        Options("tensorflow", offload="auto")
+    with pytest.raises(InvalidOptionError) as err:
+        opts(28, "none", offload="auto")
+    assert err.value.option == "offload"
+    assert opts(28).offload == "none"  # the default never offloads
+
+
+def test_ranks_beyond_the_subset_leave_and_the_first_ones_train_as_one_group() -> None:
+    from pathlib import Path
+
+    from resilient_strategy.testing.simulation import SimulatedProber, load_simulation
+
+    case = Path(__file__).parents[1] / "examples/machines/a100x4_fsdp_steps_down_to_two_gpus.json"
+    facts, sim = load_simulation(case)
+    got = {}
+    for rank in (1, 3):
+        env = {**facts.env_map, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        sel = resilient_strategy("torch", facts=facts, env=env, cache=False, quiet=True,
+                                 param_bytes=sim["param_bytes"], global_batch_size=96,
+                                 _prober=SimulatedProber(sim["probes"]), _alone=True)
+        got[rank] = (sel.active, sel.world_size, sel.devices)
+    assert got == {1: (True, 2, (0, 1)), 3: (False, 2, (0, 1))}

@@ -343,6 +343,7 @@ def _decide(args: argparse.Namespace, facts: Facts, sim: Mapping[str, Any] | Non
         "param_bytes": sim_data.get("param_bytes"),
         "optimizer_state_factor": sim_data.get("optimizer_state_factor"),
         "sharding": sim_data.get("sharding", "auto"),
+        "offload": sim_data.get("offload", "none") if framework == "torch" else "none",
         "timeout": args.timeout,
         # a TensorFlow test mode: planning torch alongside it (doctor, plan) is unaffected
         "logical_cpus": args.logical_cpus if framework == "tensorflow" else 0,

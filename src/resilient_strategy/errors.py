@@ -136,16 +136,22 @@ class MemoryShortfall:
 
 class ModelDoesNotFitError(NoWorkingStrategyError):
     """No candidate that fits the model was left: ``table`` says what each candidate needs per
-    device and what its devices have free."""
+    device and what its devices have free (offloaded candidates: their GPUs' row and the
+    host's); ``offload_would_fit``: offloading the state to host memory would fit, but
+    ``offload="auto"`` was not passed."""
 
     def __init__(self, framework: str, causes: Sequence[FailureCause],
-                 table: Sequence[MemoryShortfall]) -> None:
+                 table: Sequence[MemoryShortfall], offload_would_fit: bool = False) -> None:
         super().__init__(framework, causes)
         self.table = tuple(table)
+        self.offload_would_fit = offload_would_fit
         rows = "\n  ".join(map(str, self.table))
+        advice = ("Offloading the model's state to host memory would fit: pass offload='auto' "
+                  "to allow it (slower: see its estimated cost in the trace), or shard"
+                  if offload_would_fit else "Shard")
         self.args = (f"the model does not fit on any strategy left for {framework} here:\n  "
-                     f"{rows}\nShard it over more GPUs (sharding='full', more processes), free "
-                     "GPU memory, or lower optimizer_state_factor (a lighter optimizer).",)
+                     f"{rows}\n{advice} it over more GPUs (sharding='full', more processes), "
+                     "free GPU memory, or lower optimizer_state_factor (a lighter optimizer).",)
 
 
 class FrameworkNotInstalledError(ResilientStrategyError):

@@ -134,6 +134,11 @@ class Selection:
         return self.candidate.sharded
 
     @property
+    def offload(self) -> bool:
+        """Whether the sharded model's state lives in host memory (FSDP2 CPUOffloadPolicy)."""
+        return self.candidate.offload
+
+    @property
     def active(self) -> bool:
         """False on the ranks a launcher started that the choice leaves idle (one-device
         fallback under torchrun trains on rank 0 only), and on the TF_CONFIG workers other than
@@ -145,6 +150,9 @@ class Selection:
             return self.backend in MULTI_WORKER_BACKENDS or self.tf_worker_rank == 0
         if self.launch.launched and self.num_replicas == 1:
             return self.launch.rank == 0
+        if self.framework == "torch" and self.launch.launched \
+                and self.num_replicas < self.launch.world_size:  # FSDP over fewer GPUs
+            return self.launch.rank < self.num_replicas
         return True
 
     @property
@@ -168,7 +176,7 @@ class Selection:
             from .vocab import MULTI_WORKER_BACKENDS
 
             return self.tf_workers if self.backend in MULTI_WORKER_BACKENDS else 1
-        return self.launch.world_size if self.num_replicas > 1 else 1
+        return min(self.launch.world_size, self.num_replicas) if self.num_replicas > 1 else 1
 
     @property
     def rank(self) -> int:
@@ -235,6 +243,7 @@ class Selection:
             "devices": list(self.devices),
             "num_replicas": self.num_replicas,
             "sharded": self.sharded,
+            "offload": self.offload,
             "accumulation_steps": self.accumulation_steps,
             "global_batch_size": self.global_batch_size,
             "per_replica_batch_size": self.per_replica_batch_size,
@@ -292,13 +301,13 @@ class Selection:
             )
         from .frameworks.torch import TorchRuntime
 
-        world = self.launch.world_size if self.num_replicas > 1 else 1
+        world = self.world_size
         return TorchRuntime(
             self.backend, self.devices, self.accumulation_steps, self.global_batch_size,
             self.per_replica_batch_size, rank=self.launch.rank if world > 1 else 0,
             local_rank=self.launch.local_rank if world > 1 else 0, world_size=world,
             timeout_s=self.process_group_timeout, precision=self.precision,
-            sharded=self.candidate.sharded,
+            sharded=self.candidate.sharded, offload=self.candidate.offload,
         )
 
     @property
@@ -329,8 +338,9 @@ class Selection:
         else:
             log.warning(
                 "resilient_strategy: rank %d has nothing to do under this decision (%s trains "
-                "on rank 0 alone); exiting cleanly. Check `sel.active` to end the rank yourself.",
+                "on rank%s alone); exiting cleanly. Check `sel.active` to end the rank yourself.",
                 self.launch.rank, self.candidate.label,
+                " 0" if self.num_replicas == 1 else f"s 0-{self.num_replicas - 1}",
             )
         with contextlib.suppress(Exception):
             self.shutdown()

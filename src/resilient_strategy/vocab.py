@@ -21,6 +21,9 @@ MULTI_BACKENDS = ("nccl", "hierarchical_copy", "reduction_to_one_device", "gloo"
 #: How the model's state is placed over the devices: "auto" shards (FSDP2) only when a
 #: replica does not fit the devices' free memory; "full" always shards; "none" never does.
 SHARDING_MODES = ("auto", "full", "none")
+#: Whether a sharded model's state may live in host memory (FSDP2's ``CPUOffloadPolicy``):
+#: "none" (the default) never; "auto" only where nothing that keeps it on the GPUs fits.
+OFFLOAD_MODES = ("none", "auto")
 #: Mixed-precision policies.
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 #: How probing is done: probe unless cached, re-probe, or trust the plan.

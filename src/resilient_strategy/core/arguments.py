@@ -245,6 +245,7 @@ class TrainingArgs:
     logical_cpus: int = 0
     process_group_timeout: float | None = None
     sharding: str = "auto"
+    offload: str = "none"
 
 
 @dataclass(frozen=True)
@@ -321,6 +322,7 @@ def options_from(facts: Facts, env: Mapping[str, str], arguments: Arguments | No
     t, m, pr, c = a.training, a.model, a.probing, a.cache
     framework, global_batch_size, devices = t.framework, t.global_batch_size, t.devices
     precision, logical_cpus, sharding = t.precision, t.logical_cpus, t.sharding
+    offload = t.offload
     process_group_timeout = t.process_group_timeout
     model, gradient_bytes, param_bytes = m.model, m.gradient_bytes, m.param_bytes
     optimizer_state_factor, sample_seconds = m.optimizer_state_factor, m.sample_seconds
@@ -432,6 +434,7 @@ def options_from(facts: Facts, env: Mapping[str, str], arguments: Arguments | No
         quiet=quiet,
         remedies=remedies,
         sharding=sharding,
+        offload=offload,
         param_bytes=param_bytes,
         optimizer_state_factor=DEFAULT_OPTIMIZER_STATE_FACTOR if optimizer_state_factor is None
         else optimizer_state_factor,

@@ -29,12 +29,17 @@ class Candidate:
     #: The model's state sharded over the replicas (PyTorch FSDP2 ``fully_shard``), not
     #: replicated on each (DDP). Its key says ``<backend>/fsdp``.
     sharded: bool = False
+    #: The sharded state lives in host memory (FSDP2 ``CPUOffloadPolicy``): parameters are
+    #: copied to the GPU per unit, gradients back, the optimizer steps on the CPU. Its key says
+    #: ``<backend>/fsdp+offload``; on one GPU it is FSDP2 over a group of one process.
+    offload: bool = False
 
     @property
     def key(self) -> str:
         env = ";".join(f"{k}={v}" for k, v in self.env)
         devs = ",".join(map(str, self.devices)) or "cpu"
-        backend = self.backend + ("/fsdp" if self.sharded else "")
+        backend = self.backend + ("/fsdp" if self.sharded else "") + ("+offload" if self.offload
+                                                                      else "")
         return f"{self.framework}:{backend}:{devs}" + (f":{env}" if env else "")
 
     @property
@@ -62,8 +67,12 @@ class Candidate:
             text = "one device"
         if self.backend == "nccl" and self.framework == "tensorflow":
             text = "MirroredStrategy + NCCL"
-        if self.sharded:
+        if self.sharded and self.backend == "single_device":
+            text = "FSDP on one GPU"
+        elif self.sharded:
             text = f"FSDP over {text}"
+        if self.offload:
+            text += " with CPU offload"
         if self.devices and self.backend != "cpu":
             kind = "logical CPU device" if self.logical_cpus else "GPU"
             text += f" on {kind}{'s' if len(self.devices) > 1 else ''} {','.join(map(str, self.devices))}"
@@ -80,5 +89,5 @@ class Candidate:
             "num_replicas": self.num_replicas, "accumulation_steps": self.accumulation_steps,
             "per_replica_batch_size": self.per_replica_batch_size,
             "global_batch_size": self.global_batch_size, "origin": self.origin,
-            "logical_cpus": self.logical_cpus, "sharded": self.sharded,
+            "logical_cpus": self.logical_cpus, "sharded": self.sharded, "offload": self.offload,
         }

@@ -56,9 +56,33 @@ TYPICAL_INTER_WORKER_GBPS = {"mw_nccl": 12.0, "mw_ring": 1.0, "mw_auto": 1.0}
 #: 3.1e13 was measured for a 100M-parameter MLP on one H200).
 DEVICE_FLOPS = {12: 2.5e13, 10: 3.0e13, 9: 3.0e13, 8: 1.5e13, 7: 7e12, 6: 3e12, 0: 3e12}
 CPU_FLOPS = 2e11
+#: CPU offload (FSDP2 ``CPUOffloadPolicy``), not measured here: each process copies its shard of
+#: the parameters host-to-device twice per step (forward, and backward after resharding) and its
+#: shard of the gradients device-to-host once (the policy's docstring,
+#: https://docs.pytorch.org/docs/stable/distributed.fsdp.fully_shard.html), over a PCIe link
+#: taken at the 12 GB/s of the ``nccl/pcie`` figure (PCIe 4.0 x16 is 32 GB/s in theory); and
+#: the optimizer steps on the CPU, whose cores the node's processes share, taken as AdamW
+#: passing over 2 GB of fp32 parameters a second (it reads and writes the parameters, their
+#: gradients and two moments: 16 bytes read, 12 written per parameter, memory-bound).
+TYPICAL_HOST_LINK_GBPS = 12.0
+CPU_OPTIMIZER_BYTES_PER_S = 2e9
 ASSUMED_GRADIENT_BYTES = 100 << 20  # ResNet-50: 25.6M fp32 parameters
 ASSUMED_SAMPLE_FLOPS = 1.2e10  # ResNet-50 at 224x224: ~4.1 GFLOPs forward, x3 for training
 ASSUMED_GLOBAL_BATCH = 256
+
+
+def offload_seconds(c: Candidate, policy: Options, nodes: int = 1) -> tuple[float, float]:
+    """What CPU offload adds per optimizer step of ``c`` (0 when it does not offload): (host
+    copies, optimizer step on the CPU), in seconds (see :data:`TYPICAL_HOST_LINK_GBPS`)."""
+    if not c.offload:
+        return 0.0, 0.0
+    grad = policy.gradient_bytes or ASSUMED_GRADIENT_BYTES
+    params = policy.param_bytes or grad
+    r = max(1, c.num_replicas)
+    copies = (2 * params + grad) / r / (TYPICAL_HOST_LINK_GBPS * 1e9)
+    local = max(1, r // max(1, nodes))  # the node's processes share its cores
+    optimizer = params / r * local / CPU_OPTIMIZER_BYTES_PER_S
+    return copies, optimizer
 
 
 @dataclass(frozen=True)
@@ -148,4 +172,9 @@ def estimate(
     comm = volume * (r - 1) / r / (bus * 1e9) if bus else 0.0
     hidden = compute * 2 / 3 if c.framework == "torch" else 0.0
     basis = how + (f", {bus_how} {bus:g} GB/s" if bus else "")
-    return Estimate(step_seconds=compute + max(0.0, comm - hidden), bus_gbps=bus, basis=basis)
+    copies, optimizer = offload_seconds(c, policy, policy.nodes)
+    if c.offload:  # per optimizer step, not hidden behind compute (an estimate that says so)
+        basis += (f", CPU offload: host copies at a typical {TYPICAL_HOST_LINK_GBPS:g} GB/s and "
+                  "the optimizer step on the CPU")
+    step = compute + max(0.0, comm - hidden) + copies + optimizer
+    return Estimate(step_seconds=step, bus_gbps=bus, basis=basis)

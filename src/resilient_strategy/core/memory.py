@@ -9,6 +9,10 @@ one computing, the one prefetched, and the unsharded gradients of one unit befor
 reduce-scatter (:data:`TRANSIENT_UNITS` units; a unit is one ``fully_shard`` call, by default one
 of the model's repeated blocks, see :func:`repeated_blocks`).
 
+Offloaded (FSDP2's ``CPUOffloadPolicy``, ``offload="auto"``), the sharded state lives in host
+memory: a GPU holds only the :data:`TRANSIENT_UNITS` units it gathers at once, and the host holds
+every local process's shard of the state (the whole state, on one node). Both must fit.
+
 Activations are not counted (they follow the batch, which the user sets): a device's free memory
 is used only up to ``1 - MEMORY_HEADROOM``, the rest left for activations, the CUDA context and
 the allocator's fragmentation. These are estimates, and the trace says so with every number.
@@ -29,7 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ASSUMED_UNITS", "MEMORY_HEADROOM", "TRANSIENT_UNITS", "MemoryRow", "ModelMemory",
-    "memory_row", "model_memory", "repeated_blocks", "unit_bytes_of",
+    "host_row", "memory_row", "model_memory", "offload_rows", "repeated_blocks", "unit_bytes_of",
 ]
 
 #: Share of a device's free memory left for activations, the CUDA context and fragmentation.
@@ -63,6 +67,10 @@ class ModelMemory:
             return self.state_bytes
         return -(-self.state_bytes // shards) + TRANSIENT_UNITS * min(self.unit_bytes,
                                                                       self.param_bytes)
+
+    def offloaded_need(self) -> int:
+        """Bytes one GPU holds when the state is offloaded to the host: the units it gathers."""
+        return TRANSIENT_UNITS * min(self.unit_bytes, self.param_bytes)
 
     def describe(self) -> str:
         unit = (f"; a sharding unit of {human_bytes(self.unit_bytes)}"
@@ -107,6 +115,9 @@ class MemoryRow:
 
     def text(self) -> str:
         how = f"sharded x{self.shards}" if self.shards > 1 else "replicated"
+        if self.candidate.offload:
+            how = ("state offloaded to the host" if self.where == "host"
+                   else f"{how}, state offloaded to the host")
         head = f"{self.candidate.label} ({how}) needs {human_bytes(self.need_bytes)} per device"
         if self.free_bytes is None:
             return head + f", free memory of {self.where} unknown"
@@ -120,9 +131,10 @@ def shards_of(c: Candidate) -> int:
 
 
 def memory_row(c: Candidate, facts: Facts, mem: ModelMemory, nodes: int = 1) -> MemoryRow:
-    """What ``c`` needs per device and what its devices have (pure)."""
+    """What ``c`` needs per device and what its devices have (pure). Offloaded: its GPUs' row
+    (:func:`offload_rows` adds the host's)."""
     shards = shards_of(c)
-    need = mem.need(shards)
+    need = mem.offloaded_need() if c.offload else mem.need(shards)
     if c.devices and c.backend != "cpu":
         by_index = {g.index: g for g in facts.gpus}
         known = [(by_index[d].memory_free_bytes, d) for d in c.devices
@@ -138,6 +150,23 @@ def memory_row(c: Candidate, facts: Facts, mem: ModelMemory, nodes: int = 1) -> 
     if host is None:
         return MemoryRow(c, need, None, None, shards, "host")
     return MemoryRow(c, need, host, int(host * (1 - MEMORY_HEADROOM)), shards, "host")
+
+
+def host_row(c: Candidate, facts: Facts, mem: ModelMemory, nodes: int = 1) -> MemoryRow:
+    """What the host holds for an offloaded candidate: every local process's shard."""
+    shards = shards_of(c)
+    local = max(1, c.num_replicas // max(1, nodes))
+    need = -(-mem.state_bytes // shards) * local
+    host = facts.host.memory_available_bytes
+    usable = None if host is None else int(host * (1 - MEMORY_HEADROOM))
+    return MemoryRow(c, need, host, usable, shards, "host")
+
+
+def offload_rows(c: Candidate, facts: Facts, mem: ModelMemory,
+                 nodes: int = 1) -> tuple[MemoryRow, MemoryRow]:
+    """An offloaded candidate's two rows: its GPUs (the gathered units) and the host (the
+    state). It fits where neither says it does not."""
+    return memory_row(c, facts, mem, nodes), host_row(c, facts, mem, nodes)
 
 
 def _gpus(devices: Sequence[int]) -> str:

@@ -21,6 +21,7 @@ from ..vocab import (
     FRAMEWORK_ALIASES,
     FRAMEWORKS,
     MULTI_BACKENDS,
+    OFFLOAD_MODES,
     PRECISIONS,
     PROBE_MODES,
     SHARDING_MODES,
@@ -136,6 +137,9 @@ class Options:
     param_bytes: int | None = None
     optimizer_state_factor: float = DEFAULT_OPTIMIZER_STATE_FACTOR
     shard_unit_bytes: int | None = None
+    #: CPU offload of a sharded model's state (FSDP2 ``CPUOffloadPolicy``): "none" never (the
+    #: default); "auto" plans it only where no candidate that keeps the state on the GPUs fits.
+    offload: str = "none"
 
     @property
     def nodes(self) -> int:
@@ -212,6 +216,17 @@ class Options:
             raise InvalidOptionError(
                 "sharding='full' is PyTorch's FSDP2; TensorFlow shards through keras.distribution "
                 "(out of scope here, see docs/how-to/large-models.md)", "sharding")
+        if not isinstance(self.offload, str) or self.offload not in OFFLOAD_MODES:
+            raise InvalidOptionError(
+                f"offload must be one of {OFFLOAD_MODES}, not {self.offload!r}", "offload")
+        if self.offload != "none" and self.framework != "torch":
+            raise InvalidOptionError(
+                "offload is PyTorch's FSDP2 CPUOffloadPolicy; TensorFlow has no such option here",
+                "offload")
+        if self.offload != "none" and self.sharding == "none":
+            raise InvalidOptionError(
+                "offload='auto' offloads a sharded (FSDP2) model's state, and sharding='none' "
+                "never shards: drop one of them", "offload")
         factor = self.optimizer_state_factor
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (
                 math.isfinite(factor) and 0 <= factor <= MAX_OPTIMIZER_STATE_FACTOR):

@@ -27,7 +27,7 @@ from .human import human_bytes
 from .probe import TIMEOUT, ProbeResult
 from .remedies import SETUP_HANG
 from .rules import FactValue, Rule, fact_values, fired
-from .sharding import check_memory, shard_chain
+from .sharding import check_memory, fewer_devices, offloaded, shard_chain
 from .trace import (
     BatchSplit,
     CandidateRuledOut,
@@ -180,8 +180,10 @@ def plan(
     cands = _apply_rules(base, hits, policy, b)
     cands = _split_batches(cands, policy, b, reference)  # before results: keys name devices
     values = fact_values(facts, fw, replicas=len(gpus), nodes=policy.nodes) if results else {}
+    chain = cands
     cands = _fitting(cands, facts, policy, b)
     cands = _apply_results(cands, results, policy, b, values)
+    cands = _memory_rungs(chain, cands, facts, results, policy, b, values)
 
     ranked = _rank(cands, facts, results, policy, b)
     chosen, next_probe = _choose(ranked, b, policy)
@@ -340,6 +342,34 @@ def _fitting(cands: list[Candidate], facts: Facts, policy: Options, b: _Build) -
         b.rule_out(row.candidate, "memory", row.text(), rule="memory", said=True)
     out = {row.candidate.key for row in too_big}
     return [c for c in cands if c.key not in out]
+
+
+def _memory_rungs(chain: list[Candidate], cands: list[Candidate], facts: Facts,
+                  results: Mapping[str, ProbeResult], policy: Options, b: _Build,
+                  values: Mapping[str, FactValue]) -> list[Candidate]:
+    """Step down to what fits (sharding.py): FSDP over fewer GPUs once FSDP over all of them is
+    out, then the state offloaded to the host (``offload="auto"``) once no GPU candidate is."""
+    fewer, too_big, event = fewer_devices(chain, cands, facts, policy)
+    fewer = [resplit(c, policy, b.reference) if policy.global_batch_size else c for c in fewer]
+    cands = _rung(cands, fewer, too_big, event, results, policy, b, values)
+    out = [r.candidate for r in b.ruled_out if r.rule == "memory"]
+    off, too_big, offload = offloaded(out, cands, facts, policy)
+    return _rung(cands, off, too_big, offload, results, policy, b, values)
+
+
+def _rung(cands: list[Candidate], new: list[Candidate], too_big: Sequence[Any],
+          event: Event | None, results: Mapping[str, ProbeResult], policy: Options, b: _Build,
+          values: Mapping[str, FactValue]) -> list[Candidate]:
+    """``new`` candidates (with their probe results) after the multi-device ones of ``cands``,
+    and the rows of those that do not fit ruled out (the event says them with the numbers)."""
+    if event is not None:
+        b.events.append(event)
+    for row in too_big:
+        b.rule_out(row.candidate, "memory", row.text(), rule="memory", said=True)
+    if not new:
+        return cands
+    at = next((i for i, c in enumerate(cands) if c.num_replicas <= 1), len(cands))
+    return [*cands[:at], *_apply_results(new, results, policy, b, values), *cands[at:]]
 
 
 def _user_set(policy: Options, env: Mapping[str, str]) -> list[str]:

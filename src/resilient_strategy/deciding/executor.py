@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.arguments import options_from
 from ..core.facts import Facts
 from ..core.human import human_bytes, human_duration
+from ..core.memory import MemoryRow
 from ..core.options import FRAMEWORKS, Options
 from ..core.plan import Candidate, Plan, plan, resplit
 from ..core.probe import (
@@ -26,10 +27,12 @@ from ..core.probe import (
 from ..core.rules import Rule
 from ..core.trace import (
     Chosen,
+    FewerDevices,
     FrameworkPicked,
     MemoryChecked,
     NextProbe,
     Note,
+    OffloadConsidered,
 )
 from ..errors import (
     InvalidOptionError,
@@ -114,6 +117,7 @@ def resilient_strategy(
     logical_cpus: int = 0,
     quiet: bool | None = None,
     sharding: str = "auto",
+    offload: str = "none",
     param_bytes: int | None = None,
     optimizer_state_factor: float | None = None,
     _prober: Prober | None = None,
@@ -151,6 +155,9 @@ def resilient_strategy(
             terminal; None (default): one when stderr is a terminal (RESILIENT_STRATEGY_QUIET).
         sharding: "auto" (default) shards the model over the replicas (PyTorch FSDP2) only when a
             replica does not fit the GPUs' free memory; "full" always shards; "none" never.
+        offload: "none" (default) keeps the model's state on the GPUs; "auto" lets the plan
+            move a sharded model's parameters, gradients and optimizer state to host memory
+            (FSDP2's CPUOffloadPolicy) where no candidate that keeps them on the GPUs fits.
         param_bytes: the model's parameter bytes (model= gives them), for memory planning:
             candidates whose state does not fit their devices are ruled out.
         optimizer_state_factor: the optimizer's state per gradient byte (default 2, AdamW),
@@ -186,7 +193,8 @@ def resilient_strategy(
     if p.chosen is None:
         short = _memory_shortfalls(p)
         if short:
-            raise ModelDoesNotFitError(opts.framework, [failure_cause(r) for r in p.ruled_out], short)
+            raise ModelDoesNotFitError(opts.framework, [failure_cause(r) for r in p.ruled_out],
+                                       short, _offload_would_fit(p))
         raise NoWorkingStrategyError(opts.framework, [failure_cause(r) for r in p.ruled_out])
     chosen = p.chosen
     to_set = _env_to_set(facts, chosen, opts, snapshot)
@@ -237,13 +245,24 @@ def _check_no_train_fault(env: Mapping[str, str]) -> None:
 
 
 def _memory_shortfalls(p: Plan) -> list[MemoryShortfall]:
-    """The memory table of a plan that ruled candidates out for memory (else empty)."""
+    """The memory table of a plan that ruled candidates out for memory (else empty): every row
+    the memory steps wrote (the chain's, the fewer-GPU step-down's, the offloaded ones')."""
     if not any(r.rule == "memory" for r in p.ruled_out):
         return []
-    checked = [e for e in p.events if isinstance(e, MemoryChecked)]
+    rows: dict[tuple[str, str], MemoryRow] = {}
+    for e in p.events:
+        if isinstance(e, (MemoryChecked, FewerDevices)):
+            rows.update({(r.candidate.key, r.where): r for r in e.rows})
+        elif isinstance(e, OffloadConsidered):
+            rows.update({(r.candidate.key, r.where): r for pair in e.rows for r in pair})
     return [MemoryShortfall(r.candidate.label, r.candidate.key, r.need_bytes, r.free_bytes,
-                            r.usable_bytes, r.shards, r.where)
-            for e in checked[-1:] for r in e.rows]
+                            r.usable_bytes, r.shards, r.where) for r in rows.values()]
+
+
+def _offload_would_fit(p: Plan) -> bool:
+    """The plan found that offloading would fit, where the user did not allow it."""
+    return any(isinstance(e, OffloadConsidered) and e.mode != "auto" and e.would_fit
+               for e in p.events)
 
 
 def _advice(

@@ -15,6 +15,15 @@ already has state cannot be moved so: build it, or load its state, after ``prepa
 The accumulation contract stays the runtime's: on the micro-steps that only accumulate,
 ``set_requires_gradient_sync(False)`` skips the reduce-scatter (FSDP2 keeps the unsharded
 gradients meanwhile, as DDP's ``no_sync`` keeps local ones); the last micro-step reduces them.
+With CPU offload (the decision's ``offload``), every ``fully_shard`` call takes
+``offload_policy=CPUOffloadPolicy(pin_memory=...)``: the sharded parameters, their gradients and
+the optimizer's state live in host memory, parameters are copied to the GPU for the gather and
+gradients back, and the optimizer steps on the CPU (the policy's docstring, torch 2.6+,
+https://docs.pytorch.org/docs/stable/distributed.fsdp.fully_shard.html). Memory is pinned only
+on a GPU (a CPU-only build has no pinned memory to give). Each unit is moved to the device when
+it is sharded (FSDP2's ``_move_states_to_device``), so build the model on the CPU (or the meta
+device) and only one unit at a time visits the GPU.
+
 torch is imported inside functions only.
 """
 
@@ -42,11 +51,12 @@ def is_sharded(model: Any) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def check_kwargs(kwargs: dict[str, Any]) -> None:
-    """Refuse what ``fully_shard`` does not take, and what :func:`shard` chooses itself."""
+def check_kwargs(kwargs: dict[str, Any], offload: bool = False) -> None:
+    """Refuse what ``fully_shard`` does not take, and what :func:`shard` chooses itself (the
+    offload policy too, when the decision offloads)."""
     from torch.distributed.fsdp import fully_shard
 
-    ours = sorted(set(_OURS) & kwargs.keys())
+    ours = sorted(set(_OURS + (("offload_policy",) if offload else ())) & kwargs.keys())
     if ours:
         raise InvalidOptionError(f"prepare() chooses {ours} itself for FSDP2; drop them")
     target = getattr(fully_shard, "__wrapped__", fully_shard)
@@ -93,7 +103,8 @@ def _mixed_precision(dtype: str) -> dict[str, Any]:
 
 
 def shard(model: Any, optimizer: Any, *, device: Any, world_size: int, dtype: str,
-          classes: Sequence[type] | None = None, **fsdp_kwargs: Any) -> tuple[Any, Any]:
+          classes: Sequence[type] | None = None, offload: bool = False,
+          **fsdp_kwargs: Any) -> tuple[Any, Any]:
     """``fully_shard`` the units and the root of ``model`` over ``world_size`` processes of the
     process group already joined; returns the model (the same object, now an FSDP2 module) and
     the optimizer, pointed at the sharded parameters."""
@@ -102,7 +113,12 @@ def shard(model: Any, optimizer: Any, *, device: Any, world_size: int, dtype: st
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    check_kwargs(fsdp_kwargs)
+    check_kwargs(fsdp_kwargs, offload)
+    if offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        fsdp_kwargs = {**fsdp_kwargs,
+                       "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")}
     if optimizer is not None and len(optimizer.state):
         raise InvalidOptionError(
             "the optimizer already has state (it stepped, or loaded a state dict): FSDP2 "

@@ -132,6 +132,7 @@ class TorchRuntime:
         precision: str = "auto",
         init_method: str = "env://",
         sharded: bool = False,
+        offload: bool = False,
     ) -> None:
         if backend not in BACKENDS:
             raise InvalidOptionError(f"PyTorch has no backend {backend!r}; one of {BACKENDS}")
@@ -164,8 +165,10 @@ class TorchRuntime:
         self.timeout_s = timeout_s
         self.requested_precision = precision
         self.init_method = init_method
-        #: FSDP2 (frameworks/fsdp.py) instead of DDP when several processes train
-        self.sharded = bool(sharded) and world_size > 1
+        #: FSDP2 (frameworks/fsdp.py) instead of DDP when several processes train, or on one
+        #: process whose state is offloaded to the host (CPUOffloadPolicy)
+        self.offload = bool(offload) and bool(sharded)
+        self.sharded = bool(sharded) and (world_size > 1 or self.offload)
         self._progress = _Progress()
 
     # ----- where to run ------------------------------------------------------------------------
@@ -200,13 +203,23 @@ class TorchRuntime:
 
     # ----- process group -----------------------------------------------------------------------
     def init(self) -> None:
-        """Join the process group when world_size > 1 (idempotent)."""
-        if self.world_size == 1:
+        """Join the process group when world_size > 1, or a group of this process alone for
+        FSDP2 on one GPU with CPU offload (idempotent)."""
+        if self.world_size == 1 and not self.sharded:
             return
         import torch
         import torch.distributed as dist
 
         if dist.is_initialized():
+            return
+        if self.world_size == 1:  # FSDP2 needs a process group, even of one
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            store = dist.HashStore()  # type: ignore[attr-defined]
+            dist.init_process_group(backend=backend, store=store, rank=0, world_size=1,
+                                    timeout=timedelta(seconds=self.timeout_s))
+            end_at_exit()
             return
         kwargs: dict[str, Any] = {}
         if self.device.type == "cuda":
@@ -225,7 +238,7 @@ class TorchRuntime:
 
     def shutdown(self) -> None:
         """Destroy the process group, if one is up (idempotent)."""
-        if self.world_size == 1:
+        if self.world_size == 1 and not self.sharded:
             return
         # Every rank reaches here before any tears down: destroying a gloo group while a peer
         # is still mid-teardown aborts the process ("terminate called without an active
@@ -275,7 +288,7 @@ class TorchRuntime:
         if self.sharded:
             from .fsdp import check_kwargs
 
-            check_kwargs(ddp_kwargs)
+            check_kwargs(ddp_kwargs, offload=self.offload)
         else:
             self._check_ddp_kwargs(ddp_kwargs)
         self.init()
@@ -284,7 +297,8 @@ class TorchRuntime:
 
             model, optimizer = shard(model, optimizer, device=self.device,
                                      world_size=self.world_size, dtype=self.precision.dtype,
-                                     classes=shard_modules, **ddp_kwargs)
+                                     classes=shard_modules, offload=self.offload,
+                                     **ddp_kwargs)
         elif model is not None:
             model = self._wrap(model, ddp_kwargs)
         first_loader = loader is not None and not self._progress.prepared

@@ -31,6 +31,17 @@ def require_torch_selection(sel: Selection, tool: str) -> None:
         raise InvalidOptionError(f"a dry-run selection cannot configure {tool}: nothing was proven")
 
 
+def refuse_one_process_offload(sel: Selection, tool: str) -> None:
+    """FSDP2 on one GPU with CPU offload is the Selection's own (``sel.prepare``): the tools'
+    one-device strategies would hold the whole state on the GPU, which does not fit."""
+    if sel.candidate.offload and sel.world_size == 1:
+        raise InvalidOptionError(
+            f"this selection trains FSDP on one GPU with its state offloaded to host memory; "
+            f"{tool}'s one-device strategy would hold the whole state on the GPU, which does "
+            "not fit. Train with sel.prepare(model, optimizer, loader), or start more processes "
+            "so that the model shards", "offload")
+
+
 def precision(sel: Selection) -> str:
     """The resolved policy of ``sel.precision``: "bf16", "fp16" or "fp32" (CPU: fp32 unless
     asked otherwise)."""

@@ -37,7 +37,13 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ExtraNotInstalledError, InvalidOptionError, ResilientStrategyError
 from ..frameworks.teardown import end_at_exit
-from . import launcher_hidden, on_gpu, precision, require_torch_selection
+from . import (
+    launcher_hidden,
+    on_gpu,
+    precision,
+    refuse_one_process_offload,
+    require_torch_selection,
+)
 
 if TYPE_CHECKING:
     from ..records.handoff import TrainingReporter
@@ -58,6 +64,7 @@ def accelerator_kwargs(sel: Selection, *, shard_modules: Any = None) -> dict[str
     (``shard_modules``: the module classes FSDP2 shards one by one, when it shards)."""
     require_torch_selection(sel, "Accelerate")
     sel._leave_if_idle()
+    refuse_one_process_offload(sel, "Accelerate")
     _accelerate()  # a clear error when it is missing
     kwargs: dict[str, Any] = {
         "gradient_accumulation_steps": sel.accumulation_steps,
@@ -83,7 +90,7 @@ def _fsdp_plugin(sel: Selection, shard_modules: Any) -> Any:
     return FullyShardedDataParallelPlugin(
         fsdp_version=2, reshard_after_forward=True, state_dict_type="SHARDED_STATE_DICT",
         auto_wrap_policy="transformer_based_wrap" if names else None,
-        transformer_cls_names_to_wrap=names)
+        transformer_cls_names_to_wrap=names, cpu_offload=sel.offload)
 
 
 def make_accelerator(sel: Selection, *, shard_modules: Any = None, **overrides: Any) -> Any:

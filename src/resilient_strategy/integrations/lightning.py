@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ExtraNotInstalledError
 from ..frameworks.teardown import end_at_exit
-from . import on_gpu, precision, require_torch_selection
+from . import on_gpu, precision, refuse_one_process_offload, require_torch_selection
 
 if TYPE_CHECKING:
     from ..records.handoff import TrainingReporter
@@ -69,7 +69,8 @@ def _sharded_strategy(sel: Selection, model_parallel: bool, shard_modules: Any) 
                 process_group_backend=sel.backend, timeout=_timeout(sel))
         wrap = set(shard_modules) if shard_modules else None
         return mod.FSDPStrategy(process_group_backend=sel.backend, timeout=_timeout(sel),
-                                state_dict_type="sharded", auto_wrap_policy=wrap)
+                                state_dict_type="sharded", auto_wrap_policy=wrap,
+                                **({"cpu_offload": True} if sel.offload else {}))
     raise ExtraNotInstalledError("lightning", "lightning")
 
 
@@ -80,6 +81,7 @@ def trainer_kwargs(sel: Selection, *, model_parallel: bool = False,
     first; see the module docstring)."""
     require_torch_selection(sel, "Lightning")
     sel._leave_if_idle()
+    refuse_one_process_offload(sel, "Lightning")
     ddp, single = _strategies()
     gpu = on_gpu(sel)
     kwargs: dict[str, Any] = {
@@ -94,7 +96,7 @@ def trainer_kwargs(sel: Selection, *, model_parallel: bool = False,
         launch = sel.launch
         per_node = launch.local_world_size or launch.world_size
         kwargs.update(
-            devices=per_node,
+            devices=min(per_node, sel.world_size),  # FSDP over fewer GPUs: the first ranks
             num_nodes=launch.world_size // per_node,
             strategy=_sharded_strategy(sel, model_parallel, shard_modules) if sel.sharded
             else ddp(process_group_backend=sel.backend, timeout=_timeout(sel)),

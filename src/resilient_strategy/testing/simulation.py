@@ -393,7 +393,8 @@ class SimulatedProber:
     as it places a real probe's), "signal:<number>" (a worker killed by that signal).
 
     Keys: a backend with no extra environment ("nccl", "gloo", "hierarchical_copy", ...; a
-    sharded candidate's "nccl/fsdp" wins over "nccl" for it); a
+    sharded candidate's "nccl/fsdp" wins over "nccl" for it, an offloaded one's
+    "nccl/fsdp+offload" over both; "nccl/fsdp@0,1" on GPUs 0 and 1 only wins over all); a
     backend with the exact environment of a remedy ("nccl+NCCL_P2P_DISABLE=1", several sorted
     and joined by ","); "nccl+*" for every remedy; "*" for everything. The most specific key
     wins; anything unmatched is ``default``.
@@ -427,6 +428,11 @@ class SimulatedProber:
         env_key = ",".join(f"{k}={v}" for k, v in spec.env)
         # a sharded candidate's own outcome ("nccl/fsdp") wins over its backend's ("nccl")
         names = [f"{spec.backend}/fsdp", spec.backend] if spec.sharded else [spec.backend]
+        if spec.candidate.split(":")[1].endswith("+offload"):  # its own outcome wins again
+            names.insert(0, f"{spec.backend}/fsdp+offload")
+        if spec.devices:  # "nccl/fsdp@0,1": on these GPUs only (the most specific)
+            on = ",".join(map(str, spec.devices))
+            names = [*(f"{n}@{on}" for n in names), *names]
         keys = [k for n in names for k in ((f"{n}+{env_key}", f"{n}+*") if env_key else (n,))]
         out = next((self.outcomes[k] for k in (*keys, "*") if k in self.outcomes), self.default)
         res = _parse(spec.candidate, out)
@@ -526,7 +532,7 @@ SIMULATION_KEYS = frozenset({
     "facts", "probes", "expect",
     # a field case (examples/machines/field/): where it was reported, its family, what it said
     "source", "family", "reported",
-    "param_bytes", "optimizer_state_factor", "sharding",
+    "param_bytes", "optimizer_state_factor", "sharding", "offload",
 })
 #: Fields of a machine case's ``expect`` block (the decision it must reach; tests replay it).
 EXPECT_KEYS = frozenset({
@@ -534,6 +540,9 @@ EXPECT_KEYS = frozenset({
     "probed", "rules_fired", "explain_contains",
     "causes",  # {probe key: the cause its failure was placed on}, e.g. {"nccl": "nvls_multicast"}
     "sharded", "ladder", "ruled_out_by_memory",
+    "offload",  # the chosen candidate offloads its state to the host
+    # no decision: the typed error it ends in, {"type": "ModelDoesNotFitError", ...its fields}
+    "error",
 })
 
 
