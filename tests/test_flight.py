@@ -6,6 +6,7 @@ outcome typed and the wait bounded."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import sys
@@ -197,3 +198,26 @@ def test_this_torchs_own_dump_parses(tmp_path: Path) -> None:
     answer = flight.read_answer(tmp_path, 0, 0)
     assert answer.status in (DumpStatus.DUMPED, DumpStatus.NOT_AVAILABLE)
     assert (answer.status is DumpStatus.DUMPED) == bool(status["apis"])
+
+
+def test_the_evidence_file_keeps_the_facts_and_the_raw_dumps(tmp_path: Path) -> None:
+    from resilient_strategy.run.evidence import Evidence
+    from resilient_strategy.run.policy import Action, Attempt, Judgement
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    data = _dump([_entry(1, "completed"), _entry(2, "started")], 1)
+    flight.dump_path(run_dir, 0, "_dump_nccl_trace").write_bytes(data)
+    rank0 = RankDump(0, 0, DumpStatus.DUMPED, dump=parse_dump(data),
+                     files=(str(flight.dump_path(run_dir, 0, "_dump_nccl_trace")),))
+    facts = analyse([rank0, RankDump(1, 1, DumpStatus.NO_ANSWER)])
+    verdict = Verdict(VerdictKind.STALL, "stalled", 2, "timeout", ranks=(0, 1), flight=facts)
+    evidence = Evidence(tmp_path / "evidence", "session")
+    attempt = Attempt(0, "torch:nccl:0,1", "NCCL", verdict, Judgement(Action.RETRY, "first"))
+    written = evidence.record(attempt, run_dir, 2)
+    assert written is not None and Path(written).is_file()
+    assert (evidence.dir / "attempt1._dump_nccl_trace.rank0").read_bytes() == data
+    summary = evidence.summary([attempt])
+    assert summary is not None
+    stuck = json.loads(Path(summary).read_text())["attempts"][0]["verdict"]["flight"]["stuck"]
+    assert (stuck["seq"], stuck["entered"], stuck["not_dumped"]) == (2, [0], [1])
