@@ -55,6 +55,8 @@ device = sel.device
 # a metric all-reduce on a group of its own (world size 1), as a script that averages its loss
 store = os.path.join(tempfile.mkdtemp(prefix="rs-fr-bench-"), "store")
 backend = "nccl" if device.type == "cuda" else "gloo"
+if device.type == "cuda":
+    torch.cuda.set_device(device)
 dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.GELU(), torch.nn.Linear(512, 10))

@@ -17,15 +17,14 @@ from typing import Any
 import pytest
 
 from resilient_strategy.records import flight
-from resilient_strategy.records.flight import (
+from resilient_strategy.records.flight import read_answer, request, respond, serve
+from resilient_strategy.records.flightdump import (
     DumpStatus,
     FlightFacts,
     RankDump,
     analyse,
+    merge_dumps,
     parse_dump,
-    request,
-    respond,
-    serve,
 )
 from resilient_strategy.run.verdicts import Verdict, VerdictKind
 
@@ -107,7 +106,7 @@ def test_the_first_dump_format_a_list_and_two_apis_merged() -> None:
     listed = pickle.dumps([_entry(1, "completed"), _entry(2, "scheduled")], protocol=2)
     d = parse_dump(listed)
     assert [e.seq for e in d.entries] == [1, 2] and d.completed == {}
-    merged = flight.merge_dumps([d, parse_dump(_dump([_entry(1, "completed")], 1))])
+    merged = merge_dumps([d, parse_dump(_dump([_entry(1, "completed")], 1))])
     assert [e.seq for e in merged.entries] == [1, 2] and merged.completed == {"0": 1}
 
 
@@ -137,17 +136,17 @@ class _Api:
 def test_a_worker_without_a_dump_api_or_whose_api_fails_answers_not_available(
         tmp_path: Path) -> None:
     respond(tmp_path, 0, 0, _Api())
-    none = flight.read_answer(tmp_path, 0, 0)
+    none = read_answer(tmp_path, 0, 0)
     assert none.status is DumpStatus.NOT_AVAILABLE and none.dump is None
 
     def boom() -> bytes:
         raise RuntimeError("no recorder")
 
     respond(tmp_path, 1, 1, _Api(_dump_nccl_trace=boom))
-    failed = flight.read_answer(tmp_path, 1, 1)
+    failed = read_answer(tmp_path, 1, 1)
     assert failed.status is DumpStatus.NOT_AVAILABLE and "_dump_nccl_trace" in failed.reason
     respond(tmp_path, 2, 2, _Api(_dump_fr_trace=lambda: b"garbage"))
-    assert flight.read_answer(tmp_path, 2, 2).status is DumpStatus.UNREADABLE
+    assert read_answer(tmp_path, 2, 2).status is DumpStatus.UNREADABLE
 
 
 @posix_only
@@ -195,7 +194,7 @@ def test_this_torchs_own_dump_parses(tmp_path: Path) -> None:
     import torch  # noqa: F401
 
     status = respond(tmp_path, 0, 0)
-    answer = flight.read_answer(tmp_path, 0, 0)
+    answer = read_answer(tmp_path, 0, 0)
     assert answer.status in (DumpStatus.DUMPED, DumpStatus.NOT_AVAILABLE)
     assert (answer.status is DumpStatus.DUMPED) == bool(status["apis"])
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.bounded import parse_json
 from ..core.options import DEFAULT_PROCESS_GROUP_TIMEOUT, RunOptions
 from ..records import flight
+from ..records.flightdump import DumpStatus, RankDump, analyse
 from ..records.handoff import Decision, error_path, progress_path
 from ..records.progress import (
     Stall,
@@ -144,7 +145,7 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
             return Verdict(VerdictKind.EXIT, f"the workers ended in state {result.state.name}")
     verdict = classify_attempt(stall, exits)
     if stall is not None and agent.flight:
-        verdict = replace(verdict, flight=flight.analyse(agent.flight))
+        verdict = replace(verdict, flight=analyse(agent.flight))
     return verdict
 
 
@@ -189,13 +190,13 @@ def _stderr_tail(log_dir: Path, local_rank: int, limit: int = 8192) -> str:
 STACKS_WAIT_S = 1.0
 
 
-def dump_flight(run_dir: Path, ranks: list[tuple[int, int]]) -> list[flight.RankDump]:
+def dump_flight(run_dir: Path, ranks: list[tuple[int, int]]) -> list[RankDump]:
     """Ask each worker (``(local_rank, rank)``) for torch's flight-recorder dump
     (:func:`resilient_strategy.records.flight.request`, bounded by its deadline); what did not
     come is said in the result and logged, never raised."""
     got = flight.request(run_dir, ranks)
     missing = [f"rank {r.rank}: {r.status.value} ({r.reason})" for r in got
-               if r.status is not flight.DumpStatus.DUMPED]
+               if r.status is not DumpStatus.DUMPED]
     if missing:
         log.info("flight recorder: no dump from %s", "; ".join(missing))
     return got
@@ -236,7 +237,7 @@ def _agent_class() -> type[Any]:
             self.stall_at = float("inf")
             self.peer_fault: PeerFault | None = None
             self.run_dir = run_dir
-            self.flight: list[flight.RankDump] = []
+            self.flight: list[RankDump] = []
 
         def _monitor_workers(self, worker_group: Any) -> Any:
             result = super()._monitor_workers(worker_group)

@@ -1,7 +1,7 @@
 """Where a fault's evidence goes: one file per failed attempt under ``--evidence-dir``
 (``<dir>/<session>/attempt<N>.txt``: the verdict, what torch's flight recorder said of a stalled
 group (the collective it is stuck in, the ranks that never entered it, each rank's last entries;
-:mod:`resilient_strategy.records.flight`), then each rank's traceback, the Python stacks dumped
+:mod:`resilient_strategy.records.flightdump`), then each rank's traceback, the Python stacks dumped
 before a stalled group was stopped, and the tail of its stderr) and ``attempts.json`` (every
 attempt: candidate, verdict with the flight recorder's facts, what followed, exit code). The raw
 dumps are kept beside it (``attempt<N>.<api>.rank<R>``, for torch's own analyzer,
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..machine.files import ensure_private_dir, write_json_atomic
-from ..records.flight import FlightFacts
+from ..records.flightdump import FlightFacts
 from .policy import Attempt
 
 #: How much of each rank's stderr the evidence keeps (its end).

@@ -18,7 +18,7 @@ from enum import Enum
 from typing import Any
 
 from ..core.signatures import Signatures, builtin_signatures
-from ..records.flight import FlightFacts
+from ..records.flightdump import FlightFacts
 from ..records.progress import (
     COLLECTIVE,
     STEP_DONE,
