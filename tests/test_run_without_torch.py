@@ -132,3 +132,47 @@ def test_a_torch_script_without_torch_is_a_usage_error(monkeypatch: pytest.Monke
     with pytest.raises(InvalidOptionError) as err:
         arguments.options_from_args([str(script)])
     assert err.value.option == "--framework"
+
+
+_STOPPED_THEN_RAISES = '''
+import os, signal, time
+from pathlib import Path
+from resilient_strategy.records.handoff import DECISION_VAR, progress_path
+from resilient_strategy.records.progress import ProgressWriter
+
+writer = ProgressWriter(str(progress_path(Path(os.environ[DECISION_VAR]).parent, 0)))
+writer.enter(1)  # enters the collective of step 1 and never leaves it
+
+
+def on_term(signum, frame):  # as a tool's SIGTERM handler turns the stop into an error
+    raise RuntimeError("Connection closed by peer")
+
+
+signal.signal(signal.SIGTERM, on_term)
+while True:
+    time.sleep(0.05)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGTERM handler, /proc")
+def test_the_one_process_agent_keeps_a_stall_whose_error_came_from_the_stop(
+        tmp_path: Path) -> None:
+    """run/solo.py judges an error record as torch's path does (agent.raised_before): one
+    written after the stalled worker was stopped is what the stop did to it, not the story."""
+    from resilient_strategy.core.options import RunOptions
+    from resilient_strategy.records.handoff import Decision, error_path, write_decision
+    from resilient_strategy.run.solo import launch_one
+    from resilient_strategy.run.verdicts import VerdictKind
+
+    script = tmp_path / "stalls.py"
+    script.write_text(_STOPPED_THEN_RAISES, encoding="utf-8")
+    run_dir = tmp_path / "attempt0"
+    run_dir.mkdir()
+    decision = Decision(framework="tensorflow", chosen="tensorflow:single_device:0",
+                        results={}, run_dir=str(run_dir))
+    write_decision(run_dir / "decision.json", decision)
+    verdict = launch_one(RunOptions(str(script), stall_timeout_s=1.0), decision, grace_s=10.0)
+    assert json.loads(error_path(run_dir, 0).read_text())["types"][0] == "builtins.RuntimeError"
+    assert (verdict.kind, verdict.step) == (VerdictKind.STALL, 1)
+    assert _alive_with(str(script)) == []

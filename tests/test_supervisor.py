@@ -332,6 +332,16 @@ def test_a_fault_at_step_20_is_retried_then_steps_down_on_its_repeat(
         stacks = evidence.read_text().split("Python stacks before the stop")
         assert len(stacks) == 3  # ranks 0 and 1
         assert 'trainfault.py", line' in stacks[2] and "in act" in stacks[2]  # the hung frame
+        # torch's flight recorder was asked before the stop: every rank answered, and where the
+        # build records gloo's collectives (torch 2.8+), rank 0 waits in an all-reduce rank 1
+        # never entered
+        fr = _attempts(tmp_path)[0]["verdict"]["flight"]  # type: ignore[index]
+        assert [r["status"] for r in fr["ranks"]] in (["dumped"] * 2, ["not_available"] * 2)
+        if all(r["entries"] for r in fr["ranks"]):
+            stuck = fr["stuck"]
+            assert (stuck["op"], stuck["entered"], stuck["missing"]) == (
+                "gloo:all_reduce", [0], [1])
+            assert stuck["where"].startswith(str(EXAMPLE))  # the script's line that issued it
     # the rehearsed failure never reaches the cache
     cached = "".join(p.read_text() for p in cache_dir.glob("*.json"))
     assert "mid_run" not in cached

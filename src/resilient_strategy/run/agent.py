@@ -15,11 +15,14 @@ import sys
 import time
 import uuid
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.bounded import parse_json
 from ..core.options import DEFAULT_PROCESS_GROUP_TIMEOUT, RunOptions
+from ..records import flight
+from ..records.flightdump import DumpStatus, RankDump, analyse
 from ..records.handoff import Decision, error_path, progress_path
 from ..records.progress import (
     Stall,
@@ -101,8 +104,10 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
         monitor_interval=config.monitor_interval, master_addr=master_addr,
         master_port=master_port, local_addr=config.local_addr)
     agent = agent_cls(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
-                      watch=watch, peer=peer)
+                      watch=watch, peer=peer, run_dir=run_dir)
     timeouts = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PROCESS_GROUP_TIMEOUT)
+    # NCCL's flight recorder on (its dump is asked for before a stalled group is stopped)
+    timeouts.update(flight.buffer_env(_backend(decision.chosen), env))
     os.environ.update(timeouts)  # the workers inherit them; never one the user set
     try:
         result = agent.run()
@@ -138,7 +143,15 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
                                       stderr_tail=_stderr_tail(run_dir / "logs", lr)))
         if not exits and result.state.name != "SUCCEEDED":
             return Verdict(VerdictKind.EXIT, f"the workers ended in state {result.state.name}")
-    return classify_attempt(stall, exits)
+    verdict = classify_attempt(stall, exits)
+    if stall is not None and agent.flight:
+        verdict = replace(verdict, flight=analyse(agent.flight))
+    return verdict
+
+
+def _backend(key: str) -> str:
+    """A candidate key's backend ("torch:nccl:0,1" -> "nccl")."""
+    return key.split(":")[1] if key.count(":") >= 2 else key
 
 
 def raised_before(errors: list[dict[str, Any] | None], stopped_at: float) -> bool:
@@ -177,6 +190,18 @@ def _stderr_tail(log_dir: Path, local_rank: int, limit: int = 8192) -> str:
 STACKS_WAIT_S = 1.0
 
 
+def dump_flight(run_dir: Path, ranks: list[tuple[int, int]]) -> list[RankDump]:
+    """Ask each worker (``(local_rank, rank)``) for torch's flight-recorder dump
+    (:func:`resilient_strategy.records.flight.request`, bounded by its deadline); what did not
+    come is said in the result and logged, never raised."""
+    got = flight.request(run_dir, ranks)
+    missing = [f"rank {r.rank}: {r.status.value} ({r.reason})" for r in got
+               if r.status is not DumpStatus.DUMPED]
+    if missing:
+        log.info("flight recorder: no dump from %s", "; ".join(missing))
+    return got
+
+
 def dump_stacks(pids: list[int], wait_s: float = STACKS_WAIT_S) -> None:
     """Ask each worker for its Python stacks (:mod:`.worker` registers faulthandler on SIGUSR1,
     written to its ``rank<N>.stacks.txt``), then give them ``wait_s`` to write them."""
@@ -204,13 +229,15 @@ def _agent_class() -> type[Any]:
 
     class SupervisedAgent(LocalElasticAgent):
         def __init__(self, *args: Any, watch: TrainingWatch, peer: PeerWatch | None = None,
-                     **kwargs: Any) -> None:
+                     run_dir: Path | None = None, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.watch = watch
             self.peer = peer
             self.stall: Stall | None = None
             self.stall_at = float("inf")
             self.peer_fault: PeerFault | None = None
+            self.run_dir = run_dir
+            self.flight: list[RankDump] = []
 
         def _monitor_workers(self, worker_group: Any) -> Any:
             result = super()._monitor_workers(worker_group)
@@ -222,6 +249,12 @@ def _agent_class() -> type[Any]:
                     with contextlib.suppress(Exception):  # evidence before the kill
                         if self._pcontext is not None:
                             dump_stacks(list(self._pcontext.pids().values()))
+                    if self.run_dir is not None:
+                        try:
+                            self.flight = dump_flight(self.run_dir, [
+                                (w.local_rank, w.global_rank) for w in worker_group.workers])
+                        except Exception as exc:  # evidence never stops the stop
+                            log.warning("flight recorder: not collected: %s", exc)
                     # as the agent does for a wedged (D-state) worker: no restart, stop the group
                     self._remaining_restarts = 0
                     return RunResult(state=WorkerState.UNHEALTHY)

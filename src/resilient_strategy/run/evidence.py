@@ -1,7 +1,11 @@
 """Where a fault's evidence goes: one file per failed attempt under ``--evidence-dir``
-(``<dir>/<session>/attempt<N>.txt``: the verdict, then each rank's traceback, the Python stacks
-dumped before a stalled group was stopped, and the tail of its stderr) and ``attempts.json`` (every
-attempt: candidate, verdict, what followed, exit code). The console gets one line per fault and
+(``<dir>/<session>/attempt<N>.txt``: the verdict, what torch's flight recorder said of a stalled
+group (the collective it is stuck in, the ranks that never entered it, each rank's last entries;
+:mod:`resilient_strategy.records.flightdump`), then each rank's traceback, the Python stacks dumped
+before a stalled group was stopped, and the tail of its stderr) and ``attempts.json`` (every
+attempt: candidate, verdict with the flight recorder's facts, what followed, exit code). The raw
+dumps are kept beside it (``attempt<N>.<api>.rank<R>``, for torch's own analyzer,
+``python -m torch.distributed.flight_recorder.fr_trace``). The console gets one line per fault and
 this file's path, not the tracebacks.
 
 The workers leave ``rank<N>.traceback.txt`` and ``rank<N>.stacks.txt`` in the attempt's run
@@ -13,10 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
 from ..machine.files import ensure_private_dir, write_json_atomic
+from ..records.flightdump import FlightFacts
 from .policy import Attempt
 
 #: How much of each rank's stderr the evidence keeps (its end).
@@ -49,6 +55,9 @@ class Evidence:
                  f"verdict: {attempt.verdict.line()}", f"step: {attempt.verdict.step}",
                  f"next: {attempt.judgement.action.value}: {attempt.judgement.reason}",
                  f"summary: {attempt.verdict.summary}", ""]
+        fr = attempt.verdict.flight
+        if fr is not None:
+            parts += [*fr.describe(), *self._raw_dumps(attempt.number, fr), ""]
         for r in range(ranks):
             for title, path, limit in (
                     ("traceback", traceback_path(run_dir, r), DUMP_BYTES),
@@ -67,6 +76,22 @@ class Evidence:
         except Exception:
             return None
         return str(path)
+
+    def _raw_dumps(self, number: int, fr: FlightFacts) -> list[str]:
+        """Each rank's raw flight-recorder dumps copied beside the evidence file (the run
+        directory goes at the end of the run); the lines that name them. Best effort."""
+        out = []
+        for r in fr.ranks:
+            for raw in r.files:
+                api = Path(raw).name.split(".flight", 1)[-1].removesuffix(".pkl")
+                copy = self.dir / f"attempt{number + 1}.{api}.rank{r.rank}"
+                try:
+                    ensure_private_dir(self.dir)
+                    shutil.copyfile(raw, copy)
+                except Exception:
+                    continue
+                out.append(f"  rank {r.rank}'s raw dump ({api}): {copy}")
+        return out
 
     def summary(self, history: Sequence[Attempt]) -> str | None:
         """``attempts.json`` when there was a fault (the directory exists); its path or None."""

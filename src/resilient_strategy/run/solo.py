@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
@@ -36,7 +37,7 @@ from ..machine import env as _env
 from ..probing.proc import start_supervised, stop_groups
 from ..records.handoff import Decision, error_path, progress_path
 from ..records.progress import Stall, read_record
-from .agent import _read_json, _stderr_tail, dump_stacks
+from .agent import _read_json, _stderr_tail, dump_stacks, raised_before
 from .verdicts import RankExit, Verdict, classify_attempt
 from .watch import TrainingWatch
 
@@ -71,6 +72,7 @@ def launch_one(opts: RunOptions, decision: Decision, *, poll_s: float = MONITOR_
     argv = (sys.executable, "-u", "-m", "resilient_strategy.run.worker", "--supervisor",
             str(os.getpid()), str(run_dir / "decision.json"), opts.script, *opts.script_args)
     stall: Stall | None = None
+    stall_at = float("inf")  # wall time of the stall, as the error record's
     with _signals_as_exception():
         proc = start_supervised(argv, _env.snapshot(), os.getcwd(), subprocess.PIPE)
         tee = _Tee(proc.stderr, log_path)
@@ -78,6 +80,7 @@ def launch_one(opts: RunOptions, decision: Decision, *, poll_s: float = MONITOR_
             while proc.poll() is None:
                 stall = watch.poll()
                 if stall is not None:
+                    stall_at = time.time()
                     with contextlib.suppress(Exception):  # evidence before the kill
                         dump_stacks([proc.pid])
                     break
@@ -87,8 +90,10 @@ def launch_one(opts: RunOptions, decision: Decision, *, poll_s: float = MONITOR_
             stop_groups([proc], grace_s)
             tee.join(grace_s)
     err = _read_json(error_path(run_dir, 0))
-    if stall is not None and err is not None:
+    if stall is not None and raised_before([err], stall_at):
         stall = None  # it raised and had not exited yet: its error is the story, not a stall
+    # an error written after the stop is what the stop did to it (a SIGTERM handler that
+    # raises): the stall stays the story, as on torch's path
     code = proc.returncode if proc.returncode is not None else -int(signal.SIGKILL)
     if stall is not None or (code == 0 and err is None):
         return classify_attempt(stall, [])

@@ -18,6 +18,7 @@ from enum import Enum
 from typing import Any
 
 from ..core.signatures import Signatures, builtin_signatures
+from ..records.flightdump import FlightFacts
 from ..records.progress import (
     COLLECTIVE,
     STEP_DONE,
@@ -161,6 +162,8 @@ class Verdict:
     node: int | None = None  # another node's record this node stopped for (multi-node)
     ranks: tuple[int, ...] = ()
     where: str = ""
+    #: What torch's flight recorder said before a stalled group was stopped (None: not asked).
+    flight: FlightFacts | None = None
 
     @property
     def ok(self) -> bool:
@@ -190,13 +193,15 @@ class Verdict:
         s = "s" if len(self.ranks) > 1 else ""
         ranks = f"rank{s} {', '.join(map(str, self.ranks))}" if self.ranks else ""
         context = ", ".join(p for p in (ranks, self.where) if p)
+        flight = f"; flight recorder: {one_line(self.flight.line(), 240)}" if self.flight else ""
         return (f"{self.kind.value}{f' ({context})' if context else ''}: "
-                f"{one_line(self.summary, 240)}")
+                f"{one_line(self.summary, 240)}{flight}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind.value, "summary": one_line(self.summary, 500),
                 "step": self.step, "cause": self.cause, "node": self.node,
-                "ranks": list(self.ranks), "where": self.where}
+                "ranks": list(self.ranks), "where": self.where,
+                **({"flight": self.flight.to_dict()} if self.flight is not None else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Verdict:
@@ -207,7 +212,9 @@ class Verdict:
                        step=int(d.get("step", 0) or 0), cause=str(d.get("cause", "") or ""),
                        node=None if node is None else int(node),
                        ranks=tuple(int(r) for r in d.get("ranks", ())),
-                       where=str(d.get("where", "")))
+                       where=str(d.get("where", "")),
+                       flight=None if d.get("flight") is None
+                       else FlightFacts.from_dict(d["flight"]))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a verdict record: {exc}") from None
 

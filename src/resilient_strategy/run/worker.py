@@ -10,6 +10,8 @@ Around the script it:
   SIGKILLed ``run`` leaves no worker training;
 - writes its Python stacks to ``rank<N>.stacks.txt`` on SIGUSR1 (faulthandler), which the
   supervisor sends before it stops a stalled group;
+- answers the supervisor's request for torch's flight-recorder dump from a daemon thread (the
+  main thread may be blocked inside a collective): :func:`~resilient_strategy.records.flight.serve`;
 - on an exception, leaves an error record for the supervisor's classification, its full
   traceback in ``rank<N>.traceback.txt`` (the supervisor copies both into the evidence file),
   and one line on stderr instead of the traceback.
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import IO
 
 from ..probing.workers.watchdog import watch_parent
+from ..records.flight import serve
 from ..records.handoff import DECISION_VAR, current_reporter, write_error
 
 _USAGE = "usage: python -m resilient_strategy.run.worker --supervisor PID DECISION SCRIPT [ARGS...]"
@@ -42,6 +45,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     run_dir = Path(decision).parent
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     _stacks_on_signal(run_dir / f"rank{local_rank}.stacks.txt")
+    serve(run_dir, local_rank, int(os.environ.get("RANK", local_rank)))
     sys.argv = [script, *rest]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` sets it
     try:

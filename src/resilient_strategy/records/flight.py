@@ -1,0 +1,251 @@
+"""torch's flight recorder, asked for before a stalled group is stopped: each worker's dump
+crosses to the supervisor as a file, and :func:`~.flightdump.analyse` (pure) turns the dumps into
+typed facts: the collective that never completed, its operation, the ranks that entered it and
+the ranks that never did.
+
+The recorder keeps a ring buffer of every collective a process group issued (operation, process
+group, ``collective_seq_id``, state, sizes, the Python stack that issued it); sources:
+
+- pytorch/pytorch#110960 (torch 2.2): ``torch._C._distributed_c10d._dump_nccl_trace()``
+  returns the buffer as a pickle; each entry's state is "scheduled", "started" or "completed"
+  (queried from its CUDA events when the dump is taken, which works while the streams are
+  stuck). Enabled by ``TORCH_NCCL_TRACE_BUFFER_SIZE`` > 0 (docs:
+  https://pytorch.org/docs/2.4/torch_nccl_environment_variables.html).
+- pytorch/pytorch#117883 and #120262: the pickle was first a list of entries, then a dict with
+  ``version``, ``pg_config`` (each group's ranks) and ``entries``; ``pg_status`` (each group's
+  ``last_completed_collective``) follows (torch/csrc/distributed/c10d/FlightRecorder.hpp).
+- pytorch/pytorch#129505 (torch 2.5): the keyword arguments ``includeCollectives``,
+  ``includeStackTraces``, ``onlyActive``; the defaults return everything.
+- pytorch/pytorch#152563 (torch 2.8): the recorder made vendor neutral
+  (``TORCH_FR_BUFFER_SIZE``, read before the NCCL name); ``_dump_fr_trace()`` dumps the generic
+  recorder (gloo's entries, on by default with 2,000 entries in torch 2.13), while NCCL keeps its
+  own recorder behind ``_dump_nccl_trace()`` (both are asked here; a CPU build has only
+  ``_dump_fr_trace``).
+- https://docs.pytorch.org/tutorials/prototype/flight_recorder_tutorial.html: retrieving the
+  buffer on demand through that API.
+
+How it is asked for: the main thread of a stalled rank is blocked inside a collective, so no
+Python signal handler would run there. :func:`serve` starts a daemon thread in the worker that
+waits (blocked in ``read``, no polling) on a FIFO in the attempt's run directory; the supervisor
+(:func:`request`) writes one byte to each rank's FIFO, and the thread calls every dump API the
+build has, writes the bytes next to it and a status file last. The supervisor waits for the
+status files up to a deadline; a rank without a listener, without an answer, or whose torch has
+no dump API is a typed :class:`~.flightdump.DumpStatus`, never a hang. Every private API is feature-checked
+and its failure is logged and said in the status.
+
+The dumps are read (at most :data:`MAX_DUMP_BYTES` each) and analysed by
+:mod:`.flightdump` (pure). Imports nothing but the standard library and that module (torch only in
+the worker, only when it is already imported there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import stat
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from .flightdump import Dump, DumpStatus, RankDump, merge_dumps, parse_dump
+
+log = logging.getLogger("resilient_strategy")
+
+#: The buffer's size variable for NCCL (torch 2.2+), set for the workers of an NCCL decision
+#: unless the user set it or :data:`FR_BUFFER_VAR`.
+BUFFER_VAR = "TORCH_NCCL_TRACE_BUFFER_SIZE"
+#: torch 2.8+'s vendor-neutral name (read first by torch): a user's value is kept.
+FR_BUFFER_VAR = "TORCH_FR_BUFFER_SIZE"
+#: Entries kept per process (torch 2.13's default for its generic recorder).
+DEFAULT_ENTRIES = 2000
+#: The dump APIs asked, in order (each its own recorder; absent ones are skipped).
+DUMP_APIS = ("_dump_nccl_trace", "_dump_fr_trace")
+#: How long the supervisor waits for every rank's answer.
+WAIT_S = 5.0
+#: The largest dump read (2,000 entries with their stacks are a few MB).
+MAX_DUMP_BYTES = 64 << 20
+
+
+def buffer_env(backend: str, env: Mapping[str, str]) -> dict[str, str]:
+    """The variable that turns NCCL's recorder on for the workers of a decision on ``backend``:
+    only for NCCL, never over the user's (either name)."""
+    if backend != "nccl" or BUFFER_VAR in env or FR_BUFFER_VAR in env:
+        return {}
+    return {BUFFER_VAR: str(DEFAULT_ENTRIES)}
+
+
+def fifo_path(run_dir: str | Path, local_rank: int) -> Path:
+    return Path(run_dir) / f"rank{local_rank}.flight.fifo"
+
+
+def status_path(run_dir: str | Path, local_rank: int) -> Path:
+    return Path(run_dir) / f"rank{local_rank}.flight.json"
+
+
+def dump_path(run_dir: str | Path, local_rank: int, api: str) -> Path:
+    return Path(run_dir) / f"rank{local_rank}.flight{api}.pkl"
+
+
+# the worker's side: a thread that answers
+
+
+def serve(run_dir: str | Path, local_rank: int, rank: int, c10d: Any = None) -> bool:
+    """Start the daemon thread that answers the supervisor's request (:func:`request`) with
+    :func:`respond` (``c10d`` as there). False where no FIFO can be made (then the supervisor
+    reads "no listener")."""
+    path = fifo_path(run_dir, local_rank)
+    mkfifo = getattr(os, "mkfifo", None)
+    if mkfifo is None:
+        return False
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # a relaunch's run directory is new; this is for a rerun by hand
+        mkfifo(path, 0o600)
+        # read and write: the open never blocks, and the FIFO has a reader for as long as this
+        # process lives (the supervisor's knock fails at once only when the worker is gone)
+        fd = os.open(path, os.O_RDWR)
+    except OSError as exc:
+        log.debug("flight recorder: no FIFO at %s: %s", path, exc)
+        return False
+    threading.Thread(target=_listen, args=(fd, Path(run_dir), local_rank, rank, c10d),
+                     name="rs-flight-recorder", daemon=True).start()
+    return True
+
+
+def _listen(fd: int, run_dir: Path, local_rank: int, rank: int, c10d: Any) -> None:
+    while True:
+        try:
+            if not os.read(fd, 64):  # blocks (without the GIL) until the supervisor knocks
+                return
+        except OSError:
+            return
+        respond(run_dir, local_rank, rank, c10d)
+
+
+def respond(run_dir: str | Path, local_rank: int, rank: int, c10d: Any = None) -> dict[str, Any]:
+    """Dump this process's flight recorder through every API the build has, each to
+    :func:`dump_path`, then write :func:`status_path` (last: the supervisor waits for it).
+    ``c10d``: the module holding the APIs (``torch._C._distributed_c10d``; a test passes its
+    own). Never raises; returns the status written."""
+    status: dict[str, Any] = {"rank": rank, "local_rank": local_rank, "apis": [],
+                              "reasons": []}
+    if c10d is None:
+        if "torch" not in sys.modules:  # a TensorFlow worker, or torch not imported yet
+            status["reasons"].append("torch is not imported in this worker")
+        else:
+            try:
+                from torch._C import _distributed_c10d as c10d
+            except Exception as exc:  # a build without distributed
+                status["reasons"].append(f"no torch._C._distributed_c10d ({exc})")
+    if c10d is not None:
+        for api in DUMP_APIS:
+            fn = getattr(c10d, api, None)
+            if not callable(fn):
+                continue
+            try:
+                data = fn()  # everything: collectives, their stacks, completed ones too
+                if not isinstance(data, (bytes, bytearray)):
+                    raise TypeError(f"returned {type(data).__name__}, not bytes")
+                _write_atomic(dump_path(run_dir, local_rank, api), bytes(data))
+                status["apis"].append(api)
+            except Exception as exc:
+                log.warning("flight recorder: %s failed: %s", api, exc)
+                status["reasons"].append(f"{api} failed: {type(exc).__name__}: {exc}"[:300])
+        if not status["apis"] and not status["reasons"]:
+            status["reasons"].append(f"this torch has none of {', '.join(DUMP_APIS)}")
+    with contextlib.suppress(OSError, TypeError, ValueError):
+        _write_atomic(status_path(run_dir, local_rank), json.dumps(status).encode())
+    return status
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+    os.replace(tmp, path)
+
+
+# the supervisor's side: ask, wait, read
+
+
+def request(run_dir: str | Path, local_ranks: Iterable[tuple[int, int]],
+            wait_s: float = WAIT_S, clock: Callable[[], float] = time.monotonic,
+            sleep: Callable[[float], None] = time.sleep) -> list[RankDump]:
+    """Ask each worker (``(local_rank, rank)`` pairs) for its dump and read the answers; every
+    rank's outcome is typed, and the whole call takes at most about ``wait_s``."""
+    run_dir = Path(run_dir)
+    asked: dict[int, int] = {}
+    out: dict[int, RankDump] = {}
+    for lr, rank in local_ranks:
+        with contextlib.suppress(FileNotFoundError):
+            status_path(run_dir, lr).unlink()  # an earlier request's answer is not this one's
+        reason = _knock(fifo_path(run_dir, lr))
+        if reason:
+            out[lr] = RankDump(lr, rank, DumpStatus.NO_LISTENER, reason)
+        else:
+            asked[lr] = rank
+    deadline = clock() + wait_s
+    while asked and any(not status_path(run_dir, lr).exists() for lr in asked) \
+            and clock() < deadline:
+        sleep(0.05)
+    for lr, rank in asked.items():
+        out[lr] = read_answer(run_dir, lr, rank)
+    return [out[lr] for lr in sorted(out)]
+
+
+def _knock(path: Path) -> str:
+    """Write one byte to a worker's FIFO without blocking; "" when it was heard, else why not."""
+    try:
+        if not stat.S_ISFIFO(os.lstat(path).st_mode):
+            return "not a FIFO"
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return "the worker started no listener"
+    except OSError as exc:  # ENXIO: nobody has it open for reading (the worker is gone)
+        return f"no worker listening ({exc.strerror or exc})"
+    try:
+        os.write(fd, b"1")
+    except OSError as exc:
+        return f"could not ask ({exc.strerror or exc})"
+    finally:
+        os.close(fd)
+    return ""
+
+
+def read_answer(run_dir: str | Path, local_rank: int, rank: int) -> RankDump:
+    """One rank's answer, parsed (:func:`parse_dump`), after :func:`respond` wrote it."""
+    try:
+        raw = status_path(run_dir, local_rank).read_bytes()
+    except OSError:
+        return RankDump(local_rank, rank, DumpStatus.NO_ANSWER,
+                        "no answer before the deadline (its process may hold the GIL)")
+    try:
+        status = json.loads(raw[:1 << 16])
+        apis = [str(a) for a in status.get("apis", ())]
+        reasons = "; ".join(str(r) for r in status.get("reasons", ()))
+        rank = int(status.get("rank", rank))
+    except (ValueError, TypeError, AttributeError) as exc:
+        return RankDump(local_rank, rank, DumpStatus.UNREADABLE, f"its status: {exc}")
+    if not apis:
+        return RankDump(local_rank, rank, DumpStatus.NOT_AVAILABLE, reasons)
+    dumps: list[Dump] = []
+    files: list[str] = []
+    for api in apis:
+        path = dump_path(run_dir, local_rank, api)
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read(MAX_DUMP_BYTES + 1)
+            if len(data) > MAX_DUMP_BYTES:
+                raise ValueError(f"larger than {MAX_DUMP_BYTES} bytes")
+            dumps.append(parse_dump(data))
+            files.append(str(path))
+        except (OSError, ValueError) as exc:
+            return RankDump(local_rank, rank, DumpStatus.UNREADABLE, f"{api}: {exc}")
+    return RankDump(local_rank, rank, DumpStatus.DUMPED, reasons, merge_dumps(dumps),
+                    tuple(files))

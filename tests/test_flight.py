@@ -1,0 +1,222 @@
+"""torch's flight recorder in a stall's evidence (issue 20, item 4): the parser on dumps built as
+torch writes them (torch/csrc/distributed/c10d/FlightRecorder.hpp), the analysis that names the
+stuck collective and the ranks that never entered it, and the worker's answer to the
+supervisor's request over a FIFO (a fake dump API: no torch, no process group), with every
+outcome typed and the wait bounded."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from resilient_strategy.records import flight
+from resilient_strategy.records.flight import read_answer, request, respond, serve
+from resilient_strategy.records.flightdump import (
+    DumpStatus,
+    FlightFacts,
+    RankDump,
+    analyse,
+    merge_dumps,
+    parse_dump,
+)
+from resilient_strategy.run.verdicts import Verdict, VerdictKind
+
+posix_only = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs")
+
+
+def _entry(seq: int, state: str, op: str = "nccl:all_reduce", pg: str = "0", pg_id: int = 0,
+           frames: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One entry with the keys torch's recorder writes (FlightRecorder.hpp, dump version 2.x)."""
+    return {"record_id": seq - 1, "pg_id": pg_id, "process_group": (pg, "default_pg"),
+            "collective_seq_id": seq, "p2p_seq_id": 0, "op_id": seq, "profiling_name": op,
+            "time_created_ns": 1_000 * seq, "input_sizes": [[1024]], "input_dtypes": ["Float"],
+            "output_sizes": [[1024]], "output_dtypes": ["Float"], "state": state,
+            "time_discovered_started_ns": None, "time_discovered_completed_ns": None,
+            "retired": state == "completed", "timeout_ms": 600_000, "is_p2p": False,
+            "frames": frames or []}
+
+
+USER = [{"name": "all_reduce", "filename": "/x/site-packages/torch/distributed/c10d.py",
+         "line": 10},
+        {"name": "main", "filename": "/home/me/train.py", "line": 42}]
+
+
+def _dump(entries: list[dict[str, Any]], completed: int | None, ranks: str = "[0, 1]") -> bytes:
+    d: dict[str, Any] = {"version": "2.4", "pg_config": {"0": {"name": "0", "desc": "default_pg",
+                                                              "ranks": ranks}},
+                         "entries": entries}
+    if completed is not None:
+        d["pg_status"] = {"0": {"last_enqueued_collective": max(
+            (e["collective_seq_id"] for e in entries), default=0),
+            "last_started_collective": -1, "last_completed_collective": completed}}
+    return pickle.dumps(d, protocol=2)  # torch's pickler writes protocol 2
+
+
+def _dumped(rank: int, data: bytes) -> RankDump:
+    return RankDump(rank, rank, DumpStatus.DUMPED, dump=parse_dump(data))
+
+
+def test_the_stuck_collective_and_the_rank_that_never_entered_it() -> None:
+    """Rank 0 waits in all-reduce #5 (issued, never completed); rank 1 completed #4 and never
+    issued #5 (it hung in its own code): #5 is stuck, rank 1 never entered it."""
+    r0 = _dump([_entry(s, "completed") for s in range(1, 5)]
+               + [_entry(5, "started", frames=USER), _entry(6, "scheduled")], completed=4,
+               ranks="[0, 1, 2, 3]")
+    r1 = _dump([_entry(s, "completed") for s in range(1, 5)], completed=4, ranks="[0, 1, 2, 3]")
+    facts = analyse([_dumped(0, r0), _dumped(1, r1)])
+    assert facts.stuck is not None and facts.last is None
+    assert (facts.stuck.op, facts.stuck.seq, facts.stuck.group) == ("nccl:all_reduce", 5, "0")
+    assert (facts.stuck.entered, facts.stuck.missing) == ((0,), (1,))
+    assert facts.stuck.not_dumped == (2, 3)  # the group's other members: another node
+    assert facts.stuck.where == "/home/me/train.py:42 in main"
+    assert facts.stuck.sizes == ((1024,),)
+    # states alone (no pg_status, as before torch 2.4) say the same
+    r0_old = _dump([_entry(s, "completed") for s in range(1, 5)] + [_entry(5, "scheduled")],
+                   completed=None)
+    r1_old = _dump([_entry(s, "completed") for s in range(1, 5)], completed=None)
+    old = analyse([_dumped(0, r0_old), _dumped(1, r1_old)]).stuck
+    assert old is not None and (old.seq, old.entered, old.missing) == (5, (0,), (1,))
+
+
+def test_every_rank_in_it_none_missing_and_a_rank_without_a_dump() -> None:
+    both = [_entry(s, "completed") for s in range(1, 3)] + [_entry(3, "started")]
+    facts = analyse([_dumped(0, _dump(both, 2)), _dumped(1, _dump(both, 2)),
+                     RankDump(2, 2, DumpStatus.NO_ANSWER)])
+    assert facts.stuck is not None
+    assert (facts.stuck.seq, facts.stuck.entered, facts.stuck.missing,
+            facts.stuck.not_dumped) == (3, (0, 1), (), (2,))
+
+
+def test_nothing_in_flight_names_the_last_completed_collective() -> None:
+    """gloo's recorder leaves every state "scheduled": pg_status says what completed."""
+    done = [_entry(s, "scheduled", op="gloo:all_reduce") for s in range(1, 8)]
+    facts = analyse([_dumped(0, _dump(done, 7))])
+    assert facts.stuck is None and facts.last is not None
+    assert (facts.last.op, facts.last.seq) == ("gloo:all_reduce", 7)
+
+
+def test_the_first_dump_format_a_list_and_two_apis_merged() -> None:
+    listed = pickle.dumps([_entry(1, "completed"), _entry(2, "scheduled")], protocol=2)
+    d = parse_dump(listed)
+    assert [e.seq for e in d.entries] == [1, 2] and d.completed == {}
+    merged = merge_dumps([d, parse_dump(_dump([_entry(1, "completed")], 1))])
+    assert [e.seq for e in merged.entries] == [1, 2] and merged.completed == {"0": 1}
+
+
+@pytest.mark.parametrize("data", [b"", b"not a pickle", pickle.dumps({"entries": 3}),
+                                  pickle.dumps(Path("/etc/passwd")),  # names a global
+                                  pickle.dumps({"entries": [SimpleNamespace()]})])
+def test_anything_else_is_refused_never_loaded(data: bytes) -> None:
+    with pytest.raises(ValueError):
+        parse_dump(data)
+
+
+def test_the_buffer_variable_for_nccl_only_never_over_the_users() -> None:
+    assert flight.buffer_env("nccl", {}) == {flight.BUFFER_VAR: str(flight.DEFAULT_ENTRIES)}
+    assert flight.buffer_env("gloo", {}) == {}
+    assert flight.buffer_env("nccl", {flight.BUFFER_VAR: "0"}) == {}
+    assert flight.buffer_env("nccl", {flight.FR_BUFFER_VAR: "10"}) == {}
+
+
+class _Api:
+    """A stand-in for torch._C._distributed_c10d with the dump APIs given."""
+
+    def __init__(self, **apis: Any) -> None:
+        for name, fn in apis.items():
+            setattr(self, name, fn)
+
+
+def test_a_worker_without_a_dump_api_or_whose_api_fails_answers_not_available(
+        tmp_path: Path) -> None:
+    respond(tmp_path, 0, 0, _Api())
+    none = read_answer(tmp_path, 0, 0)
+    assert none.status is DumpStatus.NOT_AVAILABLE and none.dump is None
+
+    def boom() -> bytes:
+        raise RuntimeError("no recorder")
+
+    respond(tmp_path, 1, 1, _Api(_dump_nccl_trace=boom))
+    failed = read_answer(tmp_path, 1, 1)
+    assert failed.status is DumpStatus.NOT_AVAILABLE and "_dump_nccl_trace" in failed.reason
+    respond(tmp_path, 2, 2, _Api(_dump_fr_trace=lambda: b"garbage"))
+    assert read_answer(tmp_path, 2, 2).status is DumpStatus.UNREADABLE
+
+
+@posix_only
+def test_the_request_is_answered_by_the_workers_thread_and_bounded(tmp_path: Path) -> None:
+    """Rank 0 serves (a thread blocked on its FIFO answers with both APIs' dumps); rank 1 has no
+    listener; rank 2's FIFO is held open by a reader that never answers: each outcome typed,
+    and the request returns at its deadline."""
+    r0 = _dump([_entry(1, "completed"), _entry(2, "started")], 1)
+    assert serve(tmp_path, 0, 0, _Api(_dump_nccl_trace=lambda: r0,
+                                      _dump_fr_trace=lambda: _dump([], None)))
+    os.mkfifo(flight.fifo_path(tmp_path, 2))
+    silent = os.open(flight.fifo_path(tmp_path, 2), os.O_RDONLY | os.O_NONBLOCK)  # never answers
+    try:
+        got = request(tmp_path, [(0, 0), (1, 1), (2, 2)], wait_s=1.0)
+    finally:
+        os.close(silent)
+    assert [(r.rank, r.status) for r in got] == [
+        (0, DumpStatus.DUMPED), (1, DumpStatus.NO_LISTENER), (2, DumpStatus.NO_ANSWER)]
+    assert got[0].dump is not None and [e.seq for e in got[0].dump.entries] == [1, 2]
+    assert len(got[0].files) == 2
+    facts = analyse(got)
+    assert facts.stuck is not None and (facts.stuck.seq, facts.stuck.not_dumped) == (2, (1, 2))
+    # asked again (the thread waits for the next request): a fresh answer
+    again = request(tmp_path, [(0, 0)], wait_s=1.0)
+    assert again[0].status is DumpStatus.DUMPED
+
+
+def test_the_facts_travel_in_the_verdict_record() -> None:
+    facts = analyse([_dumped(0, _dump([_entry(1, "started")], 0)),
+                     RankDump(1, 1, DumpStatus.NOT_AVAILABLE, "no API")])
+    v = Verdict(VerdictKind.STALL, "stalled", 1, "timeout", ranks=(1,), flight=facts)
+    back = Verdict.from_dict(v.to_dict())
+    assert back.flight is not None and back.flight.to_dict() == facts.to_dict()
+    assert back.to_dict() == v.to_dict()
+    assert Verdict.from_dict(Verdict(VerdictKind.STALL, "s").to_dict()).flight is None
+    with pytest.raises(ValueError):
+        FlightFacts.from_dict({"ranks": [{"rank": 0}]})
+
+
+@pytest.mark.skipif("torch" not in sys.modules and not __import__("importlib").util.find_spec(
+    "torch"), reason="torch is not installed")
+def test_this_torchs_own_dump_parses(tmp_path: Path) -> None:
+    """The dump APIs of the installed torch (whichever it has) answer, and what they return
+    parses (an empty recorder: no process group here)."""
+    import torch  # noqa: F401
+
+    status = respond(tmp_path, 0, 0)
+    answer = read_answer(tmp_path, 0, 0)
+    assert answer.status in (DumpStatus.DUMPED, DumpStatus.NOT_AVAILABLE)
+    assert (answer.status is DumpStatus.DUMPED) == bool(status["apis"])
+
+
+def test_the_evidence_file_keeps_the_facts_and_the_raw_dumps(tmp_path: Path) -> None:
+    from resilient_strategy.run.evidence import Evidence
+    from resilient_strategy.run.policy import Action, Attempt, Judgement
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    data = _dump([_entry(1, "completed"), _entry(2, "started")], 1)
+    flight.dump_path(run_dir, 0, "_dump_nccl_trace").write_bytes(data)
+    rank0 = RankDump(0, 0, DumpStatus.DUMPED, dump=parse_dump(data),
+                     files=(str(flight.dump_path(run_dir, 0, "_dump_nccl_trace")),))
+    facts = analyse([rank0, RankDump(1, 1, DumpStatus.NO_ANSWER)])
+    verdict = Verdict(VerdictKind.STALL, "stalled", 2, "timeout", ranks=(0, 1), flight=facts)
+    evidence = Evidence(tmp_path / "evidence", "session")
+    attempt = Attempt(0, "torch:nccl:0,1", "NCCL", verdict, Judgement(Action.RETRY, "first"))
+    written = evidence.record(attempt, run_dir, 2)
+    assert written is not None and Path(written).is_file()
+    assert (evidence.dir / "attempt1._dump_nccl_trace.rank0").read_bytes() == data
+    summary = evidence.summary([attempt])
+    assert summary is not None
+    stuck = json.loads(Path(summary).read_text())["attempts"][0]["verdict"]["flight"]["stuck"]
+    assert (stuck["seq"], stuck["entered"], stuck["not_dumped"]) == (2, [0], [1])
