@@ -147,8 +147,13 @@ def main() -> int:
     if costs:
         table.append(("estimated offload cost per step", f"{costs[0][1] + costs[0][2]:.3f} s "
                       f"(copies {costs[0][1]:.3f} s, CPU optimizer {costs[0][2]:.3f} s)"))
+    table.append(("variables it set", ", ".join(f"{k}={v}" for k, v in sel.env.items()) or "-"))
+    table.append(("CUDA_VISIBLE_DEVICES / devices torch sees",
+                  f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')!r} / "
+                  f"{torch.cuda.device_count()}; device {sel.device}"))
+    print("\n".join(f"| {k} | {v} |" for k, v in table), flush=True)  # what was decided, so far
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    torch.cuda.reset_peak_memory_stats(0)
+    torch.cuda.reset_peak_memory_stats(sel.device)
     model, opt, _ = sel.prepare(model, opt)
     per = sel.per_replica_batch_size or args.batch
     g = torch.Generator(device="cpu").manual_seed(1)
@@ -167,7 +172,7 @@ def main() -> int:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
-    peak = torch.cuda.max_memory_allocated(0)
+    peak = torch.cuda.max_memory_allocated(sel.device)
     sel.shutdown()
     table += [
         ("optimizer steps", f"{steps} of {args.steps}" + ("" if steps == args.steps
