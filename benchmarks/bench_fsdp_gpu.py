@@ -153,6 +153,7 @@ def main() -> int:
                   f"{torch.cuda.device_count()}; device {sel.device}"))
     print("\n".join(f"| {k} | {v} |" for k, v in table), flush=True)  # what was decided, so far
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    torch.zeros(1, device=sel.device)  # the allocator's stats exist once CUDA is initialised
     torch.cuda.reset_peak_memory_stats(sel.device)
     model, opt, _ = sel.prepare(model, opt)
     per = sel.per_replica_batch_size or args.batch

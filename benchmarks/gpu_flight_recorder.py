@@ -68,6 +68,7 @@ loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y),
 model, opt, loader = sel.prepare(model, opt, loader)
 steps = 0
 for xb, yb in loader:
+    xb, yb = xb.to(device), yb.to(device)
     with sel.accumulate(model):
         loss = torch.nn.functional.cross_entropy(model(xb), yb)
         sel.backward(loss)
