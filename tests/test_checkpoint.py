@@ -44,6 +44,40 @@ def test_same_samples_per_step_at_any_replica_count() -> None:
     assert set().union(*one) == set(range(256))
 
 
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_the_sampler_never_repeats_a_sample_and_every_rank_runs_as_many_micro_steps(
+        drop_last: bool) -> None:
+    """Issue 22.3: DistributedSampler's padding repeated samples (how many depends on the
+    replica count). Now each sample left of the epoch is drawn once by one rank, the ranks
+    draw as many micro-batches (DDP), and a rank that draws one sample more than its share has
+    an epoch-final micro-batch of that one filler alone."""
+    cls = resumable_sampler_class()
+    for world in range(1, 5):
+        for micro in range(1, 4):
+            for n in range(0, 15):
+                for skip in (0, world * micro, 2 * world * micro):
+                    samplers = [cls(list(range(n)), num_replicas=world, rank=r, shuffle=True,
+                                    drop_last=drop_last, micro_batch=micro)
+                                for r in range(world)]
+                    for s in samplers:
+                        s.set_epoch(1)
+                        s.skip_next(skip)
+                    left, steps = samplers[0].remaining, samplers[0].micro_steps
+                    assert [len(s) for s in samplers] == [len(list(s)) for s in samplers]
+                    for s in samplers:
+                        s.skip_next(skip)  # iterating took the skip
+                    drawn = [list(s) for s in samplers]
+                    assert {-(-len(d) // micro) for d in drawn} == {steps}
+                    order = samplers[0]._order()[skip: skip + left]
+                    real = [d[:len(range(r, left, world))] for r, d in enumerate(drawn)]
+                    assert sorted(i for d in real for i in d) == sorted(order)
+                    for d, r in zip(drawn, real, strict=True):  # a filler is a batch alone
+                        assert len(d) - len(r) in (0, 1)
+                        assert len(d) == len(r) or len(r) % micro == 0
+                    if drop_last:
+                        assert left % (world * micro) == 0 and drawn == real
+
+
 def _train(tmp: Path, steps_before_crash: int | None, every: int = 2) -> tuple[int, dict[str, torch.Tensor]]:
     rt = TorchRuntime("cpu", (), 2, 32, 16, rank=0, local_rank=0, world_size=1, timeout_s=30)
     ckpt = Checkpointer(tmp, every_steps=every)

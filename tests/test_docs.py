@@ -7,7 +7,6 @@ import importlib.util
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -102,12 +101,6 @@ def test_every_quick_start_fits_on_a_screen() -> None:
     assert all(len(code.splitlines()) <= 15 for _, _, code, _ in starts)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _needs(code: str) -> str | None:
     for module in ("lightning", "accelerate", "tensorflow", "torch"):
         if re.search(rf"\b(import|from) {module}\b|\b{module} as\b|, {module}\b|"
@@ -134,7 +127,7 @@ def test_the_quick_start_runs(where: str, name: str, code: str, nproc: int,
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", name] if nproc == 0 \
         else [sys.executable, name] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-        "--master_port", str(_free_port()), name]
+        "--standalone", name]  # a port it binds itself: none picked before, none shared
     out = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

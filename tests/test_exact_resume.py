@@ -2,11 +2,16 @@
 accumulation code themselves. For any dataset size, global batch, split of it into micro-batch x
 accumulation (before and after the relaunch), epoch count and fault step, the optimizer-step
 count and the weights after the relaunch equal those of the uninterrupted run; uneven
-micro-batch counts per epoch included (an optimizer step never spans two epochs)."""
+micro-batch counts per epoch included (an optimizer step never spans two epochs). And for any
+world size before and after (1..4 replicas, simulated in this process: every piece of the
+runtime but the process group, whose mean of the replicas' gradients the test does as DDP
+does), including ranks the epoch's last step leaves short or empty."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -86,6 +91,107 @@ def test_the_reported_case_odd_micro_batches_per_epoch(tmp_path: Path) -> None:
     assert steps == 4 * 16  # 124 samples / 8 per step, the last one partial: 16 per epoch
     _run(tmp_path / "b", 8, 1, 124, 4, stop_after=20)
     resumed_steps, resumed = _run(tmp_path / "b", 4, 2, 124, 4)
+    assert resumed_steps == steps
+    for name, value in straight.items():
+        torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-6)
+
+
+# ----- across world sizes (issue 22.3): replicas simulated in one process, exactly -------------
+class _Replica(TorchRuntime):
+    """One rank of a ``world_size``-process job, in this process: everything of the runtime (the
+    sampler's shard, the loss shares, the step boundaries, the checkpoint's count) but the
+    process group; :func:`_train_replicas` does DDP's all-reduce (the mean of the replicas'
+    gradients on the optimizer step's last micro-step) itself."""
+
+    def init(self) -> None:
+        return None
+
+    def _wrap(self, model: Any, ddp_kwargs: dict[str, Any]) -> Any:
+        return model
+
+
+def _train_replicas(directory: Path, world: int, micro: int, accumulation: int, n: int,
+                    epochs: int, every: int, stop_after: int | None = None
+                    ) -> tuple[int, dict[str, torch.Tensor]]:
+    """Train ``world`` replicas in lock-step, as DDP does (from the checkpoint in ``directory``
+    when there is one); stop after ``stop_after`` optimizer steps (a fault: every rank dies)."""
+    global_batch = world * micro * accumulation
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(n, 3, generator=g),
+                                          torch.randn(n, 1, generator=g))
+    rts, ckpts, models, opts, loaders = [], [], [], [], []
+    for rank in range(world):
+        rt = _Replica("gloo" if world > 1 else "cpu", (), accumulation, global_batch, micro,
+                      rank=rank, local_rank=rank, world_size=world, timeout_s=30)
+        ckpt = Checkpointer(directory, every_steps=every, rank=rank, world_size=world)
+        rt.use_checkpointer(ckpt)
+        torch.manual_seed(0)  # every replica starts from the same weights, as DDP makes them
+        model = torch.nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loader = torch.utils.data.DataLoader(data, batch_size=micro, shuffle=True)
+        model, opt, loader = rt.prepare(model, opt, loader)
+        rts.append(rt), ckpts.append(ckpt), models.append(model), opts.append(opt)
+        loaders.append(loader)
+    assert len({c.epoch for c in ckpts}) == 1
+    for epoch in range(ckpts[0].epoch, epochs):
+        for rt in rts:
+            rt.set_epoch(epoch)
+        # DDP: every rank runs as many micro-steps (else a collective waits forever)
+        assert len({len(loader) for loader in loaders}) == 1, [len(ld) for ld in loaders]
+        for batches in zip(*loaders, strict=True):
+            last = {rt.is_last_micro_step for rt in rts}
+            assert len(last) == 1  # the ranks agree on where an optimizer step ends
+            for rt, model, (x, y) in zip(rts, models, batches, strict=True):
+                rt.backward(torch.nn.functional.mse_loss(model(x), y))
+            if last == {True}:  # DDP's all-reduce: the mean of the replicas' gradients
+                for params in zip(*(m.parameters() for m in models), strict=True):
+                    mean = torch.stack([p.grad for p in params]).mean(dim=0)
+                    for p in params:
+                        p.grad = mean.clone()
+            for rt, opt in zip(rts, opts, strict=True):
+                rt.step(opt)
+            if stop_after is not None and rts[0].optimizer_steps == stop_after:
+                return rts[0].optimizer_steps, {}
+    assert len({rt.optimizer_steps for rt in rts}) == 1
+    return rts[0].optimizer_steps, {k: v.clone() for k, v in models[0].state_dict().items()}
+
+
+@st.composite
+def _world_cases(draw: st.DrawFn) -> tuple[int, int, int, tuple[int, int], tuple[int, int],
+                                           int, int, int]:
+    """(dataset size, epochs, global batch, (world, micro) before, (world, micro) after, every,
+    fault): the accumulation is what the global batch leaves."""
+    w1, w2 = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    unit = math.lcm(w1, w2)
+    global_batch = unit * draw(st.integers(1, max(1, 12 // unit)))
+    n = draw(st.integers(min_value=1, max_value=40))
+    m1 = draw(st.sampled_from(_divisors(global_batch // w1)))
+    m2 = draw(st.sampled_from(_divisors(global_batch // w2)))
+    epochs = draw(st.integers(min_value=1, max_value=3))
+    total = epochs * -(-n // global_batch)
+    every = draw(st.integers(min_value=1, max_value=3))
+    fault = draw(st.integers(min_value=1, max_value=max(1, total - 1)))
+    return n, epochs, global_batch, (w1, m1), (w2, m2), every, fault
+
+
+def _divisors(k: int) -> list[int]:
+    return [d for d in range(1, k + 1) if k % d == 0]
+
+
+@settings(max_examples=25, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=_world_cases())
+def test_a_relaunch_on_another_world_size_is_the_uninterrupted_run(
+        tmp_path_factory: pytest.TempPathFactory,
+        case: tuple[int, int, int, tuple[int, int], tuple[int, int], int, int]) -> None:
+    n, epochs, global_batch, (w1, m1), (w2, m2), every, fault = case
+    a1, a2 = global_batch // (w1 * m1), global_batch // (w2 * m2)
+    steps, straight = _train_replicas(tmp_path_factory.mktemp("straight"), w1, m1, a1, n,
+                                      epochs, every)
+    assert steps == epochs * -(-n // global_batch)  # a step never spans two epochs
+    directory = tmp_path_factory.mktemp("ckpt")
+    _train_replicas(directory, w1, m1, a1, n, epochs, every, stop_after=fault)
+    resumed_steps, resumed = _train_replicas(directory, w2, m2, a2, n, epochs, every)
     assert resumed_steps == steps
     for name, value in straight.items():
         torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-6)

@@ -203,17 +203,9 @@ def test_fsdp_over_gloo_accumulating_matches_one_process(tmp_path: Path, offload
         assert torch.allclose(torch.tensor(a), b.detach(), atol=1e-6)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _example(tmp_path: Path, nproc: int, *args: str) -> str:
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-            "--master_port", str(_free_port()), "examples/torch_fsdp_train.py",
+            "--standalone", "examples/torch_fsdp_train.py",  # a port it binds itself
             "--samples", "2048", "--checkpoint-dir", str(tmp_path / "ckpt"), *args]
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1",
            "RESILIENT_STRATEGY_CACHE_DIR": str(tmp_path / "cache"), "CUDA_VISIBLE_DEVICES": ""}

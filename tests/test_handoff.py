@@ -71,6 +71,45 @@ def test_the_handoff_is_the_one_source_of_the_global_batch(tmp_path: Path) -> No
     assert err.value.option == "global_batch_size"
 
 
+@pytest.mark.parametrize(("reference", "global_batch", "per", "acc"), [
+    (2, 256, 128, 2),  # issue 23.5: the relaunch's trace said `cpu 1x256x1`, it trained 1x128x2
+    (4, 96, 24, 4),
+    (3, 6, 2, 3),
+    (4, None, None, 4),  # no global batch: the one device accumulates as many steps as replicas
+])
+def test_a_relaunch_on_fewer_replicas_says_the_split_it_trains(
+        tmp_path: Path, reference: int, global_batch: int | None, per: int | None,
+        acc: int) -> None:
+    """The supervisor planned ``reference`` replicas and steps down to one process: the
+    worker's own launch is one process, yet its trace (the batch-split event), its ranked
+    candidates and its Selection all carry the split it trains, the one of the supervisor's
+    plan (the job's per-device batch, accumulating)."""
+    results = {"torch:gloo:cpu": ProbeResult("torch:gloo:cpu", OK, 1.0, ranks=reference)}
+    d = handoff.Decision(framework="torch", chosen="torch:cpu:cpu", results=results,
+                         run_dir=str(tmp_path), attempt=1, label="CPU", processes=1,
+                         reference_replicas=reference)
+    handoff.write_decision(tmp_path / "decision.json", d)
+    sel = resilient_strategy.resilient_strategy(
+        framework="torch", global_batch_size=global_batch, facts=machine(0, torch="2.13.0"),
+        env={handoff.DECISION_VAR: str(tmp_path / "decision.json")}, _prober=_no_probe)
+    assert sel.progress is not None
+    sel.progress.writer.close()
+    trains = (sel.num_replicas, sel.per_replica_batch_size, sel.accumulation_steps)
+    assert trains == (1, per, acc)
+    if global_batch is not None:
+        assert per == global_batch // reference  # the per-device batch of the wider plan
+    data = sel.to_dict()
+    said = [(s["replicas"], s["per_replica_batch"], s["accumulation_steps"])
+            for e in data["events"] if e["kind"] == "batch_split"
+            for s in e["splits"] if s["backend"] == "cpu"]
+    assert said in ([trains], [])  # no batch-split event without a global batch
+    assert (global_batch is None) == (said == [])
+    [ranked] = [c for c in data["candidates"] if c["key"] == sel.candidate.key]
+    assert (ranked["num_replicas"], ranked["per_replica_batch_size"],
+            ranked["accumulation_steps"]) == trains
+    assert sel.plan.reference_replicas == reference
+
+
 def test_a_decision_the_script_cannot_train_on_is_an_error(tmp_path: Path) -> None:
     facts = machine(0, torch="2.13.0")
     env = {handoff.DECISION_VAR: str(_decision(tmp_path, "torch:nccl:0,1"))}

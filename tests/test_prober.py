@@ -162,13 +162,14 @@ def test_gloo_two_processes_on_cpu(env: dict[str, str], groups: list[_proc.Group
 @pytest.mark.torch
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
-def test_nccl_on_a_cpu_build_fails_fast(env: dict[str, str]) -> None:
+def test_nccl_on_a_cpu_build_fails_fast(
+        env: dict[str, str], groups: list[_proc.GroupOutcome]) -> None:
     if torch_has_cuda():
         pytest.skip("this torch has CUDA")
     spec = ProbeSpec("torch:nccl", "torch", "nccl", (0, 1), world_size=2, timeout_s=30.0)
     res = run_probe(spec, env)
     assert (res.status, res.cause) == (ERROR, "backend_unavailable")
-    assert res.elapsed_s < spec.timeout_s / 2
+    assert not any(g.timed_out for g in groups)  # ended by the error, not the deadline
 
 
 @pytest.mark.torch
@@ -191,7 +192,6 @@ def test_each_phase_of_a_hang_is_cut_from_progress_and_every_worker_is_gone(
     assert judged_hang(res)
     # cut at its judged limit (plus spawn and import), far inside the 60 s deadline
     assert float(extra["hang_waited_s"]) >= float(extra["hang_limit_s"])
-    assert res.elapsed_s < spec.timeout_s / 2
     assert "rank 1 hangs" in res.stderr_tail
     group = groups[-1]
     assert group.stall is not None and not group.timed_out
@@ -226,7 +226,7 @@ def test_a_rank_that_exits_gets_its_peer_killed_at_once(
     res = run_probe(spec, {**env, FAULT: "exit:1"})
     assert res.status == ERROR
     assert res.detail.startswith("rank 1 exited with code 1"), res.detail
-    assert res.elapsed_s < spec.timeout_s / 2
+    assert not groups[-1].timed_out  # stopped by the exit, not the deadline
     rank0 = groups[-1].outcomes[0]
     assert rank0.killed_by_runner or rank0.returncode == 1  # stopped, or failed on the reset
     assert_workers_gone(groups[-1])
@@ -296,13 +296,14 @@ def test_tensorflow_on_logical_cpus(backend: str, status: str, env: dict[str, st
     ("nan:1", ERROR, "nan_result", None),
 ])
 def test_tensorflow_hangs_are_cut_and_bad_values_named(
-        fault: str, status: str, cause: str, hang: str | None, env: dict[str, str]) -> None:
+        fault: str, status: str, cause: str, hang: str | None, env: dict[str, str],
+        groups: list[_proc.GroupOutcome]) -> None:
     spec = ProbeSpec("tensorflow:hierarchical_copy", "tensorflow", "hierarchical_copy", (),
                      logical_cpus=2, timeout_s=60.0, message_bytes=4 << 20)
     res = run_probe(spec, {**env, FAULT: fault})
     assert (res.status, res.cause) == (status, cause), res.why() + res.stderr_tail
     assert dict(res.extra).get("hang") == hang
-    assert res.elapsed_s < spec.timeout_s / 2
+    assert not groups[-1].timed_out  # cut from progress or ended by the error, not the deadline
 
 
 # ------------------------------------------------------------------------------------------
@@ -344,7 +345,7 @@ def test_gpu_nccl_bogus_algo_fails_fast(
     spec = nccl(60.0, env=(("NCCL_ALGO", "bogus"),))
     res = run_probe(spec, {k: v for k, v in env.items() if k != "NCCL_ALGO"})
     assert (res.status, res.cause) == (ERROR, "nccl_invalid_usage"), res.why()
-    assert res.elapsed_s < spec.timeout_s / 2
+    assert not groups[-1].timed_out  # ended by the error, not the deadline
     assert_workers_gone(groups[-1])
 
 

@@ -354,9 +354,12 @@ sel = resilient_strategy.resilient_strategy(framework="torch", global_batch_size
 import torch
 with open(os.environ["LAUNCHES"], "a") as fh:
     fh.write(f"{{sel.launch.rank}} {{sel.backend}}\\n")
-if "SPLITS" in os.environ:
+if "SPLITS" in os.environ:  # what trains, then what the trace's batch-split line says
+    said = [s for e in sel.to_dict()["events"] if e["kind"] == "batch_split"
+            for s in e["splits"] if s["backend"] == sel.backend]
     with open(os.environ["SPLITS"], "a") as fh:
-        fh.write(f"{{sel.launch.rank}} {{sel.backend}} {{sel.batch_size}} {{sel.accumulation_steps}}\\n")
+        fh.write(f"{{sel.launch.rank}} {{sel.backend}} {{sel.batch_size}} {{sel.accumulation_steps}} "
+                 f"{{said[0]['per_replica_batch']}} {{said[0]['accumulation_steps']}}\\n")
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 2)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -396,8 +399,10 @@ def test_a_relaunch_on_fewer_replicas_keeps_the_per_device_batch(
                 SPLITS=str(tmp_path / "splits"), RESILIENT_STRATEGY_TRAIN_FAULT="exit:1:gloo:4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     splits = sorted((tmp_path / "splits").read_text().split("\n")[:-1])
-    # gloo, its retry (the same fault again), then one process
-    assert splits == ["0 cpu 32 2", "0 gloo 32 1", "0 gloo 32 1", "1 gloo 32 1", "1 gloo 32 1"]
+    # gloo, its retry (the same fault again), then one process; the relaunch's trace says the
+    # split it trains (issue 23.5: it said `cpu 1x64x1` while training 1x32x2)
+    assert splits == ["0 cpu 32 2 32 2", "0 gloo 32 1 32 1", "0 gloo 32 1 32 1",
+                      "1 gloo 32 1 32 1", "1 gloo 32 1 32 1"]
 
 
 def test_diverged_ranks_are_reported_not_relaunched(tmp_path: Path, cache_dir: Path) -> None:

@@ -85,7 +85,7 @@ class Plan:
     chosen: Candidate | None = None
     next_probe: Candidate | None = None
     #: The replicas of the widest way to train this job: a one-device fallback keeps its
-    #: per-device batch and accumulates up to this many steps (see :func:`resplit`).
+    #: per-device batch and accumulates up to this many steps (handed to :func:`plan`).
     reference_replicas: int = 1
 
     @property
@@ -138,16 +138,6 @@ def split_batch(global_batch: int, replicas: int, micro_cap: int) -> tuple[int, 
     return 1, share
 
 
-def resplit(c: Candidate, policy: Options, reference: int) -> Candidate:
-    """``c`` with the batch split it gets in a plan whose widest candidate has ``reference``
-    replicas. A worker of ``resilient-strategy run`` plans in a launch of its own (one process,
-    say, when the decision is one device), so its own plan would train the whole global batch
-    in one step; the supervisor's plan keeps the per-device batch the job was sized for and
-    accumulates (``Plan.reference_replicas`` is handed down)."""
-    out = _split_batches([c], policy, _Build(simulated=policy.simulated), max(1, reference))
-    return out[0] if out else c
-
-
 def _largest_divisor_at_most(n: int, limit: int) -> int:
     return max(d for d in range(1, max(1, limit) + 1) if n % d == 0)
 
@@ -160,8 +150,16 @@ def plan(
     rules: Sequence[Rule],
     results: Mapping[str, ProbeResult],
     policy: Options,
+    *,
+    reference_replicas: int = 1,
 ) -> Plan:
-    """Order every way to train on this machine, in the order to try them, and say why."""
+    """Order every way to train on this machine, in the order to try them, and say why.
+
+    ``reference_replicas``: the replicas of the plan this one follows (a worker of
+    ``resilient-strategy run`` plans in a launch of its own, one process when the decision is
+    one device; the supervisor's ``Plan.reference_replicas`` is handed down so that the split,
+    its trace line, the memory check and the estimates are those of the per-device batch the
+    job was sized for, not of the whole global batch in one step)."""
     b = _Build(simulated=policy.simulated)
     fw = policy.framework
     info = facts.framework(fw)
@@ -175,6 +173,7 @@ def plan(
         b.note("logical_cpus",
                f"Test mode: {policy.logical_cpus} logical CPU devices stand in for GPUs.")
     base, reference = _chain(fw, gpus, info.has_cuda or bool(policy.logical_cpus), policy, b)
+    reference = max(reference, reference_replicas)
     base = _shard(base, facts, policy, b)
     hits = fired(rules, facts, fw, replicas=len(gpus))
     cands = _apply_rules(base, hits, policy, b)

@@ -20,7 +20,7 @@ from ..core.facts import Facts
 from ..core.human import human_bytes, human_duration
 from ..core.memory import MemoryRow
 from ..core.options import FRAMEWORKS, Options
-from ..core.plan import Candidate, Plan, plan, resplit
+from ..core.plan import Candidate, Plan, plan
 from ..core.probe import (
     ProbeResult,
 )
@@ -397,7 +397,10 @@ def _handed_decision(facts: Facts, opts: Options, handed: HandedDecision) -> Dec
     """Re-plan from the supervisor's results (milliseconds, no probe) and take its candidate,
     with this script's own batch and model figures: every rank agrees by construction."""
     results = dict(handed.results)
-    p = plan(facts, opts.rules, results, opts)
+    # the batch split of the supervisor's plan (the job's per-device batch, accumulating on
+    # fewer replicas), not of this worker's own launch (one process trains it all at once):
+    # planned so, the trace, the ranked candidates and the chosen one all say what trains
+    p = plan(facts, opts.rules, results, opts, reference_replicas=handed.reference_replicas)
     found = [c for c in (*p.candidates, *([p.next_probe] if p.next_probe else []))
              if c.key == handed.chosen]
     if not found:  # the supervisor planned the model's memory otherwise: its sharding decides
@@ -408,9 +411,7 @@ def _handed_decision(facts: Facts, opts: Options, handed: HandedDecision) -> Dec
             f"`resilient-strategy run` chose {handed.chosen} ({handed.framework}), which this "
             f"script's resilient_strategy(framework={opts.framework!r}, ...) cannot "
             "train on here; pass --framework to `resilient-strategy run` to match the script")
-    # the batch split of the supervisor's plan (the job's per-device batch, accumulating on
-    # fewer replicas), not of this worker's own launch (one process trains it all at once)
-    chosen = resplit(found[0], opts, handed.reference_replicas)
+    chosen = found[0]
     # the worker's own plan may end in another choice or probe: the handed one replaces them
     events = [e for e in p.events if not isinstance(e, (Chosen, NextProbe))]
     events += [Note("multi_node", n) for n in handed.node_trace]

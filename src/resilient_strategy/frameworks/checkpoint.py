@@ -62,12 +62,43 @@ def resumable_sampler_class() -> type[Any]:
 
     class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
         """DistributedSampler whose next epoch can start ``skip`` samples into the epoch's order
-        (:meth:`skip_next`), the same order for any ``num_replicas``."""
+        (:meth:`skip_next`), the same order for any ``num_replicas``.
+
+        Never padded with repeated samples (DistributedSampler repeats the first ones so that
+        every rank draws as many, which makes the epoch depend on the replica count): rank
+        ``r`` draws positions ``r, r + W, ...`` of what is left of the order, so micro-step
+        ``j`` of every rank together is positions ``j*W*b .. (j+1)*W*b`` (``b`` the
+        ``micro_batch``) at any ``W``. When the epoch's last micro-step leaves a rank no sample,
+        the rank draws one filler (the order's first sample left) so that every rank runs as
+        many micro-steps (DDP's collectives); :class:`~.torch.TorchRuntime` weighs it zero.
+        With ``drop_last`` the epoch ends at the last whole micro-step of every rank."""
 
         _skip = 0
 
+        def __init__(self, dataset: Any, *, micro_batch: int = 1, **kwargs: Any) -> None:
+            super().__init__(dataset, **kwargs)
+            self.micro_batch = max(1, int(micro_batch))
+
         def skip_next(self, samples: int) -> None:
             self._skip = max(0, int(samples))
+
+        @property
+        def remaining(self) -> int:
+            """Samples every rank together draws from the skip on (fillers not counted)."""
+            left = max(0, len(self.dataset) - self._skip)  # type: ignore[arg-type]
+            if self.drop_last:
+                left -= left % (self.num_replicas * self.micro_batch)
+            return left
+
+        @property
+        def micro_steps(self) -> int:
+            """Micro-batches of ``micro_batch`` each rank draws from the skip on."""
+            return -(-self.remaining // (self.num_replicas * self.micro_batch))
+
+        def _own(self) -> tuple[int, bool]:
+            """This rank's samples from the skip on, and whether it draws a filler too."""
+            own = len(range(self.rank, self.remaining, self.num_replicas))
+            return own, own <= (self.micro_steps - 1) * self.micro_batch
 
         def _order(self) -> list[int]:
             import torch
@@ -79,20 +110,18 @@ def resumable_sampler_class() -> type[Any]:
                 indices: list[int] = torch.randperm(n, generator=g).tolist()
             else:
                 indices = list(range(n))
-            if not self.drop_last:
-                pad = self.total_size - len(indices)
-                if pad > 0:
-                    reps = -(-pad // len(indices))
-                    indices += (indices * reps)[:pad]
-            return indices[: self.total_size]
+            return indices
 
         def __iter__(self) -> Iterator[int]:
-            skip, self._skip = self._skip, 0
-            order = self._order()
-            return iter(order[skip + self.rank: self.total_size: self.num_replicas])
+            skip, left, (_, filler) = self._skip, self.remaining, self._own()
+            self._skip = 0
+            order = self._order()[skip: skip + left]
+            mine = order[self.rank:: self.num_replicas]
+            return iter(mine + order[:1] if filler else mine)
 
         def __len__(self) -> int:
-            return len(range(self._skip + self.rank, self.total_size, self.num_replicas))
+            own, filler = self._own()
+            return own + filler
 
     return ResumableSampler
 
@@ -169,10 +198,12 @@ class Checkpointer:
         if s.sampler is not None and hasattr(s.sampler, "skip_next"):
             s.sampler.skip_next(0)
 
-    def micro_step(self, boundary: bool, stepped: bool) -> None:
-        """After each micro-step: count its samples; at an optimizer step, save when due."""
+    def micro_step(self, boundary: bool, stepped: bool, samples: int | None = None) -> None:
+        """After each micro-step: count its samples (``samples``, of every rank together, when
+        the runtime knows them: the epoch's last micro-step may be short); at an optimizer step,
+        save when due."""
         s = self._state
-        s.samples_in_epoch += s.micro_batch * self.world_size
+        s.samples_in_epoch += s.micro_batch * self.world_size if samples is None else samples
         if stepped:
             s.optimizer_steps += 1
         if not boundary:

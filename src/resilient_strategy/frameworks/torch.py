@@ -105,12 +105,19 @@ class _Progress:
     steps: int = 0  # optimizer steps taken (without a checkpointer)
     checkpointer: Any = None  # a checkpoint.Checkpointer, set by use_checkpointer()
     prepared: bool = False  # a loader went through prepare()
-    # The epoch of the training loader (the first one prepared), from set_epoch(): what is left
-    # of it for this rank (micro-batches, samples), and the samples of the optimizer step under
-    # way. None: unknown (set_epoch not called, or a loader without a length).
+    # The epoch of the training loader (the first one prepared), from set_epoch(): the
+    # micro-batches left of it for this rank; the samples it started with, of every rank
+    # together (``epoch_of_every_rank``: a ResumableSampler's layout over ``epoch_world``
+    # ranks, this one ``epoch_rank``) or of this rank alone (1, 0: any other loader); the
+    # micro-steps done since; and the samples of the optimizer step under way (every rank's).
+    # None: unknown (set_epoch not called, or a loader without a length).
     train_loader: Any = None
     epoch_micro_left: int | None = None
-    epoch_samples_left: int | None = None
+    epoch_samples: int | None = None
+    epoch_of_every_rank: bool = False
+    epoch_world: int = 1
+    epoch_rank: int = 0
+    epoch_micro_done: int = 0
     step_samples: int = 0
 
 
@@ -388,6 +395,7 @@ class TorchRuntime:
             sampler = resumable_sampler_class()(
                 loader.dataset, num_replicas=self.world_size, rank=self.rank,
                 shuffle=isinstance(sampler, RandomSampler), drop_last=loader.drop_last,
+                micro_batch=batch,
             )
             self._register(sampler)
         elif isinstance(sampler, DistributedSampler):
@@ -439,23 +447,32 @@ class TorchRuntime:
         self._start_epoch()
 
     def _start_epoch(self) -> None:
-        """Measure what is left of the training loader's epoch for this rank (after a resume:
-        from the checkpoint's position), so that the epoch's last micro-batch ends an optimizer
-        step: a step never spans two epochs, whatever the micro-batch count per epoch. Then the
-        steps per epoch are ceil(samples / global batch) for any split of the global batch
-        into replicas x micro-batch x accumulation, and a relaunch on another split takes the
-        same steps as the uninterrupted run."""
+        """Measure what is left of the training loader's epoch (after a resume: from the
+        checkpoint's position), so that the epoch's last micro-batch ends an optimizer step: a
+        step never spans two epochs, whatever the micro-batch count per epoch. Then the steps
+        per epoch are ceil(samples / global batch) for any split of the global batch into
+        replicas x micro-batch x accumulation, and a relaunch on another split takes the same
+        steps as the uninterrupted run. With a ResumableSampler (a checkpointed job) the count
+        is of every rank together, so that each sample of a step weighs the same at any
+        replica count (:meth:`_loss_share`)."""
         p = self._progress
-        p.epoch_micro_left = p.epoch_samples_left = None
+        p.epoch_micro_left = p.epoch_samples = None
+        p.epoch_of_every_rank, p.epoch_world, p.epoch_rank, p.epoch_micro_done = False, 1, 0, 0
         loader = p.train_loader
         batch = getattr(loader, "batch_size", None)
         if loader is None or not batch:
+            return
+        sampler: Any = getattr(loader, "sampler", None)
+        if hasattr(sampler, "micro_steps") and getattr(sampler, "micro_batch", None) == batch:
+            p.epoch_micro_left, p.epoch_samples = sampler.micro_steps, sampler.remaining
+            p.epoch_of_every_rank = True
+            p.epoch_world, p.epoch_rank = sampler.num_replicas, sampler.rank
             return
         try:
             micro, samples = len(loader), len(loader.sampler)
         except TypeError:  # an iterable dataset: no length, no epoch to measure
             return
-        p.epoch_micro_left, p.epoch_samples_left = micro, min(samples, micro * batch)
+        p.epoch_micro_left, p.epoch_samples = micro, min(samples, micro * batch)
 
     # ----- one training step -------------------------------------------------------------------
     @property
@@ -467,26 +484,36 @@ class TorchRuntime:
         return (p.micro + 1 >= self.accumulation_steps
                 or (p.epoch_micro_left is not None and p.epoch_micro_left <= 1))
 
-    def _micro_samples(self) -> int | None:
-        """Samples of the micro-step under way (the epoch's last may be short); None unknown."""
+    def _micro_samples(self, every_rank: bool = False) -> int | None:
+        """Samples of the micro-step under way, this rank's (the epoch's last may be short, or
+        a filler of none) or ``every_rank``'s together; None unknown."""
         p = self._progress
         batch = getattr(p.train_loader, "batch_size", None)
-        if p.epoch_samples_left is None or not batch:
+        if p.epoch_samples is None or not batch:
             return None
-        return max(0, min(int(batch), p.epoch_samples_left))
+        world, block = p.epoch_world, p.epoch_world * int(batch)
+        left = p.epoch_samples - p.epoch_micro_done * block
+        if every_rank:
+            return max(0, min(block, left))
+        return max(0, min(int(batch), -(-(left - p.epoch_rank) // world)))
 
     def _loss_share(self) -> float:
-        """The micro-step's share of its optimizer step: its samples over the step's (1 /
-        accumulation_steps for a full step), so that the epoch's last, short step averages
-        over its own samples, as a run with another micro-batch size would."""
+        """The micro-step's share of its optimizer step: its samples over the step's, times the
+        replicas whose gradients DDP averages (1 / accumulation_steps for a full step), so that
+        the epoch's last, short step averages over its own samples, as a run with another
+        micro-batch size or replica count would; a filler micro-batch weighs nothing."""
         p = self._progress
         samples = self._micro_samples()
-        if samples is None or p.epoch_samples_left is None:
+        batch = getattr(p.train_loader, "batch_size", None)
+        if samples is None or p.epoch_samples is None or not batch:
             return 1.0 / self.accumulation_steps
         if p.micro == 0:
-            batch = int(p.train_loader.batch_size)
-            p.step_samples = min(self.accumulation_steps * batch, p.epoch_samples_left)
-        return samples / p.step_samples if p.step_samples else 1.0 / self.accumulation_steps
+            block = p.epoch_world * int(batch)
+            p.step_samples = min(self.accumulation_steps * block,
+                                 p.epoch_samples - p.epoch_micro_done * block)
+        if p.step_samples <= 0:
+            return 1.0 / self.accumulation_steps
+        return samples * p.epoch_world / p.step_samples
 
     @contextlib.contextmanager
     def accumulate(self, model: Any) -> Iterator[None]:
@@ -553,14 +580,17 @@ class TorchRuntime:
         detected, at the cost of one device sync per optimizer step under fp16)."""
         p = self._progress
         last_of_epoch = p.epoch_micro_left is not None and p.epoch_micro_left <= 1
-        if p.epoch_micro_left is not None and p.epoch_samples_left is not None:
-            p.epoch_samples_left -= self._micro_samples() or 0
+        # every rank's samples of this micro-step, for the checkpoint's position (a
+        # ResumableSampler's layout; otherwise the checkpointer counts full micro-batches)
+        samples = self._micro_samples(every_rank=True) if p.epoch_of_every_rank else None
+        if p.epoch_micro_left is not None:
             p.epoch_micro_left -= 1
+            p.epoch_micro_done += 1
         self._progress.micro += 1
         ckpt = self._progress.checkpointer
         if self._progress.micro < self.accumulation_steps and not last_of_epoch:
             if ckpt is not None:
-                ckpt.micro_step(boundary=False, stepped=False)
+                ckpt.micro_step(boundary=False, stepped=False, samples=samples)
             return False
         self._progress.micro = 0
         stepped = True
@@ -575,5 +605,5 @@ class TorchRuntime:
         optimizer.zero_grad(set_to_none=True)
         self._progress.steps += stepped
         if ckpt is not None:
-            ckpt.micro_step(boundary=True, stepped=stepped)
+            ckpt.micro_step(boundary=True, stepped=stepped, samples=samples)
         return stepped
