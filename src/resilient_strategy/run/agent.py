@@ -111,7 +111,8 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
     finally:
         for k in timeouts:
             os.environ.pop(k, None)
-        within(spec.rdzv_handler.shutdown, RDZV_SHUTDOWN_S)  # a store gone quiet: not forever
+        if peer is None or peer.reachable():  # a store gone quiet: not forever, not at all
+            within(spec.rdzv_handler.shutdown, RDZV_SHUTDOWN_S)
         if not had_omp:
             os.environ.pop("OMP_NUM_THREADS", None)
     if agent.peer_fault is not None:  # another node saw the fault: this node stopped for it

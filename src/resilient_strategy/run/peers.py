@@ -166,9 +166,14 @@ class PeerWatch:
         return out
 
     def close(self) -> None:
-        """Stop the watching thread (it ends within one look)."""
+        """Stop the watching thread: it ends after the look it is in (bounded), on its own
+        connection; nothing waits for it."""
         self._stop.set()
-        self._thread.join(self.look_s * (self.link.nodes + 1) + PEER_POLL_S)
+        self._thread.join(PEER_POLL_S)
+
+    def reachable(self) -> bool:
+        """Whether the store answered within the last two looks' time."""
+        return self.unreachable_s() < 2 * (self.look_s + PEER_POLL_S)
 
     # --- what the agent and the supervisor read ------------------------------------------
     def unreachable_s(self) -> float:
