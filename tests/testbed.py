@@ -280,7 +280,8 @@ class Job:
     def _watch(self) -> None:
         last: dict[tuple[int, int], int] = {}
         while not self._stop.is_set():
-            self.look(last)
+            with contextlib.suppress(Exception):  # a session removed mid-look: look again
+                self.look(last)
             time.sleep(0.05)
 
     def look(self, last: dict[tuple[int, int], int] | None = None) -> None:

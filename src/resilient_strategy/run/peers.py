@@ -147,7 +147,7 @@ class PeerWatch:
                     store = self._opener(self.job, self.look_s, client=True)
                 seen = self._look(store)
             except Exception:  # unreachable this time: the window decides, not one look
-                seen = None
+                seen, store = None, None  # a connection that timed out is not trusted again
             if seen is not None:
                 with self._lock:
                     self._contact = self.clock()

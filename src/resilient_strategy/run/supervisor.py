@@ -28,7 +28,9 @@ torch, :mod:`.solo` runs it and :func:`~.arguments.own_parser` reads the command
 
 With ``--nnodes N`` (torch) the nodes' supervisors agree on each attempt's decision through a
 store at the rendezvous endpoint before any worker starts, watch it for each other's fault
-records while the workers run, and relaunch together (:mod:`resilient_strategy.run.peers`).
+records while the workers run, and relaunch together (:mod:`resilient_strategy.run.peers`). A
+node that does not join a relaunch is dropped: node 0 goes on alone (action ``fewer_nodes``); a
+node cut off from the store for the heartbeat window stops by itself with 75 (``cut_off``).
 """
 
 from __future__ import annotations
