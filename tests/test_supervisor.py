@@ -588,6 +588,9 @@ class _Peers:
     def await_all(self, timeout_s: float) -> list[PeerFault]:
         return [*self.recorded, *self.others]
 
+    def cut_off(self) -> PeerFault | None:
+        return None  # the store answers
+
 
 def test_a_node_that_finished_is_not_undone_by_a_peer_gone_after_the_job() -> None:
     """Node 0 hosts the store and may exit first once the job is done: node 1, whose ranks

@@ -280,7 +280,8 @@ class Job:
     def _watch(self) -> None:
         last: dict[tuple[int, int], int] = {}
         while not self._stop.is_set():
-            self.look(last)
+            with contextlib.suppress(Exception):  # a session removed mid-look: look again
+                self.look(last)
             time.sleep(0.05)
 
     def look(self, last: dict[tuple[int, int], int] | None = None) -> None:
@@ -437,6 +438,7 @@ class Outcome:
     leftovers: tuple[str, ...]  # processes of the job still alive after it ended
     addresses: tuple[str, ...] = ()  # local TCP addresses of node 1's worker (decoy)
     decoy: str = ""  # the decoy's address (decoy)
+    ended_s: tuple[float | None, ...] = ()  # per node: fault -> its supervisor exited
 
     @property
     def relaunched(self) -> bool:
@@ -468,6 +470,7 @@ class Outcome:
                 "training again s": s(self.training_again_s),
                 "steps": f"{self.final_steps}/{self.expected_steps}",
                 "steps equal": self.final_steps == self.expected_steps,
+                "ended s": ",".join(s(e) for e in self.ended_s),
                 "leftovers": len(self.leftovers)}
 
 
@@ -488,6 +491,7 @@ def run_fault(bed: Bed, work: Path, fault: str, *, stall_s: float = STALL_S,
     stopped: float | None = None
     addresses: set[str] = set()
     victims: list[int] = []
+    ended: dict[int, float] = {}
     try:
         job.wait_for_step(FAULT_STEP, timeout_s=limit_s / 2)
         victims = job.workers(1, 0)
@@ -518,7 +522,13 @@ def run_fault(bed: Bed, work: Path, fault: str, *, stall_s: float = STALL_S,
                 restored = True
             if stopped is None and not job.workers(0, 0):
                 stopped = now
+            for i, proc in enumerate(job.procs):
+                if i not in ended and proc.poll() is not None:
+                    ended[i] = now
             time.sleep(0.05)
+        for i, proc in enumerate(job.procs):
+            if i not in ended and proc.poll() is not None:
+                ended[i] = time.monotonic()
         if not restored and fault == "bridge_down":
             bed.bridge_port(1, up=True)
         codes = tuple(job.finish())
@@ -541,4 +551,6 @@ def run_fault(bed: Bed, work: Path, fault: str, *, stall_s: float = STALL_S,
         else stopped - base,
         relaunched_s=None if decided is None else decided - base,
         training_again_s=min(again) - base if again else None,
-        leftovers=tuple(job.leftovers()), addresses=tuple(sorted(addresses)), decoy=decoy)
+        leftovers=tuple(job.leftovers()), addresses=tuple(sorted(addresses)), decoy=decoy,
+        ended_s=tuple(None if i not in ended or t0 is None else ended[i] - t0
+                      for i in range(len(bed.nodes))))

@@ -138,6 +138,13 @@ def split_batch(global_batch: int, replicas: int, micro_cap: int) -> tuple[int, 
     return 1, share
 
 
+def _resplit(c: Candidate, policy: Options, reference: int) -> Candidate:
+    """``c`` with the batch split it gets in a plan whose widest candidate has ``reference``
+    replicas (a rung added after the split: FSDP over fewer GPUs)."""
+    out = _split_batches([c], policy, _Build(simulated=policy.simulated), max(1, reference))
+    return out[0] if out else c
+
+
 def _largest_divisor_at_most(n: int, limit: int) -> int:
     return max(d for d in range(1, max(1, limit) + 1) if n % d == 0)
 
@@ -349,7 +356,7 @@ def _memory_rungs(chain: list[Candidate], cands: list[Candidate], facts: Facts,
     """Step down to what fits (sharding.py): FSDP over fewer GPUs once FSDP over all of them is
     out, then the state offloaded to the host (``offload="auto"``) once no GPU candidate is."""
     fewer, too_big, event = fewer_devices(chain, cands, facts, policy)
-    fewer = [resplit(c, policy, b.reference) if policy.global_batch_size else c for c in fewer]
+    fewer = [_resplit(c, policy, b.reference) if policy.global_batch_size else c for c in fewer]
     cands = _rung(cands, fewer, too_big, event, results, policy, b, values)
     out = [r.candidate for r in b.ruled_out if r.rule == "memory"]
     off, too_big, offload = offloaded(out, cands, facts, policy)

@@ -39,7 +39,7 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -63,7 +63,7 @@ from .crossprobe import (
     spec_to_dict,
 )
 from .routes import between_nodes, remedy_rules, route_to_master
-from .store import Channel, Heartbeat, Job, first_line, open_store
+from .store import HEARTBEAT_STALE_S, Channel, Heartbeat, Job, first_line, open_store
 
 log = logging.getLogger("resilient_strategy")
 __all__ = ["MultiNodeError", "NodeLostError", "NodeMismatchError", "agreed_decision"]
@@ -123,6 +123,9 @@ class _Node:
     margin_s: float
     summary: dict[str, Any] = field(default_factory=dict)
     rounds: int = 0
+    #: nodes already silent at the end of the last attempt (their verdict never came): at a
+    #: relaunch each gets the heartbeat window to join, not the whole join window
+    silent: frozenset[int] = frozenset()
 
     def others(self) -> list[int]:
         return [k for k in range(self.job.nodes) if k != self.job.node]
@@ -168,7 +171,8 @@ class _Node:
         join = 2 * self.margin_s  # the nodes start together (after torchrun's rendezvous)
         nodes = {0: self.summary}
         for k in self.others():
-            nodes[k] = self.channel.take(f"hello/{k}", join, f"node {k} did not join", who=k)
+            window = min(join, HEARTBEAT_STALE_S) if k in self.silent else join
+            nodes[k] = self.channel.take(f"hello/{k}", window, f"node {k} did not join", who=k)
 
         def across(spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
             self.rounds += 1
@@ -316,10 +320,13 @@ def trace_lines(job: Job, payload: Mapping[str, Any], p: Plan) -> list[str]:
 def agreed_decision(
     facts: Facts, opts: Options, env: Mapping[str, str], prober: Prober,
     clock: Callable[[], float], decide: Callable[..., Any],
-    *, cross_prober: CrossProber = run_cross_probe,
+    *, cross_prober: CrossProber = run_cross_probe, silent: Collection[int] = (),
 ) -> Decision:
     """The decision of a multi-node job, the same on every rank of every node (see the module's
-    docstring). ``decide``: the executor's, passed in (this module imports no executor)."""
+    docstring). ``decide``: the executor's, passed in (this module imports no executor).
+    ``silent``: nodes whose verdict on the last attempt never came (a relaunch): node 0 gives
+    each the heartbeat window to join; one that does not is lost (:class:`NodeLostError`
+    naming it), and the supervisor goes on without it."""
     job = Job.from_env(env)
     if job is None:  # no store named: the nodes cannot talk, each plans from the rules alone
         d: Decision = decide(facts, opts, env, prober, clock)
@@ -335,7 +342,7 @@ def agreed_decision(
     try:
         store = open_store(job, opts.timeout_s + margin)
         node = _Node(job, Channel(store, job.prefix), facts, opts, env, prober, cross_prober,
-                     margin)
+                     margin, silent=frozenset(silent))
         node.summary = node_summary(facts, opts.framework, job, env)
         with Heartbeat(open_store(job, opts.timeout_s + margin, client=True), job.prefix,
                        job.node):

@@ -9,7 +9,6 @@ Our keys live under their own prefix with the restart count (``resilient_strateg
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import threading
@@ -205,14 +204,20 @@ def record_fault(store: Any, job: Job, fault: Mapping[str, Any]) -> None:
     Channel(store, job.prefix).put(f"fault/{job.node}", {**fault, "node": job.node})
 
 
-def recorded_faults(store: Any, job: Job) -> dict[int, dict[str, Any]]:
-    """The faults the nodes recorded (:func:`record_fault`), by node; never waits."""
+def recorded_faults(store: Any, job: Job, *, strict: bool = False) -> dict[int, dict[str, Any]]:
+    """The faults the nodes recorded (:func:`record_fault`), by node; never waits for a record
+    (each look is bounded by the store's timeout). ``strict``: a store that does not answer
+    raises (:class:`NodeLostError`) instead of reading as no record."""
     out: dict[int, dict[str, Any]] = {}
     ch = Channel(store, job.prefix)
     for k in range(job.nodes):
-        with contextlib.suppress(RuntimeError, OSError):
+        try:
             if store.check([ch.prefix + f"fault/{k}"]):
                 out[k] = ch.take(f"fault/{k}", 1.0, f"node {k}'s fault record")
+        except (RuntimeError, OSError, NodeLostError) as exc:
+            if strict:
+                raise NodeLostError(f"the job's store at {job.store_text} did not answer: "
+                                    f"{first_line(exc)}", how="store") from exc
     return out
 
 def first_line(exc: BaseException) -> str:

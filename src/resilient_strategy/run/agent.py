@@ -96,11 +96,13 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
         from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
         master_addr, master_port = parse_rendezvous_endpoint(rdzv.endpoint, default_port=-1)
+    handler = rdzv_registry.get_rendezvous_handler(rdzv)
+    fixed_membership(handler)
     spec = WorkerSpec(
         role=config.role, local_world_size=nproc, entrypoint=sys.executable,
         args=("-u", "-m", "resilient_strategy.run.worker", "--supervisor", str(os.getpid()),
               str(run_dir / "decision.json"), opts.script, *opts.script_args),
-        rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv), max_restarts=0,
+        rdzv_handler=handler, max_restarts=0,
         monitor_interval=config.monitor_interval, master_addr=master_addr,
         master_port=master_port, local_addr=config.local_addr)
     agent = agent_cls(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
@@ -114,11 +116,14 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
     finally:
         for k in timeouts:
             os.environ.pop(k, None)
-        with contextlib.suppress(Exception):
-            spec.rdzv_handler.shutdown()
+        if peer is None or peer.reachable():  # a store gone quiet: not forever, not at all
+            within(spec.rdzv_handler.shutdown, RDZV_SHUTDOWN_S)
         if not had_omp:
             os.environ.pop("OMP_NUM_THREADS", None)
     if agent.peer_fault is not None:  # another node saw the fault: this node stopped for it
+        if peer is not None and agent.peer_fault.node == peer.link.node:
+            own: Verdict = agent.peer_fault.verdict  # this node is cut off from the store
+            return own
         relayed: Verdict = agent.peer_fault.as_seen_here()
         return relayed
     stall: Stall | None = agent.stall
@@ -127,7 +132,8 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
         stall = None  # a rank raised and had not exited yet: its error is the story, not a stall
     exits: list[RankExit] = []
     if stall is None:
-        for failure in (result.failures.values() if result.is_failed() else ()):
+        for failure in (result.failures.values() if result is not None and result.is_failed()
+                        else ()):
             lr = failure.local_rank
             exits.append(RankExit(
                 rank=lr, exitcode=failure.exitcode, error=_read_json(error_path(run_dir, lr)),
@@ -141,9 +147,12 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
                 exits.append(RankExit(rank=lr, exitcode=1, error=err,
                                       record=read_record(str(progress_path(run_dir, lr))),
                                       stderr_tail=_stderr_tail(run_dir / "logs", lr)))
-        if not exits and result.state.name != "SUCCEEDED":
-            return Verdict(VerdictKind.EXIT, f"the workers ended in state {result.state.name}")
-    verdict = classify_attempt(stall, exits)
+        if not exits and (result is None or result.state.name != "SUCCEEDED"):
+            state = "no state (the rendezvous ended)" if result is None else result.state.name
+            return Verdict(VerdictKind.EXIT, f"the workers ended in state {state}")
+    # finished only when every rank wrote "finished" after its last step (exit 0 is not enough)
+    records = [read_record(str(progress_path(run_dir, lr))) for lr in range(nproc)]
+    verdict = classify_attempt(stall, exits, records)
     if stall is not None and agent.flight:
         verdict = replace(verdict, flight=analyse(agent.flight))
     return verdict
@@ -152,6 +161,40 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
 def _backend(key: str) -> str:
     """A candidate key's backend ("torch:nccl:0,1" -> "nccl")."""
     return key.split(":")[1] if key.count(":") >= 2 else key
+
+
+#: The longest the rendezvous's shutdown (a write to the job's store) may take.
+RDZV_SHUTDOWN_S = 5.0
+
+
+def fixed_membership(handler: Any) -> None:
+    """Torch's agent asks the rendezvous on every turn of its monitoring loop how many nodes
+    wait to join (a read from the job's store, blocking up to the c10d backend's 60 s read
+    timeout when the store is unreachable), and restarts the workers in place for one. A
+    supervised job has a fixed node count and a rendezvous of its own per launch attempt (a
+    relaunch is a new attempt, agreed between the supervisors): no node ever waits to join it,
+    and the loop never blocks on the store (the supervisor's own watch, :mod:`.peers`, sees a
+    store gone quiet, with a deadline)."""
+    handler.num_nodes_waiting = _no_node_waits
+
+
+def _no_node_waits() -> int:
+    return 0
+
+
+def within(call: Any, deadline_s: float) -> bool:
+    """Run ``call()`` in a daemon thread for at most ``deadline_s`` seconds; whether it
+    returned in time (its exceptions are swallowed: a best-effort cleanup)."""
+    import threading
+
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            call()
+
+    t = threading.Thread(target=run, name="rs-bounded", daemon=True)
+    t.start()
+    t.join(deadline_s)
+    return not t.is_alive()
 
 
 def raised_before(errors: list[dict[str, Any] | None], stopped_at: float) -> bool:

@@ -9,6 +9,10 @@ to the next candidate, or stop with an exit code for the scheduler.
 - A one-device job never blames a backend: a signature there counts as an exit.
 - The script's own faults (an exception, out of memory, diverged ranks) stop with
   :attr:`~ExitCode.USER_ERROR`: do not requeue.
+- A node cut off from the job's store (multi-node) stops with
+  :attr:`~ExitCode.INFRASTRUCTURE`: the others go on without it.
+- A node lost at a relaunch's agreement is dropped: node 0 goes on alone
+  (:attr:`Action.FEWER_NODES`, decided by the supervisor at the agreement).
 - ``max_attempts_without_progress`` attempts in a row that get no further than the furthest
   step reached before stop the run (a crash loop), whatever the relaunch budget.
 - A step-down never lands on a candidate estimated below ``min_throughput`` x the throughput of
@@ -47,6 +51,9 @@ class Action(Enum):
     FINISH = "finish"
     RETRY = "retry"
     STEP_DOWN = "step_down"
+    #: a node did not join the relaunch: the job goes on without it (node 0 alone, with
+    #: accumulation keeping the global batch)
+    FEWER_NODES = "fewer_nodes"
     STOP = "stop"
 
 
@@ -107,6 +114,9 @@ def judge(verdict: Verdict, candidate: str, history: Sequence[Attempt],
     if verdict.users:
         return Judgement(Action.STOP, "the script's own fault: another attempt or strategy "
                          "would fail the same way", ExitCode.USER_ERROR)
+    if verdict.kind is VerdictKind.CUT_OFF:
+        return Judgement(Action.STOP, "this node is cut off from the job's store: the other "
+                         "nodes go on without it (requeue it elsewhere)", ExitCode.INFRASTRUCTURE)
     idle = without_progress([*(a.verdict for a in history), verdict])
     if idle >= policy.max_attempts_without_progress:
         return Judgement(Action.STOP, f"{idle} attempts in a row made no progress (the bound "

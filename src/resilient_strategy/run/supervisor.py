@@ -28,7 +28,9 @@ torch, :mod:`.solo` runs it and :func:`~.arguments.own_parser` reads the command
 
 With ``--nnodes N`` (torch) the nodes' supervisors agree on each attempt's decision through a
 store at the rendezvous endpoint before any worker starts, watch it for each other's fault
-records while the workers run, and relaunch together (:mod:`resilient_strategy.run.peers`).
+records while the workers run, and relaunch together (:mod:`resilient_strategy.run.peers`). A
+node that does not join a relaunch is dropped: node 0 goes on alone (action ``fewer_nodes``); a
+node cut off from the store for the heartbeat window stops by itself with 75 (``cut_off``).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from ..core.probe import ERROR, ProbeResult
 from ..errors import (
     GpuUnusableError,
     MultiNodeError,
+    NodeLostError,
     NoWorkingStrategyError,
     ResilientStrategyError,
 )
@@ -139,6 +142,7 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
     choice = _decide(opts, facts, snapshot, failures, session, 0, (), link)
     _say(_allowance_words(opts, snapshot))
     resumed: int | None = None
+    team = link  # the nodes that relaunch together; None once node 0 goes on without the others
     for attempt in range(0, 10_000):
         decision = choice.decision
         if link is not None and _alone(decision) and link.node != 0:
@@ -147,10 +151,10 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
             evidence.summary(history)  # what this node saw until then (none: nothing written)
             return int(ExitCode.SUCCESS)
         peer = None
-        if link is not None and not _alone(decision):  # node 0 alone has no peer to hear
+        if team is not None and not _alone(decision):  # node 0 alone has no peer to hear
             from .peers import PeerWatch
 
-            peer = PeerWatch(link, decision.attempt, _store_timeout(opts))
+            peer = PeerWatch(team, decision.attempt, _store_timeout(opts))
         try:
             if torch_launcher():
                 verdict = launch(opts, decision, snapshot, session, peer,
@@ -165,6 +169,9 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
             signum = int(getattr(exc, "sigval", 15))
             _say(f"stopped by signal {signum}; the workers are stopped")
             return interrupted(signum)
+        finally:
+            if peer is not None:
+                peer.close()
         verdict = effective(verdict, choice.candidate.num_replicas)
         if peer is not None:
             verdict = verdict_with_peers(peer, decision.chosen, verdict)
@@ -174,14 +181,29 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
             _say(f"attempt {attempt + 1} on {label} failed at step {verdict.step}: "
                  f"{verdict.line()} [evidence: {evidence.path(attempt)}]")
         nxt: Choice | None = None
-        if judgement.action is Action.STEP_DOWN:
-            nxt, refusal = _step_down(opts, facts, snapshot, failures, session, attempt + 1,
-                                      notes, link, choice, verdict, fault)
-            if nxt is None:
-                judgement = Judgement(Action.STOP, refusal, ExitCode.INFRASTRUCTURE)
-        elif judgement.action is Action.RETRY:
-            nxt = _retry(choice, session, attempt + 1, link, opts, facts, snapshot, failures,
-                         notes)
+        # a node whose verdict never came gets the heartbeat window to join the relaunch
+        silent = (verdict.node,) if (verdict.kind is VerdictKind.LOST
+                                     and verdict.node is not None) else ()
+        try:
+            if judgement.action is Action.STEP_DOWN:
+                nxt, refusal = _step_down(opts, facts, snapshot, failures, session, attempt + 1,
+                                          notes, team, choice, verdict, fault, silent)
+                if nxt is None:
+                    judgement = Judgement(Action.STOP, refusal, ExitCode.INFRASTRUCTURE)
+            elif judgement.action is Action.RETRY:
+                nxt = _retry(choice, session, attempt + 1, team, opts, facts, snapshot,
+                             failures, notes, silent)
+        except NodeLostError as exc:
+            if team is None or team.node != 0 or exc.node is None:
+                raise  # a node other than 0 cannot go on without the store node 0 hosts
+            _say(f"node {exc.node} did not join the relaunch: {one_line(str(exc), 300)}")
+            nxt, refusal = _without_lost_node(opts, facts, snapshot, failures, session,
+                                              attempt + 1, notes, choice, exc.node)
+            judgement = (Judgement(Action.STOP, refusal, ExitCode.INFRASTRUCTURE) if nxt is None
+                         else Judgement(Action.FEWER_NODES, f"node {exc.node} did not join the "
+                                        "relaunch: it is dropped, and node 0 goes on alone with "
+                                        "accumulation keeping the global batch"))
+            team = None
         done = Attempt(attempt, decision.chosen, label, verdict, judgement, resumed)
         history.append(done)
         if not verdict.ok and evidence.record(done, Path(decision.run_dir),
@@ -195,7 +217,8 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
                        else ExitCode.INFRASTRUCTURE)
         ckpt = _last_checkpoint(session)
         resumed = None if ckpt is None else ckpt[0]
-        how = "retrying" if judgement.action is Action.RETRY else "stepping down"
+        how = {Action.RETRY: "retrying", Action.FEWER_NODES: "going on with fewer nodes"}.get(
+            judgement.action, "stepping down")
         notes.append(f"Relaunched ({how}): {label} failed mid-run at step {verdict.step} "
                      f"({verdict.kind.value}: {one_line(verdict.summary, 160)}).")
         limit = f" of {policy.max_relaunches}" if policy.max_relaunches is not None else ""
@@ -211,11 +234,13 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
 
 def _retry(choice: Choice, session: Path, attempt: int, link: NodeLink | None,
            opts: RunOptions, facts: Any, env: Mapping[str, str],
-           failures: Mapping[str, ProbeResult], notes: list[str]) -> Choice:
+           failures: Mapping[str, ProbeResult], notes: list[str],
+           silent: tuple[int, ...] = ()) -> Choice:
     """The same candidate again, in a fresh attempt directory. Across nodes the supervisors
     agree again (the same plan: nothing new failed), which keeps their attempts in step."""
     if link is not None:
-        return _decide(opts, facts, env, failures, session, attempt, tuple(notes), link)
+        return _decide(opts, facts, env, failures, session, attempt, tuple(notes), link,
+                       silent)
     run_dir = session / f"attempt{attempt}"
     run_dir.mkdir()
     decision = replace(choice.decision, run_dir=str(run_dir), attempt=attempt, notes=tuple(notes))
@@ -226,7 +251,8 @@ def _retry(choice: Choice, session: Path, attempt: int, link: NodeLink | None,
 def _step_down(opts: RunOptions, facts: Any, env: Mapping[str, str],
                failures: dict[str, ProbeResult], session: Path, attempt: int, notes: list[str],
                link: NodeLink | None, failed: Choice, verdict: Verdict,
-               fault: TrainFault | None) -> tuple[Choice | None, str]:
+               fault: TrainFault | None, silent: tuple[int, ...] = ()
+               ) -> tuple[Choice | None, str]:
     """The next candidate without the one that failed (probed first when it needs a probe), or
     None and why not: none left, or the floor refuses it."""
     chosen = failed.decision.chosen
@@ -238,7 +264,7 @@ def _step_down(opts: RunOptions, facts: Any, env: Mapping[str, str],
     if verdict.pinned and not rehearsed:  # only a backend's signature is remembered
         remember_failures(facts, opts, env, {chosen: failures[chosen]})
     try:
-        nxt = _decide(opts, facts, env, failures, session, attempt, tuple(notes), link)
+        nxt = _decide(opts, facts, env, failures, session, attempt, tuple(notes), link, silent)
     except NoWorkingStrategyError as exc:
         return None, f"no candidate is left: {one_line(str(exc), 400)}"
     refusal = floor_refusal(
@@ -248,6 +274,39 @@ def _step_down(opts: RunOptions, facts: Any, env: Mapping[str, str],
             opts.max_relaunches))
     if refusal is not None:
         return None, f"not relaunched: {refusal}"
+    return nxt, ""
+
+
+def _without_lost_node(opts: RunOptions, facts: Any, env: Mapping[str, str],
+                       failures: dict[str, ProbeResult], session: Path, attempt: int,
+                       notes: list[str], failed: Choice, lost: int
+                       ) -> tuple[Choice | None, str]:
+    """Node 0's next attempt without the node that did not join the relaunch: every candidate
+    that spans the nodes is ruled out for this run (the lost node is named in its result), and
+    node 0 plans alone (one replica, accumulation keeping the global batch; no probe across
+    nodes, none is left). None and why not when nothing is left or the floor refuses it."""
+    from ..deciding.decide import decide
+
+    o, plan_env = _options(opts, facts, env)
+    ranked = decide(facts, o, plan_env, _prober, time.monotonic, known=dict(failures)).plan.ranked
+    for r in ranked:
+        key = r.candidate.key
+        if r.candidate.num_replicas > 1 and key not in failures:
+            failures[key] = ProbeResult(
+                key, ERROR, 0.0, "", f"node {lost} did not join the relaunch after attempt "
+                f"{attempt}: the job goes on without it", extra=(("node_lost", str(lost)),))
+    try:
+        nxt = _decide(opts, facts, env, failures, session, attempt, tuple(notes), None)
+    except NoWorkingStrategyError as exc:
+        return None, f"no candidate is left on node 0 alone: {one_line(str(exc), 400)}"
+    refusal = floor_refusal(
+        _label(failed.decision), bool(failed.candidate.devices), failed.step_seconds,
+        _label(nxt.decision), nxt.candidate.backend == "cpu",
+        nxt.step_seconds, RelaunchPolicy(opts.min_throughput, opts.allow_cpu,
+                                         opts.max_attempts_without_progress,
+                                         opts.max_relaunches))
+    if refusal is not None:
+        return None, f"not relaunched on node 0 alone: {refusal}"
     return nxt, ""
 
 
@@ -345,20 +404,30 @@ def verdict_with_peers(peer: PeerWatch, chosen: str, verdict: Verdict) -> Verdic
     retry, step down or stop together): this node's is recorded for the others, theirs are
     awaited (a node whose record never comes is lost)."""
     peer.record(PeerFault(peer.link.node, chosen, verdict))
+    if verdict.kind is VerdictKind.CUT_OFF:
+        return verdict  # nothing will come from the others: this node stops
     merged = merge(peer.await_all(_store_timeout(opts=None)))
+    if verdict.ok and (merged is None or merged.kind in (VerdictKind.LOST,
+                                                         VerdictKind.CUT_OFF)):
+        # every rank of this node wrote "finished" after its last step, so the silent node
+        # took part to the end: the job is done (the node that hosts the store takes it along
+        # when it exits first, and its record can no longer be read)
+        return verdict
+    cut = peer.cut_off()
+    if cut is not None:  # this node lost the store for the heartbeat window: it stops
+        return cut.verdict
     if merged is None:
         return verdict
-    if verdict.ok and merged.kind is VerdictKind.LOST:
-        # this node's ranks finished every collective of the job, so the silent node took part
-        # to the end: the job is done (the node that hosts the store takes it along when it
-        # exits first, and its record can no longer be read)
-        return verdict
+    if merged.kind is VerdictKind.CUT_OFF and merged.node != peer.link.node:
+        # another node cut off from the store: a node lost, here (the others go on)
+        return replace(merged, kind=VerdictKind.LOST)
     return merged
 
 
 def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
             failures: Mapping[str, ProbeResult], session: Path, attempt: int,
-            notes: tuple[str, ...], link: NodeLink | None = None) -> Choice:
+            notes: tuple[str, ...], link: NodeLink | None = None,
+            silent: tuple[int, ...] = ()) -> Choice:
     """Plan (probing as needed, the cache first), without the candidates that failed mid-run.
     With several nodes, the nodes agree through the rendezvous endpoint's store
     (:mod:`.peers`). A fallback is announced as the script would announce it."""
@@ -382,7 +451,7 @@ def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
         made = agreed_decision(
             facts, o, plan_env, _prober, time.monotonic,
             functools.partial(decide, progress=progress_line_for(o), startup_check=True,
-                              known=dict(failures)))
+                              known=dict(failures)), silent=silent)
         p, from_cache, proven = made.plan, made.from_cache, made.proven
         results = {**made.results, **failures}
     if p.chosen is None:

@@ -21,6 +21,7 @@ from ..core.signatures import Signatures, builtin_signatures
 from ..records.flightdump import FlightFacts
 from ..records.progress import (
     COLLECTIVE,
+    FINISHED,
     STEP_DONE,
     Record,
     Stall,
@@ -98,6 +99,9 @@ class VerdictKind(Enum):
     EXIT = "exit"
     #: Another node's supervisor vanished (multi-node): retried once.
     LOST = "lost"
+    #: This node cannot reach the job's store (multi-node): it stops (exit 75) and the others
+    #: go on without it; another node's cut-off is a lost node there.
+    CUT_OFF = "cut_off"
     #: The ranks did not run the same collectives: the program's fault.
     DIVERGED = "diverged"
     #: Out of memory: the program's (its batch or model).
@@ -261,13 +265,24 @@ def step_in_progress(records: Sequence[Record | None]) -> int:
     return max((r.k for r in records if r is not None), default=0)
 
 
-def classify_attempt(stall: Stall | None, exits: Sequence[RankExit]) -> Verdict:
-    """The verdict on one attempt from its stall (if the watcher declared one) and the exits of
-    its failed workers (none: it succeeded). Pure.
+def unfinished(records: Sequence[Record | None]) -> tuple[int, ...]:
+    """The local ranks whose progress record does not say "finished" (a rank without a record
+    reported nothing to judge by: its exit status is all there is). Pure."""
+    return tuple(r for r, rec in enumerate(records) if rec is not None and rec.phase != FINISHED)
+
+
+def classify_attempt(stall: Stall | None, exits: Sequence[RankExit],
+                     records: Sequence[Record | None] = ()) -> Verdict:
+    """The verdict on one attempt from its stall (if the watcher declared one), the exits of
+    its failed workers (none: every worker exited 0) and every rank's last progress record.
+    Pure.
 
     A stall inside communicator setup or one collective (every rank entered it, some never
     left) is a :attr:`~VerdictKind.STALL`; ranks that never arrived where the others wait
-    ("straggler") diverged: the application's problem."""
+    ("straggler") diverged: the application's problem. The attempt finished
+    (:attr:`~VerdictKind.OK`) only when every rank exited 0 and every rank that reported
+    progress wrote "finished" after its last step; a rank that exited 0 without it stopped
+    early (an :attr:`~VerdictKind.EXIT`, never a success)."""
     if stall is not None:
         if stall.kind in ("collective", "setup"):
             return Verdict(VerdictKind.STALL, f"stalled: {stall.describe()}", stall.k, "timeout",
@@ -276,7 +291,16 @@ def classify_attempt(stall: Stall | None, exits: Sequence[RankExit]) -> Verdict:
                        "program did not run the same collectives on every rank (another backend "
                        "would not help)", stall.k, ranks=stall.ranks, where=stall.where())
     if not exits:
-        return Verdict(VerdictKind.OK, "finished")
+        early = unfinished(records)
+        if not early:
+            return Verdict(VerdictKind.OK, "finished")
+        said = [f"rank {r} ({position(rec)})" for r in early
+                 if (rec := records[r]) is not None]
+        return Verdict(VerdictKind.EXIT, "the workers exited 0 before finishing: "
+                       + ", ".join(said) + " never wrote \"finished\"",
+                       step_in_progress([records[r] for r in early]), "crash", ranks=early,
+                       where=next((position(rec) for r in early
+                                   if (rec := records[r]) is not None), ""))
     step = step_in_progress([e.record for e in exits])
     text = "; ".join(e.describe() for e in exits)
     kinds = [e.error_kind for e in exits]
@@ -322,7 +346,8 @@ def merge(faults: Sequence[PeerFault]) -> Verdict | None:
     of its peers' connection errors), then a stall, then a backend's signature; the lowest
     node among equals. None for no record."""
     order = {VerdictKind.USER: 0, VerdictKind.OOM: 0, VerdictKind.DIVERGED: 0,
-             VerdictKind.EXIT: 1, VerdictKind.LOST: 1, VerdictKind.STALL: 2,
+             VerdictKind.EXIT: 1, VerdictKind.LOST: 1, VerdictKind.CUT_OFF: 1,
+             VerdictKind.STALL: 2,
              VerdictKind.BACKEND: 3, VerdictKind.OK: 4}
     ranked = sorted(faults, key=lambda f: (order[f.verdict.kind], f.node))
     if not ranked:

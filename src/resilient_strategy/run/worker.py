@@ -53,6 +53,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except SystemExit as exc:
         if exc.code not in (None, 0):
             write_error(run_dir, local_rank, exc, current_reporter())
+        elif (reporter := current_reporter()) is not None:
+            reporter.done()  # sys.exit(0) ends the script as returning does: it finished
         raise
     except Exception as exc:
         write_error(run_dir, local_rank, exc, current_reporter())
