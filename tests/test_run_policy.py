@@ -110,3 +110,11 @@ def test_attempts_serialize() -> None:
     assert (d["candidate"], d["verdict"]["kind"], d["action"], d["exit_code"]) == (
         GLOO, "exit", "retry", None)
     assert Verdict.from_dict(d["verdict"]).kind is VerdictKind.EXIT
+
+
+def test_a_rendezvous_across_nodes_waits_a_bounded_time_unless_the_user_chose() -> None:
+    from resilient_strategy.run.agent import RDZV_JOIN_S, bounded_join
+
+    assert bounded_join({}, 2) == {"join_timeout": str(RDZV_JOIN_S)}
+    assert bounded_join({"join_timeout": "900", "x": "1"}, 2) == {"join_timeout": "900", "x": "1"}
+    assert bounded_join({}, 1) == {}  # one node: no one to wait for

@@ -90,7 +90,7 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
     rdzv = RendezvousParameters(
         backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
         min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
-        **config.rdzv_configs)
+        **bounded_join(config.rdzv_configs, nnodes))
     master_addr = master_port = None
     if rdzv.backend == "static":
         from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
@@ -161,6 +161,23 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
 def _backend(key: str) -> str:
     """A candidate key's backend ("torch:nccl:0,1" -> "nccl")."""
     return key.split(":")[1] if key.count(":") >= 2 else key
+
+
+#: How long a node waits for the others in an attempt's rendezvous, across nodes. The nodes have
+#: already agreed on the attempt through the job's store before any of them starts its agent, so
+#: they arrive within seconds; torch's default (600 s) let a node cut off between the agreement
+#: and the rendezvous hold the others for ten minutes. The user's ``--rdzv-conf join_timeout=``
+#: wins.
+RDZV_JOIN_S = 120
+
+
+def bounded_join(rdzv_configs: dict[str, Any], nnodes: int) -> dict[str, Any]:
+    """The rendezvous configuration with :data:`RDZV_JOIN_S` as its ``join_timeout`` across
+    nodes, unless the user set one."""
+    out = dict(rdzv_configs)
+    if nnodes > 1 and "join_timeout" not in out:
+        out["join_timeout"] = str(RDZV_JOIN_S)
+    return out
 
 
 #: The longest the rendezvous's shutdown (a write to the job's store) may take.
