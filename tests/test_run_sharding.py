@@ -246,3 +246,32 @@ def test_the_worker_wrapper_binds_the_script_before_it_runs(
         env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"visible": expected}
+
+
+def _run_example(tmp: Path, *run_args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1",
+           "RESILIENT_STRATEGY_CACHE_DIR": str(tmp / "cache"), "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run(
+        [sys.executable, "-m", "resilient_strategy", "run", "--nproc-per-node", "2",
+         "--evidence-dir", str(tmp / "evidence"), *run_args,
+         str(ROOT / "examples" / "torch_fsdp_train.py"), "--samples", "2048", "--epochs", "1"],
+        cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+def test_run_trains_fsdp_as_its_flag_says_and_refuses_a_script_that_disagrees(
+        tmp_path: Path) -> None:
+    """The example passes sharding='full': under `run --sharding full` its 2 gloo workers train
+    FSDP2 (8 optimizer steps of 256); without the flag the supervisor planned 'auto', and the
+    workers stop at resilient_strategy() with the option error (a user error, not relaunched)."""
+    pytest.importorskip("torch")
+    from resilient_strategy.run.exitcodes import ExitCode
+
+    ok = _run_example(tmp_path, "--sharding", "full")
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert "optimizer steps: 8" in ok.stdout
+    refused = _run_example(tmp_path)
+    assert refused.returncode == int(ExitCode.USER_ERROR), refused.stderr[-3000:]
+    attempts = json.loads(next((tmp_path / "evidence").glob("**/attempts.json")).read_text())
+    assert [a["verdict"]["kind"] for a in attempts["attempts"]] == ["user"]
