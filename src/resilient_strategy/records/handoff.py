@@ -166,7 +166,8 @@ def binding(candidate: Candidate, facts: Facts, env: Mapping[str, str]) -> tuple
     if (candidate.framework != "torch" or not devices or candidate.backend == "cpu"
             or devices == tuple(range(len(devices)))):
         return (), ""
-    gpus = [(g.index, g.uuid, g.physical_index) for g in facts.gpus]
+    gpus = [(g.index, g.uuid, g.physical_index if g.physical_index >= 0 else g.index)
+            for g in facts.gpus]
     return devices, bound_devices_value(devices, gpus, env.get(VISIBLE_VAR))
 
 
