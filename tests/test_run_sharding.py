@@ -97,8 +97,11 @@ def test_fsdp_on_the_freest_gpus_binds_its_workers_to_them(tmp_path: Path,
     assert (d.chosen, d.processes, d.devices) == ("torch:nccl/fsdp:1,3", 2, (1, 3))
     assert d.worker_env() == {"CUDA_VISIBLE_DEVICES": "GPU-fake-0001,GPU-fake-0003"}
     assert (d.sharding, d.offload, d.flags) == ("auto", "none", ())
-    for rank in (0, 1):
-        sel = _worker(tmp_path, d, free, rank)
+    # rank 1 inspects its GPUs later, after its peer started CUDA there (less free than the
+    # supervisor saw, too little for FSDP over two): it plans with the handed figures
+    assert d.free_bytes == tuple(int(f * GIB) for f in free.values())
+    for rank, now in ((0, free), (1, {0: 14, 1: 20, 2: 14, 3: 20})):
+        sel = _worker(tmp_path, d, now, rank)
         # the worker trains exactly the handed candidate, in its own numbering, on GPUs 1 and 3
         assert (sel.backend, sel.sharded, sel.devices, sel.num_replicas) == ("nccl", True,
                                                                              (0, 1), 2)

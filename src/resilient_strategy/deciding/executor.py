@@ -434,6 +434,7 @@ def _handed_decision(facts: Facts, opts: Options, handed: HandedDecision,
         handed = handed.renumbered()
     except ValueError as exc:
         raise ResilientStrategyError(f"`resilient-strategy run`: {exc}") from None
+    facts = handed.planned_memory(facts)  # the memory the supervisor planned against
     results = dict(handed.results)
     # the batch split of the supervisor's plan (the job's per-device batch, accumulating on
     # fewer replicas), not of this worker's own launch (one process trains it all at once):

@@ -79,6 +79,12 @@ class Decision:
     #: user's own list when they set one). Empty: the workers see what the supervisor sees.
     devices: tuple[int, ...] = ()
     visible_devices: str = ""
+    #: The memory the decision was planned against: each GPU's free bytes (by the supervisor's
+    #: ordinal; None: unknown) and the host's available bytes. The worker plans with them, not
+    #: with what it reads later (its peers may have started CUDA by then), so its memory checks
+    #: are the supervisor's.
+    free_bytes: tuple[int | None, ...] = ()
+    host_available_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -92,6 +98,8 @@ class Decision:
             "reference_replicas": self.reference_replicas,
             "sharding": self.sharding, "offload": self.offload, "flags": list(self.flags),
             "devices": list(self.devices), "visible_devices": self.visible_devices,
+            "free_bytes": list(self.free_bytes),
+            "host_available_bytes": self.host_available_bytes,
         }
 
     @classmethod
@@ -114,7 +122,21 @@ class Decision:
             flags=tuple(str(f) for f in d.get("flags", ())),
             devices=tuple(int(x) for x in d.get("devices", ())),
             visible_devices=str(d.get("visible_devices", "")),
+            free_bytes=tuple(None if b is None else int(b) for b in d.get("free_bytes", ())),
+            host_available_bytes=None if d.get("host_available_bytes") is None
+            else int(d["host_available_bytes"]),
         )
+
+    def planned_memory(self, facts: Facts) -> Facts:
+        """``facts`` with the free memory this decision was planned against (the GPUs by this
+        worker's ordinal: read :meth:`renumbered` first when bound)."""
+        if not self.free_bytes and self.host_available_bytes is None:
+            return facts
+        gpus = tuple(replace(g, memory_free_bytes=self.free_bytes[g.index])
+                     if 0 <= g.index < len(self.free_bytes) else g for g in facts.gpus)
+        host = facts.host if self.host_available_bytes is None else replace(
+            facts.host, memory_available_bytes=self.host_available_bytes)
+        return replace(facts, gpus=gpus, host=host)
 
     def worker_env(self) -> dict[str, str]:
         """What a worker's environment gets before the script runs: CUDA_VISIBLE_DEVICES naming
@@ -136,7 +158,9 @@ class Decision:
             mine = renumber_key(key, self.devices)
             if mine is not None:
                 results[mine] = replace(result, candidate=mine)
-        return replace(self, chosen=chosen, results=results)
+        free = tuple(self.free_bytes[d] for d in self.devices if d < len(self.free_bytes))
+        return replace(self, chosen=chosen, results=results,
+                       free_bytes=free if len(free) == len(self.devices) else ())
 
 
 #: The variable a bound decision's workers get (CUDA's own).

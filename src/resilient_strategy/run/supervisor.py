@@ -477,20 +477,23 @@ def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
         nodes=1 if o.framework != "torch" or p.chosen.num_replicas == 1 else node_count(opts),
         node_trace=_node_trace(p.events) if link is not None else (),
         reference_replicas=p.reference_replicas, devices=devices, visible_devices=visible,
-        **_memory_planning(opts, o.framework))
+        **_memory_planning(opts, o.framework, facts))
     write_decision(run_dir / "decision.json", decision)
     step_s = estimate(p.chosen, facts, results.get(p.chosen.key), o).step_seconds
     return Choice(decision, p.chosen, step_s, left)
 
 
-def _memory_planning(opts: RunOptions, framework: str) -> dict[str, Any]:
-    """The sharding and offload the decision was planned with, and the flags that gave them:
-    the workers' scripts must agree (``deciding.executor.handed_options``)."""
+def _memory_planning(opts: RunOptions, framework: str, facts: Any) -> dict[str, Any]:
+    """The sharding and offload the decision was planned with, the flags that gave them (the
+    workers' scripts must agree: ``deciding.executor.handed_memory``), and the free memory it
+    was planned against (the workers plan with it)."""
     if framework != "torch":
         return {}
     flags = tuple(f"--{name} {value}" for name, value in (
         ("sharding", opts.sharding), ("offload", opts.offload)) if value is not None)
-    return {"sharding": opts.planned_sharding, "offload": opts.planned_offload, "flags": flags}
+    return {"sharding": opts.planned_sharding, "offload": opts.planned_offload, "flags": flags,
+            "free_bytes": tuple(g.memory_free_bytes for g in facts.gpus),
+            "host_available_bytes": facts.host.memory_available_bytes}
 
 
 def _node_trace(events: Sequence[Any]) -> tuple[str, ...]:
