@@ -1,10 +1,10 @@
 """`resilient-strategy run` binding FSDP's workers to the freest GPUs, on a machine of 4+ GPUs.
 
-    python benchmarks/gpu_run_fsdp_subset.py [--fill-gib 68] [--param-gib 20] [--deadline-s 400]
+    python benchmarks/gpu_run_fsdp_subset.py [--leave-gib 10] [--deadline-s 400]
 
-A holder process takes ``--fill-gib`` on GPUs 0 and 2 (another job sharing them), then the
-supervisor plans ``examples/torch_fsdp_train.py`` for a model of ``--param-gib`` parameters with
-AdamW (``--param-bytes``; the example's real model is small): FSDP over the four GPUs and over
+A holder process fills GPUs 0 and 2 up to ``--leave-gib`` free (another job sharing them), then
+the supervisor plans ``examples/torch_fsdp_train.py`` for a model whose parameters are sized so
+that FSDP over two whole GPUs fits and over four does not (``--param-bytes``, AdamW (``--param-bytes``; the example's real model is small): FSDP over the four GPUs and over
 three does not fit GPUs 0 and 2, FSDP over GPUs 1 and 3 does, and the run starts two workers
 bound to them (CUDA_VISIBLE_DEVICES). Prints the supervisor's lines, each worker's bound-devices
 line, which GPUs the workers' processes ran on (nvidia-smi, sampled while they train), the
@@ -39,8 +39,7 @@ def _smi(query: str) -> list[list[str]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--fill-gib", type=float, default=68.0)
-    ap.add_argument("--param-gib", type=float, default=20.0)
+    ap.add_argument("--leave-gib", type=float, default=10.0)
     ap.add_argument("--deadline-s", type=float, default=400.0)
     args = ap.parse_args()
     try:
@@ -52,6 +51,13 @@ def main() -> int:
         print("skipped: fewer than 4 CUDA GPUs")
         return 0
     uuids = {row[1]: int(row[0]) for row in _smi("gpu=index,uuid")}
+    free_gib = min(torch.cuda.mem_get_info(d)[0] for d in (1, 3)) / 2**30
+    args.fill_gib = torch.cuda.mem_get_info(0)[0] / 2**30 - args.leave_gib
+    # FSDP over n needs 4P/n + 3 units of P/8: over 2, 2.375 P (on 90% of the freest GPUs'
+    # memory); over 4, 1.375 P, more than 90% of what GPUs 0 and 2 keep
+    args.param_gib = 0.8 * 0.9 * free_gib / 2.375
+    print(f"free on GPUs 1,3: {free_gib:.1f} GiB; filling GPUs 0,2 with {args.fill_gib:.1f} "
+          f"GiB; parameters {args.param_gib:.1f} GiB")
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "PYTHONUNBUFFERED": "1"}
     env.pop("CUDA_VISIBLE_DEVICES", None)
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(args.fill_gib)], env=env,
