@@ -42,17 +42,18 @@ def main() -> int:
     ap.add_argument("--leave-gib", type=float, default=10.0)
     ap.add_argument("--deadline-s", type=float, default=400.0)
     args = ap.parse_args()
+    # nvidia-smi, not torch: a CUDA context of this process would show on every GPU
     try:
-        import torch
-    except ImportError:
-        print("skipped: no torch")
-        return 0
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 4:
+        rows = _smi("gpu=index,uuid,memory.free")
+    except (OSError, subprocess.SubprocessError):
+        rows = []
+    if len(rows) < 4:
         print("skipped: fewer than 4 CUDA GPUs")
         return 0
-    uuids = {row[1]: int(row[0]) for row in _smi("gpu=index,uuid")}
-    free_gib = min(torch.cuda.mem_get_info(d)[0] for d in (1, 3)) / 2**30
-    args.fill_gib = torch.cuda.mem_get_info(0)[0] / 2**30 - args.leave_gib
+    uuids = {row[1]: int(row[0]) for row in rows}
+    mib = {int(row[0]): float(row[2].split()[0]) for row in rows}
+    free_gib = min(mib[1], mib[3]) / 1024
+    args.fill_gib = mib[0] / 1024 - args.leave_gib
     # FSDP over n needs 4P/n + 3 units of P/8: over 2, 2.375 P (on 90% of the freest GPUs'
     # memory); over 4, 1.375 P, more than 90% of what GPUs 0 and 2 keep
     args.param_gib = 0.8 * 0.9 * free_gib / 2.375
