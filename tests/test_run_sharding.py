@@ -278,3 +278,17 @@ def test_run_trains_fsdp_as_its_flag_says_and_refuses_a_script_that_disagrees(
     assert refused.returncode == int(ExitCode.USER_ERROR), refused.stderr[-3000:]
     attempts = json.loads(next((tmp_path / "evidence").glob("**/attempts.json")).read_text())
     assert [a["verdict"]["kind"] for a in attempts["attempts"]] == ["user"]
+
+
+def test_other_model_figures_in_the_script_train_the_handed_decision_and_say_so(
+        tmp_path: Path) -> None:
+    """The supervisor planned without the model's size (no --param-bytes) and chose DDP; the
+    script's own figures would shard: the handed candidate trains, with a note naming it."""
+    results = {"torch:nccl:0,1": ProbeResult("torch:nccl:0,1", OK, 1.0, ranks=2)}
+    d = handoff.Decision(framework="torch", chosen="torch:nccl:0,1", results=results,
+                         run_dir=str(tmp_path), processes=2, sharding="auto", offload="none")
+    sel = _worker(tmp_path, d, {0: 30, 1: 30})
+    assert (sel.backend, sel.sharded, sel.devices) == ("nccl", False, (0, 1))
+    assert len(_notes(sel, "handed_memory")) == 1
+    assert sel.progress is not None
+    sel.progress.writer.close()
