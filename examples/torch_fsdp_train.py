@@ -5,7 +5,8 @@
     torchrun --nproc_per_node 2 examples/torch_fsdp_train.py --checkpoint-dir ckpt --epochs 1
     torchrun --nproc_per_node 1 examples/torch_fsdp_train.py --checkpoint-dir ckpt --epochs 2
                                   # resumes the sharded checkpoint on another number of processes
-    resilient-strategy run --nproc-per-node 2 examples/torch_fsdp_train.py --checkpoint-dir ckpt
+    resilient-strategy run --nproc-per-node 2 --sharding full examples/torch_fsdp_train.py \
+        --checkpoint-dir ckpt       # run plans with the script's sharding: say it (--sharding)
 
 ``--sharding full`` (the default here) always shards; ``auto`` shards only when a replica of the
 model (parameters, gradients, AdamW's state) does not fit the GPUs' free memory, which on a CPU

@@ -447,8 +447,9 @@ def run_options_from(env: Mapping[str, str], *, script: str, script_args: tuple[
                      framework: str | None, nproc: str, max_relaunches: int | None,
                      stall_timeout: float | None, global_batch_size: int | None,
                      gradient_bytes: int | None, probe_timeout: float | None, logical_cpus: int,
-                     torchrun: Any = None, sharding: str = "auto", param_bytes: int | None = None,
-                     optimizer_state_factor: float | None = None) -> RunOptions:
+                     torchrun: Any = None, sharding: str | None = None,
+                     param_bytes: int | None = None, optimizer_state_factor: float | None = None,
+                     offload: str | None = None) -> RunOptions:
     """The supervisor's options: the command line > RESILIENT_STRATEGY_STALL_TIMEOUT /
     RESILIENT_STRATEGY_MAX_RELAUNCHES > our defaults. ``nproc``: a count or "auto"."""
     if nproc in ("auto", "gpu"):
@@ -476,6 +477,7 @@ def run_options_from(env: Mapping[str, str], *, script: str, script_args: tuple[
         max_relaunches=max_relaunches, stall_timeout_s=stall_timeout,
         global_batch_size=global_batch_size, gradient_bytes=gradient_bytes,
         probe_timeout_s=probe_timeout, logical_cpus=logical_cpus, torchrun=torchrun,
-        sharding=sharding, param_bytes=param_bytes, optimizer_state_factor=optimizer_state_factor)
+        sharding=sharding, param_bytes=param_bytes, optimizer_state_factor=optimizer_state_factor,
+        offload=offload)
 
 

@@ -309,9 +309,22 @@ class RunOptions:
     allow_cpu: bool = False  # a GPU job may step down to the CPU
     max_attempts_without_progress: int = 3  # the crash-loop bound
     evidence_dir: str = "resilient-strategy-evidence"  # per-rank tracebacks of each fault
-    sharding: str = "auto"  # memory planning, as resilient_strategy() takes it
+    #: Memory planning, as resilient_strategy() takes it; None: not given (planned as "auto",
+    #: and the script's own value is then the one that must agree: see handoff.Decision).
+    sharding: str | None = None
     param_bytes: int | None = None
     optimizer_state_factor: float | None = None
+    #: CPU offload (FSDP2 CPUOffloadPolicy), as resilient_strategy(offload=) takes it; None: not
+    #: given (planned as "none").
+    offload: str | None = None
+
+    @property
+    def planned_sharding(self) -> str:
+        return self.sharding or "auto"
+
+    @property
+    def planned_offload(self) -> str:
+        return self.offload or "none"
 
     def __post_init__(self) -> None:
         if self.framework is not None and self.framework not in FRAMEWORKS:
@@ -340,9 +353,28 @@ class RunOptions:
             raise InvalidOptionError(
                 f"--max-attempts-without-progress must be an integer from 1 to "
                 f"{MAX_RELAUNCHES}, not {n!r}", "--max-attempts-without-progress")
+        _check_memory_flags(self.sharding, self.offload, self.framework)
         if not self.evidence_dir or "\0" in self.evidence_dir:
             raise InvalidOptionError(f"--evidence-dir must be a path, not {self.evidence_dir!r}",
                                      "--evidence-dir")
+
+
+def _check_memory_flags(sharding: str | None, offload: str | None, framework: str | None) -> None:
+    """``--sharding`` / ``--offload`` as Options checks ``sharding=`` / ``offload=``, each error
+    naming the flag."""
+    if sharding is not None and sharding not in SHARDING_MODES:
+        raise InvalidOptionError(f"--sharding must be one of {SHARDING_MODES}, not {sharding!r}",
+                                 "--sharding")
+    if offload is not None and offload not in OFFLOAD_MODES:
+        raise InvalidOptionError(f"--offload must be one of {OFFLOAD_MODES}, not {offload!r}",
+                                 "--offload")
+    if framework == "tensorflow" and (sharding == "full" or offload == "auto"):
+        flag = "--sharding" if sharding == "full" else "--offload"
+        raise InvalidOptionError(f"{flag} {sharding if flag == '--sharding' else offload} is "
+                                 "PyTorch's FSDP2; this script trains with TensorFlow", flag)
+    if offload == "auto" and sharding == "none":
+        raise InvalidOptionError("--offload auto offloads a sharded (FSDP2) model's state, and "
+                                 "--sharding none never shards: drop one of them", "--offload")
 
 
 #: The stall timeout's floor when it follows the step time (see supervisor.default_stall_timeout)

@@ -129,7 +129,9 @@ class Note(Event):
     (the cache is neither read nor written for a rehearsal), ``within_noise`` (measured speeds
     within their measured noise kept the chain's order), ``multi_worker`` (a TF_CONFIG job's
     ladder), ``alone_after_workers`` (worker 0's own MirroredStrategy moved after the strategies
-    across the workers).
+    across the workers), ``handed_memory`` (a worker of ``resilient-strategy run`` takes the
+    supervisor's sharding / offload), ``bound_devices`` (a worker bound to a subset of the GPUs:
+    which ones).
     """
 
     kind: ClassVar[str] = "note"

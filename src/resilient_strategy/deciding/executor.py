@@ -184,7 +184,8 @@ def resilient_strategy(
         _check_no_train_fault(snapshot)
     if handed is not None:  # a worker of `resilient-strategy run`: the decision is made
         opts = handed_options(opts, handed)
-        decision = _handed_decision(facts, opts, handed)
+        opts, agreed = handed_memory(opts, handed)
+        decision = _handed_decision(facts, opts, handed, agreed)
     else:
         decision = _agreed_decision(facts, opts, snapshot, prober, _clock or time.monotonic,
                                     progress_line_for(opts), startup_check=_prober is None,
@@ -393,9 +394,47 @@ def handed_options(opts: Options, handed: HandedDecision) -> Options:
         "global_batch_size")
 
 
-def _handed_decision(facts: Facts, opts: Options, handed: HandedDecision) -> Decision:
+def handed_memory(opts: Options, handed: HandedDecision) -> tuple[Options, tuple[str, ...]]:
+    """The sharding and offload the supervisor planned with (``--sharding`` / ``--offload``,
+    or their defaults) are the ones this worker trains with. A script that passes another
+    value than the default is an error naming both (``resilient-strategy run`` cannot see the
+    script's arguments: the flag must say it); a script that passes the default takes the
+    supervisor's value, said in the trace and the log (the returned notes)."""
+    notes: list[str] = []
+    for name, default in (("sharding", "auto"), ("offload", "none")):
+        want = getattr(handed, name)
+        mine = getattr(opts, name)
+        if want is None or mine == want:
+            continue
+        flag = next((f for f in handed.flags if f.startswith(f"--{name} ")), None)
+        if mine != default:
+            where = f"`resilient-strategy run {flag}`" if flag else (
+                f"`resilient-strategy run` (--{name} not given: {want!r})")
+            raise InvalidOptionError(
+                f"{where} decided with {name}={want!r}, but this script passes "
+                f"resilient_strategy({name}={mine!r}); pass --{name} {mine} to "
+                "`resilient-strategy run`, or the same value to both", name)
+        given = flag or f"--{name} {want}"
+        notes.append(f"{name}={want!r} from `resilient-strategy run {given}` (this script "
+                     f"passes the default, {default!r}).")
+        opts = replace(opts, **{name: want})
+    for note in notes:
+        log.info("resilient_strategy: %s", note)
+    return opts, tuple(notes)
+
+
+def _handed_decision(facts: Facts, opts: Options, handed: HandedDecision,
+                     agreed: tuple[str, ...] = ()) -> Decision:
     """Re-plan from the supervisor's results (milliseconds, no probe) and take its candidate,
-    with this script's own batch and model figures: every rank agrees by construction."""
+    with this script's own batch and model figures: every rank agrees by construction. A
+    decision bound to a subset of the GPUs is read in this worker's numbering (its GPUs 0..k-1
+    are the ones it is bound to)."""
+    supervisor_key = handed.chosen
+    try:
+        handed = handed.renumbered()
+    except ValueError as exc:
+        raise ResilientStrategyError(f"`resilient-strategy run`: {exc}") from None
+    facts = handed.planned_memory(facts)  # the memory the supervisor planned against
     results = dict(handed.results)
     # the batch split of the supervisor's plan (the job's per-device batch, accumulating on
     # fewer replicas), not of this worker's own launch (one process trains it all at once):
@@ -403,9 +442,20 @@ def _handed_decision(facts: Facts, opts: Options, handed: HandedDecision) -> Dec
     p = plan(facts, opts.rules, results, opts, reference_replicas=handed.reference_replicas)
     found = [c for c in (*p.candidates, *([p.next_probe] if p.next_probe else []))
              if c.key == handed.chosen]
-    if not found:  # the supervisor planned the model's memory otherwise: its sharding decides
-        found = [replace(c, sharded=not c.sharded) for c in p.candidates
-                 if replace(c, sharded=not c.sharded).key == handed.chosen]
+    resolved = ""
+    if not found:  # the supervisor planned the model's memory otherwise: its decision trains
+        segment = handed.chosen.split(":")[1] if handed.chosen.count(":") >= 2 else ""
+        sharded, offload = "/fsdp" in segment, "+offload" in segment
+        found = [replace(c, sharded=sharded, offload=offload) for c in p.candidates
+                 if replace(c, sharded=sharded, offload=offload).key == handed.chosen]
+        if found:
+            resolved = (
+                f"This script's own figures planned {found[0].label} otherwise (sharded or "
+                "offloaded), from other model sizes than `resilient-strategy run`'s: the "
+                "supervisor's decision trains; pass --param-bytes (and "
+                "--optimizer-state-factor) to `resilient-strategy run` to plan with the "
+                "script's figures.")
+            log.warning("resilient_strategy: %s", resolved)
     if not found or opts.framework != handed.framework:
         raise ResilientStrategyError(
             f"`resilient-strategy run` chose {handed.chosen} ({handed.framework}), which this "
@@ -416,6 +466,14 @@ def _handed_decision(facts: Facts, opts: Options, handed: HandedDecision) -> Dec
     events = [e for e in p.events if not isinstance(e, (Chosen, NextProbe))]
     events += [Note("multi_node", n) for n in handed.node_trace]
     events += [Note("relaunched", n) for n in handed.notes]
+    events += [Note("handed_memory", n) for n in agreed]
+    if resolved:
+        events.append(Note("handed_memory", resolved))
+    if handed.devices:
+        events.append(Note("bound_devices", (
+            f"Bound by `resilient-strategy run` to GPUs {','.join(map(str, handed.devices))} "
+            f"of its machine ({supervisor_key}): CUDA_VISIBLE_DEVICES={handed.visible_devices}, "
+            f"this worker's GPUs {','.join(map(str, range(len(handed.devices))))}.")))
     events.append(Note("handed_down", (
         f"Chose {chosen.label}: decided by `resilient-strategy run` before the workers started "
         f"(launch attempt {handed.attempt + 1}).")))

@@ -19,12 +19,14 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ..core.bounded import parse_json, read_user_file
+from ..core.candidate import Candidate
+from ..core.facts import Facts
 from ..core.probe import ProbeResult
 from ..errors import ResilientStrategyError
 from .progress import (
@@ -65,6 +67,24 @@ class Decision:
     node_trace: tuple[str, ...] = ()  # how the nodes agreed (multi-node), for explain()
     #: The supervisor's Plan.reference_replicas: the worker splits the batch as it did.
     reference_replicas: int = 1
+    #: The memory planning the supervisor decided with (``--sharding`` / ``--offload``, or
+    #: their defaults; None: not planned, as in a decision of an older version), and the flags
+    #: given on its command line: the script's resilient_strategy() must agree with them.
+    sharding: str | None = None
+    offload: str | None = None
+    flags: tuple[str, ...] = ()
+    #: The GPUs (the supervisor's CUDA ordinals) the workers are bound to, when the decision is
+    #: over a subset that is not the first GPUs (FSDP over the GPUs with the most free memory);
+    #: ``visible_devices`` is the CUDA_VISIBLE_DEVICES each worker gets for it (within the
+    #: user's own list when they set one). Empty: the workers see what the supervisor sees.
+    devices: tuple[int, ...] = ()
+    visible_devices: str = ""
+    #: The memory the decision was planned against: each GPU's free bytes (by the supervisor's
+    #: ordinal; None: unknown) and the host's available bytes. The worker plans with them, not
+    #: with what it reads later (its peers may have started CUDA by then), so its memory checks
+    #: are the supervisor's.
+    free_bytes: tuple[int | None, ...] = ()
+    host_available_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -76,6 +96,10 @@ class Decision:
             "processes": self.processes, "nodes": self.nodes,
             "node_trace": list(self.node_trace),
             "reference_replicas": self.reference_replicas,
+            "sharding": self.sharding, "offload": self.offload, "flags": list(self.flags),
+            "devices": list(self.devices), "visible_devices": self.visible_devices,
+            "free_bytes": list(self.free_bytes),
+            "host_available_bytes": self.host_available_bytes,
         }
 
     @classmethod
@@ -93,7 +117,97 @@ class Decision:
             nodes=int(d.get("nodes", 1)),
             node_trace=tuple(str(n) for n in d.get("node_trace", ())),
             reference_replicas=int(d.get("reference_replicas", 1)),
+            sharding=None if d.get("sharding") is None else str(d["sharding"]),
+            offload=None if d.get("offload") is None else str(d["offload"]),
+            flags=tuple(str(f) for f in d.get("flags", ())),
+            devices=tuple(int(x) for x in d.get("devices", ())),
+            visible_devices=str(d.get("visible_devices", "")),
+            free_bytes=tuple(None if b is None else int(b) for b in d.get("free_bytes", ())),
+            host_available_bytes=None if d.get("host_available_bytes") is None
+            else int(d["host_available_bytes"]),
         )
+
+    def planned_memory(self, facts: Facts) -> Facts:
+        """``facts`` with the free memory this decision was planned against (the GPUs by this
+        worker's ordinal: read :meth:`renumbered` first when bound)."""
+        if not self.free_bytes and self.host_available_bytes is None:
+            return facts
+        gpus = tuple(replace(g, memory_free_bytes=self.free_bytes[g.index])
+                     if 0 <= g.index < len(self.free_bytes) else g for g in facts.gpus)
+        host = facts.host if self.host_available_bytes is None else replace(
+            facts.host, memory_available_bytes=self.host_available_bytes)
+        return replace(facts, gpus=gpus, host=host)
+
+    def worker_env(self) -> dict[str, str]:
+        """What a worker's environment gets before the script runs: CUDA_VISIBLE_DEVICES naming
+        the GPUs the decision is bound to (nothing when it is not bound)."""
+        return {VISIBLE_VAR: self.visible_devices} if self.devices else {}
+
+    def renumbered(self) -> Decision:
+        """The decision in a bound worker's numbering: the GPUs it is bound to are its CUDA
+        ordinals 0..k-1, in order, so the chosen key and the probe results' keys name those.
+        Results about other GPUs are left out (the worker cannot see them)."""
+        if not self.devices:
+            return self
+        chosen = renumber_key(self.chosen, self.devices)
+        if chosen is None:
+            raise ValueError(f"the decision {self.chosen} is not over the GPUs it is bound to "
+                             f"({','.join(map(str, self.devices))})")
+        results = {}
+        for key, result in self.results.items():
+            mine = renumber_key(key, self.devices)
+            if mine is not None:
+                results[mine] = replace(result, candidate=mine)
+        free = tuple(self.free_bytes[d] for d in self.devices if d < len(self.free_bytes))
+        return replace(self, chosen=chosen, results=results,
+                       free_bytes=free if len(free) == len(self.devices) else ())
+
+
+#: The variable a bound decision's workers get (CUDA's own).
+VISIBLE_VAR = "CUDA_VISIBLE_DEVICES"
+
+
+def renumber_key(key: str, devices: tuple[int, ...]) -> str | None:
+    """A candidate key (``framework:backend:devices[:env]``) with its GPUs renumbered to their
+    positions in ``devices``; None when it names a GPU outside them. A key on the CPU is kept."""
+    parts = key.split(":", 3)
+    if len(parts) < 3 or parts[2] == "cpu":
+        return key
+    try:
+        mine = [devices.index(int(d)) for d in parts[2].split(",")]
+    except ValueError:
+        return None
+    return ":".join([parts[0], parts[1], ",".join(map(str, mine)), *parts[3:]])
+
+
+def binding(candidate: Candidate, facts: Facts, env: Mapping[str, str]) -> tuple[
+        tuple[int, ...], str]:
+    """The GPUs the workers of a PyTorch decision are bound to, and CUDA_VISIBLE_DEVICES for
+    them: only a decision over GPUs that are not the first ones (a worker plans on the first
+    ``N`` GPUs of its launch, so FSDP over GPUs 1 and 3 must be shown to it as its GPUs 0 and
+    1). ``env``: the supervisor's environment (the user's CUDA_VISIBLE_DEVICES, if set)."""
+    devices = tuple(candidate.devices)
+    if (candidate.framework != "torch" or not devices or candidate.backend == "cpu"
+            or devices == tuple(range(len(devices)))):
+        return (), ""
+    gpus = [(g.index, g.uuid, g.physical_index if g.physical_index >= 0 else g.index)
+            for g in facts.gpus]
+    return devices, bound_devices_value(devices, gpus, env.get(VISIBLE_VAR))
+
+
+def bound_devices_value(devices: tuple[int, ...], gpus: Sequence[tuple[int, str, int]],
+                        user_value: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for workers bound to the CUDA ordinals ``devices``. ``gpus``: each
+    visible GPU's (ordinal, UUID, NVML index). Without the user's own value, the GPUs' UUIDs
+    (their NVML indices where a UUID is unknown); with it, the entries of the user's list at
+    those ordinals (CUDA enumerates the listed devices in order, up to the first invalid
+    entry), so the workers' GPUs stay within what the user allowed, named as the user named
+    them."""
+    if user_value is not None:
+        entries = [e.strip() for e in user_value.split(",")]
+        return ",".join(entries[d] for d in devices)
+    by_ordinal = {ordinal: (uuid, nvml) for ordinal, uuid, nvml in gpus}
+    return ",".join(by_ordinal[d][0] or str(by_ordinal[d][1]) for d in devices)
 
 
 def write_decision(path: str | Path, decision: Decision) -> None:
@@ -113,6 +227,17 @@ def write_decision(path: str | Path, decision: Decision) -> None:
 def load_decision(env: Mapping[str, str], state: WorkerState | None = None) -> Decision | None:
     """The handed decision when this process is a worker of ``resilient-strategy run``."""
     return (state or WORKER).load_decision(env)
+
+
+def bound_env(env: Mapping[str, str], state: WorkerState | None = None) -> dict[str, str]:
+    """In a worker, before the script runs (before CUDA starts): the variables of the GPUs its
+    decision is bound to (:meth:`Decision.worker_env`). A decision that cannot be read binds
+    nothing here: ``resilient_strategy()`` in the script says why it cannot be read."""
+    try:
+        decision = load_decision(env, state)
+    except ResilientStrategyError:
+        return {}
+    return {} if decision is None else decision.worker_env()
 
 
 def progress_path(run_dir: str | Path, local_rank: int) -> Path:

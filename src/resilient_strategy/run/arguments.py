@@ -106,8 +106,14 @@ def _ours(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--gradient-bytes", type=int, default=None,
                    help="the model's gradient bytes, for ranking the candidates")
     p.add_argument("--probe-timeout", type=float, default=None, help="seconds per probe")
-    p.add_argument("--sharding", choices=("auto", "full", "none"), default="auto",
-                   help="shard the model (FSDP2): auto (when a replica does not fit), full, none")
+    p.add_argument("--sharding", choices=("auto", "full", "none"), default=None,
+                   help="shard the model (FSDP2): auto (when a replica does not fit; the "
+                        "default), full, none; as the script's resilient_strategy(sharding=), "
+                        "which must agree with it")
+    p.add_argument("--offload", choices=("none", "auto"), default=None,
+                   help="CPU offload of a sharded model's state: none (the default), auto (only "
+                        "where nothing that keeps it on the GPUs fits); as the script's "
+                        "resilient_strategy(offload=), which must agree with it")
     p.add_argument("--param-bytes", type=int, default=None,
                    help="the model's parameter bytes, for memory planning")
     p.add_argument("--optimizer-state-factor", type=float, default=None,
@@ -150,7 +156,8 @@ def options_from_args(argv: Sequence[str]) -> RunOptions:
         stall_timeout=ns.stall_timeout, global_batch_size=ns.global_batch_size,
         gradient_bytes=ns.gradient_bytes, probe_timeout=ns.probe_timeout,
         logical_cpus=ns.logical_cpus, torchrun=ns if with_torch else None, sharding=ns.sharding,
-        param_bytes=ns.param_bytes, optimizer_state_factor=ns.optimizer_state_factor)
+        param_bytes=ns.param_bytes, optimizer_state_factor=ns.optimizer_state_factor,
+        offload=ns.offload)
     return replace(opts, min_throughput=ns.min_throughput, allow_cpu=bool(ns.allow_cpu),
                    max_attempts_without_progress=ns.max_attempts_without_progress,
                    evidence_dir=ns.evidence_dir)  # validated by RunOptions, as every option

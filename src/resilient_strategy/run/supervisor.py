@@ -59,7 +59,7 @@ from ..errors import (
     ResilientStrategyError,
 )
 from ..machine import env as _env
-from ..records.handoff import CHECKPOINT_NOTE, Decision, write_decision
+from ..records.handoff import CHECKPOINT_NOTE, Decision, binding, write_decision
 from ..records.trainfault import FAULT_VAR, TrainFault, parse_fault
 
 if TYPE_CHECKING:
@@ -375,8 +375,9 @@ def _options(opts: RunOptions, facts: Any, env: Mapping[str, str], rank: int = 0
         probe=None, timeout=opts.probe_timeout_s, prefer=None, dry_run=False, model=None,
         gradient_bytes=opts.gradient_bytes, sample_seconds=None, max_per_replica_batch=None,
         rules=(), disable_rules=(), cache=True, cache_dir=None, cache_ttl=None, precision="auto",
-        logical_cpus=opts.logical_cpus, sharding=opts.sharding, param_bytes=opts.param_bytes,
-        optimizer_state_factor=opts.optimizer_state_factor,
+        logical_cpus=opts.logical_cpus, sharding=opts.planned_sharding,
+        param_bytes=opts.param_bytes, optimizer_state_factor=opts.optimizer_state_factor,
+        offload=opts.planned_offload,
     ), plan_env
 
 
@@ -463,6 +464,10 @@ def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
     run_dir = session / f"attempt{attempt}"
     run_dir.mkdir()
     left = sum(1 for r in p.ranked if r.candidate.key != p.chosen.key)
+    devices, visible = binding(p.chosen, facts, env) if link is None else ((), "")
+    if devices:  # FSDP over a subset that is not the first GPUs: its workers see only those
+        _say(f"{p.chosen.label}: its {len(devices)} workers are bound to GPUs "
+             f"{','.join(map(str, devices))} (CUDA_VISIBLE_DEVICES={visible})")
     decision = Decision(
         framework=o.framework, chosen=p.chosen.key, results=results, run_dir=str(run_dir),
         attempt=attempt, proven=proven, from_cache=from_cache, notes=notes,
@@ -471,10 +476,24 @@ def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
         processes=max(1, p.chosen.num_replicas // node_count(opts)) if o.framework == "torch" else 1,
         nodes=1 if o.framework != "torch" or p.chosen.num_replicas == 1 else node_count(opts),
         node_trace=_node_trace(p.events) if link is not None else (),
-        reference_replicas=p.reference_replicas)
+        reference_replicas=p.reference_replicas, devices=devices, visible_devices=visible,
+        **_memory_planning(opts, o.framework, facts))
     write_decision(run_dir / "decision.json", decision)
     step_s = estimate(p.chosen, facts, results.get(p.chosen.key), o).step_seconds
     return Choice(decision, p.chosen, step_s, left)
+
+
+def _memory_planning(opts: RunOptions, framework: str, facts: Any) -> dict[str, Any]:
+    """The sharding and offload the decision was planned with, the flags that gave them (the
+    workers' scripts must agree: ``deciding.executor.handed_memory``), and the free memory it
+    was planned against (the workers plan with it)."""
+    if framework != "torch":
+        return {}
+    flags = tuple(f"--{name} {value}" for name, value in (
+        ("sharding", opts.sharding), ("offload", opts.offload)) if value is not None)
+    return {"sharding": opts.planned_sharding, "offload": opts.planned_offload, "flags": flags,
+            "free_bytes": tuple(g.memory_free_bytes for g in facts.gpus),
+            "host_available_bytes": facts.host.memory_available_bytes}
 
 
 def _node_trace(events: Sequence[Any]) -> tuple[str, ...]:

@@ -29,7 +29,7 @@ from typing import IO
 
 from ..probing.workers.watchdog import watch_parent
 from ..records.flight import serve
-from ..records.handoff import DECISION_VAR, current_reporter, write_error
+from ..records.handoff import DECISION_VAR, bound_env, current_reporter, write_error
 
 _USAGE = "usage: python -m resilient_strategy.run.worker --supervisor PID DECISION SCRIPT [ARGS...]"
 _KEEP: list[IO[str]] = []  # the stacks file stays open for faulthandler
@@ -42,6 +42,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     watch_parent(int(args[1]))  # before anything slow: the supervisor may already be gone
     decision, script, rest = args[2], args[3], args[4:]
     os.environ[DECISION_VAR] = decision  # private to this run; read by resilient_strategy()
+    os.environ.update(bound_env(os.environ))  # the GPUs a decision over a subset is bound to
     run_dir = Path(decision).parent
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     _stacks_on_signal(run_dir / f"rank{local_rank}.stacks.txt")
