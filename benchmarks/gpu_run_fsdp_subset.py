@@ -3,9 +3,9 @@
     python benchmarks/gpu_run_fsdp_subset.py [--leave-gib 10] [--deadline-s 400]
 
 A holder process fills GPUs 0 and 2 up to ``--leave-gib`` free (another job sharing them), then
-the supervisor plans ``examples/torch_fsdp_train.py`` for a model whose parameters are sized so
-that FSDP over two whole GPUs fits and over four does not (``--param-bytes``, AdamW (``--param-bytes``; the example's real model is small): FSDP over the four GPUs and over
-three does not fit GPUs 0 and 2, FSDP over GPUs 1 and 3 does, and the run starts two workers
+the supervisor plans ``examples/torch_fsdp_train.py`` for a model whose size is given with
+``--param-bytes`` (the example's real model is small), sized so that FSDP over the four GPUs or
+over three does not fit GPUs 0 and 2 while FSDP over GPUs 1 and 3 does, and the run starts two workers
 bound to them (CUDA_VISIBLE_DEVICES). Prints the supervisor's lines, each worker's bound-devices
 line, which GPUs the workers' processes ran on (nvidia-smi, sampled while they train), the
 optimizer steps and the exit code. Without 4 CUDA GPUs it says "skipped" and exits 0.
