@@ -495,8 +495,9 @@ class Outcome:
                 "verdict (cause)": verdict, "action": action,
                 "relaunch decided s": s(self.relaunched_s),
                 "training again s": s(self.training_again_s),
-                "steps": f"{self.final_steps}/{self.expected_steps}",
-                "steps equal": self.final_steps == self.expected_steps,
+                "steps": f"{self.final_steps or 0}/{self.expected_steps}",
+                "steps equal": "- (nothing ran)" if any(self.setup)
+                else self.final_steps == self.expected_steps,
                 "ended s": ",".join(s(e) for e in self.ended_s),
                 "leftovers": len(self.leftovers)}
 
