@@ -237,6 +237,24 @@ def test_node_0_goes_on_alone_without_a_node_lost_at_the_relaunch(tmp_path: Path
     assert failures[gloo].status == ERROR and ("node_lost", "1") in failures[gloo].extra
 
 
+def test_nodes_that_never_met_leave_a_typed_setup_record(tmp_path: Path) -> None:
+    # the blackhole scenario left no attempts.json at all: only English said what failed
+    import json
+
+    from resilient_strategy.errors import NodeLostError
+    from resilient_strategy.run.evidence import Evidence
+    from resilient_strategy.run.supervisor import _setup_failure
+
+    lost = NodeLostError("node 1 did not join within 20 s", 1)
+    rec = _setup_failure(lost, _link(0), {})
+    assert (rec["error"], rec["node"], rec["how"], rec["this_node"]) == (
+        "NodeLostError", 1, "deadline", 0)
+    assert (rec["store"], rec["exit_code"]) == ("198.18.0.1:29400", ExitCode.INFRASTRUCTURE)
+    path = Evidence(tmp_path, "rs-run-1").setup(rec)
+    assert path is not None
+    assert json.loads(Path(path).read_text()) == {"attempts": [], "setup": rec}
+
+
 def test_waits_the_supervisor_cannot_bound_itself_run_with_a_deadline() -> None:
     import threading
 
