@@ -2,7 +2,8 @@
 bridge, ``resilient-strategy run --nnodes 2`` in each (CPU, gloo, examples/torch_train.py), and
 faults struck from outside the job at a chosen step: a worker SIGKILLed or SIGSTOPped, a node's
 link set down, the bridge's side of its link set down then up, a worker stopped for less than
-the stall allowance, a decoy interface holding a node's default route and hostname.
+the stall allowance, a decoy interface holding a node's default route and hostname; and, before
+the job starts, a blackhole route to the master on node 1 (a setup failure: the nodes never meet).
 
 Asserted from typed outcomes only (exit codes, the decisions and progress records the
 supervisors write, the checkpoint's optimizer-step count, live processes, sockets, namespaces).
