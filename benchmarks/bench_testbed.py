@@ -5,11 +5,14 @@
 Two nodes as network namespaces on a bridge (198.18.0.0/24), `resilient-strategy run --nnodes 2
 --nproc-per-node 1` in each (CPU, gloo, examples/torch_train.py: 48 optimizer steps of a 1024-wide
 MLP, a checkpoint every 4, --stall-timeout 5), and one fault struck from outside the job once rank
-0 has done step 8. Columns (seconds from the fault, measured from outside by watching the files
-the supervisors write and their processes):
+0 has done step 8 (`blackhole`: a blackhole route to the master on node 1 before the job starts,
+--probe-timeout 10; its times are from the start of the job). Columns (seconds from the fault,
+measured from outside by watching the files the supervisors write and their processes):
 
 - stopped: node 0's workers of the faulted attempt are gone (the supervisor judged and stopped);
-- verdict (cause): the cause node 0 recorded for the failed candidate in its next decision;
+- verdict (cause): the cause node 0 recorded for the failed candidate in its next decision
+  (a run that failed before its first attempt: each node's `setup` record in attempts.json,
+  the error, how, and the node that went silent);
 - action: what the next launch attempt ran on (none: not relaunched);
 - relaunch decided: the next attempt's decision written on node 0;
 - training again: the first optimizer step of the next attempt;
@@ -36,7 +39,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import testbed as tb  # noqa: E402
 
-ORDER = ("sigkill", "sigstop", "link_down", "bridge_down", "straggler", "decoy")
+ORDER = ("sigkill", "sigstop", "link_down", "bridge_down", "straggler", "decoy", "blackhole")
 LIMITS = {"link_down": 150.0}  # node 0 waits for node 1 at the relaunch, then goes on alone
 
 

@@ -2,7 +2,8 @@
 bridge, ``resilient-strategy run --nnodes 2`` in each (CPU, gloo, examples/torch_train.py), and
 faults struck from outside the job at a chosen step: a worker SIGKILLed or SIGSTOPped, a node's
 link set down, the bridge's side of its link set down then up, a worker stopped for less than
-the stall allowance, a decoy interface holding a node's default route and hostname.
+the stall allowance, a decoy interface holding a node's default route and hostname; and, before
+the job starts, a blackhole route to the master on node 1 (a setup failure: the nodes never meet).
 
 Asserted from typed outcomes only (exit codes, the decisions and progress records the
 supervisors write, the checkpoint's optimizer-step count, live processes, sockets, namespaces).
@@ -35,6 +36,9 @@ LINK_DOWN_LIMIT_S = 150.0
 #: A node cut off from the store stops within the stall allowance and the heartbeat window plus
 #: this much (the looks at the store, each bounded, and the rendezvous's bounded shutdown).
 CUT_OFF_MARGIN_S = 20.0
+#: A node that never meets the others stops within its own wait for them plus this much
+#: (starting the supervisor, importing torch, the store client's retry backoff).
+SETUP_MARGIN_S = 30.0
 
 
 # --- fast: what the bed taught, as data ----------------------------------------------------------
@@ -48,6 +52,21 @@ def test_a_rank_killed_from_outside_is_an_exit_wherever_it_was() -> None:
     said = RankExit(0, -signal.SIGKILL, {"types": ["builtins.ValueError"], "message": "x"},
                     Record(5, COLLECTIVE, 8, t=1.0))
     assert classify_attempt(None, [said]).kind is VerdictKind.USER  # its own error is the story
+
+
+def test_a_route_that_rejects_the_master_is_no_route_to_it() -> None:
+    # /proc/net/route in the bed's node 1 after `ip route add blackhole 198.18.0.1/32`: no
+    # device ("*"), only RTF_UP|RTF_HOST; an unreachable or prohibit route adds RTF_REJECT
+    from resilient_strategy.machine.routes import route_interface
+
+    head = "Iface\tDestination\tGateway\tFlags\tRefCnt\tUse\tMetric\tMask\tMTU\tWindow\tIRTT\n"
+    net = "rstb-e1\t000012C6\t00000000\t0001\t0\t0\t0\t00FFFFFF\t0\t0\t0\n"
+    local = {"lo": "127.0.0.1", "rstb-e1": "198.18.0.2"}
+    assert route_interface("198.18.0.1", head + net, local)[0] == "rstb-e1"
+    for flags in ("0005", "0205"):
+        reject = f"*\t010012C6\t00000000\t{flags}\t0\t0\t0\tFFFFFFFF\t0\t0\t0\n"
+        assert route_interface("198.18.0.1", head + net + reject, local)[0] is None
+        assert route_interface("198.18.0.9", head + net + reject, local)[0] == "rstb-e1"
 
 
 def test_gloo_between_nodes_binds_to_the_route_to_the_master_unless_the_user_chose() -> None:
@@ -219,6 +238,24 @@ def test_node_0_goes_on_alone_without_a_node_lost_at_the_relaunch(tmp_path: Path
     assert failures[gloo].status == ERROR and ("node_lost", "1") in failures[gloo].extra
 
 
+def test_nodes_that_never_met_leave_a_typed_setup_record(tmp_path: Path) -> None:
+    # the blackhole scenario left no attempts.json at all: only English said what failed
+    import json
+
+    from resilient_strategy.errors import NodeLostError
+    from resilient_strategy.run.evidence import Evidence
+    from resilient_strategy.run.supervisor import _setup_failure
+
+    lost = NodeLostError("node 1 did not join within 20 s", 1)
+    rec = _setup_failure(lost, _link(0), {})
+    assert (rec["error"], rec["node"], rec["how"], rec["this_node"]) == (
+        "NodeLostError", 1, "deadline", 0)
+    assert (rec["store"], rec["exit_code"]) == ("198.18.0.1:29400", ExitCode.INFRASTRUCTURE)
+    path = Evidence(tmp_path, "rs-run-1").setup(rec)
+    assert path is not None
+    assert json.loads(Path(path).read_text()) == {"attempts": [], "setup": rec}
+
+
 def test_waits_the_supervisor_cannot_bound_itself_run_with_a_deadline() -> None:
     import threading
 
@@ -358,3 +395,30 @@ def test_a_node_whose_link_goes_down_is_dropped_and_node_0_finishes_alone(
     assert o.action == "fewer_nodes", o
     assert o.chosen[-1][1] == 1 and o.history[-1]["action"] == "finish", o
     _finished_exactly(o)
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+def test_a_blackhole_route_to_the_master_stops_both_nodes_as_the_machines_fault(
+        bed: tb.Bed, tmp_path: Path) -> None:
+    # node 1's kernel drops everything to node 0 before the job starts: the nodes never meet.
+    # Neither waits past its own deadline, neither blames the script or the command line: both
+    # exit 75 (requeue elsewhere), nothing launched, and each says, typed, what failed
+    from resilient_strategy.nodes.manynodes import MARGIN_FLOOR_S
+
+    o = tb.run_fault(bed, tmp_path, "blackhole")
+    assert o.codes == (ExitCode.INFRASTRUCTURE, ExitCode.INFRASTRUCTURE), o
+    assert o.attempts == ((), ()) and o.final_steps is None, o  # no decision: no worker ran
+    here, there = o.setup[1], o.setup[0]
+    assert here is not None and there is not None, o
+    # node 1 could not reach the store at the rendezvous host, and its kernel says why
+    assert (here["error"], here["how"], here["this_node"]) == ("NodeLostError", "store", 1), o
+    assert here["store"] == f"{bed.master}:{tb.PORT}" and here["route"] is None, o
+    # node 0 waited for node 1 to join, and names it
+    assert (there["error"], there["node"], there["this_node"]) == ("NodeLostError", 1, 0), o
+    assert here["exit_code"] == there["exit_code"] == ExitCode.INFRASTRUCTURE, o
+    margin = max(MARGIN_FLOOR_S, tb.SETUP_PROBE_S / 2)
+    joined, store = 2 * margin, tb.SETUP_PROBE_S + margin  # node 0's and node 1's own waits
+    assert o.ended_s[0] is not None and o.ended_s[0] < joined + SETUP_MARGIN_S, o
+    assert o.ended_s[1] is not None and o.ended_s[1] < store + SETUP_MARGIN_S, o
+    assert o.leftovers == (), o

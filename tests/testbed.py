@@ -170,6 +170,12 @@ class Bed:
                          encoding="utf-8")
         return name
 
+    def blackhole_master(self, node: int) -> None:
+        """A blackhole route to the master on ``node``: its packets to node 0 are dropped by
+        its own kernel (a connect fails at once: ``EINVAL``), the rest of its network is
+        untouched."""
+        _ip("-n", self.nodes[node].netns, "route", "add", "blackhole", f"{self.master}/32")
+
 
 @contextlib.contextmanager
 def testbed(nodes: int = 2, prefix: str = PREFIX) -> Iterator[Bed]:
@@ -351,12 +357,23 @@ class Job:
     def history(self, node: int) -> list[dict[str, Any]]:
         """The node's supervisor's record of every attempt (``attempts.json`` in its evidence
         directory, written when there was a fault): candidate, verdict, action, exit code."""
+        data = self._attempts(node)
+        if data is not None and isinstance(data.get("attempts"), list):
+            return [a for a in data["attempts"] if isinstance(a, dict)]
+        return []
+
+    def setup(self, node: int) -> dict[str, Any] | None:
+        """What ended the node's run before its first attempt (``attempts.json``'s ``setup``:
+        the nodes never agreed), None when nothing did."""
+        data = self._attempts(node)
+        got = None if data is None else data.get("setup")
+        return got if isinstance(got, dict) else None
+
+    def _attempts(self, node: int) -> dict[str, Any] | None:
         for path in (self.work / f"node{node}").glob(
                 "resilient-strategy-evidence/*/attempts.json"):
-            data = _read(path)
-            if data is not None and isinstance(data.get("attempts"), list):
-                return [a for a in data["attempts"] if isinstance(a, dict)]
-        return []
+            return _read(path)
+        return None
 
     def stop(self) -> None:
         for p in self.procs:
@@ -415,8 +432,13 @@ def tcp_addresses(pid: int) -> set[str]:
 SAMPLES, EPOCHS, HIDDEN, EVERY = 6144, 2, 1024, 4
 EXPECTED_STEPS = EPOCHS * (SAMPLES // 256)
 STALL_S = 5.0  # --stall-timeout: the allowance for a wait on a peer
+#: --probe-timeout of the setup-failure scenario (``blackhole``): no probe runs there, and the
+#: nodes' waits for each other before the first attempt are derived from it (node 0 waits
+#: 2 x max(10 s, half of it) for node 1 to join, node 1 as long for the store: 20 s each)
+SETUP_PROBE_S = 10.0
 FAULT_STEP = 8  # strike once rank 0 is this far
-FAULTS = ("none", "sigkill", "sigstop", "link_down", "bridge_down", "straggler", "decoy")
+FAULTS = ("none", "sigkill", "sigstop", "link_down", "bridge_down", "straggler", "decoy",
+          "blackhole")
 
 
 @dataclass(frozen=True)
@@ -439,6 +461,7 @@ class Outcome:
     addresses: tuple[str, ...] = ()  # local TCP addresses of node 1's worker (decoy)
     decoy: str = ""  # the decoy's address (decoy)
     ended_s: tuple[float | None, ...] = ()  # per node: fault -> its supervisor exited
+    setup: tuple[Mapping[str, Any] | None, ...] = ()  # per node: attempts.json's "setup"
 
     @property
     def relaunched(self) -> bool:
@@ -461,6 +484,10 @@ class Outcome:
         v = self.verdict
         verdict = "-" if v is None else f"{v.get('kind')} ({v.get('cause') or '-'})"
         action = self.action or "none"
+        if any(self.setup):  # the nodes never agreed: what each recorded (node that went silent)
+            verdict = ", ".join("-" if u is None else f"{u.get('error')} ({u.get('how')}, node "
+                                f"{u.get('node')})" for u in self.setup)
+            action = "stop before any attempt"
         if self.relaunched:
             action += (f": {self.chosen[1][0].split(':')[1]} on {self.chosen[1][1]} node(s)")
         return {"fault": self.fault, "exit codes": ",".join(map(str, self.codes)),
@@ -468,8 +495,9 @@ class Outcome:
                 "verdict (cause)": verdict, "action": action,
                 "relaunch decided s": s(self.relaunched_s),
                 "training again s": s(self.training_again_s),
-                "steps": f"{self.final_steps}/{self.expected_steps}",
-                "steps equal": self.final_steps == self.expected_steps,
+                "steps": f"{self.final_steps or 0}/{self.expected_steps}",
+                "steps equal": "- (nothing ran)" if any(self.setup)
+                else self.final_steps == self.expected_steps,
                 "ended s": ",".join(s(e) for e in self.ended_s),
                 "leftovers": len(self.leftovers)}
 
@@ -477,27 +505,33 @@ class Outcome:
 def run_fault(bed: Bed, work: Path, fault: str, *, stall_s: float = STALL_S,
               limit_s: float = 240.0) -> Outcome:
     """Train on ``bed`` and strike ``fault`` at :data:`FAULT_STEP` (``none``: an
-    uninterrupted run; ``decoy``: a decoy interface on node 1 from the start)."""
+    uninterrupted run; ``decoy``: a decoy interface on node 1 from the start; ``blackhole``: a
+    blackhole route to the master on node 1 from the start, so that the nodes never meet:
+    times are from the start of the job)."""
     if fault not in FAULTS:
         raise ValueError(f"unknown fault {fault!r}; one of {FAULTS}")
     decoy = f"{DECOY_NET}.3" if fault == "decoy" else ""
     if decoy:
         bed.add_decoy(1)
+    setup = fault == "blackhole"
+    if setup:
+        bed.blackhole_master(1)
     args = ["--samples", str(SAMPLES), "--epochs", str(EPOCHS), "--hidden", str(HIDDEN),
             "--checkpoint-every", str(EVERY), "--checkpoint-dir", str(work / "ckpt")]
     job = Job(bed, work, ROOT / "examples" / "torch_train.py", args, stall_timeout=stall_s,
-              limit_s=limit_s)
+              limit_s=limit_s, probe_timeout=SETUP_PROBE_S if setup else PROBE_S)
     t0: float | None = None
     stopped: float | None = None
     addresses: set[str] = set()
     victims: list[int] = []
     ended: dict[int, float] = {}
     try:
-        job.wait_for_step(FAULT_STEP, timeout_s=limit_s / 2)
-        victims = job.workers(1, 0)
+        if not setup:
+            job.wait_for_step(FAULT_STEP, timeout_s=limit_s / 2)
+            victims = job.workers(1, 0)
         if fault in ("sigkill", "sigstop", "straggler"):
             assert victims, job.tails()
-        t0 = time.monotonic()
+        t0 = job.started if setup else time.monotonic()
         if fault == "sigkill":
             os.kill(victims[0], signal.SIGKILL)
         elif fault in ("sigstop", "straggler"):
@@ -547,10 +581,11 @@ def run_fault(bed: Bed, work: Path, fault: str, *, stall_s: float = STALL_S,
         chosen=tuple((str(c.decisions[(0, a)]["chosen"]), int(c.decisions[(0, a)]["nodes"]))
                      for a in c.attempts(0)),
         history=tuple(job.history(0)), fault_step=fault_step,
-        stopped_s=None if stopped is None or fault in ("none", "straggler", "decoy")
+        stopped_s=None if stopped is None or fault in ("none", "straggler", "decoy", "blackhole")
         else stopped - base,
         relaunched_s=None if decided is None else decided - base,
         training_again_s=min(again) - base if again else None,
         leftovers=tuple(job.leftovers()), addresses=tuple(sorted(addresses)), decoy=decoy,
         ended_s=tuple(None if i not in ended or t0 is None else ended[i] - t0
-                      for i in range(len(bed.nodes))))
+                      for i in range(len(bed.nodes))),
+        setup=tuple(job.setup(n.index) for n in bed.nodes))

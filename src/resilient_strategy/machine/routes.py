@@ -27,6 +27,9 @@ PROC_NET_ROUTE = "proc/net/route"
 #: How long a host name may take to resolve before the route counts as unknown.
 RESOLVE_DEADLINE_S = 2.0
 _SIOCGIFADDR = 0x8915
+#: /proc/net/route's flag of an unreachable or prohibit route; a blackhole route has no flag of
+#: its own there, only no device ("*", as the other two): the kernel drops what goes to it
+_RTF_REJECT = 0x0200
 #: The rendezvous endpoint torchrun reads from the environment (``--rdzv-endpoint``), used when
 #: ``MASTER_ADDR`` is not set (the supervisor of ``resilient-strategy run`` decides before any).
 RDZV_ENDPOINT_VAR = "PET_RDZV_ENDPOINT"
@@ -70,10 +73,15 @@ def route_interface(
         bits = bin(mask).count("1")
         if best is None or (bits, -metric) > (best[0], best[1]):
             net = socket.inet_ntoa(struct.pack("=I", dst))
-            best = (bits, -metric, f[0], f"kernel route {net}/{bits} dev {f[0]} (/proc/net/route)")
+            if f[0] == "*" or flags & _RTF_REJECT:
+                best = (bits, -metric, "", f"the kernel route {net}/{bits} rejects {dest}: a "
+                        "blackhole, unreachable or prohibit route, no device (/proc/net/route)")
+            else:
+                best = (bits, -metric, f[0],
+                        f"kernel route {net}/{bits} dev {f[0]} (/proc/net/route)")
     if best is None:
         return None, f"no route to {dest} in /proc/net/route"
-    return best[2], best[3]
+    return best[2] or None, best[3]
 
 
 def local_addresses() -> dict[str, str]:

@@ -3,7 +3,8 @@
 group (the collective it is stuck in, the ranks that never entered it, each rank's last entries;
 :mod:`resilient_strategy.records.flightdump`), then each rank's traceback, the Python stacks dumped
 before a stalled group was stopped, and the tail of its stderr) and ``attempts.json`` (every
-attempt: candidate, verdict with the flight recorder's facts, what followed, exit code). The raw
+attempt: candidate, verdict with the flight recorder's facts, what followed, exit code; or, when
+the nodes never agreed on a first attempt, ``setup``: what failed). The raw
 dumps are kept beside it (``attempt<N>.<api>.rank<R>``, for torch's own analyzer,
 ``python -m torch.distributed.flight_recorder.fr_trace``). The console gets one line per fault and
 this file's path, not the tracebacks.
@@ -100,6 +101,17 @@ class Evidence:
         path = self.dir / "attempts.json"
         with contextlib.suppress(Exception):
             write_json_atomic(path, {"attempts": [a.to_dict() for a in history]}, indent=1)
+            return str(path)
+        return None
+
+    def setup(self, failure: dict[str, object]) -> str | None:
+        """``attempts.json`` for a run that failed before its first attempt (the nodes never
+        agreed): no attempt, and ``setup``, what failed (typed: see the supervisor's
+        ``_setup_failure``); its path or None."""
+        path = self.dir / "attempts.json"
+        with contextlib.suppress(Exception):
+            ensure_private_dir(self.dir)
+            write_json_atomic(path, {"attempts": [], "setup": failure}, indent=1)
             return str(path)
         return None
 

@@ -139,7 +139,12 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
     if link is not None:
         _say(f"node {link.node} of {link.nodes}: the nodes' supervisors agree through the "
              f"store at {link.where} before any worker starts")
-    choice = _decide(opts, facts, snapshot, failures, session, 0, (), link)
+    try:
+        choice = _decide(opts, facts, snapshot, failures, session, 0, (), link)
+    except MultiNodeError as exc:
+        if link is not None:  # the nodes never agreed: say what failed, typed, then stop (75)
+            evidence.setup(_setup_failure(exc, link, snapshot))
+        raise
     _say(_allowance_words(opts, snapshot))
     resumed: int | None = None
     team = link  # the nodes that relaunch together; None once node 0 goes on without the others
@@ -308,6 +313,21 @@ def _without_lost_node(opts: RunOptions, facts: Any, env: Mapping[str, str],
     if refusal is not None:
         return None, f"not relaunched on node 0 alone: {refusal}"
     return nxt, ""
+
+
+def _setup_failure(exc: MultiNodeError, link: NodeLink, env: Mapping[str, str]
+                   ) -> dict[str, object]:
+    """What ended a multi-node run before its first attempt, typed (``attempts.json``'s
+    ``setup``): the error, the node that went silent (``node``, None: the store itself), how
+    (``deadline``, ``heartbeat``, ``store``), this node, the store's address, and this node's
+    kernel route to it (``route`` None: none, or a route that rejects it, ``route_how`` says)."""
+    from ..machine.routes import route_to_master
+
+    iface, how = route_to_master(link.env(env, 0))
+    return {"error": type(exc).__name__, "node": getattr(exc, "node", None),
+            "how": getattr(exc, "how", None), "this_node": link.node,
+            "store": f"{link.host}:{link.port}", "route": iface, "route_how": how,
+            "summary": str(exc), "exit_code": int(ExitCode.INFRASTRUCTURE)}
 
 
 def _summary(history: Sequence[Attempt], judgement: Judgement) -> str:
