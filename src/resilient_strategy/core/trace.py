@@ -129,7 +129,8 @@ class Note(Event):
     (the cache is neither read nor written for a rehearsal), ``within_noise`` (measured speeds
     within their measured noise kept the chain's order), ``multi_worker`` (a TF_CONFIG job's
     ladder), ``alone_after_workers`` (worker 0's own MirroredStrategy moved after the strategies
-    across the workers).
+    across the workers), ``gpus_unchecked`` (GPUs a killed probe may have broken, unused by the
+    choice, whose deferred health check did not fit the probe budget: how to check them).
     """
 
     kind: ClassVar[str] = "note"
