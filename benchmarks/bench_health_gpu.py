@@ -17,9 +17,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from resilient_strategy.core.probe import ProbeSpec  # noqa: E402
-from resilient_strategy.probing import cost, forkserver, health  # noqa: E402
-from resilient_strategy.probing.prober import DeferredHealthProber, run_probe  # noqa: E402
+from resilient_strategy.core.probe import ProbeSpec
+from resilient_strategy.probing import cost, forkserver, health
+from resilient_strategy.probing.prober import DeferredHealthProber, run_probe
 
 
 def main() -> None:
