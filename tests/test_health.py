@@ -3,6 +3,7 @@ report on CPU-only machines, and the real check on GPUs (RS_GPU_TESTS=1)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -154,3 +155,19 @@ def test_the_final_check_covers_the_chosen_gpus_always_and_the_rest_when_afforda
     assert u.final((0,), affordable=True) == ((0, 1, 2, 3), ())
     assert u.final((0,), affordable=False) == ((0,), (1, 2, 3))
     assert u.final((), affordable=False) == ((), (0, 1, 2, 3))  # a CPU choice
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+def test_the_deferred_check_forked_from_the_fork_server_reports_what_the_worker_found() -> None:
+    from resilient_strategy.probing import forkserver
+    from resilient_strategy.probing.prober import DeferredHealthProber
+
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # no GPU for torch: the worker names GPU 0 as unusable
+    try:
+        broken = DeferredHealthProber().check_gpus("torch", (0,), env)
+    finally:
+        forkserver.close_all()
+    assert [gpu for gpu, _ in broken] == [0]
