@@ -148,8 +148,7 @@ def test_probe_budget_is_one_deadline_for_the_decision(tmp_path: Path) -> None:
     # budget of 4 timeouts
     facts = machine(2, name="NVIDIA GeForce RTX 4090", cc=(8, 9), aws=True, container="docker",
                     shm_mb=64, env={"WORLD_SIZE": "2"})
-    # a hang no progress judges, described with its elapsed time (the deadline), so that no
-    # GPU health check after it adds to the clock (issue 21: the kit charges what the prober does)
+    # a hang no progress judges, described with its elapsed time (the deadline)
     prober = FakeProber({"*": {"status": "timeout", "cause": "timeout", "elapsed_s": 10.0}})
     o = opts_for(facts, {"WORLD_SIZE": "2"}, timeout=10.0, gradient_bytes=1000,
                  sample_seconds=1.0, cache=True, cache_dir=tmp_path)
@@ -157,7 +156,11 @@ def test_probe_budget_is_one_deadline_for_the_decision(tmp_path: Path) -> None:
     assert isinstance(d, Decision)
     p, results = d.plan, d.results
     assert d.proven and p.chosen is not None and p.chosen.backend == "single_device"
-    assert prober.elapsed_s <= o.budget_s == 40.0
+    # the probes keep to the budget; the GPU health checks are charged on top, never skipped:
+    # where a deadline hang stopped is unknown, so one on GPUs a killed probe left is checked
+    # at once (issue 21 item 4), here after the 2nd and the 4th probe
+    assert sum(r.elapsed_s for r in results.values()) <= o.budget_s == 40.0
+    assert prober.health_checks == [(0, 1), (0, 1)]
     probed = [r for r in results.values() if r.cause == "timeout"]
     skipped = [r for r in results.values() if r.cause == "budget"]
     assert len(probed) == 4 and len(skipped) == 1  # the last was never started

@@ -222,3 +222,45 @@ def test_a_cpu_only_tensorflow_build_gets_no_gpu_probe_on_a_gpu_machine() -> Non
     sel = simulate(tf, prober, framework="tensorflow", global_batch_size=64)
     assert (sel.backend, prober.probed) == ("cpu", [])
     assert [c["backend"] for c in sel.to_dict()["candidates"]] == ["cpu"]
+
+
+# ----- the deferred GPU health check in a simulated decision (issue 21 item 4) ----------------
+LAUNCH4 = {"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0"}
+
+
+def test_a_gpu_the_health_check_finds_broken_after_a_hang_ends_the_decision() -> None:
+    from resilient_strategy.errors import GpuUnusableError
+
+    prober = FakeProber({"single_device": "ok"}, default="timeout",
+                        broken_gpus={2: "did not initialize"})
+    with pytest.raises(GpuUnusableError) as err:
+        simulate(machine(4, env=LAUNCH4), prober, framework="torch", global_batch_size=256)
+    assert err.value.gpus == ((2, "did not initialize"),)
+    assert prober.health_checks == [(0, 1, 2, 3)]  # one check, after the whole ladder
+
+
+def test_a_probe_stuck_before_its_devices_on_an_unproven_gpu_is_checked_at_once() -> None:
+    from resilient_strategy.errors import GpuUnusableError
+
+    # nccl hangs in collective 1 (killed: GPUs unproven); its remedy's ranks never all arrive
+    prober = FakeProber({"nccl": "timeout", "nccl+*": "hang:straggler", "single_device": "ok"},
+                        default="timeout", broken_gpus={1: "hangs in cuInit"})
+    with pytest.raises(GpuUnusableError):
+        simulate(machine(4, env=LAUNCH4), prober, framework="torch", global_batch_size=256)
+    assert prober.probed == ["nccl", "nccl+NCCL_P2P_DISABLE=1"]  # no chain of hangs on it
+    assert prober.health_checks == [(0, 1, 2, 3)]
+
+
+def test_unused_gpus_whose_check_overruns_the_budget_are_named_in_a_note() -> None:
+    from dataclasses import replace as _replace
+
+    from resilient_strategy.probing.cost import TYPICAL
+
+    slow = _replace(TYPICAL[("torch", True)], device_s=50.0)  # a check costs 50 s per GPU
+    prober = FakeProber({"single_device": "ok"}, default="timeout", figures=slow)
+    sel = simulate(machine(4, env=LAUNCH4), prober, framework="torch", global_batch_size=256,
+                   timeout=30.0)
+    assert sel.backend == "single_device" and sel.devices == (0,)
+    assert prober.health_checks == [(0,)]  # the chosen GPU is never left unproven
+    notes = [e for e in sel.plan.events if isinstance(e, Note) and e.topic == "gpus_unchecked"]
+    assert len(notes) == 1 and "1,2,3" in notes[0].to_dict().get("message", "")

@@ -3,6 +3,7 @@ report on CPU-only machines, and the real check on GPUs (RS_GPU_TESTS=1)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -104,3 +105,69 @@ def test_gpu_healthy_gpus_pass() -> None:
     if os.environ.get("RS_GPU_TESTS") != "1":
         pytest.skip("set RS_GPU_TESTS=1 on a machine with CUDA GPUs")
     assert health.run_check("torch", [0], dict(os.environ), timeout_s=60.0) == []
+
+
+# ----- the deferred check (issue 21 item 4): which GPUs need a check when -------------------
+HUNG = ProbeResult("k", TIMEOUT, 9.0, "timeout", extra=(("hang", "collective"),))
+STRAGGLER = ProbeResult("k", TIMEOUT, 4.0, "timeout", extra=(("hang", "straggler"),))
+
+
+@pytest.mark.parametrize(("r", "ready"), [
+    (ProbeResult("k", OK, 1.0), True),
+    (HUNG, True),  # every rank inside collective 1: past its device
+    (ProbeResult("k", TIMEOUT, 9.0, "timeout", extra=(("hang", "setup"),)), True),
+    (STRAGGLER, False),  # a rank that never arrived: maybe stuck initialising its GPU
+    (ProbeResult("k", TIMEOUT, 30.0, "timeout"), False),  # only the deadline cut it
+    (ProbeResult("k", ERROR, 1.0, "nccl_error"), False),  # no phases: unknown
+    (ProbeResult("k", ERROR, 1.0, "nccl_error", phases=(("device_ready", 0.4),)), True),
+])
+def test_devices_ready_from_the_result(r: ProbeResult, ready: bool) -> None:
+    assert health.devices_ready(r) is ready
+
+
+def test_a_killed_probe_leaves_its_gpus_unproven_and_a_passing_one_proves_them() -> None:
+    u = health.Unproven()
+    assert u.after_probe(spec((0, 1, 2, 3)), HUNG) == ()  # deferred, not checked now
+    assert u.gpus == {0, 1, 2, 3} and u.by == ["torch:nccl:0,1"]
+    assert u.after_probe(spec((0, 1)), ProbeResult("k", OK, 2.0)) == ()
+    assert u.gpus == {2, 3}
+    # a second hang past device-ready on the unproven GPUs is deferred as well
+    assert u.after_probe(spec((2, 3)), HUNG) == () and u.gpus == {2, 3}
+    # CPU probes never touch the ledger
+    assert u.after_probe(spec(()), STRAGGLER) == () and u.gpus == {2, 3}
+
+
+def test_a_probe_that_fails_before_its_devices_are_ready_on_an_unproven_gpu_is_checked_now() -> None:
+    u = health.Unproven()
+    u.after_probe(spec((0, 1)), HUNG)
+    # a straggler on GPUs 1 and 2: GPU 1 is a suspect; the kill makes 2 unproven too
+    assert u.after_probe(spec((1, 2)), STRAGGLER) == (1, 2)
+    # an error without phases on an unproven GPU: its unproven GPU only (nothing was killed)
+    assert u.after_probe(spec((0, 3)), ProbeResult("k", ERROR, 1.0, "nccl_error")) == (0,)
+    # the same failure on proven GPUs needs no check
+    assert health.Unproven().after_probe(spec((0, 1)), STRAGGLER) == ()
+    u.checked((0, 1, 2))
+    assert u.gpus == set()
+
+
+def test_the_final_check_covers_the_chosen_gpus_always_and_the_rest_when_affordable() -> None:
+    u = health.Unproven({0, 1, 2, 3})
+    assert u.final((0,), affordable=True) == ((0, 1, 2, 3), ())
+    assert u.final((0,), affordable=False) == ((0,), (1, 2, 3))
+    assert u.final((), affordable=False) == ((), (0, 1, 2, 3))  # a CPU choice
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+def test_the_deferred_check_forked_from_the_fork_server_reports_what_the_worker_found() -> None:
+    from resilient_strategy.probing import forkserver
+    from resilient_strategy.probing.prober import DeferredHealthProber
+
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # no GPU for torch: the worker names GPU 0 as unusable
+    try:
+        broken = DeferredHealthProber().check_gpus("torch", (0,), env)
+    finally:
+        forkserver.close_all()
+    assert [gpu for gpu, _ in broken] == [0]

@@ -206,8 +206,9 @@ def test_the_deadline_still_bounds_a_probe_that_reports_no_progress(
 ) -> None:
     # a hang during import (never judged: a generous allowance) ends at the deadline
     monkeypatch.setattr(prober, "stall_policy",
-                        lambda spec: StallPolicy(arrive_grace_s=1e9, setup_grace_s=1e9,
-                                                 collective_base_s=1e9, quiet_s=None))
+                        lambda spec, env=None: StallPolicy(
+                            arrive_grace_s=1e9, setup_grace_s=1e9, collective_base_s=1e9,
+                            quiet_s=None))
     res = run_probe(gloo(timeout_s=8.0), {**env, FAULT: "hang:1"})
     assert (res.status, res.cause) == (TIMEOUT, "timeout")
     assert not judged_hang(res)

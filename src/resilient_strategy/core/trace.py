@@ -131,7 +131,8 @@ class Note(Event):
     ladder), ``alone_after_workers`` (worker 0's own MirroredStrategy moved after the strategies
     across the workers), ``handed_memory`` (a worker of ``resilient-strategy run`` takes the
     supervisor's sharding / offload), ``bound_devices`` (a worker bound to a subset of the GPUs:
-    which ones).
+    which ones), ``gpus_unchecked`` (GPUs a killed probe may have broken, unused by the choice,
+    whose deferred health check did not fit the probe budget: how to check them).
     """
 
     kind: ClassVar[str] = "note"

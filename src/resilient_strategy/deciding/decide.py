@@ -35,6 +35,7 @@ from ..core.trace import (
 )
 from ..errors import (
     FailureCause,
+    GpuUnusableError,
     ResilientStrategyError,
 )
 from ..vocab import MULTI_WORKER_BACKENDS
@@ -47,13 +48,19 @@ from .notices import (
 )
 
 if TYPE_CHECKING:
-    pass
+    from types import ModuleType
+
+    from ..probing.health import Unproven
 
 from ..core.decision import Decision as Decision  # re-exported: the deciders' one shape
 
 log = logging.getLogger("resilient_strategy")
 
 Prober = Callable[[ProbeSpec, Mapping[str, str]], ProbeResult]
+#: A prober that defers the GPU health check to the decision has ``check_gpus(framework,
+#: devices, env)`` -> the broken GPUs with why (:class:`..probing.prober.DeferredHealthProber`,
+#: the testing kit's SimulatedProber); one without it checks after each killed probe itself.
+GpuCheck = Callable[[str, tuple[int, ...], Mapping[str, str]], list[tuple[int, str]]]
 #: The workers' fault injection (probing/workers/common.py): its results are never cached.
 FAULT_VAR = "RESILIENT_STRATEGY_PROBE_FAULT"
 MAX_ROUNDS = 32  # probes per decision, at most (the candidate set is far smaller)
@@ -142,6 +149,8 @@ def decide(
     warned = False
     deadline = clock() + opts.budget_s
     fresh: dict[str, ProbeResult] = {}
+    check: GpuCheck | None = getattr(prober, "check_gpus", None)
+    unproven: Unproven = _health().Unproven()
     p = plan(facts, opts.rules, results, opts)
     for _ in range(max_rounds):
         if (p.next_probe is None or opts.probe == "never" or opts.dry_run
@@ -169,17 +178,28 @@ def decide(
                 res = space_short(res, temp_root(env))
         if progress is not None:
             progress.end(res)
+        if check is not None and res.cause not in ("budget",):
+            due = unproven.after_probe(spec_for(c, opts, timeout_s), res)
+            if due:  # failed before its devices were ready, on a GPU a killed probe left
+                _check_or_raise(check, c.framework, due, env, unproven,
+                                f"the probe of {c.key} failed before its GPUs were ready")
         results[c.key] = res
         # never probed, or cut short before it could start: nothing learned about the machine
         if res.cause not in ("budget", "timeout_short"):
             fresh[c.key] = res
         p = plan(facts, opts.rules, results, opts)
+    unchecked: list[Event] = []
+    if check is not None and unproven.gpus:  # before the fork server closes: it checks torch's
+        unchecked = _final_check(prober, check, unproven, p.chosen or p.next_probe, opts, env,
+                              deadline - clock())
     close_fork_servers()  # probing is over (on an exception: idle exit or exit closes them)
     if cache is not None and fresh:
         cache.store(fingerprint, fresh)
     proven = p.next_probe is None
     if notes:  # what the cache was trusted with comes before the plan it shaped
         p = replace(p, events=(*notes, *p.events))
+    if unchecked:  # GPUs the deferred health check left out: after the plan's own events
+        p = replace(p, events=(*p.events, *unchecked))
     if p.next_probe is not None:  # probing off, or a dry run: the next candidate, unproven
         how = ("dry_run" if opts.dry_run else "multi_node" if multi_node and not cross_node
                else "probing_off" if opts.probe == "never" else "rounds_spent")
@@ -188,6 +208,57 @@ def decide(
     # "from the cache": nothing was probed now, and a cached result shaped this plan
     used = {r.candidate.key for r in p.ranked} | {r.candidate.key for r in p.ruled_out}
     return Decision(p, results, not fresh and bool(cached_keys & used), proven)
+
+
+def _health() -> ModuleType:
+    """The probing layer's GPU health module, imported when a probe needs it (it starts
+    processes: ``import resilient_strategy`` stays free of ``subprocess``)."""
+    from ..probing import health
+
+    return health
+
+
+def _check_or_raise(check: GpuCheck, framework: str, gpus: tuple[int, ...],
+                    env: Mapping[str, str], unproven: Unproven, after: str) -> None:
+    """Run the GPU health check on ``gpus``; :class:`GpuUnusableError` naming the broken ones,
+    else they are proven."""
+    broken = check(framework, gpus, env)
+    if broken:
+        raise GpuUnusableError(broken, after=after)
+    unproven.checked(gpus)
+
+
+def _final_check(prober: Prober, check: GpuCheck, u: Unproven, chosen: Candidate | None,
+                 opts: Options, env: Mapping[str, str], budget_left_s: float) -> list[Event]:
+    """The deferred GPU health check, once, before the decision returns (see
+    :class:`..probing.health.Unproven`): the chosen candidate's unproven GPUs always; the other
+    unproven GPUs in the same check unless its typical cost would overrun what is left of the
+    probe budget, in which case a Note names them and how to check them."""
+    from ..probing import cost
+
+    framework = chosen.framework if chosen is not None else opts.framework
+    every = tuple(sorted(u.gpus))
+    # what the check typically costs: the prober's own figure (the testing kit's described
+    # machine), else the typical one of a GPU machine (forked from the warm fork server)
+    estimate: Callable[[str, int, Mapping[str, str]], float] | None = getattr(
+        prober, "check_seconds", None)
+    seconds = (estimate(framework, len(every), env) if estimate is not None
+               else cost.health_check_seconds(framework, len(every), forked=True, warm=True))
+    affordable = seconds <= budget_left_s
+    now, skipped = u.final(chosen.devices if chosen is not None else (), affordable)
+    by = ", ".join(u.by)
+    if now:
+        _check_or_raise(check, framework, now, env, u, f"the hung probe(s) of {by} were killed")
+    if not skipped:
+        return []
+    ids = ",".join(map(str, skipped))
+    return [Note("gpus_unchecked", f"GPU(s) {ids} were left unchecked: the hung probe(s) of "
+                 f"{by} were killed on them, the chosen strategy does not use them, and their "
+                 f"health check would overrun the probe budget ({budget_left_s:.1f} s left). "
+                 f"Before anything else uses them, check them: `nvidia-smi -i {ids}` (a GPU "
+                 f"that is lost or shows errors needs `nvidia-smi --gpu-reset -i <index>`), or "
+                 f"run `python -m resilient_strategy.probing.workers.health_worker --framework "
+                 f"{framework} --devices {ids} --report health.json`.")]
 
 
 def remember_midrun(facts: Facts, opts: Options, env: Mapping[str, str], prober: Prober,
@@ -209,7 +280,12 @@ def remember_midrun(facts: Facts, opts: Options, env: Mapping[str, str], prober:
         if c is None or last_resort(key) or REHEARSAL in dict(failure.extra):
             out[key] = False
             continue
-        res = space_short(prober(spec_for(c, opts, opts.timeout_s), env), temp_root(env))
+        spec = spec_for(c, opts, opts.timeout_s)
+        res = space_short(prober(spec, env), temp_root(env))
+        check: GpuCheck | None = getattr(prober, "check_gpus", None)
+        if check is not None and _health().needs_check(spec, res):  # no later probe proves them
+            _check_or_raise(check, c.framework, _health().gpus_of(spec), env,
+                            _health().Unproven(), f"the hung probe of {key} was killed")
         close_fork_servers()
         out[key] = cache.record_midrun(facts.fingerprint(), failure, res)
     return out
@@ -287,7 +363,25 @@ def failure_cause(r: RuledOut) -> FailureCause:
                         r.rule or "global_batch_size", r.reason)
 
 
-def default_prober(spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
-    from ..probing.prober import run_probe
+class _DefaultProber:
+    """The real prober, with the GPU health check deferred to the decision (see
+    :class:`..probing.health.Unproven`); imports the probing layer when first used."""
 
-    return run_probe(spec, env)
+    def __call__(self, spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
+        from ..probing.prober import run_probe
+
+        return run_probe(spec, env, health_check=False)
+
+    def check_gpus(self, framework: str, devices: tuple[int, ...],
+                   env: Mapping[str, str]) -> list[tuple[int, str]]:
+        from ..probing.prober import DeferredHealthProber
+
+        return DeferredHealthProber().check_gpus(framework, devices, env)
+
+    def check_seconds(self, framework: str, gpus: int, env: Mapping[str, str]) -> float:
+        from ..probing.prober import DeferredHealthProber
+
+        return DeferredHealthProber().check_seconds(framework, gpus, env)
+
+
+default_prober = _DefaultProber()

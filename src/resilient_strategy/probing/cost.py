@@ -9,12 +9,13 @@ peers' progress is not seen here) runs to the deadline. A healthy probe is charg
 the typical figures of its class of machine (:data:`TYPICAL`): start-up (a fresh interpreter that
 imports the framework, or a worker forked from the warm fork server), device and communicator
 set-up, the value-checked all-reduces at every checked size, the timed ones for the bandwidth
-figure, and the training step. A killed probe on GPUs is followed by the GPU health check
-(:mod:`.health`), charged by :func:`after_probe_seconds`.
+figure, and the training step. The GPU health check (:mod:`.health`: after killed GPU probes,
+once per decision, deferred) is charged by :func:`health_check_seconds`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..core.probe import ProbeSpec
@@ -31,15 +32,40 @@ HANG_KINDS = ("setup", "straggler", "collective", "quiet")
 ENDINGS = ("ok", *HANG_KINDS, "deadline")
 
 
-def stall_policy(spec: ProbeSpec) -> StallPolicy:
+#: torch's switch that makes gloo connect its peers at their first collective instead of inside
+#: ``init_process_group`` (a string of libtorch since torch 2.7; off by default).
+GLOO_LAZY_VAR = "TORCH_GLOO_LAZY_INIT"
+
+
+def connects_lazily(spec: ProbeSpec, env: Mapping[str, str] | None = None) -> bool:
+    """Whether the probe's transport connects its peers inside collective 1 (so collective 1 is
+    allowed :attr:`StallPolicy.first_collective_extra_s` more). NCCL does (its P2P/SHM/NET
+    connections are made at the first collective that needs them, even after an eager
+    ``init_process_group(device_id=...)``), and so does TensorFlow's first traced collective;
+    gloo connects its full mesh inside ``init_process_group`` (the ``comm_setup`` phase, judged
+    by ``setup_grace_s``) unless ``TORCH_GLOO_LAZY_INIT`` is on in the workers' environment
+    (the caller's ``env``, passed to them as is)."""
+    if spec.framework != "torch" or spec.backend != "gloo":
+        return True
+    lazy = dict(spec.env).get(GLOO_LAZY_VAR) or (env or {}).get(GLOO_LAZY_VAR, "")
+    return lazy.strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def stall_policy(spec: ProbeSpec, env: Mapping[str, str] | None = None) -> StallPolicy:
     """How a probe's hang is judged from its workers' progress (the spec's timeout stays the
     outer bound). A probe's code never pauses between its records once the communicator is
-    ready, so a silent ready rank is stalled too (``quiet_s``)."""
+    ready, so a silent ready rank is stalled too (``quiet_s``). ``env``: the caller's
+    environment the workers run with (see :func:`connects_lazily`)."""
     policy = StallPolicy()
     return StallPolicy(
         # communicator set-up grows with the ranks (NCCL: bootstrap ring, topology, channels)
         setup_grace_s=policy.setup_grace_s + 1.0 * ranks_of(spec),
         quiet_s=policy.arrive_grace_s + policy.collective_base_s,
+        # a transport that connected in set-up has nothing left to connect in collective 1
+        # (issue 21: the gloo rung of the hang ladder was allowed 3 s for a connection it
+        # does not make)
+        first_collective_extra_s=policy.first_collective_extra_s
+        if connects_lazily(spec, env) else 0.0,
     )
 
 
@@ -63,8 +89,7 @@ class Figures:
     setup_s: float  # communicator set-up (torch's NCCL connects lazily: inside collective 1)
     bus_bytes_per_s: float  # all-reduce bus bandwidth of a healthy transport
     latency_s: float  # each collective call, synchronized
-    step_s: float  # the training step: DDP (or Keras fit) built, traced, two steps
-    health_s: float  # the GPU health check after a killed probe (a fresh import + CUDA init)
+    step_s: float  # the training step: a model built, two steps (torch), or Keras fit traced
 
 
 #: Sources: torch import 2.6 s and the fork server measured on a 16-core host (issue 21);
@@ -73,18 +98,21 @@ class Figures:
 #: every rank inside it), a healthy cold probe 7.2 s, and 22.5 s for a decision of two probes
 #: (9.1 + 8.2 s) of which ~4 s went to the health check after the hang; gloo on the loaded
 #: 2-core CI machine 0.4 GB/s (records/progress.py); TensorFlow's start-up 5 s
-#: (deciding/notices.py TYPICAL_STARTUP_S) and its traced first collective.
+#: (deciding/notices.py TYPICAL_STARTUP_S) and its traced first collective. The torch step
+#: since the probe's step lost DDP and torch.optim (no torch._dynamo import, 2026-11-26): ~0.25 s
+#: on an H100 (checked -> finished in benchmarks/results/floor-h100x1-2026-11-26.md), ~0.06 s on
+#: CPU. The health check (:func:`health_check_seconds`) is a start-up plus ``device_s`` per GPU:
+#: the field run's ~4 s after the hang = a fresh ``import torch`` (2.6 s) + 2 GPUs initialised.
 TYPICAL: dict[tuple[str, bool], Figures] = {
     # (framework, on GPUs)
     ("torch", True): Figures(import_s=2.6, fork_s=0.3, device_s=0.6, setup_s=0.2,
-                             bus_bytes_per_s=50e9, latency_s=0.001, step_s=3.4, health_s=4.0),
+                             bus_bytes_per_s=50e9, latency_s=0.001, step_s=0.25),
     ("torch", False): Figures(import_s=2.6, fork_s=0.3, device_s=0.0, setup_s=0.3,
-                              bus_bytes_per_s=0.4e9, latency_s=0.002, step_s=0.6, health_s=0.0),
+                              bus_bytes_per_s=0.4e9, latency_s=0.002, step_s=0.06),
     ("tensorflow", True): Figures(import_s=5.0, fork_s=5.0, device_s=0.6, setup_s=1.0,
-                                  bus_bytes_per_s=20e9, latency_s=0.002, step_s=4.0, health_s=4.0),
+                                  bus_bytes_per_s=20e9, latency_s=0.002, step_s=4.0),
     ("tensorflow", False): Figures(import_s=5.0, fork_s=5.0, device_s=0.0, setup_s=0.5,
-                                   bus_bytes_per_s=0.4e9, latency_s=0.005, step_s=3.0,
-                                   health_s=0.0),
+                                   bus_bytes_per_s=0.4e9, latency_s=0.005, step_s=3.0),
 }
 
 
@@ -107,16 +135,18 @@ def first_collective(spec: ProbeSpec) -> tuple[int, float]:
 
 
 def probe_seconds(spec: ProbeSpec, ending: str, *, forked: bool = False,
-                  warm: bool = False, figures: Figures | None = None) -> float:
+                  warm: bool = False, figures: Figures | None = None,
+                  env: Mapping[str, str] | None = None) -> float:
     """Seconds a probe of ``spec`` runs until it ends as ``ending`` (one of :data:`ENDINGS`),
     at most its timeout. ``forked``: its workers come from the fork server (torch), which
-    ``warm`` says had already imported the framework for an earlier probe."""
+    ``warm`` says had already imported the framework for an earlier probe. ``env``: the
+    caller's environment (as :func:`stall_policy` takes it)."""
     if ending not in ENDINGS:
         raise ValueError(f"probe ending {ending!r}: one of {list(ENDINGS)}")
     f = figures or figures_for(spec)
     if ending == "deadline" or (ending != "ok" and not judged_by_progress(spec)):
         return spec.timeout_s
-    policy = stall_policy(spec)
+    policy = stall_policy(spec, env)
     start = (f.fork_s + (0.0 if warm else f.import_s) if forked else f.import_s) + f.device_s
     ranks = ranks_of(spec)
     group = spec.framework == "tensorflow" or spec.backend in PROCESS_GROUP_BACKENDS
@@ -140,9 +170,14 @@ def probe_seconds(spec: ProbeSpec, ending: str, *, forked: bool = False,
     return round(min(cost, spec.timeout_s), 3)
 
 
-def after_probe_seconds(spec: ProbeSpec, ending: str, figures: Figures | None = None) -> float:
-    """Seconds the prober spends after a probe that ended as ``ending``: the GPU health check
-    after a killed probe on GPUs (see :func:`.health.needs_check`), else nothing."""
-    if ending == "ok" or not on_gpus(spec):
+def health_check_seconds(framework: str, gpus: int, *, forked: bool = False,
+                         warm: bool = False, figures: Figures | None = None) -> float:
+    """Seconds one GPU health check of ``gpus`` GPUs takes (:func:`.health.run_check`): its
+    process starts (forked from the warm fork server for torch when ``forked`` and ``warm``,
+    else a fresh interpreter importing the framework), then initialises each GPU in turn and
+    runs a checked kernel on it (``device_s`` each). Nothing for no GPU."""
+    if gpus <= 0:
         return 0.0
-    return (figures or figures_for(spec)).health_s
+    f = figures or TYPICAL[("tensorflow" if framework == "tensorflow" else "torch", True)]
+    start = f.fork_s + (0.0 if warm else f.import_s) if forked else f.import_s
+    return round(start + gpus * f.device_s, 3)

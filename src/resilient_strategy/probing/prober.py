@@ -27,7 +27,7 @@ from ..errors import InvalidOptionError
 from ..machine import files as _files
 from . import health
 from . import proc as _proc
-from .cost import judged_by_progress, stall_policy
+from .cost import health_check_seconds, judged_by_progress, stall_policy
 
 #: The directory that holds the ``resilient_strategy`` package, for the workers' PYTHONPATH.
 PACKAGE_ROOT = health.PACKAGE_ROOT
@@ -35,10 +35,13 @@ PACKAGE_ROOT = health.PACKAGE_ROOT
 WORKER_TIMEOUT_MARGIN_S = 30.0
 
 
-def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.executable) -> ProbeResult:
+def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.executable,
+              health_check: bool = True) -> ProbeResult:
     """Prove ``spec`` on this machine within ``spec.timeout_s``; never raises for a failed probe,
     only :class:`~resilient_strategy.errors.GpuUnusableError` when a hung probe on GPUs, once
-    killed, left a GPU that no longer initializes or runs a kernel (see :mod:`.health`)."""
+    killed, left a GPU that no longer initializes or runs a kernel (see :mod:`.health`).
+    ``health_check=False``: the caller defers that check (:class:`.health.Unproven`, the
+    decision loop's :class:`DeferredHealthProber`) and must run it before using the GPUs."""
     _files.TEMP_SWEEP.once()  # what a killed run of ours left (its pid gone, untouched a while)
     # a SIGTERM while the workers run removes this directory too, then terminates the process
     with _proc.terminate_as_exception(), _files.temp_dir("rs-probe-") as tmp:
@@ -47,7 +50,8 @@ def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.exec
             # across TF workers the peers' progress is not seen here: the deadline alone
             # judges (as between torch nodes), so both workers end a failed round alike
             group = _proc.run_group(commands, spec.timeout_s,
-                                    stall_policy=stall_policy(spec) if judged_by_progress(spec)
+                                    stall_policy=stall_policy(spec, env)
+                                    if judged_by_progress(spec)
                                     else None, spawn=_fork_spawner(spec, env, python))
         except OSError as exc:
             return ProbeResult(spec.candidate, ERROR, cause="worker_error",
@@ -57,8 +61,37 @@ def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.exec
     phases = phase_times(group.outcomes, group.started_at)
     if phases:
         result = dataclasses.replace(result, phases=phases)
-    health.check_after(spec, result, env, python=python)
+    if health_check:
+        health.check_after(spec, result, env, python=python)
     return result
+
+
+class DeferredHealthProber:
+    """The real prober of a decision that defers the GPU health check (:class:`.health.Unproven`):
+    a probe runs without it, and the decision loop calls :meth:`check_gpus` when a check is due.
+    Torch's check is forked from the probes' warm fork server (``import torch`` done, no GPU
+    touched there), so it costs a fork and each GPU's initialisation, not another import."""
+
+    def __init__(self, python: str = sys.executable) -> None:
+        self.python = python
+
+    def __call__(self, spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
+        return run_probe(spec, env, python=self.python, health_check=False)
+
+    def check_gpus(self, framework: str, devices: tuple[int, ...],
+                   env: Mapping[str, str]) -> list[tuple[int, str]]:
+        """The broken GPUs of ``devices``, each with why (see :func:`.health.run_check`)."""
+        # a fork server that is gone or refuses: the runner starts a fresh interpreter instead
+        spawn = _fork_spawner(ProbeSpec("", framework, "", ()), env, self.python)
+        return health.run_check(framework, devices, env, python=self.python, spawn=spawn)
+
+    def check_seconds(self, framework: str, gpus: int, env: Mapping[str, str]) -> float:
+        """What a check of ``gpus`` GPUs typically costs after the decision's probes (the fork
+        server warm), by :func:`.cost.health_check_seconds`."""
+        from . import forkserver as _forkserver
+
+        forked = framework == "torch" and _forkserver.enabled(env)
+        return health_check_seconds(framework, gpus, forked=forked, warm=forked)
 
 
 def _fork_spawner(spec: ProbeSpec, env: Mapping[str, str], python: str) -> _proc.Spawn | None:

@@ -183,7 +183,11 @@ def _run_group(
                     if stopped_because:
                         break
                     left = min(left, STOP_POLL_S)
-                waiter.wait(left if watcher is None else min(left, poll_s))
+                # a worker forked by the fork server is known to have exited only once the
+                # server has reaped it and written its status file: poll, as with a watcher (on an
+                # H100 host, health checks forked so waited out their whole 30 s deadline twice
+                # in three runs though they had exited 0 within half a second)
+                waiter.wait(left if watcher is None and spawn is None else min(left, poll_s))
         finally:
             waiter.close()
             stopped = _stop(procs, grace_s)

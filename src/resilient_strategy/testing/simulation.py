@@ -402,9 +402,11 @@ class SimulatedProber:
     Each probe takes the seconds the real prober would spend on it (:mod:`..probing.cost`): a
     healthy one its phases at typical figures for its class of machine (the fork server's saving
     included), a hang the start-up plus the allowance of the prober's own stall policy (a hang of
-    TF across workers, which progress cannot judge, the whole timeout), plus the GPU health check
-    after a killed GPU probe. :meth:`clock` advances by them, so the probe budget runs out as it
-    would on the machine.
+    TF across workers, which progress cannot judge, the whole timeout). The GPU health check is
+    deferred exactly as the real prober's decision defers it (:class:`..probing.health.Unproven`):
+    the decision calls :meth:`check_gpus`, which charges :func:`..probing.cost.health_check_seconds`
+    and reports the GPUs of ``broken_gpus`` broken. :meth:`clock` advances by all of it, so the
+    probe budget runs out as it would on the machine.
     """
 
     #: Read by the executor: the outcomes are described, not measured (said in the trace).
@@ -417,10 +419,33 @@ class SimulatedProber:
     #: the phase figures of the machine described (None: the typical ones of its class,
     #: :data:`..probing.cost.TYPICAL`), e.g. its measured framework import
     figures: _cost.Figures | None = None
+    #: GPUs (CUDA ordinals) the health check finds broken: {ordinal: what went wrong}
+    broken_gpus: Mapping[int, str] = field(default_factory=dict)
+    #: the GPUs of each health check the decision ran, in order
+    health_checks: list[tuple[int, ...]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for key, out in self.outcomes.items():
             _parse(key, out)  # validate early: a typo is an error, not a silent "ok"
+
+    def check_gpus(self, framework: str, devices: tuple[int, ...],
+                   env: Mapping[str, str]) -> list[tuple[int, str]]:
+        """The GPU health check of ``devices``, as :class:`..probing.prober.DeferredHealthProber`
+        runs it (torch's forked from the warm fork server): charged to :meth:`clock`; the
+        broken ones of :attr:`broken_gpus` with why."""
+        self.elapsed_s += self.check_seconds(framework, len(devices), env)
+        self.health_checks.append(tuple(devices))
+        return [(d, self.broken_gpus[d]) for d in devices if d in self.broken_gpus]
+
+    def check_seconds(self, framework: str, gpus: int, env: Mapping[str, str]) -> float:
+        """What :meth:`check_gpus` charges for ``gpus`` GPUs now (the decision weighs it
+        against the probe budget left)."""
+        forked = framework == "torch" and _forkserver.enabled(env)
+        warm = any(c.framework == "torch" for c in self.calls)
+        figures = self.figures or _cost.TYPICAL[
+            ("tensorflow" if framework == "tensorflow" else "torch", True)]
+        return _cost.health_check_seconds(framework, gpus, forked=forked, warm=warm,
+                                          figures=figures)
 
     def __call__(self, spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
         warm = any(c.framework == "torch" for c in self.calls)  # the fork server imported torch
@@ -439,16 +464,15 @@ class SimulatedProber:
         ending = _ending(spec, out, res)
         if ending is None:  # an error, or a result with its own elapsed time: as described
             res = replace(res, elapsed_s=min(res.elapsed_s, spec.timeout_s))
-            after = 0.0
         else:  # the real prober's clock: start-up, phases, a hang cut from progress
             forked = spec.framework == "torch" and _forkserver.enabled(env)
             res = replace(res, elapsed_s=_cost.probe_seconds(spec, ending, forked=forked,
-                                                             warm=warm, figures=self.figures))
+                                                             warm=warm, figures=self.figures,
+                                                             env=env))
             if ending == "collective" and not res.extra:  # a plain "timeout", as judged
                 res = replace(res, detail="simulated hang (collective)",
                               extra=(("hang", "collective"),))
-            after = _cost.after_probe_seconds(spec, ending, self.figures)
-        self.elapsed_s += res.elapsed_s + after
+        self.elapsed_s += res.elapsed_s
         return res
 
     def clock(self) -> float:
