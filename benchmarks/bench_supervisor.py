@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import statistics
 import subprocess
@@ -45,8 +46,11 @@ import resilient_strategy
 sel = resilient_strategy.resilient_strategy(framework="torch", global_batch_size=256)
 import torch
 torch.manual_seed(0)
+t0 = time.time()
 model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.GELU(), torch.nn.Linear(256, 10))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+if sel.is_main_process:
+    print(f"BUILD {t0:.6f} {time.time():.6f} {os.getpid()}", flush=True)
 data = torch.utils.data.TensorDataset(torch.randn(8192, 32), torch.randint(0, 10, (8192,)))
 loader = torch.utils.data.DataLoader(data, batch_size=sel.batch_size, shuffle=True, drop_last=True)
 ckpt = sel.checkpoint(sys.argv[1], every_steps=5)
@@ -63,9 +67,59 @@ sel.shutdown()
 """
 
 
-def relaunch_gap(fault: str, stall_timeout: float) -> tuple[float, str, str] | str:
-    """Seconds from the last step of the first attempt to the first step of the second, and the
-    backends of the two; or why the run failed."""
+@dataclasses.dataclass(frozen=True)
+class Gap:
+    """One relaunch: the last step before, the first after, and the phases in between."""
+
+    seconds: float  # last step of the failed attempt -> first step of the next
+    before: str  # backends
+    after: str
+    phases: list[tuple[str, float]]  # (phase, seconds it took), in order
+    restart: float  # the issue's measure: fault seen -> first step, less the user's build/load
+    user: float  # the user's model build (optimizer: imports torch._dynamo) and checkpoint load
+
+
+def _phases(steps: list[list[str]], builds: list[list[str]], pid: str,
+            attempts: list[dict[str, Any]]) -> tuple[list[tuple[str, float]], float, float] | str:
+    """The relaunch's phases from the attempts' typed timelines (attempts.json) and the script's
+    own marks (its model build), rank 0's worker."""
+    from resilient_strategy.records import phases as ph
+
+    if len(attempts) < 2 or not attempts[0].get("times") or not attempts[1].get("times"):
+        return "no timeline in attempts.json"
+    a = attempts[0]["times"]["supervisor"]
+    b = attempts[1]["times"]["supervisor"]
+    r = attempts[1]["times"]["ranks"][0]
+    build = next((x for x in builds if x[3] == pid), None)
+    if build is None or not all(k in a for k in (ph.FAULT_SEEN, ph.WORKERS_STOPPED, ph.VERDICT,
+                                                 ph.NEXT_READY)):
+        return f"phases missing: {sorted(a)}"
+    b0, b1 = float(build[1]), float(build[2])
+    first = float(next(x for x in steps if x[4] == pid)[2])
+    ready = r.get(ph.COMM_READY, b1)  # one process: no process group
+    restored = r.get(ph.RESTORED, ready)
+    load = restored - ready
+    marks = [
+        ("fault seen -> workers stopped (stacks, stop)", a[ph.FAULT_SEEN], a[ph.WORKERS_STOPPED]),
+        ("-> verdict (classify, judge)", a[ph.WORKERS_STOPPED], a[ph.VERDICT]),
+        ("-> next decision written", a[ph.VERDICT], a[ph.NEXT_READY]),
+        ("-> next agent built", a[ph.NEXT_READY], b[ph.AGENT_STARTED]),
+        ("-> workers started (rendezvous, spawn)", b[ph.AGENT_STARTED], b[ph.WORKERS_STARTED]),
+        ("-> worker code runs (interpreter start)", b[ph.WORKERS_STARTED], r[ph.WORKER_STARTED]),
+        ("-> resilient_strategy() took the handed decision (imports resilient_strategy)",
+         r[ph.WORKER_STARTED], r[ph.REPORTING]),
+        ("-> the script's model build begins (the script imports torch)", r[ph.REPORTING], b0),
+        ("user's model build (torch.optim imports torch._dynamo) [excluded]", b0, b1),
+        ("-> process group ready (prepare: init_process_group)", b1, ready),
+        ("DDP wrap and checkpoint load (prepare) [excluded]", ready, restored),
+        ("-> first optimizer step done (printed)", restored, first),
+    ]
+    user = (b1 - b0) + load
+    return [(n, t1 - t0) for n, t0, t1 in marks], first - a[ph.FAULT_SEEN] - user, user
+
+
+def relaunch_gap(fault: str, stall_timeout: float) -> Gap | str:
+    """The relaunch of one run with ``fault``; or why the run failed."""
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "train.py"
         script.write_text(textwrap.dedent(SCRIPT))
@@ -77,17 +131,37 @@ def relaunch_gap(fault: str, stall_timeout: float) -> tuple[float, str, str] | s
              "--stall-timeout", str(stall_timeout), "--evidence-dir", str(Path(tmp) / "ev"),
              str(script), str(Path(tmp) / "ckpt")],
             env=env, capture_output=True, text=True, timeout=600, check=False)
+        found = list((Path(tmp) / "ev").glob("*/attempts.json"))
+        attempts = json.loads(found[0].read_text())["attempts"] if found else []
     steps = [line.split() for line in proc.stdout.splitlines() if line.startswith("STEP ")]
+    builds = [line.split() for line in proc.stdout.splitlines() if line.startswith("BUILD ")]
     pids = list(dict.fromkeys(s[4] for s in steps))
     if proc.returncode != 0 or len(pids) < 2:
         return f"run failed ({proc.returncode}): {proc.stderr[-400:]}".replace("\n", " ")
     first = [s for s in steps if s[4] == pids[0]]
     second = [s for s in steps if s[4] == pids[1]]
-    return float(second[0][2]) - float(first[-1][2]), first[-1][3], second[0][3]
+    got = _phases(steps, builds, pids[1], attempts)
+    if isinstance(got, str):
+        return got
+    return Gap(float(second[0][2]) - float(first[-1][2]), first[-1][3], second[0][3], *got)
+
+
+def floor(nproc: int, repeats: int) -> tuple[float, float]:
+    """bench_floor's probe floor (N interpreters importing torch, gloo, the checked
+    all-reduces) and import floor, medians, measured now."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_floor import _torch_floor
+
+    probe = statistics.median(_torch_floor(nproc, "gloo", "probe") for _ in range(repeats))
+    imp = statistics.median(_torch_floor(nproc, "gloo", "import") for _ in range(repeats))
+    return probe, imp
 
 
 def relaunches(stall_timeout: float, repeats: int) -> list[tuple[str, str]]:
     rows: list[tuple[str, str]] = []
+    fl, imp = floor(2, repeats)
+    rows.append(("floor, measured now (bench_floor: 2 interpreters importing torch, gloo, the "
+                 "checked all-reduces)", f"{fl:.2f} s (of which importing torch: {imp:.2f} s)"))
     for name, fault in (("retry (exit once, no signature)", "exit:1:gloo:20:1"),
                         ("step-down (communication error)", "error:1:gloo:20"),
                         ("stall then retry", "hang:1:gloo:20:1")):
@@ -96,13 +170,22 @@ def relaunches(stall_timeout: float, repeats: int) -> list[tuple[str, str]]:
         if not ok:
             rows.append((name, str(got[0])))
             continue
-        gaps = sorted(g[0] for g in ok)
+        gaps = sorted(g.seconds for g in ok)
         median = statistics.median(gaps)
         value = (f"{median:.2f} s (median of {len(gaps)}: {', '.join(f'{g:.2f}' for g in gaps)}), "
-                 f"{ok[0][1]} -> {ok[0][2]}")
+                 f"{ok[0].before} -> {ok[0].after}")
         if fault.startswith("hang"):
             value += f"; without the {stall_timeout:g} s stall timeout: {median - stall_timeout:.2f} s"
         rows.append((f"{name}: last step -> first step after the relaunch", value))
+        restart = statistics.median(g.restart for g in ok)
+        user = statistics.median(g.user for g in ok)
+        rows.append((f"{name}: restart (fault seen -> first step, less the user's build and "
+                     f"load, median {user:.2f} s) vs floor + 1 s",
+                     f"{restart:.2f} s = floor + {restart - fl:.2f} s "
+                     f"({restart / fl:.2f}x; goal: floor + 1 s = {fl + 1:.2f} s)"))
+        for i, (phase, _) in enumerate(ok[0].phases):
+            rows.append((f"  {name}: {phase}",
+                         f"{statistics.median(g.phases[i][1] for g in ok):.3f} s"))
     return rows
 
 

@@ -29,6 +29,7 @@ from ..core.candidate import Candidate
 from ..core.facts import Facts
 from ..core.probe import ProbeResult
 from ..errors import ResilientStrategyError
+from . import phases as _phases
 from .progress import (
     COLLECTIVE,
     COLLECTIVE_DONE,
@@ -302,13 +303,21 @@ class TrainingReporter:
     attempt: int = 0  # the launch attempt (a rehearsed fault may fire in the first ones only)
     step: int = 0
     phase_name: str = STARTED
+    #: Where this rank's phase marks go (:mod:`.phases`; None: not marked).
+    phases: str | None = None
     _fault_armed: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         self._fault_armed = self.fault is not None and self.fault.applies(
             self.rank, self.backend, self.attempt)
+        self._mark(_phases.REPORTING)
+
+    def _mark(self, phase: str) -> None:
+        if self.phases is not None:
+            _phases.mark(self.phases, phase)
 
     def restored(self, step: int) -> None:
+        self._mark(_phases.RESTORED)
         self.step = step
         self.writer.step(step)
         self.phase_name = STEP_DONE
@@ -335,6 +344,7 @@ class TrainingReporter:
         if not stepped:
             return
         self.step += 1
+        self._mark(_phases.FIRST_STEP)
         if not self.collective:  # with replicas, "collective_done k" already says it
             self.writer.step(self.step)
             self.phase_name = STEP_DONE
@@ -346,6 +356,7 @@ class TrainingReporter:
     def setup_end(self) -> None:
         self.writer.phase(COMM_READY)
         self.phase_name = COMM_READY
+        self._mark(_phases.COMM_READY)
 
     def done(self) -> None:
         self.writer.phase(FINISHED, self.step)
@@ -382,6 +393,7 @@ class WorkerState:
                 ProgressWriter(str(progress_path(decision.run_dir, local_rank))), rank=rank,
                 backend=backend, collective=replicas > 1, fault=fault_from(env),
                 attempt=decision.attempt,
+                phases=str(_phases.worker_path(decision.run_dir, local_rank)),
             ))
         return self.reporters[0]
 

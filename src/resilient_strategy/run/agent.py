@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.bounded import parse_json
 from ..core.options import DEFAULT_PROCESS_GROUP_TIMEOUT, RunOptions
-from ..records import flight
+from ..records import flight, phases
 from ..records.flightdump import DumpStatus, RankDump, analyse
 from ..records.handoff import Decision, error_path, progress_path
 from ..records.progress import (
@@ -44,6 +44,8 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
     """One attempt. ``peer``: the other nodes' fault records, watched while the workers run;
     ``alone``: node 0 of a multi-node run trains by itself (one node, its own rendezvous)."""
     run_dir = Path(decision.run_dir)
+    marks = phases.supervisor_path(run_dir)
+    phases.mark(marks, phases.AGENT_STARTED)
     nproc = decision.processes
     watch = TrainingWatch([str(progress_path(run_dir, r)) for r in range(nproc)],
                           opts.stall_timeout_s)
@@ -113,6 +115,7 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
     os.environ.update(timeouts)  # the workers inherit them; never one the user set
     try:
         result = agent.run()
+        phases.mark(marks, phases.WORKERS_STOPPED)
     finally:
         for k in timeouts:
             os.environ.pop(k, None)
@@ -245,9 +248,11 @@ def _stderr_tail(log_dir: Path, local_rank: int, limit: int = 8192) -> str:
     return ""
 
 
-#: How long the workers get to write their Python stacks (SIGUSR1, faulthandler) before a
-#: stalled group is stopped.
+#: The most the workers get to write their Python stacks (SIGUSR1, faulthandler) before a
+#: stalled group is stopped; the wait ends as soon as every rank's file is written.
 STACKS_WAIT_S = 1.0
+#: How often the stacks files are looked at while waiting for them.
+STACKS_POLL_S = 0.01
 
 
 def dump_flight(run_dir: Path, ranks: list[tuple[int, int]]) -> list[RankDump]:
@@ -262,19 +267,40 @@ def dump_flight(run_dir: Path, ranks: list[tuple[int, int]]) -> list[RankDump]:
     return got
 
 
-def dump_stacks(pids: list[int], wait_s: float = STACKS_WAIT_S) -> None:
-    """Ask each worker for its Python stacks (:mod:`.worker` registers faulthandler on SIGUSR1,
-    written to its ``rank<N>.stacks.txt``), then give them ``wait_s`` to write them."""
-    import signal
-    import time
-
+def dump_stacks(pids: Mapping[int, int], run_dir: Path | None,
+                wait_s: float = STACKS_WAIT_S) -> list[int]:
+    """Ask each worker (``{local_rank: pid}``) for its Python stacks (:mod:`.worker` registers
+    faulthandler on SIGUSR1, written to its ``rank<N>.stacks.txt`` in ``run_dir``), then wait
+    until every file asked for is written (not empty, and the same size over one poll), at most
+    ``wait_s`` (without ``run_dir``: ``wait_s``). Returns the local ranks whose stacks did not
+    come in time (a worker already gone is not waited for)."""
     sig = getattr(signal, "SIGUSR1", None)
     if sig is None or not pids:
-        return
-    for pid in pids:
+        return []
+    asked: list[int] = []
+    for lr, pid in pids.items():
         with contextlib.suppress(OSError):
             os.kill(pid, sig)
-    time.sleep(wait_s)
+            asked.append(lr)
+    deadline = time.monotonic() + wait_s
+    if run_dir is None:
+        time.sleep(wait_s)
+        return []
+    sizes: dict[int, int] = {}
+    pending = list(asked)
+    while pending:
+        time.sleep(STACKS_POLL_S)
+        for lr in list(pending):
+            try:
+                size = (run_dir / f"rank{lr}.stacks.txt").stat().st_size
+            except OSError:
+                size = 0
+            if size > 0 and sizes.get(lr) == size:
+                pending.remove(lr)
+            sizes[lr] = size
+        if time.monotonic() >= deadline:
+            break
+    return pending
 
 
 _AGENT: list[type[Any]] = []
@@ -299,16 +325,34 @@ def _agent_class() -> type[Any]:
             self.run_dir = run_dir
             self.flight: list[RankDump] = []
 
+        def _marks(self) -> Path | None:
+            return None if self.run_dir is None else phases.supervisor_path(self.run_dir)
+
+        def _start_workers(self, worker_group: Any) -> Any:
+            started = super()._start_workers(worker_group)
+            if (marks := self._marks()) is not None:
+                phases.mark(marks, phases.WORKERS_STARTED)
+            return started
+
         def _monitor_workers(self, worker_group: Any) -> Any:
+            result = self._watched(worker_group)
+            if (result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
+                    and (marks := self._marks()) is not None):
+                phases.mark(marks, phases.FAULT_SEEN)
+            return result
+
+        def _watched(self, worker_group: Any) -> Any:
             result = super()._monitor_workers(worker_group)
             if result.state == WorkerState.HEALTHY and self.stall is None:
                 stall = self.watch.poll()
                 if stall is not None:
                     self.stall = stall
                     self.stall_at = time.time()  # wall time, as the ranks' error records
+                    if (marks := self._marks()) is not None:
+                        phases.mark(marks, phases.FAULT_SEEN, self.stall_at)
                     with contextlib.suppress(Exception):  # evidence before the kill
                         if self._pcontext is not None:
-                            dump_stacks(list(self._pcontext.pids().values()))
+                            dump_stacks(dict(self._pcontext.pids()), self.run_dir)
                     if self.run_dir is not None:
                         try:
                             self.flight = dump_flight(self.run_dir, [

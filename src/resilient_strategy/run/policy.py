@@ -28,7 +28,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..records.phases import Timeline
 
 from .exitcodes import ExitCode
 from .verdicts import Verdict, VerdictKind
@@ -78,11 +81,14 @@ class Attempt:
     verdict: Verdict
     judgement: Judgement
     resumed_from: int | None = None  # the checkpoint step it resumed from (None: the start)
+    #: When each phase began, the supervisor's and each rank's (:mod:`~..records.phases`).
+    times: Timeline | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"number": self.number, "candidate": self.candidate, "label": self.label,
                 "verdict": self.verdict.to_dict(), **self.judgement.to_dict(),
-                "resumed_from": self.resumed_from}
+                "resumed_from": self.resumed_from,
+                "times": None if self.times is None else self.times.to_dict()}
 
 
 def effective(verdict: Verdict, world_size: int) -> Verdict:

@@ -82,7 +82,7 @@ def launch_one(opts: RunOptions, decision: Decision, *, poll_s: float = MONITOR_
                 if stall is not None:
                     stall_at = time.time()
                     with contextlib.suppress(Exception):  # evidence before the kill
-                        dump_stacks([proc.pid])
+                        dump_stacks({0: proc.pid}, run_dir)
                     break
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=poll_s)

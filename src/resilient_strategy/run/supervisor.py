@@ -59,6 +59,7 @@ from ..errors import (
     ResilientStrategyError,
 )
 from ..machine import env as _env
+from ..records import phases
 from ..records.handoff import CHECKPOINT_NOTE, Decision, binding, write_decision
 from ..records.trainfault import FAULT_VAR, TrainFault, parse_fault
 
@@ -181,6 +182,8 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
         if peer is not None:
             verdict = verdict_with_peers(peer, decision.chosen, verdict)
         judgement = judge(verdict, decision.chosen, history, policy)
+        marks = phases.supervisor_path(decision.run_dir)
+        phases.mark(marks, phases.VERDICT)
         label = _label(decision)
         if not verdict.ok:  # the fault's line first; its evidence is written below
             _say(f"attempt {attempt + 1} on {label} failed at step {verdict.step}: "
@@ -209,7 +212,10 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
                                         "relaunch: it is dropped, and node 0 goes on alone with "
                                         "accumulation keeping the global batch"))
             team = None
-        done = Attempt(attempt, decision.chosen, label, verdict, judgement, resumed)
+        if nxt is not None:
+            phases.mark(marks, phases.NEXT_READY)
+        done = Attempt(attempt, decision.chosen, label, verdict, judgement, resumed,
+                       phases.Timeline.read(decision.run_dir, decision.processes))
         history.append(done)
         if not verdict.ok and evidence.record(done, Path(decision.run_dir),
                                               decision.processes) is None:

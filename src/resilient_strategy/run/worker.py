@@ -19,17 +19,22 @@ Around the script it:
 
 from __future__ import annotations
 
-import os
-import runpy
-import sys
-import traceback
-from collections.abc import Sequence
-from pathlib import Path
-from typing import IO
+import time
 
-from ..probing.workers.watchdog import watch_parent
-from ..records.flight import serve
-from ..records.handoff import DECISION_VAR, bound_env, current_reporter, write_error
+_STARTED = time.time()  # the worker's own code begins: the interpreter is up
+
+import os  # noqa: E402
+import runpy  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import IO  # noqa: E402
+
+from ..probing.workers.watchdog import watch_parent  # noqa: E402
+from ..records import phases  # noqa: E402
+from ..records.flight import serve  # noqa: E402
+from ..records.handoff import DECISION_VAR, bound_env, current_reporter, write_error  # noqa: E402
 
 _USAGE = "usage: python -m resilient_strategy.run.worker --supervisor PID DECISION SCRIPT [ARGS...]"
 _KEEP: list[IO[str]] = []  # the stacks file stays open for faulthandler
@@ -45,6 +50,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     os.environ.update(bound_env(os.environ))  # the GPUs a decision over a subset is bound to
     run_dir = Path(decision).parent
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    phases.mark(phases.worker_path(run_dir, local_rank), phases.WORKER_STARTED, _STARTED)
     _stacks_on_signal(run_dir / f"rank{local_rank}.stacks.txt")
     serve(run_dir, local_rank, int(os.environ.get("RANK", local_rank)))
     sys.argv = [script, *rest]

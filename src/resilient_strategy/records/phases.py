@@ -1,0 +1,105 @@
+"""When each phase of an attempt of ``resilient-strategy run`` began: wall-clock marks written by
+the supervisor (its agent) and by every worker, read back into a typed :class:`Timeline` that goes
+into the attempt's record (``attempts.json``). What a relaunch costs, phase by phase, is then
+data (``benchmarks/bench_supervisor.py`` prints it), not a guess.
+
+Each writer owns one small JSON file in the attempt's run directory (``supervisor.phases.json``,
+``rank<N>.phases.json``); a mark is written once (the first time a phase is reached) and the file
+is replaced atomically. Standard library only (a worker marks before it imports a framework);
+never raises: a mark that cannot be written is lost, the run is not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# The supervisor's phases of one attempt, in order.
+AGENT_STARTED = "agent_started"  # the attempt's agent is being built (launch() entered)
+WORKERS_STARTED = "workers_started"  # the rendezvous is done and every worker process started
+FAULT_SEEN = "fault_seen"  # the monitor saw a worker exit with an error, a stall, a peer's fault
+WORKERS_STOPPED = "workers_stopped"  # the agent returned: every worker has exited
+VERDICT = "verdict"  # the attempt classified and judged (retry, step down, stop)
+NEXT_READY = "next_ready"  # the next attempt's decision is written (its agent starts next)
+SUPERVISOR_PHASES = (AGENT_STARTED, WORKERS_STARTED, FAULT_SEEN, WORKERS_STOPPED, VERDICT,
+                     NEXT_READY)
+
+# A worker's phases, in order.
+WORKER_STARTED = "worker_started"  # the worker module runs (the interpreter is up)
+REPORTING = "reporting"  # resilient_strategy() took the handed decision (its reporter exists)
+COMM_READY = "comm_ready"  # the process group is joined
+RESTORED = "restored"  # a checkpoint was restored (prepare() returned with its step)
+FIRST_STEP = "first_step"  # the first optimizer step of this attempt is done
+WORKER_PHASES = (WORKER_STARTED, REPORTING, COMM_READY, RESTORED, FIRST_STEP)
+
+_MAX_BYTES = 64 << 10
+_MARKS: dict[str, dict[str, float]] = {}  # what this process has marked, by file
+
+
+def supervisor_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "supervisor.phases.json"
+
+
+def worker_path(run_dir: str | Path, local_rank: int) -> Path:
+    return Path(run_dir) / f"rank{local_rank}.phases.json"
+
+
+def mark(path: str | Path, phase: str, at: float | None = None) -> None:
+    """Record that ``phase`` began at ``at`` (wall time; now by default), unless it already
+    was. Best effort."""
+    marks = _MARKS.setdefault(str(path), {})
+    if phase in marks:
+        return
+    marks[phase] = time.time() if at is None else at
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with contextlib.suppress(OSError):
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(marks, fh)
+        os.replace(tmp, path)
+
+
+def read_marks(path: str | Path) -> dict[str, float]:
+    """The marks in ``path`` (an empty dict when absent or unreadable); numbers only."""
+    try:
+        with open(path, "rb") as fh:
+            data = json.loads(fh.read(_MAX_BYTES))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {str(k): float(v) for k, v in data.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """One attempt's phases (wall times, seconds since the epoch): the supervisor's and each
+    local rank's (in local-rank order)."""
+
+    supervisor: Mapping[str, float] = field(default_factory=dict)
+    ranks: tuple[Mapping[str, float], ...] = ()
+
+    @classmethod
+    def read(cls, run_dir: str | Path, ranks: int) -> Timeline:
+        return cls(read_marks(supervisor_path(run_dir)),
+                   tuple(read_marks(worker_path(run_dir, r)) for r in range(ranks)))
+
+    def last(self, phase: str) -> float | None:
+        """When the last rank reached ``phase`` (None: a rank never did)."""
+        got = [r.get(phase) for r in self.ranks]
+        if not got or any(t is None for t in got):
+            return None
+        return max(t for t in got if t is not None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"supervisor": dict(self.supervisor), "ranks": [dict(r) for r in self.ranks]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Timeline:
+        return cls(dict(d.get("supervisor", {})), tuple(dict(r) for r in d.get("ranks", ())))

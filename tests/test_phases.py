@@ -1,0 +1,136 @@
+"""The phases of an attempt (records/phases.py): the marks each writer leaves, the typed timeline
+the supervisor reads back into attempts.json, the reporter's marks from the training calls, and
+the stacks wait that ends when every rank's file is written (run/agent.py)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from resilient_strategy.records import phases
+from resilient_strategy.records.handoff import TrainingReporter
+from resilient_strategy.records.progress import ProgressWriter
+from resilient_strategy.run.agent import dump_stacks
+from resilient_strategy.run.exitcodes import ExitCode
+from resilient_strategy.run.policy import Action, Attempt, Judgement
+from resilient_strategy.run.verdicts import Verdict, VerdictKind
+
+
+def test_a_mark_is_written_once_and_read_back(tmp_path: Path) -> None:
+    path = phases.supervisor_path(tmp_path)
+    phases.mark(path, phases.AGENT_STARTED, 10.0)
+    phases.mark(path, phases.AGENT_STARTED, 20.0)  # reached again: the first time stays
+    phases.mark(path, phases.FAULT_SEEN, 12.5)
+    assert phases.read_marks(path) == {phases.AGENT_STARTED: 10.0, phases.FAULT_SEEN: 12.5}
+
+
+def test_unreadable_or_foreign_marks_read_as_empty_or_numbers_only(tmp_path: Path) -> None:
+    assert phases.read_marks(tmp_path / "absent.json") == {}
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    assert phases.read_marks(bad) == {}
+    mixed = tmp_path / "mixed.json"
+    mixed.write_text(json.dumps({"a": 1.5, "b": "x", "c": True, "d": 3}))
+    assert phases.read_marks(mixed) == {"a": 1.5, "d": 3.0}
+
+
+def test_a_mark_that_cannot_be_written_is_lost_not_raised(tmp_path: Path) -> None:
+    phases.mark(tmp_path / "no" / "such" / "dir.json", phases.VERDICT)
+
+
+def test_timeline_reads_the_supervisor_and_every_rank(tmp_path: Path) -> None:
+    phases.mark(phases.supervisor_path(tmp_path), phases.WORKERS_STARTED, 1.0)
+    phases.mark(phases.worker_path(tmp_path, 0), phases.FIRST_STEP, 5.0)
+    phases.mark(phases.worker_path(tmp_path, 1), phases.FIRST_STEP, 6.0)
+    t = phases.Timeline.read(tmp_path, 2)
+    assert t.supervisor == {phases.WORKERS_STARTED: 1.0}
+    assert t.last(phases.FIRST_STEP) == 6.0
+    assert t.last(phases.COMM_READY) is None  # no rank reached it
+    assert phases.Timeline.from_dict(json.loads(json.dumps(t.to_dict()))) == t
+    assert phases.Timeline.read(tmp_path, 3).last(phases.FIRST_STEP) is None  # rank 2 never
+
+
+def test_an_attempt_record_carries_its_timeline(tmp_path: Path) -> None:
+    phases.mark(phases.supervisor_path(tmp_path), phases.VERDICT, 3.0)
+    attempt = Attempt(0, "torch:gloo:cpu", "gloo", Verdict(VerdictKind.EXIT, "rank 1 exited"),
+                      Judgement(Action.RETRY, "once", None), None,
+                      phases.Timeline.read(tmp_path, 1))
+    d = json.loads(json.dumps(attempt.to_dict()))
+    assert d["times"] == {"supervisor": {phases.VERDICT: 3.0}, "ranks": [{}]}
+    assert Attempt(0, "k", "l", Verdict(VerdictKind.OK, ""),
+                   Judgement(Action.STOP, "done", ExitCode.SUCCESS)).to_dict()["times"] is None
+
+
+def test_the_reporter_marks_setup_restore_and_the_first_step_in_order(tmp_path: Path) -> None:
+    path = phases.worker_path(tmp_path, 0)
+    rep = TrainingReporter(ProgressWriter(str(tmp_path / "rank0.progress")), rank=0,
+                           backend="gloo", collective=True, phases=str(path))
+    assert list(phases.read_marks(path)) == [phases.REPORTING]
+    rep.setup_begin()
+    rep.setup_end()
+    rep.restored(15)
+    for _ in range(3):
+        rep.backward_begin(True)
+        rep.backward_end(True)
+        rep.stepped(True)
+    marks = phases.read_marks(path)
+    assert list(marks) == [phases.REPORTING, phases.COMM_READY, phases.RESTORED,
+                           phases.FIRST_STEP]
+    assert sorted(marks.values()) == list(marks.values())
+    assert rep.step == 18
+
+
+def test_a_reporter_without_a_phases_file_marks_nothing(tmp_path: Path) -> None:
+    rep = TrainingReporter(ProgressWriter(str(tmp_path / "rank0.progress")), rank=0,
+                           backend="cpu", collective=False)
+    rep.stepped(True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.progress"]
+
+
+_STACKS_CHILD = """
+import faulthandler, signal, sys, time
+fh = open(sys.argv[1], "w")
+faulthandler.register(signal.SIGUSR1, file=fh, all_threads=True, chain=False)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="no SIGUSR1")
+def test_the_stacks_wait_ends_when_every_rank_has_written(tmp_path: Path) -> None:
+    procs = [subprocess.Popen([sys.executable, "-c", _STACKS_CHILD,
+                               str(tmp_path / f"rank{lr}.stacks.txt")], stdout=subprocess.PIPE,
+                              text=True) for lr in range(2)]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        missing = dump_stacks({lr: p.pid for lr, p in enumerate(procs)}, tmp_path, wait_s=30.0)
+        assert missing == []
+        for lr in range(2):
+            assert "<module>" in (tmp_path / f"rank{lr}.stacks.txt").read_text()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=30)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="no SIGUSR1")
+def test_a_rank_whose_stacks_never_come_is_named_after_the_bound(tmp_path: Path) -> None:
+    # a process that ignores SIGUSR1 writes nothing: the wait ends at its bound and names it
+    child = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                              "signal.signal(signal.SIGUSR1, signal.SIG_IGN); print('ready', "
+                              "flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        assert dump_stacks({3: child.pid}, tmp_path, wait_s=0.2) == [3]
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=30)
+    assert dump_stacks({0: gone.pid}, tmp_path, wait_s=30.0) == []
