@@ -117,6 +117,8 @@ def test_the_stacks_wait_ends_when_every_rank_has_written(tmp_path: Path) -> Non
         for p in procs:
             p.kill()
             p.wait(timeout=30)
+            if p.stdout is not None:
+                p.stdout.close()
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="no SIGUSR1")
@@ -131,6 +133,8 @@ def test_a_rank_whose_stacks_never_come_is_named_after_the_bound(tmp_path: Path)
     finally:
         child.kill()
         child.wait(timeout=30)
+        if child.stdout is not None:
+            child.stdout.close()
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait(timeout=30)
     assert dump_stacks({0: gone.pid}, tmp_path, wait_s=30.0) == []
