@@ -138,3 +138,28 @@ def test_a_rank_whose_stacks_never_come_is_named_after_the_bound(tmp_path: Path)
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait(timeout=30)
     assert dump_stacks({0: gone.pid}, tmp_path, wait_s=30.0) == []
+
+
+def test_the_rendezvous_names_its_records_as_inspect_would() -> None:
+    import inspect
+
+    from resilient_strategy.run import agent
+
+    agent._cheap_method_names()
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    def via_inspect() -> str:
+        return inspect.stack()[2].function
+
+    def recorder(fn: object) -> str:  # as _record calls it: the caller of the caller
+        return fn()  # type: ignore[operator,no-any-return]
+
+    def caller_a() -> str:
+        return recorder(via_inspect)
+
+    def caller_b() -> str:
+        return recorder(dr.get_method_name)
+
+    assert dr.get_method_name is agent._method_name
+    assert caller_a() == "caller_a"
+    assert caller_b() == "caller_b"
