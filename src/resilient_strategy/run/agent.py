@@ -325,7 +325,7 @@ def _cheap_method_names() -> None:
 
         name = getattr(dr, "get_method_name", None)
         if name is not None and getattr(name, "__module__", "") == dr.__name__:
-            dr.get_method_name = _method_name  # type: ignore[attr-defined]
+            dr.get_method_name = _method_name
 
 
 def _agent_class() -> type[Any]:
