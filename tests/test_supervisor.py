@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from resilient_strategy.errors import InvalidOptionError
+from resilient_strategy.records import phases
 from resilient_strategy.records.progress import (
     COLLECTIVE,
     COLLECTIVE_DONE,
@@ -286,6 +287,29 @@ def _attempts(tmp: Path) -> list[dict[str, object]]:
     return list(json.loads(found[0].read_text())["attempts"])
 
 
+def _assert_timelines(attempts: list[dict[str, object]], resumed: bool) -> None:
+    """Every attempt's typed phases: the supervisor's in their order, ending with the next
+    attempt's decision before that attempt's agent starts; every rank's in their order, the
+    first step after any restore."""
+    times = [phases.Timeline.from_dict(a["times"]) for a in attempts]  # type: ignore[arg-type]
+    for i, t in enumerate(times):
+        want = [p for p in phases.SUPERVISOR_PHASES
+                if not (i == len(times) - 1 and p in (phases.FAULT_SEEN, phases.NEXT_READY))]
+        assert list(t.supervisor) == want
+        assert list(t.supervisor.values()) == sorted(t.supervisor.values())
+        if i:
+            assert times[i - 1].supervisor[phases.NEXT_READY] <= t.supervisor[phases.AGENT_STARTED]
+        for r in t.ranks:
+            got = [p for p in phases.WORKER_PHASES if p in r]
+            assert got[:2] == [phases.WORKER_STARTED, phases.REPORTING]
+            assert got[-1] == phases.FIRST_STEP
+            assert [r[p] for p in got] == sorted(r[p] for p in got)
+            assert r[phases.WORKER_STARTED] >= t.supervisor[phases.AGENT_STARTED]
+    assert [len(t.ranks) for t in times] == [2, 2, 1]
+    if resumed:  # the relaunches resumed from the checkpoint of step 15
+        assert all(phases.RESTORED in r for t in times[1:] for r in t.ranks)
+
+
 def _story(tmp: Path) -> list[tuple[str, str, str]]:
     """(backend, verdict kind, action) per attempt."""
     return [(str(a["candidate"]).split(":")[1], str(a["verdict"]["kind"]),  # type: ignore[index]
@@ -327,6 +351,7 @@ def test_a_fault_at_step_20_is_retried_then_steps_down_on_its_repeat(
     verdict = "stall" if kind == "hang" else "exit"
     assert _story(tmp_path) == [("gloo", verdict, "retry"), ("gloo", verdict, "step_down"),
                                 ("cpu", "ok", "finish")]
+    _assert_timelines(_attempts(tmp_path), resumed=kind == "exit")
     if kind == "hang":  # every rank's Python stacks were dumped before the group was stopped
         evidence = next((tmp_path / "resilient-strategy-evidence").glob("*/attempt1.txt"))
         stacks = evidence.read_text().split("Python stacks before the stop")
