@@ -40,7 +40,9 @@ def test_unreadable_or_foreign_marks_read_as_empty_or_numbers_only(tmp_path: Pat
 
 
 def test_a_mark_that_cannot_be_written_is_lost_not_raised(tmp_path: Path) -> None:
-    phases.mark(tmp_path / "no" / "such" / "dir.json", phases.VERDICT)
+    phases.mark(tmp_path / "no" / "such" / "dir.json", phases.VERDICT)  # no raise
+    assert not (tmp_path / "no").exists()  # and nothing made on the way
+    assert phases.Timeline.read(tmp_path / "no" / "such", 1).supervisor == {}
 
 
 def test_timeline_reads_the_supervisor_and_every_rank(tmp_path: Path) -> None:

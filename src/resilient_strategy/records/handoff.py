@@ -306,6 +306,7 @@ class TrainingReporter:
     #: Where this rank's phase marks go (:mod:`.phases`; None: not marked).
     phases: str | None = None
     _fault_armed: bool = field(default=False, repr=False)
+    _stepped_once: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         self._fault_armed = self.fault is not None and self.fault.applies(
@@ -344,7 +345,9 @@ class TrainingReporter:
         if not stepped:
             return
         self.step += 1
-        self._mark(_phases.FIRST_STEP)
+        if not self._stepped_once:  # a mark per launch, not a lookup per step
+            self._stepped_once = True
+            self._mark(_phases.FIRST_STEP)
         if not self.collective:  # with replicas, "collective_done k" already says it
             self.writer.step(self.step)
             self.phase_name = STEP_DONE
