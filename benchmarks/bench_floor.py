@@ -64,18 +64,24 @@ dist.destroy_process_group()
 """
 
 _TF_FLOOR = """
-import os
+import os, sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import tensorflow as tf
+sizes = [int(x) for x in sys.argv[1].split(",")]
+iters = int(sys.argv[2])
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 devs = [d.name for d in tf.config.list_logical_devices("CPU")]
 strategy = tf.distribute.MirroredStrategy(devs, cross_device_ops=tf.distribute.ReductionToOneDevice())
-def fn():
-    ctx = tf.distribute.get_replica_context()
-    return ctx.all_reduce("sum", tf.fill([1024], tf.cast(ctx.replica_id_in_sync_group + 1, tf.float32)))
-out = strategy.experimental_local_results(strategy.run(fn))
-assert all(bool(tf.reduce_all(o == 3.0)) for o in out)
+for nbytes in sizes:
+    for it in range(iters):
+        def fn():
+            ctx = tf.distribute.get_replica_context()
+            mine = tf.cast(ctx.replica_id_in_sync_group + 1 + it * 2, tf.float32)
+            return ctx.all_reduce("sum", tf.fill([nbytes // 4], mine))
+        out = strategy.experimental_local_results(strategy.run(fn))
+        want = float(1 + 2 + 2 * it * 2)
+        assert all(bool(tf.reduce_all(o == want)) for o in out), (nbytes, it)
 """
 
 
@@ -111,6 +117,12 @@ def _decide(**kw: Any) -> tuple[Any, float]:
     return sel, time.perf_counter() - t
 
 
+def _phases(sel: Any) -> str:
+    """The chosen candidate's probe phases, from the Selection's trace data."""
+    probe = sel.to_dict()["probes"].get(sel.candidate.key) or {}
+    return ", ".join(f"{k} {v:.2f}" for k, v in probe.get("phases", ()))
+
+
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -120,6 +132,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--skip-tf", action="store_true")
+    ap.add_argument("--only-tf", action="store_true", help="the TensorFlow rows alone")
     args = ap.parse_args()
 
     from resilient_strategy.machine.inspect import detect_facts
@@ -129,7 +142,7 @@ def main() -> None:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RESILIENT_STRATEGY_PROBE_FAULT", "RESILIENT_STRATEGY_FORKSERVER")}
     gpus = len(facts.gpus)
-    if facts.framework("torch").installed:
+    if facts.framework("torch").installed and not args.only_tf:
         # a CPU stand-in on any machine: hide GPUs so the chain is gloo on CPU processes
         cpu_env = {**env, "CUDA_VISIBLE_DEVICES": "", "WORLD_SIZE": str(args.nproc), "RANK": "0",
                    "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(args.nproc), "MASTER_PORT": "0"}
@@ -148,8 +161,7 @@ def main() -> None:
                                                             "RESILIENT_STRATEGY_FORKSERVER": fs})
                     colds[fs].append(dt)
                     label = sel.candidate.label
-                    probe = sel.to_dict()["probes"].get(sel.candidate.key) or {}
-                    phases[fs] = ", ".join(f"{k} {v:.2f}" for k, v in probe.get("phases", ()))
+                    phases[fs] = _phases(sel)
         floor = _median(floors)
         rows.append((f"import floor: {args.nproc} interpreters importing torch in parallel",
                      f"{_median(imports):.2f} s", "", ""))
@@ -162,7 +174,7 @@ def main() -> None:
                          + ("met" if cold / floor <= GOAL else "NOT met")))
             rows.append(("  its probe's phases (last run, s from the first worker's start)",
                          "", "", phases[fs]))
-    if gpus and facts.framework("torch").installed:
+    if gpus and facts.framework("torch").installed and not args.only_tf:
         from resilient_strategy.core.probe import ProbeSpec
         from resilient_strategy.probing.forkserver import close_all
         from resilient_strategy.probing.prober import run_probe
@@ -184,18 +196,25 @@ def main() -> None:
                      ", ".join(f"{k} {v:.2f}" for k, v in res.phases)))
     if facts.framework("tensorflow").installed and not args.skip_tf:
         tfloor, tcold = [], []
+        tf_sizes = ",".join(str(b) for b in CHECK_BYTES)
+        tsel = None
         with tempfile.TemporaryDirectory() as cache:
             for _ in range(args.repeat):
-                tfloor.append(_parallel([[sys.executable, "-c", _TF_FLOOR]]))
-                _, dt = _decide(framework="tensorflow", global_batch_size=256, logical_cpus=2,
+                tfloor.append(_parallel([[sys.executable, "-c", _TF_FLOOR, tf_sizes,
+                                                  str(CHECK_ITERS)]]))
+                tsel, dt = _decide(framework="tensorflow", global_batch_size=256, logical_cpus=2,
                                 probe="force", timeout=60, cache_dir=cache,
                                 env={**env, "CUDA_VISIBLE_DEVICES": ""})
                 tcold.append(dt)
         f, c = _median(tfloor), _median(tcold)
-        rows.append(("TF floor: 1 interpreter, TensorFlow, 2 logical CPUs, checked all-reduce",
+        rows.append(("TF floor: 1 interpreter, TensorFlow, 2 logical CPUs, checked all-reduce "
+                     f"at {len(CHECK_BYTES)} sizes x{CHECK_ITERS}",
                      f"{f:.2f} s", "1.00x", ""))
         rows.append(("cold decision, TensorFlow on 2 logical CPUs", f"{c:.2f} s", f"{c / f:.2f}x",
                      f"goal <= {GOAL}x: " + ("met" if c / f <= GOAL else "NOT met")))
+        if tsel is not None:
+            rows.append(("  its probe's phases (last run, s from the worker's start)", "", "",
+                         _phases(tsel)))
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"\npython {sys.version.split()[0]}, {os.cpu_count()} CPUs (load average {load:.1f}), "

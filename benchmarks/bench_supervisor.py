@@ -2,6 +2,7 @@
 step-down, and from an injected stall), and the cost of progress reporting per training step.
 
     python benchmarks/bench_supervisor.py [--stall-timeout 5] [--steps 300] [--repeats 3]
+    python benchmarks/bench_supervisor.py --device cuda     # one GPU: retry and stall on GPU 0
 
 1. Relaunches: `resilient-strategy run --nproc-per-node 2` trains a small MLP over gloo with a
    fault at optimizer step 20 (RESILIENT_STRATEGY_TRAIN_FAULT). The script prints a timestamp
@@ -58,6 +59,7 @@ model, opt, loader = sel.prepare(model, opt, loader)
 for epoch in range(ckpt.epoch, 2):
     sel.set_epoch(epoch)
     for x, y in loader:
+        x, y = x.to(sel.device), y.to(sel.device)
         with sel.accumulate(model):
             sel.backward(torch.nn.functional.cross_entropy(model(x), y))
         if sel.step(opt) and sel.is_main_process:
@@ -118,16 +120,20 @@ def _phases(steps: list[list[str]], builds: list[list[str]], pid: str,
     return [(n, t1 - t0) for n, t0, t1 in marks], first - a[ph.FAULT_SEEN] - user, user
 
 
-def relaunch_gap(fault: str, stall_timeout: float) -> Gap | str:
-    """The relaunch of one run with ``fault``; or why the run failed."""
+def relaunch_gap(fault: str, stall_timeout: float, device: str = "cpu") -> Gap | str:
+    """The relaunch of one run with ``fault``; or why the run failed. ``device`` "cuda": one
+    process on GPU 0 (the machine's own CUDA_VISIBLE_DEVICES), else 2 processes on CPU."""
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "train.py"
         script.write_text(textwrap.dedent(SCRIPT))
         env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")}
         env.update(PYTHONPATH=str(ROOT / "src"), RESILIENT_STRATEGY_TRAIN_FAULT=fault,
-                   RESILIENT_STRATEGY_CACHE_DIR=str(Path(tmp) / "cache"), CUDA_VISIBLE_DEVICES="")
+                   RESILIENT_STRATEGY_CACHE_DIR=str(Path(tmp) / "cache"))
+        if device == "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = ""
         proc = subprocess.run(
-            [sys.executable, "-m", "resilient_strategy", "run", "--nproc-per-node", "2",
+            [sys.executable, "-m", "resilient_strategy", "run", "--nproc-per-node",
+             "1" if device == "cuda" else "2",
              "--stall-timeout", str(stall_timeout), "--evidence-dir", str(Path(tmp) / "ev"),
              str(script), str(Path(tmp) / "ckpt")],
             env=env, capture_output=True, text=True, timeout=600, check=False)
@@ -146,29 +152,36 @@ def relaunch_gap(fault: str, stall_timeout: float) -> Gap | str:
     return Gap(float(second[0][2]) - float(first[-1][2]), first[-1][3], second[0][3], *got)
 
 
-def floor(nproc: int) -> tuple[float, float]:
-    """bench_floor's probe floor (N interpreters importing torch, gloo, the checked
-    all-reduces) and its import floor (importing torch, nothing else), measured now."""
+def floor(nproc: int, backend: str = "gloo") -> tuple[float, float]:
+    """bench_floor's probe floor (N interpreters importing torch, the backend -- gloo, or a
+    1-rank NCCL communicator on GPU 0 --, the checked all-reduces) and its import floor
+    (importing torch, nothing else), measured now."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_floor import _torch_floor
 
-    return _torch_floor(nproc, "gloo", "probe"), _torch_floor(nproc, "gloo", "import")
+    return _torch_floor(nproc, backend, "probe"), _torch_floor(nproc, backend, "import")
 
 
-def relaunches(stall_timeout: float, repeats: int) -> list[tuple[str, str]]:
+def relaunches(stall_timeout: float, repeats: int, device: str = "cpu") -> list[tuple[str, str]]:
     """Each relaunch run right after a floor measurement (load drifts on a shared host: each
-    run is compared with the floor measured next to it)."""
+    run is compared with the floor measured next to it). ``device`` "cuda": one process on
+    GPU 0 retried on it (a one-GPU job has no step-down but the CPU), against the 1-rank NCCL
+    floor."""
     rows: list[tuple[str, str]] = []
     floors: list[tuple[float, float]] = []
-    for name, fault in (("retry (exit once, no signature)", "exit:1:gloo:20:1"),
-                        ("step-down (communication error)", "error:1:gloo:20"),
-                        ("stall then retry", "hang:1:gloo:20:1")):
+    kinds = ((("retry (exit once, no signature)", "exit:1:gloo:20:1"),
+              ("step-down (communication error)", "error:1:gloo:20"),
+              ("stall then retry", "hang:1:gloo:20:1")) if device == "cpu" else
+             (("retry on the GPU (exit once, no signature)", "exit:0:single_device:20:1"),
+              ("stall then retry on the GPU", "hang:0:single_device:20:1")))
+    nproc, backend = (2, "gloo") if device == "cpu" else (1, "nccl")
+    for name, fault in kinds:
         got: list[Gap | str] = []
         near: list[tuple[float, float]] = []
         for _ in range(repeats):
-            floors.append(floor(2))
+            floors.append(floor(nproc, backend))
             near.append(floors[-1])
-            got.append(relaunch_gap(fault, stall_timeout))
+            got.append(relaunch_gap(fault, stall_timeout, device))
         both = [(g, f) for g, f in zip(got, near, strict=True) if not isinstance(g, str)]
         ok = [(g, f) for g, (f, _) in both]
         if not ok:
@@ -192,15 +205,15 @@ def relaunches(stall_timeout: float, repeats: int) -> list[tuple[str, str]]:
             f"(excluded): {statistics.median(g.user for g, _ in ok):.2f} s"))
         bare = sorted(g.restart - i for g, (_, i) in both)
         rows.append((
-            f"{name}: restart against the import floor measured just before each run (2 "
-            "interpreters importing torch, nothing else: stricter than the goal's floor)",
+            f"{name}: restart against the import floor measured just before each run ({nproc} "
+            "interpreter(s) importing torch, nothing else: stricter than the goal's floor)",
             f"restart - import floor per run: {', '.join(f'{d:+.2f}' for d in bare)} s "
             f"(median {statistics.median(bare):+.2f} s)"))
         for i, (phase, _) in enumerate(ok[0][0].phases):
             rows.append((f"{name}: {phase}",
                          f"{statistics.median(g.phases[i][1] for g, _ in ok):.3f} s"))
-    rows.insert(0, ("floor (bench_floor: 2 interpreters importing torch, gloo, the checked "
-                    "all-reduces), median of the runs'",
+    rows.insert(0, (f"floor (bench_floor: {nproc} interpreter(s) importing torch, {backend}, the "
+                    "checked all-reduces), median of the runs'",
                     f"{statistics.median(f for f, _ in floors):.2f} s (importing torch alone: "
                     f"{statistics.median(i for _, i in floors):.2f} s)"))
     return rows
@@ -317,12 +330,13 @@ def main() -> None:
     ap.add_argument("--skip-overhead", action="store_true")
     ap.add_argument("--repeats", type=int, default=3, help="runs per relaunch kind")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                    help="where the overhead loop trains (cuda: GPU 0)")
+                    help="where the overhead loop trains and the relaunched job runs (cuda: "
+                    "GPU 0, one process)")
     args = ap.parse_args()
     rows = [] if args.skip_overhead else overhead(args.steps, args.rounds, args.hidden,
                                                   args.device)
     if not args.skip_recovery:
-        rows += relaunches(args.stall_timeout, args.repeats)
+        rows += relaunches(args.stall_timeout, args.repeats, args.device)
     print("| measure | value |\n|---|---|")
     for name, value in rows:
         print(f"| {name} | {value} |")

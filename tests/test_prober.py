@@ -283,6 +283,11 @@ def test_tensorflow_on_logical_cpus(backend: str, status: str, env: dict[str, st
         assert res.bus_bandwidth_gbps is not None and res.bus_bandwidth_gbps > 0
         assert res.step_seconds is not None and res.step_seconds > 0
         assert "2 replica(s)" in res.detail
+        # where the time went: TF imported, the strategy built, checks, bandwidth, Keras step
+        names = [name for name, _ in res.phases]
+        for earlier, later in (("imported", "comm_ready"), ("comm_ready", "checked"),
+                               ("checked", "measured"), ("measured", "stepped")):
+            assert names.index(earlier) <= names.index(later)
     else:
         assert res.cause == "backend_unavailable"
         assert "NcclAllReduce" in res.detail
