@@ -152,10 +152,10 @@ def main() -> None:
         phases: dict[str, str] = {"1": "", "0": ""}
         label = ""
         with tempfile.TemporaryDirectory() as cache:
-            for _ in range(args.repeat):
+            for i in range(args.repeat):
                 imports.append(_torch_floor(args.nproc, "gloo", "import"))
                 floors.append(_torch_floor(args.nproc, "gloo", "probe"))
-                for fs in ("1", "0"):
+                for fs in ("1", "0") if i % 2 == 0 else ("0", "1"):  # no order effect
                     sel, dt = _decide(framework="torch", global_batch_size=64, probe="force",
                                       cache_dir=cache, env={**cpu_env,
                                                             "RESILIENT_STRATEGY_FORKSERVER": fs})
