@@ -192,7 +192,11 @@ def _supervised(tmp: Path, example: str, *args: str, fault: str = "hang:1:gloo:2
     env.update(PYTHONPATH=str(ROOT / "src"), TMPDIR=str(tmp / "tmp"), CUDA_VISIBLE_DEVICES="",
                RESILIENT_STRATEGY_CACHE_DIR=str(tmp / "cache"),
                RESILIENT_STRATEGY_TIMEOUT="60",
-               RESILIENT_STRATEGY_TRAIN_FAULT=fault)  # step 20: in epoch 3 of 3 (8 steps each)
+               RESILIENT_STRATEGY_TRAIN_FAULT=fault,  # step 20: in epoch 3 of 3 (8 steps each)
+               # the stop's grace after SIGTERM (torchrun's knob, 30 s by default): a rank hung
+               # in the injected fault, and its peer blocked in the collective, never act on
+               # SIGTERM, so each stall cost the whole grace before the SIGKILL
+               TORCH_ELASTIC_SHUTDOWN_TIMEOUT="5")
     proc = subprocess.run(
         [sys.executable, "-m", "resilient_strategy", "run", "--nproc-per-node", "2",
          "--stall-timeout", "3", str(ROOT / "examples" / example), "--samples", "2048",

@@ -632,3 +632,33 @@ def test_a_node_that_finished_is_not_undone_by_a_peer_gone_after_the_job() -> No
         VerdictKind.EXIT, VerdictKind.LOST)
     user = PeerFault(0, "torch:gloo:cpu", Verdict(VerdictKind.USER, "the script failed", node=0))
     assert verdict_with_peers(_Peers(1, [user]), "torch:gloo:cpu", ok).kind is VerdictKind.USER
+
+
+def test_the_stop_of_an_unhealthy_group_takes_the_configured_grace(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's stop grace (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, ``--shutdown-timeout``) reaches
+    the agent, and its stop of a stalled group uses it: torch's own agent stops an unhealthy
+    group with its default 30 s, and a rank that ignores SIGTERM (Lightning's handler) held every
+    stall's stop that long."""
+    import inspect
+    import signal
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from resilient_strategy.run.agent import _agent_class, shutdown_grace
+
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "3")
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1)
+    takes = "shutdown_timeout" in inspect.signature(LocalElasticAgent).parameters
+    assert shutdown_grace(config) == ({"shutdown_timeout": 3} if takes else {})
+    seen: list[tuple[tuple[object, ...], dict[str, object]]] = []
+    monkeypatch.setattr(LocalElasticAgent, "_shutdown",
+                        lambda self, *a, **k: seen.append((a, k)))
+    cls = _agent_class()
+    agent = cls.__new__(cls)
+    agent._pcontext, agent._shutdown_timeout = None, 3
+    agent._shutdown()  # the stop of an unhealthy group: torch passes no timeout
+    agent._shutdown(signal.SIGTERM, 30)  # one torch gives is kept
+    agent._shutdown(timeout=7)
+    assert seen == [((), {"timeout": 3}), ((signal.SIGTERM, 30), {}), ((), {"timeout": 7})]

@@ -8,7 +8,8 @@ the job starts, a blackhole route to the master on node 1 (a setup failure: the 
 Asserted from typed outcomes only (exit codes, the decisions and progress records the
 supervisors write, the checkpoint's optimizer-step count, live processes, sockets, namespaces).
 Skipped where namespaces cannot be made (not root, no ``ip``). Each scenario is one run of
-about half a minute on two cores.
+about half a minute on two cores; the decoy and the straggler share one run (neither may
+relaunch), each test asserting its own facts about it.
 """
 
 from __future__ import annotations
@@ -338,11 +339,26 @@ def test_sigstop_of_a_worker_is_a_stall_detected_within_the_allowance(bed: tb.Be
     _finished_exactly(o)
 
 
+@pytest.fixture(scope="module")
+def quiet_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[tb.Outcome, str]:
+    """One run for the two scenarios that must not relaunch: a decoy interface on node 1 from
+    the start, and node 1's worker stopped at step 8 for half the allowance (its sockets read
+    first). Each test below asserts its own facts about it; returns it and node 1's address."""
+    why = _unavailable()
+    if why is not None:
+        pytest.skip(f"the multi-node test bed cannot run here: {why}")
+    with tb.testbed() as b:
+        o = tb.run_fault(b, tmp_path_factory.mktemp("quiet"), "decoy+straggler")
+        address = b.nodes[1].address
+    assert tb.namespaces() == [] and tb.root_links() == []  # nothing left on the machine
+    return o, address
+
+
 @pytest.mark.slow
 @pytest.mark.torch
-def test_a_straggler_shorter_than_the_allowance_is_not_relaunched(bed: tb.Bed,
-                                                                  tmp_path: Path) -> None:
-    o = tb.run_fault(bed, tmp_path, "straggler")
+def test_a_straggler_shorter_than_the_allowance_is_not_relaunched(
+        quiet_run: tuple[tb.Outcome, str]) -> None:
+    o, _ = quiet_run
     assert o.codes == (0, 0), o
     assert o.attempts == ((0,), (0,)) and o.history == (), o
     _finished_exactly(o)
@@ -350,12 +366,14 @@ def test_a_straggler_shorter_than_the_allowance_is_not_relaunched(bed: tb.Bed,
 
 @pytest.mark.slow
 @pytest.mark.torch
-def test_a_decoy_default_route_is_never_what_gloo_binds_to(bed: tb.Bed, tmp_path: Path) -> None:
-    # also the uninterrupted run: the pair trains across the nodes, every step, one attempt
-    o = tb.run_fault(bed, tmp_path, "decoy")
+def test_a_decoy_default_route_is_never_what_gloo_binds_to(
+        quiet_run: tuple[tb.Outcome, str]) -> None:
+    # the pair trains across the nodes, every step, one attempt (the straggler above is the
+    # same run: a pause shorter than the allowance, nothing relaunched)
+    o, node1 = quiet_run
     assert o.codes == (0, 0), o
     assert o.attempts == ((0,), (0,)) and o.chosen == (("torch:gloo:cpu", 2),), o
-    assert bed.nodes[1].address in o.addresses and o.decoy not in o.addresses, o
+    assert node1 in o.addresses and o.decoy not in o.addresses, o
     _finished_exactly(o)
 
 

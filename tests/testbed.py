@@ -507,10 +507,12 @@ def run_fault(bed: Bed, work: Path, fault: str, *, stall_s: float = STALL_S,
     """Train on ``bed`` and strike ``fault`` at :data:`FAULT_STEP` (``none``: an
     uninterrupted run; ``decoy``: a decoy interface on node 1 from the start; ``blackhole``: a
     blackhole route to the master on node 1 from the start, so that the nodes never meet:
-    times are from the start of the job)."""
-    if fault not in FAULTS:
-        raise ValueError(f"unknown fault {fault!r}; one of {FAULTS}")
-    decoy = f"{DECOY_NET}.3" if fault == "decoy" else ""
+    times are from the start of the job). ``decoy+straggler``: both in one run (the decoy's
+    addresses are read before the straggler is stopped); the other faults strike alone."""
+    faults = set(fault.split("+"))
+    if not faults <= set(FAULTS) or (len(faults) > 1 and faults != {"decoy", "straggler"}):
+        raise ValueError(f"unknown fault {fault!r}; one of {FAULTS}, or decoy+straggler")
+    decoy = f"{DECOY_NET}.3" if "decoy" in faults else ""
     if decoy:
         bed.add_decoy(1)
     setup = fault == "blackhole"
@@ -529,27 +531,27 @@ def run_fault(bed: Bed, work: Path, fault: str, *, stall_s: float = STALL_S,
         if not setup:
             job.wait_for_step(FAULT_STEP, timeout_s=limit_s / 2)
             victims = job.workers(1, 0)
-        if fault in ("sigkill", "sigstop", "straggler"):
+        if faults & {"sigkill", "sigstop", "straggler"}:
             assert victims, job.tails()
         t0 = job.started if setup else time.monotonic()
+        if "decoy" in faults:  # first: a stopped worker's sockets are read all the same
+            addresses |= {a for pid in victims for a in tcp_addresses(pid)}
         if fault == "sigkill":
             os.kill(victims[0], signal.SIGKILL)
-        elif fault in ("sigstop", "straggler"):
+        elif faults & {"sigstop", "straggler"}:
             os.kill(victims[0], signal.SIGSTOP)
         elif fault == "link_down":
             bed.node_link(1, up=False)
         elif fault == "bridge_down":
             bed.bridge_port(1, up=False)
-        elif fault == "decoy":
-            addresses |= {a for pid in victims for a in tcp_addresses(pid)}
         fault_step = job.capture.last_step(0, 0)
-        restore_at = t0 + (stall_s / 2 if fault == "straggler" else stall_s + 1.0)
-        restored = fault not in ("straggler", "bridge_down")
+        restore_at = t0 + (stall_s / 2 if "straggler" in faults else stall_s + 1.0)
+        restored = not faults & {"straggler", "bridge_down"}
         end = t0 + limit_s
         while time.monotonic() < end and any(p.poll() is None for p in job.procs):
             now = time.monotonic()
             if not restored and now >= restore_at:
-                if fault == "straggler":
+                if "straggler" in faults:
                     os.kill(victims[0], signal.SIGCONT)
                 else:
                     bed.bridge_port(1, up=True)
@@ -581,7 +583,7 @@ def run_fault(bed: Bed, work: Path, fault: str, *, stall_s: float = STALL_S,
         chosen=tuple((str(c.decisions[(0, a)]["chosen"]), int(c.decisions[(0, a)]["nodes"]))
                      for a in c.attempts(0)),
         history=tuple(job.history(0)), fault_step=fault_step,
-        stopped_s=None if stopped is None or fault in ("none", "straggler", "decoy", "blackhole")
+        stopped_s=None if stopped is None or faults <= {"none", "straggler", "decoy", "blackhole"}
         else stopped - base,
         relaunched_s=None if decided is None else decided - base,
         training_again_s=min(again) - base if again else None,

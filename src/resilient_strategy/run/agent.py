@@ -108,7 +108,7 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
         monitor_interval=config.monitor_interval, master_addr=master_addr,
         master_port=master_port, local_addr=config.local_addr)
     agent = agent_cls(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
-                      watch=watch, peer=peer, run_dir=run_dir)
+                      watch=watch, peer=peer, run_dir=run_dir, **shutdown_grace(config))
     timeouts = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PROCESS_GROUP_TIMEOUT)
     # NCCL's flight recorder on (its dump is asked for before a stalled group is stopped)
     timeouts.update(flight.buffer_env(_backend(decision.chosen), env))
@@ -328,6 +328,20 @@ def _cheap_method_names() -> None:
             dr.get_method_name = _method_name
 
 
+def shutdown_grace(config: Any) -> dict[str, int]:
+    """The agent's stop grace (SIGTERM, this long, SIGKILL) as torchrun's launch config has it
+    (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, 30 s by default), for an agent that takes
+    it; nothing (the agent's own 30 s) on an older torch."""
+    import inspect
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    grace = getattr(config, "shutdown_timeout", None)
+    if grace is None or "shutdown_timeout" not in inspect.signature(LocalElasticAgent).parameters:
+        return {}
+    return {"shutdown_timeout": int(grace)}
+
+
 def _agent_class() -> type[Any]:
     """LocalElasticAgent plus the stall watch in its monitoring loop (built on first use)."""
     if _AGENT:
@@ -403,6 +417,10 @@ def _agent_class() -> type[Any]:
                 for pid in (self._pcontext.pids().values() if self._pcontext else ()):
                     with contextlib.suppress(OSError):
                         os.kill(pid, signal.SIGCONT)
+            if len(args) < 2 and "timeout" not in kwargs:
+                # torch's agent stops an unhealthy group with its default grace (30 s), not the
+                # configured one (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, --shutdown-timeout): use it
+                kwargs["timeout"] = getattr(self, "_shutdown_timeout", 30)
             super()._shutdown(*args, **kwargs)
 
     _AGENT.append(SupervisedAgent)
