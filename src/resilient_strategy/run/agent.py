@@ -350,6 +350,10 @@ def _agent_class() -> type[Any]:
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     _cheap_method_names()
+    import inspect
+
+    # torch 2.13's _shutdown(death_sig, timeout); torch 2.11's (death_sig, is_restart)
+    takes_timeout = "timeout" in inspect.signature(LocalElasticAgent._shutdown).parameters
 
     class SupervisedAgent(LocalElasticAgent):
         def __init__(self, *args: Any, watch: TrainingWatch, peer: PeerWatch | None = None,
@@ -417,9 +421,10 @@ def _agent_class() -> type[Any]:
                 for pid in (self._pcontext.pids().values() if self._pcontext else ()):
                     with contextlib.suppress(OSError):
                         os.kill(pid, signal.SIGCONT)
-            if len(args) < 2 and "timeout" not in kwargs:
+            if takes_timeout and len(args) < 2 and "timeout" not in kwargs:
                 # torch's agent stops an unhealthy group with its default grace (30 s), not the
-                # configured one (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, --shutdown-timeout): use it
+                # configured one (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, --shutdown-timeout): use it.
+                # (torch 2.11's _shutdown has no timeout: it keeps its own, as before.)
                 kwargs["timeout"] = getattr(self, "_shutdown_timeout", 30)
             super()._shutdown(*args, **kwargs)
 
