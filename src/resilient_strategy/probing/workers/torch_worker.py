@@ -329,10 +329,12 @@ def _train_step(torch: Any, device: Any, coll: _Collectives | None,
     region = coll.region if coll is not None else _no_region
     net = model
     if coll is not None and sharded:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        # FSDP2 shards the parameters. Its import (torch._dynamo, sympy: 2-8 s on a loaded
+        # host) happens inside the region: outside any, a rank silent that long is judged hung.
+        with region(nbytes, STEP_ALLOW_S):
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
 
-        with region(nbytes, STEP_ALLOW_S):  # FSDP2 shards the parameters
             mesh = init_device_mesh(device.type, (world,))
             for layer in (model[0], model[2]):
                 fully_shard(layer, mesh=mesh)
