@@ -634,6 +634,7 @@ def test_a_node_that_finished_is_not_undone_by_a_peer_gone_after_the_job() -> No
     assert verdict_with_peers(_Peers(1, [user]), "torch:gloo:cpu", ok).kind is VerdictKind.USER
 
 
+@pytest.mark.torch
 def test_the_stop_of_an_unhealthy_group_takes_the_configured_grace(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """torchrun's stop grace (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, ``--shutdown-timeout``) reaches
@@ -643,6 +644,7 @@ def test_the_stop_of_an_unhealthy_group_takes_the_configured_grace(
     import inspect
     import signal
 
+    pytest.importorskip("torch")
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.launcher.api import LaunchConfig
 
