@@ -222,7 +222,7 @@ def test_auto_is_proven_across_two_workers(tmp_path: Path) -> None:
     """CommunicationImplementation.AUTO, the rung after RING: both workers pass with the same
     verdict figures (TensorFlow resolves AUTO to its ring all-reduce on CPU)."""
     results = probe_both(tmp_path, "mw_auto")
-    assert [(r["status"], r["candidate"]) for r in results] == [("ok", AUTO)] * 2
+    assert [(r["status"], r["candidate"]) for r in results] == [("ok", AUTO)] * 2, json.dumps(results, indent=1)
     assert results[0]["bus_bandwidth_gbps"] == results[1]["bus_bandwidth_gbps"] > 0
 
 

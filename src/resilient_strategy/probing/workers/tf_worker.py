@@ -71,6 +71,14 @@ MULTI_WORKER = {"mw_nccl": "NCCL", "mw_ring": "RING", "mw_auto": "AUTO"}
 #: A worker with less than this left of its probe's time votes "fail" in the verdict, so that
 #: the verdict completes well inside every worker's deadline (see resilient_strategy.nodes.tfworkers)
 VERDICT_MARGIN_S = 3.0
+#: After the verdict, one more all-reduce whose outcome is ignored ("goodbye"), waited on for at
+#: most this long (and never past the probe's time less a second). TensorFlow's collectives pull
+#: each buffer from its sender (RecvBuf over gRPC), so a worker that exits as soon as its own
+#: verdict all-reduce returns can close the socket a slower peer is still pulling from; that
+#: peer's verdict then fails with "Socket closed" (seen in CI under load; the same error in
+#: https://github.com/yahoo/TensorFlowOnSpark/issues/607). A worker leaves the goodbye only once
+#: every peer has entered it, i.e. has its verdict, or once a peer has gone.
+GOODBYE_MAX_S = 10.0
 #: The first all-reduce across workers carries the candidate key's CRC in two 16-bit halves
 #: (exact in float32 for up to 2**8 workers).
 KEY_HALF = 1 << 16
@@ -154,7 +162,7 @@ def probe(args: argparse.Namespace, report: dict[str, Any]) -> None:
     if across:
         left = args.budget - (time.monotonic() - started) if args.budget else float("inf")
         agreed = checker.verdict(args.workers, local, me, report, left >= VERDICT_MARGIN_S,
-                                 weights)
+                                 weights, linger_s=min(GOODBYE_MAX_S, max(0.5, left - 1.0)))
         parts.append(agreed)
     progress.phase(FINISHED)
     report["phase_at"] = {**progress.marks, **marks}
@@ -291,28 +299,43 @@ class _Checker:
                     _mismatch(got, expected, numel, replicas, it, r)
         return sum(times) / max(1, len(times)), spread(times)
 
-    def _sum_over_workers(self, values: Sequence[float], local: int) -> Any:
+    def _sum_over_workers(self, values: Sequence[float], local: int,
+                          timeout_s: float | None = None) -> Any:
         """``values`` summed over the workers (each worker's first replica contributes them,
-        its other replicas zeros): one all-reduce, numbered and reported like the others."""
+        its other replicas zeros): one all-reduce, numbered and reported like the others
+        (``timeout_s``: TensorFlow's own deadline for it, else the strategy's)."""
         import numpy as np
 
         tf, strategy = self.tf, self.strategy
         vec = tf.constant(np.asarray(values, dtype=np.float32))
+        options = (None if timeout_s is None else
+                   tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout_s))
 
         def run(v: Any) -> Any:
             def fn() -> Any:
                 ctx = tf.distribute.get_replica_context()
                 lead = tf.equal(ctx.replica_id_in_sync_group % local, 0)
-                return ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(lead, tf.float32) * v)
+                return ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(lead, tf.float32) * v,
+                                      options=options)
 
             return strategy.run(fn)
 
         self.k += 1
-        with self.progress.collective(self.k, len(values) * 4, allow_s=TRACE_ALLOW_S):
+        allow = TRACE_ALLOW_S + (timeout_s or 0.0)
+        with self.progress.collective(self.k, len(values) * 4, allow_s=allow):
             if self.k == 1:  # the first collective across workers: a fault may hang in it
                 act_on_fault(self.own_fault, self.first, "hang_collective")
             out = strategy.experimental_local_results(tf.function(run, autograph=False)(vec))
             return np.asarray(out[0])
+
+    def goodbye(self, local: int, timeout_s: float) -> bool:
+        """One last all-reduce whose outcome does not matter (see ``GOODBYE_MAX_S``): whether it
+        completed (False: a peer had already gone, or it timed out)."""
+        try:
+            self._sum_over_workers([1.0], local, timeout_s)
+        except Exception:  # every peer has its verdict, or has gone
+            return False
+        return True
 
     def same_round(self, key: str, workers: int, local: int) -> None:
         """The first all-reduce across workers: each worker's [1, CRC halves of the candidate's
@@ -329,15 +352,17 @@ class _Checker:
                 "plan differently (other facts or options) or are a round out of step")
 
     def verdict(self, workers: int, local: int, me: int, report: dict[str, Any], vote: bool,
-                weights: float) -> str:
-        """The last all-reduce: every worker's pass vote and figures, so that every worker
-        reports the same verdict and the same numbers (its planner then chooses the same)."""
+                weights: float, linger_s: float = GOODBYE_MAX_S) -> str:
+        """The last checked all-reduce: every worker's pass vote and figures, so that every
+        worker reports the same verdict and the same numbers (its planner then chooses the
+        same); then the goodbye, so that no worker leaves while a peer still pulls from it."""
         bw, step = report.get("bus_bandwidth_gbps") or 0.0, report.get("step_seconds") or 0.0
         noise = report.get("bandwidth_spread") or 0.0
         slots = [0.0] * (4 * workers)
         for j, value in enumerate((bw, step, noise, weights)):
             slots[j * workers + me] = float(value)
         got = self._sum_over_workers([1.0, 0.0 if vote else 1.0, *slots], local)
+        report["goodbye"] = self.goodbye(local, linger_s)
         if float(got[0]) != workers:
             raise ProbeFailure("inter_worker", f"the verdict all-reduce counted {float(got[0])} "
                                f"workers, not {workers}: the workers are out of step")
