@@ -215,7 +215,8 @@ def probe_both(tmp_path: Path, backend: str, fault_on_1: str = "") -> list[dict[
 def test_a_wrong_value_on_one_worker_fails_the_probe_on_both(tmp_path: Path) -> None:
     # only worker 1 is told: its contribution is off by one
     results = probe_both(tmp_path, "mw_ring", "wrong:1:mw_ring")
-    assert [(r["status"], r["cause"]) for r in results] == [("error", "wrong_result")] * 2
+    assert [(r["status"], r["cause"]) for r in results] == [("error", "wrong_result")] * 2, \
+        json.dumps(results, indent=1)
 
 
 def test_auto_is_proven_across_two_workers(tmp_path: Path) -> None:

@@ -134,39 +134,56 @@ def probe(args: argparse.Namespace, report: dict[str, Any]) -> None:
     parts = [f"{args.backend} {where}; TF {tf.__version__}"]
     checker = _Checker(tf, strategy, replicas, faults, progress, first=me * local if across else 0,
                        own_fault=fault0, across=across)
-    if across:
-        checker.same_round(args.round_key, args.workers, local)
-        parts.append(f"all {args.workers} workers on the same round")
-    sizes = check_sizes(args.check_bytes)
-    for nbytes in sizes:
-        checker.checked(nbytes, CHECK_ITERS)
-    marks = {"checked": time.monotonic()}
-    parts.append(f"all-reduce exact at {len(sizes)} sizes "
-                 f"({human(min(sizes))}..{human(max(sizes))}) x{CHECK_ITERS}")
-    if replicas > 1:
-        per_op, noise = checker.timed(args.message_bytes, ITERS, warmup=WARMUP)
-        nbytes = max(1, args.message_bytes // 4) * 4
-        gbps = nbytes / per_op * 2 * (replicas - 1) / replicas / 1e9
-        report.update(bus_bandwidth_gbps=round(gbps, 3), message_bytes=args.message_bytes,
+
+    def left_s() -> float:
+        return args.budget - (time.monotonic() - started) if args.budget else float("inf")
+
+    marks: dict[str, float] = {}
+    try:
+        if across:
+            checker.same_round(args.round_key, args.workers, local)
+            parts.append(f"all {args.workers} workers on the same round")
+        sizes = check_sizes(args.check_bytes)
+        for nbytes in sizes:
+            checker.checked(nbytes, CHECK_ITERS)
+        marks["checked"] = time.monotonic()
+        parts.append(f"all-reduce exact at {len(sizes)} sizes "
+                     f"({human(min(sizes))}..{human(max(sizes))}) x{CHECK_ITERS}")
+        if replicas > 1:
+            per_op, noise = checker.timed(args.message_bytes, ITERS, warmup=WARMUP)
+            nbytes = max(1, args.message_bytes // 4) * 4
+            gbps = nbytes / per_op * 2 * (replicas - 1) / replicas / 1e9
+            report.update(bus_bandwidth_gbps=round(gbps, 3), message_bytes=args.message_bytes,
                           bandwidth_spread=round(noise, 3))
-        parts.append(f"{gbps:.2f} GB/s bus at {args.message_bytes / 2**20:g} MiB")
-        marks["measured"] = time.monotonic()
-    weights = 0.0
-    if args.train_step:
-        checker.k += 1
-        with progress.collective(checker.k, 0, allow_s=FIT_ALLOW_S):  # builds and traces
-            seconds, weights = _fit(tf, strategy, replicas, whole_fit=across)
-        marks["stepped"] = time.monotonic()
-        report["step_seconds"] = round(seconds, 6)
-        parts.append(f"{'fit' if across else 'train_on_batch'} step {seconds * 1e3:.1f} ms")
-    if across:
-        left = args.budget - (time.monotonic() - started) if args.budget else float("inf")
-        agreed = checker.verdict(args.workers, local, me, report, left >= VERDICT_MARGIN_S,
-                                 weights, linger_s=min(GOODBYE_MAX_S, max(0.5, left - 1.0)))
-        parts.append(agreed)
+            parts.append(f"{gbps:.2f} GB/s bus at {args.message_bytes / 2**20:g} MiB")
+            marks["measured"] = time.monotonic()
+        weights = 0.0
+        if args.train_step:
+            checker.k += 1
+            with progress.collective(checker.k, 0, allow_s=FIT_ALLOW_S):  # builds and traces
+                seconds, weights = _fit(tf, strategy, replicas, whole_fit=across)
+            marks["stepped"] = time.monotonic()
+            report["step_seconds"] = round(seconds, 6)
+            parts.append(f"{'fit' if across else 'train_on_batch'} step {seconds * 1e3:.1f} ms")
+        if across:
+            left = left_s()
+            agreed = checker.verdict(args.workers, local, me, report, left >= VERDICT_MARGIN_S,
+                                     weights, linger_s=_linger(left))
+            parts.append(agreed)
+    except ProbeFailure:
+        # every worker saw the same failed check after a completed all-reduce (the same sums):
+        # each parts as after a verdict, so that none exits while a peer still pulls from it
+        if across and checker.k and not checker.parted:
+            checker.goodbye(local, _linger(left_s()))
+        raise
     progress.phase(FINISHED)
     report["phase_at"] = {**progress.marks, **marks}
     report["detail"] = "; ".join(parts)
+
+
+def _linger(left_s: float) -> float:
+    """How long the goodbye may wait with ``left_s`` of the probe's time left."""
+    return min(GOODBYE_MAX_S, max(0.5, left_s - 1.0))
 
 
 def _configure_devices(tf: Any, args: argparse.Namespace) -> list[str]:
@@ -247,6 +264,7 @@ class _Checker:
         self.own_fault = own_fault
         self.across = across  # one process of a probe across TF_CONFIG workers
         self.k = 0
+        self.parted = False  # the goodbye ran (see GOODBYE_MAX_S)
 
         wrong = self.faults.index("wrong") if "wrong" in self.faults else -1
         nan = self.faults.index("nan") if "nan" in self.faults else -1
@@ -331,6 +349,7 @@ class _Checker:
     def goodbye(self, local: int, timeout_s: float) -> bool:
         """One last all-reduce whose outcome does not matter (see ``GOODBYE_MAX_S``): whether it
         completed (False: a peer had already gone, or it timed out)."""
+        self.parted = True
         try:
             self._sum_over_workers([1.0], local, timeout_s)
         except Exception:  # every peer has its verdict, or has gone
