@@ -64,6 +64,16 @@ def spread(times: list[float]) -> float:
     return (ordered[-1] - ordered[0]) / median if median > 0 else 0.0
 
 
+def record_bandwidth(report: dict[str, Any], message_bytes: int, nbytes: int, per_op: float,
+                     noise: float, ranks: int) -> str:
+    """The timed all-reduce's bus bandwidth (nccl-tests' busbw: bytes / time x 2(n-1)/n) and
+    its spread, written into ``report``; the phrase for the probe's detail."""
+    gbps = nbytes / per_op * 2 * (ranks - 1) / ranks / 1e9
+    report.update(bus_bandwidth_gbps=round(gbps, 3), message_bytes=message_bytes,
+                  bandwidth_spread=round(noise, 3))
+    return f"{gbps:.2f} GB/s bus at {message_bytes / 2**20:g} MiB"
+
+
 def human(nbytes: int) -> str:
     for unit, shift in (("MiB", 20), ("KiB", 10)):
         if nbytes >= 1 << shift:

@@ -30,6 +30,7 @@ all-reduce is checked exactly at the sizes ``torch_worker`` checks.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import time
@@ -56,6 +57,7 @@ from .common import (
     fault_for,
     human,
     mismatch_failure,
+    record_bandwidth,
     run_worker,
     spread,
 )
@@ -152,10 +154,8 @@ def probe(args: argparse.Namespace, report: dict[str, Any]) -> None:
         if replicas > 1:
             per_op, noise = checker.timed(args.message_bytes, ITERS, warmup=WARMUP)
             nbytes = max(1, args.message_bytes // 4) * 4
-            gbps = nbytes / per_op * 2 * (replicas - 1) / replicas / 1e9
-            report.update(bus_bandwidth_gbps=round(gbps, 3), message_bytes=args.message_bytes,
-                          bandwidth_spread=round(noise, 3))
-            parts.append(f"{gbps:.2f} GB/s bus at {args.message_bytes / 2**20:g} MiB")
+            parts.append(record_bandwidth(report, args.message_bytes, nbytes, per_op, noise,
+                                          replicas))
             marks["measured"] = time.monotonic()
         weights = 0.0
         if args.train_step:
@@ -346,15 +346,12 @@ class _Checker:
             out = strategy.experimental_local_results(tf.function(run, autograph=False)(vec))
             return np.asarray(out[0])
 
-    def goodbye(self, local: int, timeout_s: float) -> bool:
-        """One last all-reduce whose outcome does not matter (see ``GOODBYE_MAX_S``): whether it
-        completed (False: a peer had already gone, or it timed out)."""
+    def goodbye(self, local: int, timeout_s: float) -> None:
+        """One last all-reduce whose outcome does not matter (see ``GOODBYE_MAX_S``): it fails
+        only where a peer has already gone, or at its timeout."""
         self.parted = True
-        try:
+        with contextlib.suppress(Exception):  # every peer has its verdict, or has gone
             self._sum_over_workers([1.0], local, timeout_s)
-        except Exception:  # every peer has its verdict, or has gone
-            return False
-        return True
 
     def same_round(self, key: str, workers: int, local: int) -> None:
         """The first all-reduce across workers: each worker's [1, CRC halves of the candidate's
@@ -381,7 +378,7 @@ class _Checker:
         for j, value in enumerate((bw, step, noise, weights)):
             slots[j * workers + me] = float(value)
         got = self._sum_over_workers([1.0, 0.0 if vote else 1.0, *slots], local)
-        report["goodbye"] = self.goodbye(local, linger_s)
+        self.goodbye(local, linger_s)
         if float(got[0]) != workers:
             raise ProbeFailure("inter_worker", f"the verdict all-reduce counted {float(got[0])} "
                                f"workers, not {workers}: the workers are out of step")

@@ -73,6 +73,7 @@ from .common import (
     fault_for,
     human,
     mismatch_failure,
+    record_bandwidth,
     run_worker,
     spread,
 )
@@ -135,10 +136,8 @@ def probe(args: argparse.Namespace, report: dict[str, Any]) -> None:
         if world > 1:
             per_op, noise = coll.checked(args.message_bytes, ITERS, warmup=WARMUP)
             nbytes = _numel(args.message_bytes) * 4
-            gbps = nbytes / per_op * 2 * (world - 1) / world / 1e9
-            report.update(bus_bandwidth_gbps=round(gbps, 3), message_bytes=args.message_bytes,
-                          bandwidth_spread=round(noise, 3))
-            parts.append(f"{gbps:.2f} GB/s bus at {args.message_bytes / 2**20:g} MiB, exact")
+            bus = record_bandwidth(report, args.message_bytes, nbytes, per_op, noise, world)
+            parts.append(f"{bus}, exact")
             marks["measured"] = time.monotonic()
         if args.sharded:
             for nbytes in sizes:
