@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -61,3 +63,52 @@ def test_pytest_plugin_fixture(request: pytest.FixtureRequest) -> None:
                           {"nccl": "timeout", "nccl+*": "timeout"}, global_batch_size=64,
                           gradient_bytes=100_000_000)
     assert sel.backend == "single_device" and sel.accumulation_steps == 2
+
+
+@pytest.mark.slow
+def test_the_built_wheel_ships_every_data_file_and_decides(tmp_path: Path) -> None:
+    """The wheel is what users get: build it, check every shipped table is in it, and make a
+    real (dry-run) decision and a `doctor` from the unpacked wheel alone, not from src/."""
+    import zipfile
+
+    from resilient_strategy.core.data import DATA_FILES
+
+    root = Path(__file__).parents[1]
+    on_disk = sorted(p.name for p in (root / "src/resilient_strategy/core").glob("*.toml"))
+    assert on_disk == sorted(DATA_FILES), "a data file on disk is not in core/data.DATA_FILES"
+    # build from a clean copy: an egg-info left by an editable install lists files the
+    # package data would not, and hides the bug this test exists for
+    tree = tmp_path / "tree"
+    shutil.copytree(root / "src", tree / "src",
+                    ignore=shutil.ignore_patterns("*.egg-info", "__pycache__"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(root / name, tree / name)
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path / "dist"), str(tree)],
+        capture_output=True, text=True, timeout=300)
+    if built.returncode != 0 and "No module named" in built.stderr:
+        pytest.skip(f"cannot build a wheel here: {built.stderr.strip()[-200:]}")
+    assert built.returncode == 0, built.stderr
+    (wheel,) = (tmp_path / "dist").glob("resilient_strategy-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+        zf.extractall(tmp_path / "site")
+    missing = [n for n in DATA_FILES if f"resilient_strategy/core/{n}" not in names]
+    assert missing == []
+    site = str(tmp_path / "site")
+    code = ("import json, resilient_strategy as rs; "
+            f"assert rs.__file__.startswith({site!r}), rs.__file__; "
+            "sel = rs.resilient_strategy(framework='torch', dry_run=True, probe='never'); "
+            "print(json.dumps({'backend': sel.backend, 'n': sel.num_replicas}))")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site"),
+           "RESILIENT_STRATEGY_CACHE_DIR": str(tmp_path / "cache")}
+    decided = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=120, env=env, cwd=tmp_path)
+    assert decided.returncode == 0, decided.stderr
+    assert json.loads(decided.stdout.strip().splitlines()[-1])["backend"] in {
+        "nccl", "gloo", "single_device", "cpu", "hierarchical_copy", "reduction_to_one_device"}
+    doctor = subprocess.run([sys.executable, "-m", "resilient_strategy", "doctor", "--json"],
+                            capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert doctor.returncode == 0, doctor.stderr
+    assert json.loads(doctor.stdout)["facts"]

@@ -298,3 +298,8 @@ class GpuUnusableError(ResilientStrategyError):
             "them) or a reboot of the machine before anything can train on them. "
             "`nvidia-smi` shows their state."
         )
+
+
+class MissingDataFileError(ResilientStrategyError):
+    """A data file the package ships is missing from the installation (a broken wheel): say
+    which, and how to get a working install."""

@@ -21,6 +21,7 @@ from typing import Any
 from ..errors import FileFormatError, InvalidRuleError, UnsafePathError
 from ..vocab import BACKENDS
 from . import bounded as _bounded
+from .data import read_data
 from .rules import Clause, FactValue, clause_holds, data_tables, parse_clause, table_id
 
 #: The table format this code reads.
@@ -165,8 +166,8 @@ def merge(base: Remedies, remedies: Iterable[Remedy], causes: Mapping[str, tuple
 @lru_cache(maxsize=1)
 def builtin_remedies() -> Remedies:
     """The table shipped with the package (read once)."""
-    path = Path(__file__).with_name("remedies.toml")
-    remedies, causes = parse_remedies(path.read_text(encoding="utf-8"), str(path))
+    text, origin = read_data("remedies.toml")
+    remedies, causes = parse_remedies(text, origin)
     return merge(Remedies((), ()), remedies, causes)
 
 

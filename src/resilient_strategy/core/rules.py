@@ -28,6 +28,7 @@ from packaging.version import InvalidVersion, Version
 from ..errors import FileFormatError, InvalidOptionError, InvalidRuleError, UnsafePathError
 from ..vocab import BACKENDS, FRAMEWORKS
 from . import bounded as _bounded
+from .data import read_data
 from .facts import Facts, Gpu
 
 EFFECTS = ("veto", "prefer", "remedy", "set_env", "warn")
@@ -233,8 +234,8 @@ def load_rules(
     file and a bare string in ``disabled`` is one id. Disabling an id that no rule has is logged
     as a warning (it is usually a typo) naming the known ids.
     """
-    builtin = Path(__file__).with_name("known_issues.toml")
-    rules = {r.id: r for r in parse_rules(builtin.read_text(encoding="utf-8"), str(builtin))}
+    text, origin = read_data("known_issues.toml")
+    rules = {r.id: r for r in parse_rules(text, origin)}
     items = (extra,) if isinstance(extra, (str, Path, Rule)) else tuple(extra)
     for item in items:
         if isinstance(item, Rule):

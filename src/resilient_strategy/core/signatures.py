@@ -21,6 +21,7 @@ from typing import Any
 from ..errors import FileFormatError, InvalidRuleError, UnsafePathError
 from . import bounded as _bounded
 from .causes import CAUSES
+from .data import read_data
 from .rules import data_tables, table_id
 
 #: The table format this code reads; a file of a newer version is refused (it may mean more).
@@ -138,8 +139,8 @@ def merge(builtin: Iterable[Signature], user: Iterable[Signature]) -> Signatures
 @lru_cache(maxsize=1)
 def builtin_signatures() -> Signatures:
     """The table shipped with the package (read once)."""
-    path = Path(__file__).with_name("signatures.toml")
-    return Signatures(parse_signatures(path.read_text(encoding="utf-8"), str(path)))
+    text, origin = read_data("signatures.toml")
+    return Signatures(parse_signatures(text, origin))
 
 
 def load_signatures(extra: Iterable[str | Path] | str | Path = ()) -> Signatures:
