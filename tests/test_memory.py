@@ -370,3 +370,18 @@ def test_ranks_beyond_the_subset_leave_and_the_first_ones_train_as_one_group() -
                                  _prober=SimulatedProber(sim["probes"]), _alone=True)
         got[rank] = (sel.active, sel.world_size, sel.devices)
     assert got == {1: (True, 2, (0, 1)), 3: (False, 2, (0, 1))}
+
+
+def test_full_sharding_ranks_the_one_device_fallback_below_every_sharded_candidate() -> None:
+    """A 1 GiB model whose FSDP probe measured a slow link: one GPU is estimated faster (no
+    communication), but sharding="full" is the user's choice: the one-device candidate stays a
+    fallback, tried only once every sharded candidate is out (seen on 2 x H200: a 268M-parameter
+    model asked to shard was trained on one GPU while the other rank left)."""
+    facts = a100s(free_gib=140, n=2)
+    key = "torch:nccl/fsdp:0,1"
+    measured = {key: ProbeResult(key, "ok", 1.0, bus_bandwidth_gbps=5.0, message_bytes=GiB)}
+    asked = Options("torch", world_size=2, sharding="full", param_bytes=GiB,
+                    global_batch_size=64)
+    ranked = [r.candidate for r in plan(facts, RULES, measured, asked).ranked]
+    assert [c.key for c in ranked[:2]] == [key, "torch:gloo/fsdp:0,1"]
+    assert ranked[2].key == "torch:single_device:0"

@@ -613,9 +613,15 @@ def _rank(
     ranked = [Ranked(c, estimate(c, facts, results.get(c.key), policy), results.get(c.key)) for c in cands]
     order = {c.key: i for i, c in enumerate(cands)}
 
+    # sharding="full" is the user's choice: a candidate that does not shard (one device)
+    # stays a fallback, below every sharded one, whatever its estimate
+    asked_to_shard = policy.sharding == "full" and any(c.sharded for c in cands)
+
     def key(r: Ranked) -> tuple[int, float, int]:
         c = r.candidate
-        group = 2 if c.backend == "cpu" else (0 if policy.prefer == c.backend else 1)
+        group = 3 if c.backend == "cpu" else (0 if policy.prefer == c.backend else 1)
+        if group == 1 and asked_to_shard and not c.sharded:
+            group = 2
         return (group, r.estimate.step_seconds, order[c.key])
 
     ranked.sort(key=key)
