@@ -515,7 +515,9 @@ def _apply_results(
             queue.insert(at, remedy)  # tried right after what failed; examined in this loop
             at += 1
             b.events.append(RemedyQueued(remedy, label,
-                                         on_top_of=None if c.origin == "chain" else c))
+                                         on_top_of=None if c.origin == "chain" else c,
+                                         remedy=remedy_entry.id,
+                                         because=tuple(str(w) for w in remedy_entry.when)))
     return out
 
 
