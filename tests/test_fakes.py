@@ -247,7 +247,8 @@ def test_a_probe_stuck_before_its_devices_on_an_unproven_gpu_is_checked_at_once(
                         default="timeout", broken_gpus={1: "hangs in cuInit"})
     with pytest.raises(GpuUnusableError):
         simulate(machine(4, env=LAUNCH4), prober, framework="torch", global_batch_size=256)
-    assert prober.probed == ["nccl", "nccl+NCCL_P2P_DISABLE=1"]  # no chain of hangs on it
+    # issue 31: the first hang is checked at once, so no variant ever runs on the broken GPU
+    assert prober.probed == ["nccl"]
     assert prober.health_checks == [(0, 1, 2, 3)]
 
 
@@ -264,3 +265,25 @@ def test_unused_gpus_whose_check_overruns_the_budget_are_named_in_a_note() -> No
     assert prober.health_checks == [(0,)]  # the chosen GPU is never left unproven
     notes = [e for e in sel.plan.events if isinstance(e, Note) and e.topic == "gpus_unchecked"]
     assert len(notes) == 1 and "1,2,3" in notes[0].to_dict().get("message", "")
+
+
+def test_a_wedged_gpu_is_named_after_the_first_hang_not_after_a_hung_variant() -> None:
+    from resilient_strategy.errors import GpuUnusableError
+
+    # plain NCCL hangs inside its first collective (every rank past its device); the GPU is
+    # wedged since. Before issue 31 the hang was deferred and a hung variant ran on it first.
+    prober = FakeProber({"nccl": "hang:collective", "*": "hang:straggler"},
+                        broken_gpus={3: "Unable to determine the device handle: Unknown Error"})
+    with pytest.raises(GpuUnusableError) as err:
+        simulate(machine(4, env=LAUNCH4), prober, framework="torch", global_batch_size=256)
+    assert prober.probed == ["nccl"] and prober.health_checks == [(0, 1, 2, 3)]
+    assert [i for i, _ in err.value.gpus] == [3]
+    assert [k.split(":")[1] for k in err.value.probed] == ["nccl"]
+
+
+def test_a_hang_on_healthy_gpus_costs_one_check_and_the_search_goes_on() -> None:
+    prober = FakeProber({"nccl": "hang:collective", "nccl+NCCL_P2P_DISABLE=1": "ok:20"})
+    sel = simulate(machine(4, env=LAUNCH4), prober, framework="torch", global_batch_size=256)
+    assert sel.backend == "nccl" and dict(sel.env) == {"NCCL_P2P_DISABLE": "1"}
+    # checked after the hang; the passing variant proved the GPUs, so no check at the end
+    assert prober.health_checks == [(0, 1, 2, 3)]

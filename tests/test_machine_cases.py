@@ -60,7 +60,9 @@ def test_machine_case_reaches_its_expected_decision(path: Path) -> None:
         assert type(err.value).__name__ == want.pop("type")
         table = getattr(err.value, "table", ())
         got_error = {"offload_would_fit": getattr(err.value, "offload_would_fit", None),
-                     "table_keys": sorted({row.key for row in table})}
+                     "table_keys": sorted({row.key for row in table}),
+                     "gpus": [i for i, _ in getattr(err.value, "gpus", ())],
+                     "probed": [_probe_name(k) for k in getattr(err.value, "probed", ())]}
         assert {k: got_error[k] for k in want} == want
         return
     selections = simulate_file(path)

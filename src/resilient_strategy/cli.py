@@ -355,7 +355,8 @@ def _decide(args: argparse.Namespace, facts: Facts, sim: Mapping[str, Any] | Non
         import tempfile
 
         probes = sim.get("probes")
-        prober = SimulatedProber(dict(probes or {}))
+        broken = {int(k): str(v) for k, v in dict(sim.get("broken_gpus") or {}).items()}
+        prober = SimulatedProber(dict(probes or {}), broken_gpus=broken)
         # the described launch's agreement between local ranks goes to a private directory of
         # its own, removed after: a simulation writes nothing a squatter could stop or read
         with tempfile.TemporaryDirectory(prefix="rs-simulate-") as private:

@@ -557,6 +557,8 @@ SIMULATION_KEYS = frozenset({
     # a field case (examples/machines/field/): where it was reported, its family, what it said
     "source", "family", "reported",
     "param_bytes", "optimizer_state_factor", "sharding", "offload",
+    # GPUs the health check finds broken: {"<CUDA ordinal>": "what went wrong"} (a wedged GPU)
+    "broken_gpus",
 })
 #: Fields of a machine case's ``expect`` block (the decision it must reach; tests replay it).
 EXPECT_KEYS = frozenset({
@@ -710,6 +712,12 @@ def _check_simulation_fields(path: Path, data: Mapping[str, Any]) -> None:
         value = data.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ResilientStrategyError(f"{path}: {key}: expected a positive integer, not {value!r}")
+    broken = data.get("broken_gpus")
+    if broken is not None and (not isinstance(broken, dict) or not all(
+            isinstance(k, str) and k.isdigit() and isinstance(v, str) for k, v in broken.items())):
+        raise ResilientStrategyError(
+            f'{path}: broken_gpus: expected an object like {{"0": "what went wrong"}} (CUDA '
+            f"ordinals the GPU health check finds broken), not {broken!r}")
     expect = data.get("expect")
     if expect is not None and (not isinstance(expect, dict) or not set(expect) <= EXPECT_KEYS):
         raise ResilientStrategyError(
