@@ -287,3 +287,30 @@ def test_a_hang_on_healthy_gpus_costs_one_check_and_the_search_goes_on() -> None
     assert sel.backend == "nccl" and dict(sel.env) == {"NCCL_P2P_DISABLE": "1"}
     # checked after the hang; the passing variant proved the GPUs, so no check at the end
     assert prober.health_checks == [(0, 1, 2, 3)]
+
+
+@pytest.mark.parametrize(("gpus", "env"), [
+    (4, {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "CUDA_VISIBLE_DEVICES": "1,2"}),
+    (1, {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}),
+    (2, {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8", "GROUP_RANK": "0",
+         "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}),
+])
+def test_more_processes_per_node_than_visible_gpus_is_an_error_not_fewer_gpus(
+        gpus: int, env: dict[str, str]) -> None:
+    from resilient_strategy.errors import InvalidOptionError
+
+    prober = FakeProber()
+    with pytest.raises(InvalidOptionError) as err:
+        simulate(machine(gpus, env={**env, "RANK": "0", "LOCAL_RANK": "0"}), prober,
+                 framework="torch", global_batch_size=64)
+    assert err.value.option == "LOCAL_WORLD_SIZE" and prober.probed == []
+
+
+def test_as_many_processes_as_gpus_or_cpu_processes_are_fine() -> None:
+    sel = simulate(machine(2, env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}),
+                   FakeProber(), framework="torch", global_batch_size=64)
+    assert sel.num_replicas == 2
+    cpu = simulate(machine(0, torch_cuda=None, env={"WORLD_SIZE": "4", "RANK": "0",
+                                                      "LOCAL_RANK": "0"}),
+                   FakeProber(), framework="torch", global_batch_size=64)
+    assert cpu.backend == "gloo" and cpu.num_replicas == 4

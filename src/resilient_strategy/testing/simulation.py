@@ -107,6 +107,7 @@ def machine(
     tf_nccl: str | None = None,
     keras: str | None = None,
     driver: str | None = "580.159.04",
+    driver_cuda: str | None = "13.0",
     env: Mapping[str, str] | None = None,
     nvml_error: str | None = None,
     nvml_notes: Sequence[str] = (),
@@ -130,6 +131,7 @@ def machine(
     ``CUDA_VISIBLE_DEVICES`` can name). ``imported`` / ``gpu_initialized`` name frameworks this
     process imported (and whose GPU runtime started); ``nvml_notes`` are values NVML could not
     read. ``host_memory_gb``: the host memory available to new processes (None: unknown).
+    ``driver_cuda``: the newest CUDA the driver supports (nvidia-smi's header; 535 drivers: 12.2).
     ``platform_facts`` is the platform around the GPUs as one value (:class:`Platform`, or
     its fields as a mapping: ``{"nvswitch": true, "rdma_link_layer": "ethernet",
     "rdma_devices": ["mlx5_0"], "master_ifname": "eth0", "hypervisor": "kvm",
@@ -240,7 +242,7 @@ def machine(
         links=visible_links,
         fabric=fabric,
         driver_version=driver if physical else None,
-        cuda_driver_version="13.0" if physical else None,
+        cuda_driver_version=driver_cuda if physical else None,
         nvml_error=nvml_error if nvml_error or physical else "no GPU in this description",
         visibility=resolution.visibility,
         host=Host(shm_bytes=None if shm_mb is None else shm_mb << 20, container=container,
