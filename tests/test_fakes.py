@@ -314,3 +314,27 @@ def test_as_many_processes_as_gpus_or_cpu_processes_are_fine() -> None:
                                                       "LOCAL_RANK": "0"}),
                    FakeProber(), framework="torch", global_batch_size=64)
     assert cpu.backend == "gloo" and cpu.num_replicas == 4
+
+
+def test_nodes_that_cannot_talk_keep_node_0s_own_gpus_with_the_global_batch() -> None:
+    from resilient_strategy.core.trace import CandidateRuledOut
+
+    env = {"WORLD_SIZE": "16", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "8",
+           "GROUP_RANK": "0", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    facts = machine(8, nvlink=18, env=env, platform_facts={"master_ifname": "eth0"})
+    prober = FakeProber({"nccl": "error:nccl_network", "nccl+*": "error:nccl_network",
+                         "gloo": "error:gloo_connection", "gloo+*": "error:gloo_connection",
+                         "nccl/node0": "ok:300"})
+    sel = simulate(facts, prober, framework="torch", global_batch_size=256)
+    assert sel.backend == "nccl" and sel.candidate.node_local
+    assert sel.devices == tuple(range(8)) and sel.num_replicas == 8
+    assert sel.accumulation_steps == 2 and sel.per_replica_batch_size == 16  # 256 kept
+    # the link that failed is named: the probe across the nodes, ruled out with its cause
+    out = [e for e in sel.plan.events if isinstance(e, CandidateRuledOut)
+           and e.candidate.key == "torch:nccl:0,1,2,3,4,5,6,7"]
+    assert out and out[0].result is not None and out[0].result.cause == "nccl_network"
+    # node 0's ranks train, the other node's ranks idle
+    other = simulate(machine(8, nvlink=18, env={**env, "RANK": "8", "GROUP_RANK": "1"},
+                             platform_facts={"master_ifname": "eth0"}),
+                     FakeProber(dict(prober.outcomes)), framework="torch", global_batch_size=256)
+    assert sel.active and not other.active
