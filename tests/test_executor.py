@@ -288,7 +288,10 @@ def test_multi_node_plans_nccl_over_every_process_without_store_or_cache(tmp_pat
     assert prober.probed == ["nccl", "nccl+NCCL_P2P_DISABLE=1"] and not cached
     assert (sel.backend, sel.devices, sel.num_replicas) == ("nccl", (0, 1), 4)
     assert dict(sel.env) == {"NCCL_P2P_DISABLE": "1"} and sel.per_replica_batch_size == 128
-    assert [e.topic for e in events(sel, Note)] == ["multi_node"]  # type: ignore[attr-defined]
+    # node 0's own NCCL (issue 31) is estimated faster than NCCL across the nodes, and is
+    # kept after them: the note says so
+    assert [e.topic for e in events(sel, Note)] == [  # type: ignore[attr-defined]
+        "multi_node", "alone_after_nodes"]
     assert [e.how for e in events(sel, Chosen)] == ["probe_passed"]  # type: ignore[attr-defined]
     with pytest.raises(InvalidOptionError, match="LOCAL_WORLD_SIZE=3"):
         simulate(machine(2, env={"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "3"}))
