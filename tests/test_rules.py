@@ -386,3 +386,16 @@ def test_error_804_is_the_driver_for_every_gpu_of_the_process() -> None:
                    global_batch_size=64)
     assert sel.backend == "cpu" and prober.probed == ["nccl"]
     assert next(iter(sel.results.values())).cause == "driver_too_old"
+
+
+def test_a_fabric_manager_out_of_step_with_the_driver_is_named_with_both_versions() -> None:
+    split = machine(8, nvlink=18, driver="530.41.03",
+                    platform_facts={"nvswitch": True, "fabric_manager": "530.30.02"})
+    same = machine(8, nvlink=18, driver="530.41.03",
+                   platform_facts={"nvswitch": True, "fabric_manager": "530.41.03"})
+    assert "fabric-manager-driver-mismatch" in ids(split, "torch")
+    assert "fabric-manager-driver-mismatch" not in ids(same, "torch")
+    assert "fabric-manager-driver-mismatch" not in ids(machine(8, nvlink=18), "torch")
+    msg = next(r.message for r in fired(RULES, split, "torch")
+               if r.id == "fabric-manager-driver-mismatch")
+    assert "530.30.02" in msg and "530.41.03" in msg
