@@ -428,9 +428,10 @@ def _platform_line(facts: Facts) -> str:
         route = f"{master} via {route}"
     if p.master_route:
         route += f" ({p.master_route})"
-    return (f"Platform: NVSwitch {yes_no(p.nvswitch)}, hypervisor {p.hypervisor or 'none seen'}, "
-            f"RDMA {rdma}, route to MASTER_ADDR: {route}, hostname on "
-            f"loopback {yes_no(p.hostname_loopback)}")
+    fm = f", fabric manager {p.fabric_manager}" if p.fabric_manager else ""
+    return (f"Platform: NVSwitch {yes_no(p.nvswitch)}{fm}, hypervisor "
+            f"{p.hypervisor or 'none seen'}, RDMA {rdma}, route to MASTER_ADDR: {route}, "
+            f"hostname on loopback {yes_no(p.hostname_loopback)}")
 
 
 def simulate_file(path: Path, real_env: Mapping[str, str] | None = None) -> dict[str, Any]:
