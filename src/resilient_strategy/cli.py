@@ -355,7 +355,8 @@ def _decide(args: argparse.Namespace, facts: Facts, sim: Mapping[str, Any] | Non
         import tempfile
 
         probes = sim.get("probes")
-        prober = SimulatedProber(dict(probes or {}))
+        broken = {int(k): str(v) for k, v in dict(sim.get("broken_gpus") or {}).items()}
+        prober = SimulatedProber(dict(probes or {}), broken_gpus=broken)
         # the described launch's agreement between local ranks goes to a private directory of
         # its own, removed after: a simulation writes nothing a squatter could stop or read
         with tempfile.TemporaryDirectory(prefix="rs-simulate-") as private:
@@ -427,9 +428,10 @@ def _platform_line(facts: Facts) -> str:
         route = f"{master} via {route}"
     if p.master_route:
         route += f" ({p.master_route})"
-    return (f"Platform: NVSwitch {yes_no(p.nvswitch)}, hypervisor {p.hypervisor or 'none seen'}, "
-            f"RDMA {rdma}, route to MASTER_ADDR: {route}, hostname on "
-            f"loopback {yes_no(p.hostname_loopback)}")
+    fm = f", fabric manager {p.fabric_manager}" if p.fabric_manager else ""
+    return (f"Platform: NVSwitch {yes_no(p.nvswitch)}{fm}, hypervisor "
+            f"{p.hypervisor or 'none seen'}, RDMA {rdma}, route to MASTER_ADDR: {route}, "
+            f"hostname on loopback {yes_no(p.hostname_loopback)}")
 
 
 def simulate_file(path: Path, real_env: Mapping[str, str] | None = None) -> dict[str, Any]:

@@ -287,8 +287,10 @@ class GpuUnusableError(ResilientStrategyError):
     """A GPU no longer initializes or runs a kernel (after a hung probe was killed): training on
     it would hang or crash, so the decision stops."""
 
-    def __init__(self, gpus: Sequence[tuple[int, str]], after: str = "") -> None:
+    def __init__(self, gpus: Sequence[tuple[int, str]], after: str = "",
+                 probed: Sequence[str] = ()) -> None:
         self.gpus = tuple(gpus)  # (CUDA ordinal as the job sees it, what went wrong)
+        self.probed = tuple(probed)  # the candidates probed before the check found it
         lines = "\n  - ".join(f"GPU {i}: {why}" for i, why in self.gpus)
         when = f" after {after}" if after else ""
         indices = ",".join(str(i) for i, _ in self.gpus)

@@ -244,6 +244,7 @@ class Selection:
             "num_replicas": self.num_replicas,
             "sharded": self.sharded,
             "offload": self.offload,
+            "node_local": self.candidate.node_local,
             "accumulation_steps": self.accumulation_steps,
             "global_batch_size": self.global_batch_size,
             "per_replica_batch_size": self.per_replica_batch_size,

@@ -117,7 +117,7 @@ def _typical_bus(c: Candidate, facts: Facts, policy: Options) -> tuple[float | N
             key = f"nccl/p2p_off/{link}"
         else:
             key = f"nccl/{link}"
-    if policy.nodes > 1 and c.framework == "torch":  # the slowest link is between nodes
+    if policy.nodes > 1 and c.framework == "torch" and not c.node_local:  # between nodes
         env = dict(c.env)
         inter = "nccl/socket" if c.backend == "nccl" and (
             env.get("NCCL_NET") == "Socket" or env.get("NCCL_IB_DISABLE") == "1") else c.backend

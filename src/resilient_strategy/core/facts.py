@@ -153,6 +153,9 @@ class Platform:
     #: how ``master_ifname`` was found, or why it is unknown ("" with no MASTER_ADDR set)
     master_route: str = ""
     hostname_loopback: bool | None = None  # the hostname resolves to 127.x / ::1
+    #: the installed nvidia-fabricmanager package's version ("" unknown or none): on NVSwitch
+    #: systems it must equal the driver's, or the fabric manager does not start (CUDA error 802)
+    fabric_manager: str = ""
 
 
 @dataclass(frozen=True)
@@ -413,7 +416,8 @@ class Facts:
         # cache is used: left out, as MASTER_ADDR is.
         platform = replace(self.platform, master_ifname="", master_route="")
         if platform != Platform():  # unknown platform facts keep the older fingerprints
-            key["platform"] = asdict(platform)
+            key["platform"] = {k: v for k, v in asdict(platform).items()
+                               if k != "fabric_manager" or v}  # (a later field: only if known)
         blob = json.dumps(key, sort_keys=True, default=list).encode()
         digest = hashlib.sha256(blob).hexdigest()[:16]
         object.__setattr__(self, "_fingerprint", digest)  # a cache, not a field

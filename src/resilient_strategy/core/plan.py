@@ -284,6 +284,11 @@ def _chain(
         for backend in backends:
             out.append(Candidate(fw, backend, multi_devs, num_replicas=replicas,
                                  logical_cpus=logical))
+        if fw == "torch" and nodes > 1 and len(multi_devs) >= 2:
+            # where the nodes cannot talk: node 0's own GPUs over NCCL (as TensorFlow keeps
+            # worker 0's MirroredStrategy), not one GPU of the whole job
+            out.append(Candidate(fw, "nccl", multi_devs, num_replicas=len(multi_devs),
+                                 node_local=True))
     elif multi_ok:  # torch under a launcher on CPU: gloo between the processes
         out.append(Candidate(fw, "gloo", (), num_replicas=n_proc))
     if gpus:
@@ -457,7 +462,9 @@ def _vetoed(c: Candidate, target: Sequence[str]) -> bool:
 
 
 def _insert_remedy(cands: list[Candidate], remedy: Candidate) -> list[Candidate]:
-    last_nccl = max(i for i, c in enumerate(cands) if c.backend == "nccl")
+    # after the last NCCL of the chain proper (node 0's own NCCL, a multi-node job's fallback,
+    # comes after the strategies across the nodes)
+    last_nccl = max(i for i, c in enumerate(cands) if c.backend == "nccl" and not c.node_local)
     return [*cands[: last_nccl + 1], remedy, *cands[last_nccl + 1 :]]
 
 
@@ -515,7 +522,9 @@ def _apply_results(
             queue.insert(at, remedy)  # tried right after what failed; examined in this loop
             at += 1
             b.events.append(RemedyQueued(remedy, label,
-                                         on_top_of=None if c.origin == "chain" else c))
+                                         on_top_of=None if c.origin == "chain" else c,
+                                         remedy=remedy_entry.id,
+                                         because=tuple(str(w) for w in remedy_entry.when)))
     return out
 
 
@@ -642,6 +651,8 @@ def _rank(
                 tried_first.append(f.candidate.origin)
     if policy.multi_worker:
         ranked = _multi_worker_order(ranked, b)
+    elif any(r.candidate.node_local for r in ranked):
+        ranked = _node_local_order(ranked, b)
     if policy.prefer and not any(r.candidate.backend == policy.prefer for r in ranked):
         b.note("prefer_impossible",
                f"prefer={policy.prefer!r} is not possible here; choosing by speed instead.")
@@ -658,6 +669,24 @@ def _rank(
         basis, cpu_last, tuple(tried_first),
     ))
     return ranked
+
+
+def _node_local_order(ranked: list[Ranked], b: _Build) -> list[Ranked]:
+    """A multi-node torch job's node-0-alone candidate goes right before the first candidate
+    without a collective (one GPU or CPU: where rank 0 trains alone anyway), after every
+    candidate across the nodes ranked above that one, as :func:`_multi_worker_order` does for
+    TensorFlow's worker 0: once the plan reaches node 0 alone, the other nodes idle."""
+    anchor = next((i for i, r in enumerate(ranked) if not r.candidate.needs_probe), None)
+    if anchor is None:
+        return ranked
+    local = [r for r in ranked[:anchor] if r.candidate.node_local]
+    across = [r for r in ranked[:anchor] if not r.candidate.node_local]
+    out = [*across, *local, *ranked[anchor:]]
+    if local and across and out != ranked:
+        b.note("alone_after_nodes", f"Node 0's own {local[0].candidate.label} is tried only "
+               "after the strategies across the nodes estimated faster than one GPU: once node "
+               "0 trains alone, the other nodes' ranks idle.")
+    return out
 
 
 def _multi_worker_order(ranked: list[Ranked], b: _Build) -> list[Ranked]:

@@ -19,7 +19,7 @@ import logging
 import operator
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +47,11 @@ FACT_NAMES: tuple[str, ...] = (
     "gpus.mixed",
     "links.all_nvlink", "links.any_pcie_only", "links.p2p_unsupported", "links.cross_socket",
     "links.any_nvlink", "links.any_switch", "links.any_host_path",
-    "driver.version", "driver.cuda",
+    "driver.version", "driver.cuda", "driver.older_than_build",
     "plan.replicas", "plan.nodes", "nccl.version",
     "platform.nvswitch", "platform.hypervisor", "platform.vm", "platform.rdma_link_layer",
-    "platform.rdma_devices", "platform.master_ifname", "platform.hostname_loopback",
+    "platform.rdma_devices", "platform.rdma_count", "platform.master_ifname",
+    "platform.hostname_loopback", "platform.fabric_manager", "platform.fabric_manager_mismatch",
     "host.shm_mb", "host.container", "host.in_container", "host.wsl2", "host.sagemaker",
     "host.aws", "host.efa", "host.infiniband", "host.iommu", "host.platform",
     *(f"{fw}.{name}" for fw in ("torch", "tensorflow", "keras") for name in _FRAMEWORK_FACTS),
@@ -348,6 +349,11 @@ def fact_values(facts: Facts, framework: str, replicas: int | None = None,
         "platform.vm": bool(facts.platform.hypervisor),
         "platform.rdma_link_layer": facts.platform.rdma_link_layer,
         "platform.rdma_devices": facts.platform.rdma_devices,
+        "platform.rdma_count": len(facts.platform.rdma_devices),
+        "platform.fabric_manager": facts.platform.fabric_manager,
+        "platform.fabric_manager_mismatch": (
+            None if not facts.platform.fabric_manager or not facts.driver_version
+            else facts.platform.fabric_manager != facts.driver_version),
         "platform.master_ifname": facts.platform.master_ifname,
         "platform.hostname_loopback": facts.platform.hostname_loopback,
         "driver.version": _version(facts.driver_version),
@@ -372,9 +378,30 @@ def fact_values(facts: Facts, framework: str, replicas: int | None = None,
         values[f"{fw}.max_arch"] = _max_arch(info.archs)
         values[f"{fw}.imported"] = info.imported
         values[f"{fw}.gpu_kernels"] = _kernel_coverage(info.archs, gpus)
+    build = values.get(f"{framework}.cuda") if framework in ("torch", "tensorflow") else None
+    driver_cuda = values["driver.cuda"]
+    values["driver.older_than_build"] = (None if not isinstance(build, Version)
+                                         or not isinstance(driver_cuda, Version)
+                                         else driver_cuda < Version(f"{build.major}.{build.minor}"))
     for name, value in facts.env:
         values[f"env.{name}"] = value
     return values
+
+
+_MESSAGE_FACT = re.compile(r"\{([a-z_]+\.[A-Za-z0-9_]+)\}")
+
+
+def fill_message(message: str, values: Mapping[str, FactValue]) -> str:
+    """A rule's message with each ``{fact}`` replaced by this machine's value (so the advice
+    names the version it is about); an unknown fact reads "unknown"."""
+
+    def value(m: re.Match[str]) -> str:
+        v = values.get(m.group(1))
+        if v is None or v == "":
+            return "unknown"
+        return ",".join(v) if isinstance(v, tuple) else str(v)
+
+    return _MESSAGE_FACT.sub(value, message)
 
 
 def _compare(
@@ -438,8 +465,16 @@ def fired(rules: Iterable[Rule], facts: Facts, framework: str,
     (``plan.replicas``) is the number of devices a multi-device strategy would use: the GPUs
     after ``devices=`` and CUDA_VISIBLE_DEVICES, or the logical CPUs in TF's test mode."""
     values = fact_values(facts, framework, replicas)
+    # in messages, versions as the machine reports them ("535.129.03", not Version's "535.129.3")
+    text: dict[str, FactValue] = {**values, "driver.version": facts.driver_version,
+                                  "driver.cuda": facts.cuda_driver_version}
+    for fw in ("torch", "tensorflow", "keras"):
+        info = facts.framework(fw)
+        text.update({f"{fw}.version": info.version, f"{fw}.cuda": info.cuda,
+                     f"{fw}.nccl": info.nccl})
     return tuple(
-        r for r in rules
+        replace(r, message=fill_message(r.message, text)) if "{" in r.message else r
+        for r in rules
         if (not r.framework or r.framework == framework)
         and all(clause_holds(c, values) for c in r.when)
     )

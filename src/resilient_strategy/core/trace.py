@@ -375,12 +375,17 @@ class RemedyQueued(Event):
     candidate: Candidate
     cause: str
     on_top_of: Candidate | None = None
+    #: the remedy's id in the remedies table, and the facts of this machine that made it
+    #: apply (its ``when`` clauses, all of which held): why it was tried
+    remedy: str = ""
+    because: tuple[str, ...] = ()
 
     def text(self) -> str:
+        why = f" (this machine: {', '.join(self.because)})" if self.because else ""
         if self.on_top_of is not None:
             return (f"Will try {self.candidate.label}: the remedy {self.on_top_of.label} failed "
-                    f"on {self.cause}, so that cause's remedy is added on top.")
-        return f"Will try {self.candidate.label}, the usual remedy for {self.cause}."
+                    f"on {self.cause}, so that cause's remedy is added on top{why}.")
+        return f"Will try {self.candidate.label}, the usual remedy for {self.cause}{why}."
 
 
 @dataclass(frozen=True)

@@ -179,10 +179,13 @@ def decide(
         if progress is not None:
             progress.end(res)
         if check is not None and res.cause not in ("budget",):
-            due = unproven.after_probe(spec_for(c, opts, timeout_s), res)
-            if due:  # failed before its devices were ready, on a GPU a killed probe left
+            spec = spec_for(c, opts, timeout_s)
+            due = unproven.after_probe(spec, res, _check_fits(
+                prober, c.framework, len(_health().gpus_of(spec)), env, deadline - clock()))
+            if due:  # the first hang, or a failure before its devices were ready on a GPU a
+                # killed probe left: checked before any other variant runs on those GPUs
                 _check_or_raise(check, c.framework, due, env, unproven,
-                                f"the probe of {c.key} failed before its GPUs were ready")
+                                f"the probe of {c.key} hung or failed", (*results, c.key))
         results[c.key] = res
         # never probed, or cut short before it could start: nothing learned about the machine
         if res.cause not in ("budget", "timeout_short"):
@@ -191,7 +194,7 @@ def decide(
     unchecked: list[Event] = []
     if check is not None and unproven.gpus:  # before the fork server closes: it checks torch's
         unchecked = _final_check(prober, check, unproven, p.chosen or p.next_probe, opts, env,
-                              deadline - clock())
+                                 deadline - clock(), tuple(results))
     close_fork_servers()  # probing is over (on an exception: idle exit or exit closes them)
     if cache is not None and fresh:
         cache.store(fingerprint, fresh)
@@ -219,17 +222,32 @@ def _health() -> ModuleType:
 
 
 def _check_or_raise(check: GpuCheck, framework: str, gpus: tuple[int, ...],
-                    env: Mapping[str, str], unproven: Unproven, after: str) -> None:
-    """Run the GPU health check on ``gpus``; :class:`GpuUnusableError` naming the broken ones,
-    else they are proven."""
+                    env: Mapping[str, str], unproven: Unproven, after: str,
+                    probed: tuple[str, ...] = ()) -> None:
+    """Run the GPU health check on ``gpus``; :class:`GpuUnusableError` naming the broken ones
+    (and the candidates ``probed`` before it), else they are proven."""
     broken = check(framework, gpus, env)
     if broken:
-        raise GpuUnusableError(broken, after=after)
+        raise GpuUnusableError(broken, after=after, probed=probed)
     unproven.checked(gpus)
 
 
+def _check_fits(prober: Prober, framework: str, gpus: int, env: Mapping[str, str],
+                budget_left_s: float) -> bool:
+    """Whether a GPU health check of ``gpus`` GPUs fits what is left of the probe budget (the
+    prober's own estimate where it has one, else the typical figure)."""
+    from ..probing import cost
+
+    estimate: Callable[[str, int, Mapping[str, str]], float] | None = getattr(
+        prober, "check_seconds", None)
+    seconds = (estimate(framework, gpus, env) if estimate is not None
+               else cost.health_check_seconds(framework, gpus, forked=True, warm=True))
+    return seconds <= budget_left_s
+
+
 def _final_check(prober: Prober, check: GpuCheck, u: Unproven, chosen: Candidate | None,
-                 opts: Options, env: Mapping[str, str], budget_left_s: float) -> list[Event]:
+                 opts: Options, env: Mapping[str, str], budget_left_s: float,
+                 probed: tuple[str, ...] = ()) -> list[Event]:
     """The deferred GPU health check, once, before the decision returns (see
     :class:`..probing.health.Unproven`): the chosen candidate's unproven GPUs always; the other
     unproven GPUs in the same check unless its typical cost would overrun what is left of the
@@ -248,7 +266,8 @@ def _final_check(prober: Prober, check: GpuCheck, u: Unproven, chosen: Candidate
     now, skipped = u.final(chosen.devices if chosen is not None else (), affordable)
     by = ", ".join(u.by)
     if now:
-        _check_or_raise(check, framework, now, env, u, f"the hung probe(s) of {by} were killed")
+        _check_or_raise(check, framework, now, env, u, f"the hung probe(s) of {by} were killed",
+                        probed)
     if not skipped:
         return []
     ids = ",".join(map(str, skipped))

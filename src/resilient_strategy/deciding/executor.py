@@ -174,6 +174,7 @@ def resilient_strategy(
         facts = detect_facts(snapshot)
     _check_visibility(facts)
     opts = options_from(facts, snapshot, **options)
+    _check_processes_fit(facts, opts)
     prober = _prober or default_prober
     if getattr(prober, "simulated", False):  # outcomes from a description: say so everywhere
         opts = replace(opts, simulated=True)
@@ -291,6 +292,24 @@ def _advice(
         )
 
     return advise
+
+
+def _check_processes_fit(facts: Facts, opts: Options) -> None:
+    """More torch processes on this node than GPUs it can see is the launch's mistake, not a
+    machine to train on fewer GPUs: the ranks past the last GPU fail with 'invalid device
+    ordinal' (or share a GPU). Said as a typed error naming the fix, before anything runs."""
+    if opts.framework != "torch" or opts.world_size <= 1 or not facts.framework("torch").cuda:
+        return
+    local = opts.world_size // max(1, opts.nodes)
+    gpus = len(facts.gpus)  # visible to the job (devices= may ask for fewer on purpose)
+    if 0 < gpus < local:
+        shown = facts.visibility.raw
+        seen = f" (CUDA_VISIBLE_DEVICES={shown})" if shown else ""
+        raise InvalidOptionError(
+            f"The launcher started {local} processes on this node but only {gpus} GPU(s) are "
+            f"visible{seen}: the ranks past GPU {gpus - 1} would fail with 'invalid device "
+            f"ordinal' or share a GPU. Start the job with --nproc_per_node {gpus} (or make "
+            f"{local} GPUs visible).", "LOCAL_WORLD_SIZE")
 
 
 def _check_visibility(facts: Facts) -> None:

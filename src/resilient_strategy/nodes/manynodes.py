@@ -175,6 +175,8 @@ class _Node:
             nodes[k] = self.channel.take(f"hello/{k}", window, f"node {k} did not join", who=k)
 
         def across(spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
+            if spec.candidate.split(":")[1].endswith("/node0"):  # node 0 alone: no round
+                return self.local_prober(spec, env)
             self.rounds += 1
             n = self.rounds
             self.channel.put(f"round/{n}", {"kind": "probe", "spec": spec_to_dict(spec)})
@@ -361,7 +363,11 @@ def agreed_decision(
     p, results, from_cache, proven = (decided.plan, dict(decided.results), decided.from_cache,
                                       decided.proven)
     lines = trace_lines(job, payload, p)
-    if job.node != 0 and p.chosen is not None and p.chosen.num_replicas == 1:
+    if job.node != 0 and p.chosen is not None and p.chosen.node_local:
+        log.warning("resilient_strategy: node %d: the link between the nodes failed, so node 0 "
+                    "trains alone on its own GPUs (%s); this node's ranks exit 0 at scope() / "
+                    "prepare().", job.node, p.chosen.label)
+    elif job.node != 0 and p.chosen is not None and p.chosen.num_replicas == 1:
         log.warning("resilient_strategy: node %d: no backend between the nodes beats node 0 "
                     "alone, so node 0 trains alone (%s); this node's ranks exit 0 at scope() "
                     "/ prepare().", job.node, p.chosen.label)

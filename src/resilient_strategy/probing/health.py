@@ -84,14 +84,21 @@ class Unproven:
     gpus: set[int] = field(default_factory=set)
     #: the probes that left GPUs unproven, for the trace and the error (candidate keys)
     by: list[str] = field(default_factory=list)
+    #: whether a killed probe was already checked at once in this decision (the first hang is:
+    #: a wedged GPU is named before any hung variant is tried on it; later hangs are deferred)
+    hung_once: bool = False
 
-    def after_probe(self, spec: ProbeSpec, result: ProbeResult) -> tuple[int, ...]:
+    def after_probe(self, spec: ProbeSpec, result: ProbeResult,
+                    can_check_now: bool = True) -> tuple[int, ...]:
         """Take in one probe's result; the GPUs to check right now (else ``()``).
 
         A probe on an unproven GPU that failed or hung before its devices were ready is checked
         at once: its own GPUs and the unproven ones (a broken GPU must be named as such, and the
-        next candidate would hang on it again). A probe that passed proves its GPUs; a killed
-        one leaves its GPUs unproven until a later probe or the final check proves them."""
+        next candidate would hang on it again). The first killed probe of a decision is checked
+        at once too (issue 31): a silent hang is followed by a search over hung variants, and a
+        wedged GPU must end it after one hang, not after two. A probe that passed proves its
+        GPUs; a later killed one leaves its GPUs unproven until a later probe or the final check
+        proves them."""
         mine = gpus_of(spec)
         if not mine:
             return ()
@@ -101,6 +108,12 @@ class Unproven:
         suspects = self.gpus & set(mine)
         if suspects and not devices_ready(result):
             return tuple(sorted(suspects | (set(mine) if killed(result) else set())))
+        # the first hang: checked between variants, where the check fits the probe budget
+        # (``can_check_now``; else deferred like any later hang)
+        if killed(result) and not self.hung_once and can_check_now:
+            self.hung_once = True
+            self.by.append(spec.candidate)
+            return tuple(sorted(set(mine) | suspects))
         if killed(result):
             self.gpus |= set(mine)
             self.by.append(spec.candidate)

@@ -107,6 +107,7 @@ def machine(
     tf_nccl: str | None = None,
     keras: str | None = None,
     driver: str | None = "580.159.04",
+    driver_cuda: str | None = "13.0",
     env: Mapping[str, str] | None = None,
     nvml_error: str | None = None,
     nvml_notes: Sequence[str] = (),
@@ -130,6 +131,7 @@ def machine(
     ``CUDA_VISIBLE_DEVICES`` can name). ``imported`` / ``gpu_initialized`` name frameworks this
     process imported (and whose GPU runtime started); ``nvml_notes`` are values NVML could not
     read. ``host_memory_gb``: the host memory available to new processes (None: unknown).
+    ``driver_cuda``: the newest CUDA the driver supports (nvidia-smi's header; 535 drivers: 12.2).
     ``platform_facts`` is the platform around the GPUs as one value (:class:`Platform`, or
     its fields as a mapping: ``{"nvswitch": true, "rdma_link_layer": "ethernet",
     "rdma_devices": ["mlx5_0"], "master_ifname": "eth0", "hypervisor": "kvm",
@@ -240,7 +242,7 @@ def machine(
         links=visible_links,
         fabric=fabric,
         driver_version=driver if physical else None,
-        cuda_driver_version="13.0" if physical else None,
+        cuda_driver_version=driver_cuda if physical else None,
         nvml_error=nvml_error if nvml_error or physical else "no GPU in this description",
         visibility=resolution.visibility,
         host=Host(shm_bytes=None if shm_mb is None else shm_mb << 20, container=container,
@@ -455,6 +457,8 @@ class SimulatedProber:
         names = [f"{spec.backend}/fsdp", spec.backend] if spec.sharded else [spec.backend]
         if spec.candidate.split(":")[1].endswith("+offload"):  # its own outcome wins again
             names.insert(0, f"{spec.backend}/fsdp+offload")
+        if spec.candidate.split(":")[1].endswith("/node0"):  # node 0 alone: its own outcome
+            names.insert(0, f"{spec.backend}/node0")
         if spec.devices:  # "nccl/fsdp@0,1": on these GPUs only (the most specific)
             on = ",".join(map(str, spec.devices))
             names = [*(f"{n}@{on}" for n in names), *names]
@@ -557,6 +561,8 @@ SIMULATION_KEYS = frozenset({
     # a field case (examples/machines/field/): where it was reported, its family, what it said
     "source", "family", "reported",
     "param_bytes", "optimizer_state_factor", "sharding", "offload",
+    # GPUs the health check finds broken: {"<CUDA ordinal>": "what went wrong"} (a wedged GPU)
+    "broken_gpus",
 })
 #: Fields of a machine case's ``expect`` block (the decision it must reach; tests replay it).
 EXPECT_KEYS = frozenset({
@@ -710,6 +716,12 @@ def _check_simulation_fields(path: Path, data: Mapping[str, Any]) -> None:
         value = data.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ResilientStrategyError(f"{path}: {key}: expected a positive integer, not {value!r}")
+    broken = data.get("broken_gpus")
+    if broken is not None and (not isinstance(broken, dict) or not all(
+            isinstance(k, str) and k.isdigit() and isinstance(v, str) for k, v in broken.items())):
+        raise ResilientStrategyError(
+            f'{path}: broken_gpus: expected an object like {{"0": "what went wrong"}} (CUDA '
+            f"ordinals the GPU health check finds broken), not {broken!r}")
     expect = data.get("expect")
     if expect is not None and (not isinstance(expect, dict) or not set(expect) <= EXPECT_KEYS):
         raise ResilientStrategyError(
