@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from .core.arguments import gradient_bytes_of
 from .core.candidate import Candidate
 from .core.facts import Facts
+from .core.human import fit
 from .core.options import Launch
 from .core.plan import Plan
 from .core.probe import ProbeResult
@@ -37,6 +38,15 @@ __all__ = ["Launch", "Selection"]
 
 T = TypeVar("T")
 log = logging.getLogger("resilient_strategy")
+
+#: The most characters of [Selection.summary][resilient_strategy.Selection.summary]'s line.
+SUMMARY_CHARS = 160
+#: The most lines, and characters per line, of the short
+#: [Selection.explain][resilient_strategy.Selection.explain].
+EXPLAIN_LINES = 8
+EXPLAIN_CHARS = 160
+#: The words of [Selection.decided_by][resilient_strategy.Selection.decided_by].
+DECIDED_BY = ("simulation", "run", "dry_run", "cache", "probe", "no_collective", "unproven")
 
 
 class _Once(Generic[T]):
@@ -200,8 +210,125 @@ class Selection:
             return None
         return per * self.num_replicas if self.framework == "tensorflow" else per
 
-    def explain(self) -> str:
-        """The decision and its reasons, as text (the trace's events rendered)."""
+    @property
+    def handed_down(self) -> bool:
+        """Whether `resilient-strategy run` decided this before its workers started (this
+        process is one of them and took its decision as handed down)."""
+        return any(getattr(e, "topic", "") == "handed_down" for e in self.plan.events)
+
+    @property
+    def decided_by(self) -> str:
+        """How the choice was made, one word of :data:`DECIDED_BY`: "simulation" (a described
+        machine), "run" (handed down by `resilient-strategy run`), "dry_run", "cache" (what
+        probes proved before), "probe" (its probe passed now), "no_collective" (nothing to
+        prove), "unproven" (probing was off, or its budget spent). Exactly one, so a relaunched
+        worker never says both "cache" and "run"."""
+        if self.simulated:
+            return "simulation"
+        if self.handed_down:
+            return "run"
+        if self.dry_run:
+            return "dry_run"
+        if self.from_cache:
+            return "cache"
+        how = getattr(self._chosen_event(), "how", "")
+        if how == "probe_passed":
+            return "probe"
+        if how == "no_collective":
+            return "no_collective"
+        if not self.proven or how in ("multi_node", "probing_off", "rounds_spent"):
+            return "unproven"
+        return "probe"
+
+    def _chosen_event(self) -> Any:
+        return next((e for e in self.plan.events if getattr(e, "kind", "") == "chosen"), None)
+
+    def _how(self) -> str:
+        by = self.decided_by
+        if by == "probe":
+            result = getattr(self._chosen_event(), "result", None)
+            return (f"its probe passed in {result.elapsed_s:.1f} s" if result is not None
+                    else "proven by its probe")
+        return {
+            "simulation": "simulated (nothing ran here)",
+            "run": "decided by `resilient-strategy run`",
+            "dry_run": "dry run: nothing was set or built",
+            "cache": "from the cache (probe='force' re-probes)",
+            "no_collective": "no collective to prove",
+            "unproven": "UNPROVEN: probing was off or its budget spent",
+        }[by]
+
+    def summary(self) -> str:
+        """The decision in one line of at most :data:`SUMMARY_CHARS` characters: what trains,
+        the batch split, how it was decided (probe, cache, `resilient-strategy run`, dry run),
+        the candidate it fell back from, and how long deciding took. What a script prints by
+        default (``sel.print(sel.summary())``, and the Lightning and Accelerate helpers);
+        [explain][resilient_strategy.Selection.explain] says why."""
+        c = self.candidate
+        head = f"resilient_strategy chose: {c.label}"
+        if self.per_replica_batch_size is not None and (
+                self.num_replicas > 1 or self.accumulation_steps > 1):
+            head += (f" ({self.num_replicas} x {self.per_replica_batch_size} x "
+                     f"{self.accumulation_steps} = global batch {self.global_batch_size})")
+        parts = [self._how()]
+        failed = [r.candidate.label for r in self.plan.ruled_out
+                  if r.rule == "probe" and r.candidate.key != c.key]
+        if failed:
+            parts.append(f"after {failed[0]} failed" + (f" (+{len(failed) - 1} more)"
+                                                          if len(failed) > 1 else ""))
+        if not self.active:
+            who = (f"worker {self.tf_worker_rank}" if self.multi_worker
+                   else f"rank {self.launch.rank}")
+            parts.append(f"{who} stays idle")
+        if not self.handed_down:
+            parts.append(f"decided in {self.decided_in_s:.2f} s")
+        return fit(f"{head}: {'; '.join(parts)}", SUMMARY_CHARS)
+
+    def explain(self, verbose: bool = False) -> str:
+        """The decision and its reasons, as text.
+
+        Short by default (at most :data:`EXPLAIN_LINES` lines of at most
+        :data:`EXPLAIN_CHARS` characters): the one-line [summary][resilient_strategy.Selection.summary],
+        what was ruled out and why, the advice that applies, the variables set, and where the
+        full reasoning is. ``verbose=True``: every event of the trace rendered, one line each
+        (the same text ``python -m resilient_strategy plan`` prints; ``to_dict()`` / ``--json``
+        carry the typed events)."""
+        if verbose:
+            return self._explain_verbose()
+        lines = [self.summary()]
+        budget = EXPLAIN_LINES - 2  # the summary, and the pointer to the full reasoning
+        grouped: dict[str, list[str]] = {}  # one line per reason, its candidates named
+        for r in self.plan.ruled_out:
+            if r.candidate.key != self.candidate.key:
+                why = f"rule {r.rule}: {r.reason}" if r.rule and r.rule not in (
+                    "probe", "memory") else r.reason
+                grouped.setdefault(why, []).append(r.candidate.label)
+        reasons = list(grouped.items())
+        for i, (why, labels) in enumerate(reasons):
+            if budget <= 1 and i < len(reasons) - 1:
+                lines.append(f"ruled out: {len(reasons) - i} more reasons (sel.explain(verbose=True))")
+                budget -= 1
+                break
+            more = f" and {len(labels) - 1} more" if len(labels) > 1 else ""
+            lines.append(fit(f"ruled out {labels[0]}{more}: {why}", EXPLAIN_CHARS))
+            budget -= 1
+            if budget <= 0:
+                break
+        if self.env and budget > 0:
+            verb = "set" if self.env_applied else "would set"
+            lines.append(fit(f"{verb}: " + " ".join(f"{k}={v}" for k, v in sorted(self.env.items())),
+                             EXPLAIN_CHARS))
+            budget -= 1
+        for advice in self.plan.warnings:
+            if budget <= 0:
+                break
+            lines.append(fit(f"advice: {advice}", EXPLAIN_CHARS))
+            budget -= 1
+        lines.append("full reasoning: sel.explain(verbose=True), or `python -m resilient_strategy "
+                     "plan` (--json for data)")
+        return "\n".join(lines)
+
+    def _explain_verbose(self) -> str:
         head = f"resilient_strategy chose: {self.candidate.label}"
         if self.num_replicas > 1 or self.accumulation_steps > 1:
             head += f" ({self.num_replicas} replica(s) x {self.accumulation_steps} accumulation step(s))"
@@ -209,7 +336,7 @@ class Selection:
         if self.simulated:
             extras.append("SIMULATED: decided for a described machine; every probe outcome and "
                           "time comes from the description, nothing ran here")
-        if self.from_cache:
+        if self.from_cache and not self.handed_down:
             extras.append("decision from the cache (probe='force' re-probes)")
         if not self.proven and not self.dry_run:
             extras.append("NOT proven: probing was off")

@@ -62,6 +62,10 @@ CAUSES: dict[str, str] = {
     "gloo_connection": "gloo could not connect its ranks over the interface it picked (the "
     "hostname resolves to loopback or to an unroutable address): set GLOO_SOCKET_IFNAME to the "
     "interface that reaches MASTER_ADDR",
+    "gloo_interface": "GLOO_SOCKET_IFNAME names a network interface this machine does not "
+    "have (or one without an address; it takes one interface name, not an IP address or NCCL's "
+    "'^lo,docker' list): set it to the interface that reaches MASTER_ADDR (ip -br addr), or "
+    "unset it",
     "cuda_init": "the CUDA runtime could not initialise although the driver lists GPUs (error "
     "802 'system not yet initialized': on NVSwitch systems nvidia-fabricmanager is not running "
     "or not finished; error 3 / 100: no usable device in this process); fix the host, no NCCL "

@@ -21,7 +21,7 @@ from ..errors import InvalidOptionError
 from ..vocab import MULTI_WORKER_BACKENDS
 from .candidate import Candidate
 from .causes import GPU_WIDE_CAUSES
-from .estimate import ASSUMED_GRADIENT_BYTES, Estimate, estimate
+from .estimate import Estimate, estimate
 from .facts import Facts
 from .human import human_bytes
 from .probe import TIMEOUT, ProbeResult
@@ -641,15 +641,14 @@ def _rank(
                f"prefer={policy.prefer!r} is not possible here; choosing by speed instead.")
     basis = (
         f"gradients {human_bytes(policy.gradient_bytes)}" if policy.gradient_bytes
-        else f"gradients assumed {ASSUMED_GRADIENT_BYTES >> 20} MiB (ResNet-50-sized; pass "
-        "model= or gradient_bytes= for a real figure)"
+        else "pass gradient_bytes= or model= to rank the candidates by their speed"
     )
     cpu = [r.estimate.step_seconds for r in ranked if r.candidate.backend == "cpu"]
     cpu_last = bool(cpu) and any(r.estimate.step_seconds > cpu[0] for r in ranked
                                  if r.candidate.backend != "cpu")
     b.events.append(Ranking(
         tuple(RankEntry(r.candidate, r.estimate.step_seconds, r.estimate.basis) for r in ranked),
-        basis, cpu_last, tuple(tried_first),
+        basis, cpu_last, tuple(tried_first), known_size=policy.gradient_bytes is not None,
     ))
     return ranked
 

@@ -422,21 +422,28 @@ class Ranking(Event):
 
     By estimate, except: a ``prefer``red backend first, CPU last (``cpu_last`` when that put it
     below a slower candidate), and a remedy a rule marks ``first`` right before plain NCCL
-    whatever its estimate (``tried_first`` names those rules)."""
+    whatever its estimate (``tried_first`` names those rules). ``known_size`` False: the
+    script gave no model size (``gradient_bytes=`` / ``model=``), so the estimates are of an
+    assumed model and the line names the order without their seconds."""
 
     kind: ClassVar[str] = "ranking"
     entries: tuple[RankEntry, ...]
     gradients: str
     cpu_last: bool = False
     tried_first: tuple[str, ...] = ()
+    known_size: bool = True
 
     def text(self) -> str:
-        head = "Ranked by estimated time per global batch" if not self.tried_first \
-            else "Order of trial, with the estimated time per global batch"
-        out = f"{head} ({self.gradients}): " + "; ".join(
-            f"{e.candidate.label} ~{human_duration(e.step_seconds)} ({e.basis})"
-            for e in self.entries
-        ) + "."
+        if not self.known_size:
+            out = (f"Order of trial for a model of unknown size ({self.gradients}): "
+                   + "; ".join(e.candidate.label for e in self.entries) + ".")
+        else:
+            head = "Ranked by estimated time per global batch" if not self.tried_first \
+                else "Order of trial, with the estimated time per global batch"
+            out = f"{head} ({self.gradients}): " + "; ".join(
+                f"{e.candidate.label} ~{human_duration(e.step_seconds)} ({e.basis})"
+                for e in self.entries
+            ) + "."
         if self.tried_first:
             out += (f" Tried first whatever its estimate: the remedy of rule "
                     f"{', '.join(self.tried_first)}, before plain NCCL.")

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.arguments import options_from
 from ..core.facts import Facts
-from ..core.human import human_bytes, human_duration
+from ..core.human import fit, human_bytes, human_duration
 from ..core.memory import MemoryRow
 from ..core.options import FRAMEWORKS, Options
 from ..core.plan import Candidate, Plan, plan
@@ -64,6 +64,8 @@ from .decide import (
 )
 
 log = logging.getLogger("resilient_strategy")
+#: The most characters of a rule's warning as logged (its whole text: sel.explain(verbose=True)).
+WARNING_CHARS = 200
 
 
 
@@ -222,8 +224,8 @@ def resilient_strategy(
         advise=_advice(facts, opts, results, chosen), simulated=opts.simulated,
         progress=None if handed is None else _reporter(handed, opts, chosen, snapshot),
     )
-    for w in p.warnings:
-        log.warning("resilient_strategy: %s", w)
+    for w in p.warnings:  # one short line each: the whole text is in sel.explain(verbose=True)
+        log.warning("resilient_strategy: %s", fit(w, WARNING_CHARS))
     # under `resilient-strategy run` the supervisor announced it, in the same words
     if opts.launch.rank == 0 and opts.tf_worker_rank == 0 and not opts.dry_run and handed is None:
         fell = fallback_warning(p, results, facts, opts, chosen)

@@ -59,10 +59,16 @@ def _accelerate() -> None:
         raise ExtraNotInstalledError("accelerate", "accelerate") from None
 
 
-def accelerator_kwargs(sel: Selection, *, shard_modules: Any = None) -> dict[str, Any]:
+def accelerator_kwargs(sel: Selection, *, shard_modules: Any = None,
+                       announce: bool = True) -> dict[str, Any]:
     """Keyword arguments for ``accelerate.Accelerator`` that train on what ``sel`` chose
-    (``shard_modules``: the module classes FSDP2 shards one by one, when it shards)."""
+    (``shard_modules``: the module classes FSDP2 shards one by one, when it shards).
+    ``announce``: print the decision's one line
+    ([Selection.summary][resilient_strategy.Selection.summary]) on the main process, as the
+    plain PyTorch quick start does."""
     require_torch_selection(sel, "Accelerate")
+    if announce:
+        sel.print(sel.summary())
     sel._leave_if_idle()
     refuse_one_process_offload(sel, "Accelerate")
     _accelerate()  # a clear error when it is missing
@@ -93,10 +99,12 @@ def _fsdp_plugin(sel: Selection, shard_modules: Any) -> Any:
         transformer_cls_names_to_wrap=names, cpu_offload=sel.offload)
 
 
-def make_accelerator(sel: Selection, *, shard_modules: Any = None, **overrides: Any) -> Any:
+def make_accelerator(sel: Selection, *, shard_modules: Any = None, announce: bool = True,
+                     **overrides: Any) -> Any:
     """An ``accelerate.Accelerator`` for ``sel`` (``overrides`` add or replace keyword
-    arguments; ``kwargs_handlers`` given here are added to ours)."""
-    kwargs = accelerator_kwargs(sel, shard_modules=shard_modules)
+    arguments; ``kwargs_handlers`` given here are added to ours; ``announce``: as in
+    [accelerator_kwargs][resilient_strategy.integrations.accelerate.accelerator_kwargs])."""
+    kwargs = accelerator_kwargs(sel, shard_modules=shard_modules, announce=announce)
     extra_handlers = list(overrides.pop("kwargs_handlers", []) or [])
     if extra_handlers:
         kwargs["kwargs_handlers"] = [*kwargs.get("kwargs_handlers", []), *extra_handlers]

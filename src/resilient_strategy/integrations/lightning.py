@@ -75,11 +75,16 @@ def _sharded_strategy(sel: Selection, model_parallel: bool, shard_modules: Any) 
 
 
 def trainer_kwargs(sel: Selection, *, model_parallel: bool = False,
-                   shard_modules: Any = None, callbacks: Any = None) -> dict[str, Any]:
+                   shard_modules: Any = None, callbacks: Any = None,
+                   announce: bool = True) -> dict[str, Any]:
     """Keyword arguments for ``lightning.Trainer`` that train on what ``sel`` chose
     (``model_parallel`` and ``shard_modules`` apply when it shards; ``callbacks``: yours, kept
-    first; see the module docstring)."""
+    first; see the module docstring). ``announce``: print the decision's one line
+    ([Selection.summary][resilient_strategy.Selection.summary]) on the main process, as the
+    plain PyTorch quick start does."""
     require_torch_selection(sel, "Lightning")
+    if announce:
+        sel.print(sel.summary())
     sel._leave_if_idle()
     refuse_one_process_offload(sel, "Lightning")
     ddp, single = _strategies()

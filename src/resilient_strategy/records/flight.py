@@ -57,10 +57,14 @@ from .flightdump import Dump, DumpStatus, RankDump, merge_dumps, parse_dump
 log = logging.getLogger("resilient_strategy")
 
 #: The buffer's size variable for NCCL (torch 2.2+), set for the workers of an NCCL decision
-#: unless the user set it or :data:`FR_BUFFER_VAR`.
+#: on a torch older than :data:`FR_SINCE`, unless the user set it or :data:`FR_BUFFER_VAR`.
 BUFFER_VAR = "TORCH_NCCL_TRACE_BUFFER_SIZE"
-#: torch 2.8+'s vendor-neutral name (read first by torch): a user's value is kept.
+#: The vendor-neutral name (read first by torch, which warns on every rank that the NCCL name is
+#: deprecated): set on torch :data:`FR_SINCE` and later; a user's value of either is kept.
 FR_BUFFER_VAR = "TORCH_FR_BUFFER_SIZE"
+#: The first torch (major, minor) that reads :data:`FR_BUFFER_VAR` (the flight recorder made
+#: vendor neutral: https://github.com/pytorch/pytorch/pull/152563, released in torch 2.8).
+FR_SINCE = (2, 8)
 #: Entries kept per process (torch 2.13's default for its generic recorder).
 DEFAULT_ENTRIES = 2000
 #: The dump APIs asked, in order (each its own recorder; absent ones are skipped).
@@ -71,12 +75,27 @@ WAIT_S = 5.0
 MAX_DUMP_BYTES = 64 << 20
 
 
-def buffer_env(backend: str, env: Mapping[str, str]) -> dict[str, str]:
+def buffer_var(torch_version: str | None) -> str:
+    """The size variable the installed torch expects (its version read from the package's
+    metadata, never by importing it): :data:`FR_BUFFER_VAR` from torch :data:`FR_SINCE`, else
+    (older, or a version that does not parse) :data:`BUFFER_VAR`, which every torch since 2.2
+    reads. Pure."""
+    import re
+
+    m = re.match(r"(\d+)\.(\d+)", torch_version or "")
+    if m and (int(m.group(1)), int(m.group(2))) >= FR_SINCE:
+        return FR_BUFFER_VAR
+    return BUFFER_VAR
+
+
+def buffer_env(backend: str, env: Mapping[str, str],
+               torch_version: str | None = None) -> dict[str, str]:
     """The variable that turns NCCL's recorder on for the workers of a decision on ``backend``:
-    only for NCCL, never over the user's (either name)."""
+    only for NCCL, never over the user's (either name), under the name ``torch_version``
+    expects (:func:`buffer_var`)."""
     if backend != "nccl" or BUFFER_VAR in env or FR_BUFFER_VAR in env:
         return {}
-    return {BUFFER_VAR: str(DEFAULT_ENTRIES)}
+    return {buffer_var(torch_version): str(DEFAULT_ENTRIES)}
 
 
 def fifo_path(run_dir: str | Path, local_rank: int) -> Path:

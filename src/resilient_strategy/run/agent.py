@@ -109,9 +109,13 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
         master_port=master_port, local_addr=config.local_addr)
     agent = agent_cls(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
                       watch=watch, peer=peer, run_dir=run_dir, **shutdown_grace(config))
-    timeouts = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PROCESS_GROUP_TIMEOUT)
+    timeouts = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PROCESS_GROUP_TIMEOUT,
+                              decision.framework)
     # NCCL's flight recorder on (its dump is asked for before a stalled group is stopped)
-    timeouts.update(flight.buffer_env(_backend(decision.chosen), env))
+    from ..machine.versions import detect_frameworks
+
+    torch_version = detect_frameworks()[0].version  # metadata: the name this torch expects
+    timeouts.update(flight.buffer_env(_backend(decision.chosen), env, torch_version))
     os.environ.update(timeouts)  # the workers inherit them; never one the user set
     try:
         result = agent.run()

@@ -79,7 +79,7 @@ from .policy import (
     floor_refusal,
     judge,
 )
-from .verdicts import PeerFault, Verdict, VerdictKind, merge, one_line
+from .verdicts import PeerFault, Verdict, VerdictKind, fault_line, merge, one_line
 
 log = logging.getLogger("resilient_strategy")
 
@@ -146,7 +146,7 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
         if link is not None:  # the nodes never agreed: say what failed, typed, then stop (75)
             evidence.setup(_setup_failure(exc, link, snapshot))
         raise
-    _say(_allowance_words(opts, snapshot))
+    _say(_allowance_words(opts, snapshot, choice.decision.framework))
     resumed: int | None = None
     team = link  # the nodes that relaunch together; None once node 0 goes on without the others
     for attempt in range(0, 10_000):
@@ -186,8 +186,8 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
         phases.mark(marks, phases.VERDICT)
         label = _label(decision)
         if not verdict.ok:  # the fault's line first; its evidence is written below
-            _say(f"attempt {attempt + 1} on {label} failed at step {verdict.step}: "
-                 f"{verdict.line()} [evidence: {evidence.path(attempt)}]")
+            _say(fault_line(attempt, _backend(decision.chosen), verdict,
+                            _shown_path(evidence.path(attempt)), prefix=SAY_PREFIX)[len(SAY_PREFIX):])
         nxt: Choice | None = None
         # a node whose verdict never came gets the heartbeat window to join the relaunch
         silent = (verdict.node,) if (verdict.kind is VerdictKind.LOST
@@ -347,8 +347,9 @@ def _summary(history: Sequence[Attempt], judgement: Judgement) -> str:
             + f". {judgement.reason}. Exit {int(code)} ({code.name})")
 
 
-def _allowance_words(opts: RunOptions, env: Mapping[str, str]) -> str:
-    """The stall allowance in force, and torch's timeouts set from it."""
+def _allowance_words(opts: RunOptions, env: Mapping[str, str], framework: str = "torch") -> str:
+    """The stall allowance in force, and the training's timeouts set from it (torch's
+    heartbeat for a PyTorch job only)."""
     from ..core.options import DEFAULT_PROCESS_GROUP_TIMEOUT
     from .watch import (
         AUTO_STALL_CAP_S,
@@ -364,15 +365,30 @@ def _allowance_words(opts: RunOptions, env: Mapping[str, str]) -> str:
                       f"{WARMUP_STEPS} warm-up steps), at most {AUTO_STALL_CAP_S:g} s")
     if not torch_launcher():
         return f"stall allowance {allowance}"
-    set_ = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PROCESS_GROUP_TIMEOUT)
+    set_ = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PROCESS_GROUP_TIMEOUT, framework)
     torch_words = ", ".join(f"{k}={v}" for k, v in set_.items())
-    kept = [k for k in (PG_TIMEOUT_VAR, HEARTBEAT_VAR) if k not in set_]
-    return (f"stall allowance {allowance}; torch's timeouts above it: {torch_words or 'none set'}"
+    names = (PG_TIMEOUT_VAR, HEARTBEAT_VAR) if framework == "torch" else (PG_TIMEOUT_VAR,)
+    kept = [k for k in names if k not in set_]
+    whose = "torch's timeouts" if framework == "torch" else "the timeouts"
+    return (f"stall allowance {allowance}; {whose} above it: {torch_words or 'none set'}"
             + (f" (yours kept: {', '.join(kept)})" if kept else ""))
 
 
+SAY_PREFIX = "resilient-strategy run: "
+
+
 def _say(text: str) -> None:
-    print(f"resilient-strategy run: {text}", file=sys.stderr, flush=True)
+    print(f"{SAY_PREFIX}{text}", file=sys.stderr, flush=True)
+
+
+def _shown_path(path: Path) -> str:
+    """``path`` as the shorter of its absolute form and its form relative to the working
+    directory (the fault's line has ~200 characters)."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive
+        return str(path)
+    return rel if len(rel) < len(str(path)) else str(path)
 
 
 def _backend(key: str) -> str:
