@@ -45,6 +45,7 @@ from .options import (
     RunOptions,
     default_dir,
 )
+from .probe import PROBE_FAULT_VAR, parse_probe_fault
 from .remedies import ENV_VAR as REMEDIES_VAR
 from .remedies import load_remedies
 from .rules import Rule, load_rules
@@ -398,6 +399,8 @@ def options_from(facts: Facts, env: Mapping[str, str], arguments: Arguments | No
     _named(env, "RESILIENT_STRATEGY_SIGNATURES", lambda: signatures_from_env(env, os.pathsep))
     remedies = _named(env, REMEDIES_VAR,
                       lambda: load_remedies(_env_list(env, REMEDIES_VAR, os.pathsep)))
+    # a rehearsed probe fault: a typo is refused here, never a rehearsal that injects nothing
+    parse_probe_fault(env.get(PROBE_FAULT_VAR, ""))
     # The logical-CPU test mode proves nothing about this machine's GPUs: keep it out of the cache.
     use_cache = cache and env_flag(env, "RESILIENT_STRATEGY_CACHE", True) and not logical_cpus
     cluster = parse_tf_config(env.get(TF_CONFIG_VAR)) if fw == "tensorflow" else None

@@ -28,7 +28,7 @@ from ..core.bounded import parse_json, read_user_file
 from ..core.candidate import Candidate
 from ..core.facts import Facts
 from ..core.probe import ProbeResult
-from ..errors import ResilientStrategyError
+from ..errors import InvalidOptionError, ResilientStrategyError
 from . import phases as _phases
 from .progress import (
     COLLECTIVE,
@@ -384,9 +384,9 @@ class WorkerState:
                 data = read_user_file(Path(path), MAX_DECISION_BYTES)
                 self.loaded[path] = Decision.from_dict(parse_json(data, path, allow_nan=True))
             except (OSError, ValueError, KeyError, TypeError, ResilientStrategyError) as exc:
-                raise ResilientStrategyError(
+                raise InvalidOptionError(
                     f"{DECISION_VAR}={path[:200]!r}: cannot read the decision handed down by "
-                    f"`resilient-strategy run`: {exc}") from None
+                    f"`resilient-strategy run`: {exc}", DECISION_VAR) from None
         return self.loaded[path]
 
     def reporter_for(self, decision: Decision, rank: int, local_rank: int, backend: str,

@@ -85,5 +85,15 @@ def parse_fault(text: str) -> TrainFault | None:
     return TrainFault(parts[0], rank, parts[2], step, launches)
 
 
+def check_rank(fault: TrainFault | None, ranks: int) -> None:
+    """Refuse a fault on a rank the job does not have (``ranks``: the ranks of its widest
+    attempt, 0 to ``ranks - 1``): it would never fire, and the rehearsal would report a clean
+    run. Raises InvalidOptionError (one line)."""
+    if fault is not None and fault.rank >= ranks:
+        have = "rank 0" if ranks == 1 else f"ranks 0-{ranks - 1}"
+        raise InvalidOptionError(f"{FAULT_VAR}: rank {fault.rank} is not a rank of this job "
+                                 f"(it has {have})", FAULT_VAR)
+
+
 def fault_from(env: Mapping[str, str]) -> TrainFault | None:
     return parse_fault(env.get(FAULT_VAR, ""))

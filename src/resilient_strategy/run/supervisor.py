@@ -61,7 +61,7 @@ from ..errors import (
 from ..machine import env as _env
 from ..records import phases
 from ..records.handoff import CHECKPOINT_NOTE, Decision, binding, write_decision
-from ..records.trainfault import FAULT_VAR, TrainFault, parse_fault
+from ..records.trainfault import FAULT_VAR, TrainFault, check_rank, parse_fault
 
 if TYPE_CHECKING:
     from .peers import NodeLink, PeerWatch
@@ -146,6 +146,8 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
         if link is not None:  # the nodes never agreed: say what failed, typed, then stop (75)
             evidence.setup(_setup_failure(exc, link, snapshot))
         raise
+    first = choice.decision
+    check_rank(fault, max(first.processes * first.nodes, _asked_ranks(opts)))
     _say(_allowance_words(opts, snapshot, choice.decision.framework))
     resumed: int | None = None
     team = link  # the nodes that relaunch together; None once node 0 goes on without the others
@@ -381,6 +383,11 @@ def _say(text: str) -> None:
     print(f"{SAY_PREFIX}{text}", file=sys.stderr, flush=True)
 
 
+def _asked_ranks(opts: RunOptions) -> int:
+    """The ranks the command line asks for (``--nproc-per-node`` x nodes; 0 for "auto")."""
+    return opts.nproc * node_count(opts) if opts.nproc else 0
+
+
 def _shown_path(path: Path) -> str:
     """``path`` as the shorter of its absolute form and its form relative to the working
     directory (the fault's line has ~200 characters)."""
@@ -581,6 +588,9 @@ def main(argv: Sequence[str]) -> int:
         opts = options_from_args(argv)
     except ResilientStrategyError as exc:
         _say(str(exc))
+        return int(ExitCode.USAGE)
+    if Path(opts.script).is_dir():
+        _say(f"{opts.script} is a directory, not a script: name the Python file to run")
         return int(ExitCode.USAGE)
     if not Path(opts.script).is_file():
         _say(f"no such script: {opts.script}")

@@ -11,14 +11,16 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
+from ...core.probe import PROBE_FAULT_VAR, PROBE_FAULTS, parse_probe_fault
+from ...errors import InvalidOptionError
 from ...machine.files import write_json_atomic
 
-FAULT_VAR = "RESILIENT_STRATEGY_PROBE_FAULT"
+FAULT_VAR = PROBE_FAULT_VAR
 #: ``hang``: sleep forever before the first collective (communicator ready); ``hang_setup``:
 #: inside communicator setup; ``hang_collective``: inside collective 1; ``exit``: exit 1 without
 #: a report; ``wrong`` / ``nan`` / ``zero``: corrupt the all-reduce (one value off by one, a NaN
 #: in the contribution, a chunk of the result zeroed as a broken peer copy would leave it).
-FAULTS = ("hang", "hang_setup", "hang_collective", "exit", "wrong", "nan", "zero")
+FAULTS = PROBE_FAULTS
 HANGS = ("hang", "hang_setup", "hang_collective")
 #: Causes of a collective that completed with bad values.
 VALUE_CAUSES = ("wrong_result", "nan_result", "zero_result")
@@ -119,20 +121,15 @@ def fault_for(rank: int, env: Mapping[str, str], backend: str = "") -> str:
     remedies work), ``>=N`` makes a data fault corrupt only all-reduces of at least N bytes
     (see :func:`corrupts`).
     """
-    fields = _fields(env)
-    kind, who = fields[0], fields[1] if len(fields) > 1 else ""
-    only = fields[2] if len(fields) > 2 else ""
-    where = fields[3] if len(fields) > 3 else ""
-    if kind not in FAULTS or (only and only != backend) or len(fields) > 4:
+    try:  # the decision refused a malformed one (core/arguments.py); none here means none
+        fault = parse_probe_fault(env.get(FAULT_VAR, ""))
+    except InvalidOptionError:
         return ""
-    if where == "plain" and any(env.get(v) for v in REMEDY_VARS):
+    if fault is None or (fault.backend and fault.backend != backend):
         return ""
-    if where not in ("", "plain") and _min_bytes(where) is None:
+    if fault.where == "plain" and any(env.get(v) for v in REMEDY_VARS):
         return ""
-    try:
-        return kind if int(who) == rank else ""
-    except ValueError:
-        return ""
+    return fault.kind if fault.rank == rank else ""
 
 
 def _min_bytes(where: str) -> int | None:
