@@ -11,7 +11,7 @@ cache   what the decision cache holds per machine fingerprint (``cache show [--j
         removing it (``cache clear`` this machine's, ``--fingerprint F`` or ``--all``).
 run     run a training script under the supervisor (torchrun's options; ``run --help``): decide
         once, launch the workers the decision needs, relaunch on the next candidate when a
-        collective fails or stalls mid-run (see :mod:`resilient_strategy.run.supervisor`).
+        collective fails or stalls mid-run (see `resilient_strategy.run.supervisor`).
 
 --simulate FILE plans for a described machine instead (what-if before renting one): a JSON
 object with "machine" (keyword arguments of resilient_strategy.testing.simulation.machine, "links" written as

@@ -1,9 +1,9 @@
 """The causes a failed probe or training rank can have, with the words a user can act on.
 
 A cause is a short key (``"shared_memory"``, ``"nvls_multicast"``): the probe parser
-(:mod:`.probe`) and the supervisor's classifier place what a failure printed on one through the
-signature table (:mod:`.signatures`, ``signatures.toml``), and the remedy table
-(:mod:`.remedies`, ``remedies.toml``) maps each cause to the environment changes worth a probe.
+(`probe`) and the supervisor's classifier place what a failure printed on one through the
+signature table (`signatures`, ``signatures.toml``), and the remedy table
+(`remedies`, ``remedies.toml``) maps each cause to the environment changes worth a probe.
 Pure data: no I/O.
 """
 

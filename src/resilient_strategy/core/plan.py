@@ -6,7 +6,7 @@ reading one plan; each step's tables live in their own modules (rules, remedies,
 estimate).
 
 Pure: takes data, returns data. It never imports os, subprocess, pynvml or a framework (a test
-checks this). The executor calls :func:`plan` in a loop: probe ``plan.next_probe``, add its
+checks this). The executor calls `plan` in a loop: probe ``plan.next_probe``, add its
 result, plan again, until a candidate is chosen. Each round adds a result for a new candidate,
 and the set of candidates is finite, so the loop ends.
 """
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Candidate", "Estimate", "Plan", "Ranked", "RuledOut", "estimate", "plan", "split_batch"]
 
-#: Cause -> remedies is data (``remedies.toml``, :mod:`.remedies`, ``Options.remedies``); a hang
+#: Cause -> remedies is data (``remedies.toml``, `remedies`, ``Options.remedies``); a hang
 #: judged in communicator set-up is its own cause there (``setup_hang``), in words:
 _SETUP_HANG_WORDS = "a hang in communicator set-up"
 #: A remedy that fails with another cause gets that cause's first remedy on top, while the
@@ -85,7 +85,7 @@ class Plan:
     chosen: Candidate | None = None
     next_probe: Candidate | None = None
     #: The replicas of the widest way to train this job: a one-device fallback keeps its
-    #: per-device batch and accumulates up to this many steps (handed to :func:`plan`).
+    #: per-device batch and accumulates up to this many steps (handed to `plan`).
     reference_replicas: int = 1
 
     @property
@@ -297,12 +297,12 @@ def _multi_worker_chain(
 ) -> tuple[list[Candidate], int]:
     """TensorFlow across the workers of a TF_CONFIG cluster: MultiWorkerMirroredStrategy with
     NCCL (GPU workers of a CUDA build), then with RING (TensorFlow's ring all-reduce over gRPC,
-    CPU or GPU), then with AUTO (TensorFlow's pick, after RING: :func:`_multi_worker_order`),
+    CPU or GPU), then with AUTO (TensorFlow's pick, after RING: `_multi_worker_order`),
     each with every worker's local devices as replicas. Then worker 0 alone (the other workers
     exit): with 2+ local GPUs, MirroredStrategy over all of them (the local chain: NCCL,
     HierarchicalCopy, ReductionToOneDevice; the global batch kept by a larger per-replica batch,
     as Keras cannot accumulate under it), then on one device accumulating as many steps as the
-    job has replicas. :func:`_multi_worker_order` places worker 0's MirroredStrategy between.
+    job has replicas. `_multi_worker_order` places worker 0's MirroredStrategy between.
     """
     workers = policy.tf_workers
     local = gpus if has_cuda else ()

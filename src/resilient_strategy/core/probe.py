@@ -1,9 +1,9 @@
 """Probe specs and results as data, and the pure parser from a finished worker to a result.
 
-Nothing here starts a process: :mod:`resilient_strategy.probing.proc` runs workers and
-:mod:`resilient_strategy.probing.prober` ties the two together. Workers (``probes/``) write one JSON
-object per rank; :func:`parse_probe` turns exit codes, signals, those JSON texts and stderr into a
-:class:`ProbeResult`, and is tested from strings.
+Nothing here starts a process: `resilient_strategy.probing.proc` runs workers and
+`resilient_strategy.probing.prober` ties the two together. Workers (``probes/``) write one JSON
+object per rank; `parse_probe` turns exit codes, signals, those JSON texts and stderr into a
+`ProbeResult`, and is tested from strings.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from .signatures import Signatures, builtin_signatures
 
 
 class Stall(Protocol):
-    """What :class:`resilient_strategy.records.progress.Stall` offers here (the planner imports this
+    """What `resilient_strategy.records.progress.Stall` offers here (the planner imports this
     module, and must not reach ``progress``, which uses ``os``)."""
 
     @property
@@ -73,7 +73,7 @@ class ProbeSpec:
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """The outcome of one probe. ``cause`` is a key of :data:`CAUSES` (``""`` when ok)."""
+    """The outcome of one probe. ``cause`` is a key of `CAUSES` (``""`` when ok)."""
 
     candidate: str
     status: str  # OK / ERROR / TIMEOUT
@@ -114,8 +114,8 @@ class ProbeResult:
     def from_dict(cls, d: Mapping[str, Any]) -> ProbeResult:
         """Build a result from plain data (JSON), checking every field.
 
-        Unknown keys are ignored (a newer writer may add some). Raises :class:`ValueError` for
-        anything else that is not what :meth:`to_dict` writes: a missing candidate or status, an
+        Unknown keys are ignored (a newer writer may add some). Raises `ValueError` for
+        anything else that is not what `to_dict` writes: a missing candidate or status, an
         unknown status or cause, a wrong type, a negative or non-finite number.
         """
         if not isinstance(d, Mapping):
@@ -443,7 +443,7 @@ _PROBE_FAULT_FORM = "<kind>:<rank>[:<backend>[:plain|>=BYTES]]"
 
 @dataclass(frozen=True)
 class ProbeFault:
-    """A parsed ``RESILIENT_STRATEGY_PROBE_FAULT``: ``kind`` (one of :data:`PROBE_FAULTS`) on
+    """A parsed ``RESILIENT_STRATEGY_PROBE_FAULT``: ``kind`` (one of `PROBE_FAULTS`) on
     ``rank``, for probes of ``backend`` only (""; every probe), narrowed by ``where``: "plain"
     (only a worker that sets no remedy variable) or ``min_bytes`` (a data fault corrupts only
     all-reduces of at least that many bytes)."""

@@ -3,8 +3,8 @@
 Longer than ~450 lines on purpose: one frozen class per event kind, each with its ``text()``;
 kept together so that the trace's vocabulary is one file.
 
-The planner and the executor emit events; :func:`render` turns them into the lines of
-``explain()``, and :meth:`Event.to_dict` into the ``events`` of ``to_dict()``/``--json``. Tests
+The planner and the executor emit events; `render` turns them into the lines of
+``explain()``, and `Event.to_dict` into the ``events`` of ``to_dict()``/``--json``. Tests
 assert on events (their kind and fields), never on the English of a rendered line.
 
 Every event is a frozen value. ``text()`` is one line, or "" for an event that another line
@@ -470,7 +470,7 @@ CHOSEN_HOW = ("probe_passed", "no_collective", "dry_run", "multi_node", "probing
 
 @dataclass(frozen=True)
 class Chosen(Event):
-    """The choice. ``how`` is one of :data:`CHOSEN_HOW`; ``result`` the probe that proved it."""
+    """The choice. ``how`` is one of `CHOSEN_HOW`; ``result`` the probe that proved it."""
 
     kind: ClassVar[str] = "chosen"
     candidate: Candidate

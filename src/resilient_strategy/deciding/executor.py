@@ -170,8 +170,8 @@ def resilient_strategy(
             known one.
 
     Returns:
-        The [Selection][resilient_strategy.Selection]: what was chosen, why
-            ([explain][resilient_strategy.Selection.explain]), and the handle to train with it.
+        The [Selection][resilient_strategy.selection.Selection]: what was chosen, why
+            ([explain][resilient_strategy.selection.Selection.explain]), and the handle to train with it.
 
     Raises:
         TypeError: an unknown keyword argument (the message names the closest known one).
@@ -183,7 +183,7 @@ def resilient_strategy(
         ModelDoesNotFitError: the model's state fits no candidate's memory.
         ResilientStrategyError: the base of every error above but `TypeError`, and of the
             others this call can raise (a GPU already initialized, a multi-node agreement that
-            failed); see [Errors](reference/errors.md).
+            failed); every one is listed in the Errors reference.
     """
     # Every option, as passed: options_from validates them (a new option is a parameter here
     # and there, nothing in between). Taken first, while the parameters are the only locals.

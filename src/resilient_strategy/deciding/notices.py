@@ -1,8 +1,8 @@
 """What a user sees while and after deciding: the progress line per probe, the fallback warning,
 and the check of a probe timeout against the start-up a probe needs on this machine.
 
-Pure where it can be: :func:`fallback_warning` and :func:`startup_floor` take data and return
-text or numbers; :class:`ProgressLine` writes to a stream it is given.
+Pure where it can be: `fallback_warning` and `startup_floor` take data and return
+text or numbers; `ProgressLine` writes to a stream it is given.
 """
 
 from __future__ import annotations

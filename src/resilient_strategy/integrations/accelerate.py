@@ -17,12 +17,12 @@ the training timeout; when the selection shards (``sel.sharded``), ``fsdp_plugin
 ``shard_modules`` wrapped one by one when given: ``accelerator_kwargs(sel, shard_modules=[Block])``).
 It works under ``accelerate launch`` as under ``torchrun`` (both set the
 same variables). Under a launcher, a rank the choice leaves idle (a one-device fallback) exits
-cleanly (status 0) here; on the rank that trains alone, :func:`make_accelerator` hides the
+cleanly (status 0) here; on the rank that trains alone, `make_accelerator` hides the
 launcher's variables while Accelerate sets up, or it would wait for the ranks that left (with
-:func:`accelerator_kwargs` alone, do that yourself). Accelerate is imported only when called.
+`accelerator_kwargs` alone, do that yourself). Accelerate is imported only when called.
 
-Under ``resilient-strategy run``, :func:`make_accelerator` also has the accelerator report each
-optimizer step to the supervisor (:func:`report_progress`; with ``Accelerator(**accelerator_kwargs(
+Under ``resilient-strategy run``, `make_accelerator` also has the accelerator report each
+optimizer step to the supervisor (`report_progress`; with ``Accelerator(**accelerator_kwargs(
 sel))``, call ``report_progress(accelerator, sel)`` yourself, before ``prepare``): the backward of
 a step's last micro-step (``accelerator.sync_gradients``) is collective ``k``, a step is counted
 when the prepared optimizer really steps, ``save_state`` records the count in its directory and
@@ -64,7 +64,7 @@ def accelerator_kwargs(sel: Selection, *, shard_modules: Any = None,
     """Keyword arguments for ``accelerate.Accelerator`` that train on what ``sel`` chose
     (``shard_modules``: the module classes FSDP2 shards one by one, when it shards).
     ``announce``: print the decision's one line
-    ([Selection.summary][resilient_strategy.Selection.summary]) on the main process, as the
+    ([Selection.summary][resilient_strategy.selection.Selection.summary]) on the main process, as the
     plain PyTorch quick start does."""
     require_torch_selection(sel, "Accelerate")
     if announce:

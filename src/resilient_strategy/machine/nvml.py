@@ -1,4 +1,4 @@
-"""The only module that talks to NVML (pynvml, imported inside :func:`read_nvml`).
+"""The only module that talks to NVML (pynvml, imported inside `read_nvml`).
 
 Never raises: a missing driver, a missing pynvml or any NVML error becomes ``NvmlSnapshot.error``;
 a failing call for one GPU or pair degrades that value to "unknown" and adds a note.
@@ -64,9 +64,9 @@ def nvidia_present(dev: str = "/dev", proc: str = "/proc/driver/nvidia") -> bool
 def read_nvml(nvml: Any = None, *, present: Callable[[], bool] | None = None) -> NvmlSnapshot:
     """Read GPUs, pairs and driver versions. ``nvml``: a pynvml-like module (default: pynvml).
 
-    ``present``: whether the machine has an NVIDIA device (default :func:`nvidia_present` when
+    ``present``: whether the machine has an NVIDIA device (default `nvidia_present` when
     ``nvml`` is pynvml itself, not asked for a given module). Where it has none, a missing
-    pynvml or driver library is said as :data:`NO_NVIDIA_DEVICE`, with no advice to install."""
+    pynvml or driver library is said as `NO_NVIDIA_DEVICE`, with no advice to install."""
     if present is None and nvml is None:
         present = nvidia_present
     if nvml is None:

@@ -9,7 +9,7 @@ its last micro-step). With ``<launches>`` it fires only in the first that many l
 of the run (``exit:0:cpu:20:1``: a transient exit, gone after the retry); without, in every
 one. Like probe faults, a rehearsed failure never reaches the decision cache.
 
-The text is validated whole (kind, rank, a backend of :data:`resilient_strategy.vocab.BACKENDS`,
+The text is validated whole (kind, rank, a backend of `resilient_strategy.vocab.BACKENDS`,
 step, launches): a typo is a one-line error, never a rehearsal that silently never fires.
 """
 

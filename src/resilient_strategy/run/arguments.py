@@ -1,5 +1,5 @@
 """``resilient-strategy run``'s command line: torchrun's own parser and options, ours added, into
-one :class:`RunOptions`; the framework a script uses, guessed from its text.
+one `RunOptions`; the framework a script uses, guessed from its text.
 
 Without torch (a TensorFlow-only install) the parser is our own: the script, its arguments,
 ``--nproc-per-node`` and our options, the same names and defaults; torchrun's node options
@@ -54,7 +54,7 @@ _DESCRIPTION = ("Run a training script on the strategy that works here and keep 
 
 def parser(with_torch: bool | None = None) -> argparse.ArgumentParser:
     """torchrun's parser plus ours where torch is installed (``with_torch`` None: when
-    :func:`torch_launcher`), else :func:`own_parser`."""
+    `torch_launcher`), else `own_parser`."""
     if not (torch_launcher() if with_torch is None else with_torch):
         return own_parser()
     from torch.distributed.run import get_args_parser

@@ -2,16 +2,16 @@
 relaunch on the next candidate when the backend fails mid-run.
 
 Built on torch's elastic agent (the engine under ``torchrun``): torchrun's own argument parser
-and ``config_from_args`` read the node options; a :class:`LocalElasticAgent` subclass starts,
+and ``config_from_args`` read the node options; a `LocalElasticAgent` subclass starts,
 monitors and stops the workers, and adds one check to its monitoring loop: the progress watcher
-(:class:`TrainingWatch`, on the shared :mod:`resilient_strategy.records.progress` protocol). A stall marks the group UNHEALTHY with no
+(`TrainingWatch`, on the shared `resilient_strategy.records.progress` protocol). A stall marks the group UNHEALTHY with no
 restart left, which is how the agent itself retires a wedged group; the agent then stops every
 worker (SIGTERM, its shutdown timeout, SIGKILL). torchrun's restarts of the same configuration
 are off: a relaunch here is on another candidate.
 
-After each attempt :func:`classify_attempt` (pure) reads the stall, the workers' exits, their
-error records and their last progress into a typed :class:`~.verdicts.Verdict`, and
-:func:`~.policy.judge` (pure) says what follows:
+After each attempt `classify_attempt` (pure) reads the stall, the workers' exits, their
+error records and their last progress into a typed `Verdict`, and
+`judge` (pure) says what follows:
 
 - a first stall, exit or lost node on a strategy is retried once there, from the last
   checkpoint; a repeat (the retry fails the same way before getting past that step), or a
@@ -21,14 +21,14 @@ error records and their last progress into a typed :class:`~.verdicts.Verdict`, 
   the throughput floor (``--min-throughput``, ``--allow-cpu``);
 - diverged ranks, an exception in user code, an out-of-memory: reported, not relaunched;
 - each fault gets one line here, and its per-rank tracebacks and stacks go to the evidence file
-  (:mod:`.evidence`); the run ends with a summary line and an exit code (:mod:`.exitcodes`).
+  (`evidence`); the run ends with a summary line and an exit code (`exitcodes`).
 
 TensorFlow scripts run as one supervised process (one process drives every GPU there); without
-torch, :mod:`.solo` runs it and :func:`~.arguments.own_parser` reads the command line.
+torch, `solo` runs it and `own_parser` reads the command line.
 
 With ``--nnodes N`` (torch) the nodes' supervisors agree on each attempt's decision through a
 store at the rendezvous endpoint before any worker starts, watch it for each other's fault
-records while the workers run, and relaunch together (:mod:`resilient_strategy.run.peers`). A
+records while the workers run, and relaunch together (`resilient_strategy.run.peers`). A
 node that does not join a relaunch is dropped: node 0 goes on alone (action ``fewer_nodes``); a
 node cut off from the store for the heartbeat window stops by itself with 75 (``cut_off``).
 """
@@ -100,7 +100,7 @@ class Choice:
 def supervise(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
     """Run the script to the end: retry a transient fault once on the same strategy, step down
     to the next candidate on a repeat or a backend's signature, stop at the throughput floor.
-    Returns the exit status for the command line (:class:`~.exitcodes.ExitCode`)."""
+    Returns the exit status for the command line (`ExitCode`)."""
     snapshot = _env.snapshot(env)
     session: Path | None = None
     try:
@@ -480,7 +480,7 @@ def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
             silent: tuple[int, ...] = ()) -> Choice:
     """Plan (probing as needed, the cache first), without the candidates that failed mid-run.
     With several nodes, the nodes agree through the rendezvous endpoint's store
-    (:mod:`.peers`). A fallback is announced as the script would announce it."""
+    (`peers`). A fallback is announced as the script would announce it."""
     import functools
 
     from ..core.estimate import estimate
@@ -546,7 +546,7 @@ def _memory_planning(opts: RunOptions, framework: str, facts: Any) -> dict[str, 
 
 
 def _node_trace(events: Sequence[Any]) -> tuple[str, ...]:
-    """The lines :func:`~resilient_strategy.nodes.manynodes.agreed_decision` added to the trace (the
+    """The lines `agreed_decision` added to the trace (the
     trailing ``multi_node`` notes), for the workers' explain()."""
     from ..core.trace import Note
 

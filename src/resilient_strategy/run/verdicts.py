@@ -1,11 +1,11 @@
 """What happened to one attempt, judged from its exits, error records and last progress (pure):
-:func:`classify_attempt` turns a stall and the ranks' exits into a :class:`Verdict`, whose typed
-:class:`VerdictKind` the relaunch policy (:mod:`resilient_strategy.run.policy`) acts on.
+`classify_attempt` turns a stall and the ranks' exits into a `Verdict`, whose typed
+`VerdictKind` the relaunch policy (`resilient_strategy.run.policy`) acts on.
 
-Only a communication-error signature pins a fault on the backend (:attr:`VerdictKind.BACKEND`);
+Only a communication-error signature pins a fault on the backend (`VerdictKind.BACKEND`);
 a stall, a rank that exited without one, or a node that vanished may be transient
-(:attr:`Verdict.transient`); diverged ranks, an exception in the user's code and an
-out-of-memory are the script's (:attr:`Verdict.users`).
+(`Verdict.transient`); diverged ranks, an exception in the user's code and an
+out-of-memory are the script's (`Verdict.users`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ _COMM_TEXT = re.compile(
     r"Broken pipe|unhandled system error")
 _OOM_TEXT = re.compile(r"out of memory|OOM when allocating", re.IGNORECASE)
 #: A communication-error signature in what a dying rank printed last (stricter than
-#: :data:`_COMM_TEXT`: a rank's output names its backend in ordinary lines too, e.g. its explain()).
+#: `_COMM_TEXT`: a rank's output names its backend in ordinary lines too, e.g. its explain()).
 _TAIL_SIGNATURE = re.compile(
     r"NCCL (error|WARN)|nccl\w*Error|ProcessGroupNCCL|Watchdog caught collective|"
     r"collective operation timeout|Connection (closed|reset) by peer|gloo/transport|CUDA error|"
@@ -169,7 +169,7 @@ class Verdict:
     where: str = ""
     #: What torch's flight recorder said before a stalled group was stopped (None: not asked).
     flight: FlightFacts | None = None
-    #: The cause in a few words for the fault's one line (:func:`fault_line`): the first
+    #: The cause in a few words for the fault's one line (`fault_line`): the first
     #: failed rank's error without its type and noise, or how long a stall waited ("": the
     #: line falls back to the summary).
     detail: str = ""
@@ -224,7 +224,7 @@ class Verdict:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Verdict:
-        """Raises ValueError for a record that is not what :meth:`to_dict` writes."""
+        """Raises ValueError for a record that is not what `to_dict` writes."""
         try:
             node = d.get("node")
             return cls(kind=VerdictKind.parse(str(d["kind"])), summary=str(d.get("summary", "")),
@@ -241,7 +241,7 @@ class Verdict:
 @dataclass(frozen=True)
 class PeerFault:
     """A node's verdict on an attempt, as the nodes' supervisors exchange it through the store
-    (:func:`resilient_strategy.nodes.store.record_fault`)."""
+    (`resilient_strategy.nodes.store.record_fault`)."""
 
     node: int
     candidate: str
@@ -252,7 +252,7 @@ class PeerFault:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> PeerFault:
-        """Raises ValueError for a record that is not what :meth:`to_dict` writes."""
+        """Raises ValueError for a record that is not what `to_dict` writes."""
         verdict = Verdict.from_dict(d)
         if verdict.node is None:
             raise ValueError("a peer's fault record names no node")
@@ -293,11 +293,11 @@ def classify_attempt(stall: Stall | None, exits: Sequence[RankExit],
     Pure.
 
     A stall inside communicator setup or one collective (every rank entered it, some never
-    left) is a :attr:`~VerdictKind.STALL`; ranks that never arrived where the others wait
+    left) is a `STALL`; ranks that never arrived where the others wait
     ("straggler") diverged: the application's problem. The attempt finished
-    (:attr:`~VerdictKind.OK`) only when every rank exited 0 and every rank that reported
+    (`OK`) only when every rank exited 0 and every rank that reported
     progress wrote "finished" after its last step; a rank that exited 0 without it stopped
-    early (an :attr:`~VerdictKind.EXIT`, never a success)."""
+    early (an `EXIT`, never a success)."""
     if stall is not None:
         waited = f"waited {stall.waited_s:.0f} s (allowed {stall.limit_s:.0f} s)"
         if stall.kind in ("collective", "setup"):
@@ -394,7 +394,7 @@ _NOISE = re.compile(r"GLHF!?|\[[^\]\s]*\.(?:cc|cpp|h|hpp|cu):\d+\]|[^\x20-\x7e]"
 
 
 def quiet(text: str) -> str:
-    """``text`` without :data:`_NOISE`, on one line, with a clause said again right after
+    """``text`` without `_NOISE`, on one line, with a clause said again right after
     itself (each rank repeating the same error) said once. Pure."""
     clauses = [" ".join(c.split()) for c in _NOISE.sub(" ", text).split(";")]
     out: list[str] = []
@@ -419,7 +419,7 @@ def describe_exits(exits: Sequence[RankExit]) -> str:
     return "; ".join(parts)
 
 
-#: The most characters of a fault's line (:func:`fault_line`), its prefix included.
+#: The most characters of a fault's line (`fault_line`), its prefix included.
 FAULT_CHARS = 200
 #: Each verdict kind in the words of a fault's line.
 KIND_WORDS = {
@@ -434,7 +434,7 @@ _PEER_ADDRESS = re.compile(r"\s*\[[0-9a-fA-F.:]+\]:\d+")
 
 
 def error_words(what: str) -> str:
-    """A rank's error in a few words: :func:`quiet`, without the exception's type (unless that
+    """A rank's error in a few words: `quiet`, without the exception's type (unless that
     is all there is) or the peer's address, up to the end of its first sentence. Pure."""
     text = _PEER_ADDRESS.sub("", quiet(what))
     bare = _ERROR_TYPE.sub("", text, count=1)

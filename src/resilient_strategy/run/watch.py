@@ -1,5 +1,5 @@
-"""Watching training ranks: the stall policy for training (:func:`training_policy`, the default
-allowance from observed step times) and :class:`TrainingWatch`, the check the agent adds to its
+"""Watching training ranks: the stall policy for training (`training_policy`, the default
+allowance from observed step times) and `TrainingWatch`, the check the agent adds to its
 monitoring loop.
 """
 
@@ -78,8 +78,8 @@ def training_policy(timeout_s: float) -> StallPolicy:
 
 
 class TrainingWatch:
-    """The supervisor's judge: the shared :class:`~resilient_strategy.records.progress.StallWatcher`
-    with :func:`training_policy`, its timeout fixed (``--stall-timeout``) or following the median
+    """The supervisor's judge: the shared `StallWatcher`
+    with `training_policy`, its timeout fixed (``--stall-timeout``) or following the median
     step time seen in rank 0's records. One place owns this deadline."""
 
     def __init__(self, paths: Sequence[str], timeout_s: float | None,

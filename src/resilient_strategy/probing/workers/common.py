@@ -41,7 +41,7 @@ STEP_ALLOW_S = 20.0  # DDP construction and first step (bucket building; slow on
 
 
 def check_sizes(extra: str) -> list[int]:
-    """The sizes to check: :data:`CHECK_BYTES` plus the valid ones in ``extra``, sorted."""
+    """The sizes to check: `CHECK_BYTES` plus the valid ones in ``extra``, sorted."""
     sizes = set(CHECK_BYTES)
     for part in extra.split(","):
         if part.strip().isdigit() and 4 <= int(part) <= MAX_CHECK_BYTES:
@@ -113,13 +113,13 @@ def _fields(env: Mapping[str, str]) -> list[str]:
 
 
 def fault_for(rank: int, env: Mapping[str, str], backend: str = "") -> str:
-    """The fault ``env`` injects into ``rank`` (one of :data:`FAULTS`), or "".
+    """The fault ``env`` injects into ``rank`` (one of `FAULTS`), or "".
 
     ``kind:rank`` hits every probe; ``kind:rank:backend`` only probes of that backend (e.g.
     ``hang:1:nccl``: NCCL hangs, gloo works); a fourth field narrows it further: ``plain`` hits
-    only a worker whose environment sets none of :data:`REMEDY_VARS` (plain NCCL hangs, its
+    only a worker whose environment sets none of `REMEDY_VARS` (plain NCCL hangs, its
     remedies work), ``>=N`` makes a data fault corrupt only all-reduces of at least N bytes
-    (see :func:`corrupts`).
+    (see `corrupts`).
     """
     try:  # the decision refused a malformed one (core/arguments.py); none here means none
         fault = parse_probe_fault(env.get(FAULT_VAR, ""))
@@ -141,7 +141,7 @@ DATA_FAULTS = ("wrong", "nan", "zero")
 
 
 def corrupts(kind: str, env: Mapping[str, str], nbytes: int) -> bool:
-    """Whether data fault ``kind`` (from :func:`fault_for`: wrong, nan, zero) corrupts an all-reduce of ``nbytes``:
+    """Whether data fault ``kind`` (from `fault_for`: wrong, nan, zero) corrupts an all-reduce of ``nbytes``:
     always, unless the fault's fourth field is ``>=N`` and ``nbytes`` is below N."""
     if kind not in DATA_FAULTS:
         return False
