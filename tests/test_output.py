@@ -161,3 +161,42 @@ def test_the_verdict_detail_crosses_the_record() -> None:
     verdict = v.classify_attempt(None, _gloo_exits((0,)), [])
     assert verdict.detail
     assert v.Verdict.from_dict(json.loads(json.dumps(verdict.to_dict()))).detail == verdict.detail
+
+
+# ----- on GPUs: the flight recorder's variable is the one the installed torch reads ---------
+WORKER_ENV = '''import json, os, resilient_strategy
+sel = resilient_strategy.resilient_strategy(framework="torch", global_batch_size=64)
+if sel.is_main_process:
+    print("ENV " + json.dumps({"backend": sel.backend, **{k: os.environ.get(k) for k in (
+        "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")}}), flush=True)
+'''
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_run_sets_the_recorder_variable_this_torch_reads(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from resilient_strategy.machine.versions import detect_frameworks
+    from resilient_strategy.records import flight
+
+    if os.environ.get("RS_GPU_TESTS") != "1":
+        pytest.skip("set RS_GPU_TESTS=1 on a machine with 2 CUDA GPUs")
+    script = tmp_path / "env_worker.py"
+    script.write_text(WORKER_ENV)
+    env = {k: v for k, v in os.environ.items()
+           if k not in (flight.BUFFER_VAR, flight.FR_BUFFER_VAR)}
+    env["RESILIENT_STRATEGY_CACHE_DIR"] = str(tmp_path / "cache")
+    out = subprocess.run([sys.executable, "-m", "resilient_strategy", "run", "--nproc-per-node",
+                          "2", "--evidence-dir", str(tmp_path / "ev"), str(script)],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(next(ln[4:] for ln in out.stdout.splitlines() if ln.startswith("ENV ")))
+    if seen["backend"] != "nccl":
+        pytest.skip(f"NCCL was not chosen here ({seen['backend']})")
+    wanted = flight.buffer_var(detect_frameworks()[0].version)
+    other = ({flight.BUFFER_VAR, flight.FR_BUFFER_VAR} - {wanted}).pop()
+    assert seen[wanted] == str(flight.DEFAULT_ENTRIES) and seen[other] is None
+    assert other not in out.stderr  # torch's deprecation warning names the other one
