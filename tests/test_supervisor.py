@@ -202,6 +202,8 @@ def test_torchs_timeouts_follow_the_stall_allowance_never_the_users() -> None:
     assert torch_timeouts(3.0, {}, 300.0) == {"RESILIENT_STRATEGY_PG_TIMEOUT": "300",
                                               "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "360"}
     assert torch_timeouts(600.0, {}, 300.0)["RESILIENT_STRATEGY_PG_TIMEOUT"] == "1200"
+    # a Keras job under run: our process-group timeout only, never torch's heartbeat variable
+    assert set(torch_timeouts(3.0, {}, 300.0, "tensorflow")) == {"RESILIENT_STRATEGY_PG_TIMEOUT"}
     auto = float(torch_timeouts(None, {}, 300.0)["RESILIENT_STRATEGY_PG_TIMEOUT"])
     assert auto > AUTO_STALL_CAP_S
     assert torch_timeouts(None, {"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "30",

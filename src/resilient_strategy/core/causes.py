@@ -1,9 +1,9 @@
 """The causes a failed probe or training rank can have, with the words a user can act on.
 
 A cause is a short key (``"shared_memory"``, ``"nvls_multicast"``): the probe parser
-(:mod:`.probe`) and the supervisor's classifier place what a failure printed on one through the
-signature table (:mod:`.signatures`, ``signatures.toml``), and the remedy table
-(:mod:`.remedies`, ``remedies.toml``) maps each cause to the environment changes worth a probe.
+(`probe`) and the supervisor's classifier place what a failure printed on one through the
+signature table (`signatures`, ``signatures.toml``), and the remedy table
+(`remedies`, ``remedies.toml``) maps each cause to the environment changes worth a probe.
 Pure data: no I/O.
 """
 
@@ -67,6 +67,10 @@ CAUSES: dict[str, str] = {
     "system is too old'): no GPU of this process can run; update the driver to one for the "
     "build's CUDA, or install a build for the CUDA your driver supports (nvidia-smi's header "
     "names it); no NCCL variable helps",
+    "gloo_interface": "GLOO_SOCKET_IFNAME names a network interface this machine does not "
+    "have (or one without an address; it takes one interface name, not an IP address or NCCL's "
+    "'^lo,docker' list): set it to the interface that reaches MASTER_ADDR (ip -br addr), or "
+    "unset it",
     "cuda_init": "the CUDA runtime could not initialise although the driver lists GPUs (error "
     "802 'system not yet initialized': on NVSwitch systems nvidia-fabricmanager is not running "
     "or not finished; error 3 / 100: no usable device in this process); fix the host, no NCCL "

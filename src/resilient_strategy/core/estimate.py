@@ -1,7 +1,7 @@
 """The cost model: seconds per global batch of a candidate on these facts.
 
 Typical bus bandwidths and device FLOP/s stand in where nothing was measured; a probe's measured
-bandwidth replaces the typical figure. The planner orders candidates by :func:`estimate`.
+bandwidth replaces the typical figure. The planner orders candidates by `estimate`.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ ASSUMED_GLOBAL_BATCH = 256
 
 def offload_seconds(c: Candidate, policy: Options, nodes: int = 1) -> tuple[float, float]:
     """What CPU offload adds per optimizer step of ``c`` (0 when it does not offload): (host
-    copies, optimizer step on the CPU), in seconds (see :data:`TYPICAL_HOST_LINK_GBPS`)."""
+    copies, optimizer step on the CPU), in seconds (see `TYPICAL_HOST_LINK_GBPS`)."""
     if not c.offload:
         return 0.0, 0.0
     grad = policy.gradient_bytes or ASSUMED_GRADIENT_BYTES

@@ -1,10 +1,10 @@
 """Options: every knob of a decision, as one frozen value, validated once.
 
-:class:`Options` (a decision) and :class:`RunOptions` (``resilient-strategy run``) check every
+`Options` (a decision) and `RunOptions` (``resilient-strategy run``) check every
 field's type and range in ``__post_init__``; each error names the argument or the environment
-variable the bad value came from. :mod:`.arguments` reads the arguments of
+variable the bad value came from. `arguments` reads the arguments of
 ``resilient_strategy()`` and the environment into them. Adding an option touches this module,
-:mod:`.arguments`, the ``resilient_strategy()`` signature and the options reference page.
+`arguments`, the ``resilient_strategy()`` signature and the options reference page.
 """
 
 from __future__ import annotations
@@ -71,23 +71,30 @@ class Launch:
     """Where this process sits in a launcher's job (torchrun); (0, 0, 1) for plain python."""
 
     rank: int = 0
+    """This process's rank in the job (the launcher's `RANK`; 0 for plain python)."""
     local_rank: int = 0
+    """This process's rank on its node (the launcher's `LOCAL_RANK`; 0 for plain python)."""
     world_size: int = 1
-    local_world_size: int | None = None  # None: every process is on this node
+    """The processes the launcher started, on every node (`WORLD_SIZE`; 1 for plain python)."""
+    local_world_size: int | None = None
+    """The processes on this node (`LOCAL_WORLD_SIZE`); None where the launcher does not say,
+    which is read as every process being on this node."""
 
     @property
     def launched(self) -> bool:
+        """Whether a launcher started several processes (`world_size` above 1)."""
         return self.world_size > 1
 
     @property
     def multi_node(self) -> bool:
+        """Whether the job spans nodes: fewer processes on this node than in the job."""
         return self.local_world_size is not None and self.local_world_size < self.world_size
 
 
 @dataclass(frozen=True)
 class Options:
     """Every knob of one decision, validated once (in ``__post_init__``). Built by
-    :func:`options_from`; the planner reads it as its policy.
+    `options_from`; the planner reads it as its policy.
 
     ``rank``, ``local_rank``, ``world_size`` and ``local_world_size`` are where this process
     sits in a launcher's job (torchrun), whatever the framework (``launch`` gives them as one

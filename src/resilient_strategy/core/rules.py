@@ -2,14 +2,14 @@
 
 A rule (see ``known_issues.toml``) has an ``id``, a list of ``when`` clauses that must all hold,
 an ``effect`` and a ``source``. Clauses read ``<fact> <op> <value>`` over the names that
-:func:`fact_values` computes, e.g. ``"tensorflow.version < 2.20"`` or ``"gpus.names matches RTX 50"``;
+`fact_values` computes, e.g. ``"tensorflow.version < 2.20"`` or ``"gpus.names matches RTX 50"``;
 a bare ``"host.wsl2"`` means true, ``"not host.wsl2"`` false. A fact name that is not in
-:data:`FACT_NAMES` (or ``env.<VARIABLE>``) is an error when the rule is loaded; a known fact whose
+`FACT_NAMES` (or ``env.<VARIABLE>``) is an error when the rule is loaded; a known fact whose
 value is unknown on this machine (torch not installed, /dev/shm unreadable) makes the clause false.
 
 Effects: ``veto`` (rule a backend out), ``prefer`` (try a backend first), ``remedy`` (add an NCCL
 variant with ``env``; ``first = true`` tries it before plain NCCL), ``set_env`` (set ``env`` on
-every NCCL candidate), ``warn`` (a warning in the trace). Pure: no I/O except :func:`load_rules`.
+every NCCL candidate), ``warn`` (a warning in the trace). Pure: no I/O except `load_rules`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ _CLAUSE = re.compile(
 )
 
 _FRAMEWORK_FACTS = ("installed", "version", "cuda", "nccl", "max_arch", "imported", "gpu_kernels")
-#: Every fact a clause can name (what :func:`fact_values` computes), besides ``env.<VARIABLE>``.
+#: Every fact a clause can name (what `fact_values` computes), besides ``env.<VARIABLE>``.
 FACT_NAMES: tuple[str, ...] = (
     "framework",
     "gpus.count", "gpus.names", "gpus.min_cc", "gpus.max_cc", "gpus.consumer", "gpus.mig",
@@ -97,7 +97,7 @@ class Rule:
 
 
 def parse_clause(text: str, rule_id: str = "?", origin: str = "") -> Clause:
-    """Read one ``when`` clause; every problem is an :class:`InvalidRuleError` naming the rule
+    """Read one ``when`` clause; every problem is an `InvalidRuleError` naming the rule
     (and ``origin``, the file it came from)."""
     m = _CLAUSE.match(text)
     if not m:
@@ -483,7 +483,7 @@ def fired(rules: Iterable[Rule], facts: Facts, framework: str,
 def table_id(d: Any, what: str, keys: frozenset[str] | set[str], origin: str, where: str) -> str:
     """The id of one ``[[what]]`` table of a data file (rules, signatures, remedies), after
     checking it is a table with a non-empty id and no key outside ``keys``; every problem an
-    :class:`InvalidRuleError` naming the entry and the file."""
+    `InvalidRuleError` naming the entry and the file."""
     if not isinstance(d, Mapping):
         raise InvalidRuleError(where, f"a {what} must be a table ([[{what}]]), not {d!r}", origin)
     tid = d.get("id")

@@ -1,7 +1,7 @@
 """One decision's bounded loop: plan, prove the next candidate (or reuse what the cache knows),
 plan again, until the planner chooses; and what a mid-run failure may leave in the cache.
 
-:func:`decide` is the seam the executor (``resilient_strategy()``), the supervisor and the
+`decide` is the seam the executor (``resilient_strategy()``), the supervisor and the
 testing kit's replay all use; nothing here applies an environment or builds a runtime.
 """
 
@@ -58,7 +58,7 @@ log = logging.getLogger("resilient_strategy")
 
 Prober = Callable[[ProbeSpec, Mapping[str, str]], ProbeResult]
 #: A prober that defers the GPU health check to the decision has ``check_gpus(framework,
-#: devices, env)`` -> the broken GPUs with why (:class:`..probing.prober.DeferredHealthProber`,
+#: devices, env)`` -> the broken GPUs with why (`probing.prober.DeferredHealthProber`,
 #: the testing kit's SimulatedProber); one without it checks after each killed probe itself.
 GpuCheck = Callable[[str, tuple[int, ...], Mapping[str, str]], list[tuple[int, str]]]
 #: The workers' fault injection (probing/workers/common.py): its results are never cached.
@@ -122,7 +122,7 @@ def decide(
     ``progress`` hears each probe start and end (the one hook for what a user sees meanwhile).
     ``startup_check`` (real probes only: a simulation has no start-up to measure) warns when the
     timeout is below what a probe needs to start here, and calls a probe it cut short so.
-    ``cross_node``: ``prober`` proves candidates across every node (:mod:`.multinode`).
+    ``cross_node``: ``prober`` proves candidates across every node (`multinode`).
     """
     multi_node = opts.framework == "torch" and opts.nodes > 1
     # Multi-node: a node's cache cannot speak for the links between nodes; without a prober
@@ -224,7 +224,7 @@ def _health() -> ModuleType:
 def _check_or_raise(check: GpuCheck, framework: str, gpus: tuple[int, ...],
                     env: Mapping[str, str], unproven: Unproven, after: str,
                     probed: tuple[str, ...] = ()) -> None:
-    """Run the GPU health check on ``gpus``; :class:`GpuUnusableError` naming the broken ones
+    """Run the GPU health check on ``gpus``; `GpuUnusableError` naming the broken ones
     (and the candidates ``probed`` before it), else they are proven."""
     broken = check(framework, gpus, env)
     if broken:
@@ -249,7 +249,7 @@ def _final_check(prober: Prober, check: GpuCheck, u: Unproven, chosen: Candidate
                  opts: Options, env: Mapping[str, str], budget_left_s: float,
                  probed: tuple[str, ...] = ()) -> list[Event]:
     """The deferred GPU health check, once, before the decision returns (see
-    :class:`..probing.health.Unproven`): the chosen candidate's unproven GPUs always; the other
+    `probing.health.Unproven`): the chosen candidate's unproven GPUs always; the other
     unproven GPUs in the same check unless its typical cost would overrun what is left of the
     probe budget, in which case a Note names them and how to check them."""
     from ..probing import cost
@@ -284,7 +284,7 @@ def remember_midrun(facts: Facts, opts: Options, env: Mapping[str, str], prober:
                     failures: Mapping[str, ProbeResult]) -> dict[str, bool]:
     """Cache mid-run failures only where a probe proves them: each candidate that failed in
     training is probed again here, on this machine, and its failure enters the cache only when
-    that probe fails too (:meth:`DecisionCache.record_midrun`). A candidate of last resort is
+    that probe fails too (`DecisionCache.record_midrun`). A candidate of last resort is
     never probed for this (its failures are never cached), nor is anything under several nodes,
     TF_CONFIG workers or a disabled cache. Returns, per candidate, whether it was cached."""
     if not opts.cache_dir or (opts.framework == "torch" and opts.nodes > 1) or opts.multi_worker:
@@ -323,7 +323,7 @@ def temp_root(env: Mapping[str, str]) -> str:
 
 def space_short(res: ProbeResult, temp_root: str, free: int | None = None) -> ProbeResult:
     """A failed probe, put down to a full temp directory when ``temp_root`` has less than
-    :data:`LOW_SPACE_BYTES` free (``free``: measured already, else measured now): the machine's
+    `LOW_SPACE_BYTES` free (``free``: measured already, else measured now): the machine's
     state, not the candidate's, so it is named with its fix and never cached."""
     if res.ok or res.cause in ENVIRONMENTAL_CAUSES:
         return res
@@ -337,7 +337,7 @@ def space_short(res: ProbeResult, temp_root: str, free: int | None = None) -> Pr
 
 
 def close_fork_servers() -> None:
-    """Stop the probes' fork servers (:mod:`._forkserver`), if this decision started any."""
+    """Stop the probes' fork servers (`_forkserver`), if this decision started any."""
     forkserver = sys.modules.get(FORKSERVER_MODULE)
     if forkserver is not None:
         forkserver.close_all()
@@ -384,7 +384,7 @@ def failure_cause(r: RuledOut) -> FailureCause:
 
 class _DefaultProber:
     """The real prober, with the GPU health check deferred to the decision (see
-    :class:`..probing.health.Unproven`); imports the probing layer when first used."""
+    `probing.health.Unproven`); imports the probing layer when first used."""
 
     def __call__(self, spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
         from ..probing.prober import run_probe

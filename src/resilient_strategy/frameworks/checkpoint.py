@@ -7,7 +7,7 @@ the optimizer, the GradScaler, the sampler's epoch and position, the optimizer s
 RNG states. Rank 0 alone writes, atomically (a temporary file renamed over the last one).
 
 The position is kept in *samples of the epoch's order*, not in batches of one rank: the training
-loader is sharded by a :class:`ResumableSampler`, which orders an epoch the same way for any
+loader is sharded by a `ResumableSampler`, which orders an epoch the same way for any
 number of replicas (DistributedSampler's seeded permutation) and gives optimizer step ``k`` the
 same set of samples whether it runs as 2 replicas x 128 or 1 replica x 2 micro-steps of 128. So
 after a relaunch with a different replica count the optimizer steps done before the checkpoint
@@ -16,16 +16,16 @@ are not redone, none are skipped, and each remaining sample is seen once in the 
 Call ``sel.set_epoch(epoch)`` at the start of each epoch and start the epoch loop at
 ``ckpt.epoch``. torch is imported only inside methods.
 
-Files (the decision cache's rules, :mod:`resilient_strategy.machine.files`): the directory must
+Files (the decision cache's rules, `resilient_strategy.machine.files`): the directory must
 be this user's own and not writable by group or others (created 0700 when absent); a checkpoint
 is read only when it is a regular file of this user's, not through a symlink, never with
 ``weights_only=False``. Each save keeps the one before as ``checkpoint.prev.pt`` (a hard link,
 so ``checkpoint.pt`` is always whole); a damaged latest checkpoint is set aside as
 ``.corrupt`` with a warning and the previous one is loaded; with none to fall back to, a
-:class:`~resilient_strategy.errors.CheckpointError` names the file.
+`CheckpointError` names the file.
 
 A sharded model (FSDP2) is saved through ``torch.distributed.checkpoint`` instead, every rank
-writing its shards (:mod:`.sharded_checkpoint`); restoring takes the newest checkpoint of the
+writing its shards (`sharded_checkpoint`); restoring takes the newest checkpoint of the
 directory, sharded or not, into whatever the relaunch trains.
 """
 
@@ -50,19 +50,19 @@ log = logging.getLogger("resilient_strategy")
 FILE_NAME = "checkpoint.pt"
 PREVIOUS_NAME = "checkpoint.prev.pt"
 FORMAT_VERSION = 1
-#: The keys a checkpoint of this format holds (what :meth:`Checkpointer.state_dict` writes).
+#: The keys a checkpoint of this format holds (what `Checkpointer.state_dict` writes).
 _KEYS = ("version", "model", "optimizer", "scaler", "epoch", "samples_in_epoch",
          "optimizer_steps", "world_size", "rng")
 
 
 @functools.cache
 def resumable_sampler_class() -> type[Any]:
-    """:class:`ResumableSampler` (built on first use: it subclasses torch's DistributedSampler)."""
+    """`ResumableSampler` (built on first use: it subclasses torch's DistributedSampler)."""
     from torch.utils.data.distributed import DistributedSampler
 
     class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
         """DistributedSampler whose next epoch can start ``skip`` samples into the epoch's order
-        (:meth:`skip_next`), the same order for any ``num_replicas``.
+        (`skip_next`), the same order for any ``num_replicas``.
 
         Never padded with repeated samples (DistributedSampler repeats the first ones so that
         every rank draws as many, which makes the epoch depend on the replica count): rank
@@ -70,7 +70,7 @@ def resumable_sampler_class() -> type[Any]:
         ``j`` of every rank together is positions ``j*W*b .. (j+1)*W*b`` (``b`` the
         ``micro_batch``) at any ``W``. When the epoch's last micro-step leaves a rank no sample,
         the rank draws one filler (the order's first sample left) so that every rank runs as
-        many micro-steps (DDP's collectives); :class:`~.torch.TorchRuntime` weighs it zero.
+        many micro-steps (DDP's collectives); `TorchRuntime` weighs it zero.
         With ``drop_last`` the epoch ends at the last whole micro-step of every rank."""
 
         _skip = 0
@@ -294,7 +294,7 @@ class Checkpointer:
         """Load the checkpoint into what was attached, if one exists; True when it did.
 
         The newest checkpoint of the directory wins: a sharded one (FSDP2, written by every rank
-        through DCP) is loaded with :mod:`.sharded_checkpoint`. Raises UnsafePathError when the
+        through DCP) is loaded with `sharded_checkpoint`. Raises UnsafePathError when the
         directory or file is not safely this user's, and CheckpointError when the checkpoint is
         damaged and no previous good one loads."""
         from . import sharded_checkpoint

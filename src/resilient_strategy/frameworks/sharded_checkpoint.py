@@ -1,6 +1,6 @@
 """Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP), for FSDP2 models.
 
-:class:`.checkpoint.Checkpointer` keeps one interface: it saves here when the model is sharded
+`checkpoint.Checkpointer` keeps one interface: it saves here when the model is sharded
 (every rank writes its own shards, in parallel) and restores from here whenever the newest
 checkpoint in its directory is a sharded one, into whatever the relaunch trains: FSDP2 over
 another number of processes (DCP reshards on load), or one process with a plain module (DCP

@@ -9,10 +9,10 @@ directory (``owned=True``) is opened with ``O_NOFOLLOW`` and must be a regular f
 user and not writable by group or others. Files the user names (rules, ``--simulate`` machine
 files) may be anyone's, but must be regular files (a FIFO would block the reader forever).
 
-Bounds: every read stops at a byte limit, and JSON or TOML nested deeper than :data:`MAX_DEPTH`
+Bounds: every read stops at a byte limit, and JSON or TOML nested deeper than `MAX_DEPTH`
 is refused, so a hostile or broken file costs a bounded amount of memory and time and ends in a
-typed error (:class:`~resilient_strategy.errors.UnsafePathError`,
-:class:`~resilient_strategy.errors.FileFormatError`), never a ``RecursionError`` or
+typed error (`UnsafePathError`,
+`FileFormatError`), never a ``RecursionError`` or
 ``MemoryError`` from deep inside.
 
 Writes: to a temporary file in the destination's directory (mode 0600), flushed and fsynced, then
@@ -214,7 +214,7 @@ def _open_owned_fd(path: Path) -> tuple[int, os.stat_result]:
 
 
 def open_owned(path: Path) -> Any:
-    """``path`` opened for reading (a binary file object), with the rules of :func:`read_bytes`
+    """``path`` opened for reading (a binary file object), with the rules of `read_bytes`
     for ``owned=True`` but no size bound: a regular file, not through a symlink, this user's
     own, not writable by group or others; never blocking on a FIFO. For large files a reader
     streams (checkpoints). Raises UnsafePathError, FileNotFoundError, OSError."""
@@ -228,7 +228,7 @@ def _fix_file(where: str) -> str:
 
 def read_json(path: Path, *, max_bytes: int, owned: bool = True,
               max_depth: int = MAX_DEPTH) -> Any:
-    """:func:`read_bytes` then :func:`parse_json`."""
+    """`read_bytes` then `parse_json`."""
     return parse_json(read_bytes(path, max_bytes=max_bytes, owned=owned), str(path),
                       max_depth=max_depth)
 
@@ -291,7 +291,7 @@ def sweep_temp_dirs(
     """Remove temporary directories that a killed run of this package left in ``directory``
     (default: the temp dir): only directories (never symlinks) owned by this user, named with a
     prefix of ours and the pid of a process that no longer exists, unmodified for ``min_age_s``
-    (default :data:`SWEEP_AFTER_S`). Returns the removed paths. Never raises."""
+    (default `SWEEP_AFTER_S`). Returns the removed paths. Never raises."""
     directory = directory or tempfile.gettempdir()
     min_age_s = SWEEP_AFTER_S if min_age_s is None else min_age_s
     now = time.time() if now is None else now
@@ -334,8 +334,8 @@ def _alive(pid: int) -> bool:
 
 
 class TempSweep:
-    """Sweeps what killed runs left (:func:`sweep_temp_dirs`) once per holder: the prober holds
-    the process's one instance (:data:`TEMP_SWEEP`), so the temp directory is read once per
+    """Sweeps what killed runs left (`sweep_temp_dirs`) once per holder: the prober holds
+    the process's one instance (`TEMP_SWEEP`), so the temp directory is read once per
     process however many probes run; a test holds its own."""
 
     def __init__(self) -> None:
@@ -347,5 +347,5 @@ class TempSweep:
             sweep_temp_dirs()
 
 
-#: This process's sweep (see :class:`TempSweep`).
+#: This process's sweep (see `TempSweep`).
 TEMP_SWEEP = TempSweep()

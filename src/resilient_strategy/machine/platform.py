@@ -1,11 +1,11 @@
 """Platform facts around the GPUs, read from files under ``root`` (testable): the NVSwitch
 fabric, a hypervisor, the RDMA ports' link layer, whether the hostname resolves to loopback, and
-the interface that routes to ``MASTER_ADDR`` (:mod:`.routes`, where ``MASTER_ADDR`` or torchrun's
+the interface that routes to ``MASTER_ADDR`` (`routes`, where ``MASTER_ADDR`` or torchrun's
 rendezvous endpoint is set).
 
 Each reading is a pure ``parse_*`` function over text, plus a thin reader that turns an
 unreadable file into "unknown" (``None`` / ``""``). No process, no framework; the one name
-lookup (a ``MASTER_ADDR`` that is a host name) has a deadline (:data:`.routes.RESOLVE_DEADLINE_S`).
+lookup (a ``MASTER_ADDR`` that is a host name) has a deadline (`routes.RESOLVE_DEADLINE_S`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""torch's flight-recorder dump, parsed and analysed (pure): :func:`parse_dump` reads one rank's
-dump, :func:`analyse` names the collective a stalled group is stuck in, its operation, the ranks
+"""torch's flight-recorder dump, parsed and analysed (pure): `parse_dump` reads one rank's
+dump, `analyse` names the collective a stalled group is stuck in, its operation, the ranks
 that entered it and the ranks that never did (or the last collective every rank completed), as
-typed facts (:class:`FlightFacts`) that ride in the attempt's verdict. The dumps come from
-:mod:`.flight`, which also cites the dump's shape in torch's source.
+typed facts (`FlightFacts`) that ride in the attempt's verdict. The dumps come from
+`flight`, which also cites the dump's shape in torch's source.
 
 A dump is read with an unpickler that refuses every global: torch's pickler writes plain dicts,
 lists, tuples, strings and numbers (the first dumps, torch 2.2, were a list of entries; later a
@@ -145,7 +145,7 @@ class LastCollective:
 
 @dataclass(frozen=True)
 class FlightFacts:
-    """What the recorders of one stalled attempt say (:func:`analyse`)."""
+    """What the recorders of one stalled attempt say (`analyse`)."""
 
     ranks: tuple[RankDump, ...]
     stuck: StuckCollective | None = None
@@ -180,7 +180,7 @@ class FlightFacts:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> FlightFacts:
-        """Raises ValueError for a record that is not what :meth:`to_dict` writes."""
+        """Raises ValueError for a record that is not what `to_dict` writes."""
         try:
             ranks = tuple(RankDump(int(r["local_rank"]), int(r["rank"]),
                                    DumpStatus(str(r["status"])), str(r.get("reason", "")),

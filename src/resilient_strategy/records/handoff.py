@@ -2,14 +2,14 @@
 
 The supervisor decides once, writes the decision (the chosen candidate's key and the probe
 results it was planned from) to a private JSON file, and starts each worker through
-:mod:`resilient_strategy.run.worker` with that file's path. ``resilient_strategy()`` in the worker
-finds it (:func:`load_decision`), re-plans from the same results in milliseconds and takes the
+`resilient_strategy.run.worker` with that file's path. ``resilient_strategy()`` in the worker
+finds it (`load_decision`), re-plans from the same results in milliseconds and takes the
 handed candidate, so every rank agrees by construction and nothing is probed twice.
 
-The worker then reports its progress (:class:`TrainingReporter`, through
-:mod:`resilient_strategy.records.progress`) from the Selection's training calls, acts on a rehearsed
-fault (:mod:`resilient_strategy.records.trainfault`), and on an exception leaves an error record that
-the supervisor classifies (:func:`write_error`).
+The worker then reports its progress (`TrainingReporter`, through
+`resilient_strategy.records.progress`) from the Selection's training calls, acts on a rehearsed
+fault (`resilient_strategy.records.trainfault`), and on an exception leaves an error record that
+the supervisor classifies (`write_error`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ..core.bounded import parse_json, read_user_file
 from ..core.candidate import Candidate
 from ..core.facts import Facts
 from ..core.probe import ProbeResult
-from ..errors import ResilientStrategyError
+from ..errors import InvalidOptionError, ResilientStrategyError
 from . import phases as _phases
 from .progress import (
     COLLECTIVE,
@@ -130,7 +130,7 @@ class Decision:
 
     def planned_memory(self, facts: Facts) -> Facts:
         """``facts`` with the free memory this decision was planned against (the GPUs by this
-        worker's ordinal: read :meth:`renumbered` first when bound)."""
+        worker's ordinal: read `renumbered` first when bound)."""
         if not self.free_bytes and self.host_available_bytes is None:
             return facts
         gpus = tuple(replace(g, memory_free_bytes=self.free_bytes[g.index])
@@ -232,7 +232,7 @@ def load_decision(env: Mapping[str, str], state: WorkerState | None = None) -> D
 
 def bound_env(env: Mapping[str, str], state: WorkerState | None = None) -> dict[str, str]:
     """In a worker, before the script runs (before CUDA starts): the variables of the GPUs its
-    decision is bound to (:meth:`Decision.worker_env`). A decision that cannot be read binds
+    decision is bound to (`Decision.worker_env`). A decision that cannot be read binds
     nothing here: ``resilient_strategy()`` in the script says why it cannot be read."""
     try:
         decision = load_decision(env, state)
@@ -287,7 +287,7 @@ def write_error(run_dir: str | Path, local_rank: int, exc: BaseException,
 @dataclass
 class TrainingReporter:
     """One rank's progress reports from the Selection's training calls, through the shared
-    progress protocol (:mod:`resilient_strategy.records.progress`): the gradient all-reduce of optimizer
+    progress protocol (`resilient_strategy.records.progress`): the gradient all-reduce of optimizer
     step ``k`` is collective ``k`` (entered before the backward of the last micro-step, left
     after it; its "collective_done k" also marks the step, so the watcher's count of
     collectives never lags a rank that went on), ``step(k)`` when one process steps alone,
@@ -303,7 +303,7 @@ class TrainingReporter:
     attempt: int = 0  # the launch attempt (a rehearsed fault may fire in the first ones only)
     step: int = 0
     phase_name: str = STARTED
-    #: Where this rank's phase marks go (:mod:`.phases`; None: not marked).
+    #: Where this rank's phase marks go (`phases`; None: not marked).
     phases: str | None = None
     _fault_armed: bool = field(default=False, repr=False)
     _stepped_once: bool = field(default=False, repr=False)
@@ -369,7 +369,7 @@ class TrainingReporter:
 class WorkerState:
     """What one worker process of ``resilient-strategy run`` holds: the decisions it loaded (by
     path) and its one reporter (a second ``resilient_strategy()`` call in the process reuses
-    both). The public functions use the default instance, :data:`WORKER`; a test makes its own."""
+    both). The public functions use the default instance, `WORKER`; a test makes its own."""
 
     def __init__(self) -> None:
         self.loaded: dict[str, Decision] = {}
@@ -384,9 +384,9 @@ class WorkerState:
                 data = read_user_file(Path(path), MAX_DECISION_BYTES)
                 self.loaded[path] = Decision.from_dict(parse_json(data, path, allow_nan=True))
             except (OSError, ValueError, KeyError, TypeError, ResilientStrategyError) as exc:
-                raise ResilientStrategyError(
+                raise InvalidOptionError(
                     f"{DECISION_VAR}={path[:200]!r}: cannot read the decision handed down by "
-                    f"`resilient-strategy run`: {exc}") from None
+                    f"`resilient-strategy run`: {exc}", DECISION_VAR) from None
         return self.loaded[path]
 
     def reporter_for(self, decision: Decision, rank: int, local_rank: int, backend: str,

@@ -16,10 +16,10 @@ cheap enough for every training step)::
 
 Each rank owns one small file; the latest record overwrites the previous one (no growth, no
 locking). The file's blocks are allocated when the writer opens it (``posix_fallocate``, else
-zeros written), so a full disk is a :class:`~resilient_strategy.errors.NoSpaceError` naming the
+zeros written), so a full disk is a `NoSpaceError` naming the
 file before any training, never a SIGBUS through the mapping mid-run. Only a regular file is
 written or read: a FIFO or device planted in its place is refused without blocking (opened
-``O_NONBLOCK``, checked with ``fstat``), and the writer never follows a symlink. ``allow_s`` on :meth:`ProgressWriter.enter` declares extra time a region may need on
+``O_NONBLOCK``, checked with ``fstat``), and the writer never follows a symlink. ``allow_s`` on `ProgressWriter.enter` declares extra time a region may need on
 top of the transfer (a first call that compiles a graph, DDP's first step).
 
 Watcher (in the runner, polled every few tens of milliseconds)::
@@ -41,14 +41,14 @@ What is judged (all times on the watcher's own clock, from when it saw a record 
   ``setup_grace_s``; a rank past its device setup that has not entered it while others wait,
   within ``arrive_grace_s`` (kind ``straggler``);
 * collective k: once every rank has entered it, every rank must leave it within
-  :meth:`StallPolicy.collective_grace` (latency allowance + ``safety`` x the transfer time at the
+  `StallPolicy.collective_grace` (latency allowance + ``safety`` x the transfer time at the
   slowest bandwidth measured, in this group or ``floor_bytes_per_s``); a rank that has not
   entered it ``arrive_grace_s`` after the first did and after its own last record is a straggler;
 * ``quiet_s`` (optional): a rank past communicator setup and outside any collective may stay
   silent at most this long (probes: their code never pauses; training: leave it None, or set it
   from the measured step time).
 
-:class:`Stall` says which kind, where (``phase``, ``k``) and which ranks; the caller decides
+`Stall` says which kind, where (``phase``, ``k``) and which ranks; the caller decides
 what to do (a probe runner kills the group and reports a hang).
 """
 
@@ -381,7 +381,7 @@ class StallWatcher:
                 self._done_k[r] = max(self._done_k[r], self._entered_k[r])
 
     def poll(self, now: float | None = None) -> Stall | None:
-        """Read the records, then judge: a :class:`Stall`, or None while all is well."""
+        """Read the records, then judge: a `Stall`, or None while all is well."""
         now = self._clock() if now is None else now
         self.read(now)
         return self.judge(now)

@@ -1,4 +1,4 @@
-"""One attempt, through torch's elastic agent: a :class:`LocalElasticAgent` subclass starts the
+"""One attempt, through torch's elastic agent: a `LocalElasticAgent` subclass starts the
 workers of one decision, adds the progress watch to its monitoring loop, and stops every worker
 (SIGTERM, its shutdown timeout, SIGKILL) when the group is unhealthy. The protected members of
 torch's agent it reaches are isolated here.
@@ -109,9 +109,13 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
         master_port=master_port, local_addr=config.local_addr)
     agent = agent_cls(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
                       watch=watch, peer=peer, run_dir=run_dir, **shutdown_grace(config))
-    timeouts = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PROCESS_GROUP_TIMEOUT)
+    timeouts = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PROCESS_GROUP_TIMEOUT,
+                              decision.framework)
     # NCCL's flight recorder on (its dump is asked for before a stalled group is stopped)
-    timeouts.update(flight.buffer_env(_backend(decision.chosen), env))
+    from ..machine.versions import detect_frameworks
+
+    torch_version = detect_frameworks()[0].version  # metadata: the name this torch expects
+    timeouts.update(flight.buffer_env(_backend(decision.chosen), env, torch_version))
     os.environ.update(timeouts)  # the workers inherit them; never one the user set
     try:
         result = agent.run()
@@ -175,7 +179,7 @@ RDZV_JOIN_S = 120
 
 
 def bounded_join(rdzv_configs: dict[str, Any], nnodes: int) -> dict[str, Any]:
-    """The rendezvous configuration with :data:`RDZV_JOIN_S` as its ``join_timeout`` across
+    """The rendezvous configuration with `RDZV_JOIN_S` as its ``join_timeout`` across
     nodes, unless the user set one."""
     out = dict(rdzv_configs)
     if nnodes > 1 and "join_timeout" not in out:
@@ -193,7 +197,7 @@ def fixed_membership(handler: Any) -> None:
     timeout when the store is unreachable), and restarts the workers in place for one. A
     supervised job has a fixed node count and a rendezvous of its own per launch attempt (a
     relaunch is a new attempt, agreed between the supervisors): no node ever waits to join it,
-    and the loop never blocks on the store (the supervisor's own watch, :mod:`.peers`, sees a
+    and the loop never blocks on the store (the supervisor's own watch, `peers`, sees a
     store gone quiet, with a deadline)."""
     handler.num_nodes_waiting = _no_node_waits
 
@@ -257,7 +261,7 @@ STACKS_POLL_S = 0.01
 
 def dump_flight(run_dir: Path, ranks: list[tuple[int, int]]) -> list[RankDump]:
     """Ask each worker (``(local_rank, rank)``) for torch's flight-recorder dump
-    (:func:`resilient_strategy.records.flight.request`, bounded by its deadline); what did not
+    (`resilient_strategy.records.flight.request`, bounded by its deadline); what did not
     come is said in the result and logged, never raised."""
     got = flight.request(run_dir, ranks)
     missing = [f"rank {r.rank}: {r.status.value} ({r.reason})" for r in got
@@ -269,7 +273,7 @@ def dump_flight(run_dir: Path, ranks: list[tuple[int, int]]) -> list[RankDump]:
 
 def dump_stacks(pids: Mapping[int, int], run_dir: Path | None,
                 wait_s: float = STACKS_WAIT_S) -> list[int]:
-    """Ask each worker (``{local_rank: pid}``) for its Python stacks (:mod:`.worker` registers
+    """Ask each worker (``{local_rank: pid}``) for its Python stacks (`worker` registers
     faulthandler on SIGUSR1, written to its ``rank<N>.stacks.txt`` in ``run_dir``), then wait
     until every file asked for is written (not empty, and the same size over one poll), at most
     ``wait_s`` (without ``run_dir``: ``wait_s``). Returns the local ranks whose stacks did not

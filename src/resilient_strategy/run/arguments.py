@@ -1,5 +1,5 @@
 """``resilient-strategy run``'s command line: torchrun's own parser and options, ours added, into
-one :class:`RunOptions`; the framework a script uses, guessed from its text.
+one `RunOptions`; the framework a script uses, guessed from its text.
 
 Without torch (a TensorFlow-only install) the parser is our own: the script, its arguments,
 ``--nproc-per-node`` and our options, the same names and defaults; torchrun's node options
@@ -16,6 +16,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import NoReturn
 
 from ..core.arguments import run_options_from
 from ..core.options import RunOptions
@@ -53,7 +54,7 @@ _DESCRIPTION = ("Run a training script on the strategy that works here and keep 
 
 def parser(with_torch: bool | None = None) -> argparse.ArgumentParser:
     """torchrun's parser plus ours where torch is installed (``with_torch`` None: when
-    :func:`torch_launcher`), else :func:`own_parser`."""
+    `torch_launcher`), else `own_parser`."""
     if not (torch_launcher() if with_torch is None else with_torch):
         return own_parser()
     from torch.distributed.run import get_args_parser
@@ -128,7 +129,9 @@ def options_from_args(argv: Sequence[str]) -> RunOptions:
     """Parse ``resilient-strategy run`` arguments (torchrun's, plus ours; ours alone without
     torch)."""
     with_torch = torch_launcher()
-    ns = parser(with_torch).parse_args(list(argv))
+    p = parser(with_torch)
+    p.error = _one_line_error  # type: ignore[method-assign]  # not torchrun's 39-line usage
+    ns = p.parse_args(list(argv))
     if getattr(ns, "module", False) or getattr(ns, "no_python", False) or getattr(
             ns, "run_path", False):
         raise InvalidOptionError("resilient-strategy run runs a Python script file; -m, "
@@ -161,6 +164,14 @@ def options_from_args(argv: Sequence[str]) -> RunOptions:
     return replace(opts, min_throughput=ns.min_throughput, allow_cpu=bool(ns.allow_cpu),
                    max_attempts_without_progress=ns.max_attempts_without_progress,
                    evidence_dir=ns.evidence_dir)  # validated by RunOptions, as every option
+
+
+def _one_line_error(message: str) -> NoReturn:
+    """argparse's error as one line, raised as a typed error (argparse prints the whole usage
+    first, and torchrun's is 39 lines)."""
+    if "training_script" in message and "required" in message:
+        message = "no script given: resilient-strategy run [options] SCRIPT [ARGS...]"
+    raise InvalidOptionError(f"{message} (resilient-strategy run --help lists the options)")
 
 
 def node_count(opts: RunOptions) -> int:

@@ -24,7 +24,7 @@ class ExitCode(IntEnum):
     #: no candidate left, only candidates below the throughput floor, the relaunch limit, or
     #: attempts without progress. Requeue elsewhere.
     INFRASTRUCTURE = 75
-    #: Interrupted by SIGINT (Ctrl-C); another signal N gives 128 + N (:func:`interrupted`).
+    #: Interrupted by SIGINT (Ctrl-C); another signal N gives 128 + N (`interrupted`).
     INTERRUPTED = 130
 
 

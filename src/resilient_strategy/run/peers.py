@@ -9,12 +9,12 @@ node's supervisor connects as a client. The supervisors' keys live under
 ``resilient_strategy/v1/run-<rdzv id>/attempt<n>/`` (a prefix of their own on the rendezvous
 store, apart from torch's rendezvous keys and the workers'), one prefix per launch attempt.
 
-Per attempt: :func:`resilient_strategy.nodes.manynodes.agreed_decision` (node 0 plans and probes across
+Per attempt: `resilient_strategy.nodes.manynodes.agreed_decision` (node 0 plans and probes across
 the nodes, the others check the decision against their facts; heartbeats, mismatches and lost
 nodes handled there), with the candidates that failed mid-run excluded on every node. While the
 workers run, each supervisor watches the store for the other nodes' fault records
-(:func:`resilient_strategy.nodes.store.recorded_faults`) and stops its workers when one appears;
-a node that saw the fault itself records it (:func:`resilient_strategy.nodes.store.record_fault`).
+(`resilient_strategy.nodes.store.recorded_faults`) and stops its workers when one appears;
+a node that saw the fault itself records it (`resilient_strategy.nodes.store.record_fault`).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class NodeLink:
                    host=host, port=int(port_), run_id=rdzv_id)
 
     def env(self, base: Mapping[str, str], attempt: int) -> dict[str, str]:
-        """The variables :class:`~resilient_strategy.nodes.store.Job` reads, for this node's local
+        """The variables `Job` reads, for this node's local
         rank 0 in launch attempt ``attempt`` (node 0 hosts the store: it is global rank 0)."""
         return {
             **base, "WORLD_SIZE": str(self.nodes * self.nproc),
@@ -117,10 +117,10 @@ class PeerWatch:
     """The other nodes' fault records of one attempt, and whether this node still reaches the
     job's store; never raises and never blocks the agent's monitoring loop.
 
-    A thread of its own looks at the store every :data:`PEER_POLL_S` on its own connection,
-    each look bounded by :data:`STORE_LOOK_S`; :meth:`poll` only reads what it saw. A node that
-    has not reached the store for ``window_s`` (the heartbeat window) is cut off: :meth:`poll`
-    returns a :attr:`~VerdictKind.CUT_OFF` record of this node's own, the agent stops its
+    A thread of its own looks at the store every `PEER_POLL_S` on its own connection,
+    each look bounded by `STORE_LOOK_S`; `poll` only reads what it saw. A node that
+    has not reached the store for ``window_s`` (the heartbeat window) is cut off: `poll`
+    returns a `CUT_OFF` record of this node's own, the agent stops its
     workers, and the supervisor stops with 75 (the others go on without it)."""
 
     def __init__(self, link: NodeLink, attempt: int, timeout_s: float,

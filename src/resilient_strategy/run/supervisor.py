@@ -2,16 +2,16 @@
 relaunch on the next candidate when the backend fails mid-run.
 
 Built on torch's elastic agent (the engine under ``torchrun``): torchrun's own argument parser
-and ``config_from_args`` read the node options; a :class:`LocalElasticAgent` subclass starts,
+and ``config_from_args`` read the node options; a `LocalElasticAgent` subclass starts,
 monitors and stops the workers, and adds one check to its monitoring loop: the progress watcher
-(:class:`TrainingWatch`, on the shared :mod:`resilient_strategy.records.progress` protocol). A stall marks the group UNHEALTHY with no
+(`TrainingWatch`, on the shared `resilient_strategy.records.progress` protocol). A stall marks the group UNHEALTHY with no
 restart left, which is how the agent itself retires a wedged group; the agent then stops every
 worker (SIGTERM, its shutdown timeout, SIGKILL). torchrun's restarts of the same configuration
 are off: a relaunch here is on another candidate.
 
-After each attempt :func:`classify_attempt` (pure) reads the stall, the workers' exits, their
-error records and their last progress into a typed :class:`~.verdicts.Verdict`, and
-:func:`~.policy.judge` (pure) says what follows:
+After each attempt `classify_attempt` (pure) reads the stall, the workers' exits, their
+error records and their last progress into a typed `Verdict`, and
+`judge` (pure) says what follows:
 
 - a first stall, exit or lost node on a strategy is retried once there, from the last
   checkpoint; a repeat (the retry fails the same way before getting past that step), or a
@@ -21,14 +21,14 @@ error records and their last progress into a typed :class:`~.verdicts.Verdict`, 
   the throughput floor (``--min-throughput``, ``--allow-cpu``);
 - diverged ranks, an exception in user code, an out-of-memory: reported, not relaunched;
 - each fault gets one line here, and its per-rank tracebacks and stacks go to the evidence file
-  (:mod:`.evidence`); the run ends with a summary line and an exit code (:mod:`.exitcodes`).
+  (`evidence`); the run ends with a summary line and an exit code (`exitcodes`).
 
 TensorFlow scripts run as one supervised process (one process drives every GPU there); without
-torch, :mod:`.solo` runs it and :func:`~.arguments.own_parser` reads the command line.
+torch, `solo` runs it and `own_parser` reads the command line.
 
 With ``--nnodes N`` (torch) the nodes' supervisors agree on each attempt's decision through a
 store at the rendezvous endpoint before any worker starts, watch it for each other's fault
-records while the workers run, and relaunch together (:mod:`resilient_strategy.run.peers`). A
+records while the workers run, and relaunch together (`resilient_strategy.run.peers`). A
 node that does not join a relaunch is dropped: node 0 goes on alone (action ``fewer_nodes``); a
 node cut off from the store for the heartbeat window stops by itself with 75 (``cut_off``).
 """
@@ -61,7 +61,7 @@ from ..errors import (
 from ..machine import env as _env
 from ..records import phases
 from ..records.handoff import CHECKPOINT_NOTE, Decision, binding, write_decision
-from ..records.trainfault import FAULT_VAR, TrainFault, parse_fault
+from ..records.trainfault import FAULT_VAR, TrainFault, check_rank, parse_fault
 
 if TYPE_CHECKING:
     from .peers import NodeLink, PeerWatch
@@ -79,7 +79,7 @@ from .policy import (
     floor_refusal,
     judge,
 )
-from .verdicts import PeerFault, Verdict, VerdictKind, merge, one_line
+from .verdicts import PeerFault, Verdict, VerdictKind, fault_line, merge, one_line
 
 log = logging.getLogger("resilient_strategy")
 
@@ -100,7 +100,7 @@ class Choice:
 def supervise(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
     """Run the script to the end: retry a transient fault once on the same strategy, step down
     to the next candidate on a repeat or a backend's signature, stop at the throughput floor.
-    Returns the exit status for the command line (:class:`~.exitcodes.ExitCode`)."""
+    Returns the exit status for the command line (`ExitCode`)."""
     snapshot = _env.snapshot(env)
     session: Path | None = None
     try:
@@ -146,7 +146,9 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
         if link is not None:  # the nodes never agreed: say what failed, typed, then stop (75)
             evidence.setup(_setup_failure(exc, link, snapshot))
         raise
-    _say(_allowance_words(opts, snapshot))
+    first = choice.decision
+    check_rank(fault, max(first.processes * first.nodes, _asked_ranks(opts)))
+    _say(_allowance_words(opts, snapshot, choice.decision.framework))
     resumed: int | None = None
     team = link  # the nodes that relaunch together; None once node 0 goes on without the others
     for attempt in range(0, 10_000):
@@ -186,8 +188,8 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
         phases.mark(marks, phases.VERDICT)
         label = _label(decision)
         if not verdict.ok:  # the fault's line first; its evidence is written below
-            _say(f"attempt {attempt + 1} on {label} failed at step {verdict.step}: "
-                 f"{verdict.line()} [evidence: {evidence.path(attempt)}]")
+            _say(fault_line(attempt, _backend(decision.chosen), verdict,
+                            _shown_path(evidence.path(attempt)), prefix=SAY_PREFIX)[len(SAY_PREFIX):])
         nxt: Choice | None = None
         # a node whose verdict never came gets the heartbeat window to join the relaunch
         silent = (verdict.node,) if (verdict.kind is VerdictKind.LOST
@@ -347,8 +349,9 @@ def _summary(history: Sequence[Attempt], judgement: Judgement) -> str:
             + f". {judgement.reason}. Exit {int(code)} ({code.name})")
 
 
-def _allowance_words(opts: RunOptions, env: Mapping[str, str]) -> str:
-    """The stall allowance in force, and torch's timeouts set from it."""
+def _allowance_words(opts: RunOptions, env: Mapping[str, str], framework: str = "torch") -> str:
+    """The stall allowance in force, and the training's timeouts set from it (torch's
+    heartbeat for a PyTorch job only)."""
     from ..core.options import DEFAULT_PROCESS_GROUP_TIMEOUT
     from .watch import (
         AUTO_STALL_CAP_S,
@@ -364,15 +367,35 @@ def _allowance_words(opts: RunOptions, env: Mapping[str, str]) -> str:
                       f"{WARMUP_STEPS} warm-up steps), at most {AUTO_STALL_CAP_S:g} s")
     if not torch_launcher():
         return f"stall allowance {allowance}"
-    set_ = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PROCESS_GROUP_TIMEOUT)
+    set_ = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PROCESS_GROUP_TIMEOUT, framework)
     torch_words = ", ".join(f"{k}={v}" for k, v in set_.items())
-    kept = [k for k in (PG_TIMEOUT_VAR, HEARTBEAT_VAR) if k not in set_]
-    return (f"stall allowance {allowance}; torch's timeouts above it: {torch_words or 'none set'}"
+    names = (PG_TIMEOUT_VAR, HEARTBEAT_VAR) if framework == "torch" else (PG_TIMEOUT_VAR,)
+    kept = [k for k in names if k not in set_]
+    whose = "torch's timeouts" if framework == "torch" else "the timeouts"
+    return (f"stall allowance {allowance}; {whose} above it: {torch_words or 'none set'}"
             + (f" (yours kept: {', '.join(kept)})" if kept else ""))
 
 
+SAY_PREFIX = "resilient-strategy run: "
+
+
 def _say(text: str) -> None:
-    print(f"resilient-strategy run: {text}", file=sys.stderr, flush=True)
+    print(f"{SAY_PREFIX}{text}", file=sys.stderr, flush=True)
+
+
+def _asked_ranks(opts: RunOptions) -> int:
+    """The ranks the command line asks for (``--nproc-per-node`` x nodes; 0 for "auto")."""
+    return opts.nproc * node_count(opts) if opts.nproc else 0
+
+
+def _shown_path(path: Path) -> str:
+    """``path`` as the shorter of its absolute form and its form relative to the working
+    directory (the fault's line has ~200 characters)."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive
+        return str(path)
+    return rel if len(rel) < len(str(path)) else str(path)
 
 
 def _backend(key: str) -> str:
@@ -457,7 +480,7 @@ def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
             silent: tuple[int, ...] = ()) -> Choice:
     """Plan (probing as needed, the cache first), without the candidates that failed mid-run.
     With several nodes, the nodes agree through the rendezvous endpoint's store
-    (:mod:`.peers`). A fallback is announced as the script would announce it."""
+    (`peers`). A fallback is announced as the script would announce it."""
     import functools
 
     from ..core.estimate import estimate
@@ -523,7 +546,7 @@ def _memory_planning(opts: RunOptions, framework: str, facts: Any) -> dict[str, 
 
 
 def _node_trace(events: Sequence[Any]) -> tuple[str, ...]:
-    """The lines :func:`~resilient_strategy.nodes.manynodes.agreed_decision` added to the trace (the
+    """The lines `agreed_decision` added to the trace (the
     trailing ``multi_node`` notes), for the workers' explain()."""
     from ..core.trace import Note
 
@@ -565,6 +588,9 @@ def main(argv: Sequence[str]) -> int:
         opts = options_from_args(argv)
     except ResilientStrategyError as exc:
         _say(str(exc))
+        return int(ExitCode.USAGE)
+    if Path(opts.script).is_dir():
+        _say(f"{opts.script} is a directory, not a script: name the Python file to run")
         return int(ExitCode.USAGE)
     if not Path(opts.script).is_file():
         _say(f"no such script: {opts.script}")

@@ -1,5 +1,5 @@
-"""Watching training ranks: the stall policy for training (:func:`training_policy`, the default
-allowance from observed step times) and :class:`TrainingWatch`, the check the agent adds to its
+"""Watching training ranks: the stall policy for training (`training_policy`, the default
+allowance from observed step times) and `TrainingWatch`, the check the agent adds to its
 monitoring loop.
 """
 
@@ -55,12 +55,15 @@ def stall_ceiling(fixed_s: float | None) -> float:
 
 
 def torch_timeouts(fixed_s: float | None, env: Mapping[str, str],
-                   default_pg_s: float) -> dict[str, str]:
-    """The variables that put torch's timeouts above the stall allowance: the process-group
-    timeout (twice the allowance's ceiling, at least ``default_pg_s``) and NCCL's heartbeat (a
-    minute more). Never one the user set (in ``env``)."""
+                   default_pg_s: float, framework: str = "torch") -> dict[str, str]:
+    """The variables that put the training's timeouts above the stall allowance: the
+    process-group timeout (twice the allowance's ceiling, at least ``default_pg_s``; ours, read
+    by both frameworks) and, for a ``framework="torch"`` job only, NCCL's heartbeat (a minute
+    more). Never one the user set (in ``env``)."""
     pg = max(default_pg_s, 2 * stall_ceiling(fixed_s))
-    wanted = {PG_TIMEOUT_VAR: f"{pg:g}", HEARTBEAT_VAR: f"{pg + 60:g}"}
+    wanted = {PG_TIMEOUT_VAR: f"{pg:g}"}
+    if framework == "torch":
+        wanted[HEARTBEAT_VAR] = f"{pg + 60:g}"
     return {k: v for k, v in wanted.items() if k not in env}
 
 
@@ -75,8 +78,8 @@ def training_policy(timeout_s: float) -> StallPolicy:
 
 
 class TrainingWatch:
-    """The supervisor's judge: the shared :class:`~resilient_strategy.records.progress.StallWatcher`
-    with :func:`training_policy`, its timeout fixed (``--stall-timeout``) or following the median
+    """The supervisor's judge: the shared `StallWatcher`
+    with `training_policy`, its timeout fixed (``--stall-timeout``) or following the median
     step time seen in rank 0's records. One place owns this deadline."""
 
     def __init__(self, paths: Sequence[str], timeout_s: float | None,

@@ -1,17 +1,17 @@
 """A worker of ``resilient-strategy run``: ``python -m resilient_strategy.run.worker --supervisor
 PID DECISION SCRIPT [ARGS...]`` runs SCRIPT as ``python SCRIPT ARGS`` would, with the
 supervisor's decision handed to ``resilient_strategy()`` (see
-:mod:`resilient_strategy.records.handoff`).
+`resilient_strategy.records.handoff`).
 
 Around the script it:
 
 - dies with its supervisor, however the supervisor dies (``PR_SET_PDEATHSIG`` on Linux, a
-  watchdog thread elsewhere: :mod:`resilient_strategy.probing.workers.watchdog`), so that a
+  watchdog thread elsewhere: `resilient_strategy.probing.workers.watchdog`), so that a
   SIGKILLed ``run`` leaves no worker training;
 - writes its Python stacks to ``rank<N>.stacks.txt`` on SIGUSR1 (faulthandler), which the
   supervisor sends before it stops a stalled group;
 - answers the supervisor's request for torch's flight-recorder dump from a daemon thread (the
-  main thread may be blocked inside a collective): :func:`~resilient_strategy.records.flight.serve`;
+  main thread may be blocked inside a collective): `serve`;
 - on an exception, leaves an error record for the supervisor's classification, its full
   traceback in ``rank<N>.traceback.txt`` (the supervisor copies both into the evidence file),
   and one line on stderr instead of the traceback.
