@@ -71,13 +71,17 @@ def resumable_sampler_class() -> type[Any]:
         ``micro_batch``) at any ``W``. When the epoch's last micro-step leaves a rank no sample,
         the rank draws one filler (the order's first sample left) so that every rank runs as
         many micro-steps (DDP's collectives); :class:`~.torch.TorchRuntime` weighs it zero.
-        With ``drop_last`` the epoch ends at the last whole micro-step of every rank."""
+        With ``drop_last`` the epoch ends at the last whole optimizer step (``num_replicas x
+        micro_batch x accumulation`` samples), so that the epoch holds as many optimizer steps,
+        and the same samples, for every split of the global batch."""
 
         _skip = 0
 
-        def __init__(self, dataset: Any, *, micro_batch: int = 1, **kwargs: Any) -> None:
+        def __init__(self, dataset: Any, *, micro_batch: int = 1, accumulation: int = 1,
+                     **kwargs: Any) -> None:
             super().__init__(dataset, **kwargs)
             self.micro_batch = max(1, int(micro_batch))
+            self.accumulation = max(1, int(accumulation))
 
         def skip_next(self, samples: int) -> None:
             self._skip = max(0, int(samples))
@@ -86,8 +90,8 @@ def resumable_sampler_class() -> type[Any]:
         def remaining(self) -> int:
             """Samples every rank together draws from the skip on (fillers not counted)."""
             left = max(0, len(self.dataset) - self._skip)  # type: ignore[arg-type]
-            if self.drop_last:
-                left -= left % (self.num_replicas * self.micro_batch)
+            if self.drop_last:  # whole optimizer steps (a resume starts on one: skip is whole)
+                left -= left % (self.num_replicas * self.micro_batch * self.accumulation)
             return left
 
         @property
