@@ -303,6 +303,11 @@ class Checkpointer:
         damaged and no previous good one loads."""
         from . import sharded_checkpoint
 
+        if not os.path.lexists(self.directory):
+            return False
+        # the one set of rules, before anything in the directory is looked at: the directory,
+        # then (in sharded_checkpoint) sharded/, its steps and every file of a step
+        _files.check_private_dir(self.directory, fix=_FIX_DIR)
         if sharded_checkpoint.newest_is_sharded(self.directory, self.path):
             st = self._state
             sharded = sharded_checkpoint.load(self.directory, getattr(st.model, "module", st.model),
@@ -316,7 +321,6 @@ class Checkpointer:
             return True
         if not os.path.lexists(self.path) and not os.path.lexists(self.previous_path):
             return False
-        _files.check_private_dir(self.directory, fix=_FIX_DIR)
         problems: list[tuple[Path, str]] = []
         for path in (self.path, self.previous_path):
             if not os.path.lexists(path):
