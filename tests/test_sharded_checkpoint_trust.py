@@ -225,6 +225,18 @@ def test_a_group_writable_step_is_refused(tmp_path: Path) -> None:
     assert exc.value.path == str(_step(directory, 4))
 
 
+@as_root
+def test_a_sharded_save_never_writes_into_another_users_directory(tmp_path: Path) -> None:
+    directory = tmp_path / "shared"
+    directory.mkdir(mode=0o755)
+    os.chown(directory, OTHER_UID, OTHER_UID)
+    model, opt = _model()
+    with pytest.raises(UnsafePathError) as exc:
+        sc.save(directory, model, opt, _meta(1), 0)
+    assert exc.value.path == str(directory)
+    assert list(directory.iterdir()) == []
+
+
 # ----- damage falls back -----------------------------------------------------------------------
 def _loaded_step(directory: Path) -> tuple[int | None, float]:
     ckpt, model = _restore(directory)
@@ -288,3 +300,58 @@ def test_keeps_the_newest_two_steps(tmp_path: Path) -> None:
     _save(directory, 1, 2, 3, 4)
     assert sorted(p.name for p in (directory / "sharded").glob("step-*")) == [
         "step-000000003", "step-000000004"]
+
+
+# ----- end to end: the example script under python, torchrun and `run` -------------------------
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _plant_hostile(directory: Path, marker: Path) -> Path:
+    """Another user's checkpoint directory (mode 0755, uid 65534) holding a sharded step whose
+    ``.metadata`` runs code when unpickled; returns that file."""
+    _save(directory, 56)
+    metadata = _step(directory, 56) / ".metadata"
+    metadata.write_bytes(pickle.dumps(_Payload(marker)))
+    for p in [directory, *directory.rglob("*")]:
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+    _chown_tree(directory)
+    return metadata
+
+
+def _launch(how: str, tmp: Path, checkpoint_dir: Path) -> Any:
+    import subprocess
+    import sys
+
+    script = [str(ROOT / "examples" / "torch_train.py"), "--samples", "64", "--epochs", "1",
+              "--global-batch-size", "32", "--hidden", "8", "--checkpoint-dir",
+              str(checkpoint_dir)]
+    launcher = {
+        "python": [sys.executable],
+        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1"],
+        "run": [sys.executable, "-m", "resilient_strategy", "run", "--nproc-per-node", "1",
+                "--evidence-dir", str(tmp / "evidence")],
+    }[how]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1",
+           "RESILIENT_STRATEGY_CACHE_DIR": str(tmp / "cache"), "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run([*launcher, *script], cwd=tmp, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+@as_root
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["python", "torchrun", "run"])
+def test_a_planted_sharded_checkpoint_is_refused_under_every_launcher(tmp_path: Path,
+                                                                      how: str) -> None:
+    """The issue's attack: another user's shared directory with a planted ``.metadata``. The
+    job stops with the one-line UnsafePathError naming the directory; the payload never ran
+    and nothing was written into the other user's directory."""
+    directory, marker = tmp_path / "shared", tmp_path / "payload-ran"
+    _plant_hostile(directory, marker)
+    before = sorted(str(p) for p in directory.rglob("*"))
+    out = _launch(how, tmp_path, directory)
+    assert out.returncode != 0
+    assert not marker.exists()
+    assert sorted(str(p) for p in directory.rglob("*")) == before
+    refusals = [line for line in out.stderr.splitlines()
+                if "UnsafePathError" in line and f"{directory}:" in line]
+    assert refusals, out.stderr[-3000:]

@@ -185,7 +185,9 @@ def save(directory: Path, model: Any, optimizer: Any, meta: dict[str, Any], rank
     step = root / f"step-{int(meta.get('optimizer_steps', 0)):09d}"
     if rank == 0:
         with _files.writing(root, "the sharded checkpoint"):
+            _files.ensure_private_dir(Path(directory), fix=_FIX)  # never into another's
             _files.ensure_private_dir(root, fix=_FIX)
+            _check_dir(root)  # and not through a symlink
             if os.path.lexists(step):  # a save at the same step that did not finish: afresh
                 _check_dir(step)
                 shutil.rmtree(step)
