@@ -198,6 +198,17 @@ class NoSpaceError(ResilientStrategyError):
             f"{directory} (or make it writable), or point TMPDIR (the run's files live there) "
             "at a disk with room, and run again.")
 
+    @classmethod
+    def from_os_error(cls, exc: OSError, path: str, what: str) -> NoSpaceError | None:
+        """``exc`` as a NoSpaceError when a full disk, an exhausted quota or a read-only
+        filesystem caused it, else None (the caller re-raises ``exc``)."""
+        import errno
+
+        full = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+        if exc.errno in full or exc.errno == errno.EROFS:
+            return cls(path, what, read_only=exc.errno == errno.EROFS)
+        return None
+
 
 class CheckpointError(ResilientStrategyError):
     """A checkpoint could not be loaded: damaged (truncated, not a torch file, not the layout

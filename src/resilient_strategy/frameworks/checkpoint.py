@@ -262,19 +262,20 @@ class Checkpointer:
 
         from ..records.handoff import note_checkpoint
 
-        _files.ensure_private_dir(self.directory, fix=_FIX_DIR)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=self.directory)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                torch.save(self.state_dict(), fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            self._keep_previous()
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        with _files.writing(self.path, "the checkpoint"):  # full or read-only: one line
+            _files.ensure_private_dir(self.directory, fix=_FIX_DIR)
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=self.directory)
+            try:
+                with os.fdopen(fd, "wb") as fh:
+                    torch.save(self.state_dict(), fh)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                self._keep_previous()
+                os.replace(tmp, self.path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
         note_checkpoint(self._state.optimizer_steps, self.path)
         return True
 

@@ -51,7 +51,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, FileFormatError, UnsafePathError
+from ..errors import CheckpointError, FileFormatError, NoSpaceError, UnsafePathError
 from ..machine import files as _files
 
 __all__ = ["DIR_NAME", "latest", "load", "newest_is_sharded", "save", "steps"]
@@ -193,12 +193,20 @@ def save(directory: Path, model: Any, optimizer: Any, meta: dict[str, Any], rank
                 shutil.rmtree(step)
             os.mkdir(step, 0o700)
     _barrier()
-    with warnings.catch_warnings(), _files.private_umask(), \
-            _files.writing(step, "the sharded checkpoint"):
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp_save(_state_dicts(model, optimizer), checkpoint_id=str(step))
-    if rank == 0:
-        _write_atomic(step / META, lambda fh: torch.save(meta, fh))
+    try:
+        with warnings.catch_warnings(), _files.private_umask(), \
+                _files.writing(step, "the sharded checkpoint"):
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            try:
+                dcp_save(_state_dicts(model, optimizer), checkpoint_id=str(step))
+            except BaseException as exc:  # DCP's CheckpointException is a BaseException
+                raise _first_failure(exc) from None
+        if rank == 0:
+            _write_atomic(step / META, lambda fh: torch.save(meta, fh))
+    except NoSpaceError:
+        if rank == 0:  # the incomplete step goes (its space with it); the last one is whole
+            shutil.rmtree(step, ignore_errors=True)
+        raise
     _barrier()  # every rank's shards and the meta are written: now the step is complete
     if rank == 0:
         _files.make_private(step)  # DCP's own files, whatever modes it chose
@@ -243,6 +251,7 @@ def _set_aside(bad: Path, problem: str, used: Path) -> None:
 def _load_step(step: Path, model: Any, optimizer: Any) -> dict[str, Any]:
     """One step loaded after every check; CheckpointError (naming the step) when damaged."""
     import torch
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
@@ -269,12 +278,31 @@ def _load_step(step: Path, model: Any, optimizer: Any) -> dict[str, Any]:
                      planner=_planner())
     except (UnsafePathError, CheckpointError):
         raise
-    except Exception as exc:  # DCP wraps each rank's failure in its CheckpointException
-        raise CheckpointError(str(step), _problem(exc)) from None
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+        failure = _first_failure(exc)
+        if isinstance(failure, (UnsafePathError, CheckpointError)):
+            raise failure from None
+        raise CheckpointError(str(step), _problem(failure)) from None
     set_state_dict(model, [optimizer] if optimizer is not None else [],
                    model_state_dict=wanted["model"],
                    optim_state_dict=wanted.get("optimizer", {}))
     return {**meta, "model": None, "optimizer": None}
+
+
+def _first_failure(exc: BaseException) -> BaseException:
+    """The first rank's own exception inside DCP's CheckpointException (``exc`` otherwise), so
+    that a full disk under DCP is the OSError it was."""
+    failures = getattr(exc, "failures", None)
+    if type(exc).__name__ == "CheckpointException" and isinstance(failures, dict) and failures:
+        first = failures[min(failures)]
+        if isinstance(first, tuple) and first and isinstance(first[0], BaseException):
+            exc = first[0]
+    cause: BaseException | None = exc
+    for _ in range(8):  # torch.save's zip writer raises a RuntimeError while the OSError is
+        if isinstance(cause, OSError):  # handled: the OSError is what happened
+            return cause
+        cause = None if cause is None else (cause.__cause__ or cause.__context__)
+    return exc
 
 
 def _problem(exc: BaseException) -> str:

@@ -181,20 +181,24 @@ def private_umask() -> Any:
         os.umask(old)
 
 
-#: The errors of a write that a full or read-only filesystem gives: each one is a NoSpaceError.
-FULL_OR_READ_ONLY = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EROFS})
-
-
 @contextlib.contextmanager
 def writing(path: str | Path, what: str) -> Any:
     """Around a write of ``path``: a full disk, an exhausted quota or a read-only filesystem
     becomes one typed line (:class:`~resilient_strategy.errors.NoSpaceError` naming the file)
-    instead of an OSError's traceback; any other error passes unchanged."""
+    instead of an OSError's traceback, also when a writer (torch.save) wrapped that OSError in
+    an error of its own; any other error passes unchanged."""
     try:
         yield
-    except OSError as exc:
-        if exc.errno in FULL_OR_READ_ONLY:
-            raise NoSpaceError(str(path), what, read_only=exc.errno == errno.EROFS) from exc
+    except (OSError, RuntimeError) as exc:  # RuntimeError: torch.save's zip writer wraps it
+        cause: BaseException | None = exc
+        for _ in range(8):  # the exception and what it was raised from or during
+            if cause is None:
+                break
+            typed = (NoSpaceError.from_os_error(cause, str(path), what)
+                     if isinstance(cause, OSError) else None)
+            if typed is not None:
+                raise typed from exc
+            cause = cause.__cause__ or cause.__context__
         raise
 
 
@@ -303,26 +307,28 @@ def read_json(path: Path, *, max_bytes: int, owned: bool = True,
 # --------------------------------------------------------------------------------------------
 def write_json_atomic(path: Path, value: Any, *, indent: int | None = None,
                       sort_keys: bool = False, allow_nan: bool = False,
-                      durable: bool = True) -> None:
+                      durable: bool = True, what: str = "a file of this run") -> None:
     """Write ``value`` as JSON to ``path`` atomically (temp file in the same directory, fsync,
     rename). Raises ValueError/TypeError for what JSON cannot hold (before touching the disk),
-    OSError when the write fails; no temporary file is left either way. ``durable=False`` skips
+    NoSpaceError (naming ``path`` and ``what``) on a full or read-only filesystem, OSError when
+    the write fails otherwise; no temporary file is left either way, the old file is whole. ``durable=False`` skips
     the fsync: still atomic for every reader, only not kept through a power loss (for files that
     matter only while this job runs: the agreement, probe reports)."""
     text = json.dumps(value, indent=indent, sort_keys=sort_keys, allow_nan=allow_nan)
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            if durable:
-                os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with writing(path, what):
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(text)
+                fh.flush()
+                if durable:
+                    os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
 
 def open_lock(path: Path) -> int:
