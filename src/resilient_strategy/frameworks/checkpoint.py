@@ -25,8 +25,10 @@ so ``checkpoint.pt`` is always whole); a damaged latest checkpoint is set aside 
 :class:`~resilient_strategy.errors.CheckpointError` names the file.
 
 A sharded model (FSDP2) is saved through ``torch.distributed.checkpoint`` instead, every rank
-writing its shards (:mod:`.sharded_checkpoint`); restoring takes the newest checkpoint of the
-directory, sharded or not, into whatever the relaunch trains.
+writing its shards (:mod:`.sharded_checkpoint`, under the same rules); restoring checks the
+directory first, then takes its newest checkpoint, sharded or not, into whatever the relaunch
+trains. A full or read-only disk at a save is a NoSpaceError naming the file, the last
+checkpoint kept.
 """
 
 from __future__ import annotations
