@@ -268,11 +268,17 @@ def test_a_damaged_newest_step_falls_back_to_the_previous(tmp_path: Path, damage
     assert not newest.exists() and (newest.parent / f"damaged-{newest.name}").is_dir()
 
 
-def test_a_pointer_to_a_missing_step_uses_the_newest_complete_one(tmp_path: Path) -> None:
+def test_a_pointer_to_a_missing_step_uses_the_newest_complete_one(tmp_path: Path,
+                                                                  caplog: Any) -> None:
     directory = tmp_path / "ckpt"
     _save(directory, 5, 10)
-    (directory / "sharded" / "latest").write_text("step-000000099")
-    assert _loaded_step(directory) == (10, 10.0)
+    pointer = directory / "sharded" / "latest"
+    pointer.write_text("step-000000099")
+    with caplog.at_level(logging.WARNING, logger="resilient_strategy"):
+        assert _loaded_step(directory) == (10, 10.0)
+    warned = [r for r in caplog.records
+              if r.name == "resilient_strategy" and str(pointer) in r.getMessage()]
+    assert len(warned) == 1 and "\n" not in warned[0].getMessage()
 
 
 def test_a_new_checkpoint_never_hides_a_newer_good_one(tmp_path: Path) -> None:

@@ -99,36 +99,38 @@ def _root(directory: Path) -> Path | None:
     return root
 
 
-def _pointer(root: Path) -> str | None:
+def _pointer(root: Path, report: bool) -> str | None:
     """The step name ``latest`` holds (read safely: no link, no FIFO, bounded), or None when
-    absent; a malformed one is reported and ignored (the steps on disk decide)."""
+    absent; a malformed one is ignored (the steps on disk decide), and said when ``report``."""
     path = root / LATEST
     if not os.path.lexists(path):
         return None
+    say = log.warning if report else log.debug
     try:
         raw = _files.read_bytes(path, max_bytes=MAX_POINTER_BYTES)
     except (OSError, FileFormatError) as exc:
-        log.warning("resilient_strategy: %s is unreadable (%s); using the newest complete step",
+        say("resilient_strategy: %s is unreadable (%s); using the newest complete step",
                     path, exc)
         return None
     name = raw.decode("utf-8", "replace").strip()
     if not _STEP.fullmatch(name):
-        log.warning("resilient_strategy: %s names %r, not a step; using the newest complete step",
+        say("resilient_strategy: %s names %r, not a step; using the newest complete step",
                     path, name[:40])
         return None
     if not os.path.lexists(root / name):
-        log.warning("resilient_strategy: %s names %s, which is missing; using the newest "
+        say("resilient_strategy: %s names %s, which is missing; using the newest "
                     "complete step", path, name)
     return name
 
 
-def steps(directory: Path) -> list[Path]:
+def steps(directory: Path, *, report: bool = False) -> list[Path]:
     """The complete step directories under ``directory`` (``.metadata`` and ``meta.pt`` both
-    there), newest first; each checked for trust on the way (UnsafePathError)."""
+    there), newest first; each checked for trust on the way (UnsafePathError), ``latest`` too
+    (a damaged one is said in one line when ``report``: the steps on disk decide)."""
     root = _root(directory)
     if root is None:
         return []
-    _pointer(root)  # checked and reported; the steps on disk decide
+    _pointer(root, report)
     found: list[Path] = []
     for name in sorted(os.listdir(root), reverse=True):
         if not _STEP.fullmatch(name):
@@ -222,7 +224,7 @@ def load(directory: Path, model: Any, optimizer: Any) -> dict[str, Any] | None:
     left, CheckpointError names the newest. UnsafePathError when any path is not safely this
     user's (nothing is loaded then)."""
     problems: list[tuple[Path, str]] = []
-    for step in steps(directory):
+    for step in steps(directory, report=True):
         try:
             meta = _load_step(step, model, optimizer)
         except CheckpointError as exc:
