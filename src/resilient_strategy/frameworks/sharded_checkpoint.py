@@ -71,8 +71,9 @@ MAX_META_BYTES = 64 << 20
 _FIX = ("Point the checkpoint at a directory of your own (mode 0700), or remove what another "
         "user or program put in it; nothing in it was loaded.")
 
-#: What DCP's ``.metadata`` pickle may build (torch 2.4 .. 2.13): its own metadata classes, the
-#: path it records, torch's sizes, dtypes, layouts and memory formats. Nothing that runs code.
+#: What DCP's ``.metadata`` pickle may build (torch 2.13's DCP, checked): its own metadata
+#: classes, the path it records, torch's sizes, dtypes, layouts and memory formats. Nothing
+#: that runs code.
 _METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
