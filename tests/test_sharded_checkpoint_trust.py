@@ -312,16 +312,18 @@ def test_keeps_the_newest_two_steps(tmp_path: Path) -> None:
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _plant_hostile(directory: Path, marker: Path) -> Path:
+def _plant_hostile(directory: Path, marker: Path, kind: str) -> None:
     """Another user's checkpoint directory (mode 0755, uid 65534) holding a sharded step whose
-    ``.metadata`` runs code when unpickled; returns that file."""
-    _save(directory, 56)
-    metadata = _step(directory, 56) / ".metadata"
-    metadata.write_bytes(pickle.dumps(_Payload(marker)))
+    ``.metadata`` runs code when unpickled, or a plain ``checkpoint.pt`` that does."""
+    if kind == "sharded":
+        _save(directory, 56)
+        (_step(directory, 56) / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    else:
+        directory.mkdir()
+        (directory / "checkpoint.pt").write_bytes(pickle.dumps(_Payload(marker)))
     for p in [directory, *directory.rglob("*")]:
         os.chmod(p, 0o755 if p.is_dir() else 0o644)
     _chown_tree(directory)
-    return metadata
 
 
 def _launch(how: str, tmp: Path, checkpoint_dir: Path) -> Any:
@@ -345,14 +347,16 @@ def _launch(how: str, tmp: Path, checkpoint_dir: Path) -> Any:
 
 @as_root
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", ["sharded", "plain"])
 @pytest.mark.parametrize("how", ["python", "torchrun", "run"])
-def test_a_planted_sharded_checkpoint_is_refused_under_every_launcher(tmp_path: Path,
-                                                                      how: str) -> None:
-    """The issue's attack: another user's shared directory with a planted ``.metadata``. The
-    job stops with the one-line UnsafePathError naming the directory; the payload never ran
-    and nothing was written into the other user's directory."""
+def test_a_planted_checkpoint_is_refused_under_every_launcher(tmp_path: Path, how: str,
+                                                              kind: str) -> None:
+    """The issue's attack: another user's shared directory with a planted ``.metadata`` (or a
+    planted plain checkpoint). The job stops with the one-line UnsafePathError naming the
+    directory; the payload never ran and nothing was written into the other user's
+    directory."""
     directory, marker = tmp_path / "shared", tmp_path / "payload-ran"
-    _plant_hostile(directory, marker)
+    _plant_hostile(directory, marker, kind)
     before = sorted(str(p) for p in directory.rglob("*"))
     out = _launch(how, tmp_path, directory)
     assert out.returncode != 0
