@@ -25,8 +25,10 @@ so ``checkpoint.pt`` is always whole); a damaged latest checkpoint is set aside 
 `CheckpointError` names the file.
 
 A sharded model (FSDP2) is saved through ``torch.distributed.checkpoint`` instead, every rank
-writing its shards (`sharded_checkpoint`); restoring takes the newest checkpoint of the
-directory, sharded or not, into whatever the relaunch trains.
+writing its shards (`sharded_checkpoint`, under the same rules); restoring checks the
+directory first, then takes its newest checkpoint, sharded or not, into whatever the relaunch
+trains. A full or read-only disk at a save is a NoSpaceError naming the file, the last
+checkpoint kept.
 """
 
 from __future__ import annotations
@@ -71,13 +73,17 @@ def resumable_sampler_class() -> type[Any]:
         ``micro_batch``) at any ``W``. When the epoch's last micro-step leaves a rank no sample,
         the rank draws one filler (the order's first sample left) so that every rank runs as
         many micro-steps (DDP's collectives); `TorchRuntime` weighs it zero.
-        With ``drop_last`` the epoch ends at the last whole micro-step of every rank."""
+        With ``drop_last`` the epoch ends at the last whole optimizer step (``num_replicas x
+        micro_batch x accumulation`` samples), so that the epoch holds as many optimizer steps,
+        and the same samples, for every split of the global batch."""
 
         _skip = 0
 
-        def __init__(self, dataset: Any, *, micro_batch: int = 1, **kwargs: Any) -> None:
+        def __init__(self, dataset: Any, *, micro_batch: int = 1, accumulation: int = 1,
+                     **kwargs: Any) -> None:
             super().__init__(dataset, **kwargs)
             self.micro_batch = max(1, int(micro_batch))
+            self.accumulation = max(1, int(accumulation))
 
         def skip_next(self, samples: int) -> None:
             self._skip = max(0, int(samples))
@@ -86,8 +92,8 @@ def resumable_sampler_class() -> type[Any]:
         def remaining(self) -> int:
             """Samples every rank together draws from the skip on (fillers not counted)."""
             left = max(0, len(self.dataset) - self._skip)  # type: ignore[arg-type]
-            if self.drop_last:
-                left -= left % (self.num_replicas * self.micro_batch)
+            if self.drop_last:  # whole optimizer steps (a resume starts on one: skip is whole)
+                left -= left % (self.num_replicas * self.micro_batch * self.accumulation)
             return left
 
         @property
@@ -258,19 +264,20 @@ class Checkpointer:
 
         from ..records.handoff import note_checkpoint
 
-        _files.ensure_private_dir(self.directory, fix=_FIX_DIR)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=self.directory)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                torch.save(self.state_dict(), fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            self._keep_previous()
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        with _files.writing(self.path, "the checkpoint"):  # full or read-only: one line
+            _files.ensure_private_dir(self.directory, fix=_FIX_DIR)
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=self.directory)
+            try:
+                with os.fdopen(fd, "wb") as fh:
+                    torch.save(self.state_dict(), fh)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                self._keep_previous()
+                os.replace(tmp, self.path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
         note_checkpoint(self._state.optimizer_steps, self.path)
         return True
 
@@ -299,6 +306,11 @@ class Checkpointer:
         damaged and no previous good one loads."""
         from . import sharded_checkpoint
 
+        if not os.path.lexists(self.directory):
+            return False
+        # the one set of rules, before anything in the directory is looked at: the directory,
+        # then (in sharded_checkpoint) sharded/, its steps and every file of a step
+        _files.check_private_dir(self.directory, fix=_FIX_DIR)
         if sharded_checkpoint.newest_is_sharded(self.directory, self.path):
             st = self._state
             sharded = sharded_checkpoint.load(self.directory, getattr(st.model, "module", st.model),
@@ -312,7 +324,6 @@ class Checkpointer:
             return True
         if not os.path.lexists(self.path) and not os.path.lexists(self.previous_path):
             return False
-        _files.check_private_dir(self.directory, fix=_FIX_DIR)
         problems: list[tuple[Path, str]] = []
         for path in (self.path, self.previous_path):
             if not os.path.lexists(path):

@@ -395,7 +395,7 @@ class TorchRuntime:
             sampler = resumable_sampler_class()(
                 loader.dataset, num_replicas=self.world_size, rank=self.rank,
                 shuffle=isinstance(sampler, RandomSampler), drop_last=loader.drop_last,
-                micro_batch=batch,
+                micro_batch=batch, accumulation=self.accumulation_steps,
             )
             self._register(sampler)
         elif isinstance(sampler, DistributedSampler):

@@ -28,7 +28,7 @@ from ..core.bounded import parse_json, read_user_file
 from ..core.candidate import Candidate
 from ..core.facts import Facts
 from ..core.probe import ProbeResult
-from ..errors import InvalidOptionError, ResilientStrategyError
+from ..errors import InvalidOptionError, NoSpaceError, ResilientStrategyError
 from . import phases as _phases
 from .progress import (
     COLLECTIVE,
@@ -212,17 +212,24 @@ def bound_devices_value(devices: tuple[int, ...], gpus: Sequence[tuple[int, str,
 
 
 def write_decision(path: str | Path, decision: Decision) -> None:
-    """Atomically (temp file + rename in the same directory)."""
+    """Atomically (temp file + rename in the same directory). A full or read-only filesystem
+    is a NoSpaceError naming the file (the previous decision, if any, is left whole)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(decision.to_dict(), fh, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                json.dump(decision.to_dict(), fh, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    except OSError as exc:
+        typed = NoSpaceError.from_os_error(exc, str(path), "the decision handed to the workers")
+        if typed is None:
+            raise
+        raise typed from exc
 
 
 def load_decision(env: Mapping[str, str], state: WorkerState | None = None) -> Decision | None:

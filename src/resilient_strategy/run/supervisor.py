@@ -55,6 +55,7 @@ from ..errors import (
     GpuUnusableError,
     MultiNodeError,
     NodeLostError,
+    NoSpaceError,
     NoWorkingStrategyError,
     ResilientStrategyError,
 )
@@ -105,13 +106,15 @@ def supervise(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
     session: Path | None = None
     try:
         fault = parse_fault(snapshot.get(FAULT_VAR, ""))
-        from ..machine.files import sweep_temp_dirs
+        from ..machine.files import sweep_temp_dirs, writing
 
         # what a killed run left (its workers died with it: see worker.py)
         sweep_temp_dirs(prefixes=(RUN_PREFIX,), min_age_s=0.0)
-        session = Path(tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-"))
+        with writing(os.path.join(tempfile.gettempdir(), f"{RUN_PREFIX}{os.getpid()}-..."),
+                     "the run's directory"):
+            session = Path(tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-"))
         return _supervise(opts, snapshot, fault, session)
-    except (NoWorkingStrategyError, MultiNodeError, GpuUnusableError) as exc:
+    except (NoWorkingStrategyError, MultiNodeError, GpuUnusableError, NoSpaceError) as exc:
         _say(str(exc))  # this machine (or node set) cannot run it: requeue elsewhere
         return int(ExitCode.INFRASTRUCTURE)
     except ResilientStrategyError as exc:
