@@ -348,10 +348,12 @@ def _summary(history: Sequence[Attempt], judgement: Judgement) -> str:
 
 
 def _allowance_words(opts: RunOptions, env: Mapping[str, str]) -> str:
-    """The stall allowance in force, and torch's timeouts set from it."""
+    """The stall allowance and the busy ceiling in force, how to change them, and torch's
+    timeouts set from them."""
     from ..core.options import DEFAULT_PROCESS_GROUP_TIMEOUT
     from .watch import (
         AUTO_STALL_CAP_S,
+        DEFAULT_BUSY_S,
         HEARTBEAT_VAR,
         PG_TIMEOUT_VAR,
         STALL_STEPS,
@@ -360,14 +362,18 @@ def _allowance_words(opts: RunOptions, env: Mapping[str, str]) -> str:
     )
 
     allowance = (f"{opts.stall_timeout_s:g} s (--stall-timeout)" if opts.stall_timeout_s
-                 else f"max({MIN_STALL_S:g} s, {STALL_STEPS} x the median step time after "
-                      f"{WARMUP_STEPS} warm-up steps), at most {AUTO_STALL_CAP_S:g} s")
+                 else f"max({MIN_STALL_S:g} s, {STALL_STEPS} x the p99 step time after "
+                      f"{WARMUP_STEPS} warm-up steps), at most {AUTO_STALL_CAP_S:g} s "
+                      "(--stall-timeout to fix it)")
+    busy = opts.busy_timeout_s if opts.busy_timeout_s is not None else DEFAULT_BUSY_S
+    words = (f"stall allowance {allowance}; a rank busy in its own code may keep the others "
+             f"waiting {busy:g} s (--busy-timeout)")
     if not torch_launcher():
-        return f"stall allowance {allowance}"
-    set_ = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PROCESS_GROUP_TIMEOUT)
+        return words
+    set_ = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PROCESS_GROUP_TIMEOUT, busy)
     torch_words = ", ".join(f"{k}={v}" for k, v in set_.items())
     kept = [k for k in (PG_TIMEOUT_VAR, HEARTBEAT_VAR) if k not in set_]
-    return (f"stall allowance {allowance}; torch's timeouts above it: {torch_words or 'none set'}"
+    return (f"{words}; torch's timeouts just above them: {torch_words or 'none set'}"
             + (f" (yours kept: {', '.join(kept)})" if kept else ""))
 
 
