@@ -435,9 +435,13 @@ def test_a_relaunch_on_fewer_replicas_keeps_the_per_device_batch(
 
 
 def test_diverged_ranks_are_reported_not_relaunched(tmp_path: Path, cache_dir: Path) -> None:
-    script = _toy(tmp_path, "if step == 5 and sel.launch.rank == 0: time.sleep(120)")
+    """Rank 0 runs a collective rank 1 never does: the flight recorders prove the ranks in
+    different collectives (a rank that only sleeps is held up, not diverged: test_realfaults)."""
+    script = _toy(tmp_path, "if step == 5 and sel.launch.rank == 0: "
+                            "torch.distributed.broadcast(torch.zeros(3), 0)")
     proc = _run(tmp_path, cache_dir, script, [], LAUNCHES=str(tmp_path / "launches"))
     assert proc.returncode == ExitCode.USER_ERROR, proc.stderr[-3000:]
+    assert [(k, a) for _, k, a in _story(tmp_path)] == [("diverged", "stop")]
     assert _launches(tmp_path) == ["0 gloo", "1 gloo"]  # one launch: no other backend tried
     assert "mid_run" not in "".join(p.read_text() for p in cache_dir.glob("*.json"))
 
