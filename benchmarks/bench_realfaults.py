@@ -249,11 +249,11 @@ def slow(args: argparse.Namespace, tmp: Path) -> Row:
     return run.finish(Row("slow_20x"), None)
 
 
-def _validation(how: str) -> Callable[[argparse.Namespace, Path], Row]:
+def _validation(how: str, name: str) -> Callable[[argparse.Namespace, Path], Row]:
     def scenario(args: argparse.Namespace, tmp: Path) -> Row:
         run = Run(args, tmp, {"RS_VALIDATE": f"0:{args.at}:{args.validate_s}:{how}"})
         run.start()
-        row = Row(f"{how}_validation")
+        row = Row(name)
         fault_at = None
         if run.wait_step(0, args.at):
             fault_at = time.time()  # the validation begins as the step is marked
@@ -266,8 +266,8 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace, Path], Row]] = {
     "sigkill": _signal_row("sigkill", signal.SIGKILL),
     "sigstop": _signal_row("sigstop", signal.SIGSTOP),
     "slow": slow,
-    "busy_validation": _validation("busy"),
-    "sleepy_validation": _validation("sleep"),
+    "busy_validation": _validation("busy", "busy_validation"),
+    "sleepy_validation": _validation("sleep", "sleepy_validation"),
 }
 
 

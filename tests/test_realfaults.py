@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -46,7 +47,7 @@ def _args(cache: Path, *run_args: str, steps: int = 40) -> argparse.Namespace:
                               backend="gloo", run_args=list(run_args), deadline=300.0)
 
 
-def _stop(tmp: Path, cache: Path, rank: int, at: int, hold_s: float | None) -> object:
+def _stop(tmp: Path, cache: Path, rank: int, at: int, hold_s: float | None) -> Any:
     """SIGSTOP ``rank`` at step ``at``; continue it after ``hold_s`` (None: never)."""
     run = rf.Run(_args(cache), tmp, {})
     run.start()
@@ -67,18 +68,18 @@ def _stop(tmp: Path, cache: Path, rank: int, at: int, hold_s: float | None) -> o
 def test_a_stopped_rank_is_a_stall_naming_it_and_the_job_resumes(
         rank: int, at: int, tmp_path: Path, cache: Path) -> None:
     row = _stop(tmp_path, cache, rank, at, None)
-    assert (row.verdict, row.ranks, row.action, row.exit_code, row.left) == (  # type: ignore[attr-defined]
+    assert (row.verdict, row.ranks, row.action, row.exit_code, row.left) == (
         "stall", [rank], "retry", 0, 0), (tmp_path / "output.txt").read_text()[-3000:]
-    assert row.resumed_from == 5 * (at // 5)  # type: ignore[attr-defined]
+    assert row.resumed_from == 5 * (at // 5)
 
 
 def test_a_brief_stop_is_no_fault(tmp_path: Path, cache: Path) -> None:
     row = _stop(tmp_path, cache, 1, 8, 3.0)
-    assert (row.verdict, row.exit_code, row.left) == ("ok", 0, 0), (  # type: ignore[attr-defined]
+    assert (row.verdict, row.exit_code, row.left) == ("ok", 0, 0), (
         (tmp_path / "output.txt").read_text()[-3000:])
 
 
-def _validate(tmp: Path, cache: Path, how: str, seconds: float, *run_args: str) -> object:
+def _validate(tmp: Path, cache: Path, how: str, seconds: float, *run_args: str) -> Any:
     run = rf.Run(_args(cache, *run_args), tmp, {"RS_VALIDATE": f"0:10:{seconds}:{how}"})
     run.start()
     return run.finish(rf.Row(f"{how}_validation"), None)
@@ -87,19 +88,19 @@ def _validate(tmp: Path, cache: Path, how: str, seconds: float, *run_args: str) 
 def test_a_busy_validation_longer_than_the_allowance_is_left_alone(
         tmp_path: Path, cache: Path) -> None:
     row = _validate(tmp_path, cache, "busy", 25.0)  # the allowance: 15 s
-    assert (row.verdict, row.exit_code, row.left) == ("ok", 0, 0), (  # type: ignore[attr-defined]
+    assert (row.verdict, row.exit_code, row.left) == ("ok", 0, 0), (
         (tmp_path / "output.txt").read_text()[-3000:])
 
 
 def test_a_busy_validation_past_the_busy_ceiling_is_a_stall_naming_rank_0(
         tmp_path: Path, cache: Path) -> None:
     row = _validate(tmp_path, cache, "busy", 60.0, "--busy-timeout", "20")
-    assert (row.verdict, row.ranks, row.action, row.exit_code) == (  # type: ignore[attr-defined]
+    assert (row.verdict, row.ranks, row.action, row.exit_code) == (
         "stall", [0], "retry", 0), (tmp_path / "output.txt").read_text()[-3000:]
     assert "--busy-timeout" in (tmp_path / "output.txt").read_text()  # the stop names it
 
 
 def test_a_sleeping_validation_is_a_stall_naming_rank_0(tmp_path: Path, cache: Path) -> None:
     row = _validate(tmp_path, cache, "sleep", 40.0)
-    assert (row.verdict, row.ranks, row.action, row.exit_code) == (  # type: ignore[attr-defined]
+    assert (row.verdict, row.ranks, row.action, row.exit_code) == (
         "stall", [0], "retry", 0), (tmp_path / "output.txt").read_text()[-3000:]
