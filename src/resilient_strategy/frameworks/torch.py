@@ -244,7 +244,7 @@ class TorchRuntime:
         end_at_exit()
 
     def device_progress(self, writer: Any, start_k: int) -> Any:
-        """A :class:`~resilient_strategy.records.progress.DevicePoller` that follows each
+        """A `DevicePoller` that follows each
         gradient all-reduce to its completion on this rank's GPU (a CUDA event recorded on the
         current stream after the backward, polled from a thread), so that the supervisor tells
         "enqueued, never completed" from "completed" under NCCL, where a collective returns

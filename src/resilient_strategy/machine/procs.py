@@ -3,8 +3,8 @@
 rank that is stopped (``SIGSTOP``, a debugger), in uninterruptible sleep, blocked, or busy in
 its own code is told apart without asking the rank anything.
 
-:func:`parse_stat` is pure and tested from strings; :func:`read_stat` is the thin reader (None
-where the file cannot be read: another OS, a process gone). :func:`pids_with_env` finds the
+`parse_stat` is pure and tested from strings; `read_stat` is the thin reader (None
+where the file cannot be read: another OS, a process gone). `pids_with_env` finds the
 processes whose environment holds a variable (``/proc/<pid>/environ``): the benchmarks and tests
 send a real signal to "the process of rank 1" this way.
 

@@ -111,8 +111,8 @@ class Record:
     """One progress record as written: a sequence number, the phase, a counter ``k`` (the
     collective or step), the bytes it moves, the writer's monotonic time, the region's extra
     allowance, on ``collective_done``, how long the collective took, and ``dev``: the highest
-    collective seen completed *on the device* (:class:`DevicePoller`; under NCCL a collective
-    returns to Python when it is enqueued), :data:`NOT_FOLLOWED` where the device is not
+    collective seen completed *on the device* (`DevicePoller`; under NCCL a collective
+    returns to Python when it is enqueued), `NOT_FOLLOWED` where the device is not
     followed (there, leaving a collective is completing it)."""
 
     seq: int
@@ -157,7 +157,7 @@ class ProgressWriter:
         self._map: mmap.mmap | None = None
         self._entered: dict[int, float] = {}
         #: the record's fields but the sequence number, kept so that the device's progress
-        #: (written from :class:`DevicePoller`'s thread) rewrites the latest record; the lock
+        #: (written from `DevicePoller`'s thread) rewrites the latest record; the lock
         #: keeps the two writers' records whole
         self._last: tuple[bytes, int, int, float, float, float] = (_PHASE_BYTES[STARTED], 0, 0,
                                                                     0.0, 0.0, 0.0)
@@ -218,7 +218,7 @@ class ProgressWriter:
 
     def device_done(self, k: int) -> None:
         """Collective ``k`` (and every one before it) completed on the device. A no-op unless
-        :meth:`follow_device` was called (then from any thread)."""
+        `follow_device` was called (then from any thread)."""
         with self._lock:
             if self._dev == NOT_FOLLOWED or k <= self._dev:
                 return
@@ -259,9 +259,9 @@ class ProgressWriter:
 
 class DevicePoller:
     """Follows collectives to their completion on the device, for a writer whose collectives
-    return when enqueued (NCCL): :meth:`record` (the main thread, after leaving collective
+    return when enqueued (NCCL): `record` (the main thread, after leaving collective
     ``k``) records a device event through ``make_event``; a daemon thread polls the oldest
-    event's ``query()`` every ``interval_s`` and writes :meth:`ProgressWriter.device_done`.
+    event's ``query()`` every ``interval_s`` and writes `device_done`.
     The record then tells "enqueued and not completed on the device" (``k`` left, ``dev`` below
     it) from "completed" and from "never enqueued". Framework-free: ``make_event`` is the
     runtime's (``torch.cuda.Event`` recorded on the current stream). A failing ``query()``

@@ -277,17 +277,17 @@ def classify_attempt(stall: Stall | None, exits: Sequence[RankExit],
     its failed workers (none: every worker exited 0) and every rank's last progress record.
     Pure.
 
-    Every stall is a :attr:`~VerdictKind.STALL` naming the ranks that hold the others up
+    Every stall is a `STALL` naming the ranks that hold the others up
     (inside communicator setup or one collective every rank entered, never arrived where the
     others wait, stopped, or busy past the ceiling); diverged is only proven from the ranks'
-    own collectives (:func:`diverged`). The attempt finished
+    own collectives (`diverged`). The attempt finished
     (:attr:`~VerdictKind.OK`) only when every rank exited 0 and every rank that reported
     progress wrote "finished" after its last step; a rank that exited 0 without it stopped
     early (an :attr:`~VerdictKind.EXIT`, never a success)."""
     if stall is not None:
         # A rank that never arrived where the others wait is held up (stopped, hung, asleep,
         # busy past the ceiling), not proven in another collective: a stall naming it.
-        # Diverged needs the ranks' own collectives to differ (:func:`diverged`).
+        # Diverged needs the ranks' own collectives to differ (`diverged`).
         return Verdict(VerdictKind.STALL, f"stalled: {stall.describe()}", stall.k, "timeout",
                        ranks=stall.ranks, where=stall.where())
     if not exits:

@@ -98,7 +98,7 @@ def training_policy(timeout_s: float) -> StallPolicy:
                        quiet_s=None)
 
 
-#: Stall kinds :meth:`TrainingWatch.poll` adds to the progress judge's: a rank whose process is
+#: Stall kinds `poll` adds to the progress judge's: a rank whose process is
 #: stopped (SIGSTOP, a debugger) holds the others up; a rank busy in its own code past the busy
 #: ceiling.
 STOPPED = "stopped"
@@ -106,7 +106,7 @@ BUSY = "busy"
 
 
 class Activity:
-    """Each rank's process seen from outside (:mod:`resilient_strategy.machine.procs`): its
+    """Each rank's process seen from outside (`procs`): its
     latest state and whether its CPU time advanced over the last BUSY_WINDOW_S. Fed one
     reading per poll; ``read`` is the reader (a test passes a fake)."""
 
@@ -156,9 +156,9 @@ class Activity:
 
 class TrainingWatch:
     """The supervisor's judge: the shared :class:`~resilient_strategy.records.progress.StallWatcher`
-    with :func:`training_policy`, its timeout fixed (``--stall-timeout``) or following the p99
+    with `training_policy`, its timeout fixed (``--stall-timeout``) or following the p99
     step time seen in rank 0's records, refined by what each rank's process is doing
-    (:class:`Activity`): a stopped rank is named as the one holding the others up; a rank whose
+    (`Activity`): a stopped rank is named as the one holding the others up; a rank whose
     CPU time advances in its own code (not waiting on its device) while the others wait is busy,
     not stalled, until ``busy_s`` (``--busy-timeout``). One place owns these deadlines."""
 
@@ -206,8 +206,8 @@ class TrainingWatch:
 
     def refine(self, stall: Stall) -> Stall | None:
         """The judged stall seen with each rank's process: a stopped rank is the one holding
-        the others up (kind :data:`STOPPED`, naming it); ranks busy in their own code are not
-        stalled until ``busy_s`` (then kind :data:`BUSY`); else the stall as judged."""
+        the others up (kind `STOPPED`, naming it); ranks busy in their own code are not
+        stalled until ``busy_s`` (then kind `BUSY`); else the stall as judged."""
         n = len(self.watcher.paths)
         act = self.activity
         positions = tuple(f"{p} [{w}]" if (w := act.words(r)) else p
