@@ -279,3 +279,20 @@ def test_diverged_only_when_the_recorders_show_different_collectives() -> None:
     v = classify_attempt(Stall("straggler", "collective", 2, (1,), 20.0, 15.0, ()), [])
     d = diverged(v, divergence(other_op))
     assert (d.kind, d.users, d.ranks, d.step) == (VerdictKind.DIVERGED, True, (1,), 2)
+
+
+def test_readings_of_a_new_process_start_afresh_and_a_stopped_one_is_never_busy() -> None:
+    procs = Procs()
+    act = Activity(procs.read, TICKS)
+    for i in range(12):  # rank 0 burns a CPU for 6 s
+        procs.ticks[1000] = i * 50
+        act.sample({0: 1000}, 100.0 + i * 0.5)
+    assert act.busy(0) and act.cpu_share(0) == 1.0
+    act.sample({0: 2000}, 106.5)  # the next attempt's process: one reading, nothing known
+    assert act.cpu_share(0) is None and not act.busy(0)
+    for i in range(12):
+        procs.ticks[3000] = i * 50
+        procs.state[3000] = "T" if i > 8 else "R"
+        act.sample({0: 3000}, 110.0 + i * 0.5)
+    assert act.state(0) is not None and act.state(0).stopped  # type: ignore[union-attr]
+    assert not act.busy(0)
