@@ -606,6 +606,9 @@ class Selection:
         rep.setup_begin()
         rt.init()
         rep.setup_end()
+        follow = getattr(rt, "device_progress", None)
+        if follow is not None and rep.device is None:
+            rep.device = follow(rep.writer, rep.step)
 
     def checkpoint(self, directory: str | Any, *, every_steps: int | None = None,
                    every_seconds: float | None = None) -> Checkpointer:

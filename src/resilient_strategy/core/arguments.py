@@ -452,7 +452,8 @@ def run_options_from(env: Mapping[str, str], *, script: str, script_args: tuple[
                      gradient_bytes: int | None, probe_timeout: float | None, logical_cpus: int,
                      torchrun: Any = None, sharding: str | None = None,
                      param_bytes: int | None = None, optimizer_state_factor: float | None = None,
-                     offload: str | None = None) -> RunOptions:
+                     offload: str | None = None,
+                     busy_timeout: float | None = None) -> RunOptions:
     """The supervisor's options: the command line > RESILIENT_STRATEGY_STALL_TIMEOUT /
     RESILIENT_STRATEGY_MAX_RELAUNCHES > our defaults. ``nproc``: a count or "auto"."""
     if nproc in ("auto", "gpu"):
@@ -481,6 +482,6 @@ def run_options_from(env: Mapping[str, str], *, script: str, script_args: tuple[
         global_batch_size=global_batch_size, gradient_bytes=gradient_bytes,
         probe_timeout_s=probe_timeout, logical_cpus=logical_cpus, torchrun=torchrun,
         sharding=sharding, param_bytes=param_bytes, optimizer_state_factor=optimizer_state_factor,
-        offload=offload)
+        offload=offload, busy_timeout_s=busy_timeout)
 
 

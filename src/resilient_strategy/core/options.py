@@ -305,7 +305,10 @@ class RunOptions:
     framework: str | None = None
     nproc: int | None = None  # None: "auto" (one per visible GPU, else 1)
     max_relaunches: int | None = None  # None: no count (the policy's bounds still hold)
-    stall_timeout_s: float | None = None  # None: max(60 s, 20 x the median step time)
+    stall_timeout_s: float | None = None  # None: max(15 s, 5 x the p99 step time)
+    #: How long a rank busy in its own code may keep the others waiting (None: run/watch's
+    #: DEFAULT_BUSY_S).
+    busy_timeout_s: float | None = None
     global_batch_size: int | None = None  # for ranking (the script's own value trains)
     gradient_bytes: int | None = None
     probe_timeout_s: float | None = None
@@ -349,6 +352,7 @@ class RunOptions:
                 raise InvalidOptionError(
                     f"{name} must be an integer from {low} to {top}, not {value!r}", name)
         _check_seconds("--stall-timeout", self.stall_timeout_s, MAX_STALL_TIMEOUT_S)
+        _check_seconds("--busy-timeout", self.busy_timeout_s, MAX_STALL_TIMEOUT_S)
         _check_seconds("--probe-timeout", self.probe_timeout_s, MAX_TIMEOUT_S)
         m = self.min_throughput
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not (
@@ -385,4 +389,4 @@ def _check_memory_flags(sharding: str | None, offload: str | None, framework: st
 
 
 #: The stall timeout's floor when it follows the step time (see supervisor.default_stall_timeout)
-MIN_STALL_S = 60.0
+MIN_STALL_S = 15.0

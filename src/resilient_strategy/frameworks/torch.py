@@ -243,6 +243,26 @@ class TorchRuntime:
         _collect_before_exit()
         end_at_exit()
 
+    def device_progress(self, writer: Any, start_k: int) -> Any:
+        """A `DevicePoller` that follows each
+        gradient all-reduce to its completion on this rank's GPU (a CUDA event recorded on the
+        current stream after the backward, polled from a thread), so that the supervisor tells
+        "enqueued, never completed" from "completed" under NCCL, where a collective returns
+        when enqueued. None for gloo and CPU (their collectives complete before returning) and
+        for a writer that writes nowhere."""
+        if self.backend != "nccl" or self.device.type != "cuda" or not writer.enabled:
+            return None
+        import torch
+
+        from ..records.progress import DevicePoller
+
+        def mark() -> Any:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+            return event
+
+        return DevicePoller(writer, mark, start_k=start_k)
+
     def shutdown(self) -> None:
         """Destroy the process group, if one is up (idempotent)."""
         if self.world_size == 1 and not self.sharded:

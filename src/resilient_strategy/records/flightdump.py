@@ -376,3 +376,26 @@ def _user_frame(frames: Sequence[str]) -> str:
 
 def _ranks(ranks: Sequence[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def divergence(ranks: Sequence[RankDump]) -> str:
+    """The proof that the ranks are in different collectives, from their recorders (pure): one
+    collective number of one process group issued as different operations, or with different
+    tensor sizes, on two ranks. "" when no dump proves it (the recorders agree, or too few
+    answered): a rank that never arrived is then held up, not diverged."""
+    dumped = [r for r in ranks if r.dump is not None]
+    seen: dict[tuple[str, int], tuple[int, Entry]] = {}
+    for r in sorted(dumped, key=lambda d: d.rank):
+        assert r.dump is not None
+        for e in r.dump.entries:
+            if e.p2p:
+                continue
+            first = seen.setdefault((e.group, e.seq), (r.rank, e))
+            other_rank, other = first
+            if other_rank == r.rank:
+                continue
+            if other.op != e.op or (other.sizes and e.sizes and other.sizes != e.sizes):
+                return (f"collective #{e.seq} of group {e.group} is {other.op} "
+                        f"{list(map(list, other.sizes))} on rank {other_rank} but {e.op} "
+                        f"{list(map(list, e.sizes))} on rank {r.rank}")
+    return ""

@@ -38,6 +38,7 @@ from .progress import (
     FINISHED,
     STARTED,
     STEP_DONE,
+    DevicePoller,
     ProgressWriter,
 )
 from .trainfault import TrainFault, fault_from
@@ -312,6 +313,10 @@ class TrainingReporter:
     phase_name: str = STARTED
     #: Where this rank's phase marks go (`phases`; None: not marked).
     phases: str | None = None
+    #: Follows each gradient all-reduce to its completion on the device (NCCL, where a
+    #: collective returns when enqueued; None: leaving it is completing it). Set once, by the
+    #: Selection when the process group is up.
+    device: DevicePoller | None = field(default=None, repr=False)
     _fault_armed: bool = field(default=False, repr=False)
     _stepped_once: bool = field(default=False, repr=False)
 
@@ -328,6 +333,7 @@ class TrainingReporter:
         self._mark(_phases.RESTORED)
         self.step = step
         self.writer.step(step)
+        self.writer.device_done(step)  # the restored steps are complete (no-op off the device)
         self.phase_name = STEP_DONE
 
     def backward_begin(self, last_micro_step: bool) -> None:
@@ -347,6 +353,8 @@ class TrainingReporter:
         if last_micro_step and self.collective:
             self.writer.leave(self.step + 1)
             self.phase_name = COLLECTIVE_DONE
+            if self.device is not None:
+                self.device.record(self.step + 1)
 
     def stepped(self, stepped: bool) -> None:
         if not stepped:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.bounded import parse_json
 from ..core.options import DEFAULT_PROCESS_GROUP_TIMEOUT, RunOptions
 from ..records import flight, phases
-from ..records.flightdump import DumpStatus, RankDump, analyse
+from ..records.flightdump import DumpStatus, RankDump, analyse, divergence
 from ..records.handoff import Decision, error_path, progress_path
 from ..records.progress import (
     Stall,
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from .peers import PeerWatch
 
 from .arguments import node_count, parser
-from .verdicts import PeerFault, RankExit, Verdict, VerdictKind, classify_attempt
+from .verdicts import PeerFault, RankExit, Verdict, VerdictKind, classify_attempt, diverged
 from .watch import TrainingWatch, torch_timeouts
 
 log = logging.getLogger("resilient_strategy")
@@ -48,7 +48,7 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
     phases.mark(marks, phases.AGENT_STARTED)
     nproc = decision.processes
     watch = TrainingWatch([str(progress_path(run_dir, r)) for r in range(nproc)],
-                          opts.stall_timeout_s)
+                          opts.stall_timeout_s, busy_s=opts.busy_timeout_s)
     agent_cls = _agent_class()
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.agent.server.api import WorkerSpec
@@ -110,7 +110,7 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
     agent = agent_cls(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
                       watch=watch, peer=peer, run_dir=run_dir, **shutdown_grace(config))
     timeouts = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PROCESS_GROUP_TIMEOUT,
-                              decision.framework)
+                              watch.busy_s, decision.framework)
     # NCCL's flight recorder on (its dump is asked for before a stalled group is stopped)
     from ..machine.versions import detect_frameworks
 
@@ -162,6 +162,8 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
     verdict = classify_attempt(stall, exits, records)
     if stall is not None and agent.flight:
         verdict = replace(verdict, flight=analyse(agent.flight))
+        if proof := divergence(agent.flight):
+            verdict = diverged(verdict, proof)
     return verdict
 
 
@@ -371,6 +373,13 @@ def _agent_class() -> type[Any]:
             self.run_dir = run_dir
             self.flight: list[RankDump] = []
 
+        def _pids(self) -> dict[int, int]:
+            """Each local rank's process (none before the workers start)."""
+            try:
+                return dict(self._pcontext.pids()) if self._pcontext is not None else {}
+            except Exception:  # torch's process context between states
+                return {}
+
         def _marks(self) -> Path | None:
             return None if self.run_dir is None else phases.supervisor_path(self.run_dir)
 
@@ -390,7 +399,7 @@ def _agent_class() -> type[Any]:
         def _watched(self, worker_group: Any) -> Any:
             result = super()._monitor_workers(worker_group)
             if result.state == WorkerState.HEALTHY and self.stall is None:
-                stall = self.watch.poll()
+                stall = self.watch.poll(self._pids())
                 if stall is not None:
                     self.stall = stall
                     self.stall_at = time.time()  # wall time, as the ranks' error records

@@ -98,8 +98,12 @@ def _ours(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="where each fault's per-rank tracebacks and the attempts record go "
                         "(default: ./resilient-strategy-evidence)")
     p.add_argument("--stall-timeout", type=float, default=None,
-                   help="seconds without progress on any rank before a stall is declared "
-                        "(default: max(60, 20 x the median step time))")
+                   help="seconds the ranks may wait on one that makes no progress (stopped, "
+                        "hung, or in a collective that never completes) before a stall is "
+                        "declared (default: max(15, 5 x the p99 step time))")
+    p.add_argument("--busy-timeout", type=float, default=None,
+                   help="seconds a rank busy in the script's own code (its CPU time advancing: "
+                        "validation, checkpointing) may keep the others waiting (default 600)")
     p.add_argument("--framework", choices=("torch", "tensorflow"), default=None,
                    help="the script's framework (default: read from the script)")
     p.add_argument("--global-batch-size", type=int, default=None,
@@ -160,7 +164,7 @@ def options_from_args(argv: Sequence[str]) -> RunOptions:
         gradient_bytes=ns.gradient_bytes, probe_timeout=ns.probe_timeout,
         logical_cpus=ns.logical_cpus, torchrun=ns if with_torch else None, sharding=ns.sharding,
         param_bytes=ns.param_bytes, optimizer_state_factor=ns.optimizer_state_factor,
-        offload=ns.offload)
+        offload=ns.offload, busy_timeout=ns.busy_timeout)
     return replace(opts, min_throughput=ns.min_throughput, allow_cpu=bool(ns.allow_cpu),
                    max_attempts_without_progress=ns.max_attempts_without_progress,
                    evidence_dir=ns.evidence_dir)  # validated by RunOptions, as every option

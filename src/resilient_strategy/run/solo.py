@@ -66,7 +66,8 @@ def launch_one(opts: RunOptions, decision: Decision, *, poll_s: float = MONITOR_
             f"{decision.nodes} node(s): without torch, resilient-strategy run starts one "
             "(pip install torch for torch's elastic agent)")
     run_dir = Path(decision.run_dir)
-    watch = TrainingWatch([str(progress_path(run_dir, 0))], opts.stall_timeout_s)
+    watch = TrainingWatch([str(progress_path(run_dir, 0))], opts.stall_timeout_s,
+                          busy_s=opts.busy_timeout_s)
     log_path = run_dir / "logs" / "0" / "stderr.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     argv = (sys.executable, "-u", "-m", "resilient_strategy.run.worker", "--supervisor",
@@ -78,7 +79,7 @@ def launch_one(opts: RunOptions, decision: Decision, *, poll_s: float = MONITOR_
         tee = _Tee(proc.stderr, log_path)
         try:
             while proc.poll() is None:
-                stall = watch.poll()
+                stall = watch.poll({0: proc.pid})
                 if stall is not None:
                     stall_at = time.time()
                     with contextlib.suppress(Exception):  # evidence before the kill

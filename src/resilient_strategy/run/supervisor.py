@@ -353,11 +353,12 @@ def _summary(history: Sequence[Attempt], judgement: Judgement) -> str:
 
 
 def _allowance_words(opts: RunOptions, env: Mapping[str, str], framework: str = "torch") -> str:
-    """The stall allowance in force, and the training's timeouts set from it (torch's
-    heartbeat for a PyTorch job only)."""
+    """The stall allowance and the busy ceiling in force, how to change them, and the
+    training's timeouts set from them (torch's heartbeat for a PyTorch job only)."""
     from ..core.options import DEFAULT_PROCESS_GROUP_TIMEOUT
     from .watch import (
         AUTO_STALL_CAP_S,
+        DEFAULT_BUSY_S,
         HEARTBEAT_VAR,
         PG_TIMEOUT_VAR,
         STALL_STEPS,
@@ -366,16 +367,21 @@ def _allowance_words(opts: RunOptions, env: Mapping[str, str], framework: str = 
     )
 
     allowance = (f"{opts.stall_timeout_s:g} s (--stall-timeout)" if opts.stall_timeout_s
-                 else f"max({MIN_STALL_S:g} s, {STALL_STEPS} x the median step time after "
-                      f"{WARMUP_STEPS} warm-up steps), at most {AUTO_STALL_CAP_S:g} s")
+                 else f"max({MIN_STALL_S:g} s, {STALL_STEPS} x the p99 step time after "
+                      f"{WARMUP_STEPS} warm-up steps), at most {AUTO_STALL_CAP_S:g} s "
+                      "(--stall-timeout to fix it)")
+    busy = opts.busy_timeout_s if opts.busy_timeout_s is not None else DEFAULT_BUSY_S
+    words = (f"stall allowance {allowance}; a rank busy in its own code may keep the others "
+             f"waiting {busy:g} s (--busy-timeout)")
     if not torch_launcher():
-        return f"stall allowance {allowance}"
-    set_ = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PROCESS_GROUP_TIMEOUT, framework)
+        return words
+    set_ = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PROCESS_GROUP_TIMEOUT, busy,
+                          framework)
     torch_words = ", ".join(f"{k}={v}" for k, v in set_.items())
     names = (PG_TIMEOUT_VAR, HEARTBEAT_VAR) if framework == "torch" else (PG_TIMEOUT_VAR,)
     kept = [k for k in names if k not in set_]
     whose = "torch's timeouts" if framework == "torch" else "the timeouts"
-    return (f"stall allowance {allowance}; {whose} above it: {torch_words or 'none set'}"
+    return (f"{words}; {whose} just above them: {torch_words or 'none set'}"
             + (f" (yours kept: {', '.join(kept)})" if kept else ""))
 
 

@@ -292,21 +292,20 @@ def classify_attempt(stall: Stall | None, exits: Sequence[RankExit],
     its failed workers (none: every worker exited 0) and every rank's last progress record.
     Pure.
 
-    A stall inside communicator setup or one collective (every rank entered it, some never
-    left) is a `STALL`; ranks that never arrived where the others wait
-    ("straggler") diverged: the application's problem. The attempt finished
+    Every stall is a `STALL` naming the ranks that hold the others up
+    (inside communicator setup or one collective every rank entered, never arrived where the
+    others wait, stopped, or busy past the ceiling); diverged is only proven from the ranks'
+    own collectives (`diverged`). The attempt finished
     (`OK`) only when every rank exited 0 and every rank that reported
     progress wrote "finished" after its last step; a rank that exited 0 without it stopped
     early (an `EXIT`, never a success)."""
     if stall is not None:
+        # A rank that never arrived where the others wait is held up (stopped, hung, asleep,
+        # busy past the ceiling), not proven in another collective: a stall naming it.
+        # Diverged needs the ranks' own collectives to differ (`diverged`).
         waited = f"waited {stall.waited_s:.0f} s (allowed {stall.limit_s:.0f} s)"
-        if stall.kind in ("collective", "setup"):
-            return Verdict(VerdictKind.STALL, f"stalled: {stall.describe()}", stall.k, "timeout",
-                           ranks=stall.ranks, where=stall.where(), detail=waited)
-        return Verdict(VerdictKind.DIVERGED, f"the ranks diverged: {stall.describe()}. The "
-                       "program did not run the same collectives on every rank (another backend "
-                       "would not help)", stall.k, ranks=stall.ranks, where=stall.where(),
-                       detail=f"the others {waited}")
+        return Verdict(VerdictKind.STALL, f"stalled: {stall.describe()}", stall.k, "timeout",
+                       ranks=stall.ranks, where=stall.where(), detail=waited)
     if not exits:
         early = unfinished(records)
         if not early:
@@ -361,6 +360,15 @@ def _classify_exits(exits: Sequence[RankExit]) -> Verdict:
     return Verdict(VerdictKind.BACKEND, f"a rank died with a communication error in its "
                    f"output: {text}", step, error_cause(exits) or "crash", ranks=ranks,
                    where=where)
+
+
+def diverged(stalled: Verdict, proof: str) -> Verdict:
+    """The verdict on a stalled attempt whose ranks are proven to be in different collectives
+    (``proof``: the flight recorder's words, `records.flightdump.divergence`): the program's
+    fault, never relaunched."""
+    return Verdict(VerdictKind.DIVERGED, f"the ranks diverged: {proof}. The program did not "
+                   "run the same collectives on every rank (another backend would not help)",
+                   stalled.step, ranks=stalled.ranks, where=stalled.where, flight=stalled.flight)
 
 
 def merge(faults: Sequence[PeerFault]) -> Verdict | None:
