@@ -261,7 +261,23 @@ def _supervise(tmp: Path, cache: Path, action: str, rank: int, step: int
     found = list((tmp / "resilient-strategy-evidence").glob("*/attempts.json"))
     assert len(found) == 1, proc.stderr[-3000:]
     attempts = list(json.loads(found[0].read_text())["attempts"])
+    _replay_agrees(found[0].parent, attempts, rank)
     return proc, attempts, sorted((tmp / "launches").read_text().split("\n")[:-1])
+
+
+def _replay_agrees(evidence: Path, attempts: list[dict[str, Any]], rank: int) -> None:
+    """The testing kit's replay of the fault the run recorded (the rank's error record, copied
+    beside the evidence) takes the same actions through the same ladder."""
+    from resilient_strategy.testing import machine
+    from resilient_strategy.testing.replay import MidRunFault, replay
+
+    record = json.loads((evidence / f"attempt1.rank{rank}.error.json").read_text())
+    job = replay(machine(0), [MidRunFault.from_record(record, "gloo")], nproc=2,
+                 global_batch_size=64, steps=32)
+    assert job.actions == [a["action"] for a in attempts]
+    assert [a.verdict.kind.value for a in job.attempts] == [
+        a["verdict"]["kind"] for a in attempts]
+    assert [a.verdict.blame for a in job.attempts] == [a["verdict"]["blame"] for a in attempts]
 
 
 @pytest.fixture(scope="module")
