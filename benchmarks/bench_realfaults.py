@@ -18,9 +18,9 @@ default allowance (no --stall-timeout), then makes its fault once (``--at`` is t
   all-reduce (no fault: the job must finish);
 - ``sleepy_validation``: the same validation asleep (time.sleep): a rank that neither runs nor
   progresses is held up: a stall naming rank 0, resumed;
-- ``user_connection_reset``: rank ``--rank`` pushes metrics to a server that hangs up, and
-  urllib raises ``http.client.RemoteDisconnected`` (a ``ConnectionResetError``) in the script's
-  own code: the script's fault, stopped at once with 2 (do not requeue);
+- ``user_connection_reset``: rank ``--rank`` pushes metrics to a server that resets the
+  connection, and urllib raises ``ConnectionResetError: [Errno 104] Connection reset by peer``
+  in the script's own code: the script's fault, stopped at once with 1 (do not requeue);
 - ``device_assert``: the script's own code raises a ``RuntimeError`` with torch's device-side
   assert text (the stand-in for a bad label in a CUDA loss): the script's fault;
 - ``comm_error``: rank ``--rank`` alone enters an all-reduce on a gloo group with a 2 s
@@ -91,26 +91,28 @@ SCRIPT = textwrap.dedent("""
     ckpt = sel.checkpoint(sys.argv[1], every_steps=5)
     model, opt, loader = sel.prepare(model, opt, loader)
     side = None
-    if fault.endswith(":comm"):
+    if fault.endswith(":comm") and sel.num_replicas > 1:
         import datetime
         import torch.distributed as dist
         side = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=2))
 
     def push_metrics(step):
-        # a metrics server that hangs up: urllib raises http.client.RemoteDisconnected
+        # a metrics server that resets the connection: urllib raises ConnectionResetError
         import socket, threading, urllib.request
         srv = socket.socket()
         srv.bind(("127.0.0.1", 0))
         srv.listen(1)
-        def hang_up():
+        def hang_up():  # a reset (RST, SO_LINGER 0): ECONNRESET, "Connection reset by peer"
+            import struct
             conn, _ = srv.accept()
             conn.recv(65536)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             conn.close()
         threading.Thread(target=hang_up, daemon=True).start()
         urllib.request.urlopen(f"http://127.0.0.1:{srv.getsockname()[1]}/m?step={step}", timeout=10)
 
     def check_labels(step):
-        raise RuntimeError("CUDA error: device-side assert triggered\nCUDA kernel errors might "
+        raise RuntimeError("CUDA error: device-side assert triggered\\nCUDA kernel errors might "
                            "be asynchronously reported at some other API call")
 
     def side_sync(step):
@@ -148,7 +150,8 @@ SCRIPT = textwrap.dedent("""
                 r, at, how = fault.split(":")
                 flag = os.path.join(marks, "raised")
                 if int(r) == rank and sel.optimizer_steps == int(at) and not os.path.exists(flag):
-                    open(flag, "w").close()
+                    with open(flag, "w") as fh:
+                        fh.write(str(time.time()))
                     {"urllib": push_metrics, "assert": check_labels, "comm": side_sync}[how](
                         sel.optimizer_steps)
             if validate:
@@ -321,23 +324,27 @@ def _validation(how: str) -> Callable[[argparse.Namespace, Path], Row]:
 
 
 def _raised(name: str, how: str) -> Callable[[argparse.Namespace, Path], Row]:
-    """A rank raises from the script (``how``: urllib, assert, comm); the fault's time is the
-    one its error record says (the copy beside the evidence)."""
+    """A rank raises from the script (``how``: urllib, assert, comm). The fault's time is when
+    the script called the failing code (the ``raised`` mark; the comm row's error comes 2 s later,
+    at gloo's timeout), so that a tree without error-record copies (a "before") is measured the
+    same way."""
     def scenario(args: argparse.Namespace, tmp: Path) -> Row:
         run = Run(args, tmp, {"RS_RAISE": f"{args.rank}:{args.at}:{how}"})
         run.start()
         row = run.finish(Row(name), None)
-        found = list((tmp / "resilient-strategy-evidence").glob(
-            f"*/attempt1.rank{args.rank}.error.json"))
         attempts = list((tmp / "resilient-strategy-evidence").glob("*/attempts.json"))
-        if found and attempts:
-            at = float(json.loads(found[0].read_text())["at"])
+        try:
+            at = float((tmp / "marks" / "raised").read_text())
+        except (OSError, ValueError):
+            row.note = "the fault was never made"
+            return row
+        if attempts:
             first = json.loads(attempts[0].read_text())["attempts"][0]
             seen = ((first.get("times") or {}).get("supervisor") or {}).get("fault_seen")
             if seen is not None:
                 row.fault_to_verdict_s = round(float(seen) - at, 2)
             v = first["verdict"]
-            row.note = f"seen: {v.get('seen', '?')}, blame: {v.get('blame', '?')}"
+            row.note = f"seen: {v.get('seen') or '-'}, blame: {v.get('blame') or '-'}"
         return row
     return scenario
 

@@ -157,6 +157,22 @@ def test_the_worker_records_the_chain_and_the_frames(tmp_path: Path) -> None:
     assert blame(record).kind == "user"
 
 
+def test_a_script_that_does_not_compile_is_the_scripts(tmp_path: Path) -> None:
+    """The frames runpy raises a SyntaxError through are installed code (the frozen stdlib
+    too): where it was raised is not the script's line, and the verdict is the script's."""
+    import runpy
+
+    bad = tmp_path / "train.py"
+    bad.write_text("x = (\n")
+    with pytest.raises(SyntaxError) as err:
+        runpy.run_path(str(bad))
+    frames = exception_chain(err.value)[0]["frames"]
+    assert frames and all(f["library"] for f in frames if f["module"] != __name__)
+    got = blame({"types": ["builtins.SyntaxError"], "message": "x",
+                 "chain": exception_chain(err.value)})
+    assert (got.kind, got.why) == ("user", BLAME_SCRIPT)
+
+
 def test_the_blame_tables_are_data_with_sources(tmp_path: Path) -> None:
     table = builtin_signatures().blame
     assert table.distributed("torch.distributed.distributed_c10d")
@@ -206,6 +222,23 @@ def push_metrics(step):
         conn.recv(65536)
         conn.close()
     threading.Thread(target=hang_up, daemon=True).start()
+    urllib.request.urlopen(f"http://127.0.0.1:{{srv.getsockname()[1]}}/metrics?step={{step}}",
+                           timeout=10)
+
+
+def push_metrics_reset(step):
+    # a metrics server that resets the connection (RST): ConnectionResetError, "[Errno 104]
+    # Connection reset by peer", the words a gloo peer's failure prints too
+    import struct
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    def reset():
+        conn, _ = srv.accept()
+        conn.recv(65536)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()
+    threading.Thread(target=reset, daemon=True).start()
     urllib.request.urlopen(f"http://127.0.0.1:{{srv.getsockname()[1]}}/metrics?step={{step}}",
                            timeout=10)
 
@@ -288,8 +321,8 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.slow
 @pytest.mark.torch
 @pytest.mark.parametrize(("action", "rank", "step"), [
-    ("push_metrics", 1, 3), ("push_metrics", 0, 6), ("check_labels", 1, 2),
-    ("check_labels", 0, 5)])
+    ("push_metrics", 1, 3), ("push_metrics", 0, 6), ("push_metrics_reset", 1, 4),
+    ("check_labels", 1, 2), ("check_labels", 0, 5)])
 def test_the_scripts_own_error_stops_at_once_as_the_scripts(
         action: str, rank: int, step: int, tmp_path: Path, cache_dir: Path) -> None:
     proc, attempts, launches = _supervise(tmp_path, cache_dir, action, rank, step)
@@ -299,7 +332,7 @@ def test_the_scripts_own_error_stops_at_once_as_the_scripts(
     v = attempt["verdict"]
     assert (v["kind"], v["ranks"], v["seen"], attempt["action"]) == (
         "user", [rank], SEEN_ERROR_RECORD, "stop")
-    assert v["blame"] == (BLAME_SCRIPT if action == "push_metrics" else BLAME_SCRIPT_TEXT)
+    assert v["blame"] == (BLAME_SCRIPT_TEXT if action == "check_labels" else BLAME_SCRIPT)
     assert action in v["where"]  # the script's function that raised it
 
 

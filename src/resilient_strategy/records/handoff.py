@@ -298,7 +298,7 @@ def _frames(tb: TracebackType | None) -> list[dict[str, Any]]:
         frames.append({"module": module, "file": f.f_code.co_filename,
                        "function": f.f_code.co_name, "line": tb.tb_lineno,
                        "distributed": blame.distributed(module),
-                       "library": (f.f_code.co_filename.startswith(libraries)
+                       "library": (f.f_code.co_filename.startswith((*libraries, "<frozen "))
                                    or module.split(".")[0] == "resilient_strategy")})
         tb = tb.tb_next
     return frames[-MAX_FRAMES:]
