@@ -86,6 +86,11 @@ GLOO = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffe
     # the process group's own error type
     (_record(["torch.distributed.DistBackendError", "builtins.RuntimeError"], "x", SCRIPT),
      "comm", BLAME_PROCESS_GROUP),
+    # the process group's own error state (NCCL's Backend.get_error()) when it raised: a
+    # communication failure that surfaced in the script's CUDA sync, outside any collective
+    ({**_record(["torch.AcceleratorError", "builtins.RuntimeError"], "CUDA error: unspecified "
+                "launch failure", SCRIPT), "pg_error": "COMM_ERROR"}, "comm", BLAME_PROCESS_GROUP),
+    ({**_record(RESET, "reset", SCRIPT), "pg_error": None}, "user", BLAME_SCRIPT),
     # the script wrapped a failed collective: its cause was raised in torch.distributed
     (_record(["builtins.Exception"], "sync failed", SCRIPT,
              cause={"types": ["builtins.RuntimeError"], "message": GLOO, "frames": IN_DIST}),
@@ -130,6 +135,20 @@ def test_a_user_error_in_the_scripts_code_is_never_the_backend() -> None:
     comm = RankExit(1, 1, _record(["builtins.RuntimeError"], GLOO, IN_DIST))
     v = classify_attempt(None, [comm])
     assert (v.kind, v.blame, v.pinned) == (VerdictKind.BACKEND, BLAME_DISTRIBUTED, True)
+
+
+def test_a_rank_that_died_printing_a_device_assert_is_the_scripts() -> None:
+    """NCCL's watchdog may abort a rank on the CUDA error before Python records it: its output
+    still says device-side assert, and that is the script's kernel, not the backend."""
+    tail = ("RuntimeError: CUDA error: device-side assert triggered\n"
+            "terminate called after throwing an instance of 'c10::DistBackendError'\n"
+            "  what():  [PG ID 0 PG GUID 0(default_pg) Rank 1] Process group watchdog thread "
+            "terminated with exception: CUDA error: device-side assert triggered")
+    died = RankExit(1, -6, None, Record(seq=3, phase=COLLECTIVE_DONE, k=3, t=1.0), tail)
+    v = classify_attempt(None, [died])
+    assert (v.kind, v.blame, v.ranks) == (VerdictKind.USER, BLAME_SCRIPT_TEXT, (1,))
+    nccl = RankExit(1, -6, None, None, "NCCL error: unhandled system error")
+    assert classify_attempt(None, [nccl]).kind is VerdictKind.BACKEND
 
 
 def test_the_worker_records_the_chain_and_the_frames(tmp_path: Path) -> None:
@@ -188,6 +207,24 @@ def test_the_blame_tables_are_data_with_sources(tmp_path: Path) -> None:
                 '[[distributed_frame]]\nid = "x"\nmodule = "a"\nsource = "s"\nextra = 1\n'):
         with pytest.raises(InvalidRuleError):
             parse_blame("version = 1\n" + bad, "bad.toml")
+
+
+@pytest.mark.torch
+def test_the_process_group_error_state_is_read_only_where_the_backend_has_one(
+        tmp_path: Path) -> None:
+    """NCCL's backend reports its error state (``get_error()``); gloo's has none: None, never
+    an exception, with or without a group."""
+    import torch.distributed as dist
+
+    from resilient_strategy.frameworks.teardown import process_group_error
+
+    assert process_group_error() is None
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        assert process_group_error() is None
+    finally:
+        dist.destroy_process_group()
 
 
 # ----- real supervised runs --------------------------------------------------------------------
@@ -250,6 +287,13 @@ def check_labels(step):
                        "might be incorrect.")
 
 
+def real_assert(step):
+    # a real device-side assert: a label out of range in a CUDA loss (GPU runs only)
+    logits = torch.randn(4, 2, device=sel.device).log_softmax(1)
+    torch.nn.functional.nll_loss(logits, torch.tensor([0, 1, 5, 0], device=sel.device))
+    torch.cuda.synchronize()
+
+
 def side_sync(step):
     # an all-reduce this rank alone enters, on a group with a 2 s timeout: gloo raises inside
     # torch.distributed while the other rank trains on into the next gradient all-reduce
@@ -263,7 +307,8 @@ for epoch in range(2):
         with sel.accumulate(model):
             sel.backward(torch.nn.functional.cross_entropy(model(x), y))
         step += sel.step(opt)
-        if (sel.backend == "gloo" and step == int(os.environ["FAULT_STEP"])
+        if (sel.backend == os.environ.get("FAULT_BACKEND", "gloo")
+                and step == int(os.environ["FAULT_STEP"])
                 and sel.launch.rank == int(os.environ["FAULT_RANK"])):
             {action}(step)
 print("finished", sel.launch.rank)
@@ -275,12 +320,12 @@ def _env(tmp: Path, cache: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")}
     (tmp / "tmp").mkdir(exist_ok=True)
     env.update({"PYTHONPATH": str(ROOT / "src"), "RESILIENT_STRATEGY_CACHE_DIR": str(cache),
-                "TMPDIR": str(tmp / "tmp"), "RESILIENT_STRATEGY_TIMEOUT": "60",
-                "CUDA_VISIBLE_DEVICES": "", **extra})
+                "TMPDIR": str(tmp / "tmp"), "RESILIENT_STRATEGY_TIMEOUT": "60", **extra})
     return env
 
 
-def _supervise(tmp: Path, cache: Path, action: str, rank: int, step: int
+def _supervise(tmp: Path, cache: Path, action: str, rank: int, step: int,
+               backend: str = "gloo"
                ) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]], list[str]]:
     script = tmp / "toy.py"
     script.write_text(textwrap.dedent(TOY.format(action=action)))
@@ -289,12 +334,14 @@ def _supervise(tmp: Path, cache: Path, action: str, rank: int, step: int
         [sys.executable, "-m", "resilient_strategy", "run", "--nproc-per-node", "2",
          "--stall-timeout", "600", str(script)],
         env=_env(tmp, cache, LAUNCHES=str(tmp / "launches"), FAULT_RANK=str(rank),
-                 FAULT_STEP=str(step)),
+                 FAULT_STEP=str(step), FAULT_BACKEND=backend,
+                 **({"CUDA_VISIBLE_DEVICES": ""} if backend == "gloo" else {})),
         cwd=tmp, capture_output=True, text=True, timeout=300)
     found = list((tmp / "resilient-strategy-evidence").glob("*/attempts.json"))
     assert len(found) == 1, proc.stderr[-3000:]
     attempts = list(json.loads(found[0].read_text())["attempts"])
-    _replay_agrees(found[0].parent, attempts, rank)
+    if backend == "gloo":
+        _replay_agrees(found[0].parent, attempts, rank)
     return proc, attempts, sorted((tmp / "launches").read_text().split("\n")[:-1])
 
 
@@ -351,3 +398,22 @@ def test_a_communication_error_is_acted_on_from_its_error_record(
     assert attempts[0]["action"] == "step_down"
     assert [a["verdict"]["kind"] for a in attempts[1:]] == ["ok"]
     assert launches == ["0 cpu", "0 gloo", "1 gloo"]
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+@pytest.mark.gpu
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_real_device_side_assert_under_nccl_is_the_scripts(
+        rank: int, tmp_path: Path, cache_dir: Path) -> None:
+    """On two GPUs (NCCL): a label out of range in the script's CUDA loss asserts on the device;
+    the run stops at once as the script's (exit 1), never steps down."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    proc, attempts, launches = _supervise(tmp_path, cache_dir, "real_assert", rank, 3, "nccl")
+    assert proc.returncode == ExitCode.USER_ERROR, proc.stderr[-3000:]
+    assert launches == ["0 nccl", "1 nccl"]
+    [attempt] = attempts
+    v = attempt["verdict"]
+    assert (v["kind"], v["blame"], v["seen"], attempt["action"]) == (
+        "user", BLAME_SCRIPT_TEXT, SEEN_ERROR_RECORD, "stop")

@@ -48,6 +48,27 @@ def end_process_group(barrier_s: float | None = EXIT_BARRIER_S) -> bool:
 _FAILED: list[bool] = []
 
 
+def process_group_error() -> str | None:
+    """The default process group's own error state, as its backend reports it
+    (``Backend.get_error()``: ``COMM_ERROR``, ``REMOTE_ERROR``, ``TIMEOUT``; torch's NCCL backend
+    has it, gloo does not), or None: no group, no such state, or ``SUCCESS``. Never raises."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
+        return None
+    with contextlib.suppress(Exception):
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        torch = sys.modules["torch"]
+        group = dist.group.WORLD
+        for device in ("cuda", "cpu"):
+            with contextlib.suppress(Exception):
+                state = group._get_backend(torch.device(device)).get_error()
+                name = str(getattr(state, "name", state)).rsplit(".", 1)[-1]
+                if name and name != "SUCCESS":
+                    return name
+    return None
+
+
 def skip_exit_barrier() -> None:
     """This process failed (a caught exception turned into an exit, as the run's worker does):
     the exit ends the group without waiting for the peers in a barrier."""

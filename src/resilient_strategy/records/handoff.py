@@ -327,11 +327,12 @@ def exception_chain(exc: BaseException) -> list[dict[str, Any]]:
 
 
 def write_error(run_dir: str | Path, local_rank: int, exc: BaseException,
-                reporter: TrainingReporter | None) -> None:
+                reporter: TrainingReporter | None, pg_error: str | None = None) -> None:
     """The worker's last word: the exception's type names (its MRO) and message, its class
     chain with the frames each was raised through (:func:`exception_chain`), and where the rank
-    was (its step, its phase, whether inside the marked collective region of a step). Best
-    effort; never raises."""
+    was (its step, its phase, whether inside the marked collective region of a step), and the
+    process group's own error state when its backend reports one (``pg_error``). Best effort;
+    never raises."""
     record = {
         "rank": reporter.rank if reporter else local_rank,
         "at": time.time(),
@@ -340,6 +341,7 @@ def write_error(run_dir: str | Path, local_rank: int, exc: BaseException,
         "step": reporter.step if reporter else None,
         "phase": reporter.phase_name if reporter else None,
         "in_collective": bool(reporter and reporter.phase_name == COLLECTIVE),
+        "pg_error": pg_error,
     }
     with contextlib.suppress(Exception):  # the chain is extra: the record goes without it
         record["chain"] = exception_chain(exc)

@@ -153,6 +153,9 @@ BLAME_TEXT = "text_only"  # a record that says nothing of where: its type and te
 #: a RuntimeError; a socket's an OSError; TensorFlow's an OpError). A ValueError or TypeError
 #: from torch.distributed is a call the script got wrong.
 _FAILURE_TYPES = frozenset({"RuntimeError", "OSError", "OpError"})
+#: The process group's own error states (torch's ``ErrorType``, ``Backend.get_error()``) that
+#: make an exception raised while it holds one a communication error.
+_PG_ERRORS = frozenset({"COMM_ERROR", "REMOTE_ERROR", "TIMEOUT"})
 
 
 @dataclass(frozen=True)
@@ -168,7 +171,7 @@ class Blame:
 def blame(error: Mapping[str, Any], signatures: Signatures | None = None) -> Blame:
     """Whose fault a rank's error record is (pure). Where it was raised decides before its
     text: a device-side assert is the script's anywhere, a bad address outside a distributed
-    frame; the process group's own error type, or a failure type (:data:`_FAILURE_TYPES`)
+    frame; the process group's own error type or error state (``pg_error``), or a failure type (:data:`_FAILURE_TYPES`)
     raised in a distributed frame (``[[distributed_frame]]`` in ``signatures.toml``) of any
     exception of the chain, is a communication error; so is a failure type with a
     communication text raised while the rank was inside the marked all-reduce of a step (DDP's
@@ -193,7 +196,7 @@ def blame(error: Mapping[str, Any], signatures: Signatures | None = None) -> Bla
     in_distributed = [r for r in chain if r.raised_in_distributed(table)]
     if table.blame.script_fault(text, bool(in_distributed)) is not None:
         return Blame("user", BLAME_SCRIPT_TEXT, at)
-    if names & set(_COMM_TYPES):
+    if names & set(_COMM_TYPES) or str(error.get("pg_error") or "") in _PG_ERRORS:
         return Blame("comm", BLAME_PROCESS_GROUP, at)
     if "SystemExit" in top.names:
         return Blame("exit", BLAME_EXIT, at)
@@ -479,6 +482,15 @@ def classify_attempt(stall: Stall | None, exits: Sequence[RankExit],
         ranks, where = blamed("user", "exit")
         return Verdict(VerdictKind.USER, f"the script failed: {text}", step, ranks=ranks,
                        where=where, blame=why("user", "exit"))
+    # a rank that died printing a device-side assert (NCCL's watchdog may abort it before
+    # Python records the exception): the script's kernel, whatever else it printed
+    asserted = [e for e in exits if e.error is None and builtin_signatures().blame.script_fault(
+        e.stderr_tail[-TAIL_SIGNATURE_BYTES:], True) is not None]
+    if asserted:
+        return Verdict(VerdictKind.USER, f"the script failed: {text}", step,
+                       ranks=tuple(e.rank for e in asserted),
+                       where=next((e.where() for e in asserted if e.where()), ""),
+                       blame=BLAME_SCRIPT_TEXT)
     # a rank that vanished (no exception, no signature in its output) is the root cause: the
     # others' "connection closed by peer" is what its leaving did to them
     vanished = [e for e, k in zip(exits, kinds, strict=True)

@@ -33,7 +33,7 @@ from collections.abc import Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import IO  # noqa: E402
 
-from ..frameworks.teardown import skip_exit_barrier  # noqa: E402
+from ..frameworks.teardown import process_group_error, skip_exit_barrier  # noqa: E402
 from ..probing.workers.watchdog import watch_parent  # noqa: E402
 from ..records import phases  # noqa: E402
 from ..records.flight import serve  # noqa: E402
@@ -90,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 def _raised(run_dir: Path, local_rank: int, exc: BaseException) -> None:
     """The script raised: its error record now, before any barrier or teardown (the supervisor
     acts on it at once), and no exit barrier after it (the peers may never come)."""
-    write_error(run_dir, local_rank, exc, current_reporter())
+    write_error(run_dir, local_rank, exc, current_reporter(), process_group_error())
     skip_exit_barrier()
 
 
