@@ -325,14 +325,14 @@ def _env(tmp: Path, cache: Path, **extra: str) -> dict[str, str]:
 
 
 def _supervise(tmp: Path, cache: Path, action: str, rank: int, step: int,
-               backend: str = "gloo"
+               backend: str = "gloo", run_args: tuple[str, ...] = ()
                ) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]], list[str]]:
     script = tmp / "toy.py"
     script.write_text(textwrap.dedent(TOY.format(action=action)))
     # a stall allowance of 10 minutes: a verdict that waited for it would never come in time
     proc = subprocess.run(
         [sys.executable, "-m", "resilient_strategy", "run", "--nproc-per-node", "2",
-         "--stall-timeout", "600", str(script)],
+         "--stall-timeout", "600", *run_args, str(script)],
         env=_env(tmp, cache, LAUNCHES=str(tmp / "launches"), FAULT_RANK=str(rank),
                  FAULT_STEP=str(step), FAULT_BACKEND=backend,
                  **({"CUDA_VISIBLE_DEVICES": ""} if backend == "gloo" else {})),
@@ -341,19 +341,25 @@ def _supervise(tmp: Path, cache: Path, action: str, rank: int, step: int,
     assert len(found) == 1, proc.stderr[-3000:]
     attempts = list(json.loads(found[0].read_text())["attempts"])
     if backend == "gloo":
-        _replay_agrees(found[0].parent, attempts, rank)
+        window = int(run_args[run_args.index("--fault-window") + 1]) \
+            if "--fault-window" in run_args else 100
+        _replay_agrees(found[0].parent, attempts, rank, window)
     return proc, attempts, sorted((tmp / "launches").read_text().split("\n")[:-1])
 
 
-def _replay_agrees(evidence: Path, attempts: list[dict[str, Any]], rank: int) -> None:
+def _replay_agrees(evidence: Path, attempts: list[dict[str, Any]], rank: int,
+                   window: int = 100) -> None:
     """The testing kit's replay of the fault the run recorded (the rank's error record, copied
     beside the evidence) takes the same actions through the same ladder."""
     from resilient_strategy.testing import machine
     from resilient_strategy.testing.replay import MidRunFault, replay
 
     record = json.loads((evidence / f"attempt1.rank{rank}.error.json").read_text())
+    from resilient_strategy.run.policy import RelaunchPolicy
+
     job = replay(machine(0), [MidRunFault.from_record(record, "gloo")], nproc=2,
-                 global_batch_size=64, steps=32)
+                 global_batch_size=64, steps=32, checkpoint_every=10_000,
+                 policy=RelaunchPolicy(fault_window=window))
     assert job.actions == [a["action"] for a in attempts]
     assert [a.verdict.kind.value for a in job.attempts] == [
         a["verdict"]["kind"] for a in attempts]
@@ -398,6 +404,23 @@ def test_a_communication_error_is_acted_on_from_its_error_record(
     assert attempts[0]["action"] == "step_down"
     assert [a["verdict"]["kind"] for a in attempts[1:]] == ["ok"]
     assert launches == ["0 cpu", "0 gloo", "1 gloo"]
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+@pytest.mark.parametrize(("rank", "step"), [(1, 8), (0, 6)])
+def test_a_communication_error_after_a_healthy_stretch_is_retried_first(
+        rank: int, step: int, tmp_path: Path, cache_dir: Path) -> None:
+    """With a fault window of 5 steps, a communication error at step 6 or 8 (no fault before)
+    comes after a healthy stretch: retried on gloo first; its repeat on the retry (the script
+    keeps no checkpoint: it fails at the same step again) steps down."""
+    proc, attempts, launches = _supervise(tmp_path, cache_dir, "side_sync", rank, step,
+                                          run_args=("--fault-window", "5"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [(a["candidate"].split(":")[1], a["verdict"]["kind"], a["action"])
+            for a in attempts] == [("gloo", "backend", "retry"), ("gloo", "backend", "step_down"),
+                                   ("cpu", "ok", "finish")]
+    assert launches == ["0 cpu", "0 gloo", "0 gloo", "1 gloo", "1 gloo"]
 
 
 @pytest.mark.slow

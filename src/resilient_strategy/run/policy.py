@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from ..records.phases import Timeline
 
 from ..core.estimate import throughput_fraction
+from ..core.options import DEFAULT_FAULT_WINDOW as _DEFAULT_FAULT_WINDOW
 from ..core.probe import ERROR, ProbeResult
 from ..errors import NoWorkingStrategyError
 from .exitcodes import ExitCode
@@ -52,9 +53,10 @@ DEFAULT_MAX_ATTEMPTS_WITHOUT_PROGRESS = 3
 #: The optimizer steps an attempt must complete beyond the furthest before to count as
 #: progress (an attempt that creeps one step further each time is a crash loop).
 DEFAULT_MIN_PROGRESS_STEPS = 10
-#: The window of the fault rate, in optimizer steps: a second fault on one strategy within it
-#: steps down; a communication error after this many steps without a fault is retried first.
-DEFAULT_FAULT_WINDOW = 100
+#: The window of the fault rate, in optimizer steps (``--fault-window``): a second fault on one
+#: strategy within it steps down; a communication error after this many steps without a fault
+#: is retried first.
+DEFAULT_FAULT_WINDOW = _DEFAULT_FAULT_WINDOW
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,8 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
     from ..machine.inspect import detect_facts
 
     policy = RelaunchPolicy(opts.min_throughput, opts.allow_cpu,
-                            opts.max_attempts_without_progress, opts.max_relaunches)
+                            opts.max_attempts_without_progress, opts.max_relaunches,
+                            fault_window=opts.fault_window)
     evidence = Evidence(Path(os.path.abspath(opts.evidence_dir)), session.name)
     failures: dict[str, ProbeResult] = {}  # candidates stepped down from, by key
     history: list[Attempt] = []
