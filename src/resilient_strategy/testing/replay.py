@@ -79,8 +79,9 @@ class MidRunFault:
     :data:`REPLAY_KINDS`). An "error" raises the class chain ``chain`` (each exception's MRO
     names, the exception first; default: ``error_type`` alone) with ``message``, raised
     ``raised_in`` (:data:`RAISED_IN`), or is the error record a worker wrote (``record``, e.g.
-    :meth:`from_record` of an evidence file's copy): classified as the supervisor does.
-    ``launches``: in the first that many launch attempts only (None: every one)."""
+    :meth:`from_record` of an evidence file's copy): classified as the supervisor does. For
+    "lost_node", ``rank`` is the node that vanished. ``launches``: in the first that many launch
+    attempts only (None: every one)."""
 
     kind: str
     backend: str
