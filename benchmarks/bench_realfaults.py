@@ -17,9 +17,18 @@ default allowance (no --stall-timeout), then makes its fault once (``--at`` is t
   ``--validate-s`` seconds (longer than the allowance) while the others wait in the next
   all-reduce (no fault: the job must finish);
 - ``sleepy_validation``: the same validation asleep (time.sleep): a rank that neither runs nor
-  progresses is held up: a stall naming rank 0, resumed.
+  progresses is held up: a stall naming rank 0, resumed;
+- ``user_connection_reset``: rank ``--rank`` pushes metrics to a server that resets the
+  connection, and urllib raises ``ConnectionResetError: [Errno 104] Connection reset by peer``
+  in the script's own code: the script's fault, stopped at once with 1 (do not requeue);
+- ``device_assert``: the script's own code raises a ``RuntimeError`` with torch's device-side
+  assert text (the stand-in for a bad label in a CUDA loss): the script's fault;
+- ``comm_error``: rank ``--rank`` alone enters an all-reduce on a gloo group with a 2 s
+  timeout, and gloo raises inside torch.distributed while the other rank waits in the next
+  gradient all-reduce: the backend's, acted on from the rank's error record.
 
-Columns: seconds from the fault to the supervisor's verdict (its ``fault_seen`` mark), the
+Columns: seconds from the fault (for a raised error: the time in its error record) to the
+supervisor's verdict (its ``fault_seen`` mark), the
 verdict and the ranks it names, the action, the step the next attempt resumed from, the exit
 code, the wall time and the processes of the run left afterwards. Rows are a table of
 scenarios (:data:`SCENARIOS`, name -> function): another fault is one more entry.
@@ -58,6 +67,7 @@ SCRIPT = textwrap.dedent("""
     step_s = float(os.environ.get("RS_STEP_S", "0.05"))
     slow = os.environ.get("RS_SLOW", "")  # "rank:from:to:factor"
     validate = os.environ.get("RS_VALIDATE", "")  # "rank:at:seconds:busy|sleep"
+    fault = os.environ.get("RS_RAISE", "")  # "rank:at:urllib|assert|comm"
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -65,6 +75,35 @@ SCRIPT = textwrap.dedent("""
     loader = torch.utils.data.DataLoader(data, batch_size=sel.batch_size, drop_last=True)
     ckpt = sel.checkpoint(sys.argv[1], every_steps=5)
     model, opt, loader = sel.prepare(model, opt, loader)
+    side = None
+    if fault.endswith(":comm") and sel.num_replicas > 1:
+        import datetime
+        import torch.distributed as dist
+        side = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=2))
+
+    def push_metrics(step):
+        # a metrics server that resets the connection: urllib raises ConnectionResetError
+        import socket, threading, urllib.request
+        srv = socket.socket()
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        def hang_up():  # a reset (RST, SO_LINGER 0): ECONNRESET, "Connection reset by peer"
+            import struct
+            conn, _ = srv.accept()
+            conn.recv(65536)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+        threading.Thread(target=hang_up, daemon=True).start()
+        urllib.request.urlopen(f"http://127.0.0.1:{srv.getsockname()[1]}/m?step={step}", timeout=10)
+
+    def check_labels(step):
+        raise RuntimeError("CUDA error: device-side assert triggered\\nCUDA kernel errors might "
+                           "be asynchronously reported at some other API call")
+
+    def side_sync(step):
+        import torch.distributed as dist
+        dist.all_reduce(torch.ones(1), group=side)
+
     if rank == 0:
         with open(os.path.join(marks, "resumed"), "a") as fh:
             fh.write(f"{sel.optimizer_steps}\\n")
@@ -92,6 +131,14 @@ SCRIPT = textwrap.dedent("""
                 sel.backward(torch.nn.functional.cross_entropy(model(x), y))
             sel.step(opt)
             mark(sel.optimizer_steps)
+            if fault:
+                r, at, how = fault.split(":")
+                flag = os.path.join(marks, "raised")
+                if int(r) == rank and sel.optimizer_steps == int(at) and not os.path.exists(flag):
+                    with open(flag, "w") as fh:
+                        fh.write(str(time.time()))
+                    {"urllib": push_metrics, "assert": check_labels, "comm": side_sync}[how](
+                        sel.optimizer_steps)
             if validate:
                 r, at, secs, how = validate.split(":")
                 flag = os.path.join(marks, "validated")
@@ -261,6 +308,32 @@ def _validation(how: str, name: str) -> Callable[[argparse.Namespace, Path], Row
     return scenario
 
 
+def _raised(name: str, how: str) -> Callable[[argparse.Namespace, Path], Row]:
+    """A rank raises from the script (``how``: urllib, assert, comm). The fault's time is when
+    the script called the failing code (the ``raised`` mark; the comm row's error comes 2 s later,
+    at gloo's timeout), so that a tree without error-record copies (a "before") is measured the
+    same way."""
+    def scenario(args: argparse.Namespace, tmp: Path) -> Row:
+        run = Run(args, tmp, {"RS_RAISE": f"{args.rank}:{args.at}:{how}"})
+        run.start()
+        row = run.finish(Row(name), None)
+        attempts = list((tmp / "resilient-strategy-evidence").glob("*/attempts.json"))
+        try:
+            at = float((tmp / "marks" / "raised").read_text())
+        except (OSError, ValueError):
+            row.note = "the fault was never made"
+            return row
+        if attempts:
+            first = json.loads(attempts[0].read_text())["attempts"][0]
+            seen = ((first.get("times") or {}).get("supervisor") or {}).get("fault_seen")
+            if seen is not None:
+                row.fault_to_verdict_s = round(float(seen) - at, 2)
+            v = first["verdict"]
+            row.note = f"seen: {v.get('seen') or '-'}, blame: {v.get('blame') or '-'}"
+        return row
+    return scenario
+
+
 #: The fault scenarios, by name (one row each; another fault is one more entry).
 SCENARIOS: dict[str, Callable[[argparse.Namespace, Path], Row]] = {
     "sigkill": _signal_row("sigkill", signal.SIGKILL),
@@ -268,6 +341,9 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace, Path], Row]] = {
     "slow": slow,
     "busy_validation": _validation("busy", "busy_validation"),
     "sleepy_validation": _validation("sleep", "sleepy_validation"),
+    "user_connection_reset": _raised("user_connection_reset", "urllib"),
+    "device_assert": _raised("device_assert", "assert"),
+    "comm_error": _raised("comm_error", "comm"),
 }
 
 

@@ -218,9 +218,12 @@ def render(core: Path = CORE) -> str:
     lines += _causes(sigs, remedy_data)
     from resilient_strategy.core.probe import CAUSES
 
-    stray = [(k, e) for k, e in sigs if e.get("cause") not in CAUSES]
+    blame = [(k, e) for k, e in sigs if k in ("distributed_frame", "script_fault")]
+    stray = [(k, e) for k, e in sigs if e.get("cause") not in CAUSES and (k, e) not in blame]
     lines += _rules(_toml("known_issues.toml", core))
-    for title, entries in (("Remedies", remedies), ("Other failure signatures", stray)):
+    for title, entries in (("Remedies", remedies), ("Other failure signatures", stray),
+                           ("Whose fault a rank's exception is (resilient-strategy run)",
+                            blame)):
         if entries:
             lines += [f"## {title}", ""]
             for kind, e in entries:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from resilient_strategy.core.estimate import throughput_fraction
 from resilient_strategy.run.exitcodes import ExitCode, interrupted
 from resilient_strategy.run.policy import (
     Action,
@@ -40,11 +41,52 @@ def test_a_first_transient_fault_is_retried_then_a_repeat_steps_down(kind: Verdi
     assert first.action is Action.RETRY and first.exit_code is None
     history = _history((GLOO, kind, 20, Action.RETRY))
     assert judge(_v(kind, 20), GLOO, history, POLICY).action is Action.STEP_DOWN
-    # the retry got past the step where the first failed: a new fault, retried again
+    # far past the step where the first one failed (beyond the window): retried again
     assert judge(_v(kind, 500), GLOO, history, POLICY).action is Action.RETRY
-    # another kind on the same strategy is not a repeat
+    # a fault rate, not "one more step resets it": one step further is still a repeat, and so
+    # is another kind of fault on the same strategy within the window
+    assert judge(_v(kind, 21), GLOO, history, POLICY).action is Action.STEP_DOWN
     other = VerdictKind.STALL if kind is not VerdictKind.STALL else VerdictKind.EXIT
-    assert judge(_v(other, 20), GLOO, history, POLICY).action is Action.RETRY
+    assert judge(_v(other, 20 + POLICY.fault_window - 1), GLOO, history,
+                 POLICY).action is Action.STEP_DOWN
+    assert judge(_v(other, 20 + POLICY.fault_window), GLOO, history,
+                 POLICY).action is Action.RETRY
+
+
+def test_a_communication_error_after_a_healthy_stretch_is_retried_first() -> None:
+    window = POLICY.fault_window
+    healthy = judge(_v(VerdictKind.BACKEND, 5000), GLOO, [], POLICY)
+    assert healthy.action is Action.RETRY
+    # its repeat within the window steps down
+    history = _history((GLOO, VerdictKind.BACKEND, 5000, Action.RETRY))
+    assert judge(_v(VerdictKind.BACKEND, 5010), GLOO, history, POLICY).action is Action.STEP_DOWN
+    # the stretch counts from the last fault of the run, on any strategy
+    history = _history((CPU, VerdictKind.STALL, 4950, Action.STEP_DOWN))
+    assert judge(_v(VerdictKind.BACKEND, 4950 + window - 1), GLOO, history,
+                 POLICY).action is Action.STEP_DOWN
+    assert judge(_v(VerdictKind.BACKEND, 4950 + window), GLOO, history,
+                 POLICY).action is Action.RETRY
+    # a short stretch: at once, as a signature always did
+    assert judge(_v(VerdictKind.BACKEND, window - 1), GLOO, [], POLICY).action is Action.STEP_DOWN
+    assert judge(_v(VerdictKind.BACKEND, 50), GLOO, [],
+                 RelaunchPolicy(fault_window=10)).action is Action.RETRY
+
+
+def test_a_failure_creeping_a_step_further_each_time_is_a_crash_loop() -> None:
+    """Each attempt fails one step later than the one before, on a strategy of its own (so no
+    repeat steps it down): the crash-loop bound stops it after three."""
+    history: list[Attempt] = []
+    for n, step in enumerate(range(40, 60)):
+        candidate = f"torch:c{n}:cpu"
+        j = judge(_v(VerdictKind.EXIT, step), candidate, history, POLICY)
+        if j.action is Action.STOP:
+            break
+        history.append(Attempt(n, candidate, candidate, _v(VerdictKind.EXIT, step), j))
+    assert (j.exit_code, len(history)) == (ExitCode.INFRASTRUCTURE,
+                                           POLICY.max_attempts_without_progress)
+    assert without_progress([_v(VerdictKind.EXIT, s) for s in (40, 41, 42)], 10) == 2
+    assert without_progress([_v(VerdictKind.EXIT, s) for s in (40, 41, 42)]) == 0
+    assert without_progress([_v(VerdictKind.EXIT, s) for s in (40, 41, 60)], 10) == 0
 
 
 def test_a_backend_signature_steps_down_at_once_but_never_on_one_device() -> None:
@@ -118,3 +160,18 @@ def test_a_rendezvous_across_nodes_waits_a_bounded_time_unless_the_user_chose() 
     assert bounded_join({}, 2) == {"join_timeout": str(RDZV_JOIN_S)}
     assert bounded_join({"join_timeout": "900", "x": "1"}, 2) == {"join_timeout": "900", "x": "1"}
     assert bounded_join({}, 1) == {}  # one node: no one to wait for
+
+
+def test_the_floor_sees_the_replicas_that_compute() -> None:
+    """8 GPUs to 1 estimated at half the throughput (a communication-bound model): at most 1/8,
+    refused at the default floor; 2 GPUs to 1 stays at its estimate, and gloo on the same 8
+    GPUs is not capped (every replica still computes)."""
+    assert throughput_fraction(1.0, 2.0, 8, 1) == 0.125
+    assert throughput_fraction(1.0, 2.0, 2, 1) == 0.5
+    assert throughput_fraction(1.0, 2.0, 8, 8) == 0.5
+    assert throughput_fraction(1.0, 2.0) == 0.5
+    assert floor_refusal("NCCL", True, 1.0, "1 GPU", False, 2.0, POLICY, 8, 1) is not None
+    assert floor_refusal("NCCL", True, 1.0, "1 GPU", False, 2.0, POLICY, 2, 1) is None
+    assert floor_refusal("NCCL", True, 1.0, "gloo", False, 2.0, POLICY, 8, 8) is None
+    assert floor_refusal("NCCL", True, 1.0, "1 GPU", False, 2.0,
+                         RelaunchPolicy(min_throughput=0.12), 8, 1) is None

@@ -178,3 +178,17 @@ def estimate(
                   "the optimizer step on the CPU")
     step = compute + max(0.0, comm - hidden) + copies + optimizer
     return Estimate(step_seconds=step, bus_gbps=bus, basis=basis)
+
+
+def throughput_fraction(failed_step_s: float, next_step_s: float, failed_replicas: int = 0,
+                        next_replicas: int = 0) -> float:
+    """The throughput of a step-down relative to what failed: the ratio of the estimated step
+    times, and never more than the ratio of the replicas that compute (``next_replicas /
+    failed_replicas``, when both are given: GPUs to GPUs). Leaving k GPUs for one is at most
+    1/k, whatever the model says of the all-reduce those k GPUs paid for: a communication-bound
+    estimate (a large model's gradients over a slow link) must not make one GPU look like half
+    of eight to the throughput floor."""
+    fraction = failed_step_s / next_step_s if next_step_s > 0 else 1.0
+    if failed_replicas > 0 and next_replicas > 0:
+        fraction = min(fraction, next_replicas / failed_replicas)
+    return fraction

@@ -295,6 +295,11 @@ MAX_STALL_TIMEOUT_S = 7 * 86400.0
 MAX_RELAUNCHES = 1000
 
 
+#: The default fault-rate window of ``resilient-strategy run`` (optimizer steps), and its bound.
+DEFAULT_FAULT_WINDOW = 100
+MAX_FAULT_WINDOW = 1_000_000_000
+
+
 @dataclass(frozen=True)
 class RunOptions:
     """What ``resilient-strategy run`` was asked (the supervisor's knobs), validated once.
@@ -318,6 +323,9 @@ class RunOptions:
     min_throughput: float = 0.25
     allow_cpu: bool = False  # a GPU job may step down to the CPU
     max_attempts_without_progress: int = 3  # the crash-loop bound
+    #: The fault-rate window, in optimizer steps: a second fault on a strategy within it steps
+    #: down; a communication error this many steps after the last fault is retried first.
+    fault_window: int = DEFAULT_FAULT_WINDOW
     evidence_dir: str = "resilient-strategy-evidence"  # per-rank tracebacks of each fault
     #: Memory planning, as resilient_strategy() takes it; None: not given (planned as "auto",
     #: and the script's own value is then the one that must agree: see handoff.Decision).
@@ -364,6 +372,10 @@ class RunOptions:
             raise InvalidOptionError(
                 f"--max-attempts-without-progress must be an integer from 1 to "
                 f"{MAX_RELAUNCHES}, not {n!r}", "--max-attempts-without-progress")
+        w = self.fault_window
+        if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_FAULT_WINDOW:
+            raise InvalidOptionError(f"--fault-window must be an integer from 1 to "
+                                     f"{MAX_FAULT_WINDOW}, not {w!r}", "--fault-window")
         _check_memory_flags(self.sharding, self.offload, self.framework)
         if not self.evidence_dir or "\0" in self.evidence_dir:
             raise InvalidOptionError(f"--evidence-dir must be a path, not {self.evidence_dir!r}",

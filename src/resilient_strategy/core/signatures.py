@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -49,11 +49,59 @@ class Signature:
 
 
 @dataclass(frozen=True)
+class DistributedFrame:
+    """A module whose frames are the distributed runtime's (it and its submodules)."""
+
+    id: str
+    module: str
+    source: str
+    origin: str = "built-in"
+
+    def holds(self, module: str) -> bool:
+        return module == self.module or module.startswith(self.module + ".")
+
+
+@dataclass(frozen=True)
+class ScriptFault:
+    """Text that is the script's fault (a kernel's device-side assert, a bad address) when
+    raised outside a distributed frame, or ``anywhere``."""
+
+    id: str
+    pattern: re.Pattern[str]
+    anywhere: bool
+    source: str
+    origin: str = "built-in"
+
+
+@dataclass(frozen=True)
+class Blame:
+    """Who raised an exception, as data: the distributed runtime's modules and the texts that
+    are the script's (``[[distributed_frame]]``, ``[[script_fault]]`` in ``signatures.toml``)."""
+
+    frames: tuple[DistributedFrame, ...] = ()
+    script: tuple[ScriptFault, ...] = ()
+
+    def distributed(self, module: str) -> bool:
+        """Whether a frame of ``module`` is the distributed runtime's."""
+        return any(f.holds(module) for f in self.frames)
+
+    def script_fault(self, text: str, in_distributed: bool) -> ScriptFault | None:
+        """The entry that makes ``text`` the script's (raised inside a distributed frame or
+        not), if any."""
+        return next((e for e in self.script if (e.anywhere or not in_distributed)
+                     and e.pattern.search(text)), None)
+
+    def __add__(self, other: Blame) -> Blame:
+        return Blame(self.frames + other.frames, self.script + other.script)
+
+
+@dataclass(frozen=True)
 class Signatures:
     """The ordered table: `match` returns the first entry that places a text."""
 
     entries: tuple[Signature, ...]
     version: int = VERSION
+    blame: Blame = field(default_factory=Blame)
 
     def match(self, text: str) -> Signature | None:
         if not text:
@@ -111,15 +159,59 @@ def signature_from_dict(d: Mapping[str, Any], origin: str, where: str) -> Signat
                      pattern=pattern, signal=signum, origin=origin)
 
 
+_BLAME_TABLES = frozenset({"distributed_frame", "script_fault"})
+_FRAME_KEYS = frozenset({"id", "module", "source"})
+_SCRIPT_KEYS = frozenset({"id", "match", "anywhere", "source"})
+
+
 def parse_signatures(text: str, origin: str) -> tuple[Signature, ...]:
     """The entries of one TOML document (bounded parse; ``origin`` names it in errors)."""
-    _, tables = data_tables(text, origin, "signature", VERSION)
+    _, tables = data_tables(text, origin, "signature", VERSION, _BLAME_TABLES)
     entries = tuple(signature_from_dict(t, origin, f"#{n}") for n, t in enumerate(tables, 1))
     ids = [e.id for e in entries]
     dupes = sorted({i for i in ids if ids.count(i) > 1})
     if dupes:
         raise InvalidRuleError(dupes[0], "duplicate signature id", origin)
     return entries
+
+
+def parse_blame(text: str, origin: str) -> Blame:
+    """The ``[[distributed_frame]]`` and ``[[script_fault]]`` tables of one TOML document;
+    every problem an `InvalidRuleError` naming the entry."""
+    data, _ = data_tables(text, origin, "signature", VERSION, _BLAME_TABLES)
+    frames: list[DistributedFrame] = []
+    script: list[ScriptFault] = []
+    for what, keys in (("distributed_frame", _FRAME_KEYS), ("script_fault", _SCRIPT_KEYS)):
+        tables = data.get(what, [])
+        if not isinstance(tables, list):
+            raise InvalidRuleError("?", f"'{what}' must be an array of tables ([[{what}]])",
+                                   origin)
+        for n, d in enumerate(tables, 1):
+            eid = table_id(d, what, keys, origin, f"{what} #{n}")
+            source = d.get("source")
+            if not isinstance(source, str) or not source.strip():
+                raise InvalidRuleError(eid, f"every {what} needs a source", origin)
+            if what == "distributed_frame":
+                module = d.get("module")
+                if not isinstance(module, str) or not re.fullmatch(r"\w+(\.\w+)*", module):
+                    raise InvalidRuleError(eid, f"module must be a dotted module name, not "
+                                           f"{module!r}", origin)
+                frames.append(DistributedFrame(eid, module, source.strip(), origin))
+                continue
+            match, anywhere = d.get("match"), d.get("anywhere", False)
+            if not isinstance(anywhere, bool):
+                raise InvalidRuleError(eid, f"anywhere must be true or false, not {anywhere!r}",
+                                       origin)
+            if not isinstance(match, str) or not match:
+                raise InvalidRuleError(eid, f"match must be a regular expression, not {match!r}",
+                                       origin)
+            try:
+                pattern = re.compile(match, re.IGNORECASE)
+            except re.error as exc:
+                raise InvalidRuleError(eid, f"match {match!r} is not a regular expression "
+                                       f"({exc})", origin) from exc
+            script.append(ScriptFault(eid, pattern, anywhere, source.strip(), origin))
+    return Blame(tuple(frames), tuple(script))
 
 
 def merge(builtin: Iterable[Signature], user: Iterable[Signature]) -> Signatures:
@@ -140,7 +232,7 @@ def merge(builtin: Iterable[Signature], user: Iterable[Signature]) -> Signatures
 def builtin_signatures() -> Signatures:
     """The table shipped with the package (read once)."""
     text, origin = read_data("signatures.toml")
-    return Signatures(parse_signatures(text, origin))
+    return Signatures(parse_signatures(text, origin), blame=parse_blame(text, origin))
 
 
 def load_signatures(extra: Iterable[str | Path] | str | Path = ()) -> Signatures:
@@ -154,6 +246,7 @@ def load_signatures(extra: Iterable[str | Path] | str | Path = ()) -> Signatures
 @lru_cache(maxsize=8)
 def _load(paths: tuple[str, ...]) -> Signatures:
     user: list[Signature] = []
+    blame = Blame()
     for name in paths:
         path = Path(name)
         try:
@@ -161,7 +254,9 @@ def _load(paths: tuple[str, ...]) -> Signatures:
         except (OSError, UnsafePathError, FileFormatError, UnicodeDecodeError) as exc:
             raise InvalidRuleError("?", f"cannot read it: {exc}", str(path)) from None
         user.extend(parse_signatures(text, str(path)))
-    return merge(builtin_signatures().entries, user)
+        blame = blame + parse_blame(text, str(path))
+    merged = merge(builtin_signatures().entries, user)
+    return Signatures(merged.entries, blame=builtin_signatures().blame + blame)
 
 
 def signatures_from_env(env: Mapping[str, str], sep: str) -> Signatures:

@@ -8,7 +8,8 @@ although every step ran. `end_at_exit` registers, once per process, an ``atexit`
 ends any group still up while Python is fully alive: every rank meets in a barrier bounded by
 `EXIT_BARRIER_S` (a rank that died leaves its peers waiting that long at most), then the
 group is destroyed and garbage collected. After an uncaught exception (``sys.last_value`` is set
-before ``atexit`` runs) the barrier is skipped: the peers may never come.
+before ``atexit`` runs), or once the process said it failed (`skip_exit_barrier`), the
+barrier is skipped: the peers may never come.
 
 torch is imported only when a group is up (``torch.distributed`` already imported).
 """
@@ -44,8 +45,39 @@ def end_process_group(barrier_s: float | None = EXIT_BARRIER_S) -> bool:
     return True
 
 
+_FAILED: list[bool] = []
+
+
+def process_group_error() -> str | None:
+    """The default process group's own error state, as its backend reports it
+    (``Backend.get_error()``: ``COMM_ERROR``, ``REMOTE_ERROR``, ``TIMEOUT``; torch's NCCL backend
+    has it, gloo does not), or None: no group, no such state, or ``SUCCESS``. Never raises."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
+        return None
+    with contextlib.suppress(Exception):
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        torch = sys.modules["torch"]
+        group = dist.group.WORLD
+        for device in ("cuda", "cpu"):
+            with contextlib.suppress(Exception):
+                state = group._get_backend(torch.device(device)).get_error()
+                name = str(getattr(state, "name", state)).rsplit(".", 1)[-1]
+                if name and name != "SUCCESS":
+                    return name
+    return None
+
+
+def skip_exit_barrier() -> None:
+    """This process failed (a caught exception turned into an exit, as the run's worker does):
+    the exit ends the group without waiting for the peers in a barrier."""
+    _FAILED.append(True)
+
+
 def _at_exit() -> None:
-    failed = getattr(sys, "last_value", None) is not None  # an uncaught exception was printed
+    # an uncaught exception was printed, or the process said it failed
+    failed = getattr(sys, "last_value", None) is not None or bool(_FAILED)
     end_process_group(None if failed else EXIT_BARRIER_S)
 
 

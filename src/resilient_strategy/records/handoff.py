@@ -22,12 +22,14 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 from ..core.bounded import parse_json, read_user_file
 from ..core.candidate import Candidate
 from ..core.facts import Facts
 from ..core.probe import ProbeResult
+from ..core.signatures import builtin_signatures
 from ..errors import InvalidOptionError, NoSpaceError, ResilientStrategyError
 from . import phases as _phases
 from .progress import (
@@ -273,18 +275,84 @@ def note_checkpoint(step: int, path: str | Path, state: WorkerState | None = Non
         os.replace(tmp, note)
 
 
+#: At most this many exceptions of a chain (``__cause__`` / ``__context__``) are recorded, and
+#: at most this many frames of each (the innermost: where it was raised).
+MAX_CHAIN = 8
+MAX_FRAMES = 40
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """Where installed code lives (the standard library, site-packages): a frame there is not
+    the script's."""
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    return tuple(sorted({os.path.join(paths[k], "") for k in ("stdlib", "platstdlib", "purelib",
+                                                               "platlib") if k in paths}))
+
+
+def _frames(tb: TracebackType | None) -> list[dict[str, Any]]:
+    """The frames an exception was raised through, outermost first: module, file, function,
+    line, whether the built-in table counts the module as the distributed runtime's, and
+    whether it is installed code (the standard library, site-packages, this package) rather
+    than the script's."""
+    blame = builtin_signatures().blame
+    libraries = _library_dirs()
+    frames: list[dict[str, Any]] = []
+    while tb is not None:
+        f = tb.tb_frame
+        module = f.f_globals.get("__name__")
+        module = module if isinstance(module, str) else ""
+        frames.append({"module": module, "file": f.f_code.co_filename,
+                       "function": f.f_code.co_name, "line": tb.tb_lineno,
+                       "distributed": blame.distributed(module),
+                       "library": (f.f_code.co_filename.startswith((*libraries, "<frozen "))
+                                   or module.split(".")[0] == "resilient_strategy")})
+        tb = tb.tb_next
+    return frames[-MAX_FRAMES:]
+
+
+def _message(exc: BaseException, limit: int) -> str:
+    try:
+        return str(exc)[-limit:]
+    except Exception:  # a __str__ that raises: the type is still known
+        return ""
+
+
+def exception_chain(exc: BaseException) -> list[dict[str, Any]]:
+    """The exception then what caused it (``__cause__``, else ``__context__`` unless
+    suppressed), each with its class's MRO names, its message and its frames (`_frames`)."""
+    chain: list[dict[str, Any]] = []
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen and len(chain) < MAX_CHAIN:
+        seen.add(id(e))
+        chain.append({"types": [f"{t.__module__}.{t.__qualname__}" for t in type(e).__mro__],
+                      "message": _message(e, 2000), "frames": _frames(e.__traceback__)})
+        e = e.__cause__ if e.__cause__ is not None else (
+            None if e.__suppress_context__ else e.__context__)
+    return chain
+
+
 def write_error(run_dir: str | Path, local_rank: int, exc: BaseException,
-                reporter: TrainingReporter | None) -> None:
-    """The worker's last word: the exception's type names (its MRO) and message, and where the
-    rank was. Best effort; never raises."""
+                reporter: TrainingReporter | None, pg_error: str | None = None) -> None:
+    """The worker's last word: the exception's type names (its MRO) and message, its class
+    chain with the frames each was raised through (`exception_chain`), and where the rank
+    was (its step, its phase, whether inside the marked collective region of a step), and the
+    process group's own error state when its backend reports one (``pg_error``). Best effort;
+    never raises."""
     record = {
         "rank": reporter.rank if reporter else local_rank,
         "at": time.time(),
         "types": [f"{t.__module__}.{t.__qualname__}" for t in type(exc).__mro__],
-        "message": str(exc)[-4000:],
+        "message": _message(exc, 4000),
         "step": reporter.step if reporter else None,
         "phase": reporter.phase_name if reporter else None,
+        "in_collective": bool(reporter and reporter.phase_name == COLLECTIVE),
+        "pg_error": pg_error,
     }
+    with contextlib.suppress(Exception):  # the chain is extra: the record goes without it
+        record["chain"] = exception_chain(exc)
     with contextlib.suppress(OSError, TypeError, ValueError):
         path = error_path(run_dir, local_rank)
         tmp = path.with_suffix(".tmp")

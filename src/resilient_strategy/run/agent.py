@@ -33,7 +33,18 @@ if TYPE_CHECKING:
     from .peers import PeerWatch
 
 from .arguments import node_count, parser
-from .verdicts import PeerFault, RankExit, Verdict, VerdictKind, classify_attempt, diverged
+from .verdicts import (
+    SEEN_ERROR_RECORD,
+    SEEN_EXIT,
+    SEEN_PEER,
+    SEEN_STALL,
+    PeerFault,
+    RankExit,
+    Verdict,
+    VerdictKind,
+    classify_attempt,
+    diverged,
+)
 from .watch import TrainingWatch, torch_timeouts
 
 log = logging.getLogger("resilient_strategy")
@@ -108,7 +119,8 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
         monitor_interval=config.monitor_interval, master_addr=master_addr,
         master_port=master_port, local_addr=config.local_addr)
     agent = agent_cls(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
-                      watch=watch, peer=peer, run_dir=run_dir, **shutdown_grace(config))
+                      watch=watch, peer=peer, run_dir=run_dir, nproc=nproc,
+                      **shutdown_grace(config))
     timeouts = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PROCESS_GROUP_TIMEOUT,
                               watch.busy_s, decision.framework)
     # NCCL's flight recorder on (its dump is asked for before a stalled group is stopped)
@@ -131,7 +143,7 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
         if peer is not None and agent.peer_fault.node == peer.link.node:
             own: Verdict = agent.peer_fault.verdict  # this node is cut off from the store
             return own
-        relayed: Verdict = agent.peer_fault.as_seen_here()
+        relayed: Verdict = replace(agent.peer_fault.as_seen_here(), seen=SEEN_PEER)
         return relayed
     stall: Stall | None = agent.stall
     if stall is not None and raised_before(
@@ -164,7 +176,16 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
         verdict = replace(verdict, flight=analyse(agent.flight))
         if proof := divergence(agent.flight):
             verdict = diverged(verdict, proof)
+    if not verdict.ok:
+        verdict = replace(verdict, seen=SEEN_ERROR_RECORD if agent.raised is not None
+                          else SEEN_STALL if stall is not None else SEEN_EXIT)
     return verdict
+
+
+def first_raised(run_dir: Path, nproc: int) -> int | None:
+    """The lowest local rank that left an error record in this attempt's directory (it raised:
+    the worker writes the record before any barrier or teardown), or None."""
+    return next((lr for lr in range(nproc) if error_path(run_dir, lr).exists()), None)
 
 
 def _backend(key: str) -> str:
@@ -363,8 +384,11 @@ def _agent_class() -> type[Any]:
 
     class SupervisedAgent(LocalElasticAgent):
         def __init__(self, *args: Any, watch: TrainingWatch, peer: PeerWatch | None = None,
-                     run_dir: Path | None = None, **kwargs: Any) -> None:
+                     run_dir: Path | None = None, nproc: int = 0, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
+            self.nproc = nproc
+            #: the local rank whose error record stopped the group (it raised), if one did
+            self.raised: int | None = None
             self.watch = watch
             self.peer = peer
             self.stall: Stall | None = None
@@ -398,6 +422,24 @@ def _agent_class() -> type[Any]:
 
         def _watched(self, worker_group: Any) -> Any:
             result = super()._monitor_workers(worker_group)
+            if (self.stall is None and self.raised is None and self.run_dir is not None
+                    and result.state in (WorkerState.HEALTHY, WorkerState.FAILED)):
+                # a rank that raised wrote its error record before any barrier or teardown
+                # (and before its exit): act on it now, not when its peers stall
+                raised = first_raised(self.run_dir, self.nproc)
+                if raised is not None:
+                    self.raised = raised
+                    if (marks := self._marks()) is not None:
+                        phases.mark(marks, phases.FAULT_SEEN)
+                    if result.state == WorkerState.FAILED:
+                        return result  # the exits seen with it are part of the story
+                    # a peer that exited before the record was written (the root cause of
+                    # its "connection closed") is seen by a second look, after the record
+                    again = super()._monitor_workers(worker_group)
+                    if again.state == WorkerState.FAILED:
+                        return again
+                    self._remaining_restarts = 0
+                    return RunResult(state=WorkerState.UNHEALTHY)
             if result.state == WorkerState.HEALTHY and self.stall is None:
                 stall = self.watch.poll(self._pids())
                 if stall is not None:

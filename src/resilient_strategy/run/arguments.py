@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from ..core.arguments import run_options_from
-from ..core.options import RunOptions
+from ..core.options import DEFAULT_FAULT_WINDOW, RunOptions
 from ..errors import InvalidOptionError
 from ..machine import env as _env
 
@@ -94,6 +94,10 @@ def _ours(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-attempts-without-progress", type=int, default=3,
                    help="stop after this many attempts in a row that get no further than the "
                         "furthest step reached before (default 3)")
+    p.add_argument("--fault-window", type=int, default=DEFAULT_FAULT_WINDOW,
+                   help="optimizer steps: a second fault on a strategy within this many steps "
+                        "steps down; a communication error this many steps after the last "
+                        f"fault is retried first (default {DEFAULT_FAULT_WINDOW})")
     p.add_argument("--evidence-dir", default="resilient-strategy-evidence",
                    help="where each fault's per-rank tracebacks and the attempts record go "
                         "(default: ./resilient-strategy-evidence)")
@@ -167,7 +171,7 @@ def options_from_args(argv: Sequence[str]) -> RunOptions:
         offload=ns.offload, busy_timeout=ns.busy_timeout)
     return replace(opts, min_throughput=ns.min_throughput, allow_cpu=bool(ns.allow_cpu),
                    max_attempts_without_progress=ns.max_attempts_without_progress,
-                   evidence_dir=ns.evidence_dir)  # validated by RunOptions, as every option
+                   fault_window=ns.fault_window, evidence_dir=ns.evidence_dir)  # validated by RunOptions, as every option
 
 
 def _one_line_error(message: str) -> NoReturn:

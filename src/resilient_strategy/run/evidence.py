@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ..machine.files import ensure_private_dir, write_json_atomic
 from ..records.flightdump import FlightFacts
+from ..records.handoff import error_path
 from .policy import Attempt
 
 #: How much of each rank's stderr the evidence keeps (its end).
@@ -67,6 +68,7 @@ class Evidence:
                 text = _tail(path, limit) if path is not None else ""
                 if text.strip():
                     parts += [f"===== rank {r}: {title} ({path}) =====", text.rstrip(), ""]
+        parts += self._error_records(attempt.number, run_dir, ranks)
         path = self.path(attempt.number)
         try:
             ensure_private_dir(self.dir)
@@ -77,6 +79,28 @@ class Evidence:
         except Exception:
             return None
         return str(path)
+
+    def error_record(self, number: int, local_rank: int) -> Path:
+        """Where attempt ``number``'s copy of a rank's error record goes (a replay reads it:
+        `resilient_strategy.testing.replay.MidRunFault.from_record`)."""
+        return self.dir / f"attempt{number + 1}.rank{local_rank}.error.json"
+
+    def _error_records(self, number: int, run_dir: Path, ranks: int) -> list[str]:
+        """Each rank's error record (its class chain and frames) copied beside the evidence
+        file; the lines that name them. Best effort."""
+        out = []
+        for r in range(ranks):
+            src = error_path(run_dir, r)
+            if not src.is_file():
+                continue
+            copy = self.error_record(number, r)
+            try:
+                ensure_private_dir(self.dir)
+                shutil.copyfile(src, copy)
+            except Exception:
+                continue
+            out.append(f"rank {r}'s error record: {copy}")
+        return out
 
     def _raw_dumps(self, number: int, fr: FlightFacts) -> list[str]:
         """Each rank's raw flight-recorder dumps copied beside the evidence file (the run

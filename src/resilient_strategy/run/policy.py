@@ -4,8 +4,11 @@ to the next candidate, or stop with an exit code for the scheduler.
 - A first failure not pinned on the backend (a stall, a rank that exited without a
   communication-error signature, a node that vanished) is retried once on the same strategy,
   from the last checkpoint.
-- A repeat of that kind on that strategy (the retry failed the same way before getting past the
-  step where the first one failed), or a communication-error signature, steps down.
+- A communication error steps down at once, unless it comes after a healthy stretch
+  (``fault_window`` optimizer steps or more since the last fault, or since the start): a track
+  record earns a retry on the same strategy first.
+- Repeats are a fault rate, not "one more step resets it": a second fault on the same strategy
+  within ``fault_window`` steps of the one before steps down, whatever its kind.
 - A one-device job never blames a backend: a signature there counts as an exit.
 - The script's own faults (an exception, out of memory, diverged ranks) stop with
   `USER_ERROR`: do not requeue.
@@ -13,19 +16,22 @@ to the next candidate, or stop with an exit code for the scheduler.
   `INFRASTRUCTURE`: the others go on without it.
 - A node lost at a relaunch's agreement is dropped: node 0 goes on alone
   (`Action.FEWER_NODES`, decided by the supervisor at the agreement).
-- ``max_attempts_without_progress`` attempts in a row that get no further than the furthest
-  step reached before stop the run (a crash loop), whatever the relaunch budget.
+- ``max_attempts_without_progress`` attempts in a row that get fewer than
+  ``min_progress_steps`` further than the furthest step reached before stop the run (a crash
+  loop, also one that creeps a step further each time), whatever the relaunch budget.
 - A step-down never lands on a candidate estimated below ``min_throughput`` x the throughput of
   the one that failed, nor moves a GPU job to the CPU unless ``allow_cpu``
   (`floor_refusal`).
 
-`judge` takes the attempts so far and the new verdict; the supervisor and the testing
-kit's replay (`resilient_strategy.testing.replay`) share it.
+`judge` takes the attempts so far and the new verdict; `relaunch` takes the
+judgement on to the next attempt (the failure the plan learns on a step-down, with its cause;
+the next candidate, from a chooser the caller passes; the floor). The supervisor and the testing
+kit's replay (`resilient_strategy.testing.replay`) both run `relaunch`: one ladder.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -33,13 +39,24 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..records.phases import Timeline
 
+from ..core.estimate import throughput_fraction
+from ..core.options import DEFAULT_FAULT_WINDOW as _DEFAULT_FAULT_WINDOW
+from ..core.probe import ERROR, ProbeResult
+from ..errors import NoWorkingStrategyError
 from .exitcodes import ExitCode
-from .verdicts import Verdict, VerdictKind
+from .verdicts import Verdict, VerdictKind, one_line
 
 #: The default throughput floor of a step-down, relative to what failed.
 DEFAULT_MIN_THROUGHPUT = 0.25
 #: The default crash-loop bound: attempts in a row without progress.
 DEFAULT_MAX_ATTEMPTS_WITHOUT_PROGRESS = 3
+#: The optimizer steps an attempt must complete beyond the furthest before to count as
+#: progress (an attempt that creeps one step further each time is a crash loop).
+DEFAULT_MIN_PROGRESS_STEPS = 10
+#: The window of the fault rate, in optimizer steps (``--fault-window``): a second fault on one
+#: strategy within it steps down; a communication error after this many steps without a fault
+#: is retried first.
+DEFAULT_FAULT_WINDOW = _DEFAULT_FAULT_WINDOW
 
 
 @dataclass(frozen=True)
@@ -48,6 +65,8 @@ class RelaunchPolicy:
     allow_cpu: bool = False
     max_attempts_without_progress: int = DEFAULT_MAX_ATTEMPTS_WITHOUT_PROGRESS
     max_relaunches: int | None = None  # None: no count limit (the bounds above still hold)
+    min_progress_steps: int = DEFAULT_MIN_PROGRESS_STEPS
+    fault_window: int = DEFAULT_FAULT_WINDOW
 
 
 class Action(Enum):
@@ -98,17 +117,31 @@ def effective(verdict: Verdict, world_size: int) -> Verdict:
     return verdict
 
 
-def without_progress(history: Sequence[Verdict]) -> int:
-    """How many of the last attempts in a row completed no optimizer step beyond the furthest
-    completed before each of them (an attempt that failed in step k completed k - 1)."""
+def without_progress(history: Sequence[Verdict], min_steps: int = 1) -> int:
+    """How many of the last attempts in a row completed fewer than ``min_steps`` optimizer
+    steps beyond the furthest completed before each of them (an attempt that failed in step k
+    completed k - 1)."""
     best, idle = 0, 0
     for v in history:
         done = v.step if v.ok else max(0, v.step - 1)
-        if done > best:
+        if done >= best + max(1, min_steps):
             best, idle = done, 0
         else:
-            idle += 1
+            best, idle = max(best, done), idle + 1
     return idle
+
+
+def healthy_steps(verdict: Verdict, history: Sequence[Attempt]) -> int:
+    """The optimizer steps since the last fault before this one (or since the start)."""
+    last = max((a.verdict.step for a in history if not a.verdict.ok), default=0)
+    return max(0, verdict.step - last)
+
+
+def faults_in_window(verdict: Verdict, candidate: str, history: Sequence[Attempt],
+                     window: int) -> list[Attempt]:
+    """The earlier faults on ``candidate`` within ``window`` steps before this one."""
+    return [a for a in history if a.candidate == candidate and not a.verdict.ok
+            and verdict.step - a.verdict.step < window]
 
 
 def judge(verdict: Verdict, candidate: str, history: Sequence[Attempt],
@@ -123,32 +156,45 @@ def judge(verdict: Verdict, candidate: str, history: Sequence[Attempt],
     if verdict.kind is VerdictKind.CUT_OFF:
         return Judgement(Action.STOP, "this node is cut off from the job's store: the other "
                          "nodes go on without it (requeue it elsewhere)", ExitCode.INFRASTRUCTURE)
-    idle = without_progress([*(a.verdict for a in history), verdict])
+    idle = without_progress([*(a.verdict for a in history), verdict], policy.min_progress_steps)
     if idle >= policy.max_attempts_without_progress:
-        return Judgement(Action.STOP, f"{idle} attempts in a row made no progress (the bound "
-                         "is --max-attempts-without-progress "
+        return Judgement(Action.STOP, f"{idle} attempts in a row got fewer than "
+                         f"{policy.min_progress_steps} steps further (the bound is "
+                         "--max-attempts-without-progress "
                          f"{policy.max_attempts_without_progress})", ExitCode.INFRASTRUCTURE)
     if policy.max_relaunches is not None and len(history) >= policy.max_relaunches:
         return Judgement(Action.STOP, f"the relaunch limit ({policy.max_relaunches}) is reached",
                          ExitCode.INFRASTRUCTURE)
+    recent = faults_in_window(verdict, candidate, history, policy.fault_window)
+    if recent:
+        before = recent[-1].verdict
+        return Judgement(Action.STEP_DOWN, f"a second fault ({verdict.kind.value} after "
+                         f"{before.kind.value} at step {before.step}) on this strategy within "
+                         f"{policy.fault_window} steps")
     if verdict.pinned:
-        return Judgement(Action.STEP_DOWN, "a communication-error signature pins it on the "
-                         "backend")
-    before = next((a for a in reversed(history) if a.candidate == candidate), None)
-    if (before is not None and before.verdict.kind is verdict.kind
-            and verdict.step <= before.verdict.step):
-        return Judgement(Action.STEP_DOWN, f"the same fault ({verdict.kind.value}) again on this "
-                         f"strategy, before getting past step {before.verdict.step}")
+        healthy = healthy_steps(verdict, history)
+        if healthy < policy.fault_window:
+            return Judgement(Action.STEP_DOWN, "a communication error pins it on the backend "
+                             f"({healthy} steps since the last fault or the start)")
+        return Judgement(Action.RETRY, f"a communication error after {healthy} healthy steps: "
+                         "retried once on this strategy from the last checkpoint before any "
+                         "step-down")
     return Judgement(Action.RETRY, f"a first {verdict.kind.value} on this strategy is not pinned "
                      "on the backend: retried once from the last checkpoint")
 
 
 def floor_refusal(failed_label: str, failed_gpu: bool, failed_step_s: float, next_label: str,
-                  next_cpu: bool, next_step_s: float, policy: RelaunchPolicy) -> str | None:
+                  next_cpu: bool, next_step_s: float, policy: RelaunchPolicy,
+                  failed_replicas: int = 0, next_replicas: int = 0) -> str | None:
     """Why a step-down from what failed to the next candidate is refused (None: allowed): a GPU
-    job onto the CPU without ``allow_cpu``, or an estimated throughput below the floor. The
-    reason names the option that allows it."""
-    fraction = failed_step_s / next_step_s if next_step_s > 0 else 1.0
+    job onto the CPU without ``allow_cpu``, or an estimated throughput below the floor. GPUs to
+    GPUs, the throughput is at most the ratio of the replicas that compute
+    (`throughput_fraction`: 8 GPUs to 1 is at most
+    1/8). The reason names the option that allows it."""
+    gpus_to_gpus = failed_gpu and not next_cpu
+    fraction = throughput_fraction(failed_step_s, next_step_s,
+                                   failed_replicas if gpus_to_gpus else 0,
+                                   next_replicas if gpus_to_gpus else 0)
     would = (f"it would have relaunched on {next_label}, estimated at "
              f"{max(fraction, 0.001):.1%} of the throughput of {failed_label}")
     if failed_gpu and next_cpu:
@@ -164,3 +210,56 @@ def floor_refusal(failed_label: str, failed_gpu: bool, failed_step_s: float, nex
 def _allowing(fraction: float) -> str:
     """A floor (two decimals, rounded down) that lets ``fraction`` through."""
     return f"{max(0.0, int(fraction * 100) / 100):g}"
+
+
+@dataclass(frozen=True)
+class Rung:
+    """A candidate as the ladder sees it: its key and label, whether it runs on GPUs or on the
+    CPU, its replicas and its estimated seconds per global batch."""
+
+    key: str
+    label: str
+    gpu: bool
+    cpu: bool
+    replicas: int
+    step_seconds: float
+
+
+def mid_run_failure(key: str, verdict: Verdict, rehearsed: bool = False) -> ProbeResult:
+    """What the plan learns of a candidate that failed mid-run and is stepped down from: a probe
+    cause only for a communication error (the cause its signature placed, so the planner's
+    remedies for it are tried next, e.g. NCCL with P2P off), the step, whether it was a
+    rehearsal (never cached)."""
+    return ProbeResult(
+        key, ERROR, 0.0, (verdict.cause or "crash") if verdict.pinned else "",
+        f"failed mid-run at step {verdict.step}: {one_line(verdict.summary, 500)}",
+        extra=(("mid_run", str(verdict.step)),) + ((("rehearsal", "1"),) if rehearsed else ()))
+
+
+#: What a chooser gets: the candidate that failed and its failure. It returns the next rung,
+#: or raises `NoWorkingStrategyError` when none is left.
+Chooser = Callable[[str, ProbeResult], Rung]
+
+
+def relaunch(verdict: Verdict, failed: Rung, history: Sequence[Attempt], policy: RelaunchPolicy,
+             choose: Chooser, rehearsed: bool = False) -> tuple[Judgement, Rung | None]:
+    """The judgement on an attempt and where the next one runs (None: no next attempt): the
+    same rung for a retry; for a step-down, the rung ``choose`` plans without the failed one
+    (told its `mid_run_failure`), unless none is left or the floor refuses it
+    (`floor_refusal`), which stop with `INFRASTRUCTURE`. Pure apart from
+    what ``choose`` does."""
+    judgement = judge(verdict, failed.key, history, policy)
+    if judgement.action is Action.RETRY:
+        return judgement, failed
+    if judgement.action is not Action.STEP_DOWN:
+        return judgement, None
+    try:
+        nxt = choose(failed.key, mid_run_failure(failed.key, verdict, rehearsed))
+    except NoWorkingStrategyError as exc:
+        return Judgement(Action.STOP, f"no candidate is left: {one_line(str(exc), 400)}",
+                         ExitCode.INFRASTRUCTURE), None
+    refusal = floor_refusal(failed.label, failed.gpu, failed.step_seconds, nxt.label, nxt.cpu,
+                            nxt.step_seconds, policy, failed.replicas, nxt.replicas)
+    if refusal is not None:
+        return Judgement(Action.STOP, f"not relaunched: {refusal}", ExitCode.INFRASTRUCTURE), None
+    return judgement, nxt

@@ -74,11 +74,13 @@ from .exitcodes import ExitCode, interrupted
 from .policy import (
     Action,
     Attempt,
+    Chooser,
     Judgement,
     RelaunchPolicy,
+    Rung,
     effective,
     floor_refusal,
-    judge,
+    relaunch,
 )
 from .verdicts import PeerFault, Verdict, VerdictKind, fault_line, merge, one_line
 
@@ -133,7 +135,8 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
     from ..machine.inspect import detect_facts
 
     policy = RelaunchPolicy(opts.min_throughput, opts.allow_cpu,
-                            opts.max_attempts_without_progress, opts.max_relaunches)
+                            opts.max_attempts_without_progress, opts.max_relaunches,
+                            fault_window=opts.fault_window)
     evidence = Evidence(Path(os.path.abspath(opts.evidence_dir)), session.name)
     failures: dict[str, ProbeResult] = {}  # candidates stepped down from, by key
     history: list[Attempt] = []
@@ -186,7 +189,6 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
         verdict = effective(verdict, choice.candidate.num_replicas)
         if peer is not None:
             verdict = verdict_with_peers(peer, decision.chosen, verdict)
-        judgement = judge(verdict, decision.chosen, history, policy)
         marks = phases.supervisor_path(decision.run_dir)
         phases.mark(marks, phases.VERDICT)
         label = _label(decision)
@@ -197,13 +199,16 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
         # a node whose verdict never came gets the heartbeat window to join the relaunch
         silent = (verdict.node,) if (verdict.kind is VerdictKind.LOST
                                      and verdict.node is not None) else ()
+        rehearsed = fault is not None and fault.backend == _backend(decision.chosen)
+        planned: list[Choice] = []
+        choose = _chooser(opts, facts, snapshot, failures, session, attempt + 1, notes, team,
+                          silent, verdict.pinned and not rehearsed, planned)
         try:
-            if judgement.action is Action.STEP_DOWN:
-                nxt, refusal = _step_down(opts, facts, snapshot, failures, session, attempt + 1,
-                                          notes, team, choice, verdict, fault, silent)
-                if nxt is None:
-                    judgement = Judgement(Action.STOP, refusal, ExitCode.INFRASTRUCTURE)
-            elif judgement.action is Action.RETRY:
+            # the one ladder the replay runs too: judge, then retry, step down or stop
+            judgement, to = relaunch(verdict, _rung(choice), history, policy, choose, rehearsed)
+            if to is not None and judgement.action is Action.STEP_DOWN:
+                nxt = planned[-1]
+            elif to is not None:
                 nxt = _retry(choice, session, attempt + 1, team, opts, facts, snapshot,
                              failures, notes, silent)
         except NodeLostError as exc:
@@ -264,33 +269,31 @@ def _retry(choice: Choice, session: Path, attempt: int, link: NodeLink | None,
     return replace(choice, decision=decision)
 
 
-def _step_down(opts: RunOptions, facts: Any, env: Mapping[str, str],
-               failures: dict[str, ProbeResult], session: Path, attempt: int, notes: list[str],
-               link: NodeLink | None, failed: Choice, verdict: Verdict,
-               fault: TrainFault | None, silent: tuple[int, ...] = ()
-               ) -> tuple[Choice | None, str]:
-    """The next candidate without the one that failed (probed first when it needs a probe), or
-    None and why not: none left, or the floor refuses it."""
-    chosen = failed.decision.chosen
-    rehearsed = fault is not None and fault.backend == _backend(chosen)
-    failures[chosen] = ProbeResult(  # a probe cause only for a signature: the detail says it
-        chosen, ERROR, 0.0, (verdict.cause or "crash") if verdict.pinned else "",
-        f"failed mid-run at step {verdict.step}: {one_line(verdict.summary, 500)}",
-        extra=(("mid_run", str(verdict.step)),) + ((("rehearsal", "1"),) if rehearsed else ()))
-    if verdict.pinned and not rehearsed:  # only a backend's signature is remembered
-        remember_failures(facts, opts, env, {chosen: failures[chosen]})
-    try:
-        nxt = _decide(opts, facts, env, failures, session, attempt, tuple(notes), link, silent)
-    except NoWorkingStrategyError as exc:
-        return None, f"no candidate is left: {one_line(str(exc), 400)}"
-    refusal = floor_refusal(
-        _label(failed.decision), bool(failed.candidate.devices), failed.step_seconds,
-        _label(nxt.decision), nxt.candidate.backend == "cpu", nxt.step_seconds, RelaunchPolicy(
-            opts.min_throughput, opts.allow_cpu, opts.max_attempts_without_progress,
-            opts.max_relaunches))
-    if refusal is not None:
-        return None, f"not relaunched: {refusal}"
-    return nxt, ""
+def _chooser(opts: RunOptions, facts: Any, env: Mapping[str, str],
+             failures: dict[str, ProbeResult], session: Path, attempt: int, notes: list[str],
+             link: NodeLink | None, silent: tuple[int, ...], remember: bool,
+             planned: list[Choice]) -> Chooser:
+    """The ladder's chooser (`relaunch`) for a step-down: the failure added to
+    the plan (and to the decision cache when ``remember``: a backend's signature, never a
+    rehearsal), the next candidate decided (probed first when it needs a probe; across nodes,
+    agreed), kept in ``planned``."""
+
+    def choose(key: str, failure: ProbeResult) -> Rung:
+        failures[key] = failure
+        if remember:
+            remember_failures(facts, opts, env, {key: failure})
+        planned.append(_decide(opts, facts, env, failures, session, attempt, tuple(notes), link,
+                               silent))
+        return _rung(planned[-1])
+
+    return choose
+
+
+def _rung(choice: Choice) -> Rung:
+    """A decision as the ladder sees it (`Rung`)."""
+    c = choice.candidate
+    return Rung(choice.decision.chosen, _label(choice.decision), bool(c.devices),
+                c.backend == "cpu", c.num_replicas, choice.step_seconds)
 
 
 def _without_lost_node(opts: RunOptions, facts: Any, env: Mapping[str, str],
@@ -320,7 +323,8 @@ def _without_lost_node(opts: RunOptions, facts: Any, env: Mapping[str, str],
         _label(nxt.decision), nxt.candidate.backend == "cpu",
         nxt.step_seconds, RelaunchPolicy(opts.min_throughput, opts.allow_cpu,
                                          opts.max_attempts_without_progress,
-                                         opts.max_relaunches))
+                                         opts.max_relaunches),
+        failed.candidate.num_replicas, nxt.candidate.num_replicas)
     if refusal is not None:
         return None, f"not relaunched on node 0 alone: {refusal}"
     return nxt, ""

@@ -2,10 +2,14 @@
 `classify_attempt` turns a stall and the ranks' exits into a `Verdict`, whose typed
 `VerdictKind` the relaunch policy (`resilient_strategy.run.policy`) acts on.
 
-Only a communication-error signature pins a fault on the backend (`VerdictKind.BACKEND`);
-a stall, a rank that exited without one, or a node that vanished may be transient
-(`Verdict.transient`); diverged ranks, an exception in the user's code and an
-out-of-memory are the script's (`Verdict.users`).
+Only a communication error pins a fault on the backend (`VerdictKind.BACKEND`): the
+process group's own error type, a failure raised in a distributed frame, or a communication
+signature raised inside the step's marked all-reduce, read from the class chain and frames a
+rank's error record carries (`blame`); an exception raised in the script's own code is
+the script's whatever its text, and so is a device-side assert anywhere. A stall, a rank that
+exited without a word, or a node that vanished may be transient (`Verdict.transient`);
+diverged ranks, an exception in the user's code and an out-of-memory are the script's
+(`Verdict.users`).
 """
 
 from __future__ import annotations
@@ -55,9 +59,10 @@ def _said_comm(tail: str) -> bool:
 
 def classify_error(types: Sequence[str], message: str,
                    signatures: Signatures | None = None) -> str:
-    """"oom", "comm", "exit" (SystemExit) or "user" for an exception's MRO names and message.
-    The message is placed through the signature table (``core/signatures.toml``, the one the
-    probe parser reads; the built-in table when ``signatures`` is None)."""
+    """"oom", "comm", "exit" (SystemExit) or "user" for an exception's MRO names and message
+    alone, for a record that says nothing of where it was raised (`blame` reads one that
+    does). The message is placed through the signature table (``core/signatures.toml``, the one
+    the probe parser reads; the built-in table when ``signatures`` is None)."""
     names = {t.rsplit(".", 1)[-1] for t in types}
     placed = (signatures or builtin_signatures()).classify(message)
     # a placed cause first: an NVLS failure quotes "out of memory" and is not one
@@ -72,6 +77,137 @@ def classify_error(types: Sequence[str], message: str,
             placed != "worker_error" or _COMM_TEXT.search(message)):
         return "comm"
     return "user"
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One frame an exception was raised through, as the worker recorded it."""
+
+    module: str
+    function: str = ""
+    file: str = ""
+    line: int = 0
+    distributed: bool = False  # the worker's reading of the built-in table
+    library: bool = False  # installed code (stdlib, site-packages, this package), not the script
+
+    def where(self) -> str:
+        return f"{self.file.rsplit('/', 1)[-1]}:{self.line} in {self.function}"
+
+
+@dataclass(frozen=True)
+class Raised:
+    """One exception of a chain: its class's MRO names, its message, its frames (outermost
+    first: the last one is where it was raised)."""
+
+    types: tuple[str, ...]
+    message: str = ""
+    frames: tuple[Frame, ...] = ()
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(t.rsplit(".", 1)[-1] for t in self.types)
+
+    def script_frame(self) -> Frame | None:
+        """The innermost frame of the script's own code (not installed code), if any."""
+        return next((f for f in reversed(self.frames) if not f.library), None)
+
+    def raised_in_distributed(self, signatures: Signatures) -> bool:
+        """Whether the frame that raised it is the distributed runtime's (by the table)."""
+        return bool(self.frames) and (self.frames[-1].distributed
+                                      or signatures.blame.distributed(self.frames[-1].module))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Raised:
+        frames = []
+        for f in d.get("frames", ()) or ():
+            if isinstance(f, Mapping):
+                frames.append(Frame(str(f.get("module", "")), str(f.get("function", "")),
+                                    str(f.get("file", "")), int(f.get("line", 0) or 0),
+                                    bool(f.get("distributed", False)),
+                                    bool(f.get("library", False))))
+        return cls(tuple(str(t) for t in d.get("types", ()) or ()), str(d.get("message", "")),
+                   tuple(frames))
+
+
+def error_chain(error: Mapping[str, Any]) -> tuple[Raised, ...] | None:
+    """The class chain of an error record (the exception first, then its causes), or None for
+    a record that does not say where it was raised."""
+    chain = error.get("chain")
+    if not isinstance(chain, list) or not chain:
+        return None
+    try:
+        return tuple(Raised.from_dict(d) for d in chain if isinstance(d, Mapping)) or None
+    except (TypeError, ValueError):
+        return None
+
+
+#: Why a rank's error was judged as it was (`blame`), the word written to records.
+BLAME_OOM = "out_of_memory"
+BLAME_EXIT = "exit_status"
+BLAME_SCRIPT_TEXT = "script_fault_text"  # a device-side assert, a bad address in its kernels
+BLAME_PROCESS_GROUP = "process_group_error"  # the process group's own error type
+BLAME_DISTRIBUTED = "distributed_frame"  # raised in a frame of the distributed runtime
+BLAME_COLLECTIVE = "collective_region"  # raised in the marked all-reduce of a step, said so
+BLAME_SCRIPT = "script_code"  # raised in the script's own code, outside any collective
+BLAME_TEXT = "text_only"  # a record that says nothing of where: its type and text decide
+#: The types a distributed frame raises when a peer or a link fails (a process group's error is
+#: a RuntimeError; a socket's an OSError; TensorFlow's an OpError). A ValueError or TypeError
+#: from torch.distributed is a call the script got wrong.
+_FAILURE_TYPES = frozenset({"RuntimeError", "OSError", "OpError"})
+#: The process group's own error states (torch's ``ErrorType``, ``Backend.get_error()``) that
+#: make an exception raised while it holds one a communication error.
+_PG_ERRORS = frozenset({"COMM_ERROR", "REMOTE_ERROR", "TIMEOUT"})
+
+
+@dataclass(frozen=True)
+class Blame:
+    """A rank's error judged: its kind ("oom", "comm", "exit", "user") and why (``BLAME_*``),
+    with where it was raised (a frame in words, empty when unknown)."""
+
+    kind: str
+    why: str
+    at: str = ""
+
+
+def blame(error: Mapping[str, Any], signatures: Signatures | None = None) -> Blame:
+    """Whose fault a rank's error record is (pure). Where it was raised decides before its
+    text: a device-side assert is the script's anywhere, a bad address outside a distributed
+    frame; the process group's own error type or error state (``pg_error``), or a failure type (`_FAILURE_TYPES`)
+    raised in a distributed frame (``[[distributed_frame]]`` in ``signatures.toml``) of any
+    exception of the chain, is a communication error; so is a failure type with a
+    communication text raised while the rank was inside the marked all-reduce of a step (DDP's
+    reducer raises through autograd, in no distributed frame); anything else raised in the
+    script's code is the script's, whatever its text. A record without a chain is judged by its
+    type and text alone (`classify_error`)."""
+    table = signatures or builtin_signatures()
+    chain = error_chain(error)
+    types = [str(t) for t in error.get("types", ()) or ()]
+    message = str(error.get("message", ""))
+    if chain is None:
+        return Blame(classify_error(types, message, table), BLAME_TEXT)
+    top = chain[0]
+    mine = top.script_frame() or (top.frames[-1] if top.frames else None)
+    at = "" if mine is None else mine.where()
+    names = frozenset().union(*(r.names for r in chain))
+    text = "\n".join(r.message for r in chain) or message
+    placed = table.classify(text)
+    if names & set(_OOM_TYPES) or placed == "oom" or (
+            placed == "worker_error" and _OOM_TEXT.search(text)):
+        return Blame("oom", BLAME_OOM, at)
+    in_distributed = [r for r in chain if r.raised_in_distributed(table)]
+    if table.blame.script_fault(text, bool(in_distributed)) is not None:
+        return Blame("user", BLAME_SCRIPT_TEXT, at)
+    if names & set(_COMM_TYPES) or str(error.get("pg_error") or "") in _PG_ERRORS:
+        return Blame("comm", BLAME_PROCESS_GROUP, at)
+    if "SystemExit" in top.names:
+        return Blame("exit", BLAME_EXIT, at)
+    failed = next((r for r in in_distributed if r.names & _FAILURE_TYPES), None)
+    if failed is not None:
+        return Blame("comm", BLAME_DISTRIBUTED, failed.frames[-1].where())
+    if (error.get("in_collective") and top.names & _FAILURE_TYPES
+            and _TAIL_SIGNATURE.search(text)):
+        return Blame("comm", BLAME_COLLECTIVE, at)
+    return Blame("user", BLAME_SCRIPT, at)
 
 
 def error_cause(exits: Sequence[RankExit], signatures: Signatures | None = None) -> str:
@@ -119,6 +255,17 @@ class VerdictKind(Enum):
                              f"{', '.join(k.value for k in cls)})") from None
 
 
+#: What the supervisor saw first of a fault (`Verdict.seen`): a rank's error record (it
+#: raised; written before any barrier or teardown), a worker's exit, the stall watch, another
+#: node's fault record.
+SEEN_ERROR_RECORD = "error_record"
+SEEN_EXIT = "exit"
+SEEN_STALL = "stall"
+SEEN_PEER = "peer"
+
+_RAISED_IN = {BLAME_SCRIPT: " in the script's own code", BLAME_DISTRIBUTED: " in a distributed "
+              "frame", BLAME_COLLECTIVE: " inside the step's all-reduce"}
+
 _TRANSIENT = frozenset({VerdictKind.STALL, VerdictKind.EXIT, VerdictKind.LOST})
 _USERS = frozenset({VerdictKind.DIVERGED, VerdictKind.OOM, VerdictKind.USER})
 
@@ -134,10 +281,13 @@ class RankExit:
     stderr_tail: str = ""
 
     @property
+    def blamed(self) -> Blame | None:
+        return None if self.error is None else blame(self.error)
+
+    @property
     def error_kind(self) -> str | None:
-        if self.error is None:
-            return None
-        return classify_error(list(self.error.get("types", ())), str(self.error.get("message", "")))
+        judged = self.blamed
+        return None if judged is None else judged.kind
 
     def what(self) -> str:
         if self.error is not None:
@@ -149,7 +299,12 @@ class RankExit:
         return f"exited with status {self.exitcode} without a Python exception"
 
     def where(self) -> str:
-        return "" if self.record is None else position(self.record)
+        """Where the rank was (its progress), and where its error was raised."""
+        parts = [] if self.record is None else [position(self.record)]
+        judged = self.blamed
+        if judged is not None and judged.at:
+            parts.append(f"raised at {judged.at}" + _RAISED_IN.get(judged.why, ""))
+        return ", ".join(parts)
 
     def describe(self) -> str:
         where = self.where()
@@ -173,6 +328,10 @@ class Verdict:
     #: failed rank's error without its type and noise, or how long a stall waited ("": the
     #: line falls back to the summary).
     detail: str = ""
+    #: Why a rank's error was judged so (a ``BLAME_*`` word of `blame`; empty: no error).
+    blame: str = ""
+    #: What the supervisor saw first of the fault (a ``SEEN_*`` word; empty: not said).
+    seen: str = ""
 
     @property
     def ok(self) -> bool:
@@ -220,6 +379,7 @@ class Verdict:
         return {"kind": self.kind.value, "summary": one_line(self.summary, 500),
                 "step": self.step, "cause": self.cause, "node": self.node,
                 "ranks": list(self.ranks), "where": self.where, "detail": self.detail,
+                "blame": self.blame, "seen": self.seen,
                 **({"flight": self.flight.to_dict()} if self.flight is not None else {})}
 
     @classmethod
@@ -233,7 +393,8 @@ class Verdict:
                        ranks=tuple(int(r) for r in d.get("ranks", ())),
                        where=str(d.get("where", "")), detail=str(d.get("detail", "") or ""),
                        flight=None if d.get("flight") is None
-                       else FlightFacts.from_dict(d["flight"]))
+                       else FlightFacts.from_dict(d["flight"]),
+                       blame=str(d.get("blame", "") or ""), seen=str(d.get("seen", "") or ""))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a verdict record: {exc}") from None
 
@@ -331,13 +492,27 @@ def _classify_exits(exits: Sequence[RankExit]) -> Verdict:
         named = [e for e, k in zip(exits, kinds, strict=True) if k in which] or list(exits)
         return tuple(e.rank for e in named), next((e.where() for e in named if e.where()), "")
 
+    def why(*which: str) -> str:
+        return next((b.why for e in exits if (b := e.blamed) is not None and b.kind in which),
+                    "")
+
     if "oom" in kinds:
         ranks, where = blamed("oom")
-        return Verdict(VerdictKind.OOM, f"out of memory: {text}", step, ranks=ranks, where=where)
+        return Verdict(VerdictKind.OOM, f"out of memory: {text}", step, ranks=ranks, where=where,
+                       blame=why("oom"))
     if "user" in kinds or "exit" in kinds:
         ranks, where = blamed("user", "exit")
         return Verdict(VerdictKind.USER, f"the script failed: {text}", step, ranks=ranks,
-                       where=where)
+                       where=where, blame=why("user", "exit"))
+    # a rank that died printing a device-side assert (NCCL's watchdog may abort it before
+    # Python records the exception): the script's kernel, whatever else it printed
+    asserted = [e for e in exits if e.error is None and builtin_signatures().blame.script_fault(
+        e.stderr_tail[-TAIL_SIGNATURE_BYTES:], True) is not None]
+    if asserted:
+        return Verdict(VerdictKind.USER, f"the script failed: {text}", step,
+                       ranks=tuple(e.rank for e in asserted),
+                       where=next((e.where() for e in asserted if e.where()), ""),
+                       blame=BLAME_SCRIPT_TEXT)
     # a rank that vanished (no exception, no signature in its output) is the root cause: the
     # others' "connection closed by peer" is what its leaving did to them
     vanished = [e for e, k in zip(exits, kinds, strict=True)
@@ -355,7 +530,7 @@ def _classify_exits(exits: Sequence[RankExit]) -> Verdict:
         cause = error_cause(exits) or ("nccl_error" if any(
             "nccl" in str((e.error or {}).get("message", "")).lower() for e in exits) else "crash")
         return Verdict(VerdictKind.BACKEND, f"a communication error: {text}", step, cause,
-                       ranks=ranks, where=where)
+                       ranks=ranks, where=where, blame=why("comm"))
     ranks, where = blamed(None)
     return Verdict(VerdictKind.BACKEND, f"a rank died with a communication error in its "
                    f"output: {text}", step, error_cause(exits) or "crash", ranks=ranks,

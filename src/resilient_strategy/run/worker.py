@@ -11,10 +11,12 @@ Around the script it:
 - writes its Python stacks to ``rank<N>.stacks.txt`` on SIGUSR1 (faulthandler), which the
   supervisor sends before it stops a stalled group;
 - answers the supervisor's request for torch's flight-recorder dump from a daemon thread (the
-  main thread may be blocked inside a collective): `serve`;
-- on an exception, leaves an error record for the supervisor's classification, its full
-  traceback in ``rank<N>.traceback.txt`` (the supervisor copies both into the evidence file),
-  and one line on stderr instead of the traceback.
+  main thread may be blocked inside a collective): `resilient_strategy.records.flight.serve`;
+- on an exception, leaves its full traceback in ``rank<N>.traceback.txt``, one line on stderr
+  instead of the traceback, then its error record (the exception's class chain and the frames it
+  was raised through) for the supervisor's classification, before any barrier or teardown: the
+  supervisor acts on the record as soon as it sees it, and the exit skips the process group's
+  exit barrier (`resilient_strategy.frameworks.teardown.skip_exit_barrier`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path  # noqa: E402
 from typing import IO  # noqa: E402
 
 from ..errors import NoSpaceError  # noqa: E402
+from ..frameworks.teardown import process_group_error, skip_exit_barrier  # noqa: E402
 from ..probing.workers.watchdog import watch_parent  # noqa: E402
 from ..records import phases  # noqa: E402
 from ..records.flight import serve  # noqa: E402
@@ -60,18 +63,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         if exc.code not in (None, 0):
-            write_error(run_dir, local_rank, exc, current_reporter())
+            _raised(run_dir, local_rank, exc)
         elif (reporter := current_reporter()) is not None:
             reporter.done()  # sys.exit(0) ends the script as returning does: it finished
         raise
     except Exception as exc:
-        write_error(run_dir, local_rank, exc, current_reporter())
         where = run_dir / f"rank{local_rank}.traceback.txt"
         kept = True
-        try:
+        try:  # the traceback first: the error record is the word the supervisor acts on
             where.write_text("".join(traceback.format_exception(exc)), encoding="utf-8")
         except OSError as write_exc:
             if NoSpaceError.from_os_error(write_exc, str(where), "the traceback") is None:
+                _raised(run_dir, local_rank, exc)
                 raise exc from None  # nowhere to keep it: the traceback goes to stderr as usual
             kept = False  # a full disk: the one line below, no traceback to keep anywhere
         text = " ".join(str(exc).split())
@@ -79,13 +82,21 @@ def main(argv: Sequence[str] | None = None) -> None:
               f"{type(exc).__name__}: {text[:300]}"
               + (" (the traceback goes to the evidence file)" if kept else ""),
               file=sys.stderr, flush=True)
+        _raised(run_dir, local_rank, exc)
         sys.exit(1)
     except BaseException as exc:
-        write_error(run_dir, local_rank, exc, current_reporter())
+        _raised(run_dir, local_rank, exc)
         raise
     reporter = current_reporter()
     if reporter is not None:
         reporter.done()
+
+
+def _raised(run_dir: Path, local_rank: int, exc: BaseException) -> None:
+    """The script raised: its error record now, before any barrier or teardown (the supervisor
+    acts on it at once), and no exit barrier after it (the peers may never come)."""
+    write_error(run_dir, local_rank, exc, current_reporter(), process_group_error())
+    skip_exit_barrier()
 
 
 def _stacks_on_signal(path: Path) -> None:

@@ -1,7 +1,10 @@
 """Replay a supervised job (``resilient-strategy run``) against a described machine with faults
 at given steps, with no process: the same decision (the executor's ``decide`` with simulated
-probes), the same verdicts, the same relaunch policy (`resilient_strategy.run.policy`) and
-throughput floor as the supervisor, attempt by attempt.
+probes), the same classifier (`resilient_strategy.run.verdicts.classify_attempt`, fed
+the records the supervisor would have read: a stall, an exit, an error record with its class
+chain and frames), and the supervisor's own ladder (`resilient_strategy.run.policy.relaunch`:
+the relaunch policy, the failure's cause kept on a step-down, the throughput floor), attempt
+by attempt.
 
     from resilient_strategy.testing import machine
     from resilient_strategy.testing.replay import MidRunFault, replay
@@ -28,21 +31,20 @@ from ..core.candidate import Candidate
 from ..core.estimate import estimate
 from ..core.facts import Facts
 from ..core.options import Options
-from ..core.probe import ERROR, ProbeResult
+from ..core.probe import ProbeResult
 from ..deciding.decide import decide
 from ..errors import InvalidOptionError, NoWorkingStrategyError
+from ..records.progress import COLLECTIVE, Record, Stall
 from ..records.trainfault import KINDS
 from ..run.exitcodes import ExitCode
 from ..run.policy import (
-    Action,
     Attempt,
-    Judgement,
     RelaunchPolicy,
+    Rung,
     effective,
-    floor_refusal,
-    judge,
+    relaunch,
 )
-from ..run.verdicts import Verdict, VerdictKind, classify_error
+from ..run.verdicts import RankExit, Verdict, VerdictKind, classify_attempt
 from ..vocab import BACKENDS
 from .simulation import Outcome, SimulatedProber
 
@@ -50,12 +52,36 @@ from .simulation import Outcome, SimulatedProber
 REHEARSED = "resilient_strategy.records.trainfault.RehearsedCommunicationError"
 
 
+#: What a replayed fault can be: the rehearsal's kinds ("hang": stuck inside the step's
+#: all-reduce, "exit": leaves without a word, "error": raises), and "stopped" (a stopped process:
+#: its peers wait in the collective it holds up), "never_arrived" (the others wait in a
+#: collective it never enters), "slow" (late to the collective by ``seconds``: a fault only past
+#: the stall allowance), "lost_node" (another node's supervisor vanished).
+REPLAY_KINDS = (*KINDS, "stopped", "never_arrived", "slow", "lost_node")
+#: Where a replayed "error" was raised: "collective" (inside the step's marked all-reduce, as
+#: the rehearsal raises it), "distributed" (in a torch.distributed frame), "script" (in the
+#: script's own code, outside any collective).
+RAISED_IN = ("collective", "distributed", "script")
+_FRAMES = {
+    "collective": ({"module": "__main__", "function": "<module>"},
+                   {"module": "torch.autograd.graph", "function": "_engine_run_backward",
+                    "library": True}),
+    "distributed": ({"module": "__main__", "function": "<module>"},
+                    {"module": "torch.distributed.distributed_c10d", "function": "all_reduce",
+                     "library": True}),
+    "script": ({"module": "__main__", "function": "<module>"},),
+}
+
+
 @dataclass(frozen=True)
 class MidRunFault:
-    """A fault of one rank at one optimizer step while training on ``backend``: "hang" (stuck
-    in the step's all-reduce), "exit" (leaves without a word), "error" (raises ``error_type``
-    with ``message``: a communication error by default, classified as the supervisor does).
-    ``launches``: in the first that many launch attempts only (None: every one)."""
+    """A fault of one rank at one optimizer step while training on ``backend`` (a kind of
+    `REPLAY_KINDS`). An "error" raises the class chain ``chain`` (each exception's MRO
+    names, the exception first; default: ``error_type`` alone) with ``message``, raised
+    ``raised_in`` (`RAISED_IN`), or is the error record a worker wrote (``record``, e.g.
+    `from_record` of an evidence file's copy): classified as the supervisor does. For
+    "lost_node", ``rank`` is the node that vanished. ``launches``: in the first that many launch
+    attempts only (None: every one)."""
 
     kind: str
     backend: str
@@ -64,31 +90,65 @@ class MidRunFault:
     launches: int | None = None
     error_type: str = REHEARSED
     message: str = "rehearsed communication error (a collective failed)"
+    chain: tuple[tuple[str, ...], ...] = ()
+    raised_in: str = "collective"
+    seconds: float = 0.0
+    record: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS or self.backend not in BACKENDS or self.step < 1 or \
-                self.rank < 0 or (self.launches is not None and self.launches < 1):
+        if self.kind not in REPLAY_KINDS or self.backend not in BACKENDS or self.step < 1 or \
+                self.rank < 0 or (self.launches is not None and self.launches < 1) or \
+                self.raised_in not in RAISED_IN or self.seconds < 0:
             raise InvalidOptionError(f"not a mid-run fault: {self!r}")
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any], backend: str, step: int | None = None,
+                    rank: int | None = None, launches: int | None = None) -> MidRunFault:
+        """The fault a worker's error record (``rank<N>.error.json``) describes, replayed on
+        ``backend`` at its step (or ``step``)."""
+        at = step if step is not None else int(record.get("step") or 0) + 1
+        return cls("error", backend, at, int(record.get("rank", 0)) if rank is None else rank,
+                   launches, record=dict(record))
 
     def fires(self, candidate: Candidate, attempt: int, after_step: int, steps: int) -> bool:
         return (candidate.backend == self.backend and self.rank < candidate.num_replicas
                 and (self.launches is None or attempt < self.launches)
                 and after_step < self.step <= steps)
 
-    def verdict(self) -> Verdict:
-        where = f"collective {self.step}"
-        if self.kind == "hang":
-            return Verdict(VerdictKind.STALL, f"rank {self.rank} stuck in {where}", self.step,
-                           "timeout", ranks=(self.rank,), where=where)
+    def _error(self) -> dict[str, Any]:
+        if self.record is not None:
+            return dict(self.record)
+        chain = self.chain or ((self.error_type,),)
+        frames = [dict({"file": "train.py", "line": 1}, **f) for f in _FRAMES[self.raised_in]]
+        return {"rank": self.rank, "types": list(chain[0]), "message": self.message,
+                "step": self.step - 1, "in_collective": self.raised_in == "collective",
+                "chain": [{"types": list(t), "message": self.message, "frames": frames}
+                          for t in chain]}
+
+    def verdict(self, allowance_s: float = 60.0) -> Verdict | None:
+        """What the supervisor's classifier (`classify_attempt`) makes of it, from the records it would have read; None: no fault
+        (a slow rank within the allowance)."""
+        here = Record(seq=3, phase=COLLECTIVE, k=self.step, t=0.0)
+        others = f"others: collective {self.step}"
+        if self.kind == "lost_node":
+            return Verdict(VerdictKind.LOST, f"node {self.rank}'s supervisor vanished",
+                           self.step, "crash", node=self.rank, where=f"node {self.rank}")
+        if self.kind in ("hang", "stopped"):
+            return classify_attempt(Stall("collective", COLLECTIVE, self.step, (self.rank,),
+                                          allowance_s, allowance_s,
+                                          (f"{self.rank}: collective {self.step}", others)), [])
+        if self.kind == "slow" and self.seconds <= allowance_s:
+            return None
+        if self.kind in ("never_arrived", "slow"):
+            return classify_attempt(Stall("straggler", COLLECTIVE, self.step, (self.rank,),
+                                          allowance_s, allowance_s,
+                                          (f"{self.rank}: after step {self.step - 1}", others)),
+                                    [])
         if self.kind == "exit":
-            return Verdict(VerdictKind.EXIT, f"rank {self.rank} exited in {where}", self.step,
-                           "crash", ranks=(self.rank,), where=where)
-        kind = {"comm": VerdictKind.BACKEND, "oom": VerdictKind.OOM}.get(
-            classify_error([self.error_type], self.message), VerdictKind.USER)
-        name = self.error_type.rsplit(".", 1)[-1]
-        return Verdict(kind, f"rank {self.rank}: {name}: {self.message}", self.step,
-                       "crash" if kind is VerdictKind.BACKEND else "", ranks=(self.rank,),
-                       where=where)
+            return classify_attempt(None, [RankExit(self.rank, 1, None, here)])
+        error = self._error()
+        where = Record(seq=3, phase=str(error.get("phase") or COLLECTIVE), k=self.step, t=0.0)
+        return classify_attempt(None, [RankExit(self.rank, 1, error, where)])
 
 
 @dataclass(frozen=True)
@@ -98,6 +158,8 @@ class Replay:
     attempts: tuple[Attempt, ...]
     exit_code: ExitCode
     candidates: tuple[Candidate, ...] = field(default=())  # each attempt's, in order
+    #: what the plan learned of each candidate stepped down from (its cause kept)
+    failures: Mapping[str, ProbeResult] = field(default_factory=dict)
 
     @property
     def backends(self) -> list[str]:
@@ -111,9 +173,11 @@ class Replay:
 def replay(facts: Facts, faults: Sequence[MidRunFault], *, framework: str = "torch",
            steps: int = 100, checkpoint_every: int = 10, global_batch_size: int = 256,
            gradient_bytes: int | None = None, probes: Mapping[str, Outcome] | None = None,
-           nproc: int | None = None, policy: RelaunchPolicy | None = None) -> Replay:
+           nproc: int | None = None, policy: RelaunchPolicy | None = None,
+           stall_timeout_s: float = 60.0) -> Replay:
     """Replay a job of ``steps`` optimizer steps under the supervisor on ``facts`` (see the
-    module's docstring). ``probes``: simulated probe outcomes (``{"nccl": "timeout"}``)."""
+    module's docstring). ``probes``: simulated probe outcomes (``{"nccl": "timeout"}``);
+    ``stall_timeout_s``: the allowance a slow rank is judged by."""
     policy = policy or RelaunchPolicy()
     prober = SimulatedProber(outcomes=dict(probes or {}))
     opts, env = _options(facts, framework, global_batch_size, gradient_bytes, nproc)
@@ -121,42 +185,37 @@ def replay(facts: Facts, faults: Sequence[MidRunFault], *, framework: str = "tor
     history: list[Attempt] = []
     used: list[Candidate] = []
     chosen, results = _choose(facts, opts, env, prober, failures)
+    planned: dict[str, Candidate] = {chosen.key: chosen}
+
+    def rung(c: Candidate) -> Rung:
+        return Rung(c.key, c.label, bool(c.devices), c.backend == "cpu", c.num_replicas,
+                    estimate(c, facts, results.get(c.key), opts).step_seconds)
+
+    def choose(key: str, failure: ProbeResult) -> Rung:
+        nonlocal results
+        failures[key] = failure
+        nxt, results = _choose(facts, opts, env, prober, failures)
+        planned[nxt.key] = nxt
+        return rung(nxt)
+
     resumed = 0
     for number in range(10_000):
-        fault = min((f for f in faults if f.fires(chosen, number, resumed, steps)),
-                    key=lambda f: f.step, default=None)
-        verdict = (Verdict(VerdictKind.OK, "finished", steps) if fault is None
-                   else effective(fault.verdict(), chosen.num_replicas))
-        judgement = judge(verdict, chosen.key, history, policy)
-        nxt: Candidate | None = None
-        if judgement.action is Action.RETRY:
-            nxt = chosen
-        elif judgement.action is Action.STEP_DOWN:
-            failures[chosen.key] = ProbeResult(chosen.key, ERROR, 0.0, "",
-                                               f"failed mid-run at step {verdict.step}",
-                                               extra=(("mid_run", str(verdict.step)),))
-            try:
-                nxt, results = _choose(facts, opts, env, prober, failures)
-            except NoWorkingStrategyError as exc:
-                judgement = Judgement(Action.STOP, f"no candidate is left: {exc}",
-                                      ExitCode.INFRASTRUCTURE)
-            else:
-                then = estimate(chosen, facts, results.get(chosen.key), opts).step_seconds
-                now = estimate(nxt, facts, results.get(nxt.key), opts).step_seconds
-                refusal = floor_refusal(chosen.label, bool(chosen.devices), then, nxt.label,
-                                        nxt.backend == "cpu", now, policy)
-                if refusal is not None:
-                    nxt, judgement = None, Judgement(Action.STOP, f"not relaunched: {refusal}",
-                                                     ExitCode.INFRASTRUCTURE)
+        fired = sorted((f for f in faults if f.fires(chosen, number, resumed, steps)),
+                       key=lambda f: f.step)
+        verdict = next((v for f in fired if (v := f.verdict(stall_timeout_s)) is not None),
+                       Verdict(VerdictKind.OK, "finished", steps))
+        verdict = effective(verdict, chosen.num_replicas)
+        # the supervisor's own ladder (run/policy.relaunch): judge, retry, step down, stop
+        judgement, to = relaunch(verdict, rung(chosen), history, policy, choose)
         history.append(Attempt(number, chosen.key, chosen.label, verdict, judgement,
                                resumed or None))
         used.append(chosen)
-        if nxt is None:
+        if to is None:
             code = judgement.exit_code if judgement.exit_code is not None \
                 else ExitCode.INFRASTRUCTURE
-            return Replay(tuple(history), code, tuple(used))
+            return Replay(tuple(history), code, tuple(used), dict(failures))
         resumed = (verdict.step - 1) // checkpoint_every * checkpoint_every
-        chosen = nxt
+        chosen = planned[to.key]
     raise AssertionError("unreachable: the policy bounds the attempts")  # pragma: no cover
 
 
