@@ -438,5 +438,7 @@ def test_a_real_device_side_assert_under_nccl_is_the_scripts(
     assert launches == ["0 nccl", "1 nccl"]
     [attempt] = attempts
     v = attempt["verdict"]
-    assert (v["kind"], v["blame"], v["seen"], attempt["action"]) == (
-        "user", BLAME_SCRIPT_TEXT, SEEN_ERROR_RECORD, "stop")
+    assert (v["kind"], v["seen"], attempt["action"]) == ("user", SEEN_ERROR_RECORD, "stop")
+    # raised in the script's own frame (script_code) or known by its text wherever the CUDA
+    # error surfaced (script_fault_text): either is the script's (seen on 2 x H200: script_code)
+    assert v["blame"] in (BLAME_SCRIPT, BLAME_SCRIPT_TEXT)
