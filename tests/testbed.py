@@ -252,7 +252,8 @@ class Job:
 
     def __init__(self, bed: Bed, work: Path, script: Path, script_args: Sequence[str], *,
                  stall_timeout: float, probe_timeout: float = PROBE_S,
-                 extra_env: Mapping[str, str] | None = None, limit_s: float = 240.0) -> None:
+                 extra_env: Mapping[str, str] | None = None, limit_s: float = 240.0,
+                 nnodes: str | None = None) -> None:
         self.bed, self.work, self.limit_s = bed, work, limit_s
         self.capture = Capture()
         self.started = time.monotonic()
@@ -270,7 +271,7 @@ class Job:
             log = home / "supervisor.log"
             self.logs.append(log)
             argv = [sys.executable, "-m", "resilient_strategy", "run", "--nnodes",
-                    str(len(bed.nodes)), "--node-rank", str(node.index), "--nproc-per-node",
+                    nnodes or str(len(bed.nodes)), "--node-rank", str(node.index), "--nproc-per-node",
                     "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{bed.master}:{PORT}",
                     "--rdzv-id", "bed", "--stall-timeout", f"{stall_timeout:g}",
                     "--probe-timeout", f"{probe_timeout:g}", str(script), *script_args]
@@ -591,3 +592,118 @@ def run_fault(bed: Bed, work: Path, fault: str, *, stall_s: float = STALL_S,
         ended_s=tuple(None if i not in ended or t0 is None else ended[i] - t0
                       for i in range(len(bed.nodes))),
         setup=tuple(job.setup(n.index) for n in bed.nodes))
+
+
+# --- nodes that come and go (three nodes; membership) -------------------------------------------
+
+#: The membership scenarios' run: one epoch of 6144 samples at a global batch of 192 (divisible
+#: by 1, 2 and 3 replicas): 32 optimizer steps, a checkpoint every 4.
+MEMBER_BATCH, MEMBER_EPOCHS = 192, 1
+MEMBER_STEPS = MEMBER_EPOCHS * (SAMPLES // MEMBER_BATCH)
+MEMBER_FAULTS = ("none", "lost_node", "cut_off_start")
+
+
+@dataclass(frozen=True)
+class Membership:
+    """What a node loss came to, from typed outputs only: each node's exit status, the nodes
+    each attempt was decided for (``decision.json``'s ``nodes``), the nodes whose rank 0 made
+    progress in each attempt, the optimizer-step count of the last checkpoint, every node's
+    ``attempts.json``, and (seconds from the fault, measured from outside) when each
+    supervisor exited."""
+
+    fault: str
+    codes: tuple[int, ...]
+    expected_steps: int
+    final_steps: int | None
+    attempts: tuple[tuple[int, ...], ...]  # per node: the launch attempts it decided
+    nodes_decided: tuple[tuple[int, int, int], ...]  # (node, attempt, nodes in its decision)
+    trained: tuple[tuple[int, tuple[int, ...]], ...]  # (attempt, nodes whose rank 0 stepped)
+    records: tuple[Mapping[str, Any] | None, ...]  # per node: its attempts.json
+    ended_s: tuple[float | None, ...]
+    training_again_s: float | None  # fault -> the first step of a later attempt
+    leftovers: tuple[str, ...]
+
+    def history(self, node: int) -> list[Mapping[str, Any]]:
+        rec = self.records[node]
+        got = [] if rec is None else rec.get("attempts", [])
+        return [a for a in got if isinstance(a, dict)] if isinstance(got, list) else []
+
+    def membership(self, node: int) -> list[Mapping[str, Any]]:
+        rec = self.records[node]
+        got = [] if rec is None else rec.get("membership", [])
+        return [m for m in got if isinstance(m, dict)] if isinstance(got, list) else []
+
+    def row(self) -> dict[str, Any]:
+        def s(x: float | None) -> str:
+            return "-" if x is None else f"{x:.1f}"
+
+        return {"fault": self.fault, "exit codes": ",".join(map(str, self.codes)),
+                "nodes training per attempt": "; ".join(
+                    f"{a}: {','.join(map(str, n)) or '-'}" for a, n in self.trained),
+                "training again s": s(self.training_again_s),
+                "steps": f"{self.final_steps or 0}/{self.expected_steps}",
+                "ended s": ",".join(s(e) for e in self.ended_s),
+                "leftovers": len(self.leftovers)}
+
+
+def run_membership(bed: Bed, work: Path, fault: str, *, nnodes: str | None = None,
+                   limit_s: float = 240.0) -> Membership:
+    """Train on every node of ``bed`` (``--nnodes nnodes``, default the bed's size) and strike
+    ``fault``: ``lost_node``: once rank 0 has done :data:`FAULT_STEP`, the last node's
+    supervisor is SIGKILLed and its link set down; ``cut_off_start``: node 1's link set down as
+    soon as its first decision is written (the nodes agreed; its workers have not started);
+    ``none``: an uninterrupted run. Times are from the fault."""
+    if fault not in MEMBER_FAULTS:
+        raise ValueError(f"unknown fault {fault!r}; one of {MEMBER_FAULTS}")
+    args = ["--samples", str(SAMPLES), "--epochs", str(MEMBER_EPOCHS), "--hidden", str(HIDDEN),
+            "--global-batch-size", str(MEMBER_BATCH), "--checkpoint-every", str(EVERY),
+            "--checkpoint-dir", str(work / "ckpt")]
+    job = Job(bed, work, ROOT / "examples" / "torch_train.py", args, stall_timeout=STALL_S,
+              limit_s=limit_s, nnodes=nnodes)
+    last = len(bed.nodes) - 1
+    t0: float | None = None
+    ended: dict[int, float] = {}
+    try:
+        if fault == "lost_node":
+            job.wait_for_step(FAULT_STEP, timeout_s=limit_s / 2)
+            t0 = time.monotonic()
+            os.kill(job.procs[last].pid, signal.SIGKILL)
+            bed.node_link(last, up=False)
+        elif fault == "cut_off_start":
+            end = time.monotonic() + limit_s / 2
+            while (1, 0) not in job.capture.decisions and time.monotonic() < end:
+                time.sleep(0.01)
+            assert (1, 0) in job.capture.decisions, job.tails()
+            t0 = time.monotonic()
+            bed.node_link(1, up=False)
+        else:
+            t0 = job.started
+        end = job.started + limit_s
+        while time.monotonic() < end and any(p.poll() is None for p in job.procs):
+            for i, proc in enumerate(job.procs):
+                if i not in ended and proc.poll() is not None:
+                    ended[i] = time.monotonic()
+            time.sleep(0.05)
+        for i, proc in enumerate(job.procs):
+            if i not in ended and proc.poll() is not None:
+                ended[i] = time.monotonic()
+        codes = tuple(job.finish())
+    finally:
+        job.stop()
+    c = job.capture
+    trained: dict[int, set[int]] = {}
+    for p in c.progress:
+        trained.setdefault(p.attempt, set()).add(p.node)
+    again = [p.at for p in c.progress if p.attempt >= 1]
+    base = t0 if t0 is not None else job.started
+    return Membership(
+        fault=fault, codes=codes, expected_steps=MEMBER_STEPS, final_steps=c.final_steps(),
+        attempts=tuple(tuple(c.attempts(n.index)) for n in bed.nodes),
+        nodes_decided=tuple(sorted((n, a, int(d.get("nodes", 0)))
+                                   for (n, a), d in c.decisions.items())),
+        trained=tuple((a, tuple(sorted(n))) for a, n in sorted(trained.items())),
+        records=tuple(job._attempts(n.index) for n in bed.nodes),
+        ended_s=tuple(None if i not in ended else ended[i] - base
+                      for i in range(len(bed.nodes))),
+        training_again_s=min(again) - base if again else None,
+        leftovers=tuple(job.leftovers()))

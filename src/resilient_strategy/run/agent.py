@@ -66,6 +66,11 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
     if alone:
         ns.nnodes, ns.node_rank, ns.rdzv_conf, ns.standalone = "1", 0, "", True
         nnodes = 1
+    elif nnodes > 1:  # torch's rendezvous for the nodes of this attempt (the membership round)
+        nnodes = max(1, decision.nodes)
+        ns.nnodes = str(nnodes)
+        if peer is not None:
+            ns.node_rank = peer.link.position
     if getattr(ns, "standalone", False) or (nnodes == 1 and not ns.rdzv_endpoint
                                             and ns.rdzv_backend == "static"
                                             and ns.master_port is None):
@@ -114,7 +119,12 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
     timeouts.update(flight.buffer_env(_backend(decision.chosen), env))
     os.environ.update(timeouts)  # the workers inherit them; never one the user set
     try:
-        result = agent.run()
+        try:
+            result = agent.run()
+        except Exception as exc:  # a torch without a quiet rendezvous exit raises it
+            if agent.peer_fault is None or type(exc).__name__ == "SignalException":
+                raise
+            result = None
         phases.mark(marks, phases.WORKERS_STOPPED)
     finally:
         for k in timeouts:
@@ -181,6 +191,19 @@ def bounded_join(rdzv_configs: dict[str, Any], nnodes: int) -> dict[str, Any]:
     if nnodes > 1 and "join_timeout" not in out:
         out["join_timeout"] = str(RDZV_JOIN_S)
     return out
+
+
+#: How often the agent's thread looks at the peer watch while torch's rendezvous runs.
+RDZV_POLL_S = 0.1
+
+
+def rendezvous_exit(why: str) -> Exception:
+    """The error with which torch's agent ends a rendezvous quietly (no worker started, no
+    result): ``RendezvousGracefulExitError`` where torch has it."""
+    from torch.distributed.elastic.rendezvous import api as rdzv_api
+
+    cls = getattr(rdzv_api, "RendezvousGracefulExitError", None)
+    return cls(why) if cls is not None else RuntimeError(why)
 
 
 #: The longest the rendezvous's shutdown (a write to the job's store) may take.
@@ -369,6 +392,37 @@ def _agent_class() -> type[Any]:
 
         def _marks(self) -> Path | None:
             return None if self.run_dir is None else phases.supervisor_path(self.run_dir)
+
+        def _rendezvous(self, worker_group: Any) -> Any:
+            """torch's rendezvous, in a thread of its own while this one watches the store: a
+            node cut off from it, or another node of the attempt gone silent, ends the wait
+            within the heartbeat window (torch's own wait is its join timeout, minutes), and
+            the agent ends as a rendezvous that exited (no worker started)."""
+            if self.peer is None:
+                return super()._rendezvous(worker_group)
+            import threading
+
+            done, box = threading.Event(), []
+            parent_rendezvous = super()._rendezvous
+
+            def meet() -> None:
+                try:
+                    parent_rendezvous(worker_group)
+                except BaseException as exc:  # handed to the agent's thread below
+                    box.append(exc)
+                finally:
+                    done.set()
+
+            threading.Thread(target=meet, name="rs-rendezvous", daemon=True).start()
+            while not done.wait(RDZV_POLL_S):
+                fault = self.peer.poll()
+                if fault is not None:  # the others are gone, or this node is cut off
+                    self.peer_fault = fault
+                    self._remaining_restarts = 0
+                    raise rendezvous_exit(f"the rendezvous was left: {fault.verdict.summary}")
+            if box:
+                raise box[0]
+            return None
 
         def _start_workers(self, worker_group: Any) -> Any:
             started = super()._start_workers(worker_group)
