@@ -231,9 +231,9 @@ class PeerWatch:
                 quiet = contact - moved
                 if quiet >= self.window_s and n not in self._seen:
                     return PeerFault(n, "", Verdict(
-                        VerdictKind.LOST, f"node {n} stopped beating in the job's store (no "
-                        f"heartbeat for {quiet:.0f} s, the window is {self.window_s:g} s): its "
-                        "supervisor died or its link is down", node=n, where=f"node {n}"))
+                        VerdictKind.LOST, f"no heartbeat in the job's store for {quiet:.0f} s "
+                        f"(the window is {self.window_s:g} s): its supervisor died or its link "
+                        "is down", node=n))
         return None
 
     def close(self) -> None:

@@ -28,9 +28,11 @@ torch, :mod:`.solo` runs it and :func:`~.arguments.own_parser` reads the command
 
 With ``--nnodes N`` (torch) the nodes' supervisors agree on each attempt's decision through a
 store at the rendezvous endpoint before any worker starts, watch it for each other's fault
-records while the workers run, and relaunch together (:mod:`resilient_strategy.run.peers`). A
-node that does not join a relaunch is dropped: node 0 goes on alone (action ``fewer_nodes``); a
-node cut off from the store for the heartbeat window stops by itself with 75 (``cut_off``).
+records while the workers run, and relaunch together (:mod:`resilient_strategy.run.peers`).
+Each attempt begins with a membership round (:mod:`resilient_strategy.nodes.membership`): a node
+that does not join a relaunch is dropped, and the nodes present regroup into one rendezvous
+(action ``fewer_nodes``; node 0 alone when it is the last); a node cut off from the store for
+the heartbeat window stops by itself with 75 (``cut_off``).
 """
 
 from __future__ import annotations
@@ -226,6 +228,8 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
                 changes.append(nxt.change)
                 if nxt.change.line():
                     _say(nxt.change.line())
+                if nxt.change.left and judgement.action is Action.RETRY:
+                    judgement = Judgement(Action.FEWER_NODES, _fewer_words(nxt.change))
             if team is not None:
                 team = nxt.link or team
         done = Attempt(attempt, decision.chosen, label, verdict, judgement, resumed,
@@ -350,6 +354,13 @@ def _setup_failure(exc: MultiNodeError, link: NodeLink, env: Mapping[str, str]
             "how": getattr(exc, "how", None), "this_node": link.node,
             "store": f"{link.host}:{link.port}", "route": iface, "route_how": how,
             "summary": str(exc), "exit_code": int(ExitCode.INFRASTRUCTURE)}
+
+
+def _fewer_words(change: Any) -> str:
+    """Why the job goes on with fewer nodes (a membership round dropped some)."""
+    left = ", ".join(f"node {n} ({how.replace('_', ' ')})" for n, how in change.left)
+    return (f"{left} did not join the relaunch: the job goes on with node(s) "
+            f"{', '.join(map(str, change.members))}, re-planned for them, the global batch kept")
 
 
 def _summary(history: Sequence[Attempt], judgement: Judgement) -> str:
