@@ -214,3 +214,33 @@ def test_attempts_json_records_each_attempts_nodes_and_the_summary_names_them(
     assert data["membership"][1]["left"] == [{"node": 2, "how": "no_verdict", "waited_s": 10.0}]
     assert nodes_words(changes) == " Nodes per attempt: 1: 0,1,2; 2: 0,1."
     assert nodes_words([]) == ""
+
+
+def test_a_wait_on_the_store_is_left_as_soon_as_the_peer_watch_sees_a_fault() -> None:
+    # torch's rendezvous (and its handler's store client) wait a minute or more on a store
+    # behind a link that is down; the agent leaves them for what the watch saw
+    from resilient_strategy.run.agent import LeftRendezvous, watched
+    from resilient_strategy.run.verdicts import PeerFault, Verdict, VerdictKind
+
+    never = threading.Event()
+    cut = PeerFault(1, "", Verdict(VerdictKind.CUT_OFF, "cut off", node=1))
+
+    class Peer:
+        def __init__(self, fault: PeerFault | None) -> None:
+            self.fault = fault
+
+        def poll(self) -> PeerFault | None:
+            return self.fault
+
+    with pytest.raises(LeftRendezvous) as left:
+        watched(never.wait, Peer(cut))  # type: ignore[arg-type]
+    assert left.value.fault == cut
+    assert watched(lambda: 7, Peer(None)) == 7  # type: ignore[arg-type]
+    assert watched(lambda: 8, None) == 8
+
+    def fails() -> None:
+        raise RuntimeError("the rendezvous closed")
+
+    with pytest.raises(RuntimeError):
+        watched(fails, Peer(None))  # type: ignore[arg-type]
+    never.set()

@@ -14,10 +14,10 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..core.bounded import parse_json
 from ..core.options import DEFAULT_PROCESS_GROUP_TIMEOUT, RunOptions
@@ -37,6 +37,7 @@ from .verdicts import PeerFault, RankExit, Verdict, VerdictKind, classify_attemp
 from .watch import TrainingWatch, torch_timeouts
 
 log = logging.getLogger("resilient_strategy")
+T = TypeVar("T")
 
 
 def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
@@ -103,7 +104,13 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
         from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
         master_addr, master_port = parse_rendezvous_endpoint(rdzv.endpoint, default_port=-1)
-    handler = rdzv_registry.get_rendezvous_handler(rdzv)
+    try:  # its store client connects to the endpoint: a node cut off waits here, watched
+        handler = watched(lambda: rdzv_registry.get_rendezvous_handler(rdzv), peer)
+    except LeftRendezvous as left:
+        if not had_omp:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        phases.mark(marks, phases.WORKERS_STOPPED)
+        return _peer_verdict(left.fault, peer)
     fixed_membership(handler)
     spec = WorkerSpec(
         role=config.role, local_world_size=nproc, entrypoint=sys.executable,
@@ -134,11 +141,7 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
         if not had_omp:
             os.environ.pop("OMP_NUM_THREADS", None)
     if agent.peer_fault is not None:  # another node saw the fault: this node stopped for it
-        if peer is not None and agent.peer_fault.node == peer.link.node:
-            own: Verdict = agent.peer_fault.verdict  # this node is cut off from the store
-            return own
-        relayed: Verdict = agent.peer_fault.as_seen_here()
-        return relayed
+        return _peer_verdict(agent.peer_fault, peer)
     stall: Stall | None = agent.stall
     if stall is not None and raised_before(
             [_read_json(error_path(run_dir, lr)) for lr in range(nproc)], agent.stall_at):
@@ -169,6 +172,55 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
     if stall is not None and agent.flight:
         verdict = replace(verdict, flight=analyse(agent.flight))
     return verdict
+
+
+def _peer_verdict(fault: PeerFault, peer: PeerWatch | None) -> Verdict:
+    """This node's verdict when it stopped for ``fault``: its own when it is cut off from the
+    store, else the other node's fault as seen here."""
+    if peer is not None and fault.node == peer.link.node:
+        return fault.verdict
+    return fault.as_seen_here()
+
+
+class LeftRendezvous(Exception):
+    """A wait on the job's store was left for what the peer watch saw (``fault``)."""
+
+    def __init__(self, fault: PeerFault) -> None:
+        super().__init__(fault.verdict.summary)
+        self.fault = fault
+
+
+def watched(call: Callable[[], T], peer: PeerWatch | None) -> T:
+    """``call()`` (a wait on the job's store that torch bounds only by its own timeouts, a
+    minute or more) in a daemon thread of its own while this one polls ``peer``: a node cut
+    off, or another node of the attempt gone silent, ends the wait within the heartbeat window
+    (:class:`LeftRendezvous`; the thread is left to its own timeout). Without ``peer``: a plain
+    call."""
+    if peer is None:
+        return call()
+    import threading
+
+    done = threading.Event()
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append((True, call()))
+        except BaseException as exc:  # handed to the caller's thread below
+            box.append((False, exc))
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="rs-store-wait", daemon=True).start()
+    while not done.wait(RDZV_POLL_S):
+        fault = peer.poll()
+        if fault is not None:
+            raise LeftRendezvous(fault)
+    ok, value = box[0]
+    if not ok:
+        raise value
+    out: T = value
+    return out
 
 
 def _backend(key: str) -> str:
@@ -398,31 +450,13 @@ def _agent_class() -> type[Any]:
             node cut off from it, or another node of the attempt gone silent, ends the wait
             within the heartbeat window (torch's own wait is its join timeout, minutes), and
             the agent ends as a rendezvous that exited (no worker started)."""
-            if self.peer is None:
-                return super()._rendezvous(worker_group)
-            import threading
-
-            done, box = threading.Event(), []
             parent_rendezvous = super()._rendezvous
-
-            def meet() -> None:
-                try:
-                    parent_rendezvous(worker_group)
-                except BaseException as exc:  # handed to the agent's thread below
-                    box.append(exc)
-                finally:
-                    done.set()
-
-            threading.Thread(target=meet, name="rs-rendezvous", daemon=True).start()
-            while not done.wait(RDZV_POLL_S):
-                fault = self.peer.poll()
-                if fault is not None:  # the others are gone, or this node is cut off
-                    self.peer_fault = fault
-                    self._remaining_restarts = 0
-                    raise rendezvous_exit(f"the rendezvous was left: {fault.verdict.summary}")
-            if box:
-                raise box[0]
-            return None
+            try:
+                return watched(lambda: parent_rendezvous(worker_group), self.peer)
+            except LeftRendezvous as left:  # the others are gone, or this node is cut off
+                self.peer_fault = left.fault
+                self._remaining_restarts = 0
+                raise rendezvous_exit(f"the rendezvous was left: {left}") from None
 
         def _start_workers(self, worker_group: Any) -> Any:
             started = super()._start_workers(worker_group)
