@@ -244,3 +244,23 @@ def test_a_wait_on_the_store_is_left_as_soon_as_the_peer_watch_sees_a_fault() ->
     with pytest.raises(RuntimeError):
         watched(fails, Peer(None))  # type: ignore[arg-type]
     never.set()
+
+
+def test_every_call_on_the_jobs_store_is_bounded_by_the_heartbeat_window() -> None:
+    # connecting may take the whole timeout (the nodes start apart); a call that takes longer
+    # than the window is a store out of reach: a node cut off in the membership round or the
+    # agreement knows it in seconds, not after the probe's timeout plus its margin
+    pytest.importorskip("torch")
+    import socket
+
+    from resilient_strategy.nodes.store import Job, open_store
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    job = Job(node=0, nodes=2, local_world=1, rank=0, master_addr="127.0.0.1",
+              master_port=port, agent_store=False, prefix="p/")
+    host = open_store(job, 90.0)
+    client = open_store(job, 90.0, client=True)
+    assert host.timeout.total_seconds() == client.timeout.total_seconds() == HEARTBEAT_STALE_S
+    assert open_store(job, 3.0, client=True).timeout.total_seconds() == 3.0
