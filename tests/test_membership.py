@@ -264,3 +264,48 @@ def test_every_call_on_the_jobs_store_is_bounded_by_the_heartbeat_window() -> No
     client = open_store(job, 90.0, client=True)
     assert host.timeout.total_seconds() == client.timeout.total_seconds() == HEARTBEAT_STALE_S
     assert open_store(job, 3.0, client=True).timeout.total_seconds() == 3.0
+
+
+def test_node_0_stops_the_attempt_for_a_node_that_asks_to_join(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from resilient_strategy.run.policy import Action, RelaunchPolicy, judge
+    from resilient_strategy.run.verdicts import VerdictKind
+
+    store, clock = _Store(), _Clock()
+    link = _link(0, (0, 1))  # node 2 was lost: two of three nodes run
+    peer = _watch(link, store, clock, monkeypatch)
+    try:
+        store.add(f"{peer.job.prefix}beat/1", 1)
+        peer.faults()
+        assert peer.poll() is None
+        ms.join(Channel(store, link.roster(1).prefix), 2)  # node 2 is back: the next attempt
+        peer.faults()
+        fault = peer.poll()
+        assert fault is not None and (fault.node, fault.verdict.kind) == (0, VerdictKind.JOIN)
+        j = judge(fault.verdict, "torch:gloo:cpu", [], RelaunchPolicy())
+        assert (j.action, j.exit_code) == (Action.MORE_NODES, None)
+    finally:
+        peer.close()
+    full = _watch(_link(0), store, clock, monkeypatch)  # all three present: no one to take in
+    try:
+        ms.join(Channel(store, _link(0).roster(1).prefix), 2)
+        full.faults()
+        assert full.poll() is None
+    finally:
+        full.close()
+
+
+def test_a_node_that_comes_back_joins_the_running_jobs_next_attempt(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from resilient_strategy.run import peers
+
+    store = _Store()
+    monkeypatch.setattr(peers, "open_store", lambda job, timeout_s, client=False: store)
+    base = "resilient_strategy/v1/run-bed/"
+    ms.publish_current(store, base, ms.Change(4, (0, 1), ((2, ms.NO_VERDICT),)))
+    # node 0's round of attempt 5, as it publishes it once node 2 asked
+    Channel(store, _link(0).roster(5).prefix).put(
+        "members", ms.Change(5, (0, 1, 2), (), (2,)).to_dict())
+    link, change = peers.regroup(_link(2), 0, {}, 1.0, 1.0)  # its supervisor's first round
+    assert (change.attempt, link.present, link.position, change.joined) == (5, (0, 1, 2), 2, (2,))
+    assert store.check([_link(0).roster(5).prefix + "join/2"])  # it asked there

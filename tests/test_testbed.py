@@ -498,3 +498,20 @@ def test_a_node_cut_off_before_its_workers_start_stops_within_the_window(
     assert (first["verdict"]["kind"], first["action"]) == ("lost", "fewer_nodes"), o
     assert [x["members"] for x in o.membership(0)] == [[0, 1], [0]], o
     assert o.final_steps == o.expected_steps and o.leftovers == (), o
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+def test_a_node_that_comes_back_is_taken_in_and_the_job_finishes_on_three(
+        bed3: tb.Bed, tmp_path: Path) -> None:
+    # lost_node over two epochs; once nodes 0 and 1 train again, node 2's link is set up and a
+    # new supervisor started there with the same job id: it joins the job's next attempt
+    o = tb.run_membership(bed3, tmp_path, "rejoin")
+    assert o.codes == (0, 0, 0), o
+    m = o.membership(0)
+    assert [x["members"] for x in m] == [[0, 1, 2], [0, 1], [0, 1, 2]], o
+    assert (m[1]["left"][0]["node"], m[2]["joined"]) == (2, [2]), o
+    assert [a["action"] for a in o.history(0)][:2] == ["fewer_nodes", "more_nodes"], o
+    last = max(a for a, _ in o.trained)
+    assert dict(o.trained)[last] == (0, 1, 2), o  # the job speeds up again on three nodes
+    assert o.final_steps == o.expected_steps and o.leftovers == (), o

@@ -265,23 +265,33 @@ class Job:
                     "CUDA_VISIBLE_DEVICES": "", **(extra_env or {})})
         self.procs: list[subprocess.Popen[bytes]] = []
         self.logs: list[Path] = []
+        self._env = env
+        self._argv = [sys.executable, "-m", "resilient_strategy", "run", "--nnodes",
+                      nnodes or str(len(bed.nodes)), "--nproc-per-node", "1", "--rdzv-backend",
+                      "c10d", "--rdzv-endpoint", f"{bed.master}:{PORT}", "--rdzv-id", "bed",
+                      "--stall-timeout", f"{stall_timeout:g}", "--probe-timeout",
+                      f"{probe_timeout:g}", str(script), *script_args]
         for node in bed.nodes:
-            home = work / f"node{node.index}"
-            (home / "tmp").mkdir(parents=True, exist_ok=True)
-            log = home / "supervisor.log"
-            self.logs.append(log)
-            argv = [sys.executable, "-m", "resilient_strategy", "run", "--nnodes",
-                    nnodes or str(len(bed.nodes)), "--node-rank", str(node.index), "--nproc-per-node",
-                    "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{bed.master}:{PORT}",
-                    "--rdzv-id", "bed", "--stall-timeout", f"{stall_timeout:g}",
-                    "--probe-timeout", f"{probe_timeout:g}", str(script), *script_args]
-            with open(log, "wb") as out:
-                self.procs.append(subprocess.Popen(
-                    bed.exec_argv(node.index, argv), env={**env, "TMPDIR": str(home / "tmp")},
-                    cwd=home, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+            self.logs.append(self.work / f"node{node.index}" / "supervisor.log")
+            self.procs.append(self._start(node.index, self.logs[-1]))
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, daemon=True)
         self._watcher.start()
+
+    def _start(self, node: int, log: Path) -> subprocess.Popen[bytes]:
+        home = self.work / f"node{node}"
+        (home / "tmp").mkdir(parents=True, exist_ok=True)
+        argv = [*self._argv[:6], "--node-rank", str(node), *self._argv[6:]]
+        with open(log, "wb") as out:
+            return subprocess.Popen(
+                self.bed.exec_argv(node, argv), env={**self._env, "TMPDIR": str(home / "tmp")},
+                cwd=home, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def restart(self, node: int) -> None:
+        """A new supervisor for ``node`` (its last one gone), with the same job id: a node
+        repaired, or its replacement. Its log is ``supervisor.restart.log``."""
+        self.logs[node] = self.work / f"node{node}" / "supervisor.restart.log"
+        self.procs[node] = self._start(node, self.logs[node])
 
     # watching
     def _watch(self) -> None:
@@ -600,7 +610,7 @@ def run_fault(bed: Bed, work: Path, fault: str, *, stall_s: float = STALL_S,
 #: by 1, 2 and 3 replicas): 32 optimizer steps, a checkpoint every 4.
 MEMBER_BATCH, MEMBER_EPOCHS = 192, 1
 MEMBER_STEPS = MEMBER_EPOCHS * (SAMPLES // MEMBER_BATCH)
-MEMBER_FAULTS = ("none", "lost_node", "cut_off_start")
+MEMBER_FAULTS = ("none", "lost_node", "cut_off_start", "rejoin")
 
 
 @dataclass(frozen=True)
@@ -652,10 +662,13 @@ def run_membership(bed: Bed, work: Path, fault: str, *, nnodes: str | None = Non
     ``fault``: ``lost_node``: once rank 0 has done :data:`FAULT_STEP`, the last node's
     supervisor is SIGKILLed and its link set down; ``cut_off_start``: node 1's link set down as
     soon as its first decision is written (the nodes agreed; its workers have not started);
-    ``none``: an uninterrupted run. Times are from the fault."""
+    ``rejoin``: ``lost_node`` over four epochs, then, once the survivors train again, the last
+    node's link set up and a new supervisor started there with the same job id; ``none``: an
+    uninterrupted run. Times are from the fault."""
     if fault not in MEMBER_FAULTS:
         raise ValueError(f"unknown fault {fault!r}; one of {MEMBER_FAULTS}")
-    args = ["--samples", str(SAMPLES), "--epochs", str(MEMBER_EPOCHS), "--hidden", str(HIDDEN),
+    epochs = 4 * MEMBER_EPOCHS if fault == "rejoin" else MEMBER_EPOCHS  # time to come back
+    args = ["--samples", str(SAMPLES), "--epochs", str(epochs), "--hidden", str(HIDDEN),
             "--global-batch-size", str(MEMBER_BATCH), "--checkpoint-every", str(EVERY),
             "--checkpoint-dir", str(work / "ckpt")]
     job = Job(bed, work, ROOT / "examples" / "torch_train.py", args, stall_timeout=STALL_S,
@@ -664,11 +677,16 @@ def run_membership(bed: Bed, work: Path, fault: str, *, nnodes: str | None = Non
     t0: float | None = None
     ended: dict[int, float] = {}
     try:
-        if fault == "lost_node":
+        if fault in ("lost_node", "rejoin"):
             job.wait_for_step(FAULT_STEP, timeout_s=limit_s / 2)
             t0 = time.monotonic()
             os.kill(job.procs[last].pid, signal.SIGKILL)
             bed.node_link(last, up=False)
+            if fault == "rejoin":  # repaired once the survivors train again: it comes back
+                job.wait_for_step(1, attempt=1, timeout_s=limit_s / 2)
+                job.procs[last].wait(timeout=IP_TIMEOUT_S)
+                bed.node_link(last, up=True)
+                job.restart(last)
         elif fault == "cut_off_start":
             end = time.monotonic() + limit_s / 2
             while (1, 0) not in job.capture.decisions and time.monotonic() < end:
@@ -697,7 +715,8 @@ def run_membership(bed: Bed, work: Path, fault: str, *, nnodes: str | None = Non
     again = [p.at for p in c.progress if p.attempt >= 1]
     base = t0 if t0 is not None else job.started
     return Membership(
-        fault=fault, codes=codes, expected_steps=MEMBER_STEPS, final_steps=c.final_steps(),
+        fault=fault, codes=codes, expected_steps=epochs * (SAMPLES // MEMBER_BATCH),
+        final_steps=c.final_steps(),
         attempts=tuple(tuple(c.attempts(n.index)) for n in bed.nodes),
         nodes_decided=tuple(sorted((n, a, int(d.get("nodes", 0)))
                                    for (n, a), d in c.decisions.items())),

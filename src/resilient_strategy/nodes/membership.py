@@ -94,6 +94,32 @@ def members_of(attempt: int, before: Sequence[int], joined: Collection[int],
     return Change(attempt, tuple(present), left, new)
 
 
+#: How long a node that comes back waits for the running job to take it in (node 0 relaunches
+#: at once when it sees it; the wait ends early when node 0's store goes, with the job).
+REJOIN_WAIT_S = 600.0
+
+
+def publish_current(store: Any, base: str, change: Change) -> None:
+    """Node 0: the membership of the attempt now running, at the job's own key (``base``):
+    where a node that comes back reads which attempt to join."""
+    Channel(store, base).put("current", change.to_dict())
+
+
+def read_current(store: Any, base: str) -> Change | None:
+    """The membership of the attempt now running (None: the job has not begun one)."""
+    if not store.check([base + "current"]):
+        return None
+    return Change.from_dict(Channel(store, base).take("current", 5.0, "the job's membership"))
+
+
+def waiting(store: Any, prefix: str, present: Collection[int], max_nodes: int
+            ) -> tuple[int, ...]:
+    """The nodes not in ``present`` that asked to join the attempt whose round is at
+    ``prefix``: node 0 stops the running attempt for them."""
+    return tuple(k for k in range(max_nodes)
+                 if k not in present and store.check([prefix + f"join/{k}"]))
+
+
 def join(channel: Channel, node: int) -> None:
     """This node asks to be in the attempt (every node, node 0 included)."""
     channel.put(f"join/{node}", {"node": node, "at": time.time()})

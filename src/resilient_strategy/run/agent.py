@@ -33,7 +33,14 @@ if TYPE_CHECKING:
     from .peers import PeerWatch
 
 from .arguments import node_count, parser
-from .verdicts import PeerFault, RankExit, Verdict, VerdictKind, classify_attempt
+from .verdicts import (
+    PeerFault,
+    RankExit,
+    Verdict,
+    VerdictKind,
+    classify_attempt,
+    step_in_progress,
+)
 from .watch import TrainingWatch, torch_timeouts
 
 log = logging.getLogger("resilient_strategy")
@@ -141,7 +148,11 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
         if not had_omp:
             os.environ.pop("OMP_NUM_THREADS", None)
     if agent.peer_fault is not None:  # another node saw the fault: this node stopped for it
-        return _peer_verdict(agent.peer_fault, peer)
+        heard = _peer_verdict(agent.peer_fault, peer)
+        if heard.step:
+            return heard
+        return replace(heard, step=step_in_progress(  # where this node's ranks were
+            [read_record(str(progress_path(run_dir, lr))) for lr in range(nproc)]))
     stall: Stall | None = agent.stall
     if stall is not None and raised_before(
             [_read_json(error_path(run_dir, lr)) for lr in range(nproc)], agent.stall_at):

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..nodes.membership import Change
+from ..nodes.membership import Change, waiting
 from ..nodes.store import (
     HEARTBEAT_STALE_S,
     KEY_VERSION,
@@ -161,6 +161,11 @@ class PeerWatch:
                  window_s: float = HEARTBEAT_STALE_S, look_s: float = STORE_LOOK_S,
                  opener: Callable[..., Any] | None = None) -> None:
         self.link, self.job, self.clock = link, link.job(attempt), clock
+        #: where a node that comes back asks to join the next attempt (node 0 watches it while
+        #: fewer than the most nodes run)
+        self._next = (link.roster(attempt + 1).prefix
+                      if link.node == 0 and len(link.present) < link.nodes else "")
+        self._joining: tuple[int, ...] = ()
         self.timeout_s, self.window_s, self.look_s = timeout_s, window_s, look_s
         self._opener = opener or open_store
         self.store: Any = None  # the supervisor's connection, after the attempt
@@ -207,8 +212,10 @@ class PeerWatch:
             except ValueError as exc:
                 out[node] = PeerFault(node, str(record.get("candidate", "")), Verdict(
                     VerdictKind.LOST, f"an unreadable fault record ({exc})", node=node))
+        joining = waiting(store, self._next, present, self.link.nodes) if self._next else ()
         now = self.clock()
         with self._lock:
+            self._joining = joining
             for n, count in counts.items():
                 if count != self._beats[n][0]:
                     self._beats[n] = (count, now)
@@ -273,7 +280,20 @@ class PeerWatch:
         if fault is not None:
             return fault
         own = self.cut_off()
-        return own if own is not None else self.silent()
+        if own is not None:
+            return own
+        lost = self.silent()
+        if lost is not None:
+            return lost
+        with self._lock:
+            joining = self._joining
+        if joining:  # a node came back: relaunch across the larger group (node 0's record)
+            node = self.link.node
+            return PeerFault(node, "", Verdict(
+                VerdictKind.JOIN, f"node(s) {', '.join(map(str, joining))} asked to join: "
+                "the job relaunches across the larger group from the last checkpoint",
+                node=node))
+        return None
 
     def _main_store(self) -> Any:
         if self.store is None:
@@ -306,9 +326,10 @@ class PeerWatch:
         faults = [read[n] for n in sorted(read)]
         seen = set(read)
         self.missing = tuple(n for n in present if n not in seen)
+        step = max((f.verdict.step for f in faults), default=0)  # where the others were
         return faults + [PeerFault(n, "", Verdict(
             VerdictKind.LOST, f"node {n}'s supervisor gave no verdict within {timeout_s:g} s "
-            "(it vanished)", node=n, where=f"node {n}")) for n in self.missing]
+            "(it vanished)", step, node=n, where=f"node {n}")) for n in self.missing]
 
     def gone(self) -> dict[int, str]:
         """The nodes of this attempt known gone before the next membership round, and how:
@@ -352,18 +373,34 @@ def regroup(link: NodeLink, attempt: int, gone: Mapping[int, str], timeout_s: fl
     may run with are left (``--nnodes MIN:MAX``: MIN; a fixed count: all at the start, node 0
     alone after)."""
     from ..errors import NodeLostError
-    from ..nodes.membership import await_members, gather, join
+    from ..nodes.membership import (
+        REJOIN_WAIT_S,
+        await_members,
+        gather,
+        join,
+        publish_current,
+        read_current,
+    )
     from ..nodes.store import Channel
 
-    roster = link.roster(attempt)
     window = 2 * margin_s  # as the agreement's join window: the nodes start a little apart
-    ch = Channel(open_store(roster, timeout_s, client=link.node != 0), roster.prefix)
+    store = open_store(link.roster(attempt), timeout_s, client=link.node != 0)
+    base = f"resilient_strategy/{KEY_VERSION}/run-{link.run_id}/"
+    back = False
+    if attempt == 0 and link.node != 0:  # this supervisor's first round: is the job running?
+        now = read_current(store, base)
+        if now is not None and link.node not in now.members:
+            attempt, back = now.attempt + 1, True  # it comes back: the job's next attempt
+    roster = link.roster(attempt)
+    ch = Channel(store, roster.prefix)
     join(ch, link.node)
     if link.node == 0:
         before = link.present if attempt > 0 else tuple(range(link.nodes))
         change = gather(ch, attempt, before, gone, window, link.nodes)
+        publish_current(store, base, change)
     else:
-        change = await_members(ch, link.node, window + margin_s + timeout_s)
+        change = await_members(ch, link.node, REJOIN_WAIT_S if back
+                               else window + margin_s + timeout_s)
     need = link.floor if attempt > 0 else link.min_nodes
     if len(change.members) < need:
         first = change.left[0] if change.left else (None, "deadline")

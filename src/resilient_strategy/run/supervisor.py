@@ -195,7 +195,9 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
         phases.mark(marks, phases.VERDICT)
         label = _label(decision)
         if not verdict.ok:  # the fault's line first; its evidence is written below
-            _say(f"attempt {attempt + 1} on {label} failed at step {verdict.step}: "
+            ended = ("stopped to take a node back" if verdict.kind is VerdictKind.JOIN
+                     else "failed")
+            _say(f"attempt {attempt + 1} on {label} {ended} at step {verdict.step}: "
                  f"{verdict.line()} [evidence: {evidence.path(attempt)}]")
         nxt: Choice | None = None
         # a node whose verdict never came gets the heartbeat window to join the relaunch
@@ -204,19 +206,20 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
         silent = tuple(sorted({*silent, *gone}))
         try:
             if judgement.action is Action.STEP_DOWN:
-                nxt, refusal = _step_down(opts, facts, snapshot, failures, session, attempt + 1,
+                nxt, refusal = _step_down(opts, facts, snapshot, failures, session,
+                                          decision.attempt + 1,
                                           notes, team, choice, verdict, fault, silent)
                 if nxt is None:
                     judgement = Judgement(Action.STOP, refusal, ExitCode.INFRASTRUCTURE)
-            elif judgement.action is Action.RETRY:
-                nxt = _retry(choice, session, attempt + 1, team, opts, facts, snapshot,
+            elif judgement.action in (Action.RETRY, Action.MORE_NODES):
+                nxt = _retry(choice, session, decision.attempt + 1, team, opts, facts, snapshot,
                              failures, notes, silent)
         except NodeLostError as exc:
             if team is None or team.node != 0 or exc.node is None:
                 raise  # a node other than 0 cannot go on without the store node 0 hosts
             _say(f"node {exc.node} did not join the relaunch: {one_line(str(exc), 300)}")
             nxt, refusal = _without_lost_node(opts, facts, snapshot, failures, session,
-                                              attempt + 1, notes, choice, exc.node)
+                                              decision.attempt + 1, notes, choice, exc.node)
             judgement = (Judgement(Action.STOP, refusal, ExitCode.INFRASTRUCTURE) if nxt is None
                          else Judgement(Action.FEWER_NODES, f"node {exc.node} did not join the "
                                         "relaunch: it is dropped, and node 0 goes on alone with "
@@ -248,7 +251,8 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
                        else ExitCode.INFRASTRUCTURE)
         ckpt = _last_checkpoint(session)
         resumed = None if ckpt is None else ckpt[0]
-        how = {Action.RETRY: "retrying", Action.FEWER_NODES: "going on with fewer nodes"}.get(
+        how = {Action.RETRY: "retrying", Action.FEWER_NODES: "going on with fewer nodes",
+               Action.MORE_NODES: "taking a node back"}.get(
             judgement.action, "stepping down")
         notes.append(f"Relaunched ({how}): {label} failed mid-run at step {verdict.step} "
                      f"({verdict.kind.value}: {one_line(verdict.summary, 160)}).")
@@ -501,6 +505,7 @@ def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
         margin = max(10.0, o.timeout_s / 2)
         link, change = regroup(link, attempt, {**{n: "no_verdict" for n in silent},
                                                **(gone or {})}, o.timeout_s + margin, margin)
+        attempt = change.attempt  # a node that comes back joins the job's next attempt
         silent = tuple(link.present.index(n) for n in silent if n in link.present)
         if len(link.present) == 1:  # node 0 alone: no one to agree with
             o, plan_env = _options(opts, facts, env, nnodes=1)

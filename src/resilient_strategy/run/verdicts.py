@@ -102,6 +102,10 @@ class VerdictKind(Enum):
     #: This node cannot reach the job's store (multi-node): it stops (exit 75) and the others
     #: go on without it; another node's cut-off is a lost node there.
     CUT_OFF = "cut_off"
+    #: A node asked to join the running job (multi-node, ``--nnodes N`` or ``MIN:MAX`` with
+    #: fewer nodes present): node 0 stopped the attempt to relaunch across the larger group
+    #: from the last checkpoint. Not a fault.
+    JOIN = "join"
     #: The ranks did not run the same collectives: the program's fault.
     DIVERGED = "diverged"
     #: Out of memory: the program's (its batch or model).
@@ -348,7 +352,7 @@ def merge(faults: Sequence[PeerFault]) -> Verdict | None:
     order = {VerdictKind.USER: 0, VerdictKind.OOM: 0, VerdictKind.DIVERGED: 0,
              VerdictKind.EXIT: 1, VerdictKind.LOST: 1, VerdictKind.CUT_OFF: 1,
              VerdictKind.STALL: 2,
-             VerdictKind.BACKEND: 3, VerdictKind.OK: 4}
+             VerdictKind.BACKEND: 3, VerdictKind.JOIN: 4, VerdictKind.OK: 5}
     ranked = sorted(faults, key=lambda f: (order[f.verdict.kind], f.node))
     if not ranked:
         return None
