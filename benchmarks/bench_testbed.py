@@ -21,6 +21,10 @@ measured from outside by watching the files the supervisors write and their proc
 - leftovers: processes of the job alive after both supervisors ended (or were killed at the
   bed's limit; the bed's sweep removes them after).
 
+`--membership none,lost_node,cut_off_start,rejoin` runs the scenarios of nodes that come and go
+instead (three nodes; `cut_off_start` two; tests/testbed.py `run_membership`): one row each,
+with the nodes whose rank 0 trained in each attempt, and node 0's membership records.
+
 Needs root and `ip`; prints why not otherwise.
 """
 
@@ -47,8 +51,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--faults", default=",".join(ORDER))
     ap.add_argument("--membership", default="",
-                    help="instead: nodes that come and go, e.g. none,lost_node,cut_off_start "
-                         "(three nodes; cut_off_start: two)")
+                    help="instead: nodes that come and go, e.g. none,lost_node,cut_off_start,"
+                         "rejoin (three nodes; cut_off_start: two)")
     args = ap.parse_args()
     why = tb.unavailable()
     if why is not None:

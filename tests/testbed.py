@@ -632,6 +632,9 @@ class Membership:
     ended_s: tuple[float | None, ...]
     training_again_s: float | None  # fault -> the first step of a later attempt
     leftovers: tuple[str, ...]
+    #: (attempt, samples/s): the global batch times the optimizer steps per second node 0's
+    #: rank 0 recorded in the attempt (None: fewer than two steps seen)
+    rates: tuple[tuple[int, float | None], ...] = ()
 
     def history(self, node: int) -> list[Mapping[str, Any]]:
         rec = self.records[node]
@@ -651,6 +654,8 @@ class Membership:
                 "nodes training per attempt": "; ".join(
                     f"{a}: {','.join(map(str, n)) or '-'}" for a, n in self.trained),
                 "training again s": s(self.training_again_s),
+                "samples/s per attempt": "; ".join(
+                    f"{a}: {'-' if r is None else f'{r:.0f}'}" for a, r in self.rates),
                 "steps": f"{self.final_steps or 0}/{self.expected_steps}",
                 "ended s": ",".join(s(e) for e in self.ended_s),
                 "leftovers": len(self.leftovers)}
@@ -714,6 +719,12 @@ def run_membership(bed: Bed, work: Path, fault: str, *, nnodes: str | None = Non
         trained.setdefault(p.attempt, set()).add(p.node)
     again = [p.at for p in c.progress if p.attempt >= 1]
     base = t0 if t0 is not None else job.started
+    rates: list[tuple[int, float | None]] = []
+    for a in sorted(trained):
+        seen = [p for p in c.progress if (p.node, p.attempt) == (0, a)]
+        span = seen[-1].at - seen[0].at if len(seen) > 1 else 0.0
+        rates.append((a, (seen[-1].step - seen[0].step) * MEMBER_BATCH / span if span > 0
+                      else None))
     return Membership(
         fault=fault, codes=codes, expected_steps=epochs * (SAMPLES // MEMBER_BATCH),
         final_steps=c.final_steps(),
@@ -725,4 +736,4 @@ def run_membership(bed: Bed, work: Path, fault: str, *, nnodes: str | None = Non
         ended_s=tuple(None if i not in ended else ended[i] - base
                       for i in range(len(bed.nodes))),
         training_again_s=min(again) - base if again else None,
-        leftovers=tuple(job.leftovers()))
+        leftovers=tuple(job.leftovers()), rates=tuple(rates))
