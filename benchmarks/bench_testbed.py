@@ -53,13 +53,16 @@ def main() -> int:
     ap.add_argument("--membership", default="",
                     help="instead: nodes that come and go, e.g. none,lost_node,cut_off_start,"
                          "rejoin (three nodes; cut_off_start: two)")
+    ap.add_argument("--prefix", default=tb.PREFIX,
+                    help="the bed's names (namespaces, links): another prefix for a bed beside "
+                         "one already running (the suite's test bed uses the default)")
     args = ap.parse_args()
     why = tb.unavailable()
     if why is not None:
         print(f"the test bed cannot run here: {why}")
         return 2
     if args.membership:
-        return membership(args.membership.split(","))
+        return membership(args.membership.split(","), args.prefix)
     import torch
 
     print(f"# Test bed: real faults, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n")
@@ -88,7 +91,7 @@ def main() -> int:
     return 0
 
 
-def membership(faults: list[str]) -> int:
+def membership(faults: list[str], prefix: str = tb.PREFIX) -> int:
     """One row per membership scenario (tests/testbed.py ``run_membership``): each node's exit
     status, the nodes whose rank 0 trained in each attempt, seconds from the fault to training
     again and to each supervisor's exit, the optimizer steps against the uninterrupted count,
@@ -100,7 +103,7 @@ def membership(faults: list[str]) -> int:
         nodes = 2 if fault == "cut_off_start" else 3
         with tempfile.TemporaryDirectory(prefix="bench-member-") as work:
             t = time.monotonic()
-            with tb.testbed(nodes) as bed:
+            with tb.testbed(nodes, prefix) as bed:
                 o = tb.run_membership(bed, Path(work), fault, limit_s=240.0)
             row = o.row()
             row["run s"] = f"{time.monotonic() - t:.0f}"
