@@ -49,7 +49,6 @@ def main() -> None:
     # Decide first: the selection sets its variables before anything touches CUDA.
     sel = resilient_strategy.resilient_strategy(framework="torch",
                                                 global_batch_size=args.global_batch_size)
-    sel.print(sel.explain())  # rank 0 only
     from resilient_strategy.integrations.accelerate import make_accelerator
 
     accelerator = make_accelerator(sel)  # an idle rank of a one-device fallback exits here

@@ -61,7 +61,7 @@ def main() -> None:
         framework="tensorflow", global_batch_size=args.global_batch_size,
         logical_cpus=args.cpu_replicas, timeout=args.timeout,
     )
-    sel.print(sel.explain())
+    sel.print(sel.summary())  # one line (sel.explain() says why)
     if args.result:  # before scope(): a worker the decision leaves idle exits 0 there
         write_json(f"{args.result}.decision.json", sel.to_dict())
 

@@ -37,7 +37,6 @@ def main() -> None:
     # Decide first: the selection sets its variables before Lightning touches CUDA.
     sel = resilient_strategy.resilient_strategy(framework="torch",
                                                 global_batch_size=args.global_batch_size)
-    sel.print(sel.explain())  # rank 0 only
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 

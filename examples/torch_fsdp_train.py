@@ -76,7 +76,7 @@ def main() -> None:
         framework="torch", global_batch_size=args.global_batch_size, model=model,
         sharding=args.sharding, optimizer_state_factor=2.0,  # AdamW: two moments per parameter
     )
-    sel.print(sel.explain())
+    sel.print(sel.summary())  # one line (sel.explain() says why)
     if not sel.active:
         return
 

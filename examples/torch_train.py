@@ -39,7 +39,7 @@ def main() -> None:
         framework="torch", global_batch_size=args.global_batch_size,
         gradient_bytes=4 * params,  # fp32 gradients: lets it rank strategies by speed
     )
-    sel.print(sel.explain())  # rank 0 only: one copy under torchrun, not one per rank
+    sel.print(sel.summary())  # rank 0 only: one line (sel.explain() says why)
     if not sel.active:  # a one-device fallback under torchrun: only rank 0 trains
         return
 

@@ -35,7 +35,33 @@ VARS = ("RESILIENT_STRATEGY_CACHE", "RESILIENT_STRATEGY_CACHE_DIR", "RESILIENT_S
         "RESILIENT_STRATEGY_MAX_RELAUNCHES", "RESILIENT_STRATEGY_FORKSERVER",
         "RESILIENT_STRATEGY_DECISION", "RESILIENT_STRATEGY_TRAIN_FAULT",
         "RESILIENT_STRATEGY_PROGRESS", "RESILIENT_STRATEGY_SIGNATURES",
-        "RESILIENT_STRATEGY_REMEDIES")
+        "RESILIENT_STRATEGY_REMEDIES", "RESILIENT_STRATEGY_PROBE_FAULT")
+#: One malformed value (or more) per variable (issue 32): each is refused where it is read,
+#: with one line naming the variable; none turns a feature off silently.
+MALFORMED = (
+    ("RESILIENT_STRATEGY_CACHE", "maybe"),
+    ("RESILIENT_STRATEGY_CACHE_DIR", "/tmp/a\0b"),
+    ("RESILIENT_STRATEGY_DECISION", "/dev/zero"),
+    ("RESILIENT_STRATEGY_DISABLE_RULES", "no-such-rule"),
+    ("RESILIENT_STRATEGY_FORKSERVER", "off please"),
+    ("RESILIENT_STRATEGY_MAX_RELAUNCHES", "-1"),
+    ("RESILIENT_STRATEGY_PG_TIMEOUT", "nan"),
+    ("RESILIENT_STRATEGY_PREFER", "mpi"),
+    ("RESILIENT_STRATEGY_PROBE", "sometimes"),
+    ("RESILIENT_STRATEGY_PROBE_FAULT", "explode:1"),  # was: the cache off, nothing injected
+    ("RESILIENT_STRATEGY_PROBE_FAULT", "exit:1:glooo"),  # and a passing "rehearsal"
+    ("RESILIENT_STRATEGY_PROBE_FAULT", "hang:one"),
+    ("RESILIENT_STRATEGY_PROBE_FAULT", "wrong:1:nccl:bigger"),
+    ("RESILIENT_STRATEGY_PROGRESS", "/tmp/a\0b"),
+    ("RESILIENT_STRATEGY_QUIET", "loud"),
+    ("RESILIENT_STRATEGY_REMEDIES", "/nonexistent/remedies.toml"),
+    ("RESILIENT_STRATEGY_RULES", "/nonexistent/rules.toml"),
+    ("RESILIENT_STRATEGY_SIGNATURES", "/nonexistent/signatures.toml"),
+    ("RESILIENT_STRATEGY_STALL_TIMEOUT", "soon"),
+    ("RESILIENT_STRATEGY_TIMEOUT", "1e999"),
+    ("RESILIENT_STRATEGY_TRAIN_FAULT", "hang:one:gloo:3"),
+    ("RESILIENT_STRATEGY_TRAIN_FAULT", "explode:0:gloo:3"),
+)
 
 
 def _read_all(env: dict[str, str]) -> None:
@@ -75,6 +101,36 @@ def _one_line_naming(name: str, value: str) -> ResilientStrategyError:
 def test_a_bad_variable_is_one_error_naming_it(name: str, value: str) -> None:
     err = _one_line_naming(name, value)
     assert option_of(err) in (name, None)
+
+
+@pytest.mark.parametrize(("name", "value"), MALFORMED)
+def test_every_variable_refuses_a_malformed_value_in_one_line(name: str, value: str) -> None:
+    from resilient_strategy.errors import InvalidOptionError
+
+    err = _one_line_naming(name, value)
+    assert isinstance(err, InvalidOptionError) and option_of(err) == name
+    assert "\n" not in str(err)
+
+
+def test_the_malformed_table_covers_every_variable_the_package_reads() -> None:
+    import re
+
+    src = ROOT / "src" / "resilient_strategy"
+    named = {m for p in src.rglob("*.py")
+             for m in re.findall(r"RESILIENT_STRATEGY_[A-Z_]+[A-Z]", p.read_text(encoding="utf-8"))}
+    assert named == {n for n, _ in MALFORMED} == set(VARS)
+
+
+def test_a_train_fault_on_a_rank_the_job_lacks_is_refused() -> None:
+    from resilient_strategy.errors import InvalidOptionError
+    from resilient_strategy.records.trainfault import FAULT_VAR, check_rank
+
+    fault = parse_fault("exit:2:gloo:3")
+    check_rank(fault, 3)  # ranks 0-2: rank 2 is one
+    check_rank(None, 1)
+    with pytest.raises(InvalidOptionError) as exc:
+        check_rank(fault, 2)
+    assert exc.value.option == FAULT_VAR and "\n" not in str(exc.value)
 
 
 def option_of(err: ResilientStrategyError) -> str | None:
@@ -221,3 +277,49 @@ def test_good_node_options_of_run_pass() -> None:
     for argv in (["--nnodes", "1:2"], ["--rdzv-endpoint", "[::1]:29500"],
                  ["--rdzv-endpoint", "node0"], ["--master-port", "0"]):
         assert options_from_args([*argv, "train.py"]).script == "train.py"
+
+
+# ----- resilient_strategy()'s arguments and the command line: one line each (issue 32) -------
+def test_an_argument_error_is_typed_and_raised_one_frame_below_the_caller() -> None:
+    import traceback
+
+    from resilient_strategy import resilient_strategy
+    from resilient_strategy.errors import InvalidOptionError
+
+    with pytest.raises(InvalidOptionError) as exc:
+        resilient_strategy(framework="torch", global_batch_size=-3, facts=machine(2), env={},
+                           cache=False, dry_run=True)
+    frames = traceback.extract_tb(exc.value.__traceback__)
+    # the caller (this test), then resilient_strategy() itself: not the library's internals
+    assert [f.name for f in frames][1:] == ["resilient_strategy"]
+    assert exc.value.option == "global_batch_size" and "\n" not in str(exc.value)
+    assert exc.value.__cause__ is None and exc.value.__suppress_context__
+
+
+def test_an_unknown_keyword_is_a_type_error_naming_the_closest_one() -> None:
+    from resilient_strategy import resilient_strategy
+
+    with pytest.raises(TypeError) as exc:
+        resilient_strategy(framework="torch", global_batchsize=256)  # type: ignore[call-arg]
+    assert "'global_batch_size'" in str(exc.value) and "'global_batchsize'" in str(exc.value)
+    with pytest.raises(TypeError) as far:
+        resilient_strategy(zzzz=1)  # type: ignore[call-arg]
+    assert "'zzzz'" in str(far.value) and "did you mean" not in str(far.value)
+
+
+@pytest.mark.parametrize("argv", [
+    ["run"], ["run", "DIR"], ["run", "--nproc-per-node", "x", "train.py"],
+    ["run", "--bogus", "1", "train.py"], [], ["plan", "--bogus"],
+])
+def test_each_command_line_error_is_one_line(argv: list[str], tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [str(tmp_path) if a == "DIR" else a for a in argv]
+    try:
+        code = main(argv)
+    except SystemExit as done:
+        code = int(done.code or 0)
+    out = capsys.readouterr()
+    assert code == 2 and out.out == ""
+    assert len(out.err.strip().splitlines()) == 1, out.err
+    if argv[1:] == [str(tmp_path)]:  # a directory is said to be one, not "no such script"
+        assert str(tmp_path) in out.err and "no such script" not in out.err

@@ -111,14 +111,17 @@ class _Replica(TorchRuntime):
 
 
 def _train_replicas(directory: Path, world: int, micro: int, accumulation: int, n: int,
-                    epochs: int, every: int, stop_after: int | None = None
+                    epochs: int, every: int, stop_after: int | None = None,
+                    drop_last: bool = False, seen: list[int] | None = None,
                     ) -> tuple[int, dict[str, torch.Tensor]]:
     """Train ``world`` replicas in lock-step, as DDP does (from the checkpoint in ``directory``
-    when there is one); stop after ``stop_after`` optimizer steps (a fault: every rank dies)."""
+    when there is one); stop after ``stop_after`` optimizer steps (a fault: every rank dies).
+    ``seen`` collects the index of every sample trained on (fillers, weighed zero, excluded)."""
     global_batch = world * micro * accumulation
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(n, 3, generator=g),
-                                          torch.randn(n, 1, generator=g))
+                                          torch.randn(n, 1, generator=g),
+                                          torch.arange(n))
     rts, ckpts, models, opts, loaders = [], [], [], [], []
     for rank in range(world):
         rt = _Replica("gloo" if world > 1 else "cpu", (), accumulation, global_batch, micro,
@@ -128,7 +131,8 @@ def _train_replicas(directory: Path, world: int, micro: int, accumulation: int, 
         torch.manual_seed(0)  # every replica starts from the same weights, as DDP makes them
         model = torch.nn.Linear(3, 1)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        loader = torch.utils.data.DataLoader(data, batch_size=micro, shuffle=True)
+        loader = torch.utils.data.DataLoader(data, batch_size=micro, shuffle=True,
+                                             drop_last=drop_last)
         model, opt, loader = rt.prepare(model, opt, loader)
         rts.append(rt), ckpts.append(ckpt), models.append(model), opts.append(opt)
         loaders.append(loader)
@@ -141,7 +145,10 @@ def _train_replicas(directory: Path, world: int, micro: int, accumulation: int, 
         for batches in zip(*loaders, strict=True):
             last = {rt.is_last_micro_step for rt in rts}
             assert len(last) == 1  # the ranks agree on where an optimizer step ends
-            for rt, model, (x, y) in zip(rts, models, batches, strict=True):
+            for rt, model, (x, y, index) in zip(rts, models, batches, strict=True):
+                if seen is not None:  # a filler (the rank's last, past its share) weighs zero
+                    own = rt._micro_samples()
+                    seen.extend(index.tolist()[:len(index) if own is None else own])
                 rt.backward(torch.nn.functional.mse_loss(model(x), y))
             if last == {True}:  # DDP's all-reduce: the mean of the replicas' gradients
                 for params in zip(*(m.parameters() for m in models), strict=True):
@@ -158,9 +165,9 @@ def _train_replicas(directory: Path, world: int, micro: int, accumulation: int, 
 
 @st.composite
 def _world_cases(draw: st.DrawFn) -> tuple[int, int, int, tuple[int, int], tuple[int, int],
-                                           int, int, int]:
+                                           int, int, bool]:
     """(dataset size, epochs, global batch, (world, micro) before, (world, micro) after, every,
-    fault): the accumulation is what the global batch leaves."""
+    fault, drop_last): the accumulation is what the global batch leaves."""
     w1, w2 = draw(st.integers(1, 4)), draw(st.integers(1, 4))
     unit = math.lcm(w1, w2)
     global_batch = unit * draw(st.integers(1, max(1, 12 // unit)))
@@ -168,30 +175,93 @@ def _world_cases(draw: st.DrawFn) -> tuple[int, int, int, tuple[int, int], tuple
     m1 = draw(st.sampled_from(_divisors(global_batch // w1)))
     m2 = draw(st.sampled_from(_divisors(global_batch // w2)))
     epochs = draw(st.integers(min_value=1, max_value=3))
-    total = epochs * -(-n // global_batch)
+    drop_last = draw(st.booleans())
+    total = epochs * (n // global_batch if drop_last else -(-n // global_batch))
     every = draw(st.integers(min_value=1, max_value=3))
     fault = draw(st.integers(min_value=1, max_value=max(1, total - 1)))
-    return n, epochs, global_batch, (w1, m1), (w2, m2), every, fault
+    return n, epochs, global_batch, (w1, m1), (w2, m2), every, fault, drop_last
 
 
 def _divisors(k: int) -> list[int]:
     return [d for d in range(1, k + 1) if k % d == 0]
 
 
-@settings(max_examples=25, deadline=None, derandomize=True,
+@settings(max_examples=40, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=_world_cases())
 def test_a_relaunch_on_another_world_size_is_the_uninterrupted_run(
         tmp_path_factory: pytest.TempPathFactory,
-        case: tuple[int, int, int, tuple[int, int], tuple[int, int], int, int]) -> None:
-    n, epochs, global_batch, (w1, m1), (w2, m2), every, fault = case
+        case: tuple[int, int, int, tuple[int, int], tuple[int, int], int, int, bool]) -> None:
+    """Also with ``drop_last`` (issue 36.4): the steps, and the samples seen, are the
+    uninterrupted run's exactly."""
+    n, epochs, global_batch, (w1, m1), (w2, m2), every, fault, drop_last = case
     a1, a2 = global_batch // (w1 * m1), global_batch // (w2 * m2)
+    seen_straight: list[int] = []
     steps, straight = _train_replicas(tmp_path_factory.mktemp("straight"), w1, m1, a1, n,
-                                      epochs, every)
-    assert steps == epochs * -(-n // global_batch)  # a step never spans two epochs
+                                      epochs, every, drop_last=drop_last, seen=seen_straight)
+    per_epoch = n // global_batch if drop_last else -(-n // global_batch)
+    assert steps == epochs * per_epoch  # a step never spans two epochs
     directory = tmp_path_factory.mktemp("ckpt")
-    _train_replicas(directory, w1, m1, a1, n, epochs, every, stop_after=fault)
-    resumed_steps, resumed = _train_replicas(directory, w2, m2, a2, n, epochs, every)
+    seen: list[int] = []
+    done, _ = _train_replicas(directory, w1, m1, a1, n, epochs, every, stop_after=fault,
+                              drop_last=drop_last, seen=seen)
+    if done == fault:  # what the fault's run did past its last checkpoint is done again
+        redo = fault % every
+        del seen[len(seen) - _samples_of_last_steps(redo, fault, n, global_batch,
+                                                    drop_last):]
+    resumed_steps, resumed = _train_replicas(directory, w2, m2, a2, n, epochs, every,
+                                             drop_last=drop_last, seen=seen)
     assert resumed_steps == steps
+    assert sorted(seen) == sorted(seen_straight)
+    for name, value in straight.items():
+        torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-6)
+
+
+def _samples_of_last_steps(k: int, upto: int, n: int, global_batch: int,
+                           drop_last: bool) -> int:
+    """Samples the optimizer steps ``upto - k + 1 .. upto`` trained on (every rank's)."""
+    per_epoch = n // global_batch if drop_last else -(-n // global_batch)
+    used = n - n % global_batch if drop_last else n
+    total = 0
+    for step in range(upto - k, upto):  # 0-based step index
+        in_epoch = step % per_epoch
+        total += min(global_batch, used - in_epoch * global_batch)
+    return total
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_lost_node_of_three_relaunched_alone(tmp_path: Path, drop_last: bool) -> None:
+    """Three replicas of 4 x 2, one left after a lost node (1 x 4 x 6), 3 epochs of 250
+    samples: the steps and the samples seen are the uninterrupted job's."""
+    seen_straight: list[int] = []
+    steps, straight = _train_replicas(tmp_path / "straight", 3, 4, 2, 250, 3, 4,
+                                      drop_last=drop_last, seen=seen_straight)
+    assert steps == 3 * (250 // 24 if drop_last else -(-250 // 24))
+    seen: list[int] = []
+    _train_replicas(tmp_path / "b", 3, 4, 2, 250, 3, 4, stop_after=16, drop_last=drop_last,
+                    seen=seen)
+    resumed_steps, resumed = _train_replicas(tmp_path / "b", 1, 4, 6, 250, 3, 4,
+                                             drop_last=drop_last, seen=seen)
+    assert resumed_steps == steps
+    assert sorted(seen) == sorted(seen_straight)
+    for name, value in straight.items():
+        torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-6)
+
+
+# ----- drop_last: an epoch ends on an optimizer-step boundary (issue 36.4) --------------------
+def test_the_reported_drop_last_case_2016_samples_global_batch_64(tmp_path: Path) -> None:
+    """2,016 samples, global batch 64, drop_last: 2 x 32 uninterrupted against 1 x 32 x 2 after
+    a step-down at step 20 (before the fix: 62 steps against 64)."""
+    seen_straight: list[int] = []
+    steps, straight = _train_replicas(tmp_path / "straight", 2, 32, 1, 2016, 2, 5,
+                                      drop_last=True, seen=seen_straight)
+    assert steps == 2 * (2016 // 64)  # drop_last: whole optimizer steps only
+    seen: list[int] = []
+    _train_replicas(tmp_path / "b", 2, 32, 1, 2016, 2, 5, stop_after=20, drop_last=True,
+                    seen=seen)
+    resumed_steps, resumed = _train_replicas(tmp_path / "b", 1, 32, 2, 2016, 2, 5,
+                                             drop_last=True, seen=seen)
+    assert resumed_steps == steps
+    assert sorted(seen) == sorted(seen_straight)
     for name, value in straight.items():
         torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-6)

@@ -52,7 +52,7 @@ def test_torch_example_under_torchrun_on_cpu_uses_gloo_then_the_cache(tmp_path: 
     losses = [float(x) for x in re.findall(r"epoch \d: loss ([0-9.]+)", out)]
     assert len(losses) == 2 and losses[1] < losses[0]
     again = _run([*argv[:7], "--epochs", "1", "--samples", "2048"], tmp_path)
-    assert "decision from the cache" in again
+    assert "from the cache" in again  # the decision line names its one source
 
 
 @pytest.mark.slow

@@ -157,10 +157,11 @@ def test_probe_budget_is_one_deadline_for_the_decision(tmp_path: Path) -> None:
     p, results = d.plan, d.results
     assert d.proven and p.chosen is not None and p.chosen.backend == "single_device"
     # the probes keep to the budget; the GPU health checks are charged on top, never skipped:
-    # where a deadline hang stopped is unknown, so one on GPUs a killed probe left is checked
-    # at once (issue 21 item 4), here after the 2nd and the 4th probe
+    # the first hang is checked at once (issue 31), a later deadline hang on GPUs a killed probe
+    # left is checked at once as well (where it stopped is unknown: issue 21 item 4), here
+    # after the 1st and the 3rd probe, and the chosen GPU the 4th left unproven at the end
     assert sum(r.elapsed_s for r in results.values()) <= o.budget_s == 40.0
-    assert prober.health_checks == [(0, 1), (0, 1)]
+    assert prober.health_checks == [(0, 1), (0, 1), (0,)]
     probed = [r for r in results.values() if r.cause == "timeout"]
     skipped = [r for r in results.values() if r.cause == "budget"]
     assert len(probed) == 4 and len(skipped) == 1  # the last was never started
@@ -287,7 +288,10 @@ def test_multi_node_plans_nccl_over_every_process_without_store_or_cache(tmp_pat
     assert prober.probed == ["nccl", "nccl+NCCL_P2P_DISABLE=1"] and not cached
     assert (sel.backend, sel.devices, sel.num_replicas) == ("nccl", (0, 1), 4)
     assert dict(sel.env) == {"NCCL_P2P_DISABLE": "1"} and sel.per_replica_batch_size == 128
-    assert [e.topic for e in events(sel, Note)] == ["multi_node"]  # type: ignore[attr-defined]
+    # node 0's own NCCL (issue 31) is estimated faster than NCCL across the nodes, and is
+    # kept after them: the note says so
+    assert [e.topic for e in events(sel, Note)] == [  # type: ignore[attr-defined]
+        "multi_node", "alone_after_nodes"]
     assert [e.how for e in events(sel, Chosen)] == ["probe_passed"]  # type: ignore[attr-defined]
     with pytest.raises(InvalidOptionError, match="LOCAL_WORLD_SIZE=3"):
         simulate(machine(2, env={"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "3"}))

@@ -247,7 +247,8 @@ def test_a_probe_stuck_before_its_devices_on_an_unproven_gpu_is_checked_at_once(
                         default="timeout", broken_gpus={1: "hangs in cuInit"})
     with pytest.raises(GpuUnusableError):
         simulate(machine(4, env=LAUNCH4), prober, framework="torch", global_batch_size=256)
-    assert prober.probed == ["nccl", "nccl+NCCL_P2P_DISABLE=1"]  # no chain of hangs on it
+    # issue 31: the first hang is checked at once, so no variant ever runs on the broken GPU
+    assert prober.probed == ["nccl"]
     assert prober.health_checks == [(0, 1, 2, 3)]
 
 
@@ -264,3 +265,76 @@ def test_unused_gpus_whose_check_overruns_the_budget_are_named_in_a_note() -> No
     assert prober.health_checks == [(0,)]  # the chosen GPU is never left unproven
     notes = [e for e in sel.plan.events if isinstance(e, Note) and e.topic == "gpus_unchecked"]
     assert len(notes) == 1 and "1,2,3" in notes[0].to_dict().get("message", "")
+
+
+def test_a_wedged_gpu_is_named_after_the_first_hang_not_after_a_hung_variant() -> None:
+    from resilient_strategy.errors import GpuUnusableError
+
+    # plain NCCL hangs inside its first collective (every rank past its device); the GPU is
+    # wedged since. Before issue 31 the hang was deferred and a hung variant ran on it first.
+    prober = FakeProber({"nccl": "hang:collective", "*": "hang:straggler"},
+                        broken_gpus={3: "Unable to determine the device handle: Unknown Error"})
+    with pytest.raises(GpuUnusableError) as err:
+        simulate(machine(4, env=LAUNCH4), prober, framework="torch", global_batch_size=256)
+    assert prober.probed == ["nccl"] and prober.health_checks == [(0, 1, 2, 3)]
+    assert [i for i, _ in err.value.gpus] == [3]
+    assert [k.split(":")[1] for k in err.value.probed] == ["nccl"]
+
+
+def test_a_hang_on_healthy_gpus_costs_one_check_and_the_search_goes_on() -> None:
+    prober = FakeProber({"nccl": "hang:collective", "nccl+NCCL_P2P_DISABLE=1": "ok:20"})
+    sel = simulate(machine(4, env=LAUNCH4), prober, framework="torch", global_batch_size=256)
+    assert sel.backend == "nccl" and dict(sel.env) == {"NCCL_P2P_DISABLE": "1"}
+    # checked after the hang; the passing variant proved the GPUs, so no check at the end
+    assert prober.health_checks == [(0, 1, 2, 3)]
+
+
+@pytest.mark.parametrize(("gpus", "env"), [
+    (4, {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "CUDA_VISIBLE_DEVICES": "1,2"}),
+    (1, {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}),
+    (2, {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8", "GROUP_RANK": "0",
+         "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}),
+])
+def test_more_processes_per_node_than_visible_gpus_is_an_error_not_fewer_gpus(
+        gpus: int, env: dict[str, str]) -> None:
+    from resilient_strategy.errors import InvalidOptionError
+
+    prober = FakeProber()
+    with pytest.raises(InvalidOptionError) as err:
+        simulate(machine(gpus, env={**env, "RANK": "0", "LOCAL_RANK": "0"}), prober,
+                 framework="torch", global_batch_size=64)
+    assert err.value.option == "LOCAL_WORLD_SIZE" and prober.probed == []
+
+
+def test_as_many_processes_as_gpus_or_cpu_processes_are_fine() -> None:
+    sel = simulate(machine(2, env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}),
+                   FakeProber(), framework="torch", global_batch_size=64)
+    assert sel.num_replicas == 2
+    cpu = simulate(machine(0, torch_cuda=None, env={"WORLD_SIZE": "4", "RANK": "0",
+                                                      "LOCAL_RANK": "0"}),
+                   FakeProber(), framework="torch", global_batch_size=64)
+    assert cpu.backend == "gloo" and cpu.num_replicas == 4
+
+
+def test_nodes_that_cannot_talk_keep_node_0s_own_gpus_with_the_global_batch() -> None:
+    from resilient_strategy.core.trace import CandidateRuledOut
+
+    env = {"WORLD_SIZE": "16", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "8",
+           "GROUP_RANK": "0", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    facts = machine(8, nvlink=18, env=env, platform_facts={"master_ifname": "eth0"})
+    prober = FakeProber({"nccl": "error:nccl_network", "nccl+*": "error:nccl_network",
+                         "gloo": "error:gloo_connection", "gloo+*": "error:gloo_connection",
+                         "nccl/node0": "ok:300"})
+    sel = simulate(facts, prober, framework="torch", global_batch_size=256)
+    assert sel.backend == "nccl" and sel.candidate.node_local
+    assert sel.devices == tuple(range(8)) and sel.num_replicas == 8
+    assert sel.accumulation_steps == 2 and sel.per_replica_batch_size == 16  # 256 kept
+    # the link that failed is named: the probe across the nodes, ruled out with its cause
+    out = [e for e in sel.plan.events if isinstance(e, CandidateRuledOut)
+           and e.candidate.key == "torch:nccl:0,1,2,3,4,5,6,7"]
+    assert out and out[0].result is not None and out[0].result.cause == "nccl_network"
+    # node 0's ranks train, the other node's ranks idle
+    other = simulate(machine(8, nvlink=18, env={**env, "RANK": "8", "GROUP_RANK": "1"},
+                             platform_facts={"master_ifname": "eth0"}),
+                     FakeProber(dict(prober.outcomes)), framework="torch", global_batch_size=256)
+    assert sel.active and not other.active

@@ -120,6 +120,12 @@ def test_anything_else_is_refused_never_loaded(data: bytes) -> None:
 
 def test_the_buffer_variable_for_nccl_only_never_over_the_users() -> None:
     assert flight.buffer_env("nccl", {}) == {flight.BUFFER_VAR: str(flight.DEFAULT_ENTRIES)}
+    assert flight.buffer_env("nccl", {}, "2.13.0+cpu") == {
+        flight.FR_BUFFER_VAR: str(flight.DEFAULT_ENTRIES)}
+    assert flight.buffer_env("nccl", {}, "2.7.1") == {flight.BUFFER_VAR: str(flight.DEFAULT_ENTRIES)}
+    assert flight.buffer_env("nccl", {flight.BUFFER_VAR: "5"}, "2.13.0") == {}  # the user's stands
+    assert [flight.buffer_var(v) for v in ("2.8.0", "3.0", "2.10.0a0", "2.2.2", "unknown", None)] \
+        == [flight.FR_BUFFER_VAR] * 3 + [flight.BUFFER_VAR] * 3
     assert flight.buffer_env("gloo", {}) == {}
     assert flight.buffer_env("nccl", {flight.BUFFER_VAR: "0"}) == {}
     assert flight.buffer_env("nccl", {flight.FR_BUFFER_VAR: "10"}) == {}

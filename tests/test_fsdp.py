@@ -219,9 +219,16 @@ def test_example_shards_on_two_processes_and_resumes_on_one(tmp_path: Path) -> N
     assert "chose: FSDP over gloo on 2 CPU processes" in first
     assert "optimizer steps: 8" in first  # 2048 samples / 256 per optimizer step
     assert sharded_checkpoint.latest(tmp_path / "ckpt") is not None
-    second = _example(tmp_path, 1, "--epochs", "2")
+    # issue 36: on two processes again, each rank reads the metadata through the checked reader
+    second = _example(tmp_path, 2, "--epochs", "2")
     assert "resumed at optimizer step 8" in second
     assert "optimizer steps: 16" in second
+    third = _example(tmp_path, 1, "--epochs", "3")
+    assert "resumed at optimizer step 16" in third
+    assert "optimizer steps: 24" in third
+    ckpt = tmp_path / "ckpt"
+    assert {p.stat().st_mode & 0o777 for p in ckpt.rglob("*") if p.is_file()} == {0o600}
+    assert {p.stat().st_mode & 0o777 for p in [ckpt, *ckpt.rglob("*")] if p.is_dir()} == {0o700}
 
 
 def test_run_arguments_plan_memory_like_the_script() -> None:
@@ -236,7 +243,7 @@ def test_run_arguments_plan_memory_like_the_script() -> None:
     planned, _ = _options(opts, machine(0, torch="2.13.0"), {})
     assert (planned.sharding, planned.param_bytes, planned.optimizer_state_factor) == (
         "full", 4096, 1.0)
-    with pytest.raises(SystemExit):  # argparse refuses a mode it does not know
+    with pytest.raises(InvalidOptionError, match="half"):  # a mode it does not know: one line
         options_from_args(["--sharding", "half", script])
 
 

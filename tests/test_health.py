@@ -125,8 +125,22 @@ def test_devices_ready_from_the_result(r: ProbeResult, ready: bool) -> None:
     assert health.devices_ready(r) is ready
 
 
-def test_a_killed_probe_leaves_its_gpus_unproven_and_a_passing_one_proves_them() -> None:
+def test_the_first_hang_of_a_decision_is_checked_at_once_and_later_ones_deferred() -> None:
     u = health.Unproven()
+    # issue 31: a hung variant would run on a wedged GPU next, so the first hang is checked now
+    assert u.after_probe(spec((0, 1, 2, 3)), HUNG) == (0, 1, 2, 3) and u.hung_once
+    u.checked((0, 1, 2, 3))
+    assert u.gpus == set()
+    # the second hang is deferred to the final check (issue 21: a check per hang is too dear)
+    assert u.after_probe(spec((0, 1, 2, 3)), HUNG) == () and u.gpus == {0, 1, 2, 3}
+    # where the check does not fit the probe budget, the first hang is deferred too
+    v = health.Unproven()
+    assert v.after_probe(spec((0, 1)), HUNG, can_check_now=False) == () and not v.hung_once
+    assert v.gpus == {0, 1}
+
+
+def test_a_killed_probe_leaves_its_gpus_unproven_and_a_passing_one_proves_them() -> None:
+    u = health.Unproven(hung_once=True)  # the first-hang check is the test above
     assert u.after_probe(spec((0, 1, 2, 3)), HUNG) == ()  # deferred, not checked now
     assert u.gpus == {0, 1, 2, 3} and u.by == ["torch:nccl:0,1"]
     assert u.after_probe(spec((0, 1)), ProbeResult("k", OK, 2.0)) == ()
@@ -138,14 +152,14 @@ def test_a_killed_probe_leaves_its_gpus_unproven_and_a_passing_one_proves_them()
 
 
 def test_a_probe_that_fails_before_its_devices_are_ready_on_an_unproven_gpu_is_checked_now() -> None:
-    u = health.Unproven()
+    u = health.Unproven(hung_once=True)
     u.after_probe(spec((0, 1)), HUNG)
     # a straggler on GPUs 1 and 2: GPU 1 is a suspect; the kill makes 2 unproven too
     assert u.after_probe(spec((1, 2)), STRAGGLER) == (1, 2)
     # an error without phases on an unproven GPU: its unproven GPU only (nothing was killed)
     assert u.after_probe(spec((0, 3)), ProbeResult("k", ERROR, 1.0, "nccl_error")) == (0,)
     # the same failure on proven GPUs needs no check
-    assert health.Unproven().after_probe(spec((0, 1)), STRAGGLER) == ()
+    assert health.Unproven(hung_once=True).after_probe(spec((0, 1)), STRAGGLER) == ()
     u.checked((0, 1, 2))
     assert u.gpus == set()
 

@@ -273,10 +273,26 @@ def test_without_an_agent_store_rank_0_hosts_one_for_the_process_group_to_reuse(
 @pytest.mark.torch
 def test_no_backend_between_nodes_leaves_node_0_alone(store: Any, short_margin: None) -> None:
     h200 = machine(2, nvlink=18)
-    out = run_nodes(store, [h200, h200], FakeProber(), FakeProber({"*": "timeout"}))
+    local = FakeProber()
+    out = run_nodes(store, [h200, h200], local, FakeProber({"*": "timeout"}))
+    for p in (made.plan for made in out.values()):
+        # issue 31: node 0 keeps its own GPUs (NCCL inside the node, proven by node 0 alone),
+        # not one GPU of the whole job; every node agrees on it
+        assert p.chosen is not None and p.chosen.node_local and p.chosen.backend == "nccl"
+        assert p.chosen.devices == (0, 1) and p.chosen.num_replicas == 2
+        assert p.chosen.accumulation_steps == 2  # 512 = 2 x 128 x 2: the global batch kept
+    assert "nccl" in local.probed  # the node-local probe ran on node 0 alone, no round
+
+
+@pytest.mark.torch
+def test_node_0_alone_falls_to_one_gpu_only_when_its_own_nccl_fails(
+        store: Any, short_margin: None) -> None:
+    h200 = machine(2, nvlink=18)
+    out = run_nodes(store, [h200, h200], FakeProber({"nccl": "error:nccl_error", "*": "error:nccl_error"}),
+                    FakeProber({"*": "timeout"}))
     for p in (made.plan for made in out.values()):
         assert p.chosen is not None and p.chosen.backend == "single_device"
-        assert p.chosen.accumulation_steps == 4  # 512 = 1 x 128 x 4: the global batch kept
+        assert p.chosen.accumulation_steps == 4  # 512 = 1 x 128 x 4
 
 
 @pytest.mark.torch

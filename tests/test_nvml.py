@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 from _fake_nvml import (
@@ -17,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from resilient_strategy.core.facts import Link
-from resilient_strategy.machine.nvml import read_nvml
+from resilient_strategy.machine.nvml import NO_NVIDIA_DEVICE, nvidia_present, read_nvml
 
 
 def test_h200x2_matches_the_recording() -> None:
@@ -89,8 +90,24 @@ def test_real_pynvml_on_this_machine_without_a_driver() -> None:
 
 def test_missing_pynvml(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", None)
-    snap = read_nvml()
+    snap = read_nvml(present=lambda: True)  # a machine with an NVIDIA device: the advice stands
     assert snap.error is not None and "pip install nvidia-ml-py" in snap.error
+
+
+def test_no_nvml_advice_on_a_machine_without_an_nvidia_device(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    assert read_nvml(present=lambda: False).error == NO_NVIDIA_DEVICE
+    assert read_nvml(no_driver(), present=lambda: False).error == NO_NVIDIA_DEVICE
+    assert read_nvml(no_driver(), present=lambda: True).error != NO_NVIDIA_DEVICE
+
+
+def test_nvidia_present_reads_device_nodes_and_the_driver(tmp_path: Path) -> None:
+    dev, proc = tmp_path / "dev", tmp_path / "proc"
+    dev.mkdir()
+    assert not nvidia_present(str(dev), str(proc))
+    (dev / "nvidia0").touch()
+    assert nvidia_present(str(dev), str(proc))
 
 
 def test_unknown_init_error_is_described() -> None:

@@ -146,3 +146,18 @@ def test_doctor_shows_the_route_on_this_machine(
     iface = platform["master_ifname"]
     assert iface and ipaddress.ip_address(local_addresses().get(iface, "127.0.0.1")).is_loopback
     assert platform["master_route"]
+
+
+def test_the_fabric_managers_version_comes_from_dpkgs_status() -> None:
+    from resilient_strategy.machine.platform import parse_fabric_manager
+
+    status = ["Package: libc6", "Status: install ok installed", "Version: 2.35-0ubuntu3", "",
+              "Package: nvidia-fabricmanager-535", "Status: install ok installed",
+              "Priority: optional", "Version: 535.183.01-1", "Architecture: amd64", "",
+              "Package: zlib1g", "Status: install ok installed", "Version: 1:1.2.11"]
+    assert parse_fabric_manager(status) == "535.183.01"
+    removed = ["Package: nvidia-fabricmanager-535", "Status: deinstall ok config-files",
+               "Version: 535.183.01-1"]
+    assert parse_fabric_manager(removed) == ""
+    assert parse_fabric_manager(["Package: libc6", "Status: install ok installed"]) == ""
+    assert parse_fabric_manager(None) == ""  # no dpkg (RPM systems): unknown

@@ -124,12 +124,13 @@ def test_four_gpus_with_every_multi_replica_candidate_hanging() -> None:
                          timeout_s=30.0)
         grace = stall_policy(spec).collective_grace(1, *first_collective(spec))
         assert grace < r.elapsed_s < grace + 4.0
-    # the whole ladder: its probes plus ONE deferred GPU health check of the 4 GPUs the killed
-    # probes left unproven (before issue 21 item 4: one after each killed probe, 3 x 4.0 s)
-    assert prober.health_checks == [(0, 1, 2, 3)]
+    # the whole ladder: its probes plus TWO GPU health checks of the 4 GPUs: one right after the
+    # first hang (issue 31: a wedged GPU is found before a hung variant runs on it), one deferred
+    # for the hangs after it (before issue 21 item 4: one after each killed probe, 3 x 4.0 s)
+    assert prober.health_checks == [(0, 1, 2, 3), (0, 1, 2, 3)]
     total = sum(r.elapsed_s for r in sel.results.values())
-    assert prober.clock() == pytest.approx(total + health_check_seconds("torch", 4, forked=True,
-                                                                        warm=True))
+    assert prober.clock() == pytest.approx(total + 2 * health_check_seconds(
+        "torch", 4, forked=True, warm=True))
     assert prober.clock() < 2 * 30.0  # before: 3 x the whole timeout
 
 

@@ -201,3 +201,77 @@ def test_hierarchical_copy_is_never_chosen_for_an_odd_replica_count() -> None:
     assert sel.backend == "reduction_to_one_device"
     rule = next(r for r in sel.plan.ruled_out if r.rule == rid)
     assert "1 + 2 = 3" in rule.reason
+
+
+# ----- a silent hang steers the remedy search by the machine's facts (issue 31) --------------
+def _queued(sel: object) -> list[tuple[str, str, tuple[str, ...]]]:
+    events = sel.plan.events  # type: ignore[attr-defined]
+    return [(e.remedy, e.cause, e.because) for e in events if isinstance(e, RemedyQueued)]
+
+
+def test_a_silent_hang_on_nvswitch_tries_nvls_off_first_and_says_why() -> None:
+    facts = machine(8, name="NVIDIA H100 80GB HBM3", nvlink=18, torch_nccl="2.21.5",
+                    env={"WORLD_SIZE": "8"}, platform_facts={"nvswitch": True})
+    prober = FakeProber({"nccl": "hang:collective", "nccl+NCCL_NVLS_ENABLE=0": "ok:300",
+                         "nccl+*": "hang:collective"})
+    sel = simulate(facts, prober, **KW)
+    assert prober.probed == ["nccl", "nccl+NCCL_NVLS_ENABLE=0"]
+    assert dict(sel.env) == {"NCCL_NVLS_ENABLE": "0"}
+    queued = _queued(sel)
+    assert queued[0] == ("nvls-off", "timeout", ("platform.nvswitch", "nccl.version >= 2.17"))
+    assert [q[0] for q in queued] == ["nvls-off", "p2p-off"]  # nothing the facts rule out
+
+
+def test_a_hang_on_a_plain_pcie_machine_keeps_the_one_remedy_it_had() -> None:
+    prober = FakeProber({"nccl": "timeout", "nccl+NCCL_P2P_DISABLE=1": "ok:10"})
+    sel = simulate(machine(2, env={"WORLD_SIZE": "2"}), prober, **KW)
+    assert [q[0] for q in _queued(sel)] == ["p2p-off"]
+    assert prober.probed == ["nccl", "nccl+NCCL_P2P_DISABLE=1"]
+
+
+def test_a_host_bridge_path_between_switched_pairs_tries_the_p2p_level_before_p2p_off() -> None:
+    switched = {"0-1": {"topology": "multiple"}, "2-3": {"topology": "multiple"}}
+    facts = machine(4, name="Tesla V100-PCIE-32GB", cc=(7, 0), topology="hostbridge",
+                    links=switched, torch_cuda="12.8", env={"WORLD_SIZE": "4"})
+    prober = FakeProber({"nccl": "timeout", "nccl+NCCL_P2P_LEVEL=PXB": "ok:10",
+                         "nccl+*": "timeout"})
+    sel = simulate(facts, prober, **KW)
+    assert [q[0] for q in _queued(sel)] == ["p2p-below-switches", "p2p-off"]
+    assert dict(sel.env) == {"NCCL_P2P_LEVEL": "PXB"}
+    # with the IOMMU on every peer copy is translated: P2P off, not a level
+    iommu = machine(4, name="Tesla V100-PCIE-32GB", cc=(7, 0), topology="hostbridge",
+                    links=switched, iommu="on", torch_cuda="12.8", env={"WORLD_SIZE": "4"})
+    sel = simulate(iommu, FakeProber({"nccl": "timeout", "nccl+NCCL_P2P_DISABLE=1": "ok:7"}),
+                   **KW)
+    assert "p2p-below-switches" not in [q[0] for q in _queued(sel)]
+
+
+def test_a_hang_between_nodes_over_roce_with_several_nics_tries_the_ib_transport() -> None:
+    env = {"WORLD_SIZE": "16", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "8",
+           "GROUP_RANK": "0", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    facts = machine(8, name="NVIDIA A100-SXM4-80GB", cc=(8, 0), nvlink=12, infiniband=True,
+                    env=env, platform_facts={"rdma_link_layer": "ethernet",
+                                             "rdma_devices": ["mlx5_0", "mlx5_1"],
+                                             "master_ifname": "eth0"})
+    prober = FakeProber({"nccl": "hang:collective", "nccl+*": "hang:collective",
+                         "nccl+NCCL_IB_DISABLE=1": "ok:1"})
+    sel = simulate(facts, prober, timeout=600, **KW)
+    assert [q[0] for q in _queued(sel)] == [
+        "ib-gid-index", "ib-hca", "cross-nic-several-nics", "ib-off-between-nodes", "p2p-off"]
+    assert dict(sel.env) == {"NCCL_IB_DISABLE": "1"}
+    # the same hang on one node with one NIC: none of the network remedies
+    one = machine(8, name="NVIDIA A100-SXM4-80GB", cc=(8, 0), nvlink=12, infiniband=True,
+                  env={"WORLD_SIZE": "8"}, platform_facts={"rdma_link_layer": "ethernet",
+                                                           "rdma_devices": ["mlx5_0"]})
+    sel = simulate(one, FakeProber({"nccl": "hang:collective",
+                                    "nccl+NCCL_P2P_DISABLE=1": "ok:20"}), **KW)
+    assert [q[0] for q in _queued(sel)] == ["p2p-off"]
+
+
+def test_a_hang_with_the_hostname_on_loopback_tries_the_socket_interface() -> None:
+    facts = machine(2, env={"WORLD_SIZE": "2"}, platform_facts={"hostname_loopback": True})
+    prober = FakeProber({"nccl": "timeout", "nccl+NCCL_SOCKET_IFNAME=lo": "ok:20",
+                         "nccl+*": "timeout"})
+    sel = simulate(facts, prober, **KW)
+    assert [q[0] for q in _queued(sel)] == ["socket-ifname-hostname-loopback", "p2p-off"]
+    assert dict(sel.env) == {"NCCL_SOCKET_IFNAME": "lo"}

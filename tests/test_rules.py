@@ -337,3 +337,65 @@ def test_a_rules_file_that_cannot_be_read_safely_is_an_invalid_rule_error(
         f.mkdir()
     with pytest.raises(InvalidRuleError, match=r"rules\.toml"):
         load_rules([f])
+
+
+def test_a_small_dev_shm_in_a_pod_gets_the_pod_fix_not_dockers() -> None:
+    pod = machine(4, shm_mb=64, container="kubernetes")
+    docker = machine(4, shm_mb=64, container="docker")
+    assert "small-dev-shm-pod" in ids(pod, "torch") and "small-dev-shm" not in ids(pod, "torch")
+    assert "small-dev-shm" in ids(docker, "torch") and "small-dev-shm-pod" not in ids(docker,
+                                                                                      "torch")
+    # the same remedy either way (SHM off first); the pod rule's advice is a pod spec's
+    sel = simulate(pod, framework="torch", global_batch_size=64, dry_run=True,
+                   env={"WORLD_SIZE": "4"})
+    assert "small-dev-shm-pod" in sel.plan.rules_fired
+    assert sel.plan.candidates[0].env == (("NCCL_SHM_DISABLE", "1"),)
+
+
+def test_advice_names_the_suspect_version_and_the_fix() -> None:
+    from resilient_strategy.core.trace import RuleFired
+
+    h100 = machine(4, name="NVIDIA H100 80GB HBM3", cc=(9, 0), torch_cuda="11.8",
+                   torch_nccl="2.14.3")
+    assert "torch-nccl-before-hopper" in ids(h100, "torch")
+    assert "torch-nccl-before-hopper" not in ids(
+        machine(4, name="NVIDIA H100 80GB HBM3", cc=(9, 0), torch_nccl="2.18.1"), "torch")
+    sel = simulate(h100, framework="torch", global_batch_size=64, dry_run=True,
+                   env={"WORLD_SIZE": "4"})
+    fired_ = [e for e in sel.plan.events if isinstance(e, RuleFired)
+              and e.rule == "torch-nccl-before-hopper"]
+    assert len(fired_) == 1 and "2.14.3" in fired_[0].message  # the installed version, filled
+    # a driver whose CUDA is older than the build's: fires with the driver's versions
+    old = machine(2, driver="535.129.03", driver_cuda="12.2", torch_cuda="12.4")
+    assert "driver-older-than-cuda-build" in ids(old, "torch")
+    assert "driver-older-than-cuda-build" not in ids(
+        machine(2, driver="550.54.14", driver_cuda="12.4", torch_cuda="12.4"), "torch")
+    assert "driver-older-than-cuda-build" not in ids(machine(2, driver_cuda=None), "torch")
+    msg = next(r.message for r in fired(RULES, old, "torch")
+               if r.id == "driver-older-than-cuda-build")
+    assert "535.129.03" in msg and "12.2" in msg
+
+
+def test_error_804_is_the_driver_for_every_gpu_of_the_process() -> None:
+    from resilient_strategy.testing import FakeProber
+
+    text = ("fails:RuntimeError: Unexpected error from cudaGetDeviceCount(). Error 804: "
+            "forward compatibility was attempted on non supported HW")
+    prober = FakeProber({"*": text})
+    sel = simulate(machine(2, env={"WORLD_SIZE": "2"}), prober, framework="torch",
+                   global_batch_size=64)
+    assert sel.backend == "cpu" and prober.probed == ["nccl"]
+    assert next(iter(sel.results.values())).cause == "driver_too_old"
+
+
+def test_a_fabric_manager_out_of_step_with_the_driver_is_named_with_both_versions() -> None:
+    split = machine(8, nvlink=18, driver="530.41.03",
+                    platform_facts={"nvswitch": True, "fabric_manager": "530.30.02"})
+    same = machine(8, nvlink=18, driver="530.41.03",
+                   platform_facts={"nvswitch": True, "fabric_manager": "530.41.03"})
+    assert "fabric-manager-driver-mismatch" in ids(split, "torch")
+    assert "fabric-manager-driver-mismatch" not in ids(same, "torch")
+    assert "fabric-manager-driver-mismatch" not in ids(machine(8, nvlink=18), "torch")
+    msg = next(r.message for r in fired(RULES, split, "torch")
+               if r.id == "fabric-manager-driver-mismatch")
+    assert "530.30.02" in msg and "530.41.03" in msg

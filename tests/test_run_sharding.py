@@ -219,7 +219,7 @@ def test_run_memory_flags_are_validated_once_naming_the_flag() -> None:
         with pytest.raises(InvalidOptionError) as err:
             RunOptions(script=script, **kwargs)
         assert err.value.option == flag
-    with pytest.raises(SystemExit):  # argparse refuses a mode it does not know
+    with pytest.raises(InvalidOptionError, match="always"):  # a mode it does not know: one line
         options_from_args(["--offload", "always", script])
 
 

@@ -56,6 +56,10 @@ def test_every_builtin_entry_is_sourced_known_and_unique() -> None:
     # pytorch/gloo#223
     ("[gloo/gloo/transport/tcp/pair.cc:761] connect [127.0.1.1]:60817: Connection refused",
      "gloo_connection"),
+    # Megvii-BaseDetection/YOLOX#139: GLOO_SOCKET_IFNAME names an interface this machine lacks
+    # (not a loopback hostname: gloo_connection's words would send the user the wrong way)
+    ("RuntimeError: [enforce fail at /__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/"
+     "device.cc:84] ifa != nullptr. Unable to find address for: nonexist0", "gloo_interface"),
     # NVIDIA/nccl-tests#264: CUDA cannot initialise although nvidia-smi lists the GPUs
     ("test: Test CUDA failure common.cu:941 'system not yet initialized'", "cuda_init"),
     # ray-project/ray_lightning#24

@@ -11,7 +11,7 @@ cache   what the decision cache holds per machine fingerprint (``cache show [--j
         removing it (``cache clear`` this machine's, ``--fingerprint F`` or ``--all``).
 run     run a training script under the supervisor (torchrun's options; ``run --help``): decide
         once, launch the workers the decision needs, relaunch on the next candidate when a
-        collective fails or stalls mid-run (see :mod:`resilient_strategy.run.supervisor`).
+        collective fails or stalls mid-run (see `resilient_strategy.run.supervisor`).
 
 --simulate FILE plans for a described machine instead (what-if before renting one): a JSON
 object with "machine" (keyword arguments of resilient_strategy.testing.simulation.machine, "links" written as
@@ -30,7 +30,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from .core.facts import FABRIC_MIN_GPUS, Facts
 from .core.human import human_duration
@@ -70,10 +70,17 @@ def _int_at_least(least: int) -> Callable[[str], int]:
 _positive_int = _int_at_least(1)
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse's errors in one line (its default prints the usage first), status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} ({self.prog} --help lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="resilient-strategy", description=__doc__.split("\n\n")[0])
+    p = _OneLineParser(prog="resilient-strategy", description=__doc__.split("\n\n")[0])
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
     for name, text in (("doctor", "show what is here and the plan"), ("plan", "the plan only"),
                        ("probe", "prove the candidates with live probes")):
         s = sub.add_parser(name, help=text)
@@ -294,7 +301,7 @@ def link_matrix(facts: Facts) -> tuple[tuple[str, ...], ...]:
 
 
 def _selection_text(sel: Any, show_probes: bool) -> list[str]:
-    out = [sel.explain()]
+    out = [sel.explain(verbose=True)]  # doctor, plan, probe: the whole reasoning
     if sel.plan.ranked:
         out.append("Candidates, in the order they are tried (* = chosen):")
         for i, r in enumerate(sel.plan.ranked, 1):
@@ -355,7 +362,8 @@ def _decide(args: argparse.Namespace, facts: Facts, sim: Mapping[str, Any] | Non
         import tempfile
 
         probes = sim.get("probes")
-        prober = SimulatedProber(dict(probes or {}))
+        broken = {int(k): str(v) for k, v in dict(sim.get("broken_gpus") or {}).items()}
+        prober = SimulatedProber(dict(probes or {}), broken_gpus=broken)
         # the described launch's agreement between local ranks goes to a private directory of
         # its own, removed after: a simulation writes nothing a squatter could stop or read
         with tempfile.TemporaryDirectory(prefix="rs-simulate-") as private:
@@ -427,9 +435,10 @@ def _platform_line(facts: Facts) -> str:
         route = f"{master} via {route}"
     if p.master_route:
         route += f" ({p.master_route})"
-    return (f"Platform: NVSwitch {yes_no(p.nvswitch)}, hypervisor {p.hypervisor or 'none seen'}, "
-            f"RDMA {rdma}, route to MASTER_ADDR: {route}, hostname on "
-            f"loopback {yes_no(p.hostname_loopback)}")
+    fm = f", fabric manager {p.fabric_manager}" if p.fabric_manager else ""
+    return (f"Platform: NVSwitch {yes_no(p.nvswitch)}{fm}, hypervisor "
+            f"{p.hypervisor or 'none seen'}, RDMA {rdma}, route to MASTER_ADDR: {route}, "
+            f"hostname on loopback {yes_no(p.hostname_loopback)}")
 
 
 def simulate_file(path: Path, real_env: Mapping[str, str] | None = None) -> dict[str, Any]:

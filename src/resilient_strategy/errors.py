@@ -183,16 +183,31 @@ class UnsafePathError(ResilientStrategyError):
 
 
 class NoSpaceError(ResilientStrategyError):
-    """A file this library must write before training could not get its blocks: the disk (or
-    the user's quota) is full. Named, with the fix, instead of a SIGBUS or a hang later."""
+    """A file this library must write could not be written: the disk (or the user's quota) is
+    full, or the filesystem is read-only (``read_only``). Named, with the fix, instead of a
+    traceback, a SIGBUS or a hang later; the file's previous version is left whole."""
 
-    def __init__(self, path: str, what: str) -> None:
+    def __init__(self, path: str, what: str, *, read_only: bool = False) -> None:
         self.path = path
         self.what = what
+        self.read_only = read_only
         directory = path.rpartition("/")[0] or "."
+        problem = "read-only file system" if read_only else "no space left on device"
         super().__init__(
-            f"{path}: no space left on device for {what}. Free space in {directory}, or point "
-            "TMPDIR (the run's files live there) at a disk with room, and run again.")
+            f"{path}: {problem} for {what}; what was already written is kept. Free space in "
+            f"{directory} (or make it writable), or point TMPDIR (the run's files live there) "
+            "at a disk with room, and run again.")
+
+    @classmethod
+    def from_os_error(cls, exc: OSError, path: str, what: str) -> NoSpaceError | None:
+        """``exc`` as a NoSpaceError when a full disk, an exhausted quota or a read-only
+        filesystem caused it, else None (the caller re-raises ``exc``)."""
+        import errno
+
+        full = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+        if exc.errno in full or exc.errno == errno.EROFS:
+            return cls(path, what, read_only=exc.errno == errno.EROFS)
+        return None
 
 
 class CheckpointError(ResilientStrategyError):
@@ -288,8 +303,10 @@ class GpuUnusableError(ResilientStrategyError):
     """A GPU no longer initializes or runs a kernel (after a hung probe was killed): training on
     it would hang or crash, so the decision stops."""
 
-    def __init__(self, gpus: Sequence[tuple[int, str]], after: str = "") -> None:
+    def __init__(self, gpus: Sequence[tuple[int, str]], after: str = "",
+                 probed: Sequence[str] = ()) -> None:
         self.gpus = tuple(gpus)  # (CUDA ordinal as the job sees it, what went wrong)
+        self.probed = tuple(probed)  # the candidates probed before the check found it
         lines = "\n  - ".join(f"GPU {i}: {why}" for i, why in self.gpus)
         when = f" after {after}" if after else ""
         indices = ",".join(str(i) for i, _ in self.gpus)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from .core.arguments import gradient_bytes_of
 from .core.candidate import Candidate
 from .core.facts import Facts
+from .core.human import fit
 from .core.options import Launch
 from .core.plan import Plan
 from .core.probe import ProbeResult
@@ -37,6 +38,15 @@ __all__ = ["Launch", "Selection"]
 
 T = TypeVar("T")
 log = logging.getLogger("resilient_strategy")
+
+#: The most characters of [Selection.summary][resilient_strategy.selection.Selection.summary]'s line.
+SUMMARY_CHARS = 160
+#: The most lines, and characters per line, of the short
+#: [Selection.explain][resilient_strategy.selection.Selection.explain].
+EXPLAIN_LINES = 8
+EXPLAIN_CHARS = 160
+#: The words of [Selection.decided_by][resilient_strategy.selection.Selection.decided_by].
+DECIDED_BY = ("simulation", "run", "dry_run", "cache", "probe", "no_collective", "unproven")
 
 
 class _Once(Generic[T]):
@@ -63,29 +73,55 @@ class Selection:
     """The decision, with everything needed to train on it."""
 
     candidate: Candidate
+    """What was chosen: the framework, backend, devices, replicas, batch split and the
+    variables it needs (`candidate.label` says it in words)."""
     plan: Plan
+    """The planner's answer: the candidates in the order they are tried (`ranked`), those ruled
+    out and why (`ruled_out`), the rules that fired, the warnings, and the typed trace events
+    (`events`) that [explain][resilient_strategy.selection.Selection.explain] renders."""
     facts: Facts
-    env: Mapping[str, str]  # variables this library set (never one the user had set)
+    """The machine it decided for: GPUs, links, driver, host and installed frameworks, as read
+    (or described, in a simulation), a frozen value."""
+    env: Mapping[str, str]
+    """The variables this library set for the choice (never one the user had set)."""
     results: Mapping[str, ProbeResult]
+    """Every probe result the decision used, by candidate key: fresh or from the cache."""
     from_cache: bool = False
-    proven: bool = True  # False when probing was off and a collective ran unproven
+    """Whether the decision came from what probes proved before (the cache): nothing was
+    probed this time. `probe="force"` probes again."""
+    proven: bool = True
+    """False when probing was off (or its budget spent) and a candidate with a collective was
+    chosen without a probe proving it."""
     launch: Launch = field(default_factory=Launch)
-    #: seconds a training collective may wait for a peer (torch process group; TF across workers)
+    """Where this process sits in the launcher's job: rank, local rank, world size."""
     process_group_timeout: float = 300.0
+    """Seconds a training collective may wait for a peer (the PyTorch process group's timeout;
+    TensorFlow across workers)."""
     precision: str = "auto"
-    logical_cpus: int = 0  # TF CPU test mode: replicas on logical CPU devices
-    #: TensorFlow under a multi-worker TF_CONFIG: the workers and this one's id (chief 0)
+    """The precision policy of the PyTorch helpers: "auto", "bf16", "fp16" or "fp32"."""
+    logical_cpus: int = 0
+    """TensorFlow's CPU test mode: replicas on this many logical CPU devices (0: off)."""
     tf_workers: int = 1
+    """TensorFlow under a multi-worker `TF_CONFIG`: the number of workers (1 otherwise)."""
     tf_worker_rank: int = 0
+    """TensorFlow under a multi-worker `TF_CONFIG`: this worker's index (the chief is 0)."""
     dry_run: bool = False
+    """Decided with `dry_run=True`: nothing was probed, set or built; training raises
+    `DryRunError`."""
     decided_in_s: float = 0.0
-    env_applied: bool = True  # False: decided for env= or a dry run; os.environ was not touched
-    simulated: bool = False  # probe outcomes came from a description, not from probes run here
-    #: Given the model's measured gradient bytes, advice when another candidate would be faster
-    #: (None when the model was described up front).
+    """Wall-clock seconds the decision took (inspecting, probing, planning)."""
+    env_applied: bool = True
+    """False when the decision was made for a given `env=` or a dry run: `os.environ` was not
+    touched, and [env][resilient_strategy.selection.Selection.env] says what would be set."""
+    simulated: bool = False
+    """Whether the probe outcomes came from a described machine (the testing kit, `--simulate`),
+    not from probes run here."""
     advise: Callable[[int], str | None] | None = field(default=None, repr=False, compare=False)
-    #: Under `resilient-strategy run`: this rank's progress reports (None otherwise).
+    """Given the model's measured gradient bytes, advice when another candidate would be faster
+    (used by `prepare()`); None when the model's size was given up front."""
     progress: TrainingReporter | None = field(default=None, repr=False, compare=False)
+    """Under `resilient-strategy run`: this rank's progress reports to the supervisor (None
+    otherwise)."""
     _runtime: _Once[Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -170,7 +206,7 @@ class Selection:
         """The processes that train under this decision: PyTorch: the launcher's processes when
         the choice runs a process group, else 1 (a one-device fallback trains on rank 0 alone);
         TensorFlow: the TF_CONFIG workers when the strategy spans them, else 1 (one process
-        drives every local replica). Not :attr:`num_replicas`: a TensorFlow process can drive
+        drives every local replica). Not [num_replicas][resilient_strategy.selection.Selection.num_replicas]: a TensorFlow process can drive
         several replicas."""
         if self.framework == "tensorflow":
             from .vocab import MULTI_WORKER_BACKENDS
@@ -182,7 +218,7 @@ class Selection:
     def rank(self) -> int:
         """This process's rank: the launcher's ``RANK`` (PyTorch), the worker's index in
         ``TF_CONFIG`` (TensorFlow), 0 for a plain ``python`` run. On a rank the decision leaves
-        idle (:attr:`active` False) it is at least :attr:`world_size`."""
+        idle ([active][resilient_strategy.selection.Selection.active] False) it is at least [world_size][resilient_strategy.selection.Selection.world_size]."""
         return self.tf_worker_rank if self.framework == "tensorflow" else self.launch.rank
 
     @property
@@ -200,8 +236,125 @@ class Selection:
             return None
         return per * self.num_replicas if self.framework == "tensorflow" else per
 
-    def explain(self) -> str:
-        """The decision and its reasons, as text (the trace's events rendered)."""
+    @property
+    def handed_down(self) -> bool:
+        """Whether `resilient-strategy run` decided this before its workers started (this
+        process is one of them and took its decision as handed down)."""
+        return any(getattr(e, "topic", "") == "handed_down" for e in self.plan.events)
+
+    @property
+    def decided_by(self) -> str:
+        """How the choice was made, one word of `DECIDED_BY`: "simulation" (a described
+        machine), "run" (handed down by `resilient-strategy run`), "dry_run", "cache" (what
+        probes proved before), "probe" (its probe passed now), "no_collective" (nothing to
+        prove), "unproven" (probing was off, or its budget spent). Exactly one, so a relaunched
+        worker never says both "cache" and "run"."""
+        if self.simulated:
+            return "simulation"
+        if self.handed_down:
+            return "run"
+        if self.dry_run:
+            return "dry_run"
+        if self.from_cache:
+            return "cache"
+        how = getattr(self._chosen_event(), "how", "")
+        if how == "probe_passed":
+            return "probe"
+        if how == "no_collective":
+            return "no_collective"
+        if not self.proven or how in ("multi_node", "probing_off", "rounds_spent"):
+            return "unproven"
+        return "probe"
+
+    def _chosen_event(self) -> Any:
+        return next((e for e in self.plan.events if getattr(e, "kind", "") == "chosen"), None)
+
+    def _how(self) -> str:
+        by = self.decided_by
+        if by == "probe":
+            result = getattr(self._chosen_event(), "result", None)
+            return (f"its probe passed in {result.elapsed_s:.1f} s" if result is not None
+                    else "proven by its probe")
+        return {
+            "simulation": "simulated (nothing ran here)",
+            "run": "decided by `resilient-strategy run`",
+            "dry_run": "dry run: nothing was set or built",
+            "cache": "from the cache (probe='force' re-probes)",
+            "no_collective": "no collective to prove",
+            "unproven": "UNPROVEN: probing was off or its budget spent",
+        }[by]
+
+    def summary(self) -> str:
+        """The decision in one line of at most `SUMMARY_CHARS` characters: what trains,
+        the batch split, how it was decided (probe, cache, `resilient-strategy run`, dry run),
+        the candidate it fell back from, and how long deciding took. What a script prints by
+        default (``sel.print(sel.summary())``, and the Lightning and Accelerate helpers);
+        [explain][resilient_strategy.selection.Selection.explain] says why."""
+        c = self.candidate
+        head = f"resilient_strategy chose: {c.label}"
+        if self.per_replica_batch_size is not None and (
+                self.num_replicas > 1 or self.accumulation_steps > 1):
+            head += (f" ({self.num_replicas} x {self.per_replica_batch_size} x "
+                     f"{self.accumulation_steps} = global batch {self.global_batch_size})")
+        parts = [self._how()]
+        failed = [r.candidate.label for r in self.plan.ruled_out
+                  if r.rule == "probe" and r.candidate.key != c.key]
+        if failed:
+            parts.append(f"after {failed[0]} failed" + (f" (+{len(failed) - 1} more)"
+                                                          if len(failed) > 1 else ""))
+        if not self.active:
+            who = (f"worker {self.tf_worker_rank}" if self.multi_worker
+                   else f"rank {self.launch.rank}")
+            parts.append(f"{who} stays idle")
+        if not self.handed_down:
+            parts.append(f"decided in {self.decided_in_s:.2f} s")
+        return fit(f"{head}: {'; '.join(parts)}", SUMMARY_CHARS)
+
+    def explain(self, verbose: bool = False) -> str:
+        """The decision and its reasons, as text.
+
+        Short by default (at most `EXPLAIN_LINES` lines of at most
+        `EXPLAIN_CHARS` characters): the one-line [summary][resilient_strategy.selection.Selection.summary],
+        what was ruled out and why, the advice that applies, the variables set, and where the
+        full reasoning is. ``verbose=True``: every event of the trace rendered, one line each
+        (the same text ``python -m resilient_strategy plan`` prints; ``to_dict()`` / ``--json``
+        carry the typed events)."""
+        if verbose:
+            return self._explain_verbose()
+        lines = [self.summary()]
+        budget = EXPLAIN_LINES - 2  # the summary, and the pointer to the full reasoning
+        grouped: dict[str, list[str]] = {}  # one line per reason, its candidates named
+        for r in self.plan.ruled_out:
+            if r.candidate.key != self.candidate.key:
+                why = f"rule {r.rule}: {r.reason}" if r.rule and r.rule not in (
+                    "probe", "memory") else r.reason
+                grouped.setdefault(why, []).append(r.candidate.label)
+        reasons = list(grouped.items())
+        for i, (why, labels) in enumerate(reasons):
+            if budget <= 1 and i < len(reasons) - 1:
+                lines.append(f"ruled out: {len(reasons) - i} more reasons (sel.explain(verbose=True))")
+                budget -= 1
+                break
+            more = f" and {len(labels) - 1} more" if len(labels) > 1 else ""
+            lines.append(fit(f"ruled out {labels[0]}{more}: {why}", EXPLAIN_CHARS))
+            budget -= 1
+            if budget <= 0:
+                break
+        if self.env and budget > 0:
+            verb = "set" if self.env_applied else "would set"
+            lines.append(fit(f"{verb}: " + " ".join(f"{k}={v}" for k, v in sorted(self.env.items())),
+                             EXPLAIN_CHARS))
+            budget -= 1
+        for advice in self.plan.warnings:
+            if budget <= 0:
+                break
+            lines.append(fit(f"advice: {advice}", EXPLAIN_CHARS))
+            budget -= 1
+        lines.append("full reasoning: sel.explain(verbose=True), or `python -m resilient_strategy "
+                     "plan` (--json for data)")
+        return "\n".join(lines)
+
+    def _explain_verbose(self) -> str:
         head = f"resilient_strategy chose: {self.candidate.label}"
         if self.num_replicas > 1 or self.accumulation_steps > 1:
             head += f" ({self.num_replicas} replica(s) x {self.accumulation_steps} accumulation step(s))"
@@ -209,7 +362,7 @@ class Selection:
         if self.simulated:
             extras.append("SIMULATED: decided for a described machine; every probe outcome and "
                           "time comes from the description, nothing ran here")
-        if self.from_cache:
+        if self.from_cache and not self.handed_down:
             extras.append("decision from the cache (probe='force' re-probes)")
         if not self.proven and not self.dry_run:
             extras.append("NOT proven: probing was off")
@@ -231,7 +384,7 @@ class Selection:
 
     @property
     def process_group_timeout_s(self) -> float:
-        """Deprecated alias of :attr:`process_group_timeout` (v0.2's name)."""
+        """Deprecated alias of [process_group_timeout][resilient_strategy.selection.Selection.process_group_timeout] (v0.2's name)."""
         return self.process_group_timeout
 
     def to_dict(self) -> dict[str, Any]:
@@ -244,6 +397,7 @@ class Selection:
             "num_replicas": self.num_replicas,
             "sharded": self.sharded,
             "offload": self.offload,
+            "node_local": self.candidate.node_local,
             "accumulation_steps": self.accumulation_steps,
             "global_batch_size": self.global_batch_size,
             "per_replica_batch_size": self.per_replica_batch_size,
@@ -424,10 +578,10 @@ class Selection:
     ) -> Any:
         """Move and wrap the model (DDP when replicas > 1; ``ddp_kwargs`` such as
         ``find_unused_parameters=True`` go to DistributedDataParallel); shard the loader
-        (DistributedSampler, reshuffled by :meth:`set_epoch`); return all three. Call it again
+        (DistributedSampler, reshuffled by [set_epoch][resilient_strategy.selection.Selection.set_epoch]); return all three. Call it again
         for more loaders (``prepare(None, None, val_loader)``).
 
-        When the decision shards (:attr:`sharded`), FSDP2's ``fully_shard`` is applied to the
+        When the decision shards ([sharded][resilient_strategy.selection.Selection.sharded]), FSDP2's ``fully_shard`` is applied to the
         modules of the classes in ``shard_modules`` (default: the model's repeated blocks), then
         the root, and the optimizer follows the sharded parameters; keyword arguments go to
         ``fully_shard`` then. ``shard_modules`` is ignored when the decision replicates."""
@@ -452,14 +606,17 @@ class Selection:
         rep.setup_begin()
         rt.init()
         rep.setup_end()
+        follow = getattr(rt, "device_progress", None)
+        if follow is not None and rep.device is None:
+            rep.device = follow(rep.writer, rep.step)
 
     def checkpoint(self, directory: str | Any, *, every_steps: int | None = None,
                    every_seconds: float | None = None) -> Checkpointer:
         """PyTorch: checkpoint to ``directory`` every ``every_steps`` optimizer steps and/or
         ``every_seconds`` seconds (default every 100 steps; rank 0 writes, atomically), and
-        resume from it at :meth:`prepare` (even with another number of replicas). Call it
-        before :meth:`prepare`; start the epoch loop at ``ckpt.epoch`` and call
-        :meth:`set_epoch` each epoch. See :mod:`resilient_strategy.frameworks.checkpoint`."""
+        resume from it at [prepare][resilient_strategy.selection.Selection.prepare] (even with another number of replicas). Call it
+        before [prepare][resilient_strategy.selection.Selection.prepare]; start the epoch loop at ``ckpt.epoch`` and call
+        [set_epoch][resilient_strategy.selection.Selection.set_epoch] each epoch. See `resilient_strategy.frameworks.checkpoint`."""
         if self.framework != "torch":
             raise AttributeError("checkpoint() is PyTorch's; TensorFlow uses "
                                  "callbacks(backup_dir=...) (Keras BackupAndRestore)")
@@ -490,7 +647,7 @@ class Selection:
 
     @property
     def is_last_micro_step(self) -> bool:
-        """Whether the next :meth:`step` applies the optimizer (gradients are complete then)."""
+        """Whether the next [step][resilient_strategy.selection.Selection.step] applies the optimizer (gradients are complete then)."""
         return bool(self.runtime.is_last_micro_step)
 
     @property
@@ -527,7 +684,7 @@ class Selection:
     def shutdown(self) -> None:
         """End the training: PyTorch: a barrier, then destroy the process group (also one that
         Lightning or Accelerate started). Idempotent. Forgotten, it happens at exit anyway
-        (:mod:`resilient_strategy.frameworks.teardown`)."""
+        (`resilient_strategy.frameworks.teardown`)."""
         if self._runtime.built and hasattr(self.runtime, "shutdown"):
             self.runtime.shutdown()
         elif self.framework == "torch" and not self.dry_run:

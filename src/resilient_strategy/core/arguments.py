@@ -1,14 +1,14 @@
-"""Reading the arguments of ``resilient_strategy()`` and the environment into :class:`Options`
+"""Reading the arguments of ``resilient_strategy()`` and the environment into `Options`
 (explicit argument > the user's environment > our default), and ``resilient-strategy run``'s
-command line into :class:`RunOptions`.
+command line into `RunOptions`.
 
 Slightly over ~450 lines: every argument and every ``RESILIENT_STRATEGY_*`` variable is read
 and checked here, once, so that each error names what the user typed.
 
-The arguments travel in small groups (:class:`Arguments`: training, model, probing, cache,
-rules) rather than one 25-keyword call; :func:`options_from` still takes the flat keywords that
+The arguments travel in small groups (`Arguments`: training, model, probing, cache,
+rules) rather than one 25-keyword call; `options_from` still takes the flat keywords that
 ``resilient_strategy()`` passes on (``options_from(facts, env, framework="torch", ...)``).
-Every ``RESILIENT_STRATEGY_*`` variable is checked once (:func:`check_environment`), its error
+Every ``RESILIENT_STRATEGY_*`` variable is checked once (`check_environment`), its error
 naming the variable and what it holds.
 """
 
@@ -45,6 +45,7 @@ from .options import (
     RunOptions,
     default_dir,
 )
+from .probe import PROBE_FAULT_VAR, parse_probe_fault
 from .remedies import ENV_VAR as REMEDIES_VAR
 from .remedies import load_remedies
 from .rules import Rule, load_rules
@@ -73,7 +74,7 @@ def shown(text: str, limit: int = 120) -> str:
 
 
 def env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
-    """An on/off variable (:data:`FLAG_VARS`): 1/true, 0/false, unset or empty: ``default``."""
+    """An on/off variable (`FLAG_VARS`): 1/true, 0/false, unset or empty: ``default``."""
     text = env.get(name, "").strip().lower()
     if not text:
         return default
@@ -84,7 +85,7 @@ def env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
 
 def check_environment(env: Mapping[str, str]) -> None:
     """The checks of this library's variables that no one reader owns: on/off values and paths
-    (no NUL byte, at most :data:`MAX_PATH_CHARS`). Each error names the variable and what it
+    (no NUL byte, at most `MAX_PATH_CHARS`). Each error names the variable and what it
     holds. The others are checked where they are read, with the same kind of error."""
     for name in FLAG_VARS:
         env_flag(env, name, True)
@@ -291,7 +292,7 @@ class RuleArgs:
 @dataclass(frozen=True)
 class Arguments:
     """``resilient_strategy()``'s arguments as passed, in groups (validated by
-    :func:`options_from`, not here)."""
+    `options_from`, not here)."""
 
     training: TrainingArgs = field(default_factory=TrainingArgs)
     model: ModelArgs = field(default_factory=ModelArgs)
@@ -398,6 +399,8 @@ def options_from(facts: Facts, env: Mapping[str, str], arguments: Arguments | No
     _named(env, "RESILIENT_STRATEGY_SIGNATURES", lambda: signatures_from_env(env, os.pathsep))
     remedies = _named(env, REMEDIES_VAR,
                       lambda: load_remedies(_env_list(env, REMEDIES_VAR, os.pathsep)))
+    # a rehearsed probe fault: a typo is refused here, never a rehearsal that injects nothing
+    parse_probe_fault(env.get(PROBE_FAULT_VAR, ""))
     # The logical-CPU test mode proves nothing about this machine's GPUs: keep it out of the cache.
     use_cache = cache and env_flag(env, "RESILIENT_STRATEGY_CACHE", True) and not logical_cpus
     cluster = parse_tf_config(env.get(TF_CONFIG_VAR)) if fw == "tensorflow" else None
@@ -449,7 +452,8 @@ def run_options_from(env: Mapping[str, str], *, script: str, script_args: tuple[
                      gradient_bytes: int | None, probe_timeout: float | None, logical_cpus: int,
                      torchrun: Any = None, sharding: str | None = None,
                      param_bytes: int | None = None, optimizer_state_factor: float | None = None,
-                     offload: str | None = None) -> RunOptions:
+                     offload: str | None = None,
+                     busy_timeout: float | None = None) -> RunOptions:
     """The supervisor's options: the command line > RESILIENT_STRATEGY_STALL_TIMEOUT /
     RESILIENT_STRATEGY_MAX_RELAUNCHES > our defaults. ``nproc``: a count or "auto"."""
     if nproc in ("auto", "gpu"):
@@ -478,6 +482,6 @@ def run_options_from(env: Mapping[str, str], *, script: str, script_args: tuple[
         global_batch_size=global_batch_size, gradient_bytes=gradient_bytes,
         probe_timeout_s=probe_timeout, logical_cpus=logical_cpus, torchrun=torchrun,
         sharding=sharding, param_bytes=param_bytes, optimizer_state_factor=optimizer_state_factor,
-        offload=offload)
+        offload=offload, busy_timeout_s=busy_timeout)
 
 

@@ -1,10 +1,10 @@
 """Bounded parsing of JSON and TOML text, and bounded reading of a file the user names (rules,
 ``--simulate`` machine files). No ``os`` (pathlib only), so the planner's modules and the pure
-probe parser can use it. Anything that is not JSON/TOML, nests deeper than :data:`MAX_DEPTH`, or
-is larger than its limit is a :class:`~resilient_strategy.errors.FileFormatError`, never a
+probe parser can use it. Anything that is not JSON/TOML, nests deeper than `MAX_DEPTH`, or
+is larger than its limit is a `FileFormatError`, never a
 ``RecursionError`` or ``MemoryError`` from deep inside; a FIFO or directory is an
-:class:`~resilient_strategy.errors.UnsafePathError` (opening a FIFO would block forever). Files
-this package keeps itself (cache, agreement) are read by :mod:`._files`, which also checks owner
+`UnsafePathError` (opening a FIFO would block forever). Files
+this package keeps itself (cache, agreement) are read by `_files`, which also checks owner
 and mode and never follows a symlink.
 """
 

@@ -33,13 +33,18 @@ class Candidate:
     #: copied to the GPU per unit, gradients back, the optimizer steps on the CPU. Its key says
     #: ``<backend>/fsdp+offload``; on one GPU it is FSDP2 over a group of one process.
     offload: bool = False
+    #: A multi-node torch job on node 0's own GPUs only (the other nodes' ranks idle), when the
+    #: link between the nodes fails: NCCL inside node 0, the global batch kept by accumulation.
+    #: Its key says ``<backend>/node0``.
+    node_local: bool = False
 
     @property
     def key(self) -> str:
         env = ";".join(f"{k}={v}" for k, v in self.env)
         devs = ",".join(map(str, self.devices)) or "cpu"
         backend = self.backend + ("/fsdp" if self.sharded else "") + ("+offload" if self.offload
-                                                                      else "")
+                                                                      else "") \
+            + ("/node0" if self.node_local else "")
         return f"{self.framework}:{backend}:{devs}" + (f":{env}" if env else "")
 
     @property
@@ -75,7 +80,9 @@ class Candidate:
             text += " with CPU offload"
         if self.devices and self.backend != "cpu":
             kind = "logical CPU device" if self.logical_cpus else "GPU"
-            text += f" on {kind}{'s' if len(self.devices) > 1 else ''} {','.join(map(str, self.devices))}"
+            where = "node 0's " if self.node_local else ""
+            text += (f" on {where}{kind}{'s' if len(self.devices) > 1 else ''} "
+                     f"{','.join(map(str, self.devices))}")
         elif self.num_replicas > 1:
             text += f" on {self.num_replicas} CPU processes"
         if self.env:
@@ -90,4 +97,5 @@ class Candidate:
             "per_replica_batch_size": self.per_replica_batch_size,
             "global_batch_size": self.global_batch_size, "origin": self.origin,
             "logical_cpus": self.logical_cpus, "sharded": self.sharded, "offload": self.offload,
+            "node_local": self.node_local,
         }

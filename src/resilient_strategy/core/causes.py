@@ -1,9 +1,9 @@
 """The causes a failed probe or training rank can have, with the words a user can act on.
 
 A cause is a short key (``"shared_memory"``, ``"nvls_multicast"``): the probe parser
-(:mod:`.probe`) and the supervisor's classifier place what a failure printed on one through the
-signature table (:mod:`.signatures`, ``signatures.toml``), and the remedy table
-(:mod:`.remedies`, ``remedies.toml``) maps each cause to the environment changes worth a probe.
+(`probe`) and the supervisor's classifier place what a failure printed on one through the
+signature table (`signatures`, ``signatures.toml``), and the remedy table
+(`remedies`, ``remedies.toml``) maps each cause to the environment changes worth a probe.
 Pure data: no I/O.
 """
 
@@ -62,6 +62,15 @@ CAUSES: dict[str, str] = {
     "gloo_connection": "gloo could not connect its ranks over the interface it picked (the "
     "hostname resolves to loopback or to an unroutable address): set GLOO_SOCKET_IFNAME to the "
     "interface that reaches MASTER_ADDR",
+    "driver_too_old": "the driver is older than the CUDA this build was made for (error 804 "
+    "'forward compatibility was attempted on non supported HW', or 'the NVIDIA driver on your "
+    "system is too old'): no GPU of this process can run; update the driver to one for the "
+    "build's CUDA, or install a build for the CUDA your driver supports (nvidia-smi's header "
+    "names it); no NCCL variable helps",
+    "gloo_interface": "GLOO_SOCKET_IFNAME names a network interface this machine does not "
+    "have (or one without an address; it takes one interface name, not an IP address or NCCL's "
+    "'^lo,docker' list): set it to the interface that reaches MASTER_ADDR (ip -br addr), or "
+    "unset it",
     "cuda_init": "the CUDA runtime could not initialise although the driver lists GPUs (error "
     "802 'system not yet initialized': on NVSwitch systems nvidia-fabricmanager is not running "
     "or not finished; error 3 / 100: no usable device in this process); fix the host, no NCCL "
@@ -87,7 +96,7 @@ CAUSES: dict[str, str] = {
 #: Causes that speak for every GPU of the process, not one backend: after a probe fails with
 #: one, no candidate on these GPUs is tried (a CUDA that cannot initialise never becomes "one
 #: GPU" silently).
-GPU_WIDE_CAUSES = frozenset({"cuda_init"})
+GPU_WIDE_CAUSES = frozenset({"cuda_init", "driver_too_old"})
 
 #: Causes that come from the state of the machine (a full disk, the descriptor limit, a file's
 #: permissions), not from the candidate: they say nothing about the backend, so they are never

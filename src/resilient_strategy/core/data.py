@@ -1,4 +1,4 @@
-"""The data files the package ships: one list, read through :mod:`importlib.resources`.
+"""The data files the package ships: one list, read through `importlib.resources`.
 
 Every table the engine reads at run time (``known_issues.toml``, ``signatures.toml``,
 ``remedies.toml``) is named in `DATA_FILES` and read with `read_data`, so an installed wheel

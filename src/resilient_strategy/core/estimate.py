@@ -1,7 +1,7 @@
 """The cost model: seconds per global batch of a candidate on these facts.
 
 Typical bus bandwidths and device FLOP/s stand in where nothing was measured; a probe's measured
-bandwidth replaces the typical figure. The planner orders candidates by :func:`estimate`.
+bandwidth replaces the typical figure. The planner orders candidates by `estimate`.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ ASSUMED_GLOBAL_BATCH = 256
 
 def offload_seconds(c: Candidate, policy: Options, nodes: int = 1) -> tuple[float, float]:
     """What CPU offload adds per optimizer step of ``c`` (0 when it does not offload): (host
-    copies, optimizer step on the CPU), in seconds (see :data:`TYPICAL_HOST_LINK_GBPS`)."""
+    copies, optimizer step on the CPU), in seconds (see `TYPICAL_HOST_LINK_GBPS`)."""
     if not c.offload:
         return 0.0, 0.0
     grad = policy.gradient_bytes or ASSUMED_GRADIENT_BYTES
@@ -117,7 +117,7 @@ def _typical_bus(c: Candidate, facts: Facts, policy: Options) -> tuple[float | N
             key = f"nccl/p2p_off/{link}"
         else:
             key = f"nccl/{link}"
-    if policy.nodes > 1 and c.framework == "torch":  # the slowest link is between nodes
+    if policy.nodes > 1 and c.framework == "torch" and not c.node_local:  # between nodes
         env = dict(c.env)
         inter = "nccl/socket" if c.backend == "nccl" and (
             env.get("NCCL_NET") == "Socket" or env.get("NCCL_IB_DISABLE") == "1") else c.backend

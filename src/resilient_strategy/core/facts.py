@@ -3,7 +3,7 @@
 Longer than ~450 lines on purpose: the one frozen value of the machine (GPUs, links and the
 fabric, host, platform, frameworks) with its lookups, JSON form and fingerprint.
 
-Everything downstream (rules, planner, cache, doctor) takes a :class:`Facts` value as a parameter.
+Everything downstream (rules, planner, cache, doctor) takes a `Facts` value as a parameter.
 Facts round-trip through plain JSON (``to_dict`` / ``from_dict``) so a machine can be described in a
 file (``doctor --simulate``) or in a user's unit test.
 """
@@ -33,7 +33,7 @@ P2P_STATUSES = (
 )
 
 #: Environment variables that change what NCCL / the frameworks do; part of the fingerprint
-#: (less :data:`_PER_RUN_ENV`). TensorFlow's are named one by one: a "TF_" prefix would take in
+#: (less `_PER_RUN_ENV`). TensorFlow's are named one by one: a "TF_" prefix would take in
 #: Terraform's TF_CLI_CONFIG_FILE, TF_LOG, ... and TensorFlow's log levels.
 RELEVANT_ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "GLOO_", "NVSHMEM_")
 RELEVANT_ENV_NAMES = (
@@ -153,6 +153,9 @@ class Platform:
     #: how ``master_ifname`` was found, or why it is unknown ("" with no MASTER_ADDR set)
     master_route: str = ""
     hostname_loopback: bool | None = None  # the hostname resolves to 127.x / ::1
+    #: the installed nvidia-fabricmanager package's version ("" unknown or none): on NVSwitch
+    #: systems it must equal the driver's, or the fabric manager does not start (CUDA error 802)
+    fabric_manager: str = ""
 
 
 @dataclass(frozen=True)
@@ -241,7 +244,7 @@ class Facts:
     nvml_notes: tuple[str, ...] = ()  # per-GPU values NVML could not read (they show as unknown)
     #: How every pair of GPUs *not* listed in ``links`` is connected (its ``a``/``b`` are unused):
     #: a uniform fabric (an NVSwitch box, a PCIe tree) held once instead of once per pair, so a
-    #: machine of N GPUs costs O(N + exceptions), not O(N^2) (:func:`compact_links`). None: an
+    #: machine of N GPUs costs O(N + exceptions), not O(N^2) (`compact_links`). None: an
     #: unlisted pair has no link fact.
     fabric: Link | None = None
     platform: Platform = field(default_factory=Platform)
@@ -413,7 +416,8 @@ class Facts:
         # cache is used: left out, as MASTER_ADDR is.
         platform = replace(self.platform, master_ifname="", master_route="")
         if platform != Platform():  # unknown platform facts keep the older fingerprints
-            key["platform"] = asdict(platform)
+            key["platform"] = {k: v for k, v in asdict(platform).items()
+                               if k != "fabric_manager" or v}  # (a later field: only if known)
         blob = json.dumps(key, sort_keys=True, default=list).encode()
         digest = hashlib.sha256(blob).hexdigest()[:16]
         object.__setattr__(self, "_fingerprint", digest)  # a cache, not a field
@@ -464,14 +468,14 @@ def relevant_env(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     )
 
 
-#: Machines with more GPUs than this keep a uniform fabric once (:func:`compact_links`); smaller
+#: Machines with more GPUs than this keep a uniform fabric once (`compact_links`); smaller
 #: ones list every pair, as ``doctor`` and their JSON always showed them.
 FABRIC_MIN_GPUS = 16
 
 
 def compact_links(gpus: int, links: tuple[Link, ...]) -> tuple[tuple[Link, ...], Link | None]:
     """``(listed, fabric)`` for the links of ``gpus`` GPUs: where there are more than
-    :data:`FABRIC_MIN_GPUS` and every pair is listed once, the most common kind of link becomes
+    `FABRIC_MIN_GPUS` and every pair is listed once, the most common kind of link becomes
     the fabric and only the pairs that differ stay listed. Otherwise ``(links, None)``."""
     if gpus <= FABRIC_MIN_GPUS or len(links) != gpus * (gpus - 1) // 2:
         return links, None

@@ -15,3 +15,10 @@ def human_duration(seconds: float) -> str:
         if seconds >= scale:
             return f"{seconds / scale:.3g} {unit}"
     return f"{seconds * 1e9:.3g} ns"
+
+
+def fit(text: str, limit: int) -> str:
+    """``text`` on one line (runs of whitespace made one space), cut to ``limit`` characters
+    with "..." where it was longer: for the short lines a decision or a fault prints."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: max(0, limit - 3)].rstrip() + "..."

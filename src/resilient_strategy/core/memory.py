@@ -6,11 +6,11 @@ default; SGD with momentum is 1, plain SGD 0). A replica (DDP, one device, Mirro
 holds all of it on every device. Sharded over ``n`` devices (FSDP2's ``fully_shard``) each
 device holds ``1/n`` of it, plus the unsharded parameters of the units it gathers at once: the
 one computing, the one prefetched, and the unsharded gradients of one unit before their
-reduce-scatter (:data:`TRANSIENT_UNITS` units; a unit is one ``fully_shard`` call, by default one
-of the model's repeated blocks, see :func:`repeated_blocks`).
+reduce-scatter (`TRANSIENT_UNITS` units; a unit is one ``fully_shard`` call, by default one
+of the model's repeated blocks, see `repeated_blocks`).
 
 Offloaded (FSDP2's ``CPUOffloadPolicy``, ``offload="auto"``), the sharded state lives in host
-memory: a GPU holds only the :data:`TRANSIENT_UNITS` units it gathers at once, and the host holds
+memory: a GPU holds only the `TRANSIENT_UNITS` units it gathers at once, and the host holds
 every local process's shard of the state (the whole state, on one node). Both must fit.
 
 Activations are not counted (they follow the batch, which the user sets): a device's free memory
@@ -132,7 +132,7 @@ def shards_of(c: Candidate) -> int:
 
 def memory_row(c: Candidate, facts: Facts, mem: ModelMemory, nodes: int = 1) -> MemoryRow:
     """What ``c`` needs per device and what its devices have (pure). Offloaded: its GPUs' row
-    (:func:`offload_rows` adds the host's)."""
+    (`offload_rows` adds the host's)."""
     shards = shards_of(c)
     need = mem.offloaded_need() if c.offload else mem.need(shards)
     if c.devices and c.backend != "cpu":

@@ -1,10 +1,10 @@
 """Options: every knob of a decision, as one frozen value, validated once.
 
-:class:`Options` (a decision) and :class:`RunOptions` (``resilient-strategy run``) check every
+`Options` (a decision) and `RunOptions` (``resilient-strategy run``) check every
 field's type and range in ``__post_init__``; each error names the argument or the environment
-variable the bad value came from. :mod:`.arguments` reads the arguments of
+variable the bad value came from. `arguments` reads the arguments of
 ``resilient_strategy()`` and the environment into them. Adding an option touches this module,
-:mod:`.arguments`, the ``resilient_strategy()`` signature and the options reference page.
+`arguments`, the ``resilient_strategy()`` signature and the options reference page.
 """
 
 from __future__ import annotations
@@ -71,23 +71,30 @@ class Launch:
     """Where this process sits in a launcher's job (torchrun); (0, 0, 1) for plain python."""
 
     rank: int = 0
+    """This process's rank in the job (the launcher's `RANK`; 0 for plain python)."""
     local_rank: int = 0
+    """This process's rank on its node (the launcher's `LOCAL_RANK`; 0 for plain python)."""
     world_size: int = 1
-    local_world_size: int | None = None  # None: every process is on this node
+    """The processes the launcher started, on every node (`WORLD_SIZE`; 1 for plain python)."""
+    local_world_size: int | None = None
+    """The processes on this node (`LOCAL_WORLD_SIZE`); None where the launcher does not say,
+    which is read as every process being on this node."""
 
     @property
     def launched(self) -> bool:
+        """Whether a launcher started several processes (`world_size` above 1)."""
         return self.world_size > 1
 
     @property
     def multi_node(self) -> bool:
+        """Whether the job spans nodes: fewer processes on this node than in the job."""
         return self.local_world_size is not None and self.local_world_size < self.world_size
 
 
 @dataclass(frozen=True)
 class Options:
     """Every knob of one decision, validated once (in ``__post_init__``). Built by
-    :func:`options_from`; the planner reads it as its policy.
+    `options_from`; the planner reads it as its policy.
 
     ``rank``, ``local_rank``, ``world_size`` and ``local_world_size`` are where this process
     sits in a launcher's job (torchrun), whatever the framework (``launch`` gives them as one
@@ -298,7 +305,10 @@ class RunOptions:
     framework: str | None = None
     nproc: int | None = None  # None: "auto" (one per visible GPU, else 1)
     max_relaunches: int | None = None  # None: no count (the policy's bounds still hold)
-    stall_timeout_s: float | None = None  # None: max(60 s, 20 x the median step time)
+    stall_timeout_s: float | None = None  # None: max(15 s, 5 x the p99 step time)
+    #: How long a rank busy in its own code may keep the others waiting (None: run/watch's
+    #: DEFAULT_BUSY_S).
+    busy_timeout_s: float | None = None
     global_batch_size: int | None = None  # for ranking (the script's own value trains)
     gradient_bytes: int | None = None
     probe_timeout_s: float | None = None
@@ -342,6 +352,7 @@ class RunOptions:
                 raise InvalidOptionError(
                     f"{name} must be an integer from {low} to {top}, not {value!r}", name)
         _check_seconds("--stall-timeout", self.stall_timeout_s, MAX_STALL_TIMEOUT_S)
+        _check_seconds("--busy-timeout", self.busy_timeout_s, MAX_STALL_TIMEOUT_S)
         _check_seconds("--probe-timeout", self.probe_timeout_s, MAX_TIMEOUT_S)
         m = self.min_throughput
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not (
@@ -378,4 +389,4 @@ def _check_memory_flags(sharding: str | None, offload: str | None, framework: st
 
 
 #: The stall timeout's floor when it follows the step time (see supervisor.default_stall_timeout)
-MIN_STALL_S = 60.0
+MIN_STALL_S = 15.0

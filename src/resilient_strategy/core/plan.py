@@ -6,7 +6,7 @@ reading one plan; each step's tables live in their own modules (rules, remedies,
 estimate).
 
 Pure: takes data, returns data. It never imports os, subprocess, pynvml or a framework (a test
-checks this). The executor calls :func:`plan` in a loop: probe ``plan.next_probe``, add its
+checks this). The executor calls `plan` in a loop: probe ``plan.next_probe``, add its
 result, plan again, until a candidate is chosen. Each round adds a result for a new candidate,
 and the set of candidates is finite, so the loop ends.
 """
@@ -21,7 +21,7 @@ from ..errors import InvalidOptionError
 from ..vocab import MULTI_WORKER_BACKENDS
 from .candidate import Candidate
 from .causes import GPU_WIDE_CAUSES
-from .estimate import ASSUMED_GRADIENT_BYTES, Estimate, estimate
+from .estimate import Estimate, estimate
 from .facts import Facts
 from .human import human_bytes
 from .probe import TIMEOUT, ProbeResult
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Candidate", "Estimate", "Plan", "Ranked", "RuledOut", "estimate", "plan", "split_batch"]
 
-#: Cause -> remedies is data (``remedies.toml``, :mod:`.remedies`, ``Options.remedies``); a hang
+#: Cause -> remedies is data (``remedies.toml``, `remedies`, ``Options.remedies``); a hang
 #: judged in communicator set-up is its own cause there (``setup_hang``), in words:
 _SETUP_HANG_WORDS = "a hang in communicator set-up"
 #: A remedy that fails with another cause gets that cause's first remedy on top, while the
@@ -85,7 +85,7 @@ class Plan:
     chosen: Candidate | None = None
     next_probe: Candidate | None = None
     #: The replicas of the widest way to train this job: a one-device fallback keeps its
-    #: per-device batch and accumulates up to this many steps (handed to :func:`plan`).
+    #: per-device batch and accumulates up to this many steps (handed to `plan`).
     reference_replicas: int = 1
 
     @property
@@ -284,6 +284,11 @@ def _chain(
         for backend in backends:
             out.append(Candidate(fw, backend, multi_devs, num_replicas=replicas,
                                  logical_cpus=logical))
+        if fw == "torch" and nodes > 1 and len(multi_devs) >= 2:
+            # where the nodes cannot talk: node 0's own GPUs over NCCL (as TensorFlow keeps
+            # worker 0's MirroredStrategy), not one GPU of the whole job
+            out.append(Candidate(fw, "nccl", multi_devs, num_replicas=len(multi_devs),
+                                 node_local=True))
     elif multi_ok:  # torch under a launcher on CPU: gloo between the processes
         out.append(Candidate(fw, "gloo", (), num_replicas=n_proc))
     if gpus:
@@ -297,12 +302,12 @@ def _multi_worker_chain(
 ) -> tuple[list[Candidate], int]:
     """TensorFlow across the workers of a TF_CONFIG cluster: MultiWorkerMirroredStrategy with
     NCCL (GPU workers of a CUDA build), then with RING (TensorFlow's ring all-reduce over gRPC,
-    CPU or GPU), then with AUTO (TensorFlow's pick, after RING: :func:`_multi_worker_order`),
+    CPU or GPU), then with AUTO (TensorFlow's pick, after RING: `_multi_worker_order`),
     each with every worker's local devices as replicas. Then worker 0 alone (the other workers
     exit): with 2+ local GPUs, MirroredStrategy over all of them (the local chain: NCCL,
     HierarchicalCopy, ReductionToOneDevice; the global batch kept by a larger per-replica batch,
     as Keras cannot accumulate under it), then on one device accumulating as many steps as the
-    job has replicas. :func:`_multi_worker_order` places worker 0's MirroredStrategy between.
+    job has replicas. `_multi_worker_order` places worker 0's MirroredStrategy between.
     """
     workers = policy.tf_workers
     local = gpus if has_cuda else ()
@@ -457,7 +462,9 @@ def _vetoed(c: Candidate, target: Sequence[str]) -> bool:
 
 
 def _insert_remedy(cands: list[Candidate], remedy: Candidate) -> list[Candidate]:
-    last_nccl = max(i for i, c in enumerate(cands) if c.backend == "nccl")
+    # after the last NCCL of the chain proper (node 0's own NCCL, a multi-node job's fallback,
+    # comes after the strategies across the nodes)
+    last_nccl = max(i for i, c in enumerate(cands) if c.backend == "nccl" and not c.node_local)
     return [*cands[: last_nccl + 1], remedy, *cands[last_nccl + 1 :]]
 
 
@@ -515,7 +522,9 @@ def _apply_results(
             queue.insert(at, remedy)  # tried right after what failed; examined in this loop
             at += 1
             b.events.append(RemedyQueued(remedy, label,
-                                         on_top_of=None if c.origin == "chain" else c))
+                                         on_top_of=None if c.origin == "chain" else c,
+                                         remedy=remedy_entry.id,
+                                         because=tuple(str(w) for w in remedy_entry.when)))
     return out
 
 
@@ -642,22 +651,41 @@ def _rank(
                 tried_first.append(f.candidate.origin)
     if policy.multi_worker:
         ranked = _multi_worker_order(ranked, b)
+    elif any(r.candidate.node_local for r in ranked):
+        ranked = _node_local_order(ranked, b)
     if policy.prefer and not any(r.candidate.backend == policy.prefer for r in ranked):
         b.note("prefer_impossible",
                f"prefer={policy.prefer!r} is not possible here; choosing by speed instead.")
     basis = (
         f"gradients {human_bytes(policy.gradient_bytes)}" if policy.gradient_bytes
-        else f"gradients assumed {ASSUMED_GRADIENT_BYTES >> 20} MiB (ResNet-50-sized; pass "
-        "model= or gradient_bytes= for a real figure)"
+        else "pass gradient_bytes= or model= to rank the candidates by their speed"
     )
     cpu = [r.estimate.step_seconds for r in ranked if r.candidate.backend == "cpu"]
     cpu_last = bool(cpu) and any(r.estimate.step_seconds > cpu[0] for r in ranked
                                  if r.candidate.backend != "cpu")
     b.events.append(Ranking(
         tuple(RankEntry(r.candidate, r.estimate.step_seconds, r.estimate.basis) for r in ranked),
-        basis, cpu_last, tuple(tried_first),
+        basis, cpu_last, tuple(tried_first), known_size=policy.gradient_bytes is not None,
     ))
     return ranked
+
+
+def _node_local_order(ranked: list[Ranked], b: _Build) -> list[Ranked]:
+    """A multi-node torch job's node-0-alone candidate goes right before the first candidate
+    without a collective (one GPU or CPU: where rank 0 trains alone anyway), after every
+    candidate across the nodes ranked above that one, as `_multi_worker_order` does for
+    TensorFlow's worker 0: once the plan reaches node 0 alone, the other nodes idle."""
+    anchor = next((i for i, r in enumerate(ranked) if not r.candidate.needs_probe), None)
+    if anchor is None:
+        return ranked
+    local = [r for r in ranked[:anchor] if r.candidate.node_local]
+    across = [r for r in ranked[:anchor] if not r.candidate.node_local]
+    out = [*across, *local, *ranked[anchor:]]
+    if local and across and out != ranked:
+        b.note("alone_after_nodes", f"Node 0's own {local[0].candidate.label} is tried only "
+               "after the strategies across the nodes estimated faster than one GPU: once node "
+               "0 trains alone, the other nodes' ranks idle.")
+    return out
 
 
 def _multi_worker_order(ranked: list[Ranked], b: _Build) -> list[Ranked]:

@@ -3,10 +3,10 @@
 The table (``remedies.toml``, versioned) holds ``[[remedy]]`` entries (``env``, the backends it
 applies to, ``when`` clauses in the known-issue rules' language, ``source``) and a ``[causes]``
 table naming each cause's remedies in the order to try them. The planner
-(:func:`resilient_strategy.core.plan.plan`) asks :meth:`Remedies.for_cause` which apply to a
+(`resilient_strategy.core.plan.plan`) asks `Remedies.for_cause` which apply to a
 failed candidate on these facts. Users extend it the way they extend rules
-(``RESILIENT_STRATEGY_REMEDIES``, :func:`load_remedies`). Pure except reading the named files
-(bounded, :mod:`.bounded`).
+(``RESILIENT_STRATEGY_REMEDIES``, `load_remedies`). Pure except reading the named files
+(bounded, `bounded`).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def _strings(value: object, key: str, rid: str, origin: str) -> tuple[str, ...]:
 
 
 def remedy_from_dict(d: Mapping[str, Any], origin: str, where: str) -> Remedy:
-    """One remedy from its TOML table; every problem an :class:`InvalidRuleError` naming it."""
+    """One remedy from its TOML table; every problem an `InvalidRuleError` naming it."""
     rid = table_id(d, "remedy", _KEYS, origin, where)
     env = d.get("env")
     if not isinstance(env, Mapping) or not env or not all(

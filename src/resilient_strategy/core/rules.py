@@ -2,14 +2,14 @@
 
 A rule (see ``known_issues.toml``) has an ``id``, a list of ``when`` clauses that must all hold,
 an ``effect`` and a ``source``. Clauses read ``<fact> <op> <value>`` over the names that
-:func:`fact_values` computes, e.g. ``"tensorflow.version < 2.20"`` or ``"gpus.names matches RTX 50"``;
+`fact_values` computes, e.g. ``"tensorflow.version < 2.20"`` or ``"gpus.names matches RTX 50"``;
 a bare ``"host.wsl2"`` means true, ``"not host.wsl2"`` false. A fact name that is not in
-:data:`FACT_NAMES` (or ``env.<VARIABLE>``) is an error when the rule is loaded; a known fact whose
+`FACT_NAMES` (or ``env.<VARIABLE>``) is an error when the rule is loaded; a known fact whose
 value is unknown on this machine (torch not installed, /dev/shm unreadable) makes the clause false.
 
 Effects: ``veto`` (rule a backend out), ``prefer`` (try a backend first), ``remedy`` (add an NCCL
 variant with ``env``; ``first = true`` tries it before plain NCCL), ``set_env`` (set ``env`` on
-every NCCL candidate), ``warn`` (a warning in the trace). Pure: no I/O except :func:`load_rules`.
+every NCCL candidate), ``warn`` (a warning in the trace). Pure: no I/O except `load_rules`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import logging
 import operator
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,17 +40,18 @@ _CLAUSE = re.compile(
 )
 
 _FRAMEWORK_FACTS = ("installed", "version", "cuda", "nccl", "max_arch", "imported", "gpu_kernels")
-#: Every fact a clause can name (what :func:`fact_values` computes), besides ``env.<VARIABLE>``.
+#: Every fact a clause can name (what `fact_values` computes), besides ``env.<VARIABLE>``.
 FACT_NAMES: tuple[str, ...] = (
     "framework",
     "gpus.count", "gpus.names", "gpus.min_cc", "gpus.max_cc", "gpus.consumer", "gpus.mig",
     "gpus.mixed",
     "links.all_nvlink", "links.any_pcie_only", "links.p2p_unsupported", "links.cross_socket",
     "links.any_nvlink", "links.any_switch", "links.any_host_path",
-    "driver.version", "driver.cuda",
+    "driver.version", "driver.cuda", "driver.older_than_build",
     "plan.replicas", "plan.nodes", "nccl.version",
     "platform.nvswitch", "platform.hypervisor", "platform.vm", "platform.rdma_link_layer",
-    "platform.rdma_devices", "platform.master_ifname", "platform.hostname_loopback",
+    "platform.rdma_devices", "platform.rdma_count", "platform.master_ifname",
+    "platform.hostname_loopback", "platform.fabric_manager", "platform.fabric_manager_mismatch",
     "host.shm_mb", "host.container", "host.in_container", "host.wsl2", "host.sagemaker",
     "host.aws", "host.efa", "host.infiniband", "host.iommu", "host.platform",
     *(f"{fw}.{name}" for fw in ("torch", "tensorflow", "keras") for name in _FRAMEWORK_FACTS),
@@ -96,7 +97,7 @@ class Rule:
 
 
 def parse_clause(text: str, rule_id: str = "?", origin: str = "") -> Clause:
-    """Read one ``when`` clause; every problem is an :class:`InvalidRuleError` naming the rule
+    """Read one ``when`` clause; every problem is an `InvalidRuleError` naming the rule
     (and ``origin``, the file it came from)."""
     m = _CLAUSE.match(text)
     if not m:
@@ -348,6 +349,11 @@ def fact_values(facts: Facts, framework: str, replicas: int | None = None,
         "platform.vm": bool(facts.platform.hypervisor),
         "platform.rdma_link_layer": facts.platform.rdma_link_layer,
         "platform.rdma_devices": facts.platform.rdma_devices,
+        "platform.rdma_count": len(facts.platform.rdma_devices),
+        "platform.fabric_manager": facts.platform.fabric_manager,
+        "platform.fabric_manager_mismatch": (
+            None if not facts.platform.fabric_manager or not facts.driver_version
+            else facts.platform.fabric_manager != facts.driver_version),
         "platform.master_ifname": facts.platform.master_ifname,
         "platform.hostname_loopback": facts.platform.hostname_loopback,
         "driver.version": _version(facts.driver_version),
@@ -372,9 +378,30 @@ def fact_values(facts: Facts, framework: str, replicas: int | None = None,
         values[f"{fw}.max_arch"] = _max_arch(info.archs)
         values[f"{fw}.imported"] = info.imported
         values[f"{fw}.gpu_kernels"] = _kernel_coverage(info.archs, gpus)
+    build = values.get(f"{framework}.cuda") if framework in ("torch", "tensorflow") else None
+    driver_cuda = values["driver.cuda"]
+    values["driver.older_than_build"] = (None if not isinstance(build, Version)
+                                         or not isinstance(driver_cuda, Version)
+                                         else driver_cuda < Version(f"{build.major}.{build.minor}"))
     for name, value in facts.env:
         values[f"env.{name}"] = value
     return values
+
+
+_MESSAGE_FACT = re.compile(r"\{([a-z_]+\.[A-Za-z0-9_]+)\}")
+
+
+def fill_message(message: str, values: Mapping[str, FactValue]) -> str:
+    """A rule's message with each ``{fact}`` replaced by this machine's value (so the advice
+    names the version it is about); an unknown fact reads "unknown"."""
+
+    def value(m: re.Match[str]) -> str:
+        v = values.get(m.group(1))
+        if v is None or v == "":
+            return "unknown"
+        return ",".join(v) if isinstance(v, tuple) else str(v)
+
+    return _MESSAGE_FACT.sub(value, message)
 
 
 def _compare(
@@ -438,8 +465,16 @@ def fired(rules: Iterable[Rule], facts: Facts, framework: str,
     (``plan.replicas``) is the number of devices a multi-device strategy would use: the GPUs
     after ``devices=`` and CUDA_VISIBLE_DEVICES, or the logical CPUs in TF's test mode."""
     values = fact_values(facts, framework, replicas)
+    # in messages, versions as the machine reports them ("535.129.03", not Version's "535.129.3")
+    text: dict[str, FactValue] = {**values, "driver.version": facts.driver_version,
+                                  "driver.cuda": facts.cuda_driver_version}
+    for fw in ("torch", "tensorflow", "keras"):
+        info = facts.framework(fw)
+        text.update({f"{fw}.version": info.version, f"{fw}.cuda": info.cuda,
+                     f"{fw}.nccl": info.nccl})
     return tuple(
-        r for r in rules
+        replace(r, message=fill_message(r.message, text)) if "{" in r.message else r
+        for r in rules
         if (not r.framework or r.framework == framework)
         and all(clause_holds(c, values) for c in r.when)
     )
@@ -448,7 +483,7 @@ def fired(rules: Iterable[Rule], facts: Facts, framework: str,
 def table_id(d: Any, what: str, keys: frozenset[str] | set[str], origin: str, where: str) -> str:
     """The id of one ``[[what]]`` table of a data file (rules, signatures, remedies), after
     checking it is a table with a non-empty id and no key outside ``keys``; every problem an
-    :class:`InvalidRuleError` naming the entry and the file."""
+    `InvalidRuleError` naming the entry and the file."""
     if not isinstance(d, Mapping):
         raise InvalidRuleError(where, f"a {what} must be a table ([[{what}]]), not {d!r}", origin)
     tid = d.get("id")

@@ -1,20 +1,20 @@
 """The planner's memory steps (pure): shard the multi-device candidates or not, then rule out
-what does not fit. The numbers come from :mod:`.memory`; each step returns data and the typed
-events that say why, and :mod:`.plan` records them.
+what does not fit. The numbers come from `memory`; each step returns data and the typed
+events that say why, and `plan` records them.
 
-1. :func:`shard_chain` (on the static chain): ``sharding="full"`` turns every PyTorch
+1. `shard_chain` (on the static chain): ``sharding="full"`` turns every PyTorch
    multi-process candidate into its sharded form (FSDP2 over the same devices and backend);
    ``"auto"`` does so only when a replica does not fit the smallest usable free memory of its
    devices; ``"none"`` never. TensorFlow candidates are never sharded.
-2. :func:`check_memory` (after the batch split, which may narrow the devices): every candidate
+2. `check_memory` (after the batch split, which may narrow the devices): every candidate
    whose need per device exceeds its devices' usable free memory is out, one-device fallbacks
    included. Unknown free memory rules nothing out.
-3. :func:`fewer_devices` (after the probe results): once every FSDP candidate over all the GPUs
+3. `fewer_devices` (after the probe results): once every FSDP candidate over all the GPUs
    is out (its probe failed, or it does not fit), FSDP over the largest subset of them that fits
    and splits the global batch, on the GPUs with the most free memory; larger subsets that do
    not fit are ruled out with their numbers. One node only (a subset across nodes would leave
    some nodes' GPUs idle in a way the launcher cannot see).
-4. :func:`offloaded` (last): once no candidate that keeps the state on the GPUs is left, the
+4. `offloaded` (last): once no candidate that keeps the state on the GPUs is left, the
    candidates memory ruled out come back with their state in host memory (FSDP2's
    ``CPUOffloadPolicy``) where their GPUs and the host hold it, only with ``offload="auto"``;
    with ``"none"`` the event says whether one would have fitted (the error's advice).

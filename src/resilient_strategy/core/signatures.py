@@ -1,12 +1,12 @@
 """Failure signatures as data: what a failing probe or training rank prints -> a cause.
 
 The table (``signatures.toml``, versioned) is read by the probe parser
-(:func:`resilient_strategy.core.probe.parse_probe`) and by the supervisor's classifier
-(:func:`resilient_strategy.run.verdicts.classify_error`): one table, two readers. Each entry
-names a cause of :data:`~resilient_strategy.core.causes.CAUSES` and the public source it comes
+(`resilient_strategy.core.probe.parse_probe`) and by the supervisor's classifier
+(`resilient_strategy.run.verdicts.classify_error`): one table, two readers. Each entry
+names a cause of `CAUSES` and the public source it comes
 from; the first entry that matches wins. Users add entries the way they add rules
-(``RESILIENT_STRATEGY_SIGNATURES``, :func:`load_signatures`). Pure: no I/O except reading the
-files named to :func:`load_signatures` (bounded, :mod:`.bounded`).
+(``RESILIENT_STRATEGY_SIGNATURES``, `load_signatures`). Pure: no I/O except reading the
+files named to `load_signatures` (bounded, `bounded`).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class Signature:
 
 @dataclass(frozen=True)
 class Signatures:
-    """The ordered table: :meth:`match` returns the first entry that places a text."""
+    """The ordered table: `match` returns the first entry that places a text."""
 
     entries: tuple[Signature, ...]
     version: int = VERSION
@@ -79,7 +79,7 @@ class Signatures:
 
 
 def signature_from_dict(d: Mapping[str, Any], origin: str, where: str) -> Signature:
-    """One entry from its TOML table; every problem is an :class:`InvalidRuleError` naming it."""
+    """One entry from its TOML table; every problem is an `InvalidRuleError` naming it."""
     sid = table_id(d, "signature", _KEYS, origin, where)
     cause, kind, source = d.get("cause"), d.get("kind", ""), d.get("source")
     if cause not in CAUSES or not cause or cause in ("budget", "timeout_short"):

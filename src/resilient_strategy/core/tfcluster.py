@@ -1,9 +1,9 @@
 """``TF_CONFIG``, read as TensorFlow's ``MultiWorkerMirroredStrategy`` reads it. Pure.
 
 ``TF_CONFIG`` is JSON: ``{"cluster": {"chief": [...], "worker": ["host:port", ...]},
-"task": {"type": "worker", "index": 1}}``. :func:`parse_tf_config` turns it into a frozen
-:class:`TfCluster`, bounded in size (:data:`MAX_TF_CONFIG_BYTES`) and depth (:data:`MAX_DEPTH`):
-anything else is an :class:`~resilient_strategy.errors.InvalidOptionError` naming ``TF_CONFIG``.
+"task": {"type": "worker", "index": 1}}``. `parse_tf_config` turns it into a frozen
+`TfCluster`, bounded in size (`MAX_TF_CONFIG_BYTES`) and depth (`MAX_DEPTH`):
+anything else is an `InvalidOptionError` naming ``TF_CONFIG``.
 
 The rules are TensorFlow's own (``tensorflow/python/distribute/multi_worker_util.py``,
 ``_validate_cluster_spec``, ``worker_count``, ``id_in_cluster``): the jobs are ``chief``,
@@ -22,7 +22,7 @@ What this library makes of them:
   this library neither proves nor builds; planning the tasks as mirrored replicas would ignore the
   cluster the user described.
 
-No ``os`` here (the planner's modules may use it); :func:`resilient_strategy.core.options.options_from`
+No ``os`` here (the planner's modules may use it); `resilient_strategy.core.options.options_from`
 passes the variable's text from the environment snapshot.
 """
 
@@ -137,7 +137,7 @@ def _addresses(job: str, value: Any) -> tuple[str, ...]:
 
 def parse_tf_config(text: str | None) -> TfCluster | None:
     """The cluster ``TF_CONFIG`` describes; None when it is unset, empty, or names no cluster
-    (TensorFlow then trains locally). Raises :class:`InvalidOptionError` (naming ``TF_CONFIG``)
+    (TensorFlow then trains locally). Raises `InvalidOptionError` (naming ``TF_CONFIG``)
     for anything TensorFlow would reject or this library cannot plan (a ``ps`` job)."""
     if text is None or not text.strip():
         return None

@@ -3,8 +3,8 @@
 Longer than ~450 lines on purpose: one frozen class per event kind, each with its ``text()``;
 kept together so that the trace's vocabulary is one file.
 
-The planner and the executor emit events; :func:`render` turns them into the lines of
-``explain()``, and :meth:`Event.to_dict` into the ``events`` of ``to_dict()``/``--json``. Tests
+The planner and the executor emit events; `render` turns them into the lines of
+``explain()``, and `Event.to_dict` into the ``events`` of ``to_dict()``/``--json``. Tests
 assert on events (their kind and fields), never on the English of a rendered line.
 
 Every event is a frozen value. ``text()`` is one line, or "" for an event that another line
@@ -375,12 +375,17 @@ class RemedyQueued(Event):
     candidate: Candidate
     cause: str
     on_top_of: Candidate | None = None
+    #: the remedy's id in the remedies table, and the facts of this machine that made it
+    #: apply (its ``when`` clauses, all of which held): why it was tried
+    remedy: str = ""
+    because: tuple[str, ...] = ()
 
     def text(self) -> str:
+        why = f" (this machine: {', '.join(self.because)})" if self.because else ""
         if self.on_top_of is not None:
             return (f"Will try {self.candidate.label}: the remedy {self.on_top_of.label} failed "
-                    f"on {self.cause}, so that cause's remedy is added on top.")
-        return f"Will try {self.candidate.label}, the usual remedy for {self.cause}."
+                    f"on {self.cause}, so that cause's remedy is added on top{why}.")
+        return f"Will try {self.candidate.label}, the usual remedy for {self.cause}{why}."
 
 
 @dataclass(frozen=True)
@@ -422,21 +427,28 @@ class Ranking(Event):
 
     By estimate, except: a ``prefer``red backend first, CPU last (``cpu_last`` when that put it
     below a slower candidate), and a remedy a rule marks ``first`` right before plain NCCL
-    whatever its estimate (``tried_first`` names those rules)."""
+    whatever its estimate (``tried_first`` names those rules). ``known_size`` False: the
+    script gave no model size (``gradient_bytes=`` / ``model=``), so the estimates are of an
+    assumed model and the line names the order without their seconds."""
 
     kind: ClassVar[str] = "ranking"
     entries: tuple[RankEntry, ...]
     gradients: str
     cpu_last: bool = False
     tried_first: tuple[str, ...] = ()
+    known_size: bool = True
 
     def text(self) -> str:
-        head = "Ranked by estimated time per global batch" if not self.tried_first \
-            else "Order of trial, with the estimated time per global batch"
-        out = f"{head} ({self.gradients}): " + "; ".join(
-            f"{e.candidate.label} ~{human_duration(e.step_seconds)} ({e.basis})"
-            for e in self.entries
-        ) + "."
+        if not self.known_size:
+            out = (f"Order of trial for a model of unknown size ({self.gradients}): "
+                   + "; ".join(e.candidate.label for e in self.entries) + ".")
+        else:
+            head = "Ranked by estimated time per global batch" if not self.tried_first \
+                else "Order of trial, with the estimated time per global batch"
+            out = f"{head} ({self.gradients}): " + "; ".join(
+                f"{e.candidate.label} ~{human_duration(e.step_seconds)} ({e.basis})"
+                for e in self.entries
+            ) + "."
         if self.tried_first:
             out += (f" Tried first whatever its estimate: the remedy of rule "
                     f"{', '.join(self.tried_first)}, before plain NCCL.")
@@ -463,7 +475,7 @@ CHOSEN_HOW = ("probe_passed", "no_collective", "dry_run", "multi_node", "probing
 
 @dataclass(frozen=True)
 class Chosen(Event):
-    """The choice. ``how`` is one of :data:`CHOSEN_HOW`; ``result`` the probe that proved it."""
+    """The choice. ``how`` is one of `CHOSEN_HOW`; ``result`` the probe that proved it."""
 
     kind: ClassVar[str] = "chosen"
     candidate: Candidate

@@ -7,25 +7,25 @@ so it re-probes. The file name carries the format version too, so two versions o
 on one machine keep separate files instead of setting each other's aside.
 
 Only proof is cached. A result enters the file only when a probe on this machine produced it
-(:func:`refusal` says why one may not): a failure a training process met mid-run is only a
+(`refusal` says why one may not): a failure a training process met mid-run is only a
 classification of its exception text (a ``ConnectionResetError`` of the user's own code reads like
 a network fault), so it is kept for the supervisor's session and enters the cache only through
-:meth:`DecisionCache.record_midrun`, with the probe that reproduced it. A failure of a candidate
+`DecisionCache.record_midrun`, with the probe that reproduced it. A failure of a candidate
 of last resort (one device, the CPU: no collective to prove) is never cached, so nothing cached
 can leave a machine with no way to train; a failure from the machine's state (a full disk, the
-descriptor limit, a permission: :data:`~resilient_strategy.core.probe.ENVIRONMENTAL_CAUSES`) says
+descriptor limit, a permission: `ENVIRONMENTAL_CAUSES`) says
 nothing about the backend and is never cached either. The same rules apply to what is read, so
 an entry an older version wrote against them is ignored (``cache show`` lists it as ignored).
 
 Every entry counts ``seen``: in how many runs in a row its candidate came out the same way
 (passed, or failed). A failure seen once may have been an overloaded machine; the executor
-trusts a cached failure only from the second (see :meth:`DecisionCache.entries`).
+trusts a cached failure only from the second (see `DecisionCache.entries`).
 
-The directory must be this user's own (see :mod:`._files`): created 0700 when absent; one owned by
+The directory must be this user's own (see `_files`): created 0700 when absent; one owned by
 someone else, writable by group or others, or a symlink of another user's is refused with a
 warning (the cache is off for the run). A file another user planted is ignored the same way.
 A corrupt or unreadable file of ours (not UTF-8, not JSON, too large or too deeply nested, or
-any entry that is not what :meth:`store` writes) is set aside as ``.corrupt`` and probing runs
+any entry that is not what `store` writes) is set aside as ``.corrupt`` and probing runs
 again; an unwritable directory is a logged degrade. Writers take an advisory lock
 (``<fingerprint>.lock``, never through a symlink) around read-merge-replace so that concurrent
 processes do not lose each other's results; where locking is not possible they carry on without
@@ -122,8 +122,8 @@ class DecisionCache:
         return {k: e.result for k, e in self.entries(fingerprint, now).items()}
 
     def entries(self, fingerprint: str, now: float | None = None) -> dict[str, CachedResult]:
-        """Like :meth:`load`, with each entry's time and ``seen`` count. An entry that may not
-        be cached (:func:`refusal`: an older version wrote it) is left out."""
+        """Like `load`, with each entry's time and ``seen`` count. An entry that may not
+        be cached (`refusal`: an older version wrote it) is left out."""
         now = time.time() if now is None else now
         return {k: e for k, e in self._read(fingerprint).items()
                 if abs(now - e.at) <= self.ttl_s and refusal(e.result) is None}
@@ -212,7 +212,7 @@ class DecisionCache:
     def report(self, this_machine: str | None = None, now: float | None = None) -> dict[str, Any]:
         """What is cached, per fingerprint, as JSON-able data (``cache show``, ``doctor``): each
         entry's candidate, status, cause, ``seen``, time, whether it expired, and why it is
-        ignored (:func:`refusal`), if it is. ``this_machine``: the fingerprint to mark."""
+        ignored (`refusal`), if it is. ``this_machine``: the fingerprint to mark."""
         now = time.time() if now is None else now
         out: dict[str, Any] = {}
         for fp in self.fingerprints():
@@ -234,7 +234,7 @@ class DecisionCache:
 
         Nothing is cached when no probe ran (``None``), when the probe passed (the failure was
         the script's, or passing), or when the probe's own failure may not be cached
-        (:func:`refusal`: last resort, the machine's state)."""
+        (`refusal`: last resort, the machine's state)."""
         if probe is None or probe.ok or probe.candidate != failure.candidate:
             log.info("resilient_strategy: not caching the mid-run failure of %s: no probe "
                      "reproduced it", failure.candidate)
@@ -266,7 +266,7 @@ class DecisionCache:
     def _read(self, fingerprint: str, locked: bool = False) -> _Entries:
         """Every valid entry of the file, expired or not; {} when missing or unreadable.
 
-        A file of ours whose contents are not what :meth:`store` writes is set aside, with a
+        A file of ours whose contents are not what `store` writes is set aside, with a
         warning; one that is not ours (or a directory that is not) is ignored, with a warning.
         ``locked``: the caller holds the lock already (flock does not nest across descriptors).
         """

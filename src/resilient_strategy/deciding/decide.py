@@ -1,7 +1,7 @@
 """One decision's bounded loop: plan, prove the next candidate (or reuse what the cache knows),
 plan again, until the planner chooses; and what a mid-run failure may leave in the cache.
 
-:func:`decide` is the seam the executor (``resilient_strategy()``), the supervisor and the
+`decide` is the seam the executor (``resilient_strategy()``), the supervisor and the
 testing kit's replay all use; nothing here applies an environment or builds a runtime.
 """
 
@@ -58,7 +58,7 @@ log = logging.getLogger("resilient_strategy")
 
 Prober = Callable[[ProbeSpec, Mapping[str, str]], ProbeResult]
 #: A prober that defers the GPU health check to the decision has ``check_gpus(framework,
-#: devices, env)`` -> the broken GPUs with why (:class:`..probing.prober.DeferredHealthProber`,
+#: devices, env)`` -> the broken GPUs with why (`probing.prober.DeferredHealthProber`,
 #: the testing kit's SimulatedProber); one without it checks after each killed probe itself.
 GpuCheck = Callable[[str, tuple[int, ...], Mapping[str, str]], list[tuple[int, str]]]
 #: The workers' fault injection (probing/workers/common.py): its results are never cached.
@@ -122,7 +122,7 @@ def decide(
     ``progress`` hears each probe start and end (the one hook for what a user sees meanwhile).
     ``startup_check`` (real probes only: a simulation has no start-up to measure) warns when the
     timeout is below what a probe needs to start here, and calls a probe it cut short so.
-    ``cross_node``: ``prober`` proves candidates across every node (:mod:`.multinode`).
+    ``cross_node``: ``prober`` proves candidates across every node (`multinode`).
     """
     multi_node = opts.framework == "torch" and opts.nodes > 1
     # Multi-node: a node's cache cannot speak for the links between nodes; without a prober
@@ -179,10 +179,13 @@ def decide(
         if progress is not None:
             progress.end(res)
         if check is not None and res.cause not in ("budget",):
-            due = unproven.after_probe(spec_for(c, opts, timeout_s), res)
-            if due:  # failed before its devices were ready, on a GPU a killed probe left
+            spec = spec_for(c, opts, timeout_s)
+            due = unproven.after_probe(spec, res, _check_fits(
+                prober, c.framework, len(_health().gpus_of(spec)), env, deadline - clock()))
+            if due:  # the first hang, or a failure before its devices were ready on a GPU a
+                # killed probe left: checked before any other variant runs on those GPUs
                 _check_or_raise(check, c.framework, due, env, unproven,
-                                f"the probe of {c.key} failed before its GPUs were ready")
+                                f"the probe of {c.key} hung or failed", (*results, c.key))
         results[c.key] = res
         # never probed, or cut short before it could start: nothing learned about the machine
         if res.cause not in ("budget", "timeout_short"):
@@ -191,7 +194,7 @@ def decide(
     unchecked: list[Event] = []
     if check is not None and unproven.gpus:  # before the fork server closes: it checks torch's
         unchecked = _final_check(prober, check, unproven, p.chosen or p.next_probe, opts, env,
-                              deadline - clock())
+                                 deadline - clock(), tuple(results))
     close_fork_servers()  # probing is over (on an exception: idle exit or exit closes them)
     if cache is not None and fresh:
         cache.store(fingerprint, fresh)
@@ -219,19 +222,34 @@ def _health() -> ModuleType:
 
 
 def _check_or_raise(check: GpuCheck, framework: str, gpus: tuple[int, ...],
-                    env: Mapping[str, str], unproven: Unproven, after: str) -> None:
-    """Run the GPU health check on ``gpus``; :class:`GpuUnusableError` naming the broken ones,
-    else they are proven."""
+                    env: Mapping[str, str], unproven: Unproven, after: str,
+                    probed: tuple[str, ...] = ()) -> None:
+    """Run the GPU health check on ``gpus``; `GpuUnusableError` naming the broken ones
+    (and the candidates ``probed`` before it), else they are proven."""
     broken = check(framework, gpus, env)
     if broken:
-        raise GpuUnusableError(broken, after=after)
+        raise GpuUnusableError(broken, after=after, probed=probed)
     unproven.checked(gpus)
 
 
+def _check_fits(prober: Prober, framework: str, gpus: int, env: Mapping[str, str],
+                budget_left_s: float) -> bool:
+    """Whether a GPU health check of ``gpus`` GPUs fits what is left of the probe budget (the
+    prober's own estimate where it has one, else the typical figure)."""
+    from ..probing import cost
+
+    estimate: Callable[[str, int, Mapping[str, str]], float] | None = getattr(
+        prober, "check_seconds", None)
+    seconds = (estimate(framework, gpus, env) if estimate is not None
+               else cost.health_check_seconds(framework, gpus, forked=True, warm=True))
+    return seconds <= budget_left_s
+
+
 def _final_check(prober: Prober, check: GpuCheck, u: Unproven, chosen: Candidate | None,
-                 opts: Options, env: Mapping[str, str], budget_left_s: float) -> list[Event]:
+                 opts: Options, env: Mapping[str, str], budget_left_s: float,
+                 probed: tuple[str, ...] = ()) -> list[Event]:
     """The deferred GPU health check, once, before the decision returns (see
-    :class:`..probing.health.Unproven`): the chosen candidate's unproven GPUs always; the other
+    `probing.health.Unproven`): the chosen candidate's unproven GPUs always; the other
     unproven GPUs in the same check unless its typical cost would overrun what is left of the
     probe budget, in which case a Note names them and how to check them."""
     from ..probing import cost
@@ -248,7 +266,8 @@ def _final_check(prober: Prober, check: GpuCheck, u: Unproven, chosen: Candidate
     now, skipped = u.final(chosen.devices if chosen is not None else (), affordable)
     by = ", ".join(u.by)
     if now:
-        _check_or_raise(check, framework, now, env, u, f"the hung probe(s) of {by} were killed")
+        _check_or_raise(check, framework, now, env, u, f"the hung probe(s) of {by} were killed",
+                        probed)
     if not skipped:
         return []
     ids = ",".join(map(str, skipped))
@@ -265,7 +284,7 @@ def remember_midrun(facts: Facts, opts: Options, env: Mapping[str, str], prober:
                     failures: Mapping[str, ProbeResult]) -> dict[str, bool]:
     """Cache mid-run failures only where a probe proves them: each candidate that failed in
     training is probed again here, on this machine, and its failure enters the cache only when
-    that probe fails too (:meth:`DecisionCache.record_midrun`). A candidate of last resort is
+    that probe fails too (`DecisionCache.record_midrun`). A candidate of last resort is
     never probed for this (its failures are never cached), nor is anything under several nodes,
     TF_CONFIG workers or a disabled cache. Returns, per candidate, whether it was cached."""
     if not opts.cache_dir or (opts.framework == "torch" and opts.nodes > 1) or opts.multi_worker:
@@ -304,7 +323,7 @@ def temp_root(env: Mapping[str, str]) -> str:
 
 def space_short(res: ProbeResult, temp_root: str, free: int | None = None) -> ProbeResult:
     """A failed probe, put down to a full temp directory when ``temp_root`` has less than
-    :data:`LOW_SPACE_BYTES` free (``free``: measured already, else measured now): the machine's
+    `LOW_SPACE_BYTES` free (``free``: measured already, else measured now): the machine's
     state, not the candidate's, so it is named with its fix and never cached."""
     if res.ok or res.cause in ENVIRONMENTAL_CAUSES:
         return res
@@ -318,7 +337,7 @@ def space_short(res: ProbeResult, temp_root: str, free: int | None = None) -> Pr
 
 
 def close_fork_servers() -> None:
-    """Stop the probes' fork servers (:mod:`._forkserver`), if this decision started any."""
+    """Stop the probes' fork servers (`_forkserver`), if this decision started any."""
     forkserver = sys.modules.get(FORKSERVER_MODULE)
     if forkserver is not None:
         forkserver.close_all()
@@ -365,7 +384,7 @@ def failure_cause(r: RuledOut) -> FailureCause:
 
 class _DefaultProber:
     """The real prober, with the GPU health check deferred to the decision (see
-    :class:`..probing.health.Unproven`); imports the probing layer when first used."""
+    `probing.health.Unproven`); imports the probing layer when first used."""
 
     def __call__(self, spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
         from ..probing.prober import run_probe

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.arguments import options_from
 from ..core.facts import Facts
-from ..core.human import human_bytes, human_duration
+from ..core.human import fit, human_bytes, human_duration
 from ..core.memory import MemoryRow
 from ..core.options import FRAMEWORKS, Options
 from ..core.plan import Candidate, Plan, plan
@@ -36,6 +36,7 @@ from ..core.trace import (
 )
 from ..errors import (
     InvalidOptionError,
+    InvalidRuleError,
     InvalidVisibleDevicesError,
     MemoryShortfall,
     ModelDoesNotFitError,
@@ -64,6 +65,8 @@ from .decide import (
 )
 
 log = logging.getLogger("resilient_strategy")
+#: The most characters of a rule's warning as logged (its whole text: sel.explain(verbose=True)).
+WARNING_CHARS = 200
 
 
 
@@ -89,7 +92,7 @@ def _env_to_set(facts: Facts, c: Candidate, opts: Options, env: Mapping[str, str
 
 
 #: Parameters of resilient_strategy() that say what to decide on, not how: not options.
-_NOT_OPTIONS = frozenset({"env", "facts", "_prober", "_clock", "_alone"})
+_NOT_OPTIONS = frozenset({"env", "facts", "_prober", "_clock", "_alone", "unknown"})
 
 
 def resilient_strategy(
@@ -123,6 +126,7 @@ def resilient_strategy(
     _prober: Prober | None = None,
     _clock: Callable[[], float] | None = None,
     _alone: bool = False,
+    **unknown: Any,
 ) -> Selection:
     """Find the best distributed strategy that works here and return a Selection to train with.
 
@@ -162,10 +166,59 @@ def resilient_strategy(
             candidates whose state does not fit their devices are ruled out.
         optimizer_state_factor: the optimizer's state per gradient byte (default 2, AdamW),
             for the same memory planning.
+        **unknown: none is accepted: an unknown keyword is a `TypeError` naming the closest
+            known one.
+
+    Returns:
+        The [Selection][resilient_strategy.selection.Selection]: what was chosen, why
+            ([explain][resilient_strategy.selection.Selection.explain]), and the handle to train with it.
+
+    Raises:
+        TypeError: an unknown keyword argument (the message names the closest known one).
+        InvalidOptionError: an argument or a `RESILIENT_STRATEGY_*` variable out of range or
+            malformed; one line naming it, what is wrong and what is allowed.
+        InvalidRuleError: a rule file or rule value that is malformed.
+        FrameworkNotInstalledError: the framework asked for is not installed.
+        NoWorkingStrategyError: no candidate worked here, not even the CPU.
+        ModelDoesNotFitError: the model's state fits no candidate's memory.
+        ResilientStrategyError: the base of every error above but `TypeError`, and of the
+            others this call can raise (a GPU already initialized, a multi-node agreement that
+            failed); every one is listed in the Errors reference.
     """
     # Every option, as passed: options_from validates them (a new option is a parameter here
     # and there, nothing in between). Taken first, while the parameters are the only locals.
     options = {k: v for k, v in locals().items() if k not in _NOT_OPTIONS}
+    if unknown:
+        raise TypeError(_unknown_keywords(unknown)) from None
+    try:
+        return _decide_and_apply(options, env, facts, _prober, _clock, _alone)
+    except (InvalidOptionError, InvalidRuleError) as exc:
+        # the caller's mistake: one frame (this one) under the caller's line, not the library's
+        # internals; the typed error, its fields and its one-line message are kept
+        raise exc.with_traceback(None) from None
+
+
+def _unknown_keywords(unknown: Mapping[str, Any]) -> str:
+    """``resilient_strategy() got an unexpected keyword argument 'x'``, with the closest known
+    keyword where one is close (difflib)."""
+    import difflib
+    import inspect
+
+    known = [n for n in inspect.signature(resilient_strategy).parameters
+             if not n.startswith("_") and n != "unknown"]
+    parts = []
+    for name in sorted(unknown):
+        near = difflib.get_close_matches(name, known, n=1)
+        parts.append(f"{name!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+    s = "s" if len(parts) > 1 else ""
+    return f"resilient_strategy() got an unexpected keyword argument{s} {', '.join(parts)}"
+
+
+def _decide_and_apply(options: dict[str, Any], env: Mapping[str, str] | None,
+                      facts: Facts | None, _prober: Prober | None,
+                      _clock: Callable[[], float] | None, _alone: bool) -> Selection:
+    """The body of [resilient_strategy][resilient_strategy.resilient_strategy]: inspect,
+    validate, decide (or take the decision handed down), apply, and build the Selection."""
     t0 = time.perf_counter()
     snapshot = _env.snapshot(env)
     if facts is None:
@@ -174,6 +227,7 @@ def resilient_strategy(
         facts = detect_facts(snapshot)
     _check_visibility(facts)
     opts = options_from(facts, snapshot, **options)
+    _check_processes_fit(facts, opts)
     prober = _prober or default_prober
     if getattr(prober, "simulated", False):  # outcomes from a description: say so everywhere
         opts = replace(opts, simulated=True)
@@ -222,8 +276,8 @@ def resilient_strategy(
         advise=_advice(facts, opts, results, chosen), simulated=opts.simulated,
         progress=None if handed is None else _reporter(handed, opts, chosen, snapshot),
     )
-    for w in p.warnings:
-        log.warning("resilient_strategy: %s", w)
+    for w in p.warnings:  # one short line each: the whole text is in sel.explain(verbose=True)
+        log.warning("resilient_strategy: %s", fit(w, WARNING_CHARS))
     # under `resilient-strategy run` the supervisor announced it, in the same words
     if opts.launch.rank == 0 and opts.tf_worker_rank == 0 and not opts.dry_run and handed is None:
         fell = fallback_warning(p, results, facts, opts, chosen)
@@ -291,6 +345,24 @@ def _advice(
         )
 
     return advise
+
+
+def _check_processes_fit(facts: Facts, opts: Options) -> None:
+    """More torch processes on this node than GPUs it can see is the launch's mistake, not a
+    machine to train on fewer GPUs: the ranks past the last GPU fail with 'invalid device
+    ordinal' (or share a GPU). Said as a typed error naming the fix, before anything runs."""
+    if opts.framework != "torch" or opts.world_size <= 1 or not facts.framework("torch").cuda:
+        return
+    local = opts.world_size // max(1, opts.nodes)
+    gpus = len(facts.gpus)  # visible to the job (devices= may ask for fewer on purpose)
+    if 0 < gpus < local:
+        shown = facts.visibility.raw
+        seen = f" (CUDA_VISIBLE_DEVICES={shown})" if shown else ""
+        raise InvalidOptionError(
+            f"The launcher started {local} processes on this node but only {gpus} GPU(s) are "
+            f"visible{seen}: the ranks past GPU {gpus - 1} would fail with 'invalid device "
+            f"ordinal' or share a GPU. Start the job with --nproc_per_node {gpus} (or make "
+            f"{local} GPUs visible).", "LOCAL_WORLD_SIZE")
 
 
 def _check_visibility(facts: Facts) -> None:

@@ -1,8 +1,8 @@
 """What a user sees while and after deciding: the progress line per probe, the fallback warning,
 and the check of a probe timeout against the start-up a probe needs on this machine.
 
-Pure where it can be: :func:`fallback_warning` and :func:`startup_floor` take data and return
-text or numbers; :class:`ProgressLine` writes to a stream it is given.
+Pure where it can be: `fallback_warning` and `startup_floor` take data and return
+text or numbers; `ProgressLine` writes to a stream it is given.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TextIO
 
+from ..core.human import fit
 from ..core.probe import OK, TIMEOUT, ProbeResult, judged_hang
 
 if TYPE_CHECKING:
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
 #: when no probe on this machine has been measured yet: torch ~3 s on 2 CPU processes over gloo
 #: (measured here, cold), ~6-8 s for NCCL on 2 GPUs (field notes); TensorFlow imports slower.
 TYPICAL_STARTUP_S = {"torch": 3.0, "tensorflow": 5.0}
+#: The most characters of the fallback warning's line (the trace has the whole story).
+FALLBACK_CHARS = 200
 
 
 # --------------------------------------------------------------------------------------------
@@ -110,25 +113,24 @@ def fallback_warning(
         res = results.get(c.key)
         if r.rule == "probe" and res is not None and not res.ok:
             mid_run = dict(res.extra).get("mid_run")
-            lost, why = c, (f"its probe failed ({res.why()})" if mid_run is None
-                            else f"it {res.detail}" if res.detail.startswith("failed mid-run")
+            lost, why = c, (f"its probe failed ({res.cause or res.status})" if mid_run is None
                             else f"it failed mid-run at step {mid_run}")
             break
         if r.rule and r.rule != "probe" and c.num_replicas > chosen.num_replicas and lost is None:
-            lost, why = c, f"rule {r.rule} ruled it out ({r.reason})"
+            lost, why = c, f"rule {r.rule} ruled it out"
     if lost is None:
         return None
     then = estimate(chosen, facts, results.get(chosen.key), policy).step_seconds
     best = estimate(lost, facts, None, policy).step_seconds
     fraction = best / then if then > 0 else 1.0
-    shape = f"{chosen.num_replicas} replica(s) x {chosen.accumulation_steps} accumulation step(s)"
+    shape = f"{chosen.num_replicas} x {chosen.accumulation_steps} accumulation, same global batch"
     if lost.num_replicas > chosen.num_replicas:
         cost = (f"{_replicas_words(chosen.num_replicas, chosen.framework, chosen)} instead of "
-                f"{lost.num_replicas}: {_throughput_words(fraction)}")
+                f"{lost.num_replicas}, {_throughput_words(fraction)}")
     else:
         cost = _throughput_words(min(1.0, fraction))
-    return (f"FALLBACK: {lost.label} is not used: {why}. Training on {chosen.label} ({shape}, "
-            f"same global batch) instead: {cost}.")
+    return fit(f"FALLBACK: {chosen.label} ({shape}) instead of {lost.label}: {why}; {cost}. "
+               "Why: sel.explain()", FALLBACK_CHARS)
 
 
 # --------------------------------------------------------------------------------------------

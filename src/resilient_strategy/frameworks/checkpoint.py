@@ -7,7 +7,7 @@ the optimizer, the GradScaler, the sampler's epoch and position, the optimizer s
 RNG states. Rank 0 alone writes, atomically (a temporary file renamed over the last one).
 
 The position is kept in *samples of the epoch's order*, not in batches of one rank: the training
-loader is sharded by a :class:`ResumableSampler`, which orders an epoch the same way for any
+loader is sharded by a `ResumableSampler`, which orders an epoch the same way for any
 number of replicas (DistributedSampler's seeded permutation) and gives optimizer step ``k`` the
 same set of samples whether it runs as 2 replicas x 128 or 1 replica x 2 micro-steps of 128. So
 after a relaunch with a different replica count the optimizer steps done before the checkpoint
@@ -16,17 +16,19 @@ are not redone, none are skipped, and each remaining sample is seen once in the 
 Call ``sel.set_epoch(epoch)`` at the start of each epoch and start the epoch loop at
 ``ckpt.epoch``. torch is imported only inside methods.
 
-Files (the decision cache's rules, :mod:`resilient_strategy.machine.files`): the directory must
+Files (the decision cache's rules, `resilient_strategy.machine.files`): the directory must
 be this user's own and not writable by group or others (created 0700 when absent); a checkpoint
 is read only when it is a regular file of this user's, not through a symlink, never with
 ``weights_only=False``. Each save keeps the one before as ``checkpoint.prev.pt`` (a hard link,
 so ``checkpoint.pt`` is always whole); a damaged latest checkpoint is set aside as
 ``.corrupt`` with a warning and the previous one is loaded; with none to fall back to, a
-:class:`~resilient_strategy.errors.CheckpointError` names the file.
+`CheckpointError` names the file.
 
 A sharded model (FSDP2) is saved through ``torch.distributed.checkpoint`` instead, every rank
-writing its shards (:mod:`.sharded_checkpoint`); restoring takes the newest checkpoint of the
-directory, sharded or not, into whatever the relaunch trains.
+writing its shards (`sharded_checkpoint`, under the same rules); restoring checks the
+directory first, then takes its newest checkpoint, sharded or not, into whatever the relaunch
+trains. A full or read-only disk at a save is a NoSpaceError naming the file, the last
+checkpoint kept.
 """
 
 from __future__ import annotations
@@ -50,19 +52,19 @@ log = logging.getLogger("resilient_strategy")
 FILE_NAME = "checkpoint.pt"
 PREVIOUS_NAME = "checkpoint.prev.pt"
 FORMAT_VERSION = 1
-#: The keys a checkpoint of this format holds (what :meth:`Checkpointer.state_dict` writes).
+#: The keys a checkpoint of this format holds (what `Checkpointer.state_dict` writes).
 _KEYS = ("version", "model", "optimizer", "scaler", "epoch", "samples_in_epoch",
          "optimizer_steps", "world_size", "rng")
 
 
 @functools.cache
 def resumable_sampler_class() -> type[Any]:
-    """:class:`ResumableSampler` (built on first use: it subclasses torch's DistributedSampler)."""
+    """`ResumableSampler` (built on first use: it subclasses torch's DistributedSampler)."""
     from torch.utils.data.distributed import DistributedSampler
 
     class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
         """DistributedSampler whose next epoch can start ``skip`` samples into the epoch's order
-        (:meth:`skip_next`), the same order for any ``num_replicas``.
+        (`skip_next`), the same order for any ``num_replicas``.
 
         Never padded with repeated samples (DistributedSampler repeats the first ones so that
         every rank draws as many, which makes the epoch depend on the replica count): rank
@@ -70,14 +72,18 @@ def resumable_sampler_class() -> type[Any]:
         ``j`` of every rank together is positions ``j*W*b .. (j+1)*W*b`` (``b`` the
         ``micro_batch``) at any ``W``. When the epoch's last micro-step leaves a rank no sample,
         the rank draws one filler (the order's first sample left) so that every rank runs as
-        many micro-steps (DDP's collectives); :class:`~.torch.TorchRuntime` weighs it zero.
-        With ``drop_last`` the epoch ends at the last whole micro-step of every rank."""
+        many micro-steps (DDP's collectives); `TorchRuntime` weighs it zero.
+        With ``drop_last`` the epoch ends at the last whole optimizer step (``num_replicas x
+        micro_batch x accumulation`` samples), so that the epoch holds as many optimizer steps,
+        and the same samples, for every split of the global batch."""
 
         _skip = 0
 
-        def __init__(self, dataset: Any, *, micro_batch: int = 1, **kwargs: Any) -> None:
+        def __init__(self, dataset: Any, *, micro_batch: int = 1, accumulation: int = 1,
+                     **kwargs: Any) -> None:
             super().__init__(dataset, **kwargs)
             self.micro_batch = max(1, int(micro_batch))
+            self.accumulation = max(1, int(accumulation))
 
         def skip_next(self, samples: int) -> None:
             self._skip = max(0, int(samples))
@@ -86,8 +92,8 @@ def resumable_sampler_class() -> type[Any]:
         def remaining(self) -> int:
             """Samples every rank together draws from the skip on (fillers not counted)."""
             left = max(0, len(self.dataset) - self._skip)  # type: ignore[arg-type]
-            if self.drop_last:
-                left -= left % (self.num_replicas * self.micro_batch)
+            if self.drop_last:  # whole optimizer steps (a resume starts on one: skip is whole)
+                left -= left % (self.num_replicas * self.micro_batch * self.accumulation)
             return left
 
         @property
@@ -258,19 +264,20 @@ class Checkpointer:
 
         from ..records.handoff import note_checkpoint
 
-        _files.ensure_private_dir(self.directory, fix=_FIX_DIR)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=self.directory)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                torch.save(self.state_dict(), fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            self._keep_previous()
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        with _files.writing(self.path, "the checkpoint"):  # full or read-only: one line
+            _files.ensure_private_dir(self.directory, fix=_FIX_DIR)
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=self.directory)
+            try:
+                with os.fdopen(fd, "wb") as fh:
+                    torch.save(self.state_dict(), fh)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                self._keep_previous()
+                os.replace(tmp, self.path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
         note_checkpoint(self._state.optimizer_steps, self.path)
         return True
 
@@ -294,11 +301,16 @@ class Checkpointer:
         """Load the checkpoint into what was attached, if one exists; True when it did.
 
         The newest checkpoint of the directory wins: a sharded one (FSDP2, written by every rank
-        through DCP) is loaded with :mod:`.sharded_checkpoint`. Raises UnsafePathError when the
+        through DCP) is loaded with `sharded_checkpoint`. Raises UnsafePathError when the
         directory or file is not safely this user's, and CheckpointError when the checkpoint is
         damaged and no previous good one loads."""
         from . import sharded_checkpoint
 
+        if not os.path.lexists(self.directory):
+            return False
+        # the one set of rules, before anything in the directory is looked at: the directory,
+        # then (in sharded_checkpoint) sharded/, its steps and every file of a step
+        _files.check_private_dir(self.directory, fix=_FIX_DIR)
         if sharded_checkpoint.newest_is_sharded(self.directory, self.path):
             st = self._state
             sharded = sharded_checkpoint.load(self.directory, getattr(st.model, "module", st.model),
@@ -312,7 +324,6 @@ class Checkpointer:
             return True
         if not os.path.lexists(self.path) and not os.path.lexists(self.previous_path):
             return False
-        _files.check_private_dir(self.directory, fix=_FIX_DIR)
         problems: list[tuple[Path, str]] = []
         for path in (self.path, self.previous_path):
             if not os.path.lexists(path):

@@ -1,13 +1,13 @@
 """PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``) for a sharded Selection.
 
-:func:`shard` applies ``fully_shard`` to the units of a model (the module classes the user
-names, else the model's repeated blocks, see :func:`resilient_strategy.core.memory.repeated_blocks`),
+`shard` applies ``fully_shard`` to the units of a model (the module classes the user
+names, else the model's repeated blocks, see `resilient_strategy.core.memory.repeated_blocks`),
 then to the root, on a one-dimensional device mesh over the process group the runtime joined
 (the backend the probe proved). Mixed precision follows the selection's precision: bf16 / fp16
 parameters for compute with fp32 gradient reduction (``MixedPrecisionPolicy``); fp32 none.
 
 ``fully_shard`` replaces each parameter by a new (DTensor) one, so an optimizer built before
-:func:`shard` would update tensors the model no longer uses; :func:`shard` points the optimizer's
+`shard` would update tensors the model no longer uses; `shard` points the optimizer's
 parameter groups at the new parameters, by name (what Accelerate does for FSDP2 too:
 ``fsdp2_switch_optimizer_parameters`` in accelerate/utils/fsdp_utils.py). An optimizer that
 already has state cannot be moved so: build it, or load its state, after ``prepare``.
@@ -38,7 +38,7 @@ from ..errors import InvalidOptionError
 
 __all__ = ["check_kwargs", "is_sharded", "shard", "units_of"]
 
-#: What :func:`shard` chooses itself: the mesh and the precision policy.
+#: What `shard` chooses itself: the mesh and the precision policy.
 _OURS = ("mesh", "mp_policy")
 
 
@@ -52,7 +52,7 @@ def is_sharded(model: Any) -> bool:
 
 
 def check_kwargs(kwargs: dict[str, Any], offload: bool = False) -> None:
-    """Refuse what ``fully_shard`` does not take, and what :func:`shard` chooses itself (the
+    """Refuse what ``fully_shard`` does not take, and what `shard` chooses itself (the
     offload policy too, when the decision offloads)."""
     from torch.distributed.fsdp import fully_shard
 

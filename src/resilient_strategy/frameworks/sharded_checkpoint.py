@@ -1,6 +1,6 @@
 """Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP), for FSDP2 models.
 
-:class:`.checkpoint.Checkpointer` keeps one interface: it saves here when the model is sharded
+`checkpoint.Checkpointer` keeps one interface: it saves here when the model is sharded
 (every rank writes its own shards, in parallel) and restores from here whenever the newest
 checkpoint in its directory is a sharded one, into whatever the relaunch trains: FSDP2 over
 another number of processes (DCP reshards on load), or one process with a plain module (DCP
@@ -13,53 +13,150 @@ Layout under the checkpoint directory::
     sharded/step-000000100/   DCP's files (.metadata, __<rank>_0.distcp) and meta.pt
     sharded/latest            the name of the last complete step directory (atomic rename)
 
-A step directory is named in ``latest`` only after every rank finished writing it (a barrier),
-so a crash mid-save leaves the previous checkpoint in force; the two newest are kept.
-torch is imported inside functions only.
+A step is complete when its ``.metadata`` (written by DCP after every rank's shards) and
+``meta.pt`` exist; ``latest`` is written after a barrier. The `KEEP` newest steps are kept,
+never one newer than the step just saved.
+
+Trust (the rules of `resilient_strategy.machine.files`, the same as the plain checkpoint's):
+before anything is read, the checkpoint directory, ``sharded/`` and each step directory must be
+this user's own directories, not symlinks, not writable by group or others; every file of a step
+directory (and ``latest``) must be a regular file of this user's, not writable by group or
+others, and is opened without following links and without blocking (a FIFO is refused), with
+bounded reads. Otherwise `resilient_strategy.errors.UnsafePathError` names the path and
+nothing is loaded. DCP's ``.metadata`` is a pickle, which torch reads with plain
+``pickle.load``: here it is read instead by an unpickler that builds only DCP's own metadata
+classes, torch's dtypes and sizes (anything else is refused before it is built), and checked
+(every shard a file of the step directory, within its size) before DCP sees it; the non-tensor
+values (the optimizer's hyper-parameters) are read with ``torch.load(weights_only=True)``, not
+DCP's ``weights_only=False``. Everything is created private: 0700 directories, 0600 files, DCP's
+own files included (written under umask 077, then chmod-ed).
+
+Damage: a step that is truncated, unreadable or malformed (or a ``latest`` naming a missing
+step) is reported in one line and the next older complete step is loaded; a damaged step is set
+aside as ``damaged-step-...``. torch is imported inside functions only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
+import logging
 import os
+import pickle
 import re
 import shutil
+import stat
 import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
 
-from ..errors import InvalidOptionError
+from ..errors import CheckpointError, FileFormatError, NoSpaceError, UnsafePathError
+from ..machine import files as _files
 
-__all__ = ["DIR_NAME", "latest", "load", "newest_is_sharded", "save"]
+__all__ = ["DIR_NAME", "latest", "load", "newest_is_sharded", "save", "steps"]
+
+log = logging.getLogger("resilient_strategy")
 
 DIR_NAME = "sharded"
 LATEST = "latest"
 META = "meta.pt"
+METADATA = ".metadata"
 KEEP = 2
 _STEP = re.compile(r"step-\d{9,}")
+#: Byte bounds: the pointer holds one step name; DCP's metadata of a large model is megabytes.
+MAX_POINTER_BYTES = 256
+MAX_METADATA_BYTES = 256 << 20
+MAX_META_BYTES = 64 << 20
+_FIX = ("Point the checkpoint at a directory of your own (mode 0700), or remove what another "
+        "user or program put in it; nothing in it was loaded.")
+
+#: What DCP's ``.metadata`` pickle may build (torch 2.13's DCP, checked): its own metadata
+#: classes, the path it records, torch's sizes, dtypes, layouts and memory formats. Nothing
+#: that runs code.
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
+    "torch": {"Size"},
+    "torch.serialization": {"_get_layout"},
+}
+
+
+def _check_dir(path: Path) -> None:
+    """``path`` (under the checkpoint directory) is a directory of this user's, no symlink."""
+    _files.check_private_dir(path, fix=_FIX, follow_links=False)
+
+
+def _root(directory: Path) -> Path | None:
+    """``directory/sharded`` checked (the checkpoint directory itself is the caller's to check),
+    or None when there is none."""
+    root = Path(directory) / DIR_NAME
+    if not os.path.lexists(root):
+        return None
+    _check_dir(root)
+    return root
+
+
+def _pointer(root: Path, report: bool) -> str | None:
+    """The step name ``latest`` holds (read safely: no link, no FIFO, bounded), or None when
+    absent; a malformed one is ignored (the steps on disk decide), and said when ``report``."""
+    path = root / LATEST
+    if not os.path.lexists(path):
+        return None
+    say = log.warning if report else log.debug
+    try:
+        raw = _files.read_bytes(path, max_bytes=MAX_POINTER_BYTES)
+    except (OSError, FileFormatError) as exc:
+        say("resilient_strategy: %s is unreadable (%s); using the newest complete step",
+                    path, exc)
+        return None
+    name = raw.decode("utf-8", "replace").strip()
+    if not _STEP.fullmatch(name):
+        say("resilient_strategy: %s names %r, not a step; using the newest complete step",
+                    path, name[:40])
+        return None
+    if not os.path.lexists(root / name):
+        say("resilient_strategy: %s names %s, which is missing; using the newest "
+                    "complete step", path, name)
+    return name
+
+
+def steps(directory: Path, *, report: bool = False) -> list[Path]:
+    """The complete step directories under ``directory`` (``.metadata`` and ``meta.pt`` both
+    there), newest first; each checked for trust on the way (UnsafePathError), ``latest`` too
+    (a damaged one is said in one line when ``report``: the steps on disk decide)."""
+    root = _root(directory)
+    if root is None:
+        return []
+    _pointer(root, report)
+    found: list[Path] = []
+    for name in sorted(os.listdir(root), reverse=True):
+        if not _STEP.fullmatch(name):
+            continue
+        step = root / name
+        _check_dir(step)
+        if os.path.lexists(step / METADATA) and os.path.lexists(step / META):
+            found.append(step)
+    return found
 
 
 def latest(directory: Path) -> Path | None:
-    """The last complete sharded checkpoint under ``directory``, or None."""
-    pointer = directory / DIR_NAME / LATEST
-    try:
-        name = pointer.read_text(encoding="utf-8").strip()
-    except OSError:
-        return None
-    if not _STEP.fullmatch(name):
-        raise InvalidOptionError(f"{pointer} names {name!r}, not a step directory")
-    step = directory / DIR_NAME / name
-    return step if (step / META).is_file() else None
+    """The newest complete sharded checkpoint under ``directory``, or None."""
+    found = steps(directory)
+    return found[0] if found else None
 
 
 def newest_is_sharded(directory: Path, plain: Path) -> bool:
-    """Whether the newest checkpoint in ``directory`` is a sharded one (rather than ``plain``)."""
-    pointer = directory / DIR_NAME / LATEST
-    if latest(directory) is None:
+    """Whether the newest checkpoint in ``directory`` is a sharded one (rather than ``plain``).
+    The caller has checked ``directory``; ``sharded/`` and its steps are checked here."""
+    newest = latest(directory)
+    if newest is None:
         return False
     try:
-        return pointer.stat().st_mtime >= plain.stat().st_mtime
+        return os.lstat(newest / META).st_mtime >= os.lstat(plain).st_mtime
     except FileNotFoundError:
         return True
 
@@ -81,57 +178,247 @@ def _state_dicts(model: Any, optimizer: Any) -> dict[str, Any]:
 
 def save(directory: Path, model: Any, optimizer: Any, meta: dict[str, Any], rank: int) -> Path:
     """Every rank writes its shards of the model and optimizer (a collective); rank 0 writes
-    ``meta`` (the rest of the training state) and then points ``latest`` at the new step."""
+    ``meta`` (the rest of the training state) and then points ``latest`` at the new step.
+    Everything is created private; a full or read-only disk is a NoSpaceError naming the file,
+    and the steps already written are kept."""
     import torch
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-    root = directory / DIR_NAME
+    root = Path(directory) / DIR_NAME
     step = root / f"step-{int(meta.get('optimizer_steps', 0)):09d}"
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if step.exists():  # a save at the same step that did not finish: start it afresh
-            shutil.rmtree(step)
+        with _files.writing(root, "the sharded checkpoint"):
+            _files.ensure_private_dir(Path(directory), fix=_FIX)  # never into another's
+            _files.ensure_private_dir(root, fix=_FIX)
+            _check_dir(root)  # and not through a symlink
+            if os.path.lexists(step):  # a save at the same step that did not finish: afresh
+                _check_dir(step)
+                shutil.rmtree(step)
+            os.mkdir(step, 0o700)
     _barrier()
-    with warnings.catch_warnings():  # one process saving (a model sharded over one)
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp_save(_state_dicts(model, optimizer), checkpoint_id=str(step))
-    if rank == 0:
-        _write_atomic(step / META, lambda fh: torch.save(meta, fh))
+    try:
+        with warnings.catch_warnings(), _files.private_umask(), \
+                _files.writing(step, "the sharded checkpoint"):
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            try:
+                dcp_save(_state_dicts(model, optimizer), checkpoint_id=str(step))
+            except BaseException as exc:  # DCP's CheckpointException is a BaseException
+                raise _first_failure(exc) from None
+        if rank == 0:
+            _write_atomic(step / META, lambda fh: torch.save(meta, fh))
+    except NoSpaceError:
+        if rank == 0:  # the incomplete step goes (its space with it); the last one is whole
+            shutil.rmtree(step, ignore_errors=True)
+        raise
     _barrier()  # every rank's shards and the meta are written: now the step is complete
     if rank == 0:
+        _files.make_private(step)  # DCP's own files, whatever modes it chose
         _write_atomic(root / LATEST, lambda fh: fh.write(step.name.encode()))
         _prune(root, keep=step.name)
     return step
 
 
 def load(directory: Path, model: Any, optimizer: Any) -> dict[str, Any] | None:
-    """Load the newest sharded checkpoint into ``model`` and ``optimizer`` (sharded or not, any
-    world size) and return the rest of its state, or None when there is none."""
-    step = latest(directory)
-    if step is None:
-        return None
+    """Load the newest good sharded checkpoint into ``model`` and ``optimizer`` (sharded or
+    not, any world size) and return the rest of its state, or None when there is none. A
+    damaged step is reported in one line, set aside, and the previous one is loaded; with none
+    left, CheckpointError names the newest. UnsafePathError when any path is not safely this
+    user's (nothing is loaded then)."""
+    problems: list[tuple[Path, str]] = []
+    for step in steps(directory, report=True):
+        try:
+            meta = _load_step(step, model, optimizer)
+        except CheckpointError as exc:
+            problems.append((step, exc.problem))
+            continue
+        for bad, problem in problems:
+            _set_aside(bad, problem, step)
+        return meta
+    if problems:
+        path, problem = problems[0]
+        raise CheckpointError(str(path), problem + (
+            f"; the {len(problems) - 1} older step(s) too" if len(problems) > 1
+            else "; there is no previous step to fall back to"))
+    return None
+
+
+def _set_aside(bad: Path, problem: str, used: Path) -> None:
+    aside = bad.with_name(f"damaged-{bad.name}")
+    with contextlib.suppress(OSError):
+        if not os.path.lexists(aside):
+            os.replace(bad, aside)
+    log.warning("resilient_strategy: sharded checkpoint %s is damaged (%s); set aside, resuming "
+                "from the previous step, %s", bad, problem, used.name)
+
+
+def _load_step(step: Path, model: Any, optimizer: Any) -> dict[str, Any]:
+    """One step loaded after every check; CheckpointError (naming the step) when damaged."""
     import torch
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
+    sizes = _files.check_private_files(step, fix=_FIX)  # every file, before any is opened
+    metadata = read_metadata(step, sizes)
+    try:
+        with _files.open_owned(step / META) as fh:
+            if os.fstat(fh.fileno()).st_size > MAX_META_BYTES:
+                raise CheckpointError(str(step / META), "larger than a training state")
+            meta = torch.load(fh, map_location="cpu", weights_only=True)
+    except (CheckpointError, UnsafePathError):
+        raise
+    except Exception as exc:  # torch.load's errors of a damaged file are of many types
+        raise CheckpointError(str(step / META), _problem(exc)) from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(str(step / META), f"it holds a {type(meta).__name__}, not a dict")
     wanted = _state_dicts(model, optimizer)
     if optimizer is None:
         wanted.pop("optimizer")
-    with warnings.catch_warnings():  # one process loading: what we mean, said once here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp_load(wanted, checkpoint_id=str(step))
+    try:
+        with warnings.catch_warnings():  # one process loading: what we mean, said once here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp_load(wanted, checkpoint_id=str(step), storage_reader=_reader(step, metadata),
+                     planner=_planner())
+    except (UnsafePathError, CheckpointError):
+        raise
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+        failure = _first_failure(exc)
+        if isinstance(failure, (UnsafePathError, CheckpointError)):
+            raise failure from None
+        raise CheckpointError(str(step), _problem(failure)) from None
     set_state_dict(model, [optimizer] if optimizer is not None else [],
                    model_state_dict=wanted["model"],
                    optim_state_dict=wanted.get("optimizer", {}))
-    meta: dict[str, Any] = torch.load(step / META, map_location="cpu", weights_only=True)
     return {**meta, "model": None, "optimizer": None}
 
 
-def _write_atomic(path: Path, write: Any) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+def _first_failure(exc: BaseException) -> BaseException:
+    """The first rank's own exception inside DCP's CheckpointException (``exc`` otherwise), so
+    that a full disk under DCP is the OSError it was."""
+    failures = getattr(exc, "failures", None)
+    if type(exc).__name__ == "CheckpointException" and isinstance(failures, dict) and failures:
+        first = failures[min(failures)]
+        if isinstance(first, tuple) and first and isinstance(first[0], BaseException):
+            exc = first[0]
+    cause: BaseException | None = exc
+    for _ in range(8):  # torch.save's zip writer raises a RuntimeError while the OSError is
+        if isinstance(cause, OSError):  # handled: the OSError is what happened
+            return cause
+        cause = None if cause is None else (cause.__cause__ or cause.__context__)
+    return exc
+
+
+def _problem(exc: BaseException) -> str:
+    """An exception in a few words on one line, never torch's advice to load arbitrary
+    pickles."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    if "weights_only" in first or "weights only" in first.lower() or len(first) > 200:
+        first = ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds only `_METADATA_CLASSES` and torch's dtypes; refuses every other global."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+
+        if name in _METADATA_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None),
+                                            (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refers to {module}.{name}, which a checkpoint's "
+                                     "metadata never holds")
+
+
+def read_metadata(step: Path, sizes: dict[str, int] | None = None) -> Any:
+    """DCP's metadata of ``step``, read safely (`_MetadataUnpickler`, a file of this
+    user's, bounded) and checked: a Metadata whose shards are files of ``step`` within their
+    sizes. CheckpointError names the file when it is not."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    path = step / METADATA
+    sizes = _files.check_private_files(step, fix=_FIX) if sizes is None else sizes
     try:
-        with os.fdopen(fd, "wb") as fh:
+        raw = _files.read_bytes(path, max_bytes=MAX_METADATA_BYTES)
+        metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
+    except UnsafePathError:
+        raise
+    except (OSError, FileFormatError) as exc:
+        raise CheckpointError(str(path), _problem(exc)) from None
+    except Exception as exc:  # a truncated or hostile pickle: EOFError, UnpicklingError, ...
+        raise CheckpointError(str(path), _problem(exc)) from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict) \
+            or not isinstance(metadata.state_dict_metadata, dict):
+        raise CheckpointError(str(path), f"it holds a {type(metadata).__name__}, not DCP's "
+                              "Metadata")
+    for info in metadata.storage_data.values():
+        if not isinstance(info, _StorageInfo) or not isinstance(info.relative_path, str) \
+                or not _files.safe_name(info.relative_path) \
+                or info.relative_path not in sizes or info.relative_path in (META, LATEST):
+            raise CheckpointError(str(path), "it names a shard that is not a file of its step")
+        if not (isinstance(info.offset, int) and isinstance(info.length, int)
+                and info.offset >= 0 and info.length >= 0
+                and info.offset + info.length <= sizes[info.relative_path]):
+            raise CheckpointError(str(step / info.relative_path),
+                                  "shorter than its metadata says (truncated)")
+    return metadata
+
+
+def _reader(step: Path, metadata: Any) -> Any:
+    """A FileSystemReader of ``step`` that hands DCP the metadata read above (never DCP's own
+    ``pickle.load``) and opens each shard with the rules of `files.open_owned`."""
+    from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class _OwnedFiles(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path: Any, mode: str) -> Any:
+            if mode != "rb":
+                raise UnsafePathError(str(path), "would be written by a reader", _FIX)
+            with _files.open_owned(Path(path)) as fh:
+                yield fh
+
+    class _Reader(FileSystemReader):
+        def read_metadata(self, *args: Any) -> Any:  # no **kwargs: no per-rank fallback
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    reader = _Reader(step)
+    reader.fs = _OwnedFiles()
+    return reader
+
+
+def _planner() -> Any:
+    """DCP's load planner, but non-tensor values (the optimizer's hyper-parameters) read with
+    ``weights_only=True`` (DCP's own planner unpickles them with ``weights_only=False``)."""
+    import torch
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class _Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
+                            obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return _Planner()
+
+
+def _write_atomic(path: Path, write: Any) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)  # mode 0600
+    try:
+        with _files.writing(path, "the sharded checkpoint"), os.fdopen(fd, "wb") as fh:
             write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -140,7 +427,9 @@ def _write_atomic(path: Path, write: Any) -> None:
 
 
 def _prune(root: Path, keep: str) -> None:
-    steps = sorted(p.name for p in root.iterdir() if p.is_dir() and _STEP.fullmatch(p.name))
-    for name in steps[:-KEEP]:
-        if name != keep:
+    """Keep the `KEEP` newest steps (and ``keep``, the one just saved); never one newer
+    than ``keep``; never through a symlink."""
+    names = sorted(p for p in os.listdir(root) if _STEP.fullmatch(p))
+    for name in names[:-KEEP]:
+        if name < keep and stat.S_ISDIR(os.lstat(root / name).st_mode):
             shutil.rmtree(root / name, ignore_errors=True)

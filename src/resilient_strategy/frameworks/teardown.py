@@ -4,9 +4,9 @@ A script that forgets ``sel.shutdown()`` (or ends with Accelerate's ``end_traini
 destroys the group without a barrier) could abort after training finished: a gloo group torn
 down while a peer is still mid-teardown, or freed during interpreter finalization, aborts with
 "terminate called without an active exception" (pytorch/pytorch#179291), so the job exits 1
-although every step ran. :func:`end_at_exit` registers, once per process, an ``atexit`` hook that
+although every step ran. `end_at_exit` registers, once per process, an ``atexit`` hook that
 ends any group still up while Python is fully alive: every rank meets in a barrier bounded by
-:data:`EXIT_BARRIER_S` (a rank that died leaves its peers waiting that long at most), then the
+`EXIT_BARRIER_S` (a rank that died leaves its peers waiting that long at most), then the
 group is destroyed and garbage collected. After an uncaught exception (``sys.last_value`` is set
 before ``atexit`` runs) the barrier is skipped: the peers may never come.
 

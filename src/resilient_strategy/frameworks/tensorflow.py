@@ -23,7 +23,7 @@ different key while one exists logs a warning on the ``resilient_strategy`` logg
 Across the workers of a ``TF_CONFIG`` cluster (backends ``mw_nccl`` / ``mw_ring`` / ``mw_auto``) the strategy
 is a ``MultiWorkerMirroredStrategy`` with that ``CommunicationImplementation`` and the
 ``process_group_timeout`` as ``CommunicationOptions.timeout_seconds``; it is a subclass that
-makes Keras 3's ``fit`` work under it (:func:`keras_multi_worker_class`). Every worker feeds the
+makes Keras 3's ``fit`` work under it (`keras_multi_worker_class`). Every worker feeds the
 global batch (``batch_size_to_feed``: per-replica batch x every worker's replicas): the strategy
 rebatches it and shards it between the workers (measured: with a global batch of 16 on two CPU
 workers each step saw 8 rows on each worker, different rows, and the weights equalled those of
@@ -47,7 +47,7 @@ sees the schedule at k, as the mirrored run's k-th update does.
 
 Forgetting ``**optimizer_kwargs()`` on the fallback would silently train with 1/n of the global
 batch per update. The check is a Keras callback (``callbacks()``, passed to ``model.fit``) whose
-``on_train_begin`` runs :meth:`TfRuntime.check_optimizer` on the compiled model and raises
+``on_train_begin`` runs `TfRuntime.check_optimizer` on the compiled model and raises
 ``InvalidOptionError`` before the first step; Keras offers no fit-time hook short of
 monkeypatching it, which this library does not do.
 """
@@ -131,7 +131,7 @@ class StrategyRegistry:
             return tuple(self._built)
 
 
-#: This process's strategies (see :class:`StrategyRegistry`).
+#: This process's strategies (see `StrategyRegistry`).
 STRATEGIES = StrategyRegistry()
 
 
@@ -181,13 +181,13 @@ class TfRuntime:
 
     @property
     def strategy_key(self) -> StrategyKey:
-        """What identifies this runtime's strategy in the process-wide :data:`STRATEGIES`."""
+        """What identifies this runtime's strategy in the process-wide `STRATEGIES`."""
         return (self.backend, self.replica_devices, self.logical_cpus)
 
     @property
     def strategy(self) -> Any:
         """The process's one ``tf.distribute`` strategy for this key, built on first access
-        (thread-safe; shared by every TfRuntime with the same :attr:`strategy_key`)."""
+        (thread-safe; shared by every TfRuntime with the same `strategy_key`)."""
         return STRATEGIES.get(self.strategy_key, self._build)
 
     def _build(self) -> Any:
@@ -229,7 +229,7 @@ class TfRuntime:
         schedule advance per update; returns it (a ``LossScaleOptimizer``'s inner one is set).
 
         Works until the optimizer is built (its accumulators are created in ``build()``, at the
-        first ``fit`` step); after that, pass :meth:`optimizer_kwargs` to its constructor.
+        first ``fit`` step); after that, pass `optimizer_kwargs` to its constructor.
         """
         n = self.accumulation_steps
         if n == 1:
@@ -262,10 +262,10 @@ class TfRuntime:
         return optimizer
 
     def check_optimizer(self, model_or_optimizer: Any) -> None:
-        """Raise :class:`InvalidOptionError` if a compiled model's (or an) optimizer does not
+        """Raise `InvalidOptionError` if a compiled model's (or an) optimizer does not
         accumulate this selection's ``accumulation_steps``: it would train with 1/n of the global
         batch per update. An unwrapped learning-rate schedule is logged as a warning. Does nothing
-        without accumulation. :meth:`callbacks` runs this when ``fit`` starts."""
+        without accumulation. `callbacks` runs this when ``fit`` starts."""
         n = self.accumulation_steps
         if n == 1:
             return
@@ -306,14 +306,14 @@ class TfRuntime:
     def callbacks(self) -> list[Any]:
         """Keras callbacks for ``model.fit(..., callbacks=rt.callbacks())``: on the accumulation
         fallback, or a fallback whose cross-device op XLA would bypass, one that runs
-        :meth:`check_model` when training begins; otherwise none (so this never imports Keras
+        `check_model` when training begins; otherwise none (so this never imports Keras
         then)."""
         if self.accumulation_steps == 1 and self.backend not in XLA_BYPASSED:
             return []
         return [_check_callback_class()(self)]
 
     def check_model(self, model: Any) -> None:
-        """The fit-time checks: :meth:`check_optimizer` (accumulation) and :meth:`check_xla`."""
+        """The fit-time checks: `check_optimizer` (accumulation) and `check_xla`."""
         if self.accumulation_steps > 1:
             self.check_optimizer(model)
         self.check_xla(model)
@@ -429,7 +429,7 @@ def update_step_schedule_class() -> type[Any]:
 
 @functools.cache
 def _check_callback_class() -> type[Any]:
-    """The Keras callback that :meth:`TfRuntime.callbacks` returns, defined on first use."""
+    """The Keras callback that `TfRuntime.callbacks` returns, defined on first use."""
     import keras
 
     class CheckAccumulation(keras.callbacks.Callback):  # type: ignore[misc]
@@ -526,7 +526,7 @@ def multi_worker_strategy(implementation: str, timeout_s: float | None) -> Any:
     all-reducing with ``implementation`` ("NCCL", "RING" or "AUTO"), each collective failing after
     ``timeout_s`` instead of hanging (``CommunicationOptions.timeout_seconds``).
 
-    It is :func:`keras_multi_worker_class`'s subclass, which Keras 3's ``fit`` needs."""
+    It is `keras_multi_worker_class`'s subclass, which Keras 3's ``fit`` needs."""
     import tensorflow as tf
 
     options = tf.distribute.experimental.CommunicationOptions(

@@ -98,7 +98,7 @@ def precision_policy(requested: str, compute_capability: tuple[int, int] | None)
 @dataclass
 class _Progress:
     """The only mutable state: micro-steps since the last optimizer step, and every
-    DistributedSampler that :meth:`TorchRuntime.prepare` made or accepted (set_epoch seeds all)."""
+    DistributedSampler that `TorchRuntime.prepare` made or accepted (set_epoch seeds all)."""
 
     micro: int = 0
     samplers: list[Any] = field(default_factory=list)
@@ -243,6 +243,26 @@ class TorchRuntime:
         _collect_before_exit()
         end_at_exit()
 
+    def device_progress(self, writer: Any, start_k: int) -> Any:
+        """A `DevicePoller` that follows each
+        gradient all-reduce to its completion on this rank's GPU (a CUDA event recorded on the
+        current stream after the backward, polled from a thread), so that the supervisor tells
+        "enqueued, never completed" from "completed" under NCCL, where a collective returns
+        when enqueued. None for gloo and CPU (their collectives complete before returning) and
+        for a writer that writes nowhere."""
+        if self.backend != "nccl" or self.device.type != "cuda" or not writer.enabled:
+            return None
+        import torch
+
+        from ..records.progress import DevicePoller
+
+        def mark() -> Any:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+            return event
+
+        return DevicePoller(writer, mark, start_k=start_k)
+
     def shutdown(self) -> None:
         """Destroy the process group, if one is up (idempotent)."""
         if self.world_size == 1 and not self.sharded:
@@ -274,7 +294,7 @@ class TorchRuntime:
 
         Each of the three is optional and comes back as None when not given, so further loaders
         go through ``prepare(None, None, val_loader)``; every DistributedSampler made on the way
-        is kept, and :meth:`set_epoch` seeds them all. A model that already is a
+        is kept, and `set_epoch` seeds them all. A model that already is a
         DistributedDataParallel is returned as is (never wrapped twice). A loader that already
         has a DistributedSampler is kept when its ``num_replicas`` and ``rank`` match this
         runtime (rebuilt, around the same sampler, only when the batch size must change) and
@@ -286,7 +306,7 @@ class TorchRuntime:
         run, but they are ignored when world_size == 1, where nothing is wrapped.
         ``device_ids`` and ``output_device`` are this runtime's to choose.
 
-        Sharded (FSDP2, :mod:`.fsdp`): ``fully_shard`` on the module classes in
+        Sharded (FSDP2, `fsdp`): ``fully_shard`` on the module classes in
         ``shard_modules`` (default: the model's repeated blocks), then the root, and the
         optimizer pointed at the sharded parameters; the keyword arguments go to
         ``fully_shard`` (``reshard_after_forward=False``, ...). ``shard_modules`` is ignored
@@ -324,7 +344,7 @@ class TorchRuntime:
         return model, optimizer, loader
 
     def use_checkpointer(self, checkpointer: Any) -> None:
-        """Checkpoint (and resume) through ``checkpointer`` (before :meth:`prepare`): the
+        """Checkpoint (and resume) through ``checkpointer`` (before `prepare`): the
         training loader is then sharded by a ResumableSampler, at any world size."""
         if self._progress.prepared:
             raise InvalidOptionError(
@@ -395,7 +415,7 @@ class TorchRuntime:
             sampler = resumable_sampler_class()(
                 loader.dataset, num_replicas=self.world_size, rank=self.rank,
                 shuffle=isinstance(sampler, RandomSampler), drop_last=loader.drop_last,
-                micro_batch=batch,
+                micro_batch=batch, accumulation=self.accumulation_steps,
             )
             self._register(sampler)
         elif isinstance(sampler, DistributedSampler):
@@ -438,7 +458,7 @@ class TorchRuntime:
         )
 
     def set_epoch(self, epoch: int) -> None:
-        """Seed the shuffle of every DistributedSampler that :meth:`prepare` made or accepted,
+        """Seed the shuffle of every DistributedSampler that `prepare` made or accepted,
         for this epoch (no-op without one). Call it at the start of each epoch."""
         for sampler in self._progress.samplers:
             sampler.set_epoch(epoch)
@@ -454,7 +474,7 @@ class TorchRuntime:
         replicas x micro-batch x accumulation, and a relaunch on another split takes the same
         steps as the uninterrupted run. With a ResumableSampler (a checkpointed job) the count
         is of every rank together, so that each sample of a step weighs the same at any
-        replica count (:meth:`_loss_share`)."""
+        replica count (`_loss_share`)."""
         p = self._progress
         p.epoch_micro_left = p.epoch_samples = None
         p.epoch_of_every_rank, p.epoch_world, p.epoch_rank, p.epoch_micro_done = False, 1, 0, 0
@@ -477,9 +497,9 @@ class TorchRuntime:
     # ----- one training step -------------------------------------------------------------------
     @property
     def is_last_micro_step(self) -> bool:
-        """Whether the next :meth:`step` applies the optimizer (always True without
+        """Whether the next `step` applies the optimizer (always True without
         accumulation). Gradients are complete (and all-reduced under DDP) only after the
-        backward of such a micro-step: clip or inspect them then, before :meth:`step`."""
+        backward of such a micro-step: clip or inspect them then, before `step`."""
         p = self._progress
         return (p.micro + 1 >= self.accumulation_steps
                 or (p.epoch_micro_left is not None and p.epoch_micro_left <= 1))
@@ -553,13 +573,13 @@ class TorchRuntime:
     def clip_grad_norm(
         self, model: Any, max_norm: float, optimizer: Any, *, norm_type: float = 2.0
     ) -> Any:
-        """Clip the gradients of ``model`` to ``max_norm`` when :attr:`is_last_micro_step`
-        (call it after :meth:`backward`, before :meth:`step`); returns the total norm before
+        """Clip the gradients of ``model`` to ``max_norm`` when `is_last_micro_step`
+        (call it after `backward`, before `step`); returns the total norm before
         clipping (a tensor), or None on the micro-steps that only accumulate (nothing done).
 
         For fp16 it first unscales the gradients through the GradScaler (``scaler.unscale_``),
         which is why it takes the optimizer: the same loop then runs under every precision. An
-        inf/nan norm means the GradScaler will skip this step (:meth:`step` returns False).
+        inf/nan norm means the GradScaler will skip this step (`step` returns False).
         Call it at most once per optimizer step; do not also call ``scaler.unscale_`` yourself.
         """
         if not self.is_last_micro_step:

@@ -17,12 +17,12 @@ the training timeout; when the selection shards (``sel.sharded``), ``fsdp_plugin
 ``shard_modules`` wrapped one by one when given: ``accelerator_kwargs(sel, shard_modules=[Block])``).
 It works under ``accelerate launch`` as under ``torchrun`` (both set the
 same variables). Under a launcher, a rank the choice leaves idle (a one-device fallback) exits
-cleanly (status 0) here; on the rank that trains alone, :func:`make_accelerator` hides the
+cleanly (status 0) here; on the rank that trains alone, `make_accelerator` hides the
 launcher's variables while Accelerate sets up, or it would wait for the ranks that left (with
-:func:`accelerator_kwargs` alone, do that yourself). Accelerate is imported only when called.
+`accelerator_kwargs` alone, do that yourself). Accelerate is imported only when called.
 
-Under ``resilient-strategy run``, :func:`make_accelerator` also has the accelerator report each
-optimizer step to the supervisor (:func:`report_progress`; with ``Accelerator(**accelerator_kwargs(
+Under ``resilient-strategy run``, `make_accelerator` also has the accelerator report each
+optimizer step to the supervisor (`report_progress`; with ``Accelerator(**accelerator_kwargs(
 sel))``, call ``report_progress(accelerator, sel)`` yourself, before ``prepare``): the backward of
 a step's last micro-step (``accelerator.sync_gradients``) is collective ``k``, a step is counted
 when the prepared optimizer really steps, ``save_state`` records the count in its directory and
@@ -59,10 +59,16 @@ def _accelerate() -> None:
         raise ExtraNotInstalledError("accelerate", "accelerate") from None
 
 
-def accelerator_kwargs(sel: Selection, *, shard_modules: Any = None) -> dict[str, Any]:
+def accelerator_kwargs(sel: Selection, *, shard_modules: Any = None,
+                       announce: bool = True) -> dict[str, Any]:
     """Keyword arguments for ``accelerate.Accelerator`` that train on what ``sel`` chose
-    (``shard_modules``: the module classes FSDP2 shards one by one, when it shards)."""
+    (``shard_modules``: the module classes FSDP2 shards one by one, when it shards).
+    ``announce``: print the decision's one line
+    ([Selection.summary][resilient_strategy.selection.Selection.summary]) on the main process, as the
+    plain PyTorch quick start does."""
     require_torch_selection(sel, "Accelerate")
+    if announce:
+        sel.print(sel.summary())
     sel._leave_if_idle()
     refuse_one_process_offload(sel, "Accelerate")
     _accelerate()  # a clear error when it is missing
@@ -93,10 +99,12 @@ def _fsdp_plugin(sel: Selection, shard_modules: Any) -> Any:
         transformer_cls_names_to_wrap=names, cpu_offload=sel.offload)
 
 
-def make_accelerator(sel: Selection, *, shard_modules: Any = None, **overrides: Any) -> Any:
+def make_accelerator(sel: Selection, *, shard_modules: Any = None, announce: bool = True,
+                     **overrides: Any) -> Any:
     """An ``accelerate.Accelerator`` for ``sel`` (``overrides`` add or replace keyword
-    arguments; ``kwargs_handlers`` given here are added to ours)."""
-    kwargs = accelerator_kwargs(sel, shard_modules=shard_modules)
+    arguments; ``kwargs_handlers`` given here are added to ours; ``announce``: as in
+    [accelerator_kwargs][resilient_strategy.integrations.accelerate.accelerator_kwargs])."""
+    kwargs = accelerator_kwargs(sel, shard_modules=shard_modules, announce=announce)
     extra_handlers = list(overrides.pop("kwargs_handlers", []) or [])
     if extra_handlers:
         kwargs["kwargs_handlers"] = [*kwargs.get("kwargs_handlers", []), *extra_handlers]

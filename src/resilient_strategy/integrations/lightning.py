@@ -75,11 +75,16 @@ def _sharded_strategy(sel: Selection, model_parallel: bool, shard_modules: Any) 
 
 
 def trainer_kwargs(sel: Selection, *, model_parallel: bool = False,
-                   shard_modules: Any = None, callbacks: Any = None) -> dict[str, Any]:
+                   shard_modules: Any = None, callbacks: Any = None,
+                   announce: bool = True) -> dict[str, Any]:
     """Keyword arguments for ``lightning.Trainer`` that train on what ``sel`` chose
     (``model_parallel`` and ``shard_modules`` apply when it shards; ``callbacks``: yours, kept
-    first; see the module docstring)."""
+    first; see the module docstring). ``announce``: print the decision's one line
+    ([Selection.summary][resilient_strategy.selection.Selection.summary]) on the main process, as the
+    plain PyTorch quick start does."""
     require_torch_selection(sel, "Lightning")
+    if announce:
+        sel.print(sel.summary())
     sel._leave_if_idle()
     refuse_one_process_offload(sel, "Lightning")
     ddp, single = _strategies()
@@ -120,7 +125,7 @@ def _callback_base() -> Any:
 
 def progress_callback(reporter: TrainingReporter) -> Any:
     """A Lightning ``Callback`` that reports each optimizer step through ``reporter`` (the
-    supervisor's progress records, :class:`~resilient_strategy.records.handoff.TrainingReporter`):
+    supervisor's progress records, `TrainingReporter`):
     the backward of the last micro-step (``accumulate_grad_batches``) is collective ``k`` of step
     ``k``; a step is counted when ``trainer.global_step`` moves; a restored checkpoint's step count
     is reported at the start of training, and a saved one noted for the supervisor. Lightning is

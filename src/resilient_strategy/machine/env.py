@@ -1,7 +1,7 @@
 """The one place that reads ``os.environ``.
 
 Precedence everywhere in this library: an explicit argument > the user's environment > our
-default. Decision code takes ``env: Mapping[str, str]``; only entry points call :func:`snapshot`.
+default. Decision code takes ``env: Mapping[str, str]``; only entry points call `snapshot`.
 """
 
 from __future__ import annotations

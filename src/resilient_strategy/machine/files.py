@@ -9,10 +9,10 @@ directory (``owned=True``) is opened with ``O_NOFOLLOW`` and must be a regular f
 user and not writable by group or others. Files the user names (rules, ``--simulate`` machine
 files) may be anyone's, but must be regular files (a FIFO would block the reader forever).
 
-Bounds: every read stops at a byte limit, and JSON or TOML nested deeper than :data:`MAX_DEPTH`
+Bounds: every read stops at a byte limit, and JSON or TOML nested deeper than `MAX_DEPTH`
 is refused, so a hostile or broken file costs a bounded amount of memory and time and ends in a
-typed error (:class:`~resilient_strategy.errors.UnsafePathError`,
-:class:`~resilient_strategy.errors.FileFormatError`), never a ``RecursionError`` or
+typed error (`UnsafePathError`,
+`FileFormatError`), never a ``RecursionError`` or
 ``MemoryError`` from deep inside.
 
 Writes: to a temporary file in the destination's directory (mode 0600), flushed and fsynced, then
@@ -44,7 +44,7 @@ from ..core.bounded import (
     parse_toml,
     read_user_file,
 )
-from ..errors import FileFormatError, UnsafePathError
+from ..errors import FileFormatError, NoSpaceError, UnsafePathError
 
 __all__ = ["MAX_DEPTH", "MAX_MACHINE_BYTES", "MAX_RULES_BYTES", "NOT_REGULAR", "check_depth",
            "parse_json", "parse_toml", "read_user_file"]  # re-exported from ._bounded
@@ -100,13 +100,16 @@ def ensure_private_dir(path: Path, *, fix: str = "") -> Path:
     return path
 
 
-def check_private_dir(path: Path, *, fix: str = "") -> None:
+def check_private_dir(path: Path, *, fix: str = "", follow_links: bool = True) -> None:
     """Raise UnsafePathError unless ``path`` is a directory owned by this user and not writable by
-    group or others (a symlink only when this user owns it and its target passes too)."""
+    group or others (a symlink only when this user owns it and its target passes too, and never
+    with ``follow_links=False``: the directories inside one of ours, such as a checkpoint's)."""
     if sys.platform == "win32":  # pragma: no cover - no POSIX owners
         return
     where = str(path)
     st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) and not follow_links:
+        raise UnsafePathError(where, "is a symbolic link", fix or _fix_dir(where))
     if stat.S_ISLNK(st.st_mode):
         if st.st_uid != _euid():
             raise UnsafePathError(
@@ -131,6 +134,72 @@ _OTHER_DIR = "point RESILIENT_STRATEGY_CACHE_DIR (or cache_dir=) at a directory 
 
 def _fix_dir(where: str) -> str:
     return f"Remove or rename {where}, or {_OTHER_DIR}."
+
+
+def check_private_files(directory: Path, *, fix: str = "") -> dict[str, int]:
+    """Every entry of ``directory`` (one of ours, already checked) as a regular file of this
+    user's, not writable by group or others, not a symlink (looked at without following or
+    opening anything); returns each name's size. Raises UnsafePathError naming the first entry
+    that is not (another user's file, a symlink, a FIFO, a directory)."""
+    sizes: dict[str, int] = {}
+    for name in sorted(os.listdir(directory)):
+        where = os.path.join(directory, name)
+        st = os.lstat(where)
+        problem = ("is a symbolic link" if stat.S_ISLNK(st.st_mode)
+                   else NOT_REGULAR if not stat.S_ISREG(st.st_mode)
+                   else f"is owned by uid {st.st_uid}, not by this user (uid {_euid()})"
+                   if sys.platform != "win32" and st.st_uid != _euid()
+                   else f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+                   if st.st_mode & 0o022 else "")
+        if problem:
+            raise UnsafePathError(where, problem, fix or _fix_file(where))
+        sizes[name] = st.st_size
+    return sizes
+
+
+def make_private(path: Path) -> None:
+    """Take group's and others' access away from ``path`` and, when it is a directory, from
+    everything under it (0700 directories, 0600 files; symlinks are left alone, never followed):
+    for files another library wrote with its own modes (torch's distributed checkpoint)."""
+    for root, dirs, names in os.walk(path, followlinks=False):
+        os.chmod(root, 0o700)
+        for name in names:
+            where = os.path.join(root, name)
+            if not os.path.islink(where):
+                os.chmod(where, 0o600)
+        dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(root, d))]
+
+
+@contextlib.contextmanager
+def private_umask() -> Any:
+    """Files and directories created meanwhile are this user's alone (umask 077), for writers
+    that choose their own modes; the process's umask is restored after."""
+    old = os.umask(0o077)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+@contextlib.contextmanager
+def writing(path: str | Path, what: str) -> Any:
+    """Around a write of ``path``: a full disk, an exhausted quota or a read-only filesystem
+    becomes one typed line (`resilient_strategy.errors.NoSpaceError` naming the file)
+    instead of an OSError's traceback, also when a writer (torch.save) wrapped that OSError in
+    an error of its own; any other error passes unchanged."""
+    try:
+        yield
+    except (OSError, RuntimeError) as exc:  # RuntimeError: torch.save's zip writer wraps it
+        cause: BaseException | None = exc
+        for _ in range(8):  # the exception and what it was raised from or during
+            if cause is None:
+                break
+            typed = (NoSpaceError.from_os_error(cause, str(path), what)
+                     if isinstance(cause, OSError) else None)
+            if typed is not None:
+                raise typed from exc
+            cause = cause.__cause__ or cause.__context__
+        raise
 
 
 def safe_name(name: str) -> bool:
@@ -214,7 +283,7 @@ def _open_owned_fd(path: Path) -> tuple[int, os.stat_result]:
 
 
 def open_owned(path: Path) -> Any:
-    """``path`` opened for reading (a binary file object), with the rules of :func:`read_bytes`
+    """``path`` opened for reading (a binary file object), with the rules of `read_bytes`
     for ``owned=True`` but no size bound: a regular file, not through a symlink, this user's
     own, not writable by group or others; never blocking on a FIFO. For large files a reader
     streams (checkpoints). Raises UnsafePathError, FileNotFoundError, OSError."""
@@ -228,7 +297,7 @@ def _fix_file(where: str) -> str:
 
 def read_json(path: Path, *, max_bytes: int, owned: bool = True,
               max_depth: int = MAX_DEPTH) -> Any:
-    """:func:`read_bytes` then :func:`parse_json`."""
+    """`read_bytes` then `parse_json`."""
     return parse_json(read_bytes(path, max_bytes=max_bytes, owned=owned), str(path),
                       max_depth=max_depth)
 
@@ -238,26 +307,28 @@ def read_json(path: Path, *, max_bytes: int, owned: bool = True,
 # --------------------------------------------------------------------------------------------
 def write_json_atomic(path: Path, value: Any, *, indent: int | None = None,
                       sort_keys: bool = False, allow_nan: bool = False,
-                      durable: bool = True) -> None:
+                      durable: bool = True, what: str = "a file of this run") -> None:
     """Write ``value`` as JSON to ``path`` atomically (temp file in the same directory, fsync,
     rename). Raises ValueError/TypeError for what JSON cannot hold (before touching the disk),
-    OSError when the write fails; no temporary file is left either way. ``durable=False`` skips
+    NoSpaceError (naming ``path`` and ``what``) on a full or read-only filesystem, OSError when
+    the write fails otherwise; no temporary file is left either way, the old file is whole. ``durable=False`` skips
     the fsync: still atomic for every reader, only not kept through a power loss (for files that
     matter only while this job runs: the agreement, probe reports)."""
     text = json.dumps(value, indent=indent, sort_keys=sort_keys, allow_nan=allow_nan)
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            if durable:
-                os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with writing(path, what):
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(text)
+                fh.flush()
+                if durable:
+                    os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
 
 def open_lock(path: Path) -> int:
@@ -291,7 +362,7 @@ def sweep_temp_dirs(
     """Remove temporary directories that a killed run of this package left in ``directory``
     (default: the temp dir): only directories (never symlinks) owned by this user, named with a
     prefix of ours and the pid of a process that no longer exists, unmodified for ``min_age_s``
-    (default :data:`SWEEP_AFTER_S`). Returns the removed paths. Never raises."""
+    (default `SWEEP_AFTER_S`). Returns the removed paths. Never raises."""
     directory = directory or tempfile.gettempdir()
     min_age_s = SWEEP_AFTER_S if min_age_s is None else min_age_s
     now = time.time() if now is None else now
@@ -334,8 +405,8 @@ def _alive(pid: int) -> bool:
 
 
 class TempSweep:
-    """Sweeps what killed runs left (:func:`sweep_temp_dirs`) once per holder: the prober holds
-    the process's one instance (:data:`TEMP_SWEEP`), so the temp directory is read once per
+    """Sweeps what killed runs left (`sweep_temp_dirs`) once per holder: the prober holds
+    the process's one instance (`TEMP_SWEEP`), so the temp directory is read once per
     process however many probes run; a test holds its own."""
 
     def __init__(self) -> None:
@@ -347,5 +418,5 @@ class TempSweep:
             sweep_temp_dirs()
 
 
-#: This process's sweep (see :class:`TempSweep`).
+#: This process's sweep (see `TempSweep`).
 TEMP_SWEEP = TempSweep()

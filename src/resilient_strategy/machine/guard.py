@@ -33,7 +33,7 @@ _STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
 class ImportWatch:
     """A registry of where watched names were first imported, and the ``MetaPathFinder`` that
     fills it: it finds nothing, and records the ``file:line`` of the first real import of each
-    watched name (``sites``). The package installs one (:data:`IMPORT_WATCH`); tests make their
+    watched name (``sites``). The package installs one (`IMPORT_WATCH`); tests make their
     own and pass it where a watch is read (``detect_facts(imports=...)``).
 
     Duck-typed: subclassing ``importlib.abc.MetaPathFinder`` would import importlib.abc (~20 ms).
@@ -61,7 +61,7 @@ class ImportWatch:
         self.sites.setdefault(name, site)
 
     def site(self, name: str) -> str | None:
-        """``"file:line"`` of the first import of ``name`` seen, :data:`ALREADY_IMPORTED`, or
+        """``"file:line"`` of the first import of ``name`` seen, `ALREADY_IMPORTED`, or
         None."""
         return self.sites.get(name)
 
@@ -86,7 +86,7 @@ def install_import_watch() -> None:
 
 
 def first_import_site(name: str, watch: ImportWatch | None = None) -> str | None:
-    """``"file:line"`` of the first import of ``name`` seen, :data:`ALREADY_IMPORTED`, or None."""
+    """``"file:line"`` of the first import of ``name`` seen, `ALREADY_IMPORTED`, or None."""
     return (IMPORT_WATCH if watch is None else watch).site(name)
 
 

@@ -1,4 +1,4 @@
-"""The only module that talks to NVML (pynvml, imported inside :func:`read_nvml`).
+"""The only module that talks to NVML (pynvml, imported inside `read_nvml`).
 
 Never raises: a missing driver, a missing pynvml or any NVML error becomes ``NvmlSnapshot.error``;
 a failing call for one GPU or pair degrades that value to "unknown" and adds a note.
@@ -46,12 +46,35 @@ class NvmlSnapshot:
     notes: tuple[str, ...] = ()  # per-GPU values that could not be read
 
 
-def read_nvml(nvml: Any = None) -> NvmlSnapshot:
-    """Read GPUs, pairs and driver versions. ``nvml``: a pynvml-like module (default: pynvml)."""
+#: Why there are no GPU facts on a machine with no NVIDIA device at all: said without advice
+#: (installing NVML or mounting a driver helps nothing there).
+NO_NVIDIA_DEVICE = "no NVIDIA GPU on this machine (no /dev/nvidia* device, no NVIDIA driver)"
+
+
+def nvidia_present(dev: str = "/dev", proc: str = "/proc/driver/nvidia") -> bool:
+    """Whether this machine has an NVIDIA device node or a loaded NVIDIA driver (files only)."""
+    from pathlib import Path
+
+    try:
+        return Path(proc).exists() or any(Path(dev).glob("nvidia[0-9]*"))
+    except OSError:
+        return True  # unreadable: assume there may be one (the advice then stays)
+
+
+def read_nvml(nvml: Any = None, *, present: Callable[[], bool] | None = None) -> NvmlSnapshot:
+    """Read GPUs, pairs and driver versions. ``nvml``: a pynvml-like module (default: pynvml).
+
+    ``present``: whether the machine has an NVIDIA device (default `nvidia_present` when
+    ``nvml`` is pynvml itself, not asked for a given module). Where it has none, a missing
+    pynvml or driver library is said as `NO_NVIDIA_DEVICE`, with no advice to install."""
+    if present is None and nvml is None:
+        present = nvidia_present
     if nvml is None:
         try:
             nvml = importlib.import_module("pynvml")
         except ImportError:
+            if present is not None and not present():
+                return NvmlSnapshot(error=NO_NVIDIA_DEVICE)
             return NvmlSnapshot(
                 error="nvidia-ml-py is not installed, so GPUs cannot be inspected; "
                 "pip install nvidia-ml-py"
@@ -60,6 +83,8 @@ def read_nvml(nvml: Any = None) -> NvmlSnapshot:
         nvml.nvmlInit()
     except Exception as exc:
         code = getattr(exc, "value", None)
+        if code in (9, 12) and present is not None and not present():
+            return NvmlSnapshot(error=NO_NVIDIA_DEVICE)
         known = _INIT_ERRORS.get(code) if isinstance(code, int) else None
         return NvmlSnapshot(error=known or f"NVML could not start: {_why(exc)}")
     try:

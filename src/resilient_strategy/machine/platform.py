@@ -1,18 +1,19 @@
 """Platform facts around the GPUs, read from files under ``root`` (testable): the NVSwitch
 fabric, a hypervisor, the RDMA ports' link layer, whether the hostname resolves to loopback, and
-the interface that routes to ``MASTER_ADDR`` (:mod:`.routes`, where ``MASTER_ADDR`` or torchrun's
+the interface that routes to ``MASTER_ADDR`` (`routes`, where ``MASTER_ADDR`` or torchrun's
 rendezvous endpoint is set).
 
 Each reading is a pure ``parse_*`` function over text, plus a thin reader that turns an
 unreadable file into "unknown" (``None`` / ``""``). No process, no framework; the one name
-lookup (a ``MASTER_ADDR`` that is a host name) has a deadline (:data:`.routes.RESOLVE_DEADLINE_S`).
+lookup (a ``MASTER_ADDR`` that is a host name) has a deadline (`routes.RESOLVE_DEADLINE_S`).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from ..core.facts import Platform
 from .routes import master_host, route_to_master
@@ -50,6 +51,7 @@ def detect_platform(env: Mapping[str, str], root: str = "/") -> Platform:
         hostname_loopback=parse_hosts(_read(root, "etc/hosts"), _hostname()),
         master_ifname=iface or "",
         master_route=how,
+        fabric_manager=parse_fabric_manager(_lines(root, "var/lib/dpkg/status", _DPKG_BYTES)),
     )
 
 
@@ -102,7 +104,44 @@ def parse_hosts(hosts: str | None, hostname: str) -> bool | None:
     return None
 
 
+#: How much of dpkg's status file is read for the fabric manager's package (it lists every
+#: installed package: a few MB on a full image).
+_DPKG_BYTES = 32 << 20
+_FM_PACKAGE = re.compile(r"^Package:\s*nvidia-fabricmanager(-\d+)?\s*$")
+
+
+def parse_fabric_manager(lines: Iterable[str] | None) -> str:
+    """The installed nvidia-fabricmanager package's version from dpkg's status lines
+    ("535.183.01" from "Version: 535.183.01-1"), or "" where none is installed or unknown."""
+    if lines is None:
+        return ""
+    in_fm = installed = False
+    version = ""
+    for line in lines:
+        line = line.rstrip("\n")
+        if line.startswith("Package:"):
+            if in_fm and installed and version:
+                return version
+            in_fm, installed, version = bool(_FM_PACKAGE.match(line)), False, ""
+        elif in_fm and line.startswith("Status:"):
+            installed = line.split()[-1:] == ["installed"]
+        elif in_fm and line.startswith("Version:"):
+            raw = line.split(":", 1)[1].strip()
+            raw = raw.split(":", 1)[1] if ":" in raw else raw  # an epoch
+            version = raw.rsplit("-", 1)[0] if "-" in raw else raw
+    return version if in_fm and installed else ""
+
+
 # ----- thin readers ------------------------------------------------------------------------------
+def _lines(root: str, rel: str, limit: int) -> list[str] | None:
+    """The lines of a file, at most ``limit`` bytes of it; None where it cannot be read."""
+    try:
+        with open(os.path.join(root, rel), encoding="utf-8", errors="replace") as f:
+            return f.read(limit).splitlines()
+    except OSError:
+        return None
+
+
 def _read(root: str, rel: str, limit: int = 4096) -> str | None:
     try:
         with open(os.path.join(root, rel), encoding="utf-8", errors="replace") as f:

@@ -2,10 +2,10 @@
 kernel's routing table: a platform fact (``Platform.master_ifname``, shown by ``doctor``) and
 what ``nodes/routes.py`` resolves a candidate's ``@route`` variable to on each node.
 
-No framework, no process. :func:`route_interface` is pure (the text of ``/proc/net/route`` and
+No framework, no process. `route_interface` is pure (the text of ``/proc/net/route`` and
 the interfaces' addresses in, the interface and how it was found out); the readers around it
 turn anything unreadable into "unknown". A host name is resolved with a deadline
-(:data:`RESOLVE_DEADLINE_S`): a resolver that hangs leaves the route unknown, it never blocks
+(`RESOLVE_DEADLINE_S`): a resolver that hangs leaves the route unknown, it never blocks
 the decision.
 """
 
@@ -142,7 +142,7 @@ def route_to_master(
     addresses: Callable[[], Mapping[str, str]] = local_addresses,
     resolve: Callable[[str], tuple[str | None, str]] = resolve_ipv4,
 ) -> tuple[str | None, str]:
-    """The interface routing to the rendezvous host (:func:`master_host`) here, and how it was
+    """The interface routing to the rendezvous host (`master_host`) here, and how it was
     found (or why not). ``root``, ``addresses`` and
     ``resolve`` let tests describe the machine."""
     host, var = master_host(env)

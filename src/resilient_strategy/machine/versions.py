@@ -62,7 +62,7 @@ class MetadataSource(Protocol):
 
 
 class InstalledPackages:
-    """The packages installed for this interpreter (the default :class:`MetadataSource`)."""
+    """The packages installed for this interpreter (the default `MetadataSource`)."""
 
     def distribution(self, name: str) -> Any:
         return metadata.distribution(name)

@@ -74,7 +74,7 @@ def parse_visible_devices(
 def resolve_visible_devices(
     raw: str | None, gpus: Sequence[PhysicalGpu], *, device_order: str | None = None
 ) -> Resolution:
-    """Like :func:`parse_visible_devices`, also naming the MIG instance behind each device."""
+    """Like `parse_visible_devices`, also naming the MIG instance behind each device."""
     ordered = sorted(gpus, key=lambda g: g.index)
     notes: list[str] = []
     if raw is None:

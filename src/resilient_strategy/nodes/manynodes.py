@@ -16,20 +16,20 @@ node would use. Node 0 combines the nodes' results and plans on; when it has cho
 publishes the decision and the results that justify it. Every other node re-plans from those
 results with its own facts, says whether its facts contradict the decision (a different GPU
 count, no GPU, a build that cannot run it), and node 0 publishes the verdict: the job trains,
-or every node stops with :class:`NodeMismatchError`. A node that stops answering ends the
-decision on every node with :class:`NodeLostError` within the deadlines; no decision file is
-shared between nodes (the ranks of one node still share theirs, :mod:`.agreement`).
+or every node stops with `NodeMismatchError`. A node that stops answering ends the
+decision on every node with `NodeLostError` within the deadlines; no decision file is
+shared between nodes (the ranks of one node still share theirs, `agreement`).
 
 Remedies between nodes are measured, never guessed: after plain NCCL fails between nodes,
 NCCL with ``NCCL_SOCKET_IFNAME`` set to the interface that routes to the rendezvous host on each
-node (from the kernel's routing table, :func:`route_interface`; the value ``@route`` in a
+node (from the kernel's routing table, `route_interface`; the value ``@route`` in a
 candidate stands for it, so every node keeps the same candidate key), then NCCL over sockets
 (``NCCL_IB_DISABLE=1 NCCL_NET=Socket``). A variable the user set is never overridden. When no
 backend works between the nodes, the planner's estimate picks a slower backend across all
 nodes, or node 0 alone with accumulation keeping the global batch (the other nodes exit 0).
 
 The mid-run relaunch across nodes belongs to the supervisor (``resilient-strategy run``):
-:func:`record_fault` / :func:`recorded_faults` are its hook: a node writes the fault it saw into
+`record_fault` / `recorded_faults` are its hook: a node writes the fault it saw into
 the store, every node's supervisor reads it before relaunching.
 """
 
@@ -175,6 +175,8 @@ class _Node:
             nodes[k] = self.channel.take(f"hello/{k}", window, f"node {k} did not join", who=k)
 
         def across(spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
+            if spec.candidate.split(":")[1].endswith("/node0"):  # node 0 alone: no round
+                return self.local_prober(spec, env)
             self.rounds += 1
             n = self.rounds
             self.channel.put(f"round/{n}", {"kind": "probe", "spec": spec_to_dict(spec)})
@@ -325,7 +327,7 @@ def agreed_decision(
     """The decision of a multi-node job, the same on every rank of every node (see the module's
     docstring). ``decide``: the executor's, passed in (this module imports no executor).
     ``silent``: nodes whose verdict on the last attempt never came (a relaunch): node 0 gives
-    each the heartbeat window to join; one that does not is lost (:class:`NodeLostError`
+    each the heartbeat window to join; one that does not is lost (`NodeLostError`
     naming it), and the supervisor goes on without it."""
     job = Job.from_env(env)
     if job is None:  # no store named: the nodes cannot talk, each plans from the rules alone
@@ -361,7 +363,11 @@ def agreed_decision(
     p, results, from_cache, proven = (decided.plan, dict(decided.results), decided.from_cache,
                                       decided.proven)
     lines = trace_lines(job, payload, p)
-    if job.node != 0 and p.chosen is not None and p.chosen.num_replicas == 1:
+    if job.node != 0 and p.chosen is not None and p.chosen.node_local:
+        log.warning("resilient_strategy: node %d: the link between the nodes failed, so node 0 "
+                    "trains alone on its own GPUs (%s); this node's ranks exit 0 at scope() / "
+                    "prepare().", job.node, p.chosen.label)
+    elif job.node != 0 and p.chosen is not None and p.chosen.num_replicas == 1:
         log.warning("resilient_strategy: node %d: no backend between the nodes beats node 0 "
                     "alone, so node 0 trains alone (%s); this node's ranks exit 0 at scope() "
                     "/ prepare().", job.node, p.chosen.label)

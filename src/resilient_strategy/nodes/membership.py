@@ -12,8 +12,8 @@ on the decision for the nodes present and start torch elastic's rendezvous for t
 Nodes are named by their ``--node-rank`` (their identity, the same in every attempt); inside an
 attempt they are numbered by their place among the members (``GROUP_RANK``), node 0 first.
 
-:func:`gather` (node 0) and :func:`await_members` (the others) wait on the store;
-:func:`members_of` (pure) says who is in from who joined.
+`gather` (node 0) and `await_members` (the others) wait on the store;
+`members_of` (pure) says who is in from who joined.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ JOIN_POLL_S = 0.05
 #: after the heartbeat window): a grace for a record that crossed the round, not another window.
 GONE_GRACE_S = 2.0
 
-#: How a node's leaving was seen (the ``how`` of a :class:`Change`).
+#: How a node's leaving was seen (the ``how`` of a `Change`).
 NO_VERDICT = "no_verdict"  # its verdict on the last attempt never came: it vanished
 CUT_OFF = "cut_off"  # it said it could not reach the store (or never joined after saying so)
 NOT_JOINED = "not_joined"  # it gave a verdict, then did not join the relaunch in the window
@@ -41,8 +41,8 @@ NOT_JOINED = "not_joined"  # it gave a verdict, then did not join the relaunch i
 @dataclass(frozen=True)
 class Change:
     """One membership change, as node 0 published it: the nodes of ``attempt``, who left since
-    the last attempt and how it was seen (:data:`NO_VERDICT`, :data:`CUT_OFF`,
-    :data:`NOT_JOINED`), who joined, and when (wall time, node 0's clock)."""
+    the last attempt and how it was seen (`NO_VERDICT`, `CUT_OFF`,
+    `NOT_JOINED`), who joined, and when (wall time, node 0's clock)."""
 
     attempt: int
     members: tuple[int, ...]
@@ -63,7 +63,7 @@ class Change:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Change:
-        """Raises :class:`MultiNodeError` for a record that is not what :meth:`to_dict` writes."""
+        """Raises `MultiNodeError` for a record that is not what `to_dict` writes."""
         try:
             members = tuple(int(n) for n in d["members"])
             left = tuple((int(x["node"]), str(x["how"])) for x in d.get("left", []))
@@ -87,7 +87,7 @@ def members_of(attempt: int, before: Sequence[int], joined: Collection[int],
                gone: Mapping[int, str], max_nodes: int) -> Change:
     """The nodes of ``attempt`` (pure): node 0 and every node that joined, at most
     ``max_nodes`` (the lowest first); who of ``before`` (the last attempt's nodes) left, and how
-    (``gone``: what was known of it before the round, else :data:`NOT_JOINED`); who is new."""
+    (``gone``: what was known of it before the round, else `NOT_JOINED`); who is new."""
     present = sorted({0, *(n for n in joined if 0 <= n < max_nodes)})[:max_nodes]
     left = tuple((n, gone.get(n, NOT_JOINED)) for n in sorted(before) if n not in present)
     new = tuple(n for n in present if n not in before) if attempt > 0 else ()
@@ -156,7 +156,7 @@ def gather(channel: Channel, attempt: int, before: Sequence[int], gone: Mapping[
 
 
 def await_members(channel: Channel, node: int, timeout_s: float) -> Change:
-    """Every other node: node 0's membership of this attempt; :class:`NodeLostError` naming
+    """Every other node: node 0's membership of this attempt; `NodeLostError` naming
     this node when it is not in it (it was dropped: it stops), or when none comes in time."""
     got = Change.from_dict(channel.take(
         "members", timeout_s, "node 0 published no membership for this attempt", who=None))

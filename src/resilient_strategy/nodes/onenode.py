@@ -13,7 +13,7 @@ where /proc cannot tell, only the file name separates attempts.
 The directory is the cache directory, else (the cache is off, or its directory cannot be used:
 unwritable, another user's, open to others) a directory of this user's own:
 ``$XDG_RUNTIME_DIR/resilient_strategy``, else ``<tempdir>/resilient_strategy-<uid>``. Either way
-it must be this user's own (:mod:`._files`): created 0700, and refused when another user owns it,
+it must be this user's own (`_files`): created 0700, and refused when another user owns it,
 when group or others can write to it, or when it is another user's symlink. The file must be a
 regular file of this user, opened without following symlinks; its payload is checked like a cache
 entry before any rank acts on it. Every local rank reaches the same directory by the same checks.
@@ -130,7 +130,7 @@ class Agreement:
         """The decision local rank 0 published for this launch, once it is there.
 
         ``not_before``: ignore a decision published before this time (``time.time()`` seconds);
-        default: this process's start time less :data:`START_SLACK_S`, read from ``proc_root``
+        default: this process's start time less `START_SLACK_S`, read from ``proc_root``
         (no check when it cannot be read). Pass ``-math.inf`` to accept any.
         """
         floor = not_before
@@ -218,7 +218,7 @@ class Agreement:
             log.info("resilient_strategy: cannot clean up %s (%s)", self.path, exc)
 
     def _prune(self, now: float) -> None:
-        """Remove agreement files (and their read marks) older than :data:`PRUNE_AFTER_S`."""
+        """Remove agreement files (and their read marks) older than `PRUNE_AFTER_S`."""
         with contextlib.suppress(OSError):
             for old in [*self.path.parent.glob("agree-*.json*"),
                         *self.path.parent.glob(".tmp-*.json")]:

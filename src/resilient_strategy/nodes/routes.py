@@ -1,7 +1,7 @@
 """The interface that routes to the rendezvous host, resolved on each node for a candidate whose
-variable is ``@route`` (:func:`node_values`), and the remedies between nodes as rules
-(:func:`remedy_rules`). The lookup itself (the kernel's routing table, :func:`route_interface`)
-is a platform fact and lives below, in :mod:`resilient_strategy.machine.routes`; its names are
+variable is ``@route`` (`node_values`), and the remedies between nodes as rules
+(`remedy_rules`). The lookup itself (the kernel's routing table, `route_interface`)
+is a platform fact and lives below, in `resilient_strategy.machine.routes`; its names are
 re-exported here.
 """
 
@@ -25,13 +25,13 @@ __all__ = ["GLOO_IFNAME", "PROC_NET_ROUTE", "ROUTE", "between_nodes", "local_add
 log = logging.getLogger("resilient_strategy")
 
 #: A candidate's variable with this value means: the interface routing to the rendezvous host,
-#: resolved on each node (:func:`node_values`).
+#: resolved on each node (`node_values`).
 ROUTE = "@route"
 
 
 def node_values(values: Mapping[str, str], env: Mapping[str, str],
                 route: tuple[str | None, str] | None = None) -> dict[str, str]:
-    """``values`` with :data:`ROUTE` resolved to this node's interface routing to the master
+    """``values`` with `ROUTE` resolved to this node's interface routing to the master
     (dropped, with a warning, when there is none). ``route``: the interface and how it was found,
     when already known (a described machine: never this host's routing table)."""
     out = dict(values)
@@ -56,8 +56,8 @@ GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
 def between_nodes(backend: str, values: Mapping[str, str], env: Mapping[str, str],
                   route: tuple[str | None, str] | None = None) -> dict[str, str]:
     """The variables a candidate spanning nodes needs on this node: its own ``values``, plus, for
-    gloo, :data:`GLOO_IFNAME` on the interface that routes to the master unless the user set it;
-    :data:`ROUTE` resolved (:func:`node_values`, ``route`` as there)."""
+    gloo, `GLOO_IFNAME` on the interface that routes to the master unless the user set it;
+    `ROUTE` resolved (`node_values`, ``route`` as there)."""
     out = dict(values)
     if backend == "gloo" and GLOO_IFNAME not in env:
         out.setdefault(GLOO_IFNAME, ROUTE)

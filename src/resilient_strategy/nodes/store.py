@@ -1,7 +1,7 @@
-"""A multi-node job and its store: this node's place in the job (:class:`Job`), the launcher's own
-TCPStore opened as client or host, a key/value :class:`Channel` with deadlines, the per-node
-:class:`Heartbeat`, and the fault records the supervisors of a ``run`` read before relaunching
-(:func:`record_fault` / :func:`recorded_faults`).
+"""A multi-node job and its store: this node's place in the job (`Job`), the launcher's own
+TCPStore opened as client or host, a key/value `Channel` with deadlines, the per-node
+`Heartbeat`, and the fault records the supervisors of a ``run`` read before relaunching
+(`record_fault` / `recorded_faults`).
 
 Our keys live under their own prefix with the restart count (``resilient_strategy/v1/<run id>/
 <restart>/``), apart from torch's own.
@@ -117,8 +117,8 @@ def open_store(job: Job, timeout_s: float, *, client: bool = False) -> Any:
 class Channel:
     """JSON objects under the job's key prefix, each read with its own deadline.
 
-    A wait for a node's answer also watches that node's heartbeat (:class:`Heartbeat`): a node
-    whose decider stopped beating for :data:`HEARTBEAT_STALE_S` is lost at once, not at the end
+    A wait for a node's answer also watches that node's heartbeat (`Heartbeat`): a node
+    whose decider stopped beating for `HEARTBEAT_STALE_S` is lost at once, not at the end
     of the wait (a node merely busy in a hung probe still beats).
     """
 
@@ -137,7 +137,7 @@ class Channel:
 
     def take(self, key: str, timeout_s: float, missing: str, who: int | None = None
              ) -> dict[str, Any]:
-        """The object at ``key`` once it is there; :class:`NodeLostError` after ``timeout_s``,
+        """The object at ``key`` once it is there; `NodeLostError` after ``timeout_s``,
         or as soon as node ``who`` (the one to write it) stops beating."""
         full = self.prefix + key
         deadline = time.monotonic() + timeout_s
@@ -169,7 +169,7 @@ class Channel:
         return data
 
     def stale(self, node: int, now: float) -> bool:
-        """Whether ``node``'s heartbeat has not moved for :data:`HEARTBEAT_STALE_S`."""
+        """Whether ``node``'s heartbeat has not moved for `HEARTBEAT_STALE_S`."""
         count = int(self.store.add(f"{self.prefix}alive/{node}", 0))
         last = self._beats.get(node)
         if last is None or last[0] != count:
@@ -206,14 +206,14 @@ class Heartbeat:
 
 def record_fault(store: Any, job: Job, fault: Mapping[str, Any]) -> None:
     """Supervisor hook: this node saw a backend fault mid-run; every node's supervisor reads it
-    (:func:`recorded_faults`), stops its workers and relaunches on the next candidate."""
+    (`recorded_faults`), stops its workers and relaunches on the next candidate."""
     Channel(store, job.prefix).put(f"fault/{job.node}", {**fault, "node": job.node})
 
 
 def recorded_faults(store: Any, job: Job, *, strict: bool = False) -> dict[int, dict[str, Any]]:
-    """The faults the nodes recorded (:func:`record_fault`), by node; never waits for a record
+    """The faults the nodes recorded (`record_fault`), by node; never waits for a record
     (each look is bounded by the store's timeout). ``strict``: a store that does not answer
-    raises (:class:`NodeLostError`) instead of reading as no record."""
+    raises (`NodeLostError`) instead of reading as no record."""
     out: dict[int, dict[str, Any]] = {}
     ch = Channel(store, job.prefix)
     for k in range(job.nodes):

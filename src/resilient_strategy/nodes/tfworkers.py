@@ -1,6 +1,6 @@
 """TensorFlow multi-worker jobs (``TF_CONFIG``): the workers decide together, with no store.
 
-Under a ``TF_CONFIG`` of 2 or more chief/worker tasks (:mod:`.tfcluster`), every worker calls
+Under a ``TF_CONFIG`` of 2 or more chief/worker tasks (`tfcluster`), every worker calls
 ``resilient_strategy()`` itself. TensorFlow offers nothing like torch's TCPStore to agree through
 before a strategy exists, so the agreement is the probes themselves:
 
@@ -19,7 +19,7 @@ before a strategy exists, so the agreement is the probes themselves:
   that never completes, until its own deadline (the probe's ``timeout``).
 
 No cache is read or written (a worker's cache cannot speak for the links), as between torch
-nodes (:mod:`.multinode`). When no candidate across the workers is proven, or the estimate says
+nodes (`multinode`). When no candidate across the workers is proven, or the estimate says
 worker 0 alone is faster, worker 0 trains alone keeping the global batch and the other workers
 exit 0 at ``scope()`` (``Selection.active`` is False there), saying why. Worker 0 alone first
 tries MirroredStrategy over its own GPUs (2 or more), which it alone probes: the planner places
@@ -28,20 +28,20 @@ worker other than 0 that reaches it knows worker 0 trains alone whatever that pr
 exits without probing it (``Chosen.how == "worker_0_alone"``).
 
 Rounds: after a failed round, a worker waits until every worker's process of that round is
-surely gone before starting the next (:class:`SettlingProber`): the round's start + its timeout +
-the runner's kill grace (:data:`KILL_GRACE_S`: TensorFlow catches SIGTERM, so the second signal,
-SIGKILL, is what ends it) + :data:`SETTLE_S`, the start skew between workers it allows.
+surely gone before starting the next (`SettlingProber`): the round's start + its timeout +
+the runner's kill grace (`KILL_GRACE_S`: TensorFlow catches SIGTERM, so the second signal,
+SIGKILL, is what ends it) + `SETTLE_S`, the start skew between workers it allows.
 
 Residual risks, honestly:
 
 - the workers must start ``resilient_strategy()`` within about the probe timeout of each other
   (as they must to train under MultiWorkerMirroredStrategy at all); a worker that starts a round
-  later than :data:`SETTLE_S` after the others may find a peer's previous-round process still
+  later than `SETTLE_S` after the others may find a peer's previous-round process still
   bound to its port, and that round fails on every worker (a false failure, never a false pass:
   the key in the first all-reduce sees to that);
 - a worker killed at its deadline in the milliseconds between the verdict all-reduce completing
   and its report being written would count the round failed while its peers count it passed.
-  Each worker votes "fail" when less than :data:`VERDICT_MARGIN_S` of its probe's time is left,
+  Each worker votes "fail" when less than `VERDICT_MARGIN_S` of its probe's time is left,
   which keeps the verdict well inside every deadline, but the window is not zero. If it happens,
   worker 0 trains under MultiWorkerMirroredStrategy alone and its first collective fails after
   ``process_group_timeout`` (no silent wrong training).
@@ -119,7 +119,7 @@ def decide_across_workers(
     clock: Callable[[], float], decide: Callable[..., Any],
 ) -> tuple[Plan, dict[str, ProbeResult], bool]:
     """This worker's part of the decision of a TF_CONFIG job (see the module's docstring):
-    the plan with a :class:`~.trace.MultiWorkerDecided` event, the results, and whether the
+    the plan with a `MultiWorkerDecided` event, the results, and whether the
     choice was proven. ``decide``: the executor's (this module imports no executor)."""
     if not getattr(prober, "simulated", False):  # a simulation has no processes to wait for
         prober = SettlingProber(prober, clock, time.sleep)

@@ -2,15 +2,15 @@
 the testing kit's simulated probes.
 
 Pure: no process, no clock, no environment. A hang is charged what the real prober charges for
-it: the start-up of its workers, then the allowance of the same :class:`StallPolicy` that
-:func:`stall_policy` hands the runner (:mod:`.proc`), because that allowance is when the runner
+it: the start-up of its workers, then the allowance of the same `StallPolicy` that
+`stall_policy` hands the runner (`proc`), because that allowance is when the runner
 cuts it; a hang the progress records cannot judge (TensorFlow across ``TF_CONFIG`` workers, whose
 peers' progress is not seen here) runs to the deadline. A healthy probe is charged its phases at
-the typical figures of its class of machine (:data:`TYPICAL`): start-up (a fresh interpreter that
+the typical figures of its class of machine (`TYPICAL`): start-up (a fresh interpreter that
 imports the framework, or a worker forked from the warm fork server), device and communicator
 set-up, the value-checked all-reduces at every checked size, the timed ones for the bandwidth
-figure, and the training step. The GPU health check (:mod:`.health`: after killed GPU probes,
-once per decision, deferred) is charged by :func:`health_check_seconds`.
+figure, and the training step. The GPU health check (`health`: after killed GPU probes,
+once per decision, deferred) is charged by `health_check_seconds`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from .workers.torch_worker import ITERS, NEW_SIZE_ALLOW_S, PROCESS_GROUP_BACKEND
 
 #: How a probe ends, as its cost sees it: ``ok`` (healthy, every phase run), a hang the progress
 #: records judge (``setup``, ``straggler``, ``collective``, ``quiet``: see
-#: :class:`~resilient_strategy.records.progress.Stall`) or ``deadline`` (a hang nothing judges
+#: `Stall`) or ``deadline`` (a hang nothing judges
 #: before the probe's timeout).
 HANG_KINDS = ("setup", "straggler", "collective", "quiet")
 ENDINGS = ("ok", *HANG_KINDS, "deadline")
@@ -39,7 +39,7 @@ GLOO_LAZY_VAR = "TORCH_GLOO_LAZY_INIT"
 
 def connects_lazily(spec: ProbeSpec, env: Mapping[str, str] | None = None) -> bool:
     """Whether the probe's transport connects its peers inside collective 1 (so collective 1 is
-    allowed :attr:`StallPolicy.first_collective_extra_s` more). NCCL does (its P2P/SHM/NET
+    allowed `StallPolicy.first_collective_extra_s` more). NCCL does (its P2P/SHM/NET
     connections are made at the first collective that needs them, even after an eager
     ``init_process_group(device_id=...)``), and so does TensorFlow's first traced collective;
     gloo connects its full mesh inside ``init_process_group`` (the ``comm_setup`` phase, judged
@@ -55,7 +55,7 @@ def stall_policy(spec: ProbeSpec, env: Mapping[str, str] | None = None) -> Stall
     """How a probe's hang is judged from its workers' progress (the spec's timeout stays the
     outer bound). A probe's code never pauses between its records once the communicator is
     ready, so a silent ready rank is stalled too (``quiet_s``). ``env``: the caller's
-    environment the workers run with (see :func:`connects_lazily`)."""
+    environment the workers run with (see `connects_lazily`)."""
     policy = StallPolicy()
     return StallPolicy(
         # communicator set-up grows with the ranks (NCCL: bootstrap ring, topology, channels)
@@ -104,7 +104,7 @@ class Figures:
 #: (deciding/notices.py TYPICAL_STARTUP_S) and its traced first collective. The torch step
 #: since the probe's step lost DDP and torch.optim (no torch._dynamo import, 2026-11-26): ~0.25 s
 #: on an H100 (checked -> finished in benchmarks/results/floor-h100x1-2026-11-26.md), ~0.06 s on
-#: CPU. The health check (:func:`health_check_seconds`) is a start-up plus ``device_s`` per GPU:
+#: CPU. The health check (`health_check_seconds`) is a start-up plus ``device_s`` per GPU:
 #: the field run's ~4 s after the hang = a fresh ``import torch`` (2.6 s) + 2 GPUs initialised.
 #: TensorFlow's step on one worker is two ``train_on_batch`` calls since 2026-11-26: 0.5-1.2 s
 #: on 2 logical CPUs of the loaded 2-core machine (the probe's "measured" -> "stepped" phases,
@@ -145,10 +145,10 @@ def first_collective(spec: ProbeSpec) -> tuple[int, float]:
 def probe_seconds(spec: ProbeSpec, ending: str, *, forked: bool = False,
                   warm: bool = False, figures: Figures | None = None,
                   env: Mapping[str, str] | None = None) -> float:
-    """Seconds a probe of ``spec`` runs until it ends as ``ending`` (one of :data:`ENDINGS`),
+    """Seconds a probe of ``spec`` runs until it ends as ``ending`` (one of `ENDINGS`),
     at most its timeout. ``forked``: its workers come from the fork server (torch), which
     ``warm`` says had already imported the framework for an earlier probe. ``env``: the
-    caller's environment (as :func:`stall_policy` takes it)."""
+    caller's environment (as `stall_policy` takes it)."""
     if ending not in ENDINGS:
         raise ValueError(f"probe ending {ending!r}: one of {list(ENDINGS)}")
     f = figures or figures_for(spec)
@@ -180,7 +180,7 @@ def probe_seconds(spec: ProbeSpec, ending: str, *, forked: bool = False,
 
 def health_check_seconds(framework: str, gpus: int, *, forked: bool = False,
                          warm: bool = False, figures: Figures | None = None) -> float:
-    """Seconds one GPU health check of ``gpus`` GPUs takes (:func:`.health.run_check`): its
+    """Seconds one GPU health check of ``gpus`` GPUs takes (`health.run_check`): its
     process starts (forked from the warm fork server for torch when ``forked`` and ``warm``,
     else a fresh interpreter importing the framework), then initialises each GPU in turn and
     runs a checked kernel on it (``device_s`` each). Nothing for no GPU."""

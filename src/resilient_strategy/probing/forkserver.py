@@ -1,9 +1,9 @@
 """The runner's side of the fork server (``probes/fork_server``): import torch once per decision,
 fork each probe worker from it instead of starting a fresh interpreter that imports torch.
 
-:func:`server_for` returns a running server for (python, environment), starting one when none
-is alive; :meth:`ForkServer.spawn` forks one worker and returns a :class:`ForkedProc` that the
-process runner (:mod:`._proc`) drives like a ``subprocess.Popen``: ``pid`` (its own session,
+`server_for` returns a running server for (python, environment), starting one when none
+is alive; `ForkServer.spawn` forks one worker and returns a `ForkedProc` that the
+process runner (`_proc`) drives like a ``subprocess.Popen``: ``pid`` (its own session,
 so ``killpg`` reaches it), ``poll``, ``wait``, ``returncode``. A server exits on its own after
 ``IDLE_EXIT_S`` with nothing to do, when this process dies, or at this process's exit.
 
@@ -142,7 +142,7 @@ def enabled(env: Mapping[str, str]) -> bool:
 
 class ForkServers:
     """The fork servers one holder started, by interpreter and environment. The prober uses this
-    process's instance (:data:`FORK_SERVERS`, closed at exit); a test may hold its own."""
+    process's instance (`FORK_SERVERS`, closed at exit); a test may hold its own."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -179,7 +179,7 @@ atexit.register(FORK_SERVERS.close_all)
 
 
 def server_for(python: str, env: Mapping[str, str]) -> ForkServer:
-    """A live torch fork server for this interpreter and environment, from :data:`FORK_SERVERS`."""
+    """A live torch fork server for this interpreter and environment, from `FORK_SERVERS`."""
     return FORK_SERVERS.server_for(python, env)
 
 

@@ -1,21 +1,21 @@
 """After a hung GPU probe was killed: does every GPU it used still work?
 
 A killed NCCL job can leave a GPU that no longer initializes or hangs in its first kernel until
-it is reset. Training on it would hang again, so :func:`check_after` runs a fresh process
+it is reset. Training on it would hang again, so `check_after` runs a fresh process
 (``probes/health_worker``) under a deadline that initializes each GPU in turn and runs a kernel
 whose result it checks; a GPU that fails, or the one it was on when the deadline passed, is
-named in a :class:`~resilient_strategy.errors.GpuUnusableError`.
+named in a `GpuUnusableError`.
 
-The decisions (:func:`needs_check`, :func:`broken_gpus`, :class:`Unproven`) are pure and tested
+The decisions (`needs_check`, `broken_gpus`, `Unproven`) are pure and tested
 without GPUs; the check itself runs only where a probe used real GPUs.
 
 Within one decision the check is deferred (issue 21: three hung GPU probes cost three checks,
-12 s of a 42 s worst case): a killed probe leaves its GPUs *unproven* (:class:`Unproven`); a
+12 s of a 42 s worst case): a killed probe leaves its GPUs *unproven* (`Unproven`); a
 later probe that passes on a GPU proves it (it initialised it and ran checked collectives and
 kernels on it, which is what the check does); a later probe that fails or hangs before its
 devices are ready on an unproven GPU is checked at once (a wedged GPU is named, not turned into
 a chain of hangs); before the decision returns, one check covers the GPUs still unproven
-(:meth:`Unproven.final`). Nothing trains on a GPU a killed probe may have broken without proof.
+(`Unproven.final`). Nothing trains on a GPU a killed probe may have broken without proof.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def needs_check(spec: ProbeSpec, result: ProbeResult) -> bool:
 
 
 #: Hangs judged once every rank was past its device: in communicator set-up, inside a
-#: collective, or silent after the communicator was ready (see :class:`..records.progress.Stall`).
+#: collective, or silent after the communicator was ready (see `records.progress.Stall`).
 #: A ``straggler`` (ranks that never arrived, e.g. stuck initialising a wedged GPU) is not.
 READY_HANGS = frozenset({"setup", "collective", "quiet"})
 #: The progress phase a worker records once its device is initialised.
@@ -67,7 +67,7 @@ DEVICE_READY = "device_ready"
 
 def devices_ready(result: ProbeResult) -> bool:
     """Whether every rank of a probe had its device initialised: it passed, its phases show
-    ``device_ready``, or its hang was judged past that point (:data:`READY_HANGS`). Unknown
+    ``device_ready``, or its hang was judged past that point (`READY_HANGS`). Unknown
     (an error without phases, a hang only the deadline cut, a straggler) counts as not."""
     if result.status == OK or any(name == DEVICE_READY for name, _ in result.phases):
         return True
@@ -78,20 +78,27 @@ def devices_ready(result: ProbeResult) -> bool:
 class Unproven:
     """The GPUs of one decision that a killed probe may have broken and nothing proved since.
 
-    Pure: :meth:`after_probe` says which GPUs to check now, :meth:`checked` records a healthy
-    check, :meth:`final` splits what is left before the decision returns."""
+    Pure: `after_probe` says which GPUs to check now, `checked` records a healthy
+    check, `final` splits what is left before the decision returns."""
 
     gpus: set[int] = field(default_factory=set)
     #: the probes that left GPUs unproven, for the trace and the error (candidate keys)
     by: list[str] = field(default_factory=list)
+    #: whether a killed probe was already checked at once in this decision (the first hang is:
+    #: a wedged GPU is named before any hung variant is tried on it; later hangs are deferred)
+    hung_once: bool = False
 
-    def after_probe(self, spec: ProbeSpec, result: ProbeResult) -> tuple[int, ...]:
+    def after_probe(self, spec: ProbeSpec, result: ProbeResult,
+                    can_check_now: bool = True) -> tuple[int, ...]:
         """Take in one probe's result; the GPUs to check right now (else ``()``).
 
         A probe on an unproven GPU that failed or hung before its devices were ready is checked
         at once: its own GPUs and the unproven ones (a broken GPU must be named as such, and the
-        next candidate would hang on it again). A probe that passed proves its GPUs; a killed
-        one leaves its GPUs unproven until a later probe or the final check proves them."""
+        next candidate would hang on it again). The first killed probe of a decision is checked
+        at once too (issue 31): a silent hang is followed by a search over hung variants, and a
+        wedged GPU must end it after one hang, not after two. A probe that passed proves its
+        GPUs; a later killed one leaves its GPUs unproven until a later probe or the final check
+        proves them."""
         mine = gpus_of(spec)
         if not mine:
             return ()
@@ -101,6 +108,12 @@ class Unproven:
         suspects = self.gpus & set(mine)
         if suspects and not devices_ready(result):
             return tuple(sorted(suspects | (set(mine) if killed(result) else set())))
+        # the first hang: checked between variants, where the check fits the probe budget
+        # (``can_check_now``; else deferred like any later hang)
+        if killed(result) and not self.hung_once and can_check_now:
+            self.hung_once = True
+            self.by.append(spec.candidate)
+            return tuple(sorted(set(mine) | suspects))
         if killed(result):
             self.gpus |= set(mine)
             self.by.append(spec.candidate)
@@ -155,7 +168,7 @@ def broken_gpus(devices: Sequence[int], report: str, timed_out: bool,
 
 def check_after(spec: ProbeSpec, result: ProbeResult, env: Mapping[str, str], *,
                 python: str = sys.executable, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
-    """Raise :class:`GpuUnusableError` when ``result`` left a GPU of ``spec`` unusable."""
+    """Raise `GpuUnusableError` when ``result`` left a GPU of ``spec`` unusable."""
     if not needs_check(spec, result):
         return
     broken = run_check(spec.framework, spec.devices, env, python=python, timeout_s=timeout_s)

@@ -4,13 +4,13 @@ The environment is the caller's snapshot; nothing here reads ``os.environ``. Wor
 fresh temporary directory (``rs-probe-<pid>-*``), which also holds the torch rendezvous file (no
 TCP port to collide or leak) and the reports, and is removed afterwards, also when a SIGTERM
 ends this process meanwhile. The first probe of a process sweeps the directories a killed run
-of this user left (see :func:`._files.sweep_temp_dirs`).
+of this user left (see `_files.sweep_temp_dirs`).
 
 Probes run one at a time. Running independent candidates side by side would disturb each
 other's bandwidth figures (the ranking depends on them), and whether a hung NCCL kernel in one
 probe disturbs another on the same GPUs can only be measured on GPUs, which has not been done:
 until it is, nothing runs concurrently (a later probe saves its framework import through the
-fork server instead, see :mod:`._forkserver`).
+fork server instead, see `_forkserver`).
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ WORKER_TIMEOUT_MARGIN_S = 30.0
 def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.executable,
               health_check: bool = True) -> ProbeResult:
     """Prove ``spec`` on this machine within ``spec.timeout_s``; never raises for a failed probe,
-    only :class:`~resilient_strategy.errors.GpuUnusableError` when a hung probe on GPUs, once
-    killed, left a GPU that no longer initializes or runs a kernel (see :mod:`.health`).
-    ``health_check=False``: the caller defers that check (:class:`.health.Unproven`, the
-    decision loop's :class:`DeferredHealthProber`) and must run it before using the GPUs."""
+    only `GpuUnusableError` when a hung probe on GPUs, once
+    killed, left a GPU that no longer initializes or runs a kernel (see `health`).
+    ``health_check=False``: the caller defers that check (`health.Unproven`, the
+    decision loop's `DeferredHealthProber`) and must run it before using the GPUs."""
     _files.TEMP_SWEEP.once()  # what a killed run of ours left (its pid gone, untouched a while)
     # a SIGTERM while the workers run removes this directory too, then terminates the process
     with _proc.terminate_as_exception(), _files.temp_dir("rs-probe-") as tmp:
@@ -67,8 +67,8 @@ def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.exec
 
 
 class DeferredHealthProber:
-    """The real prober of a decision that defers the GPU health check (:class:`.health.Unproven`):
-    a probe runs without it, and the decision loop calls :meth:`check_gpus` when a check is due.
+    """The real prober of a decision that defers the GPU health check (`health.Unproven`):
+    a probe runs without it, and the decision loop calls `check_gpus` when a check is due.
     Torch's check is forked from the probes' warm fork server (``import torch`` done, no GPU
     touched there), so it costs a fork and each GPU's initialisation, not another import."""
 
@@ -80,14 +80,14 @@ class DeferredHealthProber:
 
     def check_gpus(self, framework: str, devices: tuple[int, ...],
                    env: Mapping[str, str]) -> list[tuple[int, str]]:
-        """The broken GPUs of ``devices``, each with why (see :func:`.health.run_check`)."""
+        """The broken GPUs of ``devices``, each with why (see `health.run_check`)."""
         # a fork server that is gone or refuses: the runner starts a fresh interpreter instead
         spawn = _fork_spawner(ProbeSpec("", framework, "", ()), env, self.python)
         return health.run_check(framework, devices, env, python=self.python, spawn=spawn)
 
     def check_seconds(self, framework: str, gpus: int, env: Mapping[str, str]) -> float:
         """What a check of ``gpus`` GPUs typically costs after the decision's probes (the fork
-        server warm), by :func:`.cost.health_check_seconds`."""
+        server warm), by `cost.health_check_seconds`."""
         from . import forkserver as _forkserver
 
         forked = framework == "torch" and _forkserver.enabled(env)
@@ -95,7 +95,7 @@ class DeferredHealthProber:
 
 
 def _fork_spawner(spec: ProbeSpec, env: Mapping[str, str], python: str) -> _proc.Spawn | None:
-    """Fork torch workers from a server that imported torch once (see :mod:`._forkserver`);
+    """Fork torch workers from a server that imported torch once (see `_forkserver`);
     None for TensorFlow, or when switched off (``RESILIENT_STRATEGY_FORKSERVER=0``)."""
     from . import forkserver as _forkserver
 

@@ -42,7 +42,7 @@ class WorkerCommand:
 
 class Proc(Protocol):
     """What the runner needs of a started worker: ``subprocess.Popen`` or a fork server's child
-    (:class:`._forkserver.ForkedProc`). ``pid`` is also its process group id."""
+    (`_forkserver.ForkedProc`). ``pid`` is also its process group id."""
 
     pid: int
     returncode: int | None
@@ -82,15 +82,15 @@ def run_group(
     stop: Callable[[], str] | None = None,
 ) -> GroupOutcome:
     """Run all commands at once until all exit 0, one fails, ``timeout_s`` passes, or (with
-    ``stall_policy``) the workers' progress records show a stall (see :mod:`.progress`).
+    ``stall_policy``) the workers' progress records show a stall (see `progress`).
 
     On a failure or the deadline every worker still running is stopped; on any exception (also
     KeyboardInterrupt) too, before it propagates. Nothing is left running or unreaped.
     ``poll_s`` is the polling interval where pidfds are unavailable, and how often progress
-    records are read; ``spawn`` starts workers another way (see :data:`Spawn`); ``grace_s`` bounds each of
+    records are read; ``spawn`` starts workers another way (see `Spawn`); ``grace_s`` bounds each of
     the two waits when stopping (after SIGTERM, after SIGKILL). Shared-memory segments that NCCL
-    left in ``shm_dir`` because a worker was killed mid-setup are removed (see :func:`reap_shm`).
-    ``stop``, asked about every :data:`STOP_POLL_S`, ends the group early when it returns a
+    left in ``shm_dir`` because a worker was killed mid-setup are removed (see `reap_shm`).
+    ``stop``, asked about every `STOP_POLL_S`, ends the group early when it returns a
     reason (a peer node of a cross-node probe was lost: waiting out the deadline is pointless).
     """
     with terminate_as_exception():
@@ -314,7 +314,7 @@ class _ExitWaiter:
 def start_supervised(argv: Sequence[str], env: Mapping[str, str], cwd: str,
                      stderr: int) -> subprocess.Popen[bytes]:
     """One long-lived worker the caller watches itself (``resilient-strategy run``'s one-process
-    agent): its own session, so that :func:`stop_groups` reaches everything it starts, no
+    agent): its own session, so that `stop_groups` reaches everything it starts, no
     stdin, stdout shared with the caller's, stderr to ``stderr`` (a pipe the caller tees)."""
     return subprocess.Popen(list(argv), env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL,
                             stderr=stderr, start_new_session=True)

@@ -1,5 +1,5 @@
 """torch's flight recorder, asked for before a stalled group is stopped: each worker's dump
-crosses to the supervisor as a file, and :func:`~.flightdump.analyse` (pure) turns the dumps into
+crosses to the supervisor as a file, and `analyse` (pure) turns the dumps into
 typed facts: the collective that never completed, its operation, the ranks that entered it and
 the ranks that never did.
 
@@ -25,16 +25,16 @@ group, ``collective_seq_id``, state, sizes, the Python stack that issued it); so
   buffer on demand through that API.
 
 How it is asked for: the main thread of a stalled rank is blocked inside a collective, so no
-Python signal handler would run there. :func:`serve` starts a daemon thread in the worker that
+Python signal handler would run there. `serve` starts a daemon thread in the worker that
 waits (blocked in ``read``, no polling) on a FIFO in the attempt's run directory; the supervisor
-(:func:`request`) writes one byte to each rank's FIFO, and the thread calls every dump API the
+(`request`) writes one byte to each rank's FIFO, and the thread calls every dump API the
 build has, writes the bytes next to it and a status file last. The supervisor waits for the
 status files up to a deadline; a rank without a listener, without an answer, or whose torch has
-no dump API is a typed :class:`~.flightdump.DumpStatus`, never a hang. Every private API is feature-checked
+no dump API is a typed `DumpStatus`, never a hang. Every private API is feature-checked
 and its failure is logged and said in the status.
 
-The dumps are read (at most :data:`MAX_DUMP_BYTES` each) and analysed by
-:mod:`.flightdump` (pure). Imports nothing but the standard library and that module (torch only in
+The dumps are read (at most `MAX_DUMP_BYTES` each) and analysed by
+`flightdump` (pure). Imports nothing but the standard library and that module (torch only in
 the worker, only when it is already imported there).
 """
 
@@ -57,10 +57,14 @@ from .flightdump import Dump, DumpStatus, RankDump, merge_dumps, parse_dump
 log = logging.getLogger("resilient_strategy")
 
 #: The buffer's size variable for NCCL (torch 2.2+), set for the workers of an NCCL decision
-#: unless the user set it or :data:`FR_BUFFER_VAR`.
+#: on a torch older than `FR_SINCE`, unless the user set it or `FR_BUFFER_VAR`.
 BUFFER_VAR = "TORCH_NCCL_TRACE_BUFFER_SIZE"
-#: torch 2.8+'s vendor-neutral name (read first by torch): a user's value is kept.
+#: The vendor-neutral name (read first by torch, which warns on every rank that the NCCL name is
+#: deprecated): set on torch `FR_SINCE` and later; a user's value of either is kept.
 FR_BUFFER_VAR = "TORCH_FR_BUFFER_SIZE"
+#: The first torch (major, minor) that reads `FR_BUFFER_VAR` (the flight recorder made
+#: vendor neutral: https://github.com/pytorch/pytorch/pull/152563, released in torch 2.8).
+FR_SINCE = (2, 8)
 #: Entries kept per process (torch 2.13's default for its generic recorder).
 DEFAULT_ENTRIES = 2000
 #: The dump APIs asked, in order (each its own recorder; absent ones are skipped).
@@ -71,12 +75,27 @@ WAIT_S = 5.0
 MAX_DUMP_BYTES = 64 << 20
 
 
-def buffer_env(backend: str, env: Mapping[str, str]) -> dict[str, str]:
+def buffer_var(torch_version: str | None) -> str:
+    """The size variable the installed torch expects (its version read from the package's
+    metadata, never by importing it): `FR_BUFFER_VAR` from torch `FR_SINCE`, else
+    (older, or a version that does not parse) `BUFFER_VAR`, which every torch since 2.2
+    reads. Pure."""
+    import re
+
+    m = re.match(r"(\d+)\.(\d+)", torch_version or "")
+    if m and (int(m.group(1)), int(m.group(2))) >= FR_SINCE:
+        return FR_BUFFER_VAR
+    return BUFFER_VAR
+
+
+def buffer_env(backend: str, env: Mapping[str, str],
+               torch_version: str | None = None) -> dict[str, str]:
     """The variable that turns NCCL's recorder on for the workers of a decision on ``backend``:
-    only for NCCL, never over the user's (either name)."""
+    only for NCCL, never over the user's (either name), under the name ``torch_version``
+    expects (`buffer_var`)."""
     if backend != "nccl" or BUFFER_VAR in env or FR_BUFFER_VAR in env:
         return {}
-    return {BUFFER_VAR: str(DEFAULT_ENTRIES)}
+    return {buffer_var(torch_version): str(DEFAULT_ENTRIES)}
 
 
 def fifo_path(run_dir: str | Path, local_rank: int) -> Path:
@@ -95,8 +114,8 @@ def dump_path(run_dir: str | Path, local_rank: int, api: str) -> Path:
 
 
 def serve(run_dir: str | Path, local_rank: int, rank: int, c10d: Any = None) -> bool:
-    """Start the daemon thread that answers the supervisor's request (:func:`request`) with
-    :func:`respond` (``c10d`` as there). False where no FIFO can be made (then the supervisor
+    """Start the daemon thread that answers the supervisor's request (`request`) with
+    `respond` (``c10d`` as there). False where no FIFO can be made (then the supervisor
     reads "no listener")."""
     path = fifo_path(run_dir, local_rank)
     mkfifo = getattr(os, "mkfifo", None)
@@ -129,7 +148,7 @@ def _listen(fd: int, run_dir: Path, local_rank: int, rank: int, c10d: Any) -> No
 
 def respond(run_dir: str | Path, local_rank: int, rank: int, c10d: Any = None) -> dict[str, Any]:
     """Dump this process's flight recorder through every API the build has, each to
-    :func:`dump_path`, then write :func:`status_path` (last: the supervisor waits for it).
+    `dump_path`, then write `status_path` (last: the supervisor waits for it).
     ``c10d``: the module holding the APIs (``torch._C._distributed_c10d``; a test passes its
     own). Never raises; returns the status written."""
     status: dict[str, Any] = {"rank": rank, "local_rank": local_rank, "apis": [],
@@ -219,7 +238,7 @@ def _knock(path: Path) -> str:
 
 
 def read_answer(run_dir: str | Path, local_rank: int, rank: int) -> RankDump:
-    """One rank's answer, parsed (:func:`parse_dump`), after :func:`respond` wrote it."""
+    """One rank's answer, parsed (`parse_dump`), after `respond` wrote it."""
     try:
         raw = status_path(run_dir, local_rank).read_bytes()
     except OSError:

@@ -1,8 +1,8 @@
-"""torch's flight-recorder dump, parsed and analysed (pure): :func:`parse_dump` reads one rank's
-dump, :func:`analyse` names the collective a stalled group is stuck in, its operation, the ranks
+"""torch's flight-recorder dump, parsed and analysed (pure): `parse_dump` reads one rank's
+dump, `analyse` names the collective a stalled group is stuck in, its operation, the ranks
 that entered it and the ranks that never did (or the last collective every rank completed), as
-typed facts (:class:`FlightFacts`) that ride in the attempt's verdict. The dumps come from
-:mod:`.flight`, which also cites the dump's shape in torch's source.
+typed facts (`FlightFacts`) that ride in the attempt's verdict. The dumps come from
+`flight`, which also cites the dump's shape in torch's source.
 
 A dump is read with an unpickler that refuses every global: torch's pickler writes plain dicts,
 lists, tuples, strings and numbers (the first dumps, torch 2.2, were a list of entries; later a
@@ -145,7 +145,7 @@ class LastCollective:
 
 @dataclass(frozen=True)
 class FlightFacts:
-    """What the recorders of one stalled attempt say (:func:`analyse`)."""
+    """What the recorders of one stalled attempt say (`analyse`)."""
 
     ranks: tuple[RankDump, ...]
     stuck: StuckCollective | None = None
@@ -180,7 +180,7 @@ class FlightFacts:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> FlightFacts:
-        """Raises ValueError for a record that is not what :meth:`to_dict` writes."""
+        """Raises ValueError for a record that is not what `to_dict` writes."""
         try:
             ranks = tuple(RankDump(int(r["local_rank"]), int(r["rank"]),
                                    DumpStatus(str(r["status"])), str(r.get("reason", "")),
@@ -376,3 +376,26 @@ def _user_frame(frames: Sequence[str]) -> str:
 
 def _ranks(ranks: Sequence[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def divergence(ranks: Sequence[RankDump]) -> str:
+    """The proof that the ranks are in different collectives, from their recorders (pure): one
+    collective number of one process group issued as different operations, or with different
+    tensor sizes, on two ranks. "" when no dump proves it (the recorders agree, or too few
+    answered): a rank that never arrived is then held up, not diverged."""
+    dumped = [r for r in ranks if r.dump is not None]
+    seen: dict[tuple[str, int], tuple[int, Entry]] = {}
+    for r in sorted(dumped, key=lambda d: d.rank):
+        assert r.dump is not None
+        for e in r.dump.entries:
+            if e.p2p:
+                continue
+            first = seen.setdefault((e.group, e.seq), (r.rank, e))
+            other_rank, other = first
+            if other_rank == r.rank:
+                continue
+            if other.op != e.op or (other.sizes and e.sizes and other.sizes != e.sizes):
+                return (f"collective #{e.seq} of group {e.group} is {other.op} "
+                        f"{list(map(list, other.sizes))} on rank {other_rank} but {e.op} "
+                        f"{list(map(list, e.sizes))} on rank {r.rank}")
+    return ""

@@ -2,14 +2,14 @@
 
 The supervisor decides once, writes the decision (the chosen candidate's key and the probe
 results it was planned from) to a private JSON file, and starts each worker through
-:mod:`resilient_strategy.run.worker` with that file's path. ``resilient_strategy()`` in the worker
-finds it (:func:`load_decision`), re-plans from the same results in milliseconds and takes the
+`resilient_strategy.run.worker` with that file's path. ``resilient_strategy()`` in the worker
+finds it (`load_decision`), re-plans from the same results in milliseconds and takes the
 handed candidate, so every rank agrees by construction and nothing is probed twice.
 
-The worker then reports its progress (:class:`TrainingReporter`, through
-:mod:`resilient_strategy.records.progress`) from the Selection's training calls, acts on a rehearsed
-fault (:mod:`resilient_strategy.records.trainfault`), and on an exception leaves an error record that
-the supervisor classifies (:func:`write_error`).
+The worker then reports its progress (`TrainingReporter`, through
+`resilient_strategy.records.progress`) from the Selection's training calls, acts on a rehearsed
+fault (`resilient_strategy.records.trainfault`), and on an exception leaves an error record that
+the supervisor classifies (`write_error`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ..core.bounded import parse_json, read_user_file
 from ..core.candidate import Candidate
 from ..core.facts import Facts
 from ..core.probe import ProbeResult
-from ..errors import ResilientStrategyError
+from ..errors import InvalidOptionError, NoSpaceError, ResilientStrategyError
 from . import phases as _phases
 from .progress import (
     COLLECTIVE,
@@ -38,6 +38,7 @@ from .progress import (
     FINISHED,
     STARTED,
     STEP_DONE,
+    DevicePoller,
     ProgressWriter,
 )
 from .trainfault import TrainFault, fault_from
@@ -130,7 +131,7 @@ class Decision:
 
     def planned_memory(self, facts: Facts) -> Facts:
         """``facts`` with the free memory this decision was planned against (the GPUs by this
-        worker's ordinal: read :meth:`renumbered` first when bound)."""
+        worker's ordinal: read `renumbered` first when bound)."""
         if not self.free_bytes and self.host_available_bytes is None:
             return facts
         gpus = tuple(replace(g, memory_free_bytes=self.free_bytes[g.index])
@@ -212,17 +213,24 @@ def bound_devices_value(devices: tuple[int, ...], gpus: Sequence[tuple[int, str,
 
 
 def write_decision(path: str | Path, decision: Decision) -> None:
-    """Atomically (temp file + rename in the same directory)."""
+    """Atomically (temp file + rename in the same directory). A full or read-only filesystem
+    is a NoSpaceError naming the file (the previous decision, if any, is left whole)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(decision.to_dict(), fh, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                json.dump(decision.to_dict(), fh, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    except OSError as exc:
+        typed = NoSpaceError.from_os_error(exc, str(path), "the decision handed to the workers")
+        if typed is None:
+            raise
+        raise typed from exc
 
 
 def load_decision(env: Mapping[str, str], state: WorkerState | None = None) -> Decision | None:
@@ -232,7 +240,7 @@ def load_decision(env: Mapping[str, str], state: WorkerState | None = None) -> D
 
 def bound_env(env: Mapping[str, str], state: WorkerState | None = None) -> dict[str, str]:
     """In a worker, before the script runs (before CUDA starts): the variables of the GPUs its
-    decision is bound to (:meth:`Decision.worker_env`). A decision that cannot be read binds
+    decision is bound to (`Decision.worker_env`). A decision that cannot be read binds
     nothing here: ``resilient_strategy()`` in the script says why it cannot be read."""
     try:
         decision = load_decision(env, state)
@@ -287,7 +295,7 @@ def write_error(run_dir: str | Path, local_rank: int, exc: BaseException,
 @dataclass
 class TrainingReporter:
     """One rank's progress reports from the Selection's training calls, through the shared
-    progress protocol (:mod:`resilient_strategy.records.progress`): the gradient all-reduce of optimizer
+    progress protocol (`resilient_strategy.records.progress`): the gradient all-reduce of optimizer
     step ``k`` is collective ``k`` (entered before the backward of the last micro-step, left
     after it; its "collective_done k" also marks the step, so the watcher's count of
     collectives never lags a rank that went on), ``step(k)`` when one process steps alone,
@@ -303,8 +311,12 @@ class TrainingReporter:
     attempt: int = 0  # the launch attempt (a rehearsed fault may fire in the first ones only)
     step: int = 0
     phase_name: str = STARTED
-    #: Where this rank's phase marks go (:mod:`.phases`; None: not marked).
+    #: Where this rank's phase marks go (`phases`; None: not marked).
     phases: str | None = None
+    #: Follows each gradient all-reduce to its completion on the device (NCCL, where a
+    #: collective returns when enqueued; None: leaving it is completing it). Set once, by the
+    #: Selection when the process group is up.
+    device: DevicePoller | None = field(default=None, repr=False)
     _fault_armed: bool = field(default=False, repr=False)
     _stepped_once: bool = field(default=False, repr=False)
 
@@ -321,6 +333,7 @@ class TrainingReporter:
         self._mark(_phases.RESTORED)
         self.step = step
         self.writer.step(step)
+        self.writer.device_done(step)  # the restored steps are complete (no-op off the device)
         self.phase_name = STEP_DONE
 
     def backward_begin(self, last_micro_step: bool) -> None:
@@ -340,6 +353,8 @@ class TrainingReporter:
         if last_micro_step and self.collective:
             self.writer.leave(self.step + 1)
             self.phase_name = COLLECTIVE_DONE
+            if self.device is not None:
+                self.device.record(self.step + 1)
 
     def stepped(self, stepped: bool) -> None:
         if not stepped:
@@ -369,7 +384,7 @@ class TrainingReporter:
 class WorkerState:
     """What one worker process of ``resilient-strategy run`` holds: the decisions it loaded (by
     path) and its one reporter (a second ``resilient_strategy()`` call in the process reuses
-    both). The public functions use the default instance, :data:`WORKER`; a test makes its own."""
+    both). The public functions use the default instance, `WORKER`; a test makes its own."""
 
     def __init__(self) -> None:
         self.loaded: dict[str, Decision] = {}
@@ -384,9 +399,9 @@ class WorkerState:
                 data = read_user_file(Path(path), MAX_DECISION_BYTES)
                 self.loaded[path] = Decision.from_dict(parse_json(data, path, allow_nan=True))
             except (OSError, ValueError, KeyError, TypeError, ResilientStrategyError) as exc:
-                raise ResilientStrategyError(
+                raise InvalidOptionError(
                     f"{DECISION_VAR}={path[:200]!r}: cannot read the decision handed down by "
-                    f"`resilient-strategy run`: {exc}") from None
+                    f"`resilient-strategy run`: {exc}", DECISION_VAR) from None
         return self.loaded[path]
 
     def reporter_for(self, decision: Decision, rank: int, local_rank: int, backend: str,

@@ -1,5 +1,5 @@
 """When each phase of an attempt of ``resilient-strategy run`` began: wall-clock marks written by
-the supervisor (its agent) and by every worker, read back into a typed :class:`Timeline` that goes
+the supervisor (its agent) and by every worker, read back into a typed `Timeline` that goes
 into the attempt's record (``attempts.json``). What a relaunch costs, phase by phase, is then
 data (``benchmarks/bench_supervisor.py`` prints it), not a guess.
 

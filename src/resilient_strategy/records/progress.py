@@ -16,10 +16,10 @@ cheap enough for every training step)::
 
 Each rank owns one small file; the latest record overwrites the previous one (no growth, no
 locking). The file's blocks are allocated when the writer opens it (``posix_fallocate``, else
-zeros written), so a full disk is a :class:`~resilient_strategy.errors.NoSpaceError` naming the
+zeros written), so a full disk is a `NoSpaceError` naming the
 file before any training, never a SIGBUS through the mapping mid-run. Only a regular file is
 written or read: a FIFO or device planted in its place is refused without blocking (opened
-``O_NONBLOCK``, checked with ``fstat``), and the writer never follows a symlink. ``allow_s`` on :meth:`ProgressWriter.enter` declares extra time a region may need on
+``O_NONBLOCK``, checked with ``fstat``), and the writer never follows a symlink. ``allow_s`` on `ProgressWriter.enter` declares extra time a region may need on
 top of the transfer (a first call that compiles a graph, DDP's first step).
 
 Watcher (in the runner, polled every few tens of milliseconds)::
@@ -41,27 +41,30 @@ What is judged (all times on the watcher's own clock, from when it saw a record 
   ``setup_grace_s``; a rank past its device setup that has not entered it while others wait,
   within ``arrive_grace_s`` (kind ``straggler``);
 * collective k: once every rank has entered it, every rank must leave it within
-  :meth:`StallPolicy.collective_grace` (latency allowance + ``safety`` x the transfer time at the
+  `StallPolicy.collective_grace` (latency allowance + ``safety`` x the transfer time at the
   slowest bandwidth measured, in this group or ``floor_bytes_per_s``); a rank that has not
   entered it ``arrive_grace_s`` after the first did and after its own last record is a straggler;
 * ``quiet_s`` (optional): a rank past communicator setup and outside any collective may stay
   silent at most this long (probes: their code never pauses; training: leave it None, or set it
   from the measured step time).
 
-:class:`Stall` says which kind, where (``phase``, ``k``) and which ranks; the caller decides
+`Stall` says which kind, where (``phase``, ``k``) and which ranks; the caller decides
 what to do (a probe runner kills the group and reports a hang).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import mmap
 import os
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import NoSpaceError
 
@@ -89,15 +92,17 @@ _RECORD_BYTES = 128
 FLOOR_BYTES_PER_S = 0.05e9
 
 
-_FORMAT = b"%d %s %d %d %.6f %.3f %.6f %d"
+_FORMAT = b"%d %s %d %d %.6f %.3f %.6f %d %d"
 _PHASE_BYTES = {p: p.encode("ascii") for p in PHASES}
+#: ``Record.dev`` of a rank whose device progress is not followed (CPU, gloo, TensorFlow).
+NOT_FOLLOWED = -1
 
 
 def _encode(seq: int, phase: bytes, k: int, nbytes: int, t: float, allow_s: float,
-            took_s: float) -> bytes:
+            took_s: float, dev: int = NOT_FOLLOWED) -> bytes:
     """One record's bytes: the fields, the sequence number again (a torn record is seen),
     padded to a fixed size. The writer calls it on every step: no objects, one format."""
-    data = _FORMAT % (seq, phase, k, nbytes, t, allow_s, took_s, seq)
+    data = _FORMAT % (seq, phase, k, nbytes, t, allow_s, took_s, dev, seq)
     return data[:_RECORD_BYTES - 1].ljust(_RECORD_BYTES - 1) + b"\n"
 
 
@@ -105,7 +110,10 @@ def _encode(seq: int, phase: bytes, k: int, nbytes: int, t: float, allow_s: floa
 class Record:
     """One progress record as written: a sequence number, the phase, a counter ``k`` (the
     collective or step), the bytes it moves, the writer's monotonic time, the region's extra
-    allowance and, on ``collective_done``, how long the collective took."""
+    allowance, on ``collective_done``, how long the collective took, and ``dev``: the highest
+    collective seen completed *on the device* (`DevicePoller`; under NCCL a collective
+    returns to Python when it is enqueued), `NOT_FOLLOWED` where the device is not
+    followed (there, leaving a collective is completing it)."""
 
     seq: int
     phase: str
@@ -114,20 +122,23 @@ class Record:
     t: float = 0.0
     allow_s: float = 0.0
     took_s: float = 0.0
+    dev: int = NOT_FOLLOWED
 
     def encode(self) -> bytes:
         return _encode(self.seq, self.phase.encode("ascii"), self.k, self.nbytes, self.t,
-                       self.allow_s, self.took_s)
+                       self.allow_s, self.took_s, self.dev)
 
     @classmethod
     def decode(cls, data: bytes) -> Record | None:
-        """The record in ``data``, or None when it is empty, torn or not a record."""
+        """The record in ``data``, or None when it is empty, torn or not a record (the 8-field
+        records of earlier versions, without ``dev``, are read too)."""
         try:
             fields = data.decode("ascii").split()
-            if len(fields) != 8 or fields[0] != fields[7] or fields[1] not in _ORDER:
+            if len(fields) not in (8, 9) or fields[0] != fields[-1] or fields[1] not in _ORDER:
                 return None
+            dev = int(fields[7]) if len(fields) == 9 else NOT_FOLLOWED
             return cls(int(fields[0]), fields[1], int(fields[2]), int(fields[3]),
-                       float(fields[4]), float(fields[5]), float(fields[6]))
+                       float(fields[4]), float(fields[5]), float(fields[6]), dev)
         except (UnicodeDecodeError, ValueError):
             return None
 
@@ -145,6 +156,13 @@ class ProgressWriter:
         self._fd: int | None = None
         self._map: mmap.mmap | None = None
         self._entered: dict[int, float] = {}
+        #: the record's fields but the sequence number, kept so that the device's progress
+        #: (written from `DevicePoller`'s thread) rewrites the latest record; the lock
+        #: keeps the two writers' records whole
+        self._last: tuple[bytes, int, int, float, float, float] = (_PHASE_BYTES[STARTED], 0, 0,
+                                                                    0.0, 0.0, 0.0)
+        self._dev = NOT_FOLLOWED
+        self._lock = threading.Lock()
         #: when each phase was first reached (the clock's seconds): a probe reports them so that
         #: the trace says where its time went (start-up, backend set-up, checks, ...)
         self.marks: dict[str, float] = {}
@@ -175,13 +193,38 @@ class ProgressWriter:
         self.marks.setdefault(name, now)
         if self._fd is None:
             return
+        with self._lock:
+            self._last = (_PHASE_BYTES[name], k, nbytes, now, allow_s, took_s)
+            self._write()
+
+    def _write(self) -> None:
+        """The latest record again with the next sequence number (the lock held)."""
         self._seq += 1
-        data = _encode(self._seq, _PHASE_BYTES[name], k, nbytes, now, allow_s, took_s)
+        data = _encode(self._seq, *self._last, self._dev)
         if self._map is not None:
             self._map[:] = data
             return
-        with contextlib.suppress(OSError):
-            os.pwrite(self._fd, data, 0)
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.pwrite(self._fd, data, 0)
+
+    def follow_device(self, done_k: int) -> None:
+        """From now on the records say how far the device got (``dev``), starting at
+        collective ``done_k`` (those before were completed: a resumed run's steps)."""
+        with self._lock:
+            self._dev = max(self._dev, done_k, 0)
+            if self._fd is not None:
+                self._write()
+
+    def device_done(self, k: int) -> None:
+        """Collective ``k`` (and every one before it) completed on the device. A no-op unless
+        `follow_device` was called (then from any thread)."""
+        with self._lock:
+            if self._dev == NOT_FOLLOWED or k <= self._dev:
+                return
+            self._dev = k
+            if self._fd is not None:
+                self._write()
 
     def enter(self, k: int, nbytes: int = 0, *, allow_s: float = 0.0) -> None:
         """About to run collective ``k`` (moving ``nbytes``); ``allow_s``: extra time it may need."""
@@ -212,6 +255,68 @@ class ProgressWriter:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._fd = None
+
+
+class DevicePoller:
+    """Follows collectives to their completion on the device, for a writer whose collectives
+    return when enqueued (NCCL): `record` (the main thread, after leaving collective
+    ``k``) records a device event through ``make_event``; a daemon thread polls the oldest
+    event's ``query()`` every ``interval_s`` and writes `device_done`.
+    The record then tells "enqueued and not completed on the device" (``k`` left, ``dev`` below
+    it) from "completed" and from "never enqueued". Framework-free: ``make_event`` is the
+    runtime's (``torch.cuda.Event`` recorded on the current stream). A failing ``query()``
+    (the device lost) ends the polling: the records then show no further device progress.
+    At most ``limit`` events wait (the oldest are dropped: their collective is then known
+    completed once a later one is)."""
+
+    def __init__(self, writer: ProgressWriter, make_event: Callable[[], Any], *,
+                 start_k: int = 0, interval_s: float = 0.05, limit: int = 1024) -> None:
+        self.writer = writer
+        self.make_event = make_event
+        self.interval_s = interval_s
+        self.pending: collections.deque[tuple[int, Any]] = collections.deque(maxlen=limit)
+        self.failed: BaseException | None = None
+        self._wake = threading.Event()
+        writer.follow_device(start_k)
+        self._thread = threading.Thread(target=self._run, name="rs-device-progress",
+                                        daemon=True)
+        self._thread.start()
+
+    def record(self, k: int) -> None:
+        """Collective ``k`` was enqueued and left: follow it to the device."""
+        if self.failed is not None:
+            return
+        try:
+            self.pending.append((k, self.make_event()))
+        except Exception as exc:  # a device already lost: no further device progress
+            self.failed = exc
+            return
+        self._wake.set()
+
+    def poll_once(self) -> bool:
+        """Write what completed; whether events are still pending. (The thread's body; a test
+        calls it directly.)"""
+        while self.pending:
+            k, event = self.pending[0]
+            try:
+                done = bool(event.query())
+            except Exception as exc:
+                self.failed = exc
+                self.pending.clear()
+                return False
+            if not done:
+                return True
+            self.pending.popleft()
+            self.writer.device_done(k)
+        return False
+
+    def _run(self) -> None:
+        while self.failed is None:
+            if not self.poll_once():
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            time.sleep(self.interval_s)
 
 
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
@@ -300,7 +405,10 @@ class StallPolicy:
 class Stall:
     """A judged stall: ``kind`` is ``setup`` (every rank in communicator setup, none done),
     ``collective`` (every rank entered collective ``k``, not all left), ``straggler`` (ranks
-    the others wait for never arrived) or ``quiet`` (a ready rank silent too long)."""
+    the others wait for never arrived) or ``quiet`` (a ready rank silent too long); the
+    supervisor's watch adds ``stopped`` (the named ranks' processes are stopped) and ``busy``
+    (the named ranks kept the others waiting past the busy ceiling, burning CPU in their own
+    code)."""
 
     kind: str
     phase: str  # COMM_SETUP or COLLECTIVE (or the quiet rank's phase)
@@ -320,6 +428,14 @@ class Stall:
         if self.kind == "straggler":
             what = (f"rank{s} {ranks} never reached {self.where()} while the others waited "
                     f"{self.waited_s:.1f} s (allowed {self.limit_s:.1f} s)")
+        elif self.kind == "stopped":
+            what = (f"rank{s} {ranks} stopped (its process will not run until continued) while "
+                    f"the others waited in {self.where()} {self.waited_s:.1f} s (allowed "
+                    f"{self.limit_s:.1f} s)")
+        elif self.kind == "busy":
+            what = (f"rank{s} {ranks} busy in the script's own code for {self.waited_s:.1f} s "
+                    f"while the others waited in {self.where()} (allowed {self.limit_s:.1f} s: "
+                    "--busy-timeout)")
         elif self.kind == "quiet":
             what = (f"rank{s} {ranks} fell silent after {self.where()} for {self.waited_s:.1f} s "
                     f"(allowed {self.limit_s:.1f} s)")
@@ -344,6 +460,7 @@ class StallWatcher:
         self._entered_at: list[dict[int, float]] = [{} for _ in range(n)]
         self._entered_k = [0] * n  # highest collective entered
         self._done_k = [0] * n  # highest collective left
+        self._dev = [NOT_FOLLOWED] * n  # highest collective completed on the device, if followed
         self._allow: dict[int, float] = {}
         self._nbytes: dict[int, int] = {}
         self.s_per_byte = 0.0  # slowest measured transfer of >= 1 MiB, seconds per byte
@@ -357,6 +474,7 @@ class StallWatcher:
                 continue
             self.records[r] = rec
             self._changed_at[r] = now
+            self._dev[r] = rec.dev
             order = _ORDER[rec.phase]
             if order >= _ORDER[COMM_SETUP] and self._setup_at[r] is None:
                 self._setup_at[r] = now
@@ -380,8 +498,20 @@ class StallWatcher:
             elif rec.phase != COLLECTIVE_DONE:
                 self._done_k[r] = max(self._done_k[r], self._entered_k[r])
 
+    def done_on_device(self) -> list[int]:
+        """Each rank's highest collective completed: left, and (where the device is followed)
+        completed on the device too. A rank that left a collective its device never finished
+        still waits in it."""
+        return [d if dev == NOT_FOLLOWED else min(d, dev)
+                for d, dev in zip(self._done_k, self._dev, strict=True)]
+
+    def device_behind(self, r: int) -> bool:
+        """Whether rank ``r`` left a collective (enqueued it) that its device has not
+        completed: it waits on its device, whatever its CPU does."""
+        return self._dev[r] != NOT_FOLLOWED and self._dev[r] < self._done_k[r]
+
     def poll(self, now: float | None = None) -> Stall | None:
-        """Read the records, then judge: a :class:`Stall`, or None while all is well."""
+        """Read the records, then judge: a `Stall`, or None while all is well."""
         now = self._clock() if now is None else now
         self.read(now)
         return self.judge(now)
@@ -392,7 +522,9 @@ class StallWatcher:
             if rec is None:
                 out.append(f"{r}: not started")
             elif rec.phase in (COLLECTIVE, COLLECTIVE_DONE, STEP_DONE):
-                out.append(f"{r}: {rec.phase} {rec.k}")
+                behind = self.device_behind(r)
+                out.append(f"{r}: {rec.phase} {rec.k}"
+                           + (f" (device at {rec.dev})" if behind else ""))
             else:
                 out.append(f"{r}: {rec.phase}")
         return tuple(out)
@@ -429,7 +561,8 @@ class StallWatcher:
         # 2. collectives: the highest one any rank has entered
         top = max(self._entered_k)
         if top > 0:
-            waiting = [r for r in range(n) if self._entered_k[r] == top and self._done_k[r] < top]
+            done = self.done_on_device()
+            waiting = [r for r in range(n) if self._entered_k[r] == top and done[r] < top]
             if waiting:
                 late = [r for r in range(n) if self._entered_k[r] < top]
                 if late:

@@ -9,7 +9,7 @@ its last micro-step). With ``<launches>`` it fires only in the first that many l
 of the run (``exit:0:cpu:20:1``: a transient exit, gone after the retry); without, in every
 one. Like probe faults, a rehearsed failure never reaches the decision cache.
 
-The text is validated whole (kind, rank, a backend of :data:`resilient_strategy.vocab.BACKENDS`,
+The text is validated whole (kind, rank, a backend of `resilient_strategy.vocab.BACKENDS`,
 step, launches): a typo is a one-line error, never a rehearsal that silently never fires.
 """
 
@@ -83,6 +83,16 @@ def parse_fault(text: str) -> TrainFault | None:
         raise InvalidOptionError(f"{FAULT_VAR}: rank >= 0, step >= 1 and launches >= 1, not "
                                  f"{text!r}", FAULT_VAR)
     return TrainFault(parts[0], rank, parts[2], step, launches)
+
+
+def check_rank(fault: TrainFault | None, ranks: int) -> None:
+    """Refuse a fault on a rank the job does not have (``ranks``: the ranks of its widest
+    attempt, 0 to ``ranks - 1``): it would never fire, and the rehearsal would report a clean
+    run. Raises InvalidOptionError (one line)."""
+    if fault is not None and fault.rank >= ranks:
+        have = "rank 0" if ranks == 1 else f"ranks 0-{ranks - 1}"
+        raise InvalidOptionError(f"{FAULT_VAR}: rank {fault.rank} is not a rank of this job "
+                                 f"(it has {have})", FAULT_VAR)
 
 
 def fault_from(env: Mapping[str, str]) -> TrainFault | None:

@@ -1,4 +1,4 @@
-"""One attempt, through torch's elastic agent: a :class:`LocalElasticAgent` subclass starts the
+"""One attempt, through torch's elastic agent: a `LocalElasticAgent` subclass starts the
 workers of one decision, adds the progress watch to its monitoring loop, and stops every worker
 (SIGTERM, its shutdown timeout, SIGKILL) when the group is unhealthy. The protected members of
 torch's agent it reaches are isolated here.
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ..core.bounded import parse_json
 from ..core.options import DEFAULT_PROCESS_GROUP_TIMEOUT, RunOptions
 from ..records import flight, phases
-from ..records.flightdump import DumpStatus, RankDump, analyse
+from ..records.flightdump import DumpStatus, RankDump, analyse, divergence
 from ..records.handoff import Decision, error_path, progress_path
 from ..records.progress import (
     Stall,
@@ -39,6 +39,7 @@ from .verdicts import (
     Verdict,
     VerdictKind,
     classify_attempt,
+    diverged,
     step_in_progress,
 )
 from .watch import TrainingWatch, torch_timeouts
@@ -56,7 +57,7 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
     phases.mark(marks, phases.AGENT_STARTED)
     nproc = decision.processes
     watch = TrainingWatch([str(progress_path(run_dir, r)) for r in range(nproc)],
-                          opts.stall_timeout_s)
+                          opts.stall_timeout_s, busy_s=opts.busy_timeout_s)
     agent_cls = _agent_class()
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.agent.server.api import WorkerSpec
@@ -128,9 +129,13 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
         master_port=master_port, local_addr=config.local_addr)
     agent = agent_cls(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
                       watch=watch, peer=peer, run_dir=run_dir, **shutdown_grace(config))
-    timeouts = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PROCESS_GROUP_TIMEOUT)
+    timeouts = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PROCESS_GROUP_TIMEOUT,
+                              watch.busy_s, decision.framework)
     # NCCL's flight recorder on (its dump is asked for before a stalled group is stopped)
-    timeouts.update(flight.buffer_env(_backend(decision.chosen), env))
+    from ..machine.versions import detect_frameworks
+
+    torch_version = detect_frameworks()[0].version  # metadata: the name this torch expects
+    timeouts.update(flight.buffer_env(_backend(decision.chosen), env, torch_version))
     os.environ.update(timeouts)  # the workers inherit them; never one the user set
     try:
         try:
@@ -182,6 +187,8 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
     verdict = classify_attempt(stall, exits, records)
     if stall is not None and agent.flight:
         verdict = replace(verdict, flight=analyse(agent.flight))
+        if proof := divergence(agent.flight):
+            verdict = diverged(verdict, proof)
     return verdict
 
 
@@ -205,7 +212,7 @@ def watched(call: Callable[[], T], peer: PeerWatch | None) -> T:
     """``call()`` (a wait on the job's store that torch bounds only by its own timeouts, a
     minute or more) in a daemon thread of its own while this one polls ``peer``: a node cut
     off, or another node of the attempt gone silent, ends the wait within the heartbeat window
-    (:class:`LeftRendezvous`; the thread is left to its own timeout). Without ``peer``: a plain
+    (`LeftRendezvous`; the thread is left to its own timeout). Without ``peer``: a plain
     call."""
     if peer is None:
         return call()
@@ -248,7 +255,7 @@ RDZV_JOIN_S = 120
 
 
 def bounded_join(rdzv_configs: dict[str, Any], nnodes: int) -> dict[str, Any]:
-    """The rendezvous configuration with :data:`RDZV_JOIN_S` as its ``join_timeout`` across
+    """The rendezvous configuration with `RDZV_JOIN_S` as its ``join_timeout`` across
     nodes, unless the user set one."""
     out = dict(rdzv_configs)
     if nnodes > 1 and "join_timeout" not in out:
@@ -279,7 +286,7 @@ def fixed_membership(handler: Any) -> None:
     timeout when the store is unreachable), and restarts the workers in place for one. A
     supervised job has a fixed node count and a rendezvous of its own per launch attempt (a
     relaunch is a new attempt, agreed between the supervisors): no node ever waits to join it,
-    and the loop never blocks on the store (the supervisor's own watch, :mod:`.peers`, sees a
+    and the loop never blocks on the store (the supervisor's own watch, `peers`, sees a
     store gone quiet, with a deadline)."""
     handler.num_nodes_waiting = _no_node_waits
 
@@ -343,7 +350,7 @@ STACKS_POLL_S = 0.01
 
 def dump_flight(run_dir: Path, ranks: list[tuple[int, int]]) -> list[RankDump]:
     """Ask each worker (``(local_rank, rank)``) for torch's flight-recorder dump
-    (:func:`resilient_strategy.records.flight.request`, bounded by its deadline); what did not
+    (`resilient_strategy.records.flight.request`, bounded by its deadline); what did not
     come is said in the result and logged, never raised."""
     got = flight.request(run_dir, ranks)
     missing = [f"rank {r.rank}: {r.status.value} ({r.reason})" for r in got
@@ -355,7 +362,7 @@ def dump_flight(run_dir: Path, ranks: list[tuple[int, int]]) -> list[RankDump]:
 
 def dump_stacks(pids: Mapping[int, int], run_dir: Path | None,
                 wait_s: float = STACKS_WAIT_S) -> list[int]:
-    """Ask each worker (``{local_rank: pid}``) for its Python stacks (:mod:`.worker` registers
+    """Ask each worker (``{local_rank: pid}``) for its Python stacks (`worker` registers
     faulthandler on SIGUSR1, written to its ``rank<N>.stacks.txt`` in ``run_dir``), then wait
     until every file asked for is written (not empty, and the same size over one poll), at most
     ``wait_s`` (without ``run_dir``: ``wait_s``). Returns the local ranks whose stacks did not
@@ -453,6 +460,13 @@ def _agent_class() -> type[Any]:
             self.run_dir = run_dir
             self.flight: list[RankDump] = []
 
+        def _pids(self) -> dict[int, int]:
+            """Each local rank's process (none before the workers start)."""
+            try:
+                return dict(self._pcontext.pids()) if self._pcontext is not None else {}
+            except Exception:  # torch's process context between states
+                return {}
+
         def _marks(self) -> Path | None:
             return None if self.run_dir is None else phases.supervisor_path(self.run_dir)
 
@@ -485,7 +499,7 @@ def _agent_class() -> type[Any]:
         def _watched(self, worker_group: Any) -> Any:
             result = super()._monitor_workers(worker_group)
             if result.state == WorkerState.HEALTHY and self.stall is None:
-                stall = self.watch.poll()
+                stall = self.watch.poll(self._pids())
                 if stall is not None:
                     self.stall = stall
                     self.stall_at = time.time()  # wall time, as the ranks' error records

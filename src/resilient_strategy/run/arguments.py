@@ -1,5 +1,5 @@
 """``resilient-strategy run``'s command line: torchrun's own parser and options, ours added, into
-one :class:`RunOptions`; the framework a script uses, guessed from its text.
+one `RunOptions`; the framework a script uses, guessed from its text.
 
 Without torch (a TensorFlow-only install) the parser is our own: the script, its arguments,
 ``--nproc-per-node`` and our options, the same names and defaults; torchrun's node options
@@ -16,6 +16,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import NoReturn
 
 from ..core.arguments import run_options_from
 from ..core.options import RunOptions
@@ -53,7 +54,7 @@ _DESCRIPTION = ("Run a training script on the strategy that works here and keep 
 
 def parser(with_torch: bool | None = None) -> argparse.ArgumentParser:
     """torchrun's parser plus ours where torch is installed (``with_torch`` None: when
-    :func:`torch_launcher`), else :func:`own_parser`."""
+    `torch_launcher`), else `own_parser`."""
     if not (torch_launcher() if with_torch is None else with_torch):
         return own_parser()
     from torch.distributed.run import get_args_parser
@@ -97,8 +98,12 @@ def _ours(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="where each fault's per-rank tracebacks and the attempts record go "
                         "(default: ./resilient-strategy-evidence)")
     p.add_argument("--stall-timeout", type=float, default=None,
-                   help="seconds without progress on any rank before a stall is declared "
-                        "(default: max(60, 20 x the median step time))")
+                   help="seconds the ranks may wait on one that makes no progress (stopped, "
+                        "hung, or in a collective that never completes) before a stall is "
+                        "declared (default: max(15, 5 x the p99 step time))")
+    p.add_argument("--busy-timeout", type=float, default=None,
+                   help="seconds a rank busy in the script's own code (its CPU time advancing: "
+                        "validation, checkpointing) may keep the others waiting (default 600)")
     p.add_argument("--framework", choices=("torch", "tensorflow"), default=None,
                    help="the script's framework (default: read from the script)")
     p.add_argument("--global-batch-size", type=int, default=None,
@@ -128,7 +133,9 @@ def options_from_args(argv: Sequence[str]) -> RunOptions:
     """Parse ``resilient-strategy run`` arguments (torchrun's, plus ours; ours alone without
     torch)."""
     with_torch = torch_launcher()
-    ns = parser(with_torch).parse_args(list(argv))
+    p = parser(with_torch)
+    p.error = _one_line_error  # type: ignore[method-assign]  # not torchrun's 39-line usage
+    ns = p.parse_args(list(argv))
     if getattr(ns, "module", False) or getattr(ns, "no_python", False) or getattr(
             ns, "run_path", False):
         raise InvalidOptionError("resilient-strategy run runs a Python script file; -m, "
@@ -157,10 +164,18 @@ def options_from_args(argv: Sequence[str]) -> RunOptions:
         gradient_bytes=ns.gradient_bytes, probe_timeout=ns.probe_timeout,
         logical_cpus=ns.logical_cpus, torchrun=ns if with_torch else None, sharding=ns.sharding,
         param_bytes=ns.param_bytes, optimizer_state_factor=ns.optimizer_state_factor,
-        offload=ns.offload)
+        offload=ns.offload, busy_timeout=ns.busy_timeout)
     return replace(opts, min_throughput=ns.min_throughput, allow_cpu=bool(ns.allow_cpu),
                    max_attempts_without_progress=ns.max_attempts_without_progress,
                    evidence_dir=ns.evidence_dir)  # validated by RunOptions, as every option
+
+
+def _one_line_error(message: str) -> NoReturn:
+    """argparse's error as one line, raised as a typed error (argparse prints the whole usage
+    first, and torchrun's is 39 lines)."""
+    if "training_script" in message and "required" in message:
+        message = "no script given: resilient-strategy run [options] SCRIPT [ARGS...]"
+    raise InvalidOptionError(f"{message} (resilient-strategy run --help lists the options)")
 
 
 def node_count(opts: RunOptions) -> int:

@@ -1,7 +1,7 @@
 """Where a fault's evidence goes: one file per failed attempt under ``--evidence-dir``
 (``<dir>/<session>/attempt<N>.txt``: the verdict, what torch's flight recorder said of a stalled
 group (the collective it is stuck in, the ranks that never entered it, each rank's last entries;
-:mod:`resilient_strategy.records.flightdump`), then each rank's traceback, the Python stacks dumped
+`resilient_strategy.records.flightdump`), then each rank's traceback, the Python stacks dumped
 before a stalled group was stopped, and the tail of its stderr) and ``attempts.json`` (every
 attempt: candidate, verdict with the flight recorder's facts, what followed, exit code; or, when
 the nodes never agreed on a first attempt, ``setup``: what failed). The raw
@@ -10,7 +10,7 @@ dumps are kept beside it (``attempt<N>.<api>.rank<R>``, for torch's own analyzer
 this file's path, not the tracebacks.
 
 The workers leave ``rank<N>.traceback.txt`` and ``rank<N>.stacks.txt`` in the attempt's run
-directory (:mod:`.worker`); the run directory is removed at the end of the run, these files are
+directory (`worker`); the run directory is removed at the end of the run, these files are
 not. Never raises: evidence that cannot be written is said in the line, not fatal.
 """
 
@@ -99,7 +99,7 @@ class Evidence:
                 membership: Sequence[Mapping[str, Any]] = ()) -> str | None:
         """``attempts.json`` when there was a fault (the directory exists); its path or None.
         ``membership``: a multi-node run's membership round of each attempt (who was in, who
-        left and how it was seen, who joined: :class:`~..nodes.membership.Change`)."""
+        left and how it was seen, who joined: `Change`)."""
         if not self.dir.is_dir():
             return None
         path = self.dir / "attempts.json"

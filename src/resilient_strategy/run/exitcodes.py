@@ -21,10 +21,11 @@ class ExitCode(IntEnum):
     #: The command line or a ``RESILIENT_STRATEGY_*`` variable is invalid: nothing ran.
     USAGE = 2
     #: The infrastructure of this machine is exhausted: no strategy works here, a node was lost,
-    #: no candidate left, only candidates below the throughput floor, the relaunch limit, or
-    #: attempts without progress. Requeue elsewhere.
+    #: no candidate left, only candidates below the throughput floor, the relaunch limit,
+    #: attempts without progress, or a full or read-only disk for the run's files. Requeue
+    #: elsewhere.
     INFRASTRUCTURE = 75
-    #: Interrupted by SIGINT (Ctrl-C); another signal N gives 128 + N (:func:`interrupted`).
+    #: Interrupted by SIGINT (Ctrl-C); another signal N gives 128 + N (`interrupted`).
     INTERRUPTED = 130
 
 

@@ -9,12 +9,12 @@ node's supervisor connects as a client. The supervisors' keys live under
 ``resilient_strategy/v1/run-<rdzv id>/attempt<n>/`` (a prefix of their own on the rendezvous
 store, apart from torch's rendezvous keys and the workers'), one prefix per launch attempt.
 
-Per attempt: :func:`resilient_strategy.nodes.manynodes.agreed_decision` (node 0 plans and probes across
+Per attempt: `resilient_strategy.nodes.manynodes.agreed_decision` (node 0 plans and probes across
 the nodes, the others check the decision against their facts; heartbeats, mismatches and lost
 nodes handled there), with the candidates that failed mid-run excluded on every node. While the
 workers run, each supervisor watches the store for the other nodes' fault records
-(:func:`resilient_strategy.nodes.store.recorded_faults`) and stops its workers when one appears;
-a node that saw the fault itself records it (:func:`resilient_strategy.nodes.store.record_fault`).
+(`resilient_strategy.nodes.store.recorded_faults`) and stops its workers when one appears;
+a node that saw the fault itself records it (`resilient_strategy.nodes.store.record_fault`).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class NodeLink:
                    floor=low if elastic else 1)
 
     def env(self, base: Mapping[str, str], attempt: int) -> dict[str, str]:
-        """The variables :class:`~resilient_strategy.nodes.store.Job` reads, for this node's local
+        """The variables `Job` reads, for this node's local
         rank 0 in launch attempt ``attempt`` (node 0 hosts the store: it is global rank 0)."""
         here = self.position
         return {
@@ -135,7 +135,7 @@ class NodeLink:
 
     def roster(self, attempt: int) -> Job:
         """The job of the whole node set (every node by its --node-rank): where the membership
-        round of ``attempt`` meets (:mod:`resilient_strategy.nodes.membership`)."""
+        round of ``attempt`` meets (`resilient_strategy.nodes.membership`)."""
         job = Job.from_env(replace(self, members=()).env({}, attempt))
         assert job is not None
         return replace(job, prefix=job.prefix + "members/")
@@ -150,10 +150,10 @@ class PeerWatch:
     """The other nodes' fault records of one attempt, and whether this node still reaches the
     job's store; never raises and never blocks the agent's monitoring loop.
 
-    A thread of its own looks at the store every :data:`PEER_POLL_S` on its own connection,
-    each look bounded by :data:`STORE_LOOK_S`; :meth:`poll` only reads what it saw. A node that
-    has not reached the store for ``window_s`` (the heartbeat window) is cut off: :meth:`poll`
-    returns a :attr:`~VerdictKind.CUT_OFF` record of this node's own, the agent stops its
+    A thread of its own looks at the store every `PEER_POLL_S` on its own connection,
+    each look bounded by `STORE_LOOK_S`; `poll` only reads what it saw. A node that
+    has not reached the store for ``window_s`` (the heartbeat window) is cut off: `poll`
+    returns a `CUT_OFF` record of this node's own, the agent stops its
     workers, and the supervisor stops with 75 (the others go on without it)."""
 
     def __init__(self, link: NodeLink, attempt: int, timeout_s: float,
@@ -175,7 +175,7 @@ class PeerWatch:
         #: each other member's heartbeat in this attempt: node -> (count, when it last moved)
         self._beats: dict[int, tuple[int, float]] = {
             n: (0, self._contact) for n in link.present if n != link.node}
-        #: the nodes whose verdict never came (:meth:`await_all`), by --node-rank
+        #: the nodes whose verdict never came (`await_all`), by --node-rank
         self.missing: tuple[int, ...] = ()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="rs-peer-watch", daemon=True)
@@ -333,8 +333,8 @@ class PeerWatch:
 
     def gone(self) -> dict[int, str]:
         """The nodes of this attempt known gone before the next membership round, and how:
-        no verdict came (:data:`~resilient_strategy.nodes.membership.NO_VERDICT`), or its own
-        record says it was cut off (:data:`~resilient_strategy.nodes.membership.CUT_OFF`)."""
+        no verdict came (`resilient_strategy.nodes.membership.NO_VERDICT`), or its own
+        record says it was cut off (`resilient_strategy.nodes.membership.CUT_OFF`)."""
         from ..nodes.membership import CUT_OFF, NO_VERDICT
 
         out = {n: NO_VERDICT for n in self.missing}
@@ -365,10 +365,10 @@ class PeerWatch:
 
 def regroup(link: NodeLink, attempt: int, gone: Mapping[int, str], timeout_s: float,
             margin_s: float) -> tuple[NodeLink, Change]:
-    """The membership round of ``attempt`` (:mod:`resilient_strategy.nodes.membership`): this
+    """The membership round of ``attempt`` (`resilient_strategy.nodes.membership`): this
     node joins, node 0 waits for the last attempt's nodes (``gone``: those known gone, each
     given the heartbeat window) and publishes who is in; returns this node's link for the nodes
-    of ``attempt`` and the change. :class:`~resilient_strategy.errors.NodeLostError` when this
+    of ``attempt`` and the change. `resilient_strategy.errors.NodeLostError` when this
     node was dropped, cannot reach the store within ``timeout_s``, or fewer nodes than the job
     may run with are left (``--nnodes MIN:MAX``: MIN; a fixed count: all at the start, node 0
     alone after)."""

@@ -8,19 +8,19 @@ to the next candidate, or stop with an exit code for the scheduler.
   step where the first one failed), or a communication-error signature, steps down.
 - A one-device job never blames a backend: a signature there counts as an exit.
 - The script's own faults (an exception, out of memory, diverged ranks) stop with
-  :attr:`~ExitCode.USER_ERROR`: do not requeue.
+  `USER_ERROR`: do not requeue.
 - A node cut off from the job's store (multi-node) stops with
-  :attr:`~ExitCode.INFRASTRUCTURE`: the others go on without it.
+  `INFRASTRUCTURE`: the others go on without it.
 - A node lost at a relaunch's agreement is dropped: node 0 goes on alone
-  (:attr:`Action.FEWER_NODES`, decided by the supervisor at the agreement).
+  (`Action.FEWER_NODES`, decided by the supervisor at the agreement).
 - ``max_attempts_without_progress`` attempts in a row that get no further than the furthest
   step reached before stop the run (a crash loop), whatever the relaunch budget.
 - A step-down never lands on a candidate estimated below ``min_throughput`` x the throughput of
   the one that failed, nor moves a GPU job to the CPU unless ``allow_cpu``
-  (:func:`floor_refusal`).
+  (`floor_refusal`).
 
-:func:`judge` takes the attempts so far and the new verdict; the supervisor and the testing
-kit's replay (:func:`resilient_strategy.testing.replay`) share it.
+`judge` takes the attempts so far and the new verdict; the supervisor and the testing
+kit's replay (`resilient_strategy.testing.replay`) share it.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class Attempt:
     verdict: Verdict
     judgement: Judgement
     resumed_from: int | None = None  # the checkpoint step it resumed from (None: the start)
-    #: When each phase began, the supervisor's and each rank's (:mod:`~..records.phases`).
+    #: When each phase began, the supervisor's and each rank's (`phases`).
     times: Timeline | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -116,7 +116,7 @@ def without_progress(history: Sequence[Verdict]) -> int:
 def judge(verdict: Verdict, candidate: str, history: Sequence[Attempt],
           policy: RelaunchPolicy) -> Judgement:
     """What to do after an attempt on ``candidate`` came to ``verdict`` (already
-    :func:`effective`), the attempts before it being ``history``."""
+    `effective`), the attempts before it being ``history``."""
     if verdict.ok:
         return Judgement(Action.FINISH, "the training finished", ExitCode.SUCCESS)
     if verdict.users:

@@ -1,19 +1,19 @@
 """One attempt without torch: the one process of a TensorFlow job (one process drives every
 device there), started, watched and stopped as torch's elastic agent does it for its workers
-(:mod:`.agent`), for an install that has no torch.
+(`agent`), for an install that has no torch.
 
-- started as :mod:`.worker` (the handoff environment, its stacks on SIGUSR1, its error record,
+- started as `worker` (the handoff environment, its stacks on SIGUSR1, its error record,
   dying with this supervisor however it dies), in its own session
-  (:func:`~resilient_strategy.probing.proc.start_supervised`), stderr to the console and to
+  (`start_supervised`), stderr to the console and to
   ``logs/0/stderr.log`` as torch's agent tees it;
-- watched by the same :class:`~.watch.TrainingWatch` on its progress records, every
-  :data:`MONITOR_S` (torchrun's monitor interval);
-- on a stall, its stacks asked for first (:func:`~.agent.dump_stacks`), then stopped with the
-  runner's bounded stop (SIGTERM to its process group, :data:`STOP_GRACE_S`, SIGKILL, reaped:
-  :func:`~resilient_strategy.probing.proc.stop_groups`); on a signal to this supervisor too
-  (raised as :class:`SignalException`, as torch's agent raises its own).
+- watched by the same `TrainingWatch` on its progress records, every
+  `MONITOR_S` (torchrun's monitor interval);
+- on a stall, its stacks asked for first (`dump_stacks`), then stopped with the
+  runner's bounded stop (SIGTERM to its process group, `STOP_GRACE_S`, SIGKILL, reaped:
+  `stop_groups`); on a signal to this supervisor too
+  (raised as `SignalException`, as torch's agent raises its own).
 
-The verdict is :func:`~.verdicts.classify_attempt`'s, from the same stall, exit, error record,
+The verdict is `classify_attempt`'s, from the same stall, exit, error record,
 progress record and stderr tail torch's path reads.
 """
 
@@ -66,7 +66,8 @@ def launch_one(opts: RunOptions, decision: Decision, *, poll_s: float = MONITOR_
             f"{decision.nodes} node(s): without torch, resilient-strategy run starts one "
             "(pip install torch for torch's elastic agent)")
     run_dir = Path(decision.run_dir)
-    watch = TrainingWatch([str(progress_path(run_dir, 0))], opts.stall_timeout_s)
+    watch = TrainingWatch([str(progress_path(run_dir, 0))], opts.stall_timeout_s,
+                          busy_s=opts.busy_timeout_s)
     log_path = run_dir / "logs" / "0" / "stderr.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     argv = (sys.executable, "-u", "-m", "resilient_strategy.run.worker", "--supervisor",
@@ -78,7 +79,7 @@ def launch_one(opts: RunOptions, decision: Decision, *, poll_s: float = MONITOR_
         tee = _Tee(proc.stderr, log_path)
         try:
             while proc.poll() is None:
-                stall = watch.poll()
+                stall = watch.poll({0: proc.pid})
                 if stall is not None:
                     stall_at = time.time()
                     with contextlib.suppress(Exception):  # evidence before the kill
@@ -134,7 +135,7 @@ class _Tee:
 
 @contextlib.contextmanager
 def _signals_as_exception() -> Iterator[None]:
-    """SIGTERM, SIGINT and SIGHUP raise :class:`SignalException` while the worker runs (main
+    """SIGTERM, SIGINT and SIGHUP raise `SignalException` while the worker runs (main
     thread only), so that ``finally`` stops it first; the previous handlers come back after."""
     if threading.current_thread() is not threading.main_thread():
         yield

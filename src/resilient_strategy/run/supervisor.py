@@ -2,16 +2,16 @@
 relaunch on the next candidate when the backend fails mid-run.
 
 Built on torch's elastic agent (the engine under ``torchrun``): torchrun's own argument parser
-and ``config_from_args`` read the node options; a :class:`LocalElasticAgent` subclass starts,
+and ``config_from_args`` read the node options; a `LocalElasticAgent` subclass starts,
 monitors and stops the workers, and adds one check to its monitoring loop: the progress watcher
-(:class:`TrainingWatch`, on the shared :mod:`resilient_strategy.records.progress` protocol). A stall marks the group UNHEALTHY with no
+(`TrainingWatch`, on the shared `resilient_strategy.records.progress` protocol). A stall marks the group UNHEALTHY with no
 restart left, which is how the agent itself retires a wedged group; the agent then stops every
 worker (SIGTERM, its shutdown timeout, SIGKILL). torchrun's restarts of the same configuration
 are off: a relaunch here is on another candidate.
 
-After each attempt :func:`classify_attempt` (pure) reads the stall, the workers' exits, their
-error records and their last progress into a typed :class:`~.verdicts.Verdict`, and
-:func:`~.policy.judge` (pure) says what follows:
+After each attempt `classify_attempt` (pure) reads the stall, the workers' exits, their
+error records and their last progress into a typed `Verdict`, and
+`judge` (pure) says what follows:
 
 - a first stall, exit or lost node on a strategy is retried once there, from the last
   checkpoint; a repeat (the retry fails the same way before getting past that step), or a
@@ -21,15 +21,15 @@ error records and their last progress into a typed :class:`~.verdicts.Verdict`, 
   the throughput floor (``--min-throughput``, ``--allow-cpu``);
 - diverged ranks, an exception in user code, an out-of-memory: reported, not relaunched;
 - each fault gets one line here, and its per-rank tracebacks and stacks go to the evidence file
-  (:mod:`.evidence`); the run ends with a summary line and an exit code (:mod:`.exitcodes`).
+  (`evidence`); the run ends with a summary line and an exit code (`exitcodes`).
 
 TensorFlow scripts run as one supervised process (one process drives every GPU there); without
-torch, :mod:`.solo` runs it and :func:`~.arguments.own_parser` reads the command line.
+torch, `solo` runs it and `own_parser` reads the command line.
 
 With ``--nnodes N`` (torch) the nodes' supervisors agree on each attempt's decision through a
 store at the rendezvous endpoint before any worker starts, watch it for each other's fault
-records while the workers run, and relaunch together (:mod:`resilient_strategy.run.peers`).
-Each attempt begins with a membership round (:mod:`resilient_strategy.nodes.membership`): a node
+records while the workers run, and relaunch together (`resilient_strategy.run.peers`).
+Each attempt begins with a membership round (`resilient_strategy.nodes.membership`): a node
 that does not join a relaunch is dropped, and the nodes present regroup into one rendezvous
 (action ``fewer_nodes``; node 0 alone when it is the last); a node cut off from the store for
 the heartbeat window stops by itself with 75 (``cut_off``).
@@ -57,13 +57,14 @@ from ..errors import (
     GpuUnusableError,
     MultiNodeError,
     NodeLostError,
+    NoSpaceError,
     NoWorkingStrategyError,
     ResilientStrategyError,
 )
 from ..machine import env as _env
 from ..records import phases
 from ..records.handoff import CHECKPOINT_NOTE, Decision, binding, write_decision
-from ..records.trainfault import FAULT_VAR, TrainFault, parse_fault
+from ..records.trainfault import FAULT_VAR, TrainFault, check_rank, parse_fault
 
 if TYPE_CHECKING:
     from .peers import NodeLink, PeerWatch
@@ -81,7 +82,7 @@ from .policy import (
     floor_refusal,
     judge,
 )
-from .verdicts import PeerFault, Verdict, VerdictKind, merge, one_line
+from .verdicts import PeerFault, Verdict, VerdictKind, fault_line, merge, one_line
 
 log = logging.getLogger("resilient_strategy")
 
@@ -98,7 +99,7 @@ class Choice:
     step_seconds: float  # estimated, per global batch (core/estimate.py)
     left: int  # candidates left after this one
     #: multi-node: this node's link for the nodes of this attempt, and the membership round
-    #: that named them (:func:`.peers.regroup`)
+    #: that named them (`regroup`)
     link: NodeLink | None = None
     change: Any = None
 
@@ -106,18 +107,20 @@ class Choice:
 def supervise(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
     """Run the script to the end: retry a transient fault once on the same strategy, step down
     to the next candidate on a repeat or a backend's signature, stop at the throughput floor.
-    Returns the exit status for the command line (:class:`~.exitcodes.ExitCode`)."""
+    Returns the exit status for the command line (`ExitCode`)."""
     snapshot = _env.snapshot(env)
     session: Path | None = None
     try:
         fault = parse_fault(snapshot.get(FAULT_VAR, ""))
-        from ..machine.files import sweep_temp_dirs
+        from ..machine.files import sweep_temp_dirs, writing
 
         # what a killed run left (its workers died with it: see worker.py)
         sweep_temp_dirs(prefixes=(RUN_PREFIX,), min_age_s=0.0)
-        session = Path(tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-"))
+        with writing(os.path.join(tempfile.gettempdir(), f"{RUN_PREFIX}{os.getpid()}-..."),
+                     "the run's directory"):
+            session = Path(tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-"))
         return _supervise(opts, snapshot, fault, session)
-    except (NoWorkingStrategyError, MultiNodeError, GpuUnusableError) as exc:
+    except (NoWorkingStrategyError, MultiNodeError, GpuUnusableError, NoSpaceError) as exc:
         _say(str(exc))  # this machine (or node set) cannot run it: requeue elsewhere
         return int(ExitCode.INFRASTRUCTURE)
     except ResilientStrategyError as exc:
@@ -152,7 +155,9 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
         if link is not None:  # the nodes never agreed: say what failed, typed, then stop (75)
             evidence.setup(_setup_failure(exc, link, snapshot))
         raise
-    _say(_allowance_words(opts, snapshot))
+    first = choice.decision
+    check_rank(fault, max(first.processes * first.nodes, _asked_ranks(opts)))
+    _say(_allowance_words(opts, snapshot, choice.decision.framework))
     resumed: int | None = None
     team = choice.link or link  # the nodes that relaunch together (None: node 0 alone)
     changes = [choice.change] if choice.change is not None else []
@@ -195,10 +200,8 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
         phases.mark(marks, phases.VERDICT)
         label = _label(decision)
         if not verdict.ok:  # the fault's line first; its evidence is written below
-            ended = ("stopped to take a node back" if verdict.kind is VerdictKind.JOIN
-                     else "failed")
-            _say(f"attempt {attempt + 1} on {label} {ended} at step {verdict.step}: "
-                 f"{verdict.line()} [evidence: {evidence.path(attempt)}]")
+            _say(fault_line(attempt, _backend(decision.chosen), verdict,
+                            _shown_path(evidence.path(attempt)), prefix=SAY_PREFIX)[len(SAY_PREFIX):])
         nxt: Choice | None = None
         # a node whose verdict never came gets the heartbeat window to join the relaunch
         silent = (verdict.node,) if (verdict.kind is VerdictKind.LOST
@@ -378,11 +381,13 @@ def _summary(history: Sequence[Attempt], judgement: Judgement) -> str:
             + f". {judgement.reason}. Exit {int(code)} ({code.name})")
 
 
-def _allowance_words(opts: RunOptions, env: Mapping[str, str]) -> str:
-    """The stall allowance in force, and torch's timeouts set from it."""
+def _allowance_words(opts: RunOptions, env: Mapping[str, str], framework: str = "torch") -> str:
+    """The stall allowance and the busy ceiling in force, how to change them, and the
+    training's timeouts set from them (torch's heartbeat for a PyTorch job only)."""
     from ..core.options import DEFAULT_PROCESS_GROUP_TIMEOUT
     from .watch import (
         AUTO_STALL_CAP_S,
+        DEFAULT_BUSY_S,
         HEARTBEAT_VAR,
         PG_TIMEOUT_VAR,
         STALL_STEPS,
@@ -391,19 +396,44 @@ def _allowance_words(opts: RunOptions, env: Mapping[str, str]) -> str:
     )
 
     allowance = (f"{opts.stall_timeout_s:g} s (--stall-timeout)" if opts.stall_timeout_s
-                 else f"max({MIN_STALL_S:g} s, {STALL_STEPS} x the median step time after "
-                      f"{WARMUP_STEPS} warm-up steps), at most {AUTO_STALL_CAP_S:g} s")
+                 else f"max({MIN_STALL_S:g} s, {STALL_STEPS} x the p99 step time after "
+                      f"{WARMUP_STEPS} warm-up steps), at most {AUTO_STALL_CAP_S:g} s "
+                      "(--stall-timeout to fix it)")
+    busy = opts.busy_timeout_s if opts.busy_timeout_s is not None else DEFAULT_BUSY_S
+    words = (f"stall allowance {allowance}; a rank busy in its own code may keep the others "
+             f"waiting {busy:g} s (--busy-timeout)")
     if not torch_launcher():
-        return f"stall allowance {allowance}"
-    set_ = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PROCESS_GROUP_TIMEOUT)
+        return words
+    set_ = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PROCESS_GROUP_TIMEOUT, busy,
+                          framework)
     torch_words = ", ".join(f"{k}={v}" for k, v in set_.items())
-    kept = [k for k in (PG_TIMEOUT_VAR, HEARTBEAT_VAR) if k not in set_]
-    return (f"stall allowance {allowance}; torch's timeouts above it: {torch_words or 'none set'}"
+    names = (PG_TIMEOUT_VAR, HEARTBEAT_VAR) if framework == "torch" else (PG_TIMEOUT_VAR,)
+    kept = [k for k in names if k not in set_]
+    whose = "torch's timeouts" if framework == "torch" else "the timeouts"
+    return (f"{words}; {whose} just above them: {torch_words or 'none set'}"
             + (f" (yours kept: {', '.join(kept)})" if kept else ""))
 
 
+SAY_PREFIX = "resilient-strategy run: "
+
+
 def _say(text: str) -> None:
-    print(f"resilient-strategy run: {text}", file=sys.stderr, flush=True)
+    print(f"{SAY_PREFIX}{text}", file=sys.stderr, flush=True)
+
+
+def _asked_ranks(opts: RunOptions) -> int:
+    """The ranks the command line asks for (``--nproc-per-node`` x nodes; 0 for "auto")."""
+    return opts.nproc * node_count(opts) if opts.nproc else 0
+
+
+def _shown_path(path: Path) -> str:
+    """``path`` as the shorter of its absolute form and its form relative to the working
+    directory (the fault's line has ~200 characters)."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive
+        return str(path)
+    return rel if len(rel) < len(str(path)) else str(path)
 
 
 def _backend(key: str) -> str:
@@ -490,7 +520,7 @@ def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
     """Plan (probing as needed, the cache first), without the candidates that failed mid-run.
     With several nodes, a membership round names the nodes of this attempt (``silent``: nodes
     whose verdict never came; ``gone``: how each node known gone was seen), then they agree
-    through the rendezvous endpoint's store (:mod:`.peers`). A fallback is announced as the
+    through the rendezvous endpoint's store (`peers`). A fallback is announced as the
     script would announce it."""
     import functools
 
@@ -587,7 +617,7 @@ def _memory_planning(opts: RunOptions, framework: str, facts: Any) -> dict[str, 
 
 
 def _node_trace(events: Sequence[Any]) -> tuple[str, ...]:
-    """The lines :func:`~resilient_strategy.nodes.manynodes.agreed_decision` added to the trace (the
+    """The lines `agreed_decision` added to the trace (the
     trailing ``multi_node`` notes), for the workers' explain()."""
     from ..core.trace import Note
 
@@ -629,6 +659,9 @@ def main(argv: Sequence[str]) -> int:
         opts = options_from_args(argv)
     except ResilientStrategyError as exc:
         _say(str(exc))
+        return int(ExitCode.USAGE)
+    if Path(opts.script).is_dir():
+        _say(f"{opts.script} is a directory, not a script: name the Python file to run")
         return int(ExitCode.USAGE)
     if not Path(opts.script).is_file():
         _say(f"no such script: {opts.script}")

@@ -1,11 +1,11 @@
 """What happened to one attempt, judged from its exits, error records and last progress (pure):
-:func:`classify_attempt` turns a stall and the ranks' exits into a :class:`Verdict`, whose typed
-:class:`VerdictKind` the relaunch policy (:mod:`resilient_strategy.run.policy`) acts on.
+`classify_attempt` turns a stall and the ranks' exits into a `Verdict`, whose typed
+`VerdictKind` the relaunch policy (`resilient_strategy.run.policy`) acts on.
 
-Only a communication-error signature pins a fault on the backend (:attr:`VerdictKind.BACKEND`);
+Only a communication-error signature pins a fault on the backend (`VerdictKind.BACKEND`);
 a stall, a rank that exited without one, or a node that vanished may be transient
-(:attr:`Verdict.transient`); diverged ranks, an exception in the user's code and an
-out-of-memory are the script's (:attr:`Verdict.users`).
+(`Verdict.transient`); diverged ranks, an exception in the user's code and an
+out-of-memory are the script's (`Verdict.users`).
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
+from ..core.human import fit
 from ..core.signatures import Signatures, builtin_signatures
 from ..records.flightdump import FlightFacts
 from ..records.progress import (
@@ -39,7 +40,7 @@ _COMM_TEXT = re.compile(
     r"Broken pipe|unhandled system error")
 _OOM_TEXT = re.compile(r"out of memory|OOM when allocating", re.IGNORECASE)
 #: A communication-error signature in what a dying rank printed last (stricter than
-#: :data:`_COMM_TEXT`: a rank's output names its backend in ordinary lines too, e.g. its explain()).
+#: `_COMM_TEXT`: a rank's output names its backend in ordinary lines too, e.g. its explain()).
 _TAIL_SIGNATURE = re.compile(
     r"NCCL (error|WARN)|nccl\w*Error|ProcessGroupNCCL|Watchdog caught collective|"
     r"collective operation timeout|Connection (closed|reset) by peer|gloo/transport|CUDA error|"
@@ -172,6 +173,10 @@ class Verdict:
     where: str = ""
     #: What torch's flight recorder said before a stalled group was stopped (None: not asked).
     flight: FlightFacts | None = None
+    #: The cause in a few words for the fault's one line (`fault_line`): the first
+    #: failed rank's error without its type and noise, or how long a stall waited ("": the
+    #: line falls back to the summary).
+    detail: str = ""
 
     @property
     def ok(self) -> bool:
@@ -196,31 +201,41 @@ class Verdict:
     def relaunchable(self) -> bool:
         return self.pinned or self.transient
 
-    def line(self) -> str:
-        """One line: the cause, the ranks, where."""
+    def line(self, limit: int = 300) -> str:
+        """One line of at most ``limit`` characters: the kind, the ranks, where, the cause.
+
+        When torch's flight recorder names ranks that never entered the stuck collective, the
+        line names the ranks as the recorder does ("entered by ... never by ...") instead of
+        calling every rank of the stall stuck."""
+        stuck = self.flight.stuck if self.flight is not None else None
+        if self.kind is VerdictKind.STALL and stuck is not None and stuck.missing:
+            head = f"{self.kind.value}{f' ({self.where})' if self.where else ''}: "
+            return fit(head + f"{stuck.line()} (flight recorder)", limit)
         s = "s" if len(self.ranks) > 1 else ""
         ranks = f"rank{s} {', '.join(map(str, self.ranks))}" if self.ranks else ""
         context = ", ".join(p for p in (ranks, self.where) if p)
-        flight = f"; flight recorder: {one_line(self.flight.line(), 240)}" if self.flight else ""
-        return (f"{self.kind.value}{f' ({context})' if context else ''}: "
-                f"{one_line(self.summary, 240)}{flight}")
+        head = f"{self.kind.value}{f' ({context})' if context else ''}: "
+        flight = f"; flight recorder: {self.flight.line()}" if self.flight else ""
+        room = max(40, limit - len(head) - min(len(flight), limit // 3))
+        body = fit(quiet(self.summary), room)
+        return fit(head + body + fit(flight, max(0, limit - len(head) - len(body))), limit)
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind.value, "summary": one_line(self.summary, 500),
                 "step": self.step, "cause": self.cause, "node": self.node,
-                "ranks": list(self.ranks), "where": self.where,
+                "ranks": list(self.ranks), "where": self.where, "detail": self.detail,
                 **({"flight": self.flight.to_dict()} if self.flight is not None else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Verdict:
-        """Raises ValueError for a record that is not what :meth:`to_dict` writes."""
+        """Raises ValueError for a record that is not what `to_dict` writes."""
         try:
             node = d.get("node")
             return cls(kind=VerdictKind.parse(str(d["kind"])), summary=str(d.get("summary", "")),
                        step=int(d.get("step", 0) or 0), cause=str(d.get("cause", "") or ""),
                        node=None if node is None else int(node),
                        ranks=tuple(int(r) for r in d.get("ranks", ())),
-                       where=str(d.get("where", "")),
+                       where=str(d.get("where", "")), detail=str(d.get("detail", "") or ""),
                        flight=None if d.get("flight") is None
                        else FlightFacts.from_dict(d["flight"]))
         except (KeyError, TypeError) as exc:
@@ -230,7 +245,7 @@ class Verdict:
 @dataclass(frozen=True)
 class PeerFault:
     """A node's verdict on an attempt, as the nodes' supervisors exchange it through the store
-    (:func:`resilient_strategy.nodes.store.record_fault`)."""
+    (`resilient_strategy.nodes.store.record_fault`)."""
 
     node: int
     candidate: str
@@ -241,7 +256,7 @@ class PeerFault:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> PeerFault:
-        """Raises ValueError for a record that is not what :meth:`to_dict` writes."""
+        """Raises ValueError for a record that is not what `to_dict` writes."""
         verdict = Verdict.from_dict(d)
         if verdict.node is None:
             raise ValueError("a peer's fault record names no node")
@@ -253,7 +268,7 @@ class PeerFault:
         return Verdict(v.kind, f"node {self.node}: {v.summary}", v.step,
                        v.cause or ("crash" if v.relaunchable else ""), node=self.node,
                        ranks=v.ranks, where=f"node {self.node}" + (f", {v.where}" if v.where
-                                                                    else ""))
+                                                                    else ""), detail=v.detail)
 
 
 def position(record: Record) -> str:
@@ -281,19 +296,20 @@ def classify_attempt(stall: Stall | None, exits: Sequence[RankExit],
     its failed workers (none: every worker exited 0) and every rank's last progress record.
     Pure.
 
-    A stall inside communicator setup or one collective (every rank entered it, some never
-    left) is a :attr:`~VerdictKind.STALL`; ranks that never arrived where the others wait
-    ("straggler") diverged: the application's problem. The attempt finished
-    (:attr:`~VerdictKind.OK`) only when every rank exited 0 and every rank that reported
+    Every stall is a `STALL` naming the ranks that hold the others up
+    (inside communicator setup or one collective every rank entered, never arrived where the
+    others wait, stopped, or busy past the ceiling); diverged is only proven from the ranks'
+    own collectives (`diverged`). The attempt finished
+    (`OK`) only when every rank exited 0 and every rank that reported
     progress wrote "finished" after its last step; a rank that exited 0 without it stopped
-    early (an :attr:`~VerdictKind.EXIT`, never a success)."""
+    early (an `EXIT`, never a success)."""
     if stall is not None:
-        if stall.kind in ("collective", "setup"):
-            return Verdict(VerdictKind.STALL, f"stalled: {stall.describe()}", stall.k, "timeout",
-                           ranks=stall.ranks, where=stall.where())
-        return Verdict(VerdictKind.DIVERGED, f"the ranks diverged: {stall.describe()}. The "
-                       "program did not run the same collectives on every rank (another backend "
-                       "would not help)", stall.k, ranks=stall.ranks, where=stall.where())
+        # A rank that never arrived where the others wait is held up (stopped, hung, asleep,
+        # busy past the ceiling), not proven in another collective: a stall naming it.
+        # Diverged needs the ranks' own collectives to differ (`diverged`).
+        waited = f"waited {stall.waited_s:.0f} s (allowed {stall.limit_s:.0f} s)"
+        return Verdict(VerdictKind.STALL, f"stalled: {stall.describe()}", stall.k, "timeout",
+                       ranks=stall.ranks, where=stall.where(), detail=waited)
     if not exits:
         early = unfinished(records)
         if not early:
@@ -305,8 +321,14 @@ def classify_attempt(stall: Stall | None, exits: Sequence[RankExit],
                        step_in_progress([records[r] for r in early]), "crash", ranks=early,
                        where=next((position(rec) for r in early
                                    if (rec := records[r]) is not None), ""))
+    verdict = _classify_exits(exits)
+    named = [e for e in exits if e.rank in verdict.ranks] or list(exits)
+    return replace(verdict, detail=error_words(named[0].what()))
+
+
+def _classify_exits(exits: Sequence[RankExit]) -> Verdict:
     step = step_in_progress([e.record for e in exits])
-    text = "; ".join(e.describe() for e in exits)
+    text = describe_exits(exits)
     kinds = [e.error_kind for e in exits]
 
     def blamed(*which: str | None) -> tuple[tuple[int, ...], str]:
@@ -344,6 +366,15 @@ def classify_attempt(stall: Stall | None, exits: Sequence[RankExit],
                    where=where)
 
 
+def diverged(stalled: Verdict, proof: str) -> Verdict:
+    """The verdict on a stalled attempt whose ranks are proven to be in different collectives
+    (``proof``: the flight recorder's words, `records.flightdump.divergence`): the program's
+    fault, never relaunched."""
+    return Verdict(VerdictKind.DIVERGED, f"the ranks diverged: {proof}. The program did not "
+                   "run the same collectives on every rank (another backend would not help)",
+                   stalled.step, ranks=stalled.ranks, where=stalled.where, flight=stalled.flight)
+
+
 def merge(faults: Sequence[PeerFault]) -> Verdict | None:
     """One verdict for an attempt from every node's (pure, the same on every node given the
     same records): the script's fault first, then a rank or node that vanished (the root cause
@@ -359,9 +390,102 @@ def merge(faults: Sequence[PeerFault]) -> Verdict | None:
     first = ranked[0]
     v = first.verdict
     return Verdict(v.kind, v.summary if v.node is not None else f"node {first.node}: {v.summary}",
-                   v.step, v.cause, node=first.node, ranks=v.ranks, where=v.where)
+                   v.step, v.cause, node=first.node, ranks=v.ranks, where=v.where,
+                   detail=v.detail)
 
 
 def one_line(text: str, limit: int = 300) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return fit(text, limit)
+
+
+#: What the frameworks print that says nothing about the cause: gloo's sign-off ("GLHF!" and
+#: its emoji), C++ source locations ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534]"),
+#: and any other character outside printable ASCII. Removed from a fault's line (the evidence
+#: file keeps every rank's words as they were).
+_NOISE = re.compile(r"GLHF!?|\[[^\]\s]*\.(?:cc|cpp|h|hpp|cu):\d+\]|[^\x20-\x7e]")
+
+
+def quiet(text: str) -> str:
+    """``text`` without `_NOISE`, on one line, with a clause said again right after
+    itself (each rank repeating the same error) said once. Pure."""
+    clauses = [" ".join(c.split()) for c in _NOISE.sub(" ", text).split(";")]
+    out: list[str] = []
+    for c in clauses:
+        if c and (not out or c != out[-1]):
+            out.append(c)
+    return "; ".join(out)
+
+
+def describe_exits(exits: Sequence[RankExit]) -> str:
+    """The failed ranks in words, ranks that failed the same way at the same place named
+    together ("ranks 0, 1 (collective of step 3): DistBackendError: ...") so that one error
+    every rank raised is said once. Pure."""
+    groups: dict[tuple[str, str], tuple[str, list[int]]] = {}
+    for e in exits:  # alike but for numbers (each rank's peer port): the first one's words
+        what = quiet(e.what())
+        groups.setdefault((e.where(), re.sub(r"\d+", "#", what)), (what, []))[1].append(e.rank)
+    parts = []
+    for (where, _), (what, ranks) in groups.items():
+        who = ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+        parts.append(f"{who}{f' ({where})' if where else ''}: {what}")
+    return "; ".join(parts)
+
+
+#: The most characters of a fault's line (`fault_line`), its prefix included.
+FAULT_CHARS = 200
+#: Each verdict kind in the words of a fault's line.
+KIND_WORDS = {
+    VerdictKind.OK: "finished", VerdictKind.BACKEND: "communication error",
+    VerdictKind.STALL: "stall", VerdictKind.EXIT: "a rank exited", VerdictKind.LOST: "node lost",
+    VerdictKind.CUT_OFF: "cut off from the job's store", VerdictKind.DIVERGED: "ranks diverged",
+    VerdictKind.OOM: "out of memory", VerdictKind.USER: "the script's error",
+    VerdictKind.JOIN: "a node asked to join",
+}
+_ERROR_TYPE = re.compile(r"^(?:[\w.]*(?:Error|Exception)|Traceback[^:]*): ")
+#: A peer's address in an error ("[127.0.0.1]:34978"): the evidence keeps it.
+_PEER_ADDRESS = re.compile(r"\s*\[[0-9a-fA-F.:]+\]:\d+")
+
+
+def error_words(what: str) -> str:
+    """A rank's error in a few words: `quiet`, without the exception's type (unless that
+    is all there is) or the peer's address, up to the end of its first sentence. Pure."""
+    text = _PEER_ADDRESS.sub("", quiet(what))
+    bare = _ERROR_TYPE.sub("", text, count=1)
+    text = bare or text
+    end = re.search(r"[.!?](?:\s|$)", text)
+    return text[: end.start()] if end and end.start() >= 12 else text
+
+
+def _ranks_words(ranks: Sequence[int]) -> str:
+    if not ranks:
+        return ""
+    if len(ranks) > 2 and list(ranks) == list(range(ranks[0], ranks[0] + len(ranks))):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def fault_line(attempt: int, backend: str, verdict: Verdict, evidence: str,
+               prefix: str = "", limit: int = FAULT_CHARS) -> str:
+    """The one line a failed attempt prints, at most ``limit`` characters with ``prefix``
+    (what the caller prints before it): the attempt, its backend and step, what happened on
+    which ranks, the cause in a few words ([Verdict.detail][resilient_strategy.run.verdicts.Verdict.detail],
+    cut to fit) and the path of its evidence (never cut). A stall that torch's flight recorder
+    saw names the ranks as the recorder does: those that entered the collective, and those that
+    never did. Pure."""
+    ended = "stopped to take a node back" if verdict.kind is VerdictKind.JOIN else "failed"
+    head = f"{prefix}attempt {attempt + 1} on {backend} {ended} at step {verdict.step}: "
+    tail = f"; evidence: {evidence}"
+    stuck = verdict.flight.stuck if verdict.flight is not None else None
+    if verdict.kind is VerdictKind.STALL and stuck is not None and stuck.missing:
+        what = (f"stall in {stuck.op} #{stuck.seq} of group {stuck.group}: entered by "
+                f"{_ranks_words(stuck.entered)}, never by {_ranks_words(stuck.missing)} "
+                f"(flight recorder); {verdict.detail}")
+    else:
+        on = _ranks_words(verdict.ranks)
+        what = (f"{KIND_WORDS[verdict.kind]}{f' on {on}' if on else ''}: "
+                f"{verdict.detail or quiet(verdict.summary)}")
+    room = limit - len(head) - len(tail)
+    if room < 40:  # a long backend name or path: the head gives way, never the evidence
+        head = fit(head, max(12, limit - len(tail) - 40))
+        room = limit - len(head) - len(tail)
+    return head + fit(what, max(20, room)) + tail

@@ -1,17 +1,17 @@
 """A worker of ``resilient-strategy run``: ``python -m resilient_strategy.run.worker --supervisor
 PID DECISION SCRIPT [ARGS...]`` runs SCRIPT as ``python SCRIPT ARGS`` would, with the
 supervisor's decision handed to ``resilient_strategy()`` (see
-:mod:`resilient_strategy.records.handoff`).
+`resilient_strategy.records.handoff`).
 
 Around the script it:
 
 - dies with its supervisor, however the supervisor dies (``PR_SET_PDEATHSIG`` on Linux, a
-  watchdog thread elsewhere: :mod:`resilient_strategy.probing.workers.watchdog`), so that a
+  watchdog thread elsewhere: `resilient_strategy.probing.workers.watchdog`), so that a
   SIGKILLed ``run`` leaves no worker training;
 - writes its Python stacks to ``rank<N>.stacks.txt`` on SIGUSR1 (faulthandler), which the
   supervisor sends before it stops a stalled group;
 - answers the supervisor's request for torch's flight-recorder dump from a daemon thread (the
-  main thread may be blocked inside a collective): :func:`~resilient_strategy.records.flight.serve`;
+  main thread may be blocked inside a collective): `serve`;
 - on an exception, leaves an error record for the supervisor's classification, its full
   traceback in ``rank<N>.traceback.txt`` (the supervisor copies both into the evidence file),
   and one line on stderr instead of the traceback.
@@ -31,6 +31,7 @@ from collections.abc import Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import IO  # noqa: E402
 
+from ..errors import NoSpaceError  # noqa: E402
 from ..probing.workers.watchdog import watch_parent  # noqa: E402
 from ..records import phases  # noqa: E402
 from ..records.flight import serve  # noqa: E402
@@ -66,13 +67,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     except Exception as exc:
         write_error(run_dir, local_rank, exc, current_reporter())
         where = run_dir / f"rank{local_rank}.traceback.txt"
+        kept = True
         try:
             where.write_text("".join(traceback.format_exception(exc)), encoding="utf-8")
-        except OSError:
-            raise exc from None  # nowhere to keep it: the traceback goes to stderr as usual
+        except OSError as write_exc:
+            if NoSpaceError.from_os_error(write_exc, str(where), "the traceback") is None:
+                raise exc from None  # nowhere to keep it: the traceback goes to stderr as usual
+            kept = False  # a full disk: the one line below, no traceback to keep anywhere
         text = " ".join(str(exc).split())
         print(f"resilient-strategy run: rank {os.environ.get('RANK', local_rank)}: "
-              f"{type(exc).__name__}: {text[:300]} (the traceback goes to the evidence file)",
+              f"{type(exc).__name__}: {text[:300]}"
+              + (" (the traceback goes to the evidence file)" if kept else ""),
               file=sys.stderr, flush=True)
         sys.exit(1)
     except BaseException as exc:

@@ -10,8 +10,8 @@
         assert sel.backend == "hierarchical_copy"
 
 Probe outcomes are given per candidate: ``{"nccl": "timeout", "nccl+NCCL_P2P_DISABLE=1": "ok"}``
-(see :class:`FakeProber`). A supervised job with faults at given steps replays with
-:func:`replay` (the attempts, retry or step-down, exit code). Nothing touches ``os.environ``, the cache, or a real GPU.
+(see `FakeProber`). A supervised job with faults at given steps replays with
+`replay` (the attempts, retry or step-down, exit code). Nothing touches ``os.environ``, the cache, or a real GPU.
 """
 
 from __future__ import annotations

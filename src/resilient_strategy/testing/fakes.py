@@ -1,5 +1,5 @@
 """Fake machines and probe outcomes for users' unit tests and ours (built on
-:mod:`resilient_strategy.testing.simulation`, the production module that describes machines)."""
+`resilient_strategy.testing.simulation`, the production module that describes machines)."""
 
 from __future__ import annotations
 

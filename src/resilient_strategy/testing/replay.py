@@ -1,6 +1,6 @@
 """Replay a supervised job (``resilient-strategy run``) against a described machine with faults
 at given steps, with no process: the same decision (the executor's ``decide`` with simulated
-probes), the same verdicts, the same relaunch policy (:mod:`resilient_strategy.run.policy`) and
+probes), the same verdicts, the same relaunch policy (`resilient_strategy.run.policy`) and
 throughput floor as the supervisor, attempt by attempt.
 
     from resilient_strategy.testing import machine

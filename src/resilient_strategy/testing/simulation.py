@@ -44,7 +44,7 @@ from ..probing import cost as _cost
 from ..probing import forkserver as _forkserver
 from ..vocab import FRAMEWORKS
 
-#: Kinds of hang a simulated probe can be judged to have (see :class:`.progress.Stall`).
+#: Kinds of hang a simulated probe can be judged to have (see `progress.Stall`).
 HANG_KINDS = ("setup", "collective", "straggler", "quiet")
 
 
@@ -58,7 +58,7 @@ def gpu(
     free_gb: float | None = None,
 ) -> Gpu:
     """One fake GPU. ``index`` is its NVML (physical) index, and its CUDA ordinal while no
-    ``CUDA_VISIBLE_DEVICES`` renumbers it (see :func:`machine`). ``free_gb``: its free memory
+    ``CUDA_VISIBLE_DEVICES`` renumbers it (see `machine`). ``free_gb``: its free memory
     as NVML would report it (None: unknown, so no memory check rules a candidate out on it)."""
     _check_int("gpu", "index", index)
     _check_str("gpu", "name", name)
@@ -107,6 +107,7 @@ def machine(
     tf_nccl: str | None = None,
     keras: str | None = None,
     driver: str | None = "580.159.04",
+    driver_cuda: str | None = "13.0",
     env: Mapping[str, str] | None = None,
     nvml_error: str | None = None,
     nvml_notes: Sequence[str] = (),
@@ -115,12 +116,12 @@ def machine(
     platform_facts: Platform | Mapping[str, Any] | None = None,
     host_memory_gb: float | None = None,
 ) -> Facts:
-    """Facts for a described machine, as :func:`resilient_strategy.machine.inspect.detect_facts` would
+    """Facts for a described machine, as `resilient_strategy.machine.inspect.detect_facts` would
     report them. Every argument is checked: a wrong one is an ``InvalidOptionError`` naming it.
 
-    ``gpus`` are the physical GPUs (a count, or :func:`gpu` values with distinct indices, or
-    objects of :func:`gpu` keyword arguments as a JSON file gives them), in NVML order; ``env["CUDA_VISIBLE_DEVICES"]`` picks and renumbers them exactly as CUDA does
-    (:func:`resilient_strategy.machine.visible.resolve_visible_devices`), so
+    ``gpus`` are the physical GPUs (a count, or `gpu` values with distinct indices, or
+    objects of `gpu` keyword arguments as a JSON file gives them), in NVML order; ``env["CUDA_VISIBLE_DEVICES"]`` picks and renumbers them exactly as CUDA does
+    (`resilient_strategy.machine.visible.resolve_visible_devices`), so
     ``machine(4, env={"CUDA_VISIBLE_DEVICES": "2"})`` has one GPU, ordinal 0, NVML index 2.
     ``nvlink`` is the number of NVLinks between each pair of GPUs; ``links`` overrides it per
     pair of physical indices: ``{(0, 1): 4, (2, 3): 4}``, or ``{"0-1": 4, "2-3": 4}`` (JSON); a
@@ -130,7 +131,8 @@ def machine(
     ``CUDA_VISIBLE_DEVICES`` can name). ``imported`` / ``gpu_initialized`` name frameworks this
     process imported (and whose GPU runtime started); ``nvml_notes`` are values NVML could not
     read. ``host_memory_gb``: the host memory available to new processes (None: unknown).
-    ``platform_facts`` is the platform around the GPUs as one value (:class:`Platform`, or
+    ``driver_cuda``: the newest CUDA the driver supports (nvidia-smi's header; 535 drivers: 12.2).
+    ``platform_facts`` is the platform around the GPUs as one value (`Platform`, or
     its fields as a mapping: ``{"nvswitch": true, "rdma_link_layer": "ethernet",
     "rdma_devices": ["mlx5_0"], "master_ifname": "eth0", "hypervisor": "kvm",
     "hostname_loopback": true}``).
@@ -240,7 +242,7 @@ def machine(
         links=visible_links,
         fabric=fabric,
         driver_version=driver if physical else None,
-        cuda_driver_version="13.0" if physical else None,
+        cuda_driver_version=driver_cuda if physical else None,
         nvml_error=nvml_error if nvml_error or physical else "no GPU in this description",
         visibility=resolution.visibility,
         host=Host(shm_bytes=None if shm_mb is None else shm_mb << 20, container=container,
@@ -399,13 +401,13 @@ class SimulatedProber:
     and joined by ","); "nccl+*" for every remedy; "*" for everything. The most specific key
     wins; anything unmatched is ``default``.
 
-    Each probe takes the seconds the real prober would spend on it (:mod:`..probing.cost`): a
+    Each probe takes the seconds the real prober would spend on it (`probing.cost`): a
     healthy one its phases at typical figures for its class of machine (the fork server's saving
     included), a hang the start-up plus the allowance of the prober's own stall policy (a hang of
     TF across workers, which progress cannot judge, the whole timeout). The GPU health check is
-    deferred exactly as the real prober's decision defers it (:class:`..probing.health.Unproven`):
-    the decision calls :meth:`check_gpus`, which charges :func:`..probing.cost.health_check_seconds`
-    and reports the GPUs of ``broken_gpus`` broken. :meth:`clock` advances by all of it, so the
+    deferred exactly as the real prober's decision defers it (`probing.health.Unproven`):
+    the decision calls `check_gpus`, which charges `probing.cost.health_check_seconds`
+    and reports the GPUs of ``broken_gpus`` broken. `clock` advances by all of it, so the
     probe budget runs out as it would on the machine.
     """
 
@@ -415,9 +417,9 @@ class SimulatedProber:
     outcomes: Mapping[str, Outcome] = field(default_factory=dict)
     default: Outcome = "ok"
     calls: list[ProbeSpec] = field(default_factory=list)
-    elapsed_s: float = 0.0  # simulated seconds spent probing so far (see :meth:`clock`)
+    elapsed_s: float = 0.0  # simulated seconds spent probing so far (see `clock`)
     #: the phase figures of the machine described (None: the typical ones of its class,
-    #: :data:`..probing.cost.TYPICAL`), e.g. its measured framework import
+    #: `probing.cost.TYPICAL`), e.g. its measured framework import
     figures: _cost.Figures | None = None
     #: GPUs (CUDA ordinals) the health check finds broken: {ordinal: what went wrong}
     broken_gpus: Mapping[int, str] = field(default_factory=dict)
@@ -430,15 +432,15 @@ class SimulatedProber:
 
     def check_gpus(self, framework: str, devices: tuple[int, ...],
                    env: Mapping[str, str]) -> list[tuple[int, str]]:
-        """The GPU health check of ``devices``, as :class:`..probing.prober.DeferredHealthProber`
-        runs it (torch's forked from the warm fork server): charged to :meth:`clock`; the
-        broken ones of :attr:`broken_gpus` with why."""
+        """The GPU health check of ``devices``, as `probing.prober.DeferredHealthProber`
+        runs it (torch's forked from the warm fork server): charged to `clock`; the
+        broken ones of `broken_gpus` with why."""
         self.elapsed_s += self.check_seconds(framework, len(devices), env)
         self.health_checks.append(tuple(devices))
         return [(d, self.broken_gpus[d]) for d in devices if d in self.broken_gpus]
 
     def check_seconds(self, framework: str, gpus: int, env: Mapping[str, str]) -> float:
-        """What :meth:`check_gpus` charges for ``gpus`` GPUs now (the decision weighs it
+        """What `check_gpus` charges for ``gpus`` GPUs now (the decision weighs it
         against the probe budget left)."""
         forked = framework == "torch" and _forkserver.enabled(env)
         warm = any(c.framework == "torch" for c in self.calls)
@@ -455,6 +457,8 @@ class SimulatedProber:
         names = [f"{spec.backend}/fsdp", spec.backend] if spec.sharded else [spec.backend]
         if spec.candidate.split(":")[1].endswith("+offload"):  # its own outcome wins again
             names.insert(0, f"{spec.backend}/fsdp+offload")
+        if spec.candidate.split(":")[1].endswith("/node0"):  # node 0 alone: its own outcome
+            names.insert(0, f"{spec.backend}/node0")
         if spec.devices:  # "nccl/fsdp@0,1": on these GPUs only (the most specific)
             on = ",".join(map(str, spec.devices))
             names = [*(f"{n}@{on}" for n in names), *names]
@@ -491,7 +495,7 @@ class SimulatedProber:
 
 
 def _ending(spec: ProbeSpec, out: Outcome, res: ProbeResult) -> str | None:
-    """How the simulated probe ends, for its cost (:mod:`..probing.cost`); None: its described
+    """How the simulated probe ends, for its cost (`probing.cost`); None: its described
     elapsed time stands (an error, or a result or mapping that gives ``elapsed_s``)."""
     if isinstance(out, ProbeResult) or (isinstance(out, Mapping) and "elapsed_s" in out):
         return None
@@ -557,6 +561,8 @@ SIMULATION_KEYS = frozenset({
     # a field case (examples/machines/field/): where it was reported, its family, what it said
     "source", "family", "reported",
     "param_bytes", "optimizer_state_factor", "sharding", "offload",
+    # GPUs the health check finds broken: {"<CUDA ordinal>": "what went wrong"} (a wedged GPU)
+    "broken_gpus",
 })
 #: Fields of a machine case's ``expect`` block (the decision it must reach; tests replay it).
 EXPECT_KEYS = frozenset({
@@ -710,6 +716,12 @@ def _check_simulation_fields(path: Path, data: Mapping[str, Any]) -> None:
         value = data.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ResilientStrategyError(f"{path}: {key}: expected a positive integer, not {value!r}")
+    broken = data.get("broken_gpus")
+    if broken is not None and (not isinstance(broken, dict) or not all(
+            isinstance(k, str) and k.isdigit() and isinstance(v, str) for k, v in broken.items())):
+        raise ResilientStrategyError(
+            f'{path}: broken_gpus: expected an object like {{"0": "what went wrong"}} (CUDA '
+            f"ordinals the GPU health check finds broken), not {broken!r}")
     expect = data.get("expect")
     if expect is not None and (not isinstance(expect, dict) or not set(expect) <= EXPECT_KEYS):
         raise ResilientStrategyError(

@@ -11,14 +11,16 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
+from ...core.probe import PROBE_FAULT_VAR, PROBE_FAULTS, parse_probe_fault
+from ...errors import InvalidOptionError
 from ...machine.files import write_json_atomic
 
-FAULT_VAR = "RESILIENT_STRATEGY_PROBE_FAULT"
+FAULT_VAR = PROBE_FAULT_VAR
 #: ``hang``: sleep forever before the first collective (communicator ready); ``hang_setup``:
 #: inside communicator setup; ``hang_collective``: inside collective 1; ``exit``: exit 1 without
 #: a report; ``wrong`` / ``nan`` / ``zero``: corrupt the all-reduce (one value off by one, a NaN
 #: in the contribution, a chunk of the result zeroed as a broken peer copy would leave it).
-FAULTS = ("hang", "hang_setup", "hang_collective", "exit", "wrong", "nan", "zero")
+FAULTS = PROBE_FAULTS
 HANGS = ("hang", "hang_setup", "hang_collective")
 #: Causes of a collective that completed with bad values.
 VALUE_CAUSES = ("wrong_result", "nan_result", "zero_result")
@@ -39,7 +41,7 @@ STEP_ALLOW_S = 20.0  # DDP construction and first step (bucket building; slow on
 
 
 def check_sizes(extra: str) -> list[int]:
-    """The sizes to check: :data:`CHECK_BYTES` plus the valid ones in ``extra``, sorted."""
+    """The sizes to check: `CHECK_BYTES` plus the valid ones in ``extra``, sorted."""
     sizes = set(CHECK_BYTES)
     for part in extra.split(","):
         if part.strip().isdigit() and 4 <= int(part) <= MAX_CHECK_BYTES:
@@ -111,28 +113,23 @@ def _fields(env: Mapping[str, str]) -> list[str]:
 
 
 def fault_for(rank: int, env: Mapping[str, str], backend: str = "") -> str:
-    """The fault ``env`` injects into ``rank`` (one of :data:`FAULTS`), or "".
+    """The fault ``env`` injects into ``rank`` (one of `FAULTS`), or "".
 
     ``kind:rank`` hits every probe; ``kind:rank:backend`` only probes of that backend (e.g.
     ``hang:1:nccl``: NCCL hangs, gloo works); a fourth field narrows it further: ``plain`` hits
-    only a worker whose environment sets none of :data:`REMEDY_VARS` (plain NCCL hangs, its
+    only a worker whose environment sets none of `REMEDY_VARS` (plain NCCL hangs, its
     remedies work), ``>=N`` makes a data fault corrupt only all-reduces of at least N bytes
-    (see :func:`corrupts`).
+    (see `corrupts`).
     """
-    fields = _fields(env)
-    kind, who = fields[0], fields[1] if len(fields) > 1 else ""
-    only = fields[2] if len(fields) > 2 else ""
-    where = fields[3] if len(fields) > 3 else ""
-    if kind not in FAULTS or (only and only != backend) or len(fields) > 4:
+    try:  # the decision refused a malformed one (core/arguments.py); none here means none
+        fault = parse_probe_fault(env.get(FAULT_VAR, ""))
+    except InvalidOptionError:
         return ""
-    if where == "plain" and any(env.get(v) for v in REMEDY_VARS):
+    if fault is None or (fault.backend and fault.backend != backend):
         return ""
-    if where not in ("", "plain") and _min_bytes(where) is None:
+    if fault.where == "plain" and any(env.get(v) for v in REMEDY_VARS):
         return ""
-    try:
-        return kind if int(who) == rank else ""
-    except ValueError:
-        return ""
+    return fault.kind if fault.rank == rank else ""
 
 
 def _min_bytes(where: str) -> int | None:
@@ -144,7 +141,7 @@ DATA_FAULTS = ("wrong", "nan", "zero")
 
 
 def corrupts(kind: str, env: Mapping[str, str], nbytes: int) -> bool:
-    """Whether data fault ``kind`` (from :func:`fault_for`: wrong, nan, zero) corrupts an all-reduce of ``nbytes``:
+    """Whether data fault ``kind`` (from `fault_for`: wrong, nan, zero) corrupts an all-reduce of ``nbytes``:
     always, unless the fault's fourth field is ``>=N`` and ``nbytes`` is below N."""
     if kind not in DATA_FAULTS:
         return False

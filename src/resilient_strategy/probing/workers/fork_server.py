@@ -3,7 +3,7 @@
     python -m resilient_strategy.probing.workers.fork_server --framework torch --parent-pid PID \\
         [--idle-exit S]
 
-Started by :mod:`resilient_strategy.probing.forkserver`. After ``import torch`` (which initializes no
+Started by `resilient_strategy.probing.forkserver`. After ``import torch`` (which initializes no
 CUDA context: a forked child may still choose its GPUs, set CUDA_VISIBLE_DEVICES and NCCL_*),
 it reads one JSON request per line on stdin::
 

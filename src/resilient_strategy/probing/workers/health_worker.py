@@ -5,7 +5,7 @@
 
 For each device in order: record it as ``current``, initialize it, run a kernel whose result is
 checked, synchronize, and record ``{"ok": true}`` or the error. The report is rewritten after
-each step, so a hang leaves behind which GPU it was on (see :mod:`resilient_strategy.probing.health`).
+each step, so a hang leaves behind which GPU it was on (see `resilient_strategy.probing.health`).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ GPUs); it must happen before anything starts the TF runtime, so it is the first 
 ``RESILIENT_STRATEGY_PROBE_FAULT``: ``hang:0`` (before the first all-reduce), ``hang_setup:0``
 (in strategy creation), ``hang_collective:0`` (inside the first all-reduce) act on this process;
 ``wrong:<r>`` / ``nan:<r>`` / ``zero:<r>`` corrupt replica r's contribution or result (see
-``torch_worker``). Progress goes to ``--progress`` (:mod:`resilient_strategy.records.progress`); each
+``torch_worker``). Progress goes to ``--progress`` (`resilient_strategy.records.progress`); each
 all-reduce is checked exactly at the sizes ``torch_worker`` checks.
 """
 
@@ -448,7 +448,7 @@ def _fit(tf: Any, strategy: Any, replicas: int, *, whole_fit: bool) -> tuple[flo
 
     ``whole_fit``: through ``model.fit`` (its distributed input pipeline and the strategy
     ``reduce`` of the first batch); otherwise ``model.train_on_batch``, each replica stepping on
-    the same batch of :data:`PER_REPLICA_BATCH` rows through the same train function."""
+    the same batch of `PER_REPLICA_BATCH` rows through the same train function."""
     import numpy as np
 
     keras = tf.keras

@@ -6,10 +6,10 @@
 
 ``--store`` joins the group through an existing TCPStore (as a client, under the key prefix
 ``--store-prefix``) instead of ``--init-method``: the cross-node probe of a multi-node job meets
-in the launcher's own store (see :mod:`resilient_strategy.nodes.manynodes`), opening no port of its own.
+in the launcher's own store (see `resilient_strategy.nodes.manynodes`), opening no port of its own.
 
 Steps, each reported to the runner through ``--progress`` (see
-:mod:`resilient_strategy.records.progress`): started, torch imported, device ready, communicator setup
+`resilient_strategy.records.progress`): started, torch imported, device ready, communicator setup
 and ready, then every collective by number. All-reduces checked exactly at the sizes DDP sends
 (4 KiB, 256 KiB: below the 512 KiB where some NCCL builds first fail, 1 MiB, DDP's 25 MiB
 bucket, ``--check-bytes`` such as the user's largest bucket), several iterations each, with
@@ -31,12 +31,12 @@ DDP (the full parameters, gathered, must then match on every rank). Backends ``s
 ``--report`` in every case it survives, and exits 0 only when it is ``ok``.
 
 Fault injection, to test the runner or rehearse a failure: ``RESILIENT_STRATEGY_PROBE_FAULT`` =
-``<fault>:<rank>[:<backend>]`` with a fault of :data:`._common.FAULTS`: ``hang`` (sleeps before
+``<fault>:<rank>[:<backend>]`` with a fault of `_common.FAULTS`: ``hang`` (sleeps before
 the first collective), ``hang_setup`` (inside communicator setup), ``hang_collective`` (inside
 collective 1), ``exit`` (exits 1 there, without a report), ``wrong`` / ``nan`` / ``zero``
 (corrupts its contribution or its result); a fourth field narrows it: ``plain`` (only a
 worker without a remedy's variables) or ``>=N`` (data faults only in all-reduces of N bytes or
-more): see :func:`._common.fault_for`.
+more): see `_common.fault_for`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Worker-side protection against orphaning: die when the process that started us dies.
 
 The runner kills its workers on every path it controls; this covers the one it does not (the
-parent itself SIGKILLed). Call :func:`watch_parent` before importing any framework.
+parent itself SIGKILLed). Call `watch_parent` before importing any framework.
 """
 
 from __future__ import annotations

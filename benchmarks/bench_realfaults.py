@@ -1,0 +1,313 @@
+"""Real faults against `resilient-strategy run`: what the supervisor concludes, how fast, and what
+it leaves behind. Faults made by the kernel or the script, never injected through our own hooks.
+
+    python benchmarks/bench_realfaults.py                       # CPU (gloo), 2 ranks, every row
+    python benchmarks/bench_realfaults.py --only sigstop,busy_validation
+    python benchmarks/bench_realfaults.py --backend nccl        # 2 GPUs (the lead's run)
+    python benchmarks/bench_realfaults.py --src /work/main/src  # another tree (a "before")
+
+Each row starts `resilient-strategy run --nproc-per-node 2` on a small training script (an
+MLP, checkpoint every 5 steps, ``--step-s`` seconds of work per step on every rank) with the
+default allowance (no --stall-timeout), then makes its fault once (``--at`` is the step):
+
+- ``sigkill`` / ``sigstop``: ``kill -KILL`` / ``kill -STOP`` of rank ``--rank``'s process, found
+  by its RANK variable (and this run's tag) in /proc/<pid>/environ;
+- ``slow``: that rank 20x slower for ``--slow-steps`` steps (no fault: the job must finish);
+- ``busy_validation``: rank 0 runs a validation that burns CPU in the script's own code for
+  ``--validate-s`` seconds (longer than the allowance) while the others wait in the next
+  all-reduce (no fault: the job must finish);
+- ``sleepy_validation``: the same validation asleep (time.sleep): a rank that neither runs nor
+  progresses is held up: a stall naming rank 0, resumed.
+
+Columns: seconds from the fault to the supervisor's verdict (its ``fault_seen`` mark), the
+verdict and the ranks it names, the action, the step the next attempt resumed from, the exit
+code, the wall time and the processes of the run left afterwards. Rows are a table of
+scenarios (:data:`SCENARIOS`, name -> function): another fault is one more entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from resilient_strategy.machine.procs import pids_with_env  # noqa: E402
+
+TAG_VAR = "RS_BENCH_TAG"
+
+SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    import resilient_strategy
+    sel = resilient_strategy.resilient_strategy(framework="torch", global_batch_size=64)
+    import torch
+    marks = os.environ["RS_MARKS"]
+    rank = sel.launch.rank
+    step_s = float(os.environ.get("RS_STEP_S", "0.05"))
+    slow = os.environ.get("RS_SLOW", "")  # "rank:from:to:factor"
+    validate = os.environ.get("RS_VALIDATE", "")  # "rank:at:seconds:busy|sleep"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = torch.utils.data.TensorDataset(torch.randn(4096, 32), torch.randint(0, 4, (4096,)))
+    loader = torch.utils.data.DataLoader(data, batch_size=sel.batch_size, drop_last=True)
+    ckpt = sel.checkpoint(sys.argv[1], every_steps=5)
+    model, opt, loader = sel.prepare(model, opt, loader)
+    if rank == 0:
+        with open(os.path.join(marks, "resumed"), "a") as fh:
+            fh.write(f"{sel.optimizer_steps}\\n")
+    total = int(os.environ.get("RS_STEPS", "60"))
+
+    def mark(step):
+        tmp = os.path.join(marks, f"rank{rank}.step.tmp")
+        with open(tmp, "w") as fh:
+            fh.write(str(step))
+        os.replace(tmp, os.path.join(marks, f"rank{rank}.step"))
+
+    done = False
+    for epoch in range(ckpt.epoch, 100):
+        sel.set_epoch(epoch)
+        for x, y in loader:
+            x, y = x.to(sel.device), y.to(sel.device)
+            step = sel.optimizer_steps + 1
+            wait = step_s
+            if slow:
+                r, a, b, f = slow.split(":")
+                if int(r) == rank and int(a) <= step <= int(b):
+                    wait = step_s * float(f)
+            time.sleep(wait)
+            with sel.accumulate(model):
+                sel.backward(torch.nn.functional.cross_entropy(model(x), y))
+            sel.step(opt)
+            mark(sel.optimizer_steps)
+            if validate:
+                r, at, secs, how = validate.split(":")
+                flag = os.path.join(marks, "validated")
+                if int(r) == rank and sel.optimizer_steps == int(at) and not os.path.exists(flag):
+                    open(flag, "w").close()
+                    end = time.monotonic() + float(secs)
+                    if how == "sleep":
+                        time.sleep(float(secs))
+                    else:
+                        with torch.no_grad():
+                            while time.monotonic() < end:
+                                model(torch.randn(256, 32, device=sel.device)).sum().item()
+            if sel.optimizer_steps >= total:
+                done = True
+                break
+        if done:
+            break
+    print("finished", rank, sel.optimizer_steps, flush=True)
+    sel.shutdown()
+""")
+
+
+@dataclass
+class Row:
+    scenario: str
+    fault_to_verdict_s: float | None = None
+    verdict: str = "ok"
+    ranks: list[int] = field(default_factory=list)
+    action: str = "finish"
+    resumed_from: int | None = None
+    exit_code: int = 0
+    wall_s: float = 0.0
+    left: int = 0
+    note: str = ""
+
+    def cells(self) -> list[str]:
+        ftv = "-" if self.fault_to_verdict_s is None else f"{self.fault_to_verdict_s:.1f}"
+        ranks = ",".join(map(str, self.ranks)) or "-"
+        resumed = "-" if self.resumed_from is None else str(self.resumed_from)
+        return [self.scenario, ftv, self.verdict, ranks, self.action, resumed,
+                str(self.exit_code), f"{self.wall_s:.1f}", str(self.left), self.note]
+
+
+HEADER = ["scenario", "fault->verdict s", "verdict", "ranks", "action", "resumed from",
+          "exit", "wall s", "left", "note"]
+
+
+@dataclass
+class Run:
+    """One supervised run in its own directory, with its tag in every process's environment."""
+
+    args: argparse.Namespace
+    tmp: Path
+    env_extra: dict[str, str]
+    tag: str = field(default_factory=lambda: uuid.uuid4().hex)
+    proc: subprocess.Popen[str] | None = None
+    started: float = 0.0
+
+    def start(self) -> None:
+        marks = self.tmp / "marks"
+        marks.mkdir(parents=True, exist_ok=True)
+        script = self.tmp / "train.py"
+        script.write_text(SCRIPT)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")}
+        (self.tmp / "tmp").mkdir(exist_ok=True)
+        env.update({"PYTHONPATH": self.args.src, TAG_VAR: self.tag, "RS_MARKS": str(marks),
+                    "RS_STEP_S": str(self.args.step_s), "RS_STEPS": str(self.args.steps),
+                    "TMPDIR": str(self.tmp / "tmp"),
+                    "RESILIENT_STRATEGY_CACHE_DIR": str(self.args.cache),
+                    **self.env_extra})
+        if self.args.backend == "gloo":
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        self.started = time.time()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "resilient_strategy", "run", "--nproc-per-node", "2",
+             *self.args.run_args, str(script), str(self.tmp / "ckpt")],
+            env=env, cwd=self.tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def step_of(self, rank: int) -> int:
+        try:
+            return int((self.tmp / "marks" / f"rank{rank}.step").read_text() or 0)
+        except (OSError, ValueError):
+            return 0
+
+    def wait_step(self, rank: int, step: int, deadline_s: float = 240.0) -> bool:
+        end = time.monotonic() + deadline_s
+        assert self.proc is not None
+        while time.monotonic() < end and self.proc.poll() is None:
+            if self.step_of(rank) >= step:
+                return True
+            time.sleep(0.02)
+        return False
+
+    def rank_pids(self, rank: int) -> list[int]:
+        return pids_with_env({TAG_VAR: self.tag, "RANK": str(rank)})
+
+    def finish(self, row: Row, fault_at: float | None) -> Row:
+        assert self.proc is not None
+        try:
+            out, _ = self.proc.communicate(timeout=self.args.deadline)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate(timeout=30)
+            row.note = "deadline"
+        (self.tmp / "output.txt").write_text(out)
+        row.exit_code = self.proc.returncode
+        row.wall_s = time.time() - self.started
+        time.sleep(0.5)
+        left = pids_with_env({TAG_VAR: self.tag})
+        row.left = len(left)
+        for pid in left:  # never leave them behind us
+            with_cont(pid)
+        found = list((self.tmp / "resilient-strategy-evidence").glob("*/attempts.json"))
+        if found:
+            attempts = json.loads(found[0].read_text())["attempts"]
+            first = attempts[0]
+            row.verdict = first["verdict"]["kind"]
+            row.ranks = list(first["verdict"].get("ranks", []))
+            row.action = first["action"]
+            seen = ((first.get("times") or {}).get("supervisor") or {}).get("fault_seen")
+            if fault_at is not None and seen is not None:
+                row.fault_to_verdict_s = round(float(seen) - fault_at, 2)
+            if len(attempts) > 1:
+                row.resumed_from = attempts[1].get("resumed_from")
+        return row
+
+
+def with_cont(pid: int) -> None:
+    for sig in (signal.SIGCONT, signal.SIGKILL):
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            return
+
+
+def _signal_row(name: str, sig: signal.Signals) -> Callable[[argparse.Namespace, Path], Row]:
+    def scenario(args: argparse.Namespace, tmp: Path) -> Row:
+        run = Run(args, tmp, {})
+        run.start()
+        row = Row(name)
+        fault_at = None
+        if run.wait_step(args.rank, args.at):
+            for pid in run.rank_pids(args.rank):
+                os.kill(pid, sig)
+            fault_at = time.time()
+        else:
+            row.note = "the fault was never made"
+        return run.finish(row, fault_at)
+    return scenario
+
+
+def slow(args: argparse.Namespace, tmp: Path) -> Row:
+    run = Run(args, tmp, {"RS_SLOW": f"{args.rank}:{args.at}:{args.at + args.slow_steps}:20"})
+    run.start()
+    return run.finish(Row("slow_20x"), None)
+
+
+def _validation(how: str, name: str) -> Callable[[argparse.Namespace, Path], Row]:
+    def scenario(args: argparse.Namespace, tmp: Path) -> Row:
+        run = Run(args, tmp, {"RS_VALIDATE": f"0:{args.at}:{args.validate_s}:{how}"})
+        run.start()
+        row = Row(name)
+        fault_at = None
+        if run.wait_step(0, args.at):
+            fault_at = time.time()  # the validation begins as the step is marked
+        return run.finish(row, fault_at)
+    return scenario
+
+
+#: The fault scenarios, by name (one row each; another fault is one more entry).
+SCENARIOS: dict[str, Callable[[argparse.Namespace, Path], Row]] = {
+    "sigkill": _signal_row("sigkill", signal.SIGKILL),
+    "sigstop": _signal_row("sigstop", signal.SIGSTOP),
+    "slow": slow,
+    "busy_validation": _validation("busy", "busy_validation"),
+    "sleepy_validation": _validation("sleep", "sleepy_validation"),
+}
+
+
+def table(rows: list[Row]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(r.cells()) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    p.add_argument("--only", default="", help="comma-separated scenario names")
+    p.add_argument("--rank", type=int, default=1, help="the rank the fault hits")
+    p.add_argument("--at", type=int, default=12, help="the step the fault comes at")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--step-s", type=float, default=0.05)
+    p.add_argument("--slow-steps", type=int, default=10)
+    p.add_argument("--validate-s", type=float, default=30.0)
+    p.add_argument("--deadline", type=float, default=400.0)
+    p.add_argument("--src", default=str(ROOT / "src"), help="the tree to run (PYTHONPATH)")
+    p.add_argument("--run-arg", action="append", default=[], dest="run_args",
+                   help="one more argument for `resilient-strategy run` (repeatable)")
+    p.add_argument("--json", default="", help="also write the rows here")
+    args = p.parse_args(argv)
+    names = [n for n in args.only.split(",") if n] or list(SCENARIOS)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="rs-realfaults-") as top:
+        args.cache = Path(top) / "cache"
+        for name in names:
+            row = SCENARIOS[name](args, Path(top) / name)
+            print(table([row]).splitlines()[-1], flush=True)
+            rows.append(row)
+    print(f"\nbackend {args.backend}, 2 ranks, fault on rank {args.rank} at step {args.at}, "
+          f"{args.step_s} s per step, src {args.src}\n")
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps([r.__dict__ for r in rows], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

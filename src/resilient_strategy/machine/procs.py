@@ -1,0 +1,122 @@
+"""A process seen from outside: its scheduler state and the CPU time it has used, from
+``/proc/<pid>/stat`` (Linux). The supervisor reads it for every rank it watches, so that a
+rank that is stopped (``SIGSTOP``, a debugger), in uninterruptible sleep, blocked, or busy in
+its own code is told apart without asking the rank anything.
+
+`parse_stat` is pure and tested from strings; `read_stat` is the thin reader (None
+where the file cannot be read: another OS, a process gone). `pids_with_env` finds the
+processes whose environment holds a variable (``/proc/<pid>/environ``): the benchmarks and tests
+send a real signal to "the process of rank 1" this way.
+
+Field layout: proc(5), ``/proc/[pid]/stat``: field 2 is the command in parentheses (it may hold
+spaces and parentheses: the last ``)`` ends it), field 3 the state (R running, S sleeping, D
+uninterruptible disk sleep, Z zombie, T stopped by a signal, t stopped by a tracer, X dead, I
+idle kernel thread), fields 14 and 15 ``utime`` and ``stime`` in clock ticks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+#: The states of a process that will not run until someone continues it.
+STOPPED_STATES = frozenset("Tt")
+#: The states of a process that is gone.
+GONE_STATES = frozenset("ZX")
+#: The most of a stat or environ file read (a stat line is under 1 KiB; an environment may be
+#: large, but the variable sought is looked for in the first MiB).
+MAX_STAT_BYTES = 4096
+MAX_ENVIRON_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    """One reading of a process: its state letter and its CPU time (user + system) in ticks."""
+
+    pid: int
+    state: str
+    cpu_ticks: int
+
+    @property
+    def stopped(self) -> bool:
+        return self.state in STOPPED_STATES
+
+    @property
+    def gone(self) -> bool:
+        return self.state in GONE_STATES
+
+    @property
+    def uninterruptible(self) -> bool:
+        return self.state == "D"
+
+
+def parse_stat(text: str) -> ProcStat | None:
+    """The state and CPU time in one ``/proc/<pid>/stat`` line; None when it is not one."""
+    open_at, close_at = text.find("("), text.rfind(")")
+    if open_at < 1 or close_at < open_at:
+        return None
+    try:
+        pid = int(text[:open_at].strip())
+    except ValueError:
+        return None
+    rest = text[close_at + 1:].split()
+    # rest[0] is field 3 (state); utime and stime are fields 14 and 15: rest[11], rest[12]
+    if len(rest) < 13 or len(rest[0]) != 1:
+        return None
+    try:
+        return ProcStat(pid, rest[0], int(rest[11]) + int(rest[12]))
+    except ValueError:
+        return None
+
+
+def read_stat(pid: int, root: str = "/proc") -> ProcStat | None:
+    """``pid``'s state now; None when it cannot be read (no /proc, the process gone)."""
+    try:
+        with open(f"{root}/{int(pid)}/stat", "rb") as fh:
+            return parse_stat(fh.read(MAX_STAT_BYTES).decode("ascii", "replace"))
+    except (OSError, ValueError):
+        return None
+
+
+def ticks_per_second() -> float:
+    """The clock ticks of ``utime``/``stime`` per second (``SC_CLK_TCK``; 100 where unknown)."""
+    with contextlib.suppress(AttributeError, ValueError, OSError):
+        ticks = os.sysconf("SC_CLK_TCK")
+        if ticks > 0:
+            return float(ticks)
+    return 100.0
+
+
+def parse_environ(data: bytes) -> dict[str, str]:
+    """A ``/proc/<pid>/environ`` file (NUL-separated ``NAME=value``) as a mapping. Pure."""
+    out: dict[str, str] = {}
+    for item in data.split(b"\0"):
+        name, sep, value = item.partition(b"=")
+        if sep and name:
+            out[name.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
+    return out
+
+
+def _pids(root: str) -> Iterator[int]:
+    with contextlib.suppress(OSError):
+        for name in os.listdir(root):
+            if name.isdigit():
+                yield int(name)
+
+
+def pids_with_env(wanted: Mapping[str, str], root: str = "/proc") -> list[int]:
+    """The processes (of this user: others' environments are not readable) whose environment
+    sets every variable in ``wanted`` to its value, sorted. The environment is the one the
+    process started with."""
+    found = []
+    for pid in _pids(root):
+        try:
+            with open(f"{root}/{pid}/environ", "rb") as fh:
+                env = parse_environ(fh.read(MAX_ENVIRON_BYTES))
+        except OSError:
+            continue
+        if all(env.get(k) == v for k, v in wanted.items()):
+            found.append(pid)
+    return sorted(found)

@@ -1,0 +1,106 @@
+"""Real faults against `resilient-strategy run` on CPU (gloo, 2 ranks, the default allowance):
+a real SIGSTOP of one rank's process (found by its RANK in /proc/<pid>/environ), a validation on
+rank 0 that burns CPU or sleeps longer than the allowance, a brief stop. The verdict, the ranks
+it names, the action and the exit are asserted from the run's attempts record; the driver is
+benchmarks/bench_realfaults.py's (one harness for the table and the tests)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+pytestmark = [pytest.mark.slow, pytest.mark.torch]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_realfaults",
+                                                  ROOT / "benchmarks" / "bench_realfaults.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_realfaults"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+rf = _bench()
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+def _args(cache: Path, *run_args: str, steps: int = 40) -> argparse.Namespace:
+    return argparse.Namespace(src=str(ROOT / "src"), step_s=0.05, steps=steps, cache=cache,
+                              backend="gloo", run_args=list(run_args), deadline=300.0)
+
+
+def _stop(tmp: Path, cache: Path, rank: int, at: int, hold_s: float | None) -> Any:
+    """SIGSTOP ``rank`` at step ``at``; continue it after ``hold_s`` (None: never)."""
+    run = rf.Run(_args(cache), tmp, {})
+    run.start()
+    assert run.wait_step(rank, at), "the run never reached the step"
+    pids = run.rank_pids(rank)
+    assert pids, "no process of that rank"
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    fault_at = time.time()
+    if hold_s is not None:
+        time.sleep(hold_s)
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    return run.finish(rf.Row("sigstop"), fault_at)
+
+
+@pytest.mark.parametrize("rank,at", [(1, 8), (0, 14)])
+def test_a_stopped_rank_is_a_stall_naming_it_and_the_job_resumes(
+        rank: int, at: int, tmp_path: Path, cache: Path) -> None:
+    row = _stop(tmp_path, cache, rank, at, None)
+    assert (row.verdict, row.ranks, row.action, row.exit_code, row.left) == (
+        "stall", [rank], "retry", 0, 0), (tmp_path / "output.txt").read_text()[-3000:]
+    assert row.resumed_from == 5 * (at // 5)
+
+
+def test_a_brief_stop_is_no_fault(tmp_path: Path, cache: Path) -> None:
+    row = _stop(tmp_path, cache, 1, 8, 3.0)
+    assert (row.verdict, row.exit_code, row.left) == ("ok", 0, 0), (
+        (tmp_path / "output.txt").read_text()[-3000:])
+
+
+def _validate(tmp: Path, cache: Path, how: str, seconds: float, *run_args: str) -> Any:
+    run = rf.Run(_args(cache, *run_args), tmp, {"RS_VALIDATE": f"0:10:{seconds}:{how}"})
+    run.start()
+    return run.finish(rf.Row(f"{how}_validation"), None)
+
+
+def test_a_busy_validation_longer_than_the_allowance_is_left_alone(
+        tmp_path: Path, cache: Path) -> None:
+    row = _validate(tmp_path, cache, "busy", 25.0)  # the allowance: 15 s
+    assert (row.verdict, row.exit_code, row.left) == ("ok", 0, 0), (
+        (tmp_path / "output.txt").read_text()[-3000:])
+
+
+def test_a_busy_validation_past_the_busy_ceiling_is_a_stall_naming_rank_0(
+        tmp_path: Path, cache: Path) -> None:
+    row = _validate(tmp_path, cache, "busy", 60.0, "--busy-timeout", "20")
+    assert (row.verdict, row.ranks, row.action, row.exit_code) == (
+        "stall", [0], "retry", 0), (tmp_path / "output.txt").read_text()[-3000:]
+    assert "--busy-timeout" in (tmp_path / "output.txt").read_text()  # the stop names it
+
+
+def test_a_sleeping_validation_is_a_stall_naming_rank_0(tmp_path: Path, cache: Path) -> None:
+    row = _validate(tmp_path, cache, "sleep", 40.0)
+    assert (row.verdict, row.ranks, row.action, row.exit_code) == (
+        "stall", [0], "retry", 0), (tmp_path / "output.txt").read_text()[-3000:]
