@@ -21,6 +21,10 @@ measured from outside by watching the files the supervisors write and their proc
 - leftovers: processes of the job alive after both supervisors ended (or were killed at the
   bed's limit; the bed's sweep removes them after).
 
+`--membership none,lost_node,cut_off_start,rejoin` runs the scenarios of nodes that come and go
+instead (three nodes; `cut_off_start` two; tests/testbed.py `run_membership`): one row each,
+with the nodes whose rank 0 trained in each attempt, and node 0's membership records.
+
 Needs root and `ip`; prints why not otherwise.
 """
 
@@ -46,11 +50,19 @@ LIMITS = {"link_down": 150.0}  # node 0 waits for node 1 at the relaunch, then g
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--faults", default=",".join(ORDER))
+    ap.add_argument("--membership", default="",
+                    help="instead: nodes that come and go, e.g. none,lost_node,cut_off_start,"
+                         "rejoin (three nodes; cut_off_start: two)")
+    ap.add_argument("--prefix", default=tb.PREFIX,
+                    help="the bed's names (namespaces, links): another prefix for a bed beside "
+                         "one already running (the suite's test bed uses the default)")
     args = ap.parse_args()
     why = tb.unavailable()
     if why is not None:
         print(f"the test bed cannot run here: {why}")
         return 2
+    if args.membership:
+        return membership(args.membership.split(","), args.prefix)
     import torch
 
     print(f"# Test bed: real faults, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n")
@@ -72,6 +84,38 @@ def main() -> int:
             print(f"<!-- {fault}: {o} -->", flush=True)
     heads = list(rows[0])
     print()
+    print("| " + " | ".join(heads) + " |")
+    print("|" + "---|" * len(heads))
+    for r in rows:
+        print("| " + " | ".join(str(r[h]) for h in heads) + " |")
+    return 0
+
+
+def membership(faults: list[str], prefix: str = tb.PREFIX) -> int:
+    """One row per membership scenario (tests/testbed.py ``run_membership``): each node's exit
+    status, the nodes whose rank 0 trained in each attempt, seconds from the fault to training
+    again and to each supervisor's exit, the optimizer steps against the uninterrupted count,
+    and node 0's membership records."""
+    import json
+
+    rows = []
+    for fault in faults:
+        nodes = 2 if fault == "cut_off_start" else 3
+        with tempfile.TemporaryDirectory(prefix="bench-member-") as work:
+            t = time.monotonic()
+            with tb.testbed(nodes, prefix) as bed:
+                o = tb.run_membership(bed, Path(work), fault, limit_s=240.0)
+            row = o.row()
+            row["run s"] = f"{time.monotonic() - t:.0f}"
+            rows.append(row)
+            print(f"<!-- {fault}: membership {json.dumps(o.membership(0))} -->", flush=True)
+            print(f"<!-- {fault}: {o} -->", flush=True)
+            for i in range(nodes):
+                log = Path(work) / f"node{i}" / "supervisor.log"
+                lines = [ln for ln in log.read_text(errors="replace").splitlines()
+                         if ln.startswith("resilient-strategy run:")] if log.exists() else []
+                print(f"<!-- node {i}:\n" + "\n".join(lines[-8:]) + "\n-->", flush=True)
+    heads = list(rows[0])
     print("| " + " | ".join(heads) + " |")
     print("|" + "---|" * len(heads))
     for r in rows:

@@ -225,5 +225,15 @@ def test_node_link_from_torchrun_options() -> None:
     assert (job.node, job.nodes, job.rank, job.agent_store) == (1, 2, 2, False)
     assert job.prefix == "resilient_strategy/v1/run-job7/attempt3/"
     assert got.job(0).prefix != job.prefix  # each launch attempt agrees under its own keys
+    # a fixed count starts with every node and goes on down to node 0 alone
+    assert (got.min_nodes, got.floor, got.present) == (2, 1, (0, 1))
+    # MIN:MAX: torch elastic's range; the job starts with MIN or more, never goes below MIN
+    elastic = link("--nnodes", "2:4", "--node-rank", "3", "--rdzv-endpoint", "10.0.0.5:29411")
+    assert (elastic.nodes, elastic.min_nodes, elastic.floor) == (4, 2, 2)
+    # after a membership round, the node's place among the members is its GROUP_RANK
+    fewer = elastic.with_members((0, 3))
+    assert (fewer.position, fewer.job(5).node, fewer.job(5).nodes) == (1, 1, 2)
+    assert fewer.env({}, 5)["WORLD_SIZE"] == "4"  # 2 nodes x 2 processes
+    assert fewer.roster(5).node == 3 and fewer.roster(5).prefix.endswith("attempt5/members/")
     with pytest.raises(InvalidOptionError):
-        link("--nnodes", "1:4", "--rdzv-endpoint", "10.0.0.5:29411")
+        link("--nnodes", "3:2", "--rdzv-endpoint", "10.0.0.5:29411")

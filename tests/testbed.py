@@ -252,7 +252,8 @@ class Job:
 
     def __init__(self, bed: Bed, work: Path, script: Path, script_args: Sequence[str], *,
                  stall_timeout: float, probe_timeout: float = PROBE_S,
-                 extra_env: Mapping[str, str] | None = None, limit_s: float = 240.0) -> None:
+                 extra_env: Mapping[str, str] | None = None, limit_s: float = 240.0,
+                 nnodes: str | None = None) -> None:
         self.bed, self.work, self.limit_s = bed, work, limit_s
         self.capture = Capture()
         self.started = time.monotonic()
@@ -264,23 +265,33 @@ class Job:
                     "CUDA_VISIBLE_DEVICES": "", **(extra_env or {})})
         self.procs: list[subprocess.Popen[bytes]] = []
         self.logs: list[Path] = []
+        self._env = env
+        self._argv = [sys.executable, "-m", "resilient_strategy", "run", "--nnodes",
+                      nnodes or str(len(bed.nodes)), "--nproc-per-node", "1", "--rdzv-backend",
+                      "c10d", "--rdzv-endpoint", f"{bed.master}:{PORT}", "--rdzv-id", "bed",
+                      "--stall-timeout", f"{stall_timeout:g}", "--probe-timeout",
+                      f"{probe_timeout:g}", str(script), *script_args]
         for node in bed.nodes:
-            home = work / f"node{node.index}"
-            (home / "tmp").mkdir(parents=True, exist_ok=True)
-            log = home / "supervisor.log"
-            self.logs.append(log)
-            argv = [sys.executable, "-m", "resilient_strategy", "run", "--nnodes",
-                    str(len(bed.nodes)), "--node-rank", str(node.index), "--nproc-per-node",
-                    "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{bed.master}:{PORT}",
-                    "--rdzv-id", "bed", "--stall-timeout", f"{stall_timeout:g}",
-                    "--probe-timeout", f"{probe_timeout:g}", str(script), *script_args]
-            with open(log, "wb") as out:
-                self.procs.append(subprocess.Popen(
-                    bed.exec_argv(node.index, argv), env={**env, "TMPDIR": str(home / "tmp")},
-                    cwd=home, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+            self.logs.append(self.work / f"node{node.index}" / "supervisor.log")
+            self.procs.append(self._start(node.index, self.logs[-1]))
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, daemon=True)
         self._watcher.start()
+
+    def _start(self, node: int, log: Path) -> subprocess.Popen[bytes]:
+        home = self.work / f"node{node}"
+        (home / "tmp").mkdir(parents=True, exist_ok=True)
+        argv = [*self._argv[:6], "--node-rank", str(node), *self._argv[6:]]
+        with open(log, "wb") as out:
+            return subprocess.Popen(
+                self.bed.exec_argv(node, argv), env={**self._env, "TMPDIR": str(home / "tmp")},
+                cwd=home, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def restart(self, node: int) -> None:
+        """A new supervisor for ``node`` (its last one gone), with the same job id: a node
+        repaired, or its replacement. Its log is ``supervisor.restart.log``."""
+        self.logs[node] = self.work / f"node{node}" / "supervisor.restart.log"
+        self.procs[node] = self._start(node, self.logs[node])
 
     # watching
     def _watch(self) -> None:
@@ -591,3 +602,138 @@ def run_fault(bed: Bed, work: Path, fault: str, *, stall_s: float = STALL_S,
         ended_s=tuple(None if i not in ended or t0 is None else ended[i] - t0
                       for i in range(len(bed.nodes))),
         setup=tuple(job.setup(n.index) for n in bed.nodes))
+
+
+# --- nodes that come and go (three nodes; membership) -------------------------------------------
+
+#: The membership scenarios' run: one epoch of 6144 samples at a global batch of 192 (divisible
+#: by 1, 2 and 3 replicas): 32 optimizer steps, a checkpoint every 4.
+MEMBER_BATCH, MEMBER_EPOCHS = 192, 1
+MEMBER_STEPS = MEMBER_EPOCHS * (SAMPLES // MEMBER_BATCH)
+MEMBER_FAULTS = ("none", "lost_node", "cut_off_start", "rejoin")
+
+
+@dataclass(frozen=True)
+class Membership:
+    """What a node loss came to, from typed outputs only: each node's exit status, the nodes
+    each attempt was decided for (``decision.json``'s ``nodes``), the nodes whose rank 0 made
+    progress in each attempt, the optimizer-step count of the last checkpoint, every node's
+    ``attempts.json``, and (seconds from the fault, measured from outside) when each
+    supervisor exited."""
+
+    fault: str
+    codes: tuple[int, ...]
+    expected_steps: int
+    final_steps: int | None
+    attempts: tuple[tuple[int, ...], ...]  # per node: the launch attempts it decided
+    nodes_decided: tuple[tuple[int, int, int], ...]  # (node, attempt, nodes in its decision)
+    trained: tuple[tuple[int, tuple[int, ...]], ...]  # (attempt, nodes whose rank 0 stepped)
+    records: tuple[Mapping[str, Any] | None, ...]  # per node: its attempts.json
+    ended_s: tuple[float | None, ...]
+    training_again_s: float | None  # fault -> the first step of a later attempt
+    leftovers: tuple[str, ...]
+    #: (attempt, samples/s): the global batch times the optimizer steps per second node 0's
+    #: rank 0 recorded in the attempt (None: fewer than two steps seen)
+    rates: tuple[tuple[int, float | None], ...] = ()
+
+    def history(self, node: int) -> list[Mapping[str, Any]]:
+        rec = self.records[node]
+        got = [] if rec is None else rec.get("attempts", [])
+        return [a for a in got if isinstance(a, dict)] if isinstance(got, list) else []
+
+    def membership(self, node: int) -> list[Mapping[str, Any]]:
+        rec = self.records[node]
+        got = [] if rec is None else rec.get("membership", [])
+        return [m for m in got if isinstance(m, dict)] if isinstance(got, list) else []
+
+    def row(self) -> dict[str, Any]:
+        def s(x: float | None) -> str:
+            return "-" if x is None else f"{x:.1f}"
+
+        return {"fault": self.fault, "exit codes": ",".join(map(str, self.codes)),
+                "nodes training per attempt": "; ".join(
+                    f"{a}: {','.join(map(str, n)) or '-'}" for a, n in self.trained),
+                "training again s": s(self.training_again_s),
+                "samples/s per attempt": "; ".join(
+                    f"{a}: {'-' if r is None else f'{r:.0f}'}" for a, r in self.rates),
+                "steps": f"{self.final_steps or 0}/{self.expected_steps}",
+                "ended s": ",".join(s(e) for e in self.ended_s),
+                "leftovers": len(self.leftovers)}
+
+
+def run_membership(bed: Bed, work: Path, fault: str, *, nnodes: str | None = None,
+                   limit_s: float = 240.0) -> Membership:
+    """Train on every node of ``bed`` (``--nnodes nnodes``, default the bed's size) and strike
+    ``fault``: ``lost_node``: once rank 0 has done :data:`FAULT_STEP`, the last node's
+    supervisor is SIGKILLed and its link set down; ``cut_off_start``: node 1's link set down as
+    soon as its first decision is written (the nodes agreed; its workers have not started);
+    ``rejoin``: ``lost_node`` over four epochs, then, once the survivors train again, the last
+    node's link set up and a new supervisor started there with the same job id; ``none``: an
+    uninterrupted run. Times are from the fault."""
+    if fault not in MEMBER_FAULTS:
+        raise ValueError(f"unknown fault {fault!r}; one of {MEMBER_FAULTS}")
+    epochs = 4 * MEMBER_EPOCHS if fault == "rejoin" else MEMBER_EPOCHS  # time to come back
+    args = ["--samples", str(SAMPLES), "--epochs", str(epochs), "--hidden", str(HIDDEN),
+            "--global-batch-size", str(MEMBER_BATCH), "--checkpoint-every", str(EVERY),
+            "--checkpoint-dir", str(work / "ckpt")]
+    job = Job(bed, work, ROOT / "examples" / "torch_train.py", args, stall_timeout=STALL_S,
+              limit_s=limit_s, nnodes=nnodes)
+    last = len(bed.nodes) - 1
+    t0: float | None = None
+    ended: dict[int, float] = {}
+    try:
+        if fault in ("lost_node", "rejoin"):
+            job.wait_for_step(FAULT_STEP, timeout_s=limit_s / 2)
+            t0 = time.monotonic()
+            os.kill(job.procs[last].pid, signal.SIGKILL)
+            bed.node_link(last, up=False)
+            if fault == "rejoin":  # repaired once the survivors train again: it comes back
+                job.wait_for_step(1, attempt=1, timeout_s=limit_s / 2)
+                job.procs[last].wait(timeout=IP_TIMEOUT_S)
+                bed.node_link(last, up=True)
+                job.restart(last)
+        elif fault == "cut_off_start":
+            end = time.monotonic() + limit_s / 2
+            while (1, 0) not in job.capture.decisions and time.monotonic() < end:
+                time.sleep(0.01)
+            assert (1, 0) in job.capture.decisions, job.tails()
+            t0 = time.monotonic()
+            bed.node_link(1, up=False)
+        else:
+            t0 = job.started
+        end = job.started + limit_s
+        while time.monotonic() < end and any(p.poll() is None for p in job.procs):
+            for i, proc in enumerate(job.procs):
+                if i not in ended and proc.poll() is not None:
+                    ended[i] = time.monotonic()
+            time.sleep(0.05)
+        for i, proc in enumerate(job.procs):
+            if i not in ended and proc.poll() is not None:
+                ended[i] = time.monotonic()
+        codes = tuple(job.finish())
+    finally:
+        job.stop()
+    c = job.capture
+    trained: dict[int, set[int]] = {}
+    for p in c.progress:
+        trained.setdefault(p.attempt, set()).add(p.node)
+    again = [p.at for p in c.progress if p.attempt >= 1]
+    base = t0 if t0 is not None else job.started
+    rates: list[tuple[int, float | None]] = []
+    for a in sorted(trained):
+        seen = [p for p in c.progress if (p.node, p.attempt) == (0, a)]
+        span = seen[-1].at - seen[0].at if len(seen) > 1 else 0.0
+        rates.append((a, (seen[-1].step - seen[0].step) * MEMBER_BATCH / span if span > 0
+                      else None))
+    return Membership(
+        fault=fault, codes=codes, expected_steps=epochs * (SAMPLES // MEMBER_BATCH),
+        final_steps=c.final_steps(),
+        attempts=tuple(tuple(c.attempts(n.index)) for n in bed.nodes),
+        nodes_decided=tuple(sorted((n, a, int(d.get("nodes", 0)))
+                                   for (n, a), d in c.decisions.items())),
+        trained=tuple((a, tuple(sorted(n))) for a, n in sorted(trained.items())),
+        records=tuple(job._attempts(n.index) for n in bed.nodes),
+        ended_s=tuple(None if i not in ended else ended[i] - base
+                      for i in range(len(bed.nodes))),
+        training_again_s=min(again) - base if again else None,
+        leftovers=tuple(job.leftovers()), rates=tuple(rates))

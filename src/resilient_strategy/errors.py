@@ -268,7 +268,8 @@ class NodeLostError(MultiNodeError):
     """A node (or the job's store) stopped answering within the deadline: every node stops.
 
     ``node``: the node that went silent (None: the store itself, or unknown); ``how``: "deadline"
-    (no answer in time), "heartbeat" (its decider stopped beating) or "store" (the store failed).
+    (no answer in time), "heartbeat" (its decider stopped beating), "store" (the store failed)
+    or "dropped" (node 0 went on without it: it joined a relaunch too late).
     """
 
     def __init__(self, message: str, node: int | None = None, how: str = "deadline") -> None:

@@ -9,6 +9,7 @@ Our keys live under their own prefix with the restart count (``resilient_strateg
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -105,6 +106,11 @@ def open_store(job: Job, timeout_s: float, *, client: bool = False) -> Any:
         ) from exc
     if host:
         HOSTED.append(store)
+    # every call we make is short (a key is read only once it is there; waits poll): a call
+    # that takes longer than the heartbeat window is a store out of reach, not a slow answer
+    # (the connection above may take the whole ``timeout_s``: the nodes start apart)
+    with contextlib.suppress(AttributeError, RuntimeError, ValueError):
+        store.set_timeout(timedelta(seconds=min(timeout_s, HEARTBEAT_STALE_S)))
     return store
 
 

@@ -14,10 +14,10 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..core.bounded import parse_json
 from ..core.options import DEFAULT_PROCESS_GROUP_TIMEOUT, RunOptions
@@ -44,10 +44,12 @@ from .verdicts import (
     VerdictKind,
     classify_attempt,
     diverged,
+    step_in_progress,
 )
 from .watch import TrainingWatch, torch_timeouts
 
 log = logging.getLogger("resilient_strategy")
+T = TypeVar("T")
 
 
 def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
@@ -77,6 +79,11 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
     if alone:
         ns.nnodes, ns.node_rank, ns.rdzv_conf, ns.standalone = "1", 0, "", True
         nnodes = 1
+    elif nnodes > 1:  # torch's rendezvous for the nodes of this attempt (the membership round)
+        nnodes = max(1, decision.nodes)
+        ns.nnodes = str(nnodes)
+        if peer is not None:
+            ns.node_rank = peer.link.position
     if getattr(ns, "standalone", False) or (nnodes == 1 and not ns.rdzv_endpoint
                                             and ns.rdzv_backend == "static"
                                             and ns.master_port is None):
@@ -109,7 +116,13 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
         from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
         master_addr, master_port = parse_rendezvous_endpoint(rdzv.endpoint, default_port=-1)
-    handler = rdzv_registry.get_rendezvous_handler(rdzv)
+    try:  # its store client connects to the endpoint: a node cut off waits here, watched
+        handler = watched(lambda: rdzv_registry.get_rendezvous_handler(rdzv), peer)
+    except LeftRendezvous as left:
+        if not had_omp:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        phases.mark(marks, phases.WORKERS_STOPPED)
+        return _peer_verdict(left.fault, peer)
     fixed_membership(handler)
     spec = WorkerSpec(
         role=config.role, local_world_size=nproc, entrypoint=sys.executable,
@@ -130,7 +143,12 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
     timeouts.update(flight.buffer_env(_backend(decision.chosen), env, torch_version))
     os.environ.update(timeouts)  # the workers inherit them; never one the user set
     try:
-        result = agent.run()
+        try:
+            result = agent.run()
+        except Exception as exc:  # a torch without a quiet rendezvous exit raises it
+            if agent.peer_fault is None or type(exc).__name__ == "SignalException":
+                raise
+            result = None
         phases.mark(marks, phases.WORKERS_STOPPED)
     finally:
         for k in timeouts:
@@ -140,11 +158,11 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
         if not had_omp:
             os.environ.pop("OMP_NUM_THREADS", None)
     if agent.peer_fault is not None:  # another node saw the fault: this node stopped for it
-        if peer is not None and agent.peer_fault.node == peer.link.node:
-            own: Verdict = agent.peer_fault.verdict  # this node is cut off from the store
-            return own
-        relayed: Verdict = replace(agent.peer_fault.as_seen_here(), seen=SEEN_PEER)
-        return relayed
+        heard = _peer_verdict(agent.peer_fault, peer)
+        if heard.step:
+            return heard
+        return replace(heard, step=step_in_progress(  # where this node's ranks were
+            [read_record(str(progress_path(run_dir, lr))) for lr in range(nproc)]))
     stall: Stall | None = agent.stall
     if stall is not None and raised_before(
             [_read_json(error_path(run_dir, lr)) for lr in range(nproc)], agent.stall_at):
@@ -188,6 +206,57 @@ def first_raised(run_dir: Path, nproc: int) -> int | None:
     return next((lr for lr in range(nproc) if error_path(run_dir, lr).exists()), None)
 
 
+def _peer_verdict(fault: PeerFault, peer: PeerWatch | None) -> Verdict:
+    """This node's verdict when it stopped for ``fault``: its own when it is cut off from the
+    store, else the other node's fault as seen here."""
+    if peer is not None and fault.node == peer.link.node:
+        own: Verdict = fault.verdict  # this node is cut off from the store
+        return own
+    relayed: Verdict = replace(fault.as_seen_here(), seen=SEEN_PEER)
+    return relayed
+
+
+class LeftRendezvous(Exception):
+    """A wait on the job's store was left for what the peer watch saw (``fault``)."""
+
+    def __init__(self, fault: PeerFault) -> None:
+        super().__init__(fault.verdict.summary)
+        self.fault = fault
+
+
+def watched(call: Callable[[], T], peer: PeerWatch | None) -> T:
+    """``call()`` (a wait on the job's store that torch bounds only by its own timeouts, a
+    minute or more) in a daemon thread of its own while this one polls ``peer``: a node cut
+    off, or another node of the attempt gone silent, ends the wait within the heartbeat window
+    (`LeftRendezvous`; the thread is left to its own timeout). Without ``peer``: a plain
+    call."""
+    if peer is None:
+        return call()
+    import threading
+
+    done = threading.Event()
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append((True, call()))
+        except BaseException as exc:  # handed to the caller's thread below
+            box.append((False, exc))
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="rs-store-wait", daemon=True).start()
+    while not done.wait(RDZV_POLL_S):
+        fault = peer.poll()
+        if fault is not None:
+            raise LeftRendezvous(fault)
+    ok, value = box[0]
+    if not ok:
+        raise value
+    out: T = value
+    return out
+
+
 def _backend(key: str) -> str:
     """A candidate key's backend ("torch:nccl:0,1" -> "nccl")."""
     return key.split(":")[1] if key.count(":") >= 2 else key
@@ -208,6 +277,19 @@ def bounded_join(rdzv_configs: dict[str, Any], nnodes: int) -> dict[str, Any]:
     if nnodes > 1 and "join_timeout" not in out:
         out["join_timeout"] = str(RDZV_JOIN_S)
     return out
+
+
+#: How often the agent's thread looks at the peer watch while torch's rendezvous runs.
+RDZV_POLL_S = 0.1
+
+
+def rendezvous_exit(why: str) -> Exception:
+    """The error with which torch's agent ends a rendezvous quietly (no worker started, no
+    result): ``RendezvousGracefulExitError`` where torch has it."""
+    from torch.distributed.elastic.rendezvous import api as rdzv_api
+
+    cls = getattr(rdzv_api, "RendezvousGracefulExitError", None)
+    return cls(why) if cls is not None else RuntimeError(why)
 
 
 #: The longest the rendezvous's shutdown (a write to the job's store) may take.
@@ -406,6 +488,19 @@ def _agent_class() -> type[Any]:
 
         def _marks(self) -> Path | None:
             return None if self.run_dir is None else phases.supervisor_path(self.run_dir)
+
+        def _rendezvous(self, worker_group: Any) -> Any:
+            """torch's rendezvous, in a thread of its own while this one watches the store: a
+            node cut off from it, or another node of the attempt gone silent, ends the wait
+            within the heartbeat window (torch's own wait is its join timeout, minutes), and
+            the agent ends as a rendezvous that exited (no worker started)."""
+            parent_rendezvous = super()._rendezvous
+            try:
+                return watched(lambda: parent_rendezvous(worker_group), self.peer)
+            except LeftRendezvous as left:  # the others are gone, or this node is cut off
+                self.peer_fault = left.fault
+                self._remaining_restarts = 0
+                raise rendezvous_exit(f"the rendezvous was left: {left}") from None
 
         def _start_workers(self, worker_group: Any) -> Any:
             started = super()._start_workers(worker_group)

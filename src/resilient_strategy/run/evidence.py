@@ -19,8 +19,9 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from ..machine.files import ensure_private_dir, write_json_atomic
 from ..records.flightdump import FlightFacts
@@ -118,13 +119,19 @@ class Evidence:
                 out.append(f"  rank {r.rank}'s raw dump ({api}): {copy}")
         return out
 
-    def summary(self, history: Sequence[Attempt]) -> str | None:
-        """``attempts.json`` when there was a fault (the directory exists); its path or None."""
+    def summary(self, history: Sequence[Attempt],
+                membership: Sequence[Mapping[str, Any]] = ()) -> str | None:
+        """``attempts.json`` when there was a fault (the directory exists); its path or None.
+        ``membership``: a multi-node run's membership round of each attempt (who was in, who
+        left and how it was seen, who joined: `Change`)."""
         if not self.dir.is_dir():
             return None
         path = self.dir / "attempts.json"
+        data: dict[str, Any] = {"attempts": [a.to_dict() for a in history]}
+        if membership:
+            data["membership"] = list(membership)
         with contextlib.suppress(Exception):
-            write_json_atomic(path, {"attempts": [a.to_dict() for a in history]}, indent=1)
+            write_json_atomic(path, data, indent=1)
             return str(path)
         return None
 

@@ -76,6 +76,8 @@ class Action(Enum):
     #: a node did not join the relaunch: the job goes on without it (node 0 alone, with
     #: accumulation keeping the global batch)
     FEWER_NODES = "fewer_nodes"
+    #: a node asked to join: the job relaunches across the larger group from the last checkpoint
+    MORE_NODES = "more_nodes"
     STOP = "stop"
 
 
@@ -156,6 +158,9 @@ def judge(verdict: Verdict, candidate: str, history: Sequence[Attempt],
     if verdict.kind is VerdictKind.CUT_OFF:
         return Judgement(Action.STOP, "this node is cut off from the job's store: the other "
                          "nodes go on without it (requeue it elsewhere)", ExitCode.INFRASTRUCTURE)
+    if verdict.kind is VerdictKind.JOIN:
+        return Judgement(Action.MORE_NODES, "a node asked to join: relaunched across the larger "
+                         "group from the last checkpoint")
     idle = without_progress([*(a.verdict for a in history), verdict], policy.min_progress_steps)
     if idle >= policy.max_attempts_without_progress:
         return Judgement(Action.STOP, f"{idle} attempts in a row got fewer than "
@@ -249,7 +254,7 @@ def relaunch(verdict: Verdict, failed: Rung, history: Sequence[Attempt], policy:
     (`floor_refusal`), which stop with `INFRASTRUCTURE`. Pure apart from
     what ``choose`` does."""
     judgement = judge(verdict, failed.key, history, policy)
-    if judgement.action is Action.RETRY:
+    if judgement.action in (Action.RETRY, Action.MORE_NODES):
         return judgement, failed
     if judgement.action is not Action.STEP_DOWN:
         return judgement, None

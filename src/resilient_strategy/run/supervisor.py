@@ -28,9 +28,11 @@ torch, `solo` runs it and `own_parser` reads the command line.
 
 With ``--nnodes N`` (torch) the nodes' supervisors agree on each attempt's decision through a
 store at the rendezvous endpoint before any worker starts, watch it for each other's fault
-records while the workers run, and relaunch together (`resilient_strategy.run.peers`). A
-node that does not join a relaunch is dropped: node 0 goes on alone (action ``fewer_nodes``); a
-node cut off from the store for the heartbeat window stops by itself with 75 (``cut_off``).
+records while the workers run, and relaunch together (`resilient_strategy.run.peers`).
+Each attempt begins with a membership round (`resilient_strategy.nodes.membership`): a node
+that does not join a relaunch is dropped, and the nodes present regroup into one rendezvous
+(action ``fewer_nodes``; node 0 alone when it is the last); a node cut off from the store for
+the heartbeat window stops by itself with 75 (``cut_off``).
 """
 
 from __future__ import annotations
@@ -98,6 +100,10 @@ class Choice:
     candidate: Candidate
     step_seconds: float  # estimated, per global batch (core/estimate.py)
     left: int  # candidates left after this one
+    #: multi-node: this node's link for the nodes of this attempt, and the membership round
+    #: that named them (`regroup`)
+    link: NodeLink | None = None
+    change: Any = None
 
 
 def supervise(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
@@ -156,7 +162,8 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
     check_rank(fault, max(first.processes * first.nodes, _asked_ranks(opts)))
     _say(_allowance_words(opts, snapshot, choice.decision.framework))
     resumed: int | None = None
-    team = link  # the nodes that relaunch together; None once node 0 goes on without the others
+    team = choice.link or link  # the nodes that relaunch together (None: node 0 alone)
+    changes = [choice.change] if choice.change is not None else []
     for attempt in range(0, 10_000):
         decision = choice.decision
         if link is not None and _alone(decision) and link.node != 0:
@@ -187,8 +194,10 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
             if peer is not None:
                 peer.close()
         verdict = effective(verdict, choice.candidate.num_replicas)
+        gone: dict[int, str] = {}
         if peer is not None:
             verdict = verdict_with_peers(peer, decision.chosen, verdict)
+            gone = peer.gone()
         marks = phases.supervisor_path(decision.run_dir)
         phases.mark(marks, phases.VERDICT)
         label = _label(decision)
@@ -199,24 +208,26 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
         # a node whose verdict never came gets the heartbeat window to join the relaunch
         silent = (verdict.node,) if (verdict.kind is VerdictKind.LOST
                                      and verdict.node is not None) else ()
+        silent = tuple(sorted({*silent, *gone}))
         rehearsed = fault is not None and fault.backend == _backend(decision.chosen)
         planned: list[Choice] = []
-        choose = _chooser(opts, facts, snapshot, failures, session, attempt + 1, notes, team,
-                          silent, verdict.pinned and not rehearsed, planned)
+        choose = _chooser(opts, facts, snapshot, failures, session, decision.attempt + 1, notes,
+                          team, silent, verdict.pinned and not rehearsed, planned)
         try:
-            # the one ladder the replay runs too: judge, then retry, step down or stop
+            # the one ladder the replay runs too: judge, then retry, step down or stop (a node
+            # that asked to join: the same rung again, across the larger group)
             judgement, to = relaunch(verdict, _rung(choice), history, policy, choose, rehearsed)
             if to is not None and judgement.action is Action.STEP_DOWN:
                 nxt = planned[-1]
             elif to is not None:
-                nxt = _retry(choice, session, attempt + 1, team, opts, facts, snapshot,
+                nxt = _retry(choice, session, decision.attempt + 1, team, opts, facts, snapshot,
                              failures, notes, silent)
         except NodeLostError as exc:
             if team is None or team.node != 0 or exc.node is None:
                 raise  # a node other than 0 cannot go on without the store node 0 hosts
             _say(f"node {exc.node} did not join the relaunch: {one_line(str(exc), 300)}")
             nxt, refusal = _without_lost_node(opts, facts, snapshot, failures, session,
-                                              attempt + 1, notes, choice, exc.node)
+                                              decision.attempt + 1, notes, choice, exc.node)
             judgement = (Judgement(Action.STOP, refusal, ExitCode.INFRASTRUCTURE) if nxt is None
                          else Judgement(Action.FEWER_NODES, f"node {exc.node} did not join the "
                                         "relaunch: it is dropped, and node 0 goes on alone with "
@@ -224,6 +235,14 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
             team = None
         if nxt is not None:
             phases.mark(marks, phases.NEXT_READY)
+            if nxt.change is not None:
+                changes.append(nxt.change)
+                if nxt.change.line():
+                    _say(nxt.change.line())
+                if nxt.change.left and judgement.action is Action.RETRY:
+                    judgement = Judgement(Action.FEWER_NODES, _fewer_words(nxt.change))
+            if team is not None:
+                team = nxt.link or team
         done = Attempt(attempt, decision.chosen, label, verdict, judgement, resumed,
                        phases.Timeline.read(decision.run_dir, decision.processes))
         history.append(done)
@@ -232,13 +251,16 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
             _say(f"the evidence of attempt {attempt + 1} could not be written to "
                  f"{evidence.path(attempt)}")
         if nxt is None:
-            evidence.summary(history)
-            _say(_summary(history, judgement))
+            evidence.summary(history, [c.to_dict() for c in changes])
+            from .peers import nodes_words
+
+            _say(_summary(history, judgement) + nodes_words(changes))
             return int(judgement.exit_code if judgement.exit_code is not None
                        else ExitCode.INFRASTRUCTURE)
         ckpt = _last_checkpoint(session)
         resumed = None if ckpt is None else ckpt[0]
-        how = {Action.RETRY: "retrying", Action.FEWER_NODES: "going on with fewer nodes"}.get(
+        how = {Action.RETRY: "retrying", Action.FEWER_NODES: "going on with fewer nodes",
+               Action.MORE_NODES: "taking a node back"}.get(
             judgement.action, "stepping down")
         notes.append(f"Relaunched ({how}): {label} failed mid-run at step {verdict.step} "
                      f"({verdict.kind.value}: {one_line(verdict.summary, 160)}).")
@@ -345,6 +367,13 @@ def _setup_failure(exc: MultiNodeError, link: NodeLink, env: Mapping[str, str]
             "summary": str(exc), "exit_code": int(ExitCode.INFRASTRUCTURE)}
 
 
+def _fewer_words(change: Any) -> str:
+    """Why the job goes on with fewer nodes (a membership round dropped some)."""
+    left = ", ".join(f"node {n} ({how.replace('_', ' ')})" for n, how in change.left)
+    return (f"{left} did not join the relaunch: the job goes on with node(s) "
+            f"{', '.join(map(str, change.members))}, re-planned for them, the global batch kept")
+
+
 def _summary(history: Sequence[Attempt], judgement: Judgement) -> str:
     """The run in one line: each attempt's verdict and what followed, then the exit code."""
     steps = []
@@ -419,11 +448,12 @@ def _label(decision: Decision) -> str:
     return decision.label or decision.chosen
 
 
-def _options(opts: RunOptions, facts: Any, env: Mapping[str, str], rank: int = 0) -> Any:
+def _options(opts: RunOptions, facts: Any, env: Mapping[str, str], rank: int = 0,
+             nnodes: int | None = None) -> Any:
     from ..core.arguments import options_from
 
     nproc = opts.nproc if opts.nproc is not None else max(1, len(facts.gpus))
-    nnodes = node_count(opts)
+    nnodes = node_count(opts) if nnodes is None else nnodes
     plan_env = dict(env)
     fw = opts.framework
     if fw in (None, "torch"):
@@ -490,24 +520,42 @@ def verdict_with_peers(peer: PeerWatch, chosen: str, verdict: Verdict) -> Verdic
 def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
             failures: Mapping[str, ProbeResult], session: Path, attempt: int,
             notes: tuple[str, ...], link: NodeLink | None = None,
-            silent: tuple[int, ...] = ()) -> Choice:
+            silent: tuple[int, ...] = (), gone: Mapping[int, str] | None = None) -> Choice:
     """Plan (probing as needed, the cache first), without the candidates that failed mid-run.
-    With several nodes, the nodes agree through the rendezvous endpoint's store
-    (`peers`). A fallback is announced as the script would announce it."""
+    With several nodes, a membership round names the nodes of this attempt (``silent``: nodes
+    whose verdict never came; ``gone``: how each node known gone was seen), then they agree
+    through the rendezvous endpoint's store (`peers`). A fallback is announced as the
+    script would announce it."""
     import functools
 
-    from ..core.estimate import estimate
-    from ..deciding.decide import decide, failure_cause
-    from ..deciding.notices import fallback_warning, progress_line_for
+    from ..deciding.decide import decide
+    from ..deciding.notices import progress_line_for
 
+    change = None
+    if link is not None:  # the membership round: who is in this attempt
+        from .peers import regroup
+
+        o, _ = _options(opts, facts, env)
+        margin = max(10.0, o.timeout_s / 2)
+        link, change = regroup(link, attempt, {**{n: "no_verdict" for n in silent},
+                                               **(gone or {})}, o.timeout_s + margin, margin)
+        attempt = change.attempt  # a node that comes back joins the job's next attempt
+        silent = tuple(link.present.index(n) for n in silent if n in link.present)
+        if len(link.present) == 1:  # node 0 alone: no one to agree with
+            o, plan_env = _options(opts, facts, env, nnodes=1)
+            made = decide(facts, o, plan_env, _prober, time.monotonic, progress_line_for(o),
+                          startup_check=True, known=failures)
+            return _choice(opts, facts, env, failures, session, attempt, notes, None, o, made,
+                           dict(made.results), link, change)
     if link is None:
         o, plan_env = _options(opts, facts, env)
     else:
-        o, plan_env = _options(opts, facts, link.env(env, attempt), link.node * link.nproc)
+        o, plan_env = _options(opts, facts, link.env(env, attempt), link.position * link.nproc,
+                               nnodes=len(link.present))
     if link is None:
         made = decide(facts, o, plan_env, _prober, time.monotonic, progress_line_for(o),
                       startup_check=True, known=failures)
-        p, results, from_cache, proven = made.plan, made.results, made.from_cache, made.proven
+        results = dict(made.results)
     else:
         from ..nodes.manynodes import agreed_decision
 
@@ -515,8 +563,22 @@ def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
             facts, o, plan_env, _prober, time.monotonic,
             functools.partial(decide, progress=progress_line_for(o), startup_check=True,
                               known=dict(failures)), silent=silent)
-        p, from_cache, proven = made.plan, made.from_cache, made.proven
         results = {**made.results, **failures}
+    return _choice(opts, facts, env, failures, session, attempt, notes, link, o, made, results,
+                   link, change)
+
+
+def _choice(opts: RunOptions, facts: Any, env: Mapping[str, str],
+            failures: Mapping[str, ProbeResult], session: Path, attempt: int,
+            notes: tuple[str, ...], agreed: NodeLink | None, o: Any, made: Any,
+            results: dict[str, ProbeResult], link: NodeLink | None, change: Any) -> Choice:
+    """The decision file of an attempt from what was decided (``agreed``: across nodes)."""
+    from ..core.estimate import estimate
+    from ..deciding.decide import failure_cause
+    from ..deciding.notices import fallback_warning
+
+    p, from_cache, proven = made.plan, made.from_cache, made.proven
+    nodes = node_count(opts) if link is None else len(link.present)
     if p.chosen is None:
         raise NoWorkingStrategyError(o.framework, [failure_cause(r) for r in p.ruled_out])
     if link is None or link.node == 0:
@@ -526,7 +588,7 @@ def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
     run_dir = session / f"attempt{attempt}"
     run_dir.mkdir()
     left = sum(1 for r in p.ranked if r.candidate.key != p.chosen.key)
-    devices, visible = binding(p.chosen, facts, env) if link is None else ((), "")
+    devices, visible = binding(p.chosen, facts, env) if agreed is None else ((), "")
     if devices:  # FSDP over a subset that is not the first GPUs: its workers see only those
         _say(f"{p.chosen.label}: its {len(devices)} workers are bound to GPUs "
              f"{','.join(map(str, devices))} (CUDA_VISIBLE_DEVICES={visible})")
@@ -535,14 +597,14 @@ def _decide(opts: RunOptions, facts: Any, env: Mapping[str, str],
         attempt=attempt, proven=proven, from_cache=from_cache, notes=notes,
         global_batch_size=o.global_batch_size, label=p.chosen.label,
         # torch: one process per replica, split over the nodes; TensorFlow: one drives them all
-        processes=max(1, p.chosen.num_replicas // node_count(opts)) if o.framework == "torch" else 1,
-        nodes=1 if o.framework != "torch" or p.chosen.num_replicas == 1 else node_count(opts),
-        node_trace=_node_trace(p.events) if link is not None else (),
+        processes=max(1, p.chosen.num_replicas // nodes) if o.framework == "torch" else 1,
+        nodes=1 if o.framework != "torch" or p.chosen.num_replicas == 1 else nodes,
+        node_trace=_node_trace(p.events) if agreed is not None else (),
         reference_replicas=p.reference_replicas, devices=devices, visible_devices=visible,
         **_memory_planning(opts, o.framework, facts))
     write_decision(run_dir / "decision.json", decision)
     step_s = estimate(p.chosen, facts, results.get(p.chosen.key), o).step_seconds
-    return Choice(decision, p.chosen, step_s, left)
+    return Choice(decision, p.chosen, step_s, left, link, change)
 
 
 def _memory_planning(opts: RunOptions, framework: str, facts: Any) -> dict[str, Any]:

@@ -239,6 +239,10 @@ class VerdictKind(Enum):
     #: This node cannot reach the job's store (multi-node): it stops (exit 75) and the others
     #: go on without it; another node's cut-off is a lost node there.
     CUT_OFF = "cut_off"
+    #: A node asked to join the running job (multi-node, ``--nnodes N`` or ``MIN:MAX`` with
+    #: fewer nodes present): node 0 stopped the attempt to relaunch across the larger group
+    #: from the last checkpoint. Not a fault.
+    JOIN = "join"
     #: The ranks did not run the same collectives: the program's fault.
     DIVERGED = "diverged"
     #: Out of memory: the program's (its batch or model).
@@ -554,7 +558,7 @@ def merge(faults: Sequence[PeerFault]) -> Verdict | None:
     order = {VerdictKind.USER: 0, VerdictKind.OOM: 0, VerdictKind.DIVERGED: 0,
              VerdictKind.EXIT: 1, VerdictKind.LOST: 1, VerdictKind.CUT_OFF: 1,
              VerdictKind.STALL: 2,
-             VerdictKind.BACKEND: 3, VerdictKind.OK: 4}
+             VerdictKind.BACKEND: 3, VerdictKind.JOIN: 4, VerdictKind.OK: 5}
     ranked = sorted(faults, key=lambda f: (order[f.verdict.kind], f.node))
     if not ranked:
         return None
@@ -610,6 +614,7 @@ KIND_WORDS = {
     VerdictKind.STALL: "stall", VerdictKind.EXIT: "a rank exited", VerdictKind.LOST: "node lost",
     VerdictKind.CUT_OFF: "cut off from the job's store", VerdictKind.DIVERGED: "ranks diverged",
     VerdictKind.OOM: "out of memory", VerdictKind.USER: "the script's error",
+    VerdictKind.JOIN: "a node asked to join",
 }
 _ERROR_TYPE = re.compile(r"^(?:[\w.]*(?:Error|Exception)|Traceback[^:]*): ")
 #: A peer's address in an error ("[127.0.0.1]:34978"): the evidence keeps it.
@@ -642,7 +647,8 @@ def fault_line(attempt: int, backend: str, verdict: Verdict, evidence: str,
     cut to fit) and the path of its evidence (never cut). A stall that torch's flight recorder
     saw names the ranks as the recorder does: those that entered the collective, and those that
     never did. Pure."""
-    head = f"{prefix}attempt {attempt + 1} on {backend} failed at step {verdict.step}: "
+    ended = "stopped to take a node back" if verdict.kind is VerdictKind.JOIN else "failed"
+    head = f"{prefix}attempt {attempt + 1} on {backend} {ended} at step {verdict.step}: "
     tail = f"; evidence: {evidence}"
     stuck = verdict.flight.stuck if verdict.flight is not None else None
     if verdict.kind is VerdictKind.STALL and stuck is not None and stuck.missing:
