@@ -309,3 +309,22 @@ def test_a_node_that_comes_back_joins_the_running_jobs_next_attempt(
     link, change = peers.regroup(_link(2), 0, {}, 1.0, 1.0)  # its supervisor's first round
     assert (change.attempt, link.present, link.position, change.joined) == (5, (0, 1, 2), 2, (2,))
     assert store.check([_link(0).roster(5).prefix + "join/2"])  # it asked there
+
+
+def test_a_join_outranks_the_connection_errors_it_causes_on_another_node() -> None:
+    """The nodes stop their workers for a node asking to join; one node's ranks may see their
+    peers go first and raise a connection error (seen on the bed: `Read error` at step 53, then
+    a step-down from the fault rate). The merged verdict is the join, on every node."""
+    from resilient_strategy.run.verdicts import PeerFault, Verdict, VerdictKind, merge
+
+    key = "torch:gloo:cpu"
+    faults = [PeerFault(0, key, Verdict(VerdictKind.BACKEND, "Read error", 53, "gloo_error",
+                                        blame="collective_region", seen="error_record")),
+              PeerFault(1, key, Verdict(VerdictKind.JOIN, "node 2 asks to join", 53))]
+    for order in (faults, faults[::-1]):
+        merged = merge(order)
+        assert merged is not None and (merged.kind, merged.node) == (VerdictKind.JOIN, 1)
+    # a rank that vanished is still the root cause before a join
+    lost = PeerFault(2, key, Verdict(VerdictKind.EXIT, "rank 4 was killed", 53))
+    merged = merge([*faults, lost])
+    assert merged is not None and merged.kind is VerdictKind.EXIT

@@ -553,12 +553,13 @@ def diverged(stalled: Verdict, proof: str) -> Verdict:
 def merge(faults: Sequence[PeerFault]) -> Verdict | None:
     """One verdict for an attempt from every node's (pure, the same on every node given the
     same records): the script's fault first, then a rank or node that vanished (the root cause
-    of its peers' connection errors), then a stall, then a backend's signature; the lowest
-    node among equals. None for no record."""
+    of its peers' connection errors), then a node asking to join (the nodes stop their workers
+    for it: a connection error or a wait that follows on another node is its consequence), then
+    a stall, then a backend's signature; the lowest node among equals. None for no record."""
     order = {VerdictKind.USER: 0, VerdictKind.OOM: 0, VerdictKind.DIVERGED: 0,
              VerdictKind.EXIT: 1, VerdictKind.LOST: 1, VerdictKind.CUT_OFF: 1,
-             VerdictKind.STALL: 2,
-             VerdictKind.BACKEND: 3, VerdictKind.JOIN: 4, VerdictKind.OK: 5}
+             VerdictKind.JOIN: 2, VerdictKind.STALL: 3,
+             VerdictKind.BACKEND: 4, VerdictKind.OK: 5}
     ranked = sorted(faults, key=lambda f: (order[f.verdict.kind], f.node))
     if not ranked:
         return None
@@ -566,7 +567,7 @@ def merge(faults: Sequence[PeerFault]) -> Verdict | None:
     v = first.verdict
     return Verdict(v.kind, v.summary if v.node is not None else f"node {first.node}: {v.summary}",
                    v.step, v.cause, node=first.node, ranks=v.ranks, where=v.where,
-                   detail=v.detail)
+                   detail=v.detail, blame=v.blame, seen=v.seen)
 
 
 def one_line(text: str, limit: int = 300) -> str:
