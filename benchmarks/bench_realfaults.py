@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -173,17 +174,22 @@ class Row:
     wall_s: float = 0.0
     left: int = 0
     note: str = ""
+    #: the job's goodput (its summary line) and its largest badput parts (attempts.json)
+    goodput: float | None = None
+    badput: str = ""
 
     def cells(self) -> list[str]:
         ftv = "-" if self.fault_to_verdict_s is None else f"{self.fault_to_verdict_s:.1f}"
         ranks = ",".join(map(str, self.ranks)) or "-"
         resumed = "-" if self.resumed_from is None else str(self.resumed_from)
+        good = "-" if self.goodput is None else f"{self.goodput:.1f}%"
         return [self.scenario, ftv, self.verdict, ranks, self.action, resumed,
-                str(self.exit_code), f"{self.wall_s:.1f}", str(self.left), self.note]
+                str(self.exit_code), f"{self.wall_s:.1f}", str(self.left), good,
+                self.badput or "-", self.note]
 
 
 HEADER = ["scenario", "fault->verdict s", "verdict", "ranks", "action", "resumed from",
-          "exit", "wall s", "left", "note"]
+          "exit", "wall s", "left", "goodput", "badput s", "note"]
 
 
 @dataclass
@@ -251,9 +257,16 @@ class Run:
         row.left = len(left)
         for pid in left:  # never leave them behind us
             with_cont(pid)
+        said = re.search(r"goodput ([0-9.]+)% of", out or "")
+        row.goodput = float(said.group(1)) if said else None
         found = list((self.tmp / "resilient-strategy-evidence").glob("*/attempts.json"))
         if found:
-            attempts = json.loads(found[0].read_text())["attempts"]
+            record = json.loads(found[0].read_text())
+            parts = {k: v for k, v in (record.get("goodput") or {}).items()
+                     if k.endswith("_s") and k not in ("wall_s", "productive_s")}
+            row.badput = ", ".join(f"{k[:-2]} {v:.1f}" for k, v in sorted(
+                parts.items(), key=lambda kv: -kv[1])[:3] if v >= 0.05)
+            attempts = record["attempts"]
             first = attempts[0]
             row.verdict = first["verdict"]["kind"]
             row.ranks = list(first["verdict"].get("ranks", []))

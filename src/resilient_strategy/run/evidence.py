@@ -120,16 +120,20 @@ class Evidence:
         return out
 
     def summary(self, history: Sequence[Attempt],
-                membership: Sequence[Mapping[str, Any]] = ()) -> str | None:
+                membership: Sequence[Mapping[str, Any]] = (),
+                goodput: Mapping[str, Any] | None = None) -> str | None:
         """``attempts.json`` when there was a fault (the directory exists); its path or None.
         ``membership``: a multi-node run's membership round of each attempt (who was in, who
-        left and how it was seen, who joined: `Change`)."""
+        left and how it was seen, who joined: `Change`); ``goodput``: the job's productive
+        share and its badput by cause (`goodput.Goodput.to_dict`)."""
         if not self.dir.is_dir():
             return None
         path = self.dir / "attempts.json"
         data: dict[str, Any] = {"attempts": [a.to_dict() for a in history]}
         if membership:
             data["membership"] = list(membership)
+        if goodput is not None:
+            data["goodput"] = dict(goodput)
         with contextlib.suppress(Exception):
             write_json_atomic(path, data, indent=1)
             return str(path)

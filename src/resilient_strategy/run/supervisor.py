@@ -72,6 +72,7 @@ if TYPE_CHECKING:
 from .agent import launch
 from .arguments import node_count, options_from_args, torch_launcher
 from .evidence import Evidence
+from .goodput import account
 from .exitcodes import ExitCode, interrupted
 from .policy import (
     Action,
@@ -140,6 +141,7 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
                session: Path) -> int:
     from ..machine.inspect import detect_facts
 
+    job_start = time.time()  # the job's goodput counts from here (deciding included)
     policy = RelaunchPolicy(opts.min_throughput, opts.allow_cpu,
                             opts.max_attempts_without_progress, opts.max_relaunches,
                             fault_window=opts.fault_window)
@@ -251,10 +253,11 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
             _say(f"the evidence of attempt {attempt + 1} could not be written to "
                  f"{evidence.path(attempt)}")
         if nxt is None:
-            evidence.summary(history, [c.to_dict() for c in changes])
+            goodput = account(history, job_start, time.time())
+            evidence.summary(history, [c.to_dict() for c in changes], goodput.to_dict())
             from .peers import nodes_words
 
-            _say(_summary(history, judgement) + nodes_words(changes))
+            _say(_summary(history, judgement) + nodes_words(changes) + f" {goodput.line()}.")
             return int(judgement.exit_code if judgement.exit_code is not None
                        else ExitCode.INFRASTRUCTURE)
         ckpt = _last_checkpoint(session)

@@ -336,6 +336,9 @@ class Verdict:
     blame: str = ""
     #: What the supervisor saw first of the fault (a ``SEEN_*`` word; empty: not said).
     seen: str = ""
+    #: Seconds from the fault to the verdict where the supervisor knows them (a stall: how long
+    #: the others waited); None: seen within the monitor's interval (an exit, an error record).
+    detect_s: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -383,7 +386,7 @@ class Verdict:
         return {"kind": self.kind.value, "summary": one_line(self.summary, 500),
                 "step": self.step, "cause": self.cause, "node": self.node,
                 "ranks": list(self.ranks), "where": self.where, "detail": self.detail,
-                "blame": self.blame, "seen": self.seen,
+                "blame": self.blame, "seen": self.seen, "detect_s": self.detect_s,
                 **({"flight": self.flight.to_dict()} if self.flight is not None else {})}
 
     @classmethod
@@ -398,7 +401,8 @@ class Verdict:
                        where=str(d.get("where", "")), detail=str(d.get("detail", "") or ""),
                        flight=None if d.get("flight") is None
                        else FlightFacts.from_dict(d["flight"]),
-                       blame=str(d.get("blame", "") or ""), seen=str(d.get("seen", "") or ""))
+                       blame=str(d.get("blame", "") or ""), seen=str(d.get("seen", "") or ""),
+                       detect_s=None if d.get("detect_s") is None else float(d["detect_s"]))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a verdict record: {exc}") from None
 
@@ -470,7 +474,8 @@ def classify_attempt(stall: Stall | None, exits: Sequence[RankExit],
         # Diverged needs the ranks' own collectives to differ (`diverged`).
         waited = f"waited {stall.waited_s:.0f} s (allowed {stall.limit_s:.0f} s)"
         return Verdict(VerdictKind.STALL, f"stalled: {stall.describe()}", stall.k, "timeout",
-                       ranks=stall.ranks, where=stall.where(), detail=waited)
+                       ranks=stall.ranks, where=stall.where(), detail=waited,
+                       detect_s=stall.waited_s)
     if not exits:
         early = unfinished(records)
         if not early:

@@ -1,0 +1,129 @@
+"""Goodput accounting (issue 33, item 1): pure, from hand-written attempts with their phase
+marks, then from a real supervised job on CPU with a real SIGKILL of one rank."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from resilient_strategy.records import phases
+from resilient_strategy.records.phases import Timeline
+from resilient_strategy.run.exitcodes import ExitCode
+from resilient_strategy.run.goodput import account
+from resilient_strategy.run.policy import Action, Attempt, Judgement
+from resilient_strategy.run.verdicts import Verdict, VerdictKind
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _attempt(number: int, start: float, first: float, fault: float, stopped: float,
+             verdict: Verdict, resumed_from: int | None, action: Action) -> Attempt:
+    sup = {phases.AGENT_STARTED: start, phases.WORKERS_STARTED: start + 1.0,
+           phases.WORKERS_STOPPED: stopped, phases.VERDICT: stopped + 0.5}
+    if not verdict.ok:
+        sup[phases.FAULT_SEEN] = fault
+    ranks = ({phases.FIRST_STEP: first - 0.2}, {phases.FIRST_STEP: first})
+    return Attempt(number, "torch:nccl:0,1", "NCCL on GPUs 0,1", verdict,
+                   Judgement(action, "x", ExitCode.SUCCESS if verdict.ok else None),
+                   resumed_from, Timeline(sup, ranks))
+
+
+def _two_attempts(fault: Verdict) -> list[Attempt]:
+    # attempt 1: agent at 100, first step done at 110, the fault seen at 150 in step 41 (40 steps
+    # done, 39 after the first-step mark: 1 s each less the detection), workers stopped at 152;
+    # attempt 2 resumes from the checkpoint at step 35 (5 steps done again), runs to the end
+    return [
+        _attempt(0, 100.0, 110.0, 150.0, 152.0, fault, None, Action.RETRY),
+        _attempt(1, 160.0, 170.0, 0.0, 200.0, Verdict(VerdictKind.OK, "finished", 64), 35,
+                 Action.FINISH),
+    ]
+
+
+def test_the_parts_add_up_to_the_wall_time_and_name_the_lost_work() -> None:
+    exit_ = Verdict(VerdictKind.EXIT, "rank 1 was killed", 41, ranks=(1,))
+    g = account(_two_attempts(exit_), job_start=95.0, job_end=201.0)
+    assert math.isclose(sum(g.parts().values()), g.wall_s) and g.wall_s == 106.0
+    assert g.decide_s == 5.0  # the supervisor's start to the first agent
+    assert g.restart_s == pytest.approx(160.0 - 152.5)  # verdict to the next agent
+    first, second = g.attempts
+    assert (first.steps, first.wasted_steps) == (40, 5)
+    assert first.step_s == pytest.approx(40.0 / 39)
+    assert first.wasted_progress_s == pytest.approx(5 * 40.0 / 39)
+    assert first.detection_s == 0.0 and first.stop_s == pytest.approx(152.5 - 150.0)
+    assert (second.steps, second.wasted_steps) == (29, 0)
+    assert g.startup_s == pytest.approx(10.0 + 10.0)
+    assert g.interruptions == 1
+    assert g.to_dict()["goodput"] == round(g.productive_s / g.wall_s, 4)
+
+
+def test_a_stall_counts_its_wait_as_detection_not_as_productive_time() -> None:
+    stall = Verdict(VerdictKind.STALL, "stalled", 41, "timeout", ranks=(1,), detect_s=15.0)
+    exit_ = Verdict(VerdictKind.EXIT, "rank 1 was killed", 41, ranks=(1,))
+    stalled, exited = (account(_two_attempts(v), 95.0, 201.0) for v in (stall, exit_))
+    assert stalled.detection_s == 15.0
+    assert stalled.attempts[0].step_s == pytest.approx((40.0 - 15.0) / 39)
+    assert stalled.productive_s < exited.productive_s
+    assert math.isclose(sum(stalled.parts().values()), stalled.wall_s)
+
+
+def test_an_attempt_that_never_stepped_is_all_start_up_and_one_without_marks_is_skipped() -> None:
+    never = _attempt(0, 100.0, 0.0, 130.0, 131.0,
+                     Verdict(VerdictKind.EXIT, "died at import", 1), None, Action.RETRY)
+    never = Attempt(never.number, never.candidate, never.label, never.verdict, never.judgement,
+                    None, Timeline(never.times.supervisor if never.times else {}, ({}, {})))
+    unmarked = Attempt(1, "k", "l", Verdict(VerdictKind.OK, "finished", 3),
+                       Judgement(Action.FINISH, "x", ExitCode.SUCCESS), None, None)
+    g = account([never, unmarked], 100.0, 140.0)
+    assert (g.startup_s, g.productive_s) == (30.0, 0.0)
+    assert len(g.attempts) == 1 and math.isclose(sum(g.parts().values()), g.wall_s)
+
+
+def test_marks_from_another_clock_never_give_a_negative_part() -> None:
+    exit_ = Verdict(VerdictKind.EXIT, "x", 41)
+    g = account(_two_attempts(exit_), job_start=150.0, job_end=120.0)  # an end before the start
+    assert all(v >= 0 for v in g.parts().values()) and 0.0 <= g.goodput <= 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+def test_a_real_sigkill_is_accounted_and_the_summary_ends_with_the_goodput(
+        tmp_path: Path) -> None:
+    """A real supervised job (gloo, 2 ranks, CPU), rank 1 SIGKILLed at step 12: the job resumes
+    from its checkpoint at step 10, attempts.json's goodput adds up to its wall time and says
+    the steps done again, and the summary line ends with the job's goodput."""
+    pytest.importorskip("torch")
+    spec = importlib.util.spec_from_file_location("bench_realfaults",
+                                                  ROOT / "benchmarks" / "bench_realfaults.py")
+    assert spec is not None and spec.loader is not None
+    rf = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("bench_realfaults", rf)
+    spec.loader.exec_module(rf)
+    import argparse
+
+    args = argparse.Namespace(src=str(ROOT / "src"), step_s=0.05, steps=30, cache=tmp_path / "c",
+                              backend="gloo", run_args=[], deadline=300.0)
+    run = rf.Run(args, tmp_path, {})
+    run.start()
+    assert run.wait_step(1, 12), "the run never reached the step"
+    for pid in run.rank_pids(1):
+        os.kill(pid, signal.SIGKILL)
+    row = run.finish(rf.Row("sigkill"), None)
+    out = (tmp_path / "output.txt").read_text()
+    assert row.exit_code == 0, out[-3000:]
+    [record] = (tmp_path / "resilient-strategy-evidence").glob("*/attempts.json")
+    data = json.loads(record.read_text())
+    g = data["goodput"]
+    parts = [v for k, v in g.items() if k.endswith("_s") and k != "wall_s"]
+    assert sum(parts) == pytest.approx(g["wall_s"], abs=0.01)
+    assert g["interruptions"] == 1 and 0 < g["goodput"] < 1
+    first = g["attempts"][0]
+    resumed = data["attempts"][1]["resumed_from"]
+    assert first["wasted_steps"] == max(0, data["attempts"][0]["verdict"]["step"] - 1 - resumed)
+    assert row.goodput is not None and row.goodput == pytest.approx(100 * g["goodput"], abs=0.06)
