@@ -72,8 +72,8 @@ if TYPE_CHECKING:
 from .agent import launch
 from .arguments import node_count, options_from_args, torch_launcher
 from .evidence import Evidence
-from .goodput import account
 from .exitcodes import ExitCode, interrupted
+from .goodput import account
 from .policy import (
     Action,
     Attempt,

@@ -572,7 +572,7 @@ def merge(faults: Sequence[PeerFault]) -> Verdict | None:
     v = first.verdict
     return Verdict(v.kind, v.summary if v.node is not None else f"node {first.node}: {v.summary}",
                    v.step, v.cause, node=first.node, ranks=v.ranks, where=v.where,
-                   detail=v.detail, blame=v.blame, seen=v.seen)
+                   detail=v.detail, blame=v.blame, seen=v.seen, detect_s=v.detect_s)
 
 
 def one_line(text: str, limit: int = 300) -> str:
