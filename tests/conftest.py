@@ -21,6 +21,20 @@ def _installed(module: str) -> bool:
         return False
 
 
+#: The fixtures that start the network-namespace test bed: their tests are marked `bed` and run
+#: as their own step of .ci/run (`python -m pytest -m bed`), outside the main command's budget.
+BED_FIXTURES = frozenset({"bed", "bed3", "quiet_run"})
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        uses = set(getattr(item, "fixturenames", ()))
+        if item.path.name == "test_testbed.py" and (
+                uses & BED_FIXTURES or "sweeps_what_an_earlier_bed_left" in item.name):
+            item.add_marker(pytest.mark.bed)
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     for marker, module in _NEEDS.items():
         if item.get_closest_marker(marker) is not None and not _installed(module):
