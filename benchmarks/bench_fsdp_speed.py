@@ -29,37 +29,23 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-FEATURES, CLASSES = 32, 10
+FEATURES, CLASSES = 32, 10  # as the example
 
 
 def _model(hidden: int, depth: int) -> Any:
+    """The FSDP example's model (examples/torch_fsdp_train.py) and its block class."""
+    import importlib.util
+
     import torch
 
-    class Block(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.norm = torch.nn.LayerNorm(hidden)
-            self.up = torch.nn.Linear(hidden, 4 * hidden)
-            self.down = torch.nn.Linear(4 * hidden, hidden)
-
-        def forward(self, x: Any) -> Any:
-            return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
-
-    class Net(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = torch.nn.Linear(FEATURES, hidden)
-            self.blocks = torch.nn.ModuleList(Block() for _ in range(depth))
-            self.head = torch.nn.Linear(hidden, CLASSES)
-
-        def forward(self, x: Any) -> Any:
-            x = self.embed(x)
-            for b in self.blocks:
-                x = b(x)
-            return self.head(x)
-
+    path = Path(__file__).resolve().parents[1] / "examples" / "torch_fsdp_train.py"
+    spec = importlib.util.spec_from_file_location("torch_fsdp_train", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
     torch.manual_seed(0)
-    return Net(), Block
+    model = example.build_model(hidden, depth)
+    return model, type(model.blocks[0])
 
 
 def _time(step: Any, steps: int, sync: Any) -> float:
