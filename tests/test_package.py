@@ -74,6 +74,11 @@ def test_the_built_wheel_ships_every_data_file_and_decides(tmp_path: Path) -> No
     from resilient_strategy.core.data import DATA_FILES
 
     root = Path(__file__).parents[1]
+    import setuptools
+
+    if int(setuptools.__version__.split(".")[0]) < 77:  # pyproject's build requirement
+        pytest.skip(f"setuptools {setuptools.__version__} here, the build needs >= 77 (.ci/run "
+                    "builds the wheel in isolation and decides from it)")
     on_disk = sorted(p.name for p in (root / "src/resilient_strategy/core").glob("*.toml"))
     assert on_disk == sorted(DATA_FILES), "a data file on disk is not in core/data.DATA_FILES"
     # build from a clean copy: an egg-info left by an editable install lists files the
