@@ -12,51 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _fake_store import FakeClock, FakeStore
 
 from resilient_strategy.errors import NodeLostError
 from resilient_strategy.nodes import membership as ms
 from resilient_strategy.nodes.store import HEARTBEAT_STALE_S, Channel
-
-
-class _Store:
-    """check / get / set / add, as TCPStore; ``up`` False: every call fails as a store behind
-    a link that is down does."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-        self.up = True
-        self._lock = threading.Lock()
-
-    def _reach(self) -> None:
-        if not self.up:
-            raise RuntimeError("Socket Timeout")
-
-    def check(self, keys: list[str]) -> bool:
-        self._reach()
-        return all(k in self.data for k in keys)
-
-    def get(self, key: str) -> bytes:
-        self._reach()
-        return self.data[key]
-
-    def set(self, key: str, value: str | bytes) -> None:
-        self._reach()
-        self.data[key] = value.encode() if isinstance(value, str) else value
-
-    def add(self, key: str, n: int) -> int:
-        self._reach()
-        with self._lock:
-            v = int(self.data.get(key, b"0")) + n
-            self.data[key] = str(v).encode()
-            return v
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def test_the_nodes_of_an_attempt_are_node_0_and_whoever_joined() -> None:
@@ -81,7 +41,7 @@ def test_a_change_round_trips_through_the_store_record() -> None:
 
 
 def test_node_0_gives_a_node_known_gone_the_heartbeat_window_then_publishes_who_is_in() -> None:
-    store = _Store()
+    store = FakeStore()
     ch = Channel(store, "p/members/")
     ms.join(ch, 0)
     ms.join(ch, 1)  # node 2 never joins: it vanished in the last attempt
@@ -96,7 +56,7 @@ def test_node_0_gives_a_node_known_gone_the_heartbeat_window_then_publishes_who_
 
 
 def test_a_node_that_joins_is_taken_without_waiting_out_the_window() -> None:
-    store = _Store()
+    store = FakeStore()
     ch = Channel(store, "p/members/")
     for n in (0, 1, 2):
         ms.join(ch, n)
@@ -112,7 +72,7 @@ def _link(node: int, members: tuple[int, ...] = ()) -> Any:
                     members=members, min_nodes=3, floor=1)
 
 
-def _watch(link: Any, store: _Store, clock: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+def _watch(link: Any, store: FakeStore, clock: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     from resilient_strategy.run import peers
 
     monkeypatch.setattr(peers, "open_store", lambda job, timeout_s, client=False: store)
@@ -123,7 +83,7 @@ def test_a_node_of_the_attempt_that_stops_beating_is_lost_within_the_window(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from resilient_strategy.run.verdicts import VerdictKind
 
-    store, clock = _Store(), _Clock()
+    store, clock = FakeStore(), FakeClock()
     peer = _watch(_link(0), store, clock, monkeypatch)
     try:
         prefix = peer.job.prefix
@@ -147,7 +107,7 @@ def test_a_node_cut_off_does_not_blame_the_others_it_cannot_hear(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from resilient_strategy.run.verdicts import VerdictKind
 
-    store, clock = _Store(), _Clock()
+    store, clock = FakeStore(), FakeClock()
     peer = _watch(_link(1), store, clock, monkeypatch)
     try:
         store.up = False  # node 1's link is down: nobody's beat moves, nor does its contact
@@ -164,7 +124,7 @@ def test_a_peer_that_left_its_verdict_is_not_lost_for_going_quiet(
     from resilient_strategy.nodes.store import record_fault
     from resilient_strategy.run.verdicts import PeerFault, Verdict, VerdictKind
 
-    store, clock = _Store(), _Clock()
+    store, clock = FakeStore(), FakeClock()
     link = _link(0, (0, 2))
     peer = _watch(link, store, clock, monkeypatch)
     try:
@@ -182,7 +142,7 @@ def test_the_verdicts_that_never_came_name_the_nodes_gone(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from resilient_strategy.run.verdicts import PeerFault, Verdict, VerdictKind
 
-    store, clock = _Store(), _Clock()
+    store, clock = FakeStore(), FakeClock()
     peer = _watch(_link(0, (0, 1, 2)), store, clock, monkeypatch)
     try:
         peer.record(PeerFault(0, "torch:gloo:cpu", Verdict(VerdictKind.EXIT, "x", 8, "crash")))
@@ -271,7 +231,7 @@ def test_node_0_stops_the_attempt_for_a_node_that_asks_to_join(
     from resilient_strategy.run.policy import Action, RelaunchPolicy, judge
     from resilient_strategy.run.verdicts import VerdictKind
 
-    store, clock = _Store(), _Clock()
+    store, clock = FakeStore(), FakeClock()
     link = _link(0, (0, 1))  # node 2 was lost: two of three nodes run
     peer = _watch(link, store, clock, monkeypatch)
     try:
@@ -299,7 +259,7 @@ def test_a_node_that_comes_back_joins_the_running_jobs_next_attempt(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from resilient_strategy.run import peers
 
-    store = _Store()
+    store = FakeStore()
     monkeypatch.setattr(peers, "open_store", lambda job, timeout_s, client=False: store)
     base = "resilient_strategy/v1/run-bed/"
     ms.publish_current(store, base, ms.Change(4, (0, 1), ((2, ms.NO_VERDICT),)))

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import testbed as tb
+from _fake_store import FakeClock, FakeStore
 
 from resilient_strategy.records.progress import COLLECTIVE, COLLECTIVE_DONE, FINISHED, Record
 from resilient_strategy.run.exitcodes import ExitCode
@@ -80,43 +81,6 @@ def test_gloo_between_nodes_binds_to_the_route_to_the_master_unless_the_user_cho
         "NCCL_SOCKET_IFNAME": "lo"}
 
 
-class _Store:
-    """The job's store as the supervisors use it (check, get, set, add); ``up`` False: every
-    call fails as a store behind a link that is down does."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-        self.up = True
-
-    def _reach(self) -> None:
-        if not self.up:
-            raise RuntimeError("Socket Timeout")
-
-    def check(self, keys: list[str]) -> bool:
-        self._reach()
-        return all(k in self.data for k in keys)
-
-    def get(self, key: str) -> bytes:
-        self._reach()
-        return self.data[key]
-
-    def set(self, key: str, value: str | bytes) -> None:
-        self._reach()
-        self.data[key] = value.encode() if isinstance(value, str) else value
-
-    def add(self, key: str, n: int) -> int:
-        self._reach()
-        v = int(self.data.get(key, b"0")) + n
-        self.data[key] = str(v).encode()
-        return v
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def _link(node: int) -> Any:
@@ -125,7 +89,7 @@ def _link(node: int) -> Any:
     return NodeLink(node=node, nodes=2, nproc=1, host="198.18.0.1", port=29400, run_id="bed")
 
 
-def _watch(node: int, store: _Store, clock: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+def _watch(node: int, store: FakeStore, clock: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     from resilient_strategy.run import peers
 
     monkeypatch.setattr(peers, "open_store", lambda job, timeout_s, client=False: store)
@@ -140,7 +104,7 @@ def test_a_peer_that_finished_never_ends_this_nodes_attempt_as_a_success(
     from resilient_strategy.nodes.store import record_fault
     from resilient_strategy.run.verdicts import PeerFault, Verdict
 
-    store = _Store()
+    store = FakeStore()
     peer = _watch(1, store, time.monotonic, monkeypatch)
     try:
         record_fault(store, _link(0).job(0), PeerFault(0, "torch:gloo:cpu", Verdict(
@@ -175,7 +139,7 @@ def test_a_node_cut_off_from_the_store_stops_with_75_naming_it(
     from resilient_strategy.run.supervisor import verdict_with_peers
     from resilient_strategy.run.verdicts import Verdict
 
-    store, clock = _Store(), _Clock()
+    store, clock = FakeStore(), FakeClock()
     store.up = False  # node 1's link went down
     peer = _watch(1, store, clock, monkeypatch)
     try:
