@@ -95,13 +95,18 @@ class Evidence:
             if not src.is_file():
                 continue
             copy = self.error_record(number, r)
-            try:
-                ensure_private_dir(self.dir)
-                shutil.copyfile(src, copy)
-            except Exception:
-                continue
-            out.append(f"rank {r}'s error record: {copy}")
+            if self._keep(src, copy):
+                out.append(f"rank {r}'s error record: {copy}")
         return out
+
+    def _keep(self, src: Path, copy: Path) -> bool:
+        """``src`` copied to ``copy`` in the evidence directory; False when it could not be."""
+        try:
+            ensure_private_dir(self.dir)
+            shutil.copyfile(src, copy)
+        except Exception:
+            return False
+        return True
 
     def _raw_dumps(self, number: int, fr: FlightFacts) -> list[str]:
         """Each rank's raw flight-recorder dumps copied beside the evidence file (the run
@@ -111,12 +116,8 @@ class Evidence:
             for raw in r.files:
                 api = Path(raw).name.split(".flight", 1)[-1].removesuffix(".pkl")
                 copy = self.dir / f"attempt{number + 1}.{api}.rank{r.rank}"
-                try:
-                    ensure_private_dir(self.dir)
-                    shutil.copyfile(raw, copy)
-                except Exception:
-                    continue
-                out.append(f"  rank {r.rank}'s raw dump ({api}): {copy}")
+                if self._keep(Path(raw), copy):
+                    out.append(f"  rank {r.rank}'s raw dump ({api}): {copy}")
         return out
 
     def summary(self, history: Sequence[Attempt],
