@@ -175,7 +175,7 @@ def main() -> None:
             rows.append(("  its probe's phases (last run, s from the first worker's start)",
                          "", "", phases[fs]))
     if gpus and facts.framework("torch").installed and not args.only_tf:
-        from resilient_strategy.core.probe import ProbeSpec
+        from resilient_strategy.core.measures.probe import ProbeSpec
         from resilient_strategy.probing.forkserver import close_all
         from resilient_strategy.probing.prober import run_probe
 

@@ -2,10 +2,10 @@
 
 Sources, each read when it exists:
 
-- ``core/probe.py`` ``CAUSES``: every cause a probe (or a mid-run failure) can be given;
-- the planner's remedies per cause (``core/plan.py``), and ``core/remedies.toml``;
-- ``core/signatures.toml``: failure texts and the cause they mean;
-- ``core/known_issues.toml``: the rules that veto, prefer, remedy, set or warn from the facts.
+- ``core/measures/probe.py`` ``CAUSES``: every cause a probe (or a mid-run failure) can be given;
+- the planner's remedies per cause (``core/planning/plan.py``), and ``core/knowledge/remedies.toml``;
+- ``core/knowledge/signatures.toml``: failure texts and the cause they mean;
+- ``core/knowledge/known_issues.toml``: the rules that veto, prefer, remedy, set or warn from the facts.
 
 Run as a MkDocs hook (``hooks:`` in mkdocs.yml: the page is rendered at build time), or by hand,
 ``python docs/gen_troubleshooting.py`` (rewrites the committed page). ``tests/test_docs.py``
@@ -24,7 +24,7 @@ from typing import Any
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
-CORE = ROOT / "src" / "resilient_strategy" / "core"
+CORE = ROOT / "src" / "resilient_strategy" / "core" / "knowledge"
 PAGE = ROOT / "docs" / "troubleshooting.md"
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
@@ -128,11 +128,11 @@ def _remedy_words(r: Mapping[str, Any]) -> str:
 def _causes(sigs: list[tuple[str, dict[str, Any]]], remedy_data: Mapping[str, Any]
             ) -> list[str]:
     from resilient_strategy.core import plan as _plan
-    from resilient_strategy.core.probe import CAUSES
+    from resilient_strategy.core.measures.probe import CAUSES
 
     environmental: frozenset[str] = frozenset()
     with contextlib.suppress(ImportError):
-        from resilient_strategy.core.causes import ENVIRONMENTAL_CAUSES as environmental
+        from resilient_strategy.core.knowledge.causes import ENVIRONMENTAL_CAUSES as environmental
     by_id = {str(r.get("id")): r for r in remedy_data.get("remedy", []) if isinstance(r, dict)}
     order: Mapping[str, Sequence[str]] = remedy_data.get("causes", {})
     # before the remedy table existed, the planner held the remedies per cause in code
@@ -181,7 +181,7 @@ def _causes(sigs: list[tuple[str, dict[str, Any]]], remedy_data: Mapping[str, An
 def _rules(data: Mapping[str, Any]) -> list[str]:
     lines = ["## Known issues (rules from the machine's facts)", "",
              "Rules fire from what inspection reads, before any probe "
-             "(`core/known_issues.toml`; add yours with `rules=` or `RESILIENT_STRATEGY_RULES`, "
+             "(`core/knowledge/known_issues.toml`; add yours with `rules=` or `RESILIENT_STRATEGY_RULES`, "
              "switch one off with `disable_rules=` or `RESILIENT_STRATEGY_DISABLE_RULES`). "
              "A rule that fired is named in `sel.explain()` and in `to_dict()['rules_fired']`.", ""]
     for rule in data.get("rule", []):
@@ -203,7 +203,7 @@ def _rules(data: Mapping[str, Any]) -> list[str]:
 
 
 def render(core: Path = CORE) -> str:
-    """The page, from the data files in ``core`` (the package's ``core/`` folder)."""
+    """The page, from the data files in ``core`` (the package's ``core/knowledge/`` folder)."""
     sigs = _entries(_toml("signatures.toml", core))
     remedy_data = _toml("remedies.toml", core)
     remedies = _entries({"remedy": remedy_data.get("remedy", [])})
@@ -216,7 +216,7 @@ def render(core: Path = CORE) -> str:
              "words; [Reading a decision trace](how-to/decision-trace.md) shows where to find "
              "them for your run.", ""]
     lines += _causes(sigs, remedy_data)
-    from resilient_strategy.core.probe import CAUSES
+    from resilient_strategy.core.measures.probe import CAUSES
 
     blame = [(k, e) for k, e in sigs if k in ("distributed_frame", "script_fault")]
     stray = [(k, e) for k, e in sigs if e.get("cause") not in CAUSES and (k, e) not in blame]

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from resilient_strategy.cli import main, simulate_file
-from resilient_strategy.core.arguments import options_from, run_options_from
+from resilient_strategy.core.call.arguments import options_from, run_options_from
 from resilient_strategy.errors import ResilientStrategyError
 from resilient_strategy.records import handoff
 from resilient_strategy.records.trainfault import parse_fault

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from resilient_strategy.core.arguments import options_from
-from resilient_strategy.core.facts import relevant_env
-from resilient_strategy.core.rules import rule_from_dict
-from resilient_strategy.core.trace import (
+from resilient_strategy.core.call.arguments import options_from
+from resilient_strategy.core.knowledge.rules import rule_from_dict
+from resilient_strategy.core.trace.events import (
     CachedFailure,
     CandidateRuledOut,
     Chosen,
@@ -20,6 +19,7 @@ from resilient_strategy.core.trace import (
     Note,
     UserSettingKept,
 )
+from resilient_strategy.core.values.facts import relevant_env
 from resilient_strategy.deciding.cache import DecisionCache
 from resilient_strategy.deciding.decide import FAULT_VAR, MAX_ROUNDS, Decision, decide
 from resilient_strategy.deciding.executor import resilient_strategy

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from resilient_strategy.core.arguments import options_from
-from resilient_strategy.core.plan import Candidate, plan
-from resilient_strategy.core.probe import OK, TIMEOUT, ProbeResult, ProbeSpec
+from resilient_strategy.core.call.arguments import options_from
+from resilient_strategy.core.measures.probe import OK, TIMEOUT, ProbeResult, ProbeSpec
+from resilient_strategy.core.planning.plan import Candidate, plan
 from resilient_strategy.deciding.decide import decide
 from resilient_strategy.errors import NodeLostError, NodeMismatchError
 from resilient_strategy.nodes import manynodes as multinode

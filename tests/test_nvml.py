@@ -17,7 +17,7 @@ from _fake_nvml import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from resilient_strategy.core.facts import Link
+from resilient_strategy.core.values.facts import Link
 from resilient_strategy.machine.nvml import NO_NVIDIA_DEVICE, nvidia_present, read_nvml
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from resilient_strategy.cli import main
-from resilient_strategy.core.facts import Platform
+from resilient_strategy.core.values.facts import Platform
 from resilient_strategy.machine.platform import (
     detect_platform,
     parse_hosts,

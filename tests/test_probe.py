@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from resilient_strategy.core.probe import (
+from resilient_strategy.core.measures.probe import (
     CAUSES,
     ERROR,
     OK,

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from resilient_strategy.core.probe import TIMEOUT, ProbeSpec
+from resilient_strategy.core.measures.probe import TIMEOUT, ProbeSpec
 from resilient_strategy.probing import cost
 from resilient_strategy.probing.cost import (
     ENDINGS,

@@ -20,7 +20,14 @@ from typing import Any
 
 import pytest
 
-from resilient_strategy.core.probe import ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec, judged_hang
+from resilient_strategy.core.measures.probe import (
+    ERROR,
+    OK,
+    TIMEOUT,
+    ProbeResult,
+    ProbeSpec,
+    judged_hang,
+)
 from resilient_strategy.errors import InvalidOptionError
 from resilient_strategy.machine import files as _files
 from resilient_strategy.probing import prober
@@ -377,7 +384,7 @@ _PARENT = """
 import os, sys, tempfile
 from resilient_strategy.probing import prober
 from resilient_strategy.probing import proc as _proc
-from resilient_strategy.core.probe import ProbeSpec
+from resilient_strategy.core.measures.probe import ProbeSpec
 tempfile.tempdir, marker = sys.argv[1], os.environ["RS_MARKER"]
 worker = ("from resilient_strategy.probing.workers.watchdog import watch_parent; "
           "watch_parent({}); import time; time.sleep(60)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from resilient_strategy.core.estimate import throughput_fraction
+from resilient_strategy.core.measures.estimate import throughput_fraction
 from resilient_strategy.run.exitcodes import ExitCode, interrupted
 from resilient_strategy.run.policy import (
     Action,

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 import resilient_strategy
-from resilient_strategy.core.options import RunOptions
-from resilient_strategy.core.probe import OK, ProbeResult
-from resilient_strategy.core.trace import Note
+from resilient_strategy.core.call.options import RunOptions
+from resilient_strategy.core.measures.probe import OK, ProbeResult
+from resilient_strategy.core.trace.events import Note
 from resilient_strategy.errors import InvalidOptionError
 from resilient_strategy.records import handoff
 from resilient_strategy.run import supervisor

@@ -160,7 +160,7 @@ def test_the_one_process_agent_keeps_a_stall_whose_error_came_from_the_stop(
         tmp_path: Path) -> None:
     """run/solo.py judges an error record as torch's path does (agent.raised_before): one
     written after the stalled worker was stopped is what the stop did to it, not the story."""
-    from resilient_strategy.core.options import RunOptions
+    from resilient_strategy.core.call.options import RunOptions
     from resilient_strategy.records.handoff import Decision, error_path, write_decision
     from resilient_strategy.run.solo import launch_one
     from resilient_strategy.run.verdicts import VerdictKind

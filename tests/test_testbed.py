@@ -179,7 +179,7 @@ def test_another_nodes_cut_off_is_a_lost_node_here() -> None:
 
 
 def test_node_0_goes_on_alone_without_a_node_lost_at_the_relaunch(tmp_path: Path) -> None:
-    from resilient_strategy.core.probe import ERROR, ProbeResult
+    from resilient_strategy.core.measures.probe import ERROR, ProbeResult
     from resilient_strategy.run import supervisor as sv
     from resilient_strategy.run.arguments import options_from_args
     from resilient_strategy.testing.simulation import machine

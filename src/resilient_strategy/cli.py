@@ -32,8 +32,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .core.facts import FABRIC_MIN_GPUS, Facts
-from .core.human import human_duration
+from .core.values.facts import FABRIC_MIN_GPUS, Facts
+from .core.values.human import human_duration
 from .errors import ResilientStrategyError
 from .machine import env as _env
 from .testing.simulation import SimulatedProber, load_simulation
@@ -121,7 +121,7 @@ def _cache_command(args: argparse.Namespace, real_env: Mapping[str, str]) -> int
     """``cache show`` / ``cache clear``: EXIT_OK done; EXIT_NOTHING_CACHED ``--fingerprint``
     names nothing cached; EXIT_USAGE the directory is not safely this user's, or the fingerprint
     is not one."""
-    from .core.options import DEFAULT_TTL_S, default_dir
+    from .core.call.options import DEFAULT_TTL_S, default_dir
     from .deciding.cache import DecisionCache
     from .machine.files import check_private_dir, safe_name
 
@@ -167,7 +167,7 @@ def _cache_command(args: argparse.Namespace, real_env: Mapping[str, str]) -> int
 
 def _machine_cache(real_env: Mapping[str, str], fingerprint: str) -> dict[str, Any]:
     """This machine's cache entries for ``doctor`` (``cache show``'s data for one fingerprint)."""
-    from .core.options import DEFAULT_TTL_S, default_dir
+    from .core.call.options import DEFAULT_TTL_S, default_dir
     from .deciding.cache import DecisionCache
 
     cache = DecisionCache(default_dir(real_env), DEFAULT_TTL_S)
@@ -198,7 +198,7 @@ def _check_disabled_rules(args: argparse.Namespace, real_env: Mapping[str, str])
     otherwise leave the rule on without a word."""
     if not args.disable_rule:
         return
-    from .core.rules import load_rules
+    from .core.knowledge.rules import load_rules
 
     extra: list[str | Path] = [x for x in real_env.get("RESILIENT_STRATEGY_RULES", "").split(
         os.pathsep) if x.strip()]

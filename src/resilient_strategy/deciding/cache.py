@@ -45,8 +45,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..core.options import DEFAULT_TTL_S
-from ..core.probe import ENVIRONMENTAL_CAUSES, ProbeResult
+from ..core.call.options import DEFAULT_TTL_S
+from ..core.measures.probe import ENVIRONMENTAL_CAUSES, ProbeResult
 from ..errors import FileFormatError, UnsafePathError
 from ..machine import files as _files
 from ..vocab import MULTI_BACKENDS

@@ -14,12 +14,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from ..core.facts import Facts
-from ..core.human import human_bytes
-from ..core.memory import model_memory
-from ..core.options import Options
-from ..core.plan import Candidate, RuledOut, plan
-from ..core.probe import (
+from ..core.call.options import Options
+from ..core.measures.memory import model_memory
+from ..core.measures.probe import (
     ENVIRONMENTAL_CAUSES,
     ERROR,
     TIMEOUT,
@@ -27,12 +24,15 @@ from ..core.probe import (
     ProbeSpec,
     judged_hang,
 )
-from ..core.trace import (
+from ..core.planning.plan import Candidate, RuledOut, plan
+from ..core.trace.events import (
     CachedFailure,
     Chosen,
     Event,
     Note,
 )
+from ..core.values.facts import Facts
+from ..core.values.human import human_bytes
 from ..errors import (
     FailureCause,
     GpuUnusableError,
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
     from ..probing.health import Unproven
 
-from ..core.decision import Decision as Decision  # re-exported: the deciders' one shape
+from ..core.planning.decision import Decision as Decision  # re-exported: the deciders' one shape
 
 log = logging.getLogger("resilient_strategy")
 

@@ -15,17 +15,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.arguments import options_from
-from ..core.facts import Facts
-from ..core.human import fit, human_bytes, human_duration
-from ..core.memory import MemoryRow
-from ..core.options import FRAMEWORKS, Options
-from ..core.plan import Candidate, Plan, plan
-from ..core.probe import (
+from ..core.call.arguments import options_from
+from ..core.call.options import FRAMEWORKS, Options
+from ..core.knowledge.rules import Rule
+from ..core.measures.memory import MemoryRow
+from ..core.measures.probe import (
     ProbeResult,
 )
-from ..core.rules import Rule
-from ..core.trace import (
+from ..core.planning.plan import Candidate, Plan, plan
+from ..core.trace.events import (
     Chosen,
     FewerDevices,
     FrameworkPicked,
@@ -34,6 +32,8 @@ from ..core.trace import (
     Note,
     OffloadConsidered,
 )
+from ..core.values.facts import Facts
+from ..core.values.human import fit, human_bytes, human_duration
 from ..errors import (
     InvalidOptionError,
     InvalidRuleError,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
-from ..core.facts import Facts, Visibility, compact_links, relevant_env
+from ..core.values.facts import Facts, Visibility, compact_links, relevant_env
 from . import env as _env
 from .guard import ImportWatch, first_import_site
 from .host import detect_host

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.facts import P2P_STATUSES, Link
+from ..core.values.facts import P2P_STATUSES, Link
 from .visible import MigDevice, PhysicalGpu
 
 #: nvmlGpuTopologyLevel_t values -> facts.TOPOLOGY_LEVELS words.

@@ -15,7 +15,7 @@ import re
 import socket
 from collections.abc import Iterable, Mapping, Sequence
 
-from ..core.facts import Platform
+from ..core.values.facts import Platform
 from .routes import master_host, route_to_master
 
 #: DMI system vendors / product names of hypervisors, as words.

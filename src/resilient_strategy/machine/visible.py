@@ -17,7 +17,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from ..core.facts import Gpu, Link, Visibility
+from ..core.values.facts import Gpu, Link, Visibility
 
 _INDEX = re.compile(r"[+-]?\d+")
 

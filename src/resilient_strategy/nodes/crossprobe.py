@@ -16,7 +16,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.probe import ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec
+from ..core.measures.probe import ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec
 from ..errors import MultiNodeError
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ def run_cross_probe(
         except OSError as exc:
             return ProbeResult(spec.candidate, ERROR, cause="worker_error",
                                detail=f"could not start the probe worker {python!r}: {exc}")
-    from ..core.probe import parse_probe
+    from ..core.measures.probe import parse_probe
 
     if group.stopped:
         return ProbeResult(spec.candidate, ERROR, round(group.elapsed_s, 3), "inter_node",

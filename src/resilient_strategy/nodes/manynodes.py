@@ -43,16 +43,16 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ..core.probe import ProbeResult, ProbeSpec
+from ..core.measures.probe import ProbeResult, ProbeSpec
 from ..errors import MultiNodeError, NodeLostError, NodeMismatchError, ResilientStrategyError
 
 if TYPE_CHECKING:
-    from ..core.candidate import Candidate
-    from ..core.facts import Facts
-    from ..core.options import Options
-    from ..core.plan import Plan
+    from ..core.call.options import Options
+    from ..core.planning.plan import Plan
+    from ..core.values.candidate import Candidate
+    from ..core.values.facts import Facts
 
-from ..core.decision import Decision
+from ..core.planning.decision import Decision
 from .crossprobe import (
     CrossProber,
     Prober,
@@ -269,7 +269,7 @@ def _results(payload: Mapping[str, Any]) -> dict[str, ProbeResult]:
 
 
 def _replan(facts: Facts, opts: Options, results: Mapping[str, ProbeResult], proven: bool) -> Plan:
-    from ..core.plan import plan
+    from ..core.planning.plan import plan
 
     p = plan(facts, opts.rules, results, opts)
     if p.next_probe is not None and not proven:
@@ -398,6 +398,6 @@ def _follow_local(facts: Facts, opts: Options, agreement: Any, timeout_s: float)
 
 def _with_notes(p: Plan, lines: Sequence[str]) -> Plan:
     """``p`` with ``lines`` added to its trace (as ``multi_node`` notes)."""
-    from ..core.trace import Note
+    from ..core.trace.events import Note
 
     return replace(p, events=(*p.events, *(Note("multi_node", line) for line in lines)))

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from ..core.probe import ProbeResult
+from ..core.measures.probe import ProbeResult
 from ..errors import FileFormatError, ResilientStrategyError, UnsafePathError
 from ..machine import files as _files
 

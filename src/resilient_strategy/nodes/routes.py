@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from ..core.rules import Rule
+from ..core.knowledge.rules import Rule
 from ..machine.routes import (
     PROC_NET_ROUTE,
     local_addresses,

@@ -55,15 +55,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ..core.probe import ProbeResult, ProbeSpec
-from ..core.trace import MultiWorkerDecided, WorkerProbe
+from ..core.measures.probe import ProbeResult, ProbeSpec
+from ..core.trace.events import MultiWorkerDecided, WorkerProbe
 from ..vocab import MULTI_WORKER_BACKENDS
 
 if TYPE_CHECKING:
-    from ..core.candidate import Candidate
-    from ..core.facts import Facts
-    from ..core.options import Options
-    from ..core.plan import Plan
+    from ..core.call.options import Options
+    from ..core.planning.plan import Plan
+    from ..core.values.candidate import Candidate
+    from ..core.values.facts import Facts
 
 log = logging.getLogger("resilient_strategy")
 __all__ = ["KILL_GRACE_S", "SETTLE_S", "SettlingProber", "decide_across_workers"]

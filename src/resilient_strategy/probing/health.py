@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..core.probe import ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec
+from ..core.measures.probe import ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec
 from ..errors import GpuUnusableError
 from . import proc as _proc
 

@@ -21,8 +21,8 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..core.probe import ERROR, ProbeResult, ProbeSpec, parse_probe, phase_times
-from ..core.signatures import signatures_from_env
+from ..core.knowledge.signatures import signatures_from_env
+from ..core.measures.probe import ERROR, ProbeResult, ProbeSpec, parse_probe, phase_times
 from ..errors import InvalidOptionError
 from ..machine import files as _files
 from . import health

@@ -21,7 +21,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Protocol
 
-from ..core.outcome import WorkerOutcome
+from ..core.values.outcome import WorkerOutcome
 from ..machine import files as _files
 from ..records.progress import Stall, StallPolicy, StallWatcher
 

@@ -25,11 +25,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from ..core.bounded import parse_json, read_user_file
-from ..core.candidate import Candidate
-from ..core.facts import Facts
-from ..core.probe import ProbeResult
-from ..core.signatures import builtin_signatures
+from ..core.knowledge.signatures import builtin_signatures
+from ..core.measures.probe import ProbeResult
+from ..core.values.bounded import parse_json, read_user_file
+from ..core.values.candidate import Candidate
+from ..core.values.facts import Facts
 from ..errors import InvalidOptionError, NoSpaceError, ResilientStrategyError
 from . import phases as _phases
 from .progress import (

@@ -18,8 +18,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
-from ..core.arguments import run_options_from
-from ..core.options import DEFAULT_FAULT_WINDOW, RunOptions
+from ..core.call.arguments import run_options_from
+from ..core.call.options import DEFAULT_FAULT_WINDOW, RunOptions
 from ..errors import InvalidOptionError
 from ..machine import env as _env
 

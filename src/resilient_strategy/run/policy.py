@@ -39,9 +39,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..records.phases import Timeline
 
-from ..core.estimate import throughput_fraction
-from ..core.options import DEFAULT_FAULT_WINDOW as _DEFAULT_FAULT_WINDOW
-from ..core.probe import ERROR, ProbeResult
+from ..core.call.options import DEFAULT_FAULT_WINDOW as _DEFAULT_FAULT_WINDOW
+from ..core.measures.estimate import throughput_fraction
+from ..core.measures.probe import ERROR, ProbeResult
 from ..errors import NoWorkingStrategyError
 from .exitcodes import ExitCode
 from .verdicts import Verdict, VerdictKind, one_line

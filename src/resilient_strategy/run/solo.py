@@ -31,7 +31,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO
 
-from ..core.options import RunOptions
+from ..core.call.options import RunOptions
 from ..errors import ResilientStrategyError
 from ..machine import env as _env
 from ..probing.proc import start_supervised, stop_groups

@@ -49,10 +49,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.bounded import parse_json
-from ..core.candidate import Candidate
-from ..core.options import MIN_STALL_S, RunOptions
-from ..core.probe import ERROR, ProbeResult
+from ..core.call.options import MIN_STALL_S, RunOptions
+from ..core.measures.probe import ERROR, ProbeResult
+from ..core.values.bounded import parse_json
+from ..core.values.candidate import Candidate
 from ..errors import (
     GpuUnusableError,
     MultiNodeError,
@@ -99,7 +99,7 @@ class Choice:
 
     decision: Decision
     candidate: Candidate
-    step_seconds: float  # estimated, per global batch (core/estimate.py)
+    step_seconds: float  # estimated, per global batch (core/measures/estimate.py)
     left: int  # candidates left after this one
     #: multi-node: this node's link for the nodes of this attempt, and the membership round
     #: that named them (`regroup`)
@@ -391,7 +391,7 @@ def _summary(history: Sequence[Attempt], judgement: Judgement) -> str:
 def _allowance_words(opts: RunOptions, env: Mapping[str, str], framework: str = "torch") -> str:
     """The stall allowance and the busy ceiling in force, how to change them, and the
     training's timeouts set from them (torch's heartbeat for a PyTorch job only)."""
-    from ..core.options import DEFAULT_PROCESS_GROUP_TIMEOUT
+    from ..core.call.options import DEFAULT_PROCESS_GROUP_TIMEOUT
     from .watch import (
         AUTO_STALL_CAP_S,
         DEFAULT_BUSY_S,
@@ -453,7 +453,7 @@ def _label(decision: Decision) -> str:
 
 def _options(opts: RunOptions, facts: Any, env: Mapping[str, str], rank: int = 0,
              nnodes: int | None = None) -> Any:
-    from ..core.arguments import options_from
+    from ..core.call.arguments import options_from
 
     nproc = opts.nproc if opts.nproc is not None else max(1, len(facts.gpus))
     nnodes = node_count(opts) if nnodes is None else nnodes
@@ -576,7 +576,7 @@ def _choice(opts: RunOptions, facts: Any, env: Mapping[str, str],
             notes: tuple[str, ...], agreed: NodeLink | None, o: Any, made: Any,
             results: dict[str, ProbeResult], link: NodeLink | None, change: Any) -> Choice:
     """The decision file of an attempt from what was decided (``agreed``: across nodes)."""
-    from ..core.estimate import estimate
+    from ..core.measures.estimate import estimate
     from ..deciding.decide import failure_cause
     from ..deciding.notices import fallback_warning
 
@@ -626,7 +626,7 @@ def _memory_planning(opts: RunOptions, framework: str, facts: Any) -> dict[str, 
 def _node_trace(events: Sequence[Any]) -> tuple[str, ...]:
     """The lines `agreed_decision` added to the trace (the
     trailing ``multi_node`` notes), for the workers' explain()."""
-    from ..core.trace import Note
+    from ..core.trace.events import Note
 
     out: list[str] = []
     for e in reversed(events):

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..core.facts import (
+from ..core.measures.probe import CAUSES, ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec, parse_probe
+from ..core.values.facts import (
     FABRIC_MIN_GPUS,
     P2P_STATUSES,
     TOPOLOGY_LEVELS,
@@ -29,8 +30,7 @@ from ..core.facts import (
     Platform,
     compact_links,
 )
-from ..core.outcome import WorkerOutcome
-from ..core.probe import CAUSES, ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec, parse_probe
+from ..core.values.outcome import WorkerOutcome
 from ..errors import InvalidOptionError, ResilientStrategyError
 from ..machine import files as _files
 from ..machine.visible import (

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ...core.probe import PROBE_FAULT_VAR, PROBE_FAULTS, parse_probe_fault
+from ...core.measures.probe import PROBE_FAULT_VAR, PROBE_FAULTS, parse_probe_fault
 from ...errors import InvalidOptionError
 from ...machine.files import write_json_atomic
 
@@ -121,7 +121,7 @@ def fault_for(rank: int, env: Mapping[str, str], backend: str = "") -> str:
     remedies work), ``>=N`` makes a data fault corrupt only all-reduces of at least N bytes
     (see `corrupts`).
     """
-    try:  # the decision refused a malformed one (core/arguments.py); none here means none
+    try:  # the decision refused a malformed one (core/call/arguments.py); none here means none
         fault = parse_probe_fault(env.get(FAULT_VAR, ""))
     except InvalidOptionError:
         return ""

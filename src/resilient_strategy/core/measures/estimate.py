@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from .candidate import Candidate
-from .facts import Facts
+from ..values.candidate import Candidate
+from ..values.facts import Facts
 from .probe import ProbeResult
 
 if TYPE_CHECKING:
-    from .options import Options
+    from ..call.options import Options
 
 #: Typical all-reduce bus bandwidth (GB/s) when nothing was measured. The NVLink, P2P-off,
 #: socket and gloo figures are our measurements on 2x H200 (field-notes); PCIe ones are typical

@@ -17,18 +17,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InvalidOptionError
-from ..vocab import MULTI_WORKER_BACKENDS
-from .candidate import Candidate
-from .causes import GPU_WIDE_CAUSES
-from .estimate import Estimate, estimate
-from .facts import Facts
-from .human import human_bytes
-from .probe import TIMEOUT, ProbeResult
-from .remedies import SETUP_HANG
-from .rules import FactValue, Rule, fact_values, fired
-from .sharding import check_memory, fewer_devices, offloaded, shard_chain
-from .trace import (
+from ...errors import InvalidOptionError
+from ...vocab import MULTI_WORKER_BACKENDS
+from ..knowledge.causes import GPU_WIDE_CAUSES
+from ..knowledge.remedies import SETUP_HANG
+from ..knowledge.rules import FactValue, Rule, fact_values, fired
+from ..measures.estimate import Estimate, estimate
+from ..measures.probe import TIMEOUT, ProbeResult
+from ..trace.events import (
     BatchSplit,
     CandidateRuledOut,
     Chosen,
@@ -45,9 +41,13 @@ from .trace import (
     UserSettingKept,
     render,
 )
+from ..values.candidate import Candidate
+from ..values.facts import Facts
+from ..values.human import human_bytes
+from .sharding import check_memory, fewer_devices, offloaded, shard_chain
 
 if TYPE_CHECKING:
-    from .options import Options
+    from ..call.options import Options
 
 __all__ = ["Candidate", "Estimate", "Plan", "Ranked", "RuledOut", "estimate", "plan", "split_batch"]
 

@@ -3,7 +3,7 @@
 The table (``remedies.toml``, versioned) holds ``[[remedy]]`` entries (``env``, the backends it
 applies to, ``when`` clauses in the known-issue rules' language, ``source``) and a ``[causes]``
 table naming each cause's remedies in the order to try them. The planner
-(`resilient_strategy.core.plan.plan`) asks `Remedies.for_cause` which apply to a
+(`resilient_strategy.core.planning.plan.plan`) asks `Remedies.for_cause` which apply to a
 failed candidate on these facts. Users extend it the way they extend rules
 (``RESILIENT_STRATEGY_REMEDIES``, `load_remedies`). Pure except reading the named files
 (bounded, `bounded`).
@@ -18,9 +18,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from ..errors import FileFormatError, InvalidRuleError, UnsafePathError
-from ..vocab import BACKENDS
-from . import bounded as _bounded
+from ...errors import FileFormatError, InvalidRuleError, UnsafePathError
+from ...vocab import BACKENDS
+from ..values import bounded
 from .data import read_data
 from .rules import Clause, FactValue, clause_holds, data_tables, parse_clause, table_id
 
@@ -184,7 +184,7 @@ def _load(paths: tuple[str, ...]) -> Remedies:
     for name in paths:
         path = Path(name)
         try:
-            text = _bounded.read_user_file(path, _bounded.MAX_RULES_BYTES).decode()
+            text = bounded.read_user_file(path, bounded.MAX_RULES_BYTES).decode()
         except (OSError, UnsafePathError, FileFormatError, UnicodeDecodeError) as exc:
             raise InvalidRuleError("?", f"cannot read it: {exc}", str(path)) from None
         remedies, causes = parse_remedies(text, str(path))

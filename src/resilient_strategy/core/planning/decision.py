@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .candidate import Candidate
+from ..measures.probe import ProbeResult
+from ..values.candidate import Candidate
 from .plan import Plan
-from .probe import ProbeResult
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ..errors import FileFormatError, UnsafePathError
+from ...errors import FileFormatError, UnsafePathError
 
 if sys.version_info >= (3, 11):
     import tomllib

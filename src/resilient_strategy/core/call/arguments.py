@@ -21,14 +21,21 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..errors import FrameworkNotInstalledError, InvalidOptionError, InvalidRuleError
-from ..vocab import (
+from ...errors import FrameworkNotInstalledError, InvalidOptionError, InvalidRuleError
+from ...vocab import (
     BACKENDS,
     FRAMEWORK_ALIASES,
     FRAMEWORKS,
     PROBE_MODES,
 )
-from .facts import Facts
+from ..knowledge.remedies import ENV_VAR as REMEDIES_VAR
+from ..knowledge.remedies import load_remedies
+from ..knowledge.rules import Rule, load_rules
+from ..knowledge.signatures import signatures_from_env
+from ..measures.probe import PROBE_FAULT_VAR, parse_probe_fault
+from ..values.facts import Facts
+from ..values.tfcluster import VAR as TF_CONFIG_VAR
+from ..values.tfcluster import parse_tf_config
 from .options import (
     DEFAULT_OPTIMIZER_STATE_FACTOR,
     DEFAULT_PROCESS_GROUP_TIMEOUT,
@@ -45,13 +52,6 @@ from .options import (
     RunOptions,
     default_dir,
 )
-from .probe import PROBE_FAULT_VAR, parse_probe_fault
-from .remedies import ENV_VAR as REMEDIES_VAR
-from .remedies import load_remedies
-from .rules import Rule, load_rules
-from .signatures import signatures_from_env
-from .tfcluster import VAR as TF_CONFIG_VAR
-from .tfcluster import parse_tf_config
 
 
 def _env_list(env: Mapping[str, str], name: str, sep: str = ",") -> list[str]:
@@ -380,7 +380,7 @@ def options_from(facts: Facts, env: Mapping[str, str], arguments: Arguments | No
         gradient_bytes = param_bytes  # every parameter trainable, unless said otherwise
     unit_bytes = None
     if model is not None and hasattr(model, "parameters"):  # a torch module: its sharding units
-        from .memory import unit_bytes_of
+        from ..measures.memory import unit_bytes_of
 
         if param_bytes is None:
             param_bytes = sum(int(p.numel()) * int(p.element_size()) for p in model.parameters())

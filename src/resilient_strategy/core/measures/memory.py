@@ -24,12 +24,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .candidate import Candidate
-from .facts import Facts
-from .human import human_bytes
+from ..values.candidate import Candidate
+from ..values.facts import Facts
+from ..values.human import human_bytes
 
 if TYPE_CHECKING:
-    from .options import Options
+    from ..call.options import Options
 
 __all__ = [
     "ASSUMED_UNITS", "MEMORY_HEADROOM", "TRANSIENT_UNITS", "MemoryRow", "ModelMemory",

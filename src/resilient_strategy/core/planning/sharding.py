@@ -26,14 +26,14 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from .candidate import Candidate
-from .estimate import offload_seconds
-from .facts import Facts
-from .memory import MemoryRow, memory_row, model_memory, offload_rows
-from .trace import FewerDevices, MemoryChecked, OffloadConsidered, ShardingDecided
+from ..measures.estimate import offload_seconds
+from ..measures.memory import MemoryRow, memory_row, model_memory, offload_rows
+from ..trace.events import FewerDevices, MemoryChecked, OffloadConsidered, ShardingDecided
+from ..values.candidate import Candidate
+from ..values.facts import Facts
 
 if TYPE_CHECKING:
-    from .options import Options
+    from ..call.options import Options
 
 __all__ = ["check_memory", "fewer_devices", "offloaded", "shard_chain", "shardable"]
 

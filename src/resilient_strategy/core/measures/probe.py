@@ -15,13 +15,13 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
-from ..errors import FileFormatError
-from .bounded import parse_json
-from .causes import CAUSES as CAUSES  # re-exported: the causes' long-standing home
-from .causes import ENVIRONMENTAL_CAUSES as ENVIRONMENTAL_CAUSES
-from .causes import HANG_WORDS as HANG_WORDS
-from .outcome import WorkerOutcome
-from .signatures import Signatures, builtin_signatures
+from ...errors import FileFormatError
+from ..knowledge.causes import CAUSES as CAUSES  # re-exported: the causes' long-standing home
+from ..knowledge.causes import ENVIRONMENTAL_CAUSES as ENVIRONMENTAL_CAUSES
+from ..knowledge.causes import HANG_WORDS as HANG_WORDS
+from ..knowledge.signatures import Signatures, builtin_signatures
+from ..values.bounded import parse_json
+from ..values.outcome import WorkerOutcome
 
 
 class Stall(Protocol):
@@ -462,8 +462,8 @@ def parse_probe_fault(text: str) -> ProbeFault | None:
     an unknown kind (``explode:1``), a rank that is not a number, a backend that is not one
     (``exit:1:glooo``), or a qualifier other than ``plain`` / ``>=BYTES``. A typo is refused
     rather than turned into a rehearsal that injects nothing and reports a passing probe."""
-    from ..errors import InvalidOptionError
-    from ..vocab import BACKENDS
+    from ...errors import InvalidOptionError
+    from ...vocab import BACKENDS
 
     text = text.strip()
     if not text:

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import InvalidOptionError
-from ..vocab import (
+from ...errors import InvalidOptionError
+from ...vocab import (
     BACKENDS,
     FRAMEWORK_ALIASES,
     FRAMEWORKS,
@@ -26,8 +26,8 @@ from ..vocab import (
     PROBE_MODES,
     SHARDING_MODES,
 )
-from .remedies import Remedies, builtin_remedies
-from .rules import Rule
+from ..knowledge.remedies import Remedies, builtin_remedies
+from ..knowledge.rules import Rule
 
 __all__ = [
     "BACKENDS", "DEFAULT_PROCESS_GROUP_TIMEOUT", "DEFAULT_TIMEOUT_S", "FRAMEWORKS", "FRAMEWORK_ALIASES",
@@ -136,7 +136,7 @@ class Options:
     quiet: bool | None = None  # None: a progress line per probe when stderr is a terminal
     #: Probe outcomes come from a description (a simulation), not from running probes here.
     simulated: bool = False
-    #: Memory planning (core/memory.py): "auto" shards (FSDP2) only when a replica does not fit,
+    #: Memory planning (core/measures/memory.py): "auto" shards (FSDP2) only when a replica does not fit,
     #: "full" always shards, "none" never; the model's parameter bytes (all, trainable or not),
     #: the optimizer's state per gradient byte, and the largest sharding unit's parameter bytes
     #: (from model=; None: assumed).

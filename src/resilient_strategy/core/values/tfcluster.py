@@ -22,7 +22,7 @@ What this library makes of them:
   this library neither proves nor builds; planning the tasks as mirrored replicas would ignore the
   cluster the user described.
 
-No ``os`` here (the planner's modules may use it); `resilient_strategy.core.options.options_from`
+No ``os`` here (the planner's modules may use it); `resilient_strategy.core.call.options.options_from`
 passes the variable's text from the environment snapshot.
 """
 
@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import FileFormatError, InvalidOptionError
+from ...errors import FileFormatError, InvalidOptionError
 from .bounded import parse_json
 
 __all__ = ["MAX_TF_CONFIG_BYTES", "TfCluster", "parse_tf_config"]

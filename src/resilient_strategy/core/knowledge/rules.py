@@ -25,11 +25,11 @@ from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
-from ..errors import FileFormatError, InvalidOptionError, InvalidRuleError, UnsafePathError
-from ..vocab import BACKENDS, FRAMEWORKS
-from . import bounded as _bounded
+from ...errors import FileFormatError, InvalidOptionError, InvalidRuleError, UnsafePathError
+from ...vocab import BACKENDS, FRAMEWORKS
+from ..values import bounded
+from ..values.facts import Facts, Gpu
 from .data import read_data
-from .facts import Facts, Gpu
 
 EFFECTS = ("veto", "prefer", "remedy", "set_env", "warn")
 _OPS = ("<=", ">=", "==", "!=", "<", ">", "matches", "contains", "in")
@@ -204,7 +204,7 @@ def rule_from_dict(d: Mapping[str, Any], origin: str = "built-in", where: str = 
 def parse_rules(text: str, origin: str) -> tuple[Rule, ...]:
     """The rules of one TOML document (``origin`` names it in errors)."""
     try:
-        data = _bounded.parse_toml(text, origin)
+        data = bounded.parse_toml(text, origin)
     except FileFormatError as exc:  # not TOML, or nested too deep
         raise InvalidRuleError("?", exc.problem, origin) from None
     unknown = sorted(set(data) - {"rule"})
@@ -247,7 +247,7 @@ def load_rules(
                 f"rules= takes TOML file paths or Rule values, not {item!r}")
         path = Path(item)
         try:
-            text = _bounded.read_user_file(path, _bounded.MAX_RULES_BYTES).decode()
+            text = bounded.read_user_file(path, bounded.MAX_RULES_BYTES).decode()
         except OSError as exc:
             raise InvalidRuleError("?", f"cannot read it: {exc}", str(path)) from exc
         except (UnsafePathError, FileFormatError) as exc:  # a FIFO, a directory, too large
@@ -501,10 +501,8 @@ def data_tables(text: str, origin: str, what: str, version: int,
     """One versioned TOML data file of ``[[what]]`` tables (signatures, remedies), parsed with
     its bounds and checked: the top-level keys, the version (1 to ``version``), the array of
     tables. Returns the whole document and the tables; every problem an InvalidRuleError."""
-    from . import bounded as _bounded
-
     try:
-        data = _bounded.parse_toml(text, origin)
+        data = bounded.parse_toml(text, origin)
     except FileFormatError as exc:
         raise InvalidRuleError("?", exc.problem, origin) from None
     unknown = sorted(set(data) - {"version", what} - extra_keys)

@@ -17,10 +17,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
-from .candidate import Candidate
-from .human import human_bytes, human_duration
-from .memory import MemoryRow
-from .probe import ProbeResult
+from ..measures.memory import MemoryRow
+from ..measures.probe import ProbeResult
+from ..values.candidate import Candidate
+from ..values.human import human_bytes, human_duration
 
 __all__ = [
     "BatchSplit",

@@ -1,7 +1,7 @@
 """Failure signatures as data: what a failing probe or training rank prints -> a cause.
 
 The table (``signatures.toml``, versioned) is read by the probe parser
-(`resilient_strategy.core.probe.parse_probe`) and by the supervisor's classifier
+(`resilient_strategy.core.measures.probe.parse_probe`) and by the supervisor's classifier
 (`resilient_strategy.run.verdicts.classify_error`): one table, two readers. Each entry
 names a cause of `CAUSES` and the public source it comes
 from; the first entry that matches wins. Users add entries the way they add rules
@@ -18,8 +18,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from ..errors import FileFormatError, InvalidRuleError, UnsafePathError
-from . import bounded as _bounded
+from ...errors import FileFormatError, InvalidRuleError, UnsafePathError
+from ..values import bounded
 from .causes import CAUSES
 from .data import read_data
 from .rules import data_tables, table_id
@@ -250,7 +250,7 @@ def _load(paths: tuple[str, ...]) -> Signatures:
     for name in paths:
         path = Path(name)
         try:
-            text = _bounded.read_user_file(path, _bounded.MAX_RULES_BYTES).decode()
+            text = bounded.read_user_file(path, bounded.MAX_RULES_BYTES).decode()
         except (OSError, UnsafePathError, FileFormatError, UnicodeDecodeError) as exc:
             raise InvalidRuleError("?", f"cannot read it: {exc}", str(path)) from None
         user.extend(parse_signatures(text, str(path)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..vocab import MULTI_BACKENDS, MULTI_WORKER_BACKENDS
+from ...vocab import MULTI_BACKENDS, MULTI_WORKER_BACKENDS
 
 #: Kept for readers of the planner's old name.
 MULTI = MULTI_BACKENDS
