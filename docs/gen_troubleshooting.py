@@ -127,7 +127,7 @@ def _remedy_words(r: Mapping[str, Any]) -> str:
 
 def _causes(sigs: list[tuple[str, dict[str, Any]]], remedy_data: Mapping[str, Any]
             ) -> list[str]:
-    from resilient_strategy.core import plan as _plan
+    from resilient_strategy.core.planning import plan as _plan
     from resilient_strategy.core.measures.probe import CAUSES
 
     environmental: frozenset[str] = frozenset()

@@ -263,7 +263,7 @@ def test_bad_node_options_of_run_name_their_flag(argv: list[str], option: str) -
     traceback from deep inside for each of these)."""
     pytest.importorskip("torch")
     from resilient_strategy.errors import InvalidOptionError
-    from resilient_strategy.run.arguments import options_from_args
+    from resilient_strategy.run.cmdline import options_from_args
 
     with pytest.raises(InvalidOptionError) as err:
         options_from_args([*argv, "train.py"])
@@ -272,7 +272,7 @@ def test_bad_node_options_of_run_name_their_flag(argv: list[str], option: str) -
 
 def test_good_node_options_of_run_pass() -> None:
     pytest.importorskip("torch")
-    from resilient_strategy.run.arguments import options_from_args
+    from resilient_strategy.run.cmdline import options_from_args
 
     for argv in (["--nnodes", "1:2"], ["--rdzv-endpoint", "[::1]:29500"],
                  ["--rdzv-endpoint", "node0"], ["--master-port", "0"]):

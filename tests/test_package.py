@@ -79,7 +79,7 @@ def test_the_built_wheel_ships_every_data_file_and_decides(tmp_path: Path) -> No
     if int(setuptools.__version__.split(".")[0]) < 77:  # pyproject's build requirement
         pytest.skip(f"setuptools {setuptools.__version__} here, the build needs >= 77 (.ci/run "
                     "builds the wheel in isolation and decides from it)")
-    on_disk = sorted(p.name for p in (root / "src/resilient_strategy/core").glob("*.toml"))
+    on_disk = sorted(p.name for p in (root / "src/resilient_strategy/core/knowledge").glob("*.toml"))
     assert on_disk == sorted(DATA_FILES), "a data file on disk is not in core/knowledge/data.DATA_FILES"
     # build from a clean copy: an egg-info left by an editable install lists files the
     # package data would not, and hides the bug this test exists for
@@ -99,7 +99,7 @@ def test_the_built_wheel_ships_every_data_file_and_decides(tmp_path: Path) -> No
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
         zf.extractall(tmp_path / "site")
-    missing = [n for n in DATA_FILES if f"resilient_strategy/core/{n}" not in names]
+    missing = [n for n in DATA_FILES if f"resilient_strategy/core/knowledge/{n}" not in names]
     assert missing == []
     site = str(tmp_path / "site")
     code = ("import json, resilient_strategy as rs; "

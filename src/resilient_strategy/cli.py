@@ -35,7 +35,7 @@ from typing import Any, NoReturn
 from .core.values.facts import FABRIC_MIN_GPUS, Facts
 from .core.values.human import human_duration
 from .errors import ResilientStrategyError
-from .machine import env as _env
+from .machine import env as machine_env
 from .testing.simulation import SimulatedProber, load_simulation
 from .vocab import FRAMEWORKS
 
@@ -458,7 +458,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "cache":
-        return _cache_command(args, _env.snapshot())
+        return _cache_command(args, machine_env.snapshot())
     if args.logical_cpus and args.framework == "torch":
         parser.error("--logical-cpus is a TensorFlow test mode; it does not apply to torch")
     if args.nproc_per_node and args.framework == "tensorflow":
@@ -466,7 +466,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.ERROR, format="%(message)s")
     # but a file or directory that is not safely yours is said (the cache is off meanwhile)
     logging.getLogger("resilient_strategy.files").setLevel(logging.WARNING)
-    real_env = _env.snapshot()
+    real_env = machine_env.snapshot()
     try:
         _check_disabled_rules(args, real_env)
         sim: dict[str, Any] | None = None

@@ -337,7 +337,7 @@ def space_short(res: ProbeResult, temp_root: str, free: int | None = None) -> Pr
 
 
 def close_fork_servers() -> None:
-    """Stop the probes' fork servers (`_forkserver`), if this decision started any."""
+    """Stop the probes' fork servers (`probing.forkserver`), if this decision started any."""
     forkserver = sys.modules.get(FORKSERVER_MODULE)
     if forkserver is not None:
         forkserver.close_all()

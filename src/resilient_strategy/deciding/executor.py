@@ -44,7 +44,7 @@ from ..errors import (
     RanksDisagreeError,
     ResilientStrategyError,
 )
-from ..machine import env as _env
+from ..machine import env as machine_env
 from ..selection import Selection
 from .notices import (
     ProgressLine,
@@ -220,7 +220,7 @@ def _decide_and_apply(options: dict[str, Any], env: Mapping[str, str] | None,
     """The body of [resilient_strategy][resilient_strategy.resilient_strategy]: inspect,
     validate, decide (or take the decision handed down), apply, and build the Selection."""
     t0 = time.perf_counter()
-    snapshot = _env.snapshot(env)
+    snapshot = machine_env.snapshot(env)
     if facts is None:
         from ..machine.inspect import detect_facts
 
@@ -264,7 +264,7 @@ def _decide_and_apply(options: dict[str, Any], env: Mapping[str, str] | None,
     # Decided on a described environment (env=): nothing of this process is changed.
     applied = not opts.dry_run and env is None
     if applied:
-        to_set = _env.apply(to_set)
+        to_set = machine_env.apply(to_set)
     p = replace(p, events=(FrameworkPicked(opts.framework, opts.framework_reason), *p.events))
     sel = Selection(
         candidate=chosen, plan=p, facts=facts, env=to_set, env_applied=applied, results=results,

@@ -16,7 +16,7 @@ import socket
 from collections.abc import Iterable, Mapping, Sequence
 
 from ..core.values.facts import Platform
-from .routes import master_host, route_to_master
+from .route_lookup import master_host, route_to_master
 
 #: DMI system vendors / product names of hypervisors, as words.
 _HYPERVISORS = (

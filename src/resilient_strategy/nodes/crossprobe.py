@@ -37,7 +37,7 @@ def run_cross_probe(
     """This node's process of the probe group spanning all nodes (rank = node rank), meeting in
     the job's store under ``key_prefix``, within ``spec.timeout_s`` (or until ``stop()`` gives a
     reason: a peer node was lost); never raises for a failure."""
-    from ..probing import proc as _proc
+    from ..probing import proc
     from ..probing.prober import WORKER_TIMEOUT_MARGIN_S, worker_env
 
     cross = replace(spec, world_size=job.nodes)
@@ -56,10 +56,10 @@ def run_cross_probe(
         ]
         if not spec.train_step:
             argv.append("--no-train-step")
-        cmd = _proc.WorkerCommand(argv=tuple(argv), env=worker_env(cross, env), cwd=tmp,
+        cmd = proc.WorkerCommand(argv=tuple(argv), env=worker_env(cross, env), cwd=tmp,
                                   report_path=report)
         try:
-            group = _proc.run_group([cmd], spec.timeout_s, stop=stop)
+            group = proc.run_group([cmd], spec.timeout_s, stop=stop)
         except OSError as exc:
             return ProbeResult(spec.candidate, ERROR, cause="worker_error",
                                detail=f"could not start the probe worker {python!r}: {exc}")

@@ -71,7 +71,7 @@ __all__ = ["KILL_GRACE_S", "SETTLE_S", "SettlingProber", "decide_across_workers"
 Prober = Callable[[ProbeSpec, Mapping[str, str]], ProbeResult]
 #: The start skew between workers a round allows (and time for the ports to be free again).
 SETTLE_S = 5.0
-#: The runner's stop of a probe process at its deadline: SIGTERM, 2 s, SIGKILL, 2 s (_proc).
+#: The runner's stop of a probe process at its deadline: SIGTERM, 2 s, SIGKILL, 2 s (`probing.proc`).
 KILL_GRACE_S = 4.0
 #: A worker with less than this left of its probe's time votes "fail" in the verdict
 #: (the probe worker's own constant, repeated here for the docs: probes/tf_worker.py).

@@ -22,7 +22,7 @@ from types import FrameType
 from typing import Protocol
 
 from ..core.values.outcome import WorkerOutcome
-from ..machine import files as _files
+from ..machine import files
 from ..records.progress import Stall, StallPolicy, StallWatcher
 
 _STDERR_TAIL_BYTES = 64 << 10
@@ -42,7 +42,7 @@ class WorkerCommand:
 
 class Proc(Protocol):
     """What the runner needs of a started worker: ``subprocess.Popen`` or a fork server's child
-    (`_forkserver.ForkedProc`). ``pid`` is also its process group id."""
+    (`probing.forkserver.ForkedProc`). ``pid`` is also its process group id."""
 
     pid: int
     returncode: int | None
@@ -155,7 +155,7 @@ def _run_group(
     first_failed: int | None = None
     timed_out = False
     waiter = _ExitWaiter(poll_s)
-    with _files.temp_dir("rs-proc-") as tmp:
+    with files.temp_dir("rs-proc-") as tmp:
         logs = Path(tmp)
         try:
             for i, cmd in enumerate(commands):

@@ -32,7 +32,7 @@ from ..records.progress import (
 if TYPE_CHECKING:
     from .peers import PeerWatch
 
-from .arguments import node_count, parser
+from .cmdline import node_count, parser
 from .verdicts import (
     SEEN_ERROR_RECORD,
     SEEN_EXIT,

@@ -61,7 +61,7 @@ from ..errors import (
     NoWorkingStrategyError,
     ResilientStrategyError,
 )
-from ..machine import env as _env
+from ..machine import env as machine_env
 from ..records import phases
 from ..records.handoff import CHECKPOINT_NOTE, Decision, binding, write_decision
 from ..records.trainfault import FAULT_VAR, TrainFault, check_rank, parse_fault
@@ -70,7 +70,7 @@ if TYPE_CHECKING:
     from .peers import NodeLink, PeerWatch
 
 from .agent import launch
-from .arguments import node_count, options_from_args, torch_launcher
+from .cmdline import node_count, options_from_args, torch_launcher
 from .evidence import Evidence
 from .exitcodes import ExitCode, interrupted
 from .goodput import account
@@ -111,7 +111,7 @@ def supervise(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
     """Run the script to the end: retry a transient fault once on the same strategy, step down
     to the next candidate on a repeat or a backend's signature, stop at the throughput floor.
     Returns the exit status for the command line (`ExitCode`)."""
-    snapshot = _env.snapshot(env)
+    snapshot = machine_env.snapshot(env)
     session: Path | None = None
     try:
         fault = parse_fault(snapshot.get(FAULT_VAR, ""))
@@ -361,7 +361,7 @@ def _setup_failure(exc: MultiNodeError, link: NodeLink, env: Mapping[str, str]
     ``setup``): the error, the node that went silent (``node``, None: the store itself), how
     (``deadline``, ``heartbeat``, ``store``), this node, the store's address, and this node's
     kernel route to it (``route`` None: none, or a route that rejects it, ``route_how`` says)."""
-    from ..machine.routes import route_to_master
+    from ..machine.route_lookup import route_to_master
 
     iface, how = route_to_master(link.env(env, 0))
     return {"error": type(exc).__name__, "node": getattr(exc, "node", None),

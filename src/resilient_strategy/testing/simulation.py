@@ -32,7 +32,7 @@ from ..core.values.facts import (
 )
 from ..core.values.outcome import WorkerOutcome
 from ..errors import InvalidOptionError, ResilientStrategyError
-from ..machine import files as _files
+from ..machine import files
 from ..machine.visible import (
     MigDevice,
     PhysicalGpu,
@@ -40,8 +40,7 @@ from ..machine.visible import (
     renumber_links,
     resolve_visible_devices,
 )
-from ..probing import cost as _cost
-from ..probing import forkserver as _forkserver
+from ..probing import cost, forkserver
 from ..vocab import FRAMEWORKS
 
 #: Kinds of hang a simulated probe can be judged to have (see `progress.Stall`).
@@ -420,7 +419,7 @@ class SimulatedProber:
     elapsed_s: float = 0.0  # simulated seconds spent probing so far (see `clock`)
     #: the phase figures of the machine described (None: the typical ones of its class,
     #: `probing.cost.TYPICAL`), e.g. its measured framework import
-    figures: _cost.Figures | None = None
+    figures: cost.Figures | None = None
     #: GPUs (CUDA ordinals) the health check finds broken: {ordinal: what went wrong}
     broken_gpus: Mapping[int, str] = field(default_factory=dict)
     #: the GPUs of each health check the decision ran, in order
@@ -442,11 +441,11 @@ class SimulatedProber:
     def check_seconds(self, framework: str, gpus: int, env: Mapping[str, str]) -> float:
         """What `check_gpus` charges for ``gpus`` GPUs now (the decision weighs it
         against the probe budget left)."""
-        forked = framework == "torch" and _forkserver.enabled(env)
+        forked = framework == "torch" and forkserver.enabled(env)
         warm = any(c.framework == "torch" for c in self.calls)
-        figures = self.figures or _cost.TYPICAL[
+        figures = self.figures or cost.TYPICAL[
             ("tensorflow" if framework == "tensorflow" else "torch", True)]
-        return _cost.health_check_seconds(framework, gpus, forked=forked, warm=warm,
+        return cost.health_check_seconds(framework, gpus, forked=forked, warm=warm,
                                           figures=figures)
 
     def __call__(self, spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
@@ -469,8 +468,8 @@ class SimulatedProber:
         if ending is None:  # an error, or a result with its own elapsed time: as described
             res = replace(res, elapsed_s=min(res.elapsed_s, spec.timeout_s))
         else:  # the real prober's clock: start-up, phases, a hang cut from progress
-            forked = spec.framework == "torch" and _forkserver.enabled(env)
-            res = replace(res, elapsed_s=_cost.probe_seconds(spec, ending, forked=forked,
+            forked = spec.framework == "torch" and forkserver.enabled(env)
+            res = replace(res, elapsed_s=cost.probe_seconds(spec, ending, forked=forked,
                                                              warm=warm, figures=self.figures,
                                                              env=env))
             if ending == "collective" and not res.extra:  # a plain "timeout", as judged
@@ -504,7 +503,7 @@ def _ending(spec: ProbeSpec, out: Outcome, res: ProbeResult) -> str | None:
     if res.status != TIMEOUT:
         return None
     kind = dict(res.extra).get("hang", "collective")  # "timeout": the commonest real hang
-    return kind if _cost.judged_by_progress(spec) and kind in _cost.HANG_KINDS else "deadline"
+    return kind if cost.judged_by_progress(spec) and kind in cost.HANG_KINDS else "deadline"
 
 
 def _parse(candidate: str, out: Outcome) -> ProbeResult:
@@ -580,7 +579,7 @@ def load_simulation(path: Path) -> tuple[Facts, dict[str, Any]]:
     """A ``--simulate`` file: the described machine and the rest of the file; every problem is one clean error that
     names the file and the field."""
     try:
-        data = _files.read_json(path, max_bytes=_files.MAX_MACHINE_BYTES, owned=False)
+        data = files.read_json(path, max_bytes=files.MAX_MACHINE_BYTES, owned=False)
     except (OSError, ResilientStrategyError) as exc:  # too large, too deep, not JSON, a FIFO
         raise ResilientStrategyError(f"cannot read --simulate file {path}: {exc}") from exc
     if not isinstance(data, dict):

@@ -4,7 +4,7 @@ probe parser can use it. Anything that is not JSON/TOML, nests deeper than `MAX_
 is larger than its limit is a `FileFormatError`, never a
 ``RecursionError`` or ``MemoryError`` from deep inside; a FIFO or directory is an
 `UnsafePathError` (opening a FIFO would block forever). Files
-this package keeps itself (cache, agreement) are read by `_files`, which also checks owner
+this package keeps itself (cache, agreement) are read by `machine.files`, which also checks owner
 and mode and never follows a symlink.
 """
 

@@ -1,4 +1,4 @@
-"""What the process runner saw of one worker: the plain record between the runner (``_proc``)
+"""What the process runner saw of one worker: the plain record between the runner (``probing.proc``)
 and the probe parser (``probe``), so that neither depends on the other's types."""
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from typing import NoReturn
 from ..core.call.arguments import run_options_from
 from ..core.call.options import DEFAULT_FAULT_WINDOW, RunOptions
 from ..errors import InvalidOptionError
-from ..machine import env as _env
+from ..machine import env
 
 log = logging.getLogger("resilient_strategy")
 
@@ -162,7 +162,7 @@ def options_from_args(argv: Sequence[str]) -> RunOptions:
                                  "elastic agent (pip install torch); without it, run "
                                  "supervises TensorFlow scripts", "--framework")
     opts = run_options_from(
-        _env.snapshot(), script=script, script_args=tuple(ns.training_script_args),
+        env.snapshot(), script=script, script_args=tuple(ns.training_script_args),
         framework=framework, nproc=str(ns.nproc_per_node), max_relaunches=ns.max_relaunches,
         stall_timeout=ns.stall_timeout, global_batch_size=ns.global_batch_size,
         gradient_bytes=ns.gradient_bytes, probe_timeout=ns.probe_timeout,
