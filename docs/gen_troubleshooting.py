@@ -127,8 +127,8 @@ def _remedy_words(r: Mapping[str, Any]) -> str:
 
 def _causes(sigs: list[tuple[str, dict[str, Any]]], remedy_data: Mapping[str, Any]
             ) -> list[str]:
-    from resilient_strategy.core.planning import plan as _plan
     from resilient_strategy.core.measures.probe import CAUSES
+    from resilient_strategy.core.planning import plan as _plan
 
     environmental: frozenset[str] = frozenset()
     with contextlib.suppress(ImportError):

@@ -131,7 +131,7 @@ def test_this_machine_without_gpus_in_a_fresh_process() -> None:
 def test_unreadable_values_reach_the_facts_and_the_trace(tmp_path: Path) -> None:
     from dataclasses import replace
 
-    from resilient_strategy.core.trace.events import Note
+    from resilient_strategy.core.trace.event import Note
     from resilient_strategy.testing import machine, simulate
 
     nv = h200x2()

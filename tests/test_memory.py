@@ -21,13 +21,13 @@ from resilient_strategy.core.measures.memory import (
 )
 from resilient_strategy.core.measures.probe import ProbeResult
 from resilient_strategy.core.planning.plan import plan
-from resilient_strategy.core.trace.events import (
-    CandidateRuledOut,
+from resilient_strategy.core.trace.fitting import (
     FewerDevices,
     MemoryChecked,
     OffloadConsidered,
     ShardingDecided,
 )
+from resilient_strategy.core.trace.ruling import CandidateRuledOut
 from resilient_strategy.core.values.facts import Facts, FrameworkInfo, Gpu, Host, Link
 from resilient_strategy.deciding.executor import resilient_strategy
 from resilient_strategy.errors import InvalidOptionError, ModelDoesNotFitError

@@ -13,7 +13,7 @@ import pytest
 
 from resilient_strategy.core.knowledge.rules import Rule
 from resilient_strategy.core.measures.probe import ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec
-from resilient_strategy.core.trace.events import Chosen
+from resilient_strategy.core.trace.choosing import Chosen
 from resilient_strategy.errors import InvalidOptionError
 from resilient_strategy.frameworks.tensorflow import TfRuntime
 from resilient_strategy.nodes.tfworkers import (

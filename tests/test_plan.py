@@ -9,7 +9,8 @@ from resilient_strategy.core.call.options import Options
 from resilient_strategy.core.knowledge.rules import load_rules
 from resilient_strategy.core.measures.probe import ProbeResult
 from resilient_strategy.core.planning.plan import Candidate, Plan, plan, split_batch
-from resilient_strategy.core.trace.events import Chosen, Note
+from resilient_strategy.core.trace.choosing import Chosen
+from resilient_strategy.core.trace.event import Note
 from resilient_strategy.core.values.facts import Facts, FrameworkInfo, Gpu, Host, Link
 from resilient_strategy.errors import InvalidOptionError
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from resilient_strategy.core.measures.probe import TIMEOUT, ProbeResult
-from resilient_strategy.core.trace.events import FactsSeen, Note, RemedyQueued, RuleFired
+from resilient_strategy.core.trace.event import Note
+from resilient_strategy.core.trace.inputs import FactsSeen
+from resilient_strategy.core.trace.ruling import RemedyQueued, RuleFired
 from resilient_strategy.deciding.decide import still_valid
 from resilient_strategy.testing import FakeProber, machine, simulate
 

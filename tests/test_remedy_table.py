@@ -14,7 +14,7 @@ from resilient_strategy.core.knowledge.remedies import (
     parse_remedies,
 )
 from resilient_strategy.core.knowledge.rules import fact_values
-from resilient_strategy.core.trace.events import CandidateRuledOut, RemedyQueued, UserSettingKept
+from resilient_strategy.core.trace.ruling import CandidateRuledOut, RemedyQueued, UserSettingKept
 from resilient_strategy.errors import InvalidRuleError
 from resilient_strategy.testing import FakeProber, Platform, machine, simulate
 

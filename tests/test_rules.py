@@ -353,7 +353,7 @@ def test_a_small_dev_shm_in_a_pod_gets_the_pod_fix_not_dockers() -> None:
 
 
 def test_advice_names_the_suspect_version_and_the_fix() -> None:
-    from resilient_strategy.core.trace.events import RuleFired
+    from resilient_strategy.core.trace.ruling import RuleFired
 
     h100 = machine(4, name="NVIDIA H100 80GB HBM3", cc=(9, 0), torch_cuda="11.8",
                    torch_nccl="2.14.3")

@@ -18,7 +18,7 @@ import pytest
 import resilient_strategy
 from resilient_strategy.core.call.options import RunOptions
 from resilient_strategy.core.measures.probe import OK, ProbeResult
-from resilient_strategy.core.trace.events import Note
+from resilient_strategy.core.trace.event import Note
 from resilient_strategy.errors import InvalidOptionError
 from resilient_strategy.records import handoff
 from resilient_strategy.run import supervisor

@@ -25,12 +25,9 @@ from ..core.measures.probe import (
     judged_hang,
 )
 from ..core.planning.plan import Candidate, RuledOut, plan
-from ..core.trace.events import (
-    CachedFailure,
-    Chosen,
-    Event,
-    Note,
-)
+from ..core.trace.choosing import Chosen
+from ..core.trace.event import Event, Note
+from ..core.trace.inputs import CachedFailure
 from ..core.values.facts import Facts
 from ..core.values.human import human_bytes
 from ..errors import (

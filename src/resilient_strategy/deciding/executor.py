@@ -23,15 +23,10 @@ from ..core.measures.probe import (
     ProbeResult,
 )
 from ..core.planning.plan import Candidate, Plan, plan
-from ..core.trace.events import (
-    Chosen,
-    FewerDevices,
-    FrameworkPicked,
-    MemoryChecked,
-    NextProbe,
-    Note,
-    OffloadConsidered,
-)
+from ..core.trace.choosing import Chosen, NextProbe
+from ..core.trace.event import Note
+from ..core.trace.fitting import FewerDevices, MemoryChecked, OffloadConsidered
+from ..core.trace.inputs import FrameworkPicked
 from ..core.values.facts import Facts
 from ..core.values.human import fit, human_bytes, human_duration
 from ..errors import (

@@ -398,6 +398,6 @@ def _follow_local(facts: Facts, opts: Options, agreement: Any, timeout_s: float)
 
 def _with_notes(p: Plan, lines: Sequence[str]) -> Plan:
     """``p`` with ``lines`` added to its trace (as ``multi_node`` notes)."""
-    from ..core.trace.events import Note
+    from ..core.trace.event import Note
 
     return replace(p, events=(*p.events, *(Note("multi_node", line) for line in lines)))

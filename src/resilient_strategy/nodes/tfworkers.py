@@ -56,7 +56,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ..core.measures.probe import ProbeResult, ProbeSpec
-from ..core.trace.events import MultiWorkerDecided, WorkerProbe
+from ..core.trace.choosing import MultiWorkerDecided, WorkerProbe
 from ..vocab import MULTI_WORKER_BACKENDS
 
 if TYPE_CHECKING:

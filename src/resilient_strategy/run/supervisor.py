@@ -626,7 +626,7 @@ def _memory_planning(opts: RunOptions, framework: str, facts: Any) -> dict[str, 
 def _node_trace(events: Sequence[Any]) -> tuple[str, ...]:
     """The lines `agreed_decision` added to the trace (the
     trailing ``multi_node`` notes), for the workers' explain()."""
-    from ..core.trace.events import Note
+    from ..core.trace.event import Note
 
     out: list[str] = []
     for e in reversed(events):

@@ -32,7 +32,7 @@ from ..knowledge.remedies import ENV_VAR as REMEDIES_VAR
 from ..knowledge.remedies import load_remedies
 from ..knowledge.rules import Rule, load_rules
 from ..knowledge.signatures import signatures_from_env
-from ..measures.probe import PROBE_FAULT_VAR, parse_probe_fault
+from ..measures.probe_fault import PROBE_FAULT_VAR, parse_probe_fault
 from ..values.facts import Facts
 from ..values.tfcluster import VAR as TF_CONFIG_VAR
 from ..values.tfcluster import parse_tf_config

@@ -23,15 +23,10 @@ from ..knowledge.remedies import SETUP_HANG
 from ..knowledge.rules import FactValue, Rule, fact_values, fired
 from ..measures.estimate import Estimate, estimate
 from ..measures.probe import TIMEOUT, ProbeResult
-from ..trace.events import (
-    BatchSplit,
-    Event,
-    FactsSeen,
-    RemedyQueued,
-    RuleFired,
-    Split,
-    UserSettingKept,
-)
+from ..trace.choosing import BatchSplit, Split
+from ..trace.event import Event
+from ..trace.inputs import FactsSeen
+from ..trace.ruling import RemedyQueued, RuleFired, UserSettingKept
 from ..values.candidate import Candidate
 from ..values.facts import Facts
 from .chain import build_chain, fitting, shard, usable_gpus

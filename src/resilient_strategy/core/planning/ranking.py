@@ -10,13 +10,7 @@ from typing import TYPE_CHECKING
 from ...vocab import MULTI_WORKER_BACKENDS
 from ..measures.estimate import estimate
 from ..measures.probe import ProbeResult
-from ..trace.events import (
-    Chosen,
-    NextProbe,
-    NothingLeft,
-    RankEntry,
-    Ranking,
-)
+from ..trace.choosing import Chosen, NextProbe, NothingLeft, RankEntry, Ranking
 from ..values.candidate import Candidate
 from ..values.facts import Facts
 from ..values.human import human_bytes

@@ -8,12 +8,8 @@ from typing import TYPE_CHECKING
 
 from ..measures.estimate import Estimate
 from ..measures.probe import ProbeResult
-from ..trace.events import (
-    CandidateRuledOut,
-    Event,
-    Note,
-    render,
-)
+from ..trace.event import Event, Note, render
+from ..trace.ruling import CandidateRuledOut
 from ..values.candidate import Candidate
 
 if TYPE_CHECKING:
@@ -39,7 +35,7 @@ class Plan:
     framework: str
     ranked: tuple[Ranked, ...]  # viable candidates, in the order they are tried
     ruled_out: tuple[RuledOut, ...]
-    events: tuple[Event, ...]  # the trace, typed (see trace.py)
+    events: tuple[Event, ...]  # the trace, typed (the `trace` folder)
     warnings: tuple[str, ...]
     rules_fired: tuple[str, ...]
     chosen: Candidate | None = None

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from ..measures.estimate import offload_seconds
 from ..measures.memory import MemoryRow, memory_row, model_memory, offload_rows
-from ..trace.events import FewerDevices, MemoryChecked, OffloadConsidered, ShardingDecided
+from ..trace.fitting import FewerDevices, MemoryChecked, OffloadConsidered, ShardingDecided
 from ..values.candidate import Candidate
 from ..values.facts import Facts
 
