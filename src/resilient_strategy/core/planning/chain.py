@@ -112,12 +112,12 @@ def multi_worker_chain(
 ) -> tuple[list[Candidate], int]:
     """TensorFlow across the workers of a TF_CONFIG cluster: MultiWorkerMirroredStrategy with
     NCCL (GPU workers of a CUDA build), then with RING (TensorFlow's ring all-reduce over gRPC,
-    CPU or GPU), then with AUTO (TensorFlow's pick, after RING: `_multi_worker_order`),
+    CPU or GPU), then with AUTO (TensorFlow's pick, after RING: `ranking._multi_worker_order`),
     each with every worker's local devices as replicas. Then worker 0 alone (the other workers
     exit): with 2+ local GPUs, MirroredStrategy over all of them (the local chain: NCCL,
     HierarchicalCopy, ReductionToOneDevice; the global batch kept by a larger per-replica batch,
     as Keras cannot accumulate under it), then on one device accumulating as many steps as the
-    job has replicas. `_multi_worker_order` places worker 0's MirroredStrategy between.
+    job has replicas. `ranking._multi_worker_order` places worker 0's MirroredStrategy between.
     """
     workers = policy.tf_workers
     local = gpus if has_cuda else ()

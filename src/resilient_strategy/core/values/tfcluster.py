@@ -22,8 +22,9 @@ What this library makes of them:
   this library neither proves nor builds; planning the tasks as mirrored replicas would ignore the
   cluster the user described.
 
-No ``os`` here (the planner's modules may use it); `resilient_strategy.core.call.options.options_from`
-passes the variable's text from the environment snapshot.
+No ``os`` here (the planner's modules may use it):
+`resilient_strategy.core.call.arguments.options_from` passes the variable's text from the
+environment snapshot.
 """
 
 from __future__ import annotations
