@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from resilient_strategy.core.knowledge.rules import fact_values
+from resilient_strategy.core.knowledge.clauses import fact_values
 from resilient_strategy.core.trace.choosing import Chosen
 from resilient_strategy.core.trace.event import Note
 from resilient_strategy.core.trace.inputs import FactsSeen

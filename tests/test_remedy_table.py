@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from resilient_strategy.core.knowledge.clauses import fact_values
 from resilient_strategy.core.knowledge.remedies import (
     builtin_remedies,
     load_remedies,
     parse_remedies,
 )
-from resilient_strategy.core.knowledge.rules import fact_values
 from resilient_strategy.core.trace.ruling import CandidateRuledOut, RemedyQueued, UserSettingKept
 from resilient_strategy.errors import InvalidRuleError
 from resilient_strategy.testing import FakeProber, Platform, machine, simulate

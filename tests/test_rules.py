@@ -11,16 +11,13 @@ from typing import Any
 import pytest
 from packaging.version import Version
 
-from resilient_strategy.core.knowledge.rules import (
+from resilient_strategy.core.knowledge.clauses import (
     FACT_NAMES,
     clause_holds,
     fact_values,
-    fired,
-    load_rules,
     parse_clause,
-    parse_rules,
-    rule_from_dict,
 )
+from resilient_strategy.core.knowledge.rules import fired, load_rules, parse_rules, rule_from_dict
 from resilient_strategy.errors import InvalidOptionError, InvalidRuleError
 from resilient_strategy.testing import machine, simulate
 

@@ -21,8 +21,8 @@ from typing import Any
 from ...errors import FileFormatError, InvalidRuleError, UnsafePathError
 from ...vocab import BACKENDS
 from ..values import bounded
-from .data import read_data
-from .rules import Clause, FactValue, clause_holds, data_tables, parse_clause, table_id
+from .clauses import Clause, FactValue, clause_holds, parse_clause
+from .data import data_tables, read_data, table_id
 
 #: The table format this code reads.
 VERSION = 1

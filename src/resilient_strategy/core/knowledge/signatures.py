@@ -21,8 +21,7 @@ from typing import Any
 from ...errors import FileFormatError, InvalidRuleError, UnsafePathError
 from ..values import bounded
 from .causes import CAUSES
-from .data import read_data
-from .rules import data_tables, table_id
+from .data import data_tables, read_data, table_id
 
 #: The table format this code reads; a file of a newer version is refused (it may mean more).
 VERSION = 1

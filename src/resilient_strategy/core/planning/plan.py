@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from ...vocab import MULTI_WORKER_BACKENDS
 from ..knowledge.causes import GPU_WIDE_CAUSES
+from ..knowledge.clauses import FactValue, fact_values
 from ..knowledge.remedies import SETUP_HANG
-from ..knowledge.rules import FactValue, Rule, fact_values, fired
+from ..knowledge.rules import Rule, fired
 from ..measures.estimate import Estimate, estimate
 from ..measures.probe import TIMEOUT, ProbeResult
 from ..trace.choosing import BatchSplit, Split
