@@ -2,7 +2,7 @@
 
 Sources, each read when it exists:
 
-- ``core/measures/probe.py`` ``CAUSES``: every cause a probe (or a mid-run failure) can be given;
+- ``core/knowledge/causes.py`` ``CAUSES``: every cause a probe (or a mid-run failure) can be given;
 - the planner's remedies per cause (``core/planning/plan.py``), and ``core/knowledge/remedies.toml``;
 - ``core/knowledge/signatures.toml``: failure texts and the cause they mean;
 - ``core/knowledge/known_issues.toml``: the rules that veto, prefer, remedy, set or warn from the facts.
@@ -127,7 +127,7 @@ def _remedy_words(r: Mapping[str, Any]) -> str:
 
 def _causes(sigs: list[tuple[str, dict[str, Any]]], remedy_data: Mapping[str, Any]
             ) -> list[str]:
-    from resilient_strategy.core.measures.probe import CAUSES
+    from resilient_strategy.core.knowledge.causes import CAUSES
     from resilient_strategy.core.planning import plan as _plan
 
     environmental: frozenset[str] = frozenset()
@@ -216,7 +216,7 @@ def render(core: Path = CORE) -> str:
              "words; [Reading a decision trace](how-to/decision-trace.md) shows where to find "
              "them for your run.", ""]
     lines += _causes(sigs, remedy_data)
-    from resilient_strategy.core.measures.probe import CAUSES
+    from resilient_strategy.core.knowledge.causes import CAUSES
 
     blame = [(k, e) for k, e in sigs if k in ("distributed_frame", "script_fault")]
     stray = [(k, e) for k, e in sigs if e.get("cause") not in CAUSES and (k, e) not in blame]

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from .core.call.arguments import gradient_bytes_of
+from .core.call.model import gradient_bytes_of
 from .core.call.options import Launch
 from .core.measures.probe import ProbeResult
 from .core.planning.plan import Plan

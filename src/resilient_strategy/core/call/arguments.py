@@ -32,10 +32,10 @@ from ..knowledge.remedies import ENV_VAR as REMEDIES_VAR
 from ..knowledge.remedies import load_remedies
 from ..knowledge.rules import Rule, load_rules
 from ..knowledge.signatures import signatures_from_env
-from ..measures.probe_fault import PROBE_FAULT_VAR, parse_probe_fault
 from ..values.facts import Facts
 from ..values.tfcluster import VAR as TF_CONFIG_VAR
 from ..values.tfcluster import parse_tf_config
+from .model import gradient_bytes_of, unit_bytes_of
 from .options import (
     DEFAULT_OPTIMIZER_STATE_FACTOR,
     DEFAULT_PROCESS_GROUP_TIMEOUT,
@@ -52,6 +52,7 @@ from .options import (
     RunOptions,
     default_dir,
 )
+from .probe_fault import PROBE_FAULT_VAR, parse_probe_fault
 
 
 def _env_list(env: Mapping[str, str], name: str, sep: str = ",") -> list[str]:
@@ -216,24 +217,6 @@ def _iterable(name: str, value: Any) -> list[Any]:
         raise InvalidOptionError(f"{name} must be a sequence, not {value!r}", name) from None
 
 
-def gradient_bytes_of(model: Any) -> int:
-    """Bytes of trainable parameters of a torch module or a Keras model (duck-typed, no import)."""
-    if hasattr(model, "parameters"):
-        return sum(
-            int(p.numel()) * int(p.element_size()) for p in model.parameters() if p.requires_grad
-        )
-    weights = getattr(model, "trainable_weights", None)
-    if weights is not None:
-        total = 0
-        for w in weights:
-            n = 1
-            for d in w.shape:
-                n *= int(d)
-            total += n * int(getattr(getattr(w, "dtype", None), "size", 4) or 4)
-        return total
-    raise InvalidOptionError("model= must be a torch.nn.Module or a Keras model", "model")
-
-
 @dataclass(frozen=True)
 class TrainingArgs:
     """What trains: the framework, the global batch, the devices, precision, the training
@@ -380,8 +363,6 @@ def options_from(facts: Facts, env: Mapping[str, str], arguments: Arguments | No
         gradient_bytes = param_bytes  # every parameter trainable, unless said otherwise
     unit_bytes = None
     if model is not None and hasattr(model, "parameters"):  # a torch module: its sharding units
-        from ..measures.memory import unit_bytes_of
-
         if param_bytes is None:
             param_bytes = sum(int(p.numel()) * int(p.element_size()) for p in model.parameters())
         unit_bytes = unit_bytes_of(model) or None

@@ -7,7 +7,7 @@ holds all of it on every device. Sharded over ``n`` devices (FSDP2's ``fully_sha
 device holds ``1/n`` of it, plus the unsharded parameters of the units it gathers at once: the
 one computing, the one prefetched, and the unsharded gradients of one unit before their
 reduce-scatter (`TRANSIENT_UNITS` units; a unit is one ``fully_shard`` call, by default one
-of the model's repeated blocks, see `repeated_blocks`).
+of the model's repeated blocks, see `call.model.repeated_blocks`).
 
 Offloaded (FSDP2's ``CPUOffloadPolicy``, ``offload="auto"``), the sharded state lives in host
 memory: a GPU holds only the `TRANSIENT_UNITS` units it gathers at once, and the host holds
@@ -20,9 +20,9 @@ the allocator's fragmentation. These are estimates, and the trace says so with e
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..values.candidate import Candidate
 from ..values.facts import Facts
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ASSUMED_UNITS", "MEMORY_HEADROOM", "TRANSIENT_UNITS", "MemoryRow", "ModelMemory",
-    "host_row", "memory_row", "model_memory", "offload_rows", "repeated_blocks", "unit_bytes_of",
+    "host_row", "memory_row", "model_memory", "offload_rows",
 ]
 
 #: Share of a device's free memory left for activations, the CUDA context and fragmentation.
@@ -171,38 +171,3 @@ def offload_rows(c: Candidate, facts: Facts, mem: ModelMemory,
 
 def _gpus(devices: Sequence[int]) -> str:
     return f"GPU{'s' if len(devices) > 1 else ''} {','.join(map(str, devices))}"
-
-
-# --------------------------------------------------------------------------------------------
-# Sharding units of a model (duck-typed: no torch import)
-# --------------------------------------------------------------------------------------------
-def _param_bytes(module: Any, recurse: bool = True) -> int:
-    return sum(int(p.numel()) * int(p.element_size()) for p in module.parameters(recurse=recurse))
-
-
-def repeated_blocks(model: Any) -> list[Any]:
-    """The default sharding units of a torch module: the children of one class under one parent,
-    two or more of them, holding the most parameters of all such groups (a transformer's layers,
-    not the two Linear layers that are its embedding and head; the Linear layers of an MLP), in
-    order. Empty when nothing repeats."""
-    best: list[Any] = []
-    best_bytes = 0
-    for parent in [model, *(m for m in model.modules() if m is not model)]:
-        groups: dict[type, list[Any]] = {}
-        for child in parent.children():
-            groups.setdefault(type(child), []).append(child)
-        for members in groups.values():
-            if len(members) < 2:
-                continue
-            size = sum(_param_bytes(m) for m in members)
-            if size > best_bytes:
-                best, best_bytes = [m for m in members if _param_bytes(m)], size
-    return best if len(best) >= 2 else []
-
-
-def unit_bytes_of(model: Any, units: Iterable[Any] | None = None) -> int:
-    """Parameter bytes of the largest sharding unit: each unit, and the root's parameters that no
-    unit holds (the root is the last unit)."""
-    blocks = list(repeated_blocks(model) if units is None else units)
-    sizes = [_param_bytes(b) for b in blocks]
-    return max([*sizes, _param_bytes(model) - sum(sizes)])

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ...core.measures.probe_fault import PROBE_FAULT_VAR, PROBE_FAULTS, parse_probe_fault
+from ...core.call.probe_fault import PROBE_FAULT_VAR, PROBE_FAULTS, parse_probe_fault
 from ...errors import InvalidOptionError
 from ...machine.files import write_json_atomic
 
