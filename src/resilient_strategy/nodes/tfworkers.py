@@ -8,7 +8,7 @@ before a strategy exists, so the agreement is the probes themselves:
   in the same order (``MultiWorkerMirroredStrategy`` with NCCL, then RING, then AUTO, then
   worker 0 alone: under MirroredStrategy over its own GPUs, then on one device);
 - a candidate across the workers is proven by one process on *each* worker (the probe worker
-  ``probes/tf_worker.py`` with the user's ``TF_CONFIG``: the same addresses the training will
+  ``probing/workers/tf_worker.py`` with the user's ``TF_CONFIG``: the same addresses the training will
   bind, free again once the probe process has exited or been killed at its deadline);
 - its first all-reduce carries the candidate's key (a CRC), so workers probing different
   candidates fail on a value mismatch, never pass; its last all-reduce is a *verdict*: each
@@ -74,7 +74,7 @@ SETTLE_S = 5.0
 #: The runner's stop of a probe process at its deadline: SIGTERM, 2 s, SIGKILL, 2 s (`probing.proc`).
 KILL_GRACE_S = 4.0
 #: A worker with less than this left of its probe's time votes "fail" in the verdict
-#: (the probe worker's own constant, repeated here for the docs: probes/tf_worker.py).
+#: (the probe worker's own constant, repeated here for the docs: probing/workers/tf_worker.py).
 VERDICT_MARGIN_S = 3.0
 
 

@@ -1,4 +1,4 @@
-"""The runner's side of the fork server (``probes/fork_server``): import torch once per decision,
+"""The runner's side of the fork server (``probing/workers/fork_server``): import torch once per decision,
 fork each probe worker from it instead of starting a fresh interpreter that imports torch.
 
 `server_for` returns a running server for (python, environment), starting one when none

@@ -2,7 +2,7 @@
 
 A killed NCCL job can leave a GPU that no longer initializes or hangs in its first kernel until
 it is reset. Training on it would hang again, so `check_after` runs a fresh process
-(``probes/health_worker``) under a deadline that initializes each GPU in turn and runs a kernel
+(``probing/workers/health_worker``) under a deadline that initializes each GPU in turn and runs a kernel
 whose result it checks; a GPU that fails, or the one it was on when the deadline passed, is
 named in a `GpuUnusableError`.
 
