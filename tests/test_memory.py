@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from resilient_strategy.core.call.model import repeated_blocks, unit_bytes_of
 from resilient_strategy.core.call.options import Options
 from resilient_strategy.core.knowledge.rules import load_rules
 from resilient_strategy.core.measures.memory import (
@@ -16,8 +17,6 @@ from resilient_strategy.core.measures.memory import (
     TRANSIENT_UNITS,
     ModelMemory,
     model_memory,
-    repeated_blocks,
-    unit_bytes_of,
 )
 from resilient_strategy.core.measures.probe import ProbeResult
 from resilient_strategy.core.planning.plan import plan
