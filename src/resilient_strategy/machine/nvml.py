@@ -3,12 +3,22 @@
 Never raises: a missing driver, a missing pynvml or any NVML error becomes ``NvmlSnapshot.error``;
 a failing call for one GPU or pair degrades that value to "unknown" and adds a note.
 NVML API: https://docs.nvidia.com/deploy/nvml-api/group__nvmlDeviceQueries.html
+
+Never hangs either: the reading runs in a daemon thread under `NVML_DEADLINE_S`. A crashed
+driver makes every NVML call (and nvidia-smi) block for good (public reports: "in case NVIDIA
+crashes completely, nvidia-smi will hang", https://github.com/ocf/puppet/pull/615; a GPU
+"fallen off the bus", Xid 79, https://github.com/NVIDIA/open-gpu-kernel-modules/issues/507);
+past the deadline the snapshot says so (``stalled``, with the fix in ``error``) and the decision
+goes on without GPU facts. The stuck thread is abandoned (ctypes releases the GIL while it waits
+in the driver), and later readings in this process answer at once: a driver that did not answer
+once is not asked again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +54,25 @@ class NvmlSnapshot:
     cuda_driver_version: str | None = None  # "13.0"
     error: str | None = None
     notes: tuple[str, ...] = ()  # per-GPU values that could not be read
+    #: NVML did not answer within the deadline (a wedged driver): GPUs unknown, not absent.
+    stalled: bool = False
+
+
+#: How long NVML may take to list the GPUs and their links. Generous: without the persistence
+#: daemon each GPU is initialised when its handle is first taken (NVML's
+#: nvmlDeviceGetHandleBy*: https://docs.nvidia.com/deploy/nvml-api/group__nvmlInitializationAndCleanup.html),
+#: seconds on an 8-GPU node.
+NVML_DEADLINE_S = 20.0
+
+#: Readings of this process still waiting in the driver (their thread is abandoned).
+_STUCK: list[threading.Thread] = []
+
+
+def stalled_error(deadline_s: float) -> str:
+    """The line a stalled reading leaves in the facts (``Facts.nvml_error``)."""
+    return (f"NVML did not answer within {deadline_s:g} s (a wedged NVIDIA driver blocks every "
+            "NVML and CUDA call; see `nvidia-smi` and `dmesg` for an Xid, then reset the GPU or "
+            "reboot); deciding without GPU facts")
 
 
 #: Why there are no GPU facts on a machine with no NVIDIA device at all: said without advice
@@ -61,12 +90,34 @@ def nvidia_present(dev: str = "/dev", proc: str = "/proc/driver/nvidia") -> bool
         return True  # unreadable: assume there may be one (the advice then stays)
 
 
-def read_nvml(nvml: Any = None, *, present: Callable[[], bool] | None = None) -> NvmlSnapshot:
+def read_nvml(nvml: Any = None, *, present: Callable[[], bool] | None = None,
+              deadline_s: float = NVML_DEADLINE_S) -> NvmlSnapshot:
     """Read GPUs, pairs and driver versions. ``nvml``: a pynvml-like module (default: pynvml).
 
     ``present``: whether the machine has an NVIDIA device (default `nvidia_present` when
     ``nvml`` is pynvml itself, not asked for a given module). Where it has none, a missing
-    pynvml or driver library is said as `NO_NVIDIA_DEVICE`, with no advice to install."""
+    pynvml or driver library is said as `NO_NVIDIA_DEVICE`, with no advice to install.
+    ``deadline_s``: how long the reading may take; past it a ``stalled`` snapshot."""
+    if any(t.is_alive() for t in _STUCK):
+        return NvmlSnapshot(error=stalled_error(deadline_s), stalled=True)
+    box: list[NvmlSnapshot] = []
+
+    def read() -> None:
+        try:
+            box.append(_read(nvml, present))
+        except BaseException as exc:  # never raises (see above)
+            box.append(NvmlSnapshot(error=f"NVML failed: {_why(exc)}"))
+
+    reader = threading.Thread(target=read, name="rs-nvml", daemon=True)
+    reader.start()
+    reader.join(deadline_s)
+    if reader.is_alive():
+        _STUCK.append(reader)
+        return NvmlSnapshot(error=stalled_error(deadline_s), stalled=True)
+    return box[0]
+
+
+def _read(nvml: Any, present: Callable[[], bool] | None) -> NvmlSnapshot:
     if present is None and nvml is None:
         present = nvidia_present
     if nvml is None:
