@@ -32,15 +32,11 @@ FIELD_SETS = (FIXTURES / "field_heldout", FIXTURES / "field_training")
 #: does not reach its expected decision yet
 XFAIL: dict[str, str] = {
     "field_heldout/driver560_p2p_hang.json": "no sourced rule names the driver 560 P2P hang "
-    "(the only public source is this held-out thread)",
+    "(searched again for issue 31: the only public source is this held-out thread, xgboost#11242)",
     "field_heldout/h100nvl_x3_lo_fixes_hang.json": "no fact of the machine points a hang at "
     "the socket interface here (the hostname is not on loopback)",
-    "field_heldout/horovod_two_nodes_lo_refused.json": "NCCL's 'Call to connect timeout : "
-    "Connection refused' has no signature yet",
     "field_heldout/ib_three_nics_pods_hang.json": "the HCA that is on another fabric is not "
     "a fact (every port reads active): the search ends on IB off, which runs",
-    "field_heldout/wedged_gpu_after_hang.json": "found after one hang as expected, but the "
-    "consumer-card rule probes P2P off before plain NCCL (the case expected plain NCCL first)",
     "field_training/nvls_alltoall_init_hang_16x8.json": "a set-up hang across nodes tries the "
     "network first and NVLS not at all (nccl#913: the bootstrap interface, far more often)",
 }
