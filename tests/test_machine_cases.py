@@ -15,7 +15,7 @@ import pytest
 
 from resilient_strategy.cli import simulate_file
 from resilient_strategy.errors import ResilientStrategyError
-from resilient_strategy.testing.simulation import EXPECT_KEYS
+from resilient_strategy.testing.simulation import EXPECT_KEYS, FIELD_KINDS
 
 MACHINES = Path(__file__).parents[1] / "examples" / "machines"
 #: The field catalogue: cases copied from public reports, each with its source and family.
@@ -119,3 +119,4 @@ def test_every_field_case_is_sourced_and_in_a_family() -> None:
     assert [c.get("family") for c in cases if c.get("family") not in FAMILIES] == []
     assert [c.get("what") for c in cases if not str(c.get("source", "")).strip()] == []
     assert len({c["family"] for c in cases}) >= 10
+    assert [c.get("what") for c in cases if c.get("kind") not in FIELD_KINDS] == []
