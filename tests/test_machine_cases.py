@@ -32,9 +32,10 @@ FIELD_SETS = (FIXTURES / "field_heldout", FIXTURES / "field_training")
 #: does not reach its expected decision yet
 XFAIL: dict[str, str] = {
     "field/docker_rtx3090_driver525_cuda121_804.json": "one GPU: the single-device candidate "
-    "is never probed, and driver-older-than-cuda-build only warns (forward compatibility does "
-    "work on data-center GPUs with cuda-compat; no fact says this GPU is a consumer card), so "
-    "the decision trains on a GPU CUDA cannot start on",
+    "is never probed, and driver-older-than-cuda-build only warns: driver CUDA 12.0 against a "
+    "12.1 build is within one major version (minor-version compatibility usually runs it); "
+    "the 804 comes from the image's forward-compatibility libraries on a GeForce card, which "
+    "no fact reads",
     "field/gloo_ipv4_ipv6_family_mismatch.json": "no signature names gloo's address-family "
     "mismatch ('ss1.ss_family == ss2.ss_family') yet: it stays worker_error",
     "field_heldout/driver560_p2p_hang.json": "no sourced rule names the driver 560 P2P hang "
