@@ -41,7 +41,9 @@ XFAIL: dict[str, str] = {
     "field_heldout/driver560_p2p_hang.json": "no sourced rule names the driver 560 P2P hang "
     "(searched again for issue 31: the only public source is this held-out thread, xgboost#11242)",
     "field_heldout/h100nvl_x3_lo_fixes_hang.json": "no fact of the machine points a hang at "
-    "the socket interface here (the hostname is not on loopback)",
+    "the socket interface here (the hostname is not on loopback); loopback tried on every "
+    "one-node hang (tried for issue 31, with nccl#352 as a second source) reorders two "
+    "catalogue cases and lengthens every one-node hang ladder by a hung probe",
     "field_heldout/ib_three_nics_pods_hang.json": "the HCA that is on another fabric is not "
     "a fact (every port reads active): the search ends on IB off, which runs",
     "field_training/nvls_alltoall_init_hang_16x8.json": "a set-up hang across nodes tries the "
