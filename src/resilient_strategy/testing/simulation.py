@@ -558,12 +558,19 @@ FakeProber = SimulatedProber  # the testing kit's name for it
 SIMULATION_KEYS = frozenset({
     "what", "framework", "global_batch_size", "gradient_bytes", "sample_seconds", "machine",
     "facts", "probes", "expect",
-    # a field case (examples/machines/field/): where it was reported, its family, what it said
-    "source", "family", "reported",
+    # a field case (examples/machines/field/): where it was reported, its family, its kind (one
+    # of FIELD_KINDS), what it said
+    "source", "family", "kind", "reported",
     "param_bytes", "optimizer_state_factor", "sharding", "offload",
     # GPUs the health check finds broken: {"<CUDA ordinal>": "what went wrong"} (a wedged GPU)
     "broken_gpus",
 })
+#: The kinds of field case (issue 31's, what goes wrong as a user meets it): a probe that hangs
+#: with no error text, a probe that passes where training breaks, versions with known faults,
+#: nodes that differ or cannot talk, pods and containers, drivers and builds that are not what
+#: they seem, error texts, inspection that blocks. `benchmarks/bench_field.py` totals by them.
+FIELD_KINDS = ("silent_hang", "probe_vs_training", "versions", "nodes", "pods_containers",
+               "drivers_builds", "error_texts", "inspection")
 #: Fields of a machine case's ``expect`` block (the decision it must reach; tests replay it).
 EXPECT_KEYS = frozenset({
     "backend", "devices", "num_replicas", "accumulation_steps", "per_replica_batch_size", "env",
@@ -716,6 +723,9 @@ def _check_simulation_fields(path: Path, data: Mapping[str, Any]) -> None:
         value = data.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ResilientStrategyError(f"{path}: {key}: expected a positive integer, not {value!r}")
+    kind = data.get("kind")
+    if kind is not None and kind not in FIELD_KINDS:
+        raise ResilientStrategyError(f"{path}: kind: expected one of {FIELD_KINDS}, not {kind!r}")
     broken = data.get("broken_gpus")
     if broken is not None and (not isinstance(broken, dict) or not all(
             isinstance(k, str) and k.isdigit() and isinstance(v, str) for k, v in broken.items())):
