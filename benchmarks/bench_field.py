@@ -183,8 +183,8 @@ def wedged_nvml(cap_s: float) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
-    parser.add_argument("--nvml-cap", type=float, default=10.0,
-                        help="seconds to wait on the wedged-NVML inspection (default 10)")
+    parser.add_argument("--nvml-cap", type=float, default=30.0,
+                        help="seconds to wait on the wedged-NVML inspection (default 30)")
     args = parser.parse_args(argv)
     import resilient_strategy
     from resilient_strategy.core.options import Options
