@@ -180,9 +180,9 @@ class NodesDiffer(Event):
     def text(self) -> str:
         f = self.finding
         values = "; ".join(f"node {k}: {v or 'unknown'}" for k, v in f.values)
-        what = {"shared": "share", "any": "report"}.get(f.kind, "differ in")
-        out = (f"Nodes {', '.join(map(str, f.nodes))} {what} {f.fact} ({values}) [{f.id}]: "
-               f"{f.message} (source: {f.source})")
+        what = {"shared": "share", "any": "report"}.get(f.kind, "differ from node 0 in")
+        out = (f"Node(s) {', '.join(map(str, f.nodes))} {what} {f.fact} ({values}) "
+               f"[{f.id}]: {f.message} (source: {f.source})")
         if self.ruled_out:
             out += " Ruled out: " + "; ".join(c.label for c in self.ruled_out) + "."
         return out

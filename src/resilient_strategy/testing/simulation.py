@@ -115,6 +115,7 @@ def machine(
     gpu_initialized: Sequence[str] = (),
     platform_facts: Platform | Mapping[str, Any] | None = None,
     host_memory_gb: float | None = None,
+    nodes: Sequence[Mapping[str, Any]] | None = None,
 ) -> Facts:
     """Facts for a described machine, as `resilient_strategy.machine.inspect.detect_facts` would
     report them. Every argument is checked: a wrong one is an ``InvalidOptionError`` naming it.
@@ -136,6 +137,11 @@ def machine(
     its fields as a mapping: ``{"nvswitch": true, "rdma_link_layer": "ethernet",
     "rdma_devices": ["mlx5_0"], "master_ifname": "eth0", "hypervisor": "kvm",
     "hostname_loopback": true}``).
+    ``nodes``: the other nodes of a multi-node job (node 1, 2, ...), each as what differs from
+    this one (node 0): fields of `NodeFacts` (``{"nccl": "2.27.3"}``, ``{"net_plugins": []}``,
+    ``{"boot_id": "..."}``), its ``env`` merged into this node's NCCL_* / GLOO_* variables (a
+    null value: unset there). The facts then carry every node, as node 0 gathers them through
+    the job's store, and the planner compares them before any probe.
     """
     env_map = _string_map("env", env)
     plat = _platform_value(platform_facts)
@@ -237,7 +243,7 @@ def machine(
         fws.append(FrameworkInfo("keras", keras, "keras"))
     fws = [replace(f, imported=f.name in imported or f.name in gpu_initialized,
                    gpu_initialized=f.name in gpu_initialized) for f in fws]
-    return Facts(
+    facts = Facts(
         gpus=gs,
         links=visible_links,
         fabric=fabric,
@@ -254,6 +260,35 @@ def machine(
         nvml_notes=tuple(nvml_notes),
         platform=plat,
     )
+    return _with_nodes(facts, nodes) if nodes else facts
+
+
+def _with_nodes(facts: Facts, nodes: Sequence[Mapping[str, Any]]) -> Facts:
+    """``facts`` (node 0) with the described other nodes (`machine`'s ``nodes``)."""
+    from ..core.facts import NodeFacts
+    from ..core.nodefacts import node_env, node_facts
+
+    if isinstance(nodes, (str, Mapping)) or not all(isinstance(n, Mapping) for n in nodes):
+        raise _bad("nodes", nodes, "a list of objects, one per node after node 0")
+    first = node_facts(facts, "torch", 0, "node0")
+    out = [first]
+    for k, described in enumerate(nodes, 1):
+        d = dict(described)
+        env = dict(first.env)
+        changed = d.pop("env", None) or {}
+        if not isinstance(changed, Mapping):
+            raise _bad("nodes", described, 'an "env" object of variables')
+        for name, value in changed.items():
+            if value is None:
+                env.pop(str(name), None)
+            else:
+                env[str(name)] = str(value)
+        try:
+            out.append(NodeFacts.from_dict({**first.to_dict(), "host": f"node{k}", **d,
+                                            "node": k, "env": node_env(env.items())}))
+        except (TypeError, ValueError) as exc:
+            raise _bad("nodes", described, f"fields of NodeFacts ({exc})") from None
+    return replace(facts, nodes=tuple(out))
 
 
 def _platform_value(value: Platform | Mapping[str, Any] | None) -> Platform:
@@ -571,6 +606,8 @@ EXPECT_KEYS = frozenset({
     "causes",  # {probe key: the cause its failure was placed on}, e.g. {"nccl": "nvls_multicast"}
     "sharded", "ladder", "ruled_out_by_memory",
     "offload",  # the chosen candidate offloads its state to the host
+    # ids of the differences between the nodes found before any probe (``nodes_differ``)
+    "findings",
     # no decision: the typed error it ends in, {"type": "ModelDoesNotFitError", ...its fields}
     "error",
 })
