@@ -90,6 +90,9 @@ class Gpu:
     mig_enabled: bool = False
     #: Free memory when inspected (NVML ``nvmlDeviceGetMemoryInfo().free``); None: unknown.
     memory_free_bytes: int | None = None
+    #: Active NVLinks of this GPU to GPUs this process cannot see at all (NVML does not list
+    #: them: a pod or container given one of a host's NVLinked GPUs); 0 none or unknown.
+    nvlinks_outside: int = 0
 
     @property
     def cc(self) -> str:

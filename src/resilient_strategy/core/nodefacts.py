@@ -164,10 +164,8 @@ def compare(nodes: Sequence[NodeFacts],
                 out.append(found)
             continue
         raw = [(n.node, getattr(n, e.fact)) for n in nodes]
-        if e.fact == "net_plugins":  # a node with none found reports it, unlike unknown text
-            known = raw
-        else:
-            known = [(k, v) for k, v in raw if _known(v)]
+        # a node with no plugin found reports it (()), unlike a text it could not read ("")
+        known = raw if e.fact == "net_plugins" else [(k, v) for k, v in raw if _known(v)]
         odd: list[int] = []
         if e.kind == "differs" and len({v for _, v in known}) > 1:
             first = known[0][1]
@@ -192,7 +190,7 @@ def _env_finding(e: Difference, nodes: Sequence[NodeFacts],
                  claimed: set[str]) -> NodeFinding | None:
     envs = [(n.node, dict(n.env)) for n in nodes]
     names = sorted({k for _, env in envs for k in env
-                    if k not in claimed and any(k == v or (v.endswith("_") and k.startswith(v))
+                    if k not in claimed and k not in _LOG_ONLY and any(k == v or (v.endswith("_") and k.startswith(v))
                                                 for v in e.variables)})
     differing = [k for k in names if len({env.get(k) for _, env in envs}) > 1]
     if not differing:

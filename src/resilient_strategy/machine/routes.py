@@ -142,7 +142,8 @@ def address_family(host: str, deadline_s: float = RESOLVE_DEADLINE_S,
     worker = threading.Thread(target=resolve, name="resilient_strategy-family", daemon=True)
     worker.start()
     worker.join(deadline_s)
-    return {socket.AF_INET: "ipv4", socket.AF_INET6: "ipv6"}.get(box[0], "") if box else ""
+    families = {int(socket.AF_INET): "ipv4", int(socket.AF_INET6): "ipv6"}
+    return families.get(box[0], "") if box else ""
 
 
 def master_family(env: Mapping[str, str]) -> str:

@@ -268,7 +268,8 @@ class _Node:
     def accept(self, payload: Mapping[str, Any]) -> Decision:
         results = _results(payload)
         proven = bool(payload.get("proven"))
-        summaries = payload.get("nodes") if isinstance(payload.get("nodes"), dict) else {}
+        raw = payload.get("nodes")
+        summaries: Mapping[str, Any] = raw if isinstance(raw, dict) else {}
         p = _replan(with_nodes(self.facts, summaries), self.opts, results, proven)
         leader = summaries.get("0", {})
         problems = contradictions(self.facts, self.opts.framework, p.chosen, leader)

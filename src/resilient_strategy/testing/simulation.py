@@ -56,10 +56,13 @@ def gpu(
     *,
     mig: bool = False,
     free_gb: float | None = None,
+    nvlinks_outside: int = 0,
 ) -> Gpu:
     """One fake GPU. ``index`` is its NVML (physical) index, and its CUDA ordinal while no
     ``CUDA_VISIBLE_DEVICES`` renumbers it (see `machine`). ``free_gb``: its free memory
-    as NVML would report it (None: unknown, so no memory check rules a candidate out on it)."""
+    as NVML would report it (None: unknown, so no memory check rules a candidate out on it).
+    ``nvlinks_outside``: its active NVLinks to GPUs this container cannot see (a pod given one
+    GPU of an NVLinked host)."""
     _check_int("gpu", "index", index)
     _check_str("gpu", "name", name)
     free = None if free_gb is None else int(_number("gpu", "free_gb", free_gb) * 2**30)
@@ -71,7 +74,8 @@ def gpu(
         memory_bytes=int(_number("gpu", "memory_gb", memory_gb) * 2**30),
         uuid=f"GPU-fake-{index:04d}", pci_bus_id=f"00000000:{index + 1:02x}:00.0",
         physical_index=index, mig_enabled=_check_bool("gpu", "mig", mig),
-        memory_free_bytes=free,
+        memory_free_bytes=free, nvlinks_outside=_check_int("gpu", "nvlinks_outside",
+                                                           nvlinks_outside),
     )
 
 
@@ -212,7 +216,8 @@ def machine(
         PhysicalGpu(
             index=_physical_index(g), uuid=g.uuid, name=g.name,
             compute_capability=g.compute_capability, memory_bytes=g.memory_bytes,
-            memory_free_bytes=g.memory_free_bytes, pci_bus_id=g.pci_bus_id, mig_enabled=g.mig_enabled or _physical_index(g) in instances,
+            memory_free_bytes=g.memory_free_bytes, nvlinks_outside=g.nvlinks_outside,
+            pci_bus_id=g.pci_bus_id, mig_enabled=g.mig_enabled or _physical_index(g) in instances,
             mig=tuple(
                 MigDevice(uuid=f"MIG-fake-{_physical_index(g):04d}-{k}", name=f"{g.name} MIG {k}",
                           memory_bytes=g.memory_bytes // instances[_physical_index(g)],
