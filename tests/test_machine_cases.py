@@ -106,6 +106,7 @@ def test_machine_case_reaches_its_expected_decision(path: Path) -> None:
         "ladder": [_probe_name(c.key) for c in sel.plan.candidates],
         "ruled_out_by_memory": [_probe_name(r.candidate.key) for r in sel.plan.ruled_out
                                 if r.rule == "memory"],
+        "findings": [e.finding.id for e in sel.plan.events if e.kind == "nodes_differ"],
     }
     assert {k: got[k] for k in expect if k in got} == {k: expect[k] for k in expect if k in got}
     causes = {_probe_name(k): r.cause for k, r in sel.results.items()}

@@ -439,9 +439,11 @@ def _platform_line(facts: Facts) -> str:
     if p.master_route:
         route += f" ({p.master_route})"
     fm = f", fabric manager {p.fabric_manager}" if p.fabric_manager else ""
+    family = f" resolving to {p.master_family}" if p.master_family else ""
     return (f"Platform: NVSwitch {yes_no(p.nvswitch)}{fm}, hypervisor "
-            f"{p.hypervisor or 'none seen'}, RDMA {rdma}, route to MASTER_ADDR: {route}, "
-            f"hostname on loopback {yes_no(p.hostname_loopback)}")
+            f"{p.hypervisor or 'none seen'}, RDMA {rdma}, route to MASTER_ADDR: {route}{family}, "
+            f"hostname on loopback {yes_no(p.hostname_loopback)}, NCCL net plugins "
+            f"{', '.join(p.net_plugins) or 'none found'}, boot id {p.boot_id or 'unknown'}")
 
 
 def simulate_file(path: Path, real_env: Mapping[str, str] | None = None,
@@ -506,6 +508,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         lines += _facts_text(facts)
         fired = sorted({r for s in selections.values() for r in s.plan.rules_fired})
         lines.append("Rules fired: " + (", ".join(fired) if fired else "none"))
+        differ = sorted({e.finding.id for s in selections.values() for e in s.plan.events
+                         if e.kind == "nodes_differ"})
+        if differ:  # a multi-node job's nodes compared (node_differences.toml)
+            lines.append("Differences between the nodes: " + ", ".join(differ))
         if cached is not None:
             lines += _cache_lines(facts.fingerprint(), cached) if cached["entries"] else [
                 f"Cache: nothing cached for this machine ({cached['path']})"]

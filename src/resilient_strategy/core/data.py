@@ -12,7 +12,8 @@ from importlib import resources
 
 from ..errors import MissingDataFileError
 
-DATA_FILES: tuple[str, ...] = ("known_issues.toml", "signatures.toml", "remedies.toml")
+DATA_FILES: tuple[str, ...] = ("known_issues.toml", "signatures.toml", "remedies.toml",
+                               "node_differences.toml")
 
 
 def read_data(name: str) -> tuple[str, str]:

@@ -24,6 +24,7 @@ from .causes import GPU_WIDE_CAUSES
 from .estimate import Estimate, estimate
 from .facts import Facts
 from .human import human_bytes
+from .nodefacts import compare
 from .probe import TIMEOUT, ProbeResult
 from .remedies import SETUP_HANG
 from .rules import FactValue, Rule, fact_values, fired
@@ -35,6 +36,7 @@ from .trace import (
     Event,
     FactsSeen,
     NextProbe,
+    NodesDiffer,
     Note,
     NothingLeft,
     RankEntry,
@@ -182,8 +184,9 @@ def plan(
     base, reference = _chain(fw, gpus, info.has_cuda or bool(policy.logical_cpus), policy, b)
     reference = max(reference, reference_replicas)
     base = _shard(base, facts, policy, b)
-    hits = fired(rules, facts, fw, replicas=len(gpus))
+    hits = fired(rules, facts, fw, replicas=len(gpus), nodes=policy.nodes)
     cands = _apply_rules(base, hits, policy, b)
+    cands = _compare_nodes(cands, facts, policy, b)
     cands = _split_batches(cands, policy, b, reference)  # before results: keys name devices
     values = fact_values(facts, fw, replicas=len(gpus), nodes=policy.nodes) if results else {}
     chain = cands
@@ -447,6 +450,30 @@ def _apply_rules(
                 continue
             cands = _insert_remedy(cands, remedy)
             fired_("remedy_added", env=pairs, candidates=(remedy,), first=rule.first)
+    return cands
+
+
+def _compare_nodes(cands: list[Candidate], facts: Facts, policy: Options,
+                   b: _Build) -> list[Candidate]:
+    """A multi-node torch job whose nodes sent their facts (``facts.nodes``): each difference
+    that matters (`nodefacts.compare`, from data) in the trace and the warnings, before any
+    probe; one whose effect is ``rule_out`` rules NCCL between the nodes out (node 0's own NCCL
+    and gloo between the nodes stay), except a candidate that sets its ``keep_env``."""
+    if policy.framework != "torch" or policy.nodes <= 1 or len(facts.nodes) < 2:
+        return cands
+    user = facts.env_map
+    for finding in compare(facts.nodes):
+        out: list[Candidate] = []
+        if finding.effect == "rule_out":
+            out = [c for c in cands if c.backend == "nccl" and not c.node_local
+                   and not finding.keeps({**user, **dict(c.env)})]
+        event = NodesDiffer(finding, tuple(out))
+        b.events.append(event)
+        b.warnings.append(event.text())
+        for c in out:
+            b.rule_out(c, "rule", finding.message, rule=finding.id, source=finding.source,
+                       said=True)
+        cands = [c for c in cands if c not in out]
     return cands
 
 

@@ -44,7 +44,7 @@ _FRAMEWORK_FACTS = ("installed", "version", "cuda", "nccl", "max_arch", "importe
 FACT_NAMES: tuple[str, ...] = (
     "framework",
     "gpus.count", "gpus.names", "gpus.min_cc", "gpus.max_cc", "gpus.consumer", "gpus.mig",
-    "gpus.mixed",
+    "gpus.mixed", "gpus.nvlinks_outside",
     "links.all_nvlink", "links.any_pcie_only", "links.p2p_unsupported", "links.cross_socket",
     "links.any_nvlink", "links.any_switch", "links.any_host_path",
     "driver.version", "driver.cuda", "driver.older_than_build",
@@ -335,6 +335,7 @@ def fact_values(facts: Facts, framework: str, replicas: int | None = None,
         "gpus.consumer": any(g.is_consumer for g in gpus),
         "gpus.mig": any(g.mig_enabled for g in gpus),
         "gpus.mixed": len({(g.name, g.memory_bytes) for g in gpus}) > 1,
+        "gpus.nvlinks_outside": sum(g.nvlinks_outside for g in gpus),
         "links.all_nvlink": links.all_nvlink,
         "links.any_pcie_only": links.any_pcie_only,
         "links.p2p_unsupported": links.p2p_unsupported,
@@ -460,11 +461,12 @@ def clause_holds(clause: Clause, values: Mapping[str, FactValue]) -> bool:
 
 
 def fired(rules: Iterable[Rule], facts: Facts, framework: str,
-          replicas: int | None = None) -> tuple[Rule, ...]:
+          replicas: int | None = None, nodes: int | None = None) -> tuple[Rule, ...]:
     """The rules whose clauses all hold for these facts and framework, in order. ``replicas``
     (``plan.replicas``) is the number of devices a multi-device strategy would use: the GPUs
-    after ``devices=`` and CUDA_VISIBLE_DEVICES, or the logical CPUs in TF's test mode."""
-    values = fact_values(facts, framework, replicas)
+    after ``devices=`` and CUDA_VISIBLE_DEVICES, or the logical CPUs in TF's test mode;
+    ``nodes`` (``plan.nodes``) the nodes of the job."""
+    values = fact_values(facts, framework, replicas, nodes)
     # in messages, versions as the machine reports them ("535.129.03", not Version's "535.129.3")
     text: dict[str, FactValue] = {**values, "driver.version": facts.driver_version,
                                   "driver.cuda": facts.cuda_driver_version}

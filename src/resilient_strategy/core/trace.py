@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 from .candidate import Candidate
 from .human import human_bytes, human_duration
 from .memory import MemoryRow
+from .nodefacts import NodeFinding
 from .probe import ProbeResult
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "MemoryChecked",
     "MultiWorkerDecided",
     "NextProbe",
+    "NodesDiffer",
     "Note",
     "NothingLeft",
     "OffloadConsidered",
@@ -162,6 +164,28 @@ class CachedFailure(Event):
         return (f"Cached failure of {self.candidate} ({self.status}) trusted: seen in "
                 f"{self.seen} run(s) in a row" + ("." if self.seen >= 2 else
                                                    ", and probing is off."))
+
+
+@dataclass(frozen=True)
+class NodesDiffer(Event):
+    """The nodes of a multi-node job differ in a way that matters (``finding``: which fact,
+    which nodes, every node's value, the fix and its source), found by comparing the facts
+    every node sent through the job's store before any probe. ``ruled_out``: the candidates
+    between the nodes it ruled out (its ``effect`` is ``rule_out``)."""
+
+    kind: ClassVar[str] = "nodes_differ"
+    finding: NodeFinding
+    ruled_out: tuple[Candidate, ...] = ()
+
+    def text(self) -> str:
+        f = self.finding
+        values = "; ".join(f"node {k}: {v or 'unknown'}" for k, v in f.values)
+        what = {"shared": "share", "any": "report"}.get(f.kind, "differ from node 0 in")
+        out = (f"Node(s) {', '.join(map(str, f.nodes))} {what} {f.fact} ({values}) "
+               f"[{f.id}]: {f.message} (source: {f.source})")
+        if self.ruled_out:
+            out += " Ruled out: " + "; ".join(c.label for c in self.ruled_out) + "."
+        return out
 
 
 # ----- rules ------------------------------------------------------------------------------------

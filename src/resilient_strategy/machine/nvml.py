@@ -21,7 +21,7 @@ import importlib
 import threading
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..core.facts import P2P_STATUSES, Link
@@ -32,6 +32,7 @@ _TOPOLOGY = {
     0: "internal", 10: "single", 20: "multiple", 30: "hostbridge", 40: "node", 50: "system"
 }
 _NVLINK_SWITCH = 2  # NVML_NVLINK_DEVICE_TYPE_SWITCH
+_NVLINK_GPU = 0  # NVML_NVLINK_DEVICE_TYPE_GPU
 _INIT_ERRORS = {
     12: "NVIDIA driver library not found (libnvidia-ml.so.1): no NVIDIA driver on this machine, "
     "or it is not mounted into this container (docker run --gpus all)",
@@ -169,6 +170,11 @@ class _Reader:
         gpus = tuple(self.gpu(i, h) for i, h in enumerate(handles))
         bus_to_index = {g.pci_bus_id: g.index for g in gpus if g.pci_bus_id}
         nvl = [self.nvlinks(h, bus_to_index) for h in handles]
+        # NVLinks whose far end is a GPU this process cannot see (a pod or container given some
+        # of a host's GPUs): to a GPU NVML does not list, or, with one GPU listed, to NVSwitches
+        gpus = tuple(replace(g, nvlinks_outside=outside + (switch if count == 1 else 0))
+                     if outside or (switch and count == 1) else g
+                     for g, (_, switch, outside) in zip(gpus, nvl, strict=True))
         links = tuple(
             self.link(a, b, handles[a], handles[b], nvl[a][0][b], nvl[a][1], nvl[b][1])
             for a in range(count)
@@ -229,16 +235,17 @@ class _Reader:
             )
         return tuple(out)
 
-    def nvlinks(self, h: Any, bus_to_index: dict[str, int]) -> tuple[Counter[int], int]:
-        """Active NVLinks of one GPU: per peer GPU index, and how many land on an NVSwitch.
+    def nvlinks(self, h: Any, bus_to_index: dict[str, int]) -> tuple[Counter[int], int, int]:
+        """Active NVLinks of one GPU: per peer GPU index, how many land on an NVSwitch, and how
+        many land on a GPU that NVML does not list here (outside this container).
 
         Links on an NVSwitch (HGX boards: every GPU's links go to the switches) connect the GPU
         to every other switch-attached GPU, which nvidia-smi shows as NV<links> for each pair.
         A link whose state or far end cannot be read is not counted.
         """
-        nv, direct, switch = self.nvml, Counter[int](), 0
+        nv, direct, switch, outside = self.nvml, Counter[int](), 0, 0
         if h is None:
-            return direct, 0
+            return direct, 0, 0
         for link in range(int(getattr(nv, "NVML_NVLINK_MAX_LINKS", 18))):
             try:
                 if int(nv.nvmlDeviceGetNvLinkState(h, link)) != 1:
@@ -258,7 +265,9 @@ class _Reader:
                 continue
             if peer is not None:
                 direct[peer] += 1
-        return direct, switch
+            elif kind == _NVLINK_GPU:
+                outside += 1
+        return direct, switch, outside
 
     def link(
         self, a: int, b: int, ha: Any, hb: Any, direct: int, switch_a: int, switch_b: int
