@@ -75,7 +75,7 @@ def assert_workers_gone(group: _proc.GroupOutcome) -> None:
 # ------------------------------------------------------------------------------------------
 # Commands and environment (no process)
 # ------------------------------------------------------------------------------------------
-def test_torch_commands_one_per_rank_with_a_file_rendezvous(tmp_path: Path) -> None:
+def test_torch_commands_one_per_rank_meeting_in_the_run_directory(tmp_path: Path) -> None:
     spec = ProbeSpec("k", "torch", "nccl", (2, 3), world_size=2, timeout_s=20.0)
     cmds = build_commands(spec, {}, str(tmp_path), python="/py", parent_pid=42)
     assert len(cmds) == 2
@@ -84,7 +84,8 @@ def test_torch_commands_one_per_rank_with_a_file_rendezvous(tmp_path: Path) -> N
         assert argv[:3] == ["/py", "-m", "resilient_strategy.probing.workers.torch_worker"]
         assert argv[argv.index("--rank") + 1] == str(rank)
         assert argv[argv.index("--devices") + 1] == "2,3"
-        assert argv[argv.index("--init-method") + 1] == (tmp_path / "rdzv").as_uri()
+        assert argv[argv.index("--rendezvous") + 1] == str(tmp_path)  # rank 0 publishes there
+        assert "--init-method" not in argv  # no file store: training never meets through one
         assert argv[argv.index("--parent-pid") + 1] == "42"
         assert float(argv[argv.index("--timeout") + 1]) > spec.timeout_s  # the runner's fires first
         assert argv[argv.index("--progress") + 1] == c.progress_path == str(

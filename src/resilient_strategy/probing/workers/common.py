@@ -17,11 +17,15 @@ from ...machine.files import write_json_atomic
 
 FAULT_VAR = PROBE_FAULT_VAR
 #: ``hang``: sleep forever before the first collective (communicator ready); ``hang_setup``:
-#: inside communicator setup; ``hang_collective``: inside collective 1; ``exit``: exit 1 without
-#: a report; ``wrong`` / ``nan`` / ``zero``: corrupt the all-reduce (one value off by one, a NaN
-#: in the contribution, a chunk of the result zeroed as a broken peer copy would leave it).
+#: inside communicator setup; ``hang_rendezvous``: inside the store rendezvous (torch);
+#: ``hang_collective``: inside collective 1; ``hang_broadcast`` / ``hang_gather``: inside the
+#: first broadcast / all-gather (torch); ``exit``: exit 1 without a report; ``wrong`` / ``nan``
+#: / ``zero``: corrupt the all-reduce (one value off by one, a NaN in the contribution, a chunk
+#: of the result zeroed as a broken peer copy would leave it); ``wrong_broadcast`` /
+#: ``wrong_gather``: one value of what a broadcast / all-gather returned off by one (torch).
 FAULTS = PROBE_FAULTS
-HANGS = ("hang", "hang_setup", "hang_collective")
+HANGS = ("hang", "hang_setup", "hang_rendezvous", "hang_collective", "hang_broadcast",
+         "hang_gather")
 #: Causes of a collective that completed with bad values.
 VALUE_CAUSES = ("wrong_result", "nan_result", "zero_result")
 
