@@ -438,7 +438,7 @@ class NcclDiagnostics(Event):
     def text(self) -> str:
         ran = f" with {', '.join(self.set)}" if self.set else ""
         if self.kept:
-            ran += f" ({', '.join(self.kept)} as your environment sets it)"
+            ran += f" ({', '.join(self.kept)} as the environment set it)"
         if not self.findings:
             return (f"NCCL probe of {self.candidate.label} ran{ran}; NCCL printed no diagnostics "
                     "report." if ran else "")
