@@ -60,6 +60,7 @@ node042:12345 NCCL DIAG RAS diagnostics completed in 12.3 ms across 8 RAS peers
     ((2, 22, 3), (("NCCL_RUNTIME_CONNECT", "0"),)),
     ((2, 28, 9), (("NCCL_RUNTIME_CONNECT", "0"),)),  # the H100 host: no diagnostics yet
     ("2.28.9+cuda12.9", (("NCCL_RUNTIME_CONNECT", "0"),)),  # as facts carry it
+    ((2, 28, 9, "rc1"), (("NCCL_RUNTIME_CONNECT", "0"),)),  # torch adds NCCL's suffix
     ((2, 31, 2), (("NCCL_RUNTIME_CONNECT", "0"), ("NCCL_RUN_DIAGNOSTICS", "1"),
                   ("NCCL_RUN_RAS_DIAGNOSTICS", "1"))),
     (23103, (("NCCL_RUNTIME_CONNECT", "0"), ("NCCL_RUN_DIAGNOSTICS", "1"),

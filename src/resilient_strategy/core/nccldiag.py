@@ -136,9 +136,9 @@ def builtin_table() -> tuple[Variable, ...]:
 
 
 def version_tuple(version: object) -> tuple[int, ...] | None:
-    """An NCCL version as numbers: ``(2, 28, 9)`` from that tuple, from ``"2.28.9"``, or from the
-    integer NCCL's ``ncclGetVersion`` gives (``22809``: major*10000 + minor*100 + patch since
-    2.9); None when it is none of these."""
+    """An NCCL version as numbers: ``(2, 28, 9)`` from that tuple (torch's, with or without its
+    suffix string), from ``"2.28.9"``, or from the integer NCCL's ``ncclGetVersion`` gives
+    (``22809``: major*10000 + minor*100 + patch since 2.9); None when it is none of these."""
     if isinstance(version, bool):
         return None
     if isinstance(version, int):
@@ -147,9 +147,9 @@ def version_tuple(version: object) -> tuple[int, ...] | None:
     if isinstance(version, str):
         parts = re.findall(r"\d+", version.split("+")[0])
         return tuple(int(p) for p in parts[:3]) if len(parts) >= 2 else None
-    if isinstance(version, tuple) and len(version) >= 2 and all(
-            isinstance(p, int) and not isinstance(p, bool) for p in version):
-        return tuple(version[:3])
+    if isinstance(version, tuple):  # torch.cuda.nccl.version(): (2, 28, 9[, "suffix"])
+        nums = [p for p in version[:3] if isinstance(p, int) and not isinstance(p, bool)]
+        return tuple(nums) if len(nums) >= 2 and nums == list(version[:len(nums)]) else None
     return None
 
 

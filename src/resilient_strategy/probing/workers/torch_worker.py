@@ -41,6 +41,14 @@ DDP (the full parameters, gathered, must then match on every rank). Backends ``s
 ``cpu`` skip the process group and only time the step. The rank writes a JSON report to
 ``--report`` in every case it survives, and exits 0 only when it is ``ok``.
 
+On the nccl backend, before the communicator exists, the worker reads the version of the NCCL
+torch loaded (``torch.cuda.nccl.version()``) and sets what `resilient_strategy.core.nccldiag`
+says for it, never a variable its environment already has: every connection formed at init
+(``NCCL_RUNTIME_CONNECT=0``, NCCL >= 2.22: by default connections form at the first collective
+that needs them, so a probe could leave untried the ones training uses) and NCCL's own
+diagnostics (NCCL >= 2.31), whose report NCCL prints on rank 0's stdout; the report records
+what was set and kept (``nccl_diagnostics``), and the parser reads the report from the output.
+
 Fault injection, to test the runner or rehearse a failure: ``RESILIENT_STRATEGY_PROBE_FAULT`` =
 ``<fault>:<rank>[:<backend>]`` with a fault of `_common.FAULTS`: ``hang`` (sleeps before
 the first collective), ``hang_setup`` (inside communicator setup), ``hang_rendezvous`` (inside
