@@ -75,19 +75,20 @@ for i in range(3):
 
 import resilient_strategy
 
-cache = tempfile.mkdtemp(prefix="rs-gpu-cache-", dir=out)
 denv = {**base, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
         "MASTER_PORT": "0"}
 if user_rc is not None:
     denv["NCCL_RUNTIME_CONNECT"] = user_rc
-t = time.perf_counter()
-sel = resilient_strategy.resilient_strategy(framework="torch", global_batch_size=64,
-                                            probe="force", cache_dir=cache, timeout=60, env=denv)
-decide_s = time.perf_counter() - t
+with tempfile.TemporaryDirectory(prefix="rs-gpu-cache-") as cache:  # a fresh cache, removed
+    t = time.perf_counter()
+    sel = resilient_strategy.resilient_strategy(framework="torch", global_batch_size=64,
+                                                probe="force", cache_dir=cache, timeout=60,
+                                                env=denv)
+    decide_s = time.perf_counter() - t
 d = sel.to_dict()
 (out / "decision.json").write_text(json.dumps({"seconds": decide_s, **d}, indent=1, default=str))
-(out / "explain.txt").write_text(sel.explain())
-print(sel.explain(), flush=True)
+(out / "explain.txt").write_text(sel.explain(verbose=True))
+print(sel.explain(verbose=True), flush=True)
 
 rows = ["| measurement | median of 3 | phases of the last run (s from the first worker's start) |",
         "|---|---|---|"]
