@@ -35,6 +35,10 @@ VALUE_CAUSES = ("wrong_result", "nan_result", "zero_result")
 #: 25 MiB default bucket. ``--check-bytes`` adds more (the user's largest gradient bucket).
 CHECK_BYTES = (4 << 10, 256 << 10, 1 << 20, 25 << 20)
 CHECK_ITERS = 3  # iterations per size (each with different contributions)
+#: Iterations per size of the broadcasts and all-gathers every process-group probe checks (two:
+#: the second's values differ from the first's, so a stale buffer shows, and a broadcast comes
+#: from two roots; gloo's all-gather of 25 MiB takes ~0.1 s on a loaded 2-core host).
+OTHER_ITERS = 2
 MAX_CHECK_BYTES = 256 << 20
 #: The contributions are multiples of the pattern 1..PATTERN_MOD: rank r adds
 #: (r + 1 + it * world) x pattern in iteration it, so each sum is exact in float32 (below 2**24)

@@ -27,10 +27,11 @@ distinct multiple of one integer pattern, so every sum is exact in float32 and a
 doubled, misplaced or corrupted contribution shows. A NaN, a zero or any other wrong value is a
 failure with its own cause. The ``--message-bytes`` all-reduces are checked too and timed for a
 bus-bandwidth figure. Every process-group candidate then proves the other collectives a training
-job issues, at the same sizes and as exactly: broadcast (DDP's parameter sync at start, a
-checkpoint or a metric sent from one rank; each iteration from another root) and all-gather
-(metrics, checkpoint metadata; each rank's chunk must land in place). Then one data-parallel step on a small MLP with DDP's collectives written
-out (the parameters broadcast from rank 0, the gradients all-reduced as one bucket and averaged,
+job issues, at the same sizes and as exactly (`_common.OTHER_ITERS` iterations each, with
+values that change between them): broadcast (DDP's parameter sync at start, a checkpoint or a
+metric sent from one rank; each iteration from another root) and all-gather (metrics,
+checkpoint metadata, FSDP2's parameters; each rank's chunk must land in place). Then one
+data-parallel step on a small MLP with DDP's collectives written out (the parameters broadcast from rank 0, the gradients all-reduced as one bucket and averaged,
 an SGD update by hand: constructing ``DistributedDataParallel`` or a ``torch.optim`` optimizer
 imports ``torch._dynamo`` and sympy, 2 s on this project's 2-core machine and up to 8 s when it
 is loaded, which the training pays anyway and the proof does not need), after which the parameters must be bit-identical on every rank, and the time of a
@@ -87,6 +88,7 @@ from ...records.progress import (
 )
 from .common import (
     CHECK_ITERS,
+    OTHER_ITERS,
     PATTERN_MOD,
     STEP_ALLOW_S,
     ProbeFailure,
@@ -171,8 +173,8 @@ def probe(args: argparse.Namespace, report: dict[str, Any]) -> None:
         # what else training issues: broadcast (DDP's start, checkpoints) and all-gather
         # (metrics, checkpoint metadata; FSDP2's parameters), at the same sizes
         for nbytes in sizes:
-            coll.broadcasted(nbytes, CHECK_ITERS)
-            coll.gathered(nbytes, CHECK_ITERS)
+            coll.broadcasted(nbytes, OTHER_ITERS)
+            coll.gathered(nbytes, OTHER_ITERS)
         parts.append(f"broadcast and all-gather exact at {len(sizes)} sizes")
         if args.sharded:
             for nbytes in sizes:
@@ -219,9 +221,9 @@ def store_uses_libuv(env: Mapping[str, str], platform: str = sys.platform) -> bo
     libuv TCPStore: ``USE_LIBUV`` when set ("1": yes), else yes except on Windows, whose builds
     lack libuv. torch >= 2.4 ``torch/distributed/rendezvous.py`` (``_get_use_libuv_from_query_dict``)
     and ``torch/distributed/elastic/utils/distributed.py`` (``create_c10d_store``); the TCPStore
-    docs (https://docs.pytorch.org/docs/stable/distributed.html#torch.distributed.TCPStore,
-    ``use_libuv``) and https://docs.pytorch.org/tutorials/intermediate/TCPStore_libuv_backend.html
-    (libuv the default server since 2.4, ``USE_LIBUV=0`` the legacy one)."""
+    API (https://pytorch.org/docs/main/distributed.html#torch.distributed.TCPStore, ``use_libuv``)
+    and https://pytorch.org/tutorials/intermediate/TCPStore_libuv_backend.html (libuv the
+    default server since 2.4, ``USE_LIBUV=0`` for the legacy one)."""
     return env.get("USE_LIBUV", "0" if platform == "win32" else "1") == "1"
 
 
@@ -416,8 +418,6 @@ class _Collectives:
         per, whole = self._chunks(nbytes)
         gather = getattr(self.dist, "all_gather_single", None) or self.dist.all_gather_into_tensor
         out = torch.empty_like(whole)
-        scale = torch.repeat_interleave(
-            torch.arange(world, dtype=torch.float32), per).to(self.device)
         wrong = corrupts(self.fault, os.environ, per * world * 4) and self.fault == "wrong"
         broken = self._broken("gather", per * world * 4)
         for it in range(iters):
@@ -429,8 +429,14 @@ class _Collectives:
                 gather(out, mine.contiguous())
             if broken:  # a peer's chunk that arrived wrong
                 out[((rank + 1) % world) * per + per // 2] += 1.0
-            expected = whole * (scale + 1 + it * world)  # contribution(r, world, it) per chunk
-            if not torch.equal(out, expected):
+            # chunk r must be contribution(r, world, it) x its piece of the pattern: checked
+            # chunk by chunk (one pass over the data); the whole expected buffer only on a miss
+            if not all(torch.equal(out[r * per:(r + 1) * per],
+                                   whole[r * per:(r + 1) * per] * float(contribution(r, world, it)))
+                       for r in range(world)):
+                scale = torch.repeat_interleave(
+                    torch.arange(world, dtype=torch.float32), per).to(self.device)
+                expected = whole * (scale + 1 + it * world)
                 _mismatch(torch, out.cpu(), expected.cpu(), per * world, world, it,
                           "all-gather")
 
