@@ -13,7 +13,7 @@ from importlib import resources
 from ..errors import MissingDataFileError
 
 DATA_FILES: tuple[str, ...] = ("known_issues.toml", "signatures.toml", "remedies.toml",
-                               "node_differences.toml")
+                               "node_differences.toml", "nccl_diagnostics.toml")
 
 
 def read_data(name: str) -> tuple[str, str]:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidOptionError
 from ..vocab import MULTI_WORKER_BACKENDS
+from . import nccldiag
 from .candidate import Candidate
 from .causes import GPU_WIDE_CAUSES
 from .estimate import Estimate, estimate
@@ -35,6 +36,7 @@ from .trace import (
     Chosen,
     Event,
     FactsSeen,
+    NcclDiagnostics,
     NextProbe,
     NodesDiffer,
     Note,
@@ -506,6 +508,8 @@ def _apply_results(
         c = queue[i]
         i += 1
         res = results.get(c.key)
+        if res is not None:
+            _nccl_said(c, res, b)
         if res is None or res.ok:
             out.append(c)
             continue
@@ -553,6 +557,15 @@ def _apply_results(
                                          remedy=remedy_entry.id,
                                          because=tuple(str(w) for w in remedy_entry.when)))
     return out
+
+
+def _nccl_said(c: Candidate, res: ProbeResult, b: _Build) -> None:
+    """What NCCL's own diagnostics said in ``c``'s probe, and how NCCL ran there, as an event
+    (informational: the verdict stays the probe's)."""
+    report, set_, kept = nccldiag.from_extra(res.extra)
+    if report.findings or set_ or kept:
+        b.events.append(NcclDiagnostics(c, res.ok, set_, kept, report.findings,
+                                        report.completed))
 
 
 def _split_batches(

@@ -11,11 +11,12 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
 from ..errors import FileFormatError
+from . import nccldiag
 from .bounded import parse_json
 from .causes import CAUSES as CAUSES  # re-exported: the causes' long-standing home
 from .causes import ENVIRONMENTAL_CAUSES as ENVIRONMENTAL_CAUSES
@@ -245,6 +246,50 @@ def parse_probe(
     stall: Stall | None = None,
     signatures: Signatures | None = None,
 ) -> ProbeResult:
+    """Turn what every worker did into one result (`_verdict`), with what the workers said of
+    how they ran in its ``extra``: the rendezvous store (``rendezvous``), and NCCL's own
+    diagnostics (`nccldiag`: the variables set or kept, the report lines). Those never change
+    the verdict. Pure."""
+    result = _verdict(spec, outcomes, elapsed_s, timed_out, stall, signatures)
+    said = _how_they_ran(outcomes)
+    return replace(result, extra=(*result.extra, *said)) if said else result
+
+
+def _how_they_ran(outcomes: Sequence[WorkerOutcome]) -> tuple[tuple[str, str], ...]:
+    out: list[tuple[str, str]] = []
+    for o in outcomes:
+        try:
+            rep = parse_json(o.report, "report", allow_nan=True) if o.report.strip() else {}
+        except FileFormatError:
+            continue
+        if not isinstance(rep, dict):
+            continue
+        store = rep.get("rendezvous")
+        if isinstance(store, dict) and not any(k == "rendezvous" for k, _ in out):
+            kind = str(store.get("store", "?"))[:40]
+            out.append(("rendezvous", f"{kind} libuv" if store.get("libuv") is True else kind))
+        diag = rep.get("nccl_diagnostics")
+        if isinstance(diag, dict) and not any(k == nccldiag.EXTRA_SET for k, _ in out) \
+                and not any(k == nccldiag.EXTRA_KEPT for k, _ in out):
+            for key, name in ((nccldiag.EXTRA_SET, "set"), (nccldiag.EXTRA_KEPT, "kept")):
+                values = diag.get(name)
+                if isinstance(values, list):
+                    out += [(key, str(v)[:200]) for v in values[:8]]
+    lines: list[str] = []
+    for o in outcomes:
+        lines += nccldiag.report_lines(o.stdout + "\n" + o.stderr,
+                                       nccldiag.MAX_LINES - len(lines))
+    return (*out, *((nccldiag.EXTRA_LINE, line) for line in lines))
+
+
+def _verdict(
+    spec: ProbeSpec,
+    outcomes: Sequence[WorkerOutcome],
+    elapsed_s: float,
+    timed_out: bool,
+    stall: Stall | None = None,
+    signatures: Signatures | None = None,
+) -> ProbeResult:
     """Turn what every worker did into one result. Pure. Failure text is placed on a cause by
     ``signatures`` (the built-in table when None); text no entry places stays ``worker_error``
     and the result's ``extra`` quotes the line it could not place (``unplaced``).
@@ -435,9 +480,14 @@ def _last_error_line(text: str) -> str:
 #: The variable that injects a fault into probe workers (``probing/workers/common.py``).
 PROBE_FAULT_VAR = "RESILIENT_STRATEGY_PROBE_FAULT"
 #: ``hang``: sleep before the first collective; ``hang_setup``: inside communicator setup;
-#: ``hang_collective``: inside collective 1; ``exit``: exit 1 without a report; ``wrong`` /
-#: ``nan`` / ``zero``: corrupt the all-reduce.
-PROBE_FAULTS = ("hang", "hang_setup", "hang_collective", "exit", "wrong", "nan", "zero")
+#: ``hang_rendezvous``: inside the torch probe's store rendezvous; ``hang_collective``: inside
+#: collective 1; ``hang_broadcast`` / ``hang_gather``: inside the torch probe's first broadcast /
+#: all-gather; ``exit``: exit 1 without a report; ``wrong`` / ``nan`` / ``zero``: corrupt the
+#: all-reduce; ``wrong_broadcast`` / ``wrong_gather``: a wrong value in what a torch probe's
+#: broadcast / all-gather returned.
+PROBE_FAULTS = ("hang", "hang_setup", "hang_rendezvous", "hang_collective", "hang_broadcast",
+                "hang_gather", "exit", "wrong", "nan", "zero", "wrong_broadcast",
+                "wrong_gather")
 _PROBE_FAULT_FORM = "<kind>:<rank>[:<backend>[:plain|>=BYTES]]"
 
 

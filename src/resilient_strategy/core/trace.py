@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 from .candidate import Candidate
 from .human import human_bytes, human_duration
 from .memory import MemoryRow
+from .nccldiag import Completed, Finding
 from .nodefacts import NodeFinding
 from .probe import ProbeResult
 
@@ -34,6 +35,7 @@ __all__ = [
     "FrameworkPicked",
     "MemoryChecked",
     "MultiWorkerDecided",
+    "NcclDiagnostics",
     "NextProbe",
     "NodesDiffer",
     "Note",
@@ -410,6 +412,46 @@ class RemedyQueued(Event):
             return (f"Will try {self.candidate.label}: the remedy {self.on_top_of.label} failed "
                     f"on {self.cause}, so that cause's remedy is added on top{why}.")
         return f"Will try {self.candidate.label}, the usual remedy for {self.cause}{why}."
+
+
+@dataclass(frozen=True)
+class NcclDiagnostics(Event):
+    """How NCCL ran in ``candidate``'s probe and what its own diagnostics found (see
+    `resilient_strategy.core.nccldiag`): the variables the worker set (``set``: connections at
+    init, the diagnostics on) or kept as the environment had them (``kept``), NCCL's findings
+    (``findings``; ``ok`` False: tagged ``[INFO]``, a condition to review) and the reports that
+    completed. Informational: the probe's verdict (``probe_ok``) is its value-checked
+    collectives', whatever NCCL found."""
+
+    kind: ClassVar[str] = "nccl_diagnostics"
+    candidate: Candidate
+    probe_ok: bool
+    set: tuple[str, ...] = ()
+    kept: tuple[str, ...] = ()
+    findings: tuple[Finding, ...] = ()
+    completed: tuple[Completed, ...] = ()
+
+    @property
+    def issues(self) -> tuple[Finding, ...]:
+        return tuple(f for f in self.findings if not f.ok)
+
+    def text(self) -> str:
+        ran = f" with {', '.join(self.set)}" if self.set else ""
+        if self.kept:
+            ran += f" ({', '.join(self.kept)} as the environment set it)"
+        if not self.findings:
+            return (f"NCCL probe of {self.candidate.label} ran{ran}; NCCL printed no diagnostics "
+                    "report." if ran else "")
+        verdict = "passed" if self.probe_ok else "failed"
+        if not self.issues:
+            checks = ", ".join(dict.fromkeys(f.check for f in self.findings))
+            return (f"NCCL's own diagnostics in the probe of {self.candidate.label}{ran}: no issue "
+                    f"({checks}); its value-checked collectives {verdict}.")
+        said = "; ".join(f"{f.report} {f.check}: {f.text}" for f in self.issues[:6])
+        more = f" (+{len(self.issues) - 6} more)" if len(self.issues) > 6 else ""
+        return (f"NCCL's own diagnostics in the probe of {self.candidate.label}{ran} report: "
+                f"{said}{more}. Informational (NCCL's words): the value-checked collectives "
+                f"{verdict}, and they decide.")
 
 
 @dataclass(frozen=True)
