@@ -11,7 +11,9 @@ steps after 5 warm-up steps, with a device sync at both ends:
 - ``hand-fsdp``: ``fully_shard`` per block then root, ``MixedPrecisionPolicy(bf16, fp32)``;
 - ``hand-ddp``: ``DistributedDataParallel``;
 - ``lib-fsdp`` / ``lib-ddp``: ``resilient_strategy(sharding="full" | "none")`` then
-  ``sel.prepare`` / ``sel.accumulate`` / ``sel.autocast`` / ``sel.backward`` / ``sel.step``.
+  ``sel.prepare`` / ``sel.accumulate`` / ``sel.autocast`` / ``sel.backward`` / ``sel.step``;
+- ``lib-fsdp-handloop``: the library's decision and ``sel.prepare``, then the hand-written loop
+  (tells the cost of the setup from the cost of the per-step calls).
 
 Rank 0 prints one markdown row per mode (samples/s, ms per step, peak GiB) and, with
 ``--profile``, the top CPU-time operators of five steps of each library mode. Without CUDA it
@@ -89,7 +91,7 @@ def main() -> None:
 
             sel = resilient_strategy.resilient_strategy(
                 framework="torch", global_batch_size=args.global_batch_size, model=model,
-                sharding="full" if mode == "lib-fsdp" else "none", optimizer_state_factor=2.0,
+                sharding="full" if mode.startswith("lib-fsdp") else "none", optimizer_state_factor=2.0,
                 precision="bf16")
             sel_cache[mode] = sel
             device = sel.device
@@ -100,7 +102,14 @@ def main() -> None:
             y = torch.randint(0, CLASSES, (per_rank,), device=device)
 
             def step(sel: Any = sel, model: Any = model, opt: Any = opt, x: Any = x,
-                     y: Any = y) -> None:
+                     y: Any = y, handloop: bool = mode.endswith("-handloop")) -> None:
+                if handloop:  # the library's setup, the hand-written loop
+                    with torch.autocast("cuda", dtype=torch.bfloat16):
+                        loss = F.cross_entropy(model(x), y)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    return
                 for _ in range(sel.accumulation_steps):
                     with sel.accumulate(model), sel.autocast():
                         loss = F.cross_entropy(model(x), y)

@@ -292,6 +292,26 @@ def test_fault_injection_can_target_plain_nccl_or_large_messages() -> None:
 
 
 
+def test_a_rendezvous_store_without_libuv_is_the_cause_the_plan_remedies() -> None:
+    # the probe's store is a libuv TCPStore wherever torch's rendezvous makes one: a build
+    # without libuv now fails the probe as it fails training, with USE_LIBUV=0 as the remedy
+    err = ("RuntimeError: use_libuv was requested but PyTorch was build without libuv support, "
+           "run with USE_LIBUV=0 to disable it.")
+    outcomes = [WorkerOutcome(0, 1, report=json.dumps({"status": "error", "error": err})),
+                WorkerOutcome(1, None, killed_by_runner=True)]
+    res = parse_probe(SPEC, outcomes, 1.0, False)
+    assert (res.status, res.cause) == (ERROR, "store_libuv")
+
+
+def test_new_torch_faults_target_their_collective() -> None:
+    from resilient_strategy.probing.workers.common import HANGS, fault_for
+
+    for kind in ("hang_rendezvous", "hang_broadcast", "hang_gather", "wrong_broadcast",
+                 "wrong_gather"):
+        assert fault_for(1, {"RESILIENT_STRATEGY_PROBE_FAULT": f"{kind}:1:gloo"}, "gloo") == kind
+    assert {"hang_rendezvous", "hang_broadcast", "hang_gather"} <= set(HANGS)
+
+
 def test_the_earliest_reported_failure_is_blamed_when_the_runner_saw_the_echo_exit_first() -> None:
     # zero:0: rank 0 found zeros and left; rank 1, in the next all-reduce, got "connection
     # reset" and happened to be polled as exited before rank 0 (the runner's pick)

@@ -334,7 +334,8 @@ def _batch_words(c: Any) -> str:
 
 
 def _decide(args: argparse.Namespace, facts: Facts, sim: Mapping[str, Any] | None,
-            framework: str, real_env: Mapping[str, str]) -> Any:
+            framework: str, real_env: Mapping[str, str],
+            probers: list[SimulatedProber] | None = None) -> Any:
     from .deciding.executor import resilient_strategy
 
     sim_data: Mapping[str, Any] = sim or {}
@@ -364,6 +365,8 @@ def _decide(args: argparse.Namespace, facts: Facts, sim: Mapping[str, Any] | Non
         probes = sim.get("probes")
         broken = {int(k): str(v) for k, v in dict(sim.get("broken_gpus") or {}).items()}
         prober = SimulatedProber(dict(probes or {}), broken_gpus=broken)
+        if probers is not None:
+            probers.append(prober)
         # the described launch's agreement between local ranks goes to a private directory of
         # its own, removed after: a simulation writes nothing a squatter could stop or read
         with tempfile.TemporaryDirectory(prefix="rs-simulate-") as private:
@@ -436,16 +439,21 @@ def _platform_line(facts: Facts) -> str:
     if p.master_route:
         route += f" ({p.master_route})"
     fm = f", fabric manager {p.fabric_manager}" if p.fabric_manager else ""
+    family = f" resolving to {p.master_family}" if p.master_family else ""
     return (f"Platform: NVSwitch {yes_no(p.nvswitch)}{fm}, hypervisor "
-            f"{p.hypervisor or 'none seen'}, RDMA {rdma}, route to MASTER_ADDR: {route}, "
-            f"hostname on loopback {yes_no(p.hostname_loopback)}")
+            f"{p.hypervisor or 'none seen'}, RDMA {rdma}, route to MASTER_ADDR: {route}{family}, "
+            f"hostname on loopback {yes_no(p.hostname_loopback)}, NCCL net plugins "
+            f"{', '.join(p.net_plugins) or 'none found'}, boot id {p.boot_id or 'unknown'}")
 
 
-def simulate_file(path: Path, real_env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """What ``resilient-strategy plan --simulate PATH`` decides: a Selection per framework."""
+def simulate_file(path: Path, real_env: Mapping[str, str] | None = None,
+                  probers: list[SimulatedProber] | None = None) -> dict[str, Any]:
+    """What ``resilient-strategy plan --simulate PATH`` decides: a Selection per framework.
+    ``probers``: where each framework's simulated prober is appended (its `clock` is the
+    simulated seconds the decision spent probing, kept when the decision ends in an error)."""
     facts, sim = load_simulation(path)
     args = build_parser().parse_args(["plan", "--simulate", str(path)])
-    return {fw: _decide(args, facts, sim, fw, real_env or {})
+    return {fw: _decide(args, facts, sim, fw, real_env or {}, probers)
             for fw in _frameworks(facts, sim.get("framework"))}
 
 
@@ -500,6 +508,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         lines += _facts_text(facts)
         fired = sorted({r for s in selections.values() for r in s.plan.rules_fired})
         lines.append("Rules fired: " + (", ".join(fired) if fired else "none"))
+        differ = sorted({e.finding.id for s in selections.values() for e in s.plan.events
+                         if e.kind == "nodes_differ"})
+        if differ:  # a multi-node job's nodes compared (node_differences.toml)
+            lines.append("Differences between the nodes: " + ", ".join(differ))
         if cached is not None:
             lines += _cache_lines(facts.fingerprint(), cached) if cached["entries"] else [
                 f"Cache: nothing cached for this machine ({cached['path']})"]

@@ -156,7 +156,11 @@ def decide(
         c = p.next_probe
         if c.key in results:  # cannot happen with a sound planner; never loop on it
             raise ResilientStrategyError(f"planner asked to probe {c.key} twice")
-        left = deadline - clock()
+        # the final health check of GPUs a killed probe left unproven always runs: its cost is
+        # kept out of what the next probe may spend, so the decision ends within its budget
+        reserve = (_check_cost(prober, c.framework, len(unproven.gpus), env)
+                   if check is not None else 0.0)
+        left = deadline - clock() - reserve
         timeout_s = min(opts.timeout_s, left)
         if startup_check and not warned:
             warned = True
@@ -229,17 +233,23 @@ def _check_or_raise(check: GpuCheck, framework: str, gpus: tuple[int, ...],
     unproven.checked(gpus)
 
 
-def _check_fits(prober: Prober, framework: str, gpus: int, env: Mapping[str, str],
-                budget_left_s: float) -> bool:
-    """Whether a GPU health check of ``gpus`` GPUs fits what is left of the probe budget (the
-    prober's own estimate where it has one, else the typical figure)."""
+def _check_cost(prober: Prober, framework: str, gpus: int, env: Mapping[str, str]) -> float:
+    """What a GPU health check of ``gpus`` GPUs typically costs (the prober's own estimate
+    where it has one, else the typical figure of a GPU machine)."""
     from ..probing import cost
 
+    if gpus <= 0:
+        return 0.0
     estimate: Callable[[str, int, Mapping[str, str]], float] | None = getattr(
         prober, "check_seconds", None)
-    seconds = (estimate(framework, gpus, env) if estimate is not None
-               else cost.health_check_seconds(framework, gpus, forked=True, warm=True))
-    return seconds <= budget_left_s
+    return (estimate(framework, gpus, env) if estimate is not None
+            else cost.health_check_seconds(framework, gpus, forked=True, warm=True))
+
+
+def _check_fits(prober: Prober, framework: str, gpus: int, env: Mapping[str, str],
+                budget_left_s: float) -> bool:
+    """Whether a GPU health check of ``gpus`` GPUs fits what is left of the probe budget."""
+    return _check_cost(prober, framework, gpus, env) <= budget_left_s
 
 
 def _final_check(prober: Prober, check: GpuCheck, u: Unproven, chosen: Candidate | None,

@@ -19,8 +19,9 @@ import struct
 import threading
 from collections.abc import Callable, Mapping
 
-__all__ = ["PROC_NET_ROUTE", "RESOLVE_DEADLINE_S", "local_addresses", "master_host",
-           "resolve_ipv4", "route_address", "route_interface", "route_to_master"]
+__all__ = ["PROC_NET_ROUTE", "RESOLVE_DEADLINE_S", "address_family", "local_addresses",
+           "master_family", "master_host", "resolve_ipv4", "route_address", "route_interface",
+           "route_to_master"]
 
 #: The kernel's IPv4 routing table, relative to the file-system root.
 PROC_NET_ROUTE = "proc/net/route"
@@ -121,6 +122,35 @@ def resolve_ipv4(host: str, deadline_s: float = RESOLVE_DEADLINE_S) -> tuple[str
     if not box:
         return None, f"resolving {host} took longer than {deadline_s:g} s"
     return box[0]
+
+
+def address_family(host: str, deadline_s: float = RESOLVE_DEADLINE_S,
+                   lookup: Callable[[str], int] | None = None) -> str:
+    """The address family ``host`` resolves to here, "ipv4" or "ipv6" (the first answer of the
+    resolver, which is what a connect tries first), or "" unknown. An address is its own
+    family; a name is resolved in a daemon thread given ``deadline_s`` (``lookup``: the
+    resolver, for tests: a name -> ``socket.AF_INET`` / ``AF_INET6``)."""
+    with contextlib.suppress(ValueError):
+        return f"ipv{ipaddress.ip_address(host.strip('[]')).version}"
+    box: list[int] = []
+
+    def resolve() -> None:
+        with contextlib.suppress(OSError, IndexError, UnicodeError):
+            box.append(lookup(host) if lookup else
+                       int(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][0]))
+
+    worker = threading.Thread(target=resolve, name="resilient_strategy-family", daemon=True)
+    worker.start()
+    worker.join(deadline_s)
+    families = {int(socket.AF_INET): "ipv4", int(socket.AF_INET6): "ipv6"}
+    return families.get(box[0], "") if box else ""
+
+
+def master_family(env: Mapping[str, str]) -> str:
+    """The address family the rendezvous host (`master_host`) resolves to here ("" unknown or
+    not set): nodes that disagree cannot all reach it, and gloo pairs fail between them."""
+    host, _ = master_host(env)
+    return address_family(host) if host else ""
 
 
 def master_host(env: Mapping[str, str]) -> tuple[str, str]:

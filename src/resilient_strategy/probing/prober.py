@@ -1,9 +1,10 @@
 """Run one probe for real: start the workers a spec needs, under its deadline, and parse them.
 
 The environment is the caller's snapshot; nothing here reads ``os.environ``. Workers run in a
-fresh temporary directory (``rs-probe-<pid>-*``), which also holds the torch rendezvous file (no
-TCP port to collide or leak) and the reports, and is removed afterwards, also when a SIGTERM
-ends this process meanwhile. The first probe of a process sweeps the directories a killed run
+fresh private temporary directory (``rs-probe-<pid>-*``), which also holds the reports and the
+port of the torch probe's rendezvous store (rank 0 hosts a TCPStore, as a training group's store
+is, on a port the kernel picks: nothing to collide with, and it goes with rank 0), and is removed
+afterwards, also when a SIGTERM ends this process meanwhile. The first probe of a process sweeps the directories a killed run
 of this user left (see `files.sweep_temp_dirs`).
 
 Probes run one at a time. Running independent candidates side by side would disturb each
@@ -133,7 +134,8 @@ def worker_env(spec: ProbeSpec, env: Mapping[str, str]) -> dict[str, str]:
 def build_commands(
     spec: ProbeSpec, env: Mapping[str, str], workdir: str, *, python: str, parent_pid: int
 ) -> list[proc.WorkerCommand]:
-    """The worker commands for ``spec``; ``workdir`` holds rendezvous and reports. Pure."""
+    """The worker commands for ``spec``; ``workdir`` (private) holds the rendezvous store's port
+    and the reports. Pure."""
     wenv = worker_env(spec, env)
     devices = ",".join(map(str, spec.devices))
     common = ["--backend", spec.backend, "--message-bytes", str(spec.message_bytes),
@@ -161,11 +163,10 @@ def build_commands(
         if spec.devices and spec.backend in ("nccl", "gloo") and len(spec.devices) < world:
             raise InvalidOptionError(
                 f"probe {spec.candidate}: {world} ranks need {world} devices, got {devices}")
-        init = (work / "rdzv").as_uri()
         return [
             command("torch_worker", rank, [
                 "--rank", str(rank), "--world-size", str(world), "--devices", devices,
-                "--init-method", init,
+                "--rendezvous", workdir,
                 "--timeout", f"{spec.timeout_s + WORKER_TIMEOUT_MARGIN_S:g}",
             ])
             for rank in range(world)

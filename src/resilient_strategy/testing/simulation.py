@@ -55,10 +55,13 @@ def gpu(
     *,
     mig: bool = False,
     free_gb: float | None = None,
+    nvlinks_outside: int = 0,
 ) -> Gpu:
     """One fake GPU. ``index`` is its NVML (physical) index, and its CUDA ordinal while no
     ``CUDA_VISIBLE_DEVICES`` renumbers it (see `machine`). ``free_gb``: its free memory
-    as NVML would report it (None: unknown, so no memory check rules a candidate out on it)."""
+    as NVML would report it (None: unknown, so no memory check rules a candidate out on it).
+    ``nvlinks_outside``: its active NVLinks to GPUs this container cannot see (a pod given one
+    GPU of an NVLinked host)."""
     _check_int("gpu", "index", index)
     _check_str("gpu", "name", name)
     free = None if free_gb is None else int(_number("gpu", "free_gb", free_gb) * 2**30)
@@ -70,7 +73,8 @@ def gpu(
         memory_bytes=int(_number("gpu", "memory_gb", memory_gb) * 2**30),
         uuid=f"GPU-fake-{index:04d}", pci_bus_id=f"00000000:{index + 1:02x}:00.0",
         physical_index=index, mig_enabled=_check_bool("gpu", "mig", mig),
-        memory_free_bytes=free,
+        memory_free_bytes=free, nvlinks_outside=_check_int("gpu", "nvlinks_outside",
+                                                           nvlinks_outside),
     )
 
 
@@ -114,6 +118,7 @@ def machine(
     gpu_initialized: Sequence[str] = (),
     platform_facts: Platform | Mapping[str, Any] | None = None,
     host_memory_gb: float | None = None,
+    nodes: Sequence[Mapping[str, Any]] | None = None,
 ) -> Facts:
     """Facts for a described machine, as `resilient_strategy.machine.inspect.detect_facts` would
     report them. Every argument is checked: a wrong one is an ``InvalidOptionError`` naming it.
@@ -135,6 +140,11 @@ def machine(
     its fields as a mapping: ``{"nvswitch": true, "rdma_link_layer": "ethernet",
     "rdma_devices": ["mlx5_0"], "master_ifname": "eth0", "hypervisor": "kvm",
     "hostname_loopback": true}``).
+    ``nodes``: the other nodes of a multi-node job (node 1, 2, ...), each as what differs from
+    this one (node 0): fields of `NodeFacts` (``{"nccl": "2.27.3"}``, ``{"net_plugins": []}``,
+    ``{"boot_id": "..."}``), its ``env`` merged into this node's NCCL_* / GLOO_* variables (a
+    null value: unset there). The facts then carry every node, as node 0 gathers them through
+    the job's store, and the planner compares them before any probe.
     """
     env_map = _string_map("env", env)
     plat = _platform_value(platform_facts)
@@ -205,7 +215,8 @@ def machine(
         PhysicalGpu(
             index=_physical_index(g), uuid=g.uuid, name=g.name,
             compute_capability=g.compute_capability, memory_bytes=g.memory_bytes,
-            memory_free_bytes=g.memory_free_bytes, pci_bus_id=g.pci_bus_id, mig_enabled=g.mig_enabled or _physical_index(g) in instances,
+            memory_free_bytes=g.memory_free_bytes, nvlinks_outside=g.nvlinks_outside,
+            pci_bus_id=g.pci_bus_id, mig_enabled=g.mig_enabled or _physical_index(g) in instances,
             mig=tuple(
                 MigDevice(uuid=f"MIG-fake-{_physical_index(g):04d}-{k}", name=f"{g.name} MIG {k}",
                           memory_bytes=g.memory_bytes // instances[_physical_index(g)],
@@ -236,7 +247,7 @@ def machine(
         fws.append(FrameworkInfo("keras", keras, "keras"))
     fws = [replace(f, imported=f.name in imported or f.name in gpu_initialized,
                    gpu_initialized=f.name in gpu_initialized) for f in fws]
-    return Facts(
+    facts = Facts(
         gpus=gs,
         links=visible_links,
         fabric=fabric,
@@ -253,6 +264,35 @@ def machine(
         nvml_notes=tuple(nvml_notes),
         platform=plat,
     )
+    return _with_nodes(facts, nodes) if nodes else facts
+
+
+def _with_nodes(facts: Facts, nodes: Sequence[Mapping[str, Any]]) -> Facts:
+    """``facts`` (node 0) with the described other nodes (`machine`'s ``nodes``)."""
+    from ..core.knowledge.nodefacts import node_env, node_facts
+    from ..core.values.facts import NodeFacts
+
+    if isinstance(nodes, (str, Mapping)) or not all(isinstance(n, Mapping) for n in nodes):
+        raise _bad("nodes", nodes, "a list of objects, one per node after node 0")
+    first = node_facts(facts, "torch", 0, "node0")
+    out = [first]
+    for k, described in enumerate(nodes, 1):
+        d = dict(described)
+        env = dict(first.env)
+        changed = d.pop("env", None) or {}
+        if not isinstance(changed, Mapping):
+            raise _bad("nodes", described, 'an "env" object of variables')
+        for name, value in changed.items():
+            if value is None:
+                env.pop(str(name), None)
+            else:
+                env[str(name)] = str(value)
+        try:
+            out.append(NodeFacts.from_dict({**first.to_dict(), "host": f"node{k}", **d,
+                                            "node": k, "env": node_env(env.items())}))
+        except (TypeError, ValueError) as exc:
+            raise _bad("nodes", described, f"fields of NodeFacts ({exc})") from None
+    return replace(facts, nodes=tuple(out))
 
 
 def _platform_value(value: Platform | Mapping[str, Any] | None) -> Platform:
@@ -557,12 +597,19 @@ FakeProber = SimulatedProber  # the testing kit's name for it
 SIMULATION_KEYS = frozenset({
     "what", "framework", "global_batch_size", "gradient_bytes", "sample_seconds", "machine",
     "facts", "probes", "expect",
-    # a field case (examples/machines/field/): where it was reported, its family, what it said
-    "source", "family", "reported",
+    # a field case (examples/machines/field/): where it was reported, its family, its kind (one
+    # of FIELD_KINDS), what it said
+    "source", "family", "kind", "reported",
     "param_bytes", "optimizer_state_factor", "sharding", "offload",
     # GPUs the health check finds broken: {"<CUDA ordinal>": "what went wrong"} (a wedged GPU)
     "broken_gpus",
 })
+#: The kinds of field case (issue 31's, what goes wrong as a user meets it): a probe that hangs
+#: with no error text, a probe that passes where training breaks, versions with known faults,
+#: nodes that differ or cannot talk, pods and containers, drivers and builds that are not what
+#: they seem, error texts, inspection that blocks. `benchmarks/bench_field.py` totals by them.
+FIELD_KINDS = ("silent_hang", "probe_vs_training", "versions", "nodes", "pods_containers",
+               "drivers_builds", "error_texts", "inspection")
 #: Fields of a machine case's ``expect`` block (the decision it must reach; tests replay it).
 EXPECT_KEYS = frozenset({
     "backend", "devices", "num_replicas", "accumulation_steps", "per_replica_batch_size", "env",
@@ -570,6 +617,8 @@ EXPECT_KEYS = frozenset({
     "causes",  # {probe key: the cause its failure was placed on}, e.g. {"nccl": "nvls_multicast"}
     "sharded", "ladder", "ruled_out_by_memory",
     "offload",  # the chosen candidate offloads its state to the host
+    # ids of the differences between the nodes found before any probe (``nodes_differ``)
+    "findings",
     # no decision: the typed error it ends in, {"type": "ModelDoesNotFitError", ...its fields}
     "error",
 })
@@ -715,6 +764,9 @@ def _check_simulation_fields(path: Path, data: Mapping[str, Any]) -> None:
         value = data.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ResilientStrategyError(f"{path}: {key}: expected a positive integer, not {value!r}")
+    kind = data.get("kind")
+    if kind is not None and kind not in FIELD_KINDS:
+        raise ResilientStrategyError(f"{path}: kind: expected one of {FIELD_KINDS}, not {kind!r}")
     broken = data.get("broken_gpus")
     if broken is not None and (not isinstance(broken, dict) or not all(
             isinstance(k, str) and k.isdigit() and isinstance(v, str) for k, v in broken.items())):

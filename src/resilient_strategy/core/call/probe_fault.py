@@ -11,9 +11,14 @@ from ...vocab import BACKENDS
 #: The variable that injects a fault into probe workers (``probing/workers/common.py``).
 PROBE_FAULT_VAR = "RESILIENT_STRATEGY_PROBE_FAULT"
 #: ``hang``: sleep before the first collective; ``hang_setup``: inside communicator setup;
-#: ``hang_collective``: inside collective 1; ``exit``: exit 1 without a report; ``wrong`` /
-#: ``nan`` / ``zero``: corrupt the all-reduce.
-PROBE_FAULTS = ("hang", "hang_setup", "hang_collective", "exit", "wrong", "nan", "zero")
+#: ``hang_rendezvous``: inside the torch probe's store rendezvous; ``hang_collective``: inside
+#: collective 1; ``hang_broadcast`` / ``hang_gather``: inside the torch probe's first broadcast /
+#: all-gather; ``exit``: exit 1 without a report; ``wrong`` / ``nan`` / ``zero``: corrupt the
+#: all-reduce; ``wrong_broadcast`` / ``wrong_gather``: a wrong value in what a torch probe's
+#: broadcast / all-gather returned.
+PROBE_FAULTS = ("hang", "hang_setup", "hang_rendezvous", "hang_collective", "hang_broadcast",
+                "hang_gather", "exit", "wrong", "nan", "zero", "wrong_broadcast",
+                "wrong_gather")
 _PROBE_FAULT_FORM = "<kind>:<rank>[:<backend>[:plain|>=BYTES]]"
 
 

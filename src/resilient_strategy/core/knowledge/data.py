@@ -16,7 +16,8 @@ from typing import Any
 from ...errors import FileFormatError, InvalidRuleError, MissingDataFileError
 from ..values import bounded
 
-DATA_FILES: tuple[str, ...] = ("known_issues.toml", "signatures.toml", "remedies.toml")
+DATA_FILES: tuple[str, ...] = ("known_issues.toml", "signatures.toml", "remedies.toml",
+                               "node_differences.toml", "nccl_diagnostics.toml")
 
 
 def read_data(name: str) -> tuple[str, str]:

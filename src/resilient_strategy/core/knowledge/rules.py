@@ -178,11 +178,12 @@ def load_rules(
 
 
 def fired(rules: Iterable[Rule], facts: Facts, framework: str,
-          replicas: int | None = None) -> tuple[Rule, ...]:
+          replicas: int | None = None, nodes: int | None = None) -> tuple[Rule, ...]:
     """The rules whose clauses all hold for these facts and framework, in order. ``replicas``
     (``plan.replicas``) is the number of devices a multi-device strategy would use: the GPUs
-    after ``devices=`` and CUDA_VISIBLE_DEVICES, or the logical CPUs in TF's test mode."""
-    values = fact_values(facts, framework, replicas)
+    after ``devices=`` and CUDA_VISIBLE_DEVICES, or the logical CPUs in TF's test mode;
+    ``nodes`` (``plan.nodes``) the nodes of the job."""
+    values = fact_values(facts, framework, replicas, nodes)
     # in messages, versions as the machine reports them ("535.129.03", not Version's "535.129.3")
     text: dict[str, FactValue] = {**values, "driver.version": facts.driver_version,
                                   "driver.cuda": facts.cuda_driver_version}

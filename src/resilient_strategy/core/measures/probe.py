@@ -11,11 +11,12 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
 from ...errors import FileFormatError
+from ..knowledge import nccldiag
 from ..knowledge.causes import CAUSES as CAUSES  # re-exported: the causes' long-standing home
 from ..knowledge.causes import ENVIRONMENTAL_CAUSES as ENVIRONMENTAL_CAUSES
 from ..knowledge.causes import HANG_WORDS as HANG_WORDS
@@ -238,6 +239,50 @@ def tail(text: str, lines: int = 20, chars: int = 4000) -> str:
 
 
 def parse_probe(
+    spec: ProbeSpec,
+    outcomes: Sequence[WorkerOutcome],
+    elapsed_s: float,
+    timed_out: bool,
+    stall: Stall | None = None,
+    signatures: Signatures | None = None,
+) -> ProbeResult:
+    """Turn what every worker did into one result (`_verdict`), with what the workers said of
+    how they ran in its ``extra``: the rendezvous store (``rendezvous``), and NCCL's own
+    diagnostics (`nccldiag`: the variables set or kept, the report lines). Those never change
+    the verdict. Pure."""
+    result = _verdict(spec, outcomes, elapsed_s, timed_out, stall, signatures)
+    said = _how_they_ran(outcomes)
+    return replace(result, extra=(*result.extra, *said)) if said else result
+
+
+def _how_they_ran(outcomes: Sequence[WorkerOutcome]) -> tuple[tuple[str, str], ...]:
+    out: list[tuple[str, str]] = []
+    for o in outcomes:
+        try:
+            rep = parse_json(o.report, "report", allow_nan=True) if o.report.strip() else {}
+        except FileFormatError:
+            continue
+        if not isinstance(rep, dict):
+            continue
+        store = rep.get("rendezvous")
+        if isinstance(store, dict) and not any(k == "rendezvous" for k, _ in out):
+            kind = str(store.get("store", "?"))[:40]
+            out.append(("rendezvous", f"{kind} libuv" if store.get("libuv") is True else kind))
+        diag = rep.get("nccl_diagnostics")
+        if isinstance(diag, dict) and not any(k == nccldiag.EXTRA_SET for k, _ in out) \
+                and not any(k == nccldiag.EXTRA_KEPT for k, _ in out):
+            for key, name in ((nccldiag.EXTRA_SET, "set"), (nccldiag.EXTRA_KEPT, "kept")):
+                values = diag.get(name)
+                if isinstance(values, list):
+                    out += [(key, str(v)[:200]) for v in values[:8]]
+    lines: list[str] = []
+    for o in outcomes:
+        lines += nccldiag.report_lines(o.stdout + "\n" + o.stderr,
+                                       nccldiag.MAX_LINES - len(lines))
+    return (*out, *((nccldiag.EXTRA_LINE, line) for line in lines))
+
+
+def _verdict(
     spec: ProbeSpec,
     outcomes: Sequence[WorkerOutcome],
     elapsed_s: float,

@@ -18,8 +18,10 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ...vocab import MULTI_WORKER_BACKENDS
+from ..knowledge import nccldiag
 from ..knowledge.causes import GPU_WIDE_CAUSES
 from ..knowledge.clauses import FactValue, fact_values
+from ..knowledge.nodefacts import compare
 from ..knowledge.remedies import SETUP_HANG
 from ..knowledge.rules import Rule, fired
 from ..measures.estimate import Estimate, estimate
@@ -27,7 +29,7 @@ from ..measures.probe import TIMEOUT, ProbeResult
 from ..trace.choosing import BatchSplit, Split
 from ..trace.event import Event
 from ..trace.inputs import FactsSeen
-from ..trace.ruling import RemedyQueued, RuleFired, UserSettingKept
+from ..trace.ruling import NcclDiagnostics, NodesDiffer, RemedyQueued, RuleFired, UserSettingKept
 from ..values.candidate import Candidate
 from ..values.facts import Facts
 from .chain import build_chain, fitting, shard, usable_gpus
@@ -108,8 +110,9 @@ def plan(
     base, reference = build_chain(fw, gpus, info.has_cuda or bool(policy.logical_cpus), policy, b)
     reference = max(reference, reference_replicas)
     base = shard(base, facts, policy, b)
-    hits = fired(rules, facts, fw, replicas=len(gpus))
+    hits = fired(rules, facts, fw, replicas=len(gpus), nodes=policy.nodes)
     cands = _apply_rules(base, hits, policy, b)
+    cands = _compare_nodes(cands, facts, policy, b)
     cands = _split_batches(cands, policy, b, reference)  # before results: keys name devices
     values = fact_values(facts, fw, replicas=len(gpus), nodes=policy.nodes) if results else {}
     chain = cands
@@ -199,6 +202,30 @@ def _apply_rules(
     return cands
 
 
+def _compare_nodes(cands: list[Candidate], facts: Facts, policy: Options,
+                   b: Build) -> list[Candidate]:
+    """A multi-node torch job whose nodes sent their facts (``facts.nodes``): each difference
+    that matters (`nodefacts.compare`, from data) in the trace and the warnings, before any
+    probe; one whose effect is ``rule_out`` rules NCCL between the nodes out (node 0's own NCCL
+    and gloo between the nodes stay), except a candidate that sets its ``keep_env``."""
+    if policy.framework != "torch" or policy.nodes <= 1 or len(facts.nodes) < 2:
+        return cands
+    user = facts.env_map
+    for finding in compare(facts.nodes):
+        out: list[Candidate] = []
+        if finding.effect == "rule_out":
+            out = [c for c in cands if c.backend == "nccl" and not c.node_local
+                   and not finding.keeps({**user, **dict(c.env)})]
+        event = NodesDiffer(finding, tuple(out))
+        b.events.append(event)
+        b.warnings.append(event.text())
+        for c in out:
+            b.rule_out(c, "rule", finding.message, rule=finding.id, source=finding.source,
+                       said=True)
+        cands = [c for c in cands if c not in out]
+    return cands
+
+
 def _vetoed(c: Candidate, target: Sequence[str]) -> bool:
     """Whether a veto of ``target`` rules ``c`` out. Across TF workers the same NCCL runs
     (a veto of ``nccl`` covers ``mw_nccl``), and GPUs that cannot run one device (a veto of
@@ -228,6 +255,8 @@ def _apply_results(
         c = queue[i]
         i += 1
         res = results.get(c.key)
+        if res is not None:
+            _nccl_said(c, res, b)
         if res is None or res.ok:
             out.append(c)
             continue
@@ -275,6 +304,15 @@ def _apply_results(
                                          remedy=remedy_entry.id,
                                          because=tuple(str(w) for w in remedy_entry.when)))
     return out
+
+
+def _nccl_said(c: Candidate, res: ProbeResult, b: Build) -> None:
+    """What NCCL's own diagnostics said in ``c``'s probe, and how NCCL ran there, as an event
+    (informational: the verdict stays the probe's)."""
+    report, set_, kept = nccldiag.from_extra(res.extra)
+    if report.findings or set_ or kept:
+        b.events.append(NcclDiagnostics(c, res.ok, set_, kept, report.findings,
+                                        report.completed))
 
 
 def _split_batches(

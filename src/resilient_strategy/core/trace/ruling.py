@@ -1,5 +1,6 @@
 """What the rules and the user's settings did to the chain: a rule that fired, a setting of the
-user kept, a candidate ruled out, a remedy queued."""
+user kept, a candidate ruled out, a remedy queued; the nodes' differences; what NCCL's own
+diagnostics said in a probe."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ..knowledge.nccldiag import Completed, Finding
+from ..knowledge.nodefacts import NodeFinding
 from ..measures.probe import ProbeResult
 from ..values.candidate import Candidate
 from .event import Event
@@ -125,3 +128,65 @@ class RemedyQueued(Event):
             return (f"Will try {self.candidate.label}: the remedy {self.on_top_of.label} failed "
                     f"on {self.cause}, so that cause's remedy is added on top{why}.")
         return f"Will try {self.candidate.label}, the usual remedy for {self.cause}{why}."
+
+
+@dataclass(frozen=True)
+class NodesDiffer(Event):
+    """The nodes of a multi-node job differ in a way that matters (``finding``: which fact,
+    which nodes, every node's value, the fix and its source), found by comparing the facts
+    every node sent through the job's store before any probe. ``ruled_out``: the candidates
+    between the nodes it ruled out (its ``effect`` is ``rule_out``)."""
+
+    kind: ClassVar[str] = "nodes_differ"
+    finding: NodeFinding
+    ruled_out: tuple[Candidate, ...] = ()
+
+    def text(self) -> str:
+        f = self.finding
+        values = "; ".join(f"node {k}: {v or 'unknown'}" for k, v in f.values)
+        what = {"shared": "share", "any": "report"}.get(f.kind, "differ from node 0 in")
+        out = (f"Node(s) {', '.join(map(str, f.nodes))} {what} {f.fact} ({values}) "
+               f"[{f.id}]: {f.message} (source: {f.source})")
+        if self.ruled_out:
+            out += " Ruled out: " + "; ".join(c.label for c in self.ruled_out) + "."
+        return out
+
+
+@dataclass(frozen=True)
+class NcclDiagnostics(Event):
+    """How NCCL ran in ``candidate``'s probe and what its own diagnostics found (see
+    `resilient_strategy.core.knowledge.nccldiag`): the variables the worker set (``set``: connections at
+    init, the diagnostics on) or kept as the environment had them (``kept``), NCCL's findings
+    (``findings``; ``ok`` False: tagged ``[INFO]``, a condition to review) and the reports that
+    completed. Informational: the probe's verdict (``probe_ok``) is its value-checked
+    collectives', whatever NCCL found."""
+
+    kind: ClassVar[str] = "nccl_diagnostics"
+    candidate: Candidate
+    probe_ok: bool
+    set: tuple[str, ...] = ()
+    kept: tuple[str, ...] = ()
+    findings: tuple[Finding, ...] = ()
+    completed: tuple[Completed, ...] = ()
+
+    @property
+    def issues(self) -> tuple[Finding, ...]:
+        return tuple(f for f in self.findings if not f.ok)
+
+    def text(self) -> str:
+        ran = f" with {', '.join(self.set)}" if self.set else ""
+        if self.kept:
+            ran += f" ({', '.join(self.kept)} as the environment set it)"
+        if not self.findings:
+            return (f"NCCL probe of {self.candidate.label} ran{ran}; NCCL printed no diagnostics "
+                    "report." if ran else "")
+        verdict = "passed" if self.probe_ok else "failed"
+        if not self.issues:
+            checks = ", ".join(dict.fromkeys(f.check for f in self.findings))
+            return (f"NCCL's own diagnostics in the probe of {self.candidate.label}{ran}: no issue "
+                    f"({checks}); its value-checked collectives {verdict}.")
+        said = "; ".join(f"{f.report} {f.check}: {f.text}" for f in self.issues[:6])
+        more = f" (+{len(self.issues) - 6} more)" if len(self.issues) > 6 else ""
+        return (f"NCCL's own diagnostics in the probe of {self.candidate.label}{ran} report: "
+                f"{said}{more}. Informational (NCCL's words): the value-checked collectives "
+                f"{verdict}, and they decide.")

@@ -90,6 +90,9 @@ class Gpu:
     mig_enabled: bool = False
     #: Free memory when inspected (NVML ``nvmlDeviceGetMemoryInfo().free``); None: unknown.
     memory_free_bytes: int | None = None
+    #: Active NVLinks of this GPU to GPUs this process cannot see at all (NVML does not list
+    #: them: a pod or container given one of a host's NVLinked GPUs); 0 none or unknown.
+    nvlinks_outside: int = 0
 
     @property
     def cc(self) -> str:
@@ -156,6 +159,14 @@ class Platform:
     #: the installed nvidia-fabricmanager package's version ("" unknown or none): on NVSwitch
     #: systems it must equal the driver's, or the fabric manager does not start (CUDA error 802)
     fabric_manager: str = ""
+    #: NCCL network plugins found (``libnccl-net*.so`` file names, and ``NCCL_NET_PLUGIN``'s
+    #: library where it names one that exists); () none found or unknown
+    net_plugins: tuple[str, ...] = ()
+    #: the address family ``MASTER_ADDR`` resolves to here: "ipv4", "ipv6" ("" not set/unknown)
+    master_family: str = ""
+    #: the kernel's boot id (``/proc/sys/kernel/random/boot_id``, shared by every container on
+    #: one host): two "nodes" with the same one are pods or containers of one host ("" unknown)
+    boot_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -179,6 +190,50 @@ class FrameworkInfo:
     @property
     def has_cuda(self) -> bool:
         return self.cuda is not None
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What one node of a multi-node job says about itself, compared by node 0 before any probe
+    (`resilient_strategy.core.knowledge.nodefacts`). Built from that node's `Facts` and crossing the
+    job's store as JSON (``to_dict`` / ``from_dict``); "" / None / () mean unknown."""
+
+    node: int
+    host: str = ""
+    boot_id: str = ""
+    driver: str | None = None
+    cuda_driver: str | None = None
+    framework: str = ""
+    version: str | None = None
+    cuda: str | None = None
+    nccl: str | None = None
+    gpus: int = 0
+    gpu_names: tuple[str, ...] = ()
+    net_plugins: tuple[str, ...] = ()
+    master_family: str = ""
+    route: str = ""
+    hostname_loopback: bool | None = None
+    #: the node's NCCL_* / GLOO_* variables (less those that only change logging), sorted
+    env: tuple[tuple[str, str], ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> NodeFacts:
+        """From its JSON form; a field of the wrong type is a ValueError naming it."""
+        _check_keys(cls, data, "node facts")
+        d = dict(data)
+        for key in ("gpu_names", "net_plugins"):
+            d[key] = tuple(str(x) for x in d.get(key, ()) or ())
+        env = d.get("env", ()) or ()
+        d["env"] = tuple(sorted((str(k), str(v)) for k, v in (
+            env.items() if isinstance(env, Mapping) else map(tuple, env))))
+        if not isinstance(d.get("node"), int) or isinstance(d.get("node"), bool):
+            raise ValueError(f"node facts: node must be an integer, not {d.get('node')!r}")
+        if not isinstance(d.get("gpus", 0), int):
+            raise ValueError(f"node facts: gpus must be an integer, not {d.get('gpus')!r}")
+        return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -248,6 +303,10 @@ class Facts:
     #: unlisted pair has no link fact.
     fabric: Link | None = None
     platform: Platform = field(default_factory=Platform)
+    #: a multi-node job's nodes as each described itself (node 0 first), gathered by node 0
+    #: through the job's store before any probe and compared by the planner; () outside one.
+    #: Not part of the fingerprint (a multi-node decision is never cached).
+    nodes: tuple[NodeFacts, ...] = ()
 
     # ----- lookups -----------------------------------------------------------------------------
     def framework(self, name: str) -> FrameworkInfo:
@@ -380,6 +439,7 @@ class Facts:
             nvml_notes=tuple(str(n) for n in data.get("nvml_notes", ())),
             fabric=_make(Link, data["fabric"], "fabric") if data.get("fabric") else None,
             platform=_platform(data.get("platform", {})),
+            nodes=tuple(NodeFacts.from_dict(n) for n in data.get("nodes", ()) or ()),
         )
 
     def fingerprint(self) -> str:
@@ -414,14 +474,22 @@ class Facts:
         # The route to MASTER_ADDR follows a per-run variable (a single-node torchrun sets it to
         # 127.0.0.1, a command-line probe does not) and decides only between nodes, where no
         # cache is used: left out, as MASTER_ADDR is.
-        platform = replace(self.platform, master_ifname="", master_route="")
+        # The boot id changes at every reboot and the address family follows MASTER_ADDR: both
+        # left out (they speak only between nodes, where no cache is used).
+        platform = replace(self.platform, master_ifname="", master_route="", master_family="",
+                           boot_id="")
         if platform != Platform():  # unknown platform facts keep the older fingerprints
             key["platform"] = {k: v for k, v in asdict(platform).items()
-                               if k != "fabric_manager" or v}  # (a later field: only if known)
+                               if k not in _LATER_PLATFORM or v}  # (later fields: only if known)
         blob = json.dumps(key, sort_keys=True, default=list).encode()
         digest = hashlib.sha256(blob).hexdigest()[:16]
         object.__setattr__(self, "_fingerprint", digest)  # a cache, not a field
         return digest
+
+
+#: Platform fields added after fingerprints were first kept: in the fingerprint only when known,
+#: so that the fingerprints of machines without them stay what they were.
+_LATER_PLATFORM = frozenset({"fabric_manager", "net_plugins", "master_family", "boot_id"})
 
 
 def _check_keys(cls: type, data: Mapping[str, Any], what: str) -> None:
@@ -438,8 +506,9 @@ def _make(cls: type, data: Mapping[str, Any], what: str) -> Any:
 
 def _platform(data: Mapping[str, Any]) -> Platform:
     d = dict(data)
-    if "rdma_devices" in d:
-        d["rdma_devices"] = tuple(str(x) for x in d["rdma_devices"])
+    for key in ("rdma_devices", "net_plugins"):
+        if key in d:
+            d[key] = tuple(str(x) for x in d[key])
     value: Platform = _make(Platform, d, "platform")
     if value.rdma_link_layer not in RDMA_LINK_LAYERS:
         raise ValueError(f"platform.rdma_link_layer must be one of {RDMA_LINK_LAYERS}, not "

@@ -15,5 +15,7 @@ class WorkerOutcome:
     signal: int | None = None  # the signal that ended it, when one did
     report: str = ""  # the JSON text the worker wrote ("" when none)
     stderr: str = ""
+    #: what the runner kept of its stdout: the lines of NCCL's diagnostics reports (``nccldiag``)
+    stdout: str = ""
     killed_by_runner: bool = False
     failed_first: bool = False  # its failure made the runner stop the others
