@@ -240,9 +240,10 @@ def resume_check(args: argparse.Namespace) -> str:
     script = out / "job.py"
     script.write_text(textwrap.dedent(_SCRIPT))
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get(
-        "PYTHONPATH", ""), "RESILIENT_STRATEGY_CACHE_DIR": str(out / "cache")}
+        "PYTHONPATH", "")}
+    env.setdefault("RESILIENT_STRATEGY_CACHE_DIR", str(out / "cache"))  # never over the user's
     if args.device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
+        env.setdefault("CUDA_VISIBLE_DEVICES", "")
     steps, every, hidden = 60, 10, args.hidden
     rows = []
     for name, kill_at in (("uninterrupted", 0), ("sigkill", 25)):

@@ -6,6 +6,17 @@
 the optimizer, the GradScaler, the sampler's epoch and position, the optimizer step count and the
 RNG states. Rank 0 alone writes, atomically (a temporary file renamed over the last one).
 
+Asynchronous by default (`checkpoint_writer`): the step that saves pays for a copy of the state
+in host memory, and a background thread writes it, at most one write in flight (a new save
+waits for the previous one); a resume, ``sel.shutdown()`` and the exit wait for it, and a failed
+write is raised at the next optimizer step. Async is the default because it keeps every promise
+of the synchronous save (the same state at the same step, published only when whole, a resume
+reading only complete checkpoints, the same typed error for a full disk) and takes the write off
+the step; its price is one host copy of the state, held between saves: where that copy would not
+fit half the memory available, the checkpointer writes synchronously and says so.
+``asynchronous=False`` (``sel.checkpoint(..., asynchronous=False)`` or
+``RESILIENT_STRATEGY_CHECKPOINT_ASYNC=0``) writes in the step, as before.
+
 The position is kept in *samples of the epoch's order*, not in batches of one rank: the training
 loader is sharded by a `ResumableSampler`, which orders an epoch the same way for any
 number of replicas (DistributedSampler's seeded permutation) and gives optimizer step ``k`` the
@@ -20,12 +31,14 @@ Files (the decision cache's rules, `resilient_strategy.machine.files`): the dire
 be this user's own and not writable by group or others (created 0700 when absent); a checkpoint
 is read only when it is a regular file of this user's, not through a symlink, never with
 ``weights_only=False``. Each save keeps the one before as ``checkpoint.prev.pt`` (a hard link,
-so ``checkpoint.pt`` is always whole); a damaged latest checkpoint is set aside as
+so ``checkpoint.pt`` is always whole); the temporary file of a writer killed mid-write
+(``.tmp-<pid>-...``) is never read, and is swept at the next restore; a damaged latest checkpoint is set aside as
 ``.corrupt`` with a warning and the previous one is loaded; with none to fall back to, a
 `CheckpointError` names the file.
 
 A sharded model (FSDP2) is saved through ``torch.distributed.checkpoint`` instead, every rank
-writing its shards (`sharded_checkpoint`, under the same rules); restoring checks the
+writing its shards (`sharded_checkpoint`, under the same rules; asynchronously through DCP's
+``async_save``, its collectives on a gloo group of the checkpointer's own); restoring checks the
 directory first, then takes its newest checkpoint, sharded or not, into whatever the relaunch
 trains. A full or read-only disk at a save is a NoSpaceError naming the file, the last
 checkpoint kept.

@@ -14,7 +14,14 @@ Layout under the checkpoint directory::
     sharded/latest            the name of the last complete step directory (atomic rename)
 
 A step is complete when its ``.metadata`` (written by DCP after every rank's shards) and
-``meta.pt`` exist; ``latest`` is written after a barrier. The `KEEP` newest steps are kept,
+``meta.pt`` exist; ``latest`` is written after a barrier. The asynchronous save (`save_async`,
+the checkpointer's default) stages the shards in host memory through torch's
+``torch.distributed.checkpoint.async_save`` and writes them in the background, its collectives
+on a gloo group of its own (async_save needs a CPU backend; a second thread's collectives on the
+training group could interleave with the training thread's and deadlock); rank 0 publishes the
+step (private modes, ``meta.pt``, ``latest``) only after DCP finished every rank's shards and
+its ``.metadata``: a step killed or failed before that is never complete, and a failed one is
+removed. The `KEEP` newest steps are kept,
 never one newer than the step just saved.
 
 Trust (the rules of `resilient_strategy.machine.files`, the same as the plain checkpoint's):
