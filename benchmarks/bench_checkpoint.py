@@ -12,12 +12,13 @@ every ``--every`` steps. Every configuration is measured ``--rounds`` times, int
 sync, async, ...), each on a fresh model whose first save (buffer allocation, the checkpoint's
 own process group) happens before the timed window; the window is ``--steps`` steps, ending
 half an interval after its last save so that the last background write overlaps steps too.
-Columns: the mean step time; its overhead over no checkpoint (median of the rounds' ratios);
-what one save cost the step (the checkpointer's own ``stall_s``: the wait for the previous write,
-the host copy, and for sync the write); the write's own time; and the projected overhead of a
-checkpoint every ``--interval-s`` seconds (every few minutes): the measured extra time per save
-(the window's time over no checkpoint, divided by its saves, so the background write's
-interference is in it) over that interval. Rank 0 prints a markdown table.
+Columns: the mean step time; its overhead over no checkpoint (median of the rounds' ratios of
+the timed windows); what one save cost the step (median of the checkpointer's own ``stall_s``:
+the wait for the previous write, the host copy, and for sync the write itself); the write's own
+time; and two projections for a checkpoint every ``--interval-s`` seconds (every few minutes):
+what the step pays per save over that interval, and the window's extra time per save (its time
+over no checkpoint divided by its saves: the background write's interference with the steps is
+in it, and so is the machine's noise) over that interval. Rank 0 prints a markdown table.
 
 ``--resume-check``: an exact resume after a SIGKILL during an in-flight asynchronous write,
 under ``resilient-strategy run`` on ``--nproc`` processes: the same short job run uninterrupted,
@@ -137,10 +138,18 @@ def _one(args: argparse.Namespace, mode: str, every: int, directory: Path) -> di
     return {"seconds": seconds, "saves": saves, "state_bytes": state_bytes}
 
 
+def _load() -> tuple[float, float, float]:
+    try:
+        return os.getloadavg()
+    except OSError:
+        return (float("nan"),) * 3
+
+
 def table(args: argparse.Namespace) -> str:
     import torch
 
     rank = int(os.environ.get("RANK", "0"))
+    load = _load()
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="rs-bench-ckpt-"))
     configs = list(dict.fromkeys([("none", 0), ("sync", 10), ("async", 10),
                                   ("sync", args.every), ("async", args.every)]))
@@ -159,16 +168,18 @@ def table(args: argparse.Namespace) -> str:
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)"
     none = [r["seconds"] for r in runs[("none", 0)]]
     state_mb = runs[("none", 0)][0]["state_bytes"] / 2**20
+    every_s = args.interval_s
     lines = [
         f"MLP {args.hidden}x{args.depth}, AdamW (weights and moments: {state_mb:.0f} MB), "
         f"batch {args.batch}, {args.sharding if args.sharding == 'full' else 'no'} sharding, "
         f"{world} process(es) on {where}; torch {torch.__version__}; {args.rounds} rounds of "
-        f"{args.steps} steps",
+        f"{args.steps} steps; load average {load[0]:.1f} before, {_load()[0]:.1f} after",
         "",
-        "| checkpoints | mean step | overhead | stall per save (step pays) | write per save | "
-        f"projected: one every {args.interval_s:.0f} s |",
-        "|---|---|---|---|---|---|",
-        f"| none | {1e3 * statistics.median(none) / args.steps:.2f} ms | - | - | - | - |",
+        "| checkpoints | mean step | overhead (window) | the step pays per save | write per "
+        f"save | one every {every_s:.0f} s: what the step pays | one every {every_s:.0f} s: "
+        "window |",
+        "|---|---|---|---|---|---|---|",
+        f"| none | {1e3 * statistics.median(none) / args.steps:.2f} ms | - | - | - | - | - |",
     ]
     for mode, every in configs[1:]:
         rows = runs[(mode, every)]
@@ -183,7 +194,8 @@ def table(args: argparse.Namespace) -> str:
             f"| {mode}, every {every} steps | "
             f"{1e3 * statistics.median(r['seconds'] for r in rows) / args.steps:.2f} ms | "
             f"{100 * statistics.median(ratios):+.1f} % | {1e3 * stall:.1f} ms | "
-            f"{1e3 * write:.1f} ms | {100 * max(0.0, per_save) / args.interval_s:.3f} % |")
+            f"{1e3 * write:.1f} ms | {100 * stall / every_s:.3f} % | "
+            f"{100 * per_save / every_s:+.3f} % |")
     return "\n".join(lines)
 
 

@@ -85,6 +85,10 @@ def snapshot(state: Any, buffers: dict[tuple[Any, ...], Any] | None = None) -> t
     cuda: list[bool] = []
 
     def copy_of(value: Any, path: tuple[Any, ...]) -> Any:
+        if value is None or isinstance(value, _PLAIN):  # immutable: the value itself
+            return value
+        if isinstance(value, tuple) and all(v is None or isinstance(v, _PLAIN) for v in value):
+            return value  # Python's RNG state: 625 ints
         if isinstance(value, torch.Tensor):
             return _tensor(torch, value, path, buffers, cuda)
         if isinstance(value, dict):  # an OrderedDict stays one (a model's state_dict)
@@ -102,6 +106,9 @@ def snapshot(state: Any, buffers: dict[tuple[Any, ...], Any] | None = None) -> t
         ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
         ready.record()
     return out, ready
+
+
+_PLAIN = (bool, int, float, complex, str, bytes)
 
 
 def _tensor(torch: Any, t: Any, path: tuple[Any, ...], buffers: dict[tuple[Any, ...], Any] | None,
