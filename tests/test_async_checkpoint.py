@@ -20,7 +20,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from resilient_strategy.core.arguments import options_from  # noqa: E402
+from resilient_strategy.core.call.arguments import options_from  # noqa: E402
 from resilient_strategy.errors import InvalidOptionError, NoSpaceError  # noqa: E402
 from resilient_strategy.frameworks import checkpoint_writer as cw  # noqa: E402
 from resilient_strategy.frameworks.checkpoint import Checkpointer  # noqa: E402

@@ -59,7 +59,7 @@ from typing import Any
 
 from ..errors import CheckpointError, InvalidOptionError, UnsafePathError
 from ..machine import files
-from . import checkpoint_writer as _writer
+from . import checkpoint_writer
 
 log = logging.getLogger("resilient_strategy")
 
@@ -183,7 +183,7 @@ class Checkpointer:
         self.world_size = world_size
         self._clock = clock
         self._state = _State(saved_at=clock())
-        self._writer = _writer.Writer(self.directory)
+        self._writer = checkpoint_writer.Writer(self.directory)
         self._async: _Async = _Async()
 
     # ----- what the training loop reads ---------------------------------------------------------
@@ -211,7 +211,7 @@ class Checkpointer:
         return self._state.restored_step
 
     @property
-    def saves(self) -> tuple[_writer.SaveRecord, ...]:
+    def saves(self) -> tuple[checkpoint_writer.SaveRecord, ...]:
         """Every save of this checkpointer, in order: its step, mode, what the training thread
         paid for it (``stall_s``, of it ``waited_s`` for the previous write) and how its write
         ended (`resilient_strategy.frameworks.checkpoint_writer.SaveRecord`)."""
@@ -222,7 +222,7 @@ class Checkpointer:
         """Seconds the training thread spent in checkpoint saves so far."""
         return sum(r.stall_s for r in self._writer.records)
 
-    def wait(self, timeout: float = _writer.WAIT_S) -> bool:
+    def wait(self, timeout: float = checkpoint_writer.WAIT_S) -> bool:
         """Wait up to ``timeout`` seconds for the checkpoint write in flight (asynchronous
         saves); True when none is left. Raises the write's error when it failed (a full or
         read-only disk: NoSpaceError naming the file; the newest complete checkpoint stays)."""
@@ -308,25 +308,25 @@ class Checkpointer:
             return False
         state = self.state_dict()
         mode, reason = self._mode(sharded, state)
-        record = _writer.SaveRecord(step=s.optimizer_steps, mode=mode, stall_s=0.0,
+        record = checkpoint_writer.SaveRecord(step=s.optimizer_steps, mode=mode, stall_s=0.0,
                                     waited_s=waited, reason=reason)
         index = self._writer.record(record)
         try:
             if sharded:
                 self._save_sharded(state, mode, index)
-            elif mode == _writer.ASYNC:
-                copy, ready = _writer.snapshot(state, self._async.buffers)
+            elif mode == checkpoint_writer.ASYNC:
+                copy, ready = checkpoint_writer.snapshot(state, self._async.buffers)
                 self._writer.start(index, functools.partial(self._write, copy, ready,
                                                             s.optimizer_steps))
             else:
                 self._write(state, None, s.optimizer_steps)
         except BaseException as exc:
-            self._writer.update(index, outcome=_writer.FAILED, error=_writer.one_line(exc),
+            self._writer.update(index, outcome=checkpoint_writer.FAILED, error=checkpoint_writer.one_line(exc),
                                 stall_s=time.perf_counter() - t0)
             raise
         changes: dict[str, Any] = {"stall_s": time.perf_counter() - t0}
-        if mode == _writer.SYNC:
-            changes.update(outcome=_writer.WRITTEN, write_s=changes["stall_s"] - waited)
+        if mode == checkpoint_writer.SYNC:
+            changes.update(outcome=checkpoint_writer.WRITTEN, write_s=changes["stall_s"] - waited)
         self._writer.update(index, **changes)
         return self.rank == 0
 
@@ -338,16 +338,16 @@ class Checkpointer:
             self._writer.raise_error()
             return 0.0
         t0 = time.perf_counter()
-        done = self._writer.wait(_writer.WAIT_S)
+        done = self._writer.wait(checkpoint_writer.WAIT_S)
         self._writer.raise_error()
         waited = time.perf_counter() - t0
         step = self._state.optimizer_steps
         if not done:
             log.warning("resilient_strategy: the previous checkpoint is still being written after "
                         "%.0f s; the checkpoint of step %d is skipped", waited, step)
-            self._writer.record(_writer.SaveRecord(step=step, mode=_writer.ASYNC,
+            self._writer.record(checkpoint_writer.SaveRecord(step=step, mode=checkpoint_writer.ASYNC,
                                                    stall_s=waited, waited_s=waited,
-                                                   outcome=_writer.SKIPPED))
+                                                   outcome=checkpoint_writer.SKIPPED))
             return None
         if not self._async.said_wait:
             self._async.said_wait = True
@@ -360,18 +360,18 @@ class Checkpointer:
         """Asynchronous unless asked otherwise, or unless the host copy would not fit the memory
         available (decided at the first save; agreed by every rank when sharded)."""
         if not self.asynchronous:
-            return _writer.SYNC, ""
+            return checkpoint_writer.SYNC, ""
         if self._async.fits is None:
             from ..machine.host import available_memory
 
             if sharded:
                 from . import sharded_checkpoint
 
-                size = _writer.tensor_bytes(sharded_checkpoint.state_dicts(
+                size = checkpoint_writer.tensor_bytes(sharded_checkpoint.state_dicts(
                     self._state.model, self._state.optimizer)) * self.local_ranks
             else:
-                size = _writer.tensor_bytes(state)
-            fits = _writer.fits_host(size, available_memory())
+                size = checkpoint_writer.tensor_bytes(state)
+            fits = checkpoint_writer.fits_host(size, available_memory())
             if sharded:
                 fits = self._agree(fits)
             self._async.fits = fits
@@ -379,7 +379,7 @@ class Checkpointer:
                 log.warning("resilient_strategy: checkpoints are written synchronously: a host "
                             "copy of the training state (%d MiB) would not fit the memory "
                             "available", size >> 20)
-        return (_writer.ASYNC, "") if self._async.fits else (_writer.SYNC, "host_memory")
+        return (checkpoint_writer.ASYNC, "") if self._async.fits else (checkpoint_writer.SYNC, "host_memory")
 
     def _agree(self, fits: bool) -> bool:
         """Every rank of a sharded save takes the same mode (the collectives differ)."""
@@ -410,7 +410,7 @@ class Checkpointer:
         from . import sharded_checkpoint
 
         s, steps = self._state, self._state.optimizer_steps
-        if mode == _writer.SYNC:
+        if mode == checkpoint_writer.SYNC:
             step = sharded_checkpoint.save(self.directory, s.model, s.optimizer, meta, self.rank)
             if self.rank == 0:
                 note_checkpoint(steps, step)
@@ -420,7 +420,7 @@ class Checkpointer:
 
             self._async.dcp_writer = sharded_checkpoint.private_writer(
                 self.directory, cache=torch.cuda.is_available())
-        meta_copy, _ = _writer.snapshot(meta)
+        meta_copy, _ = checkpoint_writer.snapshot(meta)
         step, finish = sharded_checkpoint.save_async(
             self.directory, s.model, s.optimizer, meta_copy, self.rank, group=self._group(),
             writer=self._async.dcp_writer)
@@ -487,7 +487,7 @@ class Checkpointer:
 
         # a write of this process into the directory ends first: a resume reads only complete
         # checkpoints, and the newest of them
-        _writer.wait_for(self.directory)
+        checkpoint_writer.wait_for(self.directory)
         if not os.path.lexists(self.directory):
             return False
         # the one set of rules, before anything in the directory is looked at: the directory,
