@@ -32,7 +32,8 @@ be this user's own and not writable by group or others (created 0700 when absent
 is read only when it is a regular file of this user's, not through a symlink, never with
 ``weights_only=False``. Each save keeps the one before as ``checkpoint.prev.pt`` (a hard link,
 so ``checkpoint.pt`` is always whole); the temporary file of a writer killed mid-write
-(``.tmp-<pid>-...``) is never read, and is swept at the next restore; a damaged latest checkpoint is set aside as
+(``.tmp-<pid>-...``) is never read, and is swept at the next restore; a damaged latest
+checkpoint is set aside as
 ``.corrupt`` with a warning and the previous one is loaded; with none to fall back to, a
 `CheckpointError` names the file.
 
@@ -321,7 +322,8 @@ class Checkpointer:
             else:
                 self._write(state, None, s.optimizer_steps)
         except BaseException as exc:
-            self._writer.update(index, outcome=checkpoint_writer.FAILED, error=checkpoint_writer.one_line(exc),
+            self._writer.update(index, outcome=checkpoint_writer.FAILED,
+                                error=checkpoint_writer.one_line(exc),
                                 stall_s=time.perf_counter() - t0)
             raise
         changes: dict[str, Any] = {"stall_s": time.perf_counter() - t0}
@@ -345,9 +347,9 @@ class Checkpointer:
         if not done:
             log.warning("resilient_strategy: the previous checkpoint is still being written after "
                         "%.0f s; the checkpoint of step %d is skipped", waited, step)
-            self._writer.record(checkpoint_writer.SaveRecord(step=step, mode=checkpoint_writer.ASYNC,
-                                                   stall_s=waited, waited_s=waited,
-                                                   outcome=checkpoint_writer.SKIPPED))
+            self._writer.record(checkpoint_writer.SaveRecord(
+                step=step, mode=checkpoint_writer.ASYNC, stall_s=waited, waited_s=waited,
+                outcome=checkpoint_writer.SKIPPED))
             return None
         if not self._async.said_wait:
             self._async.said_wait = True
@@ -379,7 +381,9 @@ class Checkpointer:
                 log.warning("resilient_strategy: checkpoints are written synchronously: a host "
                             "copy of the training state (%d MiB) would not fit the memory "
                             "available", size >> 20)
-        return (checkpoint_writer.ASYNC, "") if self._async.fits else (checkpoint_writer.SYNC, "host_memory")
+        if self._async.fits:
+            return checkpoint_writer.ASYNC, ""
+        return checkpoint_writer.SYNC, "host_memory"
 
     def _agree(self, fits: bool) -> bool:
         """Every rank of a sharded save takes the same mode (the collectives differ)."""
