@@ -2,7 +2,7 @@
 
     python benchmarks/bench_checkpoint.py                          # CPU, one process
     python benchmarks/bench_checkpoint.py --device cuda            # one GPU
-    torchrun --nproc_per_node 2 benchmarks/bench_checkpoint.py --device cuda [--sharding full]
+    torchrun --nproc_per_node 2 benchmarks/bench_checkpoint.py --device cuda --dir D [--sharding full]
     python benchmarks/bench_checkpoint.py --resume-check --device cuda --nproc 2 [--sharding full]
 
 The table: an MLP (``--hidden`` x ``--depth``, AdamW: the checkpoint holds weights and two
@@ -138,6 +138,13 @@ def _one(args: argparse.Namespace, mode: str, every: int, directory: Path) -> di
     return {"seconds": seconds, "saves": saves, "state_bytes": state_bytes}
 
 
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
 def _load() -> tuple[float, float, float]:
     try:
         return os.getloadavg()
@@ -149,6 +156,8 @@ def table(args: argparse.Namespace) -> str:
     import torch
 
     rank = int(os.environ.get("RANK", "0"))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not args.dir:
+        raise SystemExit("under torchrun, name the directory every rank writes in: --dir DIR")
     load = _load()
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="rs-bench-ckpt-"))
     configs = list(dict.fromkeys([("none", 0), ("sync", 10), ("async", 10),
@@ -159,6 +168,7 @@ def table(args: argparse.Namespace) -> str:
             for mode, every in configs:
                 directory = root / f"{mode}-{every}-{r}"
                 runs[(mode, every)].append(_one(args, mode, every, directory))
+                _barrier()  # every rank's writes are done before rank 0 removes them
                 if rank == 0:
                     shutil.rmtree(directory, ignore_errors=True)
     finally:
