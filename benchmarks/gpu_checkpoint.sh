@@ -16,7 +16,9 @@ cd "$(dirname "$0")/.."
 out=${1:-${OUT:-gpu-out}}
 mkdir -p "$out"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export RESILIENT_STRATEGY_CACHE_DIR="${RESILIENT_STRATEGY_CACHE_DIR:-$out/cache}"
+scratch=$(mktemp -d)  # checkpoints and the cache: GBs, never results
+trap 'rm -rf "$scratch"' EXIT
+export RESILIENT_STRATEGY_CACHE_DIR="${RESILIENT_STRATEGY_CACHE_DIR:-$scratch/cache}"
 PY=${PY:-python3}
 {
   echo "NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE-unset}"
@@ -25,17 +27,17 @@ PY=${PY:-python3}
   df -h "$out" | tail -1
 } 2>&1 | tee "$out/machine.txt"
 table="--device cuda --hidden 2048 --depth 8 --batch 256 --steps 40 --every 30 --rounds 2"
-timeout 75 $PY benchmarks/bench_checkpoint.py $table --dir "$out/ckpt-1gpu" \
+timeout 75 $PY benchmarks/bench_checkpoint.py $table --dir "$scratch/ckpt-1gpu" \
   2>&1 | tee "$out/checkpoint-1gpu.md"
 timeout 75 $PY -m torch.distributed.run --standalone --nproc_per_node 2 \
-  benchmarks/bench_checkpoint.py $table --dir "$out/ckpt-ddp" 2>&1 | tee "$out/checkpoint-ddp.md"
+  benchmarks/bench_checkpoint.py $table --dir "$scratch/ckpt-ddp" 2>&1 | tee "$out/checkpoint-ddp.md"
 timeout 75 $PY -m torch.distributed.run --standalone --nproc_per_node 2 \
-  benchmarks/bench_checkpoint.py $table --sharding full --dir "$out/ckpt-fsdp" \
+  benchmarks/bench_checkpoint.py $table --sharding full --dir "$scratch/ckpt-fsdp" \
   2>&1 | tee "$out/checkpoint-fsdp.md"
-rm -rf "$out"/ckpt-1gpu "$out"/ckpt-ddp "$out"/ckpt-fsdp  # the checkpoints themselves: GBs
+rm -rf "$scratch"/ckpt-1gpu "$scratch"/ckpt-ddp "$scratch"/ckpt-fsdp
 for sharding in none full; do
   timeout 80 $PY benchmarks/bench_checkpoint.py --resume-check --device cuda --nproc 2 \
-    --hidden 2048 --sharding "$sharding" --out "$out/resume-$sharding" \
+    --hidden 2048 --sharding "$sharding" --out "$scratch/resume-$sharding" \
     2>&1 | tee "$out/resume-$sharding.md"
-  rm -rf "$out/resume-$sharding"/*/ckpt
+  rm -rf "$scratch/resume-$sharding"
 done
