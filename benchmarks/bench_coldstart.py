@@ -14,7 +14,10 @@ of torchrun to its exit:
 - ``cold``: ``resilient_strategy(framework="torch")`` with a fresh cache directory (it probes),
   then ``import torch``, the process group through ``sel.scope()``, the same three checked
   all-reduces, ``sel.shutdown()``;
-- ``cached``: the same script with the cache the first cold launch filled (no probe).
+- ``cached``: the same script with the cache the first cold launch filled (no probe);
+- ``overlap`` (with ``--overlap``): ``cold`` with ``torch.distributed`` imported in a thread of
+  the script while the decision runs (what the library could do itself: the ranks wait idle
+  while local rank 0's probe runs), to measure what that would save before building it.
 
 Each rank marks when its script began, when each step ended (monotonic clock, one for every
 process of the machine), and the decision's own account: ``sel.decided_in_s`` and, when it
@@ -29,6 +32,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -86,6 +90,10 @@ HAND = _COMMON + textwrap.dedent("""
 """)
 
 LIBRARY = _COMMON + textwrap.dedent("""
+    if os.environ.get("RS_COLD_OVERLAP") == "1":  # torch imported beside the decision
+        import importlib, threading
+        threading.Thread(target=importlib.import_module, args=("torch.distributed",),
+                         daemon=True).start()
     import resilient_strategy
     mark("import")
     sel = resilient_strategy.resilient_strategy(framework="torch", global_batch_size=64)
@@ -120,6 +128,7 @@ def launch(kind: str, args: argparse.Namespace, work: Path, cache: Path) -> dict
     script = work / f"{'hand' if kind == 'hand' else 'library'}.py"
     env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")}
     env.update({"PYTHONPATH": args.src, "RS_COLD_OUT": str(out), "RS_COLD_DEVICE": args.device,
+                "RS_COLD_OVERLAP": "1" if kind == "overlap" else "0",
                 "RESILIENT_STRATEGY_CACHE_DIR": str(cache), "TMPDIR": str(work / "tmp")})
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -127,12 +136,18 @@ def launch(kind: str, args: argparse.Namespace, work: Path, cache: Path) -> dict
             "--nproc_per_node", str(args.nproc), str(script)]
     t0 = time.monotonic()
     env["RS_COLD_T0"] = repr(t0)
-    proc = subprocess.run(argv, env=env, cwd=work, capture_output=True, text=True,
-                          timeout=args.deadline)
+    # its own session: a deadline or an interruption ends torchrun and its workers together
+    proc = subprocess.Popen(argv, env=env, cwd=work, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=args.deadline)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     wall = time.monotonic() - t0
     if proc.returncode != 0:
-        raise SystemExit(f"{kind} launch failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                         f"{proc.stderr[-3000:]}")
+        raise SystemExit(f"{kind} launch failed ({proc.returncode}):\n{output[-4000:]}")
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
     shutil.rmtree(out)
     # per mark, the slowest rank (the launch waits for it)
@@ -168,7 +183,8 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> s
     lines = [f"device {args.device}, {args.nproc} ranks, {args.repeat} launches each "
              f"(interleaved), src {args.src}", "",
              "| launch | wall s (median) | each | vs hand | goal |", "|---|---|---|---|---|"]
-    for kind in ("hand", "cold", "cached"):
+    kinds = list(runs)
+    for kind in kinds:
         walls = [r["wall_s"] for r in runs[kind]]
         med = statistics.median(walls)
         ratio = med / hand if hand > 0 else float("nan")
@@ -176,12 +192,12 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> s
         lines.append(f"| {kind} | {med:.2f} | {', '.join(f'{w:.2f}' for w in walls)} | "
                      f"{ratio:.2f}x | {goal} |")
     lines += ["", "Phases of the median launch of each kind (seconds; each mark is the slowest "
-              "rank's):", "", "| phase | hand | cold | cached |", "|---|---|---|---|"]
+              "rank's):", "", "| phase | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
     meds = {k: median_run(v) for k, v in runs.items()}
     table = {k: dict(phases_of(r)) for k, r in meds.items()}
     for name in [p for p, _ in PHASES] + ["exit + torchrun's teardown"]:
         cells = [f"{table[k][name]:.2f}" if name in table[k] else "-"
-                 for k in ("hand", "cold", "cached")]
+                 for k in kinds]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     cold = meds["cold"]
     lines += ["", f"The cold decision ({cold['chosen']}): `decided_in_s` {cold['decided_in_s']:.2f} s"
@@ -202,10 +218,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--deadline", type=float, default=300.0, help="seconds per launch")
     p.add_argument("--src", default=str(ROOT / "src"), help="the tree to run (PYTHONPATH)")
+    p.add_argument("--overlap", action="store_true", help="also the `overlap` launch")
     p.add_argument("--out", default="", help="also write the table here")
     p.add_argument("--json", default="", help="also write every launch here")
     args = p.parse_args(argv)
-    runs: dict[str, list[dict[str, Any]]] = {"hand": [], "cold": [], "cached": []}
+    kinds = ["hand", "cold", "cached", *(["overlap"] if args.overlap else [])]
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's TERM cleans up too
     with tempfile.TemporaryDirectory(prefix="rs-coldstart-") as top:
         work = Path(top)
         (work / "tmp").mkdir()
@@ -214,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         warm = work / "cache-warm"
         for i in range(args.repeat):
             # alternate which goes first: a launch right after another finds a warmer machine
-            order = ["hand", "cold", "cached"] if i % 2 == 0 else ["cold", "cached", "hand"]
+            order = kinds if i % 2 == 0 else kinds[1:] + kinds[:1]
             for kind in order:
                 cache = warm if kind == "cached" else work / f"cache-{kind}-{i}"
                 if kind == "cached" and not warm.exists():

@@ -26,7 +26,9 @@ One job per fault rather than four faults in one job: a hang under torchrun's de
 library stepping down to one process after a backend failure, would hide every later fault.
 
 Per job, measured from outside (every way the same): the wall time; the productive step time
-(each step that counts once, at its own duration, from rank 0's step marks); goodput
+(the steps that count, each once, at the job's healthy step time: the median of its first
+attempt's steps before the fault, from rank 0's step marks; in brackets the same steps as long
+as they took, which a slower strategy after a step-down makes longer); goodput
 (productive / wall); and the fault's badput split into detection + stop (from the fault until
 every worker process of the faulted attempt is gone), restart (until the first step of the
 next attempt) and lost work (until the step the job had reached at the fault is reached
@@ -39,6 +41,7 @@ accounting (the summary line's goodput) is shown next to it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -174,6 +177,9 @@ class Result:
     restarted_s: float | None = None
     recovered_s: float | None = None
     capped: bool = False
+    #: the healthy step time (first attempt's median) and the counted steps as long as they took
+    step_s: float = 0.0
+    counted_s: float = 0.0
     #: seconds from the fault to the job's end
     after_s: float = 0.0
     library_goodput: float | None = None
@@ -204,10 +210,10 @@ class Result:
         good = f"{100 * self.goodput:.1f}%" + (" (at most)" if self.capped else "")
         lib = "-" if self.library_goodput is None else f"{self.library_goodput:.1f}%"
         return [self.way, self.fault, self.outcome, f"{self.wall_s:.1f}", str(self.steps),
-                f"{self.productive_s:.1f}", good, self.badput(), self.split(), lib, self.note]
+                f"{self.productive_s:.1f} ({self.counted_s:.1f})", good, self.badput(), self.split(), lib, self.note]
 
 
-HEADER = ["way", "fault", "outcome", "wall s", "steps", "productive s", "goodput",
+HEADER = ["way", "fault", "outcome", "wall s", "steps", "productive s (as run)", "goodput",
           "fault badput s", "split s", "library's own goodput", "note"]
 
 
@@ -249,8 +255,10 @@ class Job:
             argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                     "--nproc_per_node", "2", *restarts, str(script), ckpt]
         self.started = time.time()
-        self.proc = subprocess.Popen(argv, env=env, cwd=self.tmp, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
+        # a file, not a pipe: a stopped worker left behind would hold a pipe open
+        with open(self.tmp / "output.txt", "w") as out:
+            self.proc = subprocess.Popen(argv, env=env, cwd=self.tmp, stdout=out,
+                                         stderr=subprocess.STDOUT, text=True)
 
     def step_of(self, rank: int) -> int:
         try:
@@ -288,14 +296,16 @@ class Job:
         if self.proc.poll() is None:
             res.capped = True
             _end(self.proc)
-        out = self.proc.stdout.read() if self.proc.stdout else ""
         self.proc.wait(timeout=30)
         end = time.time()
         if stopped_at is None and workers and not res.capped:
             stopped_at = end
-        for pid in pids_with_env({TAG_VAR: self.tag}):  # never leave any behind
+        left = pids_with_env({TAG_VAR: self.tag})
+        for pid in left:  # never leave any behind
             _cont_kill(pid)
-        (self.tmp / "output.txt").write_text(out)
+        if left:
+            res.note = f"{len(left)} worker(s) left behind by the launcher (killed by the bench)"
+        out = (self.tmp / "output.txt").read_text(errors="replace")
         res.wall_s = end - self.started
         code = self.proc.returncode
         if res.capped:
@@ -318,16 +328,20 @@ class Job:
         # each step that counts once: its last run, at its own duration (from the step before
         # it in the same process); an attempt's first step at the job's median step time
         last: dict[int, tuple[float, int]] = {}
-        durations: dict[int, float | None] = {}
+        durations: dict[int, float | None] = {}  # each step's last run, as long as it took
         prev: dict[int, float] = {}
         for step, at, pid in lines:
             last[step] = (at, pid)
             durations[step] = at - prev[pid] if pid in prev else None
             prev[pid] = at
-        known = [d for d in durations.values() if d is not None]
-        median = statistics.median(known) if known else 0.0
+        # the job's healthy step time: the median of its first attempt's steps (before the fault)
+        first_pid = lines[0][2] if lines else None
+        healthy = [at - prev_at for (_, prev_at, p0), (_, at, p1) in itertools.pairwise(lines)
+                   if p0 == p1 == first_pid and (fault_at is None or at <= fault_at)]
+        res.step_s = statistics.median(healthy) if healthy else 0.0
         res.steps = max(last, default=0)
-        res.productive_s = sum(median if d is None else d for d in durations.values())
+        res.productive_s = len(last) * res.step_s
+        res.counted_s = sum(res.step_s if d is None else d for d in durations.values())
         if fault_at is None:
             return
         before = [s for s, at, _ in lines if at <= fault_at]
@@ -340,7 +354,7 @@ class Job:
             back = [at for s, at, _ in lines if at > stopped_at and s >= res.fault_step]
             if back:
                 res.recovered_s = min(back) - fault_at
-        res.after_s = self.started + res.wall_s - fault_at
+        res.after_s = self.args.hang_s if res.capped else self.started + res.wall_s - fault_at
 
 
 def _alive(pid: int) -> bool:
@@ -465,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
     p.add_argument("--at", type=int, default=15, help="the step the fault comes at")
     p.add_argument("--max-restarts", type=int, default=3, help="torchrun's --max-restarts")
-    p.add_argument("--hang-s", type=float, default=30.0,
+    p.add_argument("--hang-s", type=float, default=20.0,
                    help="stop a job that nothing restarted this long after its fault")
     p.add_argument("--deadline", type=float, default=240.0,
                    help="seconds a job may take in all (to reach its fault, to finish)")

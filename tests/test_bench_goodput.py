@@ -30,7 +30,7 @@ bc = _load("bench_coldstart")
 
 
 def _job(tmp: Path, lines: list[tuple[int, float, int]]) -> object:
-    job = bg.Job(argparse.Namespace(), "torchrun", tmp)
+    job = bg.Job(argparse.Namespace(hang_s=45.0), "torchrun", tmp)
     job.marks.mkdir(parents=True)
     (job.marks / "steps.log").write_text("".join(f"{s} {t} {p}\n" for s, t, p in lines))
     job.started = 0.0
@@ -47,9 +47,10 @@ def test_a_resumed_job_counts_each_step_once_and_splits_the_fault(tmp_path: Path
     res = bg.Result("torchrun", "kill", wall_s=50.0)
     job._account(res, fault_at=27.5, stopped_at=28.0)
     assert res.steps == 20 and res.fault_step == 17
-    # steps 1..10 of attempt 1 and 11..20 of attempt 2: 19 measured seconds and two first
-    # steps (1 and 11) at the median (1 s)
-    assert res.productive_s == pytest.approx(20.0)
+    # 20 steps count, each once, at the first attempt's median step time (1 s); as they ran:
+    # steps 1..10 of attempt 1 and 11..20 of attempt 2, their first steps at that time
+    assert res.step_s == pytest.approx(1.0)
+    assert res.productive_s == pytest.approx(20.0) and res.counted_s == pytest.approx(20.0)
     assert (res.stopped_s, res.restarted_s, res.recovered_s) == pytest.approx((0.5, 12.5, 18.5))
     assert res.badput() == "18.5"
     assert res.goodput == pytest.approx(20.0 / 50.0)
@@ -60,10 +61,21 @@ def test_a_job_that_never_came_back_is_lost_or_capped(tmp_path: Path) -> None:
     lost = bg.Result("unsupervised", "kill", wall_s=30.0)
     job._account(lost, fault_at=27.5, stopped_at=28.0)
     assert lost.recovered_s is None and lost.badput() == "job lost"
-    hung = bg.Result("torchrun", "stop", wall_s=72.5, capped=True)
+    hung = bg.Result("torchrun", "stop", wall_s=82.5, capped=True)
     job._account(hung, fault_at=27.5, stopped_at=None)
-    assert hung.stopped_s is None and hung.after_s == pytest.approx(45.0)
-    assert hung.badput() == "> 45"
+    assert hung.stopped_s is None and hung.after_s == pytest.approx(45.0)  # the bench's cap
+    assert hung.badput() == "> 45" and hung.productive_s == pytest.approx(17.0)
+
+
+def test_steps_slowed_after_a_step_down_count_at_the_healthy_step_time(tmp_path: Path) -> None:
+    # attempt 2 runs its steps 3 s each (one process, accumulating): the productive time
+    # counts them at the healthy 1 s; as run they took longer
+    first = [(s, 9.0 + s, 1) for s in range(1, 18)]
+    second = [(s, 40.0 + 3 * (s - 11), 2) for s in range(11, 21)]
+    res = bg.Result("library", "comm", wall_s=80.0)
+    _job(tmp_path, first + second)._account(res, fault_at=27.5, stopped_at=28.0)
+    assert res.productive_s == pytest.approx(20.0)
+    assert res.counted_s == pytest.approx(10.0 + 3.0 * 9 + 1.0)
 
 
 def test_the_cold_start_phases_add_up_to_the_wall_time() -> None:
