@@ -32,8 +32,9 @@ as they took, which a slower strategy after a step-down makes longer); goodput
 (productive / wall); and the fault's badput split into detection + stop (from the fault until
 every worker process of the faulted attempt is gone), restart (until the first step of the
 next attempt) and lost work (until the step the job had reached at the fault is reached
-again). A job with no worker but the faulted attempt's ``--hang-s`` seconds after its fault
-(nothing restarted it) is stopped and reported as "> N s" (torch's default timeout for a gloo collective is 30 minutes, for NCCL 10 minutes:
+again). A job in which nothing happened for ``--hang-s`` seconds after its fault (no worker
+started or ended, no step marked) is stopped and its fault's badput reported as "> N s", the
+seconds from the fault to that stop (torch's default timeout for a gloo collective is 30 minutes, for NCCL 10 minutes:
 pytorch/pytorch#110947); one whose launcher gave up is "job lost". Under the library, its own
 accounting (the summary line's goodput) is shown next to it.
 """
@@ -180,7 +181,7 @@ class Result:
     #: the healthy step time (first attempt's median) and the counted steps as long as they took
     step_s: float = 0.0
     counted_s: float = 0.0
-    #: seconds from the fault to the job's end
+    #: seconds from the fault to the job's end (capped: to the bench stopping it)
     after_s: float = 0.0
     library_goodput: float | None = None
     note: str = ""
@@ -278,23 +279,33 @@ class Job:
     def workers(self) -> list[int]:
         return [p for r in (0, 1) for p in pids_with_env({TAG_VAR: self.tag, "RANK": str(r)})]
 
-    def _resumed(self, workers: list[int]) -> bool:
-        """Whether workers other than the faulted attempt's run (a restart under way)."""
-        return any(pid not in workers for pid in self.workers())
+    def _log_size(self) -> int:
+        try:
+            return (self.marks / "steps.log").stat().st_size
+        except OSError:
+            return 0
 
     def finish(self, res: Result, fault_at: float | None, workers: list[int]) -> Result:
+        """Wait for the job to end: after its fault, stop it once nothing happened for
+        ``--hang-s`` seconds (no worker started or ended, no step marked); in all, by
+        ``--deadline``."""
         assert self.proc is not None
-        deadline = (fault_at or time.time()) + self.args.hang_s if fault_at is not None \
-            else self.started + self.args.deadline
+        end_by = self.started + self.args.deadline
         stopped_at = None
-        while self.proc.poll() is None and time.time() < deadline:
+        last_event, seen, size = time.time(), frozenset(workers), -1
+        while self.proc.poll() is None and time.time() < end_by:
+            now = time.time()
             if stopped_at is None and workers and not any(_alive(p) for p in workers):
-                stopped_at = time.time()
-            if fault_at is not None and self._resumed(workers):  # restarted: let it end
-                deadline = self.started + self.args.deadline
+                stopped_at = now
+            state = frozenset(self.workers()), self._log_size()
+            if state != (seen, size):
+                last_event, (seen, size) = now, state
+            if fault_at is not None and now - last_event > self.args.hang_s:
+                break
             time.sleep(0.05)
         if self.proc.poll() is None:
             res.capped = True
+            res.after_s = time.time() - (fault_at or self.started)
             _end(self.proc)
         self.proc.wait(timeout=30)
         end = time.time()
@@ -309,7 +320,7 @@ class Job:
         res.wall_s = end - self.started
         code = self.proc.returncode
         if res.capped:
-            res.outcome = f"stopped by the bench {self.args.hang_s:.0f} s after the fault"
+            res.outcome = f"no progress for {self.args.hang_s:.0f} s: stopped by the bench"
         elif code != 0:
             res.outcome = f"failed (exit {code})"
         self._account(res, fault_at, stopped_at)
@@ -354,7 +365,8 @@ class Job:
             back = [at for s, at, _ in lines if at > stopped_at and s >= res.fault_step]
             if back:
                 res.recovered_s = min(back) - fault_at
-        res.after_s = self.args.hang_s if res.capped else self.started + res.wall_s - fault_at
+        if not res.capped:
+            res.after_s = self.started + res.wall_s - fault_at
 
 
 def _alive(pid: int) -> bool:
@@ -479,8 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
     p.add_argument("--at", type=int, default=15, help="the step the fault comes at")
     p.add_argument("--max-restarts", type=int, default=3, help="torchrun's --max-restarts")
-    p.add_argument("--hang-s", type=float, default=20.0,
-                   help="stop a job that nothing restarted this long after its fault")
+    p.add_argument("--hang-s", type=float, default=30.0,
+                   help="after the fault, stop a job in which nothing happened this long")
     p.add_argument("--deadline", type=float, default=240.0,
                    help="seconds a job may take in all (to reach its fault, to finish)")
     p.add_argument("--src", default=str(ROOT / "src"), help="the tree to run (PYTHONPATH)")
@@ -504,8 +516,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
     text = (f"device {args.device}, 2 ranks, {args.steps} steps of {args.step_s} s, checkpoint "
             f"every {args.every} steps, the fault on rank 1 at step {args.at}; torchrun "
-            f"--max-restarts {args.max_restarts}; jobs stopped {args.hang_s:.0f} s after "
-            f"their fault; {time.monotonic() - t0:.0f} s in all; src {args.src}\n\n"
+            f"--max-restarts {args.max_restarts}; a job with no progress {args.hang_s:.0f} s "
+            f"after its fault stopped; {time.monotonic() - t0:.0f} s in all; src {args.src}\n\n"
             + table(rows) + "\n\n" + per_way(rows))
     print("\n" + text)
     if args.out:
