@@ -17,7 +17,9 @@ of torchrun to its exit:
 - ``cached``: the same script with the cache the first cold launch filled (no probe);
 - ``overlap`` (with ``--overlap``): ``cold`` with ``torch.distributed`` imported in a thread of
   the script while the decision runs (what the library could do itself: the ranks wait idle
-  while local rank 0's probe runs), to measure what that would save before building it.
+  while local rank 0's probe runs), to measure what that would save before building it. The
+  thread starts after ``import resilient_strategy``: started before it, the two threads'
+  imports raced (``dataclasses`` read a partially initialised ``typing`` and raised).
 
 Each rank marks when its script began, when each step ended (monotonic clock, one for every
 process of the machine), and the decision's own account: ``sel.decided_in_s`` and, when it
@@ -90,12 +92,14 @@ HAND = _COMMON + textwrap.dedent("""
 """)
 
 LIBRARY = _COMMON + textwrap.dedent("""
+    import resilient_strategy
+    mark("import")
     if os.environ.get("RS_COLD_OVERLAP") == "1":  # torch imported beside the decision
+        # after the package's own imports: started before them, the thread's imports raced the
+        # main thread's (dataclasses read a partially initialised `typing` and raised)
         import importlib, threading
         threading.Thread(target=importlib.import_module, args=("torch.distributed",),
                          daemon=True).start()
-    import resilient_strategy
-    mark("import")
     sel = resilient_strategy.resilient_strategy(framework="torch", global_batch_size=64)
     mark("decided")
     import torch
