@@ -196,7 +196,8 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> s
         lines.append(f"| {kind} | {med:.2f} | {', '.join(f'{w:.2f}' for w in walls)} | "
                      f"{ratio:.2f}x | {goal} |")
     lines += ["", "Phases of the median launch of each kind (seconds; each mark is the slowest "
-              "rank's):", "", "| phase | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
+              "rank's):", "", "| phase | " + " | ".join(kinds) + " |",
+              "|---|" + "---|" * len(kinds)]
     meds = {k: median_run(v) for k, v in runs.items()}
     table = {k: dict(phases_of(r)) for k, r in meds.items()}
     for name in [p for p, _ in PHASES] + ["exit + torchrun's teardown"]:
@@ -204,8 +205,9 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> s
                  for k in kinds]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     cold = meds["cold"]
-    lines += ["", f"The cold decision ({cold['chosen']}): `decided_in_s` {cold['decided_in_s']:.2f} s"
-              f" (the slowest rank's); cached: {meds['cached']['decided_in_s']:.2f} s."]
+    lines += ["", f"The cold decision ({cold['chosen']}): `decided_in_s` "
+              f"{cold['decided_in_s']:.2f} s (the slowest rank's); cached: "
+              f"{meds['cached']['decided_in_s']:.2f} s."]
     if cold["probe_s"] is not None:
         lines.append(f"Its probe: {cold['probe_s']:.2f} s, of which (from the probe's start, the "
                      "slowest probe rank): " + ", ".join(

@@ -34,9 +34,9 @@ every worker process of the faulted attempt is gone), restart (until the first s
 next attempt) and lost work (until the step the job had reached at the fault is reached
 again). A job in which nothing happened for ``--hang-s`` seconds after its fault (no worker
 started or ended, no step marked) is stopped and its fault's badput reported as "> N s", the
-seconds from the fault to that stop (torch's default timeout for a gloo collective is 30 minutes, for NCCL 10 minutes:
-pytorch/pytorch#110947); one whose launcher gave up is "job lost". Under the library, its own
-accounting (the summary line's goodput) is shown next to it.
+seconds from the fault to that stop (torch's default timeout for a gloo collective is 30
+minutes, for NCCL 10 minutes: pytorch/pytorch#110947); one whose launcher gave up is "job
+lost". Under the library, its own accounting (the summary line's goodput) is shown next to it.
 """
 
 from __future__ import annotations
@@ -211,7 +211,8 @@ class Result:
         good = f"{100 * self.goodput:.1f}%" + (" (at most)" if self.capped else "")
         lib = "-" if self.library_goodput is None else f"{self.library_goodput:.1f}%"
         return [self.way, self.fault, self.outcome, f"{self.wall_s:.1f}", str(self.steps),
-                f"{self.productive_s:.1f} ({self.counted_s:.1f})", good, self.badput(), self.split(), lib, self.note]
+                f"{self.productive_s:.1f} ({self.counted_s:.1f})", good, self.badput(),
+                self.split(), lib, self.note]
 
 
 HEADER = ["way", "fault", "outcome", "wall s", "steps", "productive s (as run)", "goodput",
