@@ -83,9 +83,12 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.samples, FEATURES, generator=g)
     y = (x @ torch.randn(FEATURES, CLASSES, generator=g)).argmax(dim=1)
+    on_gpu = sel.device.type == "cuda"
+    if on_gpu:  # the data on the device, the loader drawing indices (as examples/torch_train.py)
+        x, y = x.to(sel.device), y.to(sel.device)
     loader = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(x, y), batch_size=sel.batch_size, shuffle=True,
-        drop_last=True)
+        range(args.samples) if on_gpu else torch.utils.data.TensorDataset(x, y),
+        batch_size=sel.batch_size, shuffle=True, drop_last=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # type: ignore[attr-defined]
     ckpt = sel.checkpoint(args.checkpoint_dir, every_steps=args.checkpoint_every) \
         if args.checkpoint_dir else None
@@ -100,8 +103,12 @@ def main() -> None:
     for epoch in range(ckpt.epoch if ckpt else 0, args.epochs):
         sel.set_epoch(epoch)
         start, total, batches = time.perf_counter(), 0.0, 0
-        for xb, yb in loader:
-            xb, yb = xb.to(sel.device), yb.to(sel.device)
+        for batch in loader:
+            if on_gpu:  # a batch of indices into the data on the device
+                idx = batch.to(sel.device, non_blocking=True)
+                xb, yb = x[idx], y[idx]
+            else:
+                xb, yb = batch[0].to(sel.device), batch[1].to(sel.device)
             with sel.accumulate(model):  # no reduce-scatter until the last micro-step
                 with sel.autocast():
                     loss = F.cross_entropy(model(xb), yb)

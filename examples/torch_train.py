@@ -51,9 +51,15 @@ def main() -> None:
     x = torch.randn(args.samples, FEATURES, generator=g)
     y = (x @ torch.randn(FEATURES, CLASSES, generator=g) + 0.5 * torch.randn(
         args.samples, CLASSES, generator=g)).argmax(dim=1)
+    on_gpu = sel.device.type == "cuda"
+    if on_gpu:
+        # On GPUs the data lives on the device and the loader draws only indices (its sampler
+        # still shards, shuffles and resumes them), so samples/s measures the model and the
+        # strategy, not a CPU DataLoader collating a batch every step.
+        x, y = x.to(sel.device), y.to(sel.device)
     loader = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(x, y), batch_size=sel.batch_size, shuffle=True,
-        drop_last=True,
+        range(args.samples) if on_gpu else torch.utils.data.TensorDataset(x, y),
+        batch_size=sel.batch_size, shuffle=True, drop_last=True,
     )
 
     torch.manual_seed(0)
@@ -77,8 +83,12 @@ def main() -> None:
     for epoch in range(ckpt.epoch if ckpt else 0, args.epochs):
         sel.set_epoch(epoch)
         start, total, batches, updates = time.perf_counter(), 0.0, 0, 0
-        for xb, yb in loader:
-            xb, yb = xb.to(sel.device, non_blocking=True), yb.to(sel.device, non_blocking=True)
+        for batch in loader:
+            if on_gpu:  # a batch of indices into the data on the device
+                idx = batch.to(sel.device, non_blocking=True)
+                xb, yb = x[idx], y[idx]
+            else:
+                xb, yb = batch[0].to(sel.device), batch[1].to(sel.device)
             with sel.accumulate(model):  # no gradient all-reduce until the last micro-step
                 with sel.autocast():
                     loss = F.cross_entropy(model(xb), yb)
