@@ -173,16 +173,20 @@ def plan(
     gpus = _usable_gpus(facts, policy, b)
     b.events.append(FactsSeen(len(gpus), tuple(sorted({g.name for g in facts.gpus})), fw,
                               info.version, info.cuda, info.nccl,
-                              driver=facts.driver_version if gpus else None))
+                              driver=facts.driver_version if gpus else None,
+                              hip=info.hip or ("?" if info.build == "rocm" else None)))
 
     if policy.logical_cpus:
         gpus = tuple(range(policy.logical_cpus))
         b.note("logical_cpus",
                f"Test mode: {policy.logical_cpus} logical CPU devices stand in for GPUs.")
-    base, reference = _chain(fw, gpus, info.has_cuda or bool(policy.logical_cpus), policy, b)
+    hits = fired(rules, facts, fw, replicas=len(gpus))
+    if gpus and not policy.logical_cpus and any(r.effect == "no_gpu" for r in hits):
+        gpus = ()  # the build cannot run on these GPUs at all: planned as without them
+    base, reference = _chain(fw, gpus, info.has_cuda or bool(policy.logical_cpus), policy, b,
+                             info.build)
     reference = max(reference, reference_replicas)
     base = _shard(base, facts, policy, b)
-    hits = fired(rules, facts, fw, replicas=len(gpus))
     cands = _apply_rules(base, hits, policy, b)
     cands = _split_batches(cands, policy, b, reference)  # before results: keys name devices
     values = fact_values(facts, fw, replicas=len(gpus), nodes=policy.nodes) if results else {}
@@ -228,7 +232,8 @@ def _usable_gpus(facts: Facts, policy: Options, b: _Build) -> tuple[int, ...]:
 
 
 def _chain(
-    fw: str, gpus: tuple[int, ...], has_cuda: bool, policy: Options, b: _Build
+    fw: str, gpus: tuple[int, ...], has_cuda: bool, policy: Options, b: _Build,
+    build: str = "",
 ) -> tuple[list[Candidate], int]:
     """The static chain for this framework, before rules and results, and the number of
     devices the best plan would use (the one-device fallbacks accumulate that many steps)."""
@@ -237,9 +242,13 @@ def _chain(
     nodes = policy.nodes if fw == "torch" else 1
     local = n_proc // nodes  # processes (and GPUs used) per node
     if gpus and not has_cuda:
-        b.note("cpu_only_build",
-               f"{fw} is a CPU-only build: the GPUs are unusable from it; install a CUDA build to "
-               "use them.")
+        if build == "rocm":  # not CPU-only: it runs AMD GPUs, and these are NVIDIA's
+            b.note("rocm_build", f"{fw} is a ROCm build (AMD GPUs through HIP): it cannot use "
+                   "these NVIDIA GPUs; install a CUDA build to use them.")
+        else:
+            b.note("cpu_only_build",
+                   f"{fw} is a CPU-only build: the GPUs are unusable from it; install a CUDA "
+                   "build to use them.")
         gpus = ()
     if policy.multi_worker:
         return _multi_worker_chain(fw, gpus, has_cuda, policy, b)
@@ -405,6 +414,9 @@ def _apply_rules(
         if rule.effect == "warn":
             b.warnings.append(cite)
             fired_("warn")
+        elif rule.effect == "no_gpu":  # the chain was planned without the GPUs (`plan`)
+            b.warnings.append(cite)
+            fired_("no_gpu")
         elif rule.effect == "veto":
             out = [c for c in cands if _vetoed(c, rule.target)]
             if out:  # one line names every candidate it rules out, the rule's text once

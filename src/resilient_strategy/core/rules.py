@@ -9,7 +9,9 @@ value is unknown on this machine (torch not installed, /dev/shm unreadable) make
 
 Effects: ``veto`` (rule a backend out), ``prefer`` (try a backend first), ``remedy`` (add an NCCL
 variant with ``env``; ``first = true`` tries it before plain NCCL), ``set_env`` (set ``env`` on
-every NCCL candidate), ``warn`` (a warning in the trace). Pure: no I/O except `load_rules`.
+every NCCL candidate), ``warn`` (a warning in the trace), ``no_gpu`` (the GPUs cannot run this
+build at all, a driver too old for it: the chain is planned without them, before any probe,
+and the message is the finding with its fix). Pure: no I/O except `load_rules`.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from . import bounded as _bounded
 from .data import read_data
 from .facts import Facts, Gpu
 
-EFFECTS = ("veto", "prefer", "remedy", "set_env", "warn")
+EFFECTS = ("veto", "prefer", "remedy", "set_env", "warn", "no_gpu")
 _OPS = ("<=", ">=", "==", "!=", "<", ">", "matches", "contains", "in")
 _CLAUSE = re.compile(
     r"^\s*(?P<neg>not\s+)?(?P<fact>[a-z_]+\.[A-Za-z0-9_]+|framework)"
@@ -39,21 +41,24 @@ _CLAUSE = re.compile(
     r"(?P<value>.*?)\s*$"
 )
 
-_FRAMEWORK_FACTS = ("installed", "version", "cuda", "nccl", "max_arch", "imported", "gpu_kernels")
+_FRAMEWORK_FACTS = ("installed", "version", "cuda", "nccl", "max_arch", "imported", "gpu_kernels",
+                    "build", "hip")
 #: Every fact a clause can name (what `fact_values` computes), besides ``env.<VARIABLE>``.
 FACT_NAMES: tuple[str, ...] = (
     "framework",
     "gpus.count", "gpus.names", "gpus.min_cc", "gpus.max_cc", "gpus.consumer", "gpus.mig",
-    "gpus.mixed",
+    "gpus.mixed", "gpus.numa_nodes",
     "links.all_nvlink", "links.any_pcie_only", "links.p2p_unsupported", "links.cross_socket",
     "links.any_nvlink", "links.any_switch", "links.any_host_path",
-    "driver.version", "driver.cuda", "driver.older_than_build",
+    "driver.version", "driver.cuda", "driver.older_than_build", "driver.cuda_major_behind",
     "plan.replicas", "plan.nodes", "nccl.version",
     "platform.nvswitch", "platform.hypervisor", "platform.vm", "platform.rdma_link_layer",
     "platform.rdma_devices", "platform.rdma_count", "platform.master_ifname",
     "platform.hostname_loopback", "platform.fabric_manager", "platform.fabric_manager_mismatch",
     "host.shm_mb", "host.container", "host.in_container", "host.wsl2", "host.sagemaker",
     "host.aws", "host.efa", "host.infiniband", "host.iommu", "host.platform",
+    "host.machine", "host.mps", "host.numa_nodes", "host.numa_memory_only", "host.amd_gpus",
+    "host.cuda_compat", "host.port_range",
     *(f"{fw}.{name}" for fw in ("torch", "tensorflow", "keras") for name in _FRAMEWORK_FACTS),
 )
 _RULE_KEYS = frozenset(
@@ -335,6 +340,9 @@ def fact_values(facts: Facts, framework: str, replicas: int | None = None,
         "gpus.consumer": any(g.is_consumer for g in gpus),
         "gpus.mig": any(g.mig_enabled for g in gpus),
         "gpus.mixed": len({(g.name, g.memory_bytes) for g in gpus}) > 1,
+        # the NUMA nodes the GPUs hang off (None: some GPU's node is unknown)
+        "gpus.numa_nodes": (len({g.numa_node for g in gpus})
+                            if gpus and all(g.numa_node is not None for g in gpus) else None),
         "links.all_nvlink": links.all_nvlink,
         "links.any_pcie_only": links.any_pcie_only,
         "links.p2p_unsupported": links.p2p_unsupported,
@@ -368,6 +376,14 @@ def fact_values(facts: Facts, framework: str, replicas: int | None = None,
         "host.infiniband": h.infiniband,
         "host.iommu": h.iommu,
         "host.platform": h.platform,
+        "host.machine": h.machine,
+        # Apple silicon under macOS: PyTorch's MPS device (one GPU, no collective backend)
+        "host.mps": h.platform == "darwin" and h.machine in ("arm64", "aarch64"),
+        "host.numa_nodes": h.numa_nodes,
+        "host.numa_memory_only": h.numa_memory_only,
+        "host.amd_gpus": h.amd_gpus,
+        "host.cuda_compat": h.cuda_compat,
+        "host.port_range": h.port_range,
     }
     for fw in ("torch", "tensorflow", "keras"):
         info = facts.framework(fw)
@@ -378,11 +394,17 @@ def fact_values(facts: Facts, framework: str, replicas: int | None = None,
         values[f"{fw}.max_arch"] = _max_arch(info.archs)
         values[f"{fw}.imported"] = info.imported
         values[f"{fw}.gpu_kernels"] = _kernel_coverage(info.archs, gpus)
+        values[f"{fw}.build"] = info.build
+        values[f"{fw}.hip"] = _version(info.hip)
     build = values.get(f"{framework}.cuda") if framework in ("torch", "tensorflow") else None
     driver_cuda = values["driver.cuda"]
-    values["driver.older_than_build"] = (None if not isinstance(build, Version)
-                                         or not isinstance(driver_cuda, Version)
-                                         else driver_cuda < Version(f"{build.major}.{build.minor}"))
+    known = isinstance(build, Version) and isinstance(driver_cuda, Version)
+    values["driver.older_than_build"] = (None if not known else driver_cuda
+                                         < Version(f"{build.major}.{build.minor}"))
+    # CUDA 11+ runs a build on any driver of its major release (minor version compatibility);
+    # a driver of an older major release cannot run it at all (cudaErrorInsufficientDriver)
+    values["driver.cuda_major_behind"] = (None if not known
+                                          else driver_cuda.major < build.major)
     for name, value in facts.env:
         values[f"env.{name}"] = value
     return values

@@ -110,10 +110,13 @@ class FactsSeen(Event):
     #: the NVIDIA driver (rules key on driver.version); in the event and the JSON, while the
     #: line leaves it to the doctor's facts
     driver: str | None = None
+    #: the HIP version of a ROCm build (not CPU-only: it runs AMD GPUs); None otherwise
+    hip: str | None = None
 
     def text(self) -> str:
         gpu_text = f"{self.gpus} GPU(s) ({', '.join(self.names)})" if self.gpus else "no GPU"
-        build = f"CUDA {self.cuda}" if self.cuda else "CPU-only build"
+        build = (f"CUDA {self.cuda}" if self.cuda else f"ROCm build, HIP {self.hip}" if self.hip
+                 else "CPU-only build")
         nccl = f", NCCL {self.nccl}" if self.nccl else ""
         return (f"Saw {gpu_text}; {self.framework} {self.version or 'not installed'} "
                 f"({build}{nccl}).")
@@ -124,7 +127,8 @@ class Note(Event):
     """A finding that changes what is considered, named by ``topic``:
 
     ``no_gpu_facts``, ``visible_devices``, ``nvml_unread``, ``devices_asked``, ``logical_cpus``,
-    ``cpu_only_build``, ``too_few_gpus``, ``multi_node``, ``one_process``, ``no_global_batch``,
+    ``cpu_only_build``, ``rocm_build``, ``too_few_gpus``, ``multi_node``, ``one_process``,
+    ``no_global_batch``,
     ``batch_not_split``, ``batch_shrinks_replicas``, ``prefer_impossible``, ``fault_injection``
     (the cache is neither read nor written for a rehearsal), ``within_noise`` (measured speeds
     within their measured noise kept the chain's order), ``multi_worker`` (a TF_CONFIG job's
@@ -169,7 +173,7 @@ class CachedFailure(Event):
 class RuleFired(Event):
     """A known-issue rule matched these facts, and what it did.
 
-    ``action``: ``warn``, ``veto`` (``candidates`` ruled out), ``prefer`` (``targets`` first),
+    ``action``: ``warn``, ``no_gpu`` (the chain planned without the GPUs), ``veto`` (``candidates`` ruled out), ``prefer`` (``targets`` first),
     ``set_env`` (``env`` set for NCCL), ``remedy_added`` (NCCL with ``env`` added, tried before
     plain NCCL when ``first``), ``remedy_exists`` (that remedy was a candidate already),
     ``nothing_to_act_on`` (no NCCL candidate left), ``already_ruled_out`` (an earlier rule
@@ -195,6 +199,8 @@ class RuleFired(Event):
         a = self.action
         if a == "warn":
             return f"Warning {self.cite}"
+        if a == "no_gpu":
+            return f"No GPU can run this build; planned without them: {self.cite}"
         if a == "veto":
             return f"Ruled out {'; '.join(c.label for c in self.candidates)}: {self.cite}"
         if a == "prefer":

@@ -56,10 +56,14 @@ def gpu(
     *,
     mig: bool = False,
     free_gb: float | None = None,
+    numa_node: int | None = None,
 ) -> Gpu:
     """One fake GPU. ``index`` is its NVML (physical) index, and its CUDA ordinal while no
     ``CUDA_VISIBLE_DEVICES`` renumbers it (see `machine`). ``free_gb``: its free memory
-    as NVML would report it (None: unknown, so no memory check rules a candidate out on it)."""
+    as NVML would report it (None: unknown, so no memory check rules a candidate out on it).
+    ``numa_node``: the host NUMA node it hangs off (None: unknown)."""
+    if numa_node is not None:
+        _check_int("gpu", "numa_node", numa_node)
     _check_int("gpu", "index", index)
     _check_str("gpu", "name", name)
     free = None if free_gb is None else int(_number("gpu", "free_gb", free_gb) * 2**30)
@@ -71,7 +75,7 @@ def gpu(
         memory_bytes=int(_number("gpu", "memory_gb", memory_gb) * 2**30),
         uuid=f"GPU-fake-{index:04d}", pci_bus_id=f"00000000:{index + 1:02x}:00.0",
         physical_index=index, mig_enabled=_check_bool("gpu", "mig", mig),
-        memory_free_bytes=free,
+        memory_free_bytes=free, numa_node=numa_node,
     )
 
 
@@ -115,6 +119,14 @@ def machine(
     gpu_initialized: Sequence[str] = (),
     platform_facts: Platform | Mapping[str, Any] | None = None,
     host_memory_gb: float | None = None,
+    torch_hip: str | None = None,
+    cpu_arch: str = "",
+    numa_nodes: int | None = None,
+    numa_memory_only: int | None = None,
+    gpu_numa: Sequence[int] | None = None,
+    amd_gpus: int | None = None,
+    cuda_compat: str = "",
+    port_range: str = "",
 ) -> Facts:
     """Facts for a described machine, as `resilient_strategy.machine.inspect.detect_facts` would
     report them. Every argument is checked: a wrong one is an ``InvalidOptionError`` naming it.
@@ -132,6 +144,13 @@ def machine(
     process imported (and whose GPU runtime started); ``nvml_notes`` are values NVML could not
     read. ``host_memory_gb``: the host memory available to new processes (None: unknown).
     ``driver_cuda``: the newest CUDA the driver supports (nvidia-smi's header; 535 drivers: 12.2).
+    ``torch_hip``: the HIP version of a ROCm build of torch (give ``torch_cuda=None`` with it,
+    and ``amd_gpus``, the AMD GPUs the ROCm driver lists; NVIDIA ``gpus`` stay 0 there).
+    ``platform="darwin"`` with ``cpu_arch="arm64"`` is a Mac with Apple silicon (MPS).
+    ``numa_nodes`` / ``numa_memory_only``: the host's NUMA nodes with memory, and of them those
+    without a CPU; ``gpu_numa``: each physical GPU's NUMA node, in NVML order. ``cuda_compat``:
+    the version of the CUDA forward-compatibility driver in the image ("" none);
+    ``port_range``: the kernel's ephemeral port range ("32768-60999").
     ``platform_facts`` is the platform around the GPUs as one value (`Platform`, or
     its fields as a mapping: ``{"nvswitch": true, "rdma_link_layer": "ethernet",
     "rdma_devices": ["mlx5_0"], "master_ifname": "eth0", "hypervisor": "kvm",
@@ -159,6 +178,15 @@ def machine(
         _check_bool("machine", flag, value)
     _check_str("machine", "kernel", kernel)
     _check_str("machine", "platform", platform)
+    for key, text in (("cpu_arch", cpu_arch), ("cuda_compat", cuda_compat),
+                      ("port_range", port_range)):
+        _check_str("machine", key, text)
+    for key, count in (("numa_nodes", numa_nodes), ("numa_memory_only", numa_memory_only),
+                       ("amd_gpus", amd_gpus)):
+        if count is not None:
+            _check_int("machine", key, count)
+    if torch_hip is not None:
+        _check_str("machine", "torch_hip", torch_hip)
     _check_int("machine", "cpu_count", cpu_count)
     for key, names in (("imported", imported), ("gpu_initialized", gpu_initialized),
                        ("nvml_notes", nvml_notes)):
@@ -222,6 +250,8 @@ def machine(
     )
     by_index = {p.index: p for p in parents}
     gs = tuple(job_gpu(i, d, by_index[d.physical]) for i, d in enumerate(resolution.devices))
+    nodes = _gpu_numa(gpu_numa, physical)
+    gs = tuple(replace(g, numa_node=nodes.get(g.physical_index)) for g in gs)
     visible_links, fabric = compact_links(len(gs), renumber_links(resolution.devices,
                                                                   physical_links))
     if uniform:
@@ -229,7 +259,8 @@ def machine(
                       p2p_nvlink="ok" if nvlink else "not_supported")
     fws = []
     if torch:
-        fws.append(FrameworkInfo("torch", torch, "torch", torch_cuda, torch_nccl, tuple(torch_archs)))
+        fws.append(FrameworkInfo("torch", torch, "torch", torch_cuda, torch_nccl, tuple(torch_archs),
+                                 hip=torch_hip))
     if tensorflow:
         dist = "tensorflow" if tf_cuda else "tensorflow-cpu"
         fws.append(FrameworkInfo("tensorflow", tensorflow, dist, tf_cuda, tf_nccl, tuple(tf_archs)))
@@ -248,12 +279,25 @@ def machine(
         host=Host(shm_bytes=None if shm_mb is None else shm_mb << 20, container=container,
                   wsl2=wsl2, sagemaker=sagemaker, aws=aws, efa=efa, iommu=iommu,
                   infiniband=infiniband, kernel=kernel, cpu_count=cpu_count, platform=platform,
-                  memory_available_bytes=host_memory),
+                  memory_available_bytes=host_memory, machine=cpu_arch, numa_nodes=numa_nodes,
+                  numa_memory_only=numa_memory_only, amd_gpus=amd_gpus,
+                  cuda_compat=cuda_compat, port_range=port_range),
         frameworks=tuple(fws),
         env=tuple(sorted(env_map.items())),
         nvml_notes=tuple(nvml_notes),
         platform=plat,
     )
+
+
+def _gpu_numa(gpu_numa: Sequence[int] | None, physical: Sequence[Gpu]) -> dict[int, int | None]:
+    """Each physical GPU's NUMA node: from ``gpu_numa`` (NVML order), else from `gpu`."""
+    if gpu_numa is None:
+        return {_physical_index(g): g.numa_node for g in physical}
+    if isinstance(gpu_numa, str) or not isinstance(gpu_numa, Sequence) or len(gpu_numa) != len(
+            physical) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                 for n in gpu_numa):
+        raise _bad("gpu_numa", gpu_numa, f"one NUMA node (0 or more) per GPU ({len(physical)})")
+    return {_physical_index(g): n for g, n in zip(physical, gpu_numa, strict=True)}
 
 
 def _platform_value(value: Platform | Mapping[str, Any] | None) -> Platform:
