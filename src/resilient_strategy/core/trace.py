@@ -136,7 +136,9 @@ class Note(Event):
     across the workers), ``handed_memory`` (a worker of ``resilient-strategy run`` takes the
     supervisor's sharding / offload), ``bound_devices`` (a worker bound to a subset of the GPUs:
     which ones), ``gpus_unchecked`` (GPUs a killed probe may have broken, unused by the choice,
-    whose deferred health check did not fit the probe budget: how to check them).
+    whose deferred health check did not fit the probe budget: how to check them),
+    ``retried_after_check`` (a probe whose failure is no verdict by itself, NCCL out of GPU
+    memory while setting up: its GPUs checked, then probed once more, and what that gave).
     """
 
     kind: ClassVar[str] = "note"
