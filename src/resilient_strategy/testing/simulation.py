@@ -424,8 +424,9 @@ def _mig_counts(mig: Mapping[int | str, int] | None, indices: Sequence[int]) -> 
 
 #: "ok", "ok:<GB/s>", "timeout", "error:<cause>", a result, or a result's fields as a mapping
 #: (``{"status": "ok", "bus_bandwidth_gbps": 9.5, "message_bytes": 268435456, "step_seconds":
-#: 0.01, "extra": [["value_check_iterations", "20"]]}``)
-Outcome = str | ProbeResult | Mapping[str, Any]
+#: 0.01, "extra": [["value_check_iterations", "20"]]}``); a list of those is one per probe of
+#: that key, in turn, the last one repeating (a retried probe that fails, then passes)
+Outcome = str | ProbeResult | Mapping[str, Any] | Sequence[Any]
 
 
 @dataclass
@@ -436,7 +437,8 @@ class SimulatedProber:
     collective), "hang:<kind>" (a hang judged from progress: setup, collective, straggler,
     quiet), "error:<cause>",
     "fails:<text>" (what the failing worker printed, verbatim: the signature table places it,
-    as it places a real probe's), "signal:<number>" (a worker killed by that signal).
+    as it places a real probe's), "signal:<number>" (a worker killed by that signal); a list
+    of outcomes answers the probes of its key in turn, the last one repeating.
 
     Keys: a backend with no extra environment ("nccl", "gloo", "hierarchical_copy", ...; a
     sharded candidate's "nccl/fsdp" wins over "nccl" for it, an offloaded one's
@@ -469,10 +471,13 @@ class SimulatedProber:
     broken_gpus: Mapping[int, str] = field(default_factory=dict)
     #: the GPUs of each health check the decision ran, in order
     health_checks: list[tuple[int, ...]] = field(default_factory=list)
+    #: how many probes each key of a list of outcomes answered so far
+    answered: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for key, out in self.outcomes.items():
-            _parse(key, out)  # validate early: a typo is an error, not a silent "ok"
+            for one in _in_turn(out):
+                _parse(key, one)  # validate early: a typo is an error, not a silent "ok"
 
     def check_gpus(self, framework: str, devices: tuple[int, ...],
                    env: Mapping[str, str]) -> list[tuple[int, str]]:
@@ -507,7 +512,13 @@ class SimulatedProber:
             on = ",".join(map(str, spec.devices))
             names = [*(f"{n}@{on}" for n in names), *names]
         keys = [k for n in names for k in ((f"{n}+{env_key}", f"{n}+*") if env_key else (n,))]
-        out = next((self.outcomes[k] for k in (*keys, "*") if k in self.outcomes), self.default)
+        key = next((k for k in (*keys, "*") if k in self.outcomes), None)
+        out = self.default if key is None else self.outcomes[key]
+        turns = _in_turn(out)
+        if len(turns) > 1 and key is not None:  # one per probe of this key, the last repeating
+            n = self.answered.get(key, 0)
+            self.answered[key] = n + 1
+            out = turns[min(n, len(turns) - 1)]
         res = _parse(spec.candidate, out)
         ending = _ending(spec, out, res)
         if ending is None:  # an error, or a result with its own elapsed time: as described
@@ -536,6 +547,15 @@ class SimulatedProber:
             + ("+" + ",".join(f"{k}={v}" for k, v in s.env) if s.env else "")
             for s in self.calls
         ]
+
+
+def _in_turn(out: Outcome) -> list[Any]:
+    """The outcomes a key answers in turn: a list's items, else the one outcome."""
+    if isinstance(out, Sequence) and not isinstance(out, (str, ProbeResult)):
+        if not out:
+            raise ValueError("probe outcome []: a list of outcomes needs at least one")
+        return list(out)
+    return [out]
 
 
 def _ending(spec: ProbeSpec, out: Outcome, res: ProbeResult) -> str | None:
@@ -657,11 +677,14 @@ def load_simulation(path: Path) -> tuple[Facts, dict[str, Any]]:
     probes = data.get("probes")
     if probes is not None:
         if not isinstance(probes, dict) or not all(
-            isinstance(k, str) and isinstance(v, (str, dict)) for k, v in probes.items()
+            isinstance(k, str) and (isinstance(v, (str, dict)) or (
+                isinstance(v, list) and all(isinstance(x, (str, dict)) for x in v)))
+            for k, v in probes.items()
         ):
             raise ResilientStrategyError(
                 f'{path}: probes: expected an object of outcomes like {{"nccl": "timeout"}} or '
-                f'{{"nccl": {{"status": "ok", "bus_bandwidth_gbps": 9.5}}}}, not {probes!r}')
+                f'{{"nccl": {{"status": "ok", "bus_bandwidth_gbps": 9.5}}}} (a list of them: '
+                f'one per probe in turn), not {probes!r}')
         try:
             SimulatedProber(dict(probes))
         except ValueError as exc:
