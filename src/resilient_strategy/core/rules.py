@@ -398,13 +398,14 @@ def fact_values(facts: Facts, framework: str, replicas: int | None = None,
         values[f"{fw}.hip"] = _version(info.hip)
     build = values.get(f"{framework}.cuda") if framework in ("torch", "tensorflow") else None
     driver_cuda = values["driver.cuda"]
-    known = isinstance(build, Version) and isinstance(driver_cuda, Version)
-    values["driver.older_than_build"] = (None if not known else driver_cuda
-                                         < Version(f"{build.major}.{build.minor}"))
-    # CUDA 11+ runs a build on any driver of its major release (minor version compatibility);
-    # a driver of an older major release cannot run it at all (cudaErrorInsufficientDriver)
-    values["driver.cuda_major_behind"] = (None if not known
-                                          else driver_cuda.major < build.major)
+    if isinstance(build, Version) and isinstance(driver_cuda, Version):
+        values["driver.older_than_build"] = driver_cuda < Version(f"{build.major}.{build.minor}")
+        # CUDA 11+ runs a build on any driver of its major release (minor version
+        # compatibility); a driver of an older major release cannot run it at all
+        # (cudaErrorInsufficientDriver)
+        values["driver.cuda_major_behind"] = driver_cuda.major < build.major
+    else:
+        values["driver.older_than_build"] = values["driver.cuda_major_behind"] = None
     for name, value in facts.env:
         values[f"env.{name}"] = value
     return values

@@ -43,6 +43,7 @@ from ..vocab import MULTI_WORKER_BACKENDS
 from .cache import REHEARSAL, CachedResult, DecisionCache, last_resort
 from .notices import (
     ProgressLine,
+    Startup,
     reclassify_short_timeout,
     short_timeout_warning,
     startup_floor,
@@ -225,7 +226,7 @@ def decide(
 def _retry_after_check(c: Candidate, first: ProbeResult, opts: Options, env: Mapping[str, str],
                        prober: Prober, check: GpuCheck | None, unproven: Unproven,
                        deadline: float, clock: Callable[[], float], startup_check: bool,
-                       startup: float, probed: tuple[str, ...], retried: list[Event],
+                       startup: Startup, probed: tuple[str, ...], retried: list[Event],
                        progress: ProgressLine | None) -> ProbeResult:
     """A probe whose cause is no verdict by itself (`RETRY_AFTER_CHECK_CAUSES`: NCCL out of
     GPU memory while setting up): its GPUs are health-checked where the check fits the budget

@@ -178,9 +178,9 @@ def machine(
         _check_bool("machine", flag, value)
     _check_str("machine", "kernel", kernel)
     _check_str("machine", "platform", platform)
-    for key, text in (("cpu_arch", cpu_arch), ("cuda_compat", cuda_compat),
+    for key, word in (("cpu_arch", cpu_arch), ("cuda_compat", cuda_compat),
                       ("port_range", port_range)):
-        _check_str("machine", key, text)
+        _check_str("machine", key, word)
     for key, count in (("numa_nodes", numa_nodes), ("numa_memory_only", numa_memory_only),
                        ("amd_gpus", amd_gpus)):
         if count is not None:
