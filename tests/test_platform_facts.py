@@ -292,3 +292,13 @@ def test_nccl_out_of_memory_twice_rules_out_for_this_run_only() -> None:
 def test_mid_run_nccl_out_of_memory_stays_an_oom_verdict() -> None:
     text = "ncclUnhandledCudaError: Call to CUDA function failed. NCCL WARN Cuda failure 'out of memory'"
     assert classify_error(["torch.distributed.DistBackendError", "RuntimeError"], text) == "oom"
+
+
+def test_a_master_port_inside_the_ephemeral_range_is_named() -> None:
+    inside = machine(2, port_range="32768-60999", env={**LAUNCH2, "MASTER_PORT": "57062"})
+    assert fact_values(inside, "torch")["host.master_port_ephemeral"] is True
+    assert "master-port-in-ephemeral-range" in _ids(inside)
+    below = machine(2, port_range="32768-60999", env={**LAUNCH2, "MASTER_PORT": "29500"})
+    assert "master-port-in-ephemeral-range" not in _ids(below)
+    unknown = machine(2, env={**LAUNCH2, "MASTER_PORT": "57062"})  # the range unread
+    assert fact_values(unknown, "torch")["host.master_port_ephemeral"] is None

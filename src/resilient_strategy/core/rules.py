@@ -58,7 +58,7 @@ FACT_NAMES: tuple[str, ...] = (
     "host.shm_mb", "host.container", "host.in_container", "host.wsl2", "host.sagemaker",
     "host.aws", "host.efa", "host.infiniband", "host.iommu", "host.platform",
     "host.machine", "host.mps", "host.numa_nodes", "host.numa_memory_only", "host.amd_gpus",
-    "host.cuda_compat", "host.port_range",
+    "host.cuda_compat", "host.port_range", "host.master_port_ephemeral",
     *(f"{fw}.{name}" for fw in ("torch", "tensorflow", "keras") for name in _FRAMEWORK_FACTS),
 )
 _RULE_KEYS = frozenset(
@@ -406,9 +406,19 @@ def fact_values(facts: Facts, framework: str, replicas: int | None = None,
         values["driver.cuda_major_behind"] = driver_cuda.major < build.major
     else:
         values["driver.older_than_build"] = values["driver.cuda_major_behind"] = None
+    values["host.master_port_ephemeral"] = _in_port_range(facts.env_map.get("MASTER_PORT"),
+                                                          h.port_range)
     for name, value in facts.env:
         values[f"env.{name}"] = value
     return values
+
+
+def _in_port_range(port: str | None, port_range: str) -> bool | None:
+    """Whether ``port`` lies in the kernel's ephemeral range "low-high"; None: either unknown."""
+    low, _, high = port_range.partition("-")
+    if not (port or "").strip().isdigit() or not low.isdigit() or not high.isdigit():
+        return None
+    return int(low) <= int(str(port).strip()) <= int(high)
 
 
 _MESSAGE_FACT = re.compile(r"\{([a-z_]+\.[A-Za-z0-9_]+)\}")
@@ -494,7 +504,7 @@ def fired(rules: Iterable[Rule], facts: Facts, framework: str,
     for fw in ("torch", "tensorflow", "keras"):
         info = facts.framework(fw)
         text.update({f"{fw}.version": info.version, f"{fw}.cuda": info.cuda,
-                     f"{fw}.nccl": info.nccl})
+                     f"{fw}.nccl": info.nccl, f"{fw}.hip": info.hip})
     return tuple(
         replace(r, message=fill_message(r.message, text)) if "{" in r.message else r
         for r in rules
