@@ -141,6 +141,11 @@ def test_minor_version_compatibility_warns_and_probes() -> None:
     assert "cuda-forward-compat-on-unsupported-gpu" in _ids(compat)
     dc = machine(2, driver_cuda="12.2", torch_cuda="13.0", cuda_compat="580.65.06")
     assert "cuda-forward-compat-on-unsupported-gpu" not in _ids(dc)
+    # CUDA images carry the compat libraries even where the host driver is new enough (seen on
+    # an H200 host: /usr/local/cuda-13.0/compat under driver 580.159.04): nothing to say then
+    newer = machine(2, name="NVIDIA GeForce RTX 4090", cc=(8, 9), driver_cuda="13.0",
+                    torch_cuda="13.0", cuda_compat="580.95.05")
+    assert "cuda-forward-compat-on-unsupported-gpu" not in _ids(newer)
 
 
 # ----- host layout, read from files -------------------------------------------------------------
