@@ -307,3 +307,10 @@ def test_a_master_port_inside_the_ephemeral_range_is_named() -> None:
     assert "master-port-in-ephemeral-range" not in _ids(below)
     unknown = machine(2, env={**LAUNCH2, "MASTER_PORT": "57062"})  # the range unread
     assert fact_values(unknown, "torch")["host.master_port_ephemeral"] is None
+
+
+def test_an_invalid_device_ordinal_is_the_launch_not_the_backend() -> None:
+    table = builtin_signatures()
+    text = "RuntimeError: CUDA error: invalid device ordinal"
+    assert table.blame.script_fault(text, False) is not None  # the script's (its launch)
+    assert table.blame.script_fault(text, True) is None  # inside NCCL's init: not said
