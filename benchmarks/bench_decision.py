@@ -115,7 +115,7 @@ def main() -> None:
                      f"{fresh:.2f} s", sel.candidate.label,
                      f"the fork server saves {fresh - cold:.2f} s ({(fresh - cold) / fresh:.0%})"))
         if n < 2:  # a later probe in the same decision (a remedy, the next candidate)
-            from resilient_strategy.core.probe import ProbeSpec
+            from resilient_strategy.core.measures.probe import ProbeSpec
             from resilient_strategy.probing import forkserver as _forkserver
             from resilient_strategy.probing.prober import run_probe
 

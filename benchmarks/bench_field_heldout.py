@@ -63,7 +63,9 @@ def judge(path: Path) -> tuple[bool, str]:
     causes = {_probe_name(k): r.cause for k, r in sel.results.items()}
     wrong += [f"causes.{k}" for k, v in expect.get("causes", {}).items() if causes.get(k) != v]
     wrong += [f"rule {r}" for r in expect.get("rules_fired", ()) if r not in sel.plan.rules_fired]
-    text = sel.explain()
+    # the whole trace, as tests/test_machine_cases.py reads it (explain() alone fits a screen)
+    text = sel.explain(verbose=True) if "verbose" in sel.explain.__code__.co_varnames \
+        else sel.explain()
     wrong += [f"says {w!r}" for w in expect.get("explain_contains", ()) if w not in text]
     env = ",".join(f"{k}={v}" for k, v in sorted(sel.env.items()))
     decided = f"{sel.backend} x{sel.num_replicas}" + (f" {env}" if env else "") + \

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from resilient_strategy.core.probe import ProbeResult
+from resilient_strategy.core.measures.probe import ProbeResult
 from resilient_strategy.deciding.cache import DecisionCache
 from resilient_strategy.machine import files as _files
 from resilient_strategy.nodes.onenode import Agreement

@@ -9,7 +9,9 @@ GPU is present) and running one checked all-reduce at each size the probe checks
 Rows:
 
 - import floor: N interpreters importing torch in parallel, nothing else;
-- probe floor: the above plus the backend and the checked collectives;
+- probe floor: the above plus the backend and the checked collectives (all-reduce at every
+  size the probe checks, then broadcast and all-gather at the same sizes: the collectives a
+  training job issues, proven by every probe since issue 31);
 - the library's cold decision (``resilient_strategy(probe="force")``, no cache) probing the same
   candidate, with the fork server (the default) and without it (``RESILIENT_STRATEGY_FORKSERVER=0``);
 - on a GPU: ``run_probe`` of NCCL on one GPU against a 1-rank NCCL floor;
@@ -60,6 +62,16 @@ for nbytes in sizes:
         dist.all_reduce(x)
         want = sum(r + 1 + it * world for r in range(world))
         assert bool((x == want).all()), (nbytes, it)
+for nbytes in sizes:  # what else training issues: broadcast and all-gather, as the probe checks
+    for it in range(iters):
+        root = it % world
+        x = torch.full((nbytes // 4,), float(rank + 1 + it * world), device=dev)
+        dist.broadcast(x, src=root)
+        assert bool((x == root + 1 + it * world).all()), (nbytes, it)
+        per = max(1, nbytes // 4 // world)
+        out = torch.empty(per * world, device=dev)
+        dist.all_gather_into_tensor(out, torch.full((per,), float(rank + 1), device=dev))
+        assert bool((out == torch.arange(1, world + 1, device=dev).repeat_interleave(per)).all())
 dist.destroy_process_group()
 """
 
@@ -165,8 +177,8 @@ def main() -> None:
         floor = _median(floors)
         rows.append((f"import floor: {args.nproc} interpreters importing torch in parallel",
                      f"{_median(imports):.2f} s", "", ""))
-        rows.append((f"probe floor: + gloo init + checked all-reduce at {len(CHECK_BYTES)} sizes "
-                     f"x{CHECK_ITERS}", f"{floor:.2f} s", "1.00x", ""))
+        rows.append((f"probe floor: + gloo init + checked all-reduce, broadcast and all-gather at "
+                     f"{len(CHECK_BYTES)} sizes x{CHECK_ITERS}", f"{floor:.2f} s", "1.00x", ""))
         for fs, words in (("1", "fork server on (default)"), ("0", "fresh interpreters")):
             cold = _median(colds[fs])
             rows.append((f"cold decision, {words}: {label}", f"{cold:.2f} s",
@@ -175,7 +187,7 @@ def main() -> None:
             rows.append(("  its probe's phases (last run, s from the first worker's start)",
                          "", "", phases[fs]))
     if gpus and facts.framework("torch").installed and not args.only_tf:
-        from resilient_strategy.core.probe import ProbeSpec
+        from resilient_strategy.core.measures.probe import ProbeSpec
         from resilient_strategy.probing.forkserver import close_all
         from resilient_strategy.probing.prober import run_probe
 

@@ -67,7 +67,7 @@ def _capped(facts: Any, cap: int) -> Any:
 
 
 def _rows(plan: Any) -> list[tuple[str, str, str, str, str]]:
-    from resilient_strategy.core.trace import MemoryChecked, OffloadConsidered
+    from resilient_strategy.core.trace.fitting import MemoryChecked, OffloadConsidered
 
     out = []
     for e in plan.events:
@@ -140,7 +140,7 @@ def main() -> int:
     sel = resilient_strategy(**common, offload="auto")
     table.append(("offload='auto': decision", sel.candidate.label))
     table.append(("sharded / offloaded", f"{sel.sharded} / {sel.offload}"))
-    from resilient_strategy.core.trace import OffloadConsidered
+    from resilient_strategy.core.trace.fitting import OffloadConsidered
 
     costs = [c for e in sel.plan.events if isinstance(e, OffloadConsidered) for c in e.costs
              if c[0].key == sel.candidate.key]

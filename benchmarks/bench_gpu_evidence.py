@@ -72,7 +72,7 @@ SRC = str(ROOT / "src")
 sys.path.insert(0, SRC)
 
 import resilient_strategy  # noqa: E402
-from resilient_strategy.core.probe import ProbeSpec  # noqa: E402
+from resilient_strategy.core.measures.probe import ProbeSpec  # noqa: E402
 from resilient_strategy.probing.prober import run_probe  # noqa: E402
 from resilient_strategy.probing.workers import common as _common  # noqa: E402
 

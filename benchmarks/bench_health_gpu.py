@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from resilient_strategy.core.probe import ProbeSpec
+from resilient_strategy.core.measures.probe import ProbeSpec
 from resilient_strategy.probing import cost, forkserver, health
 from resilient_strategy.probing.prober import DeferredHealthProber, run_probe
 

@@ -27,7 +27,7 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 sys.path.insert(0, SRC)
 
 import resilient_strategy  # noqa: E402
-from resilient_strategy.core.facts import Facts  # noqa: E402
+from resilient_strategy.core.values.facts import Facts  # noqa: E402
 from resilient_strategy.machine.inspect import detect_facts  # noqa: E402
 from resilient_strategy.probing import forkserver  # noqa: E402
 from resilient_strategy.probing.cost import Figures  # noqa: E402

@@ -44,14 +44,14 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, args.src)
 
-    from resilient_strategy.core.plan import plan
-    from resilient_strategy.core.rules import load_rules
+    from resilient_strategy.core.knowledge.rules import load_rules
+    from resilient_strategy.core.planning.plan import plan
     from resilient_strategy.testing import machine, simulate
 
     try:
-        from resilient_strategy.core.options import Options as policy_of
+        from resilient_strategy.core.call.options import Options as policy_of
     except ImportError:  # before options.py existed
-        from resilient_strategy.core.plan import Policy as policy_of  # type: ignore[attr-defined,no-redef]
+        from resilient_strategy.core.planning.plan import Policy as policy_of  # type: ignore[attr-defined,no-redef]
 
     rules = load_rules([], [])
     rows = []
@@ -93,8 +93,8 @@ def catalogue(root: Path) -> None:
     from collections import Counter
 
     from resilient_strategy.cli import simulate_file
-    from resilient_strategy.core.remedies import builtin_remedies
-    from resilient_strategy.core.signatures import builtin_signatures
+    from resilient_strategy.core.knowledge.remedies import builtin_remedies
+    from resilient_strategy.core.knowledge.signatures import builtin_signatures
 
     paths = sorted((root / "examples" / "machines" / "field").glob("*.json"))
     if not paths:

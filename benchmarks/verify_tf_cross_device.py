@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from resilient_strategy.core.probe import ProbeSpec
+from resilient_strategy.core.measures.probe import ProbeSpec
 from resilient_strategy.probing.prober import run_probe
 
 OPS = ("hierarchical_copy", "reduction_to_one_device", "nccl")

@@ -2,10 +2,11 @@
 
 Sources, each read when it exists:
 
-- ``core/probe.py`` ``CAUSES``: every cause a probe (or a mid-run failure) can be given;
-- the planner's remedies per cause (``core/plan.py``), and ``core/remedies.toml``;
-- ``core/signatures.toml``: failure texts and the cause they mean;
-- ``core/known_issues.toml``: the rules that veto, prefer, remedy, set or warn from the facts.
+- ``core/knowledge/causes.py`` ``CAUSES``: every cause a probe (or a mid-run failure) can be given;
+- the planner's remedies per cause (``core/planning/plan.py``), and ``core/knowledge/remedies.toml``;
+- ``core/knowledge/signatures.toml``: failure texts and the cause they mean;
+- ``core/knowledge/known_issues.toml``: the rules that veto, prefer, remedy, set or warn from the facts;
+- ``core/knowledge/node_differences.toml``: the differences between a multi-node job's nodes that matter.
 
 Run as a MkDocs hook (``hooks:`` in mkdocs.yml: the page is rendered at build time), or by hand,
 ``python docs/gen_troubleshooting.py`` (rewrites the committed page). ``tests/test_docs.py``
@@ -24,7 +25,7 @@ from typing import Any
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
-CORE = ROOT / "src" / "resilient_strategy" / "core"
+CORE = ROOT / "src" / "resilient_strategy" / "core" / "knowledge"
 PAGE = ROOT / "docs" / "troubleshooting.md"
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
@@ -128,12 +129,12 @@ def _remedy_words(r: Mapping[str, Any]) -> str:
 
 def _causes(sigs: list[tuple[str, dict[str, Any]]], remedy_data: Mapping[str, Any]
             ) -> list[str]:
-    from resilient_strategy.core import plan as _plan
-    from resilient_strategy.core.probe import CAUSES
+    from resilient_strategy.core.knowledge.causes import CAUSES
+    from resilient_strategy.core.planning import plan as _plan
 
     environmental: frozenset[str] = frozenset()
     with contextlib.suppress(ImportError):
-        from resilient_strategy.core.causes import ENVIRONMENTAL_CAUSES as environmental
+        from resilient_strategy.core.knowledge.causes import ENVIRONMENTAL_CAUSES as environmental
     by_id = {str(r.get("id")): r for r in remedy_data.get("remedy", []) if isinstance(r, dict)}
     order: Mapping[str, Sequence[str]] = remedy_data.get("causes", {})
     # before the remedy table existed, the planner held the remedies per cause in code
@@ -182,7 +183,7 @@ def _causes(sigs: list[tuple[str, dict[str, Any]]], remedy_data: Mapping[str, An
 def _rules(data: Mapping[str, Any]) -> list[str]:
     lines = ["## Known issues (rules from the machine's facts)", "",
              "Rules fire from what inspection reads, before any probe "
-             "(`core/known_issues.toml`; add yours with `rules=` or `RESILIENT_STRATEGY_RULES`, "
+             "(`core/knowledge/known_issues.toml`; add yours with `rules=` or `RESILIENT_STRATEGY_RULES`, "
              "switch one off with `disable_rules=` or `RESILIENT_STRATEGY_DISABLE_RULES`). "
              "A rule that fired is named in `sel.explain()` and in `to_dict()['rules_fired']`.", ""]
     for rule in data.get("rule", []):
@@ -203,8 +204,41 @@ def _rules(data: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+_NODE_EFFECT = {
+    "warn": "warns (in the trace, `doctor` and the log); decides nothing",
+    "rule_out": "rules NCCL between the nodes out before any probe (node 0's own NCCL and gloo "
+                "between the nodes stay)",
+}
+_NODE_KIND = {"differs": "the nodes report different values of", "shared": "two or more nodes "
+              "report the same", "any": "some node reports"}
+
+
+def _node_differences(data: Mapping[str, Any]) -> list[str]:
+    entries = data.get("difference", [])
+    if not entries:
+        return []
+    lines = ["## Differences between the nodes (multi-node jobs)", "",
+             "Every node sends its facts through the job's store; node 0 compares them before "
+             "any probe (`core/node_differences.toml`). A difference that matters is a "
+             "`nodes_differ` event in the trace naming the nodes and their values, and is listed "
+             "by `doctor`.", ""]
+    for e in entries:
+        fact = str(e.get("fact", "?"))
+        if e.get("variables"):
+            fact += " (" + ", ".join(f"`{v}`" for v in e["variables"]) + ")"
+        what = _NODE_EFFECT.get(str(e.get("effect", "warn")), str(e.get("effect")))
+        if e.get("keep_env"):
+            what += f", except NCCL with {_value(e['keep_env'])}"
+        lines += [f"### `{e.get('id', '?')}`", "",
+                  f"**When** {_NODE_KIND.get(str(e.get('kind', 'differs')), '?')} {fact}.", "",
+                  f"**What it means**: {_value(e.get('message', ''))}", "",
+                  f"**What it does**: {what}.", "",
+                  f"**Source**: {_source(_value(e.get('source', '')))}", ""]
+    return lines
+
+
 def render(core: Path = CORE) -> str:
-    """The page, from the data files in ``core`` (the package's ``core/`` folder)."""
+    """The page, from the data files in ``core`` (the package's ``core/knowledge/`` folder)."""
     sigs = _entries(_toml("signatures.toml", core))
     remedy_data = _toml("remedies.toml", core)
     remedies = _entries({"remedy": remedy_data.get("remedy", [])})
@@ -217,11 +251,12 @@ def render(core: Path = CORE) -> str:
              "words; [Reading a decision trace](how-to/decision-trace.md) shows where to find "
              "them for your run.", ""]
     lines += _causes(sigs, remedy_data)
-    from resilient_strategy.core.probe import CAUSES
+    from resilient_strategy.core.knowledge.causes import CAUSES
 
     blame = [(k, e) for k, e in sigs if k in ("distributed_frame", "script_fault")]
     stray = [(k, e) for k, e in sigs if e.get("cause") not in CAUSES and (k, e) not in blame]
     lines += _rules(_toml("known_issues.toml", core))
+    lines += _node_differences(_toml("node_differences.toml", core))
     for title, entries in (("Remedies", remedies), ("Other failure signatures", stray),
                            ("Whose fault a rank's exception is (resilient-strategy run)",
                             blame)):

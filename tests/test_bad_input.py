@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from resilient_strategy.cli import main, simulate_file
-from resilient_strategy.core.arguments import options_from, run_options_from
+from resilient_strategy.core.call.arguments import options_from, run_options_from
 from resilient_strategy.errors import ResilientStrategyError
 from resilient_strategy.records import handoff
 from resilient_strategy.records.trainfault import parse_fault
@@ -263,7 +263,7 @@ def test_bad_node_options_of_run_name_their_flag(argv: list[str], option: str) -
     traceback from deep inside for each of these)."""
     pytest.importorskip("torch")
     from resilient_strategy.errors import InvalidOptionError
-    from resilient_strategy.run.arguments import options_from_args
+    from resilient_strategy.run.cmdline import options_from_args
 
     with pytest.raises(InvalidOptionError) as err:
         options_from_args([*argv, "train.py"])
@@ -272,7 +272,7 @@ def test_bad_node_options_of_run_name_their_flag(argv: list[str], option: str) -
 
 def test_good_node_options_of_run_pass() -> None:
     pytest.importorskip("torch")
-    from resilient_strategy.run.arguments import options_from_args
+    from resilient_strategy.run.cmdline import options_from_args
 
     for argv in (["--nnodes", "1:2"], ["--rdzv-endpoint", "[::1]:29500"],
                  ["--rdzv-endpoint", "node0"], ["--master-port", "0"]):

@@ -16,7 +16,11 @@ from typing import Any
 
 import pytest
 
-from resilient_strategy.core.signatures import builtin_signatures, load_signatures, parse_blame
+from resilient_strategy.core.knowledge.signatures import (
+    builtin_signatures,
+    load_signatures,
+    parse_blame,
+)
 from resilient_strategy.errors import InvalidRuleError
 from resilient_strategy.records.handoff import exception_chain, write_error
 from resilient_strategy.records.progress import COLLECTIVE, COLLECTIVE_DONE, Record

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from resilient_strategy.core.options import default_dir
-from resilient_strategy.core.probe import ProbeResult
+from resilient_strategy.core.call.options import default_dir
+from resilient_strategy.core.measures.probe import ProbeResult
 from resilient_strategy.deciding.cache import DecisionCache
 
 OK = ProbeResult("torch:nccl:0,1", "ok", 8.1, bus_bandwidth_gbps=301.5, ranks=2)
@@ -161,7 +161,7 @@ _WRITER = """
 import sys, time
 from pathlib import Path
 from resilient_strategy.deciding.cache import DecisionCache
-from resilient_strategy.core.probe import ProbeResult
+from resilient_strategy.core.measures.probe import ProbeResult
 directory, worker, start = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 while time.time() < start:
     time.sleep(0.001)
@@ -311,7 +311,7 @@ _UNWRITABLE = """
 import logging, sys
 from pathlib import Path
 from resilient_strategy.deciding.cache import DecisionCache
-from resilient_strategy.core.probe import ProbeResult
+from resilient_strategy.core.measures.probe import ProbeResult
 logging.basicConfig(level=logging.WARNING)
 ok = ProbeResult("torch:nccl:0,1", "ok", 1.0)
 assert not DecisionCache(Path(sys.argv[1]) / "sub").store("fp", {ok.candidate: ok})

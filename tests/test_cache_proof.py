@@ -8,9 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from resilient_strategy.core.arguments import options_from
-from resilient_strategy.core.options import RunOptions
-from resilient_strategy.core.probe import ENVIRONMENTAL_CAUSES, ERROR, ProbeResult, classify
+from resilient_strategy.core.call.arguments import options_from
+from resilient_strategy.core.call.options import RunOptions
+from resilient_strategy.core.measures.probe import (
+    ENVIRONMENTAL_CAUSES,
+    ERROR,
+    ProbeResult,
+    classify,
+)
 from resilient_strategy.deciding.cache import (
     MID_RUN,
     REPRODUCES,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from resilient_strategy.cli import main
-from resilient_strategy.core.probe import ProbeResult
+from resilient_strategy.core.measures.probe import ProbeResult
 from resilient_strategy.deciding.cache import DecisionCache
 from resilient_strategy.machine import env as _env
 from resilient_strategy.machine.inspect import detect_facts

@@ -51,7 +51,7 @@ def test_the_troubleshooting_page_is_generated_from_the_current_data() -> None:
 def test_the_page_names_every_cause_signature_remedy_and_rule() -> None:
     import tomllib
 
-    from resilient_strategy.core.probe import CAUSES
+    from resilient_strategy.core.measures.probe import CAUSES
 
     page = gen_troubleshooting.render()
     core = gen_troubleshooting.CORE
@@ -156,7 +156,7 @@ def test_no_docstring_uses_a_raw_sphinx_role() -> None:
 
 
 @pytest.mark.parametrize(("module", "cls"), [("selection.py", "Selection"),
-                                             ("core/options.py", "Launch")])
+                                             ("core/call/options.py", "Launch")])
 def test_every_public_field_and_member_of_the_reference_classes_has_words(
         module: str, cls: str) -> None:
     import ast

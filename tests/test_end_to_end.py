@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from resilient_strategy import resilient_strategy
-from resilient_strategy.core.trace import CandidateRuledOut, Chosen
+from resilient_strategy.core.trace.choosing import Chosen
+from resilient_strategy.core.trace.ruling import CandidateRuledOut
 from resilient_strategy.testing import machine
 
 pytest.importorskip("torch")

@@ -8,18 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from resilient_strategy.core.arguments import options_from
-from resilient_strategy.core.facts import relevant_env
-from resilient_strategy.core.rules import rule_from_dict
-from resilient_strategy.core.trace import (
-    CachedFailure,
-    CandidateRuledOut,
-    Chosen,
-    Event,
-    FrameworkPicked,
-    Note,
-    UserSettingKept,
-)
+from resilient_strategy.core.call.arguments import options_from
+from resilient_strategy.core.knowledge.rules import rule_from_dict
+from resilient_strategy.core.trace.choosing import Chosen
+from resilient_strategy.core.trace.event import Event, Note
+from resilient_strategy.core.trace.inputs import CachedFailure, FrameworkPicked
+from resilient_strategy.core.trace.ruling import CandidateRuledOut, UserSettingKept
+from resilient_strategy.core.values.facts import relevant_env
 from resilient_strategy.deciding.cache import DecisionCache
 from resilient_strategy.deciding.decide import FAULT_VAR, MAX_ROUNDS, Decision, decide
 from resilient_strategy.deciding.executor import resilient_strategy

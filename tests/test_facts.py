@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from resilient_strategy.core.facts import Facts, Gpu, relevant_env
+from resilient_strategy.core.values.facts import Facts, Gpu, relevant_env
 
 GPUS = (Gpu(0, "NVIDIA H200", (9, 0), uuid="GPU-a"), Gpu(1, "NVIDIA H200", (9, 0), uuid="GPU-b"))
 BASE = {"HOME": "/root", "NCCL_SOCKET_IFNAME": "eth0"}
@@ -104,7 +104,7 @@ def _listed(facts: Facts) -> Facts:
     """The same machine with every pair listed (what NVML reports before compaction)."""
     from dataclasses import replace
 
-    from resilient_strategy.core.facts import Link
+    from resilient_strategy.core.values.facts import Link
 
     n = len(facts.gpus)
     links = tuple(facts.link(a, b) or Link(a, b) for a in range(n) for b in range(a + 1, n))
@@ -114,7 +114,7 @@ def _listed(facts: Facts) -> Facts:
 @pytest.mark.parametrize("links", [None, {(0, 1): 0}, {"3-7": {"nvlinks": 0, "p2p": "not_supported"}}])
 @pytest.mark.parametrize("nvlink", [0, 18])
 def test_a_fabric_changes_no_answer_and_no_decision(links: object, nvlink: int) -> None:
-    from resilient_strategy.core.facts import FABRIC_MIN_GPUS, compact_links
+    from resilient_strategy.core.values.facts import FABRIC_MIN_GPUS, compact_links
     from resilient_strategy.testing import machine, simulate
 
     n = FABRIC_MIN_GPUS + 4
@@ -140,7 +140,7 @@ def test_small_machines_list_every_pair() -> None:
 
 
 def test_platform_facts_round_trip_and_leave_old_fingerprints_alone() -> None:
-    from resilient_strategy.core.facts import Platform
+    from resilient_strategy.core.values.facts import Platform
     from resilient_strategy.testing import machine
 
     plain = machine(2)
@@ -159,7 +159,7 @@ def test_platform_facts_round_trip_and_leave_old_fingerprints_alone() -> None:
 def test_the_route_to_master_addr_is_not_part_of_the_fingerprint() -> None:
     """It follows MASTER_ADDR, a per-run variable: a single-node torchrun (127.0.0.1, lo) must
     read the cache a command-line probe (no MASTER_ADDR) warmed."""
-    from resilient_strategy.core.facts import Platform
+    from resilient_strategy.core.values.facts import Platform
     from resilient_strategy.testing import machine
 
     routed = machine(2, platform_facts=Platform(master_ifname="lo", master_route="loopback"))

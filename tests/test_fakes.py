@@ -8,8 +8,11 @@ from typing import Any
 
 import pytest
 
-from resilient_strategy.core.rules import fact_values
-from resilient_strategy.core.trace import CandidateRuledOut, Chosen, FactsSeen, Note
+from resilient_strategy.core.knowledge.clauses import fact_values
+from resilient_strategy.core.trace.choosing import Chosen
+from resilient_strategy.core.trace.event import Note
+from resilient_strategy.core.trace.inputs import FactsSeen
+from resilient_strategy.core.trace.ruling import CandidateRuledOut
 from resilient_strategy.errors import FrameworkInitializedError, InvalidOptionError
 from resilient_strategy.testing import FakeProber, gpu, machine, simulate
 
@@ -317,7 +320,7 @@ def test_as_many_processes_as_gpus_or_cpu_processes_are_fine() -> None:
 
 
 def test_nodes_that_cannot_talk_keep_node_0s_own_gpus_with_the_global_batch() -> None:
-    from resilient_strategy.core.trace import CandidateRuledOut
+    from resilient_strategy.core.trace.ruling import CandidateRuledOut
 
     env = {"WORLD_SIZE": "16", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "8",
            "GROUP_RANK": "0", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}

@@ -17,8 +17,14 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from resilient_strategy.core.probe import CAUSES, ProbeResult, ProbeSpec, WorkerOutcome, parse_probe
-from resilient_strategy.core.rules import parse_rules
+from resilient_strategy.core.knowledge.rules import parse_rules
+from resilient_strategy.core.measures.probe import (
+    CAUSES,
+    ProbeResult,
+    ProbeSpec,
+    WorkerOutcome,
+    parse_probe,
+)
 from resilient_strategy.deciding.cache import DecisionCache
 from resilient_strategy.errors import ResilientStrategyError
 from resilient_strategy.nodes.onenode import Agreement

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from resilient_strategy.core.probe import OK, TIMEOUT, ProbeSpec
+from resilient_strategy.core.measures.probe import OK, TIMEOUT, ProbeSpec
 from resilient_strategy.probing import forkserver as _forkserver
 from resilient_strategy.probing import proc as _proc
 from resilient_strategy.probing.prober import run_probe

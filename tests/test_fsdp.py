@@ -232,7 +232,7 @@ def test_example_shards_on_two_processes_and_resumes_on_one(tmp_path: Path) -> N
 
 
 def test_run_arguments_plan_memory_like_the_script() -> None:
-    from resilient_strategy.run.arguments import options_from_args
+    from resilient_strategy.run.cmdline import options_from_args
     from resilient_strategy.run.supervisor import _options
     from resilient_strategy.testing import machine
 

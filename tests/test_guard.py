@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from resilient_strategy.core.facts import Facts, FrameworkInfo
+from resilient_strategy.core.values.facts import Facts, FrameworkInfo
 from resilient_strategy.errors import FrameworkInitializedError
 from resilient_strategy.machine import guard
 

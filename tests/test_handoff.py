@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import resilient_strategy
-from resilient_strategy.core.probe import OK, ProbeResult
+from resilient_strategy.core.measures.probe import OK, ProbeResult
 from resilient_strategy.errors import InvalidOptionError, ResilientStrategyError
 from resilient_strategy.records import handoff
 from resilient_strategy.testing import machine

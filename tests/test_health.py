@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from resilient_strategy.core.probe import ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec
+from resilient_strategy.core.measures.probe import ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec
 from resilient_strategy.errors import GpuUnusableError, ResilientStrategyError
 from resilient_strategy.probing import health
 

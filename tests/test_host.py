@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-from resilient_strategy.core.facts import Host
+from resilient_strategy.core.values.facts import Host
 from resilient_strategy.machine import host
 
 CGROUP_V1_DOCKER = "12:cpu,cpuacct:/docker/4f1a2b\n1:name=systemd:/docker/4f1a2b\n"

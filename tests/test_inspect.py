@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 from _fake_nvml import a100_mig, a6000x4, h200x2, no_driver, rtx5090x2
 
-from resilient_strategy.core.facts import Facts, Link
+from resilient_strategy.core.values.facts import Facts, Link
 from resilient_strategy.machine import guard
 from resilient_strategy.machine.inspect import detect_facts
 
@@ -131,7 +131,7 @@ def test_this_machine_without_gpus_in_a_fresh_process() -> None:
 def test_unreadable_values_reach_the_facts_and_the_trace(tmp_path: Path) -> None:
     from dataclasses import replace
 
-    from resilient_strategy.core.trace import Note
+    from resilient_strategy.core.trace.event import Note
     from resilient_strategy.testing import machine, simulate
 
     nv = h200x2()

@@ -8,27 +8,26 @@ from typing import Any
 
 import pytest
 
-from resilient_strategy.core.facts import Facts, FrameworkInfo, Gpu, Host, Link
-from resilient_strategy.core.memory import (
+from resilient_strategy.core.call.model import repeated_blocks, unit_bytes_of
+from resilient_strategy.core.call.options import Options
+from resilient_strategy.core.knowledge.rules import load_rules
+from resilient_strategy.core.measures.memory import (
     ASSUMED_UNITS,
     MEMORY_HEADROOM,
     TRANSIENT_UNITS,
     ModelMemory,
     model_memory,
-    repeated_blocks,
-    unit_bytes_of,
 )
-from resilient_strategy.core.options import Options
-from resilient_strategy.core.plan import plan
-from resilient_strategy.core.probe import ProbeResult
-from resilient_strategy.core.rules import load_rules
-from resilient_strategy.core.trace import (
-    CandidateRuledOut,
+from resilient_strategy.core.measures.probe import ProbeResult
+from resilient_strategy.core.planning.plan import plan
+from resilient_strategy.core.trace.fitting import (
     FewerDevices,
     MemoryChecked,
     OffloadConsidered,
     ShardingDecided,
 )
+from resilient_strategy.core.trace.ruling import CandidateRuledOut
+from resilient_strategy.core.values.facts import Facts, FrameworkInfo, Gpu, Host, Link
 from resilient_strategy.deciding.executor import resilient_strategy
 from resilient_strategy.errors import InvalidOptionError, ModelDoesNotFitError
 from resilient_strategy.machine.host import parse_meminfo
@@ -302,7 +301,7 @@ def test_a_worker_follows_the_supervisors_sharding(tmp_path: Any, monkeypatch: A
 
 
 def test_run_takes_the_memory_options() -> None:
-    from resilient_strategy.core.options import RunOptions
+    from resilient_strategy.core.call.options import RunOptions
 
     with pytest.raises(InvalidOptionError):
         RunOptions("train.py", param_bytes=0)

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from resilient_strategy.core.arguments import options_from
-from resilient_strategy.core.plan import Candidate, plan
-from resilient_strategy.core.probe import OK, TIMEOUT, ProbeResult, ProbeSpec
+from resilient_strategy.core.call.arguments import options_from
+from resilient_strategy.core.measures.probe import OK, TIMEOUT, ProbeResult, ProbeSpec
+from resilient_strategy.core.planning.plan import Candidate, plan
 from resilient_strategy.deciding.decide import decide
 from resilient_strategy.errors import NodeLostError, NodeMismatchError
 from resilient_strategy.nodes import manynodes as multinode
@@ -366,3 +366,43 @@ def test_other_local_ranks_take_their_nodes_decision_or_its_error(
                    "error": "node 0 is gone"})
     with pytest.raises(MultiNodeError):
         multinode.agreed_decision(h200, opts, env, FakeProber(), lambda: 0.0, decide)
+
+
+@pytest.mark.torch
+def test_a_node_with_another_nccl_is_named_before_any_probe_and_keeps_nccl_off_the_link(
+        store: Any, short_margin: None) -> None:
+    # issue 31: node 1's torch carries another NCCL; its facts cross the job's store and node 0
+    # compares them before any probe: a typed finding naming node 1 and both versions, NCCL
+    # between the nodes ruled out (never probed), every node agreeing
+    local, cross = FakeProber(), FakeProber()
+    out = run_nodes(store, [machine(2, nvlink=18), machine(2, nvlink=18, torch_nccl="2.27.3")],
+                    local, cross)
+    keys = set()
+    for made in out.values():
+        found = {e.finding.id: e for e in made.plan.events if e.kind == "nodes_differ"}
+        event = found["nodes-nccl-version"]
+        f = event.finding
+        assert (f.nodes, dict(f.values), f.effect) == ((1,), {0: "2.28.9", 1: "2.27.3"},
+                                                       "rule_out")
+        assert "torch:nccl:0,1" in {c.key for c in event.ruled_out}
+        assert made.plan.chosen is not None and not (
+            made.plan.chosen.backend == "nccl" and not made.plan.chosen.node_local)
+        keys.add(made.plan.chosen.key)
+    assert len(keys) == 1  # no split
+    assert not [k for k in cross.probed if k.startswith("nccl")]  # never probed across nodes
+
+
+@pytest.mark.torch
+def test_a_node_with_other_nccl_settings_is_named_and_nccl_still_proven(
+        store: Any, short_margin: None) -> None:
+    node0 = machine(2, nvlink=18, env={"NCCL_IB_HCA": "mlx5_0"})
+    node1 = machine(2, nvlink=18, env={"NCCL_IB_HCA": "mlx5_1", "NCCL_DEBUG": "INFO"})
+    cross = FakeProber()
+    out = run_nodes(store, [node0, node1], FakeProber(), cross)
+    for made in out.values():
+        found = [e.finding for e in made.plan.events if e.kind == "nodes_differ"]
+        assert [(f.id, f.nodes, f.variables, f.effect) for f in found] == [
+            ("nodes-nccl-ib-settings", (1,), ("NCCL_IB_HCA",), "warn")]  # NCCL_DEBUG: logs only
+        assert dict(found[0].values) == {0: "NCCL_IB_HCA=mlx5_0", 1: "NCCL_IB_HCA=mlx5_1"}
+        assert made.plan.chosen is not None and made.plan.chosen.key == "torch:nccl:0,1"
+    assert "nccl" in cross.probed  # a warning: the probe between the nodes still decides

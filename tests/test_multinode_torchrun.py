@@ -164,6 +164,11 @@ def test_healthy_pair_proves_gloo_across_both_nodes_and_trains(tmp_path: Path) -
         assert probe["status"] == "ok" and probe["ranks"] == 2
         assert ["nodes", "2"] in probe["extra"] and probe["bus_bandwidth_gbps"] > 0
         assert d["proven"]
+        # issue 31: the nodes' facts crossed torchrun's store; both "nodes" are this one host
+        # (its boot id), a finding every node names (a warning: gloo was still proven)
+        found = [e["finding"] for e in d["events"] if e["kind"] == "nodes_differ"]
+        assert [(f["id"], f["nodes"]) for f in found if f["id"] == "nodes-one-host"] == [
+            ("nodes-one-host", [0, 1])]
     trained = by_node(pair, "trained")
     assert trained[0]["optimizer_steps"] == trained[1]["optimizer_steps"] == 2
     assert trained[0]["weights"] == trained[1]["weights"]  # DDP kept both nodes in step

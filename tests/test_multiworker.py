@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from resilient_strategy.core.probe import ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec
-from resilient_strategy.core.rules import Rule
-from resilient_strategy.core.trace import Chosen
+from resilient_strategy.core.knowledge.rules import Rule
+from resilient_strategy.core.measures.probe import ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec
+from resilient_strategy.core.trace.choosing import Chosen
 from resilient_strategy.errors import InvalidOptionError
 from resilient_strategy.frameworks.tensorflow import TfRuntime
 from resilient_strategy.nodes.tfworkers import (

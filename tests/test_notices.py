@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from resilient_strategy.core.probe import OK, ProbeResult
+from resilient_strategy.core.measures.probe import OK, ProbeResult
 from resilient_strategy.deciding.cache import DecisionCache
 from resilient_strategy.deciding.notices import (
     ProgressLine,
@@ -60,7 +60,7 @@ def test_no_fallback_warning_when_the_best_works(caplog: pytest.LogCaptureFixtur
 
 
 def test_fallback_cost_compares_estimates() -> None:
-    from resilient_strategy.core.options import Options
+    from resilient_strategy.core.call.options import Options
 
     sel = _torch({"nccl": "error:nccl_error", "nccl+*": "error:nccl_error", "gloo": "ok"},
                  gradient_bytes=400 << 20, sample_seconds=1e-3)

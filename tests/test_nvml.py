@@ -17,7 +17,7 @@ from _fake_nvml import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from resilient_strategy.core.facts import Link
+from resilient_strategy.core.values.facts import Link
 from resilient_strategy.machine.nvml import NO_NVIDIA_DEVICE, nvidia_present, read_nvml
 
 
@@ -183,3 +183,46 @@ def test_any_failing_call_never_raises(names: set[str], exc: Exception, machine:
     assert snap.error is None
     assert len(snap.gpus) == len(nv.gpus)
     assert all(ln.topology in ("hostbridge", "node", "unknown") for ln in snap.links)
+
+
+def test_a_wedged_driver_costs_the_deadline_not_the_decision() -> None:
+    """NVML that never answers (a crashed driver blocks every call): the reading returns a
+    `stalled` snapshot at its deadline; later readings answer at once while the driver is still
+    stuck, and read again once it answers."""
+    import threading
+
+    from resilient_strategy.machine import nvml as nvml_mod
+
+    release = threading.Event()
+    fake = h200x2()
+    calls: list[str] = []
+    real_init = fake.nvmlInit
+
+    def wedged_init() -> None:
+        calls.append("init")
+        release.wait(30)
+        real_init()
+
+    fake.nvmlInit = wedged_init
+    try:
+        snap = read_nvml(fake, deadline_s=0.2)
+        assert snap.stalled and snap.gpus == () and snap.error
+        again = read_nvml(h200x2(), deadline_s=5)  # not asked while the first still waits
+        assert again.stalled and calls == ["init"]
+    finally:
+        release.set()
+        for t in nvml_mod._STUCK:
+            t.join(5)
+    after = read_nvml(h200x2(), deadline_s=5)
+    assert not after.stalled and len(after.gpus) == 2
+
+
+def test_detect_facts_goes_on_without_gpu_facts_when_nvml_stalls(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from resilient_strategy.machine import inspect as inspect_mod
+    from resilient_strategy.machine.nvml import NvmlSnapshot, stalled_error
+
+    monkeypatch.setattr(inspect_mod, "read_nvml",
+                        lambda nvml=None: NvmlSnapshot(error=stalled_error(20), stalled=True))
+    facts = inspect_mod.detect_facts({"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert facts.gpus == () and facts.nvml_error == stalled_error(20)

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from resilient_strategy.core.arguments import options_from
-from resilient_strategy.core.options import Launch, Options
+from resilient_strategy.core.call.arguments import options_from
+from resilient_strategy.core.call.options import Launch, Options
 from resilient_strategy.errors import InvalidOptionError
 from resilient_strategy.testing import machine, simulate
 from resilient_strategy.vocab import BACKENDS, FRAMEWORKS, PRECISIONS, PROBE_MODES
@@ -137,7 +137,7 @@ def test_every_option_of_resilient_strategy_goes_to_options_from_as_is() -> None
     import inspect
     from dataclasses import fields
 
-    from resilient_strategy.core.arguments import Arguments
+    from resilient_strategy.core.call.arguments import Arguments
     from resilient_strategy.deciding.executor import resilient_strategy
 
     params = inspect.signature(resilient_strategy).parameters

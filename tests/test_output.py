@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from resilient_strategy.core.trace import Note, Ranking
+from resilient_strategy.core.trace.choosing import Ranking
+from resilient_strategy.core.trace.event import Note
 from resilient_strategy.records.flightdump import FlightFacts, StuckCollective
 from resilient_strategy.records.progress import COLLECTIVE, Record, Stall
 from resilient_strategy.run import verdicts as v

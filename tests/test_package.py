@@ -40,7 +40,7 @@ def test_lazy_attributes_resolve() -> None:
 
 
 def test_bad_cuda_visible_devices_is_a_typed_error() -> None:
-    from resilient_strategy.core.facts import Facts, FrameworkInfo
+    from resilient_strategy.core.values.facts import Facts, FrameworkInfo
     from resilient_strategy.errors import InvalidVisibleDevicesError
     from resilient_strategy.machine.visible import PhysicalGpu, parse_visible_devices
     from resilient_strategy.testing import gpu, simulate
@@ -71,7 +71,7 @@ def test_the_built_wheel_ships_every_data_file_and_decides(tmp_path: Path) -> No
     real (dry-run) decision and a `doctor` from the unpacked wheel alone, not from src/."""
     import zipfile
 
-    from resilient_strategy.core.data import DATA_FILES
+    from resilient_strategy.core.knowledge.data import DATA_FILES
 
     root = Path(__file__).parents[1]
     import setuptools
@@ -79,8 +79,8 @@ def test_the_built_wheel_ships_every_data_file_and_decides(tmp_path: Path) -> No
     if int(setuptools.__version__.split(".")[0]) < 77:  # pyproject's build requirement
         pytest.skip(f"setuptools {setuptools.__version__} here, the build needs >= 77 (.ci/run "
                     "builds the wheel in isolation and decides from it)")
-    on_disk = sorted(p.name for p in (root / "src/resilient_strategy/core").glob("*.toml"))
-    assert on_disk == sorted(DATA_FILES), "a data file on disk is not in core/data.DATA_FILES"
+    on_disk = sorted(p.name for p in (root / "src/resilient_strategy/core/knowledge").glob("*.toml"))
+    assert on_disk == sorted(DATA_FILES), "a data file on disk is not in core/knowledge/data.DATA_FILES"
     # build from a clean copy: an egg-info left by an editable install lists files the
     # package data would not, and hides the bug this test exists for
     tree = tmp_path / "tree"
@@ -99,7 +99,7 @@ def test_the_built_wheel_ships_every_data_file_and_decides(tmp_path: Path) -> No
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
         zf.extractall(tmp_path / "site")
-    missing = [n for n in DATA_FILES if f"resilient_strategy/core/{n}" not in names]
+    missing = [n for n in DATA_FILES if f"resilient_strategy/core/knowledge/{n}" not in names]
     assert missing == []
     site = str(tmp_path / "site")
     code = ("import json, resilient_strategy as rs; "

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 from _imports import PKG, imports, modules
 
-from resilient_strategy.core.facts import Facts, FrameworkInfo, Gpu, Host, Link
-from resilient_strategy.core.options import Options
-from resilient_strategy.core.plan import Candidate, Plan, plan, split_batch
-from resilient_strategy.core.probe import ProbeResult
-from resilient_strategy.core.rules import load_rules
-from resilient_strategy.core.trace import Chosen, Note
+from resilient_strategy.core.call.options import Options
+from resilient_strategy.core.knowledge.rules import load_rules
+from resilient_strategy.core.measures.probe import ProbeResult
+from resilient_strategy.core.planning.plan import Candidate, Plan, plan, split_batch
+from resilient_strategy.core.trace.choosing import Chosen
+from resilient_strategy.core.trace.event import Note
+from resilient_strategy.core.values.facts import Facts, FrameworkInfo, Gpu, Host, Link
 from resilient_strategy.errors import InvalidOptionError
 
 RULES = load_rules()
@@ -208,7 +209,7 @@ def test_planner_imports_no_os_subprocess_nvml_or_framework() -> None:
     banned_rooms = {"machine", "records", "probing", "nodes", "deciding", "run", "frameworks"}
     mods = modules()
     seen: set[str] = set()
-    todo = [f"{PKG}.core.plan"]
+    todo = [f"{PKG}.core.planning.plan"]
     while todo:
         module = todo.pop()
         if module in seen:
@@ -219,8 +220,10 @@ def test_planner_imports_no_os_subprocess_nvml_or_framework() -> None:
         for t in ours:
             assert t.split(".")[1] not in banned_rooms and t != f"{PKG}.selection", (module, t)
             todo.append(t)
-    assert {f"{PKG}.{m}" for m in ("core.plan", "core.rules", "core.facts", "core.probe",
-                                   "errors")} <= seen
+    reached = ("core.planning.plan", "core.planning.chain", "core.planning.ranking",
+               "core.knowledge.rules", "core.knowledge.clauses", "core.values.facts",
+               "core.measures.probe", "core.trace.event", "errors")
+    assert {f"{PKG}.{m}" for m in reached} <= seen
 
 
 def test_on_logical_cpus_a_measured_hierarchical_copy_is_not_outbid_by_a_gpu_figure() -> None:

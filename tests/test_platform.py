@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from resilient_strategy.cli import main
-from resilient_strategy.core.facts import Platform
+from resilient_strategy.core.values.facts import Platform
 from resilient_strategy.machine.platform import (
     detect_platform,
     parse_hosts,
@@ -19,7 +19,7 @@ from resilient_strategy.machine.platform import (
     parse_nvswitch,
     parse_rdma,
 )
-from resilient_strategy.machine.routes import local_addresses, resolve_ipv4, route_to_master
+from resilient_strategy.machine.route_lookup import local_addresses, resolve_ipv4, route_to_master
 
 
 def test_nvswitch_present_absent_or_unknown() -> None:
@@ -64,7 +64,7 @@ def test_detect_platform_reads_a_fake_tree(tmp_path: Path) -> None:
     assert detect_platform({}, str(tmp_path / "empty")) == Platform()
 
 
-# ----- the route to MASTER_ADDR (machine/routes.py) ----------------------------------------------
+# ----- the route to MASTER_ADDR (machine/route_lookup.py) ----------------------------------------------
 ROUTES = """Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT
 eth0\t00000000\t0100000A\t0003\t0\t0\t100\t00000000\t0\t0\t0
 ib0\t0000000A\t00000000\t0001\t0\t0\t0\t000000FF\t0\t0\t0

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from resilient_strategy.core.probe import (
+from resilient_strategy.core.measures.probe import (
     CAUSES,
     ERROR,
     OK,
@@ -290,6 +290,26 @@ def test_fault_injection_can_target_plain_nccl_or_large_messages() -> None:
     for bad in ("hang:1:nccl:somewhere", "wrong:1:nccl:>=x", "hang:1:nccl:plain:extra"):
         assert fault_for(1, {"RESILIENT_STRATEGY_PROBE_FAULT": bad}, "nccl") == ""
 
+
+
+def test_a_rendezvous_store_without_libuv_is_the_cause_the_plan_remedies() -> None:
+    # the probe's store is a libuv TCPStore wherever torch's rendezvous makes one: a build
+    # without libuv now fails the probe as it fails training, with USE_LIBUV=0 as the remedy
+    err = ("RuntimeError: use_libuv was requested but PyTorch was build without libuv support, "
+           "run with USE_LIBUV=0 to disable it.")
+    outcomes = [WorkerOutcome(0, 1, report=json.dumps({"status": "error", "error": err})),
+                WorkerOutcome(1, None, killed_by_runner=True)]
+    res = parse_probe(SPEC, outcomes, 1.0, False)
+    assert (res.status, res.cause) == (ERROR, "store_libuv")
+
+
+def test_new_torch_faults_target_their_collective() -> None:
+    from resilient_strategy.probing.workers.common import HANGS, fault_for
+
+    for kind in ("hang_rendezvous", "hang_broadcast", "hang_gather", "wrong_broadcast",
+                 "wrong_gather"):
+        assert fault_for(1, {"RESILIENT_STRATEGY_PROBE_FAULT": f"{kind}:1:gloo"}, "gloo") == kind
+    assert {"hang_rendezvous", "hang_broadcast", "hang_gather"} <= set(HANGS)
 
 
 def test_the_earliest_reported_failure_is_blamed_when_the_runner_saw_the_echo_exit_first() -> None:

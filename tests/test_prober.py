@@ -20,7 +20,14 @@ from typing import Any
 
 import pytest
 
-from resilient_strategy.core.probe import ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec, judged_hang
+from resilient_strategy.core.measures.probe import (
+    ERROR,
+    OK,
+    TIMEOUT,
+    ProbeResult,
+    ProbeSpec,
+    judged_hang,
+)
 from resilient_strategy.errors import InvalidOptionError
 from resilient_strategy.machine import files as _files
 from resilient_strategy.probing import prober
@@ -75,7 +82,7 @@ def assert_workers_gone(group: _proc.GroupOutcome) -> None:
 # ------------------------------------------------------------------------------------------
 # Commands and environment (no process)
 # ------------------------------------------------------------------------------------------
-def test_torch_commands_one_per_rank_with_a_file_rendezvous(tmp_path: Path) -> None:
+def test_torch_commands_one_per_rank_meeting_in_the_run_directory(tmp_path: Path) -> None:
     spec = ProbeSpec("k", "torch", "nccl", (2, 3), world_size=2, timeout_s=20.0)
     cmds = build_commands(spec, {}, str(tmp_path), python="/py", parent_pid=42)
     assert len(cmds) == 2
@@ -84,7 +91,8 @@ def test_torch_commands_one_per_rank_with_a_file_rendezvous(tmp_path: Path) -> N
         assert argv[:3] == ["/py", "-m", "resilient_strategy.probing.workers.torch_worker"]
         assert argv[argv.index("--rank") + 1] == str(rank)
         assert argv[argv.index("--devices") + 1] == "2,3"
-        assert argv[argv.index("--init-method") + 1] == (tmp_path / "rdzv").as_uri()
+        assert argv[argv.index("--rendezvous") + 1] == str(tmp_path)  # rank 0 publishes there
+        assert "--init-method" not in argv  # no file store: training never meets through one
         assert argv[argv.index("--parent-pid") + 1] == "42"
         assert float(argv[argv.index("--timeout") + 1]) > spec.timeout_s  # the runner's fires first
         assert argv[argv.index("--progress") + 1] == c.progress_path == str(
@@ -265,6 +273,57 @@ def test_a_healthy_probe_checks_every_size_ddp_sends(
     assert groups[-1].stall is None
 
 
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+@pytest.mark.parametrize(("use_libuv", "store"), [
+    (None, "TCPStore libuv"),  # torch's default transport (>= 2.4), as torchrun's store has it
+    ("0", "TCPStore"),  # the user's USE_LIBUV=0 is what training will use: the probe follows
+])
+def test_the_ranks_meet_in_a_tcp_store_as_a_training_group_does(
+        use_libuv: str | None, store: str, env: dict[str, str],
+        groups: list[_proc.GroupOutcome]) -> None:
+    env = {k: v for k, v in env.items() if k != "USE_LIBUV"}
+    if use_libuv is not None:
+        env["USE_LIBUV"] = use_libuv
+    res = run_probe(gloo(train_step=False), env)
+    assert res.status == OK, res.why() + res.stderr_tail
+    assert ("rendezvous", store) in res.extra
+    # every collective training issues was proven, after the all-reduces
+    names = [name for name, _ in res.phases]
+    assert names.index("checked") < names.index("collectives")
+    assert_workers_gone(groups[-1])
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+@pytest.mark.parametrize(("fault", "hang"), [
+    ("hang_rendezvous:0", "setup"),  # rank 0 never publishes its store: rank 1 waits for it
+    ("hang_broadcast:1", "collective"),
+    ("hang_gather:0", "collective"),
+])
+def test_a_hung_rendezvous_broadcast_or_all_gather_is_a_judged_hang(
+        fault: str, hang: str, env: dict[str, str], groups: list[_proc.GroupOutcome]) -> None:
+    res = run_probe(gloo(timeout_s=60.0, train_step=False), {**env, FAULT: fault})
+    assert (res.status, res.cause) == (TIMEOUT, "timeout")
+    assert judged_hang(res) and dict(res.extra)["hang"] == hang
+    group = groups[-1]
+    assert group.stall is not None and not group.timed_out  # cut from progress, not the deadline
+    assert_workers_gone(group)
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+@pytest.mark.parametrize("fault", ["wrong_broadcast:1", "wrong_gather:0"])
+def test_a_wrong_value_from_a_broadcast_or_all_gather_is_a_wrong_result(
+        fault: str, env: dict[str, str]) -> None:
+    res = run_probe(gloo(train_step=False), {**env, FAULT: fault})
+    assert (res.status, res.cause) == (ERROR, "wrong_result")
+    assert res.detail.startswith(f"rank {fault[-1]}")
+
+
 # ------------------------------------------------------------------------------------------
 # TensorFlow on two logical CPU devices
 # ------------------------------------------------------------------------------------------
@@ -377,7 +436,7 @@ _PARENT = """
 import os, sys, tempfile
 from resilient_strategy.probing import prober
 from resilient_strategy.probing import proc as _proc
-from resilient_strategy.core.probe import ProbeSpec
+from resilient_strategy.core.measures.probe import ProbeSpec
 tempfile.tempdir, marker = sys.argv[1], os.environ["RS_MARKER"]
 worker = ("from resilient_strategy.probing.workers.watchdog import watch_parent; "
           "watch_parent({}); import time; time.sleep(60)")

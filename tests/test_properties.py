@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from resilient_strategy.core.options import Options
-from resilient_strategy.core.plan import plan
-from resilient_strategy.core.rules import load_rules
+from resilient_strategy.core.call.options import Options
+from resilient_strategy.core.knowledge.rules import load_rules
+from resilient_strategy.core.planning.plan import plan
 from resilient_strategy.errors import InvalidOptionError
 from resilient_strategy.testing import FakeProber, simulate
 from resilient_strategy.testing.strategies import global_batches, machines, outcome_tables

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from resilient_strategy.core.probe import TIMEOUT, ProbeResult
-from resilient_strategy.core.trace import FactsSeen, Note, RemedyQueued, RuleFired
+from resilient_strategy.core.measures.probe import TIMEOUT, ProbeResult
+from resilient_strategy.core.trace.event import Note
+from resilient_strategy.core.trace.inputs import FactsSeen
+from resilient_strategy.core.trace.ruling import RemedyQueued, RuleFired
 from resilient_strategy.deciding.decide import still_valid
 from resilient_strategy.testing import FakeProber, machine, simulate
 
@@ -138,7 +140,7 @@ def test_a_tensorflow_build_without_kernels_says_which_tensorflow_to_install() -
 
 
 def test_rules_can_key_on_the_driver_version_and_the_trace_shows_it() -> None:
-    from resilient_strategy.core.rules import rule_from_dict
+    from resilient_strategy.core.knowledge.rules import rule_from_dict
 
     rule = rule_from_dict({"id": "p2p-regression-driver", "when": [
         "gpus.count >= 2", "driver.version >= 570", "driver.version < 571"],
@@ -158,7 +160,7 @@ def test_rules_can_key_on_the_driver_version_and_the_trace_shows_it() -> None:
 
 # ----- stable choices ------------------------------------------------------------------------
 def _tf_results(hc: float, rod: float, spread: float) -> dict[str, ProbeResult]:
-    from resilient_strategy.core.probe import OK
+    from resilient_strategy.core.measures.probe import OK
 
     return {
         "hierarchical_copy": ProbeResult("x", OK, 2.0, bus_bandwidth_gbps=hc,

@@ -1,4 +1,4 @@
-"""The remedy table (core/remedies.toml) as data: each remedy gated by facts and sourced, each
+"""The remedy table (core/knowledge/remedies.toml) as data: each remedy gated by facts and sourced, each
 cause's list in order, the user's files layered on top; the planner queues what applies and never
 a variable the user set."""
 
@@ -8,9 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from resilient_strategy.core.remedies import builtin_remedies, load_remedies, parse_remedies
-from resilient_strategy.core.rules import fact_values
-from resilient_strategy.core.trace import CandidateRuledOut, RemedyQueued, UserSettingKept
+from resilient_strategy.core.knowledge.clauses import fact_values
+from resilient_strategy.core.knowledge.remedies import (
+    builtin_remedies,
+    load_remedies,
+    parse_remedies,
+)
+from resilient_strategy.core.trace.ruling import CandidateRuledOut, RemedyQueued, UserSettingKept
 from resilient_strategy.errors import InvalidRuleError
 from resilient_strategy.testing import FakeProber, Platform, machine, simulate
 

@@ -11,16 +11,13 @@ from typing import Any
 import pytest
 from packaging.version import Version
 
-from resilient_strategy.core.rules import (
+from resilient_strategy.core.knowledge.clauses import (
     FACT_NAMES,
     clause_holds,
     fact_values,
-    fired,
-    load_rules,
     parse_clause,
-    parse_rules,
-    rule_from_dict,
 )
+from resilient_strategy.core.knowledge.rules import fired, load_rules, parse_rules, rule_from_dict
 from resilient_strategy.errors import InvalidOptionError, InvalidRuleError
 from resilient_strategy.testing import machine, simulate
 
@@ -353,7 +350,7 @@ def test_a_small_dev_shm_in_a_pod_gets_the_pod_fix_not_dockers() -> None:
 
 
 def test_advice_names_the_suspect_version_and_the_fix() -> None:
-    from resilient_strategy.core.trace import RuleFired
+    from resilient_strategy.core.trace.ruling import RuleFired
 
     h100 = machine(4, name="NVIDIA H100 80GB HBM3", cc=(9, 0), torch_cuda="11.8",
                    torch_nccl="2.14.3")

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 import resilient_strategy
-from resilient_strategy.core.options import RunOptions
-from resilient_strategy.core.probe import OK, ProbeResult
-from resilient_strategy.core.trace import Note
+from resilient_strategy.core.call.options import RunOptions
+from resilient_strategy.core.measures.probe import OK, ProbeResult
+from resilient_strategy.core.trace.event import Note
 from resilient_strategy.errors import InvalidOptionError
 from resilient_strategy.records import handoff
 from resilient_strategy.run import supervisor
@@ -53,7 +53,7 @@ def _no_probe(spec: object, env: object) -> ProbeResult:
 def _decide(tmp: Path, monkeypatch: pytest.MonkeyPatch, facts: Any, env: dict[str, str],
             outcomes: dict[str, str], *flags: str) -> handoff.Decision:
     """The supervisor's decision for `run --nproc-per-node N [flags] script` on ``facts``."""
-    from resilient_strategy.run.arguments import options_from_args
+    from resilient_strategy.run.cmdline import options_from_args
 
     monkeypatch.setattr(supervisor, "_prober", SimulatedProber(outcomes))
     opts = options_from_args(["--nproc-per-node", str(len(facts.gpus)), "--global-batch-size",
@@ -202,7 +202,7 @@ def test_a_script_that_disagrees_with_the_supervisor_is_an_error_naming_the_opti
 
 
 def test_run_memory_flags_are_validated_once_naming_the_flag() -> None:
-    from resilient_strategy.run.arguments import options_from_args
+    from resilient_strategy.run.cmdline import options_from_args
 
     script = str(ROOT / "examples" / "torch_fsdp_train.py")
     opts = options_from_args(["--nproc-per-node", "2", script])

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from resilient_strategy.run import arguments
+from resilient_strategy.run import cmdline
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,12 +47,12 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 def test_our_parser_reads_runs_options_without_torch(monkeypatch: pytest.MonkeyPatch,
                                                      tmp_path: Path) -> None:
-    monkeypatch.setattr(arguments, "torch_launcher", lambda: False)
+    monkeypatch.setattr(cmdline, "torch_launcher", lambda: False)
     monkeypatch.delenv("RESILIENT_STRATEGY_STALL_TIMEOUT", raising=False)
     monkeypatch.delenv("RESILIENT_STRATEGY_MAX_RELAUNCHES", raising=False)
     script = tmp_path / "train.py"
     script.write_text("import tensorflow as tf\n", encoding="utf-8")
-    opts = arguments.options_from_args([
+    opts = cmdline.options_from_args([
         "--nproc_per_node", "1", "--stall-timeout", "90", "--max-relaunches", "4",
         "--min-throughput", "0.5", "--allow-cpu", "--evidence-dir", "ev",
         "--global-batch-size", "512", "--logical-cpus", "2", str(script), "--epochs", "3"])
@@ -62,7 +62,7 @@ def test_our_parser_reads_runs_options_without_torch(monkeypatch: pytest.MonkeyP
             opts.evidence_dir, opts.global_batch_size, opts.logical_cpus) == (
         90.0, 4, 0.5, True, "ev", 512, 2)
     assert opts.torchrun is None  # no torchrun namespace: one node, our agent
-    names = {s for a in arguments.parser()._actions for s in a.option_strings}
+    names = {s for a in cmdline.parser()._actions for s in a.option_strings}
     ours = {"--nproc-per-node", "--framework", "--global-batch-size", "--stall-timeout",
             "--max-relaunches", "--min-throughput", "--allow-cpu", "--evidence-dir",
             "--max-attempts-without-progress", "--logical-cpus", "--sharding"}
@@ -126,11 +126,11 @@ def test_a_torch_script_without_torch_is_a_usage_error(monkeypatch: pytest.Monke
                                                         tmp_path: Path) -> None:
     from resilient_strategy.errors import InvalidOptionError
 
-    monkeypatch.setattr(arguments, "torch_launcher", lambda: False)
+    monkeypatch.setattr(cmdline, "torch_launcher", lambda: False)
     script = tmp_path / "train.py"
     script.write_text("import torch\n", encoding="utf-8")
     with pytest.raises(InvalidOptionError) as err:
-        arguments.options_from_args([str(script)])
+        cmdline.options_from_args([str(script)])
     assert err.value.option == "--framework"
 
 
@@ -160,7 +160,7 @@ def test_the_one_process_agent_keeps_a_stall_whose_error_came_from_the_stop(
         tmp_path: Path) -> None:
     """run/solo.py judges an error record as torch's path does (agent.raised_before): one
     written after the stalled worker was stopped is what the stop did to it, not the story."""
-    from resilient_strategy.core.options import RunOptions
+    from resilient_strategy.core.call.options import RunOptions
     from resilient_strategy.records.handoff import Decision, error_path, write_decision
     from resilient_strategy.run.solo import launch_one
     from resilient_strategy.run.verdicts import VerdictKind

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from resilient_strategy.core.trace import CandidateRuledOut, RemedyQueued, RuleFired
+from resilient_strategy.core.trace.ruling import CandidateRuledOut, RemedyQueued, RuleFired
 from resilient_strategy.testing import FakeProber, machine, simulate
 
 MACHINES = Path(__file__).parents[1] / "examples" / "machines"

@@ -1,4 +1,4 @@
-"""The signature table (core/signatures.toml) as data: every entry sourced, the verbatim texts of
+"""The signature table (core/knowledge/signatures.toml) as data: every entry sourced, the verbatim texts of
 the field catalogue placed on their causes, the user's entries first, bad files refused with the
 entry named; the probe parser and the supervisor's classifier read the same table."""
 
@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from resilient_strategy.core.causes import CAUSES
-from resilient_strategy.core.outcome import WorkerOutcome
-from resilient_strategy.core.probe import ERROR, ProbeSpec, parse_probe
-from resilient_strategy.core.signatures import (
+from resilient_strategy.core.knowledge.causes import CAUSES
+from resilient_strategy.core.knowledge.signatures import (
     KINDS,
     VERSION,
     builtin_signatures,
@@ -20,6 +18,8 @@ from resilient_strategy.core.signatures import (
     parse_signatures,
     signatures_from_env,
 )
+from resilient_strategy.core.measures.probe import ERROR, ProbeSpec, parse_probe
+from resilient_strategy.core.values.outcome import WorkerOutcome
 from resilient_strategy.errors import InvalidRuleError
 from resilient_strategy.run.verdicts import classify_error
 

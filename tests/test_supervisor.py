@@ -25,7 +25,7 @@ from resilient_strategy.records.progress import (
     Stall,
 )
 from resilient_strategy.records.trainfault import TrainFault, parse_fault
-from resilient_strategy.run.arguments import guess_framework, options_from_args
+from resilient_strategy.run.cmdline import guess_framework, options_from_args
 from resilient_strategy.run.exitcodes import ExitCode
 from resilient_strategy.run.verdicts import (
     PeerFault,

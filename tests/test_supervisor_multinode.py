@@ -210,7 +210,7 @@ def test_node_1_killed_mid_decision_stops_node_0_within_the_deadlines(tmp_path: 
 
 def test_node_link_from_torchrun_options() -> None:
     from resilient_strategy.errors import InvalidOptionError
-    from resilient_strategy.run.arguments import options_from_args
+    from resilient_strategy.run.cmdline import options_from_args
 
     def link(*argv: str) -> Any:
         from resilient_strategy.run.peers import NodeLink

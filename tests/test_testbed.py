@@ -59,7 +59,7 @@ def test_a_rank_killed_from_outside_is_an_exit_wherever_it_was() -> None:
 def test_a_route_that_rejects_the_master_is_no_route_to_it() -> None:
     # /proc/net/route in the bed's node 1 after `ip route add blackhole 198.18.0.1/32`: no
     # device ("*"), only RTF_UP|RTF_HOST; an unreachable or prohibit route adds RTF_REJECT
-    from resilient_strategy.machine.routes import route_interface
+    from resilient_strategy.machine.route_lookup import route_interface
 
     head = "Iface\tDestination\tGateway\tFlags\tRefCnt\tUse\tMetric\tMask\tMTU\tWindow\tIRTT\n"
     net = "rstb-e1\t000012C6\t00000000\t0001\t0\t0\t0\t00FFFFFF\t0\t0\t0\n"
@@ -179,9 +179,9 @@ def test_another_nodes_cut_off_is_a_lost_node_here() -> None:
 
 
 def test_node_0_goes_on_alone_without_a_node_lost_at_the_relaunch(tmp_path: Path) -> None:
-    from resilient_strategy.core.probe import ERROR, ProbeResult
+    from resilient_strategy.core.measures.probe import ERROR, ProbeResult
     from resilient_strategy.run import supervisor as sv
-    from resilient_strategy.run.arguments import options_from_args
+    from resilient_strategy.run.cmdline import options_from_args
     from resilient_strategy.testing.simulation import machine
 
     opts = options_from_args(["--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1",

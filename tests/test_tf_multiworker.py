@@ -177,7 +177,7 @@ def test_hangs_in_the_ring_and_auto_probes_fall_back_to_worker_0_alone(tmp_path:
 
 PROBE = """
 import json, sys
-from resilient_strategy.core.probe import ProbeSpec
+from resilient_strategy.core.measures.probe import ProbeSpec
 from resilient_strategy.probing.prober import run_probe
 import os
 backend = sys.argv[2]

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from resilient_strategy.core.tfcluster import MAX_TF_CONFIG_BYTES, TfCluster, parse_tf_config
+from resilient_strategy.core.values.tfcluster import MAX_TF_CONFIG_BYTES, TfCluster, parse_tf_config
 from resilient_strategy.errors import InvalidOptionError
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from resilient_strategy.core.facts import FrameworkInfo
+from resilient_strategy.core.values.facts import FrameworkInfo
 from resilient_strategy.machine import versions
 from resilient_strategy.machine.versions import detect_frameworks
 

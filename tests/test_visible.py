@@ -3,7 +3,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from resilient_strategy.core.facts import Visibility
+from resilient_strategy.core.values.facts import Visibility
 from resilient_strategy.machine.visible import (
     MigDevice,
     PhysicalGpu,

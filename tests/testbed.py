@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from resilient_strategy.core.bounded import parse_json
+from resilient_strategy.core.values.bounded import parse_json
 from resilient_strategy.records.progress import COLLECTIVE, COLLECTIVE_DONE, STEP_DONE, read_record
 
 ROOT = Path(__file__).resolve().parents[1]

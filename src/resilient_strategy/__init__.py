@@ -45,8 +45,8 @@ install_import_watch()
 _LAZY = {
     "resilient_strategy": ("deciding.executor", "resilient_strategy"),
     "Selection": ("selection", "Selection"),
-    "Facts": ("core.facts", "Facts"),
-    "Rule": ("core.rules", "Rule"),
+    "Facts": ("core.values.facts", "Facts"),
+    "Rule": ("core.knowledge.rules", "Rule"),
     "detect_facts": ("machine.inspect", "detect_facts"),
     "ResilientStrategyError": ("errors", "ResilientStrategyError"),
     "InvalidVisibleDevicesError": ("errors", "InvalidVisibleDevicesError"),
@@ -67,8 +67,8 @@ _LAZY = {
 if TYPE_CHECKING:
     from typing import Any
 
-    from .core.facts import Facts
-    from .core.rules import Rule
+    from .core.knowledge.rules import Rule
+    from .core.values.facts import Facts
     from .deciding.executor import resilient_strategy
     from .errors import (
         CacheError,

@@ -32,10 +32,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .core.facts import FABRIC_MIN_GPUS, Facts
-from .core.human import human_duration
+from .core.values.facts import FABRIC_MIN_GPUS, Facts
+from .core.values.human import human_duration
 from .errors import ResilientStrategyError
-from .machine import env as _env
+from .machine import env as machine_env
 from .testing.simulation import SimulatedProber, load_simulation
 from .vocab import FRAMEWORKS
 
@@ -121,7 +121,7 @@ def _cache_command(args: argparse.Namespace, real_env: Mapping[str, str]) -> int
     """``cache show`` / ``cache clear``: EXIT_OK done; EXIT_NOTHING_CACHED ``--fingerprint``
     names nothing cached; EXIT_USAGE the directory is not safely this user's, or the fingerprint
     is not one."""
-    from .core.options import DEFAULT_TTL_S, default_dir
+    from .core.call.options import DEFAULT_TTL_S, default_dir
     from .deciding.cache import DecisionCache
     from .machine.files import check_private_dir, safe_name
 
@@ -167,7 +167,7 @@ def _cache_command(args: argparse.Namespace, real_env: Mapping[str, str]) -> int
 
 def _machine_cache(real_env: Mapping[str, str], fingerprint: str) -> dict[str, Any]:
     """This machine's cache entries for ``doctor`` (``cache show``'s data for one fingerprint)."""
-    from .core.options import DEFAULT_TTL_S, default_dir
+    from .core.call.options import DEFAULT_TTL_S, default_dir
     from .deciding.cache import DecisionCache
 
     cache = DecisionCache(default_dir(real_env), DEFAULT_TTL_S)
@@ -198,7 +198,7 @@ def _check_disabled_rules(args: argparse.Namespace, real_env: Mapping[str, str])
     otherwise leave the rule on without a word."""
     if not args.disable_rule:
         return
-    from .core.rules import load_rules
+    from .core.knowledge.rules import load_rules
 
     extra: list[str | Path] = [x for x in real_env.get("RESILIENT_STRATEGY_RULES", "").split(
         os.pathsep) if x.strip()]
@@ -356,7 +356,8 @@ def _batch_words(c: Any) -> str:
 
 
 def _decide(args: argparse.Namespace, facts: Facts, sim: Mapping[str, Any] | None,
-            framework: str, real_env: Mapping[str, str]) -> Any:
+            framework: str, real_env: Mapping[str, str],
+            probers: list[SimulatedProber] | None = None) -> Any:
     from .deciding.executor import resilient_strategy
 
     sim_data: Mapping[str, Any] = sim or {}
@@ -386,6 +387,8 @@ def _decide(args: argparse.Namespace, facts: Facts, sim: Mapping[str, Any] | Non
         probes = sim.get("probes")
         broken = {int(k): str(v) for k, v in dict(sim.get("broken_gpus") or {}).items()}
         prober = SimulatedProber(dict(probes or {}), broken_gpus=broken)
+        if probers is not None:
+            probers.append(prober)
         # the described launch's agreement between local ranks goes to a private directory of
         # its own, removed after: a simulation writes nothing a squatter could stop or read
         with tempfile.TemporaryDirectory(prefix="rs-simulate-") as private:
@@ -458,16 +461,21 @@ def _platform_line(facts: Facts) -> str:
     if p.master_route:
         route += f" ({p.master_route})"
     fm = f", fabric manager {p.fabric_manager}" if p.fabric_manager else ""
+    family = f" resolving to {p.master_family}" if p.master_family else ""
     return (f"Platform: NVSwitch {yes_no(p.nvswitch)}{fm}, hypervisor "
-            f"{p.hypervisor or 'none seen'}, RDMA {rdma}, route to MASTER_ADDR: {route}, "
-            f"hostname on loopback {yes_no(p.hostname_loopback)}")
+            f"{p.hypervisor or 'none seen'}, RDMA {rdma}, route to MASTER_ADDR: {route}{family}, "
+            f"hostname on loopback {yes_no(p.hostname_loopback)}, NCCL net plugins "
+            f"{', '.join(p.net_plugins) or 'none found'}, boot id {p.boot_id or 'unknown'}")
 
 
-def simulate_file(path: Path, real_env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """What ``resilient-strategy plan --simulate PATH`` decides: a Selection per framework."""
+def simulate_file(path: Path, real_env: Mapping[str, str] | None = None,
+                  probers: list[SimulatedProber] | None = None) -> dict[str, Any]:
+    """What ``resilient-strategy plan --simulate PATH`` decides: a Selection per framework.
+    ``probers``: where each framework's simulated prober is appended (its `clock` is the
+    simulated seconds the decision spent probing, kept when the decision ends in an error)."""
     facts, sim = load_simulation(path)
     args = build_parser().parse_args(["plan", "--simulate", str(path)])
-    return {fw: _decide(args, facts, sim, fw, real_env or {})
+    return {fw: _decide(args, facts, sim, fw, real_env or {}, probers)
             for fw in _frameworks(facts, sim.get("framework"))}
 
 
@@ -480,7 +488,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "cache":
-        return _cache_command(args, _env.snapshot())
+        return _cache_command(args, machine_env.snapshot())
     if args.logical_cpus and args.framework == "torch":
         parser.error("--logical-cpus is a TensorFlow test mode; it does not apply to torch")
     if args.nproc_per_node and args.framework == "tensorflow":
@@ -488,7 +496,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.ERROR, format="%(message)s")
     # but a file or directory that is not safely yours is said (the cache is off meanwhile)
     logging.getLogger("resilient_strategy.files").setLevel(logging.WARNING)
-    real_env = _env.snapshot()
+    real_env = machine_env.snapshot()
     try:
         _check_disabled_rules(args, real_env)
         sim: dict[str, Any] | None = None
@@ -522,6 +530,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         lines += _facts_text(facts)
         fired = sorted({r for s in selections.values() for r in s.plan.rules_fired})
         lines.append("Rules fired: " + (", ".join(fired) if fired else "none"))
+        differ = sorted({e.finding.id for s in selections.values() for e in s.plan.events
+                         if e.kind == "nodes_differ"})
+        if differ:  # a multi-node job's nodes compared (node_differences.toml)
+            lines.append("Differences between the nodes: " + ", ".join(differ))
         if cached is not None:
             lines += _cache_lines(facts.fingerprint(), cached) if cached["entries"] else [
                 f"Cache: nothing cached for this machine ({cached['path']})"]

@@ -21,13 +21,13 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from .core.arguments import gradient_bytes_of
-from .core.candidate import Candidate
-from .core.facts import Facts
-from .core.human import fit
-from .core.options import Launch
-from .core.plan import Plan
-from .core.probe import ProbeResult
+from .core.call.model import gradient_bytes_of
+from .core.call.options import Launch
+from .core.measures.probe import ProbeResult
+from .core.planning.plan import Plan
+from .core.values.candidate import Candidate
+from .core.values.facts import Facts
+from .core.values.human import fit
 from .errors import DryRunError, WrongFrameworkError
 
 if TYPE_CHECKING:

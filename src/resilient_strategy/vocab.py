@@ -10,7 +10,7 @@ FRAMEWORK_ALIASES = {"tf": "tensorflow", "keras": "tensorflow", "pytorch": "torc
 #: TensorFlow across the workers of a ``TF_CONFIG`` cluster: ``MultiWorkerMirroredStrategy``
 #: with ``CommunicationOptions(implementation=NCCL)`` (GPU workers of a CUDA build), ``RING``
 #: (TensorFlow's own ring all-reduce over gRPC: CPU and GPU workers) or ``AUTO`` (TensorFlow's
-#: runtime picks; see ``core/estimate.TYPICAL_INTER_WORKER_GBPS`` for what it picks).
+#: runtime picks; see ``core/measures/estimate.TYPICAL_INTER_WORKER_GBPS`` for what it picks).
 MULTI_WORKER_BACKENDS = ("mw_nccl", "mw_ring", "mw_auto")
 #: Every way to train, as a planner backend name.
 BACKENDS = ("nccl", "hierarchical_copy", "reduction_to_one_device", "gloo", *MULTI_WORKER_BACKENDS,

@@ -21,7 +21,7 @@ Every entry counts ``seen``: in how many runs in a row its candidate came out th
 (passed, or failed). A failure seen once may have been an overloaded machine; the executor
 trusts a cached failure only from the second (see `DecisionCache.entries`).
 
-The directory must be this user's own (see `_files`): created 0700 when absent; one owned by
+The directory must be this user's own (see `files`): created 0700 when absent; one owned by
 someone else, writable by group or others, or a symlink of another user's is refused with a
 warning (the cache is off for the run). A file another user planted is ignored the same way.
 A corrupt or unreadable file of ours (not UTF-8, not JSON, too large or too deeply nested, or
@@ -45,10 +45,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..core.options import DEFAULT_TTL_S
-from ..core.probe import ENVIRONMENTAL_CAUSES, ProbeResult
+from ..core.call.options import DEFAULT_TTL_S
+from ..core.measures.probe import ENVIRONMENTAL_CAUSES, ProbeResult
 from ..errors import FileFormatError, UnsafePathError
-from ..machine import files as _files
+from ..machine import files
 from ..vocab import MULTI_BACKENDS
 
 if sys.platform != "win32":
@@ -136,21 +136,21 @@ class DecisionCache:
         """The fingerprints with a cache file of this format in the directory, sorted; [] when
         the directory is missing or not this user's own."""
         try:
-            _files.check_private_dir(self.directory)
+            files.check_private_dir(self.directory)
             names = os.listdir(self.directory)
         except (OSError, UnsafePathError):
             return []
         suffix = f".v{FORMAT_VERSION}.json"
         return sorted(n[: -len(suffix)] for n in names
-                      if n.endswith(suffix) and _files.safe_name(n[: -len(suffix)]))
+                      if n.endswith(suffix) and files.safe_name(n[: -len(suffix)]))
 
     def usable(self) -> bool:
         """Whether the directory is this user's own (created 0700 when absent); a warning once
         when it is not (the cache is then off)."""
         try:
-            _files.ensure_private_dir(self.directory)
+            files.ensure_private_dir(self.directory)
         except UnsafePathError as exc:
-            _files.warn_once(f"cache-dir:{self.directory}", f"{exc} The cache is off meanwhile.")
+            files.warn_once(f"cache-dir:{self.directory}", f"{exc} The cache is off meanwhile.")
             return False
         except OSError as exc:
             log.warning("resilient_strategy: cannot use cache directory %s (%s); continuing "
@@ -182,9 +182,9 @@ class DecisionCache:
                 continue
             fresh[key] = res
         try:
-            _files.ensure_private_dir(self.directory)
+            files.ensure_private_dir(self.directory)
         except UnsafePathError as exc:
-            _files.warn_once(f"cache-dir:{self.directory}", f"{exc} The cache is off meanwhile.")
+            files.warn_once(f"cache-dir:{self.directory}", f"{exc} The cache is off meanwhile.")
             return False
         except OSError as exc:
             log.warning("resilient_strategy: cannot write cache %s (%s); continuing", path, exc)
@@ -203,7 +203,7 @@ class DecisionCache:
                     "results": {k: {"at": e.at, "seen": e.seen, "result": e.result.to_dict()}
                                 for k, e in sorted(entries.items())},
                 }
-                _files.write_json_atomic(path, blob, indent=1, sort_keys=True)
+                files.write_json_atomic(path, blob, indent=1, sort_keys=True)
             return True
         except (OSError, ValueError, TypeError) as exc:
             log.warning("resilient_strategy: cannot write cache %s (%s); continuing", path, exc)
@@ -273,12 +273,12 @@ class DecisionCache:
         path = self.path(fingerprint)
         raw: bytes | None = None
         try:
-            _files.check_private_dir(self.directory)
-            data = _files.read_bytes(path, max_bytes=_files.MAX_CACHE_BYTES)
+            files.check_private_dir(self.directory)
+            data = files.read_bytes(path, max_bytes=files.MAX_CACHE_BYTES)
         except FileNotFoundError:
             return {}
         except UnsafePathError as exc:
-            _files.warn_once(f"cache:{exc.path}", f"{exc} Probing instead of trusting it.")
+            files.warn_once(f"cache:{exc.path}", f"{exc} Probing instead of trusting it.")
             return {}
         except FileFormatError as exc:  # too large: set aside without reading it
             problem = exc.problem
@@ -312,7 +312,7 @@ class DecisionCache:
                     same = (now.st_ino, now.st_size, now.st_mtime_ns) == (
                         before.st_ino, before.st_size, before.st_mtime_ns)
                 else:
-                    same = _files.read_bytes(path, max_bytes=_files.MAX_CACHE_BYTES) == raw
+                    same = files.read_bytes(path, max_bytes=files.MAX_CACHE_BYTES) == raw
                 if same:
                     os.replace(path, aside)
                     return aside
@@ -329,7 +329,7 @@ class DecisionCache:
         fd = None
         if sys.platform != "win32":
             try:
-                fd = _files.open_lock(self.lock_path(fingerprint))
+                fd = files.open_lock(self.lock_path(fingerprint))
                 deadline = time.monotonic() + LOCK_WAIT_S
                 while True:
                     try:
@@ -353,7 +353,7 @@ class DecisionCache:
 
 def _parse(raw: bytes, fingerprint: str, where: str = "cache") -> _Entries:
     """The entries of a cache file's bytes. Raises ValueError for anything store() never wrote."""
-    data: Any = _files.parse_json(raw, where)  # FileFormatError is a ValueError
+    data: Any = files.parse_json(raw, where)  # FileFormatError is a ValueError
     if not isinstance(data, dict):
         raise ValueError(f"the top level is a {type(data).__name__}, not an object")
     if data.get("version") != FORMAT_VERSION:

@@ -14,13 +14,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from ..core.causes import RETRY_AFTER_CHECK_CAUSES
-from ..core.facts import Facts
-from ..core.human import human_bytes
-from ..core.memory import model_memory
-from ..core.options import Options
-from ..core.plan import Candidate, RuledOut, plan
-from ..core.probe import (
+from ..core.call.options import Options
+from ..core.knowledge.causes import RETRY_AFTER_CHECK_CAUSES
+from ..core.measures.memory import model_memory
+from ..core.measures.probe import (
     ENVIRONMENTAL_CAUSES,
     ERROR,
     TIMEOUT,
@@ -28,12 +25,12 @@ from ..core.probe import (
     ProbeSpec,
     judged_hang,
 )
-from ..core.trace import (
-    CachedFailure,
-    Chosen,
-    Event,
-    Note,
-)
+from ..core.planning.plan import Candidate, RuledOut, plan
+from ..core.trace.choosing import Chosen
+from ..core.trace.event import Event, Note
+from ..core.trace.inputs import CachedFailure
+from ..core.values.facts import Facts
+from ..core.values.human import human_bytes
 from ..errors import (
     FailureCause,
     GpuUnusableError,
@@ -54,7 +51,7 @@ if TYPE_CHECKING:
 
     from ..probing.health import Unproven
 
-from ..core.decision import Decision as Decision  # re-exported: the deciders' one shape
+from ..core.planning.decision import Decision as Decision  # re-exported: the deciders' one shape
 
 log = logging.getLogger("resilient_strategy")
 
@@ -162,7 +159,11 @@ def decide(
         c = p.next_probe
         if c.key in results:  # cannot happen with a sound planner; never loop on it
             raise ResilientStrategyError(f"planner asked to probe {c.key} twice")
-        left = deadline - clock()
+        # the final health check of GPUs a killed probe left unproven always runs: its cost is
+        # kept out of what the next probe may spend, so the decision ends within its budget
+        reserve = (_check_cost(prober, c.framework, len(unproven.gpus), env)
+                   if check is not None else 0.0)
+        left = deadline - clock() - reserve
         timeout_s = min(opts.timeout_s, left)
         if startup_check and not warned:
             warned = True
@@ -278,17 +279,23 @@ def _check_or_raise(check: GpuCheck, framework: str, gpus: tuple[int, ...],
     unproven.checked(gpus)
 
 
-def _check_fits(prober: Prober, framework: str, gpus: int, env: Mapping[str, str],
-                budget_left_s: float) -> bool:
-    """Whether a GPU health check of ``gpus`` GPUs fits what is left of the probe budget (the
-    prober's own estimate where it has one, else the typical figure)."""
+def _check_cost(prober: Prober, framework: str, gpus: int, env: Mapping[str, str]) -> float:
+    """What a GPU health check of ``gpus`` GPUs typically costs (the prober's own estimate
+    where it has one, else the typical figure of a GPU machine)."""
     from ..probing import cost
 
+    if gpus <= 0:
+        return 0.0
     estimate: Callable[[str, int, Mapping[str, str]], float] | None = getattr(
         prober, "check_seconds", None)
-    seconds = (estimate(framework, gpus, env) if estimate is not None
-               else cost.health_check_seconds(framework, gpus, forked=True, warm=True))
-    return seconds <= budget_left_s
+    return (estimate(framework, gpus, env) if estimate is not None
+            else cost.health_check_seconds(framework, gpus, forked=True, warm=True))
+
+
+def _check_fits(prober: Prober, framework: str, gpus: int, env: Mapping[str, str],
+                budget_left_s: float) -> bool:
+    """Whether a GPU health check of ``gpus`` GPUs fits what is left of the probe budget."""
+    return _check_cost(prober, framework, gpus, env) <= budget_left_s
 
 
 def _final_check(prober: Prober, check: GpuCheck, u: Unproven, chosen: Candidate | None,
@@ -383,7 +390,7 @@ def space_short(res: ProbeResult, temp_root: str, free: int | None = None) -> Pr
 
 
 def close_fork_servers() -> None:
-    """Stop the probes' fork servers (`_forkserver`), if this decision started any."""
+    """Stop the probes' fork servers (`probing.forkserver`), if this decision started any."""
     forkserver = sys.modules.get(FORKSERVER_MODULE)
     if forkserver is not None:
         forkserver.close_all()

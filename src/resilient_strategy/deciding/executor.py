@@ -15,25 +15,20 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.arguments import options_from
-from ..core.facts import Facts
-from ..core.human import fit, human_bytes, human_duration
-from ..core.memory import MemoryRow
-from ..core.options import FRAMEWORKS, Options
-from ..core.plan import Candidate, Plan, plan
-from ..core.probe import (
+from ..core.call.arguments import options_from
+from ..core.call.options import FRAMEWORKS, Options
+from ..core.knowledge.rules import Rule
+from ..core.measures.memory import MemoryRow
+from ..core.measures.probe import (
     ProbeResult,
 )
-from ..core.rules import Rule
-from ..core.trace import (
-    Chosen,
-    FewerDevices,
-    FrameworkPicked,
-    MemoryChecked,
-    NextProbe,
-    Note,
-    OffloadConsidered,
-)
+from ..core.planning.plan import Candidate, Plan, plan
+from ..core.trace.choosing import Chosen, NextProbe
+from ..core.trace.event import Note
+from ..core.trace.fitting import FewerDevices, MemoryChecked, OffloadConsidered
+from ..core.trace.inputs import FrameworkPicked
+from ..core.values.facts import Facts
+from ..core.values.human import fit, human_bytes, human_duration
 from ..errors import (
     InvalidOptionError,
     InvalidRuleError,
@@ -44,7 +39,7 @@ from ..errors import (
     RanksDisagreeError,
     ResilientStrategyError,
 )
-from ..machine import env as _env
+from ..machine import env as machine_env
 from ..selection import Selection
 from .notices import (
     ProgressLine,
@@ -220,7 +215,7 @@ def _decide_and_apply(options: dict[str, Any], env: Mapping[str, str] | None,
     """The body of [resilient_strategy][resilient_strategy.resilient_strategy]: inspect,
     validate, decide (or take the decision handed down), apply, and build the Selection."""
     t0 = time.perf_counter()
-    snapshot = _env.snapshot(env)
+    snapshot = machine_env.snapshot(env)
     if facts is None:
         from ..machine.inspect import detect_facts
 
@@ -264,7 +259,7 @@ def _decide_and_apply(options: dict[str, Any], env: Mapping[str, str] | None,
     # Decided on a described environment (env=): nothing of this process is changed.
     applied = not opts.dry_run and env is None
     if applied:
-        to_set = _env.apply(to_set)
+        to_set = machine_env.apply(to_set)
     p = replace(p, events=(FrameworkPicked(opts.framework, opts.framework_reason), *p.events))
     sel = Selection(
         candidate=chosen, plan=p, facts=facts, env=to_set, env_applied=applied, results=results,

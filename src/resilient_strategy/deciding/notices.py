@@ -11,14 +11,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TextIO
 
-from ..core.human import fit
-from ..core.probe import OK, TIMEOUT, ProbeResult, judged_hang
+from ..core.measures.probe import OK, TIMEOUT, ProbeResult, judged_hang
+from ..core.values.human import fit
 
 if TYPE_CHECKING:
-    from ..core.candidate import Candidate
-    from ..core.facts import Facts
-    from ..core.options import Options
-    from ..core.plan import Plan
+    from ..core.call.options import Options
+    from ..core.planning.plan import Plan
+    from ..core.values.candidate import Candidate
+    from ..core.values.facts import Facts
 
 #: A probe's cold start (spawn the workers, import the framework, initialize, first collective)
 #: when no probe on this machine has been measured yet: torch ~3 s on 2 CPU processes over gloo
@@ -102,7 +102,7 @@ def fallback_warning(
     would have been used failed its probe, or a rule vetoed every candidate with as many
     replicas): what failed, why, what it trains on instead, and the estimated cost. None when
     nothing better was lost."""
-    from ..core.estimate import estimate
+    from ..core.measures.estimate import estimate
 
     lost = None
     why = ""

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, InvalidOptionError, UnsafePathError
-from ..machine import files as _files
+from ..machine import files
 
 log = logging.getLogger("resilient_strategy")
 
@@ -264,8 +264,8 @@ class Checkpointer:
 
         from ..records.handoff import note_checkpoint
 
-        with _files.writing(self.path, "the checkpoint"):  # full or read-only: one line
-            _files.ensure_private_dir(self.directory, fix=_FIX_DIR)
+        with files.writing(self.path, "the checkpoint"):  # full or read-only: one line
+            files.ensure_private_dir(self.directory, fix=_FIX_DIR)
             fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=self.directory)
             try:
                 with os.fdopen(fd, "wb") as fh:
@@ -310,7 +310,7 @@ class Checkpointer:
             return False
         # the one set of rules, before anything in the directory is looked at: the directory,
         # then (in sharded_checkpoint) sharded/, its steps and every file of a step
-        _files.check_private_dir(self.directory, fix=_FIX_DIR)
+        files.check_private_dir(self.directory, fix=_FIX_DIR)
         if sharded_checkpoint.newest_is_sharded(self.directory, self.path):
             st = self._state
             sharded = sharded_checkpoint.load(self.directory, getattr(st.model, "module", st.model),
@@ -391,7 +391,7 @@ def _load(path: Path) -> dict[str, Any]:
 
     try:
         # torch warns about a pickle protocol it did not write before it refuses the file
-        with _files.open_owned(path) as fh, warnings.catch_warnings():
+        with files.open_owned(path) as fh, warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             data = torch.load(fh, map_location="cpu", weights_only=True)
     except UnsafePathError:

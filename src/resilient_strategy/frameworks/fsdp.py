@@ -1,7 +1,7 @@
 """PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``) for a sharded Selection.
 
 `shard` applies ``fully_shard`` to the units of a model (the module classes the user
-names, else the model's repeated blocks, see `resilient_strategy.core.memory.repeated_blocks`),
+names, else the model's repeated blocks, see `resilient_strategy.core.call.model.repeated_blocks`),
 then to the root, on a one-dimensional device mesh over the process group the runtime joined
 (the backend the probe proved). Mixed precision follows the selection's precision: bf16 / fp16
 parameters for compute with fp32 gradient reduction (``MixedPrecisionPolicy``); fp32 none.
@@ -33,7 +33,7 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
-from ..core.memory import repeated_blocks
+from ..core.call.model import repeated_blocks
 from ..errors import InvalidOptionError
 
 __all__ = ["check_kwargs", "is_sharded", "shard", "units_of"]

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, FileFormatError, NoSpaceError, UnsafePathError
-from ..machine import files as _files
+from ..machine import files
 
 __all__ = ["DIR_NAME", "latest", "load", "newest_is_sharded", "save", "steps"]
 
@@ -87,7 +87,7 @@ _METADATA_CLASSES = {
 
 def _check_dir(path: Path) -> None:
     """``path`` (under the checkpoint directory) is a directory of this user's, no symlink."""
-    _files.check_private_dir(path, fix=_FIX, follow_links=False)
+    files.check_private_dir(path, fix=_FIX, follow_links=False)
 
 
 def _root(directory: Path) -> Path | None:
@@ -108,7 +108,7 @@ def _pointer(root: Path, report: bool) -> str | None:
         return None
     say = log.warning if report else log.debug
     try:
-        raw = _files.read_bytes(path, max_bytes=MAX_POINTER_BYTES)
+        raw = files.read_bytes(path, max_bytes=MAX_POINTER_BYTES)
     except (OSError, FileFormatError) as exc:
         say("resilient_strategy: %s is unreadable (%s); using the newest complete step",
                     path, exc)
@@ -187,9 +187,9 @@ def save(directory: Path, model: Any, optimizer: Any, meta: dict[str, Any], rank
     root = Path(directory) / DIR_NAME
     step = root / f"step-{int(meta.get('optimizer_steps', 0)):09d}"
     if rank == 0:
-        with _files.writing(root, "the sharded checkpoint"):
-            _files.ensure_private_dir(Path(directory), fix=_FIX)  # never into another's
-            _files.ensure_private_dir(root, fix=_FIX)
+        with files.writing(root, "the sharded checkpoint"):
+            files.ensure_private_dir(Path(directory), fix=_FIX)  # never into another's
+            files.ensure_private_dir(root, fix=_FIX)
             _check_dir(root)  # and not through a symlink
             if os.path.lexists(step):  # a save at the same step that did not finish: afresh
                 _check_dir(step)
@@ -197,8 +197,8 @@ def save(directory: Path, model: Any, optimizer: Any, meta: dict[str, Any], rank
             os.mkdir(step, 0o700)
     _barrier()
     try:
-        with warnings.catch_warnings(), _files.private_umask(), \
-                _files.writing(step, "the sharded checkpoint"):
+        with warnings.catch_warnings(), files.private_umask(), \
+                files.writing(step, "the sharded checkpoint"):
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             try:
                 dcp_save(_state_dicts(model, optimizer), checkpoint_id=str(step))
@@ -212,7 +212,7 @@ def save(directory: Path, model: Any, optimizer: Any, meta: dict[str, Any], rank
         raise
     _barrier()  # every rank's shards and the meta are written: now the step is complete
     if rank == 0:
-        _files.make_private(step)  # DCP's own files, whatever modes it chose
+        files.make_private(step)  # DCP's own files, whatever modes it chose
         _write_atomic(root / LATEST, lambda fh: fh.write(step.name.encode()))
         _prune(root, keep=step.name)
     return step
@@ -258,10 +258,10 @@ def _load_step(step: Path, model: Any, optimizer: Any) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import set_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-    sizes = _files.check_private_files(step, fix=_FIX)  # every file, before any is opened
+    sizes = files.check_private_files(step, fix=_FIX)  # every file, before any is opened
     metadata = read_metadata(step, sizes)
     try:
-        with _files.open_owned(step / META) as fh:
+        with files.open_owned(step / META) as fh:
             if os.fstat(fh.fileno()).st_size > MAX_META_BYTES:
                 raise CheckpointError(str(step / META), "larger than a training state")
             meta = torch.load(fh, map_location="cpu", weights_only=True)
@@ -340,9 +340,9 @@ def read_metadata(step: Path, sizes: dict[str, int] | None = None) -> Any:
     from torch.distributed.checkpoint.metadata import Metadata
 
     path = step / METADATA
-    sizes = _files.check_private_files(step, fix=_FIX) if sizes is None else sizes
+    sizes = files.check_private_files(step, fix=_FIX) if sizes is None else sizes
     try:
-        raw = _files.read_bytes(path, max_bytes=MAX_METADATA_BYTES)
+        raw = files.read_bytes(path, max_bytes=MAX_METADATA_BYTES)
         metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
     except UnsafePathError:
         raise
@@ -356,7 +356,7 @@ def read_metadata(step: Path, sizes: dict[str, int] | None = None) -> Any:
                               "Metadata")
     for info in metadata.storage_data.values():
         if not isinstance(info, _StorageInfo) or not isinstance(info.relative_path, str) \
-                or not _files.safe_name(info.relative_path) \
+                or not files.safe_name(info.relative_path) \
                 or info.relative_path not in sizes or info.relative_path in (META, LATEST):
             raise CheckpointError(str(path), "it names a shard that is not a file of its step")
         if not (isinstance(info.offset, int) and isinstance(info.length, int)
@@ -378,7 +378,7 @@ def _reader(step: Path, metadata: Any) -> Any:
         def create_stream(self, path: Any, mode: str) -> Any:
             if mode != "rb":
                 raise UnsafePathError(str(path), "would be written by a reader", _FIX)
-            with _files.open_owned(Path(path)) as fh:
+            with files.open_owned(Path(path)) as fh:
                 yield fh
 
     class _Reader(FileSystemReader):
@@ -415,7 +415,7 @@ def _planner() -> Any:
 def _write_atomic(path: Path, write: Any) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)  # mode 0600
     try:
-        with _files.writing(path, "the sharded checkpoint"), os.fdopen(fd, "wb") as fh:
+        with files.writing(path, "the sharded checkpoint"), os.fdopen(fd, "wb") as fh:
             write(fh)
             fh.flush()
             os.fsync(fh.fileno())

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..core.bounded import (
+from ..core.values.bounded import (
     MAX_DEPTH,
     MAX_MACHINE_BYTES,
     MAX_RULES_BYTES,

@@ -20,7 +20,7 @@ TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs ~8 ms 
 if TYPE_CHECKING:
     from importlib.machinery import ModuleSpec
 
-    from ..core.facts import Facts
+    from ..core.values.facts import Facts
 
 WATCHED = frozenset({"torch", "tensorflow", "keras", "jax"})
 ALREADY_IMPORTED = "already imported before resilient_strategy was imported"

@@ -12,7 +12,7 @@ import re
 import sys
 from collections.abc import Mapping, Sequence
 
-from ..core.facts import Host
+from ..core.values.facts import Host
 
 _SAGEMAKER_ENV = ("SM_HOSTS", "SM_CURRENT_HOST", "SM_TRAINING_ENV", "SM_MODEL_DIR")
 #: Container runtimes as named in a cgroup path (cgroup v1 /proc/1/cgroup).

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
-from ..core.facts import Facts, Visibility, compact_links, relevant_env
-from . import env as _env
+from ..core.values.facts import Facts, Visibility, compact_links, relevant_env
+from . import env as machine_env
 from .guard import ImportWatch, first_import_site
 from .host import detect_host, gpu_numa_node
 from .nvml import read_nvml
@@ -39,7 +39,7 @@ def detect_facts(
             the package's).
         packages: where installed packages are read from (default this interpreter's).
     """
-    environ = _env.snapshot(env)
+    environ = machine_env.snapshot(env)
     snap = read_nvml(nvml)
     raw = environ.get("CUDA_VISIBLE_DEVICES")
     devices: tuple[VisibleDevice, ...] = ()

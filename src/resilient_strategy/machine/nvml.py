@@ -3,18 +3,28 @@
 Never raises: a missing driver, a missing pynvml or any NVML error becomes ``NvmlSnapshot.error``;
 a failing call for one GPU or pair degrades that value to "unknown" and adds a note.
 NVML API: https://docs.nvidia.com/deploy/nvml-api/group__nvmlDeviceQueries.html
+
+Never hangs either: the reading runs in a daemon thread under `NVML_DEADLINE_S`. A crashed
+driver makes every NVML call (and nvidia-smi) block for good (public reports: "in case NVIDIA
+crashes completely, nvidia-smi will hang", https://github.com/ocf/puppet/pull/615; a GPU
+"fallen off the bus", Xid 79, https://github.com/NVIDIA/open-gpu-kernel-modules/issues/507);
+past the deadline the snapshot says so (``stalled``, with the fix in ``error``) and the decision
+goes on without GPU facts. The stuck thread is abandoned (ctypes releases the GIL while it waits
+in the driver), and later readings in this process answer at once: a driver that did not answer
+once is not asked again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import threading
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from ..core.facts import P2P_STATUSES, Link
+from ..core.values.facts import P2P_STATUSES, Link
 from .visible import MigDevice, PhysicalGpu
 
 #: nvmlGpuTopologyLevel_t values -> facts.TOPOLOGY_LEVELS words.
@@ -22,6 +32,7 @@ _TOPOLOGY = {
     0: "internal", 10: "single", 20: "multiple", 30: "hostbridge", 40: "node", 50: "system"
 }
 _NVLINK_SWITCH = 2  # NVML_NVLINK_DEVICE_TYPE_SWITCH
+_NVLINK_GPU = 0  # NVML_NVLINK_DEVICE_TYPE_GPU
 _INIT_ERRORS = {
     12: "NVIDIA driver library not found (libnvidia-ml.so.1): no NVIDIA driver on this machine, "
     "or it is not mounted into this container (docker run --gpus all)",
@@ -44,6 +55,25 @@ class NvmlSnapshot:
     cuda_driver_version: str | None = None  # "13.0"
     error: str | None = None
     notes: tuple[str, ...] = ()  # per-GPU values that could not be read
+    #: NVML did not answer within the deadline (a wedged driver): GPUs unknown, not absent.
+    stalled: bool = False
+
+
+#: How long NVML may take to list the GPUs and their links. Generous: without the persistence
+#: daemon each GPU is initialised when its handle is first taken (NVML's
+#: nvmlDeviceGetHandleBy*: https://docs.nvidia.com/deploy/nvml-api/group__nvmlInitializationAndCleanup.html),
+#: seconds on an 8-GPU node.
+NVML_DEADLINE_S = 20.0
+
+#: Readings of this process still waiting in the driver (their thread is abandoned).
+_STUCK: list[threading.Thread] = []
+
+
+def stalled_error(deadline_s: float) -> str:
+    """The line a stalled reading leaves in the facts (``Facts.nvml_error``)."""
+    return (f"NVML did not answer within {deadline_s:g} s (a wedged NVIDIA driver blocks every "
+            "NVML and CUDA call; see `nvidia-smi` and `dmesg` for an Xid, then reset the GPU or "
+            "reboot); deciding without GPU facts")
 
 
 #: Why there are no GPU facts on a machine with no NVIDIA device at all: said without advice
@@ -61,12 +91,34 @@ def nvidia_present(dev: str = "/dev", proc: str = "/proc/driver/nvidia") -> bool
         return True  # unreadable: assume there may be one (the advice then stays)
 
 
-def read_nvml(nvml: Any = None, *, present: Callable[[], bool] | None = None) -> NvmlSnapshot:
+def read_nvml(nvml: Any = None, *, present: Callable[[], bool] | None = None,
+              deadline_s: float = NVML_DEADLINE_S) -> NvmlSnapshot:
     """Read GPUs, pairs and driver versions. ``nvml``: a pynvml-like module (default: pynvml).
 
     ``present``: whether the machine has an NVIDIA device (default `nvidia_present` when
     ``nvml`` is pynvml itself, not asked for a given module). Where it has none, a missing
-    pynvml or driver library is said as `NO_NVIDIA_DEVICE`, with no advice to install."""
+    pynvml or driver library is said as `NO_NVIDIA_DEVICE`, with no advice to install.
+    ``deadline_s``: how long the reading may take; past it a ``stalled`` snapshot."""
+    if any(t.is_alive() for t in _STUCK):
+        return NvmlSnapshot(error=stalled_error(deadline_s), stalled=True)
+    box: list[NvmlSnapshot] = []
+
+    def read() -> None:
+        try:
+            box.append(_read(nvml, present))
+        except BaseException as exc:  # never raises (see above)
+            box.append(NvmlSnapshot(error=f"NVML failed: {_why(exc)}"))
+
+    reader = threading.Thread(target=read, name="rs-nvml", daemon=True)
+    reader.start()
+    reader.join(deadline_s)
+    if reader.is_alive():
+        _STUCK.append(reader)
+        return NvmlSnapshot(error=stalled_error(deadline_s), stalled=True)
+    return box[0]
+
+
+def _read(nvml: Any, present: Callable[[], bool] | None) -> NvmlSnapshot:
     if present is None and nvml is None:
         present = nvidia_present
     if nvml is None:
@@ -118,6 +170,11 @@ class _Reader:
         gpus = tuple(self.gpu(i, h) for i, h in enumerate(handles))
         bus_to_index = {g.pci_bus_id: g.index for g in gpus if g.pci_bus_id}
         nvl = [self.nvlinks(h, bus_to_index) for h in handles]
+        # NVLinks whose far end is a GPU this process cannot see (a pod or container given some
+        # of a host's GPUs): to a GPU NVML does not list, or, with one GPU listed, to NVSwitches
+        gpus = tuple(replace(g, nvlinks_outside=outside + (switch if count == 1 else 0))
+                     if outside or (switch and count == 1) else g
+                     for g, (_, switch, outside) in zip(gpus, nvl, strict=True))
         links = tuple(
             self.link(a, b, handles[a], handles[b], nvl[a][0][b], nvl[a][1], nvl[b][1])
             for a in range(count)
@@ -178,16 +235,17 @@ class _Reader:
             )
         return tuple(out)
 
-    def nvlinks(self, h: Any, bus_to_index: dict[str, int]) -> tuple[Counter[int], int]:
-        """Active NVLinks of one GPU: per peer GPU index, and how many land on an NVSwitch.
+    def nvlinks(self, h: Any, bus_to_index: dict[str, int]) -> tuple[Counter[int], int, int]:
+        """Active NVLinks of one GPU: per peer GPU index, how many land on an NVSwitch, and how
+        many land on a GPU that NVML does not list here (outside this container).
 
         Links on an NVSwitch (HGX boards: every GPU's links go to the switches) connect the GPU
         to every other switch-attached GPU, which nvidia-smi shows as NV<links> for each pair.
         A link whose state or far end cannot be read is not counted.
         """
-        nv, direct, switch = self.nvml, Counter[int](), 0
+        nv, direct, switch, outside = self.nvml, Counter[int](), 0, 0
         if h is None:
-            return direct, 0
+            return direct, 0, 0
         for link in range(int(getattr(nv, "NVML_NVLINK_MAX_LINKS", 18))):
             try:
                 if int(nv.nvmlDeviceGetNvLinkState(h, link)) != 1:
@@ -207,7 +265,9 @@ class _Reader:
                 continue
             if peer is not None:
                 direct[peer] += 1
-        return direct, switch
+            elif kind == _NVLINK_GPU:
+                outside += 1
+        return direct, switch, outside
 
     def link(
         self, a: int, b: int, ha: Any, hb: Any, direct: int, switch_a: int, switch_b: int

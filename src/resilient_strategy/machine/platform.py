@@ -1,7 +1,9 @@
 """Platform facts around the GPUs, read from files under ``root`` (testable): the NVSwitch
-fabric, a hypervisor, the RDMA ports' link layer, whether the hostname resolves to loopback, and
-the interface that routes to ``MASTER_ADDR`` (`routes`, where ``MASTER_ADDR`` or torchrun's
-rendezvous endpoint is set).
+fabric, a hypervisor, the RDMA ports' link layer, whether the hostname resolves to loopback, the
+interface that routes to ``MASTER_ADDR`` and the address family it resolves to (`routes`,
+where ``MASTER_ADDR`` or torchrun's rendezvous endpoint is set), the NCCL network plugins
+installed (``libnccl-net*.so``), and the kernel's boot id (one per host, shared by its
+containers: what tells pods of one host apart from nodes).
 
 Each reading is a pure ``parse_*`` function over text, plus a thin reader that turns an
 unreadable file into "unknown" (``None`` / ``""``). No process, no framework; the one name
@@ -15,8 +17,8 @@ import re
 import socket
 from collections.abc import Iterable, Mapping, Sequence
 
-from ..core.facts import Platform
-from .routes import master_host, route_to_master
+from ..core.values.facts import Platform
+from .route_lookup import master_family, master_host, route_to_master
 
 #: DMI system vendors / product names of hypervisors, as words.
 _HYPERVISORS = (
@@ -31,7 +33,8 @@ _CPUINFO_BYTES = 64 << 10
 def detect_platform(env: Mapping[str, str], root: str = "/") -> Platform:
     """Read the platform facts; ``root`` lets tests point at a fake file tree. ``env`` names the
     rendezvous host (``MASTER_ADDR``) whose route is read."""
-    iface, how = route_to_master(env, root) if master_host(env)[0] else (None, "")
+    has_master = bool(master_host(env)[0])
+    iface, how = route_to_master(env, root) if has_master else (None, "")
     devices = _list(root, "sys/class/infiniband") or []
     ports = {d: [(_read(root, f"sys/class/infiniband/{d}/ports/{p}/link_layer") or "",
                   _read(root, f"sys/class/infiniband/{d}/ports/{p}/state") or "")
@@ -52,6 +55,10 @@ def detect_platform(env: Mapping[str, str], root: str = "/") -> Platform:
         master_ifname=iface or "",
         master_route=how,
         fabric_manager=parse_fabric_manager(_lines(root, "var/lib/dpkg/status", _DPKG_BYTES)),
+        net_plugins=parse_net_plugins(
+            {d: _list(root, d.lstrip("/")) or [] for d in plugin_dirs(env)}),
+        master_family=master_family(env) if has_master else "",
+        boot_id=(_read(root, "proc/sys/kernel/random/boot_id", 64) or "").strip(),
     )
 
 
@@ -130,6 +137,31 @@ def parse_fabric_manager(lines: Iterable[str] | None) -> str:
             raw = raw.split(":", 1)[1] if ":" in raw else raw  # an epoch
             version = raw.rsplit("-", 1)[0] if "-" in raw else raw
     return version if in_fm and installed else ""
+
+
+#: Where NCCL network plugins are installed besides ``LD_LIBRARY_PATH``: the system's library
+#: directories, and the places the AWS OFI and HPC-X (SHARP) plugins install to.
+PLUGIN_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64",
+               "/usr/lib", "/usr/local/lib", "/opt/amazon/ofi-nccl/lib",
+               "/opt/amazon/ofi-nccl/lib64", "/opt/aws-ofi-nccl/lib",
+               "/opt/hpcx/nccl_rdma_sharp_plugin/lib")
+#: At most this many ``LD_LIBRARY_PATH`` entries are listed.
+_MAX_LIBRARY_DIRS = 32
+
+
+def plugin_dirs(env: Mapping[str, str]) -> tuple[str, ...]:
+    """The directories NCCL's ``dlopen`` of a network plugin searches, as far as we know them:
+    ``LD_LIBRARY_PATH`` first, then `PLUGIN_DIRS`."""
+    extra = [d for d in env.get("LD_LIBRARY_PATH", "").split(":") if d.startswith("/")]
+    return tuple(dict.fromkeys([*extra[:_MAX_LIBRARY_DIRS], *PLUGIN_DIRS]))
+
+
+def parse_net_plugins(listings: Mapping[str, Sequence[str]]) -> tuple[str, ...]:
+    """The NCCL network plugins found: the ``libnccl-net*.so*`` files of ``listings``
+    (directory -> its file names), sorted. (``NCCL_NET_PLUGIN``, which names one, is compared
+    between the nodes as a variable.)"""
+    return tuple(sorted({n for names in listings.values() for n in names
+                         if n.startswith("libnccl-net") and ".so" in n}))
 
 
 # ----- thin readers ------------------------------------------------------------------------------

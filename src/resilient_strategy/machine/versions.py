@@ -22,7 +22,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
-from ..core.facts import FrameworkInfo
+from ..core.values.facts import FrameworkInfo
 
 #: The distributions that provide each framework, in the order they are looked up.
 DISTRIBUTIONS: Mapping[str, tuple[str, ...]] = {

@@ -17,7 +17,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from ..core.facts import Gpu, Link, Visibility
+from ..core.values.facts import Gpu, Link, Visibility
 
 _INDEX = re.compile(r"[+-]?\d+")
 
@@ -48,6 +48,8 @@ class PhysicalGpu:
     mig_enabled: bool = False
     mig: tuple[MigDevice, ...] = ()
     memory_free_bytes: int | None = None  # None: unknown
+    #: active NVLinks to GPUs NVML does not list here (a container given some of the GPUs)
+    nvlinks_outside: int = 0
 
 
 @dataclass(frozen=True)
@@ -230,5 +232,6 @@ def job_gpu(ordinal: int, dev: VisibleDevice, parent: PhysicalGpu) -> Gpu:
         mig_enabled=mig is not None or parent.mig_enabled,
         # a MIG instance's own free memory is not read: unknown rather than the parent's
         memory_free_bytes=None if mig else parent.memory_free_bytes,
+        nvlinks_outside=parent.nvlinks_outside,
     )
 

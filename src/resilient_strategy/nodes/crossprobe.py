@@ -16,7 +16,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.probe import ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec
+from ..core.measures.probe import ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec
 from ..errors import MultiNodeError
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ def run_cross_probe(
     """This node's process of the probe group spanning all nodes (rank = node rank), meeting in
     the job's store under ``key_prefix``, within ``spec.timeout_s`` (or until ``stop()`` gives a
     reason: a peer node was lost); never raises for a failure."""
-    from ..probing import proc as _proc
+    from ..probing import proc
     from ..probing.prober import WORKER_TIMEOUT_MARGIN_S, worker_env
 
     cross = replace(spec, world_size=job.nodes)
@@ -56,14 +56,14 @@ def run_cross_probe(
         ]
         if not spec.train_step:
             argv.append("--no-train-step")
-        cmd = _proc.WorkerCommand(argv=tuple(argv), env=worker_env(cross, env), cwd=tmp,
+        cmd = proc.WorkerCommand(argv=tuple(argv), env=worker_env(cross, env), cwd=tmp,
                                   report_path=report)
         try:
-            group = _proc.run_group([cmd], spec.timeout_s, stop=stop)
+            group = proc.run_group([cmd], spec.timeout_s, stop=stop)
         except OSError as exc:
             return ProbeResult(spec.candidate, ERROR, cause="worker_error",
                                detail=f"could not start the probe worker {python!r}: {exc}")
-    from ..core.probe import parse_probe
+    from ..core.measures.probe import parse_probe
 
     if group.stopped:
         return ProbeResult(spec.candidate, ERROR, round(group.elapsed_s, 3), "inter_node",

@@ -43,16 +43,18 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ..core.probe import ProbeResult, ProbeSpec
+from ..core.measures.probe import ProbeResult, ProbeSpec
 from ..errors import MultiNodeError, NodeLostError, NodeMismatchError, ResilientStrategyError
 
 if TYPE_CHECKING:
-    from ..core.candidate import Candidate
-    from ..core.facts import Facts
-    from ..core.options import Options
-    from ..core.plan import Plan
+    from ..core.call.options import Options
+    from ..core.planning.plan import Plan
+    from ..core.values.candidate import Candidate
+    from ..core.values.facts import Facts
 
-from ..core.decision import Decision
+from ..core.knowledge.nodefacts import node_facts
+from ..core.planning.decision import Decision
+from ..core.values.facts import NodeFacts
 from .crossprobe import (
     CrossProber,
     Prober,
@@ -75,14 +77,37 @@ MARGIN_FLOOR_S = 10.0
 
 
 def node_summary(facts: Facts, framework: str, job: Job, env: Mapping[str, str]) -> dict[str, Any]:
-    """What a node tells the others about itself (shown in every node's trace)."""
+    """What a node tells the others about itself (shown in every node's trace), with its facts
+    that matter (``facts``: `NodeFacts` as JSON), which node 0 compares before any probe."""
     info = facts.framework(framework)
     iface, how = route_to_master(env)
+    host = socket.gethostname()
+    mine = node_facts(facts, framework, job.node, host)
+    if iface and not mine.route:  # the route read now (the facts may predate MASTER_ADDR)
+        mine = replace(mine, route=iface)
     return {
-        "node": job.node, "host": socket.gethostname(), "gpus": len(facts.gpus),
+        "node": job.node, "host": host, "gpus": len(facts.gpus),
         "gpu_names": sorted({g.name for g in facts.gpus}), "version": info.version,
         "cuda": info.cuda, "nccl": info.nccl, "route": iface, "route_how": how,
+        "facts": mine.to_dict(),
     }
+
+
+def with_nodes(facts: Facts, summaries: Mapping[Any, Any]) -> Facts:
+    """``facts`` with the job's nodes as each described itself (`node_summary`'s ``facts``),
+    for the planner to compare; a node whose description is missing or unreadable is left
+    out (said in the log), never guessed."""
+    nodes: list[NodeFacts] = []
+    for key, summary in summaries.items():
+        raw = summary.get("facts") if isinstance(summary, Mapping) else None
+        try:
+            if not isinstance(raw, Mapping):
+                raise ValueError("its summary has none")
+            nodes.append(NodeFacts.from_dict(raw))
+        except (ValueError, TypeError) as exc:
+            log.warning("resilient_strategy: node %s sent facts that cannot be read (%s); "
+                        "it is not compared with the others", key, exc)
+    return replace(facts, nodes=tuple(sorted(nodes, key=lambda n: n.node)))
 
 
 def contradictions(
@@ -188,7 +213,10 @@ class _Node:
             ]
             return combine(spec, reports, self.job)
 
-        d = decide(self.facts, self.opts, self.env, across, clock, cross_node=True)
+        # the nodes' facts compared before any probe (a difference that matters is a finding
+        # in the trace, or rules NCCL between the nodes out)
+        d = decide(with_nodes(self.facts, nodes), self.opts, self.env, across, clock,
+                   cross_node=True)
         p, results, proven = d.plan, dict(d.results), bool(d.proven)
         payload = {
             "kind": "decision", "chosen": p.chosen.key if p.chosen else None,
@@ -240,9 +268,10 @@ class _Node:
     def accept(self, payload: Mapping[str, Any]) -> Decision:
         results = _results(payload)
         proven = bool(payload.get("proven"))
-        p = _replan(self.facts, self.opts, results, proven)
-        leader = payload.get("nodes", {}).get("0", {}) if isinstance(payload.get("nodes"), dict) \
-            else {}
+        raw = payload.get("nodes")
+        summaries: Mapping[str, Any] = raw if isinstance(raw, dict) else {}
+        p = _replan(with_nodes(self.facts, summaries), self.opts, results, proven)
+        leader = summaries.get("0", {})
         problems = contradictions(self.facts, self.opts.framework, p.chosen, leader)
         mine = p.chosen.key if p.chosen else None
         if mine != payload.get("chosen") and not problems:
@@ -269,7 +298,7 @@ def _results(payload: Mapping[str, Any]) -> dict[str, ProbeResult]:
 
 
 def _replan(facts: Facts, opts: Options, results: Mapping[str, ProbeResult], proven: bool) -> Plan:
-    from ..core.plan import plan
+    from ..core.planning.plan import plan
 
     p = plan(facts, opts.rules, results, opts)
     if p.next_probe is not None and not proven:
@@ -375,7 +404,8 @@ def agreed_decision(
     if job.local_world > 1:
         local.publish({"chosen": p.chosen.key if p.chosen else None,
                        "results": {k: v.to_dict() for k, v in results.items()},
-                       "from_cache": from_cache, "proven": proven, "multinode_trace": lines})
+                       "from_cache": from_cache, "proven": proven, "multinode_trace": lines,
+                       "nodes": payload.get("nodes", {})})
     return Decision(p, results, from_cache, proven)
 
 
@@ -386,7 +416,9 @@ def _follow_local(facts: Facts, opts: Options, agreement: Any, timeout_s: float)
         raise MultiNodeError(f"local rank 0 of this node stopped: {payload['error']}")
     results = _results(payload)
     proven = bool(payload.get("proven"))
-    p = _replan(facts, opts, results, proven)
+    summaries = payload.get("nodes")
+    p = _replan(with_nodes(facts, summaries) if isinstance(summaries, dict) else facts, opts,
+                results, proven)
     if (p.chosen.key if p.chosen else None) != payload.get("chosen"):
         raise MultiNodeError(
             f"this rank planned {p.chosen.key if p.chosen else None} but local rank 0 chose "
@@ -398,6 +430,6 @@ def _follow_local(facts: Facts, opts: Options, agreement: Any, timeout_s: float)
 
 def _with_notes(p: Plan, lines: Sequence[str]) -> Plan:
     """``p`` with ``lines`` added to its trace (as ``multi_node`` notes)."""
-    from ..core.trace import Note
+    from ..core.trace.event import Note
 
     return replace(p, events=(*p.events, *(Note("multi_node", line) for line in lines)))

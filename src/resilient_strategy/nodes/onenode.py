@@ -13,7 +13,7 @@ where /proc cannot tell, only the file name separates attempts.
 The directory is the cache directory, else (the cache is off, or its directory cannot be used:
 unwritable, another user's, open to others) a directory of this user's own:
 ``$XDG_RUNTIME_DIR/resilient_strategy``, else ``<tempdir>/resilient_strategy-<uid>``. Either way
-it must be this user's own (`_files`): created 0700, and refused when another user owns it,
+it must be this user's own (`files`): created 0700, and refused when another user owns it,
 when group or others can write to it, or when it is another user's symlink. The file must be a
 regular file of this user, opened without following symlinks; its payload is checked like a cache
 entry before any rank acts on it. Every local rank reaches the same directory by the same checks.
@@ -39,9 +39,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from ..core.probe import ProbeResult
+from ..core.measures.probe import ProbeResult
 from ..errors import FileFormatError, ResilientStrategyError, UnsafePathError
-from ..machine import files as _files
+from ..machine import files
 
 log = logging.getLogger("resilient_strategy")
 
@@ -88,10 +88,10 @@ class Agreement:
         where = default_dir(env)
         if directory is not None:
             try:
-                _files.ensure_private_dir(Path(directory))
+                files.ensure_private_dir(Path(directory))
                 where = Path(directory)
             except (UnsafePathError, OSError) as exc:
-                _files.warn_once(
+                files.warn_once(
                     f"agree-dir:{directory}",
                     f"cannot share the decision between local ranks through {directory} ({exc}); "
                     f"using {where} instead",
@@ -111,7 +111,7 @@ class Agreement:
         try:
             for mark in self._marks():  # left by an earlier attempt of the same name
                 mark.unlink()
-            _files.write_json_atomic(self.path, {**payload, "published_at": now}, durable=False)
+            files.write_json_atomic(self.path, {**payload, "published_at": now}, durable=False)
         except (OSError, ValueError, TypeError) as exc:
             raise ResilientStrategyError(
                 f"cannot publish the decision for the other ranks at {self.path}: {exc}. "
@@ -168,15 +168,15 @@ class Agreement:
         """The file's JSON object; None while there is none (or none whole, or none of ours),
         with why when the file there was refused."""
         try:
-            data = _files.read_json(self.path, max_bytes=_files.MAX_AGREEMENT_BYTES)
+            data = files.read_json(self.path, max_bytes=files.MAX_AGREEMENT_BYTES)
         except FileNotFoundError:
             return None, ""
         except UnsafePathError as exc:
-            if exc.problem == _files.NOT_REGULAR:  # rank 0 cannot replace it either
+            if exc.problem == files.NOT_REGULAR:  # rank 0 cannot replace it either
                 raise ResilientStrategyError(
                     f"cannot read the decision of local rank 0: {exc}") from exc
             # another user's file: rank 0's atomic replace will take its place
-            _files.warn_once(f"agree:{self.path}", str(exc))
+            files.warn_once(f"agree:{self.path}", str(exc))
             return None, str(exc)
         except FileFormatError as exc:  # not JSON, too large or too deep: wait for rank 0's file
             return None, str(exc)
@@ -189,7 +189,7 @@ class Agreement:
     def _prepare_directory(self) -> None:
         directory = self.path.parent
         try:
-            _files.ensure_private_dir(directory, fix=f"Remove it, or {_WHERE}.")
+            files.ensure_private_dir(directory, fix=f"Remove it, or {_WHERE}.")
         except UnsafePathError as exc:
             raise ResilientStrategyError(
                 f"the decision shared by the local ranks cannot be trusted there: {exc}"
@@ -208,7 +208,7 @@ class Agreement:
         if self.readers is None:
             return
         try:
-            fd = _files.open_lock(self.path.with_name(f"{self.path.name}.read-{self.local_rank}"))
+            fd = files.open_lock(self.path.with_name(f"{self.path.name}.read-{self.local_rank}"))
             os.close(fd)
             if len(self._marks()) >= self.readers:
                 for leftover in (self.path, *self._marks()):

@@ -1,7 +1,7 @@
 """The interface that routes to the rendezvous host, resolved on each node for a candidate whose
 variable is ``@route`` (`node_values`), and the remedies between nodes as rules
 (`remedy_rules`). The lookup itself (the kernel's routing table, `route_interface`)
-is a platform fact and lives below, in `resilient_strategy.machine.routes`; its names are
+is a platform fact and lives below, in `resilient_strategy.machine.route_lookup`; its names are
 re-exported here.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from ..core.rules import Rule
-from ..machine.routes import (
+from ..core.knowledge.rules import Rule
+from ..machine.route_lookup import (
     PROC_NET_ROUTE,
     local_addresses,
     route_address,

@@ -8,7 +8,7 @@ before a strategy exists, so the agreement is the probes themselves:
   in the same order (``MultiWorkerMirroredStrategy`` with NCCL, then RING, then AUTO, then
   worker 0 alone: under MirroredStrategy over its own GPUs, then on one device);
 - a candidate across the workers is proven by one process on *each* worker (the probe worker
-  ``probes/tf_worker.py`` with the user's ``TF_CONFIG``: the same addresses the training will
+  ``probing/workers/tf_worker.py`` with the user's ``TF_CONFIG``: the same addresses the training will
   bind, free again once the probe process has exited or been killed at its deadline);
 - its first all-reduce carries the candidate's key (a CRC), so workers probing different
   candidates fail on a value mismatch, never pass; its last all-reduce is a *verdict*: each
@@ -55,15 +55,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ..core.probe import ProbeResult, ProbeSpec
-from ..core.trace import MultiWorkerDecided, WorkerProbe
+from ..core.measures.probe import ProbeResult, ProbeSpec
+from ..core.trace.choosing import MultiWorkerDecided, WorkerProbe
 from ..vocab import MULTI_WORKER_BACKENDS
 
 if TYPE_CHECKING:
-    from ..core.candidate import Candidate
-    from ..core.facts import Facts
-    from ..core.options import Options
-    from ..core.plan import Plan
+    from ..core.call.options import Options
+    from ..core.planning.plan import Plan
+    from ..core.values.candidate import Candidate
+    from ..core.values.facts import Facts
 
 log = logging.getLogger("resilient_strategy")
 __all__ = ["KILL_GRACE_S", "SETTLE_S", "SettlingProber", "decide_across_workers"]
@@ -71,10 +71,10 @@ __all__ = ["KILL_GRACE_S", "SETTLE_S", "SettlingProber", "decide_across_workers"
 Prober = Callable[[ProbeSpec, Mapping[str, str]], ProbeResult]
 #: The start skew between workers a round allows (and time for the ports to be free again).
 SETTLE_S = 5.0
-#: The runner's stop of a probe process at its deadline: SIGTERM, 2 s, SIGKILL, 2 s (_proc).
+#: The runner's stop of a probe process at its deadline: SIGTERM, 2 s, SIGKILL, 2 s (`probing.proc`).
 KILL_GRACE_S = 4.0
 #: A worker with less than this left of its probe's time votes "fail" in the verdict
-#: (the probe worker's own constant, repeated here for the docs: probes/tf_worker.py).
+#: (the probe worker's own constant, repeated here for the docs: probing/workers/tf_worker.py).
 VERDICT_MARGIN_S = 3.0
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..core.probe import ProbeSpec
+from ..core.measures.probe import ProbeSpec
 from ..records.progress import StallPolicy
 from .workers.common import CHECK_ITERS, check_sizes
 from .workers.tf_worker import MULTI_WORKER, TRACE_ALLOW_S

@@ -1,9 +1,9 @@
-"""The runner's side of the fork server (``probes/fork_server``): import torch once per decision,
+"""The runner's side of the fork server (``probing/workers/fork_server``): import torch once per decision,
 fork each probe worker from it instead of starting a fresh interpreter that imports torch.
 
 `server_for` returns a running server for (python, environment), starting one when none
 is alive; `ForkServer.spawn` forks one worker and returns a `ForkedProc` that the
-process runner (`_proc`) drives like a ``subprocess.Popen``: ``pid`` (its own session,
+process runner (`probing.proc`) drives like a ``subprocess.Popen``: ``pid`` (its own session,
 so ``killpg`` reaches it), ``poll``, ``wait``, ``returncode``. A server exits on its own after
 ``IDLE_EXIT_S`` with nothing to do, when this process dies, or at this process's exit.
 

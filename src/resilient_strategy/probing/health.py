@@ -2,7 +2,7 @@
 
 A killed NCCL job can leave a GPU that no longer initializes or hangs in its first kernel until
 it is reset. Training on it would hang again, so `check_after` runs a fresh process
-(``probes/health_worker``) under a deadline that initializes each GPU in turn and runs a kernel
+(``probing/workers/health_worker``) under a deadline that initializes each GPU in turn and runs a kernel
 whose result it checks; a GPU that fails, or the one it was on when the deadline passed, is
 named in a `GpuUnusableError`.
 
@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..core.probe import ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec
+from ..core.measures.probe import ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec
 from ..errors import GpuUnusableError
-from . import proc as _proc
+from . import proc
 
 #: The directory that holds the ``resilient_strategy`` package, for the worker's PYTHONPATH.
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
@@ -178,7 +178,7 @@ def check_after(spec: ProbeSpec, result: ProbeResult, env: Mapping[str, str], *,
 
 def run_check(framework: str, devices: Sequence[int], env: Mapping[str, str], *,
               python: str = sys.executable, timeout_s: float = HEALTH_TIMEOUT_S,
-              spawn: _proc.Spawn | None = None) -> list[tuple[int, str]]:
+              spawn: proc.Spawn | None = None) -> list[tuple[int, str]]:
     """Check each GPU in one process (a fresh one, or one ``spawn`` starts: a worker forked
     from the probes' fork server, which never touched a GPU); the broken ones with why."""
     wenv = dict(env)
@@ -189,9 +189,9 @@ def run_check(framework: str, devices: Sequence[int], env: Mapping[str, str], *,
         argv = (python, "-m", "resilient_strategy.probing.workers.health_worker", "--framework", framework,
                 "--devices", ",".join(map(str, devices)), "--report", report,
                 "--parent-pid", str(os.getpid()))
-        cmd = _proc.WorkerCommand(argv=argv, env=wenv, cwd=tmp, report_path=report)
+        cmd = proc.WorkerCommand(argv=argv, env=wenv, cwd=tmp, report_path=report)
         try:
-            group = _proc.run_group([cmd], timeout_s, spawn=spawn)
+            group = proc.run_group([cmd], timeout_s, spawn=spawn)
         except OSError as exc:
             return [(d, f"the health check could not start: {exc}") for d in devices]
     o = group.outcomes[0]

@@ -1,16 +1,17 @@
 """Run one probe for real: start the workers a spec needs, under its deadline, and parse them.
 
 The environment is the caller's snapshot; nothing here reads ``os.environ``. Workers run in a
-fresh temporary directory (``rs-probe-<pid>-*``), which also holds the torch rendezvous file (no
-TCP port to collide or leak) and the reports, and is removed afterwards, also when a SIGTERM
-ends this process meanwhile. The first probe of a process sweeps the directories a killed run
-of this user left (see `_files.sweep_temp_dirs`).
+fresh private temporary directory (``rs-probe-<pid>-*``), which also holds the reports and the
+port of the torch probe's rendezvous store (rank 0 hosts a TCPStore, as a training group's store
+is, on a port the kernel picks: nothing to collide with, and it goes with rank 0), and is removed
+afterwards, also when a SIGTERM ends this process meanwhile. The first probe of a process sweeps the directories a killed run
+of this user left (see `files.sweep_temp_dirs`).
 
 Probes run one at a time. Running independent candidates side by side would disturb each
 other's bandwidth figures (the ranking depends on them), and whether a hung NCCL kernel in one
 probe disturbs another on the same GPUs can only be measured on GPUs, which has not been done:
 until it is, nothing runs concurrently (a later probe saves its framework import through the
-fork server instead, see `_forkserver`).
+fork server instead, see `forkserver`).
 """
 
 from __future__ import annotations
@@ -21,12 +22,11 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..core.probe import ERROR, ProbeResult, ProbeSpec, parse_probe, phase_times
-from ..core.signatures import signatures_from_env
+from ..core.knowledge.signatures import signatures_from_env
+from ..core.measures.probe import ERROR, ProbeResult, ProbeSpec, parse_probe, phase_times
 from ..errors import InvalidOptionError
-from ..machine import files as _files
-from . import health
-from . import proc as _proc
+from ..machine import files
+from . import health, proc
 from .cost import health_check_seconds, judged_by_progress, stall_policy
 
 #: The directory that holds the ``resilient_strategy`` package, for the workers' PYTHONPATH.
@@ -42,14 +42,14 @@ def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.exec
     killed, left a GPU that no longer initializes or runs a kernel (see `health`).
     ``health_check=False``: the caller defers that check (`health.Unproven`, the
     decision loop's `DeferredHealthProber`) and must run it before using the GPUs."""
-    _files.TEMP_SWEEP.once()  # what a killed run of ours left (its pid gone, untouched a while)
+    files.TEMP_SWEEP.once()  # what a killed run of ours left (its pid gone, untouched a while)
     # a SIGTERM while the workers run removes this directory too, then terminates the process
-    with _proc.terminate_as_exception(), _files.temp_dir("rs-probe-") as tmp:
+    with proc.terminate_as_exception(), files.temp_dir("rs-probe-") as tmp:
         commands = build_commands(spec, env, tmp, python=python, parent_pid=os.getpid())
         try:
             # across TF workers the peers' progress is not seen here: the deadline alone
             # judges (as between torch nodes), so both workers end a failed round alike
-            group = _proc.run_group(commands, spec.timeout_s,
+            group = proc.run_group(commands, spec.timeout_s,
                                     stall_policy=stall_policy(spec, env)
                                     if judged_by_progress(spec)
                                     else None, spawn=_fork_spawner(spec, env, python))
@@ -88,28 +88,28 @@ class DeferredHealthProber:
     def check_seconds(self, framework: str, gpus: int, env: Mapping[str, str]) -> float:
         """What a check of ``gpus`` GPUs typically costs after the decision's probes (the fork
         server warm), by `cost.health_check_seconds`."""
-        from . import forkserver as _forkserver
+        from . import forkserver
 
-        forked = framework == "torch" and _forkserver.enabled(env)
+        forked = framework == "torch" and forkserver.enabled(env)
         return health_check_seconds(framework, gpus, forked=forked, warm=forked)
 
 
-def _fork_spawner(spec: ProbeSpec, env: Mapping[str, str], python: str) -> _proc.Spawn | None:
-    """Fork torch workers from a server that imported torch once (see `_forkserver`);
+def _fork_spawner(spec: ProbeSpec, env: Mapping[str, str], python: str) -> proc.Spawn | None:
+    """Fork torch workers from a server that imported torch once (see `forkserver`);
     None for TensorFlow, or when switched off (``RESILIENT_STRATEGY_FORKSERVER=0``)."""
-    from . import forkserver as _forkserver
+    from . import forkserver
 
-    if spec.framework != "torch" or not _forkserver.enabled(env):
+    if spec.framework != "torch" or not forkserver.enabled(env):
         return None
     # the server's own environment: no candidate variables, no fault (each child gets its own)
     base = {k: v for k, v in worker_env(ProbeSpec("", spec.framework, "", ()), env).items()
             if k != "RESILIENT_STRATEGY_PROBE_FAULT"}
 
-    def spawn(cmd: _proc.WorkerCommand, stdout: str, stderr: str) -> _proc.Proc:
+    def spawn(cmd: proc.WorkerCommand, stdout: str, stderr: str) -> proc.Proc:
         argv = list(cmd.argv)
         if argv[:2] != [python, "-m"]:
-            raise _forkserver.ForkServerError(f"not a module command: {argv[:3]}")
-        server = _forkserver.server_for(python, base)
+            raise forkserver.ForkServerError(f"not a module command: {argv[:3]}")
+        server = forkserver.server_for(python, base)
         return server.spawn(argv[2], argv[3:], cmd.env, cmd.cwd, stdout, stderr)
 
     return spawn
@@ -133,8 +133,9 @@ def worker_env(spec: ProbeSpec, env: Mapping[str, str]) -> dict[str, str]:
 
 def build_commands(
     spec: ProbeSpec, env: Mapping[str, str], workdir: str, *, python: str, parent_pid: int
-) -> list[_proc.WorkerCommand]:
-    """The worker commands for ``spec``; ``workdir`` holds rendezvous and reports. Pure."""
+) -> list[proc.WorkerCommand]:
+    """The worker commands for ``spec``; ``workdir`` (private) holds the rendezvous store's port
+    and the reports. Pure."""
     wenv = worker_env(spec, env)
     devices = ",".join(map(str, spec.devices))
     common = ["--backend", spec.backend, "--message-bytes", str(spec.message_bytes),
@@ -149,12 +150,12 @@ def build_commands(
 
     # cwd is the temporary directory: ``-m`` puts cwd first on sys.path, where a stray
     # torch.py or tensorflow/ in the user's directory would shadow the real package.
-    def command(module: str, rank: int, extra: list[str]) -> _proc.WorkerCommand:
+    def command(module: str, rank: int, extra: list[str]) -> proc.WorkerCommand:
         report = str(work / f"report-{rank}.json")
         progress = str(work / f"progress-{rank}")
         argv = (python, "-m", f"resilient_strategy.probing.workers.{module}", *common, *extra,
                 "--report", report, "--progress", progress)
-        return _proc.WorkerCommand(argv=argv, env=wenv, cwd=workdir, report_path=report,
+        return proc.WorkerCommand(argv=argv, env=wenv, cwd=workdir, report_path=report,
                                    progress_path=progress)
 
     if spec.framework == "torch":
@@ -162,11 +163,10 @@ def build_commands(
         if spec.devices and spec.backend in ("nccl", "gloo") and len(spec.devices) < world:
             raise InvalidOptionError(
                 f"probe {spec.candidate}: {world} ranks need {world} devices, got {devices}")
-        init = (work / "rdzv").as_uri()
         return [
             command("torch_worker", rank, [
                 "--rank", str(rank), "--world-size", str(world), "--devices", devices,
-                "--init-method", init,
+                "--rendezvous", workdir,
                 "--timeout", f"{spec.timeout_s + WORKER_TIMEOUT_MARGIN_S:g}",
             ])
             for rank in range(world)

@@ -21,11 +21,15 @@ from pathlib import Path
 from types import FrameType
 from typing import Protocol
 
-from ..core.outcome import WorkerOutcome
-from ..machine import files as _files
+from ..core.knowledge import nccldiag
+from ..core.values.outcome import WorkerOutcome
+from ..machine import files
 from ..records.progress import Stall, StallPolicy, StallWatcher
 
 _STDERR_TAIL_BYTES = 64 << 10
+#: How much of a worker's stdout is scanned for NCCL's diagnostics reports (printed at
+#: communicator init, near the start; an NCCL INFO log of 8 GPUs is far smaller).
+_STDOUT_SCAN_BYTES = 4 << 20
 _REPORT_MAX_BYTES = 1 << 20
 
 
@@ -42,7 +46,7 @@ class WorkerCommand:
 
 class Proc(Protocol):
     """What the runner needs of a started worker: ``subprocess.Popen`` or a fork server's child
-    (`_forkserver.ForkedProc`). ``pid`` is also its process group id."""
+    (`probing.forkserver.ForkedProc`). ``pid`` is also its process group id."""
 
     pid: int
     returncode: int | None
@@ -155,7 +159,7 @@ def _run_group(
     first_failed: int | None = None
     timed_out = False
     waiter = _ExitWaiter(poll_s)
-    with _files.temp_dir("rs-proc-") as tmp:
+    with files.temp_dir("rs-proc-") as tmp:
         logs = Path(tmp)
         try:
             for i, cmd in enumerate(commands):
@@ -195,7 +199,8 @@ def _run_group(
                 reap_shm(shm_dir, shm_before)
         elapsed = time.monotonic() - start
         outcomes = tuple(
-            _outcome(i, p, cmd, logs / f"{i}.err", i in stopped, i == first_failed)
+            _outcome(i, p, cmd, logs / f"{i}.err", i in stopped, i == first_failed,
+                     logs / f"{i}.out")
             for i, (p, cmd) in enumerate(zip(procs, commands, strict=True))
         )
     return GroupOutcome(outcomes, elapsed, timed_out, tuple(p.pid for p in procs), stall,
@@ -360,6 +365,7 @@ def _outcome(
     err_path: Path,
     stopped: bool,
     failed_first: bool,
+    out_path: Path | None = None,
 ) -> WorkerOutcome:
     rc = proc.returncode
     sig = -rc if rc is not None and rc < 0 else None
@@ -369,9 +375,18 @@ def _outcome(
         signal=sig,
         report=_read(Path(cmd.report_path), _REPORT_MAX_BYTES, tail=False),
         stderr=_read(err_path, _STDERR_TAIL_BYTES, tail=True),
+        stdout=_diagnostics(out_path) if out_path is not None else "",
         killed_by_runner=stopped,
         failed_first=failed_first,
     )
+
+
+def _diagnostics(path: Path) -> str:
+    """The lines of a worker's stdout that NCCL's diagnostics printed (`nccldiag.MARK`; NCCL
+    prints its reports there, amid its INFO log when ``NCCL_DEBUG=INFO``), from its first
+    `_STDOUT_SCAN_BYTES` bytes."""
+    text = _read(path, _STDOUT_SCAN_BYTES, tail=False)
+    return "\n".join(line for line in text.splitlines() if nccldiag.MARK in line)
 
 
 def _read(path: Path, limit: int, *, tail: bool) -> str:

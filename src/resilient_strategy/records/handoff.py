@@ -25,13 +25,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from ..core.bounded import parse_json, read_user_file
-from ..core.candidate import Candidate
-from ..core.facts import Facts
-from ..core.probe import ProbeResult
-from ..core.signatures import builtin_signatures
+from ..core.knowledge.signatures import builtin_signatures
+from ..core.measures.probe import ProbeResult
+from ..core.values.bounded import parse_json, read_user_file
+from ..core.values.candidate import Candidate
+from ..core.values.facts import Facts
 from ..errors import InvalidOptionError, NoSpaceError, ResilientStrategyError
-from . import phases as _phases
+from . import phases
 from .progress import (
     COLLECTIVE,
     COLLECTIVE_DONE,
@@ -391,14 +391,14 @@ class TrainingReporter:
     def __post_init__(self) -> None:
         self._fault_armed = self.fault is not None and self.fault.applies(
             self.rank, self.backend, self.attempt)
-        self._mark(_phases.REPORTING)
+        self._mark(phases.REPORTING)
 
     def _mark(self, phase: str) -> None:
         if self.phases is not None:
-            _phases.mark(self.phases, phase)
+            phases.mark(self.phases, phase)
 
     def restored(self, step: int) -> None:
-        self._mark(_phases.RESTORED)
+        self._mark(phases.RESTORED)
         self.step = step
         self.writer.step(step)
         self.writer.device_done(step)  # the restored steps are complete (no-op off the device)
@@ -430,7 +430,7 @@ class TrainingReporter:
         self.step += 1
         if not self._stepped_once:  # a mark per launch, not a lookup per step
             self._stepped_once = True
-            self._mark(_phases.FIRST_STEP)
+            self._mark(phases.FIRST_STEP)
         if not self.collective:  # with replicas, "collective_done k" already says it
             self.writer.step(self.step)
             self.phase_name = STEP_DONE
@@ -442,7 +442,7 @@ class TrainingReporter:
     def setup_end(self) -> None:
         self.writer.phase(COMM_READY)
         self.phase_name = COMM_READY
-        self._mark(_phases.COMM_READY)
+        self._mark(phases.COMM_READY)
 
     def done(self) -> None:
         self.writer.phase(FINISHED, self.step)
@@ -479,7 +479,7 @@ class WorkerState:
                 ProgressWriter(str(progress_path(decision.run_dir, local_rank))), rank=rank,
                 backend=backend, collective=replicas > 1, fault=fault_from(env),
                 attempt=decision.attempt,
-                phases=str(_phases.worker_path(decision.run_dir, local_rank)),
+                phases=str(phases.worker_path(decision.run_dir, local_rank)),
             ))
         return self.reporters[0]
 

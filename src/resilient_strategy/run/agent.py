@@ -19,8 +19,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..core.bounded import parse_json
-from ..core.options import DEFAULT_PROCESS_GROUP_TIMEOUT, RunOptions
+from ..core.call.options import DEFAULT_PROCESS_GROUP_TIMEOUT, RunOptions
+from ..core.values.bounded import parse_json
 from ..records import flight, phases
 from ..records.flightdump import DumpStatus, RankDump, analyse, divergence
 from ..records.handoff import Decision, error_path, progress_path
@@ -32,7 +32,7 @@ from ..records.progress import (
 if TYPE_CHECKING:
     from .peers import PeerWatch
 
-from .arguments import node_count, parser
+from .cmdline import node_count, parser
 from .verdicts import (
     SEEN_ERROR_RECORD,
     SEEN_EXIT,

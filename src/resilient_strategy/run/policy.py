@@ -39,9 +39,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..records.phases import Timeline
 
-from ..core.estimate import throughput_fraction
-from ..core.options import DEFAULT_FAULT_WINDOW as _DEFAULT_FAULT_WINDOW
-from ..core.probe import ERROR, ProbeResult
+from ..core.call.options import DEFAULT_FAULT_WINDOW
+from ..core.measures.estimate import throughput_fraction
+from ..core.measures.probe import ERROR, ProbeResult
 from ..errors import NoWorkingStrategyError
 from .exitcodes import ExitCode
 from .verdicts import Verdict, VerdictKind, one_line
@@ -56,7 +56,7 @@ DEFAULT_MIN_PROGRESS_STEPS = 10
 #: The window of the fault rate, in optimizer steps (``--fault-window``): a second fault on one
 #: strategy within it steps down; a communication error after this many steps without a fault
 #: is retried first.
-DEFAULT_FAULT_WINDOW = _DEFAULT_FAULT_WINDOW
+DEFAULT_FAULT_WINDOW = DEFAULT_FAULT_WINDOW
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,9 @@ from pathlib import Path
 from types import FrameType
 from typing import IO
 
-from ..core.options import RunOptions
+from ..core.call.options import RunOptions
 from ..errors import ResilientStrategyError
-from ..machine import env as _env
+from ..machine import env
 from ..probing.proc import start_supervised, stop_groups
 from ..records.handoff import Decision, error_path, progress_path
 from ..records.progress import Stall, read_record
@@ -75,7 +75,7 @@ def launch_one(opts: RunOptions, decision: Decision, *, poll_s: float = MONITOR_
     stall: Stall | None = None
     stall_at = float("inf")  # wall time of the stall, as the error record's
     with _signals_as_exception():
-        proc = start_supervised(argv, _env.snapshot(), os.getcwd(), subprocess.PIPE)
+        proc = start_supervised(argv, env.snapshot(), os.getcwd(), subprocess.PIPE)
         tee = _Tee(proc.stderr, log_path)
         try:
             while proc.poll() is None:

@@ -49,10 +49,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.bounded import parse_json
-from ..core.candidate import Candidate
-from ..core.options import MIN_STALL_S, RunOptions
-from ..core.probe import ERROR, ProbeResult
+from ..core.call.options import MIN_STALL_S, RunOptions
+from ..core.measures.probe import ERROR, ProbeResult
+from ..core.values.bounded import parse_json
+from ..core.values.candidate import Candidate
 from ..errors import (
     GpuUnusableError,
     MultiNodeError,
@@ -61,7 +61,7 @@ from ..errors import (
     NoWorkingStrategyError,
     ResilientStrategyError,
 )
-from ..machine import env as _env
+from ..machine import env as machine_env
 from ..records import phases
 from ..records.handoff import CHECKPOINT_NOTE, Decision, binding, write_decision
 from ..records.trainfault import FAULT_VAR, TrainFault, check_rank, parse_fault
@@ -70,7 +70,7 @@ if TYPE_CHECKING:
     from .peers import NodeLink, PeerWatch
 
 from .agent import launch
-from .arguments import node_count, options_from_args, torch_launcher
+from .cmdline import node_count, options_from_args, torch_launcher
 from .evidence import Evidence
 from .exitcodes import ExitCode, interrupted
 from .goodput import account
@@ -99,7 +99,7 @@ class Choice:
 
     decision: Decision
     candidate: Candidate
-    step_seconds: float  # estimated, per global batch (core/estimate.py)
+    step_seconds: float  # estimated, per global batch (core/measures/estimate.py)
     left: int  # candidates left after this one
     #: multi-node: this node's link for the nodes of this attempt, and the membership round
     #: that named them (`regroup`)
@@ -111,7 +111,7 @@ def supervise(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
     """Run the script to the end: retry a transient fault once on the same strategy, step down
     to the next candidate on a repeat or a backend's signature, stop at the throughput floor.
     Returns the exit status for the command line (`ExitCode`)."""
-    snapshot = _env.snapshot(env)
+    snapshot = machine_env.snapshot(env)
     session: Path | None = None
     try:
         fault = parse_fault(snapshot.get(FAULT_VAR, ""))
@@ -361,7 +361,7 @@ def _setup_failure(exc: MultiNodeError, link: NodeLink, env: Mapping[str, str]
     ``setup``): the error, the node that went silent (``node``, None: the store itself), how
     (``deadline``, ``heartbeat``, ``store``), this node, the store's address, and this node's
     kernel route to it (``route`` None: none, or a route that rejects it, ``route_how`` says)."""
-    from ..machine.routes import route_to_master
+    from ..machine.route_lookup import route_to_master
 
     iface, how = route_to_master(link.env(env, 0))
     return {"error": type(exc).__name__, "node": getattr(exc, "node", None),
@@ -391,7 +391,7 @@ def _summary(history: Sequence[Attempt], judgement: Judgement) -> str:
 def _allowance_words(opts: RunOptions, env: Mapping[str, str], framework: str = "torch") -> str:
     """The stall allowance and the busy ceiling in force, how to change them, and the
     training's timeouts set from them (torch's heartbeat for a PyTorch job only)."""
-    from ..core.options import DEFAULT_PROCESS_GROUP_TIMEOUT
+    from ..core.call.options import DEFAULT_PROCESS_GROUP_TIMEOUT
     from .watch import (
         AUTO_STALL_CAP_S,
         DEFAULT_BUSY_S,
@@ -453,7 +453,7 @@ def _label(decision: Decision) -> str:
 
 def _options(opts: RunOptions, facts: Any, env: Mapping[str, str], rank: int = 0,
              nnodes: int | None = None) -> Any:
-    from ..core.arguments import options_from
+    from ..core.call.arguments import options_from
 
     nproc = opts.nproc if opts.nproc is not None else max(1, len(facts.gpus))
     nnodes = node_count(opts) if nnodes is None else nnodes
@@ -576,7 +576,7 @@ def _choice(opts: RunOptions, facts: Any, env: Mapping[str, str],
             notes: tuple[str, ...], agreed: NodeLink | None, o: Any, made: Any,
             results: dict[str, ProbeResult], link: NodeLink | None, change: Any) -> Choice:
     """The decision file of an attempt from what was decided (``agreed``: across nodes)."""
-    from ..core.estimate import estimate
+    from ..core.measures.estimate import estimate
     from ..deciding.decide import failure_cause
     from ..deciding.notices import fallback_warning
 
@@ -626,7 +626,7 @@ def _memory_planning(opts: RunOptions, framework: str, facts: Any) -> dict[str, 
 def _node_trace(events: Sequence[Any]) -> tuple[str, ...]:
     """The lines `agreed_decision` added to the trace (the
     trailing ``multi_node`` notes), for the workers' explain()."""
-    from ..core.trace import Note
+    from ..core.trace.event import Note
 
     out: list[str] = []
     for e in reversed(events):

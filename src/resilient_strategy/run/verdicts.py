@@ -21,8 +21,8 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
-from ..core.human import fit
-from ..core.signatures import Signatures, builtin_signatures
+from ..core.knowledge.signatures import Signatures, builtin_signatures
+from ..core.values.human import fit
 from ..records.flightdump import FlightFacts
 from ..records.progress import (
     COLLECTIVE,
@@ -66,7 +66,7 @@ def classify_error(types: Sequence[str], message: str,
                    signatures: Signatures | None = None) -> str:
     """"oom", "comm", "exit" (SystemExit) or "user" for an exception's MRO names and message
     alone, for a record that says nothing of where it was raised (`blame` reads one that
-    does). The message is placed through the signature table (``core/signatures.toml``, the one
+    does). The message is placed through the signature table (``core/knowledge/signatures.toml``, the one
     the probe parser reads; the built-in table when ``signatures`` is None)."""
     names = {t.rsplit(".", 1)[-1] for t in types}
     placed = (signatures or builtin_signatures()).classify(message)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from ..core.options import MIN_STALL_S
+from ..core.call.options import MIN_STALL_S
 from ..machine.procs import ProcStat, read_stat, ticks_per_second
 from ..records.progress import (
     COLLECTIVE_DONE,

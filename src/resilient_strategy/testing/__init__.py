@@ -16,7 +16,7 @@ Probe outcomes are given per candidate: ``{"nccl": "timeout", "nccl+NCCL_P2P_DIS
 
 from __future__ import annotations
 
-from ..core.facts import Platform
+from ..core.values.facts import Platform
 from .fakes import FakeProber, Outcome, gpu, machine, simulate
 from .replay import MidRunFault, Replay, replay
 

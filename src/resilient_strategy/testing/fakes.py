@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..core.facts import Facts
+from ..core.values.facts import Facts
 from ..selection import Selection
 from .simulation import FakeProber, Outcome, SimulatedProber, gpu, machine
 

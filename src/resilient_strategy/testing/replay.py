@@ -26,12 +26,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.arguments import options_from
-from ..core.candidate import Candidate
-from ..core.estimate import estimate
-from ..core.facts import Facts
-from ..core.options import Options
-from ..core.probe import ProbeResult
+from ..core.call.arguments import options_from
+from ..core.call.options import Options
+from ..core.measures.estimate import estimate
+from ..core.measures.probe import ProbeResult
+from ..core.values.candidate import Candidate
+from ..core.values.facts import Facts
 from ..deciding.decide import decide
 from ..errors import InvalidOptionError, NoWorkingStrategyError
 from ..records.progress import COLLECTIVE, Record, Stall

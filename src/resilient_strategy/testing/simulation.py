@@ -17,7 +17,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..core.facts import (
+from ..core.measures.probe import CAUSES, ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec, parse_probe
+from ..core.values.facts import (
     FABRIC_MIN_GPUS,
     P2P_STATUSES,
     TOPOLOGY_LEVELS,
@@ -29,10 +30,9 @@ from ..core.facts import (
     Platform,
     compact_links,
 )
-from ..core.outcome import WorkerOutcome
-from ..core.probe import CAUSES, ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec, parse_probe
+from ..core.values.outcome import WorkerOutcome
 from ..errors import InvalidOptionError, ResilientStrategyError
-from ..machine import files as _files
+from ..machine import files
 from ..machine.visible import (
     MigDevice,
     PhysicalGpu,
@@ -40,8 +40,7 @@ from ..machine.visible import (
     renumber_links,
     resolve_visible_devices,
 )
-from ..probing import cost as _cost
-from ..probing import forkserver as _forkserver
+from ..probing import cost, forkserver
 from ..vocab import FRAMEWORKS
 
 #: Kinds of hang a simulated probe can be judged to have (see `progress.Stall`).
@@ -56,12 +55,14 @@ def gpu(
     *,
     mig: bool = False,
     free_gb: float | None = None,
+    nvlinks_outside: int = 0,
     numa_node: int | None = None,
 ) -> Gpu:
     """One fake GPU. ``index`` is its NVML (physical) index, and its CUDA ordinal while no
     ``CUDA_VISIBLE_DEVICES`` renumbers it (see `machine`). ``free_gb``: its free memory
     as NVML would report it (None: unknown, so no memory check rules a candidate out on it).
-    ``numa_node``: the host NUMA node it hangs off (None: unknown)."""
+    ``nvlinks_outside``: its active NVLinks to GPUs this container cannot see (a pod given one
+    GPU of an NVLinked host). ``numa_node``: the host NUMA node it hangs off (None: unknown)."""
     if numa_node is not None:
         _check_int("gpu", "numa_node", numa_node)
     _check_int("gpu", "index", index)
@@ -75,7 +76,9 @@ def gpu(
         memory_bytes=int(_number("gpu", "memory_gb", memory_gb) * 2**30),
         uuid=f"GPU-fake-{index:04d}", pci_bus_id=f"00000000:{index + 1:02x}:00.0",
         physical_index=index, mig_enabled=_check_bool("gpu", "mig", mig),
-        memory_free_bytes=free, numa_node=numa_node,
+        memory_free_bytes=free, nvlinks_outside=_check_int("gpu", "nvlinks_outside",
+                                                           nvlinks_outside),
+        numa_node=numa_node,
     )
 
 
@@ -119,6 +122,7 @@ def machine(
     gpu_initialized: Sequence[str] = (),
     platform_facts: Platform | Mapping[str, Any] | None = None,
     host_memory_gb: float | None = None,
+    nodes: Sequence[Mapping[str, Any]] | None = None,
     torch_hip: str | None = None,
     cpu_arch: str = "",
     numa_nodes: int | None = None,
@@ -155,6 +159,11 @@ def machine(
     its fields as a mapping: ``{"nvswitch": true, "rdma_link_layer": "ethernet",
     "rdma_devices": ["mlx5_0"], "master_ifname": "eth0", "hypervisor": "kvm",
     "hostname_loopback": true}``).
+    ``nodes``: the other nodes of a multi-node job (node 1, 2, ...), each as what differs from
+    this one (node 0): fields of `NodeFacts` (``{"nccl": "2.27.3"}``, ``{"net_plugins": []}``,
+    ``{"boot_id": "..."}``), its ``env`` merged into this node's NCCL_* / GLOO_* variables (a
+    null value: unset there). The facts then carry every node, as node 0 gathers them through
+    the job's store, and the planner compares them before any probe.
     """
     env_map = _string_map("env", env)
     plat = _platform_value(platform_facts)
@@ -234,7 +243,8 @@ def machine(
         PhysicalGpu(
             index=_physical_index(g), uuid=g.uuid, name=g.name,
             compute_capability=g.compute_capability, memory_bytes=g.memory_bytes,
-            memory_free_bytes=g.memory_free_bytes, pci_bus_id=g.pci_bus_id, mig_enabled=g.mig_enabled or _physical_index(g) in instances,
+            memory_free_bytes=g.memory_free_bytes, nvlinks_outside=g.nvlinks_outside,
+            pci_bus_id=g.pci_bus_id, mig_enabled=g.mig_enabled or _physical_index(g) in instances,
             mig=tuple(
                 MigDevice(uuid=f"MIG-fake-{_physical_index(g):04d}-{k}", name=f"{g.name} MIG {k}",
                           memory_bytes=g.memory_bytes // instances[_physical_index(g)],
@@ -250,8 +260,8 @@ def machine(
     )
     by_index = {p.index: p for p in parents}
     gs = tuple(job_gpu(i, d, by_index[d.physical]) for i, d in enumerate(resolution.devices))
-    nodes = _gpu_numa(gpu_numa, physical)
-    gs = tuple(replace(g, numa_node=nodes.get(g.physical_index)) for g in gs)
+    numa_of = _gpu_numa(gpu_numa, physical)
+    gs = tuple(replace(g, numa_node=numa_of.get(g.physical_index)) for g in gs)
     visible_links, fabric = compact_links(len(gs), renumber_links(resolution.devices,
                                                                   physical_links))
     if uniform:
@@ -268,7 +278,7 @@ def machine(
         fws.append(FrameworkInfo("keras", keras, "keras"))
     fws = [replace(f, imported=f.name in imported or f.name in gpu_initialized,
                    gpu_initialized=f.name in gpu_initialized) for f in fws]
-    return Facts(
+    facts = Facts(
         gpus=gs,
         links=visible_links,
         fabric=fabric,
@@ -287,6 +297,35 @@ def machine(
         nvml_notes=tuple(nvml_notes),
         platform=plat,
     )
+    return _with_nodes(facts, nodes) if nodes else facts
+
+
+def _with_nodes(facts: Facts, nodes: Sequence[Mapping[str, Any]]) -> Facts:
+    """``facts`` (node 0) with the described other nodes (`machine`'s ``nodes``)."""
+    from ..core.knowledge.nodefacts import node_env, node_facts
+    from ..core.values.facts import NodeFacts
+
+    if isinstance(nodes, (str, Mapping)) or not all(isinstance(n, Mapping) for n in nodes):
+        raise _bad("nodes", nodes, "a list of objects, one per node after node 0")
+    first = node_facts(facts, "torch", 0, "node0")
+    out = [first]
+    for k, described in enumerate(nodes, 1):
+        d = dict(described)
+        env = dict(first.env)
+        changed = d.pop("env", None) or {}
+        if not isinstance(changed, Mapping):
+            raise _bad("nodes", described, 'an "env" object of variables')
+        for name, value in changed.items():
+            if value is None:
+                env.pop(str(name), None)
+            else:
+                env[str(name)] = str(value)
+        try:
+            out.append(NodeFacts.from_dict({**first.to_dict(), "host": f"node{k}", **d,
+                                            "node": k, "env": node_env(env.items())}))
+        except (TypeError, ValueError) as exc:
+            raise _bad("nodes", described, f"fields of NodeFacts ({exc})") from None
+    return replace(facts, nodes=tuple(out))
 
 
 def _gpu_numa(gpu_numa: Sequence[int] | None, physical: Sequence[Gpu]) -> dict[int, int | None]:
@@ -466,7 +505,7 @@ class SimulatedProber:
     elapsed_s: float = 0.0  # simulated seconds spent probing so far (see `clock`)
     #: the phase figures of the machine described (None: the typical ones of its class,
     #: `probing.cost.TYPICAL`), e.g. its measured framework import
-    figures: _cost.Figures | None = None
+    figures: cost.Figures | None = None
     #: GPUs (CUDA ordinals) the health check finds broken: {ordinal: what went wrong}
     broken_gpus: Mapping[int, str] = field(default_factory=dict)
     #: the GPUs of each health check the decision ran, in order
@@ -491,11 +530,11 @@ class SimulatedProber:
     def check_seconds(self, framework: str, gpus: int, env: Mapping[str, str]) -> float:
         """What `check_gpus` charges for ``gpus`` GPUs now (the decision weighs it
         against the probe budget left)."""
-        forked = framework == "torch" and _forkserver.enabled(env)
+        forked = framework == "torch" and forkserver.enabled(env)
         warm = any(c.framework == "torch" for c in self.calls)
-        figures = self.figures or _cost.TYPICAL[
+        figures = self.figures or cost.TYPICAL[
             ("tensorflow" if framework == "tensorflow" else "torch", True)]
-        return _cost.health_check_seconds(framework, gpus, forked=forked, warm=warm,
+        return cost.health_check_seconds(framework, gpus, forked=forked, warm=warm,
                                           figures=figures)
 
     def __call__(self, spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
@@ -524,8 +563,8 @@ class SimulatedProber:
         if ending is None:  # an error, or a result with its own elapsed time: as described
             res = replace(res, elapsed_s=min(res.elapsed_s, spec.timeout_s))
         else:  # the real prober's clock: start-up, phases, a hang cut from progress
-            forked = spec.framework == "torch" and _forkserver.enabled(env)
-            res = replace(res, elapsed_s=_cost.probe_seconds(spec, ending, forked=forked,
+            forked = spec.framework == "torch" and forkserver.enabled(env)
+            res = replace(res, elapsed_s=cost.probe_seconds(spec, ending, forked=forked,
                                                              warm=warm, figures=self.figures,
                                                              env=env))
             if ending == "collective" and not res.extra:  # a plain "timeout", as judged
@@ -568,7 +607,7 @@ def _ending(spec: ProbeSpec, out: Outcome, res: ProbeResult) -> str | None:
     if res.status != TIMEOUT:
         return None
     kind = dict(res.extra).get("hang", "collective")  # "timeout": the commonest real hang
-    return kind if _cost.judged_by_progress(spec) and kind in _cost.HANG_KINDS else "deadline"
+    return kind if cost.judged_by_progress(spec) and kind in cost.HANG_KINDS else "deadline"
 
 
 def _parse(candidate: str, out: Outcome) -> ProbeResult:
@@ -622,12 +661,19 @@ FakeProber = SimulatedProber  # the testing kit's name for it
 SIMULATION_KEYS = frozenset({
     "what", "framework", "global_batch_size", "gradient_bytes", "sample_seconds", "machine",
     "facts", "probes", "expect",
-    # a field case (examples/machines/field/): where it was reported, its family, what it said
-    "source", "family", "reported",
+    # a field case (examples/machines/field/): where it was reported, its family, its kind (one
+    # of FIELD_KINDS), what it said
+    "source", "family", "kind", "reported",
     "param_bytes", "optimizer_state_factor", "sharding", "offload",
     # GPUs the health check finds broken: {"<CUDA ordinal>": "what went wrong"} (a wedged GPU)
     "broken_gpus",
 })
+#: The kinds of field case (issue 31's, what goes wrong as a user meets it): a probe that hangs
+#: with no error text, a probe that passes where training breaks, versions with known faults,
+#: nodes that differ or cannot talk, pods and containers, drivers and builds that are not what
+#: they seem, error texts, inspection that blocks. `benchmarks/bench_field.py` totals by them.
+FIELD_KINDS = ("silent_hang", "probe_vs_training", "versions", "nodes", "pods_containers",
+               "drivers_builds", "error_texts", "inspection")
 #: Fields of a machine case's ``expect`` block (the decision it must reach; tests replay it).
 EXPECT_KEYS = frozenset({
     "backend", "devices", "num_replicas", "accumulation_steps", "per_replica_batch_size", "env",
@@ -635,6 +681,8 @@ EXPECT_KEYS = frozenset({
     "causes",  # {probe key: the cause its failure was placed on}, e.g. {"nccl": "nvls_multicast"}
     "sharded", "ladder", "ruled_out_by_memory",
     "offload",  # the chosen candidate offloads its state to the host
+    # ids of the differences between the nodes found before any probe (``nodes_differ``)
+    "findings",
     # no decision: the typed error it ends in, {"type": "ModelDoesNotFitError", ...its fields}
     "error",
 })
@@ -644,7 +692,7 @@ def load_simulation(path: Path) -> tuple[Facts, dict[str, Any]]:
     """A ``--simulate`` file: the described machine and the rest of the file; every problem is one clean error that
     names the file and the field."""
     try:
-        data = _files.read_json(path, max_bytes=_files.MAX_MACHINE_BYTES, owned=False)
+        data = files.read_json(path, max_bytes=files.MAX_MACHINE_BYTES, owned=False)
     except (OSError, ResilientStrategyError) as exc:  # too large, too deep, not JSON, a FIFO
         raise ResilientStrategyError(f"cannot read --simulate file {path}: {exc}") from exc
     if not isinstance(data, dict):
@@ -783,6 +831,9 @@ def _check_simulation_fields(path: Path, data: Mapping[str, Any]) -> None:
         value = data.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ResilientStrategyError(f"{path}: {key}: expected a positive integer, not {value!r}")
+    kind = data.get("kind")
+    if kind is not None and kind not in FIELD_KINDS:
+        raise ResilientStrategyError(f"{path}: kind: expected one of {FIELD_KINDS}, not {kind!r}")
     broken = data.get("broken_gpus")
     if broken is not None and (not isinstance(broken, dict) or not all(
             isinstance(k, str) and k.isdigit() and isinstance(v, str) for k, v in broken.items())):

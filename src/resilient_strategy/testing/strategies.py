@@ -13,7 +13,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from ..core.facts import Facts
+from ..core.values.facts import Facts
 from .fakes import machine
 
 GPU_MODELS = (

@@ -11,17 +11,21 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ...core.probe import PROBE_FAULT_VAR, PROBE_FAULTS, parse_probe_fault
+from ...core.call.probe_fault import PROBE_FAULT_VAR, PROBE_FAULTS, parse_probe_fault
 from ...errors import InvalidOptionError
 from ...machine.files import write_json_atomic
 
 FAULT_VAR = PROBE_FAULT_VAR
 #: ``hang``: sleep forever before the first collective (communicator ready); ``hang_setup``:
-#: inside communicator setup; ``hang_collective``: inside collective 1; ``exit``: exit 1 without
-#: a report; ``wrong`` / ``nan`` / ``zero``: corrupt the all-reduce (one value off by one, a NaN
-#: in the contribution, a chunk of the result zeroed as a broken peer copy would leave it).
+#: inside communicator setup; ``hang_rendezvous``: inside the store rendezvous (torch);
+#: ``hang_collective``: inside collective 1; ``hang_broadcast`` / ``hang_gather``: inside the
+#: first broadcast / all-gather (torch); ``exit``: exit 1 without a report; ``wrong`` / ``nan``
+#: / ``zero``: corrupt the all-reduce (one value off by one, a NaN in the contribution, a chunk
+#: of the result zeroed as a broken peer copy would leave it); ``wrong_broadcast`` /
+#: ``wrong_gather``: one value of what a broadcast / all-gather returned off by one (torch).
 FAULTS = PROBE_FAULTS
-HANGS = ("hang", "hang_setup", "hang_collective")
+HANGS = ("hang", "hang_setup", "hang_rendezvous", "hang_collective", "hang_broadcast",
+         "hang_gather")
 #: Causes of a collective that completed with bad values.
 VALUE_CAUSES = ("wrong_result", "nan_result", "zero_result")
 
@@ -31,6 +35,10 @@ VALUE_CAUSES = ("wrong_result", "nan_result", "zero_result")
 #: 25 MiB default bucket. ``--check-bytes`` adds more (the user's largest gradient bucket).
 CHECK_BYTES = (4 << 10, 256 << 10, 1 << 20, 25 << 20)
 CHECK_ITERS = 3  # iterations per size (each with different contributions)
+#: Iterations per size of the broadcasts and all-gathers every process-group probe checks (two:
+#: the second's values differ from the first's, so a stale buffer shows, and a broadcast comes
+#: from two roots; gloo's all-gather of 25 MiB takes ~0.1 s on a loaded 2-core host).
+OTHER_ITERS = 2
 MAX_CHECK_BYTES = 256 << 20
 #: The contributions are multiples of the pattern 1..PATTERN_MOD: rank r adds
 #: (r + 1 + it * world) x pattern in iteration it, so each sum is exact in float32 (below 2**24)
@@ -121,7 +129,7 @@ def fault_for(rank: int, env: Mapping[str, str], backend: str = "") -> str:
     remedies work), ``>=N`` makes a data fault corrupt only all-reduces of at least N bytes
     (see `corrupts`).
     """
-    try:  # the decision refused a malformed one (core/arguments.py); none here means none
+    try:  # the decision refused a malformed one (core/call/arguments.py); none here means none
         fault = parse_probe_fault(env.get(FAULT_VAR, ""))
     except InvalidOptionError:
         return ""

@@ -1,0 +1,404 @@
+"""Options: every knob of a decision, as one frozen value, validated once.
+
+`Options` (a decision) and `RunOptions` (``resilient-strategy run``) check every
+field's type and range in ``__post_init__``; each error names the argument or the environment
+variable the bad value came from. `arguments` reads the arguments of
+``resilient_strategy()`` and the environment into them. Adding an option touches this module,
+`arguments`, the ``resilient_strategy()`` signature and the options reference page.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ...errors import InvalidOptionError
+from ...vocab import (
+    BACKENDS,
+    FRAMEWORK_ALIASES,
+    FRAMEWORKS,
+    MULTI_BACKENDS,
+    OFFLOAD_MODES,
+    PRECISIONS,
+    PROBE_MODES,
+    SHARDING_MODES,
+)
+from ..knowledge.remedies import Remedies, builtin_remedies
+from ..knowledge.rules import Rule
+
+__all__ = [
+    "BACKENDS", "DEFAULT_PROCESS_GROUP_TIMEOUT", "DEFAULT_TIMEOUT_S", "FRAMEWORKS", "FRAMEWORK_ALIASES",
+    "MULTI_BACKENDS", "PRECISIONS", "PROBE_MODES", "Launch", "Options", "RunOptions",
+    "default_dir",
+]
+
+DEFAULT_TIMEOUT_S = 30.0
+#: Collective timeout of the training process group. Not the probe's 30 s: a rank may rightly
+#: wait minutes for a peer that checkpoints or evaluates; not torch's 10 minutes either.
+DEFAULT_PROCESS_GROUP_TIMEOUT = 300.0
+
+# ----- ranges (inclusive upper bounds) -------------------------------------------------------
+MAX_TIMEOUT_S = 3600.0  # one probe
+MAX_PROCESS_GROUP_TIMEOUT = 7 * 86400.0  # a training collective: a week (timedelta and NCCL take it)
+MAX_CACHE_TTL_S = 366 * 86400.0
+MAX_SAMPLE_SECONDS = 3600.0
+#: Batch sizes fit a 32-bit integer; beyond, the divisor search of the batch split would take
+#: minutes for nothing a DataLoader could feed.
+MAX_BATCH = 2**31 - 1
+MAX_GRADIENT_BYTES = 2**50  # a pebibyte of gradients
+MAX_LOGICAL_CPUS = 1024
+MAX_WORLD_SIZE = 2**20
+MAX_OPTIMIZER_STATE_FACTOR = 64.0
+#: AdamW: two fp32 moments per trainable parameter (SGD with momentum: 1; plain SGD: 0).
+DEFAULT_OPTIMIZER_STATE_FACTOR = 2.0
+
+
+DEFAULT_TTL_S = 7 * 24 * 3600.0
+
+def default_dir(env: Mapping[str, str]) -> Path:
+    """RESILIENT_STRATEGY_CACHE_DIR > $XDG_CACHE_HOME/resilient_strategy > ~/.cache/..."""
+    if env.get("RESILIENT_STRATEGY_CACHE_DIR"):
+        return Path(env["RESILIENT_STRATEGY_CACHE_DIR"])
+    base = env.get("XDG_CACHE_HOME") or str(Path(env.get("HOME") or Path.home()) / ".cache")
+    return Path(base) / "resilient_strategy"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Where this process sits in a launcher's job (torchrun); (0, 0, 1) for plain python."""
+
+    rank: int = 0
+    """This process's rank in the job (the launcher's `RANK`; 0 for plain python)."""
+    local_rank: int = 0
+    """This process's rank on its node (the launcher's `LOCAL_RANK`; 0 for plain python)."""
+    world_size: int = 1
+    """The processes the launcher started, on every node (`WORLD_SIZE`; 1 for plain python)."""
+    local_world_size: int | None = None
+    """The processes on this node (`LOCAL_WORLD_SIZE`); None where the launcher does not say,
+    which is read as every process being on this node."""
+
+    @property
+    def launched(self) -> bool:
+        """Whether a launcher started several processes (`world_size` above 1)."""
+        return self.world_size > 1
+
+    @property
+    def multi_node(self) -> bool:
+        """Whether the job spans nodes: fewer processes on this node than in the job."""
+        return self.local_world_size is not None and self.local_world_size < self.world_size
+
+
+@dataclass(frozen=True)
+class Options:
+    """Every knob of one decision, validated once (in ``__post_init__``). Built by
+    `options_from`; the planner reads it as its policy.
+
+    ``rank``, ``local_rank``, ``world_size`` and ``local_world_size`` are where this process
+    sits in a launcher's job (torchrun), whatever the framework (``launch`` gives them as one
+    value); ``processes`` is what the planner splits over: the launcher's processes for PyTorch,
+    1 for TensorFlow (one process drives every GPU).
+    """
+
+    framework: str
+    global_batch_size: int | None = None
+    devices: tuple[int, ...] | None = None  # subset of visible GPU ordinals
+    prefer: str | None = None
+    gradient_bytes: int | None = None  # model gradient size, for speed estimates
+    sample_seconds: float | None = None  # measured compute seconds per sample on one device
+    max_per_replica_batch: int | None = None
+    world_size: int = 1  # processes started by a launcher (torchrun); 1 = plain python
+    local_world_size: int | None = None  # of them on this node (None: all; < world_size: multi-node)
+    rank: int = 0
+    local_rank: int = 0
+    user_env: tuple[str, ...] = ()  # names of variables the user set (never overridden)
+    logical_cpus: int = 0  # TensorFlow test mode: N logical CPU devices stand in for GPUs
+    #: TensorFlow under TF_CONFIG (tfcluster.py): the workers that train together (chief
+    #: included), this task's id among them, and its task as TF_CONFIG names it ("worker:1";
+    #: "" without TF_CONFIG). 1 worker: not a multi-worker job.
+    tf_workers: int = 1
+    tf_worker_rank: int = 0
+    tf_task: str = ""
+    probe: str = "auto"
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    budget_s: float = 4 * DEFAULT_TIMEOUT_S
+    process_group_timeout: float = DEFAULT_PROCESS_GROUP_TIMEOUT
+    dry_run: bool = False
+    cache_dir: Path | None = None  # None: no cache
+    cache_ttl_s: float = DEFAULT_TTL_S
+    rules: tuple[Rule, ...] = ()
+    #: cause -> remedies (remedies.toml plus the user's RESILIENT_STRATEGY_REMEDIES files)
+    remedies: Remedies = field(default_factory=builtin_remedies, compare=False, repr=False)
+    precision: str = "auto"
+    framework_reason: str = ""
+    quiet: bool | None = None  # None: a progress line per probe when stderr is a terminal
+    #: Probe outcomes come from a description (a simulation), not from running probes here.
+    simulated: bool = False
+    #: Memory planning (core/measures/memory.py): "auto" shards (FSDP2) only when a replica does not fit,
+    #: "full" always shards, "none" never; the model's parameter bytes (all, trainable or not),
+    #: the optimizer's state per gradient byte, and the largest sharding unit's parameter bytes
+    #: (from model=; None: assumed).
+    sharding: str = "auto"
+    param_bytes: int | None = None
+    optimizer_state_factor: float = DEFAULT_OPTIMIZER_STATE_FACTOR
+    shard_unit_bytes: int | None = None
+    #: CPU offload of a sharded model's state (FSDP2 ``CPUOffloadPolicy``): "none" never (the
+    #: default); "auto" plans it only where no candidate that keeps the state on the GPUs fits.
+    offload: str = "none"
+
+    @property
+    def nodes(self) -> int:
+        """Nodes of a launcher's job (1 unless WORLD_SIZE > LOCAL_WORLD_SIZE)."""
+        return self.world_size // (self.local_world_size or self.world_size)
+
+    @property
+    def multi_worker(self) -> bool:
+        """A TensorFlow multi-worker job (TF_CONFIG with 2+ chief/worker tasks)."""
+        return self.framework == "tensorflow" and self.tf_workers > 1
+
+    @property
+    def processes(self) -> int:
+        """The processes the planner splits over: the launcher's for PyTorch, else 1."""
+        return self.world_size if self.framework == "torch" else 1
+
+    @property
+    def launch(self) -> Launch:
+        """Where this process sits in the launcher's job."""
+        return Launch(self.rank, self.local_rank, self.world_size, self.local_world_size)
+
+    def __post_init__(self) -> None:
+        if self.framework not in FRAMEWORKS:
+            raise InvalidOptionError(f"framework must be one of {FRAMEWORKS}, not {self.framework!r}",
+                                     "framework")
+        for name, top in (("global_batch_size", MAX_BATCH), ("gradient_bytes", MAX_GRADIENT_BYTES),
+                          ("param_bytes", MAX_GRADIENT_BYTES),
+                          ("shard_unit_bytes", MAX_GRADIENT_BYTES),
+                          ("max_per_replica_batch", MAX_BATCH), ("world_size", MAX_WORLD_SIZE),
+                          ("local_world_size", MAX_WORLD_SIZE)):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= top
+            ):
+                raise InvalidOptionError(
+                    f"{name} must be a positive integer (at most {top}), not {value!r}", name)
+        if self.prefer is not None and self.prefer not in BACKENDS:
+            raise InvalidOptionError(f"prefer must be one of {BACKENDS}, not {self.prefer!r}", "prefer")
+        if self.devices is not None and (
+            not self.devices or len(set(self.devices)) != len(self.devices)
+            or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in self.devices)
+        ):
+            raise InvalidOptionError(f"devices must be distinct GPU indices, not {self.devices!r}",
+                                     "devices")
+        if isinstance(self.logical_cpus, bool) or not isinstance(self.logical_cpus, int) \
+                or not 0 <= self.logical_cpus <= MAX_LOGICAL_CPUS:
+            raise InvalidOptionError(
+                f"logical_cpus must be a count from 0 to {MAX_LOGICAL_CPUS}, not "
+                f"{self.logical_cpus!r}", "logical_cpus")
+        if self.logical_cpus and self.framework != "tensorflow":
+            raise InvalidOptionError("logical_cpus is a TensorFlow test mode: a positive count",
+                                     "logical_cpus")
+        for name, value, low, top in (("tf_workers", self.tf_workers, 1, MAX_WORLD_SIZE),
+                                      ("tf_worker_rank", self.tf_worker_rank, 0,
+                                       MAX_WORLD_SIZE - 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= top:
+                raise InvalidOptionError(f"{name} must be an integer from {low} to {top}, not "
+                                         f"{value!r}", "TF_CONFIG")
+        if self.tf_worker_rank >= self.tf_workers:
+            raise InvalidOptionError(f"TF_CONFIG: worker {self.tf_worker_rank} of "
+                                     f"{self.tf_workers}", "TF_CONFIG")
+        if self.tf_workers > 1 and self.framework != "tensorflow":
+            raise InvalidOptionError("TF_CONFIG workers are TensorFlow's; torch jobs use "
+                                     "torchrun", "TF_CONFIG")
+        if self.tf_workers > 1 and self.logical_cpus:
+            raise InvalidOptionError(
+                "logical_cpus is a single-process test mode; under a multi-worker TF_CONFIG each "
+                "CPU worker is one replica of MultiWorkerMirroredStrategy: leave logical_cpus 0",
+                "logical_cpus")
+        if self.sharding not in SHARDING_MODES:
+            raise InvalidOptionError(
+                f"sharding must be one of {SHARDING_MODES}, not {self.sharding!r}", "sharding")
+        if self.sharding == "full" and self.framework != "torch":
+            raise InvalidOptionError(
+                "sharding='full' is PyTorch's FSDP2; TensorFlow shards through keras.distribution "
+                "(out of scope here, see docs/how-to/large-models.md)", "sharding")
+        if not isinstance(self.offload, str) or self.offload not in OFFLOAD_MODES:
+            raise InvalidOptionError(
+                f"offload must be one of {OFFLOAD_MODES}, not {self.offload!r}", "offload")
+        if self.offload != "none" and self.framework != "torch":
+            raise InvalidOptionError(
+                "offload is PyTorch's FSDP2 CPUOffloadPolicy; TensorFlow has no such option here",
+                "offload")
+        if self.offload != "none" and self.sharding == "none":
+            raise InvalidOptionError(
+                "offload='auto' offloads a sharded (FSDP2) model's state, and sharding='none' "
+                "never shards: drop one of them", "offload")
+        factor = self.optimizer_state_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (
+                math.isfinite(factor) and 0 <= factor <= MAX_OPTIMIZER_STATE_FACTOR):
+            raise InvalidOptionError(
+                f"optimizer_state_factor must be a number from 0 to "
+                f"{MAX_OPTIMIZER_STATE_FACTOR:g} (AdamW: 2, SGD with momentum: 1), not "
+                f"{factor!r}", "optimizer_state_factor")
+        _check_seconds("sample_seconds", self.sample_seconds, MAX_SAMPLE_SECONDS)
+        _check_seconds("timeout", self.timeout_s, MAX_TIMEOUT_S)
+        _check_seconds("process_group_timeout", self.process_group_timeout, MAX_PROCESS_GROUP_TIMEOUT)
+        _check_seconds("cache_ttl", self.cache_ttl_s, MAX_CACHE_TTL_S)
+        if self.probe not in PROBE_MODES:
+            raise InvalidOptionError(
+                f"probe must be one of {PROBE_MODES} (or a bool), not {self.probe!r}", "probe")
+        if self.quiet is not None and not isinstance(self.quiet, bool):
+            raise InvalidOptionError(f"quiet must be True, False or None, not {self.quiet!r}",
+                                     "quiet")
+        if self.precision not in PRECISIONS:
+            raise InvalidOptionError(f"precision must be one of {PRECISIONS}, not {self.precision!r}",
+                                     "precision")
+        if self.local_world_size is not None and (
+            self.local_world_size > self.world_size or self.world_size % self.local_world_size
+        ):
+            raise InvalidOptionError(
+                f"LOCAL_WORLD_SIZE={self.local_world_size} does not divide WORLD_SIZE="
+                f"{self.world_size}: every node must run the same number of processes",
+                "LOCAL_WORLD_SIZE",
+            )
+        for name, value in (("RANK", self.rank), ("LOCAL_RANK", self.local_rank)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidOptionError(f"{name}={value!r}: expected an integer", name)
+        if not 0 <= self.rank < self.world_size:
+            raise InvalidOptionError(
+                f"RANK={self.rank}: expected 0 to WORLD_SIZE-1 ({self.world_size - 1})", "RANK")
+        local = self.local_world_size or self.world_size
+        if not 0 <= self.local_rank < local:
+            raise InvalidOptionError(
+                f"LOCAL_RANK={self.local_rank}: expected 0 to {local - 1}", "LOCAL_RANK")
+        g, w = self.global_batch_size, self.processes
+        if g is not None and w > 1 and g % w:
+            raise InvalidOptionError(
+                f"global_batch_size={g} cannot be split exactly over the {w} processes the "
+                f"launcher started; use a multiple of {w}", "global_batch_size"
+            )
+
+
+def _check_seconds(name: str, value: float | None, top: float) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+        math.isfinite(value) and 0 < value <= top
+    ):
+        raise InvalidOptionError(
+            f"{name} must be a number of seconds in (0, {top:g}], not {value!r}", name)
+
+
+# ----- `resilient-strategy run` -------------------------------------------------------------
+MAX_STALL_TIMEOUT_S = 7 * 86400.0
+MAX_RELAUNCHES = 1000
+
+
+#: The default fault-rate window of ``resilient-strategy run`` (optimizer steps), and its bound.
+DEFAULT_FAULT_WINDOW = 100
+MAX_FAULT_WINDOW = 1_000_000_000
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What ``resilient-strategy run`` was asked (the supervisor's knobs), validated once.
+    torchrun's own node options travel as parsed by torchrun (``torchrun``)."""
+
+    script: str
+    script_args: tuple[str, ...] = ()
+    framework: str | None = None
+    nproc: int | None = None  # None: "auto" (one per visible GPU, else 1)
+    max_relaunches: int | None = None  # None: no count (the policy's bounds still hold)
+    stall_timeout_s: float | None = None  # None: max(15 s, 5 x the p99 step time)
+    #: How long a rank busy in its own code may keep the others waiting (None: run/watch's
+    #: DEFAULT_BUSY_S).
+    busy_timeout_s: float | None = None
+    global_batch_size: int | None = None  # for ranking (the script's own value trains)
+    gradient_bytes: int | None = None
+    probe_timeout_s: float | None = None
+    logical_cpus: int = 0
+    torchrun: Any = field(default=None, compare=False)  # torchrun's parsed arguments
+    #: A step-down never lands below this fraction of the estimated throughput of what failed.
+    min_throughput: float = 0.25
+    allow_cpu: bool = False  # a GPU job may step down to the CPU
+    max_attempts_without_progress: int = 3  # the crash-loop bound
+    #: The fault-rate window, in optimizer steps: a second fault on a strategy within it steps
+    #: down; a communication error this many steps after the last fault is retried first.
+    fault_window: int = DEFAULT_FAULT_WINDOW
+    evidence_dir: str = "resilient-strategy-evidence"  # per-rank tracebacks of each fault
+    #: Memory planning, as resilient_strategy() takes it; None: not given (planned as "auto",
+    #: and the script's own value is then the one that must agree: see handoff.Decision).
+    sharding: str | None = None
+    param_bytes: int | None = None
+    optimizer_state_factor: float | None = None
+    #: CPU offload (FSDP2 CPUOffloadPolicy), as resilient_strategy(offload=) takes it; None: not
+    #: given (planned as "none").
+    offload: str | None = None
+
+    @property
+    def planned_sharding(self) -> str:
+        return self.sharding or "auto"
+
+    @property
+    def planned_offload(self) -> str:
+        return self.offload or "none"
+
+    def __post_init__(self) -> None:
+        if self.framework is not None and self.framework not in FRAMEWORKS:
+            raise InvalidOptionError(f"--framework must be one of {FRAMEWORKS}, not "
+                                     f"{self.framework!r}", "--framework")
+        for name, value, low, top in (
+                ("--nproc-per-node", self.nproc, 1, MAX_WORLD_SIZE),
+                ("--max-relaunches", self.max_relaunches, 0, MAX_RELAUNCHES),
+                ("--global-batch-size", self.global_batch_size, 1, MAX_BATCH),
+                ("--gradient-bytes", self.gradient_bytes, 1, MAX_GRADIENT_BYTES),
+                ("--param-bytes", self.param_bytes, 1, MAX_GRADIENT_BYTES),
+                ("--logical-cpus", self.logical_cpus, 0, MAX_LOGICAL_CPUS)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not low <= value <= top):
+                raise InvalidOptionError(
+                    f"{name} must be an integer from {low} to {top}, not {value!r}", name)
+        _check_seconds("--stall-timeout", self.stall_timeout_s, MAX_STALL_TIMEOUT_S)
+        _check_seconds("--busy-timeout", self.busy_timeout_s, MAX_STALL_TIMEOUT_S)
+        _check_seconds("--probe-timeout", self.probe_timeout_s, MAX_TIMEOUT_S)
+        m = self.min_throughput
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not (
+                math.isfinite(m) and 0 <= m <= 1):
+            raise InvalidOptionError(f"--min-throughput must be a fraction in [0, 1], not {m!r}",
+                                     "--min-throughput")
+        n = self.max_attempts_without_progress
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_RELAUNCHES:
+            raise InvalidOptionError(
+                f"--max-attempts-without-progress must be an integer from 1 to "
+                f"{MAX_RELAUNCHES}, not {n!r}", "--max-attempts-without-progress")
+        w = self.fault_window
+        if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_FAULT_WINDOW:
+            raise InvalidOptionError(f"--fault-window must be an integer from 1 to "
+                                     f"{MAX_FAULT_WINDOW}, not {w!r}", "--fault-window")
+        _check_memory_flags(self.sharding, self.offload, self.framework)
+        if not self.evidence_dir or "\0" in self.evidence_dir:
+            raise InvalidOptionError(f"--evidence-dir must be a path, not {self.evidence_dir!r}",
+                                     "--evidence-dir")
+
+
+def _check_memory_flags(sharding: str | None, offload: str | None, framework: str | None) -> None:
+    """``--sharding`` / ``--offload`` as Options checks ``sharding=`` / ``offload=``, each error
+    naming the flag."""
+    if sharding is not None and sharding not in SHARDING_MODES:
+        raise InvalidOptionError(f"--sharding must be one of {SHARDING_MODES}, not {sharding!r}",
+                                 "--sharding")
+    if offload is not None and offload not in OFFLOAD_MODES:
+        raise InvalidOptionError(f"--offload must be one of {OFFLOAD_MODES}, not {offload!r}",
+                                 "--offload")
+    if framework == "tensorflow" and (sharding == "full" or offload == "auto"):
+        flag = "--sharding" if sharding == "full" else "--offload"
+        raise InvalidOptionError(f"{flag} {sharding if flag == '--sharding' else offload} is "
+                                 "PyTorch's FSDP2; this script trains with TensorFlow", flag)
+    if offload == "auto" and sharding == "none":
+        raise InvalidOptionError("--offload auto offloads a sharded (FSDP2) model's state, and "
+                                 "--sharding none never shards: drop one of them", "--offload")
+
+
+#: The stall timeout's floor when it follows the step time (see supervisor.default_stall_timeout)
+MIN_STALL_S = 15.0

@@ -1,0 +1,135 @@
+"""The causes a failed probe or training rank can have, with the words a user can act on.
+
+A cause is a short key (``"shared_memory"``, ``"nvls_multicast"``): the probe parser
+(`probe`) and the supervisor's classifier place what a failure printed on one through the
+signature table (`signatures`, ``signatures.toml``), and the remedy table
+(`remedies`, ``remedies.toml``) maps each cause to the environment changes worth a probe.
+Pure data: no I/O.
+"""
+
+from __future__ import annotations
+
+_ROUTING = (
+    ". The likeliest cause is PCIe peer-to-peer traffic routed through the IOMMU / ACS (PCIe "
+    "Access Control Services), whether or not the IOMMU was detected: disable ACS in the BIOS "
+    "(or per bridge with setpci), or boot with iommu=pt (intel_iommu=on iommu=pt / amd_iommu=on "
+    "iommu=pt), or disable the IOMMU; NCCL_P2P_DISABLE=1 avoids the peer path meanwhile")
+
+#: The words for a timeout judged from the workers' progress, cut before the deadline.
+HANG_WORDS = ("the probe hung (judged from its ranks' progress, cut before the deadline): a "
+              "rank stuck in communicator setup or a collective, or one that never arrived "
+              "while the others waited")
+
+#: Classified causes, with the words a user can act on.
+CAUSES: dict[str, str] = {
+    "": "",
+    "nccl_duplicate_gpu": "two ranks of the group are on the same GPU (NCCL needs a GPU of its "
+    "own for each rank): give each process or node its own GPU (CUDA_VISIBLE_DEVICES, or one "
+    "process per GPU with --nproc-per-node); two 'nodes' on one host sharing a GPU do this",
+    "nccl_invalid_usage": "NCCL rejected its configuration (ncclInvalidUsage): an NCCL_* variable "
+    "names an unknown algorithm, protocol, network or interface",
+    "nccl_error": "NCCL failed (ncclSystemError / ncclInternalError / remote error)",
+    "nccl_network": "NCCL could not connect its ranks over the network interface it picked (a "
+    "USB or unroutable interface); on one node NCCL_SOCKET_IFNAME=lo (loopback) works",
+    "oom": "the GPU ran out of memory: another process holds it, or the probe's buffers do not "
+    "fit; free the GPU",
+    "cuda_error": "an unhandled CUDA error inside NCCL: often P2P between these GPUs is broken, "
+    "or the NCCL build has no kernels for this GPU",
+    "no_kernel_image": "the framework or NCCL has no kernels for this GPU's compute capability",
+    "shared_memory": "NCCL could not create its /dev/shm segment: /dev/shm is too small "
+    "(Docker's 64 MB default); run with --ipc=host or --shm-size, or set NCCL_SHM_DISABLE=1",
+    "timeout": "the collective hung until the probe's deadline: one rank waited forever",
+    "timeout_short": "the probe's timeout ran out before its workers could start, which is not "
+    "a hang",
+    "crash": "a worker died from a signal",
+    "wrong_result": "the all-reduce completed with a wrong value" + _ROUTING,
+    "nan_result": "the all-reduce completed with NaN values" + _ROUTING,
+    "zero_result": "the all-reduce completed with zeros where data was sent (peer copies that "
+    "return zeros)" + _ROUTING,
+    "backend_unavailable": "this build of the framework does not have the backend",
+    "no_device": "the worker saw fewer devices than it needs",
+    "worker_error": "the probe worker raised an error",
+    "inter_node": "the collective between nodes failed (the group of one process per node "
+    "spanning the job)",
+    # ----- causes the signature table (signatures.toml) places -----
+    "nvls_multicast": "NCCL could not bind NVLink SHARP (NVLS) multicast memory on the NVSwitch "
+    "fabric: the Fabric Manager or the NVSwitches are in a bad state (restart fabric manager or "
+    "the node); NCCL_NVLS_ENABLE=0 keeps NCCL on plain NVLink meanwhile",
+    "rdma_error": "NCCL's InfiniBand / RoCE transport failed (a completion error, a queue pair "
+    "that cannot connect, a missing HCA): check the links (ibstat), the GID index on RoCE "
+    "(NCCL_IB_GID_INDEX), the HCAs NCCL picks (NCCL_IB_HCA); NCCL_IB_DISABLE=1 falls back to "
+    "sockets",
+    "gloo_connection": "gloo could not connect its ranks over the interface it picked (the "
+    "hostname resolves to loopback or to an unroutable address): set GLOO_SOCKET_IFNAME to the "
+    "interface that reaches MASTER_ADDR",
+    "driver_too_old": "the driver is older than the CUDA this build was made for (error 804 "
+    "'forward compatibility was attempted on non supported HW', or 'the NVIDIA driver on your "
+    "system is too old'): no GPU of this process can run; update the driver to one for the "
+    "build's CUDA, or install a build for the CUDA your driver supports (nvidia-smi's header "
+    "names it); no NCCL variable helps",
+    "gloo_interface": "GLOO_SOCKET_IFNAME names a network interface this machine does not "
+    "have (or one without an address; it takes one interface name, not an IP address or NCCL's "
+    "'^lo,docker' list): set it to the interface that reaches MASTER_ADDR (ip -br addr), or "
+    "unset it",
+    "cuda_init": "the CUDA runtime could not initialise although the driver lists GPUs (error "
+    "802 'system not yet initialized': on NVSwitch systems nvidia-fabricmanager is not running "
+    "or not finished; error 3 / 100: no usable device in this process); fix the host, no NCCL "
+    "variable helps",
+    "p2p_unsupported": "CUDA refused peer-to-peer access between these GPUs (peer access is not "
+    "supported, or an IPC handle of the peer could not be opened): common in VMs, behind PCIe "
+    "ACS, and on consumer cards; NCCL_P2P_LEVEL or NCCL_P2P_DISABLE=1 avoids the peer path",
+    "store_libuv": "the rendezvous store asked for libuv, which this PyTorch build lacks (Windows "
+    "builds of torch 2.4): USE_LIBUV=0 selects the older TCPStore",
+    "budget": "not probed: the time budget for the whole decision was spent (timeout= x 4)",
+    "inter_worker": "the collective between the TF_CONFIG workers failed (each worker's one "
+    "process of MultiWorkerMirroredStrategy, which agree on each verdict)",
+    "gloo_address_family": "gloo's ranks resolved addresses of different families (IPv4 and "
+    "IPv6: 'ss1.ss_family == ss2.ss_family. 2 vs 10', 'Address family not supported'): a host "
+    "with both stacks where the hostname or MASTER_ADDR resolves to one family and the "
+    "interface to the other; no variable of gloo's fixes it (pytorch/gloo#399): a torch whose "
+    "gloo reuses the socket it bound (pytorch/gloo#503) does, or give MASTER_ADDR as an address "
+    "of one family on every node (GLOO_SOCKET_IFNAME helps only where that interface has "
+    "addresses of one family)",
+    "invalid_ordinal": "a rank asked for a GPU this process cannot see ('invalid device "
+    "ordinal'): more processes per node than visible GPUs (--nproc-per-node against "
+    "CUDA_VISIBLE_DEVICES) or a device index written into the script; start one process per "
+    "visible GPU, or make more GPUs visible",
+    "nccl_oom": "NCCL could not allocate its buffers on the GPU while setting up the "
+    "communicator or its connections ('Cuda failure 'out of memory'', 'Failed to CUDA "
+    "calloc'): another process holds the GPU's memory, or the GPU is in a bad state; not a "
+    "verdict on NCCL: the GPUs are checked and the same candidate is probed once more",
+    "numa_host_alloc": "NCCL's host memory pinned to a NUMA node could not be allocated "
+    "(cuMem host allocations, NCCL 2.23+): NUMA nodes with memory and no CPU, or ranks whose "
+    "nodes differ in what they allow; NCCL_CUMEM_HOST_ENABLE=0 keeps NCCL on its /dev/shm "
+    "buffers (bind each rank to its GPU's NUMA node with numactl meanwhile)",
+    "loopback_refused": "a connection to a loopback address (127.0.0.1, ::1, localhost) was "
+    "refused. Between nodes, a rank advertised its loopback address (its hostname resolves to "
+    "127.x): set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the interface that reaches "
+    "MASTER_ADDR. On one machine, where every rank is local, no network interface is at "
+    "fault: nothing listened there any more (a rank had exited), or security software or a "
+    "host firewall filters loopback or the ephemeral ports (allow the lo interface and the "
+    "range in net.ipv4.ip_local_port_range), then run again",
+    # The machine's state, not the backend's: never cached (see ENVIRONMENTAL_CAUSES).
+    "no_space": "a disk the run writes to is full (No space left on device, often the temp "
+    "directory): free space there, or point TMPDIR at a disk with room, and run again",
+    "too_many_files": "the process ran out of file descriptors (Too many open files): raise the "
+    "limit (ulimit -n 65536) or use fewer DataLoader workers, and run again",
+    "permission": "a file or directory the run needs is not writable or readable by this user "
+    "(Permission denied): fix its owner or mode (or TMPDIR), and run again",
+}
+
+
+#: Causes that speak for every GPU of the process, not one backend: after a probe fails with
+#: one, no candidate on these GPUs is tried (a CUDA that cannot initialise never becomes "one
+#: GPU" silently).
+GPU_WIDE_CAUSES = frozenset({"cuda_init", "driver_too_old"})
+
+#: Causes that come from the state of the machine (a full disk, the descriptor limit, a file's
+#: permissions), not from the candidate: they say nothing about the backend, so they are never
+#: cached and never rule a candidate out beyond the run that met them.
+ENVIRONMENTAL_CAUSES = frozenset({"no_space", "too_many_files", "permission", "nccl_oom"})
+
+#: Causes that are no verdict on the candidate until seen twice: the GPUs the probe ran on are
+#: checked (`probing.health`), then the same candidate is probed once more
+#: (`deciding.decide`); only a second failure counts.
+RETRY_AFTER_CHECK_CAUSES = frozenset({"nccl_oom"})

@@ -1,0 +1,1 @@
+"""The typed trace: one frozen event per thing the planner or the executor did or saw."""

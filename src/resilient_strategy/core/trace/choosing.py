@@ -1,0 +1,191 @@
+"""How the candidates left were split, ranked and chosen: the batch split, the ranking, the next
+probe, the choice (one node, or agreed across TensorFlow workers), nothing left."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ..measures.probe import ProbeResult
+from ..values.candidate import Candidate
+from ..values.human import human_duration
+from .event import Event
+
+
+@dataclass(frozen=True)
+class Split:
+    backend: str
+    replicas: int
+    per_replica_batch: int | None
+    accumulation_steps: int
+
+
+@dataclass(frozen=True)
+class BatchSplit(Event):
+    """The global batch, kept exact on every candidate."""
+
+    kind: ClassVar[str] = "batch_split"
+    global_batch_size: int
+    splits: tuple[Split, ...]
+
+    def text(self) -> str:
+        return (
+            f"Global batch {self.global_batch_size} kept exact on every candidate (replicas x "
+            "per-replica batch x accumulation steps): " + "; ".join(
+                f"{s.backend} {s.replicas}x{s.per_replica_batch}x{s.accumulation_steps}"
+                for s in self.splits
+            ) + "."
+        )
+
+
+@dataclass(frozen=True)
+class RankEntry:
+    candidate: Candidate
+    step_seconds: float
+    basis: str
+
+
+@dataclass(frozen=True)
+class Ranking(Event):
+    """The order candidates are tried in, with each one's estimated time per global batch.
+
+    By estimate, except: a ``prefer``red backend first, CPU last (``cpu_last`` when that put it
+    below a slower candidate), and a remedy a rule marks ``first`` right before plain NCCL
+    whatever its estimate (``tried_first`` names those rules). ``known_size`` False: the
+    script gave no model size (``gradient_bytes=`` / ``model=``), so the estimates are of an
+    assumed model and the line names the order without their seconds."""
+
+    kind: ClassVar[str] = "ranking"
+    entries: tuple[RankEntry, ...]
+    gradients: str
+    cpu_last: bool = False
+    tried_first: tuple[str, ...] = ()
+    known_size: bool = True
+
+    def text(self) -> str:
+        if not self.known_size:
+            out = (f"Order of trial for a model of unknown size ({self.gradients}): "
+                   + "; ".join(e.candidate.label for e in self.entries) + ".")
+        else:
+            head = "Ranked by estimated time per global batch" if not self.tried_first \
+                else "Order of trial, with the estimated time per global batch"
+            out = f"{head} ({self.gradients}): " + "; ".join(
+                f"{e.candidate.label} ~{human_duration(e.step_seconds)} ({e.basis})"
+                for e in self.entries
+            ) + "."
+        if self.tried_first:
+            out += (f" Tried first whatever its estimate: the remedy of rule "
+                    f"{', '.join(self.tried_first)}, before plain NCCL.")
+        if self.cpu_last:
+            out += (" CPU stays last whatever its estimate: it is the fallback of last resort, "
+                    "and estimates of tiny models are noise.")
+        return out
+
+
+# ----- the choice -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NextProbe(Event):
+    kind: ClassVar[str] = "next_probe"
+    candidate: Candidate
+
+    def text(self) -> str:
+        return f"Next: prove {self.candidate.label} with a live probe."
+
+
+#: How a candidate was chosen (``Chosen.how``).
+CHOSEN_HOW = ("probe_passed", "no_collective", "dry_run", "multi_node", "probing_off",
+              "rounds_spent", "worker_0_alone")
+
+
+@dataclass(frozen=True)
+class Chosen(Event):
+    """The choice. ``how`` is one of `CHOSEN_HOW`; ``result`` the probe that proved it."""
+
+    kind: ClassVar[str] = "chosen"
+    candidate: Candidate
+    how: str
+    result: ProbeResult | None = None
+    simulated: bool = False
+    max_rounds: int = 0
+
+    def text(self) -> str:
+        c, r = self.candidate, self.result
+        if self.how == "probe_passed" and r is not None:
+            bw = f", {r.bus_bandwidth_gbps:g} GB/s" if r.bus_bandwidth_gbps else ""
+            sim = " (simulated)" if self.simulated else ""
+            return f"Chose {c.label}: its probe passed in {r.elapsed_s:.1f} s{sim}{bw}."
+        if self.how == "no_collective":
+            return (f"Chose {c.label} with {c.accumulation_steps} accumulation step(s): no "
+                    "collective to prove, and it ranks above every candidate left.")
+        why = {
+            "dry_run": "dry run: it would be probed first",
+            "multi_node": "UNPROVEN: a multi-node job is not probed",
+            "probing_off": "UNPROVEN, probing is off (probe='never')",
+            "rounds_spent": f"UNPROVEN: the limit of {self.max_rounds} probes per decision is "
+                            "used up",
+            "worker_0_alone": "worker 0 trains alone from here on, proving its own GPUs (this "
+                              "worker does not: it exits 0)",
+        }[self.how]
+        return f"Chose {c.label}: {why}."
+
+
+@dataclass(frozen=True)
+class WorkerProbe:
+    """One candidate proven across the workers of a TF_CONFIG job, and how it went."""
+
+    candidate: Candidate
+    status: str  # ok / error / timeout
+    cause: str
+    why: str  # "" when ok, else the result's why()
+
+
+@dataclass(frozen=True)
+class MultiWorkerDecided(Event):
+    """A TensorFlow multi-worker job's decision, as every worker's trace says it: the job, what
+    was probed across the ``workers`` (every worker ran the same probes together; a last
+    all-reduce made them agree on each verdict) and what was chosen. ``alone``: worker 0 trains
+    alone, the others exit 0; ``active``: this worker trains."""
+
+    kind: ClassVar[str] = "multi_worker"
+    workers: int
+    worker_rank: int
+    task: str
+    probed: tuple[WorkerProbe, ...]
+    chosen: Candidate | None
+    alone: bool
+    active: bool
+    proven: bool = True
+
+    def text(self) -> str:
+        head = (f"Multi-worker job: this is {self.task or 'worker ' + str(self.worker_rank)} "
+                f"(worker {self.worker_rank} of {self.workers}).")
+        if self.probed:
+            head += f" Probed across {self.workers} workers: " + "; ".join(
+                f"{p.candidate.label}: " + ("ok" if p.status == "ok" else f"failed ({p.why})")
+                for p in self.probed) + "."
+        elif self.proven:
+            head += f" Nothing was probed across the {self.workers} workers (nothing needed it)."
+        else:
+            head += (f" Nothing was probed across the {self.workers} workers: the choice is "
+                     "UNPROVEN (probing is off).")
+        c = self.chosen
+        if c is None:
+            return head
+        if self.alone and c.needs_probe and not self.active:
+            tail = (f" Worker 0 trains alone, first trying {c.label} (its own probe decides, "
+                    "one device after it); the other workers exit 0")
+        elif self.alone:
+            tail = (f" Worker 0 trains alone on {c.label} with {c.accumulation_steps} "
+                    "accumulation step(s) keeping the global batch; the other workers exit 0")
+            tail += "." if self.active else " (this one too)."
+        else:
+            tail = f" Chosen across all {self.workers} workers: {c.label}, {c.num_replicas} replicas."
+        return head + tail
+
+
+@dataclass(frozen=True)
+class NothingLeft(Event):
+    kind: ClassVar[str] = "nothing_left"
+
+    def text(self) -> str:
+        return "Nothing is left to try."

@@ -1,0 +1,229 @@
+"""``resilient-strategy run``'s command line: torchrun's own parser and options, ours added, into
+one `RunOptions`; the framework a script uses, guessed from its text.
+
+Without torch (a TensorFlow-only install) the parser is our own: the script, its arguments,
+``--nproc-per-node`` and our options, the same names and defaults; torchrun's node options
+(``--nnodes``, ``--rdzv-*``, ...) are torch's and absent there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import logging
+import re
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import NoReturn
+
+from ..core.call.arguments import run_options_from
+from ..core.call.options import DEFAULT_FAULT_WINDOW, RunOptions
+from ..errors import InvalidOptionError
+from ..machine import env
+
+log = logging.getLogger("resilient_strategy")
+
+
+def guess_framework(script_text: str) -> str | None:
+    """The framework a script trains with, from its text (None when it does not say)."""
+    m = re.search(r"framework\s*=\s*[\"'](tensorflow|tf|keras|torch|pytorch)[\"']", script_text)
+    if m:
+        return {"tf": "tensorflow", "keras": "tensorflow", "pytorch": "torch"}.get(
+            m.group(1), m.group(1))
+    tf = re.search(r"^\s*(import|from)\s+(tensorflow|keras)\b", script_text, re.MULTILINE)
+    torch = re.search(r"^\s*(import|from)\s+torch\b", script_text, re.MULTILINE)
+    if bool(tf) != bool(torch):
+        return "tensorflow" if tf else "torch"
+    return None
+
+@functools.cache
+def torch_launcher() -> bool:
+    """torch's elastic agent (and torchrun's parser) can be imported here."""
+    try:
+        import torch.distributed.run  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_DESCRIPTION = ("Run a training script on the strategy that works here and keep it running: "
+                "relaunch on the next candidate when a collective fails or stalls mid-run.")
+
+
+def parser(with_torch: bool | None = None) -> argparse.ArgumentParser:
+    """torchrun's parser plus ours where torch is installed (``with_torch`` None: when
+    `torch_launcher`), else `own_parser`."""
+    if not (torch_launcher() if with_torch is None else with_torch):
+        return own_parser()
+    from torch.distributed.run import get_args_parser
+
+    p = get_args_parser()
+    p.prog = "resilient-strategy run"
+    p.description = _DESCRIPTION + " Takes torchrun's options."
+    return _ours(p)
+
+
+def own_parser() -> argparse.ArgumentParser:
+    """The parser without torch: the script and its arguments, ``--nproc-per-node`` (as
+    torchrun spells it, both ways) and our options."""
+    p = argparse.ArgumentParser(
+        prog="resilient-strategy run",
+        description=_DESCRIPTION + " torch is not installed: TensorFlow scripts run as one "
+        "supervised process (torchrun's node options need torch).")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default="1",
+                   help="processes per node for a torch script (a count or 'auto'); a "
+                        "TensorFlow script runs one process that drives every device")
+    _ours(p)
+    p.add_argument("training_script", help="the training script")
+    p.add_argument("training_script_args", nargs=argparse.REMAINDER,
+                   help="the script's own arguments")
+    return p
+
+
+def _ours(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--max-relaunches", type=int, default=None,
+                   help="relaunches at most, retries included (default: no count; the "
+                        "candidates and --max-attempts-without-progress bound it)")
+    p.add_argument("--min-throughput", type=float, default=0.25,
+                   help="never step down to a candidate estimated below this fraction of the "
+                        "throughput of the one that failed (default 0.25; 0: any)")
+    p.add_argument("--allow-cpu", action="store_true",
+                   help="a GPU job may step down to the CPU (refused by default)")
+    p.add_argument("--max-attempts-without-progress", type=int, default=3,
+                   help="stop after this many attempts in a row that get no further than the "
+                        "furthest step reached before (default 3)")
+    p.add_argument("--fault-window", type=int, default=DEFAULT_FAULT_WINDOW,
+                   help="optimizer steps: a second fault on a strategy within this many steps "
+                        "steps down; a communication error this many steps after the last "
+                        f"fault is retried first (default {DEFAULT_FAULT_WINDOW})")
+    p.add_argument("--evidence-dir", default="resilient-strategy-evidence",
+                   help="where each fault's per-rank tracebacks and the attempts record go "
+                        "(default: ./resilient-strategy-evidence)")
+    p.add_argument("--stall-timeout", type=float, default=None,
+                   help="seconds the ranks may wait on one that makes no progress (stopped, "
+                        "hung, or in a collective that never completes) before a stall is "
+                        "declared (default: max(15, 5 x the p99 step time))")
+    p.add_argument("--busy-timeout", type=float, default=None,
+                   help="seconds a rank busy in the script's own code (its CPU time advancing: "
+                        "validation, checkpointing) may keep the others waiting (default 600)")
+    p.add_argument("--framework", choices=("torch", "tensorflow"), default=None,
+                   help="the script's framework (default: read from the script)")
+    p.add_argument("--global-batch-size", type=int, default=None,
+                   help="for ranking the candidates (the script's own value is used in training)")
+    p.add_argument("--gradient-bytes", type=int, default=None,
+                   help="the model's gradient bytes, for ranking the candidates")
+    p.add_argument("--probe-timeout", type=float, default=None, help="seconds per probe")
+    p.add_argument("--sharding", choices=("auto", "full", "none"), default=None,
+                   help="shard the model (FSDP2): auto (when a replica does not fit; the "
+                        "default), full, none; as the script's resilient_strategy(sharding=), "
+                        "which must agree with it")
+    p.add_argument("--offload", choices=("none", "auto"), default=None,
+                   help="CPU offload of a sharded model's state: none (the default), auto (only "
+                        "where nothing that keeps it on the GPUs fits); as the script's "
+                        "resilient_strategy(offload=), which must agree with it")
+    p.add_argument("--param-bytes", type=int, default=None,
+                   help="the model's parameter bytes, for memory planning")
+    p.add_argument("--optimizer-state-factor", type=float, default=None,
+                   help="optimizer state per gradient byte (AdamW: 2, the default)")
+    p.add_argument("--logical-cpus", type=int, default=0,
+                   help="TensorFlow test mode: plan for N logical CPU devices (the script "
+                        "passes logical_cpus=N too)")
+    return p
+
+
+def options_from_args(argv: Sequence[str]) -> RunOptions:
+    """Parse ``resilient-strategy run`` arguments (torchrun's, plus ours; ours alone without
+    torch)."""
+    with_torch = torch_launcher()
+    p = parser(with_torch)
+    p.error = _one_line_error  # type: ignore[method-assign]  # not torchrun's 39-line usage
+    ns = p.parse_args(list(argv))
+    if getattr(ns, "module", False) or getattr(ns, "no_python", False) or getattr(
+            ns, "run_path", False):
+        raise InvalidOptionError("resilient-strategy run runs a Python script file; -m, "
+                                 "--no-python and --run-path are not supported")
+    script = str(ns.training_script)
+    ours = list(argv)[:list(argv).index(script)] if script in argv else list(argv)
+    if with_torch and not any(t.split("=")[0] in ("--master-port", "--master_port")
+                              for t in ours):
+        # not given: None, as torch >= 2.12's parser says (2.11's says 29500), so that a
+        # one-node run takes a free port (standalone) and two jobs on a machine do not collide
+        ns.master_port = None
+    if with_torch:
+        check_node_options(ns)
+    framework = ns.framework
+    if framework is None:
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            framework = guess_framework(Path(script).read_text(encoding="utf-8"))
+    if framework == "torch" and not with_torch:
+        raise InvalidOptionError("a torch script needs torch: its workers run under torch's "
+                                 "elastic agent (pip install torch); without it, run "
+                                 "supervises TensorFlow scripts", "--framework")
+    opts = run_options_from(
+        env.snapshot(), script=script, script_args=tuple(ns.training_script_args),
+        framework=framework, nproc=str(ns.nproc_per_node), max_relaunches=ns.max_relaunches,
+        stall_timeout=ns.stall_timeout, global_batch_size=ns.global_batch_size,
+        gradient_bytes=ns.gradient_bytes, probe_timeout=ns.probe_timeout,
+        logical_cpus=ns.logical_cpus, torchrun=ns if with_torch else None, sharding=ns.sharding,
+        param_bytes=ns.param_bytes, optimizer_state_factor=ns.optimizer_state_factor,
+        offload=ns.offload, busy_timeout=ns.busy_timeout)
+    return replace(opts, min_throughput=ns.min_throughput, allow_cpu=bool(ns.allow_cpu),
+                   max_attempts_without_progress=ns.max_attempts_without_progress,
+                   fault_window=ns.fault_window, evidence_dir=ns.evidence_dir)  # validated by RunOptions, as every option
+
+
+def _one_line_error(message: str) -> NoReturn:
+    """argparse's error as one line, raised as a typed error (argparse prints the whole usage
+    first, and torchrun's is 39 lines)."""
+    if "training_script" in message and "required" in message:
+        message = "no script given: resilient-strategy run [options] SCRIPT [ARGS...]"
+    raise InvalidOptionError(f"{message} (resilient-strategy run --help lists the options)")
+
+
+def node_count(opts: RunOptions) -> int:
+    ns = opts.torchrun
+    if ns is None:
+        return 1
+    text = str(getattr(ns, "nnodes", "1"))
+    return int(text.split(":")[-1])
+
+
+def _port(text: str) -> int | None:
+    return int(text) if text.isdigit() and 0 <= int(text) <= 65535 else None
+
+
+def check_node_options(ns: argparse.Namespace) -> None:
+    """torchrun's node options, checked before torch reads them: a bad one is one line naming
+    the flag and what was typed (torch's own parser lets them through to a traceback)."""
+    nnodes = str(getattr(ns, "nnodes", "1"))
+    parts = nnodes.split(":")
+    if len(parts) > 2 or not all(p.isdigit() and int(p) >= 1 for p in parts) or (
+            len(parts) == 2 and int(parts[0]) > int(parts[1])):
+        raise InvalidOptionError(f"--nnodes must be a node count N or a range MIN:MAX of "
+                                 f"positive integers, not {nnodes!r}", "--nnodes")
+    port = getattr(ns, "master_port", None)
+    if port is not None and _port(str(port)) is None:
+        raise InvalidOptionError(f"--master-port must be a port from 0 to 65535, not {port!r}",
+                                 "--master-port")
+    rank = getattr(ns, "node_rank", 0)
+    if not str(rank).isdigit():
+        raise InvalidOptionError(f"--node-rank must be an integer from 0, not {rank!r}",
+                                 "--node-rank")
+    endpoint = str(getattr(ns, "rdzv_endpoint", "") or "")
+    if endpoint:
+        host, sep, tail = endpoint.rpartition(":")
+        if endpoint.startswith("["):  # [IPv6]:port or [IPv6]
+            close = endpoint.find("]")
+            host, tail = endpoint[1:close], endpoint[close + 2:] if close >= 0 else ""
+            sep = ":" if tail else ""
+            bad = close < 0 or not host
+        elif not sep:
+            host, bad = endpoint, False
+        else:
+            bad = not host or ":" in host
+        if bad or (sep and _port(tail) is None):
+            raise InvalidOptionError(
+                f"--rdzv-endpoint must be HOST or HOST:PORT (an IPv6 host in brackets, a port "
+                f"from 0 to 65535), not {endpoint!r}", "--rdzv-endpoint")
