@@ -36,6 +36,7 @@ _EFFECT = {
     "remedy": "probes the candidate again with these variables set",
     "set_env": "sets these variables for the chosen strategy",
     "warn": "warns (in the trace and the log); decides nothing",
+    "no_gpu": "plans without the GPUs, before any probe (no GPU can run this build)",
 }
 _OUTCOME = ("The candidate that failed is ruled out for this decision and the next one in the "
             "ranking is probed (or the fastest one left is chosen); the same global batch is kept. "

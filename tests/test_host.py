@@ -175,7 +175,7 @@ def test_detect_host_on_a_fake_sagemaker_tree(tmp_path: Path) -> None:
 
 def test_detect_host_on_an_empty_tree_is_all_unknown(tmp_path: Path) -> None:
     h = host.detect_host({}, str(tmp_path))
-    assert h == Host(cpu_count=h.cpu_count, platform=h.platform)
+    assert h == Host(cpu_count=h.cpu_count, platform=h.platform, machine=h.machine)
     assert h.shm_bytes is None and h.iommu == "unknown"
 
 

@@ -34,10 +34,8 @@ XFAIL: dict[str, str] = {
     "field/docker_rtx3090_driver525_cuda121_804.json": "one GPU: the single-device candidate "
     "is never probed, and driver-older-than-cuda-build only warns: driver CUDA 12.0 against a "
     "12.1 build is within one major version (minor-version compatibility usually runs it); "
-    "the 804 comes from the image's forward-compatibility libraries on a GeForce card, which "
-    "no fact reads",
-    "field/gloo_ipv4_ipv6_family_mismatch.json": "no signature names gloo's address-family "
-    "mismatch ('ss1.ss_family == ss2.ss_family') yet: it stays worker_error",
+    "the 804 comes from the image's forward-compatibility libraries on a GeForce card "
+    "(host.cuda_compat reads them now, but the thread does not say which the image carries)",
     "field_heldout/driver560_p2p_hang.json": "no sourced rule names the driver 560 P2P hang "
     "(searched again for issue 31: the only public source is this held-out thread, xgboost#11242)",
     "field_heldout/h100nvl_x3_lo_fixes_hang.json": "no fact of the machine points a hang at "

@@ -32,7 +32,7 @@ def test_every_builtin_rule_has_a_source_and_message() -> None:
     assert len(RULES) >= 15
     for r in RULES:
         assert r.source and r.message and r.id
-        assert r.effect in ("veto", "prefer", "remedy", "set_env", "warn")
+        assert r.effect in ("veto", "prefer", "remedy", "set_env", "warn", "no_gpu")
         # users read these: public sources only, never our internal report numbers
         assert not re.search(r"\bseeds?\b", f"{r.message} {r.source}", re.IGNORECASE), r.id
         assert all(part.strip().startswith("https://") for part in r.source.split(";")), r.id

@@ -251,6 +251,7 @@ def _facts_text(facts: Facts) -> list[str]:
     out.append(f"Host: /dev/shm {shm}, container {h.container or 'none'}, IOMMU {h.iommu}, "
                f"{h.cpu_count} CPUs" + (f", {', '.join(flags)}" if flags else ""))
     out.append(_platform_line(facts))
+    out.append(_layout_line(facts))
     out.append("Frameworks:")
     for f in facts.frameworks:
         if not f.installed:
@@ -258,7 +259,8 @@ def _facts_text(facts: Facts) -> list[str]:
         bits = [f"{f.name} {f.version}"]
         if f.distribution and f.distribution != f.name:
             bits.append(f"({f.distribution})")
-        bits.append(f"CUDA {f.cuda}" if f.cuda else "CPU-only build" if f.name != "keras" else "")
+        bits.append(f"CUDA {f.cuda}" if f.cuda else f"ROCm build (HIP {f.hip or '?'})"
+                    if f.build == "rocm" else "CPU-only build" if f.name != "keras" else "")
         if f.nccl:
             bits.append(f"NCCL {f.nccl}")
         if f.archs:
@@ -269,6 +271,26 @@ def _facts_text(facts: Facts) -> list[str]:
     if not any(f.installed for f in facts.frameworks):
         out.append("  neither torch nor tensorflow is installed")
     return out
+
+
+def _layout_line(facts: Facts) -> str:
+    """The host's layout and builds around the GPUs: NUMA, the CPU, AMD GPUs, the CUDA
+    forward-compatibility driver, the ephemeral ports ("unknown" where unread)."""
+    h = facts.host
+    numa = "unknown" if h.numa_nodes is None else f"{h.numa_nodes} node(s) with memory" + (
+        f" ({h.numa_memory_only} without a CPU)" if h.numa_memory_only else "")
+    gpu_nodes = [g.numa_node for g in facts.gpus]
+    if gpu_nodes and any(n is not None for n in gpu_nodes):
+        numa += ", GPUs on " + ",".join("?" if n is None else str(n) for n in gpu_nodes)
+    bits = [f"NUMA {numa}", f"CPU {h.machine or 'unknown'}"]
+    if h.platform == "darwin" and h.machine in ("arm64", "aarch64"):
+        bits.append("Apple silicon: one MPS device, no collective backend for it")
+    if h.amd_gpus is not None:
+        bits.append(f"{h.amd_gpus} AMD GPU(s) (ROCm driver)")
+    if h.cuda_compat:
+        bits.append(f"CUDA forward-compatibility driver {h.cuda_compat} in the image")
+    bits.append(f"ephemeral ports {h.port_range or 'unknown'}")
+    return "Layout: " + ", ".join(bits)
 
 
 #: NVML's PCIe path levels in ``nvidia-smi topo -m``'s words.

@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..core.call.options import Options
+from ..core.knowledge.causes import RETRY_AFTER_CHECK_CAUSES
 from ..core.measures.memory import model_memory
 from ..core.measures.probe import (
     ENVIRONMENTAL_CAUSES,
@@ -39,6 +40,7 @@ from ..vocab import MULTI_WORKER_BACKENDS
 from .cache import REHEARSAL, CachedResult, DecisionCache, last_resort
 from .notices import (
     ProgressLine,
+    Startup,
     reclassify_short_timeout,
     short_timeout_warning,
     startup_floor,
@@ -148,6 +150,7 @@ def decide(
     fresh: dict[str, ProbeResult] = {}
     check: GpuCheck | None = getattr(prober, "check_gpus", None)
     unproven: Unproven = _health().Unproven()
+    retried: list[Event] = []  # candidates probed once more after a GPU check (RETRY_AFTER_...)
     p = plan(facts, opts.rules, results, opts)
     for _ in range(max_rounds):
         if (p.next_probe is None or opts.probe == "never" or opts.dry_run
@@ -179,6 +182,11 @@ def decide(
                 res = space_short(res, temp_root(env))
         if progress is not None:
             progress.end(res)
+        if res.cause in RETRY_AFTER_CHECK_CAUSES and deadline - clock() > 1.0:
+            # no verdict on the candidate yet: its GPUs checked, then the same probe once more
+            res = _retry_after_check(c, res, opts, env, prober, check, unproven, deadline,
+                                     clock, startup_check, startup, tuple(results), retried,
+                                     progress)
         if check is not None and res.cause not in ("budget",):
             spec = spec_for(c, opts, timeout_s)
             due = unproven.after_probe(spec, res, _check_fits(
@@ -204,6 +212,8 @@ def decide(
         p = replace(p, events=(*notes, *p.events))
     if unchecked:  # GPUs the deferred health check left out: after the plan's own events
         p = replace(p, events=(*p.events, *unchecked))
+    if retried:  # candidates probed again after a GPU check: no verdict from their first try
+        p = replace(p, events=(*p.events, *retried))
     if p.next_probe is not None:  # probing off, or a dry run: the next candidate, unproven
         how = ("dry_run" if opts.dry_run else "multi_node" if multi_node and not cross_node
                else "probing_off" if opts.probe == "never" else "rounds_spent")
@@ -212,6 +222,42 @@ def decide(
     # "from the cache": nothing was probed now, and a cached result shaped this plan
     used = {r.candidate.key for r in p.ranked} | {r.candidate.key for r in p.ruled_out}
     return Decision(p, results, not fresh and bool(cached_keys & used), proven)
+
+
+def _retry_after_check(c: Candidate, first: ProbeResult, opts: Options, env: Mapping[str, str],
+                       prober: Prober, check: GpuCheck | None, unproven: Unproven,
+                       deadline: float, clock: Callable[[], float], startup_check: bool,
+                       startup: Startup, probed: tuple[str, ...], retried: list[Event],
+                       progress: ProgressLine | None) -> ProbeResult:
+    """A probe whose cause is no verdict by itself (`RETRY_AFTER_CHECK_CAUSES`: NCCL out of
+    GPU memory while setting up): its GPUs are health-checked where the check fits the budget
+    (a broken one is a `GpuUnusableError`, as after a hang), then the same candidate is probed
+    once more and that second result stands. The trace says both."""
+    gpus = _health().gpus_of(spec_for(c, opts, opts.timeout_s))
+    checked = ()
+    if check is not None and gpus and _check_fits(prober, c.framework, len(gpus), env,
+                                                  deadline - clock()):
+        _check_or_raise(check, c.framework, gpus, env, unproven,
+                        f"the probe of {c.key} failed ({first.cause})", (*probed, c.key))
+        checked = gpus
+    left = deadline - clock()
+    if left <= 1.0:
+        return first
+    timeout_s = min(opts.timeout_s, left)
+    if progress is not None:
+        progress.start(c, timeout_s)
+    res = prober(spec_for(c, opts, timeout_s), env)
+    if startup_check:
+        res = reclassify_short_timeout(res, timeout_s, startup, opts.framework)
+    if progress is not None:
+        progress.end(res)
+    how = (f"GPU(s) {', '.join(map(str, checked))} passed the health check, and "
+           if checked else "")
+    retried.append(Note("retried_after_check", (
+        f"{c.label} failed with '{first.cause}' ({first.why()}), which is no verdict on it by "
+        f"itself: {how}it was probed once more: "
+        + ("it passed." if res.ok else f"it failed again ({res.cause}).")), ))
+    return res
 
 
 def _health() -> ModuleType:

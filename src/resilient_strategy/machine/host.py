@@ -7,6 +7,8 @@ unreadable file into "unknown".
 from __future__ import annotations
 
 import os
+import platform as _platform
+import re
 import sys
 from collections.abc import Mapping, Sequence
 
@@ -34,6 +36,7 @@ _RUNTIME_MOUNTS = ("/etc/hostname", "/etc/hosts", "/etc/resolv.conf")
 def detect_host(env: Mapping[str, str], root: str = "/") -> Host:
     """Read the host facts; ``root`` lets tests point at a fake file tree."""
     ib = _list(root, "sys/class/infiniband")
+    numa = parse_numa(_numa_nodes(root))
     dmi = [_read(root, f"sys/devices/virtual/dmi/id/{f}") for f in ("sys_vendor", "board_vendor")]
     return Host(
         shm_bytes=_shm_bytes(root),
@@ -57,6 +60,12 @@ def detect_host(env: Mapping[str, str], root: str = "/") -> Host:
         cpu_count=_cpu_count(),
         platform=sys.platform,
         memory_available_bytes=parse_meminfo(_read(root, "proc/meminfo")),
+        machine=_platform.machine(),
+        numa_nodes=numa[0],
+        numa_memory_only=numa[1],
+        amd_gpus=parse_kfd_nodes(_kfd_properties(root)),
+        cuda_compat=parse_cuda_compat(_compat_libs(root)),
+        port_range=parse_port_range(_read(root, "proc/sys/net/ipv4/ip_local_port_range")),
     )
 
 
@@ -158,7 +167,102 @@ def parse_iommu(
     return "unknown" if devices is None and cmdline is None else "off"
 
 
+def parse_numa(nodes: Mapping[str, tuple[str | None, str | None]] | None
+               ) -> tuple[int | None, int | None]:
+    """``(nodes with memory, of them the ones without a CPU)`` from each NUMA node's
+    ``(cpulist, meminfo)`` (``/sys/devices/system/node/nodeN/``); ``(None, None)`` unknown.
+    A node whose ``MemTotal`` is 0 holds no memory and is not counted."""
+    if not nodes:
+        return None, None
+    with_memory = memory_only = 0
+    for cpulist, meminfo in nodes.values():
+        m = re.search(r"MemTotal:\s+(\d+)", meminfo or "")
+        if meminfo is not None and (m is None or int(m.group(1)) == 0):
+            continue
+        with_memory += 1
+        if cpulist is not None and not cpulist.strip():
+            memory_only += 1
+    return with_memory, memory_only
+
+
+def parse_numa_node(text: str | None) -> int | None:
+    """A PCI device's ``numa_node`` file: the node, or None (-1: the kernel knows none)."""
+    try:
+        value = int((text or "").strip())
+    except ValueError:
+        return None
+    return value if value >= 0 else None
+
+
+def parse_kfd_nodes(properties: Sequence[str] | None) -> int | None:
+    """AMD GPUs from the ROCm kernel driver's topology (one ``properties`` text per
+    ``/sys/class/kfd/kfd/topology/nodes/N``): the nodes with SIMDs are GPUs, the others CPUs.
+    None: no kfd topology (no ROCm driver here)."""
+    if properties is None:
+        return None
+    count = 0
+    for text in properties:
+        m = re.search(r"^simd_count\s+(\d+)", text, re.MULTILINE)
+        if m and int(m.group(1)) > 0:
+            count += 1
+    return count
+
+
+def parse_cuda_compat(names: Sequence[str]) -> str:
+    """The version of the newest CUDA forward-compatibility driver among library file names
+    (``libcuda.so.550.54.15`` -> "550.54.15"); "" when none."""
+    found = sorted({m.group(1) for n in names
+                    if (m := re.fullmatch(r"libcuda\.so\.(\d+\.\d+(?:\.\d+)?)", n))},
+                   key=lambda v: tuple(int(x) for x in v.split(".")))
+    return found[-1] if found else ""
+
+
+def parse_port_range(text: str | None) -> str:
+    """``net.ipv4.ip_local_port_range`` ("32768\t60999") as "32768-60999"; "" unknown."""
+    parts = (text or "").split()
+    if len(parts) == 2 and all(p.isdigit() for p in parts):
+        return f"{int(parts[0])}-{int(parts[1])}"
+    return ""
+
+
 # ----- thin readers ------------------------------------------------------------------------------
+def _numa_nodes(root: str) -> dict[str, tuple[str | None, str | None]] | None:
+    base = "sys/devices/system/node"
+    names = [n for n in _list(root, base) or () if re.fullmatch(r"node\d+", n)]
+    return {n: (_read(root, f"{base}/{n}/cpulist"), _read(root, f"{base}/{n}/meminfo"))
+            for n in names} or None
+
+
+def _kfd_properties(root: str) -> list[str] | None:
+    base = "sys/class/kfd/kfd/topology/nodes"
+    nodes = _list(root, base)
+    if nodes is None:
+        return None
+    return [t for n in nodes if (t := _read(root, f"{base}/{n}/properties")) is not None]
+
+
+#: Where CUDA images install the forward-compatibility driver (the cuda-compat package).
+_COMPAT_DIRS = ("usr/local/cuda/compat",)
+
+
+def _compat_libs(root: str) -> list[str]:
+    dirs = [*_COMPAT_DIRS, *(f"usr/local/{d}/compat" for d in _list(root, "usr/local") or ()
+                             if re.fullmatch(r"cuda-\d+\.\d+", d))]
+    return [n for d in dirs for n in _list(root, d) or ()]
+
+
+def gpu_numa_node(root: str, pci_bus_id: str) -> int | None:
+    """The NUMA node of the GPU at NVML's ``pci_bus_id`` ("00000000:3B:00.0"), from sysfs
+    ("0000:3b:00.0"); None unknown."""
+    domain, _, rest = pci_bus_id.strip().partition(":")
+    if not rest or not domain:
+        return None
+    bdf = f"{domain[-4:]}:{rest}".lower()
+    if not re.fullmatch(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]", bdf):
+        return None
+    return parse_numa_node(_read(root, f"sys/bus/pci/devices/{bdf}/numa_node"))
+
+
 def parse_meminfo(text: str | None) -> int | None:
     """MemAvailable of /proc/meminfo, in bytes (the kernel's estimate of what new processes can
     use without swapping); None when absent."""

@@ -12,7 +12,7 @@ from dataclasses import replace
 from ..core.values.facts import Facts, Visibility, compact_links, relevant_env
 from . import env as machine_env
 from .guard import ImportWatch, first_import_site
-from .host import detect_host
+from .host import detect_host, gpu_numa_node
 from .nvml import read_nvml
 from .platform import detect_platform
 from .versions import MetadataSource, detect_frameworks
@@ -56,6 +56,8 @@ def detect_facts(
     )
     parents = {g.index: g for g in snap.gpus}
     gpus = tuple(job_gpu(i, d, parents[d.physical]) for i, d in enumerate(devices))
+    gpus = tuple(replace(g, numa_node=gpu_numa_node(root, g.pci_bus_id)) if g.pci_bus_id else g
+                 for g in gpus)
     links, fabric = compact_links(len(gpus), renumber_links(devices, snap.links))
     return Facts(
         gpus=gpus,

@@ -97,8 +97,10 @@ def _torch(mods: Mapping[str, object], src: MetadataSource) -> FrameworkInfo:
     if dist is None and folder is None:
         return FrameworkInfo(name="torch")
     built = literals(os.path.join(folder, "version.py")) if folder else {}
-    cuda = _str_or_none(built.get("cuda"))
     version = dist.version if dist else _str_or_none(built.get("__version__"))
+    tagged_cuda, tagged_rocm = local_build(version or "")
+    cuda = _str_or_none(built.get("cuda")) or tagged_cuda
+    hip = _str_or_none(built.get("hip")) or tagged_rocm
     return FrameworkInfo(
         name="torch",
         version=version or "unknown",
@@ -107,7 +109,24 @@ def _torch(mods: Mapping[str, object], src: MetadataSource) -> FrameworkInfo:
         nccl=_required_nccl(dist, (), src) if cuda else None,
         imported="torch" in mods,
         gpu_initialized=torch_initialized(mods),
+        hip=None if cuda else hip,
     )
+
+
+_LOCAL_CUDA = re.compile(r"\+cu(\d+?)(\d)$")
+_LOCAL_ROCM = re.compile(r"\+rocm(\d+(?:\.\d+)*)$")
+
+
+def local_build(version: str) -> tuple[str | None, str | None]:
+    """``(cuda, rocm)`` from a wheel's local version tag: ``2.8.0+cu128`` -> ("12.8", None),
+    ``2.5.1+rocm6.2`` -> (None, "6.2"), ``+cpu`` or no tag -> (None, None). The tag is what
+    PyTorch's own index names its builds by; ``torch/version.py`` says the same in more detail
+    and wins where it is readable."""
+    m = _LOCAL_CUDA.search(version)
+    if m:
+        return f"{int(m.group(1))}.{m.group(2)}", None
+    m = _LOCAL_ROCM.search(version)
+    return None, (m.group(1) if m else None)
 
 
 def _tensorflow(mods: Mapping[str, object], src: MetadataSource) -> FrameworkInfo:

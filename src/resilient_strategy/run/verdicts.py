@@ -53,6 +53,11 @@ _TAIL_SIGNATURE = re.compile(
 TAIL_SIGNATURE_BYTES = 4096
 
 
+#: Placed causes that are the GPU's memory running out: NCCL's own allocations too (mid-run they
+#: compete with the training's tensors; before a run they are checked and retried once)
+_OOM_CAUSES = frozenset({"oom", "nccl_oom"})
+
+
 def _said_comm(tail: str) -> bool:
     return bool(_TAIL_SIGNATURE.search(tail[-TAIL_SIGNATURE_BYTES:]))
 
@@ -66,7 +71,7 @@ def classify_error(types: Sequence[str], message: str,
     names = {t.rsplit(".", 1)[-1] for t in types}
     placed = (signatures or builtin_signatures()).classify(message)
     # a placed cause first: an NVLS failure quotes "out of memory" and is not one
-    if names & set(_OOM_TYPES) or placed == "oom" or (
+    if names & set(_OOM_TYPES) or placed in _OOM_CAUSES or (
             placed == "worker_error" and _OOM_TEXT.search(message)):
         return "oom"
     if names & set(_COMM_TYPES):
@@ -191,7 +196,7 @@ def blame(error: Mapping[str, Any], signatures: Signatures | None = None) -> Bla
     names = frozenset().union(*(r.names for r in chain))
     text = "\n".join(r.message for r in chain) or message
     placed = table.classify(text)
-    if names & set(_OOM_TYPES) or placed == "oom" or (
+    if names & set(_OOM_TYPES) or placed in _OOM_CAUSES or (
             placed == "worker_error" and _OOM_TEXT.search(text)):
         return Blame("oom", BLAME_OOM, at)
     in_distributed = [r for r in chain if r.raised_in_distributed(table)]

@@ -56,12 +56,15 @@ def gpu(
     mig: bool = False,
     free_gb: float | None = None,
     nvlinks_outside: int = 0,
+    numa_node: int | None = None,
 ) -> Gpu:
     """One fake GPU. ``index`` is its NVML (physical) index, and its CUDA ordinal while no
     ``CUDA_VISIBLE_DEVICES`` renumbers it (see `machine`). ``free_gb``: its free memory
     as NVML would report it (None: unknown, so no memory check rules a candidate out on it).
     ``nvlinks_outside``: its active NVLinks to GPUs this container cannot see (a pod given one
-    GPU of an NVLinked host)."""
+    GPU of an NVLinked host). ``numa_node``: the host NUMA node it hangs off (None: unknown)."""
+    if numa_node is not None:
+        _check_int("gpu", "numa_node", numa_node)
     _check_int("gpu", "index", index)
     _check_str("gpu", "name", name)
     free = None if free_gb is None else int(_number("gpu", "free_gb", free_gb) * 2**30)
@@ -75,6 +78,7 @@ def gpu(
         physical_index=index, mig_enabled=_check_bool("gpu", "mig", mig),
         memory_free_bytes=free, nvlinks_outside=_check_int("gpu", "nvlinks_outside",
                                                            nvlinks_outside),
+        numa_node=numa_node,
     )
 
 
@@ -119,6 +123,14 @@ def machine(
     platform_facts: Platform | Mapping[str, Any] | None = None,
     host_memory_gb: float | None = None,
     nodes: Sequence[Mapping[str, Any]] | None = None,
+    torch_hip: str | None = None,
+    cpu_arch: str = "",
+    numa_nodes: int | None = None,
+    numa_memory_only: int | None = None,
+    gpu_numa: Sequence[int] | None = None,
+    amd_gpus: int | None = None,
+    cuda_compat: str = "",
+    port_range: str = "",
 ) -> Facts:
     """Facts for a described machine, as `resilient_strategy.machine.inspect.detect_facts` would
     report them. Every argument is checked: a wrong one is an ``InvalidOptionError`` naming it.
@@ -136,6 +148,13 @@ def machine(
     process imported (and whose GPU runtime started); ``nvml_notes`` are values NVML could not
     read. ``host_memory_gb``: the host memory available to new processes (None: unknown).
     ``driver_cuda``: the newest CUDA the driver supports (nvidia-smi's header; 535 drivers: 12.2).
+    ``torch_hip``: the HIP version of a ROCm build of torch (give ``torch_cuda=None`` with it,
+    and ``amd_gpus``, the AMD GPUs the ROCm driver lists; NVIDIA ``gpus`` stay 0 there).
+    ``platform="darwin"`` with ``cpu_arch="arm64"`` is a Mac with Apple silicon (MPS).
+    ``numa_nodes`` / ``numa_memory_only``: the host's NUMA nodes with memory, and of them those
+    without a CPU; ``gpu_numa``: each physical GPU's NUMA node, in NVML order. ``cuda_compat``:
+    the version of the CUDA forward-compatibility driver in the image ("" none);
+    ``port_range``: the kernel's ephemeral port range ("32768-60999").
     ``platform_facts`` is the platform around the GPUs as one value (`Platform`, or
     its fields as a mapping: ``{"nvswitch": true, "rdma_link_layer": "ethernet",
     "rdma_devices": ["mlx5_0"], "master_ifname": "eth0", "hypervisor": "kvm",
@@ -168,6 +187,15 @@ def machine(
         _check_bool("machine", flag, value)
     _check_str("machine", "kernel", kernel)
     _check_str("machine", "platform", platform)
+    for key, word in (("cpu_arch", cpu_arch), ("cuda_compat", cuda_compat),
+                      ("port_range", port_range)):
+        _check_str("machine", key, word)
+    for key, count in (("numa_nodes", numa_nodes), ("numa_memory_only", numa_memory_only),
+                       ("amd_gpus", amd_gpus)):
+        if count is not None:
+            _check_int("machine", key, count)
+    if torch_hip is not None:
+        _check_str("machine", "torch_hip", torch_hip)
     _check_int("machine", "cpu_count", cpu_count)
     for key, names in (("imported", imported), ("gpu_initialized", gpu_initialized),
                        ("nvml_notes", nvml_notes)):
@@ -232,6 +260,8 @@ def machine(
     )
     by_index = {p.index: p for p in parents}
     gs = tuple(job_gpu(i, d, by_index[d.physical]) for i, d in enumerate(resolution.devices))
+    numa_of = _gpu_numa(gpu_numa, physical)
+    gs = tuple(replace(g, numa_node=numa_of.get(g.physical_index)) for g in gs)
     visible_links, fabric = compact_links(len(gs), renumber_links(resolution.devices,
                                                                   physical_links))
     if uniform:
@@ -239,7 +269,8 @@ def machine(
                       p2p_nvlink="ok" if nvlink else "not_supported")
     fws = []
     if torch:
-        fws.append(FrameworkInfo("torch", torch, "torch", torch_cuda, torch_nccl, tuple(torch_archs)))
+        fws.append(FrameworkInfo("torch", torch, "torch", torch_cuda, torch_nccl, tuple(torch_archs),
+                                 hip=torch_hip))
     if tensorflow:
         dist = "tensorflow" if tf_cuda else "tensorflow-cpu"
         fws.append(FrameworkInfo("tensorflow", tensorflow, dist, tf_cuda, tf_nccl, tuple(tf_archs)))
@@ -258,7 +289,9 @@ def machine(
         host=Host(shm_bytes=None if shm_mb is None else shm_mb << 20, container=container,
                   wsl2=wsl2, sagemaker=sagemaker, aws=aws, efa=efa, iommu=iommu,
                   infiniband=infiniband, kernel=kernel, cpu_count=cpu_count, platform=platform,
-                  memory_available_bytes=host_memory),
+                  memory_available_bytes=host_memory, machine=cpu_arch, numa_nodes=numa_nodes,
+                  numa_memory_only=numa_memory_only, amd_gpus=amd_gpus,
+                  cuda_compat=cuda_compat, port_range=port_range),
         frameworks=tuple(fws),
         env=tuple(sorted(env_map.items())),
         nvml_notes=tuple(nvml_notes),
@@ -293,6 +326,17 @@ def _with_nodes(facts: Facts, nodes: Sequence[Mapping[str, Any]]) -> Facts:
         except (TypeError, ValueError) as exc:
             raise _bad("nodes", described, f"fields of NodeFacts ({exc})") from None
     return replace(facts, nodes=tuple(out))
+
+
+def _gpu_numa(gpu_numa: Sequence[int] | None, physical: Sequence[Gpu]) -> dict[int, int | None]:
+    """Each physical GPU's NUMA node: from ``gpu_numa`` (NVML order), else from `gpu`."""
+    if gpu_numa is None:
+        return {_physical_index(g): g.numa_node for g in physical}
+    if isinstance(gpu_numa, str) or not isinstance(gpu_numa, Sequence) or len(gpu_numa) != len(
+            physical) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                 for n in gpu_numa):
+        raise _bad("gpu_numa", gpu_numa, f"one NUMA node (0 or more) per GPU ({len(physical)})")
+    return {_physical_index(g): n for g, n in zip(physical, gpu_numa, strict=True)}
 
 
 def _platform_value(value: Platform | Mapping[str, Any] | None) -> Platform:
@@ -419,8 +463,9 @@ def _mig_counts(mig: Mapping[int | str, int] | None, indices: Sequence[int]) -> 
 
 #: "ok", "ok:<GB/s>", "timeout", "error:<cause>", a result, or a result's fields as a mapping
 #: (``{"status": "ok", "bus_bandwidth_gbps": 9.5, "message_bytes": 268435456, "step_seconds":
-#: 0.01, "extra": [["value_check_iterations", "20"]]}``)
-Outcome = str | ProbeResult | Mapping[str, Any]
+#: 0.01, "extra": [["value_check_iterations", "20"]]}``); a list of those is one per probe of
+#: that key, in turn, the last one repeating (a retried probe that fails, then passes)
+Outcome = str | ProbeResult | Mapping[str, Any] | Sequence[Any]
 
 
 @dataclass
@@ -431,7 +476,8 @@ class SimulatedProber:
     collective), "hang:<kind>" (a hang judged from progress: setup, collective, straggler,
     quiet), "error:<cause>",
     "fails:<text>" (what the failing worker printed, verbatim: the signature table places it,
-    as it places a real probe's), "signal:<number>" (a worker killed by that signal).
+    as it places a real probe's), "signal:<number>" (a worker killed by that signal); a list
+    of outcomes answers the probes of its key in turn, the last one repeating.
 
     Keys: a backend with no extra environment ("nccl", "gloo", "hierarchical_copy", ...; a
     sharded candidate's "nccl/fsdp" wins over "nccl" for it, an offloaded one's
@@ -464,10 +510,13 @@ class SimulatedProber:
     broken_gpus: Mapping[int, str] = field(default_factory=dict)
     #: the GPUs of each health check the decision ran, in order
     health_checks: list[tuple[int, ...]] = field(default_factory=list)
+    #: how many probes each key of a list of outcomes answered so far
+    answered: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for key, out in self.outcomes.items():
-            _parse(key, out)  # validate early: a typo is an error, not a silent "ok"
+            for one in _in_turn(out):
+                _parse(key, one)  # validate early: a typo is an error, not a silent "ok"
 
     def check_gpus(self, framework: str, devices: tuple[int, ...],
                    env: Mapping[str, str]) -> list[tuple[int, str]]:
@@ -502,7 +551,13 @@ class SimulatedProber:
             on = ",".join(map(str, spec.devices))
             names = [*(f"{n}@{on}" for n in names), *names]
         keys = [k for n in names for k in ((f"{n}+{env_key}", f"{n}+*") if env_key else (n,))]
-        out = next((self.outcomes[k] for k in (*keys, "*") if k in self.outcomes), self.default)
+        key = next((k for k in (*keys, "*") if k in self.outcomes), None)
+        out = self.default if key is None else self.outcomes[key]
+        turns = _in_turn(out)
+        if len(turns) > 1 and key is not None:  # one per probe of this key, the last repeating
+            n = self.answered.get(key, 0)
+            self.answered[key] = n + 1
+            out = turns[min(n, len(turns) - 1)]
         res = _parse(spec.candidate, out)
         ending = _ending(spec, out, res)
         if ending is None:  # an error, or a result with its own elapsed time: as described
@@ -531,6 +586,15 @@ class SimulatedProber:
             + ("+" + ",".join(f"{k}={v}" for k, v in s.env) if s.env else "")
             for s in self.calls
         ]
+
+
+def _in_turn(out: Outcome) -> list[Any]:
+    """The outcomes a key answers in turn: a list's items, else the one outcome."""
+    if isinstance(out, Sequence) and not isinstance(out, (str, ProbeResult)):
+        if not out:
+            raise ValueError("probe outcome []: a list of outcomes needs at least one")
+        return list(out)
+    return [out]
 
 
 def _ending(spec: ProbeSpec, out: Outcome, res: ProbeResult) -> str | None:
@@ -661,11 +725,14 @@ def load_simulation(path: Path) -> tuple[Facts, dict[str, Any]]:
     probes = data.get("probes")
     if probes is not None:
         if not isinstance(probes, dict) or not all(
-            isinstance(k, str) and isinstance(v, (str, dict)) for k, v in probes.items()
+            isinstance(k, str) and (isinstance(v, (str, dict)) or (
+                isinstance(v, list) and all(isinstance(x, (str, dict)) for x in v)))
+            for k, v in probes.items()
         ):
             raise ResilientStrategyError(
                 f'{path}: probes: expected an object of outcomes like {{"nccl": "timeout"}} or '
-                f'{{"nccl": {{"status": "ok", "bus_bandwidth_gbps": 9.5}}}}, not {probes!r}')
+                f'{{"nccl": {{"status": "ok", "bus_bandwidth_gbps": 9.5}}}} (a list of them: '
+                f'one per probe in turn), not {probes!r}')
         try:
             SimulatedProber(dict(probes))
         except ValueError as exc:

@@ -83,6 +83,32 @@ CAUSES: dict[str, str] = {
     "budget": "not probed: the time budget for the whole decision was spent (timeout= x 4)",
     "inter_worker": "the collective between the TF_CONFIG workers failed (each worker's one "
     "process of MultiWorkerMirroredStrategy, which agree on each verdict)",
+    "gloo_address_family": "gloo's ranks resolved addresses of different families (IPv4 and "
+    "IPv6: 'ss1.ss_family == ss2.ss_family. 2 vs 10', 'Address family not supported'): a host "
+    "with both stacks where the hostname or MASTER_ADDR resolves to one family and the "
+    "interface to the other; no variable of gloo's fixes it (pytorch/gloo#399): a torch whose "
+    "gloo reuses the socket it bound (pytorch/gloo#503) does, or give MASTER_ADDR as an address "
+    "of one family on every node (GLOO_SOCKET_IFNAME helps only where that interface has "
+    "addresses of one family)",
+    "invalid_ordinal": "a rank asked for a GPU this process cannot see ('invalid device "
+    "ordinal'): more processes per node than visible GPUs (--nproc-per-node against "
+    "CUDA_VISIBLE_DEVICES) or a device index written into the script; start one process per "
+    "visible GPU, or make more GPUs visible",
+    "nccl_oom": "NCCL could not allocate its buffers on the GPU while setting up the "
+    "communicator or its connections ('Cuda failure 'out of memory'', 'Failed to CUDA "
+    "calloc'): another process holds the GPU's memory, or the GPU is in a bad state; not a "
+    "verdict on NCCL: the GPUs are checked and the same candidate is probed once more",
+    "numa_host_alloc": "NCCL's host memory pinned to a NUMA node could not be allocated "
+    "(cuMem host allocations, NCCL 2.23+): NUMA nodes with memory and no CPU, or ranks whose "
+    "nodes differ in what they allow; NCCL_CUMEM_HOST_ENABLE=0 keeps NCCL on its /dev/shm "
+    "buffers (bind each rank to its GPU's NUMA node with numactl meanwhile)",
+    "loopback_refused": "a connection to a loopback address (127.0.0.1, ::1, localhost) was "
+    "refused. Between nodes, a rank advertised its loopback address (its hostname resolves to "
+    "127.x): set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the interface that reaches "
+    "MASTER_ADDR. On one machine, where every rank is local, no network interface is at "
+    "fault: nothing listened there any more (a rank had exited), or security software or a "
+    "host firewall filters loopback or the ephemeral ports (allow the lo interface and the "
+    "range in net.ipv4.ip_local_port_range), then run again",
     # The machine's state, not the backend's: never cached (see ENVIRONMENTAL_CAUSES).
     "no_space": "a disk the run writes to is full (No space left on device, often the temp "
     "directory): free space there, or point TMPDIR at a disk with room, and run again",
@@ -101,4 +127,9 @@ GPU_WIDE_CAUSES = frozenset({"cuda_init", "driver_too_old"})
 #: Causes that come from the state of the machine (a full disk, the descriptor limit, a file's
 #: permissions), not from the candidate: they say nothing about the backend, so they are never
 #: cached and never rule a candidate out beyond the run that met them.
-ENVIRONMENTAL_CAUSES = frozenset({"no_space", "too_many_files", "permission"})
+ENVIRONMENTAL_CAUSES = frozenset({"no_space", "too_many_files", "permission", "nccl_oom"})
+
+#: Causes that are no verdict on the candidate until seen twice: the GPUs the probe ran on are
+#: checked (`probing.health`), then the same candidate is probed once more
+#: (`deciding.decide`); only a second failure counts.
+RETRY_AFTER_CHECK_CAUSES = frozenset({"nccl_oom"})

@@ -32,23 +32,26 @@ _CLAUSE = re.compile(
 )
 
 
-_FRAMEWORK_FACTS = ("installed", "version", "cuda", "nccl", "max_arch", "imported", "gpu_kernels")
+_FRAMEWORK_FACTS = ("installed", "version", "cuda", "nccl", "max_arch", "imported", "gpu_kernels",
+                    "build", "hip")
 
 
 #: Every fact a clause can name (what `fact_values` computes), besides ``env.<VARIABLE>``.
 FACT_NAMES: tuple[str, ...] = (
     "framework",
     "gpus.count", "gpus.names", "gpus.min_cc", "gpus.max_cc", "gpus.consumer", "gpus.mig",
-    "gpus.mixed", "gpus.nvlinks_outside",
+    "gpus.mixed", "gpus.nvlinks_outside", "gpus.numa_nodes",
     "links.all_nvlink", "links.any_pcie_only", "links.p2p_unsupported", "links.cross_socket",
     "links.any_nvlink", "links.any_switch", "links.any_host_path",
-    "driver.version", "driver.cuda", "driver.older_than_build",
+    "driver.version", "driver.cuda", "driver.older_than_build", "driver.cuda_major_behind",
     "plan.replicas", "plan.nodes", "nccl.version",
     "platform.nvswitch", "platform.hypervisor", "platform.vm", "platform.rdma_link_layer",
     "platform.rdma_devices", "platform.rdma_count", "platform.master_ifname",
     "platform.hostname_loopback", "platform.fabric_manager", "platform.fabric_manager_mismatch",
     "host.shm_mb", "host.container", "host.in_container", "host.wsl2", "host.sagemaker",
     "host.aws", "host.efa", "host.infiniband", "host.iommu", "host.platform",
+    "host.machine", "host.mps", "host.numa_nodes", "host.numa_memory_only", "host.amd_gpus",
+    "host.cuda_compat", "host.port_range", "host.master_port_ephemeral",
     *(f"{fw}.{name}" for fw in ("torch", "tensorflow", "keras") for name in _FRAMEWORK_FACTS),
 )
 
@@ -188,6 +191,9 @@ def fact_values(facts: Facts, framework: str, replicas: int | None = None,
         "gpus.mig": any(g.mig_enabled for g in gpus),
         "gpus.mixed": len({(g.name, g.memory_bytes) for g in gpus}) > 1,
         "gpus.nvlinks_outside": sum(g.nvlinks_outside for g in gpus),
+        # the NUMA nodes the GPUs hang off (None: some GPU's node is unknown)
+        "gpus.numa_nodes": (len({g.numa_node for g in gpus})
+                            if gpus and all(g.numa_node is not None for g in gpus) else None),
         "links.all_nvlink": links.all_nvlink,
         "links.any_pcie_only": links.any_pcie_only,
         "links.p2p_unsupported": links.p2p_unsupported,
@@ -221,6 +227,14 @@ def fact_values(facts: Facts, framework: str, replicas: int | None = None,
         "host.infiniband": h.infiniband,
         "host.iommu": h.iommu,
         "host.platform": h.platform,
+        "host.machine": h.machine,
+        # Apple silicon under macOS: PyTorch's MPS device (one GPU, no collective backend)
+        "host.mps": h.platform == "darwin" and h.machine in ("arm64", "aarch64"),
+        "host.numa_nodes": h.numa_nodes,
+        "host.numa_memory_only": h.numa_memory_only,
+        "host.amd_gpus": h.amd_gpus,
+        "host.cuda_compat": h.cuda_compat,
+        "host.port_range": h.port_range,
     }
     for fw in ("torch", "tensorflow", "keras"):
         info = facts.framework(fw)
@@ -231,14 +245,31 @@ def fact_values(facts: Facts, framework: str, replicas: int | None = None,
         values[f"{fw}.max_arch"] = _max_arch(info.archs)
         values[f"{fw}.imported"] = info.imported
         values[f"{fw}.gpu_kernels"] = _kernel_coverage(info.archs, gpus)
+        values[f"{fw}.build"] = info.build
+        values[f"{fw}.hip"] = _version(info.hip)
     build = values.get(f"{framework}.cuda") if framework in ("torch", "tensorflow") else None
     driver_cuda = values["driver.cuda"]
-    values["driver.older_than_build"] = (None if not isinstance(build, Version)
-                                         or not isinstance(driver_cuda, Version)
-                                         else driver_cuda < Version(f"{build.major}.{build.minor}"))
+    if isinstance(build, Version) and isinstance(driver_cuda, Version):
+        values["driver.older_than_build"] = driver_cuda < Version(f"{build.major}.{build.minor}")
+        # CUDA 11+ runs a build on any driver of its major release (minor version
+        # compatibility); a driver of an older major release cannot run it at all
+        # (cudaErrorInsufficientDriver)
+        values["driver.cuda_major_behind"] = driver_cuda.major < build.major
+    else:
+        values["driver.older_than_build"] = values["driver.cuda_major_behind"] = None
+    values["host.master_port_ephemeral"] = _in_port_range(facts.env_map.get("MASTER_PORT"),
+                                                          h.port_range)
     for name, value in facts.env:
         values[f"env.{name}"] = value
     return values
+
+
+def _in_port_range(port: str | None, port_range: str) -> bool | None:
+    """Whether ``port`` lies in the kernel's ephemeral range "low-high"; None: either unknown."""
+    low, _, high = port_range.partition("-")
+    if not (port or "").strip().isdigit() or not low.isdigit() or not high.isdigit():
+        return None
+    return int(low) <= int(str(port).strip()) <= int(high)
 
 
 _MESSAGE_FACT = re.compile(r"\{([a-z_]+\.[A-Za-z0-9_]+)\}")

@@ -27,7 +27,7 @@ from ..values.facts import Facts
 from .clauses import Clause, FactValue, clause_holds, fact_values, fill_message, parse_clause
 from .data import read_data
 
-EFFECTS = ("veto", "prefer", "remedy", "set_env", "warn")
+EFFECTS = ("veto", "prefer", "remedy", "set_env", "warn", "no_gpu")
 
 _RULE_KEYS = frozenset(
     {"id", "when", "effect", "message", "source", "target", "framework", "env", "first"}
@@ -190,7 +190,7 @@ def fired(rules: Iterable[Rule], facts: Facts, framework: str,
     for fw in ("torch", "tensorflow", "keras"):
         info = facts.framework(fw)
         text.update({f"{fw}.version": info.version, f"{fw}.cuda": info.cuda,
-                     f"{fw}.nccl": info.nccl})
+                     f"{fw}.nccl": info.nccl, f"{fw}.hip": info.hip})
     return tuple(
         replace(r, message=fill_message(r.message, text)) if "{" in r.message else r
         for r in rules

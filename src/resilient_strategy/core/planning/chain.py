@@ -38,7 +38,8 @@ def usable_gpus(facts: Facts, policy: Options, b: Build) -> tuple[int, ...]:
 
 
 def build_chain(
-    fw: str, gpus: tuple[int, ...], has_cuda: bool, policy: Options, b: Build
+    fw: str, gpus: tuple[int, ...], has_cuda: bool, policy: Options, b: Build,
+    build: str = "",
 ) -> tuple[list[Candidate], int]:
     """The static chain for this framework, before rules and results, and the number of
     devices the best plan would use (the one-device fallbacks accumulate that many steps)."""
@@ -47,9 +48,13 @@ def build_chain(
     nodes = policy.nodes if fw == "torch" else 1
     local = n_proc // nodes  # processes (and GPUs used) per node
     if gpus and not has_cuda:
-        b.note("cpu_only_build",
-               f"{fw} is a CPU-only build: the GPUs are unusable from it; install a CUDA build to "
-               "use them.")
+        if build == "rocm":  # not CPU-only: it runs AMD GPUs, and these are NVIDIA's
+            b.note("rocm_build", f"{fw} is a ROCm build (AMD GPUs through HIP): it cannot use "
+                   "these NVIDIA GPUs; install a CUDA build to use them.")
+        else:
+            b.note("cpu_only_build",
+                   f"{fw} is a CPU-only build: the GPUs are unusable from it; install a CUDA "
+                   "build to use them.")
         gpus = ()
     if policy.multi_worker:
         return multi_worker_chain(fw, gpus, has_cuda, policy, b)

@@ -101,16 +101,20 @@ def plan(
     gpus = usable_gpus(facts, policy, b)
     b.events.append(FactsSeen(len(gpus), tuple(sorted({g.name for g in facts.gpus})), fw,
                               info.version, info.cuda, info.nccl,
-                              driver=facts.driver_version if gpus else None))
+                              driver=facts.driver_version if gpus else None,
+                              hip=info.hip or ("?" if info.build == "rocm" else None)))
 
     if policy.logical_cpus:
         gpus = tuple(range(policy.logical_cpus))
         b.note("logical_cpus",
                f"Test mode: {policy.logical_cpus} logical CPU devices stand in for GPUs.")
-    base, reference = build_chain(fw, gpus, info.has_cuda or bool(policy.logical_cpus), policy, b)
+    hits = fired(rules, facts, fw, replicas=len(gpus), nodes=policy.nodes)
+    if gpus and not policy.logical_cpus and any(r.effect == "no_gpu" for r in hits):
+        gpus = ()  # the build cannot run on these GPUs at all: planned as without them
+    base, reference = build_chain(fw, gpus, info.has_cuda or bool(policy.logical_cpus), policy, b,
+                                  info.build)
     reference = max(reference, reference_replicas)
     base = shard(base, facts, policy, b)
-    hits = fired(rules, facts, fw, replicas=len(gpus), nodes=policy.nodes)
     cands = _apply_rules(base, hits, policy, b)
     cands = _compare_nodes(cands, facts, policy, b)
     cands = _split_batches(cands, policy, b, reference)  # before results: keys name devices
@@ -157,6 +161,9 @@ def _apply_rules(
         if rule.effect == "warn":
             b.warnings.append(cite)
             fired_("warn")
+        elif rule.effect == "no_gpu":  # the chain was planned without the GPUs (`plan`)
+            b.warnings.append(cite)
+            fired_("no_gpu")
         elif rule.effect == "veto":
             out = [c for c in cands if _vetoed(c, rule.target)]
             if out:  # one line names every candidate it rules out, the rule's text once

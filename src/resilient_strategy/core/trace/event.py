@@ -56,7 +56,8 @@ class Note(Event):
     """A finding that changes what is considered, named by ``topic``:
 
     ``no_gpu_facts``, ``visible_devices``, ``nvml_unread``, ``devices_asked``, ``logical_cpus``,
-    ``cpu_only_build``, ``too_few_gpus``, ``multi_node``, ``one_process``, ``no_global_batch``,
+    ``cpu_only_build``, ``rocm_build``, ``too_few_gpus``, ``multi_node``, ``one_process``,
+    ``no_global_batch``,
     ``batch_not_split``, ``batch_shrinks_replicas``, ``prefer_impossible``, ``fault_injection``
     (the cache is neither read nor written for a rehearsal), ``within_noise`` (measured speeds
     within their measured noise kept the chain's order), ``multi_worker`` (a TF_CONFIG job's
@@ -64,7 +65,9 @@ class Note(Event):
     across the workers), ``handed_memory`` (a worker of ``resilient-strategy run`` takes the
     supervisor's sharding / offload), ``bound_devices`` (a worker bound to a subset of the GPUs:
     which ones), ``gpus_unchecked`` (GPUs a killed probe may have broken, unused by the choice,
-    whose deferred health check did not fit the probe budget: how to check them).
+    whose deferred health check did not fit the probe budget: how to check them),
+    ``retried_after_check`` (a probe whose failure is no verdict by itself, NCCL out of GPU
+    memory while setting up: its GPUs checked, then probed once more, and what that gave).
     """
 
     kind: ClassVar[str] = "note"

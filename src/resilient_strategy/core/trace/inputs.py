@@ -36,10 +36,13 @@ class FactsSeen(Event):
     #: the NVIDIA driver (rules key on driver.version); in the event and the JSON, while the
     #: line leaves it to the doctor's facts
     driver: str | None = None
+    #: the HIP version of a ROCm build (not CPU-only: it runs AMD GPUs); None otherwise
+    hip: str | None = None
 
     def text(self) -> str:
         gpu_text = f"{self.gpus} GPU(s) ({', '.join(self.names)})" if self.gpus else "no GPU"
-        build = f"CUDA {self.cuda}" if self.cuda else "CPU-only build"
+        build = (f"CUDA {self.cuda}" if self.cuda else f"ROCm build, HIP {self.hip}" if self.hip
+                 else "CPU-only build")
         nccl = f", NCCL {self.nccl}" if self.nccl else ""
         return (f"Saw {gpu_text}; {self.framework} {self.version or 'not installed'} "
                 f"({build}{nccl}).")

@@ -24,7 +24,7 @@ def _env_text(env: Sequence[tuple[str, str]]) -> str:
 class RuleFired(Event):
     """A known-issue rule matched these facts, and what it did.
 
-    ``action``: ``warn``, ``veto`` (``candidates`` ruled out), ``prefer`` (``targets`` first),
+    ``action``: ``warn``, ``no_gpu`` (the chain planned without the GPUs), ``veto`` (``candidates`` ruled out), ``prefer`` (``targets`` first),
     ``set_env`` (``env`` set for NCCL), ``remedy_added`` (NCCL with ``env`` added, tried before
     plain NCCL when ``first``), ``remedy_exists`` (that remedy was a candidate already),
     ``nothing_to_act_on`` (no NCCL candidate left), ``already_ruled_out`` (an earlier rule
@@ -50,6 +50,8 @@ class RuleFired(Event):
         a = self.action
         if a == "warn":
             return f"Warning {self.cite}"
+        if a == "no_gpu":
+            return f"No GPU can run this build; planned without them: {self.cite}"
         if a == "veto":
             return f"Ruled out {'; '.join(c.label for c in self.candidates)}: {self.cite}"
         if a == "prefer":

@@ -93,6 +93,9 @@ class Gpu:
     #: Active NVLinks of this GPU to GPUs this process cannot see at all (NVML does not list
     #: them: a pod or container given one of a host's NVLinked GPUs); 0 none or unknown.
     nvlinks_outside: int = 0
+    #: The host NUMA node the GPU hangs off (``/sys/bus/pci/devices/<bdf>/numa_node``); None:
+    #: unknown or none reported (the kernel writes -1 on a machine without NUMA).
+    numa_node: int | None = None
 
     @property
     def cc(self) -> str:
@@ -136,6 +139,22 @@ class Host:
     platform: str = "linux"
     #: Host memory available to new processes (/proc/meminfo MemAvailable); None: unknown.
     memory_available_bytes: int | None = None
+    #: The CPU architecture (``platform.machine()``: "x86_64", "aarch64", "arm64"); "" unknown.
+    machine: str = ""
+    #: NUMA nodes that hold memory (``/sys/devices/system/node/node*``); None: unknown.
+    numa_nodes: int | None = None
+    #: Of those, the nodes with memory and no CPU (CXL or HBM expanders, Grace's GPU memory):
+    #: CUDA's host-NUMA allocations can fail on them; None: unknown.
+    numa_memory_only: int | None = None
+    #: AMD GPUs the ROCm kernel driver lists (``/sys/class/kfd/kfd/topology/nodes/*`` with
+    #: SIMDs); None: no kfd (no ROCm driver) or unreadable.
+    amd_gpus: int | None = None
+    #: The CUDA forward-compatibility driver installed in this image (the version of
+    #: ``/usr/local/cuda*/compat/libcuda.so.<version>``, "" none seen): it lets a newer CUDA run
+    #: on an older host driver on data-center GPUs, and fails with error 804 on others.
+    cuda_compat: str = ""
+    #: The kernel's ephemeral port range (``net.ipv4.ip_local_port_range``), "" unknown.
+    port_range: str = ""
 
 
 #: Link layers of an RDMA port (``/sys/class/infiniband/*/ports/*/link_layer``).
@@ -182,10 +201,24 @@ class FrameworkInfo:
     imported: bool = False
     gpu_initialized: bool = False
     imported_at: str | None = None  # "file:line" of the first import, when watched
+    #: The HIP (ROCm) version a ROCm build was made for (``torch.version.hip``); None otherwise
+    hip: str | None = None
 
     @property
     def installed(self) -> bool:
         return self.version is not None
+
+    @property
+    def build(self) -> str:
+        """What the installed build runs on: "cuda", "rocm", "cpu" ("" not installed). A
+        ROCm build of torch is not CPU-only: its ``torch.cuda`` runs AMD GPUs through HIP."""
+        if self.version is None:
+            return ""
+        if self.cuda is not None:
+            return "cuda"
+        if self.hip is not None or "+rocm" in self.version:
+            return "rocm"
+        return "cpu"
 
     @property
     def has_cuda(self) -> bool:
