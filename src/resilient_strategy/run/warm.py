@@ -42,8 +42,9 @@ START_METHOD = "forkserver"
 
 #: What the server imports before it forks, in order: this module first (it notes the
 #: environment the server started with, `SERVER_ENV`), the worker and what it imports next, then
-#: torch and what every training script imports next (``torch._dynamo``: building an optimizer
-#: imports it, 1-2 s). None of them initializes CUDA or starts a thread.
+#: torch, the agent's own wrapper of a function entry point (every child unpickles it), and what
+#: every training script imports next (``torch._dynamo``: building an optimizer imports it,
+#: 1-2 s). None of them initializes CUDA or starts a thread.
 PRELOAD = (
     "resilient_strategy.run.warm",
     "resilient_strategy.run.worker",
@@ -52,6 +53,7 @@ PRELOAD = (
     "resilient_strategy.frameworks.torch",
     "torch",
     "torch.distributed",
+    "torch.distributed.elastic.multiprocessing",
     "torch.nn.parallel",
     "torch._dynamo",
 )
