@@ -130,6 +130,20 @@ def one_run(args: argparse.Namespace, warm: bool, tmp: Path) -> dict[str, Any] |
          "--warm-start" if warm else "--no-warm-start", str(script), str(tmp / "ckpt")],
         env=_src_env(args, tmp, marks), cwd=tmp, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
+    try:
+        return _watched(args, proc, tmp, marks, started)
+    finally:
+        if proc.poll() is None:  # a deadline or an interrupt: the supervisor stops its workers
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)
+
+
+def _watched(args: argparse.Namespace, proc: subprocess.Popen[str], tmp: Path, marks: Path,
+             started: float) -> dict[str, Any] | str:
     killed_at = None
     end = time.monotonic() + args.deadline
     while time.monotonic() < end and proc.poll() is None:
@@ -220,8 +234,11 @@ def main() -> None:
     ap.add_argument("--at", type=int, default=12, help="rank 1 is killed after this step")
     ap.add_argument("--step-s", type=float, default=0.05, help="seconds of work per step")
     ap.add_argument("--deadline", type=float, default=240.0, help="seconds per run at most")
-    ap.add_argument("--out", default=None, help="also write the table here (markdown)")
+    ap.add_argument("--out", default=None,
+                    help="also write the table here (markdown), rewritten after every run")
+    ap.add_argument("--jsonl", default=None, help="append each run's phases here as it ends")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # a deadline: clean up, then go
     runs: dict[str, list[dict[str, Any]]] = {"cold": [], "warm": []}
     with tempfile.TemporaryDirectory(prefix="bench-warm-") as root:
         args.cache = Path(root) / "cache"
@@ -237,10 +254,12 @@ def main() -> None:
             print(f"run {i} ({mode}): restart "
                   f"{got['restart: fault seen -> first step after it']}", file=sys.stderr,
                   flush=True)
-    text = table(runs)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+            if args.jsonl:
+                with open(args.jsonl, "a", encoding="utf-8") as fh:
+                    fh.write(json.dumps({"mode": mode, **got}) + "\n")
+            if args.out:  # what finished so far, should a deadline cut the rest
+                Path(args.out).write_text(table(runs) + "\n")
+    print(table(runs))
 
 
 if __name__ == "__main__":

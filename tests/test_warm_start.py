@@ -193,7 +193,8 @@ class WarmRun:
         return False
 
     def rank_pids(self, rank: int) -> list[int]:
-        dirs = sorted((self.tmp / "tmp").glob(f"{RUN_PREFIX}{self.proc.pid}-*/attempt*"))
+        dirs = sorted((self.tmp / "tmp").glob(f"{RUN_PREFIX}{self.proc.pid}-*/attempt*"),
+                      key=lambda p: int(p.name.removeprefix("attempt") or 0))
         return rank_pids(dirs[-1], rank) if dirs else []
 
     def left(self, deadline_s: float = 20.0) -> list[int]:
