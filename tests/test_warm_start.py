@@ -6,6 +6,7 @@ environment of their own attempt; a SIGKILLed supervisor leaves no process behin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from resilient_strategy.core.options import DEFAULT_WARM_START
 from resilient_strategy.errors import InvalidOptionError
 from resilient_strategy.machine.procs import pids_with_env
 from resilient_strategy.run.arguments import options_from_args
@@ -59,12 +61,14 @@ def test_only_torch_jobs_start_warm() -> None:
 
 def test_warm_start_options(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RESILIENT_STRATEGY_WARM_START", raising=False)
-    assert options_from_args([str(EXAMPLE)]).warm_start is False
+    assert options_from_args([str(EXAMPLE)]).warm_start is DEFAULT_WARM_START
     assert options_from_args(["--warm-start", str(EXAMPLE)]).warm_start is True
+    # torchrun's --start-method, given and not the warm start's: the user's choice, kept
+    assert options_from_args(["--start-method", "spawn", str(EXAMPLE)]).warm_start is False
     monkeypatch.setenv("RESILIENT_STRATEGY_WARM_START", "1")
     assert options_from_args([str(EXAMPLE)]).warm_start is True
     assert options_from_args(["--no-warm-start", str(EXAMPLE)]).warm_start is False  # line wins
-    # torchrun's --start-method: another method than the warm start's is the user's choice...
+    # ...and asking for a warm start too is a contradiction
     with pytest.raises(InvalidOptionError) as err:
         options_from_args(["--start-method", "spawn", str(EXAMPLE)])
     assert err.value.option == "--start-method"
@@ -209,10 +213,8 @@ class WarmRun:
 
 
 def with_kill(pid: int) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.kill(pid, signal.SIGKILL)
-    except OSError:
-        pass
 
 
 @pytest.fixture(scope="module")

@@ -130,7 +130,8 @@ def _ours(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=None,
                    help="fork a torch job's workers, every attempt's, from one server that "
                         "imported torch once, so that a relaunch does not import torch again "
-                        "(default: off; RESILIENT_STRATEGY_WARM_START=1 turns it on)")
+                        "(default: on; --no-warm-start or RESILIENT_STRATEGY_WARM_START=0 "
+                        "starts fresh interpreters)")
     p.add_argument("--logical-cpus", type=int, default=0,
                    help="TensorFlow test mode: plan for N logical CPU devices (the script "
                         "passes logical_cpus=N too)")

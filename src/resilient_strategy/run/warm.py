@@ -1,7 +1,7 @@
-"""A warm start for ``resilient-strategy run``'s workers (``--warm-start``,
-``RESILIENT_STRATEGY_WARM_START=1``): every rank of every attempt is forked from one server that
-imported torch (and this package's worker) once, instead of a fresh interpreter that imports
-them again, so a relaunch does not pay for torch again.
+"""A warm start for ``resilient-strategy run``'s workers (on by default; ``--no-warm-start``
+or ``RESILIENT_STRATEGY_WARM_START=0`` turns it off): every rank of every attempt is forked
+from one server that imported torch (and this package's worker) once, instead of a fresh
+interpreter that imports them again, so a relaunch does not pay for torch again.
 
 The server is multiprocessing's ``forkserver`` with `PRELOAD` (`start_server`); torch's
 elastic agent starts a function entry point (`resilient_strategy.run.worker.warm_main`) through
