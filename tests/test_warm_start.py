@@ -242,6 +242,9 @@ def test_a_sigkilled_rank_under_warm_start_is_retried_and_resumes(
             run.proc.communicate(timeout=30)
     assert run.proc.returncode == 0, out[-3000:]
     assert run.left() == []
+    # nothing left in the temp dir either: the run's directory, the fork server's socket's
+    assert [p.name for p in (tmp_path / "tmp").iterdir()
+            if not p.name.startswith("torchinductor_")] == []
     [record] = (tmp_path / "resilient-strategy-evidence").glob("*/attempts.json")
     attempts = json.loads(record.read_text())["attempts"]
     assert [(a["verdict"]["kind"], a["action"]) for a in attempts] == [

@@ -65,8 +65,9 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
                           opts.stall_timeout_s, busy_s=opts.busy_timeout_s)
     agent_cls = _agent_class()
     warm = opts.warm_start and applies(decision.framework)
-    if warm:  # once per supervisor, before this attempt sets its own variables
-        start_server()
+    if warm:  # once per supervisor, before this attempt sets its own variables; its files in
+        # "rs-run-<pid>-m" beside the session "rs-run-<pid>-XXXX" (swept as the session is)
+        start_server(session.with_name(session.name.rpartition("-")[0] + "-m"))
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.rendezvous import RendezvousParameters

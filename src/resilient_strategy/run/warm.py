@@ -71,19 +71,97 @@ def applies(framework: str, platform: str = sys.platform) -> bool:
     return framework == "torch" and not platform.startswith("win")
 
 
-def start_server() -> None:
+def start_server(temp_dir: Path | None = None) -> None:
     """Start this process's fork server with `PRELOAD` (once; later calls do nothing). It
     takes this process's environment as it is now: call it before an attempt sets its own
     variables. Returns at once: the server imports torch while this process goes on, and the
-    first fork waits for it."""
+    first fork waits for it. ``temp_dir``: where multiprocessing keeps its files (the server's
+    socket), created private and removed at this process's exit, unless multiprocessing has a
+    directory already or the socket's path would be too long (`_private_dir`); named so
+    that the supervisor's sweep knows it, a SIGKILLed supervisor's is removed by the next run
+    (multiprocessing's own ``pymp-*`` directory would be left behind)."""
     if _STARTED:
         return
     import multiprocessing
     from multiprocessing import forkserver
 
+    config = multiprocessing.current_process()._config  # type: ignore[attr-defined]
+    if temp_dir is not None and config.get("tempdir") is None and _private_dir(temp_dir):
+        import atexit
+        import shutil
+
+        atexit.register(shutil.rmtree, str(temp_dir), True)
+        config["tempdir"] = str(temp_dir)  # what multiprocessing.util.get_temp_dir() returns
     multiprocessing.get_context(START_METHOD).set_forkserver_preload(list(PRELOAD))
     forkserver.ensure_running()
     _STARTED.append(True)
+    import atexit
+
+    atexit.register(stop_server)
+
+
+#: The longest a stop waits for the server to end (it ends at once, or once its imports are
+#: done when it is still importing) before it is killed.
+STOP_WAIT_S = 10.0
+
+
+def stop_server(wait_s: float = STOP_WAIT_S) -> None:
+    """End this process's fork server now and reap it (at this process's exit: so that nothing
+    of the run is left running once it has exited): its pipe closed, ``wait_s`` at most, then
+    SIGKILL. Never raises; nothing to do without a server."""
+    import signal
+    import time
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    pid, fd = (getattr(server, "_forkserver_pid", None),
+               getattr(server, "_forkserver_alive_fd", None))
+    if not isinstance(pid, int):
+        return
+    with contextlib.suppress(OSError, TypeError):
+        os.close(fd)  # type: ignore[arg-type]  # the server reads EOF: it exits
+    end = time.monotonic() + wait_s
+    with contextlib.suppress(OSError):
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() >= end:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.01)
+    with contextlib.suppress(AttributeError):
+        server._forkserver_pid = server._forkserver_alive_fd = None  # type: ignore[union-attr]
+
+
+#: The longest path of a unix socket (``sun_path``, less its NUL), and the length of the name
+#: multiprocessing gives the server's socket in its directory (``/listener-XXXXXXXX``).
+MAX_SOCKET_PATH = 107
+SOCKET_NAME_CHARS = 18
+
+
+def _private_dir(path: Path) -> bool:
+    """Make ``path`` a fresh private directory for the server's socket; False (the caller keeps
+    multiprocessing's own) when the socket's path would be too long, or it cannot be made. One
+    left by an earlier process with this name (this process's pid) is removed first."""
+    import shutil
+    import stat
+
+    if len(str(path)) + SOCKET_NAME_CHARS > MAX_SOCKET_PATH:
+        return False
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    else:
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            return False
+        shutil.rmtree(path, ignore_errors=True)
+    try:
+        path.mkdir(mode=0o700)
+    except OSError:
+        return False
+    return True
 
 
 def worker_environment(launch: Mapping[str, str], server: Mapping[str, str],
