@@ -547,8 +547,10 @@ def _agent_class() -> type[Any]:
             """torch's look at forked workers, with two differences from started ones
             smoothed: a worker that failed makes torch stop the others at once (SIGTERM,
             within this call), so a stopped peer is continued first to get it, as `_shutdown`
-            does; and workers that all exited 0 without handing back a return value (the
-            script's ``os._exit(0)``) would never count as done: they succeeded."""
+            does; and a worker that exited 0 without handing back a return value (the
+            script's ``os._exit(0)``) would keep torch waiting for it forever (and the workers
+            that did hand theirs back waiting for torch): once every worker has exited 0 or
+            handed its value back, they succeeded."""
             procs = self._forked()
             if any(p.exitcode not in (None, 0) for p in procs):
                 for p in procs:
@@ -556,8 +558,13 @@ def _agent_class() -> type[Any]:
                         with contextlib.suppress(OSError):
                             os.kill(p.pid, signal.SIGCONT)
             result = super()._monitor_workers(worker_group)
-            if (result.state == WorkerState.HEALTHY and procs
-                    and all(p.exitcode == 0 for p in procs)):
+            if result.state != WorkerState.HEALTHY or not procs:
+                return result
+            returned = set(getattr(self._pcontext, "_return_values", None) or ())
+            exited = {i for i, p in enumerate(procs) if p.exitcode == 0}
+            if exited - returned and len(exited | returned) == len(procs):
+                with contextlib.suppress(Exception):  # the workers that returned may exit
+                    self._pcontext._worker_finished_event.set()  # type: ignore[union-attr]
                 with contextlib.suppress(Exception):
                     if self._pcontext is not None:
                         self._pcontext.close()
@@ -565,9 +572,13 @@ def _agent_class() -> type[Any]:
                     w.global_rank: None for w in worker_group.workers})
             return result
 
+        def _look(self, worker_group: Any) -> Any:
+            """torch's look at the workers (forked ones: `_warm_monitor`)."""
+            return (self._warm_monitor(worker_group) if self.warm
+                    else super()._monitor_workers(worker_group))
+
         def _watched(self, worker_group: Any) -> Any:
-            result = (self._warm_monitor(worker_group) if self.warm
-                      else super()._monitor_workers(worker_group))
+            result = self._look(worker_group)
             if (self.stall is None and self.raised is None and self.run_dir is not None
                     and result.state in (WorkerState.HEALTHY, WorkerState.FAILED)):
                 # a rank that raised wrote its error record before any barrier or teardown
@@ -581,7 +592,7 @@ def _agent_class() -> type[Any]:
                         return result  # the exits seen with it are part of the story
                     # a peer that exited before the record was written (the root cause of
                     # its "connection closed") is seen by a second look, after the record
-                    again = super()._monitor_workers(worker_group)
+                    again = self._look(worker_group)
                     if again.state == WorkerState.FAILED:
                         return again
                     self._remaining_restarts = 0
