@@ -55,6 +55,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from resilient_strategy.machine.procs import pids_with_env  # noqa: E402
+from resilient_strategy.run.supervisor import RUN_PREFIX  # noqa: E402
+from resilient_strategy.run.warm import rank_pids  # noqa: E402
 
 TAG_VAR = "RS_BENCH_TAG"
 
@@ -239,7 +241,14 @@ class Run:
         return False
 
     def rank_pids(self, rank: int) -> list[int]:
-        return pids_with_env({TAG_VAR: self.tag, "RANK": str(rank)})
+        """By RANK in /proc/<pid>/environ; else (``--warm-start``: a forked worker's environ is
+        its fork server's) by the pid each worker writes to its attempt's directory."""
+        found = pids_with_env({TAG_VAR: self.tag, "RANK": str(rank)})
+        if found or self.proc is None:
+            return found
+        dirs = sorted((self.tmp / "tmp").glob(f"{RUN_PREFIX}{self.proc.pid}-*/attempt*"),
+                      key=lambda p: int(p.name.removeprefix("attempt") or 0))
+        return rank_pids(dirs[-1], rank) if dirs else []
 
     def finish(self, row: Row, fault_at: float | None) -> Row:
         assert self.proc is not None

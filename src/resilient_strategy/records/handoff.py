@@ -259,6 +259,23 @@ def error_path(run_dir: str | Path, local_rank: int) -> Path:
     return Path(run_dir) / f"rank{local_rank}.error.json"
 
 
+def pid_path(run_dir: str | Path, local_rank: int) -> Path:
+    """Where a worker of ``run`` says which process it is (``rank<N>.pid``)."""
+    return Path(run_dir) / f"rank{local_rank}.pid"
+
+
+def write_pid(run_dir: str | Path, local_rank: int, rank: int) -> None:
+    """The worker's process id and ranks, in its run directory, for whoever must find "the
+    process of rank N" from outside (a warm-started worker's ``/proc/<pid>/environ`` shows the
+    fork server's environment, not its RANK). Best effort; never raises."""
+    with contextlib.suppress(OSError, ValueError):
+        path = pid_path(run_dir, local_rank)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"pid": os.getpid(), "rank": rank, "local_rank": local_rank}),
+                       encoding="utf-8")
+        os.replace(tmp, path)
+
+
 CHECKPOINT_NOTE = "checkpoint.json"
 
 

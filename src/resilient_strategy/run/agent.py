@@ -46,6 +46,7 @@ from .verdicts import (
     diverged,
     step_in_progress,
 )
+from .warm import START_METHOD, applies, start_server
 from .watch import TrainingWatch, torch_timeouts
 
 log = logging.getLogger("resilient_strategy")
@@ -63,6 +64,10 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
     watch = TrainingWatch([str(progress_path(run_dir, r)) for r in range(nproc)],
                           opts.stall_timeout_s, busy_s=opts.busy_timeout_s)
     agent_cls = _agent_class()
+    warm = opts.warm_start and applies(decision.framework)
+    if warm:  # once per supervisor, before this attempt sets its own variables; its files in
+        # "rs-run-<pid>-m" beside the session "rs-run-<pid>-XXXX" (swept as the session is)
+        start_server(session.with_name(session.name.rpartition("-")[0] + "-m"))
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -124,15 +129,23 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
         phases.mark(marks, phases.WORKERS_STOPPED)
         return _peer_verdict(left.fault, peer)
     fixed_membership(handler)
+    worker_args = ("--supervisor", str(os.getpid()), str(run_dir / "decision.json"), opts.script,
+                   *opts.script_args)
+    entrypoint: Any = sys.executable
+    if warm:  # the worker as a function, forked from the fork server (run/warm.py)
+        from .worker import warm_main
+
+        entrypoint = warm_main
+    else:
+        worker_args = ("-u", "-m", "resilient_strategy.run.worker", *worker_args)
     spec = WorkerSpec(
-        role=config.role, local_world_size=nproc, entrypoint=sys.executable,
-        args=("-u", "-m", "resilient_strategy.run.worker", "--supervisor", str(os.getpid()),
-              str(run_dir / "decision.json"), opts.script, *opts.script_args),
+        role=config.role, local_world_size=nproc, entrypoint=entrypoint, args=worker_args,
         rdzv_handler=handler, max_restarts=0,
         monitor_interval=config.monitor_interval, master_addr=master_addr,
         master_port=master_port, local_addr=config.local_addr)
-    agent = agent_cls(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
-                      watch=watch, peer=peer, run_dir=run_dir, nproc=nproc,
+    agent = agent_cls(spec=spec, logs_specs=config.logs_specs,
+                      start_method=START_METHOD if warm else config.start_method,
+                      watch=watch, peer=peer, run_dir=run_dir, nproc=nproc, warm=warm,
                       **shutdown_grace(config))
     timeouts = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PROCESS_GROUP_TIMEOUT,
                               watch.busy_s, decision.framework)
@@ -466,9 +479,14 @@ def _agent_class() -> type[Any]:
 
     class SupervisedAgent(LocalElasticAgent):
         def __init__(self, *args: Any, watch: TrainingWatch, peer: PeerWatch | None = None,
-                     run_dir: Path | None = None, nproc: int = 0, **kwargs: Any) -> None:
+                     run_dir: Path | None = None, nproc: int = 0, warm: bool = False,
+                     **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.nproc = nproc
+            #: the workers are forked from the fork server (run/warm.py), the entry point a
+            #: function whose arguments start with the environment they must have
+            self.warm = warm
+            self._worker_args: tuple[Any, ...] | None = None
             #: the local rank whose error record stopped the group (it raised), if one did
             self.raised: int | None = None
             self.watch = watch
@@ -503,6 +521,11 @@ def _agent_class() -> type[Any]:
                 raise rendezvous_exit(f"the rendezvous was left: {left}") from None
 
         def _start_workers(self, worker_group: Any) -> Any:
+            if self.warm:  # a fresh worker's environment: this process's, now (then the agent's)
+                spec = worker_group.spec
+                if self._worker_args is None:
+                    self._worker_args = tuple(spec.args)
+                spec.args = (dict(os.environ), *self._worker_args)
             started = super()._start_workers(worker_group)
             if (marks := self._marks()) is not None:
                 phases.mark(marks, phases.WORKERS_STARTED)
@@ -515,8 +538,47 @@ def _agent_class() -> type[Any]:
                 phases.mark(marks, phases.FAULT_SEEN)
             return result
 
-        def _watched(self, worker_group: Any) -> Any:
+        def _forked(self) -> list[Any]:
+            """A warm start's worker processes (multiprocessing's), or none."""
+            pc = getattr(self._pcontext, "_pc", None) if self.warm else None
+            return list(getattr(pc, "processes", None) or ())
+
+        def _warm_monitor(self, worker_group: Any) -> Any:
+            """torch's look at forked workers, with two differences from started ones
+            smoothed: a worker that failed makes torch stop the others at once (SIGTERM,
+            within this call), so a stopped peer is continued first to get it, as `_shutdown`
+            does; and a worker that exited 0 without handing back a return value (the
+            script's ``os._exit(0)``) would keep torch waiting for it forever (and the workers
+            that did hand theirs back waiting for torch): once every worker has exited 0 or
+            handed its value back, they succeeded."""
+            procs = self._forked()
+            if any(p.exitcode not in (None, 0) for p in procs):
+                for p in procs:
+                    if p.exitcode is None and p.pid:
+                        with contextlib.suppress(OSError):
+                            os.kill(p.pid, signal.SIGCONT)
             result = super()._monitor_workers(worker_group)
+            if result.state != WorkerState.HEALTHY or not procs:
+                return result
+            returned = set(getattr(self._pcontext, "_return_values", None) or ())
+            exited = {i for i, p in enumerate(procs) if p.exitcode == 0}
+            if exited - returned and len(exited | returned) == len(procs):
+                with contextlib.suppress(Exception):  # the workers that returned may exit
+                    self._pcontext._worker_finished_event.set()  # type: ignore[union-attr]
+                with contextlib.suppress(Exception):
+                    if self._pcontext is not None:
+                        self._pcontext.close()
+                return RunResult(state=WorkerState.SUCCEEDED, return_values={
+                    w.global_rank: None for w in worker_group.workers})
+            return result
+
+        def _look(self, worker_group: Any) -> Any:
+            """torch's look at the workers (forked ones: `_warm_monitor`)."""
+            return (self._warm_monitor(worker_group) if self.warm
+                    else super()._monitor_workers(worker_group))
+
+        def _watched(self, worker_group: Any) -> Any:
+            result = self._look(worker_group)
             if (self.stall is None and self.raised is None and self.run_dir is not None
                     and result.state in (WorkerState.HEALTHY, WorkerState.FAILED)):
                 # a rank that raised wrote its error record before any barrier or teardown
@@ -530,7 +592,7 @@ def _agent_class() -> type[Any]:
                         return result  # the exits seen with it are part of the story
                     # a peer that exited before the record was written (the root cause of
                     # its "connection closed") is seen by a second look, after the record
-                    again = super()._monitor_workers(worker_group)
+                    again = self._look(worker_group)
                     if again.state == WorkerState.FAILED:
                         return again
                     self._remaining_restarts = 0

@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
-from ..core.call.arguments import run_options_from
+from ..core.call.arguments import WARM_START_VAR, env_flag, run_options_from
 from ..core.call.options import DEFAULT_FAULT_WINDOW, RunOptions
 from ..errors import InvalidOptionError
 from ..machine import env
@@ -127,6 +127,11 @@ def _ours(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="the model's parameter bytes, for memory planning")
     p.add_argument("--optimizer-state-factor", type=float, default=None,
                    help="optimizer state per gradient byte (AdamW: 2, the default)")
+    p.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=None,
+                   help="fork a torch job's workers, every attempt's, from one server that "
+                        "imported torch once, so that a relaunch does not import torch again "
+                        "(default: on; --no-warm-start or RESILIENT_STRATEGY_WARM_START=0 "
+                        "starts fresh interpreters)")
     p.add_argument("--logical-cpus", type=int, default=0,
                    help="TensorFlow test mode: plan for N logical CPU devices (the script "
                         "passes logical_cpus=N too)")
@@ -153,6 +158,7 @@ def options_from_args(argv: Sequence[str]) -> RunOptions:
         ns.master_port = None
     if with_torch:
         check_node_options(ns)
+    warm = _warm_start(ns, ours)
     framework = ns.framework
     if framework is None:
         with contextlib.suppress(OSError, UnicodeDecodeError):
@@ -168,10 +174,34 @@ def options_from_args(argv: Sequence[str]) -> RunOptions:
         gradient_bytes=ns.gradient_bytes, probe_timeout=ns.probe_timeout,
         logical_cpus=ns.logical_cpus, torchrun=ns if with_torch else None, sharding=ns.sharding,
         param_bytes=ns.param_bytes, optimizer_state_factor=ns.optimizer_state_factor,
-        offload=ns.offload, busy_timeout=ns.busy_timeout)
+        offload=ns.offload, busy_timeout=ns.busy_timeout, warm_start=warm)
     return replace(opts, min_throughput=ns.min_throughput, allow_cpu=bool(ns.allow_cpu),
                    max_attempts_without_progress=ns.max_attempts_without_progress,
                    fault_window=ns.fault_window, evidence_dir=ns.evidence_dir)  # validated by RunOptions, as every option
+
+
+#: The start method of a warm start (run/warm.py): torch's agent starts a function entry point
+#: with it (torchrun's ``--start-method``, which a script entry point ignores).
+WARM_START_METHOD = "forkserver"
+
+
+def _warm_start(ns: argparse.Namespace, ours: Sequence[str]) -> bool | None:
+    """``--warm-start`` as given (None: not given, the environment or the default decides).
+    A warm start forks its workers through torch's ``forkserver`` start method: a
+    ``--start-method`` the user gave that is another one turns it off, and asking for both is
+    an error (the user's argument is never overridden)."""
+    warm: bool | None = ns.warm_start
+    given = next((t for t in ours if t.split("=")[0] in ("--start-method", "--start_method")),
+                 None)
+    method = str(getattr(ns, "start_method", WARM_START_METHOD))
+    if given is None or method == WARM_START_METHOD or warm is False:
+        return warm
+    if warm or env_flag(env.snapshot(), WARM_START_VAR, False):
+        raise InvalidOptionError(
+            f"--start-method {method} and a warm start (--warm-start or {WARM_START_VAR}=1) "
+            f"disagree: a warm start forks its workers with {WARM_START_METHOD}; drop one of "
+            "them", "--start-method")
+    return False
 
 
 def _one_line_error(message: str) -> NoReturn:

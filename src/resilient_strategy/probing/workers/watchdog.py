@@ -46,3 +46,39 @@ def watch_parent(expected_parent: int | None = None, interval_s: float = 0.2) ->
                 os._exit(EXIT_PARENT_GONE)
 
     threading.Thread(target=check, name="rs-parent-watchdog", daemon=True).start()
+
+
+def watch_process(pid: int, interval_s: float = 0.2) -> None:
+    """Exit (code 3) as soon as process ``pid`` (not necessarily the parent) ends: a daemon
+    thread waits on its pidfd where the OS has one (Linux >= 5.3: readable once it ends, a
+    zombie too), else polls ``kill(pid, 0)``. A process already gone exits at once."""
+    fd: int | None = None
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        fd = None
+    if fd is None and not _alive(pid):
+        os._exit(EXIT_PARENT_GONE)
+
+    def check() -> None:
+        if fd is not None:
+            import select
+
+            while not select.select([fd], [], [], interval_s * 25)[0]:
+                pass
+            os._exit(EXIT_PARENT_GONE)
+        while _alive(pid):
+            time.sleep(interval_s)
+        os._exit(EXIT_PARENT_GONE)
+
+    threading.Thread(target=check, name="rs-supervisor-watchdog", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
