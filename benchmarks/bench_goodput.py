@@ -62,6 +62,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from resilient_strategy.machine.procs import pids_with_env  # noqa: E402
+from resilient_strategy.run.supervisor import RUN_PREFIX  # noqa: E402
+from resilient_strategy.run.warm import rank_pids  # noqa: E402
 
 TAG_VAR = "RS_GOODPUT_TAG"
 BAD_IFNAME = "rsbench0"  # an interface no machine has
@@ -277,8 +279,18 @@ class Job:
             time.sleep(0.01)
         return False
 
+    def rank_pids(self, rank: int) -> list[int]:
+        """By RANK in /proc/<pid>/environ; else (run's warm start: a forked worker's environ is
+        its fork server's) by the pid each worker writes to its attempt's directory."""
+        found = pids_with_env({TAG_VAR: self.tag, "RANK": str(rank)})
+        if found or self.proc is None:
+            return found
+        dirs = sorted((self.tmp / "tmp").glob(f"{RUN_PREFIX}{self.proc.pid}-*/attempt*"),
+                      key=lambda p: int(p.name.removeprefix("attempt") or 0))
+        return rank_pids(dirs[-1], rank) if dirs else []
+
     def workers(self) -> list[int]:
-        return [p for r in (0, 1) for p in pids_with_env({TAG_VAR: self.tag, "RANK": str(r)})]
+        return [p for r in (0, 1) for p in self.rank_pids(r)]
 
     def _log_size(self) -> int:
         try:
@@ -403,7 +415,7 @@ def _signal(sig: signal.Signals, broken_env: bool = False
         workers = job.workers()
         if broken_env:
             (job.marks / "broken_env").write_text("1")
-        for pid in pids_with_env({TAG_VAR: job.tag, "RANK": "1"}):
+        for pid in job.rank_pids(1):
             os.kill(pid, sig)
         return time.time(), workers
     return make
