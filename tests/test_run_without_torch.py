@@ -161,7 +161,7 @@ def test_the_one_process_agent_keeps_a_stall_whose_error_came_from_the_stop(
     """run/solo.py judges an error record as torch's path does (agent.raised_before): one
     written after the stalled worker was stopped is what the stop did to it, not the story."""
     from resilient_strategy.core.call.options import RunOptions
-    from resilient_strategy.records.handoff import Decision, error_path, write_decision
+    from resilient_strategy.records.handoff import HandedDecision, error_path, write_decision
     from resilient_strategy.run.solo import launch_one
     from resilient_strategy.run.verdicts import VerdictKind
 
@@ -169,7 +169,7 @@ def test_the_one_process_agent_keeps_a_stall_whose_error_came_from_the_stop(
     script.write_text(_STOPPED_THEN_RAISES, encoding="utf-8")
     run_dir = tmp_path / "attempt0"
     run_dir.mkdir()
-    decision = Decision(framework="tensorflow", chosen="tensorflow:single_device:0",
+    decision = HandedDecision(framework="tensorflow", chosen="tensorflow:single_device:0",
                         results={}, run_dir=str(run_dir))
     write_decision(run_dir / "decision.json", decision)
     verdict = launch_one(RunOptions(str(script), stall_timeout_s=1.0), decision, grace_s=10.0)

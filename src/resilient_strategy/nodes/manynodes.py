@@ -200,7 +200,7 @@ class _Node:
             nodes[k] = self.channel.take(f"hello/{k}", window, f"node {k} did not join", who=k)
 
         def across(spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
-            if spec.candidate.split(":")[1].endswith("/node0"):  # node 0 alone: no round
+            if spec.identity.node_local:  # node 0 alone: no round
                 return self.local_prober(spec, env)
             self.rounds += 1
             n = self.rounds

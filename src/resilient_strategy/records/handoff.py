@@ -28,7 +28,7 @@ from typing import Any
 from ..core.knowledge.signatures import builtin_signatures
 from ..core.measures.probe import ProbeResult
 from ..core.values.bounded import parse_json, read_user_file
-from ..core.values.candidate import Candidate
+from ..core.values.candidate import Candidate, CandidateKey
 from ..core.values.facts import Facts
 from ..errors import InvalidOptionError, NoSpaceError, ResilientStrategyError
 from . import phases
@@ -53,7 +53,7 @@ FORMAT_VERSION = 1
 
 
 @dataclass(frozen=True)
-class Decision:
+class HandedDecision:
     """What the supervisor decided, for the workers of one launch attempt."""
 
     framework: str
@@ -107,7 +107,7 @@ class Decision:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Decision:
+    def from_dict(cls, d: Mapping[str, Any]) -> HandedDecision:
         if d.get("version") != FORMAT_VERSION:
             raise ValueError(f"decision format {d.get('version')!r}, not {FORMAT_VERSION}")
         gbs = d.get("global_batch_size")
@@ -147,7 +147,7 @@ class Decision:
         the GPUs the decision is bound to (nothing when it is not bound)."""
         return {VISIBLE_VAR: self.visible_devices} if self.devices else {}
 
-    def renumbered(self) -> Decision:
+    def renumbered(self) -> HandedDecision:
         """The decision in a bound worker's numbering: the GPUs it is bound to are its CUDA
         ordinals 0..k-1, in order, so the chosen key and the probe results' keys name those.
         Results about other GPUs are left out (the worker cannot see them)."""
@@ -174,14 +174,11 @@ VISIBLE_VAR = "CUDA_VISIBLE_DEVICES"
 def renumber_key(key: str, devices: tuple[int, ...]) -> str | None:
     """A candidate key (``framework:backend:devices[:env]``) with its GPUs renumbered to their
     positions in ``devices``; None when it names a GPU outside them. A key on the CPU is kept."""
-    parts = key.split(":", 3)
-    if len(parts) < 3 or parts[2] == "cpu":
+    parsed = CandidateKey.read(key)
+    if parsed is None:
         return key
-    try:
-        mine = [devices.index(int(d)) for d in parts[2].split(",")]
-    except ValueError:
-        return None
-    return ":".join([parts[0], parts[1], ",".join(map(str, mine)), *parts[3:]])
+    mine = parsed.renumbered(devices)
+    return None if mine is None else mine.format()
 
 
 def binding(candidate: Candidate, facts: Facts, env: Mapping[str, str]) -> tuple[
@@ -214,7 +211,7 @@ def bound_devices_value(devices: tuple[int, ...], gpus: Sequence[tuple[int, str,
     return ",".join(by_ordinal[d][0] or str(by_ordinal[d][1]) for d in devices)
 
 
-def write_decision(path: str | Path, decision: Decision) -> None:
+def write_decision(path: str | Path, decision: HandedDecision) -> None:
     """Atomically (temp file + rename in the same directory). A full or read-only filesystem
     is a NoSpaceError naming the file (the previous decision, if any, is left whole)."""
     path = Path(path)
@@ -235,14 +232,14 @@ def write_decision(path: str | Path, decision: Decision) -> None:
         raise typed from exc
 
 
-def load_decision(env: Mapping[str, str], state: WorkerState | None = None) -> Decision | None:
+def load_decision(env: Mapping[str, str], state: WorkerState | None = None) -> HandedDecision | None:
     """The handed decision when this process is a worker of ``resilient-strategy run``."""
     return (state or WORKER).load_decision(env)
 
 
 def bound_env(env: Mapping[str, str], state: WorkerState | None = None) -> dict[str, str]:
     """In a worker, before the script runs (before CUDA starts): the variables of the GPUs its
-    decision is bound to (`Decision.worker_env`). A decision that cannot be read binds
+    decision is bound to (`HandedDecision.worker_env`). A decision that cannot be read binds
     nothing here: ``resilient_strategy()`` in the script says why it cannot be read."""
     try:
         decision = load_decision(env, state)
@@ -455,24 +452,24 @@ class WorkerState:
     both). The public functions use the default instance, `WORKER`; a test makes its own."""
 
     def __init__(self) -> None:
-        self.loaded: dict[str, Decision] = {}
+        self.loaded: dict[str, HandedDecision] = {}
         self.reporters: list[TrainingReporter] = []
 
-    def load_decision(self, env: Mapping[str, str]) -> Decision | None:
+    def load_decision(self, env: Mapping[str, str]) -> HandedDecision | None:
         path = env.get(DECISION_VAR)
         if not path:
             return None
         if path not in self.loaded:
             try:  # bounded, and only a regular file: /dev/zero or a FIFO is refused, not read
                 data = read_user_file(Path(path), MAX_DECISION_BYTES)
-                self.loaded[path] = Decision.from_dict(parse_json(data, path, allow_nan=True))
+                self.loaded[path] = HandedDecision.from_dict(parse_json(data, path, allow_nan=True))
             except (OSError, ValueError, KeyError, TypeError, ResilientStrategyError) as exc:
                 raise InvalidOptionError(
                     f"{DECISION_VAR}={path[:200]!r}: cannot read the decision handed down by "
                     f"`resilient-strategy run`: {exc}", DECISION_VAR) from None
         return self.loaded[path]
 
-    def reporter_for(self, decision: Decision, rank: int, local_rank: int, backend: str,
+    def reporter_for(self, decision: HandedDecision, rank: int, local_rank: int, backend: str,
                      replicas: int, env: Mapping[str, str]) -> TrainingReporter:
         if not self.reporters:
             self.reporters.append(TrainingReporter(
@@ -491,7 +488,7 @@ class WorkerState:
 WORKER = WorkerState()
 
 
-def reporter_for(decision: Decision, rank: int, local_rank: int, backend: str, replicas: int,
+def reporter_for(decision: HandedDecision, rank: int, local_rank: int, backend: str, replicas: int,
                  env: Mapping[str, str], state: WorkerState | None = None) -> TrainingReporter:
     """This process's reporter (one per process: a second resilient_strategy() call reuses it).
     Files are named by local rank: each node's supervisor watches its own workers."""

@@ -21,9 +21,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..core.call.options import DEFAULT_PROCESS_GROUP_TIMEOUT, RunOptions
 from ..core.values.bounded import parse_json
+from ..core.values.candidate import CandidateKey
+from ..machine import env as machine_env
 from ..records import flight, phases
 from ..records.flightdump import DumpStatus, RankDump, analyse, divergence
-from ..records.handoff import Decision, error_path, progress_path
+from ..records.handoff import HandedDecision, error_path, progress_path
 from ..records.progress import (
     Stall,
     read_record,
@@ -52,7 +54,7 @@ log = logging.getLogger("resilient_strategy")
 T = TypeVar("T")
 
 
-def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
+def launch(opts: RunOptions, decision: HandedDecision, env: Mapping[str, str],
             session: Path, peer: PeerWatch | None = None, *, alone: bool = False) -> Verdict:
     """One attempt. ``peer``: the other nodes' fault records, watched while the workers run;
     ``alone``: node 0 of a multi-node run trains by itself (one node, its own rendezvous)."""
@@ -101,12 +103,12 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
         from ..nodes.routes import route_address
 
         ns.local_addr = route_address(str(ns.rdzv_endpoint).rpartition(":")[0].strip("[]"))
-    had_omp = "OMP_NUM_THREADS" in os.environ
+    before = machine_env.snapshot()  # torchrun sets OMP_NUM_THREADS: ours to remove again
     try:
         config, _, _ = torchrun.config_from_args(ns)
     finally:
-        if not had_omp and nproc == 1:
-            os.environ.pop("OMP_NUM_THREADS", None)
+        if nproc == 1:
+            machine_env.unset_added(TORCHRUN_VARS, before)
     rdzv = RendezvousParameters(
         backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
         min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
@@ -119,8 +121,7 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
     try:  # its store client connects to the endpoint: a node cut off waits here, watched
         handler = watched(lambda: rdzv_registry.get_rendezvous_handler(rdzv), peer)
     except LeftRendezvous as left:
-        if not had_omp:
-            os.environ.pop("OMP_NUM_THREADS", None)
+        machine_env.unset_added(TORCHRUN_VARS, before)
         phases.mark(marks, phases.WORKERS_STOPPED)
         return _peer_verdict(left.fault, peer)
     fixed_membership(handler)
@@ -134,29 +135,23 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
     agent = agent_cls(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
                       watch=watch, peer=peer, run_dir=run_dir, nproc=nproc,
                       **shutdown_grace(config))
-    timeouts = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PROCESS_GROUP_TIMEOUT,
-                              watch.busy_s, decision.framework)
-    # NCCL's flight recorder on (its dump is asked for before a stalled group is stopped)
     from ..machine.versions import detect_frameworks
 
     torch_version = detect_frameworks()[0].version  # metadata: the name this torch expects
-    timeouts.update(flight.buffer_env(_backend(decision.chosen), env, torch_version))
-    os.environ.update(timeouts)  # the workers inherit them; never one the user set
-    try:
+    # the workers inherit these for the attempt; never one the user set
+    with machine_env.setting(worker_env(decision, opts, watch.busy_s, env, torch_version)):
         try:
-            result = agent.run()
-        except Exception as exc:  # a torch without a quiet rendezvous exit raises it
-            if agent.peer_fault is None or type(exc).__name__ == "SignalException":
-                raise
-            result = None
-        phases.mark(marks, phases.WORKERS_STOPPED)
-    finally:
-        for k in timeouts:
-            os.environ.pop(k, None)
-        if peer is None or peer.reachable():  # a store gone quiet: not forever, not at all
-            within(spec.rdzv_handler.shutdown, RDZV_SHUTDOWN_S)
-        if not had_omp:
-            os.environ.pop("OMP_NUM_THREADS", None)
+            try:
+                result = agent.run()
+            except Exception as exc:  # a torch without a quiet rendezvous exit raises it
+                if agent.peer_fault is None or type(exc).__name__ == "SignalException":
+                    raise
+                result = None
+            phases.mark(marks, phases.WORKERS_STOPPED)
+        finally:
+            if peer is None or peer.reachable():  # a store gone quiet: not forever, not at all
+                within(spec.rdzv_handler.shutdown, RDZV_SHUTDOWN_S)
+            machine_env.unset_added(TORCHRUN_VARS, before)
     if agent.peer_fault is not None:  # another node saw the fault: this node stopped for it
         heard = _peer_verdict(agent.peer_fault, peer)
         if heard.step:
@@ -257,9 +252,27 @@ def watched(call: Callable[[], T], peer: PeerWatch | None) -> T:
     return out
 
 
+#: What torchrun's `config_from_args` sets in our own environment for its workers.
+TORCHRUN_VARS = ("OMP_NUM_THREADS",)
+
+
+def worker_env(decision: HandedDecision, opts: RunOptions, busy_s: float, env: Mapping[str, str],
+               torch_version: str | None) -> dict[str, str]:
+    """The variables an attempt's workers get from the supervisor (never one the user set, in
+    ``env``): the training's timeouts just above the watch's, and NCCL's flight recorder on
+    for a decision over NCCL, sharded (FSDP) or not (its dump is asked for before a stalled
+    group is stopped)."""
+    out = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PROCESS_GROUP_TIMEOUT, busy_s,
+                         decision.framework)
+    out.update(flight.buffer_env(_backend(decision.chosen), env, torch_version))
+    return out
+
+
 def _backend(key: str) -> str:
-    """A candidate key's backend ("torch:nccl:0,1" -> "nccl")."""
-    return key.split(":")[1] if key.count(":") >= 2 else key
+    """A candidate key's backend (``torch:nccl/fsdp:0,1`` -> ``nccl``: the marks of a sharded
+    or node-0 candidate are not part of its backend)."""
+    parsed = CandidateKey.read(key)
+    return key if parsed is None else parsed.backend
 
 
 #: How long a node waits for the others in an attempt's rendezvous, across nodes. The nodes have

@@ -35,7 +35,7 @@ from ..core.call.options import RunOptions
 from ..errors import ResilientStrategyError
 from ..machine import env
 from ..probing.proc import start_supervised, stop_groups
-from ..records.handoff import Decision, error_path, progress_path
+from ..records.handoff import HandedDecision, error_path, progress_path
 from ..records.progress import Stall, read_record
 from .agent import _read_json, _stderr_tail, dump_stacks, raised_before
 from .verdicts import RankExit, Verdict, classify_attempt
@@ -57,7 +57,7 @@ class SignalException(Exception):
         self.sigval = sigval
 
 
-def launch_one(opts: RunOptions, decision: Decision, *, poll_s: float = MONITOR_S,
+def launch_one(opts: RunOptions, decision: HandedDecision, *, poll_s: float = MONITOR_S,
                grace_s: float = STOP_GRACE_S) -> Verdict:
     """One attempt of a one-process decision: start, watch, stop, classify."""
     if decision.processes != 1 or decision.nodes != 1:

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.call.options import MIN_STALL_S, RunOptions
 from ..core.measures.probe import ERROR, ProbeResult
 from ..core.values.bounded import parse_json
-from ..core.values.candidate import Candidate
+from ..core.values.candidate import Candidate, CandidateKey
 from ..errors import (
     GpuUnusableError,
     MultiNodeError,
@@ -63,7 +63,7 @@ from ..errors import (
 )
 from ..machine import env as machine_env
 from ..records import phases
-from ..records.handoff import CHECKPOINT_NOTE, Decision, binding, write_decision
+from ..records.handoff import CHECKPOINT_NOTE, HandedDecision, binding, write_decision
 from ..records.trainfault import FAULT_VAR, TrainFault, check_rank, parse_fault
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ RUN_PREFIX = "rs-run-"
 class Choice:
     """A decision with what the relaunch policy needs of it: the candidate and its estimate."""
 
-    decision: Decision
+    decision: HandedDecision
     candidate: Candidate
     step_seconds: float  # estimated, per global batch (core/measures/estimate.py)
     left: int  # candidates left after this one
@@ -444,10 +444,12 @@ def _shown_path(path: Path) -> str:
 
 
 def _backend(key: str) -> str:
-    return key.split(":")[1] if key.count(":") >= 2 else key
+    """A candidate key's backend (``torch:nccl/fsdp:0,1`` -> ``nccl``)."""
+    parsed = CandidateKey.read(key)
+    return key if parsed is None else parsed.backend
 
 
-def _label(decision: Decision) -> str:
+def _label(decision: HandedDecision) -> str:
     return decision.label or decision.chosen
 
 
@@ -486,7 +488,7 @@ def _link(opts: RunOptions, facts: Any) -> NodeLink | None:
     return NodeLink.from_torchrun(opts.torchrun, nproc)
 
 
-def _alone(decision: Decision) -> bool:
+def _alone(decision: HandedDecision) -> bool:
     """Node 0 trains alone (one replica, accumulation keeping the global batch)."""
     return decision.nodes == 1
 
@@ -595,7 +597,7 @@ def _choice(opts: RunOptions, facts: Any, env: Mapping[str, str],
     if devices:  # FSDP over a subset that is not the first GPUs: its workers see only those
         _say(f"{p.chosen.label}: its {len(devices)} workers are bound to GPUs "
              f"{','.join(map(str, devices))} (CUDA_VISIBLE_DEVICES={visible})")
-    decision = Decision(
+    decision = HandedDecision(
         framework=o.framework, chosen=p.chosen.key, results=results, run_dir=str(run_dir),
         attempt=attempt, proven=proven, from_cache=from_cache, notes=notes,
         global_batch_size=o.global_batch_size, label=p.chosen.label,

@@ -494,9 +494,9 @@ class SimulatedProber:
         env_key = ",".join(f"{k}={v}" for k, v in spec.env)
         # a sharded candidate's own outcome ("nccl/fsdp") wins over its backend's ("nccl")
         names = [f"{spec.backend}/fsdp", spec.backend] if spec.sharded else [spec.backend]
-        if spec.candidate.split(":")[1].endswith("+offload"):  # its own outcome wins again
+        if spec.identity.offload:  # its own outcome wins again
             names.insert(0, f"{spec.backend}/fsdp+offload")
-        if spec.candidate.split(":")[1].endswith("/node0"):  # node 0 alone: its own outcome
+        if spec.identity.node_local:  # node 0 alone: its own outcome
             names.insert(0, f"{spec.backend}/node0")
         if spec.devices:  # "nccl/fsdp@0,1": on these GPUs only (the most specific)
             on = ",".join(map(str, spec.devices))
