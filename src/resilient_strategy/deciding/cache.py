@@ -313,8 +313,7 @@ class DecisionCache:
                         before.st_ino, before.st_size, before.st_mtime_ns)
                 else:
                     same = files.read_bytes(path, max_bytes=files.MAX_CACHE_BYTES) == raw
-                if same:
-                    os.replace(path, aside)
+                if same and files.set_aside(path, aside):
                     return aside
         except (OSError, UnsafePathError, FileFormatError):
             pass

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.measures.probe import ProbeResult, ProbeSpec
 from ..errors import MultiNodeError, NodeLostError, NodeMismatchError, ResilientStrategyError
+from ..vocab import PROCESS_GROUP_BACKENDS
 
 if TYPE_CHECKING:
     from ..core.call.options import Options
@@ -169,7 +170,7 @@ class _Node:
         t0 = time.monotonic()
         here = replace(spec, env=tuple(between_nodes(spec.backend, dict(spec.env), self.env).items()))
         local = None
-        if self.job.local_world > 1 and spec.backend in ("nccl", "gloo"):
+        if self.job.local_world > 1 and spec.backend in PROCESS_GROUP_BACKENDS:
             local = self.local_prober(replace(here, world_size=self.job.local_world), self.env)
         mine_ok = local is None or local.ok
         self.channel.put(f"r{n}/local/{self.job.node}", {"ok": mine_ok})

@@ -52,6 +52,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..errors import NoSpaceError
+from ..machine import files
 from .flightdump import Dump, DumpStatus, RankDump, merge_dumps, parse_dump
 
 log = logging.getLogger("resilient_strategy")
@@ -170,24 +172,18 @@ def respond(run_dir: str | Path, local_rank: int, rank: int, c10d: Any = None) -
                 data = fn()  # everything: collectives, their stacks, completed ones too
                 if not isinstance(data, (bytes, bytearray)):
                     raise TypeError(f"returned {type(data).__name__}, not bytes")
-                _write_atomic(dump_path(run_dir, local_rank, api), bytes(data))
+                files.write_bytes_atomic(dump_path(run_dir, local_rank, api), bytes(data),
+                                         durable=False, what="the flight recorder's dump")
                 status["apis"].append(api)
             except Exception as exc:
                 log.warning("flight recorder: %s failed: %s", api, exc)
                 status["reasons"].append(f"{api} failed: {type(exc).__name__}: {exc}"[:300])
         if not status["apis"] and not status["reasons"]:
             status["reasons"].append(f"this torch has none of {', '.join(DUMP_APIS)}")
-    with contextlib.suppress(OSError, TypeError, ValueError):
-        _write_atomic(status_path(run_dir, local_rank), json.dumps(status).encode())
+    with contextlib.suppress(OSError, NoSpaceError, TypeError, ValueError):
+        files.write_json_atomic(status_path(run_dir, local_rank), status, durable=False,
+                                what="the flight recorder's status")
     return status
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-    os.replace(tmp, path)
 
 
 # the supervisor's side: ask, wait, read

@@ -15,9 +15,7 @@ the supervisor classifies (`write_error`).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -31,6 +29,7 @@ from ..core.values.bounded import parse_json, read_user_file
 from ..core.values.candidate import Candidate, CandidateKey
 from ..core.values.facts import Facts
 from ..errors import InvalidOptionError, NoSpaceError, ResilientStrategyError
+from ..machine import files
 from . import phases
 from .progress import (
     COLLECTIVE,
@@ -214,22 +213,8 @@ def bound_devices_value(devices: tuple[int, ...], gpus: Sequence[tuple[int, str,
 def write_decision(path: str | Path, decision: HandedDecision) -> None:
     """Atomically (temp file + rename in the same directory). A full or read-only filesystem
     is a NoSpaceError naming the file (the previous decision, if any, is left whole)."""
-    path = Path(path)
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump(decision.to_dict(), fh, indent=1, sort_keys=True)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-    except OSError as exc:
-        typed = NoSpaceError.from_os_error(exc, str(path), "the decision handed to the workers")
-        if typed is None:
-            raise
-        raise typed from exc
+    files.write_json_atomic(path, decision.to_dict(), indent=1, sort_keys=True, durable=False,
+                            what="the decision handed to the workers")
 
 
 def load_decision(env: Mapping[str, str], state: WorkerState | None = None) -> HandedDecision | None:
@@ -265,11 +250,10 @@ def note_checkpoint(step: int, path: str | Path, state: WorkerState | None = Non
     if not loaded:
         return
     decision = next(iter(loaded.values()))
-    with contextlib.suppress(OSError):
-        note = Path(decision.run_dir) / CHECKPOINT_NOTE
-        tmp = note.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"step": step, "path": str(path)}), encoding="utf-8")
-        os.replace(tmp, note)
+    with contextlib.suppress(OSError, NoSpaceError):
+        files.write_json_atomic(Path(decision.run_dir) / CHECKPOINT_NOTE,
+                                {"step": step, "path": str(path)}, durable=False,
+                                what="the checkpoint note")
 
 
 #: At most this many exceptions of a chain (``__cause__`` / ``__context__``) are recorded, and
@@ -350,11 +334,9 @@ def write_error(run_dir: str | Path, local_rank: int, exc: BaseException,
     }
     with contextlib.suppress(Exception):  # the chain is extra: the record goes without it
         record["chain"] = exception_chain(exc)
-    with contextlib.suppress(OSError, TypeError, ValueError):
-        path = error_path(run_dir, local_rank)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record), encoding="utf-8")
-        os.replace(tmp, path)
+    with contextlib.suppress(OSError, NoSpaceError, TypeError, ValueError):
+        files.write_json_atomic(error_path(run_dir, local_rank), record, durable=False,
+                                what="the rank's error record")
 
 
 @dataclass

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ..errors import NoSpaceError
+from ..machine import files
 
 # The supervisor's phases of one attempt, in order.
 AGENT_STARTED = "agent_started"  # the attempt's agent is being built (launch() entered)
@@ -57,11 +59,8 @@ def mark(path: str | Path, phase: str, at: float | None = None) -> None:
     if phase in marks:
         return
     marks[phase] = time.time() if at is None else at
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with contextlib.suppress(OSError):
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(marks, fh)
-        os.replace(tmp, path)
+    with contextlib.suppress(OSError, NoSpaceError):
+        files.write_json_atomic(path, marks, durable=False, what="the phase marks")
 
 
 def read_marks(path: str | Path) -> dict[str, float]:

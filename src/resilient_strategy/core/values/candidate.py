@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ...vocab import MULTI_BACKENDS, MULTI_WORKER_BACKENDS
+from ...vocab import MULTI_BACKENDS, MULTI_WORKER_BACKENDS, Backend, backend_named
 
 #: The marks a key's backend segment may carry after the backend's name, in this order.
 SHARDED_MARK, OFFLOAD_MARK, NODE0_MARK = "/fsdp", "+offload", "/node0"
@@ -19,7 +19,7 @@ class CandidateKey:
     exactly. The one reader of a key: nothing else splits one by hand."""
 
     framework: str
-    backend: str
+    backend: Backend
     devices: tuple[int, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     sharded: bool = False
@@ -38,8 +38,8 @@ class CandidateKey:
         offload = segment.endswith(OFFLOAD_MARK)
         segment = segment.removesuffix(OFFLOAD_MARK) if offload else segment
         sharded = segment.endswith(SHARDED_MARK)
-        backend = segment.removesuffix(SHARDED_MARK) if sharded else segment
-        if not backend or "/" in backend or "+" in backend:
+        backend = backend_named(segment.removesuffix(SHARDED_MARK) if sharded else segment)
+        if backend is None:
             raise ValueError(f"not a candidate key: {text!r}")
         if devs == "cpu":
             devices: tuple[int, ...] = ()
@@ -103,7 +103,7 @@ class Candidate:
     """One way to train: a backend on devices, with its env and batch split."""
 
     framework: str
-    backend: str
+    backend: Backend
     devices: tuple[int, ...]
     env: tuple[tuple[str, str], ...] = ()
     num_replicas: int = 1
