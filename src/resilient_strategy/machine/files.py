@@ -63,6 +63,7 @@ MAX_REPORT_BYTES = 1 << 20
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+#: Process-wide by nature: a warning is said once per process (`warn_once`), whoever asks.
 _warned: set[str] = set()
 
 

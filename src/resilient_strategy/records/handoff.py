@@ -42,6 +42,7 @@ from .progress import (
     DevicePoller,
     ProgressWriter,
 )
+from .rundir import RunDir
 from .trainfault import TrainFault, fault_from
 
 #: Private: set by the worker wrapper in the worker's own process, never by the user.
@@ -233,15 +234,6 @@ def bound_env(env: Mapping[str, str], state: WorkerState | None = None) -> dict[
     return {} if decision is None else decision.worker_env()
 
 
-def progress_path(run_dir: str | Path, local_rank: int) -> Path:
-    return Path(run_dir) / f"rank{local_rank}.progress"
-
-
-def error_path(run_dir: str | Path, local_rank: int) -> Path:
-    return Path(run_dir) / f"rank{local_rank}.error.json"
-
-
-CHECKPOINT_NOTE = "checkpoint.json"
 
 
 def note_checkpoint(step: int, path: str | Path, state: WorkerState | None = None) -> None:
@@ -251,7 +243,7 @@ def note_checkpoint(step: int, path: str | Path, state: WorkerState | None = Non
         return
     decision = next(iter(loaded.values()))
     with contextlib.suppress(OSError, NoSpaceError):
-        files.write_json_atomic(Path(decision.run_dir) / CHECKPOINT_NOTE,
+        files.write_json_atomic(RunDir.of(decision.run_dir).checkpoint_note,
                                 {"step": step, "path": str(path)}, durable=False,
                                 what="the checkpoint note")
 
@@ -335,7 +327,7 @@ def write_error(run_dir: str | Path, local_rank: int, exc: BaseException,
     with contextlib.suppress(Exception):  # the chain is extra: the record goes without it
         record["chain"] = exception_chain(exc)
     with contextlib.suppress(OSError, NoSpaceError, TypeError, ValueError):
-        files.write_json_atomic(error_path(run_dir, local_rank), record, durable=False,
+        files.write_json_atomic(RunDir.of(run_dir).error(local_rank), record, durable=False,
                                 what="the rank's error record")
 
 
@@ -455,10 +447,10 @@ class WorkerState:
                      replicas: int, env: Mapping[str, str]) -> TrainingReporter:
         if not self.reporters:
             self.reporters.append(TrainingReporter(
-                ProgressWriter(str(progress_path(decision.run_dir, local_rank))), rank=rank,
+                ProgressWriter(str(RunDir.of(decision.run_dir).progress(local_rank))), rank=rank,
                 backend=backend, collective=replicas > 1, fault=fault_from(env),
                 attempt=decision.attempt,
-                phases=str(phases.worker_path(decision.run_dir, local_rank)),
+                phases=str(RunDir.of(decision.run_dir).phases(local_rank)),
             ))
         return self.reporters[0]
 

@@ -25,11 +25,12 @@ from ..core.values.candidate import CandidateKey
 from ..machine import env as machine_env
 from ..records import flight, phases
 from ..records.flightdump import DumpStatus, RankDump, analyse, divergence
-from ..records.handoff import HandedDecision, error_path, progress_path
+from ..records.handoff import HandedDecision
 from ..records.progress import (
     Stall,
     read_record,
 )
+from ..records.rundir import RunDir
 
 if TYPE_CHECKING:
     from .peers import PeerWatch
@@ -59,10 +60,11 @@ def launch(opts: RunOptions, decision: HandedDecision, env: Mapping[str, str],
     """One attempt. ``peer``: the other nodes' fault records, watched while the workers run;
     ``alone``: node 0 of a multi-node run trains by itself (one node, its own rendezvous)."""
     run_dir = Path(decision.run_dir)
-    marks = phases.supervisor_path(run_dir)
+    where = RunDir(run_dir)
+    marks = where.supervisor_phases
     phases.mark(marks, phases.AGENT_STARTED)
     nproc = decision.processes
-    watch = TrainingWatch([str(progress_path(run_dir, r)) for r in range(nproc)],
+    watch = TrainingWatch([str(where.progress(r)) for r in range(nproc)],
                           opts.stall_timeout_s, busy_s=opts.busy_timeout_s)
     agent_cls = _agent_class()
     from torch.distributed import run as torchrun
@@ -73,7 +75,7 @@ def launch(opts: RunOptions, decision: HandedDecision, env: Mapping[str, str],
     ns = argparse.Namespace(**vars(opts.torchrun or parser().parse_args([opts.script])))
     ns.nproc_per_node = str(nproc)
     ns.max_restarts = 0  # a relaunch is ours, on another candidate
-    ns.log_dir = str(run_dir / "logs")
+    ns.log_dir = str(where.logs)
     if str(getattr(ns, "redirects", "0") or "0") == "0" and str(getattr(ns, "tee", "0")
                                                                 or "0") == "0":
         ns.tee = "2"  # stderr to the console and to a file we can read (torch's default: "0")
@@ -128,7 +130,7 @@ def launch(opts: RunOptions, decision: HandedDecision, env: Mapping[str, str],
     spec = WorkerSpec(
         role=config.role, local_world_size=nproc, entrypoint=sys.executable,
         args=("-u", "-m", "resilient_strategy.run.worker", "--supervisor", str(os.getpid()),
-              str(run_dir / "decision.json"), opts.script, *opts.script_args),
+              str(where.decision), opts.script, *opts.script_args),
         rdzv_handler=handler, max_restarts=0,
         monitor_interval=config.monitor_interval, master_addr=master_addr,
         master_port=master_port, local_addr=config.local_addr)
@@ -157,10 +159,10 @@ def launch(opts: RunOptions, decision: HandedDecision, env: Mapping[str, str],
         if heard.step:
             return heard
         return replace(heard, step=step_in_progress(  # where this node's ranks were
-            [read_record(str(progress_path(run_dir, lr))) for lr in range(nproc)]))
+            [read_record(str(where.progress(lr))) for lr in range(nproc)]))
     stall: Stall | None = agent.stall
     if stall is not None and raised_before(
-            [_read_json(error_path(run_dir, lr)) for lr in range(nproc)], agent.stall_at):
+            [_read_json(where.error(lr)) for lr in range(nproc)], agent.stall_at):
         stall = None  # a rank raised and had not exited yet: its error is the story, not a stall
     exits: list[RankExit] = []
     if stall is None:
@@ -168,22 +170,22 @@ def launch(opts: RunOptions, decision: HandedDecision, env: Mapping[str, str],
                         else ()):
             lr = failure.local_rank
             exits.append(RankExit(
-                rank=lr, exitcode=failure.exitcode, error=_read_json(error_path(run_dir, lr)),
-                record=read_record(str(progress_path(run_dir, lr))),
-                stderr_tail=_stderr_tail(run_dir / "logs", lr)))
+                rank=lr, exitcode=failure.exitcode, error=_read_json(where.error(lr)),
+                record=read_record(str(where.progress(lr))),
+                stderr_tail=_stderr_tail(where, lr)))
         # ranks that raised but were stopped before the agent saw them exit left records too
         seen = {e.rank for e in exits}
         for lr in range(nproc):
-            err = _read_json(error_path(run_dir, lr))
+            err = _read_json(where.error(lr))
             if lr not in seen and err is not None:
                 exits.append(RankExit(rank=lr, exitcode=1, error=err,
-                                      record=read_record(str(progress_path(run_dir, lr))),
-                                      stderr_tail=_stderr_tail(run_dir / "logs", lr)))
+                                      record=read_record(str(where.progress(lr))),
+                                      stderr_tail=_stderr_tail(where, lr)))
         if not exits and (result is None or result.state.name != "SUCCEEDED"):
             state = "no state (the rendezvous ended)" if result is None else result.state.name
             return Verdict(VerdictKind.EXIT, f"the workers ended in state {state}")
     # finished only when every rank wrote "finished" after its last step (exit 0 is not enough)
-    records = [read_record(str(progress_path(run_dir, lr))) for lr in range(nproc)]
+    records = [read_record(str(where.progress(lr))) for lr in range(nproc)]
     verdict = classify_attempt(stall, exits, records)
     if stall is not None and agent.flight:
         verdict = replace(verdict, flight=analyse(agent.flight))
@@ -195,10 +197,10 @@ def launch(opts: RunOptions, decision: HandedDecision, env: Mapping[str, str],
     return verdict
 
 
-def first_raised(run_dir: Path, nproc: int) -> int | None:
+def first_raised(run_dir: Path | RunDir, nproc: int) -> int | None:
     """The lowest local rank that left an error record in this attempt's directory (it raised:
     the worker writes the record before any barrier or teardown), or None."""
-    return next((lr for lr in range(nproc) if error_path(run_dir, lr).exists()), None)
+    return next((lr for lr in range(nproc) if RunDir.of(run_dir).error(lr).exists()), None)
 
 
 def _peer_verdict(fault: PeerFault, peer: PeerWatch | None) -> Verdict:
@@ -361,8 +363,8 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _stderr_tail(log_dir: Path, local_rank: int, limit: int = 8192) -> str:
-    for path in log_dir.glob(f"**/{local_rank}/stderr.log"):
+def _stderr_tail(run_dir: Path | RunDir, local_rank: int, limit: int = 8192) -> str:
+    for path in RunDir.of(run_dir).stderr_logs(local_rank):
         with contextlib.suppress(OSError), open(path, "rb") as fh:
             fh.seek(0, os.SEEK_END)
             fh.seek(max(0, fh.tell() - limit))
@@ -414,7 +416,7 @@ def dump_stacks(pids: Mapping[int, int], run_dir: Path | None,
         time.sleep(STACKS_POLL_S)
         for lr in list(pending):
             try:
-                size = (run_dir / f"rank{lr}.stacks.txt").stat().st_size
+                size = RunDir(run_dir).stacks(lr).stat().st_size
             except OSError:
                 size = 0
             if size > 0 and sizes.get(lr) == size:
@@ -425,6 +427,8 @@ def dump_stacks(pids: Mapping[int, int], run_dir: Path | None,
     return pending
 
 
+#: The agent class, built once per process after torch is imported (`_agent_class`): a
+#: cache of a class, not state of a run.
 _AGENT: list[type[Any]] = []
 
 
@@ -500,7 +504,7 @@ def _agent_class() -> type[Any]:
                 return {}
 
         def _marks(self) -> Path | None:
-            return None if self.run_dir is None else phases.supervisor_path(self.run_dir)
+            return None if self.run_dir is None else RunDir(self.run_dir).supervisor_phases
 
         def _rendezvous(self, worker_group: Any) -> Any:
             """torch's rendezvous, in a thread of its own while this one watches the store: a

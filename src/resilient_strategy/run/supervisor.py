@@ -63,7 +63,8 @@ from ..errors import (
 )
 from ..machine import env as machine_env
 from ..records import phases
-from ..records.handoff import CHECKPOINT_NOTE, HandedDecision, binding, write_decision
+from ..records.handoff import HandedDecision, binding, write_decision
+from ..records.rundir import CHECKPOINT_NOTE, RunDir
 from ..records.trainfault import FAULT_VAR, TrainFault, check_rank, parse_fault
 
 if TYPE_CHECKING:
@@ -200,7 +201,7 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
         if peer is not None:
             verdict = verdict_with_peers(peer, decision.chosen, verdict)
             gone = peer.gone()
-        marks = phases.supervisor_path(decision.run_dir)
+        marks = RunDir.of(decision.run_dir).supervisor_phases
         phases.mark(marks, phases.VERDICT)
         label = _label(decision)
         if not verdict.ok:  # the fault's line first; its evidence is written below
@@ -290,7 +291,7 @@ def _retry(choice: Choice, session: Path, attempt: int, link: NodeLink | None,
     run_dir = session / f"attempt{attempt}"
     run_dir.mkdir()
     decision = replace(choice.decision, run_dir=str(run_dir), attempt=attempt, notes=tuple(notes))
-    write_decision(run_dir / "decision.json", decision)
+    write_decision(RunDir(run_dir).decision, decision)
     return replace(choice, decision=decision)
 
 
@@ -607,7 +608,7 @@ def _choice(opts: RunOptions, facts: Any, env: Mapping[str, str],
         node_trace=_node_trace(p.events) if agreed is not None else (),
         reference_replicas=p.reference_replicas, devices=devices, visible_devices=visible,
         **_memory_planning(opts, o.framework, facts))
-    write_decision(run_dir / "decision.json", decision)
+    write_decision(RunDir(run_dir).decision, decision)
     step_s = estimate(p.chosen, facts, results.get(p.chosen.key), o).step_seconds
     return Choice(decision, p.chosen, step_s, left, link, change)
 
