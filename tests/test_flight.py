@@ -26,6 +26,7 @@ from resilient_strategy.records.flightdump import (
     merge_dumps,
     parse_dump,
 )
+from resilient_strategy.records.rundir import RunDir
 from resilient_strategy.run.verdicts import Verdict, VerdictKind
 
 posix_only = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs")
@@ -163,8 +164,8 @@ def test_the_request_is_answered_by_the_workers_thread_and_bounded(tmp_path: Pat
     r0 = _dump([_entry(1, "completed"), _entry(2, "started")], 1)
     assert serve(tmp_path, 0, 0, _Api(_dump_nccl_trace=lambda: r0,
                                       _dump_fr_trace=lambda: _dump([], None)))
-    os.mkfifo(flight.fifo_path(tmp_path, 2))
-    silent = os.open(flight.fifo_path(tmp_path, 2), os.O_RDONLY | os.O_NONBLOCK)  # never answers
+    os.mkfifo(RunDir.of(tmp_path).flight_fifo(2))
+    silent = os.open(RunDir.of(tmp_path).flight_fifo(2), os.O_RDONLY | os.O_NONBLOCK)  # never answers
     try:
         got = request(tmp_path, [(0, 0), (1, 1), (2, 2)], wait_s=1.0)
     finally:
@@ -212,9 +213,9 @@ def test_the_evidence_file_keeps_the_facts_and_the_raw_dumps(tmp_path: Path) -> 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     data = _dump([_entry(1, "completed"), _entry(2, "started")], 1)
-    flight.dump_path(run_dir, 0, "_dump_nccl_trace").write_bytes(data)
+    RunDir.of(run_dir).flight_dump(0, "_dump_nccl_trace").write_bytes(data)
     rank0 = RankDump(0, 0, DumpStatus.DUMPED, dump=parse_dump(data),
-                     files=(str(flight.dump_path(run_dir, 0, "_dump_nccl_trace")),))
+                     files=(str(RunDir.of(run_dir).flight_dump(0, "_dump_nccl_trace")),))
     facts = analyse([rank0, RankDump(1, 1, DumpStatus.NO_ANSWER)])
     verdict = Verdict(VerdictKind.STALL, "stalled", 2, "timeout", ranks=(0, 1), flight=facts)
     evidence = Evidence(tmp_path / "evidence", "session")

@@ -32,12 +32,12 @@ def _no_probe(spec: object, env: object) -> ProbeResult:
 def _decision(tmp: Path, chosen: str, framework: str = "torch",
               global_batch_size: int | None = None) -> Path:
     results = {"torch:gloo:cpu": ProbeResult("torch:gloo:cpu", OK, 1.0, ranks=2)}
-    d = handoff.Decision(framework=framework, chosen=chosen, results=results, run_dir=str(tmp),
+    d = handoff.HandedDecision(framework=framework, chosen=chosen, results=results, run_dir=str(tmp),
                          attempt=1, notes=("Relaunched: NCCL failed mid-run at step 20.",),
                          label="x", processes=1, global_batch_size=global_batch_size)
     path = tmp / "decision.json"
     handoff.write_decision(path, d)
-    assert handoff.Decision.from_dict(json.loads(path.read_text())) == d
+    assert handoff.HandedDecision.from_dict(json.loads(path.read_text())) == d
     return path
 
 
@@ -85,7 +85,7 @@ def test_a_relaunch_on_fewer_replicas_says_the_split_it_trains(
     candidates and its Selection all carry the split it trains, the one of the supervisor's
     plan (the job's per-device batch, accumulating)."""
     results = {"torch:gloo:cpu": ProbeResult("torch:gloo:cpu", OK, 1.0, ranks=reference)}
-    d = handoff.Decision(framework="torch", chosen="torch:cpu:cpu", results=results,
+    d = handoff.HandedDecision(framework="torch", chosen="torch:cpu:cpu", results=results,
                          run_dir=str(tmp_path), attempt=1, label="CPU", processes=1,
                          reference_replicas=reference)
     handoff.write_decision(tmp_path / "decision.json", d)

@@ -284,7 +284,7 @@ def test_a_worker_follows_the_supervisors_sharding(tmp_path: Any, monkeypatch: A
     key = "torch:gloo/fsdp:cpu"
     results = {key: ProbeResult(key, "ok", 1.0, ranks=2)}
     path = tmp_path / "decision.json"
-    handoff.write_decision(path, handoff.Decision(
+    handoff.write_decision(path, handoff.HandedDecision(
         framework="torch", chosen=key, results=results, run_dir=str(tmp_path), processes=2,
         reference_replicas=2))
     env = {handoff.DECISION_VAR: str(path), "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}

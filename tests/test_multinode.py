@@ -21,6 +21,7 @@ from resilient_strategy.nodes import routes
 from resilient_strategy.nodes import store as nodestore
 from resilient_strategy.nodes.crossprobe import combine
 from resilient_strategy.nodes.manynodes import contradictions
+from resilient_strategy.nodes.messages import NodeSummary, RoundReport
 from resilient_strategy.nodes.routes import ROUTE, route_interface
 from resilient_strategy.nodes.store import Job
 from resilient_strategy.testing import FakeProber, machine
@@ -67,9 +68,8 @@ JOB = Job(node=0, nodes=2, local_world=2, rank=0, master_addr="h", master_port=1
 SPEC = ProbeSpec("torch:nccl:0,1", "torch", "nccl", (0, 1), world_size=4, timeout_s=10.0)
 
 
-def report(node: int, local: ProbeResult | None, cross: ProbeResult | None) -> dict[str, Any]:
-    return {"node": node, "local": local.to_dict() if local else None,
-            "cross": cross.to_dict() if cross else None, "route": "ib0", "elapsed_s": 3.0}
+def report(node: int, local: ProbeResult | None, cross: ProbeResult | None) -> RoundReport:
+    return RoundReport(node, local, cross, "ib0", 3.0)
 
 
 def test_combine_blames_a_local_group_then_the_link_and_keeps_the_slowest_bus() -> None:
@@ -148,7 +148,7 @@ def test_node_values_resolve_the_route_placeholder_per_node() -> None:
 
 def test_contradictions_name_what_this_node_lacks() -> None:
     nccl = Candidate("torch", "nccl", (0, 1), num_replicas=4)
-    leader = {"gpus": 2}
+    leader = NodeSummary(0, gpus=2)
     assert contradictions(machine(2), "torch", nccl, leader) == []
     assert "no GPU" in contradictions(machine(0), "torch", nccl, leader)[0]
     assert "1 GPU(s)" in contradictions(machine(1), "torch", nccl, leader)[0]

@@ -130,16 +130,16 @@ def test_another_os_error_passes_unchanged(tmp_path: Path, monkeypatch: pytest.M
 
 
 def test_the_handed_decision_on_a_full_disk(tiny_fs: Path) -> None:
-    from resilient_strategy.records.handoff import Decision, write_decision
+    from resilient_strategy.records.handoff import HandedDecision, write_decision
 
-    decision = Decision(framework="torch", chosen="torch:gloo:cpu", results={},
+    decision = HandedDecision(framework="torch", chosen="torch:gloo:cpu", results={},
                         run_dir=str(tiny_fs), processes=1)
     path = tiny_fs / "decision.json"
     write_decision(path, decision)
     before = path.read_bytes()
     _fill(tiny_fs)
     with pytest.raises(NoSpaceError) as exc:
-        write_decision(path, Decision(framework="torch", chosen="torch:gloo:cpu" + "x" * 300_000,
+        write_decision(path, HandedDecision(framework="torch", chosen="torch:gloo:cpu" + "x" * 300_000,
                                       results={}, run_dir=str(tiny_fs), processes=1))
     assert exc.value.path == str(path)
     assert path.read_bytes() == before

@@ -29,6 +29,7 @@ from resilient_strategy.machine.nvml import read_nvml
 from resilient_strategy.machine.platform import detect_platform, parse_net_plugins
 from resilient_strategy.machine.route_lookup import address_family
 from resilient_strategy.nodes.manynodes import with_nodes
+from resilient_strategy.nodes.messages import NodeSummary
 from resilient_strategy.testing import machine
 from resilient_strategy.testing.simulation import gpu
 
@@ -107,8 +108,8 @@ def test_node_facts_cross_the_store_as_json_and_back() -> None:
     with pytest.raises(ValueError):
         NodeFacts.from_dict({**mine.to_dict(), "colour": "red"})
     # a node whose facts cannot be read is left out of the comparison, never guessed
-    job = with_nodes(facts, {"0": {"facts": mine.to_dict()}, "1": {"facts": {"node": "one"}},
-                             "2": {}})
+    sent = {"0": {"facts": mine.to_dict()}, "1": {"facts": {"node": "one"}}, "2": {}}
+    job = with_nodes(facts, {k: NodeSummary.from_json(v) for k, v in sent.items()})
     assert job.nodes == (mine,)
 
 

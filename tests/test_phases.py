@@ -15,6 +15,7 @@ import pytest
 from resilient_strategy.records import phases
 from resilient_strategy.records.handoff import TrainingReporter
 from resilient_strategy.records.progress import ProgressWriter
+from resilient_strategy.records.rundir import RunDir
 from resilient_strategy.run.agent import dump_stacks
 from resilient_strategy.run.exitcodes import ExitCode
 from resilient_strategy.run.policy import Action, Attempt, Judgement
@@ -22,7 +23,7 @@ from resilient_strategy.run.verdicts import Verdict, VerdictKind
 
 
 def test_a_mark_is_written_once_and_read_back(tmp_path: Path) -> None:
-    path = phases.supervisor_path(tmp_path)
+    path = RunDir.of(tmp_path).supervisor_phases
     phases.mark(path, phases.AGENT_STARTED, 10.0)
     phases.mark(path, phases.AGENT_STARTED, 20.0)  # reached again: the first time stays
     phases.mark(path, phases.FAULT_SEEN, 12.5)
@@ -46,9 +47,9 @@ def test_a_mark_that_cannot_be_written_is_lost_not_raised(tmp_path: Path) -> Non
 
 
 def test_timeline_reads_the_supervisor_and_every_rank(tmp_path: Path) -> None:
-    phases.mark(phases.supervisor_path(tmp_path), phases.WORKERS_STARTED, 1.0)
-    phases.mark(phases.worker_path(tmp_path, 0), phases.FIRST_STEP, 5.0)
-    phases.mark(phases.worker_path(tmp_path, 1), phases.FIRST_STEP, 6.0)
+    phases.mark(RunDir.of(tmp_path).supervisor_phases, phases.WORKERS_STARTED, 1.0)
+    phases.mark(RunDir.of(tmp_path).phases(0), phases.FIRST_STEP, 5.0)
+    phases.mark(RunDir.of(tmp_path).phases(1), phases.FIRST_STEP, 6.0)
     t = phases.Timeline.read(tmp_path, 2)
     assert t.supervisor == {phases.WORKERS_STARTED: 1.0}
     assert t.last(phases.FIRST_STEP) == 6.0
@@ -58,7 +59,7 @@ def test_timeline_reads_the_supervisor_and_every_rank(tmp_path: Path) -> None:
 
 
 def test_an_attempt_record_carries_its_timeline(tmp_path: Path) -> None:
-    phases.mark(phases.supervisor_path(tmp_path), phases.VERDICT, 3.0)
+    phases.mark(RunDir.of(tmp_path).supervisor_phases, phases.VERDICT, 3.0)
     attempt = Attempt(0, "torch:gloo:cpu", "gloo", Verdict(VerdictKind.EXIT, "rank 1 exited"),
                       Judgement(Action.RETRY, "once", None), None,
                       phases.Timeline.read(tmp_path, 1))
@@ -69,7 +70,7 @@ def test_an_attempt_record_carries_its_timeline(tmp_path: Path) -> None:
 
 
 def test_the_reporter_marks_setup_restore_and_the_first_step_in_order(tmp_path: Path) -> None:
-    path = phases.worker_path(tmp_path, 0)
+    path = RunDir.of(tmp_path).phases(0)
     rep = TrainingReporter(ProgressWriter(str(tmp_path / "rank0.progress")), rank=0,
                            backend="gloo", collective=True, phases=str(path))
     assert list(phases.read_marks(path)) == [phases.REPORTING]

@@ -51,7 +51,7 @@ def _no_probe(spec: object, env: object) -> ProbeResult:
 
 
 def _decide(tmp: Path, monkeypatch: pytest.MonkeyPatch, facts: Any, env: dict[str, str],
-            outcomes: dict[str, str], *flags: str) -> handoff.Decision:
+            outcomes: dict[str, str], *flags: str) -> handoff.HandedDecision:
     """The supervisor's decision for `run --nproc-per-node N [flags] script` on ``facts``."""
     from resilient_strategy.run.cmdline import options_from_args
 
@@ -61,12 +61,12 @@ def _decide(tmp: Path, monkeypatch: pytest.MonkeyPatch, facts: Any, env: dict[st
                               str(ROOT / "examples" / "torch_fsdp_train.py")])
     env = {"RESILIENT_STRATEGY_CACHE": "0", **env}
     choice = supervisor._decide(opts, facts, env, {}, tmp, 0, ())
-    loaded = handoff.Decision.from_dict(json.loads((tmp / "attempt0" / "decision.json").read_text()))
+    loaded = handoff.HandedDecision.from_dict(json.loads((tmp / "attempt0" / "decision.json").read_text()))
     assert loaded == choice.decision  # what the workers read is what was decided
     return loaded
 
 
-def _worker(tmp: Path, decision: handoff.Decision, free: dict[int, float], rank: int = 0,
+def _worker(tmp: Path, decision: handoff.HandedDecision, free: dict[int, float], rank: int = 0,
             user_visible: str | None = None, **kwargs: Any) -> Any:
     """One worker of the decision: its environment as the wrapper leaves it (the binding
     applied over the user's own), its facts as CUDA shows them there."""
@@ -145,7 +145,7 @@ def test_renumbering_keeps_the_results_about_the_bound_gpus_only() -> None:
     results = {k: ProbeResult(k, OK, 1.0) for k in (
         "torch:nccl/fsdp:1,3", "torch:nccl/fsdp:0,1,2,3", "torch:nccl/fsdp:1,3:NCCL_P2P_DISABLE=1",
         "torch:cpu:cpu")}
-    d = handoff.Decision(framework="torch", chosen="torch:nccl/fsdp:1,3", results=results,
+    d = handoff.HandedDecision(framework="torch", chosen="torch:nccl/fsdp:1,3", results=results,
                          run_dir="x", devices=(1, 3), visible_devices="1,3")
     mine = d.renumbered()
     assert mine.chosen == "torch:nccl/fsdp:0,1"
@@ -161,7 +161,7 @@ CPU_RESULTS = {"torch:gloo/fsdp:cpu": ProbeResult("torch:gloo/fsdp:cpu", OK, 1.0
 def _cpu_worker(tmp: Path, chosen: str, handed: tuple[str, str], flags: tuple[str, ...],
                 **script: Any) -> Any:
     """Rank 0 of 2 CPU processes on a decision planned with ``handed`` (sharding, offload)."""
-    d = handoff.Decision(framework="torch", chosen=chosen, results=CPU_RESULTS,
+    d = handoff.HandedDecision(framework="torch", chosen=chosen, results=CPU_RESULTS,
                          run_dir=str(tmp), processes=2, sharding=handed[0], offload=handed[1],
                          flags=flags)
     path = tmp / f"decision{len(list(tmp.glob('decision*.json')))}.json"  # one per decision
@@ -234,7 +234,7 @@ SHOW_ENV = "import json, os; print(json.dumps({'visible': os.environ.get('CUDA_V
 def test_the_worker_wrapper_binds_the_script_before_it_runs(
         tmp_path: Path, devices: tuple[int, ...], visible: str, user: str | None,
         expected: str | None) -> None:
-    d = handoff.Decision(framework="torch", chosen="torch:nccl/fsdp:1,3", results={},
+    d = handoff.HandedDecision(framework="torch", chosen="torch:nccl/fsdp:1,3", results={},
                          run_dir=str(tmp_path), devices=devices, visible_devices=visible)
     handoff.write_decision(tmp_path / "decision.json", d)
     script = tmp_path / "show.py"
@@ -285,7 +285,7 @@ def test_other_model_figures_in_the_script_train_the_handed_decision_and_say_so(
     """The supervisor planned without the model's size (no --param-bytes) and chose DDP; the
     script's own figures would shard: the handed candidate trains, with a note naming it."""
     results = {"torch:nccl:0,1": ProbeResult("torch:nccl:0,1", OK, 1.0, ranks=2)}
-    d = handoff.Decision(framework="torch", chosen="torch:nccl:0,1", results=results,
+    d = handoff.HandedDecision(framework="torch", chosen="torch:nccl:0,1", results=results,
                          run_dir=str(tmp_path), processes=2, sharding="auto", offload="none")
     sel = _worker(tmp_path, d, {0: 30, 1: 30})
     assert (sel.backend, sel.sharded, sel.devices) == ("nccl", False, (0, 1))

@@ -137,10 +137,11 @@ def test_a_torch_script_without_torch_is_a_usage_error(monkeypatch: pytest.Monke
 _STOPPED_THEN_RAISES = '''
 import os, signal, time
 from pathlib import Path
-from resilient_strategy.records.handoff import DECISION_VAR, progress_path
+from resilient_strategy.records.handoff import DECISION_VAR
+from resilient_strategy.records.rundir import RunDir
 from resilient_strategy.records.progress import ProgressWriter
 
-writer = ProgressWriter(str(progress_path(Path(os.environ[DECISION_VAR]).parent, 0)))
+writer = ProgressWriter(str(RunDir.of(Path(os.environ[DECISION_VAR]).parent).progress(0)))
 writer.enter(1)  # enters the collective of step 1 and never leaves it
 
 
@@ -161,7 +162,8 @@ def test_the_one_process_agent_keeps_a_stall_whose_error_came_from_the_stop(
     """run/solo.py judges an error record as torch's path does (agent.raised_before): one
     written after the stalled worker was stopped is what the stop did to it, not the story."""
     from resilient_strategy.core.call.options import RunOptions
-    from resilient_strategy.records.handoff import Decision, error_path, write_decision
+    from resilient_strategy.records.handoff import HandedDecision, write_decision
+    from resilient_strategy.records.rundir import RunDir
     from resilient_strategy.run.solo import launch_one
     from resilient_strategy.run.verdicts import VerdictKind
 
@@ -169,10 +171,10 @@ def test_the_one_process_agent_keeps_a_stall_whose_error_came_from_the_stop(
     script.write_text(_STOPPED_THEN_RAISES, encoding="utf-8")
     run_dir = tmp_path / "attempt0"
     run_dir.mkdir()
-    decision = Decision(framework="tensorflow", chosen="tensorflow:single_device:0",
+    decision = HandedDecision(framework="tensorflow", chosen="tensorflow:single_device:0",
                         results={}, run_dir=str(run_dir))
     write_decision(run_dir / "decision.json", decision)
     verdict = launch_one(RunOptions(str(script), stall_timeout_s=1.0), decision, grace_s=10.0)
-    assert json.loads(error_path(run_dir, 0).read_text())["types"][0] == "builtins.RuntimeError"
+    assert json.loads(RunDir.of(run_dir).error(0).read_text())["types"][0] == "builtins.RuntimeError"
     assert (verdict.kind, verdict.step) == (VerdictKind.STALL, 1)
     assert _alive_with(str(script)) == []

@@ -47,9 +47,9 @@ from typing import Any
 
 from ..core.call.options import DEFAULT_TTL_S
 from ..core.measures.probe import ENVIRONMENTAL_CAUSES, ProbeResult
+from ..core.values.candidate import CandidateKey
 from ..errors import FileFormatError, UnsafePathError
 from ..machine import files
-from ..vocab import MULTI_BACKENDS
 
 if sys.platform != "win32":
     import fcntl
@@ -81,8 +81,8 @@ MID_RUN, REHEARSAL, REPRODUCES = "mid_run", "rehearsal", "reproduces_mid_run"
 def last_resort(key: str) -> bool:
     """Whether a candidate (by key) is one of last resort: one device or the CPU, with no
     collective to prove. Its failures are never cached: it is always tried again."""
-    parts = key.split(":")
-    return len(parts) < 2 or parts[1] not in MULTI_BACKENDS
+    parsed = CandidateKey.read(key)
+    return parsed is None or parsed.last_resort
 
 
 def refusal(result: ProbeResult) -> str | None:
@@ -313,8 +313,7 @@ class DecisionCache:
                         before.st_ino, before.st_size, before.st_mtime_ns)
                 else:
                     same = files.read_bytes(path, max_bytes=files.MAX_CACHE_BYTES) == raw
-                if same:
-                    os.replace(path, aside)
+                if same and files.set_aside(path, aside):
                     return aside
         except (OSError, UnsafePathError, FileFormatError):
             pass

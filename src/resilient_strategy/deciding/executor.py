@@ -27,6 +27,7 @@ from ..core.trace.choosing import Chosen, NextProbe
 from ..core.trace.event import Note
 from ..core.trace.fitting import FewerDevices, MemoryChecked, OffloadConsidered
 from ..core.trace.inputs import FrameworkPicked
+from ..core.values.candidate import CandidateKey
 from ..core.values.facts import Facts
 from ..core.values.human import fit, human_bytes, human_duration
 from ..errors import (
@@ -48,8 +49,7 @@ from .notices import (
 )
 
 if TYPE_CHECKING:
-    from ..records.handoff import Decision as HandedDecision
-    from ..records.handoff import TrainingReporter
+    from ..records.handoff import HandedDecision, TrainingReporter
 
 from .decide import (
     Decision,
@@ -511,8 +511,9 @@ def _handed_decision(facts: Facts, opts: Options, handed: HandedDecision,
              if c.key == handed.chosen]
     resolved = ""
     if not found:  # the supervisor planned the model's memory otherwise: its decision trains
-        segment = handed.chosen.split(":")[1] if handed.chosen.count(":") >= 2 else ""
-        sharded, offload = "/fsdp" in segment, "+offload" in segment
+        handed_key = CandidateKey.read(handed.chosen)
+        sharded = handed_key is not None and handed_key.sharded
+        offload = handed_key is not None and handed_key.offload
         found = [replace(c, sharded=sharded, offload=offload) for c in p.candidates
                  if replace(c, sharded=sharded, offload=offload).key == handed.chosen]
         if found:

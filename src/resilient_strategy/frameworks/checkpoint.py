@@ -52,7 +52,6 @@ import functools
 import logging
 import os
 import random
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -448,37 +447,19 @@ class Checkpointer:
             ready.synchronize()
         with files.writing(self.path, "the checkpoint"):  # full or read-only: one line
             files.ensure_private_dir(self.directory, fix=_FIX_DIR)
-            fd, tmp = tempfile.mkstemp(prefix=f"{_TMP}{os.getpid()}-", suffix=".pt",
-                                       dir=self.directory)
-            try:
-                with os.fdopen(fd, "wb") as fh:
-                    torch.save(state, fh)
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                self._keep_previous()
-                os.replace(tmp, self.path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            with files.atomic_writer(self.path, what="the checkpoint", suffix=".pt",
+                                     prefix=f"{_TMP}{os.getpid()}-",
+                                     before_replace=self._keep_previous) as fh:
+                torch.save(state, fh)
         _fsync_dir(self.directory)
         note_checkpoint(steps, self.path)
 
     def _keep_previous(self) -> None:
         """Keep the current checkpoint as the previous one (a hard link: the current name stays
         whole throughout); best effort."""
-        if not os.path.lexists(self.path):
-            return
-        link = self.directory / f"{_PREV}{os.getpid()}.pt"
-        try:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(link)
-            os.link(self.path, link, follow_symlinks=False)
-            os.replace(link, self.previous_path)
-        except OSError as exc:
-            log.info("resilient_strategy: no previous checkpoint kept (%s)", exc)
-            with contextlib.suppress(OSError):
-                os.unlink(link)
+        why = files.keep_previous(self.path, self.previous_path)
+        if why is not None:
+            log.info("resilient_strategy: no previous checkpoint kept (%s)", why)
 
     def restore(self) -> bool:
         """Load the checkpoint into what was attached, if one exists; True when it did.
@@ -524,8 +505,7 @@ class Checkpointer:
             if problems:
                 bad, problem = problems[0]
                 aside = bad.with_suffix(".corrupt")
-                with contextlib.suppress(OSError):
-                    os.replace(bad, aside)
+                files.set_aside(bad, aside)
                 log.warning("resilient_strategy: checkpoint %s is damaged (%s); kept as %s, "
                             "resuming from the previous one, %s", bad, problem, aside, path)
             self._apply(data)

@@ -53,7 +53,6 @@ import pickle
 import re
 import shutil
 import stat
-import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -343,9 +342,7 @@ def load(directory: Path, model: Any, optimizer: Any) -> dict[str, Any] | None:
 
 def _set_aside(bad: Path, problem: str, used: Path) -> None:
     aside = bad.with_name(f"damaged-{bad.name}")
-    with contextlib.suppress(OSError):
-        if not os.path.lexists(aside):
-            os.replace(bad, aside)
+    files.set_aside(bad, aside, keep_existing=True)
     log.warning("resilient_strategy: sharded checkpoint %s is damaged (%s); set aside, resuming "
                 "from the previous step, %s", bad, problem, used.name)
 
@@ -512,17 +509,8 @@ def _planner() -> Any:
 
 
 def _write_atomic(path: Path, write: Any) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)  # mode 0600
-    try:
-        with files.writing(path, "the sharded checkpoint"), os.fdopen(fd, "wb") as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with files.atomic_writer(path, what="the sharded checkpoint") as fh:  # mode 0600
+        write(fh)
 
 
 def _prune(root: Path, keep: str) -> None:

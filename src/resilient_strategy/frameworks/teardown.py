@@ -26,6 +26,7 @@ from . import checkpoint_writer
 
 #: The longest the exit barrier waits for the other ranks.
 EXIT_BARRIER_S = 30.0
+#: Process-wide by nature: the exit hook is registered once per process (`atexit`).
 _REGISTERED: list[bool] = []
 
 
@@ -50,6 +51,7 @@ def end_process_group(barrier_s: float | None = EXIT_BARRIER_S) -> bool:
     return True
 
 
+#: Process-wide by nature: whether this process raised (read by the exit hook, at exit).
 _FAILED: list[bool] = []
 
 

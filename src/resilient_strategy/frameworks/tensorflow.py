@@ -62,18 +62,19 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import InvalidOptionError, ResilientStrategyError
+from ..vocab import ONE_REPLICA_BACKENDS, Backend
 
 log = logging.getLogger("resilient_strategy")
 
 #: Backend -> the ``tf.distribute`` cross-device ops class MirroredStrategy reduces with.
-MIRRORED_OPS = {
+MIRRORED_OPS: dict[Backend, str] = {
     "nccl": "NcclAllReduce",
     "hierarchical_copy": "HierarchicalCopyAllReduce",
     "reduction_to_one_device": "ReductionToOneDevice",
 }
-ONE_DEVICE = ("single_device", "cpu")
+ONE_DEVICE = ONE_REPLICA_BACKENDS
 #: Backend -> the ``CommunicationImplementation`` of a MultiWorkerMirroredStrategy (TF_CONFIG).
-MULTI_WORKER_IMPL = {"mw_nccl": "NCCL", "mw_ring": "RING", "mw_auto": "AUTO"}
+MULTI_WORKER_IMPL: dict[Backend, str] = {"mw_nccl": "NCCL", "mw_ring": "RING", "mw_auto": "AUTO"}
 #: Fallbacks whose cross-device op an XLA-compiled train step would bypass.
 XLA_BYPASSED = ("hierarchical_copy", "reduction_to_one_device")
 

@@ -50,10 +50,11 @@ from datetime import timedelta
 from typing import Any
 
 from ..errors import InvalidOptionError
-from ..vocab import PRECISIONS
+from ..vocab import ONE_REPLICA_BACKENDS, PRECISIONS, PROCESS_GROUP_BACKENDS
 from .teardown import end_at_exit, end_process_group
 
-BACKENDS = ("nccl", "gloo", "single_device", "cpu")
+BACKENDS = (*PROCESS_GROUP_BACKENDS, *ONE_REPLICA_BACKENDS)
+#: Process-wide by nature: the exit hook is registered once per process (`atexit`).
 _EXIT_HOOK: list[bool] = []
 
 

@@ -7,7 +7,8 @@ default. Decision code takes ``env: Mapping[str, str]``; only entry points call 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
+from contextlib import contextmanager
 
 
 def snapshot(env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -28,3 +29,29 @@ def apply(
         into[name] = value
         applied[name] = value
     return applied
+
+
+@contextmanager
+def setting(variables: Mapping[str, str],
+            target: MutableMapping[str, str] | None = None) -> Iterator[dict[str, str]]:
+    """Within the block, ``variables`` set in ``target`` (default ``os.environ``) where it has
+    none of them yet (`apply`: the user's stand); after it, what was set is removed again.
+    Yields what was set (the processes started inside inherit it)."""
+    into: MutableMapping[str, str] = os.environ if target is None else target
+    applied = apply(variables, into)
+    try:
+        yield applied
+    finally:
+        for name in applied:
+            into.pop(name, None)
+
+
+def unset_added(names: Iterable[str], before: Mapping[str, str],
+                target: MutableMapping[str, str] | None = None) -> None:
+    """Remove each of ``names`` that ``before`` (a `snapshot` taken earlier) did not hold, from
+    ``target`` (default ``os.environ``): a variable a library set on our behalf (torchrun's
+    ``OMP_NUM_THREADS``) goes; one the user set stays."""
+    into: MutableMapping[str, str] = os.environ if target is None else target
+    for name in names:
+        if name not in before:
+            into.pop(name, None)

@@ -31,8 +31,9 @@ import stat
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..core.values.bounded import (
     MAX_DEPTH,
@@ -62,6 +63,7 @@ MAX_REPORT_BYTES = 1 << 20
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+#: Process-wide by nature: a warning is said once per process (`warn_once`), whoever asks.
 _warned: set[str] = set()
 
 
@@ -305,30 +307,87 @@ def read_json(path: Path, *, max_bytes: int, owned: bool = True,
 # --------------------------------------------------------------------------------------------
 # Writing
 # --------------------------------------------------------------------------------------------
-def write_json_atomic(path: Path, value: Any, *, indent: int | None = None,
-                      sort_keys: bool = False, allow_nan: bool = False,
-                      durable: bool = True, what: str = "a file of this run") -> None:
-    """Write ``value`` as JSON to ``path`` atomically (temp file in the same directory, fsync,
-    rename). Raises ValueError/TypeError for what JSON cannot hold (before touching the disk),
-    NoSpaceError (naming ``path`` and ``what``) on a full or read-only filesystem, OSError when
-    the write fails otherwise; no temporary file is left either way, the old file is whole. ``durable=False`` skips
-    the fsync: still atomic for every reader, only not kept through a power loss (for files that
-    matter only while this job runs: the agreement, probe reports)."""
-    text = json.dumps(value, indent=indent, sort_keys=sort_keys, allow_nan=allow_nan)
+@contextlib.contextmanager
+def atomic_writer(path: str | Path, *, durable: bool = True, what: str = "a file of this run",
+                  suffix: str = "", before_replace: Callable[[], None] | None = None,
+                  prefix: str = ".tmp-") -> Iterator[BinaryIO]:
+    """The one way this package replaces a file whole: a temporary file (mode 0600, never
+    through a symlink) in ``path``'s directory, handed to the block to write; then flushed,
+    fsynced (unless ``durable=False``: still atomic for every reader, only not kept through a
+    power loss), ``before_replace`` called (the checkpoint keeps its previous one there), and
+    renamed over ``path``. A full or read-only filesystem is a NoSpaceError naming ``path`` and
+    ``what``; on any error no temporary file is left and the old file is whole. ``prefix``
+    names the temporary file (the checkpoint's writer puts its pid there, so that a sweep
+    knows a dead writer's file)."""
     path = Path(path)
     with writing(path, what):
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=path.parent)
         try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(text)
+            with os.fdopen(fd, "wb") as fh:
+                yield fh
                 fh.flush()
                 if durable:
                     os.fsync(fh.fileno())
+            if before_replace is not None:
+                before_replace()
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+
+
+def write_bytes_atomic(path: str | Path, data: bytes, *, durable: bool = True,
+                       what: str = "a file of this run", suffix: str = "") -> None:
+    """Write ``data`` to ``path`` atomically (`atomic_writer`)."""
+    with atomic_writer(path, durable=durable, what=what, suffix=suffix) as fh:
+        fh.write(data)
+
+
+def write_json_atomic(path: str | Path, value: Any, *, indent: int | None = None,
+                      sort_keys: bool = False, allow_nan: bool = False,
+                      durable: bool = True, what: str = "a file of this run") -> None:
+    """Write ``value`` as JSON to ``path`` atomically (`atomic_writer`). Raises
+    ValueError/TypeError for what JSON cannot hold (before touching the disk), NoSpaceError
+    (naming ``path`` and ``what``) on a full or read-only filesystem, OSError when the write
+    fails otherwise; no temporary file is left either way, the old file is whole.
+    ``durable=False`` skips the fsync (for files that matter only while this job runs: the
+    agreement, probe reports, progress marks)."""
+    text = json.dumps(value, indent=indent, sort_keys=sort_keys, allow_nan=allow_nan)
+    write_bytes_atomic(path, text.encode("utf-8"), durable=durable, what=what, suffix=".json")
+
+
+def keep_previous(path: str | Path, previous: str | Path) -> OSError | None:
+    """Keep ``path`` also as ``previous`` (a hard link renamed over it: ``path`` stays whole
+    throughout), before ``path`` is replaced; nothing where ``path`` does not exist. The error
+    where it could not be (best effort: the caller says so and goes on)."""
+    path, previous = Path(path), Path(previous)
+    if not os.path.lexists(path):
+        return None
+    link = previous.with_name(f".prev-{os.getpid()}{previous.suffix}")
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(link)
+        os.link(path, link, follow_symlinks=False)
+        os.replace(link, previous)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(link)
+        return exc
+    return None
+
+
+def set_aside(path: str | Path, aside: str | Path, *, keep_existing: bool = False) -> bool:
+    """Rename a damaged file out of the way (``aside``), so that it is kept for a person to
+    look at and never read again; False where it could not be (or, with ``keep_existing``,
+    ``aside`` already exists). Never raises."""
+    try:
+        if keep_existing and os.path.lexists(aside):
+            return False
+        os.replace(path, aside)
+    except OSError:
+        return False
+    return True
 
 
 def open_lock(path: Path) -> int:

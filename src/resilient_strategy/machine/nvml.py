@@ -66,6 +66,7 @@ class NvmlSnapshot:
 NVML_DEADLINE_S = 20.0
 
 #: Readings of this process still waiting in the driver (their thread is abandoned).
+#: Process-wide by nature: the driver call blocks the process's NVML, not one caller's.
 _STUCK: list[threading.Thread] = []
 
 

@@ -12,16 +12,16 @@ import re
 import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.measures.probe import ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec
-from ..errors import MultiNodeError
 
 if TYPE_CHECKING:
     pass
 
+from .messages import RoundReport
 from .store import Job
 
 log = logging.getLogger("resilient_strategy")
@@ -72,26 +72,26 @@ def run_cross_probe(
     return parse_probe(cross, group.outcomes, group.elapsed_s, group.timed_out)
 
 
-def combine(spec: ProbeSpec, nodes: Sequence[Mapping[str, Any]], job: Job) -> ProbeResult:
+def combine(spec: ProbeSpec, nodes: Sequence[RoundReport], job: Job) -> ProbeResult:
     """One result for a candidate from every node's round report. Pure.
 
     A failed local group is that node's failure (its cause kept: local remedies apply); else a
     failure between nodes is cause ``inter_node`` (the node's own cause in the detail); else OK
     with the slowest bus (local or between nodes) and the slowest step.
     """
-    elapsed = max((_elapsed(n) for n in nodes), default=0.0)
+    elapsed = max((n.elapsed_s for n in nodes), default=0.0)
     world = job.nodes * job.local_world
     for n in nodes:
-        local = result_of(n.get("local"))
+        local = n.local
         if local is not None and not local.ok:
             return replace(local, candidate=spec.candidate, elapsed_s=round(elapsed, 3),
-                           ranks=world, detail=f"node {n.get('node')}'s local group: {local.detail}",
+                           ranks=world, detail=f"node {n.node}'s local group: {local.detail}",
                            extra=(("nodes", str(job.nodes)), ("failed_on", "local")))
-    crosses = [(n.get("node"), result_of(n.get("cross"))) for n in nodes]
+    crosses = [(n.node, n.cross) for n in nodes]
     failed = [(k, r) for k, r in crosses if r is None or not r.ok]
     if failed:
         return _blame(spec, failed, job, round(elapsed, 3))
-    locals_ = [lr for n in nodes if (lr := result_of(n.get("local"))) is not None]
+    locals_ = [n.local for n in nodes if n.local is not None]
     oks = [cr for _, cr in crosses if cr is not None]
     cross_bw = [r.bus_bandwidth_gbps for r in oks if r.bus_bandwidth_gbps]
     local_bw = [r.bus_bandwidth_gbps for r in locals_ if r.bus_bandwidth_gbps]
@@ -102,8 +102,8 @@ def combine(spec: ProbeSpec, nodes: Sequence[Mapping[str, Any]], job: Job) -> Pr
     if local_bw:
         extra.append(("local_bus_gbps", f"{min(local_bw):g}"))
     for n in nodes:
-        if n.get("route"):
-            extra.append((f"route/{n.get('node')}", str(n["route"])))
+        if n.route:
+            extra.append((f"route/{n.node}", n.route))
     bus = min([*cross_bw, *local_bw]) if cross_bw or local_bw else None
     detail = f"across {job.nodes} nodes: {oks[0].detail}" if oks else ""
     return ProbeResult(
@@ -152,37 +152,3 @@ def _blame(spec: ProbeSpec, failed: Sequence[tuple[Any, ProbeResult | None]], jo
     return ProbeResult(spec.candidate, ERROR, elapsed, "inter_node", f"node {k}: {bad.why()}",
                        stderr_tail=bad.stderr_tail, ranks=world,
                        extra=(*extra, ("node_cause", bad.cause)))
-
-
-def result_of(d: Any) -> ProbeResult | None:
-    if d is None:
-        return None
-    try:
-        return ProbeResult.from_dict(d)
-    except ValueError as exc:
-        raise MultiNodeError(f"a node sent a probe result this node cannot read: {exc}; run "
-                             "the same version of resilient_strategy on every node") from exc
-
-
-def _elapsed(n: Mapping[str, Any]) -> float:
-    v = n.get("elapsed_s", 0.0)
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
-
-
-def spec_to_dict(spec: ProbeSpec) -> dict[str, Any]:
-    return asdict(spec)
-
-
-def spec_from_dict(d: Mapping[str, Any]) -> ProbeSpec:
-    try:
-        return ProbeSpec(
-            candidate=str(d["candidate"]), framework=str(d["framework"]),
-            backend=str(d["backend"]), devices=tuple(int(x) for x in d["devices"]),
-            env=tuple((str(k), str(v)) for k, v in d["env"]),
-            world_size=int(d["world_size"]), timeout_s=float(d["timeout_s"]),
-            message_bytes=int(d["message_bytes"]), train_step=bool(d["train_step"]),
-            logical_cpus=int(d.get("logical_cpus", 0)), sharded=bool(d.get("sharded", False)),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise MultiNodeError(f"node 0 sent a probe this node cannot read ({exc}); run the same "
-                             "version of resilient_strategy on every node") from exc

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.measures.probe import ProbeResult, ProbeSpec
 from ..errors import MultiNodeError, NodeLostError, NodeMismatchError, ResilientStrategyError
+from ..vocab import PROCESS_GROUP_BACKENDS
 
 if TYPE_CHECKING:
     from ..core.call.options import Options
@@ -55,15 +56,8 @@ if TYPE_CHECKING:
 from ..core.knowledge.nodefacts import node_facts
 from ..core.planning.decision import Decision
 from ..core.values.facts import NodeFacts
-from .crossprobe import (
-    CrossProber,
-    Prober,
-    combine,
-    result_of,
-    run_cross_probe,
-    spec_from_dict,
-    spec_to_dict,
-)
+from .crossprobe import CrossProber, Prober, combine, run_cross_probe
+from .messages import Ack, NodeDecision, NodeSummary, NodeVerdict, Round, RoundReport
 from .routes import between_nodes, remedy_rules, route_to_master
 from .store import HEARTBEAT_STALE_S, Channel, Heartbeat, Job, first_line, open_store
 
@@ -76,7 +70,7 @@ MARGIN_FLOOR_S = 10.0
 
 
 
-def node_summary(facts: Facts, framework: str, job: Job, env: Mapping[str, str]) -> dict[str, Any]:
+def node_summary(facts: Facts, framework: str, job: Job, env: Mapping[str, str]) -> NodeSummary:
     """What a node tells the others about itself (shown in every node's trace), with its facts
     that matter (``facts``: `NodeFacts` as JSON), which node 0 compares before any probe."""
     info = facts.framework(framework)
@@ -85,33 +79,28 @@ def node_summary(facts: Facts, framework: str, job: Job, env: Mapping[str, str])
     mine = node_facts(facts, framework, job.node, host)
     if iface and not mine.route:  # the route read now (the facts may predate MASTER_ADDR)
         mine = replace(mine, route=iface)
-    return {
-        "node": job.node, "host": host, "gpus": len(facts.gpus),
-        "gpu_names": sorted({g.name for g in facts.gpus}), "version": info.version,
-        "cuda": info.cuda, "nccl": info.nccl, "route": iface, "route_how": how,
-        "facts": mine.to_dict(),
-    }
+    return NodeSummary(
+        node=job.node, host=host, gpus=len(facts.gpus),
+        gpu_names=tuple(sorted({g.name for g in facts.gpus})), version=info.version,
+        cuda=info.cuda, nccl=info.nccl, route=iface, route_how=how, facts=mine)
 
 
-def with_nodes(facts: Facts, summaries: Mapping[Any, Any]) -> Facts:
+def with_nodes(facts: Facts, summaries: Mapping[Any, NodeSummary]) -> Facts:
     """``facts`` with the job's nodes as each described itself (`node_summary`'s ``facts``),
     for the planner to compare; a node whose description is missing or unreadable is left
     out (said in the log), never guessed."""
     nodes: list[NodeFacts] = []
     for key, summary in summaries.items():
-        raw = summary.get("facts") if isinstance(summary, Mapping) else None
-        try:
-            if not isinstance(raw, Mapping):
-                raise ValueError("its summary has none")
-            nodes.append(NodeFacts.from_dict(raw))
-        except (ValueError, TypeError) as exc:
+        if summary.facts is not None:
+            nodes.append(summary.facts)
+        else:
             log.warning("resilient_strategy: node %s sent facts that cannot be read (%s); "
-                        "it is not compared with the others", key, exc)
+                        "it is not compared with the others", key, summary.unreadable)
     return replace(facts, nodes=tuple(sorted(nodes, key=lambda n: n.node)))
 
 
 def contradictions(
-    facts: Facts, framework: str, chosen: Candidate | None, leader: Mapping[str, Any]
+    facts: Facts, framework: str, chosen: Candidate | None, leader: NodeSummary | None
 ) -> list[str]:
     """Why this node cannot run ``chosen`` as node 0 decided it; [] when it can. Pure."""
     if chosen is None or chosen.num_replicas <= 1:
@@ -124,8 +113,8 @@ def contradictions(
             out.append("this node sees no GPU")
         elif n < len(chosen.devices):
             out.append(f"this node sees {n} GPU(s); the decision uses {len(chosen.devices)} per node")
-        elif isinstance(leader.get("gpus"), int) and leader["gpus"] != n:
-            out.append(f"node 0 sees {leader['gpus']} GPU(s) and this node {n}: node 0's "
+        elif leader is not None and leader.gpus is not None and leader.gpus != n:
+            out.append(f"node 0 sees {leader.gpus} GPU(s) and this node {n}: node 0's "
                        "decision cannot speak for this node")
         if not info.cuda:
             out.append(f"{framework} {info.version or '?'} here is a CPU-only build")
@@ -146,7 +135,7 @@ class _Node:
     local_prober: Prober
     cross_prober: CrossProber
     margin_s: float
-    summary: dict[str, Any] = field(default_factory=dict)
+    summary: NodeSummary = field(default_factory=lambda: NodeSummary(0))
     rounds: int = 0
     #: nodes already silent at the end of the last attempt (their verdict never came): at a
     #: relaunch each gets the heartbeat window to join, not the whole join window
@@ -164,51 +153,50 @@ class _Node:
             return f"the job's store stopped answering ({first_line(exc)})"
         return f"node(s) {lost} stopped beating" if lost else ""
 
-    def run_round(self, n: int, spec: ProbeSpec) -> dict[str, Any]:
+    def run_round(self, n: int, spec: ProbeSpec) -> RoundReport:
         """This node's part of round ``n``: its local group, then the group across nodes."""
         t0 = time.monotonic()
         here = replace(spec, env=tuple(between_nodes(spec.backend, dict(spec.env), self.env).items()))
         local = None
-        if self.job.local_world > 1 and spec.backend in ("nccl", "gloo"):
+        if self.job.local_world > 1 and spec.backend in PROCESS_GROUP_BACKENDS:
             local = self.local_prober(replace(here, world_size=self.job.local_world), self.env)
         mine_ok = local is None or local.ok
-        self.channel.put(f"r{n}/local/{self.job.node}", {"ok": mine_ok})
+        self.channel.put(f"r{n}/local/{self.job.node}", Ack(mine_ok).to_json())
         peers_ok = all(
-            self.channel.take(f"r{n}/local/{k}", spec.timeout_s + self.margin_s,
-                              f"node {k} did not finish its local probe of round {n}",
-                              who=k)["ok"]
+            Ack.from_json(self.channel.take(
+                f"r{n}/local/{k}", spec.timeout_s + self.margin_s,
+                f"node {k} did not finish its local probe of round {n}", who=k)).ok
             for k in self.others()
         )
         cross = None
         if mine_ok and peers_ok:
             cross = self.cross_prober(here, self.env, self.job, f"{self.job.prefix}r{n}/pg/",
                                       self.lost_peer)
-        out = {
-            "node": self.job.node, "local": local.to_dict() if local else None,
-            "cross": cross.to_dict() if cross else None, "route": self.summary.get("route"),
-            "elapsed_s": round(time.monotonic() - t0, 3),
-        }
-        self.channel.put(f"r{n}/result/{self.job.node}", out)
+        out = RoundReport(self.job.node, local, cross, self.summary.route,
+                          round(time.monotonic() - t0, 3))
+        self.channel.put(f"r{n}/result/{self.job.node}", out.to_json())
         return out
 
     # ----- node 0 ------------------------------------------------------------------------------
-    def lead(self, decide: Callable[..., Any], clock: Callable[[], float]) -> tuple[Decision, dict[str, Any]]:
+    def lead(self, decide: Callable[..., Any], clock: Callable[[], float]
+             ) -> tuple[Decision, NodeDecision]:
         join = 2 * self.margin_s  # the nodes start together (after torchrun's rendezvous)
         nodes = {0: self.summary}
         for k in self.others():
             window = min(join, HEARTBEAT_STALE_S) if k in self.silent else join
-            nodes[k] = self.channel.take(f"hello/{k}", window, f"node {k} did not join", who=k)
+            nodes[k] = NodeSummary.from_json(
+                self.channel.take(f"hello/{k}", window, f"node {k} did not join", who=k))
 
         def across(spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
-            if spec.candidate.split(":")[1].endswith("/node0"):  # node 0 alone: no round
+            if spec.identity.node_local:  # node 0 alone: no round
                 return self.local_prober(spec, env)
             self.rounds += 1
             n = self.rounds
-            self.channel.put(f"round/{n}", {"kind": "probe", "spec": spec_to_dict(spec)})
+            self.channel.put(f"round/{n}", Round("probe", spec=spec).to_json())
             reports = [self.run_round(n, spec)] + [
-                self.channel.take(f"r{n}/result/{k}", spec.timeout_s + self.margin_s,
-                                  f"node {k} sent no result for its probe of {spec.candidate}",
-                                  who=k)
+                RoundReport.from_json(self.channel.take(
+                    f"r{n}/result/{k}", spec.timeout_s + self.margin_s,
+                    f"node {k} sent no result for its probe of {spec.candidate}", who=k))
                 for k in self.others()
             ]
             return combine(spec, reports, self.job)
@@ -218,25 +206,23 @@ class _Node:
         d = decide(with_nodes(self.facts, nodes), self.opts, self.env, across, clock,
                    cross_node=True)
         p, results, proven = d.plan, dict(d.results), bool(d.proven)
-        payload = {
-            "kind": "decision", "chosen": p.chosen.key if p.chosen else None,
-            "results": {k: v.to_dict() for k, v in results.items()}, "proven": proven,
-            "nodes": {str(k): v for k, v in nodes.items()},
-        }
-        self.channel.put(f"round/{self.rounds + 1}", payload)
+        payload = NodeDecision(p.chosen.key if p.chosen else None, results, proven,
+                               nodes={str(k): v for k, v in nodes.items()})
+        self.channel.put(f"round/{self.rounds + 1}",
+                         Round("decision", decision=payload).to_json())
         bad: dict[int, str] = {}
         for k in self.others():
             try:
-                ack = self.channel.take(f"ack/{k}", self.margin_s, f"node {k} did not confirm",
-                                        who=k)
+                ack = Ack.from_json(self.channel.take(
+                    f"ack/{k}", self.margin_s, f"node {k} did not confirm", who=k))
             except NodeLostError as exc:
-                self.channel.put("verdict", {"ok": False, "node": k, "why": str(exc),
-                                             "lost": True})
+                self.channel.put("verdict", NodeVerdict(False, k, str(exc), lost=True).to_json())
                 raise
-            if not ack.get("ok"):
-                bad[k] = str(ack.get("why", ""))
-        self.channel.put("verdict", {"ok": not bad, "node": min(bad) if bad else None,
-                                     "why": "; ".join(f"node {k}: {w}" for k, w in bad.items())})
+            if not ack.ok:
+                bad[k] = ack.why
+        self.channel.put("verdict", NodeVerdict(
+            not bad, min(bad) if bad else None,
+            "; ".join(f"node {k}: {w}" for k, w in bad.items())).to_json())
         if bad:
             raise NodeMismatchError(
                 "the nodes disagree, so no node trains: " + "; ".join(
@@ -248,53 +234,44 @@ class _Node:
         with contextlib.suppress(MultiNodeError, RuntimeError, OSError):
             if self.channel.store.check([self.channel.prefix + "verdict"]):
                 return  # the others already have the verdict (a mismatch, or a lost node)
-            self.channel.put(f"round/{self.rounds + 1}", {"kind": "abort", "why": why})
-            self.channel.put("verdict", {"ok": False, "node": 0, "why": why, "lost": True})
+            self.channel.put(f"round/{self.rounds + 1}", Round("abort", why=why).to_json())
+            self.channel.put("verdict", NodeVerdict(False, 0, why, lost=True).to_json())
 
     # ----- every other node --------------------------------------------------------------------
-    def follow(self) -> tuple[Decision, dict[str, Any]]:
+    def follow(self) -> tuple[Decision, NodeDecision]:
         wait = self.opts.timeout_s + 2 * self.margin_s
         for n in range(1, 64):
-            msg = self.channel.take(f"round/{n}", wait + (self.opts.timeout_s if n == 1 else 0),
-                                    "node 0 sent neither a probe nor its decision", who=0)
-            if msg.get("kind") == "probe":
-                self.run_round(n, spec_from_dict(msg.get("spec", {})))
+            msg = Round.from_json(self.channel.take(
+                f"round/{n}", wait + (self.opts.timeout_s if n == 1 else 0),
+                "node 0 sent neither a probe nor its decision", who=0))
+            if msg.spec is not None:
+                self.run_round(n, msg.spec)
                 continue
-            if msg.get("kind") == "abort":
-                raise MultiNodeError(f"node 0 stopped the decision: {msg.get('why', '')}")
-            return self.accept(msg), msg
+            if msg.decision is None:
+                raise MultiNodeError(f"node 0 stopped the decision: {msg.why}")
+            return self.accept(msg.decision), msg.decision
         raise MultiNodeError("node 0 asked for more probes than a decision can need")
 
-    def accept(self, payload: Mapping[str, Any]) -> Decision:
-        results = _results(payload)
-        proven = bool(payload.get("proven"))
-        raw = payload.get("nodes")
-        summaries: Mapping[str, Any] = raw if isinstance(raw, dict) else {}
-        p = _replan(with_nodes(self.facts, summaries), self.opts, results, proven)
-        leader = summaries.get("0", {})
-        problems = contradictions(self.facts, self.opts.framework, p.chosen, leader)
+    def accept(self, payload: NodeDecision) -> Decision:
+        results = dict(payload.results)
+        p = _replan(with_nodes(self.facts, payload.nodes), self.opts, results, payload.proven)
+        problems = contradictions(self.facts, self.opts.framework, p.chosen,
+                                  payload.nodes.get("0"))
         mine = p.chosen.key if p.chosen else None
-        if mine != payload.get("chosen") and not problems:
+        if mine != payload.chosen and not problems:
             problems.append(f"from node 0's results this node plans {mine}, not node 0's "
-                            f"{payload.get('chosen')}: the nodes see different machines or options")
-        self.channel.put(f"ack/{self.job.node}", {"ok": not problems, "why": "; ".join(problems)})
-        verdict = self.channel.take("verdict", 2 * self.margin_s, "node 0 gave no verdict",
-                                    who=0)
+                            f"{payload.chosen}: the nodes see different machines or options")
+        self.channel.put(f"ack/{self.job.node}", Ack(not problems, "; ".join(problems)).to_json())
+        verdict = NodeVerdict.from_json(self.channel.take(
+            "verdict", 2 * self.margin_s, "node 0 gave no verdict", who=0))
         if problems:
             raise NodeMismatchError(
-                f"node {self.job.node} cannot run node 0's decision ({payload.get('chosen')}): "
+                f"node {self.job.node} cannot run node 0's decision ({payload.chosen}): "
                 + "; ".join(problems) + ". Every node stops.")
-        if not verdict.get("ok"):
-            kind = NodeLostError if verdict.get("lost") else NodeMismatchError
-            raise kind(f"no node trains: {verdict.get('why', '')}")
-        return Decision(p, results, False, proven)
-
-
-def _results(payload: Mapping[str, Any]) -> dict[str, ProbeResult]:
-    raw = payload.get("results", {})
-    if not isinstance(raw, dict):
-        raise MultiNodeError("node 0's decision has no readable results")
-    return {str(k): r for k, v in raw.items() if (r := result_of(v)) is not None}
+        if not verdict.ok:
+            kind = NodeLostError if verdict.lost else NodeMismatchError
+            raise kind(f"no node trains: {verdict.why}")
+        return Decision(p, results, False, payload.proven)
 
 
 def _replan(facts: Facts, opts: Options, results: Mapping[str, ProbeResult], proven: bool) -> Plan:
@@ -313,26 +290,23 @@ def multinode_options(opts: Options, facts: Facts) -> Options:
     return replace(opts, rules=(*opts.rules, *remedy_rules()))
 
 
-def trace_lines(job: Job, payload: Mapping[str, Any], p: Plan) -> list[str]:
+def trace_lines(job: Job, payload: NodeDecision, p: Plan) -> list[str]:
     """What every node's trace says about the decision between nodes."""
     lines = [f"Node {job.node} of {job.nodes}: the nodes agreed through the job's store at "
              f"{job.store_text}; node 0 decided, every node checked it against its own facts."]
-    nodes = payload.get("nodes", {})
-    if isinstance(nodes, dict):
-        for k in sorted(nodes, key=lambda x: int(x) if str(x).isdigit() else 0):
-            n = nodes[k]
-            if isinstance(n, dict):
-                lines.append(
-                    f"Node {k} ({n.get('host')}): {n.get('gpus')} GPU(s), torch {n.get('version')}"
-                    f"; route to the rendezvous host: {n.get('route') or 'none'} "
-                    f"({n.get('route_how')}).")
-    results = _results(payload)
+    nodes = payload.nodes
+    for k in sorted(nodes, key=lambda x: int(x) if x.isdigit() else 0):
+        n = nodes[k]
+        lines.append(
+            f"Node {k} ({n.host}): {n.gpus} GPU(s), torch {n.version}"
+            f"; route to the rendezvous host: {n.route or 'none'} ({n.route_how}).")
+    results = payload.results
     across = [(k, r) for k, r in results.items() if ("nodes", str(job.nodes)) in r.extra]
     if across:
         lines.append(f"Probed across {job.nodes} nodes: " + "; ".join(
             f"{k}: {'ok' if r.ok else r.status} ({r.why() if not r.ok else r.detail})"
             for k, r in across) + ".")
-    elif payload.get("proven"):
+    elif payload.proven:
         lines.append(f"Nothing was probed across the {job.nodes} nodes (nothing needed it).")
     else:
         lines.append(f"Nothing was probed across the {job.nodes} nodes: the choice is UNPROVEN "
@@ -380,14 +354,13 @@ def agreed_decision(
             if job.node == 0:
                 decided, payload = node.lead(decide, clock)
             else:
-                node.channel.put(f"hello/{job.node}", node.summary)
+                node.channel.put(f"hello/{job.node}", node.summary.to_json())
                 decided, payload = node.follow()
     except ResilientStrategyError as exc:
         if node is not None and job.node == 0:
             node.abort(str(exc))
         with contextlib.suppress(ResilientStrategyError):
-            local.publish({"chosen": None, "results": {}, "proven": False, "from_cache": False,
-                           "error": str(exc)})
+            local.publish(NodeDecision(None, error=str(exc)).to_json())
         raise
     p, results, from_cache, proven = (decided.plan, dict(decided.results), decided.from_cache,
                                       decided.proven)
@@ -402,30 +375,24 @@ def agreed_decision(
                     "/ prepare().", job.node, p.chosen.label)
     p = _with_notes(p, lines)
     if job.local_world > 1:
-        local.publish({"chosen": p.chosen.key if p.chosen else None,
-                       "results": {k: v.to_dict() for k, v in results.items()},
-                       "from_cache": from_cache, "proven": proven, "multinode_trace": lines,
-                       "nodes": payload.get("nodes", {})})
+        local.publish(NodeDecision(p.chosen.key if p.chosen else None, results, proven,
+                                   from_cache, payload.nodes, tuple(lines)).to_json())
     return Decision(p, results, from_cache, proven)
 
 
 def _follow_local(facts: Facts, opts: Options, agreement: Any, timeout_s: float) -> Decision:
     """A local rank other than 0: take the decision its node's local rank 0 published."""
-    payload = agreement.wait(timeout_s)
-    if payload.get("error"):
-        raise MultiNodeError(f"local rank 0 of this node stopped: {payload['error']}")
-    results = _results(payload)
-    proven = bool(payload.get("proven"))
-    summaries = payload.get("nodes")
-    p = _replan(with_nodes(facts, summaries) if isinstance(summaries, dict) else facts, opts,
-                results, proven)
-    if (p.chosen.key if p.chosen else None) != payload.get("chosen"):
+    payload = NodeDecision.from_json(agreement.wait(timeout_s))
+    if payload.error:
+        raise MultiNodeError(f"local rank 0 of this node stopped: {payload.error}")
+    results = dict(payload.results)
+    p = _replan(with_nodes(facts, payload.nodes), opts, results, payload.proven)
+    if (p.chosen.key if p.chosen else None) != payload.chosen:
         raise MultiNodeError(
             f"this rank planned {p.chosen.key if p.chosen else None} but local rank 0 chose "
-            f"{payload.get('chosen')}: pass the same arguments on every rank")
-    extra = payload.get("multinode_trace", [])
-    lines = [str(x) for x in extra] if isinstance(extra, list) else []
-    return Decision(_with_notes(p, lines), results, bool(payload.get("from_cache")), proven)
+            f"{payload.chosen}: pass the same arguments on every rank")
+    return Decision(_with_notes(p, payload.multinode_trace), results, payload.from_cache,
+                    payload.proven)
 
 
 def _with_notes(p: Plan, lines: Sequence[str]) -> Plan:

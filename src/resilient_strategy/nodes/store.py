@@ -81,6 +81,7 @@ class Job:
 
 #: Stores this process hosts (non-agent launches): kept alive so that ``init_process_group``
 #: on the same port reuses the server (``multi_tenant=True``) instead of failing to bind.
+#: Process-wide by nature: torch's process group finds the server by port, not through us.
 HOSTED: list[Any] = []
 
 

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 from ..core.measures.probe import ProbeSpec
 from ..records.progress import StallPolicy
+from ..vocab import PROCESS_GROUP_BACKENDS
 from .workers.common import CHECK_ITERS, check_sizes
 from .workers.tf_worker import MULTI_WORKER, TRACE_ALLOW_S
-from .workers.torch_worker import ITERS, NEW_SIZE_ALLOW_S, PROCESS_GROUP_BACKENDS, WARMUP
+from .workers.torch_worker import ITERS, NEW_SIZE_ALLOW_S, WARMUP
 
 #: How a probe ends, as its cost sees it: ``ok`` (healthy, every phase run), a hang the progress
 #: records judge (``setup``, ``straggler``, ``collective``, ``quiet``: see

@@ -26,6 +26,7 @@ from ..core.knowledge.signatures import signatures_from_env
 from ..core.measures.probe import ERROR, ProbeResult, ProbeSpec, parse_probe, phase_times
 from ..errors import InvalidOptionError
 from ..machine import files
+from ..vocab import PROCESS_GROUP_BACKENDS
 from . import health, proc
 from .cost import health_check_seconds, judged_by_progress, stall_policy
 
@@ -160,7 +161,7 @@ def build_commands(
 
     if spec.framework == "torch":
         world = max(1, spec.world_size)
-        if spec.devices and spec.backend in ("nccl", "gloo") and len(spec.devices) < world:
+        if spec.devices and spec.backend in PROCESS_GROUP_BACKENDS and len(spec.devices) < world:
             raise InvalidOptionError(
                 f"probe {spec.candidate}: {world} ranks need {world} devices, got {devices}")
         return [

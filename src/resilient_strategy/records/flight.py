@@ -52,7 +52,10 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..errors import NoSpaceError
+from ..machine import files
 from .flightdump import Dump, DumpStatus, RankDump, merge_dumps, parse_dump
+from .rundir import RunDir
 
 log = logging.getLogger("resilient_strategy")
 
@@ -98,18 +101,6 @@ def buffer_env(backend: str, env: Mapping[str, str],
     return {buffer_var(torch_version): str(DEFAULT_ENTRIES)}
 
 
-def fifo_path(run_dir: str | Path, local_rank: int) -> Path:
-    return Path(run_dir) / f"rank{local_rank}.flight.fifo"
-
-
-def status_path(run_dir: str | Path, local_rank: int) -> Path:
-    return Path(run_dir) / f"rank{local_rank}.flight.json"
-
-
-def dump_path(run_dir: str | Path, local_rank: int, api: str) -> Path:
-    return Path(run_dir) / f"rank{local_rank}.flight{api}.pkl"
-
-
 # the worker's side: a thread that answers
 
 
@@ -117,7 +108,7 @@ def serve(run_dir: str | Path, local_rank: int, rank: int, c10d: Any = None) -> 
     """Start the daemon thread that answers the supervisor's request (`request`) with
     `respond` (``c10d`` as there). False where no FIFO can be made (then the supervisor
     reads "no listener")."""
-    path = fifo_path(run_dir, local_rank)
+    path = RunDir.of(run_dir).flight_fifo(local_rank)
     mkfifo = getattr(os, "mkfifo", None)
     if mkfifo is None:
         return False
@@ -148,7 +139,7 @@ def _listen(fd: int, run_dir: Path, local_rank: int, rank: int, c10d: Any) -> No
 
 def respond(run_dir: str | Path, local_rank: int, rank: int, c10d: Any = None) -> dict[str, Any]:
     """Dump this process's flight recorder through every API the build has, each to
-    `dump_path`, then write `status_path` (last: the supervisor waits for it).
+    `RunDir.flight_dump`, then write `RunDir.flight_status` (last: the supervisor waits for it).
     ``c10d``: the module holding the APIs (``torch._C._distributed_c10d``; a test passes its
     own). Never raises; returns the status written."""
     status: dict[str, Any] = {"rank": rank, "local_rank": local_rank, "apis": [],
@@ -170,24 +161,18 @@ def respond(run_dir: str | Path, local_rank: int, rank: int, c10d: Any = None) -
                 data = fn()  # everything: collectives, their stacks, completed ones too
                 if not isinstance(data, (bytes, bytearray)):
                     raise TypeError(f"returned {type(data).__name__}, not bytes")
-                _write_atomic(dump_path(run_dir, local_rank, api), bytes(data))
+                files.write_bytes_atomic(RunDir.of(run_dir).flight_dump(local_rank, api), bytes(data),
+                                         durable=False, what="the flight recorder's dump")
                 status["apis"].append(api)
             except Exception as exc:
                 log.warning("flight recorder: %s failed: %s", api, exc)
                 status["reasons"].append(f"{api} failed: {type(exc).__name__}: {exc}"[:300])
         if not status["apis"] and not status["reasons"]:
             status["reasons"].append(f"this torch has none of {', '.join(DUMP_APIS)}")
-    with contextlib.suppress(OSError, TypeError, ValueError):
-        _write_atomic(status_path(run_dir, local_rank), json.dumps(status).encode())
+    with contextlib.suppress(OSError, NoSpaceError, TypeError, ValueError):
+        files.write_json_atomic(RunDir.of(run_dir).flight_status(local_rank), status, durable=False,
+                                what="the flight recorder's status")
     return status
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-    os.replace(tmp, path)
 
 
 # the supervisor's side: ask, wait, read
@@ -203,14 +188,14 @@ def request(run_dir: str | Path, local_ranks: Iterable[tuple[int, int]],
     out: dict[int, RankDump] = {}
     for lr, rank in local_ranks:
         with contextlib.suppress(FileNotFoundError):
-            status_path(run_dir, lr).unlink()  # an earlier request's answer is not this one's
-        reason = _knock(fifo_path(run_dir, lr))
+            RunDir.of(run_dir).flight_status(lr).unlink()  # an earlier request's answer is not this one's
+        reason = _knock(RunDir.of(run_dir).flight_fifo(lr))
         if reason:
             out[lr] = RankDump(lr, rank, DumpStatus.NO_LISTENER, reason)
         else:
             asked[lr] = rank
     deadline = clock() + wait_s
-    while asked and any(not status_path(run_dir, lr).exists() for lr in asked) \
+    while asked and any(not RunDir.of(run_dir).flight_status(lr).exists() for lr in asked) \
             and clock() < deadline:
         sleep(0.05)
     for lr, rank in asked.items():
@@ -240,7 +225,7 @@ def _knock(path: Path) -> str:
 def read_answer(run_dir: str | Path, local_rank: int, rank: int) -> RankDump:
     """One rank's answer, parsed (`parse_dump`), after `respond` wrote it."""
     try:
-        raw = status_path(run_dir, local_rank).read_bytes()
+        raw = RunDir.of(run_dir).flight_status(local_rank).read_bytes()
     except OSError:
         return RankDump(local_rank, rank, DumpStatus.NO_ANSWER,
                         "no answer before the deadline (its process may hold the GIL)")
@@ -256,7 +241,7 @@ def read_answer(run_dir: str | Path, local_rank: int, rank: int) -> RankDump:
     dumps: list[Dump] = []
     files: list[str] = []
     for api in apis:
-        path = dump_path(run_dir, local_rank, api)
+        path = RunDir.of(run_dir).flight_dump(local_rank, api)
         try:
             with open(path, "rb") as fh:
                 data = fh.read(MAX_DUMP_BYTES + 1)

@@ -15,9 +15,7 @@ the supervisor classifies (`write_error`).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -28,9 +26,10 @@ from typing import Any
 from ..core.knowledge.signatures import builtin_signatures
 from ..core.measures.probe import ProbeResult
 from ..core.values.bounded import parse_json, read_user_file
-from ..core.values.candidate import Candidate
+from ..core.values.candidate import Candidate, CandidateKey
 from ..core.values.facts import Facts
 from ..errors import InvalidOptionError, NoSpaceError, ResilientStrategyError
+from ..machine import files
 from . import phases
 from .progress import (
     COLLECTIVE,
@@ -43,6 +42,7 @@ from .progress import (
     DevicePoller,
     ProgressWriter,
 )
+from .rundir import RunDir
 from .trainfault import TrainFault, fault_from
 
 #: Private: set by the worker wrapper in the worker's own process, never by the user.
@@ -53,7 +53,7 @@ FORMAT_VERSION = 1
 
 
 @dataclass(frozen=True)
-class Decision:
+class HandedDecision:
     """What the supervisor decided, for the workers of one launch attempt."""
 
     framework: str
@@ -107,7 +107,7 @@ class Decision:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Decision:
+    def from_dict(cls, d: Mapping[str, Any]) -> HandedDecision:
         if d.get("version") != FORMAT_VERSION:
             raise ValueError(f"decision format {d.get('version')!r}, not {FORMAT_VERSION}")
         gbs = d.get("global_batch_size")
@@ -147,7 +147,7 @@ class Decision:
         the GPUs the decision is bound to (nothing when it is not bound)."""
         return {VISIBLE_VAR: self.visible_devices} if self.devices else {}
 
-    def renumbered(self) -> Decision:
+    def renumbered(self) -> HandedDecision:
         """The decision in a bound worker's numbering: the GPUs it is bound to are its CUDA
         ordinals 0..k-1, in order, so the chosen key and the probe results' keys name those.
         Results about other GPUs are left out (the worker cannot see them)."""
@@ -174,14 +174,11 @@ VISIBLE_VAR = "CUDA_VISIBLE_DEVICES"
 def renumber_key(key: str, devices: tuple[int, ...]) -> str | None:
     """A candidate key (``framework:backend:devices[:env]``) with its GPUs renumbered to their
     positions in ``devices``; None when it names a GPU outside them. A key on the CPU is kept."""
-    parts = key.split(":", 3)
-    if len(parts) < 3 or parts[2] == "cpu":
+    parsed = CandidateKey.read(key)
+    if parsed is None:
         return key
-    try:
-        mine = [devices.index(int(d)) for d in parts[2].split(",")]
-    except ValueError:
-        return None
-    return ":".join([parts[0], parts[1], ",".join(map(str, mine)), *parts[3:]])
+    mine = parsed.renumbered(devices)
+    return None if mine is None else mine.format()
 
 
 def binding(candidate: Candidate, facts: Facts, env: Mapping[str, str]) -> tuple[
@@ -214,35 +211,21 @@ def bound_devices_value(devices: tuple[int, ...], gpus: Sequence[tuple[int, str,
     return ",".join(by_ordinal[d][0] or str(by_ordinal[d][1]) for d in devices)
 
 
-def write_decision(path: str | Path, decision: Decision) -> None:
+def write_decision(path: str | Path, decision: HandedDecision) -> None:
     """Atomically (temp file + rename in the same directory). A full or read-only filesystem
     is a NoSpaceError naming the file (the previous decision, if any, is left whole)."""
-    path = Path(path)
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump(decision.to_dict(), fh, indent=1, sort_keys=True)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-    except OSError as exc:
-        typed = NoSpaceError.from_os_error(exc, str(path), "the decision handed to the workers")
-        if typed is None:
-            raise
-        raise typed from exc
+    files.write_json_atomic(path, decision.to_dict(), indent=1, sort_keys=True, durable=False,
+                            what="the decision handed to the workers")
 
 
-def load_decision(env: Mapping[str, str], state: WorkerState | None = None) -> Decision | None:
+def load_decision(env: Mapping[str, str], state: WorkerState | None = None) -> HandedDecision | None:
     """The handed decision when this process is a worker of ``resilient-strategy run``."""
     return (state or WORKER).load_decision(env)
 
 
 def bound_env(env: Mapping[str, str], state: WorkerState | None = None) -> dict[str, str]:
     """In a worker, before the script runs (before CUDA starts): the variables of the GPUs its
-    decision is bound to (`Decision.worker_env`). A decision that cannot be read binds
+    decision is bound to (`HandedDecision.worker_env`). A decision that cannot be read binds
     nothing here: ``resilient_strategy()`` in the script says why it cannot be read."""
     try:
         decision = load_decision(env, state)
@@ -251,29 +234,15 @@ def bound_env(env: Mapping[str, str], state: WorkerState | None = None) -> dict[
     return {} if decision is None else decision.worker_env()
 
 
-def progress_path(run_dir: str | Path, local_rank: int) -> Path:
-    return Path(run_dir) / f"rank{local_rank}.progress"
-
-
-def error_path(run_dir: str | Path, local_rank: int) -> Path:
-    return Path(run_dir) / f"rank{local_rank}.error.json"
-
-
-def pid_path(run_dir: str | Path, local_rank: int) -> Path:
-    """Where a worker of ``run`` says which process it is (``rank<N>.pid``)."""
-    return Path(run_dir) / f"rank{local_rank}.pid"
-
-
-def write_pid(run_dir: str | Path, local_rank: int, rank: int) -> None:
-    """The worker's process id and ranks, in its run directory, for whoever must find "the
-    process of rank N" from outside (a warm-started worker's ``/proc/<pid>/environ`` shows the
-    fork server's environment, not its RANK). Best effort; never raises."""
+def write_pid(run_dir: str | Path | RunDir, local_rank: int, rank: int) -> None:
+    """The worker's process id and ranks, in its run directory (``rank<N>.pid``), for whoever
+    must find "the process of rank N" from outside (a warm-started worker's
+    ``/proc/<pid>/environ`` shows the fork server's environment, not its RANK). Best effort;
+    never raises."""
     with contextlib.suppress(OSError, ValueError):
-        path = pid_path(run_dir, local_rank)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"pid": os.getpid(), "rank": rank, "local_rank": local_rank}),
-                       encoding="utf-8")
-        os.replace(tmp, path)
+        files.write_json_atomic(RunDir.of(run_dir).pid(local_rank),
+                                {"pid": os.getpid(), "rank": rank, "local_rank": local_rank},
+                                durable=False, what="the worker's pid file")
 
 
 CHECKPOINT_NOTE = "checkpoint.json"
@@ -285,11 +254,10 @@ def note_checkpoint(step: int, path: str | Path, state: WorkerState | None = Non
     if not loaded:
         return
     decision = next(iter(loaded.values()))
-    with contextlib.suppress(OSError):
-        note = Path(decision.run_dir) / CHECKPOINT_NOTE
-        tmp = note.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"step": step, "path": str(path)}), encoding="utf-8")
-        os.replace(tmp, note)
+    with contextlib.suppress(OSError, NoSpaceError):
+        files.write_json_atomic(RunDir.of(decision.run_dir).checkpoint_note,
+                                {"step": step, "path": str(path)}, durable=False,
+                                what="the checkpoint note")
 
 
 #: At most this many exceptions of a chain (``__cause__`` / ``__context__``) are recorded, and
@@ -370,11 +338,9 @@ def write_error(run_dir: str | Path, local_rank: int, exc: BaseException,
     }
     with contextlib.suppress(Exception):  # the chain is extra: the record goes without it
         record["chain"] = exception_chain(exc)
-    with contextlib.suppress(OSError, TypeError, ValueError):
-        path = error_path(run_dir, local_rank)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record), encoding="utf-8")
-        os.replace(tmp, path)
+    with contextlib.suppress(OSError, NoSpaceError, TypeError, ValueError):
+        files.write_json_atomic(RunDir.of(run_dir).error(local_rank), record, durable=False,
+                                what="the rank's error record")
 
 
 @dataclass
@@ -472,31 +438,31 @@ class WorkerState:
     both). The public functions use the default instance, `WORKER`; a test makes its own."""
 
     def __init__(self) -> None:
-        self.loaded: dict[str, Decision] = {}
+        self.loaded: dict[str, HandedDecision] = {}
         self.reporters: list[TrainingReporter] = []
 
-    def load_decision(self, env: Mapping[str, str]) -> Decision | None:
+    def load_decision(self, env: Mapping[str, str]) -> HandedDecision | None:
         path = env.get(DECISION_VAR)
         if not path:
             return None
         if path not in self.loaded:
             try:  # bounded, and only a regular file: /dev/zero or a FIFO is refused, not read
                 data = read_user_file(Path(path), MAX_DECISION_BYTES)
-                self.loaded[path] = Decision.from_dict(parse_json(data, path, allow_nan=True))
+                self.loaded[path] = HandedDecision.from_dict(parse_json(data, path, allow_nan=True))
             except (OSError, ValueError, KeyError, TypeError, ResilientStrategyError) as exc:
                 raise InvalidOptionError(
                     f"{DECISION_VAR}={path[:200]!r}: cannot read the decision handed down by "
                     f"`resilient-strategy run`: {exc}", DECISION_VAR) from None
         return self.loaded[path]
 
-    def reporter_for(self, decision: Decision, rank: int, local_rank: int, backend: str,
+    def reporter_for(self, decision: HandedDecision, rank: int, local_rank: int, backend: str,
                      replicas: int, env: Mapping[str, str]) -> TrainingReporter:
         if not self.reporters:
             self.reporters.append(TrainingReporter(
-                ProgressWriter(str(progress_path(decision.run_dir, local_rank))), rank=rank,
+                ProgressWriter(str(RunDir.of(decision.run_dir).progress(local_rank))), rank=rank,
                 backend=backend, collective=replicas > 1, fault=fault_from(env),
                 attempt=decision.attempt,
-                phases=str(phases.worker_path(decision.run_dir, local_rank)),
+                phases=str(RunDir.of(decision.run_dir).phases(local_rank)),
             ))
         return self.reporters[0]
 
@@ -508,7 +474,7 @@ class WorkerState:
 WORKER = WorkerState()
 
 
-def reporter_for(decision: Decision, rank: int, local_rank: int, backend: str, replicas: int,
+def reporter_for(decision: HandedDecision, rank: int, local_rank: int, backend: str, replicas: int,
                  env: Mapping[str, str], state: WorkerState | None = None) -> TrainingReporter:
     """This process's reporter (one per process: a second resilient_strategy() call reuses it).
     Files are named by local rank: each node's supervisor watches its own workers."""

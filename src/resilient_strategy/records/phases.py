@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ..errors import NoSpaceError, ResilientStrategyError
+from ..machine import files
+from .rundir import RunDir
 
 # The supervisor's phases of one attempt, in order.
 AGENT_STARTED = "agent_started"  # the attempt's agent is being built (launch() entered)
@@ -39,37 +42,24 @@ FIRST_STEP = "first_step"  # the first optimizer step of this attempt is done
 WORKER_PHASES = (WORKER_STARTED, REPORTING, COMM_READY, RESTORED, FIRST_STEP)
 
 _MAX_BYTES = 64 << 10
-_MARKS: dict[str, dict[str, float]] = {}  # what this process has marked, by file
-
-
-def supervisor_path(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "supervisor.phases.json"
-
-
-def worker_path(run_dir: str | Path, local_rank: int) -> Path:
-    return Path(run_dir) / f"rank{local_rank}.phases.json"
 
 
 def mark(path: str | Path, phase: str, at: float | None = None) -> None:
     """Record that ``phase`` began at ``at`` (wall time; now by default), unless it already
     was. Best effort."""
-    marks = _MARKS.setdefault(str(path), {})
+    marks = read_marks(path)  # the file is the state: one writer per file, no process memory
     if phase in marks:
         return
     marks[phase] = time.time() if at is None else at
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with contextlib.suppress(OSError):
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(marks, fh)
-        os.replace(tmp, path)
+    with contextlib.suppress(OSError, NoSpaceError):
+        files.write_json_atomic(path, marks, durable=False, what="the phase marks")
 
 
 def read_marks(path: str | Path) -> dict[str, float]:
     """The marks in ``path`` (an empty dict when absent or unreadable); numbers only."""
-    try:
-        with open(path, "rb") as fh:
-            data = json.loads(fh.read(_MAX_BYTES))
-    except (OSError, ValueError):
+    try:  # this user's own file, never through a symlink, bounded
+        data = json.loads(files.read_bytes(Path(path), max_bytes=_MAX_BYTES))
+    except (OSError, ValueError, ResilientStrategyError):
         return {}
     if not isinstance(data, dict):
         return {}
@@ -87,8 +77,9 @@ class Timeline:
 
     @classmethod
     def read(cls, run_dir: str | Path, ranks: int) -> Timeline:
-        return cls(read_marks(supervisor_path(run_dir)),
-                   tuple(read_marks(worker_path(run_dir, r)) for r in range(ranks)))
+        where = RunDir.of(run_dir)
+        return cls(read_marks(where.supervisor_phases),
+                   tuple(read_marks(where.phases(r)) for r in range(ranks)))
 
     def last(self, phase: str) -> float | None:
         """When the last rank reached ``phase`` (None: a rank never did)."""

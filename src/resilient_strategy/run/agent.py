@@ -21,13 +21,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..core.call.options import DEFAULT_PROCESS_GROUP_TIMEOUT, RunOptions
 from ..core.values.bounded import parse_json
+from ..core.values.candidate import CandidateKey
+from ..machine import env as machine_env
 from ..records import flight, phases
 from ..records.flightdump import DumpStatus, RankDump, analyse, divergence
-from ..records.handoff import Decision, error_path, progress_path
+from ..records.handoff import HandedDecision
 from ..records.progress import (
     Stall,
     read_record,
 )
+from ..records.rundir import RunDir
 
 if TYPE_CHECKING:
     from .peers import PeerWatch
@@ -53,15 +56,16 @@ log = logging.getLogger("resilient_strategy")
 T = TypeVar("T")
 
 
-def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
+def launch(opts: RunOptions, decision: HandedDecision, env: Mapping[str, str],
             session: Path, peer: PeerWatch | None = None, *, alone: bool = False) -> Verdict:
     """One attempt. ``peer``: the other nodes' fault records, watched while the workers run;
     ``alone``: node 0 of a multi-node run trains by itself (one node, its own rendezvous)."""
     run_dir = Path(decision.run_dir)
-    marks = phases.supervisor_path(run_dir)
+    where = RunDir(run_dir)
+    marks = where.supervisor_phases
     phases.mark(marks, phases.AGENT_STARTED)
     nproc = decision.processes
-    watch = TrainingWatch([str(progress_path(run_dir, r)) for r in range(nproc)],
+    watch = TrainingWatch([str(where.progress(r)) for r in range(nproc)],
                           opts.stall_timeout_s, busy_s=opts.busy_timeout_s)
     agent_cls = _agent_class()
     warm = opts.warm_start and applies(decision.framework)
@@ -76,7 +80,7 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
     ns = argparse.Namespace(**vars(opts.torchrun or parser().parse_args([opts.script])))
     ns.nproc_per_node = str(nproc)
     ns.max_restarts = 0  # a relaunch is ours, on another candidate
-    ns.log_dir = str(run_dir / "logs")
+    ns.log_dir = str(where.logs)
     if str(getattr(ns, "redirects", "0") or "0") == "0" and str(getattr(ns, "tee", "0")
                                                                 or "0") == "0":
         ns.tee = "2"  # stderr to the console and to a file we can read (torch's default: "0")
@@ -106,12 +110,12 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
         from ..nodes.routes import route_address
 
         ns.local_addr = route_address(str(ns.rdzv_endpoint).rpartition(":")[0].strip("[]"))
-    had_omp = "OMP_NUM_THREADS" in os.environ
+    before = machine_env.snapshot()  # torchrun sets OMP_NUM_THREADS: ours to remove again
     try:
         config, _, _ = torchrun.config_from_args(ns)
     finally:
-        if not had_omp and nproc == 1:
-            os.environ.pop("OMP_NUM_THREADS", None)
+        if nproc == 1:
+            machine_env.unset_added(TORCHRUN_VARS, before)
     rdzv = RendezvousParameters(
         backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
         min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
@@ -124,8 +128,7 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
     try:  # its store client connects to the endpoint: a node cut off waits here, watched
         handler = watched(lambda: rdzv_registry.get_rendezvous_handler(rdzv), peer)
     except LeftRendezvous as left:
-        if not had_omp:
-            os.environ.pop("OMP_NUM_THREADS", None)
+        machine_env.unset_added(TORCHRUN_VARS, before)
         phases.mark(marks, phases.WORKERS_STOPPED)
         return _peer_verdict(left.fault, peer)
     fixed_membership(handler)
@@ -147,38 +150,32 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
                       start_method=START_METHOD if warm else config.start_method,
                       watch=watch, peer=peer, run_dir=run_dir, nproc=nproc, warm=warm,
                       **shutdown_grace(config))
-    timeouts = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PROCESS_GROUP_TIMEOUT,
-                              watch.busy_s, decision.framework)
-    # NCCL's flight recorder on (its dump is asked for before a stalled group is stopped)
     from ..machine.versions import detect_frameworks
 
     torch_version = detect_frameworks()[0].version  # metadata: the name this torch expects
-    timeouts.update(flight.buffer_env(_backend(decision.chosen), env, torch_version))
-    os.environ.update(timeouts)  # the workers inherit them; never one the user set
-    try:
+    # the workers inherit these for the attempt; never one the user set
+    with machine_env.setting(worker_env(decision, opts, watch.busy_s, env, torch_version)):
         try:
-            result = agent.run()
-        except Exception as exc:  # a torch without a quiet rendezvous exit raises it
-            if agent.peer_fault is None or type(exc).__name__ == "SignalException":
-                raise
-            result = None
-        phases.mark(marks, phases.WORKERS_STOPPED)
-    finally:
-        for k in timeouts:
-            os.environ.pop(k, None)
-        if peer is None or peer.reachable():  # a store gone quiet: not forever, not at all
-            within(spec.rdzv_handler.shutdown, RDZV_SHUTDOWN_S)
-        if not had_omp:
-            os.environ.pop("OMP_NUM_THREADS", None)
+            try:
+                result = agent.run()
+            except Exception as exc:  # a torch without a quiet rendezvous exit raises it
+                if agent.peer_fault is None or type(exc).__name__ == "SignalException":
+                    raise
+                result = None
+            phases.mark(marks, phases.WORKERS_STOPPED)
+        finally:
+            if peer is None or peer.reachable():  # a store gone quiet: not forever, not at all
+                within(spec.rdzv_handler.shutdown, RDZV_SHUTDOWN_S)
+            machine_env.unset_added(TORCHRUN_VARS, before)
     if agent.peer_fault is not None:  # another node saw the fault: this node stopped for it
         heard = _peer_verdict(agent.peer_fault, peer)
         if heard.step:
             return heard
         return replace(heard, step=step_in_progress(  # where this node's ranks were
-            [read_record(str(progress_path(run_dir, lr))) for lr in range(nproc)]))
+            [read_record(str(where.progress(lr))) for lr in range(nproc)]))
     stall: Stall | None = agent.stall
     if stall is not None and raised_before(
-            [_read_json(error_path(run_dir, lr)) for lr in range(nproc)], agent.stall_at):
+            [_read_json(where.error(lr)) for lr in range(nproc)], agent.stall_at):
         stall = None  # a rank raised and had not exited yet: its error is the story, not a stall
     exits: list[RankExit] = []
     if stall is None:
@@ -186,22 +183,22 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
                         else ()):
             lr = failure.local_rank
             exits.append(RankExit(
-                rank=lr, exitcode=failure.exitcode, error=_read_json(error_path(run_dir, lr)),
-                record=read_record(str(progress_path(run_dir, lr))),
-                stderr_tail=_stderr_tail(run_dir / "logs", lr)))
+                rank=lr, exitcode=failure.exitcode, error=_read_json(where.error(lr)),
+                record=read_record(str(where.progress(lr))),
+                stderr_tail=_stderr_tail(where, lr)))
         # ranks that raised but were stopped before the agent saw them exit left records too
         seen = {e.rank for e in exits}
         for lr in range(nproc):
-            err = _read_json(error_path(run_dir, lr))
+            err = _read_json(where.error(lr))
             if lr not in seen and err is not None:
                 exits.append(RankExit(rank=lr, exitcode=1, error=err,
-                                      record=read_record(str(progress_path(run_dir, lr))),
-                                      stderr_tail=_stderr_tail(run_dir / "logs", lr)))
+                                      record=read_record(str(where.progress(lr))),
+                                      stderr_tail=_stderr_tail(where, lr)))
         if not exits and (result is None or result.state.name != "SUCCEEDED"):
             state = "no state (the rendezvous ended)" if result is None else result.state.name
             return Verdict(VerdictKind.EXIT, f"the workers ended in state {state}")
     # finished only when every rank wrote "finished" after its last step (exit 0 is not enough)
-    records = [read_record(str(progress_path(run_dir, lr))) for lr in range(nproc)]
+    records = [read_record(str(where.progress(lr))) for lr in range(nproc)]
     verdict = classify_attempt(stall, exits, records)
     if stall is not None and agent.flight:
         verdict = replace(verdict, flight=analyse(agent.flight))
@@ -213,10 +210,10 @@ def launch(opts: RunOptions, decision: Decision, env: Mapping[str, str],
     return verdict
 
 
-def first_raised(run_dir: Path, nproc: int) -> int | None:
+def first_raised(run_dir: Path | RunDir, nproc: int) -> int | None:
     """The lowest local rank that left an error record in this attempt's directory (it raised:
     the worker writes the record before any barrier or teardown), or None."""
-    return next((lr for lr in range(nproc) if error_path(run_dir, lr).exists()), None)
+    return next((lr for lr in range(nproc) if RunDir.of(run_dir).error(lr).exists()), None)
 
 
 def _peer_verdict(fault: PeerFault, peer: PeerWatch | None) -> Verdict:
@@ -270,9 +267,27 @@ def watched(call: Callable[[], T], peer: PeerWatch | None) -> T:
     return out
 
 
+#: What torchrun's `config_from_args` sets in our own environment for its workers.
+TORCHRUN_VARS = ("OMP_NUM_THREADS",)
+
+
+def worker_env(decision: HandedDecision, opts: RunOptions, busy_s: float, env: Mapping[str, str],
+               torch_version: str | None) -> dict[str, str]:
+    """The variables an attempt's workers get from the supervisor (never one the user set, in
+    ``env``): the training's timeouts just above the watch's, and NCCL's flight recorder on
+    for a decision over NCCL, sharded (FSDP) or not (its dump is asked for before a stalled
+    group is stopped)."""
+    out = torch_timeouts(opts.stall_timeout_s, env, DEFAULT_PROCESS_GROUP_TIMEOUT, busy_s,
+                         decision.framework)
+    out.update(flight.buffer_env(_backend(decision.chosen), env, torch_version))
+    return out
+
+
 def _backend(key: str) -> str:
-    """A candidate key's backend ("torch:nccl:0,1" -> "nccl")."""
-    return key.split(":")[1] if key.count(":") >= 2 else key
+    """A candidate key's backend (``torch:nccl/fsdp:0,1`` -> ``nccl``: the marks of a sharded
+    or node-0 candidate are not part of its backend)."""
+    parsed = CandidateKey.read(key)
+    return key if parsed is None else parsed.backend
 
 
 #: How long a node waits for the others in an attempt's rendezvous, across nodes. The nodes have
@@ -361,8 +376,8 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _stderr_tail(log_dir: Path, local_rank: int, limit: int = 8192) -> str:
-    for path in log_dir.glob(f"**/{local_rank}/stderr.log"):
+def _stderr_tail(run_dir: Path | RunDir, local_rank: int, limit: int = 8192) -> str:
+    for path in RunDir.of(run_dir).stderr_logs(local_rank):
         with contextlib.suppress(OSError), open(path, "rb") as fh:
             fh.seek(0, os.SEEK_END)
             fh.seek(max(0, fh.tell() - limit))
@@ -414,7 +429,7 @@ def dump_stacks(pids: Mapping[int, int], run_dir: Path | None,
         time.sleep(STACKS_POLL_S)
         for lr in list(pending):
             try:
-                size = (run_dir / f"rank{lr}.stacks.txt").stat().st_size
+                size = RunDir(run_dir).stacks(lr).stat().st_size
             except OSError:
                 size = 0
             if size > 0 and sizes.get(lr) == size:
@@ -425,6 +440,8 @@ def dump_stacks(pids: Mapping[int, int], run_dir: Path | None,
     return pending
 
 
+#: The agent class, built once per process after torch is imported (`_agent_class`): a
+#: cache of a class, not state of a run.
 _AGENT: list[type[Any]] = []
 
 
@@ -505,7 +522,7 @@ def _agent_class() -> type[Any]:
                 return {}
 
         def _marks(self) -> Path | None:
-            return None if self.run_dir is None else phases.supervisor_path(self.run_dir)
+            return None if self.run_dir is None else RunDir(self.run_dir).supervisor_phases
 
         def _rendezvous(self, worker_group: Any) -> Any:
             """torch's rendezvous, in a thread of its own while this one watches the store: a

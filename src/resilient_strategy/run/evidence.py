@@ -25,21 +25,13 @@ from typing import Any
 
 from ..machine.files import ensure_private_dir, write_json_atomic
 from ..records.flightdump import FlightFacts
-from ..records.handoff import error_path
+from ..records.rundir import RunDir
 from .policy import Attempt
 
 #: How much of each rank's stderr the evidence keeps (its end).
 STDERR_TAIL_BYTES = 64 << 10
 #: How much of a traceback or stack dump file is read.
 DUMP_BYTES = 256 << 10
-
-
-def traceback_path(run_dir: Path, local_rank: int) -> Path:
-    return run_dir / f"rank{local_rank}.traceback.txt"
-
-
-def stacks_path(run_dir: Path, local_rank: int) -> Path:
-    return run_dir / f"rank{local_rank}.stacks.txt"
 
 
 class Evidence:
@@ -61,11 +53,13 @@ class Evidence:
         fr = attempt.verdict.flight
         if fr is not None:
             parts += [*fr.describe(), *self._raw_dumps(attempt.number, fr), ""]
+        where = RunDir.of(run_dir)
         for r in range(ranks):
             for title, path, limit in (
-                    ("traceback", traceback_path(run_dir, r), DUMP_BYTES),
-                    ("Python stacks before the stop", stacks_path(run_dir, r), DUMP_BYTES),
-                    ("stderr (end)", _stderr_log(run_dir / "logs", r), STDERR_TAIL_BYTES)):
+                    ("traceback", where.traceback(r), DUMP_BYTES),
+                    ("Python stacks before the stop", where.stacks(r), DUMP_BYTES),
+                    ("stderr (end)", next(iter(where.stderr_logs(r)), None),
+                     STDERR_TAIL_BYTES)):
                 text = _tail(path, limit) if path is not None else ""
                 if text.strip():
                     parts += [f"===== rank {r}: {title} ({path}) =====", text.rstrip(), ""]
@@ -91,7 +85,7 @@ class Evidence:
         file; the lines that name them. Best effort."""
         out = []
         for r in range(ranks):
-            src = error_path(run_dir, r)
+            src = RunDir.of(run_dir).error(r)
             if not src.is_file():
                 continue
             copy = self.error_record(number, r)
@@ -150,10 +144,6 @@ class Evidence:
             write_json_atomic(path, {"attempts": [], "setup": failure}, indent=1)
             return str(path)
         return None
-
-
-def _stderr_log(log_dir: Path, local_rank: int) -> Path | None:
-    return next(iter(log_dir.glob(f"**/{local_rank}/stderr.log")), None)
 
 
 def _tail(path: Path, limit: int) -> str:

@@ -35,8 +35,9 @@ from ..core.call.options import RunOptions
 from ..errors import ResilientStrategyError
 from ..machine import env
 from ..probing.proc import start_supervised, stop_groups
-from ..records.handoff import Decision, error_path, progress_path
+from ..records.handoff import HandedDecision
 from ..records.progress import Stall, read_record
+from ..records.rundir import RunDir
 from .agent import _read_json, _stderr_tail, dump_stacks, raised_before
 from .verdicts import RankExit, Verdict, classify_attempt
 from .watch import TrainingWatch
@@ -57,7 +58,7 @@ class SignalException(Exception):
         self.sigval = sigval
 
 
-def launch_one(opts: RunOptions, decision: Decision, *, poll_s: float = MONITOR_S,
+def launch_one(opts: RunOptions, decision: HandedDecision, *, poll_s: float = MONITOR_S,
                grace_s: float = STOP_GRACE_S) -> Verdict:
     """One attempt of a one-process decision: start, watch, stop, classify."""
     if decision.processes != 1 or decision.nodes != 1:
@@ -65,13 +66,13 @@ def launch_one(opts: RunOptions, decision: Decision, *, poll_s: float = MONITOR_
             f"{decision.label or decision.chosen} needs {decision.processes} processes on "
             f"{decision.nodes} node(s): without torch, resilient-strategy run starts one "
             "(pip install torch for torch's elastic agent)")
-    run_dir = Path(decision.run_dir)
-    watch = TrainingWatch([str(progress_path(run_dir, 0))], opts.stall_timeout_s,
+    run_dir = RunDir(Path(decision.run_dir))
+    watch = TrainingWatch([str(run_dir.progress(0))], opts.stall_timeout_s,
                           busy_s=opts.busy_timeout_s)
-    log_path = run_dir / "logs" / "0" / "stderr.log"
+    log_path = run_dir.solo_stderr_log()
     log_path.parent.mkdir(parents=True, exist_ok=True)
     argv = (sys.executable, "-u", "-m", "resilient_strategy.run.worker", "--supervisor",
-            str(os.getpid()), str(run_dir / "decision.json"), opts.script, *opts.script_args)
+            str(os.getpid()), str(run_dir.decision), opts.script, *opts.script_args)
     stall: Stall | None = None
     stall_at = float("inf")  # wall time of the stall, as the error record's
     with _signals_as_exception():
@@ -83,14 +84,14 @@ def launch_one(opts: RunOptions, decision: Decision, *, poll_s: float = MONITOR_
                 if stall is not None:
                     stall_at = time.time()
                     with contextlib.suppress(Exception):  # evidence before the kill
-                        dump_stacks({0: proc.pid}, run_dir)
+                        dump_stacks({0: proc.pid}, run_dir.root)
                     break
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=poll_s)
         finally:
             stop_groups([proc], grace_s)
             tee.join(grace_s)
-    err = _read_json(error_path(run_dir, 0))
+    err = _read_json(run_dir.error(0))
     if stall is not None and raised_before([err], stall_at):
         stall = None  # it raised and had not exited yet: its error is the story, not a stall
     # an error written after the stop is what the stop did to it (a SIGTERM handler that
@@ -100,8 +101,8 @@ def launch_one(opts: RunOptions, decision: Decision, *, poll_s: float = MONITOR_
         return classify_attempt(stall, [])
     return classify_attempt(None, [RankExit(
         rank=0, exitcode=code if code != 0 else 1, error=err,
-        record=read_record(str(progress_path(run_dir, 0))),
-        stderr_tail=_stderr_tail(run_dir / "logs", 0))])
+        record=read_record(str(run_dir.progress(0))),
+        stderr_tail=_stderr_tail(run_dir, 0))])
 
 
 class _Tee:

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.call.options import MIN_STALL_S, RunOptions
 from ..core.measures.probe import ERROR, ProbeResult
 from ..core.values.bounded import parse_json
-from ..core.values.candidate import Candidate
+from ..core.values.candidate import Candidate, CandidateKey
 from ..errors import (
     GpuUnusableError,
     MultiNodeError,
@@ -63,7 +63,8 @@ from ..errors import (
 )
 from ..machine import env as machine_env
 from ..records import phases
-from ..records.handoff import CHECKPOINT_NOTE, Decision, binding, write_decision
+from ..records.handoff import HandedDecision, binding, write_decision
+from ..records.rundir import CHECKPOINT_NOTE, RunDir
 from ..records.trainfault import FAULT_VAR, TrainFault, check_rank, parse_fault
 
 if TYPE_CHECKING:
@@ -97,7 +98,7 @@ RUN_PREFIX = "rs-run-"
 class Choice:
     """A decision with what the relaunch policy needs of it: the candidate and its estimate."""
 
-    decision: Decision
+    decision: HandedDecision
     candidate: Candidate
     step_seconds: float  # estimated, per global batch (core/measures/estimate.py)
     left: int  # candidates left after this one
@@ -200,7 +201,7 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
         if peer is not None:
             verdict = verdict_with_peers(peer, decision.chosen, verdict)
             gone = peer.gone()
-        marks = phases.supervisor_path(decision.run_dir)
+        marks = RunDir.of(decision.run_dir).supervisor_phases
         phases.mark(marks, phases.VERDICT)
         label = _label(decision)
         if not verdict.ok:  # the fault's line first; its evidence is written below
@@ -290,7 +291,7 @@ def _retry(choice: Choice, session: Path, attempt: int, link: NodeLink | None,
     run_dir = session / f"attempt{attempt}"
     run_dir.mkdir()
     decision = replace(choice.decision, run_dir=str(run_dir), attempt=attempt, notes=tuple(notes))
-    write_decision(run_dir / "decision.json", decision)
+    write_decision(RunDir(run_dir).decision, decision)
     return replace(choice, decision=decision)
 
 
@@ -444,10 +445,12 @@ def _shown_path(path: Path) -> str:
 
 
 def _backend(key: str) -> str:
-    return key.split(":")[1] if key.count(":") >= 2 else key
+    """A candidate key's backend (``torch:nccl/fsdp:0,1`` -> ``nccl``)."""
+    parsed = CandidateKey.read(key)
+    return key if parsed is None else parsed.backend
 
 
-def _label(decision: Decision) -> str:
+def _label(decision: HandedDecision) -> str:
     return decision.label or decision.chosen
 
 
@@ -486,7 +489,7 @@ def _link(opts: RunOptions, facts: Any) -> NodeLink | None:
     return NodeLink.from_torchrun(opts.torchrun, nproc)
 
 
-def _alone(decision: Decision) -> bool:
+def _alone(decision: HandedDecision) -> bool:
     """Node 0 trains alone (one replica, accumulation keeping the global batch)."""
     return decision.nodes == 1
 
@@ -595,7 +598,7 @@ def _choice(opts: RunOptions, facts: Any, env: Mapping[str, str],
     if devices:  # FSDP over a subset that is not the first GPUs: its workers see only those
         _say(f"{p.chosen.label}: its {len(devices)} workers are bound to GPUs "
              f"{','.join(map(str, devices))} (CUDA_VISIBLE_DEVICES={visible})")
-    decision = Decision(
+    decision = HandedDecision(
         framework=o.framework, chosen=p.chosen.key, results=results, run_dir=str(run_dir),
         attempt=attempt, proven=proven, from_cache=from_cache, notes=notes,
         global_batch_size=o.global_batch_size, label=p.chosen.label,
@@ -605,7 +608,7 @@ def _choice(opts: RunOptions, facts: Any, env: Mapping[str, str],
         node_trace=_node_trace(p.events) if agreed is not None else (),
         reference_replicas=p.reference_replicas, devices=devices, visible_devices=visible,
         **_memory_planning(opts, o.framework, facts))
-    write_decision(run_dir / "decision.json", decision)
+    write_decision(RunDir(run_dir).decision, decision)
     step_s = estimate(p.chosen, facts, results.get(p.chosen.key), o).step_seconds
     return Choice(decision, p.chosen, step_s, left, link, change)
 

@@ -48,9 +48,11 @@ from ..records.handoff import (  # noqa: E402
     write_error,
     write_pid,
 )
+from ..records.rundir import RunDir  # noqa: E402
 
 _USAGE = "usage: python -m resilient_strategy.run.worker --supervisor PID DECISION SCRIPT [ARGS...]"
-_KEEP: list[IO[str]] = []  # the stacks file stays open for faulthandler
+#: Process-wide by nature: the stacks file stays open for faulthandler as long as the process.
+_KEEP: list[IO[str]] = []
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -114,10 +116,11 @@ def _run(args: Sequence[str], started: float) -> None:
     os.environ[DECISION_VAR] = decision  # private to this run; read by resilient_strategy()
     os.environ.update(bound_env(os.environ))  # the GPUs a decision over a subset is bound to
     run_dir = Path(decision).parent
+    where = RunDir(run_dir)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    phases.mark(phases.worker_path(run_dir, local_rank), phases.WORKER_STARTED, started)
-    write_pid(run_dir, local_rank, int(os.environ.get("RANK", local_rank)))
-    _stacks_on_signal(run_dir / f"rank{local_rank}.stacks.txt")
+    phases.mark(where.phases(local_rank), phases.WORKER_STARTED, started)
+    write_pid(where, local_rank, int(os.environ.get("RANK", local_rank)))
+    _stacks_on_signal(where.stacks(local_rank))
     serve(run_dir, local_rank, int(os.environ.get("RANK", local_rank)))
     sys.argv = [script, *rest]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` sets it
@@ -130,12 +133,12 @@ def _run(args: Sequence[str], started: float) -> None:
             reporter.done()  # sys.exit(0) ends the script as returning does: it finished
         raise
     except Exception as exc:
-        where = run_dir / f"rank{local_rank}.traceback.txt"
+        kept_at = where.traceback(local_rank)
         kept = True
         try:  # the traceback first: the error record is the word the supervisor acts on
-            where.write_text("".join(traceback.format_exception(exc)), encoding="utf-8")
+            kept_at.write_text("".join(traceback.format_exception(exc)), encoding="utf-8")
         except OSError as write_exc:
-            if NoSpaceError.from_os_error(write_exc, str(where), "the traceback") is None:
+            if NoSpaceError.from_os_error(write_exc, str(kept_at), "the traceback") is None:
                 _raised(run_dir, local_rank, exc)
                 raise exc from None  # nowhere to keep it: the traceback goes to stderr as usual
             kept = False  # a full disk: the one line below, no traceback to keep anywhere

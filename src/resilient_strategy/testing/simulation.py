@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ..core.measures.probe import CAUSES, ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec, parse_probe
+from ..core.values.candidate import NODE0_MARK, OFFLOAD_MARK, SHARDED_MARK
 from ..core.values.facts import (
     FABRIC_MIN_GPUS,
     P2P_STATUSES,
@@ -542,11 +543,12 @@ class SimulatedProber:
         self.calls.append(spec)
         env_key = ",".join(f"{k}={v}" for k, v in spec.env)
         # a sharded candidate's own outcome ("nccl/fsdp") wins over its backend's ("nccl")
-        names = [f"{spec.backend}/fsdp", spec.backend] if spec.sharded else [spec.backend]
-        if spec.candidate.split(":")[1].endswith("+offload"):  # its own outcome wins again
-            names.insert(0, f"{spec.backend}/fsdp+offload")
-        if spec.candidate.split(":")[1].endswith("/node0"):  # node 0 alone: its own outcome
-            names.insert(0, f"{spec.backend}/node0")
+        sharded = spec.backend + SHARDED_MARK
+        names = [sharded, spec.backend] if spec.sharded else [spec.backend]
+        if spec.identity.offload:  # its own outcome wins again
+            names.insert(0, sharded + OFFLOAD_MARK)
+        if spec.identity.node_local:  # node 0 alone: its own outcome
+            names.insert(0, spec.backend + NODE0_MARK)
         if spec.devices:  # "nccl/fsdp@0,1": on these GPUs only (the most specific)
             on = ",".join(map(str, spec.devices))
             names = [*(f"{n}@{on}" for n in names), *names]
@@ -582,7 +584,7 @@ class SimulatedProber:
     def probed(self) -> list[str]:
         """What was probed, in order, as "backend" or "backend+ENV=1"."""
         return [
-            s.backend + ("/fsdp" if s.sharded else "")
+            s.backend + (SHARDED_MARK if s.sharded else "")
             + ("+" + ",".join(f"{k}={v}" for k, v in s.env) if s.env else "")
             for s in self.calls
         ]

@@ -342,7 +342,7 @@ class RunOptions:
     fault_window: int = DEFAULT_FAULT_WINDOW
     evidence_dir: str = "resilient-strategy-evidence"  # per-rank tracebacks of each fault
     #: Memory planning, as resilient_strategy() takes it; None: not given (planned as "auto",
-    #: and the script's own value is then the one that must agree: see handoff.Decision).
+    #: and the script's own value is then the one that must agree: see handoff.HandedDecision).
     sharding: str | None = None
     param_bytes: int | None = None
     optimizer_state_factor: float | None = None

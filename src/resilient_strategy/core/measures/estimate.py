@@ -103,7 +103,7 @@ def _typical_bus(c: Candidate, facts: Facts, policy: Options) -> tuple[float | N
                     f"typical between-worker {c.backend} figure")
         return between, f"typical between-worker {c.backend} figure"
     if c.backend != "nccl":
-        key = c.backend
+        key: str = c.backend
         if policy.logical_cpus and f"{key}/logical_cpu" in TYPICAL_BUS_GBPS:
             key = f"{key}/logical_cpu"
     else:

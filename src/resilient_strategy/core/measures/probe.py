@@ -22,6 +22,7 @@ from ..knowledge.causes import ENVIRONMENTAL_CAUSES as ENVIRONMENTAL_CAUSES
 from ..knowledge.causes import HANG_WORDS as HANG_WORDS
 from ..knowledge.signatures import Signatures, builtin_signatures
 from ..values.bounded import parse_json
+from ..values.candidate import CandidateKey
 from ..values.outcome import WorkerOutcome
 
 
@@ -70,6 +71,11 @@ class ProbeSpec:
     #: A sharded candidate (FSDP2): the workers also prove all-gather and reduce-scatter,
     #: value-checked at the sizes FSDP sends, and take a sharded training step.
     sharded: bool = False
+
+    @property
+    def identity(self) -> CandidateKey:
+        """The candidate's key as a value (its marks: sharded, offloaded, node 0 alone)."""
+        return CandidateKey.parse(self.candidate)
 
 
 @dataclass(frozen=True)

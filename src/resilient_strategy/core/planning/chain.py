@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ...errors import InvalidOptionError
+from ...vocab import MIRRORED_BACKENDS, PROCESS_GROUP_BACKENDS
 from ..values.candidate import Candidate
 from ..values.facts import Facts
 from .shapes import Build
@@ -89,8 +90,7 @@ def build_chain(
         multi_ok = False
     logical = bool(policy.logical_cpus)  # the "GPUs" are logical CPU devices (a test mode)
     if multi_ok and multi_devs:
-        backends: tuple[str, ...] = ("nccl", "gloo") if fw == "torch" \
-            else ("nccl", "hierarchical_copy", "reduction_to_one_device")
+        backends = PROCESS_GROUP_BACKENDS if fw == "torch" else MIRRORED_BACKENDS
         if fw == "tensorflow" and logical:
             b.note("no_nccl_on_cpu", "NCCL is not tried on logical CPU devices: TensorFlow's "
                    "NcclAllReduce has no CPU kernel (it builds, then fails at the first step).")
@@ -143,7 +143,7 @@ def multi_worker_chain(
     out.append(Candidate(fw, "mw_auto", local, num_replicas=replicas))
     if len(local) >= 2:  # worker 0 alone on all of its GPUs
         out += [Candidate(fw, backend, local, num_replicas=len(local))
-                for backend in ("nccl", "hierarchical_copy", "reduction_to_one_device")]
+                for backend in MIRRORED_BACKENDS]
     if gpus:
         out.append(Candidate(fw, "single_device", gpus[:1]))
     out.append(Candidate(fw, "cpu", ()))

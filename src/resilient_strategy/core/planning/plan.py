@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ...vocab import MULTI_WORKER_BACKENDS
+from ...vocab import MULTI_WORKER_BACKENDS, PROCESS_GROUP_BACKENDS
 from ..knowledge import nccldiag
 from ..knowledge.causes import GPU_WIDE_CAUSES
 from ..knowledge.clauses import FactValue, fact_values
@@ -274,7 +274,7 @@ def _apply_results(
             out = [x for x in out if not x.devices or x.logical_cpus]
             queue = queue[:i] + [x for x in queue[i:] if not x.devices or x.logical_cpus]
             continue
-        if c.backend not in ("nccl", "gloo"):
+        if c.backend not in PROCESS_GROUP_BACKENDS:
             continue
         # Plain NCCL's (or gloo's) failure suggests its cause's remedies (remedies.toml, each
         # gated by the facts). A remedy that fails with a *different* cause gets that cause's

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from ...vocab import PROCESS_GROUP_BACKENDS
 from ..measures.estimate import offload_seconds
 from ..measures.memory import MemoryRow, memory_row, model_memory, offload_rows
 from ..trace.fitting import FewerDevices, MemoryChecked, OffloadConsidered, ShardingDecided
@@ -40,7 +41,7 @@ __all__ = ["check_memory", "fewer_devices", "offloaded", "shard_chain", "shardab
 
 def shardable(c: Candidate) -> bool:
     """A PyTorch candidate of several processes (FSDP2 runs over its process group)."""
-    return c.framework == "torch" and c.backend in ("nccl", "gloo") and c.num_replicas > 1
+    return c.framework == "torch" and c.backend in PROCESS_GROUP_BACKENDS and c.num_replicas > 1
 
 
 def shard_chain(cands: Sequence[Candidate], facts: Facts,

@@ -2,10 +2,97 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from ...vocab import MULTI_BACKENDS, MULTI_WORKER_BACKENDS
+from ...vocab import MULTI_BACKENDS, MULTI_WORKER_BACKENDS, Backend, backend_named
+
+#: The marks a key's backend segment may carry after the backend's name, in this order.
+SHARDED_MARK, OFFLOAD_MARK, NODE0_MARK = "/fsdp", "+offload", "/node0"
+
+
+@dataclass(frozen=True)
+class CandidateKey:
+    """A candidate's identity, ``framework:backend[/fsdp][+offload][/node0]:devices[:env]``
+    (devices ``0,1`` or ``cpu``; env ``K=V;K=V``), as a value: `parse` reads the text every
+    key-keyed table, record and handed decision holds, `format` writes it; the two round-trip
+    exactly. The one reader of a key: nothing else splits one by hand."""
+
+    framework: str
+    backend: Backend
+    devices: tuple[int, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    sharded: bool = False
+    offload: bool = False
+    node_local: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> CandidateKey:
+        """The key ``text`` names; ValueError when it is not one."""
+        parts = text.split(":", 3)
+        if len(parts) < 3 or not parts[0] or not parts[1]:
+            raise ValueError(f"not a candidate key: {text!r}")
+        framework, segment, devs = parts[0], parts[1], parts[2]
+        node_local = segment.endswith(NODE0_MARK)
+        segment = segment.removesuffix(NODE0_MARK) if node_local else segment
+        offload = segment.endswith(OFFLOAD_MARK)
+        segment = segment.removesuffix(OFFLOAD_MARK) if offload else segment
+        sharded = segment.endswith(SHARDED_MARK)
+        backend = backend_named(segment.removesuffix(SHARDED_MARK) if sharded else segment)
+        if backend is None:
+            raise ValueError(f"not a candidate key: {text!r}")
+        if devs == "cpu":
+            devices: tuple[int, ...] = ()
+        else:
+            pieces = devs.split(",")
+            if not all(p.isdigit() and p.isascii() and str(int(p)) == p for p in pieces):
+                raise ValueError(f"not a candidate key: {text!r}")
+            devices = tuple(int(p) for p in pieces)
+        env: tuple[tuple[str, str], ...] = ()
+        if len(parts) == 4:
+            pairs = [p.partition("=") for p in parts[3].split(";")]
+            if any(not k or not sep for k, sep, _ in pairs):
+                raise ValueError(f"not a candidate key: {text!r}")
+            env = tuple((k, v) for k, _, v in pairs)
+        return cls(framework, backend, devices, env, sharded, offload, node_local)
+
+    @classmethod
+    def read(cls, text: str) -> CandidateKey | None:
+        """`parse`, or None where ``text`` is not a key (a record of another version)."""
+        try:
+            return cls.parse(text)
+        except ValueError:
+            return None
+
+    def format(self) -> str:
+        """The key as text (what `parse` reads back)."""
+        env = ";".join(f"{k}={v}" for k, v in self.env)
+        devs = ",".join(map(str, self.devices)) or "cpu"
+        return f"{self.framework}:{self.segment}:{devs}" + (f":{env}" if env else "")
+
+    def __str__(self) -> str:
+        return self.format()
+
+    @property
+    def segment(self) -> str:
+        """The backend with its marks: ``nccl/fsdp+offload``."""
+        return (self.backend + (SHARDED_MARK if self.sharded else "")
+                + (OFFLOAD_MARK if self.offload else "") + (NODE0_MARK if self.node_local else ""))
+
+    @property
+    def last_resort(self) -> bool:
+        """One device or the CPU, with no collective to prove (sharded or not)."""
+        return self.backend not in MULTI_BACKENDS
+
+    def renumbered(self, devices: tuple[int, ...]) -> CandidateKey | None:
+        """This key with its GPUs renumbered to their positions in ``devices``; None when it
+        names a GPU outside them. A key on the CPU is kept."""
+        if not self.devices:
+            return self
+        try:
+            return replace(self, devices=tuple(devices.index(d) for d in self.devices))
+        except ValueError:
+            return None
 
 #: Kept for readers of the planner's old name.
 MULTI = MULTI_BACKENDS
@@ -16,7 +103,7 @@ class Candidate:
     """One way to train: a backend on devices, with its env and batch split."""
 
     framework: str
-    backend: str
+    backend: Backend
     devices: tuple[int, ...]
     env: tuple[tuple[str, str], ...] = ()
     num_replicas: int = 1
@@ -39,13 +126,15 @@ class Candidate:
     node_local: bool = False
 
     @property
+    def identity(self) -> CandidateKey:
+        """This candidate's key as a value."""
+        return CandidateKey(self.framework, self.backend, self.devices, self.env, self.sharded,
+                            self.offload, self.node_local)
+
+    @property
     def key(self) -> str:
-        env = ";".join(f"{k}={v}" for k, v in self.env)
-        devs = ",".join(map(str, self.devices)) or "cpu"
-        backend = self.backend + ("/fsdp" if self.sharded else "") + ("+offload" if self.offload
-                                                                      else "") \
-            + ("/node0" if self.node_local else "")
-        return f"{self.framework}:{backend}:{devs}" + (f":{env}" if env else "")
+        """This candidate's key as text (`CandidateKey.format`): what tables are keyed by."""
+        return self.identity.format()
 
     @property
     def needs_probe(self) -> bool:

@@ -34,6 +34,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ...errors import NoSpaceError
+from ...machine import files
 from .watchdog import EXIT_PARENT_GONE, die_with_parent
 
 #: What the server imports before it forks: the framework and what every worker imports next.
@@ -76,11 +78,9 @@ def _child(req: dict[str, Any], ready_w: int) -> None:
 
 def _write_status(path: str, status: int) -> None:
     code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-    tmp = f"{path}.tmp"
-    with contextlib.suppress(OSError):
-        with open(tmp, "w", encoding="ascii") as f:
-            f.write(str(code))
-        os.replace(tmp, path)
+    with contextlib.suppress(OSError, NoSpaceError):
+        files.write_bytes_atomic(path, str(code).encode("ascii"), durable=False,
+                                 what="a probe worker's exit status")
 
 
 def serve(idle_exit_s: float, parent: int) -> None:

@@ -46,6 +46,7 @@ from ...records.progress import (
     IMPORTED,
     ProgressWriter,
 )
+from ...vocab import MIRRORED_BACKENDS, ONE_REPLICA_BACKENDS
 from .common import (
     CHECK_ITERS,
     PATTERN_MOD,
@@ -67,7 +68,7 @@ WARMUP, ITERS = 2, 10
 TRACE_ALLOW_S = 10.0  # the first call at a size traces and compiles a tf.function
 FIT_ALLOW_S = 20.0  # model.fit builds, traces and compiles its train function
 PER_REPLICA_BATCH = 8
-MIRRORED = ("nccl", "hierarchical_copy", "reduction_to_one_device")
+MIRRORED = MIRRORED_BACKENDS
 #: Across the TF_CONFIG workers: MultiWorkerMirroredStrategy with this CommunicationImplementation
 MULTI_WORKER = {"mw_nccl": "NCCL", "mw_ring": "RING", "mw_auto": "AUTO"}
 #: A worker with less than this left of its probe's time votes "fail" in the verdict, so that
@@ -89,7 +90,7 @@ KEY_HALF = 1 << 16
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m resilient_strategy.probing.workers.tf_worker")
     p.add_argument("--backend", required=True,
-                   choices=[*MIRRORED, *MULTI_WORKER, "single_device", "cpu"])
+                   choices=[*MIRRORED, *MULTI_WORKER, *ONE_REPLICA_BACKENDS])
     p.add_argument("--devices", default="", help="GPU ordinals (logical CPU ones in test mode)")
     p.add_argument("--logical-cpus", type=int, default=0)
     p.add_argument("--workers", type=int, default=1,

@@ -86,6 +86,7 @@ from ...records.progress import (
     IMPORTED,
     ProgressWriter,
 )
+from ...vocab import ONE_REPLICA_BACKENDS, PROCESS_GROUP_BACKENDS
 from .common import (
     CHECK_ITERS,
     OTHER_ITERS,
@@ -109,7 +110,6 @@ from .watchdog import watch_parent
 
 WARMUP, ITERS = 2, 10
 NEW_SIZE_ALLOW_S = 3.0  # the first all-reduce at each size, on top of the transfer
-PROCESS_GROUP_BACKENDS = ("nccl", "gloo")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -117,7 +117,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--backend", required=True,
-                   choices=[*PROCESS_GROUP_BACKENDS, "single_device", "cpu"])
+                   choices=[*PROCESS_GROUP_BACKENDS, *ONE_REPLICA_BACKENDS])
     p.add_argument("--devices", default="", help="CUDA ordinals, one per rank; empty: CPU")
     p.add_argument("--rendezvous", default="",
                    help="the probe's private directory: rank 0 publishes its store's port there")
