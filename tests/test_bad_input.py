@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from resilient_strategy.cli import main, simulate_file
-from resilient_strategy.core.call.arguments import options_from, run_options_from
+from resilient_strategy.core.call.arguments import Arguments, options_from, run_options_from
 from resilient_strategy.errors import ResilientStrategyError
 from resilient_strategy.records import handoff
 from resilient_strategy.records.trainfault import parse_fault
@@ -66,11 +66,11 @@ MALFORMED = (
 
 def _read_all(env: dict[str, str]) -> None:
     """Everything that reads our variables before a decision or a run."""
-    options_from(machine(2), env, framework="torch", global_batch_size=64, devices=None,
+    options_from(machine(2), env, Arguments.from_kwargs(framework="torch", global_batch_size=64, devices=None,
                  probe=None, timeout=None, prefer=None, dry_run=False, model=None,
                  gradient_bytes=None, sample_seconds=None, max_per_replica_batch=None, rules=(),
                  disable_rules=(), cache=True, cache_dir=None, cache_ttl=None, precision="auto",
-                 logical_cpus=0)
+                 logical_cpus=0))
     run_options_from(env, script="train.py", script_args=(), framework=None, nproc="auto",
                      max_relaunches=None, stall_timeout=None, global_batch_size=None,
                      gradient_bytes=None, probe_timeout=None, logical_cpus=0)
