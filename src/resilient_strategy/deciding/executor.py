@@ -228,7 +228,10 @@ def resilient_strategy(
         cache=CacheArgs(cache=cache, cache_dir=cache_dir, cache_ttl=cache_ttl),
         rules=RuleArgs(rules=rules, disable_rules=disable_rules),
     )
-    return Engine().select(arguments, env=env, facts=facts)
+    try:
+        return Engine().select(arguments, env=env, facts=facts)
+    except (InvalidOptionError, InvalidRuleError) as exc:  # one frame under the caller's line
+        raise exc.with_traceback(None) from None
 
 
 def _unknown_keywords(unknown: Mapping[str, Any]) -> str:
