@@ -43,8 +43,8 @@ import json, os, statistics, sys, tempfile, time
 from pathlib import Path
 
 out = Path(sys.argv[1])
-from resilient_strategy.core import nccldiag
-from resilient_strategy.core.probe import ProbeSpec
+from resilient_strategy.core.knowledge import nccldiag
+from resilient_strategy.core.measures.probe import ProbeSpec
 from resilient_strategy.probing.forkserver import close_all
 from resilient_strategy.probing.prober import run_probe
 

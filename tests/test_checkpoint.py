@@ -96,7 +96,9 @@ def _train(tmp: Path, steps_before_crash: int | None, every: int = 2) -> tuple[i
             rt.backward(torch.nn.functional.cross_entropy(model(x), y))
             rt.step(opt)
             if steps_before_crash is not None and rt.optimizer_steps == steps_before_crash:
+                ckpt.wait()  # the write of step 6 ended before the crash (what is read below)
                 return rt.optimizer_steps, {}
+    ckpt.wait()  # as the exit does
     return rt.optimizer_steps, {k: v.clone() for k, v in model.state_dict().items()}
 
 

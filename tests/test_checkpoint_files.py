@@ -31,6 +31,7 @@ def _saved(directory: Path, steps: int) -> Checkpointer:
     ckpt, _ = _ckpt(directory)
     for _ in range(steps):
         ckpt.micro_step(boundary=True, stepped=True)  # saves at every step
+    ckpt.wait()  # the last write ends (asynchronous saves) before the test looks at the files
     return ckpt
 
 

@@ -146,48 +146,88 @@ def test_the_handed_decision_on_a_full_disk(tiny_fs: Path) -> None:
 
 
 # ----- checkpoints ---------------------------------------------------------------------------
-def _checkpointer(directory: Path, size: int) -> Any:
+def _checkpointer(directory: Path, size: int, asynchronous: bool = False) -> Any:
     torch = pytest.importorskip("torch")
     from resilient_strategy.frameworks.checkpoint import Checkpointer
 
     model = torch.nn.Linear(size, size)
-    ckpt = Checkpointer(directory, every_steps=1)
+    ckpt = Checkpointer(directory, every_steps=1, asynchronous=asynchronous)
     ckpt.attach(model, None, None, None, 1)
     return ckpt, model
 
 
+def _failed_save(ckpt: Any, asynchronous: bool) -> NoSpaceError:
+    """The NoSpaceError of a save: raised by ``save`` itself (synchronous), or by the wait for
+    its background write (asynchronous: ``save`` returns, the error comes at the next step,
+    save, wait or shutdown), and recorded either way."""
+    with pytest.raises(NoSpaceError) as exc:
+        ckpt.save()
+        assert asynchronous  # a synchronous save raised above
+        ckpt.wait()
+    assert ckpt.saves[-1].outcome == "failed"
+    assert ckpt.saves[-1].mode == ("async" if asynchronous else "sync")
+    return exc.value
+
+
 @pytest.mark.torch
-def test_a_checkpoint_on_a_full_disk_is_one_line_and_the_last_one_stays(tiny_fs: Path) -> None:
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_checkpoint_on_a_full_disk_is_one_line_and_the_last_one_stays(
+        tiny_fs: Path, asynchronous: bool) -> None:
     directory = tiny_fs / "ckpt"
-    big, _ = _checkpointer(directory, 200)  # 160 KB of weights: more than will be left
-    ckpt, _ = _checkpointer(directory, 4)
-    assert ckpt.save()
+    big, _ = _checkpointer(directory, 200, asynchronous)  # 160 KB: more than will be left
+    ckpt, _ = _checkpointer(directory, 4, asynchronous)
+    assert ckpt.save() and ckpt.wait()
     before = (directory / "checkpoint.pt").read_bytes()
     _fill(tiny_fs, leave=4096)
-    with pytest.raises(NoSpaceError) as exc:
-        big.save()
-    assert exc.value.path == str(directory / "checkpoint.pt")
-    _one_line(exc.value)
+    exc = _failed_save(big, asynchronous)
+    assert exc.path == str(directory / "checkpoint.pt")
+    _one_line(exc)
     assert (directory / "checkpoint.pt").read_bytes() == before
     assert not [p for p in directory.iterdir() if p.name.startswith(".tmp-")]
 
 
 @pytest.mark.torch
+@pytest.mark.parametrize("asynchronous", [False, True])
 def test_a_checkpoint_injected_full_keeps_the_last_one(tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       asynchronous: bool) -> None:
     directory = tmp_path / "ckpt"
-    ckpt, _ = _checkpointer(directory, 4)
-    assert ckpt.save()
+    ckpt, _ = _checkpointer(directory, 4, asynchronous)
+    assert ckpt.save() and ckpt.wait()
     before = (directory / "checkpoint.pt").read_bytes()
 
     def full(fd: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "fsync", full)
-    with pytest.raises(NoSpaceError) as exc:
-        ckpt.save()
-    assert exc.value.path == str(directory / "checkpoint.pt")
+    exc = _failed_save(ckpt, asynchronous)
+    assert exc.path == str(directory / "checkpoint.pt")
     assert (directory / "checkpoint.pt").read_bytes() == before
+    assert not [p for p in directory.iterdir() if p.name.startswith(".tmp-")]
+
+
+@pytest.mark.torch
+def test_a_failed_background_write_stops_the_next_optimizer_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Never silently lost: the training thread gets the write's NoSpaceError at its next
+    optimizer step, as it would have from a synchronous save."""
+    directory = tmp_path / "ckpt"
+    ckpt, _ = _checkpointer(directory, 4, asynchronous=True)
+    ckpt.micro_step(boundary=True, stepped=True)  # step 1: saved
+    assert ckpt.wait()
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    ckpt.micro_step(boundary=True, stepped=True)  # step 2: its write fails in the background
+    ckpt._writer.wait()
+    with pytest.raises(NoSpaceError):
+        ckpt.micro_step(boundary=True, stepped=True)  # step 3
+    assert [(r.step, r.outcome) for r in ckpt.saves] == [(1, "written"), (2, "failed")]
+    monkeypatch.undo()
+    back, _ = _checkpointer(directory, 4)
+    assert back.restored_step == 1  # the newest complete checkpoint
 
 
 @pytest.mark.torch

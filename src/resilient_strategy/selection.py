@@ -97,6 +97,9 @@ class Selection:
     process_group_timeout: float = 300.0
     """Seconds a training collective may wait for a peer (the PyTorch process group's timeout;
     TensorFlow across workers)."""
+    checkpoint_async: bool = True
+    """PyTorch: whether `checkpoint` writes in the background by default
+    (``RESILIENT_STRATEGY_CHECKPOINT_ASYNC``; its ``asynchronous=`` overrides)."""
     precision: str = "auto"
     """The precision policy of the PyTorch helpers: "auto", "bf16", "fp16" or "fp32"."""
     logical_cpus: int = 0
@@ -611,12 +614,16 @@ class Selection:
             rep.device = follow(rep.writer, rep.step)
 
     def checkpoint(self, directory: str | Any, *, every_steps: int | None = None,
-                   every_seconds: float | None = None) -> Checkpointer:
+                   every_seconds: float | None = None,
+                   asynchronous: bool | None = None) -> Checkpointer:
         """PyTorch: checkpoint to ``directory`` every ``every_steps`` optimizer steps and/or
         ``every_seconds`` seconds (default every 100 steps; rank 0 writes, atomically), and
         resume from it at [prepare][resilient_strategy.selection.Selection.prepare] (even with another number of replicas). Call it
         before [prepare][resilient_strategy.selection.Selection.prepare]; start the epoch loop at ``ckpt.epoch`` and call
-        [set_epoch][resilient_strategy.selection.Selection.set_epoch] each epoch. See `resilient_strategy.frameworks.checkpoint`."""
+        [set_epoch][resilient_strategy.selection.Selection.set_epoch] each epoch. ``asynchronous``
+        (default: `checkpoint_async`, True unless ``RESILIENT_STRATEGY_CHECKPOINT_ASYNC=0``):
+        the step pays for a copy of the state in host memory and a background thread writes
+        it; False: the step writes it. See `resilient_strategy.frameworks.checkpoint`."""
         if self.framework != "torch":
             raise AttributeError("checkpoint() is PyTorch's; TensorFlow uses "
                                  "callbacks(backup_dir=...) (Keras BackupAndRestore)")
@@ -624,7 +631,10 @@ class Selection:
 
         rt = self.runtime
         ckpt = Checkpointer(directory, every_steps=every_steps, every_seconds=every_seconds,
-                            rank=rt.rank, world_size=rt.world_size)
+                            rank=rt.rank, world_size=rt.world_size,
+                            asynchronous=self.checkpoint_async if asynchronous is None
+                            else asynchronous, timeout_s=self.process_group_timeout,
+                            local_ranks=self.launch.local_world_size or self.launch.world_size)
         rt.use_checkpointer(ckpt)
         return ckpt
 

@@ -297,7 +297,7 @@ def _decide_and_apply(arguments: Arguments, env: Mapping[str, str] | None,
     sel = Selection(
         candidate=chosen, plan=p, facts=facts, env=to_set, env_applied=applied, results=results,
         from_cache=decision.from_cache, proven=decision.proven, launch=opts.launch,
-        process_group_timeout=opts.process_group_timeout,
+        process_group_timeout=opts.process_group_timeout, checkpoint_async=opts.checkpoint_async,
         precision=opts.precision, logical_cpus=opts.logical_cpus, dry_run=opts.dry_run,
         tf_workers=opts.tf_workers, tf_worker_rank=opts.tf_worker_rank,
         decided_in_s=time.perf_counter() - t0,

@@ -6,6 +6,17 @@
 the optimizer, the GradScaler, the sampler's epoch and position, the optimizer step count and the
 RNG states. Rank 0 alone writes, atomically (a temporary file renamed over the last one).
 
+Asynchronous by default (`checkpoint_writer`): the step that saves pays for a copy of the state
+in host memory, and a background thread writes it, at most one write in flight (a new save
+waits for the previous one); a resume, ``sel.shutdown()`` and the exit wait for it, and a failed
+write is raised at the next optimizer step. Async is the default because it keeps every promise
+of the synchronous save (the same state at the same step, published only when whole, a resume
+reading only complete checkpoints, the same typed error for a full disk) and takes the write off
+the step; its price is one host copy of the state, held between saves: where that copy would not
+fit half the memory available, the checkpointer writes synchronously and says so.
+``asynchronous=False`` (``sel.checkpoint(..., asynchronous=False)`` or
+``RESILIENT_STRATEGY_CHECKPOINT_ASYNC=0``) writes in the step, as before.
+
 The position is kept in *samples of the epoch's order*, not in batches of one rank: the training
 loader is sharded by a `ResumableSampler`, which orders an epoch the same way for any
 number of replicas (DistributedSampler's seeded permutation) and gives optimizer step ``k`` the
@@ -20,12 +31,15 @@ Files (the decision cache's rules, `resilient_strategy.machine.files`): the dire
 be this user's own and not writable by group or others (created 0700 when absent); a checkpoint
 is read only when it is a regular file of this user's, not through a symlink, never with
 ``weights_only=False``. Each save keeps the one before as ``checkpoint.prev.pt`` (a hard link,
-so ``checkpoint.pt`` is always whole); a damaged latest checkpoint is set aside as
+so ``checkpoint.pt`` is always whole); the temporary file of a writer killed mid-write
+(``.tmp-<pid>-...``) is never read, and is swept at the next restore; a damaged latest
+checkpoint is set aside as
 ``.corrupt`` with a warning and the previous one is loaded; with none to fall back to, a
 `CheckpointError` names the file.
 
 A sharded model (FSDP2) is saved through ``torch.distributed.checkpoint`` instead, every rank
-writing its shards (`sharded_checkpoint`, under the same rules); restoring checks the
+writing its shards (`sharded_checkpoint`, under the same rules; asynchronously through DCP's
+``async_save``, its collectives on a gloo group of the checkpointer's own); restoring checks the
 directory first, then takes its newest checkpoint, sharded or not, into whatever the relaunch
 trains. A full or read-only disk at a save is a NoSpaceError naming the file, the last
 checkpoint kept.
@@ -46,6 +60,7 @@ from typing import Any
 
 from ..errors import CheckpointError, InvalidOptionError, UnsafePathError
 from ..machine import files
+from . import checkpoint_writer
 
 log = logging.getLogger("resilient_strategy")
 
@@ -144,6 +159,9 @@ class Checkpointer:
         rank: int = 0,
         world_size: int = 1,
         clock: Callable[[], float] = time.monotonic,
+        asynchronous: bool = True,
+        timeout_s: float = 300.0,
+        local_ranks: int = 1,
     ) -> None:
         if every_steps is None and every_seconds is None:
             every_steps = 100
@@ -153,13 +171,21 @@ class Checkpointer:
         if every_seconds is not None and not (isinstance(every_seconds, (int, float))
                                               and every_seconds > 0):
             raise InvalidOptionError(f"every_seconds must be positive, not {every_seconds!r}")
+        if not isinstance(asynchronous, bool):
+            raise InvalidOptionError(f"asynchronous must be True or False, not {asynchronous!r}",
+                                     "asynchronous")
         self.directory = Path(directory)
+        self.asynchronous = asynchronous
+        self.timeout_s = float(timeout_s)
+        self.local_ranks = max(1, int(local_ranks))
         self.every_steps = every_steps
         self.every_seconds = None if every_seconds is None else float(every_seconds)
         self.rank = rank
         self.world_size = world_size
         self._clock = clock
         self._state = _State(saved_at=clock())
+        self._writer = checkpoint_writer.Writer(self.directory)
+        self._async: _Async = _Async()
 
     # ----- what the training loop reads ---------------------------------------------------------
     @property
@@ -184,6 +210,26 @@ class Checkpointer:
     def restored_step(self) -> int | None:
         """The optimizer step count of the checkpoint restored at prepare(), else None."""
         return self._state.restored_step
+
+    @property
+    def saves(self) -> tuple[checkpoint_writer.SaveRecord, ...]:
+        """Every save of this checkpointer, in order: its step, mode, what the training thread
+        paid for it (``stall_s``, of it ``waited_s`` for the previous write) and how its write
+        ended (`resilient_strategy.frameworks.checkpoint_writer.SaveRecord`)."""
+        return tuple(self._writer.records)
+
+    @property
+    def stall_s(self) -> float:
+        """Seconds the training thread spent in checkpoint saves so far."""
+        return sum(r.stall_s for r in self._writer.records)
+
+    def wait(self, timeout: float = checkpoint_writer.WAIT_S) -> bool:
+        """Wait up to ``timeout`` seconds for the checkpoint write in flight (asynchronous
+        saves); True when none is left. Raises the write's error when it failed (a full or
+        read-only disk: NoSpaceError naming the file; the newest complete checkpoint stays)."""
+        done = self._writer.wait(timeout)
+        self._writer.raise_error()
+        return done
 
     # ----- hooks of TorchRuntime ---------------------------------------------------------------
     def attach(self, model: Any, optimizer: Any, scaler: Any, sampler: Any,
@@ -214,6 +260,8 @@ class Checkpointer:
             s.optimizer_steps += 1
         if not boundary:
             return
+        if self._writer.failed:  # a background write failed: said at this step, as a sync one
+            self._writer.raise_error()
         due = (self.every_steps is not None and stepped
                and s.optimizer_steps % self.every_steps == 0) or (
             self.every_seconds is not None
@@ -246,30 +294,165 @@ class Checkpointer:
         }
 
     def save(self) -> bool:
-        """Write the checkpoint now (rank 0 only; other ranks return False)."""
-        self._state.saved_at = self._clock()
-        if _sharded(self._state.model):  # every rank writes its shards (a collective)
-            from . import sharded_checkpoint
-
-            step = sharded_checkpoint.save(self.directory, self._state.model,
-                                           self._state.optimizer, self.state_dict(), self.rank)
-            if self.rank == 0:
-                from ..records.handoff import note_checkpoint
-
-                note_checkpoint(self._state.optimizer_steps, step)
-            return self.rank == 0
-        if self.rank != 0:
+        """Checkpoint the state now: rank 0 for a replicated model (other ranks return False),
+        every rank for a sharded one (a collective). Asynchronous (the default): wait for the
+        previous write, copy the state to host memory, write it in the background; synchronous:
+        write it before returning."""
+        t0 = time.perf_counter()
+        s = self._state
+        s.saved_at = self._clock()
+        sharded = _sharded(s.model)
+        if not sharded and self.rank != 0:
             return False
+        waited = self._wait_previous()
+        if waited is None:
+            return False
+        state = self.state_dict()
+        mode, reason = self._mode(sharded, state)
+        record = checkpoint_writer.SaveRecord(step=s.optimizer_steps, mode=mode, stall_s=0.0,
+                                    waited_s=waited, reason=reason)
+        index = self._writer.record(record)
+        try:
+            if sharded:
+                self._save_sharded(state, mode, index)
+            elif mode == checkpoint_writer.ASYNC:
+                copy, ready = checkpoint_writer.snapshot(state, self._async.buffers)
+                self._writer.start(index, functools.partial(self._write, copy, ready,
+                                                            s.optimizer_steps))
+            else:
+                self._write(state, None, s.optimizer_steps)
+        except BaseException as exc:
+            self._writer.update(index, outcome=checkpoint_writer.FAILED,
+                                error=checkpoint_writer.one_line(exc),
+                                stall_s=time.perf_counter() - t0)
+            raise
+        changes: dict[str, Any] = {"stall_s": time.perf_counter() - t0}
+        if mode == checkpoint_writer.SYNC:
+            changes.update(outcome=checkpoint_writer.WRITTEN, write_s=changes["stall_s"] - waited)
+        self._writer.update(index, **changes)
+        return self.rank == 0
+
+    def _wait_previous(self) -> float | None:
+        """Wait for the write in flight; its error is raised here. Seconds waited, or None when
+        it is still running at `checkpoint_writer.WAIT_S` (this save is skipped, and said: never
+        two writes in flight)."""
+        if not self._writer.in_flight:
+            self._writer.raise_error()
+            return 0.0
+        t0 = time.perf_counter()
+        done = self._writer.wait(checkpoint_writer.WAIT_S)
+        self._writer.raise_error()
+        waited = time.perf_counter() - t0
+        step = self._state.optimizer_steps
+        if not done:
+            log.warning("resilient_strategy: the previous checkpoint is still being written after "
+                        "%.0f s; the checkpoint of step %d is skipped", waited, step)
+            self._writer.record(checkpoint_writer.SaveRecord(
+                step=step, mode=checkpoint_writer.ASYNC, stall_s=waited, waited_s=waited,
+                outcome=checkpoint_writer.SKIPPED))
+            return None
+        if not self._async.said_wait:
+            self._async.said_wait = True
+            log.info("resilient_strategy: the checkpoint of step %d waited %.2f s for the "
+                     "previous one to be written (checkpoints come faster than the disk takes "
+                     "them)", step, waited)
+        return waited
+
+    def _mode(self, sharded: bool, state: dict[str, Any]) -> tuple[str, str]:
+        """Asynchronous unless asked otherwise, or unless the host copy would not fit the memory
+        available (decided at the first save; agreed by every rank when sharded)."""
+        if not self.asynchronous:
+            return checkpoint_writer.SYNC, ""
+        if self._async.fits is None:
+            from ..machine.host import available_memory
+
+            if sharded:
+                from . import sharded_checkpoint
+
+                size = checkpoint_writer.tensor_bytes(sharded_checkpoint.state_dicts(
+                    self._state.model, self._state.optimizer)) * self.local_ranks
+            else:
+                size = checkpoint_writer.tensor_bytes(state)
+            fits = checkpoint_writer.fits_host(size, available_memory())
+            if sharded:
+                fits = self._agree(fits)
+            self._async.fits = fits
+            if not fits:
+                log.warning("resilient_strategy: checkpoints are written synchronously: a host "
+                            "copy of the training state (%d MiB) would not fit the memory "
+                            "available", size >> 20)
+        if self._async.fits:
+            return checkpoint_writer.ASYNC, ""
+        return checkpoint_writer.SYNC, "host_memory"
+
+    def _agree(self, fits: bool) -> bool:
+        """Every rank of a sharded save takes the same mode (the collectives differ)."""
+        import torch
+        import torch.distributed as dist
+
+        group = self._group()
+        if group is None:
+            return fits
+        flag = torch.tensor([int(fits)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        return bool(flag.item())
+
+    def _group(self) -> Any:
+        """The checkpoint's own gloo group (created once, by every rank), or None without a
+        process group."""
+        import torch.distributed as dist
+
+        if self._async.group is None and dist.is_available() and dist.is_initialized():
+            from datetime import timedelta
+
+            self._async.group = dist.new_group(backend="gloo",
+                                               timeout=timedelta(seconds=self.timeout_s))
+        return self._async.group
+
+    def _save_sharded(self, meta: dict[str, Any], mode: str, index: int) -> None:
+        from ..records.handoff import note_checkpoint
+        from . import sharded_checkpoint
+
+        s, steps = self._state, self._state.optimizer_steps
+        if mode == checkpoint_writer.SYNC:
+            step = sharded_checkpoint.save(self.directory, s.model, s.optimizer, meta, self.rank)
+            if self.rank == 0:
+                note_checkpoint(steps, step)
+            return
+        if self._async.dcp_writer is None:
+            import torch
+
+            self._async.dcp_writer = sharded_checkpoint.private_writer(
+                self.directory, cache=torch.cuda.is_available())
+        meta_copy, _ = checkpoint_writer.snapshot(meta)
+        step, finish = sharded_checkpoint.save_async(
+            self.directory, s.model, s.optimizer, meta_copy, self.rank, group=self._group(),
+            writer=self._async.dcp_writer)
+
+        def work() -> None:
+            finish()
+            if self.rank == 0:
+                note_checkpoint(steps, step)
+
+        self._writer.start(index, work, collective=True)
+
+    def _write(self, state: dict[str, Any], ready: Any, steps: int) -> None:
+        """Write ``state`` as the checkpoint, atomically: a temporary file (0600) fsynced, the
+        current one kept as the previous, then renamed over it. ``ready``: the host copy's
+        pending GPU copies, waited for first."""
         import torch
 
         from ..records.handoff import note_checkpoint
 
+        if ready is not None:
+            ready.synchronize()
         with files.writing(self.path, "the checkpoint"):  # full or read-only: one line
             files.ensure_private_dir(self.directory, fix=_FIX_DIR)
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=self.directory)
+            fd, tmp = tempfile.mkstemp(prefix=f"{_TMP}{os.getpid()}-", suffix=".pt",
+                                       dir=self.directory)
             try:
                 with os.fdopen(fd, "wb") as fh:
-                    torch.save(self.state_dict(), fh)
+                    torch.save(state, fh)
                     fh.flush()
                     os.fsync(fh.fileno())
                 self._keep_previous()
@@ -278,15 +461,15 @@ class Checkpointer:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
                 raise
-        note_checkpoint(self._state.optimizer_steps, self.path)
-        return True
+        _fsync_dir(self.directory)
+        note_checkpoint(steps, self.path)
 
     def _keep_previous(self) -> None:
         """Keep the current checkpoint as the previous one (a hard link: the current name stays
         whole throughout); best effort."""
         if not os.path.lexists(self.path):
             return
-        link = self.directory / f".prev-{os.getpid()}.pt"
+        link = self.directory / f"{_PREV}{os.getpid()}.pt"
         try:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(link)
@@ -306,11 +489,16 @@ class Checkpointer:
         damaged and no previous good one loads."""
         from . import sharded_checkpoint
 
+        # a write of this process into the directory ends first: a resume reads only complete
+        # checkpoints, and the newest of them
+        checkpoint_writer.wait_for(self.directory)
         if not os.path.lexists(self.directory):
             return False
         # the one set of rules, before anything in the directory is looked at: the directory,
         # then (in sharded_checkpoint) sharded/, its steps and every file of a step
         files.check_private_dir(self.directory, fix=_FIX_DIR)
+        if self.rank == 0:  # what a killed writer left (its process gone): never a checkpoint
+            files.sweep_orphan_files(self.directory, (_TMP, _PREV))
         if sharded_checkpoint.newest_is_sharded(self.directory, self.path):
             st = self._state
             sharded = sharded_checkpoint.load(self.directory, getattr(st.model, "module", st.model),
@@ -379,6 +567,31 @@ class Checkpointer:
 
 _FIX_DIR = ("Pass sel.checkpoint() a directory of your own (mode 0700), or fix this one's owner "
             "and mode (chmod go-w).")
+#: The names of a write's temporary file and of the previous checkpoint's link, each followed
+#: by the writer's pid (a killed writer's are swept at the next restore).
+_TMP, _PREV = ".tmp-", ".prev-"
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (best effort: not every filesystem allows it)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class _Async:
+    """What asynchronous saves keep between saves: the host buffers of the copy, whether the
+    copy fits the host's memory, the checkpoint's own process group and DCP writer."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[Any, ...], Any] = {}
+        self.fits: bool | None = None
+        self.group: Any = None
+        self.dcp_writer: Any = None
+        self.said_wait = False
 
 
 def _load(path: Path) -> dict[str, Any]:

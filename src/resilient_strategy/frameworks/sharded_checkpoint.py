@@ -14,7 +14,14 @@ Layout under the checkpoint directory::
     sharded/latest            the name of the last complete step directory (atomic rename)
 
 A step is complete when its ``.metadata`` (written by DCP after every rank's shards) and
-``meta.pt`` exist; ``latest`` is written after a barrier. The `KEEP` newest steps are kept,
+``meta.pt`` exist; ``latest`` is written after a barrier. The asynchronous save (`save_async`,
+the checkpointer's default) stages the shards in host memory through torch's
+``torch.distributed.checkpoint.async_save`` and writes them in the background, its collectives
+on a gloo group of its own (async_save needs a CPU backend; a second thread's collectives on the
+training group could interleave with the training thread's and deadlock); rank 0 publishes the
+step (private modes, ``meta.pt``, ``latest``) only after DCP finished every rank's shards and
+its ``.metadata``: a step killed or failed before that is never complete, and a failed one is
+removed. The `KEEP` newest steps are kept,
 never one newer than the step just saved.
 
 Trust (the rules of `resilient_strategy.machine.files`, the same as the plain checkpoint's):
@@ -48,13 +55,15 @@ import shutil
 import stat
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, FileFormatError, NoSpaceError, UnsafePathError
 from ..machine import files
 
-__all__ = ["DIR_NAME", "latest", "load", "newest_is_sharded", "save", "steps"]
+__all__ = ["DIR_NAME", "latest", "load", "newest_is_sharded", "private_writer", "save",
+           "save_async", "state_dicts", "steps"]
 
 log = logging.getLogger("resilient_strategy")
 
@@ -64,6 +73,8 @@ META = "meta.pt"
 METADATA = ".metadata"
 KEEP = 2
 _STEP = re.compile(r"step-\d{9,}")
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 #: Byte bounds: the pointer holds one step name; DCP's metadata of a large model is megabytes.
 MAX_POINTER_BYTES = 256
 MAX_METADATA_BYTES = 256 << 20
@@ -161,11 +172,11 @@ def newest_is_sharded(directory: Path, plain: Path) -> bool:
         return True
 
 
-def _barrier() -> None:
+def _barrier(group: Any = None) -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def _state_dicts(model: Any, optimizer: Any) -> dict[str, Any]:
@@ -176,14 +187,14 @@ def _state_dicts(model: Any, optimizer: Any) -> dict[str, Any]:
     return {"model": model_sd, "optimizer": optim_sd if optimizer is not None else {}}
 
 
-def save(directory: Path, model: Any, optimizer: Any, meta: dict[str, Any], rank: int) -> Path:
-    """Every rank writes its shards of the model and optimizer (a collective); rank 0 writes
-    ``meta`` (the rest of the training state) and then points ``latest`` at the new step.
-    Everything is created private; a full or read-only disk is a NoSpaceError naming the file,
-    and the steps already written are kept."""
-    import torch
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+def state_dicts(model: Any, optimizer: Any) -> dict[str, Any]:
+    """What a sharded save writes: the model's and the optimizer's state dicts (DTensors)."""
+    return _state_dicts(model, optimizer)
 
+
+def _new_step(directory: Path, meta: dict[str, Any], rank: int) -> tuple[Path, Path]:
+    """``sharded/`` and the step directory of ``meta``'s optimizer step, created afresh and
+    private by rank 0 (the caller then holds the other ranks in a barrier)."""
     root = Path(directory) / DIR_NAME
     step = root / f"step-{int(meta.get('optimizer_steps', 0)):09d}"
     if rank == 0:
@@ -195,6 +206,18 @@ def save(directory: Path, model: Any, optimizer: Any, meta: dict[str, Any], rank
                 _check_dir(step)
                 shutil.rmtree(step)
             os.mkdir(step, 0o700)
+    return root, step
+
+
+def save(directory: Path, model: Any, optimizer: Any, meta: dict[str, Any], rank: int) -> Path:
+    """Every rank writes its shards of the model and optimizer (a collective); rank 0 writes
+    ``meta`` (the rest of the training state) and then points ``latest`` at the new step.
+    Everything is created private; a full or read-only disk is a NoSpaceError naming the file,
+    and the steps already written are kept."""
+    import torch
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    root, step = _new_step(directory, meta, rank)
     _barrier()
     try:
         with warnings.catch_warnings(), files.private_umask(), \
@@ -216,6 +239,82 @@ def save(directory: Path, model: Any, optimizer: Any, meta: dict[str, Any], rank
         _write_atomic(root / LATEST, lambda fh: fh.write(step.name.encode()))
         _prune(root, keep=step.name)
     return step
+
+
+def private_writer(path: Path, *, cache: bool = False) -> Any:
+    """DCP's FileSystemWriter whose files are created 0600 (``O_NOFOLLOW``), whatever the
+    process's umask: the asynchronous save writes while the training thread runs, so the umask,
+    which is the whole process's, is not changed around it. ``cache``: keep the staged host copy
+    for the next save (pinned memory; GPUs only)."""
+    from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+
+    class _PrivateFiles(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path: Any, mode: str) -> Any:
+            if mode != "wb":
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW | _CLOEXEC,
+                         0o600)
+            with os.fdopen(fd, "wb") as stream:
+                yield stream
+
+    writer = FileSystemWriter(path, cache_staged_state_dict=cache)
+    writer.fs = _PrivateFiles()
+    return writer
+
+
+def save_async(directory: Path, model: Any, optimizer: Any, meta: dict[str, Any], rank: int,
+               *, group: Any, writer: Any) -> tuple[Path, Callable[[], None]]:
+    """The asynchronous `save`: torch's ``async_save`` copies this rank's shards to host memory
+    now (the staging: the step pays for it) and writes them in its own thread, its collectives on
+    ``group`` (a gloo group of the checkpoint's own: never the training group, whose collectives
+    the training thread issues meanwhile). Returns the step directory and ``finish``, which the
+    caller runs in its background thread: it waits for the shards (every rank's: DCP's
+    ``.metadata`` is written after all of them), then rank 0 makes the step private, writes
+    ``meta`` and points ``latest`` at it. A step whose write failed is removed, never published;
+    a full or read-only disk is a NoSpaceError naming the step. Every rank calls it (a
+    collective); ``meta`` is the caller's snapshot."""
+    import torch
+    from torch.distributed.checkpoint.state_dict_saver import async_save
+
+    root, step = _new_step(directory, meta, rank)
+    _barrier(group)
+    try:
+        with warnings.catch_warnings(), files.writing(step, "the sharded checkpoint"):
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            try:
+                response = async_save(_state_dicts(model, optimizer), checkpoint_id=str(step),
+                                      storage_writer=writer, process_group=group)
+            except BaseException as exc:  # DCP's CheckpointException is a BaseException
+                raise _first_failure(exc) from None
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(step, ignore_errors=True)
+        raise
+    # torch 2.13 answers an AsyncSaveResponse when the stager stages in the background
+    future: Any = getattr(response, "upload_completion", response)
+
+    def finish() -> None:
+        try:
+            with files.writing(step, "the sharded checkpoint"):
+                try:
+                    future.result()
+                except BaseException as exc:
+                    raise _first_failure(exc) from None
+            if rank == 0:
+                files.make_private(step)  # before meta.pt: a step is complete with it
+                _write_atomic(step / META, lambda fh: torch.save(meta, fh))
+        except BaseException:
+            if rank == 0:  # the incomplete step goes (its space with it); the last one is whole
+                shutil.rmtree(step, ignore_errors=True)
+            raise
+        if rank == 0:
+            _write_atomic(root / LATEST, lambda fh: fh.write(step.name.encode()))
+            _prune(root, keep=step.name)
+
+    return step, finish
 
 
 def load(directory: Path, model: Any, optimizer: Any) -> dict[str, Any] | None:

@@ -22,6 +22,8 @@ import gc
 import sys
 from datetime import timedelta
 
+from . import checkpoint_writer
+
 #: The longest the exit barrier waits for the other ranks.
 EXIT_BARRIER_S = 30.0
 _REGISTERED: list[bool] = []
@@ -30,7 +32,10 @@ _REGISTERED: list[bool] = []
 def end_process_group(barrier_s: float | None = EXIT_BARRIER_S) -> bool:
     """End the default process group if one is up: a barrier of at most ``barrier_s`` seconds
     (None: no barrier), then destroy it. Returns whether a group was ended. Never raises for a
-    peer that is gone."""
+    peer that is gone. A checkpoint write in flight ends first (`checkpoint_writer.WAIT_S` at
+    most; without a barrier, the peers may be gone: not a sharded write, whose collectives need
+    them)."""
+    checkpoint_writer.wait_all(collective=barrier_s is not None)
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         gc.collect()

@@ -264,7 +264,11 @@ class TorchRuntime:
         return DevicePoller(writer, mark, start_k=start_k)
 
     def shutdown(self) -> None:
-        """Destroy the process group, if one is up (idempotent)."""
+        """Wait for the checkpoint write in flight (its error is raised here), then destroy the
+        process group, if one is up (idempotent)."""
+        ckpt = self._progress.checkpointer
+        if ckpt is not None:
+            ckpt.wait()
         if self.world_size == 1 and not self.sharded:
             return
         # Every rank reaches here before any tears down: destroying a gloo group while a peer

@@ -392,6 +392,35 @@ def sweep_temp_dirs(
     return removed
 
 
+def sweep_orphan_files(directory: str | Path, prefixes: tuple[str, ...]) -> list[str]:
+    """Remove the temporary files a killed writer left in ``directory`` (one of ours, already
+    checked): regular files (never symlinks) of this user's named ``<prefix><pid>-...`` or
+    ``<prefix><pid>.<ext>``, whose process no longer exists on this machine. Returns the removed
+    paths. Never raises."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        prefix = next((p for p in prefixes if name.startswith(p)), None)
+        if prefix is None:
+            continue
+        rest = name[len(prefix):]
+        pid_text = rest[:next((i for i, c in enumerate(rest) if not c.isdigit()), len(rest))]
+        if not pid_text or rest[len(pid_text):][:1] not in ("-", ".") or _alive(int(pid_text)):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == _euid():
+                os.unlink(path)
+                removed.append(path)
+        except OSError:
+            continue
+    return removed
+
+
 def _alive(pid: int) -> bool:
     if pid <= 0:
         return True  # not a pid we wrote: leave it

@@ -170,6 +170,12 @@ def parse_meminfo(text: str | None) -> int | None:
     return None
 
 
+def available_memory(root: str = "/") -> int | None:
+    """This machine's MemAvailable now, in bytes (None where /proc/meminfo does not say): what
+    an asynchronous checkpoint's host copy of the training state is weighed against."""
+    return parse_meminfo(_read(root, "proc/meminfo"))
+
+
 def _path(root: str, rel: str) -> str:
     return os.path.join(root, rel)
 

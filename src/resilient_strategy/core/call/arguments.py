@@ -38,6 +38,7 @@ from ..values.tfcluster import VAR as TF_CONFIG_VAR
 from ..values.tfcluster import parse_tf_config
 from .model import gradient_bytes_of, unit_bytes_of
 from .options import (
+    CHECKPOINT_ASYNC_VAR,
     DEFAULT_OPTIMIZER_STATE_FACTOR,
     DEFAULT_PROCESS_GROUP_TIMEOUT,
     DEFAULT_TIMEOUT_S,
@@ -61,7 +62,7 @@ def _env_list(env: Mapping[str, str], name: str, sep: str = ",") -> list[str]:
 
 
 #: The library's on/off variables: 1 or 0 (true / false too); empty is unset.
-FLAG_VARS = ("RESILIENT_STRATEGY_CACHE", "RESILIENT_STRATEGY_FORKSERVER")
+FLAG_VARS = ("RESILIENT_STRATEGY_CACHE", "RESILIENT_STRATEGY_FORKSERVER", CHECKPOINT_ASYNC_VAR)
 #: The library's variables that name files or directories (several, for RULES).
 PATH_VARS = ("RESILIENT_STRATEGY_CACHE_DIR", "RESILIENT_STRATEGY_RULES",
              "RESILIENT_STRATEGY_DECISION", "RESILIENT_STRATEGY_PROGRESS",
@@ -498,6 +499,7 @@ def options_from(facts: Facts, env: Mapping[str, str], arguments: Arguments, /) 
         optimizer_state_factor=DEFAULT_OPTIMIZER_STATE_FACTOR if optimizer_state_factor is None
         else optimizer_state_factor,
         shard_unit_bytes=unit_bytes,
+        checkpoint_async=env_flag(env, CHECKPOINT_ASYNC_VAR, True),
     )
 
 

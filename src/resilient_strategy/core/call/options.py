@@ -57,6 +57,8 @@ DEFAULT_OPTIMIZER_STATE_FACTOR = 2.0
 
 
 DEFAULT_TTL_S = 7 * 24 * 3600.0
+#: 1 (the default) or 0: PyTorch checkpoints written in the background, or by the step itself.
+CHECKPOINT_ASYNC_VAR = "RESILIENT_STRATEGY_CHECKPOINT_ASYNC"
 
 def default_dir(env: Mapping[str, str]) -> Path:
     """RESILIENT_STRATEGY_CACHE_DIR > $XDG_CACHE_HOME/resilient_strategy > ~/.cache/..."""
@@ -147,6 +149,9 @@ class Options:
     #: CPU offload of a sharded model's state (FSDP2 ``CPUOffloadPolicy``): "none" never (the
     #: default); "auto" plans it only where no candidate that keeps the state on the GPUs fits.
     offload: str = "none"
+    #: PyTorch checkpoints (``sel.checkpoint``): written in the background after a host copy
+    #: (True, the default) or by the step itself; ``RESILIENT_STRATEGY_CHECKPOINT_ASYNC=0``.
+    checkpoint_async: bool = True
 
     @property
     def nodes(self) -> int:
@@ -216,6 +221,10 @@ class Options:
                 "logical_cpus is a single-process test mode; under a multi-worker TF_CONFIG each "
                 "CPU worker is one replica of MultiWorkerMirroredStrategy: leave logical_cpus 0",
                 "logical_cpus")
+        if not isinstance(self.checkpoint_async, bool):
+            raise InvalidOptionError(
+                f"checkpoint_async must be True or False, not {self.checkpoint_async!r}",
+                CHECKPOINT_ASYNC_VAR)
         if self.sharding not in SHARDING_MODES:
             raise InvalidOptionError(
                 f"sharding must be one of {SHARDING_MODES}, not {self.sharding!r}", "sharding")
