@@ -183,11 +183,11 @@ def test_run_argv_flows_to_a_relaunchs_options(tmp_path: Path,
     facts = machine(2, nvlink=18, torch="2.13.0")
     prober = SimulatedProber()
     monkeypatch.setattr(supervisor, "_prober", prober)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    first = supervisor._decide(run, facts, {}, {}, tmp_path, 0, ())
+    env = {"RESILIENT_STRATEGY_CACHE_DIR": str(tmp_path / "cache")}  # never the user's cache
+    first = supervisor._decide(run, facts, env, {}, tmp_path, 0, ())
     failed = ProbeResult(first.decision.chosen, TIMEOUT, 7.0, "timeout", "mid-run")
     prober.calls.clear()
-    relaunch = supervisor._decide(run, facts, {}, {first.decision.chosen: failed}, tmp_path, 1,
+    relaunch = supervisor._decide(run, facts, env, {first.decision.chosen: failed}, tmp_path, 1,
                                   ())
     assert relaunch.decision.chosen != first.decision.chosen
     assert relaunch.decision.global_batch_size == 64
