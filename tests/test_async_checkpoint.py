@@ -20,7 +20,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from resilient_strategy.core.call.arguments import options_from  # noqa: E402
+from resilient_strategy.core.call.arguments import Arguments, options_from  # noqa: E402
 from resilient_strategy.errors import InvalidOptionError, NoSpaceError  # noqa: E402
 from resilient_strategy.frameworks import checkpoint_writer as cw  # noqa: E402
 from resilient_strategy.frameworks.checkpoint import Checkpointer  # noqa: E402
@@ -236,11 +236,12 @@ def test_synchronous_checkpoints_are_an_option_and_an_environment_variable(
         Checkpointer(tmp_path, asynchronous="yes")  # type: ignore[arg-type]
     facts = machine(2, nvlink=18)
     base: dict[str, Any] = dict(framework="torch", global_batch_size=64, cache=False)
-    assert options_from(facts, {}, **base).checkpoint_async is True
+    assert options_from(facts, {}, Arguments.from_kwargs(**base)).checkpoint_async is True
     off = {"RESILIENT_STRATEGY_CHECKPOINT_ASYNC": "0"}
-    assert options_from(facts, off, **base).checkpoint_async is False
+    assert options_from(facts, off, Arguments.from_kwargs(**base)).checkpoint_async is False
     with pytest.raises(InvalidOptionError) as bad:
-        options_from(facts, {"RESILIENT_STRATEGY_CHECKPOINT_ASYNC": "later"}, **base)
+        options_from(facts, {"RESILIENT_STRATEGY_CHECKPOINT_ASYNC": "later"},
+                     Arguments.from_kwargs(**base))
     assert bad.value.option == "RESILIENT_STRATEGY_CHECKPOINT_ASYNC"
 
 

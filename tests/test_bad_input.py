@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from resilient_strategy.cli import main, simulate_file
-from resilient_strategy.core.call.arguments import options_from, run_options_from
+from resilient_strategy.core.call.arguments import Arguments, options_from, run_options_from
 from resilient_strategy.errors import ResilientStrategyError
 from resilient_strategy.records import handoff
 from resilient_strategy.records.trainfault import parse_fault
@@ -35,12 +35,14 @@ VARS = ("RESILIENT_STRATEGY_CACHE", "RESILIENT_STRATEGY_CACHE_DIR", "RESILIENT_S
         "RESILIENT_STRATEGY_MAX_RELAUNCHES", "RESILIENT_STRATEGY_FORKSERVER",
         "RESILIENT_STRATEGY_DECISION", "RESILIENT_STRATEGY_TRAIN_FAULT",
         "RESILIENT_STRATEGY_PROGRESS", "RESILIENT_STRATEGY_SIGNATURES",
-        "RESILIENT_STRATEGY_REMEDIES", "RESILIENT_STRATEGY_PROBE_FAULT")
+        "RESILIENT_STRATEGY_REMEDIES", "RESILIENT_STRATEGY_PROBE_FAULT",
+        "RESILIENT_STRATEGY_CHECKPOINT_ASYNC")
 #: One malformed value (or more) per variable (issue 32): each is refused where it is read,
 #: with one line naming the variable; none turns a feature off silently.
 MALFORMED = (
     ("RESILIENT_STRATEGY_CACHE", "maybe"),
     ("RESILIENT_STRATEGY_CACHE_DIR", "/tmp/a\0b"),
+    ("RESILIENT_STRATEGY_CHECKPOINT_ASYNC", "later"),
     ("RESILIENT_STRATEGY_DECISION", "/dev/zero"),
     ("RESILIENT_STRATEGY_DISABLE_RULES", "no-such-rule"),
     ("RESILIENT_STRATEGY_FORKSERVER", "off please"),
@@ -66,11 +68,11 @@ MALFORMED = (
 
 def _read_all(env: dict[str, str]) -> None:
     """Everything that reads our variables before a decision or a run."""
-    options_from(machine(2), env, framework="torch", global_batch_size=64, devices=None,
+    options_from(machine(2), env, Arguments.from_kwargs(framework="torch", global_batch_size=64, devices=None,
                  probe=None, timeout=None, prefer=None, dry_run=False, model=None,
                  gradient_bytes=None, sample_seconds=None, max_per_replica_batch=None, rules=(),
                  disable_rules=(), cache=True, cache_dir=None, cache_ttl=None, precision="auto",
-                 logical_cpus=0)
+                 logical_cpus=0))
     run_options_from(env, script="train.py", script_args=(), framework=None, nproc="auto",
                      max_relaunches=None, stall_timeout=None, global_batch_size=None,
                      gradient_bytes=None, probe_timeout=None, logical_cpus=0)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from resilient_strategy.core.call.arguments import options_from
+from resilient_strategy.core.call.arguments import Arguments, options_from
 from resilient_strategy.core.call.options import RunOptions
 from resilient_strategy.core.measures.probe import (
     ENVIRONMENTAL_CAUSES,
@@ -137,10 +137,10 @@ def test_remember_midrun_probes_before_caching(tmp_path: Path, outcome: str,
                                                cached: bool) -> None:
     facts = machine(2, nvlink=18, env={"WORLD_SIZE": "2"})
     opts = options_from(
-        facts, {"WORLD_SIZE": "2"}, framework="torch", global_batch_size=64, devices=None,
+        facts, {"WORLD_SIZE": "2"}, Arguments.from_kwargs(framework="torch", global_batch_size=64, devices=None,
         probe=None, timeout=None, prefer=None, dry_run=False, model=None, gradient_bytes=None,
         sample_seconds=None, max_per_replica_batch=None, rules=(), disable_rules=(), cache=True,
-        cache_dir=tmp_path, cache_ttl=None, precision="auto", logical_cpus=0)
+        cache_dir=tmp_path, cache_ttl=None, precision="auto", logical_cpus=0))
     prober = SimulatedProber({"nccl": outcome})
     failure = _midrun(NCCL)
     last = _midrun("torch:single_device:0")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from resilient_strategy.core.call.arguments import options_from
+from resilient_strategy.core.call.arguments import Arguments, options_from
 from resilient_strategy.core.knowledge.rules import rule_from_dict
 from resilient_strategy.core.trace.choosing import Chosen
 from resilient_strategy.core.trace.event import Event, Note
@@ -17,7 +17,6 @@ from resilient_strategy.core.trace.ruling import CandidateRuledOut, UserSettingK
 from resilient_strategy.core.values.facts import relevant_env
 from resilient_strategy.deciding.cache import DecisionCache
 from resilient_strategy.deciding.decide import FAULT_VAR, MAX_ROUNDS, Decision, decide
-from resilient_strategy.deciding.executor import resilient_strategy
 from resilient_strategy.errors import (
     DryRunError,
     FailureCause,
@@ -44,7 +43,7 @@ def opts_for(facts, env=None, **kw):  # type: ignore[no-untyped-def]
                 max_per_replica_batch=None, rules=(), disable_rules=(), cache=False,
                 cache_dir=None, cache_ttl=None, precision="auto", logical_cpus=0)
     base.update(kw)
-    return options_from(facts, env or {}, **base)
+    return options_from(facts, env or {}, Arguments.from_kwargs(**base))
 
 
 def test_framework_resolution() -> None:
@@ -232,13 +231,13 @@ def test_ranks_agree_local_rank_0_decides_others_follow(tmp_path: Path) -> None:
     facts = machine(2, nvlink=18)
     launch = {"WORLD_SIZE": "2", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "t1"}
     leader = FakeProber({"nccl": "timeout", "nccl+*": "ok:20"})
-    a = resilient_strategy(facts=facts, env={**launch, "RANK": "0", "LOCAL_RANK": "0"},
-                           cache_dir=tmp_path, _prober=leader, global_batch_size=64,
-                           gradient_bytes=1000, sample_seconds=1e-3)
+    a = simulate(facts=facts, env={**launch, "RANK": "0", "LOCAL_RANK": "0"},
+                           cache_dir=tmp_path, outcomes=leader, global_batch_size=64,
+                           gradient_bytes=1000, sample_seconds=1e-3, cache=True)
     follower = FakeProber()  # would say NCCL is fine: must not be asked
-    b = resilient_strategy(facts=facts, env={**launch, "RANK": "1", "LOCAL_RANK": "1"},
-                           cache_dir=tmp_path, _prober=follower, global_batch_size=64,
-                           gradient_bytes=1000, sample_seconds=1e-3)
+    b = simulate(facts=facts, env={**launch, "RANK": "1", "LOCAL_RANK": "1"},
+                           cache_dir=tmp_path, outcomes=follower, global_batch_size=64,
+                           gradient_bytes=1000, sample_seconds=1e-3, cache=True)
     assert follower.calls == [] and leader.probed[0] == "nccl"
     assert a.candidate == b.candidate and a.env == b.env
     assert (a.launch.rank, b.launch.rank) == (0, 1) and a.num_replicas == 2
@@ -246,12 +245,12 @@ def test_ranks_agree_local_rank_0_decides_others_follow(tmp_path: Path) -> None:
 
 def test_ranks_that_disagree_raise_a_typed_error(tmp_path: Path) -> None:
     launch = {"WORLD_SIZE": "2", "MASTER_PORT": "29501", "TORCHELASTIC_RUN_ID": "t2"}
-    resilient_strategy(facts=machine(2, nvlink=18), env={**launch, "RANK": "0", "LOCAL_RANK": "0"},
-                       cache_dir=tmp_path, _prober=FakeProber(), global_batch_size=64)
+    simulate(facts=machine(2, nvlink=18), env={**launch, "RANK": "0", "LOCAL_RANK": "0"},
+                       cache_dir=tmp_path, outcomes=FakeProber(), global_batch_size=64, cache=True)
     with pytest.raises(RanksDisagreeError) as err:  # rank 1 prefers gloo, which nobody proved
-        resilient_strategy(facts=machine(2, nvlink=18),
+        simulate(facts=machine(2, nvlink=18),
                            env={**launch, "RANK": "1", "LOCAL_RANK": "1"}, cache_dir=tmp_path,
-                           _prober=FakeProber(), global_batch_size=64, prefer="gloo")
+                           outcomes=FakeProber(), global_batch_size=64, prefer="gloo", cache=True)
     assert (err.value.rank, err.value.planned, err.value.chosen) == (
         1, None, "torch:nccl:0,1")
 
@@ -392,9 +391,9 @@ def test_an_idle_rank_exits_cleanly_instead_of_training_a_duplicate(
 ) -> None:
     launch = {"WORLD_SIZE": "2", "MASTER_PORT": "29511"}
     sels = [
-        resilient_strategy(facts=machine(2), env={**launch, "RANK": r, "LOCAL_RANK": r},
-                           cache_dir=tmp_path, _prober=FakeProber({"*": "timeout"}),
-                           global_batch_size=64, gradient_bytes=400_000_000)
+        simulate(facts=machine(2), env={**launch, "RANK": r, "LOCAL_RANK": r},
+                           cache_dir=tmp_path, outcomes=FakeProber({"*": "timeout"}),
+                           global_batch_size=64, gradient_bytes=400_000_000, cache=True)
         for r in ("0", "1")  # local rank 0 decides first; rank 1 follows its decision
     ]
     assert [(s.backend, s.active) for s in sels] == [("single_device", True),
@@ -461,10 +460,10 @@ def test_ranks_agree_privately_when_the_cache_directory_is_open_to_others(
         for f in shared.iterdir():
             os.chown(f, 65534, 65534)
     with caplog.at_level("WARNING", logger="resilient_strategy"):
-        a = resilient_strategy(facts=facts, env={**launch, "RANK": "0", "LOCAL_RANK": "0"},
-                               cache_dir=shared, _prober=FakeProber(), global_batch_size=64)
-        b = resilient_strategy(facts=facts, env={**launch, "RANK": "1", "LOCAL_RANK": "1"},
-                               cache_dir=shared, _prober=FakeProber(), global_batch_size=64)
+        a = simulate(facts=facts, env={**launch, "RANK": "0", "LOCAL_RANK": "0"},
+                               cache_dir=shared, outcomes=FakeProber(), global_batch_size=64, cache=True)
+        b = simulate(facts=facts, env={**launch, "RANK": "1", "LOCAL_RANK": "1"},
+                               cache_dir=shared, outcomes=FakeProber(), global_batch_size=64, cache=True)
     assert a.backend == b.backend == "nccl" and not a.from_cache
     assert "writable by others" in caplog.text
     assert sorted(f.name for f in shared.iterdir()) == sorted(

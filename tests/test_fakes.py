@@ -341,3 +341,41 @@ def test_nodes_that_cannot_talk_keep_node_0s_own_gpus_with_the_global_batch() ->
                              platform_facts={"master_ifname": "eth0"}),
                      FakeProber(dict(prober.outcomes)), framework="torch", global_batch_size=256)
     assert sel.active and not other.active
+
+
+def test_a_prober_of_your_own_runs_the_decision_through_the_public_engine() -> None:
+    """`Prober` needs only `probe`: the rest are defaults the decision loop calls directly
+    (no deferred GPU check, real outcomes); `Engine` injects it, with a clock of the test's."""
+    from collections.abc import Mapping
+
+    from resilient_strategy.core.measures.probe import ERROR, OK, ProbeResult, ProbeSpec
+    from resilient_strategy.testing import Arguments, Engine, Prober
+
+    class NcclFails(Prober):
+        def __init__(self) -> None:
+            self.seen: list[str] = []
+
+        def probe(self, spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
+            self.seen.append(spec.backend)
+            if spec.backend == "nccl":
+                return ProbeResult(spec.candidate, ERROR, 1.0, "nccl_error", "refused")
+            return ProbeResult(spec.candidate, OK, 1.0)
+
+    torchrun = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+    facts = machine(2, nvlink=18, env=torchrun)
+    prober = NcclFails()
+    assert not prober.defers_gpu_check and prober.check_gpus("torch", (0,), {}) == []
+    sel = Engine(prober, clock=lambda: 0.0, alone=True).select(
+        Arguments.from_kwargs(framework="torch", global_batch_size=64, gradient_bytes=4 << 20,
+                              sample_seconds=1e-3, cache=False), env=torchrun, facts=facts)
+    assert prober.seen[0] == "nccl" and sel.backend != "nccl" and not sel.simulated
+    # a plain function is a prober too (every default), through simulate's same seat
+    calls: list[str] = []
+
+    def ok(spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
+        calls.append(spec.backend)
+        return ProbeResult(spec.candidate, OK, 1.0)
+
+    sel = simulate(facts, ok, framework="torch", global_batch_size=64, gradient_bytes=4 << 20,
+                   sample_seconds=1e-3, alone=True)
+    assert calls == ["nccl"] and sel.backend == "nccl"

@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 
-import resilient_strategy
 from resilient_strategy.core.measures.probe import OK, ProbeResult
 from resilient_strategy.errors import InvalidOptionError, ResilientStrategyError
 from resilient_strategy.records import handoff
-from resilient_strategy.testing import machine
+from resilient_strategy.testing import machine, simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,8 +43,8 @@ def _decision(tmp: Path, chosen: str, framework: str = "torch",
 def test_a_handed_decision_is_applied_without_probing(tmp_path: Path) -> None:
     facts = machine(0, torch="2.13.0")
     env = {handoff.DECISION_VAR: str(_decision(tmp_path, "torch:cpu:cpu"))}
-    sel = resilient_strategy.resilient_strategy(
-        framework="torch", global_batch_size=64, facts=facts, env=env, _prober=_no_probe)
+    sel = simulate(
+        framework="torch", global_batch_size=64, facts=facts, env=env, outcomes=_no_probe, cache=True)
     assert (sel.backend, sel.num_replicas, sel.global_batch_size) == ("cpu", 1, 64)
     assert any("resilient-strategy run" in line for line in sel.plan.trace)
     assert any(line.startswith("Relaunched:") for line in sel.plan.trace)
@@ -59,15 +58,15 @@ def test_the_handoff_is_the_one_source_of_the_global_batch(tmp_path: Path) -> No
     facts = machine(0, torch="2.13.0")
     env = {handoff.DECISION_VAR: str(_decision(tmp_path, "torch:cpu:cpu", global_batch_size=64))}
     for script_value in (None, 64):
-        sel = resilient_strategy.resilient_strategy(
+        sel = simulate(
             framework="torch", global_batch_size=script_value, facts=facts, env=env,
-            _prober=_no_probe)
+            outcomes=_no_probe, cache=True)
         assert sel.global_batch_size == 64
         assert sel.progress is not None
         sel.progress.writer.close()
     with pytest.raises(InvalidOptionError) as err:
-        resilient_strategy.resilient_strategy(framework="torch", global_batch_size=32,
-                                              facts=facts, env=env, _prober=_no_probe)
+        simulate(framework="torch", global_batch_size=32,
+                                              facts=facts, env=env, outcomes=_no_probe, cache=True)
     assert err.value.option == "global_batch_size"
 
 
@@ -89,9 +88,9 @@ def test_a_relaunch_on_fewer_replicas_says_the_split_it_trains(
                          run_dir=str(tmp_path), attempt=1, label="CPU", processes=1,
                          reference_replicas=reference)
     handoff.write_decision(tmp_path / "decision.json", d)
-    sel = resilient_strategy.resilient_strategy(
+    sel = simulate(
         framework="torch", global_batch_size=global_batch, facts=machine(0, torch="2.13.0"),
-        env={handoff.DECISION_VAR: str(tmp_path / "decision.json")}, _prober=_no_probe)
+        env={handoff.DECISION_VAR: str(tmp_path / "decision.json")}, outcomes=_no_probe, cache=True)
     assert sel.progress is not None
     sel.progress.writer.close()
     trains = (sel.num_replicas, sel.per_replica_batch_size, sel.accumulation_steps)
@@ -114,12 +113,12 @@ def test_a_decision_the_script_cannot_train_on_is_an_error(tmp_path: Path) -> No
     facts = machine(0, torch="2.13.0")
     env = {handoff.DECISION_VAR: str(_decision(tmp_path, "torch:nccl:0,1"))}
     with pytest.raises(ResilientStrategyError):
-        resilient_strategy.resilient_strategy(framework="torch", facts=facts, env=env,
-                                              _prober=_no_probe)
+        simulate(framework="torch", facts=facts, env=env,
+                                              outcomes=_no_probe, cache=True)
     env = {handoff.DECISION_VAR: str(tmp_path / "missing.json")}
     with pytest.raises(ResilientStrategyError):
-        resilient_strategy.resilient_strategy(framework="torch", facts=facts, env=env,
-                                              _prober=_no_probe)
+        simulate(framework="torch", facts=facts, env=env,
+                                              outcomes=_no_probe, cache=True)
 
 
 def test_run_command_line_errors(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ from resilient_strategy.core.values.facts import Facts, FrameworkInfo, Gpu, Host
 from resilient_strategy.deciding.executor import resilient_strategy
 from resilient_strategy.errors import InvalidOptionError, ModelDoesNotFitError
 from resilient_strategy.machine.host import parse_meminfo
+from resilient_strategy.testing import simulate
 from resilient_strategy.testing.simulation import gpu, machine
 
 RULES = load_rules()
@@ -293,8 +294,8 @@ def test_a_worker_follows_the_supervisors_sharding(tmp_path: Any, monkeypatch: A
         raise AssertionError("a worker of `resilient-strategy run` must not probe")
 
     # the script said nothing of its model: its own plan replicates, the handed one shards
-    sel = resilient_strategy("torch", global_batch_size=64, facts=machine(0, torch="2.13.0"),
-                             env=env, _prober=no_probe)
+    sel = simulate(framework="torch", global_batch_size=64, facts=machine(0, torch="2.13.0"),
+                             env=env, outcomes=no_probe, cache=True)
     assert sel.sharded and sel.candidate.key == key and sel.num_replicas == 2
     assert sel.progress is not None
     sel.progress.writer.close()
@@ -364,9 +365,9 @@ def test_ranks_beyond_the_subset_leave_and_the_first_ones_train_as_one_group() -
     got = {}
     for rank in (1, 3):
         env = {**facts.env_map, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-        sel = resilient_strategy("torch", facts=facts, env=env, cache=False, quiet=True,
+        sel = simulate(framework="torch", facts=facts, env=env, cache=False, quiet=True,
                                  param_bytes=sim["param_bytes"], global_batch_size=96,
-                                 _prober=SimulatedProber(sim["probes"]), _alone=True)
+                                 outcomes=SimulatedProber(sim["probes"]), alone=True)
         got[rank] = (sel.active, sel.world_size, sel.devices)
     assert got == {1: (True, 2, (0, 1)), 3: (False, 2, (0, 1))}
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from resilient_strategy.core.call.arguments import options_from
+from resilient_strategy.core.call.arguments import Arguments, options_from
 from resilient_strategy.core.measures.probe import OK, TIMEOUT, ProbeResult, ProbeSpec
 from resilient_strategy.core.planning.plan import Candidate, plan
 from resilient_strategy.deciding.decide import decide
@@ -113,7 +113,7 @@ def mn_opts(facts, env, **kw):  # type: ignore[no-untyped-def]
                 sample_seconds=0.01, max_per_replica_batch=None, rules=(), disable_rules=(),
                 cache=False, cache_dir=None, cache_ttl=None, precision="auto", logical_cpus=0)
     base.update(kw)
-    return multinode.multinode_options(options_from(facts, env, **base), facts)
+    return multinode.multinode_options(options_from(facts, env, Arguments.from_kwargs(**base)), facts)
 
 
 def test_remedies_between_nodes_follow_plain_nccl_and_respect_the_users_variables() -> None:
@@ -201,11 +201,11 @@ def run_nodes(
     def one(node: int) -> None:
         env = node_env(store, node, len(facts_by_node), nodes_local, port)
         facts = facts_by_node[node]
-        opts = options_from(facts, env, framework="torch", global_batch_size=512, devices=None,
+        opts = options_from(facts, env, Arguments.from_kwargs(framework="torch", global_batch_size=512, devices=None,
                             probe=None, timeout=2.0, prefer=None, dry_run=False, model=None,
                             gradient_bytes=100 << 20, sample_seconds=0.01,
                             max_per_replica_batch=None, rules=(), disable_rules=(), cache=False,
-                            cache_dir=None, cache_ttl=None, precision="auto", logical_cpus=0)
+                            cache_dir=None, cache_ttl=None, precision="auto", logical_cpus=0))
         try:
             out[node] = multinode.agreed_decision(
                 facts, opts, env, local, lambda: 0.0, decide, cross_prober=cross_prober)
@@ -348,11 +348,11 @@ def test_other_local_ranks_take_their_nodes_decision_or_its_error(
 
     h200 = machine(2, nvlink=18)
     env = {**node_env(store, 1), "RANK": "3", "LOCAL_RANK": "1"}
-    opts = options_from(h200, env, framework="torch", global_batch_size=512, devices=None,
+    opts = options_from(h200, env, Arguments.from_kwargs(framework="torch", global_batch_size=512, devices=None,
                         probe=None, timeout=2.0, prefer=None, dry_run=False, model=None,
                         gradient_bytes=100 << 20, sample_seconds=0.01, max_per_replica_batch=None,
                         rules=(), disable_rules=(), cache=True, cache_dir=tmp_path,
-                        cache_ttl=None, precision="auto", logical_cpus=0)
+                        cache_ttl=None, precision="auto", logical_cpus=0))
     local = Agreement.for_job(env, h200.fingerprint(), tmp_path)
     key = "torch:nccl:0,1"
     ok = ProbeResult(key, OK, 1.0, bus_bandwidth_gbps=10.0, ranks=4, extra=(("nodes", "2"),))

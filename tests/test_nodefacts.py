@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from _fake_nvml import GPU, FakeGpu, FakeLink, FakeNvml
 
-from resilient_strategy.core.call.arguments import options_from
+from resilient_strategy.core.call.arguments import Arguments, options_from
 from resilient_strategy.core.knowledge.nodefacts import (
     Difference,
     compare,
@@ -139,11 +139,11 @@ def test_the_kit_describes_the_other_nodes_by_what_differs() -> None:
 def _opts(facts: Facts) -> object:
     env = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0",
            **facts.env_map}
-    return options_from(facts, env, framework="torch", global_batch_size=512, devices=None,
+    return options_from(facts, env, Arguments.from_kwargs(framework="torch", global_batch_size=512, devices=None,
                         probe=None, timeout=2.0, prefer=None, dry_run=True, model=None,
                         gradient_bytes=100 << 20, sample_seconds=0.01, max_per_replica_batch=None,
                         rules=(), disable_rules=(), cache=False, cache_dir=None, cache_ttl=None,
-                        precision="auto", logical_cpus=0)
+                        precision="auto", logical_cpus=0))
 
 
 def test_the_planner_rules_nccl_between_the_nodes_out_and_keeps_node_0s_own() -> None:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from resilient_strategy.core.call.arguments import options_from
+from resilient_strategy.core.call.arguments import Arguments, options_from
 from resilient_strategy.core.call.options import Launch, Options
 from resilient_strategy.errors import InvalidOptionError
 from resilient_strategy.testing import machine, simulate
@@ -27,7 +27,7 @@ def _options(env: dict[str, str] | None = None, **kw: Any) -> Options:
         max_per_replica_batch=None, rules=(), disable_rules=(), cache=False, cache_dir=None,
         cache_ttl=None, precision="auto", logical_cpus=0)
     base.update(kw)
-    return options_from(H200X2, env or {}, **base)
+    return options_from(H200X2, env or {}, Arguments.from_kwargs(**base))
 
 
 @pytest.mark.parametrize(
@@ -114,11 +114,11 @@ def test_the_vocabularies_are_one_set_of_words() -> None:
 def test_launch_is_the_launchers_view_and_the_planner_splits_over_torch_processes() -> None:
     tf = machine(2, tensorflow="2.21.0", tf_cuda="12.5", torch=None)
     o = options_from(tf, {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"},
-                     framework="tensorflow", global_batch_size=None, devices=None, probe=None,
+                     Arguments.from_kwargs(framework="tensorflow", global_batch_size=None, devices=None, probe=None,
                      timeout=None, prefer=None, dry_run=False, model=None, gradient_bytes=None,
                      sample_seconds=None, max_per_replica_batch=None, rules=(), disable_rules=(),
                      cache=False, cache_dir=None, cache_ttl=None, precision="auto",
-                     logical_cpus=0)
+                     logical_cpus=0))
     assert (o.processes, o.world_size, o.launch.world_size, o.launch.rank) == (1, 2, 2, 1)
 
 
@@ -133,21 +133,66 @@ def test_the_torch_runtime_names_the_bad_value() -> None:
     assert (timeout.value.option, precision.value.option) == ("process_group_timeout", "precision")
 
 
-def test_every_option_of_resilient_strategy_goes_to_options_from_as_is() -> None:
+def test_every_option_of_resilient_strategy_is_a_field_of_arguments_with_its_default() -> None:
     import inspect
-    from dataclasses import fields
 
-    from resilient_strategy.core.call.arguments import Arguments
     from resilient_strategy.deciding.executor import resilient_strategy
 
     params = inspect.signature(resilient_strategy).parameters
-    public = {p for p, v in params.items()  # **unknown: only to name the closest keyword
-              if not p.startswith("_") and v.kind is not v.VAR_KEYWORD} - {"env", "facts"}
-    read = {f.name for group in vars(Arguments.of()).values() for f in fields(group)}
-    assert public == read
-    assert Arguments.of(framework="torch", cache=False).training.framework == "torch"
+    public = {p: v.default for p, v in params.items()  # **unknown: only to name the closest
+              if v.kind is not v.VAR_KEYWORD and p not in ("env", "facts")}
+    # one value, one default per option: the signature's defaults are the value's
+    assert public == Arguments().flat()
+    assert set(Arguments.names()) == set(public)
+    assert Arguments.from_kwargs(framework="torch", cache=False).training.framework == "torch"
     with pytest.raises(TypeError):
-        Arguments.of(no_such_option=1)
+        Arguments.from_kwargs(no_such_option=1)
+    with pytest.raises(TypeError):  # the private injection is gone: the testing kit's Engine
+        resilient_strategy(_prober=lambda spec, env: None)  # type: ignore[call-arg]
+
+
+def test_an_option_flows_from_resilient_strategy_to_the_probe_spec() -> None:
+    from resilient_strategy.deciding.executor import resilient_strategy
+    from resilient_strategy.testing import SimulatedProber
+
+    torchrun = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+    facts = machine(2, nvlink=18, env=torchrun)
+    prober = SimulatedProber()
+    simulate(facts, prober, framework="torch", timeout=7.0, gradient_bytes=4 << 20,
+             sample_seconds=1e-3, global_batch_size=64, alone=True)
+    spec = prober.calls[0]
+    assert (spec.timeout_s, spec.check_bytes, spec.world_size) == (7.0, (4 << 20,), 2)
+    # the public function takes the same road: its arguments, as one value, to the engine
+    assert resilient_strategy(framework="torch", facts=facts, env={}, timeout=7.0,
+                              dry_run=True, cache=False).dry_run
+
+
+def test_run_argv_flows_to_a_relaunchs_options(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from resilient_strategy.core.measures.probe import TIMEOUT, ProbeResult
+    from resilient_strategy.run import supervisor
+    from resilient_strategy.run.cmdline import options_from_args
+    from resilient_strategy.testing import SimulatedProber
+
+    script = tmp_path / "train.py"
+    script.write_text("import torch\n")
+    run = options_from_args(["--framework", "torch", "--probe-timeout", "7",
+                             "--global-batch-size", "64", "--gradient-bytes", str(4 << 20),
+                             "--nproc-per-node", "2", str(script)])
+    assert Arguments.from_run(run).probing.timeout == 7.0
+    facts = machine(2, nvlink=18, torch="2.13.0")
+    prober = SimulatedProber()
+    monkeypatch.setattr(supervisor, "_prober", prober)
+    env = {"RESILIENT_STRATEGY_CACHE_DIR": str(tmp_path / "cache")}  # never the user's cache
+    first = supervisor._decide(run, facts, env, {}, tmp_path, 0, ())
+    failed = ProbeResult(first.decision.chosen, TIMEOUT, 7.0, "timeout", "mid-run")
+    prober.calls.clear()
+    relaunch = supervisor._decide(run, facts, env, {first.decision.chosen: failed}, tmp_path, 1,
+                                  ())
+    assert relaunch.decision.chosen != first.decision.chosen
+    assert relaunch.decision.global_batch_size == 64
+    assert prober.calls and {(c.timeout_s, c.check_bytes) for c in prober.calls} == {
+        (7.0, (4 << 20,))}
 
 
 _VARIABLES = ["RESILIENT_STRATEGY_PROBE", "RESILIENT_STRATEGY_TIMEOUT",

@@ -15,14 +15,13 @@ from typing import Any
 
 import pytest
 
-import resilient_strategy
 from resilient_strategy.core.call.options import RunOptions
 from resilient_strategy.core.measures.probe import OK, ProbeResult
 from resilient_strategy.core.trace.event import Note
 from resilient_strategy.errors import InvalidOptionError
 from resilient_strategy.records import handoff
 from resilient_strategy.run import supervisor
-from resilient_strategy.testing import gpu, machine
+from resilient_strategy.testing import gpu, machine, simulate
 from resilient_strategy.testing.simulation import SimulatedProber
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,9 +78,9 @@ def _worker(tmp: Path, decision: handoff.HandedDecision, free: dict[int, float],
     env.update(handoff.bound_env(env, handoff.WorkerState()))
     facts = _facts(free, env)
     kwargs.setdefault("param_bytes", 8 * GIB)
-    return resilient_strategy.resilient_strategy(
-        framework="torch", global_batch_size=96, facts=facts, env=env, _prober=_no_probe,
-        **kwargs)
+    return simulate(
+        framework="torch", global_batch_size=96, facts=facts, env=env, outcomes=_no_probe,
+        **{"cache": True, **kwargs})
 
 
 def _notes(sel: Any, topic: str) -> list[str]:
@@ -168,9 +167,9 @@ def _cpu_worker(tmp: Path, chosen: str, handed: tuple[str, str], flags: tuple[st
     handoff.write_decision(path, d)
     env = {handoff.DECISION_VAR: str(path), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
            "RANK": "0", "LOCAL_RANK": "0", "RESILIENT_STRATEGY_CACHE": "0"}
-    sel = resilient_strategy.resilient_strategy(
-        framework="torch", facts=machine(0, torch="2.13.0"), env=env, _prober=_no_probe,
-        **script)
+    sel = simulate(
+        framework="torch", facts=machine(0, torch="2.13.0"), env=env, outcomes=_no_probe,
+        **script, cache=True)
     assert sel.progress is not None
     sel.progress.writer.close()
     return sel

@@ -358,28 +358,12 @@ def _batch_words(c: Any) -> str:
 def _decide(args: argparse.Namespace, facts: Facts, sim: Mapping[str, Any] | None,
             framework: str, real_env: Mapping[str, str],
             probers: list[SimulatedProber] | None = None) -> Any:
-    from .deciding.executor import resilient_strategy
+    from dataclasses import replace
 
-    sim_data: Mapping[str, Any] = sim or {}
+    from .core.call.arguments import Arguments
+    from .deciding.executor import Engine
 
-    def given(arg: Any, key: str) -> Any:
-        return arg if arg is not None else sim_data.get(key)
-
-    kw: dict[str, Any] = {
-        "framework": framework,
-        "global_batch_size": given(args.global_batch_size, "global_batch_size"),
-        "gradient_bytes": given(args.gradient_bytes, "gradient_bytes"),
-        "sample_seconds": sim_data.get("sample_seconds"),
-        "param_bytes": sim_data.get("param_bytes"),
-        "optimizer_state_factor": sim_data.get("optimizer_state_factor"),
-        "sharding": sim_data.get("sharding", "auto"),
-        "offload": sim_data.get("offload", "none") if framework == "torch" else "none",
-        "timeout": args.timeout,
-        # a TensorFlow test mode: planning torch alongside it (doctor, plan) is unaffected
-        "logical_cpus": args.logical_cpus if framework == "tensorflow" else 0,
-        "rules": list(args.rules),
-        "disable_rules": list(args.disable_rule),
-    }
+    arguments = Arguments.from_cli(args, framework, sim)
     env = _launch_env(facts, framework, sim, real_env, args.nproc_per_node)
     if sim is not None:
         import tempfile
@@ -389,19 +373,20 @@ def _decide(args: argparse.Namespace, facts: Facts, sim: Mapping[str, Any] | Non
         prober = SimulatedProber(dict(probes or {}), broken_gpus=broken)
         if probers is not None:
             probers.append(prober)
+        arguments = replace(arguments, cache=replace(arguments.cache, cache=False),
+                            probing=replace(arguments.probing, dry_run=not probes))
         # the described launch's agreement between local ranks goes to a private directory of
         # its own, removed after: a simulation writes nothing a squatter could stop or read
         with tempfile.TemporaryDirectory(prefix="rs-simulate-") as private:
             env["XDG_RUNTIME_DIR"] = private  # the described machine's, never the user's
-            return resilient_strategy(
-                facts=facts, env=env, cache=False, dry_run=not probes,
-                _prober=prober, _clock=prober.clock, **kw,
-            )
+            return Engine(prober).select(arguments, env=env, facts=facts)
     if args.command == "probe":  # a launch planned here has no other ranks to share it with
-        return resilient_strategy(probe="force" if args.force else "auto", env=env,
-                                  _alone=args.nproc_per_node is not None
-                                  or "WORLD_SIZE" not in real_env, **kw)
-    return resilient_strategy(facts=facts, dry_run=True, env=env, **kw)
+        arguments = replace(arguments, probing=replace(
+            arguments.probing, probe="force" if args.force else "auto"))
+        return Engine(alone=args.nproc_per_node is not None
+                      or "WORLD_SIZE" not in real_env).select(arguments, env=env)
+    arguments = replace(arguments, probing=replace(arguments.probing, dry_run=True))
+    return Engine().select(arguments, env=env, facts=facts)
 
 
 def _launch_env(facts: Facts, framework: str, sim: Mapping[str, Any] | None,

@@ -36,6 +36,7 @@ from ..errors import (
     GpuUnusableError,
     ResilientStrategyError,
 )
+from ..probing.base import ProbeFn, Prober, as_prober
 from ..vocab import MULTI_WORKER_BACKENDS
 from .cache import REHEARSAL, CachedResult, DecisionCache, last_resort
 from .notices import (
@@ -55,10 +56,10 @@ from ..core.planning.decision import Decision as Decision  # re-exported: the de
 
 log = logging.getLogger("resilient_strategy")
 
-Prober = Callable[[ProbeSpec, Mapping[str, str]], ProbeResult]
-#: A prober that defers the GPU health check to the decision has ``check_gpus(framework,
-#: devices, env)`` -> the broken GPUs with why (`probing.prober.DeferredHealthProber`,
-#: the testing kit's SimulatedProber); one without it checks after each killed probe itself.
+#: A prober that defers the GPU health check to the decision (``defers_gpu_check``:
+#: `probing.prober.DeferredHealthProber`, the testing kit's SimulatedProber) is asked
+#: ``check_gpus(framework, devices, env)`` -> the broken GPUs with why; one that does not
+#: checks after each killed probe itself.
 GpuCheck = Callable[[str, tuple[int, ...], Mapping[str, str]], list[tuple[int, str]]]
 #: The workers' fault injection (probing/workers/common.py): its results are never cached.
 FAULT_VAR = "RESILIENT_STRATEGY_PROBE_FAULT"
@@ -105,7 +106,7 @@ def decide(
     facts: Facts,
     opts: Options,
     env: Mapping[str, str],
-    prober: Prober,
+    prober: Prober | ProbeFn,
     clock: Callable[[], float] = time.monotonic,
     progress: ProgressLine | None = None,
     startup_check: bool = False,
@@ -123,6 +124,7 @@ def decide(
     timeout is below what a probe needs to start here, and calls a probe it cut short so.
     ``cross_node``: ``prober`` proves candidates across every node (`multinode`).
     """
+    prober = as_prober(prober)
     multi_node = opts.framework == "torch" and opts.nodes > 1
     # Multi-node: a node's cache cannot speak for the links between nodes; without a prober
     # that spans the nodes (cross_node), no probe on one node may sway the choice either. The
@@ -148,7 +150,7 @@ def decide(
     warned = False
     deadline = clock() + opts.budget_s
     fresh: dict[str, ProbeResult] = {}
-    check: GpuCheck | None = getattr(prober, "check_gpus", None)
+    check: GpuCheck | None = prober.check_gpus if prober.defers_gpu_check else None
     unproven: Unproven = _health().Unproven()
     retried: list[Event] = []  # candidates probed once more after a GPU check (RETRY_AFTER_...)
     p = plan(facts, opts.rules, results, opts)
@@ -280,16 +282,9 @@ def _check_or_raise(check: GpuCheck, framework: str, gpus: tuple[int, ...],
 
 
 def _check_cost(prober: Prober, framework: str, gpus: int, env: Mapping[str, str]) -> float:
-    """What a GPU health check of ``gpus`` GPUs typically costs (the prober's own estimate
-    where it has one, else the typical figure of a GPU machine)."""
-    from ..probing import cost
-
-    if gpus <= 0:
-        return 0.0
-    estimate: Callable[[str, int, Mapping[str, str]], float] | None = getattr(
-        prober, "check_seconds", None)
-    return (estimate(framework, gpus, env) if estimate is not None
-            else cost.health_check_seconds(framework, gpus, forked=True, warm=True))
+    """What a GPU health check of ``gpus`` GPUs typically costs (the prober's estimate:
+    its own, or the typical figure of a GPU machine)."""
+    return prober.check_seconds(framework, gpus, env) if gpus > 0 else 0.0
 
 
 def _check_fits(prober: Prober, framework: str, gpus: int, env: Mapping[str, str],
@@ -305,16 +300,11 @@ def _final_check(prober: Prober, check: GpuCheck, u: Unproven, chosen: Candidate
     `probing.health.Unproven`): the chosen candidate's unproven GPUs always; the other
     unproven GPUs in the same check unless its typical cost would overrun what is left of the
     probe budget, in which case a Note names them and how to check them."""
-    from ..probing import cost
-
     framework = chosen.framework if chosen is not None else opts.framework
     every = tuple(sorted(u.gpus))
     # what the check typically costs: the prober's own figure (the testing kit's described
     # machine), else the typical one of a GPU machine (forked from the warm fork server)
-    estimate: Callable[[str, int, Mapping[str, str]], float] | None = getattr(
-        prober, "check_seconds", None)
-    seconds = (estimate(framework, len(every), env) if estimate is not None
-               else cost.health_check_seconds(framework, len(every), forked=True, warm=True))
+    seconds = prober.check_seconds(framework, len(every), env)
     affordable = seconds <= budget_left_s
     now, skipped = u.final(chosen.devices if chosen is not None else (), affordable)
     by = ", ".join(u.by)
@@ -333,7 +323,8 @@ def _final_check(prober: Prober, check: GpuCheck, u: Unproven, chosen: Candidate
                  f"{framework} --devices {ids} --report health.json`.")]
 
 
-def remember_midrun(facts: Facts, opts: Options, env: Mapping[str, str], prober: Prober,
+def remember_midrun(facts: Facts, opts: Options, env: Mapping[str, str],
+                    prober: Prober | ProbeFn,
                     failures: Mapping[str, ProbeResult]) -> dict[str, bool]:
     """Cache mid-run failures only where a probe proves them: each candidate that failed in
     training is probed again here, on this machine, and its failure enters the cache only when
@@ -342,6 +333,7 @@ def remember_midrun(facts: Facts, opts: Options, env: Mapping[str, str], prober:
     TF_CONFIG workers or a disabled cache. Returns, per candidate, whether it was cached."""
     if not opts.cache_dir or (opts.framework == "torch" and opts.nodes > 1) or opts.multi_worker:
         return {}
+    prober = as_prober(prober)
     cache = DecisionCache(opts.cache_dir, opts.cache_ttl_s)
     p = plan(facts, opts.rules, {}, opts)
     known = {r.candidate.key: r.candidate for r in p.ranked}
@@ -354,9 +346,8 @@ def remember_midrun(facts: Facts, opts: Options, env: Mapping[str, str], prober:
             continue
         spec = spec_for(c, opts, opts.timeout_s)
         res = space_short(prober(spec, env), temp_root(env))
-        check: GpuCheck | None = getattr(prober, "check_gpus", None)
-        if check is not None and _health().needs_check(spec, res):  # no later probe proves them
-            _check_or_raise(check, c.framework, _health().gpus_of(spec), env,
+        if prober.defers_gpu_check and _health().needs_check(spec, res):  # no later probe
+            _check_or_raise(prober.check_gpus, c.framework, _health().gpus_of(spec), env,
                             _health().Unproven(), f"the hung probe of {key} was killed")
         close_fork_servers()
         out[key] = cache.record_midrun(facts.fingerprint(), failure, res)
@@ -435,11 +426,14 @@ def failure_cause(r: RuledOut) -> FailureCause:
                         r.rule or "global_batch_size", r.reason)
 
 
-class _DefaultProber:
+class _DefaultProber(Prober):
     """The real prober, with the GPU health check deferred to the decision (see
-    `probing.health.Unproven`); imports the probing layer when first used."""
+    `probing.health.Unproven`); imports the probing layer's runner when first used."""
 
-    def __call__(self, spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
+    starts_processes = True
+    defers_gpu_check = True
+
+    def probe(self, spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
         from ..probing.prober import run_probe
 
         return run_probe(spec, env, health_check=False)
@@ -456,4 +450,4 @@ class _DefaultProber:
         return DeferredHealthProber().check_seconds(framework, gpus, env)
 
 
-default_prober = _DefaultProber()
+default_prober: Prober = _DefaultProber()

@@ -11,11 +11,20 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.call.arguments import options_from
+from ..core.call.arguments import (
+    Arguments,
+    CacheArgs,
+    ModelArgs,
+    ProbingArgs,
+    RuleArgs,
+    TrainingArgs,
+    options_from,
+    unexpected_keywords,
+)
 from ..core.call.options import FRAMEWORKS, Options
 from ..core.knowledge.rules import Rule
 from ..core.measures.memory import MemoryRow
@@ -51,9 +60,9 @@ from .notices import (
 if TYPE_CHECKING:
     from ..records.handoff import HandedDecision, TrainingReporter
 
+from ..probing.base import ProbeFn, Prober, as_prober
 from .decide import (
     Decision,
-    Prober,
     decide,
     default_prober,
     failure_cause,
@@ -86,8 +95,33 @@ def _env_to_set(facts: Facts, c: Candidate, opts: Options, env: Mapping[str, str
     return {k: v for k, v in wanted.items() if k not in env}
 
 
-#: Parameters of resilient_strategy() that say what to decide on, not how: not options.
-_NOT_OPTIONS = frozenset({"env", "facts", "_prober", "_clock", "_alone", "unknown"})
+@dataclass(frozen=True)
+class Engine:
+    """The decision engine with what proves candidates injected: ``resilient_strategy()`` is
+    ``Engine().select(...)`` with the real prober; the testing kit runs it with a described
+    machine's prober (``SimulatedProber``) or a test's own.
+
+    ``prober``: a `Prober` (or a plain function ``(spec, env) -> ProbeResult``); ``clock``:
+    the monotonic clock the probe budget is spent on (None: the prober's own, `Prober.clock`);
+    ``alone``: the launch is only planned (the command line's ``--nproc-per-node``), no other
+    rank exists to share the decision with.
+    """
+
+    prober: Prober | ProbeFn = default_prober
+    clock: Callable[[], float] | None = None
+    alone: bool = False
+
+    def select(self, arguments: Arguments, *, env: Mapping[str, str] | None = None,
+               facts: Facts | None = None) -> Selection:
+        """The Selection for ``arguments`` (``resilient_strategy()``'s, as one value), deciding
+        on ``env`` (None: ``os.environ``, and the choice is applied to it) and ``facts``
+        (None: this machine, inspected)."""
+        try:
+            return _decide_and_apply(arguments, env, facts, self)
+        except (InvalidOptionError, InvalidRuleError) as exc:
+            # the caller's mistake: one frame (this one) under the caller's line, not the
+            # library's internals; the typed error, its fields and its one-line message are kept
+            raise exc.with_traceback(None) from None
 
 
 def resilient_strategy(
@@ -118,9 +152,6 @@ def resilient_strategy(
     offload: str = "none",
     param_bytes: int | None = None,
     optimizer_state_factor: float | None = None,
-    _prober: Prober | None = None,
-    _clock: Callable[[], float] | None = None,
-    _alone: bool = False,
     **unknown: Any,
 ) -> Selection:
     """Find the best distributed strategy that works here and return a Selection to train with.
@@ -180,38 +211,40 @@ def resilient_strategy(
             others this call can raise (a GPU already initialized, a multi-node agreement that
             failed); every one is listed in the Errors reference.
     """
-    # Every option, as passed: options_from validates them (a new option is a parameter here
-    # and there, nothing in between). Taken first, while the parameters are the only locals.
-    options = {k: v for k, v in locals().items() if k not in _NOT_OPTIONS}
     if unknown:
         raise TypeError(_unknown_keywords(unknown)) from None
+    # the one options value, field by field (options_from validates it, once)
+    arguments = Arguments(
+        training=TrainingArgs(
+            framework=framework, global_batch_size=global_batch_size, devices=devices,
+            precision=precision, logical_cpus=logical_cpus,
+            process_group_timeout=process_group_timeout, sharding=sharding, offload=offload),
+        model=ModelArgs(
+            model=model, gradient_bytes=gradient_bytes, param_bytes=param_bytes,
+            optimizer_state_factor=optimizer_state_factor, sample_seconds=sample_seconds,
+            max_per_replica_batch=max_per_replica_batch),
+        probing=ProbingArgs(probe=probe, timeout=timeout, prefer=prefer, dry_run=dry_run,
+                            quiet=quiet),
+        cache=CacheArgs(cache=cache, cache_dir=cache_dir, cache_ttl=cache_ttl),
+        rules=RuleArgs(rules=rules, disable_rules=disable_rules),
+    )
     try:
-        return _decide_and_apply(options, env, facts, _prober, _clock, _alone)
-    except (InvalidOptionError, InvalidRuleError) as exc:
-        # the caller's mistake: one frame (this one) under the caller's line, not the library's
-        # internals; the typed error, its fields and its one-line message are kept
+        return Engine().select(arguments, env=env, facts=facts)
+    except (InvalidOptionError, InvalidRuleError) as exc:  # one frame under the caller's line
         raise exc.with_traceback(None) from None
 
 
 def _unknown_keywords(unknown: Mapping[str, Any]) -> str:
     """``resilient_strategy() got an unexpected keyword argument 'x'``, with the closest known
-    keyword where one is close (difflib)."""
-    import difflib
+    keyword where one is close."""
     import inspect
 
-    known = [n for n in inspect.signature(resilient_strategy).parameters
-             if not n.startswith("_") and n != "unknown"]
-    parts = []
-    for name in sorted(unknown):
-        near = difflib.get_close_matches(name, known, n=1)
-        parts.append(f"{name!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
-    s = "s" if len(parts) > 1 else ""
-    return f"resilient_strategy() got an unexpected keyword argument{s} {', '.join(parts)}"
+    known = [n for n in inspect.signature(resilient_strategy).parameters if n != "unknown"]
+    return unexpected_keywords("resilient_strategy()", list(unknown), known)
 
 
-def _decide_and_apply(options: dict[str, Any], env: Mapping[str, str] | None,
-                      facts: Facts | None, _prober: Prober | None,
-                      _clock: Callable[[], float] | None, _alone: bool) -> Selection:
+def _decide_and_apply(arguments: Arguments, env: Mapping[str, str] | None,
+                      facts: Facts | None, engine: Engine) -> Selection:
     """The body of [resilient_strategy][resilient_strategy.resilient_strategy]: inspect,
     validate, decide (or take the decision handed down), apply, and build the Selection."""
     t0 = time.perf_counter()
@@ -221,10 +254,10 @@ def _decide_and_apply(options: dict[str, Any], env: Mapping[str, str] | None,
 
         facts = detect_facts(snapshot)
     _check_visibility(facts)
-    opts = options_from(facts, snapshot, **options)
+    opts = options_from(facts, snapshot, arguments)
     _check_processes_fit(facts, opts)
-    prober = _prober or default_prober
-    if getattr(prober, "simulated", False):  # outcomes from a description: say so everywhere
+    prober = as_prober(engine.prober)
+    if prober.simulated:  # outcomes from a description: say so everywhere
         opts = replace(opts, simulated=True)
     from ..records.handoff import load_decision
 
@@ -236,9 +269,9 @@ def _decide_and_apply(options: dict[str, Any], env: Mapping[str, str] | None,
         opts, agreed = handed_memory(opts, handed)
         decision = _handed_decision(facts, opts, handed, agreed)
     else:
-        decision = _agreed_decision(facts, opts, snapshot, prober, _clock or time.monotonic,
-                                    progress_line_for(opts), startup_check=_prober is None,
-                                    alone=_alone)
+        decision = _agreed_decision(facts, opts, snapshot, prober, engine.clock or prober.clock,
+                                    progress_line_for(opts),
+                                    startup_check=prober.starts_processes, alone=engine.alone)
     p, results = decision.plan, decision.results
     if p.chosen is None:
         short = _memory_shortfalls(p)

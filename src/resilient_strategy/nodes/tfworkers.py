@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.measures.probe import ProbeResult, ProbeSpec
 from ..core.trace.choosing import MultiWorkerDecided, WorkerProbe
+from ..probing.base import ProbeFn, Prober
 from ..vocab import MULTI_WORKER_BACKENDS
 
 if TYPE_CHECKING:
@@ -68,7 +69,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("resilient_strategy")
 __all__ = ["KILL_GRACE_S", "SETTLE_S", "SettlingProber", "decide_across_workers"]
 
-Prober = Callable[[ProbeSpec, Mapping[str, str]], ProbeResult]
 #: The start skew between workers a round allows (and time for the ports to be free again).
 SETTLE_S = 5.0
 #: The runner's stop of a probe process at its deadline: SIGTERM, 2 s, SIGKILL, 2 s (`probing.proc`).
@@ -78,18 +78,18 @@ KILL_GRACE_S = 4.0
 VERDICT_MARGIN_S = 3.0
 
 
-class SettlingProber:
+class SettlingProber(Prober):
     """Runs the probes of a multi-worker decision; before a round across the workers that
     follows a failed one, waits until every worker's process of that round is gone."""
 
-    def __init__(self, prober: Prober, clock: Callable[[], float],
+    def __init__(self, prober: ProbeFn, clock: Callable[[], float],
                  sleep: Callable[[float], None]) -> None:
         self._prober = prober
         self._clock = clock
         self._sleep = sleep
         self._not_before = [float("-inf")]  # when the next round across the workers may start
 
-    def __call__(self, spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
+    def probe(self, spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
         if spec.workers <= 1:
             return self._prober(spec, env)
         wait = self._not_before[0] - self._clock()
@@ -121,7 +121,7 @@ def decide_across_workers(
     """This worker's part of the decision of a TF_CONFIG job (see the module's docstring):
     the plan with a `MultiWorkerDecided` event, the results, and whether the
     choice was proven. ``decide``: the executor's (this module imports no executor)."""
-    if not getattr(prober, "simulated", False):  # a simulation has no processes to wait for
+    if not prober.simulated:  # a simulation has no processes to wait for
         prober = SettlingProber(prober, clock, time.sleep)
     d = decide(facts, opts, env, prober, clock)
     p: Plan = d.plan

@@ -28,6 +28,7 @@ from ..errors import InvalidOptionError
 from ..machine import files
 from ..vocab import PROCESS_GROUP_BACKENDS
 from . import health, proc
+from .base import Prober
 from .cost import health_check_seconds, judged_by_progress, stall_policy
 
 #: The directory that holds the ``resilient_strategy`` package, for the workers' PYTHONPATH.
@@ -67,16 +68,29 @@ def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.exec
     return result
 
 
-class DeferredHealthProber:
+class RealProber(Prober):
+    """The real prober that checks the GPUs of a killed GPU probe at once, itself
+    (`run_probe`'s default): for a probe with no later one to defer the check to."""
+
+    starts_processes = True
+
+    def probe(self, spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
+        return run_probe(spec, env)
+
+
+class DeferredHealthProber(Prober):
     """The real prober of a decision that defers the GPU health check (`health.Unproven`):
     a probe runs without it, and the decision loop calls `check_gpus` when a check is due.
     Torch's check is forked from the probes' warm fork server (``import torch`` done, no GPU
     touched there), so it costs a fork and each GPU's initialisation, not another import."""
 
+    starts_processes = True
+    defers_gpu_check = True
+
     def __init__(self, python: str = sys.executable) -> None:
         self.python = python
 
-    def __call__(self, spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
+    def probe(self, spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
         return run_probe(spec, env, python=self.python, health_check=False)
 
     def check_gpus(self, framework: str, devices: tuple[int, ...],

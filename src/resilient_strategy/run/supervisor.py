@@ -49,8 +49,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.call.options import MIN_STALL_S, RunOptions
-from ..core.measures.probe import ERROR, ProbeResult
+from ..core.call.arguments import Arguments, options_from
+from ..core.call.options import MIN_STALL_S, Options, RunOptions
+from ..core.measures.probe import ERROR, ProbeResult, ProbeSpec
 from ..core.values.bounded import parse_json
 from ..core.values.candidate import Candidate, CandidateKey
 from ..errors import (
@@ -62,12 +63,14 @@ from ..errors import (
     ResilientStrategyError,
 )
 from ..machine import env as machine_env
+from ..probing.base import Prober
 from ..records import phases
 from ..records.handoff import HandedDecision, binding, write_decision
 from ..records.rundir import CHECKPOINT_NOTE, RunDir
 from ..records.trainfault import FAULT_VAR, TrainFault, check_rank, parse_fault
 
 if TYPE_CHECKING:
+    from ..core.values.facts import Facts
     from .peers import NodeLink, PeerWatch
 
 from .agent import launch
@@ -454,10 +457,10 @@ def _label(decision: HandedDecision) -> str:
     return decision.label or decision.chosen
 
 
-def _options(opts: RunOptions, facts: Any, env: Mapping[str, str], rank: int = 0,
-             nnodes: int | None = None) -> Any:
-    from ..core.call.arguments import options_from
-
+def _options(opts: RunOptions, facts: Facts, env: Mapping[str, str], rank: int = 0,
+             nnodes: int | None = None) -> tuple[Options, dict[str, str]]:
+    """The options of one decision of this run (the first, and each relaunch's): run's own
+    (`Arguments.from_run`) in the environment of the launch it plans."""
     nproc = opts.nproc if opts.nproc is not None else max(1, len(facts.gpus))
     nnodes = node_count(opts) if nnodes is None else nnodes
     plan_env = dict(env)
@@ -468,15 +471,7 @@ def _options(opts: RunOptions, facts: Any, env: Mapping[str, str], rank: int = 0
     for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK"):
         if fw == "tensorflow":
             plan_env.pop(k, None)
-    return options_from(
-        facts, plan_env, framework=fw, global_batch_size=opts.global_batch_size, devices=None,
-        probe=None, timeout=opts.probe_timeout_s, prefer=None, dry_run=False, model=None,
-        gradient_bytes=opts.gradient_bytes, sample_seconds=None, max_per_replica_batch=None,
-        rules=(), disable_rules=(), cache=True, cache_dir=None, cache_ttl=None, precision="auto",
-        logical_cpus=opts.logical_cpus, sharding=opts.planned_sharding,
-        param_bytes=opts.param_bytes, optimizer_state_factor=opts.optimizer_state_factor,
-        offload=opts.planned_offload,
-    ), plan_env
+    return options_from(facts, plan_env, Arguments.from_run(opts)), plan_env
 
 
 def _link(opts: RunOptions, facts: Any) -> NodeLink | None:
@@ -639,10 +634,20 @@ def _node_trace(events: Sequence[Any]) -> tuple[str, ...]:
     return tuple(reversed(out))
 
 
-def _prober(spec: Any, env: Mapping[str, str]) -> ProbeResult:
-    from ..probing.prober import run_probe
+class _RunProber(Prober):
+    """The real prober, checking a killed GPU probe's GPUs at once (`probing.prober.RealProber`),
+    imported when first used."""
 
-    return run_probe(spec, env)
+    starts_processes = True
+
+    def probe(self, spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
+        from ..probing.prober import RealProber
+
+        return RealProber().probe(spec, env)
+
+
+#: What proves the candidates of this run's decisions.
+_prober: Prober = _RunProber()
 
 
 def remember_failures(facts: Any, opts: RunOptions, env: Mapping[str, str],

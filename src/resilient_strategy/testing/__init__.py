@@ -10,15 +10,27 @@
         assert sel.backend == "hierarchical_copy"
 
 Probe outcomes are given per candidate: ``{"nccl": "timeout", "nccl+NCCL_P2P_DISABLE=1": "ok"}``
-(see `FakeProber`). A supervised job with faults at given steps replays with
+(see `FakeProber`); a prober of your own (a `Prober`) goes in the same place, or runs the
+whole decision through `Engine` (``Engine(prober).select(Arguments.from_kwargs(...))``).
+A supervised job with faults at given steps replays with
 `replay` (the attempts, retry or step-down, exit code). Nothing touches ``os.environ``, the cache, or a real GPU.
 """
 
 from __future__ import annotations
 
 from ..core.values.facts import Platform
-from .fakes import FakeProber, Outcome, gpu, machine, simulate
+from .fakes import (
+    Arguments,
+    Engine,
+    FakeProber,
+    Outcome,
+    Prober,
+    SimulatedProber,
+    gpu,
+    machine,
+    simulate,
+)
 from .replay import MidRunFault, Replay, replay
 
-__all__ = ["FakeProber", "MidRunFault", "Outcome", "Platform", "Replay", "gpu", "machine",
-           "replay", "simulate"]
+__all__ = ["Arguments", "Engine", "FakeProber", "MidRunFault", "Outcome", "Platform", "Prober",
+           "Replay", "SimulatedProber", "gpu", "machine", "replay", "simulate"]

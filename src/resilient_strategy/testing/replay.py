@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.call.arguments import options_from
+from ..core.call.arguments import Arguments, CacheArgs, ModelArgs, TrainingArgs, options_from
 from ..core.call.options import Options
 from ..core.measures.estimate import estimate
 from ..core.measures.probe import ProbeResult
@@ -226,16 +226,13 @@ def _options(facts: Facts, framework: str, global_batch_size: int, gradient_byte
     env: dict[str, str] = {}
     if framework == "torch":
         env = {"WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "RANK": "0", "LOCAL_RANK": "0"}
-    opts = options_from(
-        facts, env, framework=framework, global_batch_size=global_batch_size, devices=None,
-        probe=None, timeout=None, prefer=None, dry_run=False, model=None,
-        gradient_bytes=gradient_bytes, sample_seconds=None, max_per_replica_batch=None,
-        rules=(), disable_rules=(), cache=False, cache_dir=None, cache_ttl=None,
-        precision="auto", logical_cpus=0)
+    opts = options_from(facts, env, Arguments(
+        training=TrainingArgs(framework=framework, global_batch_size=global_batch_size),
+        model=ModelArgs(gradient_bytes=gradient_bytes), cache=CacheArgs(cache=False)))
     return opts, env
 
 
-def _choose(facts: Facts, opts: Options, env: Mapping[str, str], prober: Any,
+def _choose(facts: Facts, opts: Options, env: Mapping[str, str], prober: SimulatedProber,
             failures: Mapping[str, ProbeResult]) -> tuple[Candidate, dict[str, ProbeResult]]:
     made = decide(facts, opts, env, prober, prober.clock, None, known=failures)
     if made.plan.chosen is None:

@@ -42,6 +42,7 @@ from ..machine.visible import (
     resolve_visible_devices,
 )
 from ..probing import cost, forkserver
+from ..probing.base import Prober
 from ..vocab import FRAMEWORKS
 
 #: Kinds of hang a simulated probe can be judged to have (see `progress.Stall`).
@@ -470,7 +471,7 @@ Outcome = str | ProbeResult | Mapping[str, Any] | Sequence[Any]
 
 
 @dataclass
-class SimulatedProber:
+class SimulatedProber(Prober):
     """Answers probes from a table instead of running them, and records what was asked.
 
     Outcomes: "ok", "ok:<GB/s>", "timeout" (the commonest real hang: inside the first
@@ -499,6 +500,8 @@ class SimulatedProber:
 
     #: Read by the executor: the outcomes are described, not measured (said in the trace).
     simulated: ClassVar[bool] = True
+    #: The GPU health check is deferred to the decision, as the real prober's is.
+    defers_gpu_check: ClassVar[bool] = True
 
     outcomes: Mapping[str, Outcome] = field(default_factory=dict)
     default: Outcome = "ok"
@@ -538,7 +541,8 @@ class SimulatedProber:
         return cost.health_check_seconds(framework, gpus, forked=forked, warm=warm,
                                           figures=figures)
 
-    def __call__(self, spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
+    def probe(self, spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
+        """The described outcome of ``spec``'s candidate, charged to `clock`."""
         warm = any(c.framework == "torch" for c in self.calls)  # the fork server imported torch
         self.calls.append(spec)
         env_key = ",".join(f"{k}={v}" for k, v in spec.env)

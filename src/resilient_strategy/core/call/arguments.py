@@ -5,21 +5,22 @@ command line into `RunOptions`.
 Slightly over ~450 lines: every argument and every ``RESILIENT_STRATEGY_*`` variable is read
 and checked here, once, so that each error names what the user typed.
 
-The arguments travel in small groups (`Arguments`: training, model, probing, cache,
-rules) rather than one 25-keyword call; `options_from` still takes the flat keywords that
-``resilient_strategy()`` passes on (``options_from(facts, env, framework="torch", ...)``).
+The arguments travel as one value, `Arguments`, in small groups (training, model, probing,
+cache, rules), with one constructor per source (the call, keywords, ``run``'s options, the
+command line); `options_from` reads it, and the environment, into `Options`.
 Every ``RESILIENT_STRATEGY_*`` variable is checked once (`check_environment`), its error
 naming the variable and what it holds.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from ...errors import FrameworkNotInstalledError, InvalidOptionError, InvalidRuleError
 from ...vocab import (
@@ -279,8 +280,14 @@ class RuleArgs:
 
 @dataclass(frozen=True)
 class Arguments:
-    """``resilient_strategy()``'s arguments as passed, in groups (validated by
-    `options_from`, not here)."""
+    """The one options value: what was asked of a decision, as passed, in groups; every
+    default is defined here, once, and validated once (by `options_from`, into `Options`).
+
+    One constructor per source: ``resilient_strategy()`` builds it field by field from its
+    parameters; `from_kwargs` from keywords (the testing kit's entries); `from_run` from
+    ``resilient-strategy run``'s `RunOptions` (the supervisor's and each relaunch's
+    decision); `from_cli` from the ``doctor`` / ``plan`` / ``probe`` command line.
+    """
 
     training: TrainingArgs = field(default_factory=TrainingArgs)
     model: ModelArgs = field(default_factory=ModelArgs)
@@ -288,26 +295,94 @@ class Arguments:
     cache: CacheArgs = field(default_factory=CacheArgs)
     rules: RuleArgs = field(default_factory=RuleArgs)
 
+    #: The groups, by the name of their field here.
+    GROUPS: ClassVar[tuple[tuple[str, type], ...]] = (
+        ("training", TrainingArgs), ("model", ModelArgs), ("probing", ProbingArgs),
+        ("cache", CacheArgs), ("rules", RuleArgs))
+
     @classmethod
-    def of(cls, **keywords: Any) -> Arguments:
-        """The groups from ``resilient_strategy()``'s flat keywords; an unknown one is a
-        TypeError, as a function call's would be."""
+    def names(cls) -> tuple[str, ...]:
+        """Every argument's name (``resilient_strategy()``'s keyword for it)."""
+        return tuple(f.name for _, group in cls.GROUPS for f in fields(group))
+
+    def flat(self) -> dict[str, object]:
+        """Every argument by its name, as `names` lists them."""
+        return {f.name: getattr(getattr(self, g), f.name)
+                for g, group in self.GROUPS for f in fields(group)}
+
+    @classmethod
+    def from_kwargs(cls, **keywords: Any) -> Arguments:
+        """The value from ``resilient_strategy()``'s keywords (``env`` and ``facts`` are not
+        options: not here); an unknown one is a TypeError naming the closest known one, as
+        ``resilient_strategy()`` says it."""
+        unknown = sorted(set(keywords) - set(cls.names()))
+        if unknown:
+            raise TypeError(unexpected_keywords("Arguments.from_kwargs()", unknown, cls.names()))
         groups: dict[str, Any] = {}
-        left = dict(keywords)
-        for name, group in (("training", TrainingArgs), ("model", ModelArgs),
-                            ("probing", ProbingArgs), ("cache", CacheArgs), ("rules", RuleArgs)):
+        for name, group in cls.GROUPS:
             mine = {f.name for f in fields(group)}
-            groups[name] = group(**{k: left.pop(k) for k in list(left) if k in mine})
-        if left:
-            raise TypeError(f"options_from() got unexpected keyword argument(s) {sorted(left)}")
+            groups[name] = group(**{k: v for k, v in keywords.items() if k in mine})
         return cls(**groups)
 
+    @classmethod
+    def from_run(cls, run: RunOptions) -> Arguments:
+        """What ``resilient-strategy run`` asks of each decision it makes (the first and every
+        relaunch's): its ``--framework``, ``--global-batch-size``, ``--gradient-bytes``,
+        ``--param-bytes``, ``--optimizer-state-factor``, ``--probe-timeout``,
+        ``--logical-cpus``, ``--sharding`` and ``--offload``; the rest at their defaults."""
+        return cls(
+            training=TrainingArgs(framework=run.framework,
+                                  global_batch_size=run.global_batch_size,
+                                  logical_cpus=run.logical_cpus, sharding=run.planned_sharding,
+                                  offload=run.planned_offload),
+            model=ModelArgs(gradient_bytes=run.gradient_bytes, param_bytes=run.param_bytes,
+                            optimizer_state_factor=run.optimizer_state_factor),
+            probing=ProbingArgs(timeout=run.probe_timeout_s))
 
-def options_from(facts: Facts, env: Mapping[str, str], arguments: Arguments | None = None,
-                 /, **keywords: Any) -> Options:
-    """Validate every argument once; environment variables fill what was not passed.
-    ``arguments`` in groups, or the flat keywords of ``resilient_strategy()``."""
-    a = arguments if arguments is not None else Arguments.of(**keywords)
+    @classmethod
+    def from_cli(cls, ns: argparse.Namespace, framework: str,
+                 described: Mapping[str, Any] | None = None) -> Arguments:
+        """What ``doctor`` / ``plan`` / ``probe`` ask for ``framework``: the command line's
+        flags, then the ``--simulate`` file's (``described``: its JSON) for what the flags do
+        not give."""
+        d: Mapping[str, Any] = described or {}
+
+        def given(flag: Any, key: str) -> Any:
+            return flag if flag is not None else d.get(key)
+
+        torch = framework == "torch"
+        return cls(
+            training=TrainingArgs(
+                framework=framework,
+                global_batch_size=given(ns.global_batch_size, "global_batch_size"),
+                # a TensorFlow test mode: planning torch alongside it is unaffected
+                logical_cpus=ns.logical_cpus if framework == "tensorflow" else 0,
+                sharding=d.get("sharding", TrainingArgs.sharding),
+                offload=d.get("offload", TrainingArgs.offload) if torch else TrainingArgs.offload),
+            model=ModelArgs(gradient_bytes=given(ns.gradient_bytes, "gradient_bytes"),
+                            sample_seconds=d.get("sample_seconds"),
+                            param_bytes=d.get("param_bytes"),
+                            optimizer_state_factor=d.get("optimizer_state_factor")),
+            probing=ProbingArgs(timeout=ns.timeout),
+            rules=RuleArgs(rules=tuple(ns.rules), disable_rules=tuple(ns.disable_rule)))
+
+
+def unexpected_keywords(who: str, unknown: Sequence[str], known: Sequence[str]) -> str:
+    """``who got an unexpected keyword argument 'x'``, with the closest known keyword where one
+    is close (difflib)."""
+    import difflib
+
+    parts = []
+    for name in sorted(unknown):
+        near = difflib.get_close_matches(name, list(known), n=1)
+        parts.append(f"{name!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+    s = "s" if len(parts) > 1 else ""
+    return f"{who} got an unexpected keyword argument{s} {', '.join(parts)}"
+
+
+def options_from(facts: Facts, env: Mapping[str, str], arguments: Arguments, /) -> Options:
+    """Validate every argument once; environment variables fill what was not passed."""
+    a = arguments
     t, m, pr, c = a.training, a.model, a.probing, a.cache
     framework, global_batch_size, devices = t.framework, t.global_batch_size, t.devices
     precision, logical_cpus, sharding = t.precision, t.logical_cpus, t.sharding
