@@ -27,7 +27,7 @@ SCRIPTS = {
 def main() -> None:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
-    from resilient_strategy.records.handoff import error_path
+    from resilient_strategy.records.rundir import RunDir
     from resilient_strategy.run import warm
     from resilient_strategy.run.worker import warm_main
 
@@ -66,7 +66,7 @@ def main() -> None:
         if result is not None and result.is_failed():
             code = next(iter(result.failures.values())).exitcode
         out[name] = {"exitcode": code, "done": result is not None, "exited": exited,
-                     "error_record": error_path(run_dir, 0).exists()}
+                     "error_record": RunDir(run_dir).error(0).exists()}
     print(json.dumps(out), flush=True)
 
 
