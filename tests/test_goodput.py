@@ -127,3 +127,19 @@ def test_a_real_sigkill_is_accounted_and_the_summary_ends_with_the_goodput(
     resumed = data["attempts"][1]["resumed_from"]
     assert first["wasted_steps"] == max(0, data["attempts"][0]["verdict"]["step"] - 1 - resumed)
     assert row.goodput is not None and row.goodput == pytest.approx(100 * g["goodput"], abs=0.06)
+
+
+def test_a_finished_attempt_is_productive_until_its_last_step_not_its_exit() -> None:
+    """The script's work after its last optimizer step (a final save, the teardown, the exit)
+    is not training: with every rank's last-step mark it counts as the attempt's ending."""
+    ok = Verdict(VerdictKind.OK, "finished", 64)
+    plain = _attempt(0, 100.0, 110.0, 0.0, 200.0, ok, None, Action.FINISH)
+    assert plain.times is not None
+    ranks = tuple({**r, phases.LAST_STEP: 180.0 + i} for i, r in enumerate(plain.times.ranks))
+    marked = Attempt(plain.number, plain.candidate, plain.label, ok, plain.judgement, None,
+                     Timeline(plain.times.supervisor, ranks))
+    before, after = account([plain], 95.0, 201.0), account([marked], 95.0, 201.0)
+    assert before.productive_s == pytest.approx(90.0)  # first step to the workers' exit
+    assert after.productive_s == pytest.approx(71.0)  # to the slowest rank's last step
+    assert after.stop_s == pytest.approx(200.5 - 181.0)
+    assert math.isclose(sum(after.parts().values()), after.wall_s)

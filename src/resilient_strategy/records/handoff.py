@@ -370,6 +370,7 @@ class TrainingReporter:
     device: DevicePoller | None = field(default=None, repr=False)
     _fault_armed: bool = field(default=False, repr=False)
     _stepped_once: bool = field(default=False, repr=False)
+    _last_step_at: float | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self._fault_armed = self.fault is not None and self.fault.applies(
@@ -411,6 +412,7 @@ class TrainingReporter:
         if not stepped:
             return
         self.step += 1
+        self._last_step_at = time.time()  # marked once, when the script finishes (`done`)
         if not self._stepped_once:  # a mark per launch, not a lookup per step
             self._stepped_once = True
             self._mark(phases.FIRST_STEP)
@@ -430,6 +432,8 @@ class TrainingReporter:
     def done(self) -> None:
         self.writer.phase(FINISHED, self.step)
         self.phase_name = FINISHED
+        if self._last_step_at is not None and self.phases is not None:
+            phases.mark(self.phases, phases.LAST_STEP, self._last_step_at)
 
 
 class WorkerState:

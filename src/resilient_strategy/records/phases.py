@@ -39,7 +39,8 @@ REPORTING = "reporting"  # resilient_strategy() took the handed decision (its re
 COMM_READY = "comm_ready"  # the process group is joined
 RESTORED = "restored"  # a checkpoint was restored (prepare() returned with its step)
 FIRST_STEP = "first_step"  # the first optimizer step of this attempt is done
-WORKER_PHASES = (WORKER_STARTED, REPORTING, COMM_READY, RESTORED, FIRST_STEP)
+LAST_STEP = "last_step"  # a script that finished: when its last optimizer step was done
+WORKER_PHASES = (WORKER_STARTED, REPORTING, COMM_READY, RESTORED, FIRST_STEP, LAST_STEP)
 
 _MAX_BYTES = 64 << 10
 

@@ -15,6 +15,9 @@ by cause; NVIDIA's resiliency tooling: lost work and the interruption count):
     (they are done again), at this attempt's measured step time;
   - ``productive_s``: the rest of the time between the first step and the fault (or the end);
   - ``stop_s``: from the fault seen to the verdict (the workers stopped, the evidence written);
+    for an attempt that finished, from the last optimizer step (the slowest rank's, marked when
+    its script ended) to the verdict: what the script did after training (a final save or
+    evaluation, the process group's teardown, the exit), which is not training;
 
 - ``restart_s``: between one attempt's verdict and the next one's agent (a new decision, the
   relaunch);
@@ -116,8 +119,10 @@ def _one(attempt: Attempt, resumed_next: int | None) -> AttemptGoodput | None:
     end = sup.get(phases.VERDICT, sup.get(phases.WORKERS_STOPPED))
     if times is None or start is None or end is None or end < start:
         return None
-    fault = sup.get(phases.WORKERS_STOPPED, end) if attempt.verdict.ok \
-        else sup.get(phases.FAULT_SEEN, sup.get(phases.WORKERS_STOPPED, end))
+    if attempt.verdict.ok:  # a finished script: its steps end at its last one, not its exit
+        fault = times.last(phases.LAST_STEP) or sup.get(phases.WORKERS_STOPPED, end)
+    else:
+        fault = sup.get(phases.FAULT_SEEN, sup.get(phases.WORKERS_STOPPED, end))
     fault = min(max(fault, start), end)
     first = times.last(phases.FIRST_STEP)
     first = None if first is None else min(max(first, start), fault)
