@@ -77,7 +77,8 @@ def start_server(temp_dir: Path | None = None) -> None:
     variables. Returns at once: the server imports torch while this process goes on, and the
     first fork waits for it. ``temp_dir``: where multiprocessing keeps its files (the server's
     socket), created private and removed at this process's exit, unless multiprocessing has a
-    directory already or the socket's path would be too long (`_private_dir`); named so
+    directory already; where the socket's path would be too long there (`_private_dir`), the
+    same name in /tmp; named so
     that the supervisor's sweep knows it, a SIGKILLed supervisor's is removed by the next run
     (multiprocessing's own ``pymp-*`` directory would be left behind)."""
     if _STARTED:
@@ -86,12 +87,16 @@ def start_server(temp_dir: Path | None = None) -> None:
     from multiprocessing import forkserver
 
     config = multiprocessing.current_process()._config  # type: ignore[attr-defined]
-    if temp_dir is not None and config.get("tempdir") is None and _private_dir(temp_dir):
-        import atexit
-        import shutil
+    if temp_dir is not None and config.get("tempdir") is None:
+        # a socket path is at most ~107 bytes: under a long TMPDIR, the same name in /tmp
+        made = next((d for d in (temp_dir, Path("/tmp") / temp_dir.name) if _private_dir(d)),
+                    None)
+        if made is not None:
+            import atexit
+            import shutil
 
-        atexit.register(shutil.rmtree, str(temp_dir), True)
-        config["tempdir"] = str(temp_dir)  # what multiprocessing.util.get_temp_dir() returns
+            atexit.register(shutil.rmtree, str(made), True)
+            config["tempdir"] = str(made)  # what multiprocessing.util.get_temp_dir() returns
     multiprocessing.get_context(START_METHOD).set_forkserver_preload(list(PRELOAD))
     forkserver.ensure_running()
     _STARTED.append(True)
