@@ -309,7 +309,8 @@ def _assert_timelines(attempts: list[dict[str, object]], resumed: bool) -> None:
         for r in t.ranks:
             got = [p for p in phases.WORKER_PHASES if p in r]
             assert got[:2] == [phases.WORKER_STARTED, phases.REPORTING]
-            assert got[-1] == phases.FIRST_STEP
+            # the last step is marked by a rank whose script finished (the last attempt's)
+            assert got[-1] == (phases.LAST_STEP if i == len(times) - 1 else phases.FIRST_STEP)
             assert [r[p] for p in got] == sorted(r[p] for p in got)
             assert r[phases.WORKER_STARTED] >= t.supervisor[phases.AGENT_STARTED]
     assert [len(t.ranks) for t in times] == [2, 2, 1]

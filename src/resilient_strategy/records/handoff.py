@@ -239,7 +239,7 @@ def write_pid(run_dir: str | Path | RunDir, local_rank: int, rank: int) -> None:
     must find "the process of rank N" from outside (a warm-started worker's
     ``/proc/<pid>/environ`` shows the fork server's environment, not its RANK). Best effort;
     never raises."""
-    with contextlib.suppress(OSError, ValueError):
+    with contextlib.suppress(OSError, NoSpaceError, ValueError):
         files.write_json_atomic(RunDir.of(run_dir).pid(local_rank),
                                 {"pid": os.getpid(), "rank": rank, "local_rank": local_rank},
                                 durable=False, what="the worker's pid file")

@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import logging
 import os
+import pickle
 import signal
 import sys
 import time
@@ -481,6 +482,17 @@ def shutdown_grace(config: Any) -> dict[str, int]:
     return {"shutdown_timeout": int(grace)}
 
 
+def _failed_from_exit_codes(worker_group: Any, procs: list[Any]) -> Any:
+    """A failed round of forked workers, from their exit codes alone (no error file)."""
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    failures = {w.global_rank: ProcessFailure(w.local_rank, p.pid, p.exitcode, "")
+                for w, p in zip(worker_group.workers, procs, strict=False)
+                if p.exitcode not in (None, 0)}
+    return RunResult(state=WorkerState.FAILED, failures=failures)
+
+
 def _agent_class() -> type[Any]:
     """LocalElasticAgent plus the stall watch in its monitoring loop (built on first use)."""
     if _AGENT:
@@ -574,7 +586,12 @@ def _agent_class() -> type[Any]:
                     if p.exitcode is None and p.pid:
                         with contextlib.suppress(OSError):
                             os.kill(p.pid, signal.SIGCONT)
-            result = super()._monitor_workers(worker_group)
+            try:
+                result = super()._monitor_workers(worker_group)
+            except (EOFError, pickle.UnpicklingError):
+                # torch's spawn context reads a failed child's traceback from a temporary
+                # file, empty on a full TMPDIR: the failure is the workers' exit codes
+                return _failed_from_exit_codes(worker_group, procs)
             if result.state != WorkerState.HEALTHY or not procs:
                 return result
             returned = set(getattr(self._pcontext, "_return_values", None) or ())

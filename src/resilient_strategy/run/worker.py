@@ -143,10 +143,11 @@ def _run(args: Sequence[str], started: float) -> None:
                 raise exc from None  # nowhere to keep it: the traceback goes to stderr as usual
             kept = False  # a full disk: the one line below, no traceback to keep anywhere
         text = " ".join(str(exc).split())
-        print(f"resilient-strategy run: rank {os.environ.get('RANK', local_rank)}: "
-              f"{type(exc).__name__}: {text[:300]}"
-              + (" (the traceback goes to the evidence file)" if kept else ""),
-              file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):  # stderr may be a file on the full disk itself
+            print(f"resilient-strategy run: rank {os.environ.get('RANK', local_rank)}: "
+                  f"{type(exc).__name__}: {text[:300]}"
+                  + (" (the traceback goes to the evidence file)" if kept else ""),
+                  file=sys.stderr, flush=True)
         _raised(run_dir, local_rank, exc)
         sys.exit(1)
     except BaseException as exc:
