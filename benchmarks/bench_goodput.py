@@ -62,8 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from resilient_strategy.machine.procs import pids_with_env  # noqa: E402
-from resilient_strategy.run.supervisor import RUN_PREFIX  # noqa: E402
-from resilient_strategy.run.warm import rank_pids  # noqa: E402
+from resilient_strategy.run.warm import run_rank_pids  # noqa: E402
 
 TAG_VAR = "RS_GOODPUT_TAG"
 BAD_IFNAME = "rsbench0"  # an interface no machine has
@@ -285,9 +284,7 @@ class Job:
         found = pids_with_env({TAG_VAR: self.tag, "RANK": str(rank)})
         if found or self.proc is None:
             return found
-        dirs = sorted((self.tmp / "tmp").glob(f"{RUN_PREFIX}{self.proc.pid}-*/attempt*"),
-                      key=lambda p: int(p.name.removeprefix("attempt") or 0))
-        return rank_pids(dirs[-1], rank) if dirs else []
+        return run_rank_pids(self.tmp / "tmp", self.proc.pid, rank)
 
     def workers(self) -> list[int]:
         return [p for r in (0, 1) for p in self.rank_pids(r)]

@@ -39,8 +39,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from resilient_strategy.run.supervisor import RUN_PREFIX  # noqa: E402
-from resilient_strategy.run.warm import rank_pids  # noqa: E402
+from resilient_strategy.run.warm import run_rank_pids  # noqa: E402
 
 SCRIPT = textwrap.dedent("""
     import os, sys, time
@@ -112,10 +111,7 @@ def _src_env(args: argparse.Namespace, tmp: Path, marks: Path) -> dict[str, str]
 
 def _rank_pids(tmp: Path, supervisor: int, rank: int) -> list[int]:
     """Rank ``rank``'s process in the newest attempt of the supervisor's run directory."""
-    attempts = sorted(
-        (tmp / "tmp").glob(f"{RUN_PREFIX}{supervisor}-*/attempt*"),
-        key=lambda p: int(p.name.removeprefix("attempt") or 0))
-    return rank_pids(attempts[-1], rank) if attempts else []
+    return run_rank_pids(tmp / "tmp", supervisor, rank)
 
 
 def one_run(args: argparse.Namespace, warm: bool, tmp: Path) -> dict[str, Any] | str:

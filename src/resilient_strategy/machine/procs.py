@@ -120,3 +120,14 @@ def pids_with_env(wanted: Mapping[str, str], root: str = "/proc") -> list[int]:
         if all(env.get(k) == v for k, v in wanted.items()):
             found.append(pid)
     return sorted(found)
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one of another user counts: it cannot be signalled)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

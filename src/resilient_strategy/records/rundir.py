@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+#: How a supervised run's session directory (under TMPDIR) is named: ``rs-run-<pid>-<random>``,
+#: with one ``attempt<N>`` directory per attempt inside it.
+RUN_PREFIX = "rs-run-"
+
 
 @dataclass(frozen=True)
 class RunDir:

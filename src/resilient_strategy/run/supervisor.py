@@ -66,7 +66,7 @@ from ..machine import env as machine_env
 from ..probing.base import Prober
 from ..records import phases
 from ..records.handoff import HandedDecision, binding, write_decision
-from ..records.rundir import CHECKPOINT_NOTE, RunDir
+from ..records.rundir import CHECKPOINT_NOTE, RUN_PREFIX, RunDir
 from ..records.trainfault import FAULT_VAR, TrainFault, check_rank, parse_fault
 
 if TYPE_CHECKING:
@@ -94,7 +94,6 @@ from .verdicts import PeerFault, Verdict, VerdictKind, fault_line, merge, one_li
 log = logging.getLogger("resilient_strategy")
 
 #: The session directory's prefix (``rs-run-<pid>-...``): a killed run's is swept by the next.
-RUN_PREFIX = "rs-run-"
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,9 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from ..machine.procs import alive
+from ..records.rundir import RUN_PREFIX
+
 #: The start method of a warm start (torchrun's ``--start-method``).
 START_METHOD = "forkserver"
 
@@ -224,6 +227,14 @@ def cuda_started() -> bool:
         return False
 
 
+def run_rank_pids(temp_root: str | Path, supervisor_pid: int, rank: int) -> list[int]:
+    """The live process of global ``rank`` in the newest attempt of the run whose supervisor
+    is ``supervisor_pid``, its session directory under ``temp_root`` (the run's TMPDIR)."""
+    attempts = sorted(Path(temp_root).glob(f"{RUN_PREFIX}{supervisor_pid}-*/attempt*"),
+                      key=lambda p: int(p.name.removeprefix("attempt") or 0))
+    return rank_pids(attempts[-1], rank) if attempts else []
+
+
 def rank_pids(run_dir: str | Path, rank: int) -> list[int]:
     """The live process of global ``rank`` that an attempt's run directory names (its
     ``rank<N>.pid``, `resilient_strategy.records.handoff.write_pid`: the worker writes it in
@@ -239,16 +250,7 @@ def rank_pids(run_dir: str | Path, rank: int) -> list[int]:
         if not isinstance(data, dict) or data.get("rank") != rank:
             continue
         pid = data.get("pid")
-        if isinstance(pid, int) and not isinstance(pid, bool) and _alive(pid):
+        if isinstance(pid, int) and not isinstance(pid, bool) and alive(pid):
             found.append(pid)
     return found
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -13,6 +13,8 @@ import sys
 import threading
 import time
 
+from ...machine.procs import alive
+
 _PR_SET_PDEATHSIG = 1
 EXIT_PARENT_GONE = 3
 
@@ -57,7 +59,7 @@ def watch_process(pid: int, interval_s: float = 0.2) -> None:
         fd = os.pidfd_open(pid)
     except (AttributeError, OSError):
         fd = None
-    if fd is None and not _alive(pid):
+    if fd is None and not alive(pid):
         os._exit(EXIT_PARENT_GONE)
 
     def check() -> None:
@@ -67,18 +69,9 @@ def watch_process(pid: int, interval_s: float = 0.2) -> None:
             while not select.select([fd], [], [], interval_s * 25)[0]:
                 pass
             os._exit(EXIT_PARENT_GONE)
-        while _alive(pid):
+        while alive(pid):
             time.sleep(interval_s)
         os._exit(EXIT_PARENT_GONE)
 
     threading.Thread(target=check, name="rs-supervisor-watchdog", daemon=True).start()
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
