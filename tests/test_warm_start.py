@@ -159,7 +159,7 @@ SCRIPT = textwrap.dedent("""
                        os.path.join(marks, f"rank{rank}.step"))
             if sel.optimizer_steps >= total:
                 break
-    sys.stdout.write(f"finished {rank} {sel.optimizer_steps}\n")  # one write: ranks share stdout
+    sys.stdout.write(f"finished {rank} {sel.optimizer_steps}\\n")  # one write: ranks share stdout
     sys.stdout.flush()
     sel.shutdown()
 """)
