@@ -35,6 +35,8 @@ from typing import Any
 
 from resilient_strategy.core.values.bounded import parse_json
 from resilient_strategy.records.progress import COLLECTIVE, COLLECTIVE_DONE, STEP_DONE, read_record
+from resilient_strategy.records.rundir import RUN_PREFIX
+from resilient_strategy.run.warm import rank_pids
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "rstb"  # every namespace, link and /etc/netns entry the bed makes starts with it
@@ -338,10 +340,18 @@ class Job:
 
     def workers(self, node: int, attempt: int | None = None) -> list[int]:
         """The pids of the live training workers the node's supervisor started (of one
-        attempt: its run directory is in their command line)."""
-        home = str(self.work / f"node{node}" / "tmp")
+        attempt): from the ``rank<N>.pid`` file every worker writes in its attempt's directory
+        (a warm-started worker is forked from run's fork server: its command line and
+        environment are the server's), else from their command lines (the run directory is
+        in a fresh worker's)."""
+        home = self.work / f"node{node}" / "tmp"
+        pattern = f"{RUN_PREFIX}*/attempt{'*' if attempt is None else attempt}"
+        found = sorted({pid for d in home.glob(pattern) for r in range(len(self.bed.nodes))
+                        for pid in rank_pids(d, r)})
+        if found:
+            return found
         where = "" if attempt is None else f"/attempt{attempt}/"
-        return [pid for pid, cmd in _processes() if WORKER in cmd and home in cmd
+        return [pid for pid, cmd in _processes() if WORKER in cmd and str(home) in cmd
                 and where in cmd]
 
     def leftovers(self) -> list[str]:
