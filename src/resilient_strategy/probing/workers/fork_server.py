@@ -62,11 +62,9 @@ def become_worker(req: dict[str, Any], ready_w: int) -> None:
             os.dup2(fd, target)
             os.close(fd)
         # the forking process's streams may not be its fds (a test's capture, a notebook's)
-        sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
-        sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False),
-                                                       line_buffering=True)
-        sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False),
-                                                       line_buffering=True)
+        sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True)
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
