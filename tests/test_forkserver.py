@@ -224,12 +224,15 @@ def test_probe_workers_fork_from_the_deciding_process_where_it_is_fit(
         assert all(parent == seen["me"] for _, parent in seen["parents"])
 
 
-def test_no_fork_here_with_a_gpu_driver_loaded(tmp_path: Path) -> None:
+def test_no_fork_here_with_a_gpu_driver_started(tmp_path: Path) -> None:
     maps = tmp_path / "maps"
     line = "7f0000000000-7f0000001000 r-xp 00000000 08:01 42 {}\n"
     maps.write_text(line.format("/usr/lib/x86_64-linux-gnu/libc.so.6"))
     assert _forkserver.why_not_here(str(maps)) == ""
-    maps.write_text(maps.read_text() + line.format("/usr/lib/x86_64-linux-gnu/libcuda.so.580.1"))
+    # a driver that cannot be asked whether it was started counts as started
+    maps.write_text(maps.read_text() + line.format(str(tmp_path / "libcuda.so.580.1")))
     assert "libcuda.so" in _forkserver.why_not_here(str(maps))
+    maps.write_text(line.format("/opt/rocm/lib/libamdhip64.so.6"))
+    assert "libamdhip64" in _forkserver.why_not_here(str(maps))
     assert _forkserver.why_not_here(str(tmp_path / "nothing")) != ""
     assert _forkserver.release_openmp(str(maps)) == ""  # no OpenMP runtime: nothing to release

@@ -463,6 +463,8 @@ def _agreed_decision(
              "from_cache": d.from_cache, "proven": d.proven}
         )
         return d
+    if opts.framework == "torch" and prober.starts_processes:
+        import_while_waiting("torch", "torch.distributed")
     payload = agreement.wait(deadline_s)
     results = {k: ProbeResult.from_dict(v) for k, v in payload["results"].items()}
     p = plan(facts, opts.rules, results, opts)
@@ -472,6 +474,23 @@ def _agreed_decision(
     if mine != payload["chosen"]:
         raise RanksDisagreeError(launch.rank, mine, payload["chosen"])
     return Decision(p, results, bool(payload["from_cache"]), bool(payload["proven"]))
+
+
+def import_while_waiting(*modules: str) -> None:
+    """A local rank that waits for local rank 0's decision imports the framework it trains with
+    meanwhile: its script imports it right after the decision, so the import is paid while rank
+    0 probes rather than after (rank 0 imported it to fork its probe workers from itself,
+    `probing.forkserver.fork_here`). Importing starts no GPU: ``CUDA_VISIBLE_DEVICES`` and
+    ``NCCL_*`` are applied after the wait, as before. A framework that does not import is left
+    to the runtime, which raises the error the user acts on."""
+    import importlib
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # reported by the runtime's own import later
+            log.debug("importing %s while waiting for the decision: %s", name, exc)
+            return
 
 
 # --------------------------------------------------------------------------------------------

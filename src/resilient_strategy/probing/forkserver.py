@@ -11,7 +11,7 @@ Only torch is served (TensorFlow starts threads at import; forking it is not saf
 ``RESILIENT_STRATEGY_FORKSERVER=0`` to start every worker as a fresh interpreter.
 
 `fork_here` is the server's shortcut: where this process is fit to fork (`why_not_here`: the
-caller's main thread and no other Python thread, no CUDA driver loaded here, SIGCHLD not ignored,
+caller's main thread and no other Python thread, no GPU driver started here, SIGCHLD not ignored,
 an OpenMP pool released first), the workers are forked from it directly. A script that trains
 with torch imports it anyway, so the probe then costs no interpreter importing torch of its own
 (3.4 s of a 5.6 s NCCL probe on an H200 host). The child is made what the server's child is
@@ -45,8 +45,8 @@ FORKSERVER_VAR = "RESILIENT_STRATEGY_FORKSERVER"
 #: OpenMP's ``omp_pause_hard``: ``omp_pause_resource_all`` ends the runtime's thread pool (a child
 #: forked while the pool exists hangs in its first parallel region: measured with torch's libgomp).
 OMP_PAUSE_HARD = 2
-#: Shared libraries whose presence in this process rules forking here out (a child of a process
-#: that loaded the CUDA driver cannot use CUDA) and the OpenMP runtimes whose pool is released.
+#: GPU drivers that rule forking here out once started in this process (a child of a process that
+#: initialised the CUDA driver cannot use CUDA) and the OpenMP runtimes whose pool is released.
 CUDA_DRIVER_LIBS = ("libcuda.so", "libamdhip64.so")
 OPENMP_LIBS = ("libgomp", "libiomp5", "libomp.so")
 
@@ -206,10 +206,32 @@ def why_not_here(maps: str = "/proc/self/maps") -> str:
     loaded = _mapped(maps)
     if not loaded:
         return "this process's mappings cannot be read"
-    driver = [name for name in loaded if name.startswith(CUDA_DRIVER_LIBS)]
-    if driver:
-        return f"the GPU driver is loaded here ({driver[0]}): a forked child cannot use it"
+    for name, path in sorted(loaded.items()):
+        if name.startswith(CUDA_DRIVER_LIBS) and _driver_started(name, path):
+            return f"the GPU driver was started here ({name}): a forked child cannot use it"
     return ""
+
+
+#: ``CUDA_ERROR_NOT_INITIALIZED``: what every driver call but ``cuInit`` answers before it.
+CUDA_NOT_INITIALIZED = 3
+
+
+def _driver_started(name: str, path: str) -> bool:
+    """Whether this process initialised the GPU driver it loaded (``import torch`` of a CUDA
+    build loads ``libcuda`` without initialising it; ``torch.cuda.is_available()`` and any CUDA
+    work initialise it). ``cuCtxGetCurrent`` answers `CUDA_NOT_INITIALIZED` before ``cuInit``
+    and initialises nothing; anything else, or a driver that cannot be asked, counts as started."""
+    if not name.startswith("libcuda.so"):
+        return True  # ROCm: not asked (ROCm GPUs are not probed, see machine/versions)
+    try:
+        lib = ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0))
+        current = lib.cuCtxGetCurrent
+    except (OSError, AttributeError):
+        return True
+    ctx = ctypes.c_void_p()
+    current.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+    current.restype = ctypes.c_int
+    return bool(current(ctypes.byref(ctx)) != CUDA_NOT_INITIALIZED)
 
 
 def release_openmp(maps: str = "/proc/self/maps") -> str:

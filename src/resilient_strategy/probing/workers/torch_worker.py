@@ -191,6 +191,7 @@ def probe(args: argparse.Namespace, report: dict[str, Any]) -> None:
     report["phase_at"] = {**progress.marks, **marks}
     if distributed:
         dist.destroy_process_group()
+        report["phase_at"]["destroyed"] = time.monotonic()  # where a probe's teardown goes
     report["detail"] = "; ".join(parts)
 
 
