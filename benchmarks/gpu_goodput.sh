@@ -13,9 +13,7 @@ OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -2
   python -c 'import torch; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version())'
   # may a decision fork its probe workers from the caller (forkserver.why_not_here)?
-  python -c 'import torch, torch.distributed, torch.nn.parallel
-from resilient_strategy.probing import forkserver as f
-print("after import torch, fork here refused because:", repr(f.why_not_here()))'
+  python benchmarks/gpu_fork_check.py
   nproc; date -u; } >"$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 for part in ${PARTS:-coldstart goodput}; do
