@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -275,7 +276,11 @@ def fork_here(module: str, argv: list[str], env: Mapping[str, str], cwd: str, st
     req = {"module": module, "argv": argv, "env": dict(env), "cwd": cwd, "stdout": stdout,
            "stderr": stderr}
     ready_r, ready_w = os.pipe()
-    pid = os.fork()
+    with warnings.catch_warnings():
+        # Python >= 3.12 warns of any native thread (torch's CUDA build starts some at import);
+        # the Python threads, the GPU driver and OpenMP's pool were checked just above
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
     if pid == 0:  # pragma: no cover - the child ends in os._exit
         os.close(ready_r)
         become_worker(req, ready_w)
