@@ -15,6 +15,7 @@ OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
   # may a decision fork its probe workers from the caller (forkserver.why_not_here)?
   python benchmarks/gpu_fork_check.py
   nproc; date -u; } >"$OUT/machine.txt" 2>&1
+echo "NCCL segments in /dev/shm at the start: $(ls /dev/shm | grep -c '^nccl-')" >>"$OUT/machine.txt"
 cat "$OUT/machine.txt"
 for part in ${PARTS:-coldstart goodput}; do
   case "$part" in
@@ -38,4 +39,5 @@ for part in ${PARTS:-coldstart goodput}; do
       grep -h "chose\|samples/s" "$OUT"/example-*.txt ;;
   esac
 done
+echo "NCCL segments in /dev/shm at the end: $(ls /dev/shm | grep -c '^nccl-')" | tee -a "$OUT/parts.txt"
 cat "$OUT/parts.txt"
