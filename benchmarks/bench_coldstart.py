@@ -15,6 +15,8 @@ of torchrun to its exit:
   then ``import torch``, the process group through ``sel.scope()``, the same three checked
   all-reduces, ``sel.shutdown()``;
 - ``cached``: the same script with the cache the first cold launch filled (no probe);
+- ``early``: ``cold`` with ``import torch`` written before the decision, as the README's quick
+  start does (``import resilient_strategy, torch``): torch imported, nothing run with it;
 - ``overlap`` (with ``--overlap``): ``cold`` with ``torch.distributed`` imported in a thread of
   the script while the decision runs (what the library could do itself: the ranks wait idle
   while local rank 0's probe runs), to measure what that would save before building it. The
@@ -94,6 +96,9 @@ HAND = _COMMON + textwrap.dedent("""
 LIBRARY = _COMMON + textwrap.dedent("""
     import resilient_strategy
     mark("import")
+    if os.environ.get("RS_COLD_EARLY") == "1":  # the README's `import resilient_strategy, torch`
+        import torch
+        import torch.distributed
     if os.environ.get("RS_COLD_OVERLAP") == "1":  # torch imported beside the decision
         # after the package's own imports: started before them, the thread's imports raced the
         # main thread's (dataclasses read a partially initialised `typing` and raised)
@@ -133,6 +138,7 @@ def launch(kind: str, args: argparse.Namespace, work: Path, cache: Path) -> dict
     env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")}
     env.update({"PYTHONPATH": args.src, "RS_COLD_OUT": str(out), "RS_COLD_DEVICE": args.device,
                 "RS_COLD_OVERLAP": "1" if kind == "overlap" else "0",
+                "RS_COLD_EARLY": "1" if kind == "early" else "0",
                 "RESILIENT_STRATEGY_CACHE_DIR": str(cache), "TMPDIR": str(work / "tmp")})
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -168,10 +174,8 @@ def launch(kind: str, args: argparse.Namespace, work: Path, cache: Path) -> dict
 
 def phases_of(run: dict[str, Any]) -> list[tuple[str, float]]:
     out, last = [], 0.0
-    for name, key in PHASES:
-        at = run["marks"].get(key)
-        if at is None:
-            continue
+    present = [(run["marks"][key], name) for name, key in PHASES if key in run["marks"]]
+    for at, name in sorted(present):  # in the order they happened (``early``: torch first)
         out.append((name, at - last))
         last = at
     out.append(("exit + torchrun's teardown", run["wall_s"] - last))
@@ -228,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="", help="also write the table here")
     p.add_argument("--json", default="", help="also write every launch here")
     args = p.parse_args(argv)
-    kinds = ["hand", "cold", "cached", *(["overlap"] if args.overlap else [])]
+    kinds = ["hand", "cold", "cached", "early", *(["overlap"] if args.overlap else [])]
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's TERM cleans up too
     with tempfile.TemporaryDirectory(prefix="rs-coldstart-") as top:

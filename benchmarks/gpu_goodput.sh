@@ -12,12 +12,16 @@ export PYTHONPATH="$PWD/src" NCCL_NVLS_ENABLE=0
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -2
   python -c 'import torch; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version())'
+  # may a decision fork its probe workers from the caller (forkserver.why_not_here)?
+  python -c 'import torch, torch.distributed, torch.nn.parallel
+from resilient_strategy.probing import forkserver as f
+print("after import torch, fork here refused because:", repr(f.why_not_here()))'
   nproc; date -u; } >"$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 for part in ${PARTS:-coldstart goodput}; do
   case "$part" in
-    coldstart)  # 2 launches of each of 4 kinds, interleaved: about 2.5 minutes
-      timeout 150 python benchmarks/bench_coldstart.py --device cuda --overlap --repeat "${REPEAT:-2}" \
+    coldstart)  # 3 launches of each of 4 kinds, interleaved: about 3.5 minutes
+      timeout 280 python benchmarks/bench_coldstart.py --device cuda --repeat "${REPEAT:-3}" \
         --out "$OUT/coldstart.md" --json "$OUT/coldstart.json" >"$OUT/coldstart.txt" 2>&1
       echo "coldstart rc=$?" >>"$OUT/parts.txt"; tail -30 "$OUT/coldstart.txt" ;;
     goodput)  # 12 jobs; the two hangs under torchrun are stopped 30 s after their fault: ~5.5 min

@@ -183,9 +183,14 @@ def test_a_new_save_waits_for_the_previous_write(tmp_path: Path,
     ckpt.attach(model, None, None, None, 1)
     ckpt.micro_step(boundary=True, stepped=True)
     assert [r.outcome for r in ckpt.saves] == [cw.IN_FLIGHT]
+    first = ckpt.stall_s  # the host copy only: the write is the thread's
+    assert first == ckpt.saves[0].stall_s > 0
     threading.Timer(0.2, release.set).start()
     ckpt.micro_step(boundary=True, stepped=True)  # waits for step 1's write
     assert ckpt.saves[0].outcome == cw.WRITTEN and ckpt.saves[1].waited_s > 0
+    # the goodput's checkpoint stall: every save's, the wait for the previous write included
+    assert ckpt.stall_s == first + ckpt.saves[1].stall_s
+    assert ckpt.saves[1].stall_s >= ckpt.saves[1].waited_s
     assert ckpt.wait()
     assert [(r.step, r.mode, r.outcome) for r in ckpt.saves] == [(1, "async", "written"),
                                                                  (2, "async", "written")]

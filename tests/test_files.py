@@ -236,6 +236,23 @@ def test_sweep_removes_only_old_dirs_of_dead_processes_of_ours(tmp_path: Path) -
         [young.name, alive.name, other.name, no_pid.name])
 
 
+def test_sweep_leaves_a_name_whose_number_no_process_can_have(tmp_path: Path) -> None:
+    """0 and numbers beyond a pid's type are not pids we wrote (they are left); a dead writer's
+    files and directories are swept (the one liveness check, `machine/procs.alive`)."""
+    dead = _dead_pid()
+    for pid in (0, 1 << 31, 10 ** 30):
+        d = tmp_path / f"rs-probe-{pid}-x"
+        d.mkdir()
+        _aged(d, 3600)
+        (tmp_path / f".tmp-{pid}-x.pt").write_text("x")
+    (tmp_path / f"rs-probe-{dead}-x").mkdir()
+    _aged(tmp_path / f"rs-probe-{dead}-x", 3600)
+    (tmp_path / f".tmp-{dead}-x.pt").write_text("x")
+    assert _files.sweep_temp_dirs(str(tmp_path)) == [str(tmp_path / f"rs-probe-{dead}-x")]
+    assert _files.sweep_orphan_files(tmp_path, (".tmp-",)) == [str(tmp_path / f".tmp-{dead}-x.pt")]
+    assert len(list(tmp_path.iterdir())) == 6
+
+
 @as_root
 def test_sweep_leaves_other_users_dirs_and_symlinks(tmp_path: Path) -> None:
     dead = _dead_pid()

@@ -3,6 +3,7 @@ session, stopped like any worker, no orphans; fresh interpreters when it is off 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -33,8 +34,10 @@ def env() -> dict[str, str]:
 
 @pytest.fixture
 def spawned(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
-    """Every worker the fork server forked during the test (servers fresh, and closed after)."""
+    """Every worker the fork server forked during the test (servers fresh, and closed after; the
+    deciding process never forks them itself here)."""
     _forkserver.close_all()
+    monkeypatch.setattr(_forkserver, "why_not_here", lambda maps="": "the server's tests")
     seen: list[Any] = []
     real = _forkserver.ForkServer.spawn
 
@@ -101,6 +104,7 @@ def test_a_server_that_cannot_start_falls_back_to_fresh_processes(
         raise _forkserver.ForkServerError("simulated")
 
     monkeypatch.setattr(_forkserver, "server_for", broken)
+    monkeypatch.setattr(_forkserver, "why_not_here", lambda maps="": "the server's tests")
     seen: list[_proc.GroupOutcome] = []
     real = _proc.run_group
 
@@ -148,3 +152,84 @@ def test_a_decision_closes_the_fork_servers_it_started() -> None:
     from resilient_strategy.deciding import decide as decide_module
 
     assert importlib.import_module(decide_module.FORKSERVER_MODULE) is _forkserver
+
+
+# -- forked from the deciding process itself (forkserver.fork_here) -------------------------------
+
+HERE = r'''
+import json, os, sys, threading
+sys.path.insert(0, sys.argv[1])
+from resilient_strategy.core.measures.probe import ProbeSpec
+from resilient_strategy.probing import forkserver, proc
+from resilient_strategy.probing.prober import run_probe
+mode = sys.argv[2]
+if mode == "omp":  # an OpenMP pool started before the decision (a child forked so hangs)
+    import torch
+    torch.set_num_threads(2)
+    x = torch.randn(1500, 1500)
+    (x @ x).sum()
+if mode == "thread":
+    stop = threading.Event()
+    threading.Thread(target=stop.wait, daemon=True).start()
+parents = []
+real = proc.start_worker
+def start_worker(*a, **k):
+    p = real(*a, **k)
+    parents.append((type(p).__name__, int(open(f"/proc/{p.pid}/stat").read().rpartition(")")[2].split()[1])))
+    return p
+proc.start_worker = start_worker
+spec = ProbeSpec("torch:gloo:cpu", "torch", "gloo", (), world_size=2, timeout_s=60.0,
+                 message_bytes=1 << 16)
+env = {k: v for k, v in os.environ.items() if k != "RESILIENT_STRATEGY_PROBE_FAULT"}
+if mode == "hang":
+    env["RESILIENT_STRATEGY_PROBE_FAULT"] = "hang:1"
+    spec = ProbeSpec("torch:gloo:cpu", "torch", "gloo", (), world_size=2, timeout_s=8.0,
+                     message_bytes=1 << 16)
+res = run_probe(spec, env)
+if mode == "thread":
+    stop.set()
+servers = len(forkserver.FORK_SERVERS.servers)
+forkserver.close_all()  # as the decision does once its probing is over
+left = [pid for pid in (int(t) for t in os.listdir("/proc") if t.isdigit())
+        if pid != os.getpid() and open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[1]
+        == str(os.getpid())]
+print(json.dumps({"status": res.status, "parents": parents, "me": os.getpid(), "left": left,
+                  "servers": servers,
+                  "torch_here": "torch" in sys.modules}))
+'''
+
+
+@pytest.mark.parametrize("mode", ["plain", "omp", "thread", "hang"])
+def test_probe_workers_fork_from_the_deciding_process_where_it_is_fit(
+        tmp_path: Path, mode: str) -> None:
+    """Where the deciding process may fork (its only thread, no GPU driver, an OpenMP pool
+    released first), the workers are its own children and no server imports torch; with another
+    thread running they come from the fork server."""
+    script = tmp_path / "here.py"
+    script.write_text(HERE)
+    env = {k: v for k, v in os.environ.items() if k not in (FAULT, _forkserver.FORKSERVER_VAR)}
+    env["PYTHONPATH"] = SRC
+    out = subprocess.run([sys.executable, str(script), str(tmp_path), mode], env=env,
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["status"] == (TIMEOUT if mode == "hang" else OK)
+    assert seen["left"] == []  # every worker reaped (a hung one stopped first)
+    kinds = {kind for kind, _ in seen["parents"]}
+    if mode == "thread":
+        assert kinds == {"ForkedProc"} and seen["servers"] == 1
+        assert all(parent != seen["me"] for _, parent in seen["parents"])
+    else:
+        assert kinds == {"ChildProc"} and seen["servers"] == 0 and seen["torch_here"]
+        assert all(parent == seen["me"] for _, parent in seen["parents"])
+
+
+def test_no_fork_here_with_a_gpu_driver_loaded(tmp_path: Path) -> None:
+    maps = tmp_path / "maps"
+    line = "7f0000000000-7f0000001000 r-xp 00000000 08:01 42 {}\n"
+    maps.write_text(line.format("/usr/lib/x86_64-linux-gnu/libc.so.6"))
+    assert _forkserver.why_not_here(str(maps)) == ""
+    maps.write_text(maps.read_text() + line.format("/usr/lib/x86_64-linux-gnu/libcuda.so.580.1"))
+    assert "libcuda.so" in _forkserver.why_not_here(str(maps))
+    assert _forkserver.why_not_here(str(tmp_path / "nothing")) != ""
+    assert _forkserver.release_openmp(str(maps)) == ""  # no OpenMP runtime: nothing to release

@@ -91,6 +91,38 @@ def test_the_reporter_marks_setup_restore_and_the_first_step_in_order(tmp_path: 
     assert rep.step == 18
 
 
+def test_a_running_total_is_rewritten_and_the_timeline_takes_the_largest_rank(
+        tmp_path: Path) -> None:
+    path = RunDir.of(tmp_path).phases(0)
+    phases.mark(path, phases.FIRST_STEP, 5.0)
+    phases.note(path, phases.CHECKPOINT_STALL, 0.5)
+    phases.note(path, phases.CHECKPOINT_STALL, 1.25)  # a total: the newest value stands
+    phases.note(RunDir.of(tmp_path).phases(1), phases.CHECKPOINT_STALL, 0.25)
+    assert phases.read_marks(path) == {phases.FIRST_STEP: 5.0, phases.CHECKPOINT_STALL: 1.25}
+    t = phases.Timeline.read(tmp_path, 3)  # rank 2 noted none
+    assert t.most(phases.CHECKPOINT_STALL) == 1.25 and t.last(phases.FIRST_STEP) is None
+    assert phases.Timeline().most(phases.CHECKPOINT_STALL) == 0.0
+    assert phases.Timeline.from_dict(json.loads(json.dumps(t.to_dict()))) == t
+
+
+def test_the_reporter_notes_the_checkpoint_stall_after_the_first_step_only(
+        tmp_path: Path) -> None:
+    """The saves of the first step fall before its mark (start-up); each later save's stall is
+    noted once, when the checkpointer's total grew, as a total since the first step."""
+    path = RunDir.of(tmp_path).phases(0)
+    rep = TrainingReporter(ProgressWriter(str(tmp_path / "rank0.progress")), rank=0,
+                           backend="cpu", collective=False, phases=str(path))
+    totals = [0.5, 0.5, 0.75, 0.75, 1.5]  # the checkpointer's stall_s at steps 1..5
+    noted = []
+    for total in totals:
+        rep.checkpoint_stalled(total)
+        rep.stepped(True)
+        noted.append(phases.read_marks(path).get(phases.CHECKPOINT_STALL))
+    assert noted == [None, None, 0.25, 0.25, 1.0]
+    assert phases.CHECKPOINT_STALL in phases.WORKER_TOTALS
+    assert phases.CHECKPOINT_STALL not in phases.WORKER_PHASES  # seconds, not a wall time
+
+
 def test_a_reporter_without_a_phases_file_marks_nothing(tmp_path: Path) -> None:
     rep = TrainingReporter(ProgressWriter(str(tmp_path / "rank0.progress")), rank=0,
                            backend="cpu", collective=False)

@@ -13,6 +13,8 @@ import uuid
 import pytest
 
 from resilient_strategy.machine.procs import (
+    alive,
+    could_be_pid,
     parse_environ,
     parse_stat,
     pids_with_env,
@@ -73,3 +75,12 @@ def test_a_real_child_is_found_by_its_environment_and_seen_stopped() -> None:
         child.wait(timeout=10)
     assert read_stat(child.pid) is None  # reaped: gone
     assert read_stat(os.getpid()) is not None
+
+
+def test_alive_is_true_of_this_process_and_false_of_numbers_no_process_has() -> None:
+    assert alive(os.getpid()) and could_be_pid(os.getpid())
+    for pid in (0, -1, -os.getpid(), 1 << 31, 10 ** 30):  # 0 and -n would signal a group
+        assert not could_be_pid(pid) and not alive(pid)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=60)  # reaped: its pid names no process
+    assert not alive(child.pid)

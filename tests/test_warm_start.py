@@ -23,7 +23,16 @@ from resilient_strategy.errors import InvalidOptionError
 from resilient_strategy.machine.procs import pids_with_env
 from resilient_strategy.run.cmdline import options_from_args
 from resilient_strategy.run.supervisor import RUN_PREFIX
-from resilient_strategy.run.warm import applies, rank_pids, thread_count, worker_environment
+from resilient_strategy.run.warm import (
+    MAX_SOCKET_PATH,
+    SOCKET_NAME_CHARS,
+    _private_dir,
+    applies,
+    rank_pids,
+    socket_dirs,
+    thread_count,
+    worker_environment,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "torch_train.py"
@@ -90,6 +99,29 @@ def test_rank_pids_reads_the_workers_pid_files(tmp_path: Path) -> None:
     assert rank_pids(tmp_path, 1) == [os.getpid()]
     assert rank_pids(tmp_path, 0) == []  # not alive
     assert rank_pids(tmp_path / "none", 1) == []
+
+
+def test_the_servers_socket_goes_to_tmp_when_tmpdir_is_too_long_for_a_socket_path(
+        tmp_path: Path) -> None:
+    """A socket's path is at most `MAX_SOCKET_PATH` bytes: under a TMPDIR too long for it, the
+    same directory name in the fallback (/tmp); both too long: multiprocessing's own."""
+    name = f"{RUN_PREFIX}4242-m"
+    short = Path("/t") / name
+    assert socket_dirs(short) == (short, Path("/tmp") / name)
+    room = MAX_SOCKET_PATH - SOCKET_NAME_CHARS  # the longest directory that still fits
+    fits = Path("/" + "d" * (room - len(name) - 2)) / name
+    assert len(str(fits)) == room and socket_dirs(fits)[0] == fits
+    long = Path("/" + "d" * (room - len(name) - 1)) / name  # one byte too many
+    assert socket_dirs(long) == (Path("/tmp") / name,)
+    assert socket_dirs(long, fallback=long.parent) == ()
+    # the one taken is made fresh and private; a regular file in its place is refused
+    made = tmp_path / name
+    made.mkdir()
+    (made / "listener-left").write_text("x")  # an earlier process's with this pid: removed
+    assert _private_dir(made) and list(made.iterdir()) == []
+    assert made.is_dir() and made.stat().st_mode & 0o777 == 0o700
+    (tmp_path / "file").write_text("x")
+    assert not _private_dir(tmp_path / "file") and (tmp_path / "file").read_text() == "x"
 
 
 # ----- real processes ---------------------------------------------------------------------------

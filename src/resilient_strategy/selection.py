@@ -676,6 +676,9 @@ class Selection:
         Returns whether it stepped (False on accumulating micro-steps and fp16-skipped steps)."""
         stepped = bool(self.runtime.step(optimizer))
         if self.progress is not None:
+            # the stall of a save in this step, for the goodput's checkpoint part: told before
+            # the step's marks (a save of the first step is start-up)
+            self.progress.checkpoint_stalled(self.runtime.checkpoint_stall_s)
             self.progress.stepped(stepped)
         return stepped
 

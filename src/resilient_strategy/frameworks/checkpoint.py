@@ -185,6 +185,7 @@ class Checkpointer:
         self._state = _State(saved_at=clock())
         self._writer = checkpoint_writer.Writer(self.directory)
         self._async: _Async = _Async()
+        self._stall: tuple[int, float] = (0, 0.0)  # saves summed, their stall (`stall_s`)
 
     # ----- what the training loop reads ---------------------------------------------------------
     @property
@@ -219,8 +220,13 @@ class Checkpointer:
 
     @property
     def stall_s(self) -> float:
-        """Seconds the training thread spent in checkpoint saves so far."""
-        return sum(r.stall_s for r in self._writer.records)
+        """Seconds the training thread spent in checkpoint saves so far (read at every step under
+        `resilient-strategy run`: summed again only when a save was added; a record's
+        ``stall_s`` is final once its save returned)."""
+        records = self._writer.records
+        if len(records) != self._stall[0]:
+            self._stall = (len(records), sum(r.stall_s for r in records))
+        return self._stall[1]
 
     def wait(self, timeout: float = checkpoint_writer.WAIT_S) -> bool:
         """Wait up to ``timeout`` seconds for the checkpoint write in flight (asynchronous

@@ -363,6 +363,13 @@ class TorchRuntime:
         ckpt = self._progress.checkpointer
         return ckpt.optimizer_steps if ckpt is not None else self._progress.steps
 
+    @property
+    def checkpoint_stall_s(self) -> float:
+        """Seconds this process's checkpoint saves stalled the training thread (0 without a
+        checkpointer)."""
+        ckpt = self._progress.checkpointer
+        return ckpt.stall_s if ckpt is not None else 0.0
+
     @staticmethod
     def _check_ddp_kwargs(ddp_kwargs: dict[str, Any]) -> None:
         from torch.nn.parallel import DistributedDataParallel

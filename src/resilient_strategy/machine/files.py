@@ -46,6 +46,7 @@ from ..core.values.bounded import (
     read_user_file,
 )
 from ..errors import FileFormatError, NoSpaceError, UnsafePathError
+from . import procs
 
 __all__ = ["MAX_DEPTH", "MAX_MACHINE_BYTES", "MAX_RULES_BYTES", "NOT_REGULAR", "check_depth",
            "parse_json", "parse_toml", "read_user_file"]  # re-exported from ._bounded
@@ -481,15 +482,9 @@ def sweep_orphan_files(directory: str | Path, prefixes: tuple[str, ...]) -> list
 
 
 def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return True  # not a pid we wrote: leave it
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, OSError):
-        return True
-    return True
+    """Whether the writer ``pid`` named in a file's name may still run: a number no process can
+    have is not a pid we wrote (left alone), else `procs.alive`."""
+    return not procs.could_be_pid(pid) or procs.alive(pid)
 
 
 class TempSweep:

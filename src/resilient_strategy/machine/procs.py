@@ -122,12 +122,21 @@ def pids_with_env(wanted: Mapping[str, str], root: str = "/proc") -> list[int]:
     return sorted(found)
 
 
+def could_be_pid(pid: int) -> bool:
+    """Whether ``pid`` is a number a process can have (``pid_t``, a signed 32-bit integer, and
+    positive: ``kill`` of 0 or less signals a process group), pure."""
+    return 0 < pid < 1 << 31
+
+
 def alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (one of another user counts: it cannot be signalled)."""
+    """Whether process ``pid`` exists (one of another user counts: it cannot be signalled). A
+    number no process can have (`could_be_pid`) is not one."""
+    if not could_be_pid(pid):
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except OSError:  # PermissionError: another user's; anything else: not known to be gone
         return True
     return True

@@ -9,16 +9,28 @@ so ``killpg`` reaches it), ``poll``, ``wait``, ``returncode``. A server exits on
 
 Only torch is served (TensorFlow starts threads at import; forking it is not safe). Set
 ``RESILIENT_STRATEGY_FORKSERVER=0`` to start every worker as a fresh interpreter.
+
+`fork_here` is the server's shortcut: where this process is fit to fork (`why_not_here`: the
+caller's main thread and no other Python thread, no CUDA driver loaded here, SIGCHLD not ignored,
+an OpenMP pool released first), the workers are forked from it directly. A script that trains
+with torch imports it anyway, so the probe then costs no interpreter importing torch of its own
+(3.4 s of a 5.6 s NCCL probe on an H200 host). The child is made what the server's child is
+(`probing.workers.fork_server.become_worker`).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
+import importlib
 import json
+import logging
 import os
 import select
+import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -30,7 +42,15 @@ IDLE_EXIT_S = 10.0
 #: Seconds a new server may take to import its framework.
 START_TIMEOUT_S = 60.0
 FORKSERVER_VAR = "RESILIENT_STRATEGY_FORKSERVER"
+#: OpenMP's ``omp_pause_hard``: ``omp_pause_resource_all`` ends the runtime's thread pool (a child
+#: forked while the pool exists hangs in its first parallel region: measured with torch's libgomp).
+OMP_PAUSE_HARD = 2
+#: Shared libraries whose presence in this process rules forking here out (a child of a process
+#: that loaded the CUDA driver cannot use CUDA) and the OpenMP runtimes whose pool is released.
+CUDA_DRIVER_LIBS = ("libcuda.so", "libamdhip64.so")
+OPENMP_LIBS = ("libgomp", "libiomp5", "libomp.so")
 
+log = logging.getLogger("resilient_strategy")
 
 
 class ForkServerError(OSError):
@@ -133,6 +153,115 @@ class ForkServer:
             self.proc.wait()
         if self.proc.stdout is not None:
             self.proc.stdout.close()
+
+
+class ChildProc:
+    """A worker forked from this process (`fork_here`): our own child, driven like
+    ``subprocess.Popen`` (``returncode`` negative for a signal)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere (not by us): its code is lost
+                self.returncode = 70
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if end is not None and time.monotonic() >= end:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
+            time.sleep(0.005)
+        assert self.returncode is not None
+        return self.returncode
+
+
+def _mapped(maps: str = "/proc/self/maps") -> dict[str, str]:
+    """Every file mapped into this process: its name -> its path."""
+    try:
+        with open(maps, encoding="utf-8", errors="replace") as f:
+            paths = {fields[5].strip() for line in f if len(fields := line.split(None, 5)) == 6}
+    except OSError:
+        return {}
+    return {os.path.basename(path): path for path in paths if path.startswith("/")}
+
+
+def why_not_here(maps: str = "/proc/self/maps") -> str:
+    """Why this process must not fork a probe worker itself ("" when it may). Pure reads, but for
+    nothing: the OpenMP pool is released by `release_openmp` just before a fork."""
+    if not hasattr(os, "fork") or not sys.platform.startswith("linux"):
+        return "no fork on this platform"
+    if threading.current_thread() is not threading.main_thread() or threading.active_count() != 1:
+        return "another Python thread runs in this process (a fork copies only the caller)"
+    if signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN:
+        return "SIGCHLD is ignored here (a child's exit status would be lost)"
+    loaded = _mapped(maps)
+    if not loaded:
+        return "this process's mappings cannot be read"
+    driver = [name for name in loaded if name.startswith(CUDA_DRIVER_LIBS)]
+    if driver:
+        return f"the GPU driver is loaded here ({driver[0]}): a forked child cannot use it"
+    return ""
+
+
+def release_openmp(maps: str = "/proc/self/maps") -> str:
+    """End the thread pool of every OpenMP runtime loaded here (it is started again by the next
+    parallel region); "" when none is loaded or each released, else why one was not."""
+    for name, path in sorted(_mapped(maps).items()):
+        if not name.startswith(OPENMP_LIBS):
+            continue
+        try:
+            lib = ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_GLOBAL)
+            pause = lib.omp_pause_resource_all
+        except (OSError, AttributeError) as exc:
+            return f"{name}'s thread pool cannot be released: {exc}"
+        pause.argtypes = [ctypes.c_int]
+        pause.restype = ctypes.c_int
+        if pause(OMP_PAUSE_HARD) != 0:
+            return f"{name} refused to release its thread pool"
+    return ""
+
+
+def fork_here(module: str, argv: list[str], env: Mapping[str, str], cwd: str, stdout: str,
+              stderr: str) -> ChildProc:
+    """Fork one worker from this process (torch and the worker module imported here first, as the
+    server imports them). Raises `ForkServerError` when this process is not fit (`why_not_here`),
+    so that the caller uses the server instead."""
+    from .workers.fork_server import PRELOAD, become_worker
+
+    why = why_not_here()
+    if not why:
+        try:
+            for name in PRELOAD["torch"]:
+                importlib.import_module(name)
+        except ImportError as exc:
+            why = f"torch does not import here: {exc}"
+    why = why or why_not_here() or release_openmp()  # importing may have started a thread
+    if why:
+        raise ForkServerError(why)
+    for stream in (sys.stdout, sys.stderr):  # or the child writes our buffered text again
+        with contextlib.suppress(Exception):
+            stream.flush()
+    req = {"module": module, "argv": argv, "env": dict(env), "cwd": cwd, "stdout": stdout,
+           "stderr": stderr}
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child ends in os._exit
+        os.close(ready_r)
+        become_worker(req, ready_w)
+    os.close(ready_w)
+    with contextlib.suppress(OSError):
+        os.read(ready_r, 1)  # the child has its own session now
+    os.close(ready_r)
+    return ChildProc(pid)
 
 
 def enabled(env: Mapping[str, str]) -> bool:

@@ -17,6 +17,7 @@ fork server instead, see `forkserver`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import sys
 from collections.abc import Mapping
@@ -30,6 +31,8 @@ from ..vocab import PROCESS_GROUP_BACKENDS
 from . import health, proc
 from .base import Prober
 from .cost import health_check_seconds, judged_by_progress, stall_policy
+
+log = logging.getLogger("resilient_strategy")
 
 #: The directory that holds the ``resilient_strategy`` package, for the workers' PYTHONPATH.
 PACKAGE_ROOT = health.PACKAGE_ROOT
@@ -110,8 +113,9 @@ class DeferredHealthProber(Prober):
 
 
 def _fork_spawner(spec: ProbeSpec, env: Mapping[str, str], python: str) -> proc.Spawn | None:
-    """Fork torch workers from a server that imported torch once (see `forkserver`);
-    None for TensorFlow, or when switched off (``RESILIENT_STRATEGY_FORKSERVER=0``)."""
+    """Fork torch workers from this process where it is fit to (`forkserver.fork_here`), else from
+    a server that imported torch once (see `forkserver`); None for TensorFlow, or when switched
+    off (``RESILIENT_STRATEGY_FORKSERVER=0``)."""
     from . import forkserver
 
     if spec.framework != "torch" or not forkserver.enabled(env):
@@ -119,11 +123,18 @@ def _fork_spawner(spec: ProbeSpec, env: Mapping[str, str], python: str) -> proc.
     # the server's own environment: no candidate variables, no fault (each child gets its own)
     base = {k: v for k, v in worker_env(ProbeSpec("", spec.framework, "", ()), env).items()
             if k != "RESILIENT_STRATEGY_PROBE_FAULT"}
+    here_refused: list[str] = []
 
     def spawn(cmd: proc.WorkerCommand, stdout: str, stderr: str) -> proc.Proc:
         argv = list(cmd.argv)
         if argv[:2] != [python, "-m"]:
             raise forkserver.ForkServerError(f"not a module command: {argv[:3]}")
+        if python == sys.executable and not here_refused:
+            try:  # this process imports torch once (the script trains with it) and forks
+                return forkserver.fork_here(argv[2], argv[3:], cmd.env, cmd.cwd, stdout, stderr)
+            except forkserver.ForkServerError as exc:
+                here_refused.append(str(exc))  # once: the server for this probe's other ranks
+                log.debug("probe workers start from a fork server: %s", exc)
         server = forkserver.server_for(python, base)
         return server.spawn(argv[2], argv[3:], cmd.env, cmd.cwd, stdout, stderr)
 

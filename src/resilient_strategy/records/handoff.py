@@ -371,6 +371,8 @@ class TrainingReporter:
     _fault_armed: bool = field(default=False, repr=False)
     _stepped_once: bool = field(default=False, repr=False)
     _last_step_at: float | None = field(default=None, repr=False)
+    _stall_base: float = field(default=0.0, repr=False)
+    _stall_noted: float = field(default=0.0, repr=False)
 
     def __post_init__(self) -> None:
         self._fault_armed = self.fault is not None and self.fault.applies(
@@ -407,6 +409,20 @@ class TrainingReporter:
             self.phase_name = COLLECTIVE_DONE
             if self.device is not None:
                 self.device.record(self.step + 1)
+
+    def checkpoint_stalled(self, total_s: float) -> None:
+        """The checkpoint saves' stall so far in this process (``total_s``, cumulative; call it
+        at each optimizer step, before `stepped`): what the saves added after the first step's
+        mark is noted as `phases.CHECKPOINT_STALL` when it grew (at a save, not every step);
+        the saves before that mark are start-up."""
+        if not self._stepped_once:
+            self._stall_base = total_s
+            return
+        stall = total_s - self._stall_base
+        if stall > self._stall_noted:
+            self._stall_noted = stall
+            if self.phases is not None:
+                phases.note(self.phases, phases.CHECKPOINT_STALL, stall)
 
     def stepped(self, stepped: bool) -> None:
         if not stepped:

@@ -5,8 +5,9 @@ data (``benchmarks/bench_supervisor.py`` prints it), not a guess.
 
 Each writer owns one small JSON file in the attempt's run directory (``supervisor.phases.json``,
 ``rank<N>.phases.json``); a mark is written once (the first time a phase is reached) and the file
-is replaced atomically. Standard library only (a worker marks before it imports a framework);
-never raises: a mark that cannot be written is lost, the run is not.
+is replaced atomically. A worker's file also holds its running totals (`WORKER_TOTALS`: seconds,
+not wall times), rewritten by `note` as they grow. Standard library only (a worker marks before
+it imports a framework); never raises: a mark that cannot be written is lost, the run is not.
 """
 
 from __future__ import annotations
@@ -43,6 +44,13 @@ FIRST_STEP = "first_step"  # the first optimizer step of this attempt is done
 LAST_STEP = "last_step"  # a script that finished: when its last optimizer step was done
 WORKER_PHASES = (WORKER_STARTED, REPORTING, COMM_READY, RESTORED, FIRST_STEP, LAST_STEP)
 
+# A worker's running totals (seconds, not wall times), in the same file, rewritten as they grow.
+#: What the checkpoint saves stalled this rank's training thread between its first and last
+#: optimizer step (`resilient_strategy.frameworks.checkpoint.Checkpointer.stall_s`, less what
+#: the saves of the first step took, which is start-up).
+CHECKPOINT_STALL = "checkpoint_stall_s"
+WORKER_TOTALS = (CHECKPOINT_STALL,)
+
 _MAX_BYTES = 64 << 10
 
 
@@ -53,6 +61,15 @@ def mark(path: str | Path, phase: str, at: float | None = None) -> None:
     if phase in marks:
         return
     marks[phase] = time.time() if at is None else at
+    with contextlib.suppress(OSError, NoSpaceError):
+        files.write_json_atomic(path, marks, durable=False, what="the phase marks")
+
+
+def note(path: str | Path, total: str, seconds: float) -> None:
+    """Record the running total ``total`` (one of `WORKER_TOTALS`) as ``seconds`` now, over
+    what was noted before (the file's one writer only ever raises it). Best effort."""
+    marks = read_marks(path)
+    marks[total] = float(seconds)
     with contextlib.suppress(OSError, NoSpaceError):
         files.write_json_atomic(path, marks, durable=False, what="the phase marks")
 
@@ -89,6 +106,11 @@ class Timeline:
         if not got or any(t is None for t in got):
             return None
         return max(t for t in got if t is not None)
+
+    def most(self, total: str) -> float:
+        """The largest running total ``total`` any rank noted (0 when none did): the rank the
+        others waited for sets the job's pace."""
+        return max((r.get(total, 0.0) for r in self.ranks), default=0.0)
 
     def to_dict(self) -> dict[str, Any]:
         return {"supervisor": dict(self.supervisor), "ranks": [dict(r) for r in self.ranks]}

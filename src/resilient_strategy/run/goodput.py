@@ -11,8 +11,15 @@ by cause; NVIDIA's resiliency tooling: lost work and the interruption count):
     and framework imports, device and communicator set-up, the checkpoint's restore, step 1);
   - ``detection_s``: from the fault to the supervisor seeing it (a stall's wait; an exit or an
     error record is seen within the monitor's interval and counts as none);
+  - ``checkpoint_stall_s``: what the checkpoint saves stalled training between the first step
+    and the fault (or the last step): the training thread's time in each save (the wait for
+    the previous write, the host copy, a synchronous write), as the checkpointer measured it
+    (``Checkpointer.stall_s``) and each rank noted it (`phases.CHECKPOINT_STALL`), the largest
+    rank's (the others wait for it at the next collective); Google's goodput measurement calls
+    it unproductive checkpoint save time;
   - ``wasted_progress_s``: the steps done after the checkpoint the next attempt resumed from
-    (they are done again), at this attempt's measured step time;
+    (they are done again), at this attempt's measured step time (its saves' stall excluded:
+    it is counted once, above);
   - ``productive_s``: the rest of the time between the first step and the fault (or the end);
   - ``stop_s``: from the fault seen to the verdict (the workers stopped, the evidence written);
     for an attempt that finished, from the last optimizer step (the slowest rank's, marked when
@@ -23,8 +30,8 @@ by cause; NVIDIA's resiliency tooling: lost work and the interruption count):
   relaunch);
 - ``other_s``: what is left of the wall time (the summary, the exit).
 
-The parts add up to the wall time. Checkpoint stalls are not separated from productive time
-(the library's checkpointer does not mark them yet).
+The parts add up to the wall time. A save outside the optimizer steps (a final one after the
+loop) is not a stall: it is the attempt's ``stop_s``.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ class AttemptGoodput:
     wall_s: float
     startup_s: float
     productive_s: float
+    checkpoint_stall_s: float
     wasted_progress_s: float
     detection_s: float
     stop_s: float
@@ -64,6 +72,7 @@ class Goodput:
     decide_s: float
     startup_s: float
     productive_s: float
+    checkpoint_stall_s: float
     wasted_progress_s: float
     detection_s: float
     stop_s: float
@@ -80,7 +89,8 @@ class Goodput:
     def parts(self) -> dict[str, float]:
         """Every part of the wall time, by name (they add up to ``wall_s``)."""
         return {"decide_s": self.decide_s, "startup_s": self.startup_s,
-                "productive_s": self.productive_s, "wasted_progress_s": self.wasted_progress_s,
+                "productive_s": self.productive_s, "checkpoint_stall_s": self.checkpoint_stall_s,
+                "wasted_progress_s": self.wasted_progress_s,
                 "detection_s": self.detection_s, "stop_s": self.stop_s,
                 "restart_s": self.restart_s, "other_s": self.other_s}
 
@@ -95,6 +105,7 @@ class Goodput:
         badput = [(name, s) for name, s in (
             ("deciding", self.decide_s), ("start-up", self.startup_s),
             ("detection", self.detection_s), ("lost work", self.wasted_progress_s),
+            ("checkpoint stalls", self.checkpoint_stall_s),
             ("stopping", self.stop_s), ("restart", self.restart_s)) if s >= 0.05]
         said = ", ".join(f"{name} {s:.1f} s" for name, s in badput)
         return (f"goodput {100 * self.goodput:.1f}% of {self.wall_s:.1f} s"
@@ -129,14 +140,19 @@ def _one(attempt: Attempt, resumed_next: int | None) -> AttemptGoodput | None:
     startup = _span(start, first if first is not None else fault)
     running = _span(first, fault)
     detection = min(running, max(0.0, attempt.verdict.detect_s or 0.0))
+    stall = min(running - detection, max(0.0, times.most(phases.CHECKPOINT_STALL)))
+    stepping = running - detection - stall  # the steps' own time
     done = _completed(attempt)
     steps = max(0, done - (attempt.resumed_from or 0))
     # the first-step mark falls after step 1: the running time holds the steps after it
-    step_s = (running - detection) / (steps - 1) if steps > 1 else None
+    step_s = stepping / (steps - 1) if steps > 1 else None
     wasted_steps = 0 if resumed_next is None else max(0, min(steps, done - resumed_next))
-    wasted = min(running - detection, wasted_steps * step_s) if step_s is not None else 0.0
-    return AttemptGoodput(attempt.number, end - start, startup, running - detection - wasted,
-                          wasted, detection, _span(fault, end), steps, wasted_steps, step_s)
+    wasted = min(stepping, wasted_steps * step_s) if step_s is not None else 0.0
+    return AttemptGoodput(
+        number=attempt.number, wall_s=end - start, startup_s=startup,
+        productive_s=stepping - wasted, checkpoint_stall_s=stall, wasted_progress_s=wasted,
+        detection_s=detection, stop_s=_span(fault, end), steps=steps,
+        wasted_steps=wasted_steps, step_s=step_s)
 
 
 def account(history: Sequence[Attempt], job_start: float, job_end: float) -> Goodput:
@@ -161,13 +177,14 @@ def account(history: Sequence[Attempt], job_start: float, job_end: float) -> Goo
         parts.append(one)
     decide = _span(job_start, first_start) if first_start is not None else 0.0
     counted = decide + restart + sum(
-        p.startup_s + p.productive_s + p.wasted_progress_s + p.detection_s + p.stop_s
-        for p in parts)
+        p.startup_s + p.productive_s + p.checkpoint_stall_s + p.wasted_progress_s
+        + p.detection_s + p.stop_s for p in parts)
     if counted > wall:  # marks from another clock or a job end before the last verdict
         wall = counted
     return Goodput(
         wall_s=wall, decide_s=decide, startup_s=sum(p.startup_s for p in parts),
         productive_s=sum(p.productive_s for p in parts),
+        checkpoint_stall_s=sum(p.checkpoint_stall_s for p in parts),
         wasted_progress_s=sum(p.wasted_progress_s for p in parts),
         detection_s=sum(p.detection_s for p in parts), stop_s=sum(p.stop_s for p in parts),
         restart_s=restart, other_s=wall - counted,

@@ -80,7 +80,7 @@ def start_server(temp_dir: Path | None = None) -> None:
     variables. Returns at once: the server imports torch while this process goes on, and the
     first fork waits for it. ``temp_dir``: where multiprocessing keeps its files (the server's
     socket), created private and removed at this process's exit, unless multiprocessing has a
-    directory already; where the socket's path would be too long there (`_private_dir`), the
+    directory already; where the socket's path would be too long there (`socket_dirs`), the
     same name in /tmp; named so
     that the supervisor's sweep knows it, a SIGKILLed supervisor's is removed by the next run
     (multiprocessing's own ``pymp-*`` directory would be left behind)."""
@@ -91,9 +91,7 @@ def start_server(temp_dir: Path | None = None) -> None:
 
     config = multiprocessing.current_process()._config  # type: ignore[attr-defined]
     if temp_dir is not None and config.get("tempdir") is None:
-        # a socket path is at most ~107 bytes: under a long TMPDIR, the same name in /tmp
-        made = next((d for d in (temp_dir, Path("/tmp") / temp_dir.name) if _private_dir(d)),
-                    None)
+        made = next((d for d in socket_dirs(temp_dir) if _private_dir(d)), None)
         if made is not None:
             import atexit
             import shutil
@@ -146,15 +144,21 @@ MAX_SOCKET_PATH = 107
 SOCKET_NAME_CHARS = 18
 
 
+def socket_dirs(temp_dir: Path, fallback: Path = Path("/tmp")) -> tuple[Path, ...]:
+    """Where the server's socket may go, in order (pure): ``temp_dir``, then the same name in
+    ``fallback``, each only where the socket's path fits `MAX_SOCKET_PATH` (a long TMPDIR);
+    none: multiprocessing keeps its own directory."""
+    return tuple(d for d in (temp_dir, fallback / temp_dir.name)
+                 if len(str(d)) + SOCKET_NAME_CHARS <= MAX_SOCKET_PATH)
+
+
 def _private_dir(path: Path) -> bool:
     """Make ``path`` a fresh private directory for the server's socket; False (the caller keeps
-    multiprocessing's own) when the socket's path would be too long, or it cannot be made. One
-    left by an earlier process with this name (this process's pid) is removed first."""
+    multiprocessing's own) when it cannot be made. One left by an earlier process with this
+    name (this process's pid) is removed first."""
     import shutil
     import stat
 
-    if len(str(path)) + SOCKET_NAME_CHARS > MAX_SOCKET_PATH:
-        return False
     try:
         st = os.lstat(path)
     except FileNotFoundError:

@@ -26,9 +26,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import io
 import json
 import os
 import select
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -43,11 +45,14 @@ PRELOAD = {"torch": ("torch", "torch.distributed", "torch.nn.parallel",
                      "resilient_strategy.probing.workers.torch_worker")}
 
 
-def _child(req: dict[str, Any], ready_w: int) -> None:
-    """In the forked child: become the worker the request describes. Never returns."""
+def become_worker(req: dict[str, Any], ready_w: int) -> None:
+    """In the forked child (of this server, or of the decision's own process): become the worker
+    the request describes. Never returns."""
     code = 70
     try:
         os.setsid()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)  # a handler of the forking process is not ours
         os.write(ready_w, b"1")
         os.close(ready_w)
         null = os.open(os.devnull, os.O_RDONLY)
@@ -56,6 +61,10 @@ def _child(req: dict[str, Any], ready_w: int) -> None:
         for fd, target in ((null, 0), (out, 1), (err, 2)):
             os.dup2(fd, target)
             os.close(fd)
+        # the forking process's streams may not be its fds (a test's capture, a notebook's)
+        sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True)
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
@@ -122,7 +131,7 @@ def serve(idle_exit_s: float, parent: int) -> None:
             pid = os.fork()
             if pid == 0:
                 os.close(ready_r)
-                _child(req, ready_w)
+                become_worker(req, ready_w)
             os.close(ready_w)
             with contextlib.suppress(OSError):
                 os.read(ready_r, 1)  # the child has its own session now
