@@ -440,9 +440,8 @@ def dump_stacks(pids: Mapping[int, int], run_dir: Path | None,
                 size = RunDir(run_dir).stacks(lr).stat().st_size
             except OSError:
                 size = 0
-            if size > 0 and sizes.get(lr) == size:
-                pending.remove(lr)
-            elif held(lr):  # stopped since it was asked: it cannot write
+            # written and settled, or stopped since it was asked (it cannot write)
+            if (size > 0 and sizes.get(lr) == size) or held(lr):
                 pending.remove(lr)
             sizes[lr] = size
         if time.monotonic() >= deadline:
