@@ -10,6 +10,7 @@ import json
 import os
 import pickle
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -179,6 +180,70 @@ def test_the_request_is_answered_by_the_workers_thread_and_bounded(tmp_path: Pat
     # asked again (the thread waits for the next request): a fresh answer
     again = request(tmp_path, [(0, 0)], wait_s=1.0)
     assert again[0].status is DumpStatus.DUMPED
+
+
+class _Looks:
+    """A fake clock and sleep: every sleep advances the clock and is counted."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps = 0
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.sleeps += 1
+        self.now += s
+        time.sleep(0.01)  # a worker's thread answers in real time
+
+
+@posix_only
+def test_a_stopped_rank_is_neither_asked_nor_waited_for(tmp_path: Path) -> None:
+    """Rank 1's FIFO is held open by a reader that never answers (as a SIGSTOPped worker's
+    is): said to be stopped, it is not asked (nothing written to its FIFO) nor waited for, and
+    the request ends with rank 0's answer, its dump, long before the deadline."""
+    r0 = _dump([_entry(1, "completed"), _entry(2, "started")], 1)
+    assert serve(tmp_path, 0, 0, _Api(_dump_fr_trace=lambda: r0))
+    os.mkfifo(RunDir.of(tmp_path).flight_fifo(1))
+    silent = os.open(RunDir.of(tmp_path).flight_fifo(1), os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        got = request(tmp_path, [(1, 1)], wait_s=30.0, stopped=lambda lr: "stopped (T)")
+        assert [(r.rank, r.status, r.reason) for r in got] == [
+            (1, DumpStatus.STOPPED, "stopped (T)")]
+        assert os.read(silent, 1) == b""  # never knocked on (no writer: end of file)
+        looks = _Looks()
+        got = request(tmp_path, [(0, 0), (1, 1)], wait_s=30.0, clock=looks.clock,
+                      sleep=looks.sleep, stopped=lambda lr: "stopped (T)" if lr == 1 else "")
+    finally:
+        os.close(silent)
+    assert [(r.rank, r.status) for r in got] == [(0, DumpStatus.DUMPED),
+                                                 (1, DumpStatus.STOPPED)]
+    assert looks.now < 30.0  # ended with rank 0's answer, not at the deadline
+    facts = analyse(got)
+    assert facts.stuck is not None and (facts.stuck.seq, facts.stuck.not_dumped) == (2, (1,))
+    assert [r["status"] for r in facts.to_dict()["ranks"]] == ["dumped", "stopped"]
+
+
+@posix_only
+def test_a_rank_stopped_while_waited_for_is_given_up_at_the_next_look(tmp_path: Path) -> None:
+    os.mkfifo(RunDir.of(tmp_path).flight_fifo(0))
+    silent = os.open(RunDir.of(tmp_path).flight_fifo(0), os.O_RDONLY | os.O_NONBLOCK)
+    asked: list[int] = []
+
+    def stopped(lr: int) -> str:
+        asked.append(lr)
+        return "stopped (T)" if len(asked) > 3 else ""  # stopped after the knock
+
+    looks = _Looks()
+    try:
+        got = request(tmp_path, [(0, 0)], wait_s=30.0, clock=looks.clock, sleep=looks.sleep,
+                      stopped=stopped)
+        assert os.read(silent, 1) == b"1"  # it was asked
+    finally:
+        os.close(silent)
+    assert [(r.rank, r.status) for r in got] == [(0, DumpStatus.STOPPED)]
+    assert looks.sleeps == 2  # given up at the third look, the first that saw it stopped
 
 
 def test_the_facts_travel_in_the_verdict_record() -> None:

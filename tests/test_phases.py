@@ -4,10 +4,13 @@ the stacks wait that ends when every rank's file is written (run/agent.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +19,7 @@ from resilient_strategy.records import phases
 from resilient_strategy.records.handoff import TrainingReporter
 from resilient_strategy.records.progress import ProgressWriter
 from resilient_strategy.records.rundir import RunDir
-from resilient_strategy.run.agent import dump_stacks
+from resilient_strategy.run.agent import dump_stacks, stop_stopped
 from resilient_strategy.run.exitcodes import ExitCode
 from resilient_strategy.run.policy import Action, Attempt, Judgement
 from resilient_strategy.run.verdicts import Verdict, VerdictKind
@@ -198,3 +201,60 @@ def test_the_rendezvous_names_its_records_as_inspect_would() -> None:
     assert dr.get_method_name is agent._method_name
     assert caller_a() == "caller_a"
     assert caller_b() == "caller_b"
+
+
+def _seen_stopped(pid: int) -> None:
+    from resilient_strategy.machine.procs import read_stat
+
+    for _ in range(1000):  # the kernel stops it within microseconds; bounded all the same
+        got = read_stat(pid)
+        if got is not None and got.stopped:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{pid} never seen stopped")
+
+
+def _pending(pid: int) -> int:
+    """The signals pending for the whole process (``ShdPnd`` of ``/proc/<pid>/status``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("ShdPnd:"):
+            return int(line.split()[1], 16)
+    raise AssertionError("no ShdPnd line")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists() or not hasattr(signal, "SIGUSR1"),
+                    reason="Linux /proc")
+def test_a_stopped_rank_is_not_asked_for_its_stacks_and_is_killed_at_once(
+        tmp_path: Path) -> None:
+    """Two ranks that write their stacks on SIGUSR1; rank 1 is SIGSTOPped (a real signal):
+    rank 0's stacks come, rank 1 is neither asked (no SIGUSR1 pending in its
+    ``/proc/<pid>/status``) nor waited for (not listed as late), then `stop_stopped` SIGKILLs
+    rank 1 alone, at once (its exit is SIGKILL's, not a SIGTERM it would have held pending)."""
+    procs = [subprocess.Popen([sys.executable, "-c", _STACKS_CHILD,
+                               str(tmp_path / f"rank{lr}.stacks.txt")], stdout=subprocess.PIPE,
+                              text=True) for lr in range(2)]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        _seen_stopped(procs[1].pid)
+        pids = {lr: p.pid for lr, p in enumerate(procs)}
+        assert dump_stacks(pids, tmp_path, wait_s=20.0) == []
+        assert "<module>" in (tmp_path / "rank0.stacks.txt").read_text()
+        assert _pending(procs[1].pid) & (1 << (signal.SIGUSR1 - 1)) == 0
+        assert stop_stopped(pids) == [1]
+        assert procs[1].wait(timeout=30) == -signal.SIGKILL
+        assert procs[0].poll() is None  # the running one is left to the agent's SIGTERM
+        os.kill(procs[0].pid, signal.SIGSTOP)  # the check itself, on a signal sent now
+        _seen_stopped(procs[0].pid)
+        os.kill(procs[0].pid, signal.SIGUSR1)
+        assert _pending(procs[0].pid) & (1 << (signal.SIGUSR1 - 1))
+    finally:
+        for p in procs:
+            with contextlib.suppress(OSError):
+                os.kill(p.pid, signal.SIGCONT)
+            p.kill()
+            p.wait(timeout=30)
+            if p.stdout is not None:
+                p.stdout.close()
+

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import signal
 import sys
@@ -71,6 +72,15 @@ def test_a_stopped_rank_is_a_stall_naming_it_and_the_job_resumes(
     assert (row.verdict, row.ranks, row.action, row.exit_code, row.left) == (
         "stall", [rank], "retry", 0, 0), (tmp_path / "output.txt").read_text()[-3000:]
     assert row.resumed_from == 5 * (at // 5)
+    # the stopped rank was neither asked for its flight-recorder dump nor waited for; the other
+    # answered; the evidence was taken between the stall seen and the stop
+    found = list((tmp_path / "resilient-strategy-evidence").glob("*/attempts.json"))
+    first = json.loads(found[0].read_text())["attempts"][0]
+    statuses = {r["rank"]: r["status"] for r in first["verdict"]["flight"]["ranks"]}
+    assert statuses[rank] == "stopped"
+    assert statuses[1 - rank] in ("dumped", "not_available")
+    marks = first["times"]["supervisor"]
+    assert marks["fault_seen"] <= marks["evidence_taken"] <= marks["workers_stopped"]
 
 
 def test_a_brief_stop_is_no_fault(tmp_path: Path, cache: Path) -> None:

@@ -26,6 +26,7 @@ from resilient_strategy.run.watch import (
     Activity,
     TrainingWatch,
     default_stall_timeout,
+    stopped_reason,
     torch_timeouts,
 )
 
@@ -101,6 +102,15 @@ def test_a_stopped_rank_is_named_not_the_one_waiting_for_it(tmp_path: Path) -> N
         assert (stall.kind, stall.ranks, stall.k) == (STOPPED, (late,), 5)
         v = classify_attempt(stall, [])
         assert (v.kind, v.ranks, v.transient) == (VerdictKind.STALL, (late,), True)
+
+
+def test_a_stopped_process_is_said_to_be_unable_to_answer_others_are_not() -> None:
+    procs = Procs()
+    procs.state.update({1000: "T", 1001: "t", 1002: "S", 1003: "R", 1004: "D", 1005: "Z"})
+    reason = stopped_reason({r: 1000 + r for r in range(6)}, procs.read)
+    assert [bool(reason(r)) for r in range(6)] == [True, True, False, False, False, False]
+    assert reason(9) == ""  # no such rank: nothing said
+    assert stopped_reason({0: 1000}, lambda pid: None)(0) == ""  # unreadable: not stopped
 
 
 def test_a_rank_stopped_inside_the_collective_is_named_too(tmp_path: Path) -> None:

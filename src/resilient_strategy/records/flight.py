@@ -29,8 +29,9 @@ Python signal handler would run there. `serve` starts a daemon thread in the wor
 waits (blocked in ``read``, no polling) on a FIFO in the attempt's run directory; the supervisor
 (`request`) writes one byte to each rank's FIFO, and the thread calls every dump API the
 build has, writes the bytes next to it and a status file last. The supervisor waits for the
-status files up to a deadline; a rank without a listener, without an answer, or whose torch has
-no dump API is a typed `DumpStatus`, never a hang. Every private API is feature-checked
+status files of every rank together, up to a deadline; a rank whose process is stopped
+(``SIGSTOP``: it cannot answer) is not asked nor waited for, and a rank without a listener,
+without an answer, or whose torch has no dump API is a typed `DumpStatus`, never a hang. Every private API is feature-checked
 and its failure is logged and said in the status.
 
 The dumps are read (at most `MAX_DUMP_BYTES` each) and analysed by
@@ -180,26 +181,44 @@ def respond(run_dir: str | Path, local_rank: int, rank: int, c10d: Any = None) -
 
 def request(run_dir: str | Path, local_ranks: Iterable[tuple[int, int]],
             wait_s: float = WAIT_S, clock: Callable[[], float] = time.monotonic,
-            sleep: Callable[[float], None] = time.sleep) -> list[RankDump]:
+            sleep: Callable[[float], None] = time.sleep,
+            stopped: Callable[[int], str] | None = None) -> list[RankDump]:
     """Ask each worker (``(local_rank, rank)`` pairs) for its dump and read the answers; every
-    rank's outcome is typed, and the whole call takes at most about ``wait_s``."""
+    rank's outcome is typed, and the whole call takes at most about ``wait_s``. Every rank is
+    asked at once and waited for together: the call ends when the last one that can answer
+    has. ``stopped(local_rank)``: why that rank's process cannot answer now ("" when it can),
+    read before asking and on every look while waiting: a stopped process (``SIGSTOP``, a
+    debugger) is neither asked nor waited for (`DumpStatus.STOPPED`), so its silence costs
+    nothing while the others' dumps are still taken."""
     run_dir = Path(run_dir)
+    where = RunDir.of(run_dir)
     asked: dict[int, int] = {}
     out: dict[int, RankDump] = {}
     for lr, rank in local_ranks:
         with contextlib.suppress(FileNotFoundError):
-            RunDir.of(run_dir).flight_status(lr).unlink()  # an earlier request's answer is not this one's
-        reason = _knock(RunDir.of(run_dir).flight_fifo(lr))
+            where.flight_status(lr).unlink()  # an earlier request's answer is not this one's
+        why = stopped(lr) if stopped is not None else ""
+        if why:
+            out[lr] = RankDump(lr, rank, DumpStatus.STOPPED, why)
+            continue
+        reason = _knock(where.flight_fifo(lr))
         if reason:
             out[lr] = RankDump(lr, rank, DumpStatus.NO_LISTENER, reason)
         else:
             asked[lr] = rank
     deadline = clock() + wait_s
-    while asked and any(not RunDir.of(run_dir).flight_status(lr).exists() for lr in asked) \
-            and clock() < deadline:
-        sleep(0.05)
+    pending = dict(asked)
+    while pending and clock() < deadline:
+        for lr in list(pending):
+            if where.flight_status(lr).exists():
+                del pending[lr]
+            elif stopped is not None and (why := stopped(lr)):
+                out[lr] = RankDump(lr, pending.pop(lr), DumpStatus.STOPPED, why)
+        if pending:
+            sleep(0.05)
     for lr, rank in asked.items():
-        out[lr] = read_answer(run_dir, lr, rank)
+        if lr not in out:
+            out[lr] = read_answer(run_dir, lr, rank)
     return [out[lr] for lr in sorted(out)]
 
 

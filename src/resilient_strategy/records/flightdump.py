@@ -41,6 +41,9 @@ class DumpStatus(Enum):
     NO_LISTENER = "no_listener"
     #: Asked, but no answer before the deadline.
     NO_ANSWER = "no_answer"
+    #: Not asked, or no longer waited for: its process is stopped (``SIGSTOP``, a debugger:
+    #: state T or t in ``/proc``) and cannot answer until it is continued.
+    STOPPED = "stopped"
     #: An answer that could not be read as a dump.
     UNREADABLE = "unreadable"
 

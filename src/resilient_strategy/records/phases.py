@@ -28,11 +28,12 @@ from .rundir import RunDir
 AGENT_STARTED = "agent_started"  # the attempt's agent is being built (launch() entered)
 WORKERS_STARTED = "workers_started"  # the rendezvous is done and every worker process started
 FAULT_SEEN = "fault_seen"  # the monitor saw a worker exit with an error, a stall, a peer's fault
+EVIDENCE_TAKEN = "evidence_taken"  # a stall's evidence (stacks, flight dumps) taken: the stop begins
 WORKERS_STOPPED = "workers_stopped"  # the agent returned: every worker has exited
 VERDICT = "verdict"  # the attempt classified and judged (retry, step down, stop)
 NEXT_READY = "next_ready"  # the next attempt's decision is written (its agent starts next)
-SUPERVISOR_PHASES = (AGENT_STARTED, WORKERS_STARTED, FAULT_SEEN, WORKERS_STOPPED, VERDICT,
-                     NEXT_READY)
+SUPERVISOR_PHASES = (AGENT_STARTED, WORKERS_STARTED, FAULT_SEEN, EVIDENCE_TAKEN, WORKERS_STOPPED,
+                     VERDICT, NEXT_READY)
 
 # A worker's phases, in order.
 WORKER_STARTED = "worker_started"  # the worker module runs (the interpreter is up)

@@ -51,7 +51,7 @@ from .verdicts import (
     step_in_progress,
 )
 from .warm import START_METHOD, applies, start_server
-from .watch import TrainingWatch, torch_timeouts
+from .watch import TrainingWatch, stopped_reason, torch_timeouts
 
 log = logging.getLogger("resilient_strategy")
 T = TypeVar("T")
@@ -393,11 +393,13 @@ STACKS_WAIT_S = 1.0
 STACKS_POLL_S = 0.01
 
 
-def dump_flight(run_dir: Path, ranks: list[tuple[int, int]]) -> list[RankDump]:
+def dump_flight(run_dir: Path, ranks: list[tuple[int, int]],
+                pids: Mapping[int, int] | None = None) -> list[RankDump]:
     """Ask each worker (``(local_rank, rank)``) for torch's flight-recorder dump
-    (`resilient_strategy.records.flight.request`, bounded by its deadline); what did not
-    come is said in the result and logged, never raised."""
-    got = flight.request(run_dir, ranks)
+    (`resilient_strategy.records.flight.request`, bounded by its deadline; every rank asked
+    at once); a rank whose process (``pids``: each local rank's) is stopped is not asked nor
+    waited for. What did not come is said in the result and logged, never raised."""
+    got = flight.request(run_dir, ranks, stopped=stopped_reason(pids or {}))
     missing = [f"rank {r.rank}: {r.status.value} ({r.reason})" for r in got
                if r.status is not DumpStatus.DUMPED]
     if missing:
@@ -411,12 +413,17 @@ def dump_stacks(pids: Mapping[int, int], run_dir: Path | None,
     faulthandler on SIGUSR1, written to its ``rank<N>.stacks.txt`` in ``run_dir``), then wait
     until every file asked for is written (not empty, and the same size over one poll), at most
     ``wait_s`` (without ``run_dir``: ``wait_s``). Returns the local ranks whose stacks did not
-    come in time (a worker already gone is not waited for)."""
+    come in time (a worker already gone is not waited for, and a stopped one, state T or t,
+    which cannot write until continued, is neither asked nor waited for: its state is its
+    evidence)."""
     sig = getattr(signal, "SIGUSR1", None)
     if sig is None or not pids:
         return []
+    held = stopped_reason(pids)
     asked: list[int] = []
     for lr, pid in pids.items():
+        if held(lr):
+            continue
         with contextlib.suppress(OSError):
             os.kill(pid, sig)
             asked.append(lr)
@@ -433,12 +440,29 @@ def dump_stacks(pids: Mapping[int, int], run_dir: Path | None,
                 size = RunDir(run_dir).stacks(lr).stat().st_size
             except OSError:
                 size = 0
-            if size > 0 and sizes.get(lr) == size:
+            # written and settled, or stopped since it was asked (it cannot write)
+            if (size > 0 and sizes.get(lr) == size) or held(lr):
                 pending.remove(lr)
             sizes[lr] = size
         if time.monotonic() >= deadline:
             break
     return pending
+
+
+def stop_stopped(pids: Mapping[int, int]) -> list[int]:
+    """SIGKILL every worker (``{local_rank: pid}``) whose process is stopped (state T or t:
+    ``SIGSTOP``, a debugger), at once: a stopped process holds a SIGTERM pending until it is
+    continued, and continued it would run on (a step, a record, a collective) before the
+    signal took it, for nothing: its peers are being stopped. The others are left to the
+    agent's SIGTERM and grace. Returns the local ranks killed."""
+    held = stopped_reason(pids)
+    killed = []
+    for lr, pid in pids.items():
+        if held(lr):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(lr)
+    return killed
 
 
 #: The agent class, built once per process after torch is imported (`_agent_class`): a
@@ -575,13 +599,15 @@ def _agent_class() -> type[Any]:
         def _warm_monitor(self, worker_group: Any) -> Any:
             """torch's look at forked workers, with two differences from started ones
             smoothed: a worker that failed makes torch stop the others at once (SIGTERM,
-            within this call), so a stopped peer is continued first to get it, as `_shutdown`
-            does; and a worker that exited 0 without handing back a return value (the
+            within this call), so a stopped peer is killed at once and any other continued
+            first to get it, as `_shutdown` does; and a worker that exited 0 without handing back a return value (the
             script's ``os._exit(0)``) would keep torch waiting for it forever (and the workers
             that did hand theirs back waiting for torch): once every worker has exited 0 or
             handed its value back, they succeeded."""
             procs = self._forked()
             if any(p.exitcode not in (None, 0) for p in procs):
+                stop_stopped({i: p.pid for i, p in enumerate(procs)
+                              if p.exitcode is None and p.pid})
                 for p in procs:
                     if p.exitcode is None and p.pid:
                         with contextlib.suppress(OSError):
@@ -638,15 +664,20 @@ def _agent_class() -> type[Any]:
                     self.stall_at = time.time()  # wall time, as the ranks' error records
                     if (marks := self._marks()) is not None:
                         phases.mark(marks, phases.FAULT_SEEN, self.stall_at)
-                    with contextlib.suppress(Exception):  # evidence before the kill
-                        if self._pcontext is not None:
-                            dump_stacks(dict(self._pcontext.pids()), self.run_dir)
+                    # evidence before the kill; a stopped rank (its state is its evidence)
+                    # is neither asked nor waited for
+                    pids = self._pids()
+                    with contextlib.suppress(Exception):
+                        dump_stacks(pids, self.run_dir)
                     if self.run_dir is not None:
                         try:
                             self.flight = dump_flight(self.run_dir, [
-                                (w.local_rank, w.global_rank) for w in worker_group.workers])
+                                (w.local_rank, w.global_rank) for w in worker_group.workers],
+                                pids)
                         except Exception as exc:  # evidence never stops the stop
                             log.warning("flight recorder: not collected: %s", exc)
+                    if (marks := self._marks()) is not None:
+                        phases.mark(marks, phases.EVIDENCE_TAKEN)
                     # as the agent does for a wedged (D-state) worker: no restart, stop the group
                     self._remaining_restarts = 0
                     return RunResult(state=WorkerState.UNHEALTHY)
@@ -662,7 +693,10 @@ def _agent_class() -> type[Any]:
         def _shutdown(self, *args: Any, **kwargs: Any) -> None:
             # A stopped worker (SIGSTOP, a debugger, a shell's job control) would hold the
             # agent's SIGTERM pending for the whole grace (30 s) while the other nodes' supervisors
-            # wait for this one at the next agreement: continue it so that it gets the signal now.
+            # wait for this one at the next agreement: killed at once (`stop_stopped`); any
+            # other is continued (one stopped since) so that it gets the signal now.
+            with contextlib.suppress(Exception):
+                stop_stopped(self._pids())
             with contextlib.suppress(Exception):
                 for pid in (self._pcontext.pids().values() if self._pcontext else ()):
                     with contextlib.suppress(OSError):

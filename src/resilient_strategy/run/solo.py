@@ -8,8 +8,9 @@ device there), started, watched and stopped as torch's elastic agent does it for
   ``logs/0/stderr.log`` as torch's agent tees it;
 - watched by the same `TrainingWatch` on its progress records, every
   `MONITOR_S` (torchrun's monitor interval);
-- on a stall, its stacks asked for first (`dump_stacks`), then stopped with the
-  runner's bounded stop (SIGTERM to its process group, `STOP_GRACE_S`, SIGKILL, reaped:
+- on a stall, its stacks asked for first (`dump_stacks`; not of a stopped process, which
+  cannot write them), then stopped (a stopped process SIGKILLed at once: `stop_stopped`) with
+  the runner's bounded stop (SIGTERM to its process group, `STOP_GRACE_S`, SIGKILL, reaped:
   `stop_groups`); on a signal to this supervisor too
   (raised as `SignalException`, as torch's agent raises its own).
 
@@ -38,7 +39,7 @@ from ..probing.proc import start_supervised, stop_groups
 from ..records.handoff import HandedDecision
 from ..records.progress import Stall, read_record
 from ..records.rundir import RunDir
-from .agent import _read_json, _stderr_tail, dump_stacks, raised_before
+from .agent import _read_json, _stderr_tail, dump_stacks, raised_before, stop_stopped
 from .verdicts import RankExit, Verdict, classify_attempt
 from .watch import TrainingWatch
 
@@ -89,6 +90,8 @@ def launch_one(opts: RunOptions, decision: HandedDecision, *, poll_s: float = MO
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=poll_s)
         finally:
+            with contextlib.suppress(Exception):  # a stopped process would hold a SIGTERM
+                stop_stopped({0: proc.pid})
             stop_groups([proc], grace_s)
             tee.join(grace_s)
     err = _read_json(run_dir.error(0))

@@ -108,6 +108,23 @@ STOPPED = "stopped"
 BUSY = "busy"
 
 
+def stopped_reason(pids: Mapping[int, int],
+                   read: Callable[[int], ProcStat | None] = read_stat) -> Callable[[int], str]:
+    """``reason(local_rank)``: "" while that rank's process (in ``pids``) can run, else why it
+    cannot answer a request now: it is stopped (state T or t: ``SIGSTOP``, a debugger) and
+    stays so until continued. Read fresh from ``/proc`` on every call (``read``: a test passes
+    a fake). A process that cannot be read is not said to be stopped."""
+
+    def reason(local_rank: int) -> str:
+        pid = pids.get(local_rank)
+        got = read(pid) if pid is not None else None
+        if got is None or not got.stopped:
+            return ""
+        return f"its process {pid} is stopped (state {got.state}): it cannot answer until continued"
+
+    return reason
+
+
 class Activity:
     """Each rank's process seen from outside (`procs`): its
     latest state and whether its CPU time advanced over the last BUSY_WINDOW_S. Fed one
