@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 import uuid
@@ -244,9 +245,24 @@ def test_killed_workers_leave_no_nccl_shm_segments(tmp_path: Path, marker: str) 
     assert running(marker) == []
 
 
-def test_a_clean_run_never_touches_shm(tmp_path: Path) -> None:
+def test_a_clean_run_removes_the_segments_its_workers_left_and_nothing_else(
+        tmp_path: Path) -> None:
+    """A torch probe worker exits right after its report, without tearing NCCL down: what it left
+    goes; a segment there before, or one a live process holds, stays."""
     shm = tmp_path / "shm"
     shm.mkdir()
-    ok = "import pathlib, sys; (pathlib.Path(sys.argv[1]) / 'nccl-kept').write_text('x')"
-    out = run_group([cmd(ok, tmp_path, "w", str(shm))], 10.0, shm_dir=str(shm))
-    assert not out.timed_out and (shm / "nccl-kept").exists()
+    (shm / "nccl-before").write_text("another job's, there before the probe")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; f = open(sys.argv[1], 'w'); time.sleep(60)",
+         str(shm / "nccl-held")])
+    try:
+        end = time.monotonic() + 10
+        while not (shm / "nccl-held").exists() and time.monotonic() < end:
+            time.sleep(0.05)
+        ok = "import pathlib, sys; (pathlib.Path(sys.argv[1]) / 'nccl-left').write_text('x')"
+        out = run_group([cmd(ok, tmp_path, "w", str(shm))], 10.0, shm_dir=str(shm))
+        assert not out.timed_out and out.outcomes[0].returncode == 0
+        assert sorted(p.name for p in shm.iterdir()) == ["nccl-before", "nccl-held"]
+    finally:
+        holder.kill()
+        holder.wait()

@@ -195,8 +195,9 @@ def _run_group(
         finally:
             waiter.close()
             stopped = _stop(procs, grace_s)
-            if stopped or any(p.returncode for p in procs):  # killed, or died mid-NCCL
-                reap_shm(shm_dir, shm_before)
+            # killed, died mid-NCCL, or exited without tearing its communicator down (a torch
+            # probe worker exits right after its report: one segment per NCCL rank is left)
+            reap_shm(shm_dir, shm_before)
         elapsed = time.monotonic() - start
         outcomes = tuple(
             _outcome(i, p, cmd, logs / f"{i}.err", i in stopped, i == first_failed,
@@ -258,9 +259,10 @@ def _paths_in_use(proc_dir: str = "/proc") -> set[str]:
 
 
 def reap_shm(shm_dir: str, before: frozenset[str]) -> list[str]:
-    """Remove NCCL segments that appeared in ``shm_dir`` during a probe whose workers had to be
-    killed, and that no live process maps or holds open (so never another job's). Returns them."""
-    new = _shm_segments(shm_dir) - before
+    """Remove NCCL segments of this user that appeared in ``shm_dir`` during a probe (its workers
+    killed, or exited without tearing their communicators down) and that no live process maps or
+    holds open (so never another job's). Returns them."""
+    new = {name for name in _shm_segments(shm_dir) - before if _mine(os.path.join(shm_dir, name))}
     if not new:
         return []
     in_use = _paths_in_use()
@@ -273,6 +275,13 @@ def reap_shm(shm_dir: str, before: frozenset[str]) -> list[str]:
             os.unlink(path)
             removed.append(name)
     return removed
+
+
+def _mine(path: str) -> bool:
+    try:
+        return os.lstat(path).st_uid == os.getuid()
+    except OSError:
+        return False
 
 
 class _ExitWaiter:
