@@ -273,18 +273,19 @@ def resume_check(args: argparse.Namespace) -> str:
         shutil.rmtree(run, ignore_errors=True)
         run.mkdir()
         t0 = time.perf_counter()
-        done = subprocess.run(
-            [sys.executable, "-m", "resilient_strategy", "run", "--nproc-per-node",
-             str(args.nproc), "--sharding", args.sharding, "--evidence-dir", str(run / "ev"),
-             str(script), str(run), str(steps), str(every), str(kill_at), str(hidden),
-             args.sharding], env=env, capture_output=True, text=True, timeout=600)
-        (run / "stdout.txt").write_text(done.stdout)
-        (run / "stderr.txt").write_text(done.stderr)
+        # written as they come: a run cut by a deadline still shows how far it got
+        with open(run / "stdout.txt", "w") as so, open(run / "stderr.txt", "w") as se:
+            code = subprocess.run(
+                [sys.executable, "-m", "resilient_strategy", "run", "--nproc-per-node",
+                 str(args.nproc), "--sharding", args.sharding, "--evidence-dir", str(run / "ev"),
+                 str(script), str(run), str(steps), str(every), str(kill_at), str(hidden),
+                 args.sharding], env=env, stdout=so, stderr=se, timeout=600).returncode
+        stdout = (run / "stdout.txt").read_text()
         killed = json.loads((run / "killed.json").read_text()) if (run / "killed.json").exists() \
             else None
-        resumed = [json.loads(line)["resumed_at"] for line in done.stdout.splitlines()
+        resumed = [json.loads(line)["resumed_at"] for line in stdout.splitlines()
                    if line.startswith('{"resumed_at"')]
-        rows.append((name, done.returncode, killed, resumed, time.perf_counter() - t0))
+        rows.append((name, code, killed, resumed, time.perf_counter() - t0))
     a, b = (out / "uninterrupted" / "weights.pt"), (out / "sigkill" / "weights.pt")
     diff = "missing weights"
     if a.exists() and b.exists():
