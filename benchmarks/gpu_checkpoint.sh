@@ -36,7 +36,7 @@ timeout 75 $PY -m torch.distributed.run --standalone --nproc_per_node 2 \
   2>&1 | tee "$out/checkpoint-fsdp.md"
 rm -rf "$scratch"/ckpt-1gpu "$scratch"/ckpt-ddp "$scratch"/ckpt-fsdp
 for sharding in none full; do
-  timeout 80 $PY benchmarks/bench_checkpoint.py --resume-check --device cuda --nproc 2 \
+  timeout 200 $PY benchmarks/bench_checkpoint.py --resume-check --device cuda --nproc 2 \
     --hidden 2048 --sharding "$sharding" --out "$scratch/resume-$sharding" \
     2>&1 | tee "$out/resume-$sharding.md"
   rm -rf "$scratch/resume-$sharding"
