@@ -181,6 +181,8 @@ proc.start_worker = start_worker
 spec = ProbeSpec("torch:gloo:cpu", "torch", "gloo", (), world_size=2, timeout_s=60.0,
                  message_bytes=1 << 16)
 env = {k: v for k, v in os.environ.items() if k != "RESILIENT_STRATEGY_PROBE_FAULT"}
+if mode == "omp":  # the worker keeps the pool's 2 threads (it sets its own only without this)
+    env["OMP_NUM_THREADS"] = "2"
 if mode == "hang":
     env["RESILIENT_STRATEGY_PROBE_FAULT"] = "hang:1"
     spec = ProbeSpec("torch:gloo:cpu", "torch", "gloo", (), world_size=2, timeout_s=8.0,

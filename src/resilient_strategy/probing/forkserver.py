@@ -242,7 +242,7 @@ def release_openmp(maps: str = "/proc/self/maps") -> str:
         if not name.startswith(OPENMP_LIBS):
             continue
         try:
-            lib = ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_GLOBAL)
+            lib = ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0))  # already loaded: no new scope
             pause = lib.omp_pause_resource_all
         except (OSError, AttributeError) as exc:
             return f"{name}'s thread pool cannot be released: {exc}"
