@@ -243,6 +243,32 @@ def test_ranks_agree_local_rank_0_decides_others_follow(tmp_path: Path) -> None:
     assert (a.launch.rank, b.launch.rank) == (0, 1) and a.num_replicas == 2
 
 
+def test_a_waiting_rank_imports_torch_while_rank_0_probes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 imports torch to fork its probe workers from itself; the waiting ranks import it
+    while they wait (their scripts would right after), never with a simulated prober, and
+    rank 0 never through this path."""
+    from resilient_strategy.deciding import executor
+
+    asked: list[tuple[str, ...]] = []
+    monkeypatch.setattr(executor, "import_while_waiting", lambda *names: asked.append(names))
+
+    class Real(FakeProber):
+        starts_processes = True  # as the real prober: it starts processes
+
+    facts = machine(2, nvlink=18)
+    launch = {"WORLD_SIZE": "2", "MASTER_PORT": "29502", "TORCHELASTIC_RUN_ID": "t3"}
+    for rank in ("0", "1"):
+        simulate(facts=facts, env={**launch, "RANK": rank, "LOCAL_RANK": rank},
+                 cache_dir=tmp_path, outcomes=Real(), global_batch_size=64, cache=True)
+    assert asked == [("torch", "torch.distributed")]
+    launch["TORCHELASTIC_RUN_ID"] = "t4"
+    for rank in ("0", "1"):
+        simulate(facts=facts, env={**launch, "RANK": rank, "LOCAL_RANK": rank},
+                 cache_dir=tmp_path, outcomes=FakeProber(), global_batch_size=64, cache=True)
+    assert asked == [("torch", "torch.distributed")]  # a simulated prober: nothing imported
+
+
 def test_ranks_that_disagree_raise_a_typed_error(tmp_path: Path) -> None:
     launch = {"WORLD_SIZE": "2", "MASTER_PORT": "29501", "TORCHELASTIC_RUN_ID": "t2"}
     simulate(facts=machine(2, nvlink=18), env={**launch, "RANK": "0", "LOCAL_RANK": "0"},
