@@ -156,13 +156,12 @@ class ForkServer:
             self.proc.stdout.close()
 
 
-class ChildProc:
-    """A worker forked from this process (`fork_here`): our own child, driven like
-    ``subprocess.Popen`` (``returncode`` negative for a signal)."""
+class ChildProc(ForkedProc):
+    """A worker forked from this process (`fork_here`): our own child, reaped here; its status
+    is ``waitpid``'s, not a status file (``returncode`` negative for a signal)."""
 
     def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.returncode: int | None = None
+        super().__init__(pid, "")
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -173,15 +172,6 @@ class ChildProc:
                 return self.returncode
             if pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        end = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if end is not None and time.monotonic() >= end:
-                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
-            time.sleep(0.005)
-        assert self.returncode is not None
         return self.returncode
 
 
@@ -204,6 +194,12 @@ def why_not_here(maps: str = "/proc/self/maps") -> str:
         return "another Python thread runs in this process (a fork copies only the caller)"
     if signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN:
         return "SIGCHLD is ignored here (a child's exit status would be lost)"
+    return driver_started(maps)
+
+
+def driver_started(maps: str = "/proc/self/maps") -> str:
+    """Why a GPU driver rules forking here out ("" when none was started in this process, or
+    none is loaded): read from the process's mappings, then asked (`_driver_started`)."""
     loaded = _mapped(maps)
     if not loaded:
         return "this process's mappings cannot be read"
