@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -139,24 +140,33 @@ time.sleep(60)
 """
 
 
-@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="no SIGUSR1")
-def test_the_stacks_wait_ends_when_every_rank_has_written(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def _stack_ranks(tmp_path: Path) -> Iterator[list[subprocess.Popen[str]]]:
+    """Two processes that write their stacks on SIGUSR1, ready; killed (continued first) after."""
     procs = [subprocess.Popen([sys.executable, "-c", _STACKS_CHILD,
                                str(tmp_path / f"rank{lr}.stacks.txt")], stdout=subprocess.PIPE,
                               text=True) for lr in range(2)]
     try:
         for p in procs:
             assert p.stdout is not None and p.stdout.readline().strip() == "ready"
-        missing = dump_stacks({lr: p.pid for lr, p in enumerate(procs)}, tmp_path, wait_s=30.0)
-        assert missing == []
-        for lr in range(2):
-            assert "<module>" in (tmp_path / f"rank{lr}.stacks.txt").read_text()
+        yield procs
     finally:
         for p in procs:
+            with contextlib.suppress(OSError):
+                os.kill(p.pid, signal.SIGCONT)
             p.kill()
             p.wait(timeout=30)
             if p.stdout is not None:
                 p.stdout.close()
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="no SIGUSR1")
+def test_the_stacks_wait_ends_when_every_rank_has_written(tmp_path: Path) -> None:
+    with _stack_ranks(tmp_path) as procs:
+        missing = dump_stacks({lr: p.pid for lr, p in enumerate(procs)}, tmp_path, wait_s=30.0)
+        assert missing == []
+        for lr in range(2):
+            assert "<module>" in (tmp_path / f"rank{lr}.stacks.txt").read_text()
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="no SIGUSR1")
@@ -230,12 +240,7 @@ def test_a_stopped_rank_is_not_asked_for_its_stacks_and_is_killed_at_once(
     rank 0's stacks come, rank 1 is neither asked (no SIGUSR1 pending in its
     ``/proc/<pid>/status``) nor waited for (not listed as late), then `stop_stopped` SIGKILLs
     rank 1 alone, at once (its exit is SIGKILL's, not a SIGTERM it would have held pending)."""
-    procs = [subprocess.Popen([sys.executable, "-c", _STACKS_CHILD,
-                               str(tmp_path / f"rank{lr}.stacks.txt")], stdout=subprocess.PIPE,
-                              text=True) for lr in range(2)]
-    try:
-        for p in procs:
-            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    with _stack_ranks(tmp_path) as procs:
         os.kill(procs[1].pid, signal.SIGSTOP)
         _seen_stopped(procs[1].pid)
         pids = {lr: p.pid for lr, p in enumerate(procs)}
@@ -249,12 +254,4 @@ def test_a_stopped_rank_is_not_asked_for_its_stacks_and_is_killed_at_once(
         _seen_stopped(procs[0].pid)
         os.kill(procs[0].pid, signal.SIGUSR1)
         assert _pending(procs[0].pid) & (1 << (signal.SIGUSR1 - 1))
-    finally:
-        for p in procs:
-            with contextlib.suppress(OSError):
-                os.kill(p.pid, signal.SIGCONT)
-            p.kill()
-            p.wait(timeout=30)
-            if p.stdout is not None:
-                p.stdout.close()
 

@@ -33,7 +33,6 @@ import subprocess
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -254,7 +253,7 @@ def fork_here(module: str, argv: list[str], env: Mapping[str, str], cwd: str, st
     """Fork one worker from this process (torch and the worker module imported here first, as the
     server imports them). Raises `ForkServerError` when this process is not fit (`why_not_here`),
     so that the caller uses the server instead."""
-    from .workers.fork_server import PRELOAD, become_worker
+    from .workers.fork_server import PRELOAD, fork_worker
 
     why = why_not_here()
     if not why:
@@ -271,19 +270,7 @@ def fork_here(module: str, argv: list[str], env: Mapping[str, str], cwd: str, st
             stream.flush()
     req = {"module": module, "argv": argv, "env": dict(env), "cwd": cwd, "stdout": stdout,
            "stderr": stderr}
-    ready_r, ready_w = os.pipe()
-    with warnings.catch_warnings():
-        # Python >= 3.12 warns of any native thread (torch's CUDA build starts some at import);
-        # the Python threads, the GPU driver and OpenMP's pool were checked just above
-        warnings.simplefilter("ignore", DeprecationWarning)
-        pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child ends in os._exit
-        os.close(ready_r)
-        become_worker(req, ready_w)
-    os.close(ready_w)
-    with contextlib.suppress(OSError):
-        os.read(ready_r, 1)  # the child has its own session now
-    os.close(ready_r)
+    pid = fork_worker(req)
     return ChildProc(pid)
 
 

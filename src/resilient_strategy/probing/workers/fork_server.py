@@ -33,6 +33,7 @@ import select
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -85,6 +86,25 @@ def become_worker(req: dict[str, Any], ready_w: int) -> None:
         os._exit(code)
 
 
+def fork_worker(req: dict[str, Any]) -> int:
+    """Fork the worker ``req`` describes (`become_worker`) and return its pid once it has its
+    own session (so that the runner's ``killpg`` reaches it)."""
+    ready_r, ready_w = os.pipe()
+    with warnings.catch_warnings():
+        # Python >= 3.12 warns of any native thread (torch's CUDA build starts some at import);
+        # whoever forks here checked what matters: no other Python thread, no GPU driver started
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child ends in os._exit
+        os.close(ready_r)
+        become_worker(req, ready_w)
+    os.close(ready_w)
+    with contextlib.suppress(OSError):
+        os.read(ready_r, 1)  # the child has its own session now
+    os.close(ready_r)
+    return pid
+
+
 def _write_status(path: str, status: int) -> None:
     code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
     with contextlib.suppress(OSError, NoSpaceError):
@@ -127,15 +147,7 @@ def serve(idle_exit_s: float, parent: int) -> None:
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
             req = json.loads(line)
-            ready_r, ready_w = os.pipe()
-            pid = os.fork()
-            if pid == 0:
-                os.close(ready_r)
-                become_worker(req, ready_w)
-            os.close(ready_w)
-            with contextlib.suppress(OSError):
-                os.read(ready_r, 1)  # the child has its own session now
-            os.close(ready_r)
+            pid = fork_worker(req)
             children[pid] = req["status"]
             sys.stdout.write(json.dumps({"pid": pid}) + "\n")
             sys.stdout.flush()
