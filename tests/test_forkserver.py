@@ -241,6 +241,16 @@ def test_no_fork_here_with_a_gpu_driver_started(tmp_path: Path) -> None:
     assert _forkserver.release_openmp(str(maps)) == ""  # no OpenMP runtime: nothing to release
 
 
+def test_no_fork_here_once_tensorflow_is_imported(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    for name in _forkserver.THREADED_AT_IMPORT:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    assert _forkserver.framework_threads() == ""
+    monkeypatch.setitem(sys.modules, "tensorflow", types.ModuleType("tensorflow"))
+    assert _forkserver.framework_threads() != ""  # refused (why_not_here asks it)
+
+
 def test_no_fork_here_beside_another_python_thread() -> None:
     stop = threading.Event()
     thread = threading.Thread(target=stop.wait)

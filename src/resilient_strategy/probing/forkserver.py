@@ -11,8 +11,9 @@ Only torch is served (TensorFlow starts threads at import; forking it is not saf
 ``RESILIENT_STRATEGY_FORKSERVER=0`` to start every worker as a fresh interpreter.
 
 `fork_here` is the server's shortcut: where this process is fit to fork (`why_not_here`: the
-caller's main thread and no other Python thread, no GPU driver started here, SIGCHLD not ignored,
-an OpenMP pool released first), the workers are forked from it directly. A script that trains
+caller's main thread and no other Python thread, no TensorFlow or JAX imported, no GPU driver
+started here, SIGCHLD not ignored, an OpenMP pool released first), the workers are forked from
+it directly. A script that trains
 with torch imports it anyway, so the probe then costs no interpreter importing torch of its own
 (3.4 s of a 5.6 s NCCL probe on an H200 host). The child is made what the server's child is
 (`probing.workers.fork_server.become_worker`).
@@ -49,6 +50,9 @@ OMP_PAUSE_HARD = 2
 #: initialised the CUDA driver cannot use CUDA) and the OpenMP runtimes whose pool is released.
 CUDA_DRIVER_LIBS = ("libcuda.so", "libamdhip64.so")
 OPENMP_LIBS = ("libgomp", "libiomp5", "libomp.so")
+#: Frameworks that start native threads at import (TensorFlow's, as the server's docstring says;
+#: JAX's runtime): a process that imported one is not forked.
+THREADED_AT_IMPORT = ("tensorflow", "jax")
 
 log = logging.getLogger("resilient_strategy")
 
@@ -193,7 +197,17 @@ def why_not_here(maps: str = "/proc/self/maps") -> str:
         return "another Python thread runs in this process (a fork copies only the caller)"
     if signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN:
         return "SIGCHLD is ignored here (a child's exit status would be lost)"
+    why = framework_threads()
+    if why:
+        return why
     return driver_started(maps)
+
+
+def framework_threads() -> str:
+    """Why a framework imported here rules forking out ("" when none is): TensorFlow and JAX
+    start native threads at import, which the Python thread count does not show."""
+    threaded = [name for name in THREADED_AT_IMPORT if name in sys.modules]
+    return f"{threaded[0]} is imported here (it starts threads of its own)" if threaded else ""
 
 
 def driver_started(maps: str = "/proc/self/maps") -> str:
