@@ -13,9 +13,8 @@ Only torch is served (TensorFlow starts threads at import; forking it is not saf
 `fork_here` is the server's shortcut: where this process is fit to fork (`why_not_here`: the
 caller's main thread and no other Python thread, no TensorFlow or JAX imported, no GPU driver
 started here, SIGCHLD not ignored, an OpenMP pool released first), the workers are forked from
-it directly. A script that trains
-with torch imports it anyway, so the probe then costs no interpreter importing torch of its own
-(3.4 s of a 5.6 s NCCL probe on an H200 host). The child is made what the server's child is
+it directly. A script that trains with torch imports it anyway, so the probe then costs no
+interpreter importing torch of its own (3.4 s of a 5.6 s NCCL probe on an H200 host). The child is made what the server's child is
 (`probing.workers.fork_server.become_worker`).
 """
 
@@ -189,8 +188,8 @@ def _mapped(maps: str = "/proc/self/maps") -> dict[str, str]:
 
 
 def why_not_here(maps: str = "/proc/self/maps") -> str:
-    """Why this process must not fork a probe worker itself ("" when it may). Pure reads, but for
-    nothing: the OpenMP pool is released by `release_openmp` just before a fork."""
+    """Why this process must not fork a probe worker itself ("" when it may). It only reads; an
+    OpenMP pool is released apart, by `release_openmp`, just before the fork."""
     if not hasattr(os, "fork") or not sys.platform.startswith("linux"):
         return "no fork on this platform"
     if threading.current_thread() is not threading.main_thread() or threading.active_count() != 1:
@@ -251,7 +250,7 @@ def release_openmp(maps: str = "/proc/self/maps") -> str:
         if not name.startswith(OPENMP_LIBS):
             continue
         try:
-            lib = ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0))  # already loaded: no new scope
+            lib = ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0))  # the loaded one, as is
             pause = lib.omp_pause_resource_all
         except (OSError, AttributeError) as exc:
             return f"{name}'s thread pool cannot be released: {exc}"
@@ -274,8 +273,8 @@ def fork_here(module: str, argv: list[str], env: Mapping[str, str], cwd: str, st
         try:
             for name in PRELOAD["torch"]:
                 importlib.import_module(name)
-        except ImportError as exc:
-            why = f"torch does not import here: {exc}"
+        except Exception as exc:  # a broken install: the server or a fresh process says why
+            why = f"torch does not import here: {type(exc).__name__}: {exc}"
     why = why or why_not_here() or release_openmp()  # importing may have started a thread
     if why:
         raise ForkServerError(why)

@@ -31,8 +31,8 @@ waits (blocked in ``read``, no polling) on a FIFO in the attempt's run directory
 build has, writes the bytes next to it and a status file last. The supervisor waits for the
 status files of every rank together, up to a deadline; a rank whose process is stopped
 (``SIGSTOP``: it cannot answer) is not asked nor waited for, and a rank without a listener,
-without an answer, or whose torch has no dump API is a typed `DumpStatus`, never a hang. Every private API is feature-checked
-and its failure is logged and said in the status.
+without an answer, or whose torch has no dump API is a typed `DumpStatus`, never a hang. Every
+private API is feature-checked and its failure is logged and said in the status.
 
 The dumps are read (at most `MAX_DUMP_BYTES` each) and analysed by
 `flightdump` (pure). Imports nothing but the standard library and that module (torch only in
