@@ -87,6 +87,17 @@ def test_the_stuck_collective_and_the_rank_that_never_entered_it() -> None:
     assert old is not None and (old.seq, old.entered, old.missing) == (5, (0,), (1,))
 
 
+def test_a_rank_whose_completion_record_lags_is_not_taken_for_stuck() -> None:
+    """Seen once in CI under load (gloo, rank 1 hung before its step's all-reduce): rank 1's
+    ``last_completed_collective`` still said 3 though rank 0 had completed #4 and waited in #5;
+    the analysis named #4 "entered by 0 and 1, never completed". #5 is stuck, rank 1 missing."""
+    r0 = _dump([_entry(s, "scheduled", op="gloo:all_reduce") for s in range(1, 6)], 4)
+    r1 = _dump([_entry(s, "scheduled", op="gloo:all_reduce") for s in range(1, 5)], 3)
+    stuck = analyse([_dumped(0, r0), _dumped(1, r1)]).stuck
+    assert stuck is not None
+    assert (stuck.op, stuck.seq, stuck.entered, stuck.missing) == ("gloo:all_reduce", 5, (0,), (1,))
+
+
 def test_every_rank_in_it_none_missing_and_a_rank_without_a_dump() -> None:
     both = [_entry(s, "completed") for s in range(1, 3)] + [_entry(3, "started")]
     facts = analyse([_dumped(0, _dump(both, 2)), _dumped(1, _dump(both, 2)),

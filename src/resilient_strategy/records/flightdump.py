@@ -317,7 +317,8 @@ def analyse(ranks: Sequence[RankDump]) -> FlightFacts:
 
     Per process group, a rank *entered* collective ``seq`` when its recorder holds it, and
     *completed* it when its state is "completed" or the group's ``last_completed_collective``
-    reaches it. The stuck collective is the first one some rank entered and did not complete
+    reaches it, or when another rank completed it (no rank completes a collective of its group
+    before every rank entered it). The stuck collective is the first one some rank entered and did not complete
     (the oldest, across groups); the ranks whose last entered collective is below it never
     entered it. With nothing in flight, the last collective every dumped rank completed."""
     dumped = [r for r in ranks if r.dump is not None]
@@ -338,6 +339,11 @@ def analyse(ranks: Sequence[RankDump]) -> FlightFacts:
             entered[r.rank] = max(mine, default=0)
             done[r.rank] = max([r.dump.completed.get(g, 0),
                                 *(s for s, e in mine.items() if e.state == "completed")])
+        # a collective of one group that completed on some rank was entered by every rank: a
+        # rank whose own record lags behind (gloo notes a completion after the work's waiter
+        # ran) is not stuck in it
+        frontier = max(done.values(), default=0)
+        done = {rk: max(d, min(frontier, entered[rk])) for rk, d in done.items()}
         pending = [rk for rk in entered if entered[rk] > done[rk]]
         if not pending:
             top = min(done.values())
