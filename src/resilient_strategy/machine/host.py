@@ -66,6 +66,8 @@ def detect_host(env: Mapping[str, str], root: str = "/") -> Host:
         amd_gpus=parse_kfd_nodes(_kfd_properties(root)),
         cuda_compat=parse_cuda_compat(_compat_libs(root)),
         port_range=parse_port_range(_read(root, "proc/sys/net/ipv4/ip_local_port_range")),
+        master_port_by=parse_master_port_by(
+            env, (_read(root, f"proc/{os.getppid()}/cmdline") or "").split("\0")),
     )
 
 
@@ -223,6 +225,35 @@ def parse_port_range(text: str | None) -> str:
     if len(parts) == 2 and all(p.isdigit() for p in parts):
         return f"{int(parts[0])}-{int(parts[1])}"
     return ""
+
+
+#: The flags torch's launchers (torchrun, `resilient-strategy run`) take the port of the
+#: static rendezvous from (torch/distributed/run.py; ``PET_MASTER_PORT`` is the same flag set
+#: in the environment).
+_MASTER_PORT_FLAGS = ("--master-port", "--master_port")
+
+
+def parse_master_port_by(env: Mapping[str, str], launcher_argv: Sequence[str]) -> str:
+    """Who chose this process's ``MASTER_PORT`` (`Host.master_port_by`): "" when there is none;
+    "user" when no launcher's store holds it (``TORCHELASTIC_USE_AGENT_STORE`` is not "True":
+    the job's rank 0 binds it itself) or when it is the port the launcher was given
+    (``--master-port N`` in ``launcher_argv``, the parent's command line, or
+    ``PET_MASTER_PORT``); "launcher" otherwise: torch >= 2.12's torchrun without
+    ``--master-port`` (and ``--standalone``, and a c10d endpoint) binds a port the kernel
+    picks, held by its store before any worker starts. Pure."""
+    port = (env.get("MASTER_PORT") or "").strip()
+    if not port:
+        return ""
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return "user"
+    given = {(env.get("PET_MASTER_PORT") or "").strip()}
+    args = list(launcher_argv)
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if flag in _MASTER_PORT_FLAGS:
+            given.add(value.strip() if eq else (args[i + 1].strip() if i + 1 < len(args)
+                                                else ""))
+    return "user" if port in given else "launcher"
 
 
 # ----- thin readers ------------------------------------------------------------------------------

@@ -51,7 +51,8 @@ FACT_NAMES: tuple[str, ...] = (
     "host.shm_mb", "host.container", "host.in_container", "host.wsl2", "host.sagemaker",
     "host.aws", "host.efa", "host.infiniband", "host.iommu", "host.platform",
     "host.machine", "host.mps", "host.numa_nodes", "host.numa_memory_only", "host.amd_gpus",
-    "host.cuda_compat", "host.port_range", "host.master_port_ephemeral",
+    "host.cuda_compat", "host.port_range", "host.master_port_by",
+    "host.master_port_ephemeral",
     *(f"{fw}.{name}" for fw in ("torch", "tensorflow", "keras") for name in _FRAMEWORK_FACTS),
 )
 
@@ -235,6 +236,7 @@ def fact_values(facts: Facts, framework: str, replicas: int | None = None,
         "host.amd_gpus": h.amd_gpus,
         "host.cuda_compat": h.cuda_compat,
         "host.port_range": h.port_range,
+        "host.master_port_by": h.master_port_by,
     }
     for fw in ("torch", "tensorflow", "keras"):
         info = facts.framework(fw)
@@ -257,8 +259,11 @@ def fact_values(facts: Facts, framework: str, replicas: int | None = None,
         values["driver.cuda_major_behind"] = driver_cuda.major < build.major
     else:
         values["driver.older_than_build"] = values["driver.cuda_major_behind"] = None
-    values["host.master_port_ephemeral"] = _in_port_range(facts.env_map.get("MASTER_PORT"),
-                                                          h.port_range)
+    # a port the launcher picked (the kernel gave it, its store already listens there) is no
+    # port the user can move below the range: only one the user chose is named
+    values["host.master_port_ephemeral"] = (
+        False if h.master_port_by == "launcher"
+        else _in_port_range(facts.env_map.get("MASTER_PORT"), h.port_range))
     for name, value in facts.env:
         values[f"env.{name}"] = value
     return values

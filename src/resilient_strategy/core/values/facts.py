@@ -155,6 +155,11 @@ class Host:
     cuda_compat: str = ""
     #: The kernel's ephemeral port range (``net.ipv4.ip_local_port_range``), "" unknown.
     port_range: str = ""
+    #: Who chose ``MASTER_PORT``: "launcher" (torchrun's elastic agent picked it, a free port
+    #: the kernel gave, and its store already listens there: nothing of the job binds it
+    #: again), "user" (set outside a launcher's store, or given to the launcher as
+    #: ``--master-port`` / ``PET_MASTER_PORT``), "" (no MASTER_PORT, or not read).
+    master_port_by: str = ""
 
 
 #: Link layers of an RDMA port (``/sys/class/infiniband/*/ports/*/link_layer``).
