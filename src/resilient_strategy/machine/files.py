@@ -256,6 +256,50 @@ def read_bytes(path: Path, *, max_bytes: int, owned: bool = True) -> bytes:
         os.close(fd)
 
 
+def read_tail(path: Path, *, max_bytes: int, owned: bool = True) -> bytes:
+    """The last ``max_bytes`` bytes of the regular file ``path`` (all of it when smaller): a log
+    or dump another process wrote, kept for a person to read. Opened as `read_bytes` opens
+    (never through a symlink, never blocking on a FIFO; with ``owned``: this user's own, not
+    writable by group or others; without: any regular file). Raises UnsafePathError,
+    FileNotFoundError, OSError."""
+    where = str(path)
+    if owned:
+        fd, st = _open_owned_fd(path)
+    else:
+        try:
+            fd = os.open(path, os.O_RDONLY | _CLOEXEC | _NONBLOCK | _NOFOLLOW)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.EMLINK) and os.path.islink(path):
+                raise UnsafePathError(where, "is a symbolic link", _fix_file(where)) from None
+            raise
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise UnsafePathError(where, NOT_REGULAR, _fix_file(where))
+    try:
+        os.lseek(fd, max(0, st.st_size - max_bytes), os.SEEK_SET)
+        chunks: list[bytes] = []
+        size = 0
+        while size < max_bytes:
+            chunk = os.read(fd, min(1 << 20, max_bytes - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def is_regular(path: Path) -> bool:
+    """Whether ``path`` is a regular file itself (not a symlink, FIFO, device or directory),
+    looked at without following or opening anything; False when absent or unreadable."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def _open_owned_fd(path: Path) -> tuple[int, os.stat_result]:
     """``path`` opened read-only (never through a symlink, never blocking on a FIFO) and checked:
     a regular file, this user's own, not writable by group or others. The caller closes it."""

@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import NoSpaceError
+from ..errors import FileFormatError, NoSpaceError, UnsafePathError
 from ..machine import files
 from .flightdump import Dump, DumpStatus, RankDump, merge_dumps, parse_dump
 from .rundir import RunDir
@@ -244,8 +244,9 @@ def _knock(path: Path) -> str:
 def read_answer(run_dir: str | Path, local_rank: int, rank: int) -> RankDump:
     """One rank's answer, parsed (`parse_dump`), after `respond` wrote it."""
     try:
-        raw = RunDir.of(run_dir).flight_status(local_rank).read_bytes()
-    except OSError:
+        raw = files.read_bytes(RunDir.of(run_dir).flight_status(local_rank),
+                               max_bytes=1 << 16)
+    except (OSError, UnsafePathError, FileFormatError):
         return RankDump(local_rank, rank, DumpStatus.NO_ANSWER,
                         "no answer before the deadline (its process may hold the GIL)")
     try:
@@ -258,17 +259,14 @@ def read_answer(run_dir: str | Path, local_rank: int, rank: int) -> RankDump:
     if not apis:
         return RankDump(local_rank, rank, DumpStatus.NOT_AVAILABLE, reasons)
     dumps: list[Dump] = []
-    files: list[str] = []
+    kept: list[str] = []
     for api in apis:
         path = RunDir.of(run_dir).flight_dump(local_rank, api)
         try:
-            with open(path, "rb") as fh:
-                data = fh.read(MAX_DUMP_BYTES + 1)
-            if len(data) > MAX_DUMP_BYTES:
-                raise ValueError(f"larger than {MAX_DUMP_BYTES} bytes")
+            data = files.read_bytes(path, max_bytes=MAX_DUMP_BYTES)  # FileFormatError: larger
             dumps.append(parse_dump(data))
-            files.append(str(path))
-        except (OSError, ValueError) as exc:
+            kept.append(str(path))
+        except (OSError, ValueError, UnsafePathError) as exc:
             return RankDump(local_rank, rank, DumpStatus.UNREADABLE, f"{api}: {exc}")
     return RankDump(local_rank, rank, DumpStatus.DUMPED, reasons, merge_dumps(dumps),
-                    tuple(files))
+                    tuple(kept))

@@ -2,10 +2,13 @@
 of ``resilient-strategy run`` leaves there (the handed decision, each rank's progress, phase
 marks, error record, traceback and stacks, the flight recorder's FIFO, status and dumps, the
 agent's logs, the checkpoint note). Writers and readers ask it for their paths; nothing else
-spells a file name of the run directory. Pure: paths only, nothing is read or written."""
+spells a file name of the run directory. Paths only, nothing is read or written (the one look
+at the disk: `stderr_logs` finds the logs torch's agent nested, regular files only)."""
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,8 +49,11 @@ class RunDir:
         return self.root / "logs"
 
     def stderr_logs(self, local_rank: int) -> list[Path]:
-        """A rank's stderr logs under `logs` (torch's agent nests them by its run id)."""
-        return sorted(self.logs.glob(f"**/{local_rank}/stderr.log"))
+        """A rank's stderr logs under `logs` (torch's agent nests them by its run id): regular
+        files only, looked at without following or opening anything (a FIFO or a symlink
+        at that name is not a log: a reader that opened it would block or read elsewhere)."""
+        return sorted(p for p in self.logs.glob(f"**/{local_rank}/stderr.log")
+                      if _regular(p))
 
     def solo_stderr_log(self) -> Path:
         """The stderr log of a one-process attempt started without torch's agent (`run/solo`),
@@ -105,3 +111,10 @@ RANK_FILES = {
 
 #: The checkpoint note's name in a run directory (the supervisor finds the newest one).
 CHECKPOINT_NOTE = "checkpoint.json"
+
+
+def _regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False

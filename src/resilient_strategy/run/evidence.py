@@ -12,18 +12,27 @@ this file's path, not the tracebacks.
 The workers leave ``rank<N>.traceback.txt`` and ``rank<N>.stacks.txt`` in the attempt's run
 directory (`worker`); the run directory is removed at the end of the run, these files are
 not. Never raises: evidence that cannot be written is said in the line, not fatal.
+
+Trust (as for checkpoints, `resilient_strategy.machine.files`): ``--evidence-dir`` must be a
+directory of this user's own, not writable by group or others (created 0700 when absent; a
+shared ``./resilient-strategy-evidence`` of another user's, or a sticky world-writable one, is
+refused with one warning and no evidence is written there); the session's directory in it is
+created by this run (0700) and never followed as a symlink. What is read from the run directory
+(tracebacks, stacks, stderr logs, error records, flight dumps) is read as this user's regular
+files only, never through a symlink, never blocking on a FIFO, and bounded.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..machine.files import ensure_private_dir, write_json_atomic
+from ..errors import FileFormatError, NoSpaceError, UnsafePathError
+from ..machine import files
+from ..records.flight import MAX_DUMP_BYTES
 from ..records.flightdump import FlightFacts
 from ..records.rundir import RunDir
 from .policy import Attempt
@@ -65,15 +74,37 @@ class Evidence:
                     parts += [f"===== rank {r}: {title} ({path}) =====", text.rstrip(), ""]
         parts += self._error_records(attempt.number, run_dir, ranks)
         path = self.path(attempt.number)
+        if not self._ready(create=True):
+            return None
         try:
-            ensure_private_dir(self.dir)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0),
-                         0o600)
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write("\n".join(parts) + "\n")
+            files.write_bytes_atomic(path, ("\n".join(parts) + "\n").encode("utf-8"),
+                                     what="the evidence of a failed attempt")
         except Exception:
             return None
         return str(path)
+
+    def _ready(self, *, create: bool) -> bool:
+        """Whether the session's evidence directory is safely this user's: ``root`` a private
+        directory of ours (created 0700 when absent and ``create``), ``root/session`` a real
+        directory of ours (made by this run, never a symlink). A directory that is not is said
+        once (a warning naming it and the fix) and nothing is written there."""
+        root = self.dir.parent
+        try:
+            if create:
+                files.ensure_private_dir(root, fix=_fix(root))
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(self.dir, 0o700)
+            elif not os.path.lexists(self.dir):
+                return False
+            else:
+                files.check_private_dir(root, fix=_fix(root))
+            files.check_private_dir(self.dir, fix=_fix(self.dir), follow_links=False)
+        except UnsafePathError as exc:
+            files.warn_once(f"evidence-dir:{exc.path}", f"{exc} No evidence is written there.")
+            return False
+        except OSError:
+            return False
+        return True
 
     def error_record(self, number: int, local_rank: int) -> Path:
         """Where attempt ``number``'s copy of a rank's error record goes (a replay reads it:
@@ -86,19 +117,22 @@ class Evidence:
         out = []
         for r in range(ranks):
             src = RunDir.of(run_dir).error(r)
-            if not src.is_file():
+            if not files.is_regular(src):
                 continue
             copy = self.error_record(number, r)
-            if self._keep(src, copy):
+            if self._keep(src, copy, files.MAX_REPORT_BYTES):
                 out.append(f"rank {r}'s error record: {copy}")
         return out
 
-    def _keep(self, src: Path, copy: Path) -> bool:
-        """``src`` copied to ``copy`` in the evidence directory; False when it could not be."""
+    def _keep(self, src: Path, copy: Path, max_bytes: int) -> bool:
+        """``src`` (a regular file of this user's in the run directory, at most ``max_bytes``)
+        copied to ``copy`` in the evidence directory; False when it could not be."""
         try:
-            ensure_private_dir(self.dir)
-            shutil.copyfile(src, copy)
-        except Exception:
+            data = files.read_bytes(src, max_bytes=max_bytes)
+            if not self._ready(create=True):
+                return False
+            files.write_bytes_atomic(copy, data, what="the evidence of a failed attempt")
+        except (OSError, UnsafePathError, FileFormatError, NoSpaceError):
             return False
         return True
 
@@ -110,7 +144,7 @@ class Evidence:
             for raw in r.files:
                 api = Path(raw).name.split(".flight", 1)[-1].removesuffix(".pkl")
                 copy = self.dir / f"attempt{number + 1}.{api}.rank{r.rank}"
-                if self._keep(Path(raw), copy):
+                if self._keep(Path(raw), copy, MAX_DUMP_BYTES):
                     out.append(f"  rank {r.rank}'s raw dump ({api}): {copy}")
         return out
 
@@ -121,7 +155,7 @@ class Evidence:
         ``membership``: a multi-node run's membership round of each attempt (who was in, who
         left and how it was seen, who joined: `Change`); ``goodput``: the job's productive
         share and its badput by cause (`goodput.Goodput.to_dict`)."""
-        if not self.dir.is_dir():
+        if not self._ready(create=False):  # no fault wrote here (or it is not ours)
             return None
         path = self.dir / "attempts.json"
         data: dict[str, Any] = {"attempts": [a.to_dict() for a in history]}
@@ -130,7 +164,7 @@ class Evidence:
         if goodput is not None:
             data["goodput"] = dict(goodput)
         with contextlib.suppress(Exception):
-            write_json_atomic(path, data, indent=1)
+            files.write_json_atomic(path, data, indent=1)
             return str(path)
         return None
 
@@ -139,16 +173,22 @@ class Evidence:
         agreed): no attempt, and ``setup``, what failed (typed: see the supervisor's
         ``_setup_failure``); its path or None."""
         path = self.dir / "attempts.json"
+        if not self._ready(create=True):
+            return None
         with contextlib.suppress(Exception):
-            ensure_private_dir(self.dir)
-            write_json_atomic(path, {"attempts": [], "setup": failure}, indent=1)
+            files.write_json_atomic(path, {"attempts": [], "setup": failure}, indent=1)
             return str(path)
         return None
 
 
+def _fix(where: Path) -> str:
+    return (f"Remove or rename {where}, or point --evidence-dir at a directory of your own "
+            "(not writable by group or others).")
+
+
 def _tail(path: Path, limit: int) -> str:
-    with contextlib.suppress(OSError), open(path, "rb") as fh:
-        fh.seek(0, os.SEEK_END)
-        fh.seek(max(0, fh.tell() - limit))
-        return fh.read().decode("utf-8", "replace")
+    """The end of a rank's file (`files.read_tail`: a regular file of this user's, never
+    through a symlink nor blocking on a FIFO); "" when it is absent or not such a file."""
+    with contextlib.suppress(OSError, UnsafePathError):
+        return files.read_tail(path, max_bytes=limit).decode("utf-8", "replace")
     return ""

@@ -61,8 +61,10 @@ from ..errors import (
     NoSpaceError,
     NoWorkingStrategyError,
     ResilientStrategyError,
+    UnsafePathError,
 )
 from ..machine import env as machine_env
+from ..machine import files
 from ..probing.base import Prober
 from ..records import phases
 from ..records.handoff import HandedDecision, binding, write_decision
@@ -661,8 +663,9 @@ def remember_failures(facts: Any, opts: RunOptions, env: Mapping[str, str],
 def _last_checkpoint(session: Path) -> tuple[int, str] | None:
     best: tuple[int, str] | None = None
     for note in session.glob(f"attempt*/{CHECKPOINT_NOTE}"):
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            data = parse_json(note.read_bytes(), str(note), allow_nan=True)  # bounded
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, UnsafePathError):
+            data = parse_json(files.read_bytes(note, max_bytes=files.MAX_REPORT_BYTES),  # ours,
+                              str(note), allow_nan=True)  # bounded, no FIFO, no symlink
             if best is None or int(data["step"]) > best[0]:
                 best = (int(data["step"]), str(data["path"]))
     return best
