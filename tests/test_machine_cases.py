@@ -139,3 +139,38 @@ def test_a_field_case_of_an_unknown_kind_is_one_clean_error(tmp_path: Path) -> N
     with pytest.raises(ResilientStrategyError):  # the same file with a known kind loads
         load_simulation(bad)
     assert load_simulation(FIELD / "four_gpus_freeze_p2p_off.json")[1]["kind"] in FIELD_KINDS
+
+
+#: Issue 41's described healthy machines (NVLink, NVSwitch, PCIe consumer and data-centre
+#: cards; torch and TensorFlow; transformer, convolutional and MLP models of several sizes).
+HEALTHY = MACHINES / "healthy"
+
+
+@pytest.mark.parametrize("path", sorted(HEALTHY.glob("*.json")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("model", [True, False], ids=["model", "no_model"])
+def test_a_healthy_machine_trains_on_every_gpu(path: Path, model: bool, tmp_path: Path) -> None:
+    """No proven GPU is left idle on an estimate: with the model's size (gradient_bytes=, as
+    model= gives it) and without, every GPU trains, and the trace says the ranking is
+    provisional (nothing measured the compute)."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if not model:
+        data = {k: v for k, v in data.items() if k not in ("gradient_bytes", "param_bytes")}
+    case = tmp_path / path.name
+    case.write_text(json.dumps(data), encoding="utf-8")
+    (sel,) = simulate_file(case).values()
+    gpus = data["machine"]["gpus"]
+    assert (sel.num_replicas, list(sel.devices)) == (gpus, list(range(gpus)))
+    assert sel.accumulation_steps == 1
+    kept = [e.kept for e in sel.plan.events if e.kind == "ranking_provisional"]
+    assert kept == [tuple(range(gpus))]
+
+
+def test_the_healthy_machines_cover_both_frameworks_and_every_kind_of_link() -> None:
+    cases = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(HEALTHY.glob("*.json"))]
+    assert {c["framework"] for c in cases} == {"torch", "tensorflow"}
+    machines = [c["machine"] for c in cases]
+    assert any(m.get("platform_facts", {}).get("nvswitch") for m in machines)  # NVSwitch
+    assert any(m.get("nvlink") and not m.get("platform_facts") for m in machines)  # NVLink pair
+    assert any("GeForce" in m["name"] for m in machines)  # PCIe consumer cards
+    assert any(not m.get("nvlink") and "GeForce" not in m["name"] for m in machines)
+    assert len({c["gradient_bytes"] for c in cases}) >= 5  # model sizes

@@ -98,11 +98,20 @@ def test_two_gpu_workers_nccl_then_ring_each_with_every_local_gpu() -> None:
 
 def test_a_small_model_trains_on_one_gpu_of_worker_0_without_probing() -> None:
     prober = FakeProber({})
+    # the user's measured compute (issue 41: a model's size alone never drops GPUs)
     sel = simulate(gpu_worker(1), prober, framework="tensorflow", global_batch_size=256,
-                   gradient_bytes=20_000_000)
+                   gradient_bytes=20_000_000, sample_seconds=1e-5)
     assert prober.calls == []  # the estimate says one GPU beats the network and its 2 GPUs
     assert (sel.backend, sel.accumulation_steps, sel.active) == ("single_device", 4, False)
     assert multi_worker_event(sel)["probed"] == []
+
+
+def test_without_a_measured_compute_nccl_across_the_workers_is_proven_first() -> None:
+    prober = FakeProber({})  # issue 41: NCCL on every GPU of the job is tried before one GPU
+    sel = simulate(gpu_worker(1), prober, framework="tensorflow", global_batch_size=256,
+                   gradient_bytes=20_000_000)
+    assert [s.backend for s in prober.calls] == ["mw_nccl"]
+    assert (sel.backend, sel.num_replicas) == ("mw_nccl", 4)  # 2 workers x 2 GPUs
 
 
 def nvlink_worker(index: int, gpus: int = 4) -> Any:

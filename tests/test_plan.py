@@ -7,9 +7,10 @@ from _imports import PKG, imports, modules
 
 from resilient_strategy.core.call.options import Options
 from resilient_strategy.core.knowledge.rules import load_rules
+from resilient_strategy.core.measures.estimate import MeasuredStep
 from resilient_strategy.core.measures.probe import ProbeResult
 from resilient_strategy.core.planning.plan import Candidate, Plan, plan, split_batch
-from resilient_strategy.core.trace.choosing import Chosen
+from resilient_strategy.core.trace.choosing import Chosen, FewerGpusRanked, ProvisionalRanking
 from resilient_strategy.core.trace.event import Note
 from resilient_strategy.core.values.facts import Facts, FrameworkInfo, Gpu, Host, Link
 from resilient_strategy.errors import InvalidOptionError
@@ -65,16 +66,29 @@ def test_proven_nccl_is_chosen() -> None:
 
 
 def test_hung_nccl_tries_p2p_off_remedy_next_then_steps_down_by_speed() -> None:
+    # issue 41: the P2P-off remedy is NCCL on both GPUs, so with nothing measured of the compute
+    # it is probed next, whatever the estimate says of one GPU (a model's size is not its compute)
     policy = Options("torch", global_batch_size=512, gradient_bytes=400_000_000, world_size=2)
     r1 = {"torch:nccl:0,1": fail("torch:nccl:0,1", "timeout")}
     p = plan(h200s(), RULES, r1, policy)
-    # P2P-off over NVLink machines goes through SHM (28 GB/s measured): slower than one GPU for a
-    # 100M-parameter model, so one GPU with 2 accumulation steps wins without probing the remedy.
+    assert p.next_probe is not None and p.next_probe.key == "torch:nccl:0,1:NCCL_P2P_DISABLE=1"
+    assert [r.candidate.key for r in p.ruled_out] == ["torch:nccl:0,1"]
+    (provisional,) = [e for e in p.events if isinstance(e, ProvisionalRanking)]
+    assert (provisional.kept, provisional.degraded) == ((0, 1), False)
+    # with the user's measured compute (sample_seconds=): P2P-off over NVLink goes through SHM
+    # (28 GB/s measured), slower than one GPU for a 100M-parameter model whose sample takes
+    # 10 us, so one GPU with 2 accumulation steps wins without probing the remedy, and says why
+    fast = Options("torch", global_batch_size=512, gradient_bytes=400_000_000, world_size=2,
+                   sample_seconds=1e-5)
+    p = plan(h200s(), RULES, r1, fast)
     assert order(p)[0] == "torch:single_device:0"
     assert p.chosen is not None and p.chosen.backend == "single_device"
     assert p.chosen.accumulation_steps == 2
-    assert [r.candidate.key for r in p.ruled_out] == ["torch:nccl:0,1"]
     assert "torch:nccl:0,1:NCCL_P2P_DISABLE=1" in order(p)
+    (fewer,) = [e for e in p.events if isinstance(e, FewerGpusRanked)]
+    assert (fewer.candidate.key, fewer.over.key, fewer.source) == (
+        "torch:single_device:0", "torch:nccl:0,1:NCCL_P2P_DISABLE=1", "sample_seconds")
+    assert not [e for e in p.events if isinstance(e, ProvisionalRanking)]
 
 
 def test_small_model_prefers_remedy_to_single_gpu() -> None:
@@ -91,9 +105,13 @@ def test_small_model_prefers_remedy_to_single_gpu() -> None:
 
 
 def test_measured_slow_bandwidth_loses_to_one_gpu() -> None:
-    policy = Options("torch", global_batch_size=512, gradient_bytes=400_000_000, world_size=2)
+    # issue 41: only with a measured compute (here sample_seconds=) may one GPU beat a proven
+    # transport across both; NCCL and its remedies failed, so gloo is a degraded option anyway
+    policy = Options("torch", global_batch_size=512, gradient_bytes=400_000_000, world_size=2,
+                     sample_seconds=2e-5)
     results = {
         "torch:nccl:0,1": fail("torch:nccl:0,1", "timeout"),
+        "torch:nccl:0,1:NCCL_P2P_DISABLE=1": fail("torch:nccl:0,1:NCCL_P2P_DISABLE=1", "timeout"),
         "torch:gloo:0,1": ProbeResult("torch:gloo:0,1", "ok", 3.0, bus_bandwidth_gbps=2.2),
     }
     p = plan(h200s(), RULES, results, policy)
@@ -101,6 +119,61 @@ def test_measured_slow_bandwidth_loses_to_one_gpu() -> None:
     gloo = next(r for r in p.ranked if r.candidate.backend == "gloo")
     single = next(r for r in p.ranked if r.candidate.backend == "single_device")
     assert gloo.estimate.step_seconds > 10 * single.estimate.step_seconds
+    assert (gloo.estimate.compute, single.estimate.compute) == ("sample_seconds",) * 2
+
+
+def test_a_measured_step_is_the_rankings_compute_over_sample_seconds() -> None:
+    # the seam for the user's step measured during training (issue 41): it stands over
+    # sample_seconds= and may rank one GPU first; the trace says it came from the measurement
+    policy = Options("torch", global_batch_size=512, gradient_bytes=400_000_000, world_size=2,
+                     sample_seconds=1.0)
+    r1 = {"torch:nccl:0,1": fail("torch:nccl:0,1", "timeout")}
+    assert plan(h200s(), RULES, r1, policy).next_probe is not None  # 1 s a sample: two GPUs
+    p = plan(h200s(), RULES, r1, policy, measured=MeasuredStep(1e-5))
+    assert p.chosen is not None and p.chosen.backend == "single_device"
+    assert {r.estimate.compute for r in p.ranked} == {"measured_step"}
+    (fewer,) = [e for e in p.events if isinstance(e, FewerGpusRanked)]
+    assert fewer.source == "measured_step"
+
+
+def test_an_estimate_never_leaves_a_gpu_idle_that_nccl_proved() -> None:
+    # issue 41 item 1: NCCL proven on both GPUs (or still to prove), any model size, no
+    # measured compute: both GPUs, torch and TensorFlow alike
+    tf = FrameworkInfo("tensorflow", "2.21.0", "tensorflow", "12.5.1", None, ("sm_90",))
+    tf_facts = Facts(gpus=h200s().gpus, links=h200s().links, frameworks=(tf,))
+    for grad in (None, 4_000_000, 400_000_000, 40_000_000_000):
+        for fw, facts, key in (("torch", h200s(), "torch:nccl:0,1"),
+                               ("tensorflow", tf_facts, "tensorflow:nccl:0,1")):
+            policy = Options(fw, global_batch_size=64, gradient_bytes=grad,
+                             world_size=2 if fw == "torch" else 1)
+            unproven = plan(facts, RULES, {}, policy)
+            assert unproven.next_probe is not None and unproven.next_probe.key == key, (fw, grad)
+            ok = ProbeResult(key, "ok", 2.0, bus_bandwidth_gbps=1.0)  # even a slow one
+            proven = plan(facts, RULES, {key: ok}, policy)
+            # chosen, or a faster-estimated reduction on the same GPUs probed first
+            nxt = proven.chosen or proven.next_probe
+            assert nxt is not None and nxt.num_replicas == 2, (fw, grad)
+            family = [i for i, c in enumerate(proven.candidates)
+                      if c.backend in ("nccl", "hierarchical_copy", "reduction_to_one_device")]
+            one = [i for i, c in enumerate(proven.candidates) if c.num_replicas == 1]
+            assert max(family) < min(one), (fw, grad)
+            assert [e.kept for e in proven.events if isinstance(e, ProvisionalRanking)] == [(0, 1)]
+
+
+def test_degraded_options_only_are_ranked_by_the_estimate_and_provisional() -> None:
+    # no NCCL-family candidate left on both GPUs: gloo against one GPU, by the estimate (with
+    # its assumed compute), and the trace says it is provisional
+    policy = Options("torch", global_batch_size=512, gradient_bytes=40_000_000_000, world_size=2)
+    results = {
+        "torch:nccl:0,1": fail("torch:nccl:0,1", "timeout"),
+        "torch:nccl:0,1:NCCL_P2P_DISABLE=1": fail("torch:nccl:0,1:NCCL_P2P_DISABLE=1", "timeout"),
+        "torch:gloo:0,1": ProbeResult("torch:gloo:0,1", "ok", 3.0, bus_bandwidth_gbps=2.2),
+    }
+    p = plan(h200s(), RULES, results, policy)
+    assert p.chosen is not None and p.chosen.backend == "single_device"  # 40 GB over gloo
+    (provisional,) = [e for e in p.events if isinstance(e, ProvisionalRanking)]
+    assert (provisional.kept, provisional.degraded) == ((), True)
+    assert {r.estimate.compute for r in p.ranked} == {"none"}
 
 
 def test_user_set_variable_is_never_overridden_by_a_remedy() -> None:

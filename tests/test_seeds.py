@@ -52,7 +52,10 @@ def test_seed000_rtx5090_tf215_gets_hierarchical_copy_without_crashing_first() -
 
 
 def test_seed001_sagemaker_hang_falls_back_to_one_gpu_with_accumulation_x4() -> None:
-    sel, prober = run("seed001_sagemaker_p3_8xlarge.json", gradient_bytes=100_000_000)
+    # issue 41: only a measured compute (here sample_seconds=: a 25M-parameter MLP's sample,
+    # ~20 us on a V100) ranks one GPU above gloo across the four; a model's size alone does not
+    sel, prober = run("seed001_sagemaker_p3_8xlarge.json", gradient_bytes=100_000_000,
+                      sample_seconds=2e-5)
     assert sel.backend == "single_device"
     assert sel.accumulation_steps == 4 and sel.per_replica_batch_size == 32
     assert sel.num_replicas * sel.per_replica_batch_size * sel.accumulation_steps == 128
@@ -61,6 +64,11 @@ def test_seed001_sagemaker_hang_falls_back_to_one_gpu_with_accumulation_x4() -> 
     assert "aws-ofi-without-efa" in sel.plan.rules_fired
     # gloo worked at 1.9 GB/s but loses to one GPU for a 100 MB model: step down by speed
     assert any("gloo" in r.candidate.key for r in sel.plan.ranked)
+    # without the compute: the degraded options by the estimate's assumed compute, provisional
+    sel, _ = run("seed001_sagemaker_p3_8xlarge.json", gradient_bytes=100_000_000)
+    assert (sel.backend, sel.num_replicas) == ("gloo", 4)
+    assert [(e.degraded, e.kept) for e in sel.plan.events
+            if e.kind == "ranking_provisional"] == [(True, ())]
 
 
 def test_seed002_consumer_pcie_tries_p2p_off_first_and_keeps_nccl() -> None:

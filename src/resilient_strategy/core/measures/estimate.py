@@ -1,7 +1,13 @@
 """The cost model: seconds per global batch of a candidate on these facts.
 
-Typical bus bandwidths and device FLOP/s stand in where nothing was measured; a probe's measured
-bandwidth replaces the typical figure. The planner orders candidates by `estimate`.
+Communication: typical bus bandwidths stand in where nothing was measured; a probe's measured
+bandwidth replaces the typical figure. Compute: only ever measured, never derived from the
+model's size (a parameter count says nothing of a sample's FLOPs: one token is not a sequence,
+one pixel row is not an image): the user's own step measured (`MeasuredStep`, the ranking's
+``measured`` input) or the user's ``sample_seconds=``. Without either, the estimate carries an
+assumed compute (a ResNet-50-sized sample, `ASSUMED_SAMPLE_FLOPS`) and says it is provisional
+(``Estimate.compute == "none"``): the planner then never lets it leave a proven GPU idle
+(`core.planning.ranking`). The planner orders candidates by `estimate`.
 """
 
 from __future__ import annotations
@@ -67,8 +73,41 @@ CPU_FLOPS = 2e11
 TYPICAL_HOST_LINK_GBPS = 12.0
 CPU_OPTIMIZER_BYTES_PER_S = 2e9
 ASSUMED_GRADIENT_BYTES = 100 << 20  # ResNet-50: 25.6M fp32 parameters
-ASSUMED_SAMPLE_FLOPS = 1.2e10  # ResNet-50 at 224x224: ~4.1 GFLOPs forward, x3 for training
+#: The compute of one sample when nothing measured it: ResNet-50 at 224x224 (~4.1 GFLOPs
+#: forward, x3 for training). A placeholder that keeps the estimates' seconds finite (the
+#: supervisor's throughput floor compares them); an estimate built on it is provisional and
+#: never drops a GPU an NCCL-family probe proved (`core.planning.ranking`). Never derived from
+#: the model's size.
+ASSUMED_SAMPLE_FLOPS = 1.2e10
 ASSUMED_GLOBAL_BATCH = 256
+#: Where the compute term of an estimate comes from (``Estimate.compute``): the user's own
+#: step measured during training, the user's ``sample_seconds=``, or nothing (assumed,
+#: provisional).
+COMPUTE_SOURCES = ("measured_step", "sample_seconds", "none")
+
+
+@dataclass(frozen=True)
+class MeasuredStep:
+    """The user's own step, measured: the compute seconds of one sample on one device it ran
+    on (the seam for the step measurement of issue 41; the planner takes it as its
+    ``measured`` input and trusts it over ``sample_seconds=``)."""
+
+    sample_seconds: float
+
+    def __post_init__(self) -> None:
+        if not self.sample_seconds > 0:
+            raise ValueError(f"a measured step takes a positive time, not {self.sample_seconds!r}")
+
+
+def compute_source(policy: Options, measured: MeasuredStep | None = None
+                   ) -> tuple[float | None, str]:
+    """(compute seconds of one sample on one device, or None; its source, one of
+    `COMPUTE_SOURCES`): the measured step first, then ``sample_seconds=``."""
+    if measured is not None:
+        return measured.sample_seconds, "measured_step"
+    if policy.sample_seconds is not None:
+        return policy.sample_seconds, "sample_seconds"
+    return None, "none"
 
 
 def offload_seconds(c: Candidate, policy: Options, nodes: int = 1) -> tuple[float, float]:
@@ -90,6 +129,13 @@ class Estimate:
     step_seconds: float  # per global batch
     bus_gbps: float | None
     basis: str  # words: where the numbers came from
+    #: where its compute term came from (`COMPUTE_SOURCES`); "none": assumed, provisional
+    compute: str = "none"
+
+    @property
+    def provisional(self) -> bool:
+        """Whether no measurement of the user's compute stands behind it."""
+        return self.compute == "none"
 
 
 def _typical_bus(c: Candidate, facts: Facts, policy: Options) -> tuple[float | None, str]:
@@ -140,25 +186,26 @@ def _flops(facts: Facts, c: Candidate) -> float:
 
 
 def estimate(
-    c: Candidate, facts: Facts, result: ProbeResult | None, policy: Options
+    c: Candidate, facts: Facts, result: ProbeResult | None, policy: Options,
+    measured: MeasuredStep | None = None,
 ) -> Estimate:
     """Seconds per global batch: compute split over replicas plus the part of one gradient
     all-reduce (sharded: two parameter all-gathers and a gradient reduce-scatter) that backward
     does not hide (DDP overlaps it with backward, about 2/3 of compute;
-    Keras fit reduces after backward, so TensorFlow hides none)."""
-    known_model = policy.gradient_bytes is not None
+    Keras fit reduces after backward, so TensorFlow hides none). The compute is ``measured``'s,
+    else ``sample_seconds=``'s, else an assumed one (`ASSUMED_SAMPLE_FLOPS`, provisional:
+    ``Estimate.compute`` is "none")."""
     grad = policy.gradient_bytes or ASSUMED_GRADIENT_BYTES
     g = policy.global_batch_size or ASSUMED_GLOBAL_BATCH
-    if policy.sample_seconds is not None:
-        per_sample, how = policy.sample_seconds, "measured compute"
+    seconds, source = compute_source(policy, measured)
+    if seconds is not None:
+        per_sample = seconds
+        how = "measured step" if source == "measured_step" else "compute from sample_seconds="
         if c.backend == "cpu" and facts.gpus:  # measured on a GPU: a CPU is that much slower
             per_sample *= _flops(facts, replace(c, backend="single_device", devices=(0,))) / CPU_FLOPS
-    elif known_model:
-        per_sample = 6 * (grad / 4) / _flops(facts, c)
-        how = "compute from 6 FLOPs/parameter/sample"
     else:
         per_sample = ASSUMED_SAMPLE_FLOPS / _flops(facts, c)
-        how = "compute of a ResNet-50-sized model"
+        how = "assumed compute, nothing measured"
     r = c.num_replicas
     compute = g * per_sample / r
     bus: float | None
@@ -177,7 +224,7 @@ def estimate(
         basis += (f", CPU offload: host copies at a typical {TYPICAL_HOST_LINK_GBPS:g} GB/s and "
                   "the optimizer step on the CPU")
     step = compute + max(0.0, comm - hidden) + copies + optimizer
-    return Estimate(step_seconds=step, bus_gbps=bus, basis=basis)
+    return Estimate(step_seconds=step, bus_gbps=bus, basis=basis, compute=source)
 
 
 def throughput_fraction(failed_step_s: float, next_step_s: float, failed_replicas: int = 0,

@@ -24,7 +24,7 @@ from ..knowledge.clauses import FactValue, fact_values
 from ..knowledge.nodefacts import compare
 from ..knowledge.remedies import SETUP_HANG
 from ..knowledge.rules import Rule, fired
-from ..measures.estimate import Estimate, estimate
+from ..measures.estimate import Estimate, MeasuredStep, estimate
 from ..measures.probe import TIMEOUT, ProbeResult
 from ..trace.choosing import BatchSplit, Split
 from ..trace.event import Event
@@ -40,7 +40,7 @@ from .sharding import fewer_devices, offloaded
 if TYPE_CHECKING:
     from ..call.options import Options
 
-__all__ = ["Candidate", "Estimate", "Plan", "Ranked", "RuledOut", "estimate", "plan", "split_batch"]
+__all__ = ["Candidate", "Estimate", "MeasuredStep", "Plan", "Ranked", "RuledOut", "estimate", "plan", "split_batch"]
 
 #: Cause -> remedies is data (``remedies.toml``, `remedies`, ``Options.remedies``); a hang
 #: judged in communicator set-up is its own cause there (``setup_hang``), in words:
@@ -87,6 +87,7 @@ def plan(
     policy: Options,
     *,
     reference_replicas: int = 1,
+    measured: MeasuredStep | None = None,
 ) -> Plan:
     """Order every way to train on this machine, in the order to try them, and say why.
 
@@ -94,7 +95,11 @@ def plan(
     ``resilient-strategy run`` plans in a launch of its own, one process when the decision is
     one device; the supervisor's ``Plan.reference_replicas`` is handed down so that the split,
     its trace line, the memory check and the estimates are those of the per-device batch the
-    job was sized for, not of the whole global batch in one step)."""
+    job was sized for, not of the whole global batch in one step).
+
+    ``measured``: the user's own step, measured (the compute of one sample); with it, or with
+    ``sample_seconds=``, an estimate may rank fewer GPUs first; without, an NCCL-family
+    candidate on every GPU ranks above fewer GPUs (`ranking`)."""
     b = Build(simulated=policy.simulated)
     fw = policy.framework
     info = facts.framework(fw)
@@ -124,7 +129,7 @@ def plan(
     cands = _apply_results(cands, results, policy, b, values)
     cands = _memory_rungs(chain, cands, facts, results, policy, b, values)
 
-    ranked = rank_candidates(cands, facts, results, policy, b)
+    ranked = rank_candidates(cands, facts, results, policy, b, measured)
     chosen, next_probe = choose(ranked, b, policy)
     return Plan(
         framework=fw,

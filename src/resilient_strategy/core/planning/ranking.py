@@ -1,16 +1,33 @@
 """Ranking the candidates left by estimated time (the cost model is `measures.estimate`), the
 order that keeps node-local and TensorFlow worker-0 candidates in their place, measured results
-within noise kept in order, and the choice: a candidate, or the next one to probe."""
+within noise kept in order, and the choice: a candidate, or the next one to probe.
+
+Proven GPUs are kept (issue 41): while nothing measured the user's compute (no ``measured``
+step, no ``sample_seconds=``), an NCCL-family candidate (`NCCL_FAMILY`) on every GPU left ranks
+above every candidate on fewer GPUs, whatever the estimates say: the estimate orders the
+candidates on those same GPUs (which remedy first, NCCL or a reduction), and it orders the
+degraded options (gloo across the GPUs against one GPU with accumulation) only when no
+NCCL-family candidate on every GPU is left, saying that ranking is provisional
+(`ProvisionalRanking`). Fewer GPUs rank first only from a measured compute, and the trace says
+which (`FewerGpusRanked`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from ...vocab import MULTI_WORKER_BACKENDS
-from ..measures.estimate import estimate
+from ...vocab import MIRRORED_BACKENDS, MULTI_WORKER_BACKENDS, Backend
+from ..measures.estimate import MeasuredStep, compute_source, estimate
 from ..measures.probe import ProbeResult
-from ..trace.choosing import Chosen, NextProbe, NothingLeft, RankEntry, Ranking
+from ..trace.choosing import (
+    Chosen,
+    FewerGpusRanked,
+    NextProbe,
+    NothingLeft,
+    ProvisionalRanking,
+    RankEntry,
+    Ranking,
+)
 from ..values.candidate import Candidate
 from ..values.facts import Facts
 from ..values.human import human_bytes
@@ -18,6 +35,32 @@ from .shapes import Build, Ranked
 
 if TYPE_CHECKING:
     from ..call.options import Options
+
+
+#: The NCCL family, by framework: the backends whose candidate on every GPU keeps every GPU
+#: while nothing measured the user's compute (NCCL, with or without remedies; TensorFlow's
+#: MirroredStrategy with NCCL or its reductions, and NCCL across TF_CONFIG workers).
+NCCL_FAMILY: dict[str, tuple[Backend, ...]] = {
+    "torch": ("nccl",),
+    "tensorflow": (*MIRRORED_BACKENDS, "mw_nccl"),
+}
+
+
+def nccl_family(c: Candidate) -> bool:
+    """Whether ``c`` is of the NCCL family (`NCCL_FAMILY`) and runs a collective on GPUs (the
+    logical CPU devices of TensorFlow's test mode are no GPUs to keep)."""
+    return (c.num_replicas > 1 and not c.logical_cpus
+            and c.backend in NCCL_FAMILY.get(c.framework, ()))
+
+
+def every_gpu_kept(cands: Sequence[Candidate]) -> tuple[Candidate, ...]:
+    """The NCCL-family candidates on every GPU left (the widest candidates' replicas), which
+    an estimate never ranks below fewer GPUs: empty when the widest candidates left are not of
+    the family (then only degraded options are left across those GPUs)."""
+    widest = max((c.num_replicas for c in cands if c.backend != "cpu"), default=0)
+    if widest <= 1:
+        return ()
+    return tuple(c for c in cands if nccl_family(c) and c.num_replicas == widest)
 
 
 # --------------------------------------------------------------------------------------------
@@ -29,23 +72,32 @@ def rank_candidates(
     results: Mapping[str, ProbeResult],
     policy: Options,
     b: Build,
+    measured: MeasuredStep | None = None,
 ) -> list[Ranked]:
-    ranked = [Ranked(c, estimate(c, facts, results.get(c.key), policy), results.get(c.key)) for c in cands]
+    """``measured``: the user's own step, measured (it stands over ``sample_seconds=``); only a
+    measured compute lets an estimate rank fewer GPUs above an NCCL-family candidate on every
+    GPU (`every_gpu_kept`)."""
+    ranked = [Ranked(c, estimate(c, facts, results.get(c.key), policy, measured),
+                     results.get(c.key)) for c in cands]
     order = {c.key: i for i, c in enumerate(cands)}
+    _, compute = compute_source(policy, measured)
+    kept = every_gpu_kept(cands)
+    keeping = {c.key for c in kept} if compute == "none" else set()
 
     # sharding="full" is the user's choice: a candidate that does not shard (one device)
     # stays a fallback, below every sharded one, whatever its estimate
     asked_to_shard = policy.sharding == "full" and any(c.sharded for c in cands)
 
-    def key(r: Ranked) -> tuple[int, float, int]:
+    def key(r: Ranked) -> tuple[int, int, float, int]:
         c = r.candidate
         group = 3 if c.backend == "cpu" else (0 if policy.prefer == c.backend else 1)
         if group == 1 and asked_to_shard and not c.sharded:
             group = 2
-        return (group, r.estimate.step_seconds, order[c.key])
+        # nothing measured the compute: every GPU an NCCL-family candidate may prove is kept
+        return (group, 0 if c.key in keeping else 1, r.estimate.step_seconds, order[c.key])
 
     ranked.sort(key=key)
-    ranked = _within_noise_keep_order(ranked, order, {r.candidate.key: key(r)[0] for r in ranked}, b)
+    ranked = _within_noise_keep_order(ranked, order, {r.candidate.key: key(r)[:2] for r in ranked}, b)
     # A remedy marked `first` goes right before plain NCCL, whatever its estimate.
     firsts = [r for r in ranked if r.candidate.first]
     plain = next((i for i, r in enumerate(ranked)
@@ -69,7 +121,7 @@ def rank_candidates(
                f"prefer={policy.prefer!r} is not possible here; choosing by speed instead.")
     basis = (
         f"gradients {human_bytes(policy.gradient_bytes)}" if policy.gradient_bytes
-        else "pass gradient_bytes= or model= to rank the candidates by their speed"
+        else "pass gradient_bytes= or model= for the communication's real size"
     )
     cpu = [r.estimate.step_seconds for r in ranked if r.candidate.backend == "cpu"]
     cpu_last = bool(cpu) and any(r.estimate.step_seconds > cpu[0] for r in ranked
@@ -77,8 +129,31 @@ def rank_candidates(
     b.events.append(Ranking(
         tuple(RankEntry(r.candidate, r.estimate.step_seconds, r.estimate.basis) for r in ranked),
         basis, cpu_last, tuple(tried_first), known_size=policy.gradient_bytes is not None,
+        compute=compute,
     ))
+    _say_the_basis(ranked, kept, compute, b)
     return ranked
+
+
+def _say_the_basis(ranked: Sequence[Ranked], kept: Sequence[Candidate], compute: str,
+                   b: Build) -> None:
+    """The trace of what the order rests on: provisional (nothing measured the compute, and
+    what that kept), or fewer GPUs ranked first from a measured compute."""
+    multi = [r for r in ranked if r.candidate.num_replicas > 1]
+    if not multi:
+        return
+    if compute == "none":
+        top = kept[0] if kept else None
+        b.events.append(ProvisionalRanking(
+            kept=top.devices if top is not None else (),
+            replicas=top.num_replicas if top is not None else 0,
+            degraded=top is None,
+        ))
+        return
+    first = next((r.candidate for r in ranked if r.candidate.backend != "cpu"), None)
+    widest = [c for c in kept if first is not None and c.num_replicas > first.num_replicas]
+    if first is not None and widest:
+        b.events.append(FewerGpusRanked(first, widest[0], compute))
 
 
 def _node_local_order(ranked: list[Ranked], b: Build) -> list[Ranked]:
@@ -139,7 +214,8 @@ def _measured(r: Ranked) -> tuple[float, float] | None:
 
 
 def _within_noise_keep_order(
-    ranked: list[Ranked], order: Mapping[str, int], groups: Mapping[str, int], b: Build
+    ranked: list[Ranked], order: Mapping[str, int], groups: Mapping[str, tuple[int, int]],
+    b: Build,
 ) -> list[Ranked]:
     """Measured speeds rank two candidates only where they differ by more than the noise
     measured with them; otherwise the chain's order stands (so a loaded machine does not flip
@@ -153,7 +229,7 @@ def _within_noise_keep_order(
             ma, mz = _measured(a), _measured(z)
             if ma is None or mz is None or order[a.candidate.key] < order[z.candidate.key]:
                 continue
-            if groups[a.candidate.key] != groups[z.candidate.key]:  # prefer= and CPU-last stand
+            if groups[a.candidate.key] != groups[z.candidate.key]:  # prefer=, kept GPUs, CPU last
                 continue
             difference = abs(ma[0] - mz[0]) / min(ma[0], mz[0])
             noise = max(ma[1], mz[1])

@@ -51,9 +51,12 @@ class Ranking(Event):
 
     By estimate, except: a ``prefer``red backend first, CPU last (``cpu_last`` when that put it
     below a slower candidate), and a remedy a rule marks ``first`` right before plain NCCL
-    whatever its estimate (``tried_first`` names those rules). ``known_size`` False: the
-    script gave no model size (``gradient_bytes=`` / ``model=``), so the estimates are of an
-    assumed model and the line names the order without their seconds."""
+    whatever its estimate (``tried_first`` names those rules), and while nothing measured the
+    compute, an NCCL-family candidate on every GPU above fewer GPUs (`ProvisionalRanking`).
+    ``known_size`` False: the script gave no model size (``gradient_bytes=`` / ``model=``), so
+    the estimates are of an assumed model and the line names the order without their seconds.
+    ``compute``: where the estimates' compute came from (``measures.estimate.COMPUTE_SOURCES``:
+    "measured_step", "sample_seconds", or "none": assumed, the ranking provisional)."""
 
     kind: ClassVar[str] = "ranking"
     entries: tuple[RankEntry, ...]
@@ -61,6 +64,7 @@ class Ranking(Event):
     cpu_last: bool = False
     tried_first: tuple[str, ...] = ()
     known_size: bool = True
+    compute: str = "none"
 
     def text(self) -> str:
         if not self.known_size:
@@ -80,6 +84,57 @@ class Ranking(Event):
             out += (" CPU stays last whatever its estimate: it is the fallback of last resort, "
                     "and estimates of tiny models are noise.")
         return out
+
+
+#: Why a ranking is provisional (``ProvisionalRanking.reason``): nothing measured the compute
+#: of the user's step (no measured step, no ``sample_seconds=``), and a model's size is not its
+#: compute (a FLOP count per parameter is one token's cost, not a sequence's or an image's).
+PROVISIONAL_REASONS = ("no_compute_measured",)
+
+
+@dataclass(frozen=True)
+class ProvisionalRanking(Event):
+    """The ranking rests on no measured compute, so it is provisional. ``kept``: the GPUs an
+    NCCL-family candidate on every GPU keeps (``replicas`` of them): it ranks above every
+    candidate on fewer GPUs whatever the estimates say. ``degraded``: no such candidate is left
+    (none was in the chain, or each failed), so the estimate (with an assumed compute) chose
+    among the degraded options, gloo across the GPUs or one GPU with accumulation, and the
+    measured step confirms or corrects it."""
+
+    kind: ClassVar[str] = "ranking_provisional"
+    kept: tuple[int, ...]
+    replicas: int
+    degraded: bool
+    reason: str = "no_compute_measured"
+
+    def text(self) -> str:
+        head = ("The ranking is provisional: nothing measured the compute of your step (a "
+                "model's size is not its compute; pass sample_seconds= to rank by speed).")
+        if self.degraded:
+            return (head + " No NCCL-family candidate is left on every GPU, so the estimate, "
+                    "with an assumed compute, orders the degraded options left.")
+        gpus = ",".join(map(str, self.kept))
+        where = f"GPUs {gpus}" if gpus else f"{self.replicas} replicas"
+        return (head + f" Every GPU is kept: an NCCL-family candidate on {where} ranks above "
+                "fewer GPUs whatever the estimate.")
+
+
+@dataclass(frozen=True)
+class FewerGpusRanked(Event):
+    """A measured compute (``source``: "measured_step" or "sample_seconds", see
+    ``measures.estimate.COMPUTE_SOURCES``) ranked ``candidate``, on fewer GPUs, above the
+    NCCL-family candidate on every GPU (``over``)."""
+
+    kind: ClassVar[str] = "fewer_gpus_ranked"
+    candidate: Candidate
+    over: Candidate
+    source: str
+
+    def text(self) -> str:
+        what = ("your step as measured" if self.source == "measured_step"
+                else "your sample_seconds=")
+        return (f"{self.candidate.label} ranks above {self.over.label} ({self.over.num_replicas} "
+                f"replicas) from {what}: with that compute, fewer GPUs are estimated faster.")
 
 
 # ----- the choice -------------------------------------------------------------------------------
