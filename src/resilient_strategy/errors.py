@@ -321,3 +321,22 @@ class GpuUnusableError(ResilientStrategyError):
 class MissingDataFileError(ResilientStrategyError):
     """A data file the package ships is missing from the installation (a broken wheel): say
     which, and how to get a working install."""
+
+
+class GlobalBatchError(ResilientStrategyError):
+    """An optimizer step of an adopted loop (`Selection.adopt`) was fed another number of
+    samples than the decision's global batch gives it: what was claimed (the same global batch
+    on every strategy) would not hold, so training stops at the first such micro-batch.
+    ``step``: the optimizer step (counted from 0 in this process); ``expected`` and ``seen``:
+    this process's samples in that micro-batch."""
+
+    def __init__(self, step: int, expected: int, seen: int, why: str) -> None:
+        self.step = step
+        self.expected = expected
+        self.seen = seen
+        super().__init__(
+            f"optimizer step {step} was fed a micro-batch of {seen} sample(s) where the "
+            f"decision's global batch needs {expected} on this process ({why}), so each step "
+            "would not see the global batch it promises. Build the DataLoader with "
+            "batch_size=sel.batch_size (this process's micro-batch) and pass it to "
+            "sel.adopt(model, optimizer, loader).")

@@ -600,14 +600,58 @@ class Selection:
             self.progress.restored(rt.optimizer_steps)
         return out
 
-    def _init(self, rt: Any) -> None:
-        """Join the process group (a collective: reported as one under the supervisor)."""
+    def init_process_group(self) -> Selection:
+        """PyTorch: start the decision's process group now, for a script that builds its own
+        ``DistributedSampler(dataset)`` or calls ``torch.distributed`` before (or instead of)
+        [prepare][resilient_strategy.selection.Selection.prepare]: the launcher's processes
+        over the chosen backend, or, when the decision trains one process alone, a stand-in
+        group of this process alone (world size 1, rank 0; `resilient_strategy.frameworks.
+        solo_group`: no gloo, no socket). A rank the decision leaves idle exits here (status 0),
+        before the script's own start-up. Idempotent; returns this Selection, so a script's
+        ``init_process_group(backend="nccl")`` becomes
+        ``sel = resilient_strategy.resilient_strategy(framework="torch").init_process_group()``."""
+        if self.framework != "torch":
+            raise WrongFrameworkError("init_process_group() is PyTorch's; TensorFlow builds "
+                                      "its strategy in sel.scope()")
+        self._leave_if_idle()
+        self._init(self.runtime, stand_in=True)
+        return self
+
+    def adopt(self, model: Any, optimizer: Any, loader: Any = None,
+              **ddp_kwargs: Any) -> tuple[Any, Any]:
+        """PyTorch: ``(model, optimizer)`` for a loop of the script's own, which calls
+        ``optimizer.zero_grad()``, ``loss.backward()`` and ``optimizer.step()`` itself: the
+        model on this rank's device, a ``DistributedDataParallel`` or (one process alone) a
+        module with its surface (``.module``, ``no_sync()``); the optimizer steps only on the
+        last micro-step of each optimizer step and zeroes only between them, DDP skips the
+        gradient sync on the others, and every micro-batch is checked against the decision's
+        global batch (`GlobalBatchError`, never a smaller or larger step in silence). Starts the
+        process group first ([init_process_group][resilient_strategy.selection.Selection.init_process_group]).
+        ``loader``: the training loader (its own DistributedSampler kept), so that a step
+        never spans two epochs. ``ddp_kwargs`` go to ``DistributedDataParallel``. See
+        `resilient_strategy.frameworks.adopted` and the how-to "adopt an existing DDP script"."""
+        if self.framework != "torch":
+            raise WrongFrameworkError("adopt() is PyTorch's; Keras uses sel.callbacks()")
+        self._leave_if_idle()
+        if self.advise is not None and self.is_main_process:
+            advice = self.advise(gradient_bytes_of(model))
+            if advice:
+                log.warning("resilient_strategy: %s", advice)
+        rt = self.runtime
+        self._init(rt, stand_in=True)
+        model, optimizer = rt.adopt(model, optimizer, loader, reporter=self.progress,
+                                    **ddp_kwargs)
+        return model, optimizer
+
+    def _init(self, rt: Any, *, stand_in: bool = False) -> None:
+        """Join the process group (a collective: reported as one under the supervisor);
+        ``stand_in``: a group of this process alone when it trains alone."""
         rep = self.progress
         if rep is None or not rep.collective or rep.phase_name != "started":
-            rt.init()
+            rt.init(stand_in=stand_in)
             return
         rep.setup_begin()
-        rt.init()
+        rt.init(stand_in=stand_in)
         rep.setup_end()
         follow = getattr(rt, "device_progress", None)
         if follow is not None and rep.device is None:

@@ -133,8 +133,10 @@ def resumable_sampler_class() -> type[Any]:
             return indices
 
         def __iter__(self) -> Iterator[int]:
+            # the skip holds for every iterator until the checkpointer ends it at the epoch's
+            # first micro-step (`Checkpointer.micro_step`): a look before the loop (a peek,
+            # ``len()``, a second ``iter()``) never spends the resumed position
             skip, left, (_, filler) = self._skip, self.remaining, self._own()
-            self._skip = 0
             order = self._order()[skip: skip + left]
             mine = order[self.rank:: self.num_replicas]
             return iter(mine + order[:1] if filler else mine)
@@ -250,7 +252,7 @@ class Checkpointer:
         if s.resume_pending and epoch == s.epoch:
             s.resume_pending = False  # the restored position holds for this epoch
             return
-        s.resume_pending = False
+        s.resume_pending = s.skip_pending = False
         s.epoch, s.samples_in_epoch = epoch, 0
         if s.sampler is not None and hasattr(s.sampler, "skip_next"):
             s.sampler.skip_next(0)
@@ -260,6 +262,9 @@ class Checkpointer:
         the runtime knows them: the epoch's last micro-step may be short); at an optimizer step,
         save when due."""
         s = self._state
+        if s.skip_pending:  # the loop's real iteration began: the resumed position is spent
+            s.skip_pending = False
+            s.sampler.skip_next(0)
         s.samples_in_epoch += s.micro_batch * self.world_size if samples is None else samples
         if stepped:
             s.optimizer_steps += 1
@@ -549,6 +554,7 @@ class Checkpointer:
             s.sampler.set_epoch(s.epoch)
             if hasattr(s.sampler, "skip_next"):
                 s.sampler.skip_next(s.samples_in_epoch)
+                s.skip_pending = s.samples_in_epoch > 0
 
 
 _FIX_DIR = ("Pass sel.checkpoint() a directory of your own (mode 0700), or fix this one's owner "
@@ -649,4 +655,5 @@ class _State:
         self.optimizer_steps = 0
         self.restored_step: int | None = None
         self.resume_pending = False
+        self.skip_pending = False  # the sampler's resumed skip, until the first micro-step
         self.saved_at = saved_at

@@ -33,6 +33,12 @@ otherwise inspect gradients) by hand, do it when ``rt.is_last_micro_step`` and u
             rt.scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
 
+A loop of the script's own (``optimizer.zero_grad(); loss.backward(); optimizer.step()``, its
+own DistributedSampler) is adopted instead: ``rt.init(stand_in=True)`` starts the group (a
+stand-in of this process alone, `solo_group`, on a world of one) and ``model, opt =
+rt.adopt(model, opt, loader)`` returns a model with ``.module`` and an optimizer that
+accumulates on its own (`adopted`), every micro-batch checked against the global batch.
+
 torch is imported inside methods only. Micro-steps left over at the end of an epoch carry into
 the next one, as in Keras.
 """
@@ -105,6 +111,25 @@ class _Progress:
     epoch_rank: int = 0
     epoch_micro_done: int = 0
     step_samples: int = 0
+    stand_in: bool = False  # a process group of one started for a script's own dist calls
+    adopted: _Adopted | None = None  # set by adopt(): the loop is the script's own
+
+
+@dataclass
+class _Adopted:
+    """What `TorchRuntime.adopt` follows of a loop that calls ``loss.backward()`` and
+    ``optimizer.step()`` itself: the DDP whose gradient sync it turns off on the micro-steps
+    that only accumulate, whether this micro-step's first forward was seen, the loss share of
+    its gradients, the micro-batch it expects (None: the first one seen sets it) and whether
+    the last micro-batch was short (the end of an epoch, when no loader was given)."""
+
+    ddp: Any = None
+    seen: bool = False
+    share: float = 1.0
+    expected: int | None = None
+    short: bool = False
+    step_seen: int = 0  # this process's samples of the optimizer step under way (no loader)
+    params: list[Any] = field(default_factory=list)
 
 
 class TorchRuntime:
@@ -126,6 +151,7 @@ class TorchRuntime:
         init_method: str = "env://",
         sharded: bool = False,
         offload: bool = False,
+        own_device: int | None = None,
     ) -> None:
         if backend not in BACKENDS:
             raise InvalidOptionError(f"PyTorch has no backend {backend!r}; one of {BACKENDS}")
@@ -158,6 +184,9 @@ class TorchRuntime:
         self.timeout_s = timeout_s
         self.requested_precision = precision
         self.init_method = init_method
+        #: the CUDA ordinal of this process's own GPU where the scheduler bound each process to
+        #: its own (Selection.bound_ordinal); None: ``devices[local_rank]``
+        self.own_device = own_device
         #: FSDP2 (frameworks/fsdp.py) instead of DDP when several processes train, or on one
         #: process whose state is offloaded to the host (CPUOffloadPolicy)
         self.offload = bool(offload) and bool(sharded)
@@ -167,10 +196,13 @@ class TorchRuntime:
     # ----- where to run ------------------------------------------------------------------------
     @functools.cached_property
     def device(self) -> Any:
-        """``cuda:{devices[local_rank]}`` for GPU backends (gloo too, when given GPUs); else cpu."""
+        """``cuda:{devices[local_rank]}`` for GPU backends (gloo too, when given GPUs), or this
+        process's own GPU where the scheduler bound it (``own_device``); else cpu."""
         import torch
 
         if self.backend != "cpu" and self.devices:
+            if self.own_device is not None:
+                return torch.device("cuda", self.own_device)
             return torch.device("cuda", self.devices[self.local_rank])
         return torch.device("cpu")
 
@@ -195,15 +227,25 @@ class TorchRuntime:
         return self.rank == 0
 
     # ----- process group -----------------------------------------------------------------------
-    def init(self) -> None:
+    def init(self, *, stand_in: bool = False) -> None:
         """Join the process group when world_size > 1, or a group of this process alone for
-        FSDP2 on one GPU with CPU offload (idempotent)."""
-        if self.world_size == 1 and not self.sharded:
+        FSDP2 on one GPU with CPU offload (idempotent). ``stand_in``: in a world of one, start
+        a default process group of this process alone (`solo_group`: no gloo, no socket), so
+        that a script's own ``DistributedSampler(dataset)``, ``dist.get_rank()`` and
+        ``destroy_process_group()`` work on a one-device fallback too."""
+        if self.world_size == 1 and not self.sharded and not stand_in:
             return
         import torch
         import torch.distributed as dist
 
         if dist.is_initialized():
+            return
+        if self.world_size == 1 and not self.sharded:
+            from . import solo_group
+
+            solo_group.start(self.timeout_s)
+            self._progress.stand_in = True
+            end_at_exit()
             return
         if self.world_size == 1:  # FSDP2 needs a process group, even of one
             backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -254,7 +296,7 @@ class TorchRuntime:
         ckpt = self._progress.checkpointer
         if ckpt is not None:
             ckpt.wait()
-        if self.world_size == 1 and not self.sharded:
+        if self.world_size == 1 and not self.sharded and not self._progress.stand_in:
             return
         # Every rank reaches here before any tears down: destroying a gloo group while a peer
         # is still mid-teardown aborts the process ("terminate called without an active
@@ -331,6 +373,165 @@ class TorchRuntime:
             ckpt.attach(model, optimizer, self.scaler, sampler,
                         int(batch or self.per_replica_batch_size or 0))
         return model, optimizer, loader
+
+    # ----- a loop of the script's own -----------------------------------------------------------
+    def adopt(self, model: Any, optimizer: Any, loader: Any = None, *, reporter: Any = None,
+              **ddp_kwargs: Any) -> tuple[Any, Any]:
+        """Hand a loop that calls ``optimizer.zero_grad()``, ``loss.backward()`` and
+        ``optimizer.step()`` itself what it needs to train on this decision; returns
+        ``(model, optimizer)`` (`adopted`).
+
+        The process group is up first (a stand-in of this process alone on a world of one), so
+        the script's own ``DistributedSampler(dataset)`` works. The model comes back on this
+        rank's device, as a ``DistributedDataParallel`` when several processes train, else as
+        `adopted.alone_class` (``.module`` and ``no_sync()`` either way). Its forward (with
+        gradients on) marks a micro-step: DDP's gradient sync is off on the micro-steps that only
+        accumulate, every parameter's gradient is weighed by its micro-batch's share of the
+        optimizer step (1 / accumulation_steps for full ones, as `backward` does), and the
+        micro-batch is checked against the decision's (`GlobalBatchError` at the first one that
+        differs). The optimizer's ``step()`` applies only on the last micro-step.
+
+        ``loader``: the training loader (with the script's own DistributedSampler, or one
+        `prepare` made): its length tells where each epoch ends, so that an optimizer step never
+        spans two epochs (as under the strategy it replaces) and each micro-batch's samples are
+        checked exactly. Without it the epoch's short last micro-batch ends its optimizer step.
+        ``reporter``: the supervisor's progress reports (`Selection.progress`), or None."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        from . import adopted
+
+        p = self._progress
+        if self.sharded:
+            raise InvalidOptionError(
+                "this decision shards the model (FSDP2): train it through sel.prepare(...) and "
+                "sel.backward / sel.step, which shard it; sel.adopt replicates")
+        if p.adopted is not None:
+            raise InvalidOptionError("sel.adopt(...) adopts one training loop: call it once")
+        self._check_ddp_kwargs(ddp_kwargs)
+        if p.checkpointer is not None and (loader is None or loader is not p.train_loader):
+            raise InvalidOptionError(
+                "with sel.checkpoint(...), pass the training loader through "
+                "sel.prepare(None, None, loader) first (it resumes mid-epoch there), then that "
+                "loader to sel.adopt(model, optimizer, loader)")
+        self.init(stand_in=True)
+        wrapped = self._wrap(model, ddp_kwargs)
+        ddp = wrapped if isinstance(wrapped, DistributedDataParallel) else None
+        if ddp is None:
+            wrapped = adopted.alone_class()(wrapped)
+        state = _Adopted(ddp=ddp, expected=self.per_replica_batch_size)
+        p.adopted = state
+        if loader is not None:
+            batch = getattr(loader, "batch_size", None)
+            if self.per_replica_batch_size is not None and batch != self.per_replica_batch_size:
+                from ..errors import GlobalBatchError
+
+                raise GlobalBatchError(0, self.per_replica_batch_size, int(batch or 0),
+                                       "the loader's batch_size")
+            if not p.prepared:
+                p.train_loader = loader
+                p.prepared = True
+            sampler = getattr(loader, "sampler", None)
+            if hasattr(sampler, "set_epoch"):
+                self._register(sampler)
+        module = wrapped.module
+        if p.checkpointer is not None:
+            p.checkpointer.attach(module, optimizer, None, loader.sampler,
+                                  int(loader.batch_size or 0))
+            if reporter is not None and self.optimizer_steps:
+                reporter.restored(self.optimizer_steps)
+        if loader is not None:
+            self._start_epoch()  # after a restore: what is left of its epoch
+        wrapped.register_forward_pre_hook(
+            functools.partial(self._adopted_forward, reporter), with_kwargs=True)
+        state.params = [param for param in module.parameters() if param.requires_grad]
+        for param in state.params:
+            param.register_hook(self._adopted_grad)
+        step = functools.partial(self._adopted_step, optimizer, reporter)
+        return wrapped, adopted.optimizer_class()(optimizer, step, lambda: p.micro == 0)
+
+    def _adopted_forward(self, reporter: Any, module: Any, args: Any, kwargs: Any) -> None:
+        """The first forward with gradients of each micro-step: the epoch, the batch check,
+        the gradients' share, DDP's sync on the last micro-step only."""
+        import torch
+
+        from . import adopted
+
+        p, a = self._progress, self._progress.adopted
+        if a is None or a.seen or not torch.is_grad_enabled():
+            return
+        a.seen = True
+        if p.train_loader is not None and p.micro == 0 and p.epoch_micro_left == 0:
+            self._start_epoch()  # the loader's next epoch (sel.set_epoch starts one too)
+        n = adopted.batch_of(tuple(args), dict(kwargs))
+        self._check_micro_batch(n)
+        if p.train_loader is not None or n is None or not a.expected:
+            a.share = self._loss_share()
+        else:  # the micro-batch's samples over a full optimizer step's
+            a.share = n / (a.expected * self.accumulation_steps)
+            a.step_seen += n
+        last = self.is_last_micro_step
+        if a.ddp is not None:
+            a.ddp.require_backward_grad_sync = last  # DDP's no_sync(), read by its forward
+        if reporter is not None:
+            reporter.backward_begin(last)
+
+    def _check_micro_batch(self, n: int | None) -> None:
+        """`GlobalBatchError` when this process's micro-batch is not the decision's: with the
+        loader known, exactly its layout's samples for this micro-step (the epoch's last may
+        be short); without, never more than the micro-batch, and never two short ones in a
+        row (the epoch's end is one short micro-batch)."""
+        from ..errors import GlobalBatchError
+
+        p, a = self._progress, self._progress.adopted
+        if a is None or n is None:
+            return
+        step = p.steps
+        if p.train_loader is not None:
+            want = self._micro_samples()
+            if want is not None and n != want:
+                raise GlobalBatchError(step, want, n, "the training loader's layout of the epoch")
+            return
+        if a.expected is None:
+            a.expected = n
+        if n > a.expected:
+            raise GlobalBatchError(step, a.expected, n, "more than one micro-batch")
+        if n < a.expected and a.short:
+            raise GlobalBatchError(step, a.expected, n, "two short micro-batches in a row")
+        a.short = n < a.expected
+
+    def _adopted_grad(self, grad: Any) -> Any:
+        """A parameter's gradient of this micro-step, weighed by its share of the step (what
+        ``(loss * share).backward()`` gives, for any loss)."""
+        a = self._progress.adopted
+        if a is None or a.share == 1.0:
+            return None
+        return grad * a.share
+
+    def _adopted_step(self, optimizer: Any, reporter: Any, closure: Any) -> Any:
+        """The adopted optimizer's ``step()``: the wrapped optimizer's on the last micro-step
+        (its return value), else nothing (None)."""
+        out: list[Any] = []
+        last = self.is_last_micro_step
+        if reporter is not None:
+            reporter.backward_end(last)
+
+        a = self._progress.adopted or _Adopted()
+
+        def apply() -> bool:
+            full = (a.expected or 0) * self.accumulation_steps
+            if 0 < a.step_seen < full:  # a short last step (no loader known): its samples'
+                for param in a.params:  # mean, as a full step's
+                    if param.grad is not None:
+                        param.grad.mul_(full / a.step_seen)
+            a.step_seen = 0
+            out.append(optimizer.step() if closure is None else optimizer.step(closure))
+            return True
+
+        stepped = self._end_micro_step(apply)
+        if reporter is not None:
+            reporter.checkpoint_stalled(self.checkpoint_stall_s)
+            reporter.stepped(stepped)
+        return out[0] if out else None
 
     def use_checkpointer(self, checkpointer: Any) -> None:
         """Checkpoint (and resume) through ``checkpointer`` (before `prepare`): the
@@ -498,7 +699,8 @@ class TorchRuntime:
         backward of such a micro-step: clip or inspect them then, before `step`."""
         p = self._progress
         return (p.micro + 1 >= self.accumulation_steps
-                or (p.epoch_micro_left is not None and p.epoch_micro_left <= 1))
+                or (p.epoch_micro_left is not None and p.epoch_micro_left <= 1)
+                or (p.adopted is not None and p.adopted.short and p.train_loader is None))
 
     def _micro_samples(self, every_rank: bool = False) -> int | None:
         """Samples of the micro-step under way, this rank's (the epoch's last may be short, or
@@ -594,6 +796,24 @@ class TorchRuntime:
         micro-steps that only accumulate, and False when the GradScaler skipped the step
         because the gradients held inf/nan (it then lowers its scale; that is how the skip is
         detected, at the cost of one device sync per optimizer step under fp16)."""
+        def apply() -> bool:
+            stepped = True
+            if self.scaler is not None:
+                scale = self.scaler.get_scale()
+                self.scaler.step(optimizer)
+                self.scaler.update()
+                # update() multiplies the scale by backoff_factor (< 1) exactly when it skipped.
+                stepped = self.scaler.get_scale() >= scale
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return stepped
+
+        return self._end_micro_step(apply)
+
+    def _end_micro_step(self, apply: Any) -> bool:
+        """Count the micro-step; on the last one of an optimizer step, ``apply()`` (which steps
+        and says whether it did). The one place micro-steps, epochs and checkpoints advance."""
         p = self._progress
         last_of_epoch = p.epoch_micro_left is not None and p.epoch_micro_left <= 1
         # every rank's samples of this micro-step, for the checkpoint's position (a
@@ -602,24 +822,18 @@ class TorchRuntime:
         if p.epoch_micro_left is not None:
             p.epoch_micro_left -= 1
             p.epoch_micro_done += 1
-        self._progress.micro += 1
-        ckpt = self._progress.checkpointer
-        if self._progress.micro < self.accumulation_steps and not last_of_epoch:
+        short = p.adopted is not None and p.adopted.short and p.train_loader is None
+        if p.adopted is not None:
+            p.adopted.seen = False
+        p.micro += 1
+        ckpt = p.checkpointer
+        if p.micro < self.accumulation_steps and not last_of_epoch and not short:
             if ckpt is not None:
                 ckpt.micro_step(boundary=False, stepped=False, samples=samples)
             return False
-        self._progress.micro = 0
-        stepped = True
-        if self.scaler is not None:
-            scale = self.scaler.get_scale()
-            self.scaler.step(optimizer)
-            self.scaler.update()
-            # update() multiplies the scale by backoff_factor (< 1) exactly when it skipped.
-            stepped = self.scaler.get_scale() >= scale
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        self._progress.steps += stepped
+        p.micro = 0
+        stepped = bool(apply())
+        p.steps += stepped
         if ckpt is not None:
             ckpt.micro_step(boundary=True, stepped=stepped, samples=samples)
         return stepped
