@@ -4,7 +4,10 @@ rank that is stopped (``SIGSTOP``, a debugger), in uninterruptible sleep, blocke
 its own code is told apart without asking the rank anything.
 
 `parse_stat` is pure and tested from strings; `read_stat` is the thin reader (None
-where the file cannot be read: another OS, a process gone). `pids_with_env` finds the
+where the file cannot be read: another OS, a process gone). The CPU time a process got and the
+time it waited for one (``/proc/<pid>/task/*/schedstat``: on-CPU and run-queue nanoseconds, each
+thread), and the host's stolen time (``/proc/stat``'s ``cpu`` line), are parsed the same way:
+a probe cut at its deadline on a saturated host is judged by them (`probing.cost.host_busy`). `pids_with_env` finds the
 processes whose environment holds a variable (``/proc/<pid>/environ``): the benchmarks and tests
 send a real signal to "the process of rank 1" this way.
 
@@ -77,6 +80,66 @@ def read_stat(pid: int, root: str = "/proc") -> ProcStat | None:
         with open(f"{root}/{int(pid)}/stat", "rb") as fh:
             return parse_stat(fh.read(MAX_STAT_BYTES).decode("ascii", "replace"))
     except (OSError, ValueError):
+        return None
+
+
+#: The most threads of one process whose ``schedstat`` is read (a torch worker has tens).
+MAX_TASKS = 512
+
+
+def parse_schedstat(text: str) -> tuple[int, int] | None:
+    """(nanoseconds on a CPU, nanoseconds runnable and waiting on a run queue) of one
+    ``/proc/<pid>/schedstat`` (or a thread's) line: "<on cpu> <waiting> <timeslices>"; None when
+    it is not one. Pure."""
+    fields = text.split()
+    if len(fields) < 2:
+        return None
+    try:
+        on_cpu, waited = int(fields[0]), int(fields[1])
+    except ValueError:
+        return None
+    return (on_cpu, waited) if on_cpu >= 0 and waited >= 0 else None
+
+
+def read_sched(pid: int, root: str = "/proc") -> tuple[float, float] | None:
+    """(seconds on a CPU, seconds waiting for one) of every thread of ``pid`` so far; None when
+    nothing can be read (no schedstat: another OS, a kernel without schedstats, the process
+    gone)."""
+    on_cpu = waited = 0
+    seen = 0
+    with contextlib.suppress(OSError, ValueError):
+        for name in sorted(os.listdir(f"{root}/{int(pid)}/task"))[:MAX_TASKS]:
+            with contextlib.suppress(OSError):
+                with open(f"{root}/{int(pid)}/task/{name}/schedstat", "rb") as fh:
+                    got = parse_schedstat(fh.read(MAX_STAT_BYTES).decode("ascii", "replace"))
+                if got is not None:
+                    on_cpu, waited, seen = on_cpu + got[0], waited + got[1], seen + 1
+    return (on_cpu / 1e9, waited / 1e9) if seen else None
+
+
+def parse_cpu_steal(text: str) -> tuple[int, int] | None:
+    """(all ticks, stolen ticks) of the host's CPUs from ``/proc/stat`` (its ``cpu`` line: user
+    nice system idle iowait irq softirq steal ...); None without one. Pure."""
+    for line in text.splitlines():
+        fields = line.split()
+        if fields[:1] != ["cpu"]:
+            continue
+        try:
+            ticks = [int(f) for f in fields[1:9]]
+        except ValueError:
+            return None
+        if len(ticks) < 8:
+            return None
+        return sum(ticks), ticks[7]
+    return None
+
+
+def read_cpu_steal(root: str = "/proc") -> tuple[int, int] | None:
+    """The host's (all ticks, stolen ticks) now; None where ``/proc/stat`` cannot be read."""
+    try:
+        with open(f"{root}/stat", "rb") as fh:
+            return parse_cpu_steal(fh.read(MAX_ENVIRON_BYTES).decode("ascii", "replace"))
+    except OSError:
         return None
 
 

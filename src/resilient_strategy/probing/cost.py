@@ -11,6 +11,11 @@ imports the framework, or a worker forked from the warm fork server), device and
 set-up, the value-checked all-reduces at every checked size, the timed ones for the bandwidth
 figure, and the training step. The GPU health check (`health`: after killed GPU probes,
 once per decision, deferred) is charged by `health_check_seconds`.
+
+Load is not a fault (issue 41): a probe cut at its deadline or by its stall policy while its
+workers waited for a CPU (`CpuShare`: each worker's run-queue wait against the wall time, and
+the host's stolen time) was judged on a host too busy to run it: `host_busy` says so, and
+`busy_retry_timeout` the deadline its retry gets, scaled to the share of the CPU it got.
 """
 
 from __future__ import annotations
@@ -190,3 +195,56 @@ def health_check_seconds(framework: str, gpus: int, *, forked: bool = False,
     f = figures or TYPICAL[("tensorflow" if framework == "tensorflow" else "torch", True)]
     start = f.fork_s + (0.0 if warm else f.import_s) if forked else f.import_s
     return round(start + gpus * f.device_s, 3)
+
+
+# ----- load is not a fault ----------------------------------------------------------------------
+#: A worker that spent this share of the probe's wall time runnable but waiting for a CPU ran on
+#: a saturated host (a loaded 2-core machine at load ~16 waits ~85 % of the time).
+BUSY_WAIT_SHARE = 0.25
+#: The share of the host's CPU time a hypervisor took meanwhile (a VM's steal) that is as busy.
+BUSY_STEAL_SHARE = 0.25
+#: The most a busy probe's deadline is stretched (a probe that got under 1/8 of a CPU is retried
+#: with 8x its deadline, not more: a deadline that never comes is no deadline).
+MAX_BUSY_SCALE = 8.0
+
+
+@dataclass(frozen=True)
+class CpuShare:
+    """What a probe's workers got of the host while it ran, read when the runner cut it:
+    ``wall_s`` since the workers started; for each worker still running then, its seconds on a
+    CPU and its seconds runnable but waiting for one (``schedstat``); ``steal`` the share of the
+    host's CPU time a hypervisor took meanwhile (0 on bare metal)."""
+
+    wall_s: float
+    on_cpu_s: tuple[float, ...]
+    waited_s: tuple[float, ...]
+    steal: float = 0.0
+
+
+def got_share(share: CpuShare) -> float:
+    """The share of the CPU time it wanted that the most starved worker got (1.0: all of it):
+    its on-CPU seconds over its on-CPU and waiting seconds, less the host's stolen share."""
+    worst = 1.0
+    for on_cpu, waited in zip(share.on_cpu_s, share.waited_s, strict=False):
+        if on_cpu + waited > 0:
+            worst = min(worst, on_cpu / (on_cpu + waited))
+    return max(0.0, worst * (1.0 - min(1.0, max(0.0, share.steal))))
+
+
+def host_busy(share: CpuShare | None) -> bool:
+    """Whether the probe ran on a host too busy to judge it by its deadline: a worker waited for
+    a CPU `BUSY_WAIT_SHARE` of the wall time or more, or a hypervisor stole
+    `BUSY_STEAL_SHARE` of the host's CPU time. A hung worker blocked in a collective waits on
+    its peer, not on a run queue: it is not busy. Pure."""
+    if share is None or share.wall_s <= 0:
+        return False
+    waited = max(share.waited_s, default=0.0)
+    return waited / share.wall_s >= BUSY_WAIT_SHARE or share.steal >= BUSY_STEAL_SHARE
+
+
+def busy_retry_timeout(timeout_s: float, share: CpuShare, cap_s: float) -> float:
+    """The deadline of a busy probe's retry: ``timeout_s`` scaled by how little of the CPU its
+    workers got (`got_share`: a quarter of it, four times the deadline), at most
+    `MAX_BUSY_SCALE` times and at most ``cap_s``; never less than ``timeout_s``. Pure."""
+    scale = min(MAX_BUSY_SCALE, 1.0 / max(got_share(share), 1.0 / MAX_BUSY_SCALE))
+    return round(max(timeout_s, min(cap_s, timeout_s * scale)), 3)

@@ -24,13 +24,29 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ..core.knowledge.signatures import signatures_from_env
-from ..core.measures.probe import ERROR, ProbeResult, ProbeSpec, parse_probe, phase_times
+from ..core.measures.probe import (
+    BUSY_RETRIED,
+    ERROR,
+    HOST_BUSY,
+    TIMEOUT,
+    ProbeResult,
+    ProbeSpec,
+    parse_probe,
+    phase_times,
+)
 from ..errors import InvalidOptionError
 from ..machine import files
 from ..vocab import PROCESS_GROUP_BACKENDS
 from . import health, proc
 from .base import Prober
-from .cost import health_check_seconds, judged_by_progress, stall_policy
+from .cost import (
+    busy_retry_timeout,
+    got_share,
+    health_check_seconds,
+    host_busy,
+    judged_by_progress,
+    stall_policy,
+)
 
 log = logging.getLogger("resilient_strategy")
 
@@ -39,6 +55,10 @@ PACKAGE_ROOT = health.PACKAGE_ROOT
 #: Extra seconds on the workers' own collective timeout, so that the runner's deadline fires first.
 WORKER_TIMEOUT_MARGIN_S = 30.0
 
+#: The longest deadline a busy probe's retry gets (`cost.busy_retry_timeout`), and the
+#: ``extra`` key that carries it on a result cut while the host was busy.
+MAX_BUSY_RETRY_S = 600.0
+RETRY_TIMEOUT = "busy_retry_timeout_s"
 
 def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.executable,
               health_check: bool = True) -> ProbeResult:
@@ -49,6 +69,47 @@ def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.exec
     decision loop's `DeferredHealthProber`) and must run it before using the GPUs."""
     files.TEMP_SWEEP.once()  # what a killed run of ours left (its pid gone, untouched a while)
     # a SIGTERM while the workers run removes this directory too, then terminates the process
+    result = _run_once(spec, env, python)
+    timeout = busy_retry_deadline(result)
+    if timeout is not None:
+        # load is not a fault: once more, with a deadline scaled to the CPU it got; the result
+        # says the host was busy either way (and a failure so marked is never cached)
+        log.info("resilient_strategy: probe %s cut while the host was busy (its workers got "
+                 "%s of a CPU): retried with a %.0f s deadline", spec.candidate,
+                 dict(result.extra).get(HOST_BUSY), timeout)
+        again = _run_once(dataclasses.replace(spec, timeout_s=timeout), env, python)
+        result = after_busy_retry(result, again, timeout)
+    if health_check:
+        health.check_after(spec, result, env, python=python)
+    return result
+
+
+def busy_retry_deadline(result: ProbeResult) -> float | None:
+    """The deadline a probe cut on a busy host is retried with (`cost.busy_retry_timeout`), None
+    when it is not retried: it did not time out, or the host was not busy, or this was the
+    retry already. Pure."""
+    extra = dict(result.extra)
+    if result.status != TIMEOUT or HOST_BUSY not in extra or BUSY_RETRIED in extra:
+        return None
+    try:
+        return float(extra[RETRY_TIMEOUT])
+    except (KeyError, ValueError):
+        return None
+
+
+def after_busy_retry(first: ProbeResult, again: ProbeResult, timeout_s: float) -> ProbeResult:
+    """The retry's result, marked as one (``busy_retried``: its deadline) and as run on a busy
+    host (``host_busy``: the retry's own share when it was cut busy too, else the first run's),
+    so the trace says so and a failure is never cached. Pure."""
+    extra = [(k, v) for k, v in again.extra if k != RETRY_TIMEOUT]
+    if HOST_BUSY not in dict(again.extra):
+        extra += [(k, v) for k, v in first.extra if k == HOST_BUSY]
+    return dataclasses.replace(again, extra=(*extra, (BUSY_RETRIED, f"{timeout_s:g}")))
+
+
+def _run_once(spec: ProbeSpec, env: Mapping[str, str], python: str) -> ProbeResult:
+    """One run of ``spec``'s workers, parsed; a timeout on a busy host (`cost.host_busy`)
+    carries ``host_busy`` (the CPU share its workers got) and the deadline a retry gets."""
     with proc.terminate_as_exception(), files.temp_dir("rs-probe-") as tmp:
         commands = build_commands(spec, env, tmp, python=python, parent_pid=os.getpid())
         try:
@@ -66,8 +127,11 @@ def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.exec
     phases = phase_times(group.outcomes, group.started_at)
     if phases:
         result = dataclasses.replace(result, phases=phases)
-    if health_check:
-        health.check_after(spec, result, env, python=python)
+    if result.status == TIMEOUT and group.share is not None and host_busy(group.share):
+        retry = busy_retry_timeout(spec.timeout_s, group.share, MAX_BUSY_RETRY_S)
+        result = dataclasses.replace(result, extra=(
+            *result.extra, (HOST_BUSY, f"{got_share(group.share):.2f}"),
+            (RETRY_TIMEOUT, f"{retry:g}")))
     return result
 
 

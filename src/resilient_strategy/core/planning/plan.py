@@ -25,8 +25,8 @@ from ..knowledge.nodefacts import compare
 from ..knowledge.remedies import SETUP_HANG
 from ..knowledge.rules import Rule, fired
 from ..measures.estimate import Estimate, MeasuredStep, estimate
-from ..measures.probe import TIMEOUT, ProbeResult
-from ..trace.choosing import BatchSplit, Split
+from ..measures.probe import BUSY_RETRIED, HOST_BUSY, TIMEOUT, ProbeResult
+from ..trace.choosing import BatchSplit, HostBusy, Split
 from ..trace.event import Event
 from ..trace.inputs import FactsSeen
 from ..trace.ruling import NcclDiagnostics, NodesDiffer, RemedyQueued, RuleFired, UserSettingKept
@@ -269,6 +269,7 @@ def _apply_results(
         res = results.get(c.key)
         if res is not None:
             _nccl_said(c, res, b)
+            _host_busy(c, res, b)
         if res is None or res.ok:
             out.append(c)
             continue
@@ -316,6 +317,21 @@ def _apply_results(
                                          remedy=remedy_entry.id,
                                          because=tuple(str(w) for w in remedy_entry.when)))
     return out
+
+
+def _host_busy(c: Candidate, res: ProbeResult, b: Build) -> None:
+    """A probe cut while the host was too busy to run it, and its retry, as an event."""
+    extra = dict(res.extra)
+    if HOST_BUSY not in extra and BUSY_RETRIED not in extra:
+        return
+
+    def number(key: str) -> float | None:
+        try:
+            return float(extra[key])
+        except (KeyError, ValueError):
+            return None
+
+    b.events.append(HostBusy(c, number(HOST_BUSY), number(BUSY_RETRIED), res.ok))
 
 
 def _nccl_said(c: Candidate, res: ProbeResult, b: Build) -> None:

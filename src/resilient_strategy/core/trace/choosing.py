@@ -137,6 +137,31 @@ class FewerGpusRanked(Event):
                 f"replicas) from {what}: with that compute, fewer GPUs are estimated faster.")
 
 
+@dataclass(frozen=True)
+class HostBusy(Event):
+    """A probe of ``candidate`` was cut (deadline or stall) while the host was too busy to run
+    it: its most starved worker got ``got`` of the CPU it wanted (``probing.cost.got_share``).
+    ``retried_s``: the deadline it was retried with (scaled to that share), None when it was
+    not; ``passed``: how the last run ended. A failure so marked is never cached (load is not
+    a fault of the transport)."""
+
+    kind: ClassVar[str] = "host_busy"
+    candidate: Candidate
+    got: float | None
+    retried_s: float | None
+    passed: bool
+
+    def text(self) -> str:
+        share = f" (its workers got {self.got:.0%} of the CPU they wanted)" \
+            if self.got is not None else ""
+        head = f"The host was busy while {self.candidate.label} was probed{share}"
+        if self.retried_s is not None:
+            head += f"; retried with a {human_duration(self.retried_s)} deadline"
+        return head + (": it passed." if self.passed else
+                       ": it still did not finish, which is not cached as a failure of the "
+                       "transport.")
+
+
 # ----- the choice -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class NextProbe(Event):
