@@ -127,6 +127,15 @@ def _remedy_words(r: Mapping[str, Any]) -> str:
     return words + f" [`{r.get('id', '?')}`]"
 
 
+#: What the decision does instead for each cause that is no verdict (`NO_VERDICT_CAUSES`).
+_NO_VERDICT = {
+    "no_space": "the decision stops with a `NoSpaceError` naming the temp directory "
+    "(under `resilient-strategy run`: one line, exit 75)",
+    "status_lost": "the candidate is probed once more, its workers forked by a fork server "
+    "(a second lost status rules it out for this run only)",
+}
+
+
 def _causes(sigs: list[tuple[str, dict[str, Any]]], remedy_data: Mapping[str, Any]
             ) -> list[str]:
     from resilient_strategy.core.knowledge.causes import CAUSES
@@ -135,6 +144,9 @@ def _causes(sigs: list[tuple[str, dict[str, Any]]], remedy_data: Mapping[str, An
     environmental: frozenset[str] = frozenset()
     with contextlib.suppress(ImportError):
         from resilient_strategy.core.knowledge.causes import ENVIRONMENTAL_CAUSES as environmental
+    no_verdict: frozenset[str] = frozenset()
+    with contextlib.suppress(ImportError):
+        from resilient_strategy.core.knowledge.causes import NO_VERDICT_CAUSES as no_verdict
     by_id = {str(r.get("id")): r for r in remedy_data.get("remedy", []) if isinstance(r, dict)}
     order: Mapping[str, Sequence[str]] = remedy_data.get("causes", {})
     # before the remedy table existed, the planner held the remedies per cause in code
@@ -154,6 +166,10 @@ def _causes(sigs: list[tuple[str, dict[str, Any]]], remedy_data: Mapping[str, An
             lines.append("**What it does about it**: probes these remedies in turn, each where "
                          "its facts hold and never over a variable you set: "
                          + "; then ".join(tried) + ".")
+        elif cause in no_verdict:
+            lines.append("**What it does about it**: no verdict on the candidate by itself, "
+                         "never a fallback on its account: "
+                         + _NO_VERDICT.get(cause, "the candidate is probed once more") + ".")
         else:
             lines.append("**What it does about it**: moves on to the next candidate.")
         if cause in environmental:

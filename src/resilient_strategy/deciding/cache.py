@@ -46,9 +46,9 @@ from pathlib import Path
 from typing import Any
 
 from ..core.call.options import DEFAULT_TTL_S
-from ..core.measures.probe import ENVIRONMENTAL_CAUSES, HOST_BUSY, ProbeResult
+from ..core.measures.probe import ENVIRONMENTAL_CAUSES, ProbeResult
 from ..core.values.candidate import CandidateKey
-from ..errors import FileFormatError, UnsafePathError
+from ..errors import FileFormatError, NoSpaceError, UnsafePathError
 from ..machine import files
 
 if sys.platform != "win32":
@@ -98,8 +98,6 @@ def refusal(result: ProbeResult) -> str | None:
         return "a rehearsed fault"
     if MID_RUN in extra:
         return "a mid-run failure that no probe reproduced"
-    if HOST_BUSY in extra:
-        return "a deadline that passed while the host was too busy to run the probe (load, not a fault)"
     return None
 
 
@@ -207,7 +205,8 @@ class DecisionCache:
                 }
                 files.write_json_atomic(path, blob, indent=1, sort_keys=True)
             return True
-        except (OSError, ValueError, TypeError) as exc:
+        except (OSError, ValueError, TypeError, NoSpaceError) as exc:
+            # a full or read-only disk too: the logged degrade the cache promises, never raised
             log.warning("resilient_strategy: cannot write cache %s (%s); continuing", path, exc)
             return False
 

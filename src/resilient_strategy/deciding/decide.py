@@ -34,6 +34,7 @@ from ..core.values.human import human_bytes
 from ..errors import (
     FailureCause,
     GpuUnusableError,
+    NoSpaceError,
     ResilientStrategyError,
 )
 from ..probing.base import ProbeFn, Prober, as_prober
@@ -184,11 +185,16 @@ def decide(
                 res = space_short(res, temp_root(env))
         if progress is not None:
             progress.end(res)
-        if res.cause in RETRY_AFTER_CHECK_CAUSES and deadline - clock() > 1.0:
-            # no verdict on the candidate yet: its GPUs checked, then the same probe once more
-            res = _retry_after_check(c, res, opts, env, prober, check, unproven, deadline,
-                                     clock, startup_check, startup, tuple(results), retried,
-                                     progress)
+        if (res.cause in RETRY_AFTER_CHECK_CAUSES or res.cause == STATUS_LOST) \
+                and deadline - clock() > 1.0:
+            # no verdict on the candidate yet: its GPUs checked (not for a status another
+            # reaper took: nothing speaks against them), then the same probe once more
+            res = _retry_after_check(c, res, opts, env, prober,
+                                     None if res.cause == STATUS_LOST else check, unproven,
+                                     deadline, clock, startup_check, startup, tuple(results),
+                                     retried, progress)
+        if res.cause == NO_SPACE:
+            raise no_space_error(c, res, temp_root(env))
         if check is not None and res.cause not in ("budget",):
             spec = spec_for(c, opts, timeout_s)
             due = unproven.after_probe(spec, res, _check_fits(
@@ -378,6 +384,21 @@ def space_short(res: ProbeResult, temp_root: str, free: int | None = None) -> Pr
         return res
     return replace(res, cause="no_space", detail=f"the temp directory {temp_root} has "
                    f"{human_bytes(free)} free ({res.cause}: {res.detail})")
+
+
+#: The causes that are no verdict on the candidate (`causes.NO_VERDICT_CAUSES`): its
+#: workers could not write their files; its workers' exit status was taken by another reaper.
+NO_SPACE, STATUS_LOST = "no_space", "status_lost"
+
+
+def no_space_error(c: Candidate, res: ProbeResult, temp_root: str) -> NoSpaceError:
+    """A probe that could not write its files (``no_space``): no verdict on ``c``'s transport,
+    so the decision stops here, naming the temp directory, rather than fall back to fewer
+    processes on a disk's account (nothing of it is cached)."""
+    log.info("resilient_strategy: the probe of %s could not write its files: %s", c.key,
+             res.detail)
+    return NoSpaceError(f"{temp_root.rstrip('/') or '/'}/rs-probe-...",
+                        f"the files of the probe of {c.label} (unknown: no space)")
 
 
 def close_fork_servers() -> None:

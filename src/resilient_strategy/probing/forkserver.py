@@ -12,7 +12,9 @@ Only torch is served (TensorFlow starts threads at import; forking it is not saf
 
 `fork_here` is the server's shortcut: where this process is fit to fork (`why_not_here`: the
 caller's main thread and no other Python thread, no TensorFlow or JAX imported, no GPU driver
-started here, SIGCHLD not ignored, an OpenMP pool released first), the workers are forked from
+started here, SIGCHLD neither ignored nor handled (a script's handler that reaps every child
+would take a worker's exit status: its probe would read as failed), an OpenMP pool released
+first), the workers are forked from
 it directly. A script that trains with torch imports it anyway, so the probe then costs no
 interpreter importing torch of its own (3.4 s of a 5.6 s NCCL probe on an H200 host). The child is made what the server's child is
 (`probing.workers.fork_server.become_worker`).
@@ -54,6 +56,15 @@ OPENMP_LIBS = ("libgomp", "libiomp5", "libomp.so")
 THREADED_AT_IMPORT = ("tensorflow", "jax")
 
 log = logging.getLogger("resilient_strategy")
+
+
+#: The exit code a `ChildProc` gets when its status was taken by another reaper (EX_SOFTWARE):
+#: the runner sees an exit, the parser reads `ChildProc.status_lost`, never this code.
+LOST_STATUS = 70
+#: The workers forked here whose exit status another reaper took (process-wide by nature: a
+#: SIGCHLD handler or a thread of this process that waits for any child; once seen, no worker
+#: is forked here again, `why_not_here`).
+_LOST: list[int] = []
 
 
 class ForkServerError(OSError):
@@ -164,13 +175,17 @@ class ChildProc(ForkedProc):
 
     def __init__(self, pid: int) -> None:
         super().__init__(pid, "")
+        #: its exit status was taken by another reaper in this process (``waitpid`` answered
+        #: ECHILD): ``returncode`` is then `LOST_STATUS`, which says nothing of how it ended
+        self.status_lost = False
 
     def poll(self) -> int | None:
         if self.returncode is None:
             try:
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
             except ChildProcessError:  # reaped elsewhere (not by us): its code is lost
-                self.returncode = 70
+                self.returncode, self.status_lost = LOST_STATUS, True
+                _LOST.append(self.pid)  # no more forking here in this process
                 return self.returncode
             if pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
@@ -194,8 +209,15 @@ def why_not_here(maps: str = "/proc/self/maps") -> str:
         return "no fork on this platform"
     if threading.current_thread() is not threading.main_thread() or threading.active_count() != 1:
         return "another Python thread runs in this process (a fork copies only the caller)"
-    if signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN:
+    handler = signal.getsignal(signal.SIGCHLD)
+    if handler == signal.SIG_IGN:
         return "SIGCHLD is ignored here (a child's exit status would be lost)"
+    if handler != signal.SIG_DFL:  # a Python handler, or one installed outside Python (None)
+        return ("SIGCHLD has a handler here (one that reaps every child would take a worker's "
+                "exit status)")
+    if _LOST:
+        return (f"a worker's exit status was taken by another reaper here (pid {_LOST[0]}): "
+                "the workers are the fork server's children instead")
     why = framework_threads()
     if why:
         return why

@@ -116,6 +116,10 @@ CAUSES: dict[str, str] = {
     "limit (ulimit -n 65536) or use fewer DataLoader workers, and run again",
     "permission": "a file or directory the run needs is not writable or readable by this user "
     "(Permission denied): fix its owner or mode (or TMPDIR), and run again",
+    # No verdict at all: how the probe ended is unknown (see NO_VERDICT_CAUSES).
+    "status_lost": "a probe worker's exit status was taken by another reaper in the deciding "
+    "process (a SIGCHLD handler of the script's that waits for every child), so how the probe "
+    "ended is unknown",
 }
 
 
@@ -127,7 +131,14 @@ GPU_WIDE_CAUSES = frozenset({"cuda_init", "driver_too_old"})
 #: Causes that come from the state of the machine (a full disk, the descriptor limit, a file's
 #: permissions), not from the candidate: they say nothing about the backend, so they are never
 #: cached and never rule a candidate out beyond the run that met them.
-ENVIRONMENTAL_CAUSES = frozenset({"no_space", "too_many_files", "permission", "nccl_oom"})
+ENVIRONMENTAL_CAUSES = frozenset({"no_space", "too_many_files", "permission", "nccl_oom",
+                                  "status_lost"})
+
+#: Causes that are no verdict on the candidate at all, so never a reason to fall back to
+#: another (`deciding.decide`): a probe that could not write its files (``no_space``) stops
+#: the decision with a `NoSpaceError` naming the temp directory; one whose exit status was
+#: lost (``status_lost``) is probed once more.
+NO_VERDICT_CAUSES = frozenset({"no_space", "status_lost"})
 
 #: Causes that are no verdict on the candidate until seen twice: the GPUs the probe ran on are
 #: checked (`probing.health`), then the same candidate is probed once more

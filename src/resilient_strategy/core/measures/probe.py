@@ -48,10 +48,6 @@ class Stall(Protocol):
 
 #: Probe statuses.
 OK, ERROR, TIMEOUT = "ok", "error", "timeout"
-#: ``extra`` keys of a probe cut while its host was too busy to run it (`probing.cost.host_busy`,
-#: issue 41): the share of a CPU its most starved worker got, and the deadline it was retried
-#: with. A failure so marked is load, not the transport's: never cached (`deciding.cache`).
-HOST_BUSY, BUSY_RETRIED = "host_busy", "busy_retried"
 
 @dataclass(frozen=True)
 class ProbeSpec:
@@ -428,6 +424,10 @@ def _reported(o: WorkerOutcome, rep: Mapping[str, Any], base: _Make,
 
 def _died(o: WorkerOutcome, base: _Make, table: Signatures) -> ProbeResult | None:
     """The result of a worker that ended badly on its own (not stopped by the runner)."""
+    if o.status_lost and not o.killed_by_runner:  # how it ended is unknown: no verdict
+        return base(status=ERROR, cause="status_lost",
+                    detail=f"rank {o.rank}'s exit status was taken by another reaper in the "
+                    "deciding process (a SIGCHLD handler that waits for every child)")
     if o.killed_by_runner or o.returncode == 0:
         return None
     if o.signal is not None:

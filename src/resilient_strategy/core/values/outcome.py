@@ -19,3 +19,6 @@ class WorkerOutcome:
     stdout: str = ""
     killed_by_runner: bool = False
     failed_first: bool = False  # its failure made the runner stop the others
+    #: its exit status was taken by another reaper (a SIGCHLD handler of the script's that
+    #: waits for every child): how it ended is unknown, which is no verdict on the candidate
+    status_lost: bool = False
