@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.call.options import DEFAULT_TTL_S
-from ..core.measures.probe import ENVIRONMENTAL_CAUSES, ProbeResult
+from ..core.measures.probe import ENVIRONMENTAL_CAUSES, HOST_BUSY, ProbeResult
 from ..core.values.candidate import CandidateKey
 from ..errors import FileFormatError, NoSpaceError, UnsafePathError
 from ..machine import files
@@ -98,6 +98,8 @@ def refusal(result: ProbeResult) -> str | None:
         return "a rehearsed fault"
     if MID_RUN in extra:
         return "a mid-run failure that no probe reproduced"
+    if HOST_BUSY in extra:
+        return "a deadline that passed while the host was too busy to run the probe (load, not a fault)"
     return None
 
 

@@ -24,7 +24,9 @@ from typing import Protocol
 from ..core.knowledge import nccldiag
 from ..core.values.outcome import WorkerOutcome
 from ..machine import files
+from ..machine import procs as proc_stat
 from ..records.progress import Stall, StallPolicy, StallWatcher
+from .cost import CpuShare
 
 _STDERR_TAIL_BYTES = 64 << 10
 #: How much of a worker's stdout is scanned for NCCL's diagnostics reports (printed at
@@ -72,6 +74,9 @@ class GroupOutcome:
     stall: Stall | None = None  # the stall that made the runner stop the group, if one did
     stopped: str = ""  # why ``stop`` ended the group early ("" when it did not)
     started_at: float = 0.0  # time.monotonic() when the first worker was started
+    #: what the workers still running got of the host when the deadline or a stall cut them
+    #: (None when neither did, or nothing could be read): `cost.host_busy` judges it
+    share: CpuShare | None = None
 
 
 def run_group(
@@ -159,6 +164,8 @@ def _run_group(
     first_failed: int | None = None
     timed_out = False
     waiter = _ExitWaiter(poll_s)
+    share: CpuShare | None = None
+    steal_before = proc_stat.read_cpu_steal()
     with files.temp_dir("rs-proc-") as tmp:
         logs = Path(tmp)
         try:
@@ -192,6 +199,8 @@ def _run_group(
                 # H100 host, health checks forked so waited out their whole 30 s deadline twice
                 # in three runs though they had exited 0 within half a second)
                 waiter.wait(left if watcher is None and spawn is None else min(left, poll_s))
+            if timed_out or stall is not None:  # read before the stop, while they still run
+                share = cpu_share(procs, time.monotonic() - start, steal_before)
         finally:
             waiter.close()
             stopped = _stop(procs, grace_s)
@@ -205,7 +214,24 @@ def _run_group(
             for i, (p, cmd) in enumerate(zip(procs, commands, strict=True))
         )
     return GroupOutcome(outcomes, elapsed, timed_out, tuple(p.pid for p in procs), stall,
-                        stopped_because, start)
+                        stopped_because, start, share)
+
+
+def cpu_share(procs: Sequence[Proc], wall_s: float,
+              steal_before: tuple[int, int] | None) -> CpuShare | None:
+    """What the workers still running got of the host (`cost.CpuShare`): each one's CPU and
+    run-queue seconds, and the share of the host's CPU time stolen since ``steal_before``; None
+    when no worker's could be read."""
+    got = [s for s in (proc_stat.read_sched(p.pid) for p in procs if p.poll() is None)
+           if s is not None]
+    if not got:
+        return None
+    steal = 0.0
+    now = proc_stat.read_cpu_steal()
+    if steal_before is not None and now is not None and now[0] > steal_before[0]:
+        steal = max(0.0, (now[1] - steal_before[1]) / (now[0] - steal_before[0]))
+    return CpuShare(round(wall_s, 3), tuple(round(s[0], 3) for s in got),
+                    tuple(round(s[1], 3) for s in got), round(steal, 4))
 
 
 def start_worker(cmd: WorkerCommand, out_path: Path, err_path: Path, spawn: Spawn | None) -> Proc:

@@ -48,6 +48,10 @@ class Stall(Protocol):
 
 #: Probe statuses.
 OK, ERROR, TIMEOUT = "ok", "error", "timeout"
+#: ``extra`` keys of a probe cut while its host was too busy to run it (`probing.cost.host_busy`,
+#: issue 41): the share of a CPU its most starved worker got, and the deadline it was retried
+#: with. A failure so marked is load, not the transport's: never cached (`deciding.cache`).
+HOST_BUSY, BUSY_RETRIED = "host_busy", "busy_retried"
 
 @dataclass(frozen=True)
 class ProbeSpec:
