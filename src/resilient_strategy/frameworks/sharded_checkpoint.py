@@ -32,8 +32,12 @@ others, and is opened without following links and without blocking (a FIFO is re
 bounded reads. Otherwise `resilient_strategy.errors.UnsafePathError` names the path and
 nothing is loaded. DCP's ``.metadata`` is a pickle, which torch reads with plain
 ``pickle.load``: here it is read instead by an unpickler that builds only DCP's own metadata
-classes, torch's dtypes and sizes (anything else is refused before it is built), and checked
-(every shard a file of the step directory, within its size) before DCP sees it; the non-tensor
+classes, torch's dtypes and sizes and, by name, the members of DCP's enum (how early Python
+3.11 releases, 3.11.2 among them, pickle them; anything else is refused before it is built), that sets state only
+on the metadata objects it made itself and builds at most half an entry per byte of the file;
+then it is checked (every shard a file of the step directory, within its size; every tensor's
+chunks distinct, inside the tensor, stored, at most `_CHUNKS_PER_FILE` per shard file) before
+DCP sees it; the non-tensor
 values (the optimizer's hyper-parameters) are read with ``torch.load(weights_only=True)``, not
 DCP's ``weights_only=False``. Everything is created private: 0700 directories, 0600 files, DCP's
 own files included (written under umask 077, then chmod-ed).
@@ -46,6 +50,9 @@ aside as ``damaged-step-...``. torch is imported inside functions only.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import enum
+import functools
 import io
 import logging
 import os
@@ -56,7 +63,7 @@ import stat
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ..errors import CheckpointError, FileFormatError, NoSpaceError, UnsafePathError
 from ..machine import files
@@ -93,6 +100,36 @@ _METADATA_CLASSES = {
     "torch": {"Size"},
     "torch.serialization": {"_get_layout"},
 }
+#: Python 3.13 pickles pathlib's classes as ``pathlib._local``'s: read as pathlib's own.
+_PATHLIB_MODULES = ("pathlib", "pathlib._local")
+#: The entry bound (`_entry_budget`): DCP's files spend 4.1 to 9.6 bytes an entry (measured,
+#: torch 2.13, 1 to 2000 chunks a tensor, 1 to 300 tensors); twice that many pass.
+_BYTES_PER_ENTRY = 2
+_MIN_METADATA_ENTRIES = 100_000
+#: Chunks of one tensor, at most, per shard file of its step: a rank writes one file (DCP's
+#: FileSystemWriter, one thread) and one chunk of each tensor under FSDP2, a few under 2-D
+#: sharding.
+_CHUNKS_PER_FILE = 16
+
+
+class _TooManyEntries(pickle.UnpicklingError):
+    """The metadata builds more entries than its size allows (`_entry_budget`)."""
+
+
+@functools.cache
+def _instance_types() -> frozenset[type]:
+    """DCP's metadata classes: the only objects whose state a metadata pickle sets (BUILD)."""
+    import importlib
+
+    return frozenset(getattr(importlib.import_module(module), name)
+                     for module, names in _METADATA_CLASSES.items()
+                     if module.startswith("torch.distributed") for name in names
+                     if dataclasses.is_dataclass(getattr(importlib.import_module(module), name)))
+
+
+@functools.cache
+def _field_names(cls: Any) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(cls))
 
 
 def _check_dir(path: Path) -> None:
@@ -413,19 +450,206 @@ def _problem(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds only `_METADATA_CLASSES` and torch's dtypes; refuses every other global."""
+def _entry_budget(size: int) -> int:
+    """How many entries (container items, objects made, states set) a metadata pickle of
+    ``size`` bytes may build: half an entry a byte, twice what DCP's own files build, so that
+    neither a 1-byte opcode making a container nor a 2-byte memo reference builds more than
+    the file's size says. (What a file of references to one chunk costs DCP's planner is
+    bounded by `_check_chunks`.)"""
+    return _MIN_METADATA_ENTRIES + size // _BYTES_PER_ENTRY
+
+
+class _MetadataUnpickler(pickle._Unpickler):
+    """Builds only `_METADATA_CLASSES`, torch's dtypes and, by name, the members of an allowed
+    enum; refuses every other global before it is built.
+
+    The pure-Python unpickler (a few times slower than C's, next to DCP's own construction
+    costs), so that each opcode that could reach shared state is checked: ``builtins.getattr``
+    (how Python 3.11.2, Debian 12's, pickles an enum member) is a callable that returns a member of an
+    allowed enum and nothing else; BUILD (``__setstate__`` or ``__dict__`` update) sets the
+    state only of an instance of DCP's metadata classes that this load made, never of a class,
+    an enum member or a constant shared by the process; ``APPEND``/``SETITEM``/``ADDITEMS`` add
+    only to a list, dict or set; the entries built are bounded (`_entry_budget`) before any is
+    built past the bound."""
+
+    dispatch: ClassVar[dict[int, Callable[[Any], None]]] = dict(
+        pickle._Unpickler.dispatch)  # a copy: pickle's own table is left as it is
+    stack: list[Any]
+    append: Callable[[Any], None]
+    pop_mark: Callable[[], list[Any]]
+
+    def __init__(self, file: io.BytesIO, budget: int) -> None:
+        super().__init__(file)
+        self._left = budget
+        self._globals: dict[int, Any] = {}  # what find_class handed out: REDUCE's callables
+        self._fresh: dict[int, Any] = {}  # instances of _instance_types() this load made
 
     def find_class(self, module: str, name: str) -> Any:
         import torch
 
-        if name in _METADATA_CLASSES.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None),
-                                            (torch.dtype, torch.layout, torch.memory_format)):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refers to {module}.{name}, which a checkpoint's "
-                                     "metadata never holds")
+        if module in ("builtins", "__builtin__") and name == "getattr":
+            found: Any = self._member
+        elif name in _METADATA_CLASSES.get(module, ()):
+            found = super().find_class(module, name)
+        elif module in _PATHLIB_MODULES and name in _METADATA_CLASSES["pathlib"]:
+            found = super().find_class("pathlib", name)  # 3.13 writes pathlib._local
+        elif module == "torch" and isinstance(getattr(torch, name, None),
+                                              (torch.dtype, torch.layout, torch.memory_format)):
+            found = getattr(torch, name)
+        else:
+            raise pickle.UnpicklingError(f"refers to {module}.{name}, which a checkpoint's "
+                                         "metadata never holds")
+        self._globals[id(found)] = found
+        return found
+
+    def _member(self, cls: Any, name: Any) -> Any:
+        """``getattr(cls, name)`` only for a member of an allowed enum."""
+        if not (isinstance(cls, type) and issubclass(cls, enum.Enum)
+                and self._handed(cls) and isinstance(name, str)
+                and name in cls.__members__):
+            raise pickle.UnpicklingError("getattr of something other than a member of an "
+                                         "allowed enum")
+        return cls.__members__[name]
+
+    def _handed(self, obj: object) -> bool:
+        """``obj`` is a global find_class handed out (the only things REDUCE calls)."""
+        return id(obj) in self._globals and self._globals[id(obj)] is obj
+
+    def _made_here(self, obj: object) -> bool:
+        return id(obj) in self._fresh and self._fresh[id(obj)] is obj
+
+    def _spend(self, entries: int) -> None:
+        self._left -= entries
+        if self._left < 0:
+            raise _TooManyEntries("more entries than a metadata file of its size holds")
+
+    def _made(self, maker: Any, obj: Any) -> Any:
+        if isinstance(maker, type) and type(obj) is maker and maker in _instance_types():
+            self._fresh[id(obj)] = obj  # kept alive here: its id cannot be reused
+        return obj
+
+    def load_reduce(self) -> None:
+        self._spend(1)
+        args = self.stack.pop()
+        func = self.stack[-1]
+        if not self._handed(func) or type(args) is not tuple:
+            raise pickle.UnpicklingError("calls something that is not an allowed global")
+        self.stack[-1] = self._made(func, func(*args))
+
+    def load_newobj(self) -> None:
+        self._spend(1)
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        if not self._handed(cls) or not isinstance(cls, type) or type(args) is not tuple:
+            raise pickle.UnpicklingError("makes something that is not an allowed class")
+        self.append(self._made(cls, cls.__new__(cls, *args)))
+
+    def load_newobj_ex(self) -> None:
+        self._spend(1)
+        kwargs = self.stack.pop()
+        if kwargs:
+            raise pickle.UnpicklingError("NEWOBJ_EX with keyword arguments")
+        self.load_newobj()
+
+    def load_build(self) -> None:
+        self._spend(1)
+        state = self.stack.pop()
+        inst = self.stack[-1]
+        if not self._made_here(inst):
+            raise pickle.UnpicklingError("sets the state of an object this load did not make "
+                                         "(a class, an enum member or a shared constant)")
+        cls: Any = type(inst)
+        setstate = getattr(cls, "__setstate__", None)  # object has none: a class's own
+        if setstate is not None:
+            setstate(inst, state)
+            return
+        slots = None
+        if type(state) is tuple and len(state) == 2:
+            state, slots = state
+        for part in (state, slots):
+            if part is None:
+                continue
+            if type(part) is not dict:
+                raise pickle.UnpicklingError("a state that is not a dict")
+            for key in part:
+                if type(key) is not str or (key not in _field_names(cls) and hasattr(cls, key)):
+                    raise pickle.UnpicklingError(f"sets {cls.__name__}.{key!s:.40}, not a field")
+        if state:
+            inst.__dict__.update(state)
+        for key, value in (slots or {}).items():
+            setattr(inst, key, value)
+
+    def _container(self, kind: type, what: str) -> Any:
+        target = self.stack[-1]
+        if type(target) is not kind:
+            raise pickle.UnpicklingError(f"adds items to a {type(target).__name__}, not a {what}")
+        return target
+
+    def load_append(self) -> None:
+        self._spend(1)
+        value = self.stack.pop()
+        self._container(list, "list").append(value)
+
+    def load_appends(self) -> None:
+        items = self.pop_mark()
+        self._spend(len(items) + 1)
+        self._container(list, "list").extend(items)
+
+    def load_setitem(self) -> None:
+        self._spend(1)
+        value = self.stack.pop()
+        key = self.stack.pop()
+        self._container(dict, "dict")[key] = value
+
+    def load_setitems(self) -> None:
+        items = self.pop_mark()
+        self._spend(len(items) // 2 + 1)
+        target = self._container(dict, "dict")
+        for i in range(0, len(items) - 1, 2):
+            target[items[i]] = items[i + 1]
+
+    def load_additems(self) -> None:
+        items = self.pop_mark()
+        self._spend(len(items) + 1)
+        self._container(set, "set").update(items)
+
+    def _refuse(self) -> None:
+        raise pickle.UnpicklingError("an opcode DCP's metadata never holds")
+
+
+def _counting(base: Callable[[Any], None], weight: Callable[[Any], int]) -> Callable[[Any], None]:
+    def counted(self: _MetadataUnpickler) -> None:
+        self._spend(weight(self))
+        base(self)
+    return counted
+
+
+def _dispatch() -> None:
+    table = _MetadataUnpickler.dispatch
+    for code, method in (
+            (pickle.REDUCE, _MetadataUnpickler.load_reduce),
+            (pickle.NEWOBJ, _MetadataUnpickler.load_newobj),
+            (pickle.NEWOBJ_EX, _MetadataUnpickler.load_newobj_ex),
+            (pickle.BUILD, _MetadataUnpickler.load_build),
+            (pickle.APPEND, _MetadataUnpickler.load_append),
+            (pickle.APPENDS, _MetadataUnpickler.load_appends),
+            (pickle.SETITEM, _MetadataUnpickler.load_setitem),
+            (pickle.SETITEMS, _MetadataUnpickler.load_setitems),
+            (pickle.ADDITEMS, _MetadataUnpickler.load_additems),
+            # protocol 0/1 instances, persistent ids, the copyreg extension registry, a copy of
+            # the top of the stack: never DCP's
+            *((op, _MetadataUnpickler._refuse) for op in (
+                pickle.INST, pickle.OBJ, pickle.PERSID, pickle.BINPERSID, pickle.EXT1,
+                pickle.EXT2, pickle.EXT4, pickle.DUP))):
+        table[code[0]] = method
+    for op in (pickle.EMPTY_LIST, pickle.EMPTY_DICT, pickle.EMPTY_SET, pickle.EMPTY_TUPLE,
+               pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3):
+        table[op[0]] = _counting(table[op[0]], lambda self: 1)
+    for op in (pickle.LIST, pickle.DICT, pickle.TUPLE, pickle.FROZENSET):  # since the MARK:
+        table[op[0]] = _counting(table[op[0]], lambda self: 1 + len(self.stack))  # the items
+
+
+_dispatch()
 
 
 def read_metadata(step: Path, sizes: dict[str, int] | None = None) -> Any:
@@ -439,7 +663,7 @@ def read_metadata(step: Path, sizes: dict[str, int] | None = None) -> Any:
     sizes = files.check_private_files(step, fix=_FIX) if sizes is None else sizes
     try:
         raw = files.read_bytes(path, max_bytes=MAX_METADATA_BYTES)
-        metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
+        metadata = _MetadataUnpickler(io.BytesIO(raw), _entry_budget(len(raw))).load()
     except UnsafePathError:
         raise
     except (OSError, FileFormatError) as exc:
@@ -460,7 +684,47 @@ def read_metadata(step: Path, sizes: dict[str, int] | None = None) -> Any:
                 and info.offset + info.length <= sizes[info.relative_path]):
             raise CheckpointError(str(step / info.relative_path),
                                   "shorter than its metadata says (truncated)")
+    _check_chunks(path, metadata, sum(1 for name in sizes if name not in (META, LATEST,
+                                                                           METADATA)))
     return metadata
+
+
+def _check_chunks(path: Path, metadata: Any, shard_files: int) -> None:
+    """Every tensor's chunks are distinct, inside the tensor, each stored (a ``storage_data``
+    entry of its own) and at most `_CHUNKS_PER_FILE` per shard file: what DCP's planner walks
+    on a load is bounded by the step's files, not by how often a pickle repeats one chunk."""
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorStorageMetadata,
+    )
+
+    stored = {(index.fqn, index.offset) for index in metadata.storage_data
+              if isinstance(index, MetadataIndex) and isinstance(index.offset, tuple)}
+    most = _CHUNKS_PER_FILE * max(1, shard_files)
+    for fqn, item in metadata.state_dict_metadata.items():
+        if isinstance(item, BytesStorageMetadata):
+            continue
+        if not isinstance(item, TensorStorageMetadata) or not isinstance(item.chunks, list) \
+                or not isinstance(item.size, tuple):
+            raise CheckpointError(str(path), "it holds an entry that is not DCP's")
+        if len(item.chunks) > most:
+            raise CheckpointError(str(path), f"{len(item.chunks)} chunks of one tensor, more "
+                                  f"than {_CHUNKS_PER_FILE} per shard file")
+        seen = set()
+        for chunk in item.chunks:
+            if not isinstance(chunk, ChunkStorageMetadata) \
+                    or not isinstance(chunk.offsets, tuple) or not isinstance(chunk.sizes, tuple) \
+                    or not len(chunk.offsets) == len(chunk.sizes) == len(item.size) \
+                    or not all(isinstance(o, int) and isinstance(n, int) and o >= 0
+                               and n >= 0 and o + n <= whole for o, n, whole
+                               in zip(chunk.offsets, chunk.sizes, item.size, strict=True)):
+                raise CheckpointError(str(path), "a chunk outside its tensor")
+            key = (fqn, chunk.offsets)
+            if key in seen or key not in stored:
+                raise CheckpointError(str(path), "a chunk repeated or not stored")
+            seen.add(key)
 
 
 def _reader(step: Path, metadata: Any) -> Any:
