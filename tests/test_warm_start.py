@@ -20,7 +20,7 @@ import pytest
 
 from resilient_strategy.core.call.options import DEFAULT_WARM_START
 from resilient_strategy.errors import InvalidOptionError
-from resilient_strategy.machine.procs import pids_with_env
+from resilient_strategy.machine.procs import pids_with_env, read_stat
 from resilient_strategy.run.cmdline import options_from_args
 from resilient_strategy.run.supervisor import RUN_PREFIX
 from resilient_strategy.run.warm import (
@@ -29,6 +29,7 @@ from resilient_strategy.run.warm import (
     _private_dir,
     applies,
     rank_pids,
+    server_alive_fd,
     socket_dirs,
     thread_count,
     worker_environment,
@@ -124,7 +125,78 @@ def test_the_servers_socket_goes_to_tmp_when_tmpdir_is_too_long_for_a_socket_pat
     assert not _private_dir(tmp_path / "file") and (tmp_path / "file").read_text() == "x"
 
 
+def test_the_fork_server_is_known_by_its_command_line() -> None:
+    """multiprocessing starts its server as ``python -c "...main(LISTENER, ALIVE, ..."``: the
+    second number is the pipe that reads end-of-file once the supervisor is gone."""
+    cmd = ("from multiprocessing.forkserver import main; main(5, 8, ['resilient_strategy.run."
+           "warm'], **{'sys_path': ['/x']})")
+    assert server_alive_fd(["/usr/bin/python3", "-B", "-c", cmd]) == 8
+    assert server_alive_fd(["python", "-m", "resilient_strategy", "run", "-c", cmd]) is None
+    assert server_alive_fd(["python", "-c", "import x; main(5, 8)"]) is None
+    assert server_alive_fd(["python", "-c", cmd, "more"]) is None
+    assert server_alive_fd(["python", "-c"]) is None
+    assert server_alive_fd([]) is None
+
+
 # ----- real processes ---------------------------------------------------------------------------
+#: A supervisor that starts the fork server and waits; its preload is this package's hook, then a
+#: module that takes two minutes to import (torch on a loaded machine takes seconds).
+SERVER_PARENT = textwrap.dedent("""
+    import sys, time
+    from multiprocessing import forkserver
+    from resilient_strategy.run import warm
+    warm.PRELOAD = (warm.PRELOAD[0], "rs_slow_preload")
+    warm.start_server()
+    print(forkserver._forkserver._forkserver_pid, flush=True)
+    time.sleep(600)
+""")
+SLOW_PRELOAD = textwrap.dedent("""
+    import os, time
+    open(os.path.join(os.path.dirname(__file__), "importing"), "w").close()
+    time.sleep(120)
+""")
+
+
+def _gone(pid: int) -> bool:
+    st = read_stat(pid)
+    return st is None or st.gone  # a zombie is gone: nothing runs in it
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forkserver and /proc")
+@pytest.mark.parametrize("when", ["at_once", "importing"])
+def test_the_fork_server_dies_with_a_sigkilled_supervisor_while_it_imports(
+        tmp_path: Path, when: str) -> None:
+    """issue 46.6: the server used to watch its supervisor only once its imports were done,
+    and outlived a SIGKILLed one for as long as torch took to import (up to 12.7 s)."""
+    (tmp_path / "rs_slow_preload.py").write_text(SLOW_PRELOAD)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT / "src"), str(tmp_path))),
+           "TMPDIR": str(tmp_path)}
+    parent = subprocess.Popen([sys.executable, "-c", SERVER_PARENT], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    server = 0
+    try:
+        assert parent.stdout is not None
+        server = int(parent.stdout.readline())
+        if when == "importing":  # past this package's hook, in the slow import
+            end = time.monotonic() + 60
+            while not (tmp_path / "importing").exists() and time.monotonic() < end:
+                time.sleep(0.01)
+            assert (tmp_path / "importing").exists() and not _gone(server)
+    finally:
+        parent.kill()
+        parent.wait(timeout=30)  # not its output: a live server holds the pipe open
+        if parent.stdout is not None:
+            parent.stdout.close()
+    end = time.monotonic() + 30  # generous on a loaded machine; the import takes 120 s
+    while not _gone(server) and time.monotonic() < end:
+        time.sleep(0.01)
+    gone = _gone(server)
+    if not gone:
+        with_kill(server)
+    assert gone
+
+
 torch = pytest.importorskip("torch")
 
 

@@ -13,9 +13,10 @@ import os
 import pickle
 import signal
 import sys
+import tempfile
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -60,7 +61,48 @@ T = TypeVar("T")
 def launch(opts: RunOptions, decision: HandedDecision, env: Mapping[str, str],
             session: Path, peer: PeerWatch | None = None, *, alone: bool = False) -> Verdict:
     """One attempt. ``peer``: the other nodes' fault records, watched while the workers run;
-    ``alone``: node 0 of a multi-node run trains by itself (one node, its own rendezvous)."""
+    ``alone``: node 0 of a multi-node run trains by itself (one node, its own rendezvous).
+    Whatever torch and multiprocessing name through ``tempfile`` in this process meanwhile
+    lives in the session's private directory (`private_tempdir`)."""
+    with private_tempdir(session / TORCH_TEMP):
+        return _launch(opts, decision, env, session, peer, alone=alone)
+
+
+#: The directory of the session (``<session>/torch-tmp``, 0700) that this process's
+#: ``tempfile`` names while an attempt runs (`private_tempdir`).
+TORCH_TEMP = "torch-tmp"
+
+
+@contextlib.contextmanager
+def private_tempdir(directory: Path) -> Iterator[Path]:
+    """Within the block, this process's ``tempfile`` directory (``tempfile.tempdir``, never
+    the ``TMPDIR`` of the workers) is ``directory``: made 0700 when absent, and checked as a
+    checkpoint's directory is (this user's, not a symlink, writable by nobody else; its parent,
+    the session, too). torch names in it what it makes for the ranks of an attempt with
+    ``tempfile`` in the supervisor: ``start_processes``'s error file of each rank (the warm
+    start), which it unlinks, keeps the name of and ``pickle.load``s on a rank's non-zero
+    exit, so that in a shared (sticky) TMPDIR another user could plant a pickle there that
+    runs as this user; its agent's default log directory (``torchelastic_*``), its file timer's
+    FIFO (``watchdog_timer_*``), a file store of the rendezvous, multiprocessing's own
+    directory (``pymp-*``). The previous directory is restored after (also None: ``tempfile``
+    reads TMPDIR again). Raises `resilient_strategy.errors.UnsafePathError` when it is not
+    private."""
+    from ..machine.files import check_private_dir, ensure_private_dir, writing
+
+    check_private_dir(directory.parent, follow_links=False)
+    with writing(directory, "the run's directory"):
+        ensure_private_dir(directory)
+    check_private_dir(directory, follow_links=False)
+    before = tempfile.tempdir
+    tempfile.tempdir = str(directory)
+    try:
+        yield directory
+    finally:
+        tempfile.tempdir = before
+
+
+def _launch(opts: RunOptions, decision: HandedDecision, env: Mapping[str, str],
+            session: Path, peer: PeerWatch | None, *, alone: bool) -> Verdict:
     run_dir = Path(decision.run_dir)
     where = RunDir(run_dir)
     marks = where.supervisor_phases

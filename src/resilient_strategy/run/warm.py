@@ -9,9 +9,11 @@ it (``torch.multiprocessing.start_processes`` with the ``forkserver`` start meth
 torch initializes no CUDA (the child checks ``torch.cuda.is_initialized()``), and CUDA and NCCL
 start in each child, after its environment is set. The server starts once, before the first
 attempt's agent, with the supervisor's environment as it is then, and lives as long as the
-supervisor: multiprocessing ends it when the supervisor's end of its pipe closes (a SIGKILLed
-supervisor too), and each child dies with it (``PR_SET_PDEATHSIG``) and with the supervisor
-(a watch on its pid).
+supervisor: multiprocessing ends it when the supervisor's end of its pipe closes, once its
+imports are done; a SIGKILLed supervisor ends it at once, also while it is still importing
+torch (`die_with_supervisor`, the first thing the server runs: ``PR_SET_PDEATHSIG`` on Linux,
+and an exit when the supervisor was gone already); each child dies with it
+(``PR_SET_PDEATHSIG``) and with the supervisor (a watch on its pid).
 
 What a child must be, and how:
 
@@ -33,8 +35,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ..machine.procs import alive
@@ -66,6 +69,52 @@ PRELOAD = (
 SERVER_ENV: dict[str, str] = dict(os.environ)
 
 _STARTED: list[bool] = []
+
+#: How multiprocessing starts its fork server (``python -c`` with this command, Python
+#: 3.10-3.13): the numbers are the listening socket's descriptor and the read end of the pipe
+#: whose write end only the processes that use the server hold (the supervisor).
+_SERVER_COMMAND = re.compile(
+    r"from multiprocessing\.forkserver import main; main\((\d+), (\d+)\b")
+
+
+def server_alive_fd(orig_argv: Sequence[str]) -> int | None:
+    """In the fork server (its command line, ``sys.orig_argv``): the read end of the pipe that
+    reads end-of-file once the supervisor is gone; anywhere else None (pure)."""
+    args = list(orig_argv)  # [python, *interpreter flags, "-c", command]: multiprocessing's
+    if len(args) < 3 or args[-2] != "-c" or "-m" in args[1:-2]:
+        return None
+    found = _SERVER_COMMAND.match(args[-1])
+    return int(found.group(2)) if found else None
+
+
+def die_with_supervisor(orig_argv: Sequence[str] | None = None) -> bool:
+    """In the fork server (`server_alive_fd`), before it imports torch: be SIGKILLed when the
+    supervisor dies (``PR_SET_PDEATHSIG``; the supervisor's main thread started it), and exit
+    at once when it has died already (its pipe reads end-of-file). multiprocessing's own
+    watch of the pipe begins only once every module of `PRELOAD` is imported: seconds of torch
+    (12.7 s seen on a loaded machine), during which the server outlived its supervisor.
+    Returns whether this process is the server; nothing happens elsewhere."""
+    import select
+    import stat
+
+    fd = server_alive_fd(sys.orig_argv if orig_argv is None else orig_argv)
+    if fd is None:
+        return False
+    try:
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return False
+    except OSError:
+        return False
+    from ..probing.workers.watchdog import EXIT_PARENT_GONE, die_with_parent
+
+    die_with_parent()
+    with contextlib.suppress(OSError, ValueError):
+        if select.select([fd], [], [], 0)[0]:  # every writer gone: the supervisor is
+            os._exit(EXIT_PARENT_GONE)
+    return True
+
+
+die_with_supervisor()  # this module is the first of `PRELOAD`: the server runs this first
 
 
 def applies(framework: str, platform: str = sys.platform) -> bool:
