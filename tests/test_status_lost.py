@@ -118,6 +118,34 @@ def test_a_lost_status_is_probed_once_more_and_that_result_stands(tmp_path: Path
     assert DecisionCache(tmp_path).load(facts.fingerprint())[GLOO].ok
 
 
+def test_a_reaping_handler_never_turns_a_fresh_workers_exit_into_a_clean_one(
+        tmp_path: Path) -> None:
+    """Workers started as fresh processes (the fork server off, TensorFlow): before, the
+    script's handler reaped them first and ``subprocess`` read the lost status as 0, so a
+    crashed worker looked like one that exited cleanly (5 of 5 here). Now the handler is set
+    aside while the group runs, and called once after for what came meanwhile."""
+    from resilient_strategy.probing.proc import WorkerCommand, run_group
+
+    calls: list[int] = []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        calls.append(signum)
+        _reap_all(signum, frame)
+
+    cmd = WorkerCommand(argv=(sys.executable, "-c", "import sys; sys.exit(3)"),
+                        env=dict(os.environ), cwd=str(tmp_path),
+                        report_path=str(tmp_path / "report.json"))
+    before = signal.getsignal(signal.SIGCHLD)
+    signal.signal(signal.SIGCHLD, handler)
+    try:
+        codes = [run_group([cmd], 60.0).outcomes[0].returncode for _ in range(3)]
+        assert signal.getsignal(signal.SIGCHLD) is handler  # put back
+    finally:
+        signal.signal(signal.SIGCHLD, before)
+    assert codes == [3, 3, 3]
+    assert calls  # the script's handler still heard of its children
+
+
 SCRIPT = r'''
 import json, os, signal, sys
 sys.path.insert(0, sys.argv[1])

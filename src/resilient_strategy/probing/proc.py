@@ -102,7 +102,7 @@ def run_group(
     ``stop``, asked about every `STOP_POLL_S`, ends the group early when it returns a
     reason (a peer node of a cross-node probe was lost: waiting out the deadline is pointless).
     """
-    with terminate_as_exception():
+    with terminate_as_exception(), sigchld_shielded():
         return _run_group(commands, timeout_s, poll_s, grace_s, shm_dir, stall_policy, spawn,
                           stop)
 
@@ -140,6 +140,34 @@ def terminate_as_exception() -> Iterator[None]:
         raise
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def sigchld_shielded() -> Iterator[None]:
+    """While workers run, a SIGCHLD handler the script installed (or SIGCHLD ignored) is set
+    aside: one that reaps every child would take a worker's exit status (``subprocess`` then
+    reads the lost status as 0, a crashed worker as a clean exit). A SIGCHLD that came meanwhile
+    is raised again once the handler is back, so the script's own children are still reaped by
+    it. Only the main thread owns handlers; elsewhere, and for a handler installed outside
+    Python (which cannot be put back), nothing changes."""
+    sig = getattr(signal, "SIGCHLD", None)
+    held = signal.getsignal(sig) if sig is not None else None
+    if (sig is None or held is None or held == signal.SIG_DFL
+            or threading.current_thread() is not threading.main_thread()):
+        yield
+        return
+    came: list[int] = []
+
+    def note(signum: int, frame: FrameType | None) -> None:
+        came.append(signum)
+
+    signal.signal(sig, note)
+    try:
+        yield
+    finally:
+        signal.signal(sig, held)
+        if came and held != signal.SIG_IGN:
+            signal.raise_signal(sig)
 
 
 def _run_group(
