@@ -326,12 +326,16 @@ def _selection_text(sel: Any, show_probes: bool) -> list[str]:
     out = [sel.explain(verbose=True)]  # doctor, plan, probe: the whole reasoning
     if sel.plan.ranked:
         out.append("Candidates, in the order they are tried (* = chosen):")
+        # a model of unknown size: the estimates are of an assumed one, so no seconds are said
+        sized = all(getattr(e, "known_size", True) for e in sel.plan.events
+                    if getattr(e, "kind", "") == "ranking")
         for i, r in enumerate(sel.plan.ranked, 1):
             c = r.candidate
             mark = "*" if c.key == sel.candidate.key else " "
             first = f"; tried first by rule {c.origin}" if c.first else ""
-            out.append(f" {mark}{i}. {c.label}: {_batch_words(c)}; "
-                       f"~{human_duration(r.estimate.step_seconds)} per global batch{first}")
+            cost = (f"~{human_duration(r.estimate.step_seconds)} per global batch" if sized
+                    else "no time estimated (the model's size is unknown)")
+            out.append(f" {mark}{i}. {c.label}: {_batch_words(c)}; {cost}{first}")
     if sel.plan.ruled_out:
         out.append("Ruled out:")
         for r in sel.plan.ruled_out:  # a rule's words are in the trace above: name it only

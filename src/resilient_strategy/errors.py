@@ -59,10 +59,14 @@ class InvalidOptionError(ResilientStrategyError, ValueError):
 
     ``option`` names where the bad value came from: the argument (``"timeout"``) or the
     environment variable (``"RESILIENT_STRATEGY_TIMEOUT"``); None where no single one is to blame.
+    ``suggestion``: the known value closest to a misspelt one (``"torch"`` for ``"torh"``),
+    which the message offers ("did you mean"); None where none is close.
     """
 
-    def __init__(self, message: str, option: str | None = None) -> None:
+    def __init__(self, message: str, option: str | None = None,
+                 suggestion: str | None = None) -> None:
         self.option = option
+        self.suggestion = suggestion
         super().__init__(message)
 
 

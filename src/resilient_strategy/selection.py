@@ -27,7 +27,7 @@ from .core.measures.probe import ProbeResult
 from .core.planning.plan import Plan
 from .core.values.candidate import Candidate
 from .core.values.facts import Facts
-from .core.values.human import fit
+from .core.values.human import brief, compose
 from .errors import DryRunError, WrongFrameworkError
 
 if TYPE_CHECKING:
@@ -45,6 +45,10 @@ SUMMARY_CHARS = 160
 #: [Selection.explain][resilient_strategy.selection.Selection.explain].
 EXPLAIN_LINES = 8
 EXPLAIN_CHARS = 160
+#: What ends a short line that left a part out: where the rest is (the short explain names
+#: what was ruled out and why; the verbose one has every event).
+SUMMARY_MORE = " (sel.explain())"
+EXPLAIN_MORE = " (sel.explain(verbose=True))"
 #: The words of [Selection.decided_by][resilient_strategy.selection.Selection.decided_by].
 DECIDED_BY = ("simulation", "run", "dry_run", "cache", "probe", "no_collective", "unproven")
 
@@ -287,10 +291,11 @@ class Selection:
             "unproven": "UNPROVEN: probing was off or its budget spent",
         }[by]
 
-    def summary(self) -> str:
-        """The decision in one line of at most `SUMMARY_CHARS` characters: what trains,
-        the batch split, how it was decided (probe, cache, `resilient-strategy run`, dry run),
-        the candidate it fell back from, and how long deciding took. What a script prints by
+    def summary(self, *, limit: int = SUMMARY_CHARS) -> str:
+        """The decision in one line of at most ``limit`` (`SUMMARY_CHARS`) characters: what
+        trains, the batch split, how it was decided (probe, cache, `resilient-strategy run`,
+        dry run), the candidate it fell back from, and how long deciding took, the parts that
+        fit by importance, never a cut one (the line then ends with where the rest is). What a script prints by
         default (``sel.print(sel.summary())``, and the Lightning and Accelerate helpers);
         [explain][resilient_strategy.selection.Selection.explain] says why."""
         c = self.candidate
@@ -299,19 +304,21 @@ class Selection:
                 self.num_replicas > 1 or self.accumulation_steps > 1):
             head += (f" ({self.num_replicas} x {self.per_replica_batch_size} x "
                      f"{self.accumulation_steps} = global batch {self.global_batch_size})")
-        parts = [self._how()]
+        # what trains (the head), then by importance: the candidate it fell back from, an
+        # idle rank, how it was decided, how long that took; whole parts, never a cut one
+        parts: list[tuple[int, str]] = [(2, self._how())]
         failed = [r.candidate.label for r in self.plan.ruled_out
                   if r.rule == "probe" and r.candidate.key != c.key]
         if failed:
-            parts.append(f"after {failed[0]} failed" + (f" (+{len(failed) - 1} more)"
-                                                          if len(failed) > 1 else ""))
+            parts.append((0, f"after {failed[0]} failed" + (f" (+{len(failed) - 1} more)"
+                                                              if len(failed) > 1 else "")))
         if not self.active:
             who = (f"worker {self.tf_worker_rank}" if self.multi_worker
                    else f"rank {self.launch.rank}")
-            parts.append(f"{who} stays idle")
+            parts.append((1, f"{who} stays idle"))
         if not self.handed_down:
-            parts.append(f"decided in {self.decided_in_s:.2f} s")
-        return fit(f"{head}: {'; '.join(parts)}", SUMMARY_CHARS)
+            parts.append((3, f"decided in {self.decided_in_s:.2f} s"))
+        return compose(parts, limit, head=f"{head}: ", more=SUMMARY_MORE)
 
     def explain(self, verbose: bool = False) -> str:
         """The decision and its reasons, as text.
@@ -339,19 +346,20 @@ class Selection:
                 budget -= 1
                 break
             more = f" and {len(labels) - 1} more" if len(labels) > 1 else ""
-            lines.append(fit(f"ruled out {labels[0]}{more}: {why}", EXPLAIN_CHARS))
+            lines.append(brief(why, EXPLAIN_CHARS, head=f"ruled out {labels[0]}{more}: ",
+                               more=EXPLAIN_MORE))
             budget -= 1
             if budget <= 0:
                 break
         if self.env and budget > 0:
             verb = "set" if self.env_applied else "would set"
-            lines.append(fit(f"{verb}: " + " ".join(f"{k}={v}" for k, v in sorted(self.env.items())),
-                             EXPLAIN_CHARS))
+            lines.append(compose([f"{k}={v}" for k, v in sorted(self.env.items())],
+                                 EXPLAIN_CHARS, head=f"{verb}: ", sep=" ", more=EXPLAIN_MORE))
             budget -= 1
         for advice in self.plan.warnings:
             if budget <= 0:
                 break
-            lines.append(fit(f"advice: {advice}", EXPLAIN_CHARS))
+            lines.append(brief(advice, EXPLAIN_CHARS, head="advice: ", more=EXPLAIN_MORE))
             budget -= 1
         lines.append("full reasoning: sel.explain(verbose=True), or `python -m resilient_strategy "
                      "plan` (--json for data)")

@@ -38,7 +38,7 @@ from ..core.trace.fitting import FewerDevices, MemoryChecked, OffloadConsidered
 from ..core.trace.inputs import FrameworkPicked
 from ..core.values.candidate import CandidateKey
 from ..core.values.facts import Facts
-from ..core.values.human import fit, human_bytes, human_duration
+from ..core.values.human import brief, human_bytes, human_duration
 from ..errors import (
     InvalidOptionError,
     InvalidRuleError,
@@ -53,6 +53,7 @@ from ..machine import env as machine_env
 from ..selection import Selection
 from .notices import (
     ProgressLine,
+    batch_notice,
     fallback_warning,
     progress_line_for,
 )
@@ -71,6 +72,8 @@ from .decide import (
 log = logging.getLogger("resilient_strategy")
 #: The most characters of a rule's warning as logged (its whole text: sel.explain(verbose=True)).
 WARNING_CHARS = 200
+#: What ends a warning's short line that left a part out: where the whole text is.
+WARNING_MORE = " (sel.explain(verbose=True))"
 
 
 
@@ -294,6 +297,10 @@ def _decide_and_apply(arguments: Arguments, env: Mapping[str, str] | None,
     if applied:
         to_set = machine_env.apply(to_set)
     p = replace(p, events=(FrameworkPicked(opts.framework, opts.framework_reason), *p.events))
+    big = batch_notice(chosen)  # a batch no device takes: said, in the trace and the warnings
+    if big is not None:
+        p = replace(p, events=(*p.events, Note("batch_implausible", big)),
+                    warnings=(*p.warnings, big))
     sel = Selection(
         candidate=chosen, plan=p, facts=facts, env=to_set, env_applied=applied, results=results,
         from_cache=decision.from_cache, proven=decision.proven, launch=opts.launch,
@@ -305,7 +312,7 @@ def _decide_and_apply(arguments: Arguments, env: Mapping[str, str] | None,
         progress=None if handed is None else _reporter(handed, opts, chosen, snapshot),
     )
     for w in p.warnings:  # one short line each: the whole text is in sel.explain(verbose=True)
-        log.warning("resilient_strategy: %s", fit(w, WARNING_CHARS))
+        log.warning("resilient_strategy: %s", brief(w, WARNING_CHARS, more=WARNING_MORE))
     # under `resilient-strategy run` the supervisor announced it, in the same words
     if opts.launch.rank == 0 and opts.tf_worker_rank == 0 and not opts.dry_run and handed is None:
         fell = fallback_warning(p, results, facts, opts, chosen)

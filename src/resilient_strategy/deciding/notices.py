@@ -11,8 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TextIO
 
+from ..core.knowledge.causes import what_and_fix
 from ..core.measures.probe import OK, TIMEOUT, ProbeResult, judged_hang
-from ..core.values.human import fit
+from ..core.values.human import compose
 
 if TYPE_CHECKING:
     from ..core.call.options import Options
@@ -25,7 +26,9 @@ if TYPE_CHECKING:
 #: (measured here, cold), ~6-8 s for NCCL on 2 GPUs (field notes); TensorFlow imports slower.
 TYPICAL_STARTUP_S = {"torch": 3.0, "tensorflow": 5.0}
 #: The most characters of the fallback warning's line (the trace has the whole story).
-FALLBACK_CHARS = 200
+FALLBACK_CHARS = 240
+#: What ends the fallback warning: where the whole story is.
+FALLBACK_WHY = ". Why: sel.explain()"
 
 
 # --------------------------------------------------------------------------------------------
@@ -75,6 +78,29 @@ def reclassify_short_timeout(res: ProbeResult, timeout_s: float, startup: Startu
 
 
 # --------------------------------------------------------------------------------------------
+# A batch no device takes
+# --------------------------------------------------------------------------------------------
+#: The largest per-device micro-batch taken for a batch size as meant: above it (a million
+#: samples), a DataLoader builds the whole batch in memory at each step, which is rather a
+#: dataset's size (or a per-step sample count over many nodes) passed as the global batch.
+PLAUSIBLE_DEVICE_BATCH = 2**20
+
+
+def batch_notice(chosen: Candidate) -> str | None:
+    """A word when the chosen candidate's per-device micro-batch is more than
+    `PLAUSIBLE_DEVICE_BATCH` samples (``global_batch_size=10**9`` on one CPU: a DataLoader
+    would build a billion samples at each step). None otherwise. Pure."""
+    per = chosen.per_replica_batch_size
+    if per is None or per <= PLAUSIBLE_DEVICE_BATCH:
+        return None
+    return (f"global_batch_size={chosen.global_batch_size} is {per} samples per device per "
+            f"micro-step ({chosen.num_replicas} replica(s), {chosen.accumulation_steps} "
+            f"accumulation step(s)), more than the {PLAUSIBLE_DEVICE_BATCH} a device is likely "
+            "to hold: a DataLoader builds each batch whole. Is it the dataset's size? Pass the "
+            "samples per optimizer step, or max_per_replica_batch= to split it.")
+
+
+# --------------------------------------------------------------------------------------------
 # The fallback warning
 # --------------------------------------------------------------------------------------------
 def _throughput_words(fraction: float) -> str:
@@ -96,16 +122,18 @@ def _replicas_words(n: int, framework: str, chosen: Candidate) -> str:
 
 
 def fallback_warning(
-    p: Plan, results: Mapping[str, ProbeResult], facts: Facts, policy: Options, chosen: Candidate
+    p: Plan, results: Mapping[str, ProbeResult], facts: Facts, policy: Options, chosen: Candidate,
+    *, limit: int = FALLBACK_CHARS,
 ) -> str | None:
-    """One line when the choice falls back from what the machine should do (a candidate that
-    would have been used failed its probe, or a rule vetoed every candidate with as many
-    replicas): what failed, why, what it trains on instead, and the estimated cost. None when
-    nothing better was lost."""
+    """One line of at most ``limit`` characters when the choice falls back from what the
+    machine should do (a candidate that would have been used failed its probe, or a rule vetoed
+    every candidate with as many replicas): what it trains on instead, what failed, why, the
+    fix, and the estimated cost, whole parts by importance (`compose`). None when nothing
+    better was lost."""
     from ..core.measures.estimate import estimate
 
     lost = None
-    why = ""
+    why = cause = ""
     for r in p.ruled_out:
         c = r.candidate
         if c.key == chosen.key:
@@ -113,8 +141,11 @@ def fallback_warning(
         res = results.get(c.key)
         if r.rule == "probe" and res is not None and not res.ok:
             mid_run = dict(res.extra).get("mid_run")
-            lost, why = c, (f"its probe failed ({res.cause or res.status})" if mid_run is None
+            cause = res.cause
+            what = what_and_fix(res.cause)[0]
+            lost, why = c, ("its probe failed" if mid_run is None
                             else f"it failed mid-run at step {mid_run}")
+            why += f": {what}" if what else f" ({res.cause or res.status})"
             break
         if r.rule and r.rule != "probe" and c.num_replicas > chosen.num_replicas and lost is None:
             lost, why = c, f"rule {r.rule} ruled it out"
@@ -129,8 +160,11 @@ def fallback_warning(
                 f"{lost.num_replicas}, {_throughput_words(fraction)}")
     else:
         cost = _throughput_words(min(1.0, fraction))
-    return fit(f"FALLBACK: {chosen.label} ({shape}) instead of {lost.label}: {why}; {cost}. "
-               "Why: sel.explain()", FALLBACK_CHARS)
+    # what trains (the head), why it fell back, the fix, what it costs, the shape: whole
+    # parts, the most important first, never a cut one (sel.explain() says all)
+    return compose([why, what_and_fix(cause)[1], cost, shape], limit,
+                   head=f"FALLBACK: {chosen.label} instead of {lost.label}: ",
+                   tail=FALLBACK_WHY, keep=2)
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from enum import Enum
 from typing import Any
 
 from ..core.knowledge.signatures import Signatures, builtin_signatures
-from ..core.values.human import fit
+from ..core.values.human import compose, fit
 from ..records.flightdump import FlightFacts
 from ..records.progress import (
     COLLECTIVE,
@@ -382,10 +382,8 @@ class Verdict:
         ranks = f"rank{s} {', '.join(map(str, self.ranks))}" if self.ranks else ""
         context = ", ".join(p for p in (ranks, self.where) if p)
         head = f"{self.kind.value}{f' ({context})' if context else ''}: "
-        flight = f"; flight recorder: {self.flight.line()}" if self.flight else ""
-        room = max(40, limit - len(head) - min(len(flight), limit // 3))
-        body = fit(quiet(self.summary), room)
-        return fit(head + body + fit(flight, max(0, limit - len(head) - len(body))), limit)
+        flight = f"flight recorder: {self.flight.line()}" if self.flight else ""
+        return compose([quiet(self.summary), flight], limit, head=head)
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind.value, "summary": one_line(self.summary, 500),
@@ -663,15 +661,16 @@ def fault_line(attempt: int, backend: str, verdict: Verdict, evidence: str,
     tail = f"; evidence: {evidence}"
     stuck = verdict.flight.stuck if verdict.flight is not None else None
     if verdict.kind is VerdictKind.STALL and stuck is not None and stuck.missing:
-        what = (f"stall in {stuck.op} #{stuck.seq} of group {stuck.group}: entered by "
+        what = [f"stall in {stuck.op} #{stuck.seq} of group {stuck.group}: entered by "
                 f"{_ranks_words(stuck.entered)}, never by {_ranks_words(stuck.missing)} "
-                f"(flight recorder); {verdict.detail}")
+                "(flight recorder)", verdict.detail]
+        sep = "; "
     else:
         on = _ranks_words(verdict.ranks)
-        what = (f"{KIND_WORDS[verdict.kind]}{f' on {on}' if on else ''}: "
-                f"{verdict.detail or quiet(verdict.summary)}")
-    room = limit - len(head) - len(tail)
-    if room < 40:  # a long backend name or path: the head gives way, never the evidence
-        head = fit(head, max(12, limit - len(tail) - 40))
-        room = limit - len(head) - len(tail)
-    return head + fit(what, max(20, room)) + tail
+        what = [f"{KIND_WORDS[verdict.kind]}{f' on {on}' if on else ''}",
+                verdict.detail or quiet(verdict.summary)]
+        sep = ": "
+    if limit - len(head) - len(tail) < 40:  # a long backend name: it gives way (the decision
+        head = f"{prefix}attempt {attempt + 1} {ended} at step {verdict.step}: "  # names it)
+    # whole parts of what happened, never a cut word; never without the evidence (the rest)
+    return compose(what, limit, head=head, sep=sep, tail=tail)

@@ -187,8 +187,10 @@ def _pick_framework(framework: str | None, facts: Facts) -> tuple[str, str]:
     if framework is not None:
         name = FRAMEWORK_ALIASES.get(framework, framework)
         if name not in FRAMEWORKS:
+            near = _closest(framework, (*FRAMEWORKS, *FRAMEWORK_ALIASES))
             raise InvalidOptionError(
-                f"framework must be 'torch' or 'tensorflow', not {framework!r}", "framework")
+                f"framework must be 'torch' or 'tensorflow', not {framework!r}"
+                + (f" (did you mean {near!r}?)" if near else ""), "framework", suggestion=near)
         if not facts.framework(name).installed:
             raise FrameworkNotInstalledError(name)
         return name, f"framework={framework!r} as asked"
@@ -365,6 +367,15 @@ class Arguments:
                             optimizer_state_factor=d.get("optimizer_state_factor")),
             probing=ProbingArgs(timeout=ns.timeout),
             rules=RuleArgs(rules=tuple(ns.rules), disable_rules=tuple(ns.disable_rule)))
+
+
+def _closest(typed: str, known: Sequence[str]) -> str | None:
+    """The framework closest to a misspelt name (difflib, case ignored; an alias as the
+    framework it stands for); None where none is close."""
+    import difflib
+
+    near = difflib.get_close_matches(typed.lower(), list(known), n=1)
+    return FRAMEWORK_ALIASES.get(near[0], near[0]) if near else None
 
 
 def unexpected_keywords(who: str, unknown: Sequence[str], known: Sequence[str]) -> str:

@@ -144,3 +144,19 @@ NO_VERDICT_CAUSES = frozenset({"no_space", "status_lost"})
 #: checked (`probing.health`), then the same candidate is probed once more
 #: (`deciding.decide`); only a second failure counts.
 RETRY_AFTER_CHECK_CAUSES = frozenset({"nccl_oom"})
+
+
+def what_and_fix(cause: str) -> tuple[str, str]:
+    """A cause's words in two parts a short line can keep apart: what happened (up to its
+    first top-level ": " or "; ") and what to do (after its last one); ("", "") for a cause
+    with no words, (words, "") where they name no fix apart. Pure."""
+    words = " ".join(CAUSES.get(cause, "").split())
+    cuts: list[tuple[int, int]] = []
+    depth = 0
+    for i, ch in enumerate(words):
+        depth = max(0, depth + {"(": 1, ")": -1}.get(ch, 0))
+        if depth == 0 and words.startswith((": ", "; "), i):
+            cuts.append((i, i + 2))
+    if not cuts:
+        return words, ""
+    return words[:cuts[0][0]], words[cuts[-1][1]:]

@@ -67,7 +67,9 @@ class Note(Event):
     which ones), ``gpus_unchecked`` (GPUs a killed probe may have broken, unused by the choice,
     whose deferred health check did not fit the probe budget: how to check them),
     ``retried_after_check`` (a probe whose failure is no verdict by itself, NCCL out of GPU
-    memory while setting up: its GPUs checked, then probed once more, and what that gave).
+    memory while setting up: its GPUs checked, then probed once more, and what that gave),
+    ``batch_implausible`` (a per-device micro-batch of more than a million samples: a
+    dataset's size passed as the global batch, most likely).
     """
 
     kind: ClassVar[str] = "note"
