@@ -282,6 +282,19 @@ class NodeLostError(MultiNodeError):
         self.how = how
 
 
+class StoreValueError(MultiNodeError):
+    """A value read from the job's store is not what this package writes there: not JSON,
+    too large or too deep, or not of its message's type and bounds (an unknown cause, a
+    variable a candidate may not set). ``key``: where it was read; ``problem``: why it was
+    refused. The reader logs it once and treats the key as not written yet, never as a
+    verdict."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(f"the value at {key!r} in the job's store was refused: {problem}")
+        self.key = key
+        self.problem = problem
+
+
 class NodeMismatchError(MultiNodeError):
     """A node's facts contradict the decision: every node stops before training."""
 

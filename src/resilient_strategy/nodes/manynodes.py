@@ -163,9 +163,9 @@ class _Node:
         mine_ok = local is None or local.ok
         self.channel.put(f"r{n}/local/{self.job.node}", Ack(mine_ok).to_json())
         peers_ok = all(
-            Ack.from_json(self.channel.take(
-                f"r{n}/local/{k}", spec.timeout_s + self.margin_s,
-                f"node {k} did not finish its local probe of round {n}", who=k)).ok
+            self.channel.take_as(
+                f"r{n}/local/{k}", Ack.from_json, spec.timeout_s + self.margin_s,
+                f"node {k} did not finish its local probe of round {n}", who=k).ok
             for k in self.others()
         )
         cross = None
@@ -184,8 +184,8 @@ class _Node:
         nodes = {0: self.summary}
         for k in self.others():
             window = min(join, HEARTBEAT_STALE_S) if k in self.silent else join
-            nodes[k] = NodeSummary.from_json(
-                self.channel.take(f"hello/{k}", window, f"node {k} did not join", who=k))
+            nodes[k] = self.channel.take_as(f"hello/{k}", NodeSummary.from_json, window,
+                                            f"node {k} did not join", who=k)
 
         def across(spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
             if spec.identity.node_local:  # node 0 alone: no round
@@ -194,9 +194,9 @@ class _Node:
             n = self.rounds
             self.channel.put(f"round/{n}", Round("probe", spec=spec).to_json())
             reports = [self.run_round(n, spec)] + [
-                RoundReport.from_json(self.channel.take(
-                    f"r{n}/result/{k}", spec.timeout_s + self.margin_s,
-                    f"node {k} sent no result for its probe of {spec.candidate}", who=k))
+                self.channel.take_as(
+                    f"r{n}/result/{k}", RoundReport.from_json, spec.timeout_s + self.margin_s,
+                    f"node {k} sent no result for its probe of {spec.candidate}", who=k)
                 for k in self.others()
             ]
             return combine(spec, reports, self.job)
@@ -213,8 +213,8 @@ class _Node:
         bad: dict[int, str] = {}
         for k in self.others():
             try:
-                ack = Ack.from_json(self.channel.take(
-                    f"ack/{k}", self.margin_s, f"node {k} did not confirm", who=k))
+                ack = self.channel.take_as(
+                    f"ack/{k}", Ack.from_json, self.margin_s, f"node {k} did not confirm", who=k)
             except NodeLostError as exc:
                 self.channel.put("verdict", NodeVerdict(False, k, str(exc), lost=True).to_json())
                 raise
@@ -241,16 +241,45 @@ class _Node:
     def follow(self) -> tuple[Decision, NodeDecision]:
         wait = self.opts.timeout_s + 2 * self.margin_s
         for n in range(1, 64):
-            msg = Round.from_json(self.channel.take(
-                f"round/{n}", wait + (self.opts.timeout_s if n == 1 else 0),
-                "node 0 sent neither a probe nor its decision", who=0))
+            msg = self.channel.take_as(
+                f"round/{n}", Round.from_json, wait + (self.opts.timeout_s if n == 1 else 0),
+                "node 0 sent neither a probe nor its decision", who=0)
+            if msg.kind == "abort":
+                msg = self.confirmed(n, msg, wait)
             if msg.spec is not None:
                 self.run_round(n, msg.spec)
                 continue
-            if msg.decision is None:
-                raise MultiNodeError(f"node 0 stopped the decision: {msg.why}")
+            if msg.decision is None:  # the words are the store's value, escaped and bounded
+                raise MultiNodeError(
+                    f"the decision was aborted through the job's store "
+                    f"({self.channel.prefix}round/{n}, where node 0 writes when it fails): "
+                    f"\"{msg.why}\"")
             return self.accept(msg.decision), msg.decision
         raise MultiNodeError("node 0 asked for more probes than a decision can need")
+
+    def confirmed(self, n: int, abort: Round, wait_s: float) -> Round:
+        """Node 0's message of round ``n`` once an abort there is node 0's: node 0 writes its
+        abort after its decider stopped beating, so an abort is believed once node 0's
+        heartbeat has stopped (`HEARTBEAT_STALE_S`) or node 0 wrote nothing else within
+        ``wait_s``; an abort that node 0, still beating, replaces with its own message (one
+        another process wrote first) is that message."""
+        deadline = time.monotonic() + wait_s
+        key = f"round/{n}"
+        while (now := time.monotonic()) < deadline:
+            try:
+                if self.channel.stale(0, now):
+                    return abort
+                got = self.channel.peek_as(key, Round.from_json)
+            except (RuntimeError, OSError):
+                return abort  # the store is gone with node 0
+            if got is not None and got.kind != "abort":
+                log.warning("resilient_strategy: node %d: an abort at %r in the job's store was "
+                            "not node 0's (node 0 kept beating and wrote its own message there)",
+                            self.job.node, self.channel.prefix + key,
+                            extra={"store_key": self.channel.prefix + key})
+                return got
+            time.sleep(self.channel.poll_s)
+        return abort
 
     def accept(self, payload: NodeDecision) -> Decision:
         results = dict(payload.results)
@@ -262,8 +291,8 @@ class _Node:
             problems.append(f"from node 0's results this node plans {mine}, not node 0's "
                             f"{payload.chosen}: the nodes see different machines or options")
         self.channel.put(f"ack/{self.job.node}", Ack(not problems, "; ".join(problems)).to_json())
-        verdict = NodeVerdict.from_json(self.channel.take(
-            "verdict", 2 * self.margin_s, "node 0 gave no verdict", who=0))
+        verdict = self.channel.take_as(
+            "verdict", NodeVerdict.from_json, 2 * self.margin_s, "node 0 gave no verdict", who=0)
         if problems:
             raise NodeMismatchError(
                 f"node {self.job.node} cannot run node 0's decision ({payload.chosen}): "

@@ -18,6 +18,7 @@ attempt they are numbered by their place among the members (``GROUP_RANK``), nod
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,15 @@ GONE_GRACE_S = 2.0
 NO_VERDICT = "no_verdict"  # its verdict on the last attempt never came: it vanished
 CUT_OFF = "cut_off"  # it said it could not reach the store (or never joined after saying so)
 NOT_JOINED = "not_joined"  # it gave a verdict, then did not join the relaunch in the window
+HOWS = frozenset({NO_VERDICT, CUT_OFF, NOT_JOINED})
+#: The most nodes a membership record may name (far above any job's).
+_MAX_NODE = 1 << 16
+
+
+def _node(v: Any) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < _MAX_NODE:
+        raise ValueError(f"{v!r} is not a node")
+    return v
 
 
 @dataclass(frozen=True)
@@ -63,14 +73,27 @@ class Change:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Change:
-        """Raises `MultiNodeError` for a record that is not what `to_dict` writes."""
+        """Raises `MultiNodeError` for a record that is not what `to_dict` writes: node 0
+        among the members, every node once, no member that left, a known ``how``."""
         try:
-            members = tuple(int(n) for n in d["members"])
-            left = tuple((int(x["node"]), str(x["how"])) for x in d.get("left", []))
-            seen = {int(x["node"]): float(x.get("waited_s", 0.0)) for x in d.get("left", [])}
-            joined = tuple(int(n) for n in d.get("joined", []))
-            return cls(int(d["attempt"]), members, left, joined, float(d.get("at", 0.0)), seen)
-        except (KeyError, TypeError, ValueError) as exc:
+            members = tuple(_node(n) for n in d["members"])
+            left = tuple((_node(x["node"]), str(x["how"])) for x in d.get("left", []))
+            seen = {_node(x["node"]): float(x.get("waited_s", 0.0)) for x in d.get("left", [])}
+            joined = tuple(_node(n) for n in d.get("joined", []))
+            attempt, at = d["attempt"], float(d.get("at", 0.0))
+            if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
+                raise ValueError(f"attempt {attempt!r}")
+            gone = {n for n, _ in left}
+            if (not members or members[0] != 0 or list(members) != sorted(set(members))
+                    or gone & set(members) or len(gone) != len(left)
+                    or not set(joined) <= set(members)):
+                raise ValueError("its nodes are not node 0 and others, each once")
+            if any(h not in HOWS for _, h in left):
+                raise ValueError("a node left in no known way")
+            if not all(math.isfinite(v) and v >= 0 for v in (at, *seen.values())):
+                raise ValueError("a time that is no time")
+            return cls(attempt, members, left, joined, at, seen)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise MultiNodeError(f"unreadable membership record from node 0: {exc}") from exc
 
     def line(self) -> str:
@@ -106,10 +129,9 @@ def publish_current(store: Any, base: str, change: Change) -> None:
 
 
 def read_current(store: Any, base: str) -> Change | None:
-    """The membership of the attempt now running (None: the job has not begun one)."""
-    if not store.check([base + "current"]):
-        return None
-    return Change.from_dict(Channel(store, base).take("current", 5.0, "the job's membership"))
+    """The membership of the attempt now running (None: the job has not begun one, or the
+    record there was refused: logged once, naming the key)."""
+    return Channel(store, base).peek_as("current", Change.from_dict)
 
 
 def waiting(store: Any, prefix: str, present: Collection[int], max_nodes: int
@@ -155,11 +177,30 @@ def gather(channel: Channel, attempt: int, before: Sequence[int], gone: Mapping[
     return change
 
 
-def await_members(channel: Channel, node: int, timeout_s: float) -> Change:
+def await_members(channel: Channel, node: int, timeout_s: float, *, attempt: int | None = None,
+                  confirm_s: float = 0.0) -> Change:
     """Every other node: node 0's membership of this attempt; `NodeLostError` naming
-    this node when it is not in it (it was dropped: it stops), or when none comes in time."""
-    got = Change.from_dict(channel.take(
-        "members", timeout_s, "node 0 published no membership for this attempt", who=None))
+    this node when it is not in it (it was dropped: it stops), or when none comes in time.
+
+    ``attempt``: the attempt this round is for (a record of another is refused, logged once,
+    and waited past). ``confirm_s``: a record that drops this node is final only once it is
+    still there ``confirm_s`` after the wait began (node 0's window: a record written before
+    node 0's, by a process outside the job, is replaced by node 0's own when it publishes)."""
+    start = time.monotonic()
+
+    def read(d: dict[str, Any]) -> Change:
+        got = Change.from_dict(d)
+        if attempt is not None and got.attempt != attempt:
+            raise MultiNodeError(f"a membership record of attempt {got.attempt + 1}, not "
+                                 f"{attempt + 1}")
+        return got
+
+    got = channel.take_as("members", read, timeout_s,
+                          "node 0 published no membership for this attempt", who=None)
+    while node not in got.members and (left := start + confirm_s - time.monotonic()) > 0:
+        time.sleep(min(JOIN_POLL_S * 4, left))
+        again = channel.peek_as("members", read)
+        got = again if again is not None else got
     if node not in got.members:
         raise NodeLostError(
             f"node {node} was dropped from the job (attempt {got.attempt + 1} goes on with "

@@ -5,15 +5,58 @@ version is a typed `MultiNodeError`, never a KeyError far from where it came in.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from ..core.knowledge.candidate_env import refused
 from ..core.measures.probe import ProbeResult, ProbeSpec
+from ..core.values.bounded import parse_json
+from ..core.values.candidate import CandidateKey
 from ..core.values.facts import NodeFacts
-from ..errors import MultiNodeError
+from ..errors import FileFormatError, MultiNodeError, StoreValueError
+from ..vocab import BACKENDS, FRAMEWORKS
 
 _SAME_VERSION = "run the same version of resilient_strategy on every node"
+
+#: The largest value this package reads from the job's store: far above its largest message (a
+#: decision with every result and every node's facts: tens of KiB), far below a memory problem.
+MAX_VALUE_BYTES = 1 << 20
+#: The deepest nesting of a message (a decision's node summary's facts: 5 levels).
+MAX_VALUE_DEPTH = 16
+#: The most characters of free text (a reason, a detail) a message may carry into this node's
+#: words; more is cut.
+MAX_WORDS = 500
+#: Bounds of a probe node 0 asks for: beyond them it is no probe this package sends.
+_MAX_DEVICES = 1024
+_MAX_WORLD = 1 << 16
+_MAX_MESSAGE_BYTES = 1 << 34
+_MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def decode(raw: bytes, key: str) -> dict[str, Any]:
+    """The JSON object at ``key`` of the job's store, bounded (`MAX_VALUE_BYTES`,
+    `MAX_VALUE_DEPTH`); `StoreValueError` naming ``key`` for anything else (never a
+    ``RecursionError`` or ``UnicodeDecodeError`` from deep inside)."""
+    if len(raw) > MAX_VALUE_BYTES:
+        raise StoreValueError(key, f"{len(raw)} bytes, more than the {MAX_VALUE_BYTES} a "
+                              "message of this package takes")
+    try:
+        data = parse_json(raw, key, max_depth=MAX_VALUE_DEPTH)
+    except FileFormatError as exc:
+        raise StoreValueError(key, exc.problem) from None
+    if not isinstance(data, dict):
+        raise StoreValueError(key, f"a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def words(v: Any, limit: int = MAX_WORDS) -> str:
+    """Free text another process wrote, as this node may print it: one line, every control
+    character (a terminal's escape, a newline) shown escaped, at most ``limit`` characters."""
+    text = "" if v is None else str(v)
+    out = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text[:limit * 2])
+    return out if len(out) <= limit else out[:limit - 3] + "..."
 
 
 def result_of(d: Any) -> ProbeResult | None:
@@ -23,24 +66,51 @@ def result_of(d: Any) -> ProbeResult | None:
     try:
         return ProbeResult.from_dict(d)
     except ValueError as exc:
-        raise MultiNodeError(f"a node sent a probe result this node cannot read: {exc}; "
+        raise MultiNodeError(f"a node sent a probe result this node cannot read: "
+                             f"{words(exc, 300)}; "
                              f"{_SAME_VERSION}") from exc
 
 
 def spec_of(d: Mapping[str, Any]) -> ProbeSpec:
-    """The probe node 0 asked every node to run."""
+    """The probe node 0 asked every node to run, checked against what node 0 sends: a known
+    framework and backend, a candidate key, bounded numbers, and only variables a candidate
+    may set (`resilient_strategy.core.knowledge.candidate_env`: never ``LD_PRELOAD``,
+    ``PYTHONPATH``, a plugin or a file). `MultiNodeError` for anything else."""
     try:
-        return ProbeSpec(
+        env = tuple((k, v) for k, v in d["env"])
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in env):
+            raise ValueError("its variables are not strings")
+        bad = refused(env)
+        if bad:
+            raise ValueError("; ".join(why for _, why in bad))
+        spec = ProbeSpec(
             candidate=str(d["candidate"]), framework=str(d["framework"]),
-            backend=str(d["backend"]), devices=tuple(int(x) for x in d["devices"]),
-            env=tuple((str(k), str(v)) for k, v in d["env"]),
-            world_size=int(d["world_size"]), timeout_s=float(d["timeout_s"]),
-            message_bytes=int(d["message_bytes"]), train_step=bool(d["train_step"]),
-            logical_cpus=int(d.get("logical_cpus", 0)), sharded=bool(d.get("sharded", False)),
+            backend=str(d["backend"]), devices=tuple(_whole(x, _MAX_DEVICES) for x in d["devices"]),
+            env=env, world_size=_whole(d["world_size"], _MAX_WORLD),
+            timeout_s=float(d["timeout_s"]),
+            message_bytes=_whole(d["message_bytes"], _MAX_MESSAGE_BYTES),
+            train_step=d["train_step"] is True,
+            logical_cpus=_whole(d.get("logical_cpus", 0), _MAX_DEVICES),
+            sharded=d.get("sharded", False) is True,
         )
+        if spec.framework not in FRAMEWORKS or spec.backend not in BACKENDS:
+            raise ValueError(f"no probe of {spec.framework!r} / {spec.backend!r}")
+        if len(spec.devices) > _MAX_DEVICES:
+            raise ValueError(f"{len(spec.devices)} devices")
+        if not (math.isfinite(spec.timeout_s) and 0 < spec.timeout_s <= _MAX_TIMEOUT_S):
+            raise ValueError(f"a timeout of {spec.timeout_s} s")
+        CandidateKey.parse(spec.candidate)
     except (KeyError, TypeError, ValueError) as exc:
-        raise MultiNodeError(f"node 0 sent a probe this node cannot read ({exc}); "
+        raise MultiNodeError(f"node 0 sent a probe this node cannot read ({words(exc, 300)}); "
                              f"{_SAME_VERSION}") from exc
+    return spec
+
+
+def _whole(v: Any, most: int) -> int:
+    """A whole number 0..``most`` (never a bool, a float or a string)."""
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= most:
+        raise ValueError(f"{words(v, 40)} is not a whole number up to {most}")
+    return v
 
 
 def _number(v: Any, default: float = 0.0) -> float:
@@ -93,16 +163,18 @@ class NodeSummary:
         gpus = d.get("gpus")
         names = d.get("gpu_names")
         return cls(
-            node=int(_number(d.get("node"))), host=str(d.get("host") or ""),
+            node=int(_number(d.get("node"))), host=words(d.get("host") or "", 255),
             gpus=gpus if isinstance(gpus, int) and not isinstance(gpus, bool) else None,
-            gpu_names=tuple(str(n) for n in names) if isinstance(names, list) else (),
+            gpu_names=tuple(words(n, 100) for n in names[:_MAX_DEVICES])
+            if isinstance(names, list) else (),
             version=_text(d.get("version")), cuda=_text(d.get("cuda")),
             nccl=_text(d.get("nccl")), route=_text(d.get("route")),
-            route_how=str(d.get("route_how") or ""), facts=facts, unreadable=unreadable)
+            route_how=words(d.get("route_how") or ""), facts=facts,
+            unreadable=words(unreadable))
 
 
 def _text(v: Any) -> str | None:
-    return None if v is None or isinstance(v, bool) else str(v)
+    return None if v is None or isinstance(v, bool) else words(v, 255)
 
 
 @dataclass(frozen=True)
@@ -142,7 +214,7 @@ class Ack:
     @classmethod
     def from_json(cls, d: Any) -> Ack:
         d = _object(d, "a node's answer")
-        return cls(d.get("ok") is True, str(d.get("why", "")))
+        return cls(d.get("ok") is True, words(d.get("why", "")))
 
 
 @dataclass(frozen=True)
@@ -162,8 +234,9 @@ class NodeVerdict:
     def from_json(cls, d: Any) -> NodeVerdict:
         d = _object(d, "node 0's verdict")
         node = d.get("node")
-        return cls(d.get("ok") is True, node if isinstance(node, int) else None,
-                   str(d.get("why", "")), d.get("lost") is True)
+        return cls(d.get("ok") is True,
+                   node if isinstance(node, int) and not isinstance(node, bool) else None,
+                   words(d.get("why", "")), d.get("lost") is True)
 
 
 @dataclass(frozen=True)
@@ -193,6 +266,9 @@ class NodeDecision:
         if not isinstance(raw, Mapping):
             raise MultiNodeError("node 0's decision has no readable results")
         results = {str(k): r for k, v in raw.items() if (r := result_of(v)) is not None}
+        if any(r.candidate != k for k, r in results.items()):
+            raise MultiNodeError("node 0's decision holds a result under another candidate's "
+                                 f"key; {_SAME_VERSION}")
         nodes = d.get("nodes")
         trace = d.get("multinode_trace")
         chosen = d.get("chosen")
@@ -201,8 +277,9 @@ class NodeDecision:
             proven=d.get("proven") is True, from_cache=d.get("from_cache") is True,
             nodes={str(k): NodeSummary.from_json(v) for k, v in nodes.items()}
             if isinstance(nodes, Mapping) else {},
-            multinode_trace=tuple(str(x) for x in trace) if isinstance(trace, list) else (),
-            error=str(d.get("error") or ""))
+            multinode_trace=tuple(words(x, 2000) for x in trace[:256])
+            if isinstance(trace, list) else (),
+            error=words(d.get("error") or ""))
 
 
 @dataclass(frozen=True)
@@ -228,5 +305,8 @@ class Round:
         if kind == "probe":
             return cls("probe", spec=spec_of(_object(d.get("spec"), "node 0's probe")))
         if kind == "abort":
-            return cls("abort", why=str(d.get("why", "")))
+            return cls("abort", why=words(d.get("why", "")))
+        if kind != "decision":
+            raise MultiNodeError(f"node 0's message is of no known kind ({words(kind, 40)}); "
+                                 f"{_SAME_VERSION}")
         return cls("decision", decision=NodeDecision.from_json(d))

@@ -10,19 +10,21 @@ Our keys live under their own prefix with the restart count (``resilient_strateg
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import json
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
-from ..errors import MultiNodeError, NodeLostError
+from ..errors import MultiNodeError, NodeLostError, StoreValueError
+from .messages import decode
 
-if TYPE_CHECKING:
-    pass
+T = TypeVar("T")
 
 log = logging.getLogger("resilient_strategy")
 
@@ -138,36 +140,62 @@ class Channel:
 
     def take(self, key: str, timeout_s: float, missing: str, who: int | None = None
              ) -> dict[str, Any]:
-        """The object at ``key`` once it is there; `NodeLostError` after ``timeout_s``,
-        or as soon as node ``who`` (the one to write it) stops beating."""
+        """The object at ``key`` once it is there (`take_as` with no further check)."""
+        return self.take_as(key, _as_is, timeout_s, missing, who)
+
+    def take_as(self, key: str, read: Callable[[dict[str, Any]], T], timeout_s: float,
+                missing: str, who: int | None = None) -> T:
+        """``read`` of the object at ``key`` once one it accepts is there; `NodeLostError`
+        after ``timeout_s``, or as soon as node ``who`` (the one to write it) stops beating.
+
+        Every value is read through the bounded reader (`messages.decode`, then ``read``,
+        which raises `MultiNodeError` or ValueError for a value it refuses; any other exception
+        of ``read`` is a refusal too): a refused value (forged, malformed, of another version) is one logged line
+        naming the key (`refused`), and the key counts as not written yet: the writer's own
+        value, when it replaces it, is taken; the deadline's error says what was refused."""
         full = self.prefix + key
         deadline = time.monotonic() + timeout_s
+        refused_raw: bytes | None = None
+        problem = ""
         try:
-            while not self.store.check([full]):
+            while True:
+                if self.store.check([full]):
+                    raw = bytes(self.store.get(full))
+                    if raw != refused_raw:
+                        try:
+                            return accept(full, raw, read)
+                        except StoreValueError as exc:
+                            refused_raw, problem = raw, exc.problem
                 now = time.monotonic()
                 if now >= deadline:
+                    seen = (f" (the value there was refused: {problem})" if refused_raw is not None
+                            else "")
                     raise NodeLostError(
-                        f"{missing} within {timeout_s:.3g} s; it may have died or hung: see its "
-                        "log", who)
+                        f"{missing} within {timeout_s:.3g} s{seen}; it may have died or hung: "
+                        "see its log", who)
                 if who is not None and self.stale(who, now):
                     raise NodeLostError(
                         f"{missing}: node {who} stopped beating (no heartbeat for "
                         f"{HEARTBEAT_STALE_S:g} s): its processes died or froze", who,
                         "heartbeat")
                 time.sleep(self.poll_s)
-            raw = self.store.get(full)
         except (RuntimeError, OSError) as exc:
             raise NodeLostError(
                 f"{missing}: the job's store stopped answering ({first_line(exc)}); the node "
                 "that hosts it may have died: see its log", how="store"
             ) from exc
+
+    def peek_as(self, key: str, read: Callable[[dict[str, Any]], T]) -> T | None:
+        """``read`` of the object at ``key`` if one is there and accepted, else None (a refused
+        value logged once, as by `take_as`); never waits. Raises RuntimeError / OSError
+        when the store does not answer."""
+        full = self.prefix + key
+        if not self.store.check([full]):
+            return None
         try:
-            data = json.loads(bytes(raw).decode("utf-8"))
-        except ValueError as exc:
-            raise MultiNodeError(f"unreadable value at {full!r} in the job's store: {exc}") from exc
-        if not isinstance(data, dict):
-            raise MultiNodeError(f"unreadable value at {full!r} in the job's store")
-        return data
+            return accept(full, bytes(self.store.get(full)), read)
+        except StoreValueError:
+            return None
 
     def stale(self, node: int, now: float) -> bool:
         """Whether ``node``'s heartbeat has not moved for `HEARTBEAT_STALE_S`."""
@@ -212,20 +240,87 @@ def record_fault(store: Any, job: Job, fault: Mapping[str, Any]) -> None:
 
 
 def recorded_faults(store: Any, job: Job, *, strict: bool = False) -> dict[int, dict[str, Any]]:
-    """The faults the nodes recorded (`record_fault`), by node; never waits for a record
-    (each look is bounded by the store's timeout). ``strict``: a store that does not answer
-    raises (`NodeLostError`) instead of reading as no record."""
-    out: dict[int, dict[str, Any]] = {}
+    """The faults the nodes recorded (`record_fault`), by node, as JSON objects
+    (`read_faults` with no further check)."""
+    return read_faults(store, job, lambda _node, d: d, strict=strict)
+
+
+def read_faults(store: Any, job: Job, read: Callable[[int, dict[str, Any]], T], *,
+                strict: bool = False) -> dict[int, T]:
+    """The faults the nodes recorded (`record_fault`), by node, each through ``read`` (node,
+    object); never waits for a record (each look is bounded by the store's timeout). A record
+    refused (forged or malformed: not JSON, too deep, or refused by ``read``) is one logged
+    line naming its key and counts as no record, never as a fault nor as a store that does
+    not answer. ``strict``: a store that does not answer raises (`NodeLostError`) instead of
+    reading as no record."""
+    out: dict[int, T] = {}
     ch = Channel(store, job.prefix)
     for k in range(job.nodes):
         try:
-            if store.check([ch.prefix + f"fault/{k}"]):
-                out[k] = ch.take(f"fault/{k}", 1.0, f"node {k}'s fault record")
-        except (RuntimeError, OSError, NodeLostError) as exc:
+            got = ch.peek_as(f"fault/{k}", functools.partial(read, k))
+        except (RuntimeError, OSError) as exc:
             if strict:
                 raise NodeLostError(f"the job's store at {job.store_text} did not answer: "
                                     f"{first_line(exc)}", how="store") from exc
+            continue
+        if got is not None:
+            out[k] = got
     return out
+
+
+#: The values already said refused in this process, by key (digests): one line per forged
+#: value, at most `_SAID_PER_KEY` values per key and `_SAID_KEYS` keys (a writer that changes
+#: its value at every look is said a few times, never once per look).
+_SAID: dict[str, set[str]] = {}
+_SAID_PER_KEY = 3
+_SAID_KEYS = 1024
+
+
+def accept(key: str, raw: bytes, read: Callable[[dict[str, Any]], T]) -> T:
+    """``read`` of the value ``raw`` at ``key``, decoded by the bounded reader; a value
+    refused is said once (`refused`) and raised as `StoreValueError` naming ``key``."""
+    try:
+        return read(decode(raw, key))
+    except StoreValueError as exc:
+        refused(key, raw, exc.problem)
+        raise
+    except NodeLostError:
+        raise
+    except Exception as exc:  # the edge: whatever a reader trips on in a value someone else
+        # wrote (an AttributeError, a RecursionError of a nested check) is that
+        # value refused, never a traceback nor a store taken for out of reach
+        problem = _short(exc)
+        refused(key, raw, problem)
+        raise StoreValueError(key, problem) from None
+
+
+def refused(key: str, raw: bytes, problem: str) -> None:
+    """One warning line for a value of the job's store this node refused, naming its key (the
+    record's ``store_key``); once per key and value in this process."""
+    digest = hashlib.sha256(raw).hexdigest()
+    said = _SAID.get(key)
+    if said is None:
+        if len(_SAID) >= _SAID_KEYS:
+            return
+        said = _SAID[key] = set()
+    if digest in said or len(said) >= _SAID_PER_KEY:
+        return
+    said.add(digest)
+    log.warning("resilient_strategy: ignored the value at %r in the job's store (%d bytes): %s; "
+                "this package never writes such a value there (another version, or a process "
+                "outside the job: the store must be on a trusted network)", key, len(raw),
+                problem, extra={"store_key": key})
+
+
+def _as_is(d: dict[str, Any]) -> dict[str, Any]:
+    return d
+
+
+def _short(exc: BaseException) -> str:
+    from .messages import words
+
+    return words(str(exc) or type(exc).__name__, 300)
+
 
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()

@@ -31,8 +31,8 @@ from ..nodes.store import (
     KEY_VERSION,
     Job,
     open_store,
+    read_faults,
     record_fault,
-    recorded_faults,
 )
 from .verdicts import PeerFault, Verdict, VerdictKind
 
@@ -204,14 +204,13 @@ class PeerWatch:
         beat = f"{self.job.prefix}beat/"
         store.add(beat + str(self.link.node), 1)
         counts = {n: int(store.add(beat + str(n), 0)) for n in self._beats}
-        out: dict[int, PeerFault] = {}
-        for place, record in sorted(recorded_faults(store, self.job, strict=True).items()):
+        def read(place: int, record: dict[str, Any]) -> PeerFault:
+            # a record refused (forged, malformed: an unknown cause or kind) is one logged line
+            # naming its key, and no record: never a verdict, never a store out of reach
             node = present[place] if 0 <= place < len(present) else place
-            try:
-                out[node] = PeerFault.from_dict({**record, "node": node})
-            except ValueError as exc:
-                out[node] = PeerFault(node, str(record.get("candidate", "")), Verdict(
-                    VerdictKind.LOST, f"an unreadable fault record ({exc})", node=node))
+            return PeerFault.from_dict({**record, "node": node})
+
+        out = {f.node: f for f in read_faults(store, self.job, read, strict=True).values()}
         joining = waiting(store, self._next, present, self.link.nodes) if self._next else ()
         now = self.clock()
         with self._lock:
@@ -400,7 +399,8 @@ def regroup(link: NodeLink, attempt: int, gone: Mapping[int, str], timeout_s: fl
         publish_current(store, base, change)
     else:
         change = await_members(ch, link.node, REJOIN_WAIT_S if back
-                               else window + margin_s + timeout_s)
+                               else window + margin_s + timeout_s, attempt=attempt,
+                               confirm_s=window + margin_s)
     need = link.floor if attempt > 0 else link.min_nodes
     if len(change.members) < need:
         first = change.left[0] if change.left else (None, "deadline")

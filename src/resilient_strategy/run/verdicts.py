@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
+from ..core.knowledge.causes import CAUSES
 from ..core.knowledge.signatures import Signatures, builtin_signatures
 from ..core.values.human import compose, fit
 from ..records.flightdump import FlightFacts
@@ -344,6 +345,9 @@ class Verdict:
     #: Seconds from the fault to the verdict where the supervisor knows them (a stall: how long
     #: the others waited); None: seen within the monitor's interval (an exit, an error record).
     detect_s: float | None = None
+    #: A stall's kind (`records.progress.Stall.kind`: ``collective``, ``straggler``,
+    #: ``setup``, ``quiet``, ``stopped``, ``busy``, ``asleep``); empty for any other verdict.
+    stall: str = ""
 
     @property
     def ok(self) -> bool:
@@ -390,6 +394,7 @@ class Verdict:
                 "step": self.step, "cause": self.cause, "node": self.node,
                 "ranks": list(self.ranks), "where": self.where, "detail": self.detail,
                 "blame": self.blame, "seen": self.seen, "detect_s": self.detect_s,
+                "stall": self.stall,
                 **({"flight": self.flight.to_dict()} if self.flight is not None else {})}
 
     @classmethod
@@ -405,9 +410,32 @@ class Verdict:
                        flight=None if d.get("flight") is None
                        else FlightFacts.from_dict(d["flight"]),
                        blame=str(d.get("blame", "") or ""), seen=str(d.get("seen", "") or ""),
-                       detect_s=None if d.get("detect_s") is None else float(d["detect_s"]))
+                       detect_s=None if d.get("detect_s") is None else float(d["detect_s"]),
+                       stall=str(d.get("stall", "") or ""))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a verdict record: {exc}") from None
+
+    def checked(self) -> Verdict:
+        """This verdict as another process sent it (a peer's fault record in the job's store):
+        ValueError unless its cause is a known cause and its words are known words, each
+        text one bounded line; the same verdict when it is."""
+        if self.cause not in CAUSES:
+            raise ValueError(f"cause {fit(quiet(self.cause), 60)!r} is not a known cause")
+        if (self.blame not in _BLAME_WORDS or self.seen not in _SEEN_WORDS
+                or self.stall not in STALL_KINDS):
+            raise ValueError("a blame or a 'seen' word that is no word of a verdict")
+        if self.step < 0 or any(r < 0 for r in self.ranks) or len(self.ranks) > 1 << 16:
+            raise ValueError("a step or a rank that is none")
+        return replace(self, summary=fit(quiet(self.summary), 500),
+                       where=fit(quiet(self.where), 300), detail=fit(quiet(self.detail), 500))
+
+
+_BLAME_WORDS = frozenset({"", BLAME_OOM, BLAME_EXIT, BLAME_SCRIPT_TEXT, BLAME_PROCESS_GROUP,
+                          BLAME_DISTRIBUTED, BLAME_COLLECTIVE, BLAME_SCRIPT, BLAME_TEXT})
+_SEEN_WORDS = frozenset({"", SEEN_ERROR_RECORD, SEEN_EXIT, SEEN_STALL, SEEN_PEER})
+#: Every word `Verdict.stall` may hold ("": not a stall).
+STALL_KINDS = frozenset({"", "setup", "collective", "straggler", "quiet", "stopped", "busy",
+                         "asleep"})
 
 
 @dataclass(frozen=True)
@@ -425,7 +453,7 @@ class PeerFault:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> PeerFault:
         """Raises ValueError for a record that is not what `to_dict` writes."""
-        verdict = Verdict.from_dict(d)
+        verdict = Verdict.from_dict(d).checked()
         if verdict.node is None:
             raise ValueError("a peer's fault record names no node")
         return cls(node=verdict.node, candidate=str(d.get("candidate", "")), verdict=verdict)
@@ -475,10 +503,12 @@ def classify_attempt(stall: Stall | None, exits: Sequence[RankExit],
         # A rank that never arrived where the others wait is held up (stopped, hung, asleep,
         # busy past the ceiling), not proven in another collective: a stall naming it.
         # Diverged needs the ranks' own collectives to differ (`diverged`).
-        waited = f"waited {stall.waited_s:.0f} s (allowed {stall.limit_s:.0f} s)"
+        waited = (f"{stall.kind} {stall.waited_s:.0f} s, nobody waiting on it (allowed "
+                  f"{stall.limit_s:.0f} s)" if stall.alone
+                  else f"waited {stall.waited_s:.0f} s (allowed {stall.limit_s:.0f} s)")
         return Verdict(VerdictKind.STALL, f"stalled: {stall.describe()}", stall.k, "timeout",
                        ranks=stall.ranks, where=stall.where(), detail=waited,
-                       detect_s=stall.waited_s)
+                       detect_s=stall.waited_s, stall=stall.kind)
     if not exits:
         early = unfinished(records)
         if not early:
@@ -575,7 +605,8 @@ def merge(faults: Sequence[PeerFault]) -> Verdict | None:
     v = first.verdict
     return Verdict(v.kind, v.summary if v.node is not None else f"node {first.node}: {v.summary}",
                    v.step, v.cause, node=first.node, ranks=v.ranks, where=v.where,
-                   detail=v.detail, blame=v.blame, seen=v.seen, detect_s=v.detect_s)
+                   detail=v.detail, blame=v.blame, seen=v.seen, detect_s=v.detect_s,
+                   stall=v.stall)
 
 
 def one_line(text: str, limit: int = 300) -> str:

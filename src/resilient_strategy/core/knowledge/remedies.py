@@ -21,6 +21,7 @@ from typing import Any
 from ...errors import FileFormatError, InvalidRuleError, UnsafePathError
 from ...vocab import BACKENDS
 from ..values import bounded
+from .candidate_env import refusal
 from .clauses import Clause, FactValue, clause_holds, parse_clause
 from .data import data_tables, read_data, table_id
 
@@ -129,6 +130,9 @@ def remedy_from_dict(d: Mapping[str, Any], origin: str, where: str) -> Remedy:
     for value in env.values():
         for fact in _FACT_VALUE.findall(value):
             parse_clause(fact, rid, origin)  # a {fact} must name a known fact
+    for why in (refusal(k, v) for k, v in env.items()):
+        if why:  # what a probe worker would refuse to set (candidate_env)
+            raise InvalidRuleError(rid, f"env: {why}", origin)
     return Remedy(id=rid, env=tuple(sorted(env.items())), source=source.strip(),
                   message=message.strip(), backends=backends, when=when, origin=origin)
 

@@ -24,6 +24,7 @@ from ...errors import FileFormatError, InvalidOptionError, InvalidRuleError, Uns
 from ...vocab import BACKENDS, FRAMEWORKS
 from ..values import bounded
 from ..values.facts import Facts
+from .candidate_env import refusal
 from .clauses import Clause, FactValue, clause_holds, fact_values, fill_message, parse_clause
 from .data import read_data
 
@@ -84,6 +85,9 @@ def rule_from_dict(d: Mapping[str, Any], origin: str = "built-in", where: str = 
         raise InvalidRuleError(rid, "env must be a table of strings", origin)
     if effect in ("remedy", "set_env") and not env:
         raise InvalidRuleError(rid, f"{effect} needs env", origin)
+    for why in (refusal(str(k), v) for k, v in env.items()):
+        if why:  # what a probe worker would refuse to set (candidate_env)
+            raise InvalidRuleError(rid, f"env: {why}", origin)
     framework = d.get("framework", "")
     if framework != "" and framework not in FRAMEWORKS:
         raise InvalidRuleError(
