@@ -345,9 +345,6 @@ class Verdict:
     #: Seconds from the fault to the verdict where the supervisor knows them (a stall: how long
     #: the others waited); None: seen within the monitor's interval (an exit, an error record).
     detect_s: float | None = None
-    #: A stall's kind (`records.progress.Stall.kind`: ``collective``, ``straggler``,
-    #: ``setup``, ``quiet``, ``stopped``, ``busy``, ``asleep``); empty for any other verdict.
-    stall: str = ""
 
     @property
     def ok(self) -> bool:
@@ -394,7 +391,6 @@ class Verdict:
                 "step": self.step, "cause": self.cause, "node": self.node,
                 "ranks": list(self.ranks), "where": self.where, "detail": self.detail,
                 "blame": self.blame, "seen": self.seen, "detect_s": self.detect_s,
-                "stall": self.stall,
                 **({"flight": self.flight.to_dict()} if self.flight is not None else {})}
 
     @classmethod
@@ -410,8 +406,7 @@ class Verdict:
                        flight=None if d.get("flight") is None
                        else FlightFacts.from_dict(d["flight"]),
                        blame=str(d.get("blame", "") or ""), seen=str(d.get("seen", "") or ""),
-                       detect_s=None if d.get("detect_s") is None else float(d["detect_s"]),
-                       stall=str(d.get("stall", "") or ""))
+                       detect_s=None if d.get("detect_s") is None else float(d["detect_s"]))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a verdict record: {exc}") from None
 
@@ -421,8 +416,7 @@ class Verdict:
         text one bounded line; the same verdict when it is."""
         if self.cause not in CAUSES:
             raise ValueError(f"cause {fit(quiet(self.cause), 60)!r} is not a known cause")
-        if (self.blame not in _BLAME_WORDS or self.seen not in _SEEN_WORDS
-                or self.stall not in STALL_KINDS):
+        if self.blame not in _BLAME_WORDS or self.seen not in _SEEN_WORDS:
             raise ValueError("a blame or a 'seen' word that is no word of a verdict")
         if self.step < 0 or any(r < 0 for r in self.ranks) or len(self.ranks) > 1 << 16:
             raise ValueError("a step or a rank that is none")
@@ -433,9 +427,6 @@ class Verdict:
 _BLAME_WORDS = frozenset({"", BLAME_OOM, BLAME_EXIT, BLAME_SCRIPT_TEXT, BLAME_PROCESS_GROUP,
                           BLAME_DISTRIBUTED, BLAME_COLLECTIVE, BLAME_SCRIPT, BLAME_TEXT})
 _SEEN_WORDS = frozenset({"", SEEN_ERROR_RECORD, SEEN_EXIT, SEEN_STALL, SEEN_PEER})
-#: Every word `Verdict.stall` may hold ("": not a stall).
-STALL_KINDS = frozenset({"", "setup", "collective", "straggler", "quiet", "stopped", "busy",
-                         "asleep"})
 
 
 @dataclass(frozen=True)
@@ -503,12 +494,10 @@ def classify_attempt(stall: Stall | None, exits: Sequence[RankExit],
         # A rank that never arrived where the others wait is held up (stopped, hung, asleep,
         # busy past the ceiling), not proven in another collective: a stall naming it.
         # Diverged needs the ranks' own collectives to differ (`diverged`).
-        waited = (f"{stall.kind} {stall.waited_s:.0f} s, nobody waiting on it (allowed "
-                  f"{stall.limit_s:.0f} s)" if stall.alone
-                  else f"waited {stall.waited_s:.0f} s (allowed {stall.limit_s:.0f} s)")
+        waited = f"waited {stall.waited_s:.0f} s (allowed {stall.limit_s:.0f} s)"
         return Verdict(VerdictKind.STALL, f"stalled: {stall.describe()}", stall.k, "timeout",
                        ranks=stall.ranks, where=stall.where(), detail=waited,
-                       detect_s=stall.waited_s, stall=stall.kind)
+                       detect_s=stall.waited_s)
     if not exits:
         early = unfinished(records)
         if not early:
@@ -605,8 +594,7 @@ def merge(faults: Sequence[PeerFault]) -> Verdict | None:
     v = first.verdict
     return Verdict(v.kind, v.summary if v.node is not None else f"node {first.node}: {v.summary}",
                    v.step, v.cause, node=first.node, ranks=v.ranks, where=v.where,
-                   detail=v.detail, blame=v.blame, seen=v.seen, detect_s=v.detect_s,
-                   stall=v.stall)
+                   detail=v.detail, blame=v.blame, seen=v.seen, detect_s=v.detect_s)
 
 
 def one_line(text: str, limit: int = 300) -> str:
