@@ -55,11 +55,11 @@ log = logging.getLogger("resilient_strategy")
 PACKAGE_ROOT = health.PACKAGE_ROOT
 #: Extra seconds on the workers' own collective timeout, so that the runner's deadline fires first.
 WORKER_TIMEOUT_MARGIN_S = 30.0
-
 #: The longest deadline a busy probe's retry gets (`cost.busy_retry_timeout`), and the
 #: ``extra`` key that carries it on a result cut while the host was busy.
 MAX_BUSY_RETRY_S = 600.0
 RETRY_TIMEOUT = "busy_retry_timeout_s"
+
 
 def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.executable,
               health_check: bool = True) -> ProbeResult:
@@ -69,7 +69,6 @@ def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.exec
     ``health_check=False``: the caller defers that check (`health.Unproven`, the
     decision loop's `DeferredHealthProber`) and must run it before using the GPUs."""
     files.TEMP_SWEEP.once()  # what a killed run of ours left (its pid gone, untouched a while)
-    # a SIGTERM while the workers run removes this directory too, then terminates the process
     result = _run_once(spec, env, python)
     timeout = busy_retry_deadline(result)
     if timeout is not None:
@@ -111,6 +110,7 @@ def after_busy_retry(first: ProbeResult, again: ProbeResult, timeout_s: float) -
 def _run_once(spec: ProbeSpec, env: Mapping[str, str], python: str) -> ProbeResult:
     """One run of ``spec``'s workers, parsed; a timeout on a busy host (`cost.host_busy`)
     carries ``host_busy`` (the CPU share its workers got) and the deadline a retry gets."""
+    # a SIGTERM while the workers run removes this directory too, then terminates the process
     with proc.terminate_as_exception(), files.temp_dir("rs-probe-") as tmp:
         commands = build_commands(spec, env, tmp, python=python, parent_pid=os.getpid())
         try:
