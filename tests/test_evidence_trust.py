@@ -244,6 +244,13 @@ def test_a_link_in_the_run_directory_is_never_read_into_the_evidence(tmp_path: P
         assert "do-not-copy" not in (evidence.dir / name).read_text()
 
 
+def test_a_ranks_files_written_under_umask_002_are_still_evidence(tmp_path: Path) -> None:
+    run = _run_dir(tmp_path)
+    os.chmod(run.traceback(0), 0o664)  # the worker's open() under a user-private-group umask
+    written = Evidence(tmp_path / "evidence", "rs-run-1-x").record(_attempt(), run.root, 1)
+    assert written is not None and "RuntimeError: boom" in Path(written).read_text()
+
+
 def test_a_stderr_tail_is_bounded_and_is_the_end(tmp_path: Path) -> None:
     from resilient_strategy.machine import files
 

@@ -187,8 +187,10 @@ def _fix(where: Path) -> str:
 
 
 def _tail(path: Path, limit: int) -> str:
-    """The end of a rank's file (`files.read_tail`: a regular file of this user's, never
-    through a symlink nor blocking on a FIFO); "" when it is absent or not such a file."""
+    """The end of a rank's file (`files.read_tail`: a regular file, never through a symlink
+    nor blocking on a FIFO); "" when it is absent or not such a file. Its mode is the umask's
+    (the worker's traceback and stacks, torch's stderr log: 0664 under umask 002), harmless in
+    the run's 0700 directory, so it is not held to the owned files' mode rule."""
     with contextlib.suppress(OSError, UnsafePathError):
-        return files.read_tail(path, max_bytes=limit).decode("utf-8", "replace")
+        return files.read_tail(path, max_bytes=limit, owned=False).decode("utf-8", "replace")
     return ""
