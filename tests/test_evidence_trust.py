@@ -16,6 +16,7 @@ import shutil
 import stat
 import tempfile
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -36,8 +37,11 @@ BLOCKED_S = 30.0
 
 
 def _as_other_user(action: Callable[[], None]) -> None:
-    """Run ``action`` in a child process that is uid/gid 65534 (a second real user)."""
-    pid = os.fork()
+    """Run ``action`` in a child process that is uid/gid 65534 (a second real user). The child
+    only makes syscalls and exits (Python 3.12 warns of a fork beside threads: not here)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         code = 1
         try:

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -54,7 +55,9 @@ def test_a_child_reaped_by_another_reaper_has_its_status_lost(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(forkserver, "_LOST", [])
     before = signal.getsignal(signal.SIGCHLD)
-    pid = os.fork()
+    with warnings.catch_warnings():  # the child only exits (3.12 warns of a fork beside threads)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         os._exit(0)
     signal.signal(signal.SIGCHLD, _reap_all)
