@@ -24,7 +24,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ..core.call.options import DEFAULT_PROCESS_GROUP_TIMEOUT, RunOptions
 from ..core.values.bounded import parse_json
 from ..core.values.candidate import CandidateKey
+from ..errors import UnsafePathError
 from ..machine import env as machine_env
+from ..machine import files
 from ..records import flight, phases
 from ..records.flightdump import DumpStatus, RankDump, analyse, divergence
 from ..records.handoff import HandedDecision
@@ -413,18 +415,18 @@ def raised_before(errors: list[dict[str, Any] | None], stopped_at: float) -> boo
 
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
-        data = parse_json(path.read_bytes(), str(path), allow_nan=True)  # bounded
-    except (OSError, ValueError):
+        # a regular file only (a FIFO planted there must not block the supervisor), bounded
+        data = parse_json(files.read_bytes(path, max_bytes=files.MAX_REPORT_BYTES, owned=False),
+                          str(path), allow_nan=True)
+    except (OSError, ValueError, UnsafePathError):
         return None
     return data if isinstance(data, dict) else None
 
 
 def _stderr_tail(run_dir: Path | RunDir, local_rank: int, limit: int = 8192) -> str:
     for path in RunDir.of(run_dir).stderr_logs(local_rank):
-        with contextlib.suppress(OSError), open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - limit))
-            return fh.read().decode("utf-8", "replace")
+        with contextlib.suppress(OSError, UnsafePathError):
+            return files.read_tail(path, max_bytes=limit, owned=False).decode("utf-8", "replace")
     return ""
 
 

@@ -141,6 +141,8 @@ def start_server(temp_dir: Path | None = None) -> None:
     config = multiprocessing.current_process()._config  # type: ignore[attr-defined]
     if temp_dir is not None and config.get("tempdir") is None:
         made = next((d for d in socket_dirs(temp_dir) if _private_dir(d)), None)
+        if made is None:  # each name too long, or taken (another user's): a fresh random one
+            made = _fresh_dir(temp_dir.name)
         if made is not None:
             import atexit
             import shutil
@@ -199,6 +201,25 @@ def socket_dirs(temp_dir: Path, fallback: Path = Path("/tmp")) -> tuple[Path, ..
     none: multiprocessing keeps its own directory."""
     return tuple(d for d in (temp_dir, fallback / temp_dir.name)
                  if len(str(d)) + SOCKET_NAME_CHARS <= MAX_SOCKET_PATH)
+
+
+def _fresh_dir(name: str, fallback: Path = Path("/tmp")) -> Path | None:
+    """A fresh private directory ``<fallback>/<name>-<random>`` for the server's socket, where
+    every fixed name was too long or taken (another user squatting ``rs-run-<pid>-m``): a random
+    name cannot be planted in advance, and the sweep still reads the pid from it. None where it
+    cannot be made or its socket's path would still be too long (multiprocessing keeps its own
+    directory, inside the session's private ``torch-tmp``)."""
+    import shutil
+    import tempfile
+
+    try:
+        made = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=fallback))
+    except OSError:
+        return None
+    if len(str(made)) + SOCKET_NAME_CHARS <= MAX_SOCKET_PATH:
+        return made
+    shutil.rmtree(made, ignore_errors=True)
+    return None
 
 
 def _private_dir(path: Path) -> bool:
