@@ -23,8 +23,10 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from .core.call.model import gradient_bytes_of
 from .core.call.options import Launch
+from .core.measures.estimate import MeasuredStep
 from .core.measures.probe import ProbeResult
 from .core.planning.plan import Plan
+from .core.trace.event import Event
 from .core.values.candidate import Candidate
 from .core.values.facts import Facts
 from .core.values.human import brief, compose
@@ -32,6 +34,7 @@ from .errors import DryRunError, WrongFrameworkError
 
 if TYPE_CHECKING:
     from .frameworks.checkpoint import Checkpointer
+    from .frameworks.stepmeter import StepMeasurement
     from .records.handoff import TrainingReporter
 
 __all__ = ["Launch", "Selection"]
@@ -129,10 +132,17 @@ class Selection:
     progress: TrainingReporter | None = field(default=None, repr=False, compare=False)
     """Under `resilient-strategy run`: this rank's progress reports to the supervisor (None
     otherwise)."""
+    rerank: Callable[[MeasuredStep, int, int | None], Plan] | None = field(
+        default=None, repr=False, compare=False)
+    """The planner again, given the user's step measured during training (its compute), the
+    model's gradient bytes (0: as decided) and the global batch (None: as decided): the ranking
+    the measured step compares the chosen candidate with (`frameworks.stepmeter`). None: no
+    comparison (a dry run, a Selection built by hand)."""
     _runtime: _Once[Any] = field(init=False, repr=False, compare=False)
+    _measured: list[Event] = field(init=False, default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_runtime", _Once(self._build_runtime))
+        object.__setattr__(self, "_runtime", _Once(self._build_measured_runtime))
 
     # ----- the decision --------------------------------------------------------------------
     @property
@@ -440,9 +450,68 @@ class Selection:
             ],
             "probes": {k: v.to_dict() for k, v in self.results.items()},
             "trace": list(self.plan.trace),
-            "events": [e.to_dict() for e in self.plan.events],
+            # the decision's events, then what training measured (`measured_events`)
+            "events": [e.to_dict() for e in (*self.plan.events, *self._measured)],
+            "measured_step": next((e.to_dict() for e in self._measured
+                                   if e.kind == "step_measured"), None),
             "simulated": self.simulated,
         }
+
+    # ----- the step, measured ----------------------------------------------------------------
+    @property
+    def measured_events(self) -> tuple[Event, ...]:
+        """What training measured of this process's step (issue 41), once its window closed
+        (`frameworks.stepmeter`: optimizer steps 6-25): a `StepMeasured`, and a
+        `MeasuredFaster` when another candidate proven here would be clearly faster with those
+        numbers (rank 0 logs its line). Empty before; in ``to_dict()["events"]`` after."""
+        return tuple(self._measured)
+
+    def _build_measured_runtime(self) -> Any:
+        rt = self._build_runtime()
+        meter = getattr(rt, "meter", None)
+        if meter is not None:
+            meter.on_done = self._step_measured
+        return rt
+
+    def _step_measured(self, m: StepMeasurement) -> None:
+        """The window closed: its event; the planner asked again with the measured compute;
+        and when a proven candidate would beat the measured step clearly, its event and line."""
+        from .core.trace.measuring import MeasuredFaster, StepMeasured
+        from .errors import ResilientStrategyError
+        from .frameworks.stepmeter import FASTER_MARGIN, faster_candidate
+
+        compute = m.sample_compute_s
+        step = None if compute is None else MeasuredStep.of(compute, m.samples)
+        update = m.update_s / m.steps
+        self._measured.append(StepMeasured(
+            self.candidate, m.first_step, m.steps, m.micro_steps, m.samples, m.step_s,
+            m.compute_s, None if m.comm_wait_s is None else m.comm_wait_s / m.steps,
+            None if m.comm_s is None else m.comm_s / m.steps,
+            None if step is None else step.sample_seconds, m.how, m.gradient_bytes, m.note,
+            update))
+        if step is None or self.rerank is None or m.samples is None:
+            return
+        batch = None if self.global_batch_size else round(
+            m.samples / m.steps * self.num_replicas)
+        try:
+            again = self.rerank(step, m.gradient_bytes, batch)
+        except (ResilientStrategyError, ValueError) as e:  # never a reason to stop training
+            log.debug("resilient_strategy: the measured step was not ranked: %s", e)
+            return
+        found = faster_candidate(again.ranked, self.candidate.key, m.step_s, self.results,
+                                 FASTER_MARGIN, update)
+        if found is None:
+            return
+        best, mine = found
+        faster = best.estimate.step_seconds + update
+        event = MeasuredFaster(
+            self.candidate, m.step_s, best.candidate, faster,
+            None if mine is None else mine.estimate.step_seconds + update,
+            m.step_s / faster, FASTER_MARGIN, best.estimate.basis, step.sample_seconds,
+            update)
+        self._measured.append(event)
+        if self.is_main_process:
+            log.warning("resilient_strategy: %s", event.text())
 
     # ----- the runtime ---------------------------------------------------------------------
     def _build_runtime(self) -> Any:
@@ -545,7 +614,9 @@ class Selection:
         compiled optimizer accumulates as this selection needs (else the global batch would
         silently be smaller); under ``resilient-strategy run``, one that reports each step's
         progress to the supervisor; with ``backup_dir``, Keras' own ``BackupAndRestore`` there
-        (``save_freq``: "epoch" or every N batches), so a relaunch resumes where it stopped."""
+        (``save_freq``: "epoch" or every N batches), so a relaunch resumes where it stopped;
+        and, until it measured, one that measures the step over a window of batches
+        ([measured_events][resilient_strategy.selection.Selection.measured_events])."""
         self._tensorflow_only("callbacks")
         out = list(self.runtime.callbacks())
         if backup_dir is not None:
@@ -556,6 +627,11 @@ class Selection:
             from .frameworks.tensorflow import progress_callback
 
             out.append(progress_callback(self.progress, self.accumulation_steps, backup_dir))
+        if self.runtime.meter.live:  # the step measured once (`measured_events`)
+            from .frameworks.tensorflow import measure_callback
+
+            out.append(measure_callback(self.runtime.meter, self.accumulation_steps,
+                                        self.per_replica_batch_size))
         return out
 
     def check_optimizer(self, model_or_optimizer: Any) -> None:

@@ -31,7 +31,7 @@ from ..core.measures.memory import MemoryRow
 from ..core.measures.probe import (
     ProbeResult,
 )
-from ..core.planning.plan import Candidate, Plan, plan
+from ..core.planning.plan import Candidate, MeasuredStep, Plan, plan
 from ..core.trace.choosing import Chosen, NextProbe
 from ..core.trace.event import Note
 from ..core.trace.fitting import FewerDevices, MemoryChecked, OffloadConsidered
@@ -310,6 +310,7 @@ def _decide_and_apply(arguments: Arguments, env: Mapping[str, str] | None,
         decided_in_s=time.perf_counter() - t0,
         advise=_advice(facts, opts, results, chosen), simulated=opts.simulated,
         progress=None if handed is None else _reporter(handed, opts, chosen, snapshot),
+        rerank=_reranker(facts, opts, results, p.reference_replicas),
     )
     for w in p.warnings:  # one short line each: the whole text is in sel.explain(verbose=True)
         log.warning("resilient_strategy: %s", brief(w, WARNING_CHARS, more=WARNING_MORE))
@@ -380,6 +381,24 @@ def _advice(
         )
 
     return advise
+
+
+def _reranker(
+    facts: Facts, opts: Options, results: Mapping[str, ProbeResult], reference: int
+) -> Callable[[MeasuredStep, int, int | None], Plan] | None:
+    """The planner again, for the user's step measured during training (issue 41): the same
+    facts, rules and probe results, the measured compute (``measured=``), the model's real
+    gradient bytes and, where none was given, the global batch it trained with."""
+    if opts.dry_run:
+        return None
+
+    def rerank(measured: MeasuredStep, gradient_bytes: int, global_batch: int | None) -> Plan:
+        o = opts if gradient_bytes <= 0 else replace(opts, gradient_bytes=gradient_bytes)
+        if o.global_batch_size is None and global_batch:
+            o = replace(o, global_batch_size=global_batch)
+        return plan(facts, o.rules, results, o, reference_replicas=reference, measured=measured)
+
+    return rerank
 
 
 def _check_processes_fit(facts: Facts, opts: Options) -> None:

@@ -63,6 +63,7 @@ from typing import Any
 
 from ..errors import InvalidOptionError, ResilientStrategyError
 from ..vocab import ONE_REPLICA_BACKENDS, Backend
+from .stepmeter import StepMeter
 
 log = logging.getLogger("resilient_strategy")
 
@@ -174,6 +175,13 @@ class TfRuntime:
         self.workers = workers
         self.timeout_s = timeout_s
         self.replica_devices = replica_devices(backend, tuple(devices), logical_cpus)
+        #: measures the user's step over a window of ``fit`` (`measure_callback`): one
+        #: replica's step is its compute; across replicas Keras reduces inside its compiled
+        #: step, so the step's time is not split into compute and communication
+        self.meter = StepMeter() if self.num_replicas == 1 else StepMeter(
+            how="not_separated",
+            note="Keras fit reduces the gradients inside its compiled train step: the "
+                 "step's time only")
 
     @property
     def num_replicas(self) -> int:
@@ -487,6 +495,29 @@ def progress_callback(reporter: Any, accumulation_steps: int, backup_dir: str | 
                 note_checkpoint(reporter.step, backup_dir)
 
     return ReportProgress()
+
+
+def measure_callback(meter: StepMeter, accumulation_steps: int,
+                     per_replica_batch_size: int | None) -> Any:
+    """A Keras callback that feeds ``fit``'s batches to ``meter`` (`stepmeter`): every
+    ``accumulation_steps``-th batch ends an optimizer step; each batch is
+    ``per_replica_batch_size`` samples of one replica (None: unknown). With
+    ``steps_per_execution`` > 1 Keras calls it once per execution, which it then counts as one
+    batch. Once the window closed it does nothing (one attribute read a batch)."""
+    import keras
+
+    class MeasureStep(keras.callbacks.Callback):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.batches = 0
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            if not meter.live:
+                return
+            self.batches += 1
+            meter.micro_step(self.batches % accumulation_steps == 0, per_replica_batch_size)
+
+    return MeasureStep()
 
 
 def replica_devices(backend: str, devices: tuple[int, ...], logical_cpus: int) -> tuple[str, ...]:

@@ -55,6 +55,7 @@ from typing import Any
 
 from ..errors import InvalidOptionError
 from ..vocab import ONE_REPLICA_BACKENDS, PRECISIONS, PROCESS_GROUP_BACKENDS
+from .stepmeter import StepMeter
 from .teardown import end_at_exit, end_process_group
 
 BACKENDS = (*PROCESS_GROUP_BACKENDS, *ONE_REPLICA_BACKENDS)
@@ -129,6 +130,7 @@ class _Adopted:
     expected: int | None = None
     short: bool = False
     step_seen: int = 0  # this process's samples of the optimizer step under way (no loader)
+    last_n: int | None = None  # the samples of this micro-step's first forward
     params: list[Any] = field(default_factory=list)
 
 
@@ -192,6 +194,11 @@ class TorchRuntime:
         self.offload = bool(offload) and bool(sharded)
         self.sharded = bool(sharded) and (world_size > 1 or self.offload)
         self._progress = _Progress()
+        #: measures the user's own step over a window after the warm-up (`stepmeter`); its
+        #: ``on_done`` is the Selection's; ``meter.live = False`` before training measures nothing
+        self.meter = StepMeter()
+        if world_size > 1:  # until prepare / adopt wraps the model in DDP (attach_ddp)
+            self.meter.how, self.meter.note = "not_separated", "the model was not prepared here"
 
     # ----- where to run ------------------------------------------------------------------------
     @functools.cached_property
@@ -357,6 +364,9 @@ class TorchRuntime:
                                      world_size=self.world_size, dtype=self.precision.dtype,
                                      classes=shard_modules, offload=self.offload,
                                      **ddp_kwargs)
+            self.meter.device = self.device
+            self.meter.how = "not_separated"
+            self.meter.note = "FSDP2 runs its collectives inside its own hooks: not timed"
         elif model is not None:
             model = self._wrap(model, ddp_kwargs)
         first_loader = loader is not None and not self._progress.prepared
@@ -464,6 +474,7 @@ class TorchRuntime:
             self._start_epoch()  # the loader's next epoch (sel.set_epoch starts one too)
         n = adopted.batch_of(tuple(args), dict(kwargs))
         self._check_micro_batch(n)
+        a.last_n = n
         if p.train_loader is not None or n is None or not a.expected:
             a.share = self._loss_share()
         else:  # the micro-batch's samples over a full optimizer step's
@@ -576,18 +587,22 @@ class TorchRuntime:
     def _wrap(self, model: Any, ddp_kwargs: dict[str, Any]) -> Any:
         from torch.nn.parallel import DistributedDataParallel
 
+        self.meter.device = self.device
         if isinstance(model, DistributedDataParallel):
             if ddp_kwargs:
                 raise InvalidOptionError(
                     "the model is already a DistributedDataParallel, so prepare() cannot apply "
                     f"{sorted(ddp_kwargs)}; pass the unwrapped module (model.module) instead"
                 )
+            self.meter.attach_ddp(model)
             return model
         model = model.to(self.device)
         if self.world_size == 1:
             return model
         ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids, **ddp_kwargs)
+        ddp = DistributedDataParallel(model, device_ids=ids, **ddp_kwargs)
+        self.meter.attach_ddp(ddp)
+        return ddp
 
     def _register(self, sampler: Any) -> None:
         if not any(s is sampler for s in self._progress.samplers):
@@ -815,6 +830,8 @@ class TorchRuntime:
         """Count the micro-step; on the last one of an optimizer step, ``apply()`` (which steps
         and says whether it did). The one place micro-steps, epochs and checkpoints advance."""
         p = self._progress
+        meter = self.meter if self.meter.live else None
+        own = self._own_samples() if meter is not None else None
         last_of_epoch = p.epoch_micro_left is not None and p.epoch_micro_left <= 1
         # every rank's samples of this micro-step, for the checkpoint's position (a
         # ResumableSampler's layout; otherwise the checkpointer counts full micro-batches)
@@ -830,10 +847,25 @@ class TorchRuntime:
         if p.micro < self.accumulation_steps and not last_of_epoch and not short:
             if ckpt is not None:
                 ckpt.micro_step(boundary=False, stepped=False, samples=samples)
+            if meter is not None:
+                meter.micro_step(False, own)
             return False
         p.micro = 0
+        if meter is not None:
+            meter.update_begins()
         stepped = bool(apply())
         p.steps += stepped
         if ckpt is not None:
             ckpt.micro_step(boundary=True, stepped=stepped, samples=samples)
+        if meter is not None:
+            meter.micro_step(True, own)
         return stepped
+
+    def _own_samples(self) -> int | None:
+        """This process's samples of the micro-step ending (for the step measurement): the
+        training loader's layout, else the micro-batch the adopted loop's forward saw, else the
+        decision's micro-batch; None unknown."""
+        n = self._micro_samples()
+        if n is None and self._progress.adopted is not None:
+            n = self._progress.adopted.last_n
+        return n if n is not None else self.per_replica_batch_size

@@ -98,6 +98,15 @@ class MeasuredStep:
         if not self.sample_seconds > 0:
             raise ValueError(f"a measured step takes a positive time, not {self.sample_seconds!r}")
 
+    @classmethod
+    def of(cls, compute_seconds: float, samples: int | None) -> MeasuredStep | None:
+        """From a window of training on one replica: its compute seconds (the step's time less
+        the communication it waited for) over the ``samples`` that replica computed; None when
+        either is unknown or not positive (nothing to rank by)."""
+        if samples is None or samples <= 0 or not compute_seconds > 0:
+            return None
+        return cls(compute_seconds / samples)
+
 
 def compute_source(policy: Options, measured: MeasuredStep | None = None
                    ) -> tuple[float | None, str]:
