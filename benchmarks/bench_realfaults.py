@@ -159,8 +159,66 @@ SCRIPT = textwrap.dedent("""
         if done:
             break
     print("finished", rank, sel.optimizer_steps, flush=True)
+    self_stop(rank, marks)  # RS_SELF_STOP=<rank>: a real SIGSTOP after the last step
     sel.shutdown()
 """)
+
+#: The script's own SIGSTOP of its process (``RS_SELF_STOP=<rank>``, once per run: a flag in
+#: the marks), for a fault at a moment no outside signal can hit reliably (after the last
+#: step, before the teardown); the kernel stops it as it does for ``kill -STOP``.
+SELF_STOP = textwrap.dedent("""
+    def self_stop(rank, marks):
+        import os, signal, time
+        want = os.environ.get("RS_SELF_STOP", "")
+        flag = os.path.join(marks, "self_stopped")
+        if want == "" or int(want) != rank or os.path.exists(flag):
+            return
+        with open(flag, "w") as fh:
+            fh.write(str(time.time()))
+        os.kill(os.getpid(), signal.SIGSTOP)
+""")
+
+#: The same job in Keras (``--framework keras``): one supervised process, model.fit with the
+#: selection's callbacks (its progress reports), BackupAndRestore every 5 batches, each batch
+#: ``RS_STEP_S`` of work in the script's own callback and marked as the torch script marks.
+KERAS_SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    import numpy as np
+    import resilient_strategy
+    sel = resilient_strategy.resilient_strategy(framework="tensorflow", global_batch_size=64)
+    import keras
+    marks = os.environ["RS_MARKS"]
+    rank = 0
+    step_s = float(os.environ.get("RS_STEP_S", "0.05"))
+    total = int(os.environ.get("RS_STEPS", "60"))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64 * total, 32)).astype("float32")
+    y = rng.integers(0, 4, size=(64 * total,)).astype("int32")
+    with sel.scope():
+        model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64, activation="gelu"),
+                                  keras.layers.Dense(4)])
+        model.compile(optimizer=keras.optimizers.SGD(**sel.optimizer_kwargs(learning_rate=0.05)),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+    class Mark(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            time.sleep(step_s)
+
+        def on_train_batch_end(self, batch, logs=None):
+            step = int(self.model.optimizer.iterations.numpy())
+            tmp = os.path.join(marks, f"rank{rank}.step.tmp")
+            with open(tmp, "w") as fh:
+                fh.write(str(step))
+            os.replace(tmp, os.path.join(marks, f"rank{rank}.step"))
+
+    with open(os.path.join(marks, "resumed"), "a") as fh:
+        fh.write("0\\n")
+    model.fit(x, y, batch_size=sel.batch_size, epochs=1, shuffle=False, verbose=0,
+              callbacks=[Mark(), *sel.callbacks(backup_dir=sys.argv[1], save_freq=5)])
+    print("finished", rank, flush=True)
+    self_stop(rank, marks)
+""")
+
 
 
 @dataclass
@@ -168,6 +226,8 @@ class Row:
     scenario: str
     fault_to_verdict_s: float | None = None
     verdict: str = "ok"
+    #: a stall's kind (stopped, asleep, straggler, ...): the verdict's ``stall``
+    stall: str = ""
     ranks: list[int] = field(default_factory=list)
     action: str = "finish"
     resumed_from: int | None = None
@@ -184,7 +244,8 @@ class Row:
         ranks = ",".join(map(str, self.ranks)) or "-"
         resumed = "-" if self.resumed_from is None else str(self.resumed_from)
         good = "-" if self.goodput is None else f"{self.goodput:.1f}%"
-        return [self.scenario, ftv, self.verdict, ranks, self.action, resumed,
+        verdict = f"{self.verdict} ({self.stall})" if self.stall else self.verdict
+        return [self.scenario, ftv, verdict, ranks, self.action, resumed,
                 str(self.exit_code), f"{self.wall_s:.1f}", str(self.left), good,
                 self.badput or "-", self.note]
 
@@ -203,12 +264,15 @@ class Run:
     tag: str = field(default_factory=lambda: uuid.uuid4().hex)
     proc: subprocess.Popen[str] | None = None
     started: float = 0.0
+    #: the attempt whose verdict the row reports (0: the first; 1 after a step-down)
+    judged: int = 0
 
     def start(self) -> None:
         marks = self.tmp / "marks"
         marks.mkdir(parents=True, exist_ok=True)
         script = self.tmp / "train.py"
-        script.write_text(SCRIPT)
+        keras = getattr(self.args, "framework", "torch") == "keras"
+        script.write_text(SELF_STOP + (KERAS_SCRIPT if keras else SCRIPT))
         env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")}
         (self.tmp / "tmp").mkdir(exist_ok=True)
         env.update({"PYTHONPATH": self.args.src, TAG_VAR: self.tag, "RS_MARKS": str(marks),
@@ -218,9 +282,12 @@ class Run:
                     **self.env_extra})
         if self.args.backend == "gloo":
             env["CUDA_VISIBLE_DEVICES"] = ""
+        if keras:
+            env["TF_CPP_MIN_LOG_LEVEL"] = "2"
         self.started = time.time()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "resilient_strategy", "run", "--nproc-per-node", "2",
+            [sys.executable, "-m", "resilient_strategy", "run", "--nproc-per-node",
+             str(getattr(self.args, "nproc", 2)),
              *self.args.run_args, str(script), str(self.tmp / "ckpt")],
             env=env, cwd=self.tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -273,15 +340,16 @@ class Run:
             row.badput = ", ".join(f"{k[:-2]} {v:.1f}" for k, v in sorted(
                 parts.items(), key=lambda kv: -kv[1])[:3] if v >= 0.05)
             attempts = record["attempts"]
-            first = attempts[0]
+            first = attempts[min(self.judged, len(attempts) - 1)]
             row.verdict = first["verdict"]["kind"]
+            row.stall = str(first["verdict"].get("stall") or "")
             row.ranks = list(first["verdict"].get("ranks", []))
             row.action = first["action"]
             seen = ((first.get("times") or {}).get("supervisor") or {}).get("fault_seen")
             if fault_at is not None and seen is not None:
                 row.fault_to_verdict_s = round(float(seen) - fault_at, 2)
-            if len(attempts) > 1:
-                row.resumed_from = attempts[1].get("resumed_from")
+            if len(attempts) > self.judged + 1:
+                row.resumed_from = attempts[self.judged + 1].get("resumed_from")
         return row
 
 
@@ -307,6 +375,50 @@ def _signal_row(name: str, sig: signal.Signals) -> Callable[[argparse.Namespace,
             row.note = "the fault was never made"
         return run.finish(row, fault_at)
     return scenario
+
+
+def self_stop(args: argparse.Namespace, tmp: Path) -> Row:
+    """Rank ``--rank`` stops itself (SIGSTOP) after its last step, before ``sel.shutdown()``:
+    the others wait for it in the teardown's barrier. The fault's time is its mark."""
+    run = Run(args, tmp, {"RS_SELF_STOP": str(args.rank)})
+    run.start()
+    row = run.finish(Row("sigstop_after_last_step"), None)
+    attempts = list((tmp / "resilient-strategy-evidence").glob("*/attempts.json"))
+    try:
+        at = float((tmp / "marks" / "self_stopped").read_text())
+    except (OSError, ValueError):
+        row.note = "the fault was never made"
+        return row
+    if attempts:
+        first = json.loads(attempts[0].read_text())["attempts"][0]
+        seen = ((first.get("times") or {}).get("supervisor") or {}).get("fault_seen")
+        if seen is not None:
+            row.fault_to_verdict_s = round(float(seen) - at, 2)
+    return row
+
+
+def sigstop_after_step_down(args: argparse.Namespace, tmp: Path) -> Row:
+    """Rank 1 raises a (rehearsed) communication error on gloo at step ``--at`` - 4: the job
+    steps down to one CPU process; that one remaining rank is stopped at step ``--at``. The
+    row reports the second attempt's verdict."""
+    run = Run(args, tmp, {"RESILIENT_STRATEGY_TRAIN_FAULT": f"error:1:gloo:{args.at - 4}:1"},
+              judged=1)
+    run.start()
+    row = Row("sigstop_after_step_down")
+    fault_at = None
+    end = time.monotonic() + 240.0
+    resumed = tmp / "marks" / "resumed"
+    while time.monotonic() < end and run.proc is not None and run.proc.poll() is None:
+        if resumed.exists() and len(resumed.read_text().split()) >= 2:
+            break
+        time.sleep(0.05)
+    if run.wait_step(0, args.at) and len(resumed.read_text().split()) >= 2:
+        for pid in run.rank_pids(0):
+            os.kill(pid, signal.SIGSTOP)
+        fault_at = time.time()
+    else:
+        row.note = "the fault was never made"
+    return run.finish(row, fault_at)
 
 
 def slow(args: argparse.Namespace, tmp: Path) -> Row:
@@ -357,6 +469,8 @@ def _raised(name: str, how: str) -> Callable[[argparse.Namespace, Path], Row]:
 SCENARIOS: dict[str, Callable[[argparse.Namespace, Path], Row]] = {
     "sigkill": _signal_row("sigkill", signal.SIGKILL),
     "sigstop": _signal_row("sigstop", signal.SIGSTOP),
+    "sigstop_after_last_step": self_stop,
+    "sigstop_after_step_down": sigstop_after_step_down,
     "slow": slow,
     "busy_validation": _validation("busy", "busy_validation"),
     "sleepy_validation": _validation("sleep", "sleepy_validation"),
@@ -376,6 +490,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     p.add_argument("--only", default="", help="comma-separated scenario names")
+    p.add_argument("--nproc", type=int, default=2, help="--nproc-per-node of the run")
+    p.add_argument("--framework", choices=("torch", "keras"), default="torch",
+                   help="the training script: torch's, or Keras' (one process)")
     p.add_argument("--rank", type=int, default=1, help="the rank the fault hits")
     p.add_argument("--at", type=int, default=12, help="the step the fault comes at")
     p.add_argument("--steps", type=int, default=60)
@@ -396,7 +513,8 @@ def main(argv: list[str] | None = None) -> int:
             row = SCENARIOS[name](args, Path(top) / name)
             print(table([row]).splitlines()[-1], flush=True)
             rows.append(row)
-    print(f"\nbackend {args.backend}, 2 ranks, fault on rank {args.rank} at step {args.at}, "
+    print(f"\n{args.framework}, backend {args.backend}, {args.nproc} rank(s), "
+          f"fault on rank {args.rank} at step {args.at}, "
           f"{args.step_s} s per step, src {args.src}\n")
     print(table(rows))
     if args.json:

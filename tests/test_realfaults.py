@@ -43,14 +43,18 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
 
-def _args(cache: Path, *run_args: str, steps: int = 40) -> argparse.Namespace:
+def _args(cache: Path, *run_args: str, steps: int = 40, nproc: int = 2,
+          framework: str = "torch") -> argparse.Namespace:
     return argparse.Namespace(src=str(ROOT / "src"), step_s=0.05, steps=steps, cache=cache,
-                              backend="gloo", run_args=list(run_args), deadline=300.0)
+                              backend="gloo", run_args=list(run_args), deadline=300.0,
+                              nproc=nproc, framework=framework, rank=1, at=12)
 
 
-def _stop(tmp: Path, cache: Path, rank: int, at: int, hold_s: float | None) -> Any:
-    """SIGSTOP ``rank`` at step ``at``; continue it after ``hold_s`` (None: never)."""
-    run = rf.Run(_args(cache), tmp, {})
+def _stop(tmp: Path, cache: Path, rank: int, at: int, hold_s: float | None,
+          **how: Any) -> Any:
+    """SIGSTOP ``rank`` at step ``at``; continue it after ``hold_s`` (None: never). ``how``:
+    `_args`' ``nproc`` and ``framework``."""
+    run = rf.Run(_args(cache, **how), tmp, {})
     run.start()
     assert run.wait_step(rank, at), "the run never reached the step"
     pids = run.rank_pids(rank)
@@ -114,3 +118,50 @@ def test_a_sleeping_validation_is_a_stall_naming_rank_0(tmp_path: Path, cache: P
     row = _validate(tmp_path, cache, "sleep", 40.0)
     assert (row.verdict, row.ranks, row.action, row.exit_code) == (
         "stall", [0], "retry", 0), (tmp_path / "output.txt").read_text()[-3000:]
+
+
+# ----- a rank caught by what it does, nobody waiting on it (issue 45, item 1) ----------------
+# Before: no verdict at all (the stopped process held the job until the outer deadline, or,
+# in the teardown, for the process group's 660 s). The verdict is the typed one (attempts.json).
+
+
+def _output(tmp: Path) -> str:
+    return (tmp / "output.txt").read_text()[-3000:]
+
+
+def test_the_only_rank_of_a_one_process_job_stopped_mid_run_is_a_stall_and_resumes(
+        tmp_path: Path, cache: Path) -> None:
+    row = _stop(tmp_path, cache, 0, 12, None, nproc=1)
+    assert (row.verdict, row.stall, row.ranks, row.action, row.exit_code, row.left) == (
+        "stall", "stopped", [0], "retry", 0, 0), _output(tmp_path)
+    assert row.resumed_from == 10  # the checkpoint every 5 steps
+
+
+@pytest.mark.tensorflow
+def test_a_keras_job_stopped_mid_run_is_a_stall_and_resumes(tmp_path: Path,
+                                                            cache: Path) -> None:
+    pytest.importorskip("keras")
+    row = _stop(tmp_path, cache, 0, 12, None, nproc=1, framework="keras")
+    assert (row.verdict, row.stall, row.ranks, row.action, row.exit_code, row.left) == (
+        "stall", "stopped", [0], "retry", 0, 0), _output(tmp_path)
+
+
+def test_a_rank_stopped_after_its_last_step_is_caught_in_the_teardown(
+        tmp_path: Path, cache: Path) -> None:
+    """Rank 1 stops itself (a real SIGSTOP) after its last step, before ``sel.shutdown()``;
+    rank 0 waits in the teardown's barrier, which the records do not mark."""
+    row = rf.self_stop(_args(cache, steps=20), tmp_path)
+    assert (row.verdict, row.stall, row.ranks, row.action, row.exit_code, row.left) == (
+        "stall", "stopped", [1], "retry", 0, 0), _output(tmp_path)
+    assert (tmp_path / "marks" / "self_stopped").exists()
+
+
+def test_the_remaining_rank_after_a_step_down_stopped_is_a_stall_and_resumes(
+        tmp_path: Path, cache: Path) -> None:
+    row = rf.sigstop_after_step_down(_args(cache), tmp_path)
+    found = list((tmp_path / "resilient-strategy-evidence").glob("*/attempts.json"))
+    attempts = json.loads(found[0].read_text())["attempts"]
+    assert [(a["candidate"].split(":")[1].split("/")[0], a["verdict"]["kind"], a["action"])
+            for a in attempts] == [("gloo", "backend", "step_down"), ("cpu", "stall", "retry"),
+                                   ("cpu", "ok", "finish")], _output(tmp_path)
+    assert (row.stall, row.ranks, row.exit_code, row.left) == ("stopped", [0], 0, 0)

@@ -20,6 +20,7 @@ from resilient_strategy.records.progress import (
 )
 from resilient_strategy.run.verdicts import VerdictKind, classify_attempt, diverged
 from resilient_strategy.run.watch import (
+    ASLEEP,
     BUSY,
     DEFAULT_BUSY_S,
     STOPPED,
@@ -141,7 +142,8 @@ def test_a_busy_rank_that_comes_back_is_no_fault(tmp_path: Path) -> None:
     writers[0].enter(5)
     writers[0].leave(5)
     writers[1].leave(5)
-    assert _run(clock, procs, watch, 40.0, {}) is None
+    # both back in their own code, working (40 s asleep with no progress would be a stall)
+    assert _run(clock, procs, watch, 40.0, {0: 1.0, 1: 1.0}) is None
 
 
 def test_a_rank_that_neither_runs_nor_progresses_is_a_stall_naming_it(tmp_path: Path) -> None:
@@ -306,3 +308,160 @@ def test_readings_of_a_new_process_start_afresh_and_a_stopped_one_is_never_busy(
         act.sample({0: 3000}, 110.0 + i * 0.5)
     assert act.state(0) is not None and act.state(0).stopped  # type: ignore[union-attr]
     assert not act.busy(0)
+
+
+# ----- each rank judged by itself, nobody waiting on it (issue 45, item 1) -------------------
+
+
+def _alone(tmp_path: Path, n: int = 1, trees: dict[int, int] | None = None
+           ) -> tuple[Clock, Procs, list[ProgressWriter], TrainingWatch]:
+    """``n`` ranks at the default allowance (15 s); ``trees``: each pid's tree ticks as the
+    test sets them (None: a tree is its one process)."""
+    clock, procs = Clock(), Procs()
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    paths = [str(tmp_path / f"r{i}") for i in range(n)]
+    writers = [ProgressWriter(p, clock=clock) for p in paths]
+
+    def read_tree(pids: object) -> dict[int, int]:
+        assert trees is not None
+        return {p: trees.get(p, 0) for p in pids}  # type: ignore[attr-defined]
+
+    act = Activity(procs.read, TICKS, read_tree=None if trees is None else read_tree)
+    return clock, procs, writers, TrainingWatch(paths, None, clock, activity=act)
+
+
+def _steps(clock: Clock, procs: Procs, writers: list[ProgressWriter], watch: TrainingWatch,
+           steps: range, collective: bool = False) -> None:
+    """Every rank does ``steps`` at 0.1 s each, busy (a CPU each), the watch polled after each."""
+    for k in steps:
+        clock.now += 0.1
+        for r, w in enumerate(writers):
+            procs.ticks[1000 + r] = procs.ticks.get(1000 + r, 0) + 10
+            if collective:
+                w.enter(k)
+                w.leave(k)
+            else:
+                w.step(k)
+        assert watch.poll({r: 1000 + r for r in range(len(writers))}) is None
+
+
+def _wait(clock: Clock, procs: Procs, watch: TrainingWatch, seconds: float,
+          cpu: dict[int, float], pids: dict[int, int]) -> Stall | None:
+    for _ in range(int(seconds / 0.5)):
+        clock.now += 0.5
+        for pid, share in cpu.items():
+            procs.ticks[pid] = procs.ticks.get(pid, 0) + int(share * 0.5 * TICKS)
+        stall = watch.poll(pids)
+        if stall is not None:
+            return stall
+    return None
+
+
+def test_the_only_rank_stopped_between_steps_is_a_stall_at_the_allowance(
+        tmp_path: Path) -> None:
+    clock, procs, writers, watch = _alone(tmp_path)
+    _steps(clock, procs, writers, watch, range(1, 13))
+    procs.state[1000] = "T"  # kill -STOP: no peer waits on it, no record ever comes
+    assert _wait(clock, procs, watch, 14.5, {}, {0: 1000}) is None
+    stall = _wait(clock, procs, watch, 1.5, {}, {0: 1000})
+    assert stall is not None
+    assert (stall.kind, stall.ranks, stall.k, stall.alone, stall.limit_s) == (
+        STOPPED, (0,), 12, True, 15.0)
+    v = classify_attempt(stall, [])
+    assert (v.kind, v.stall, v.ranks, v.step, v.transient) == (
+        VerdictKind.STALL, STOPPED, (0,), 12, True)
+    assert v.to_dict()["stall"] == STOPPED
+    assert type(v).from_dict(v.to_dict()) == v
+
+
+def test_a_stop_shorter_than_the_allowance_is_no_fault(tmp_path: Path) -> None:
+    clock, procs, writers, watch = _alone(tmp_path)
+    _steps(clock, procs, writers, watch, range(1, 13))
+    procs.state[1000] = "T"
+    assert _wait(clock, procs, watch, 10.0, {}, {0: 1000}) is None
+    procs.state[1000] = "R"  # continued: it steps again
+    _steps(clock, procs, writers, watch, range(13, 20))
+    procs.state[1000] = "T"  # stopped again: the allowance counts afresh
+    assert _wait(clock, procs, watch, 14.5, {}, {0: 1000}) is None
+
+
+def test_the_only_rank_asleep_with_no_progress_is_a_stall_busy_never(tmp_path: Path) -> None:
+    clock, procs, writers, watch = _alone(tmp_path / "asleep")
+    _steps(clock, procs, writers, watch, range(1, 13))
+    assert _wait(clock, procs, watch, 14.0, {}, {0: 1000}) is None
+    stall = _wait(clock, procs, watch, 4.0, {}, {0: 1000})
+    assert stall is not None and (stall.kind, stall.ranks, stall.alone) == (ASLEEP, (0,), True)
+    assert classify_attempt(stall, []).stall == ASLEEP
+    for share in (1.0, 0.3, 0.05):  # its own code: validation, a slow loader, a trickle
+        clock, procs, writers, watch = _alone(tmp_path / f"busy{share}")
+        _steps(clock, procs, writers, watch, range(1, 13))
+        assert _wait(clock, procs, watch, 120.0, {1000: share}, {0: 1000}) is None
+
+
+def test_a_rank_asleep_while_a_process_it_started_works_is_not_a_stall(tmp_path: Path) -> None:
+    trees: dict[int, int] = {}
+    clock, procs, writers, watch = _alone(tmp_path, trees=trees)
+    _steps(clock, procs, writers, watch, range(1, 13))
+    for _ in range(240):  # 120 s: the main process waits on its DataLoader worker's batch
+        clock.now += 0.5
+        trees[1000] = trees.get(1000, 0) + 50  # the worker burns a CPU
+        assert watch.poll({0: 1000}) is None
+    for _ in range(40):  # the worker is idle too now: asleep, a stall at the allowance
+        clock.now += 0.5
+        stall = watch.poll({0: 1000})
+        if stall is not None:
+            break
+    assert stall is not None and (stall.kind, stall.ranks) == (ASLEEP, (0,))
+
+
+def test_a_rank_is_not_judged_asleep_before_its_first_step_here(tmp_path: Path) -> None:
+    clock, procs, writers, watch = _alone(tmp_path)
+    writers[0].phase("comm_ready")  # loading its data, asleep on storage
+    assert _wait(clock, procs, watch, 60.0, {}, {0: 1000}) is None
+    writers[0].step(40)  # a resume's restored step: the first seen here
+    assert _wait(clock, procs, watch, 60.0, {}, {0: 1000}) is None
+    procs.state[1000] = "T"  # stopped is stopped, wherever it is
+    assert _wait(clock, procs, watch, 16.0, {}, {0: 1000}) is not None
+
+
+def test_a_rank_stopped_after_its_last_step_is_caught_in_the_teardown(tmp_path: Path) -> None:
+    """2 ranks past their last step: rank 0 waits in the teardown's barrier (asleep, a
+    collective the records do not mark), rank 1 is stopped: rank 1 is named, before any
+    process-group timeout."""
+    clock, procs, writers, watch = _alone(tmp_path, n=2)
+    _steps(clock, procs, writers, watch, range(1, 21), collective=True)
+    procs.state[1001] = "T"
+    pids = {0: 1000, 1: 1001}
+    assert _wait(clock, procs, watch, 14.5, {}, pids) is None
+    stall = _wait(clock, procs, watch, 2.0, {}, pids)
+    assert stall is not None and (stall.kind, stall.ranks, stall.k) == (STOPPED, (1,), 20)
+    # rank 1 wrote "finished" and was stopped in its exit: every record says finished
+    clock, procs, writers, watch = _alone(tmp_path / "finished", n=2)
+    _steps(clock, procs, writers, watch, range(1, 21), collective=True)
+    for w in writers:
+        w.phase("finished", 20)
+    procs.state[1001] = "T"
+    assert _wait(clock, procs, watch, 16.0, {}, pids) is not None
+
+
+def test_a_rank_waiting_on_a_busy_peer_outside_the_marked_steps_is_not_hung(
+        tmp_path: Path) -> None:
+    """Rank 0 validates (busy, its own code) while rank 1 waits in the script's own barrier
+    (asleep, no record): busy is not hung, for either, until the busy ceiling's peers
+    judge."""
+    clock, procs, writers, watch = _alone(tmp_path, n=2)
+    _steps(clock, procs, writers, watch, range(1, 13), collective=True)
+    assert _wait(clock, procs, watch, 120.0, {1000: 1.0}, {0: 1000, 1: 1001}) is None
+    # then both asleep (a lock both wait on): every rank idle, a stall naming both
+    stall = _wait(clock, procs, watch, 20.0, {}, {0: 1000, 1: 1001})
+    assert stall is not None and (stall.kind, stall.ranks) == (ASLEEP, (0, 1))
+
+
+def test_a_tree_of_processes_is_summed_from_their_parents() -> None:
+    from resilient_strategy.machine.procs import sum_tree
+
+    stats = [ProcStat(10, "S", 5, 1), ProcStat(11, "R", 100, 10), ProcStat(12, "S", 7, 11),
+             ProcStat(20, "S", 3, 1), ProcStat(13, "Z", 0, 10)]
+    assert sum_tree([10, 20, 99], stats) == {10: 112, 20: 3}
+    looped = [ProcStat(1, "S", 1, 2), ProcStat(2, "S", 1, 1)]  # never, but never forever
+    assert sum_tree([1], looped) == {1: 2}

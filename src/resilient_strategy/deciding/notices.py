@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TextIO
 
 from ..core.knowledge.causes import what_and_fix
-from ..core.measures.probe import OK, TIMEOUT, ProbeResult, judged_hang
+from ..core.measures.probe import OK, TIMEOUT, ProbeResult, judged_hang, telling_line
 from ..core.values.human import compose
 
 if TYPE_CHECKING:
@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 TYPICAL_STARTUP_S = {"torch": 3.0, "tensorflow": 5.0}
 #: The most characters of the fallback warning's line (the trace has the whole story).
 FALLBACK_CHARS = 240
+#: The most characters of the failing process's line quoted in it (no signature placed it).
+QUOTE_CHARS = 100
 #: What ends the fallback warning: where the whole story is.
 FALLBACK_WHY = ". Why: sel.explain()"
 
@@ -133,19 +135,27 @@ def fallback_warning(
     from ..core.measures.estimate import estimate
 
     lost = None
-    why = cause = ""
+    why = cause = said = ""
     for r in p.ruled_out:
         c = r.candidate
         if c.key == chosen.key:
             continue
         res = results.get(c.key)
         if r.rule == "probe" and res is not None and not res.ok:
-            mid_run = dict(res.extra).get("mid_run")
+            extra = dict(res.extra)
+            mid_run = extra.get("mid_run")
             cause = res.cause
             what = what_and_fix(res.cause)[0]
             lost, why = c, ("its probe failed" if mid_run is None
                             else f"it failed mid-run at step {mid_run}")
-            why += f": {what}" if what else f" ({res.cause or res.status})"
+            # no signature placed it: the failing process's own line, quoted, says more than
+            # any cause word ("worker_error")
+            quote = extra.get("unplaced", "")
+            if quote and quote != "(no output)":
+                said = f'"{telling_line(quote, QUOTE_CHARS)}"'
+                why += f": {said}"
+            else:
+                why += f": {what}" if what else f" ({res.cause or res.status})"
             break
         if r.rule and r.rule != "probe" and c.num_replicas > chosen.num_replicas and lost is None:
             lost, why = c, f"rule {r.rule} ruled it out"
@@ -162,7 +172,7 @@ def fallback_warning(
         cost = _throughput_words(min(1.0, fraction))
     # what trains (the head), why it fell back, the fix, what it costs, the shape: whole
     # parts, the most important first, never a cut one (sel.explain() says all)
-    return compose([why, what_and_fix(cause)[1], cost, shape], limit,
+    return compose([why, "" if said else what_and_fix(cause)[1], cost, shape], limit,
                    head=f"FALLBACK: {chosen.label} instead of {lost.label}: ",
                    tail=FALLBACK_WHY, keep=2)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 #: The states of a process that will not run until someone continues it.
@@ -36,11 +36,13 @@ MAX_ENVIRON_BYTES = 1 << 20
 
 @dataclass(frozen=True)
 class ProcStat:
-    """One reading of a process: its state letter and its CPU time (user + system) in ticks."""
+    """One reading of a process: its state letter, its CPU time (user + system, every thread)
+    in ticks, and its parent's pid (0: not read)."""
 
     pid: int
     state: str
     cpu_ticks: int
+    ppid: int = 0
 
     @property
     def stopped(self) -> bool:
@@ -65,11 +67,12 @@ def parse_stat(text: str) -> ProcStat | None:
     except ValueError:
         return None
     rest = text[close_at + 1:].split()
-    # rest[0] is field 3 (state); utime and stime are fields 14 and 15: rest[11], rest[12]
+    # rest[0] is field 3 (state), rest[1] field 4 (ppid); utime and stime are fields 14 and
+    # 15: rest[11], rest[12]
     if len(rest) < 13 or len(rest[0]) != 1:
         return None
     try:
-        return ProcStat(pid, rest[0], int(rest[11]) + int(rest[12]))
+        return ProcStat(pid, rest[0], int(rest[11]) + int(rest[12]), int(rest[1]))
     except ValueError:
         return None
 
@@ -81,6 +84,43 @@ def read_stat(pid: int, root: str = "/proc") -> ProcStat | None:
             return parse_stat(fh.read(MAX_STAT_BYTES).decode("ascii", "replace"))
     except (OSError, ValueError):
         return None
+
+
+#: The most processes one tree's CPU time counts (`tree_ticks`): a rank with its DataLoader
+#: workers and what they started has tens.
+MAX_TREE = 4096
+
+
+def tree_ticks(pids: Iterable[int], root: str = "/proc") -> dict[int, int]:
+    """For each of ``pids``, the CPU ticks it and every live process below it (its children,
+    theirs: DataLoader workers, a compiler, anything it started) have used, from one pass over
+    ``root``; a pid that cannot be read is left out. A process whose CPU time does not move
+    while one it started works is not idle: the tree's total says so."""
+    stats = [st for pid in _pids(root) if (st := read_stat(pid, root)) is not None]
+    return sum_tree(pids, stats)
+
+
+def sum_tree(pids: Iterable[int], stats: Iterable[ProcStat]) -> dict[int, int]:
+    """`tree_ticks` from readings already taken (pure): each of ``pids`` that is among
+    ``stats``, with the ticks of every process below it (at most `MAX_TREE` each)."""
+    by_pid = {st.pid: st for st in stats}
+    children: dict[int, list[int]] = {}
+    for st in by_pid.values():
+        children.setdefault(st.ppid, []).append(st.pid)
+    out: dict[int, int] = {}
+    for pid in pids:
+        if pid not in by_pid:
+            continue
+        total, todo, seen = 0, [pid], set[int]()
+        while todo and len(seen) < MAX_TREE:
+            p = todo.pop()
+            if p in seen or p not in by_pid:
+                continue
+            seen.add(p)
+            total += by_pid[p].cpu_ticks
+            todo.extend(children.get(p, ()))
+        out[pid] = total
+    return out
 
 
 #: The most threads of one process whose ``schedstat`` is read (a torch worker has tens).

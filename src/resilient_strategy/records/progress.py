@@ -406,9 +406,12 @@ class Stall:
     """A judged stall: ``kind`` is ``setup`` (every rank in communicator setup, none done),
     ``collective`` (every rank entered collective ``k``, not all left), ``straggler`` (ranks
     the others wait for never arrived) or ``quiet`` (a ready rank silent too long); the
-    supervisor's watch adds ``stopped`` (the named ranks' processes are stopped) and ``busy``
+    supervisor's watch adds ``stopped`` (the named ranks' processes are stopped), ``busy``
     (the named ranks kept the others waiting past the busy ceiling, burning CPU in their own
-    code)."""
+    code) and ``asleep`` (the named ranks neither progressed nor used CPU time). ``alone``: the
+    ranks were judged by their own progress, nobody waiting on them (one process, the
+    teardown after the last step); ``waited_s`` is then how long they were stopped or
+    asleep."""
 
     kind: str
     phase: str  # COMM_SETUP or COLLECTIVE (or the quiet rank's phase)
@@ -417,15 +420,28 @@ class Stall:
     waited_s: float
     limit_s: float
     positions: tuple[str, ...]  # every rank's last phase, for the report
+    alone: bool = False
 
     def where(self) -> str:
+        if self.alone and self.phase in (STEP_DONE, COLLECTIVE_DONE):
+            return f"after step {self.k}"
+        if self.alone and self.phase == FINISHED:
+            return "after its last step"
         return "communicator setup" if self.phase == COMM_SETUP else (
             f"collective {self.k}" if self.phase in (COLLECTIVE, COLLECTIVE_DONE) else self.phase)
 
     def describe(self) -> str:
         ranks = ", ".join(map(str, self.ranks))
         s = "s" if len(self.ranks) > 1 else ""
-        if self.kind == "straggler":
+        if self.alone:
+            how = ("stopped (its process will not run until continued)" if self.kind == "stopped"
+                   else "asleep (no progress, and no CPU time used by its process or those it "
+                   "started)")
+            at = self.where() if self.phase in (STEP_DONE, COLLECTIVE_DONE, FINISHED) else (
+                f"in {self.where()}")
+            what = (f"rank{s} {ranks} {how} for {self.waited_s:.1f} s {at}, with nobody "
+                    f"waiting on it (allowed {self.limit_s:.1f} s)")
+        elif self.kind == "straggler":
             what = (f"rank{s} {ranks} never reached {self.where()} while the others waited "
                     f"{self.waited_s:.1f} s (allowed {self.limit_s:.1f} s)")
         elif self.kind == "stopped":
@@ -515,6 +531,14 @@ class StallWatcher:
         now = self._clock() if now is None else now
         self.read(now)
         return self.judge(now)
+
+    def changed_at(self, r: int) -> float:
+        """The watcher's time of rank ``r``'s last new record (0.0: none seen)."""
+        return self._changed_at[r]
+
+    def positions(self) -> tuple[str, ...]:
+        """Every rank's last phase in words, for a report."""
+        return self._positions()
 
     def _positions(self) -> tuple[str, ...]:
         out = []

@@ -23,6 +23,7 @@ from typing import Any
 
 from ..core.knowledge.causes import CAUSES
 from ..core.knowledge.signatures import Signatures, builtin_signatures
+from ..core.measures.probe import names_the_error, telling_line
 from ..core.values.human import compose, fit
 from ..records.flightdump import FlightFacts
 from ..records.progress import (
@@ -57,6 +58,20 @@ TAIL_SIGNATURE_BYTES = 4096
 #: Placed causes that are the GPU's memory running out: NCCL's own allocations too (mid-run they
 #: compete with the training's tensors; before a run they are checked and retried once)
 _OOM_CAUSES = frozenset({"oom", "nccl_oom"})
+
+
+#: The most characters of a failing rank's own line quoted in a verdict (`RankExit.what`).
+QUOTE_CHARS = 100
+
+
+def _signal_name(number: int) -> str:
+    """``SIGSEGV`` for 11 ("" for no signal of this platform)."""
+    import signal
+
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return ""
 
 
 def _said_comm(tail: str) -> bool:
@@ -304,9 +319,16 @@ class RankExit:
             types = list(self.error.get("types", ()))
             name = types[0].rsplit(".", 1)[-1] if types else "error"
             return one_line(f"{name}: {self.error.get('message', '')}".strip())
+        # no exception recorded: the most telling line it printed, quoted (`telling_line`:
+        # NCCL's WARN, a traceback's last line; for a signal, only such a line)
+        tail = self.stderr_tail[-TAIL_SIGNATURE_BYTES:]
+        said = telling_line(tail, QUOTE_CHARS) if tail.strip() else ""
         if self.exitcode < 0:
-            return f"killed by signal {-self.exitcode}"
-        return f"exited with status {self.exitcode} without a Python exception"
+            name = _signal_name(-self.exitcode)
+            return (f"killed by signal {-self.exitcode}{f' ({name})' if name else ''}"
+                    + (f': "{said}"' if said and names_the_error(said) else ""))
+        return (f"exited with status {self.exitcode} without a Python exception"
+                + (f': "{said}"' if said else ""))
 
     def where(self) -> str:
         """Where the rank was (its progress), and where its error was raised."""
@@ -345,6 +367,9 @@ class Verdict:
     #: Seconds from the fault to the verdict where the supervisor knows them (a stall: how long
     #: the others waited); None: seen within the monitor's interval (an exit, an error record).
     detect_s: float | None = None
+    #: A stall's kind (`records.progress.Stall.kind`: ``collective``, ``straggler``,
+    #: ``setup``, ``quiet``, ``stopped``, ``busy``, ``asleep``); empty for any other verdict.
+    stall: str = ""
 
     @property
     def ok(self) -> bool:
@@ -391,6 +416,7 @@ class Verdict:
                 "step": self.step, "cause": self.cause, "node": self.node,
                 "ranks": list(self.ranks), "where": self.where, "detail": self.detail,
                 "blame": self.blame, "seen": self.seen, "detect_s": self.detect_s,
+                "stall": self.stall,
                 **({"flight": self.flight.to_dict()} if self.flight is not None else {})}
 
     @classmethod
@@ -406,7 +432,8 @@ class Verdict:
                        flight=None if d.get("flight") is None
                        else FlightFacts.from_dict(d["flight"]),
                        blame=str(d.get("blame", "") or ""), seen=str(d.get("seen", "") or ""),
-                       detect_s=None if d.get("detect_s") is None else float(d["detect_s"]))
+                       detect_s=None if d.get("detect_s") is None else float(d["detect_s"]),
+                       stall=str(d.get("stall", "") or ""))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a verdict record: {exc}") from None
 
@@ -416,7 +443,8 @@ class Verdict:
         text one bounded line; the same verdict when it is."""
         if self.cause not in CAUSES:
             raise ValueError(f"cause {fit(quiet(self.cause), 60)!r} is not a known cause")
-        if self.blame not in _BLAME_WORDS or self.seen not in _SEEN_WORDS:
+        if (self.blame not in _BLAME_WORDS or self.seen not in _SEEN_WORDS
+                or self.stall not in STALL_KINDS):
             raise ValueError("a blame or a 'seen' word that is no word of a verdict")
         if self.step < 0 or any(r < 0 for r in self.ranks) or len(self.ranks) > 1 << 16:
             raise ValueError("a step or a rank that is none")
@@ -427,6 +455,9 @@ class Verdict:
 _BLAME_WORDS = frozenset({"", BLAME_OOM, BLAME_EXIT, BLAME_SCRIPT_TEXT, BLAME_PROCESS_GROUP,
                           BLAME_DISTRIBUTED, BLAME_COLLECTIVE, BLAME_SCRIPT, BLAME_TEXT})
 _SEEN_WORDS = frozenset({"", SEEN_ERROR_RECORD, SEEN_EXIT, SEEN_STALL, SEEN_PEER})
+#: Every word `Verdict.stall` may hold ("": not a stall).
+STALL_KINDS = frozenset({"", "setup", "collective", "straggler", "quiet", "stopped", "busy",
+                         "asleep"})
 
 
 @dataclass(frozen=True)
@@ -494,10 +525,12 @@ def classify_attempt(stall: Stall | None, exits: Sequence[RankExit],
         # A rank that never arrived where the others wait is held up (stopped, hung, asleep,
         # busy past the ceiling), not proven in another collective: a stall naming it.
         # Diverged needs the ranks' own collectives to differ (`diverged`).
-        waited = f"waited {stall.waited_s:.0f} s (allowed {stall.limit_s:.0f} s)"
+        waited = (f"{stall.kind} {stall.waited_s:.0f} s, nobody waiting on it (allowed "
+                  f"{stall.limit_s:.0f} s)" if stall.alone
+                  else f"waited {stall.waited_s:.0f} s (allowed {stall.limit_s:.0f} s)")
         return Verdict(VerdictKind.STALL, f"stalled: {stall.describe()}", stall.k, "timeout",
                        ranks=stall.ranks, where=stall.where(), detail=waited,
-                       detect_s=stall.waited_s)
+                       detect_s=stall.waited_s, stall=stall.kind)
     if not exits:
         early = unfinished(records)
         if not early:
@@ -594,7 +627,8 @@ def merge(faults: Sequence[PeerFault]) -> Verdict | None:
     v = first.verdict
     return Verdict(v.kind, v.summary if v.node is not None else f"node {first.node}: {v.summary}",
                    v.step, v.cause, node=first.node, ranks=v.ranks, where=v.where,
-                   detail=v.detail, blame=v.blame, seen=v.seen, detect_s=v.detect_s)
+                   detail=v.detail, blame=v.blame, seen=v.seen, detect_s=v.detect_s,
+                   stall=v.stall)
 
 
 def one_line(text: str, limit: int = 300) -> str:

@@ -9,13 +9,13 @@ import collections
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from ..core.call.options import MIN_STALL_S
-from ..machine.procs import ProcStat, read_stat, ticks_per_second
+from ..machine.procs import ProcStat, read_stat, ticks_per_second, tree_ticks
 from ..records.progress import (
+    COLLECTIVE,
     COLLECTIVE_DONE,
     FINISHED,
     STEP_DONE,
@@ -23,9 +23,6 @@ from ..records.progress import (
     StallPolicy,
     StallWatcher,
 )
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger("resilient_strategy")
 
@@ -56,6 +53,14 @@ BUSY_CPU_SHARE = 0.1
 BUSY_WINDOW_S = 5.0
 #: The shortest span of readings that says anything about a rank's CPU time.
 MIN_SPAN_S = 1.0
+#: A rank is idle while its process, with every process below it (DataLoader workers, a
+#: compiler it started), uses less than this share of one CPU, plus `IDLE_SLACK_TICKS` for
+#: the clock ticks' granularity (a Python loop uses ~1.0; a rank asleep in a lock, a
+#: ``sleep`` or a read that never returns, 0; torch's own idle threads well under it).
+IDLE_CPU_SHARE = 0.01
+IDLE_SLACK_TICKS = 2
+#: How often the CPU time of a quiet rank's whole process tree is read (one pass over /proc).
+TREE_EVERY_S = 1.0
 
 
 def default_stall_timeout(step_seconds: Sequence[float]) -> float:
@@ -102,10 +107,12 @@ def training_policy(timeout_s: float) -> StallPolicy:
 
 
 #: Stall kinds `poll` adds to the progress judge's: a rank whose process is
-#: stopped (SIGSTOP, a debugger) holds the others up; a rank busy in its own code past the busy
-#: ceiling.
+#: stopped (SIGSTOP, a debugger) holds the others up, or, with nobody waiting on it, stays
+#: stopped past the allowance; a rank busy in its own code past the busy ceiling; a rank
+#: asleep (its process and those it started use no CPU) with no progress past the allowance.
 STOPPED = "stopped"
 BUSY = "busy"
+ASLEEP = "asleep"
 
 
 def stopped_reason(pids: Mapping[int, int],
@@ -125,16 +132,45 @@ def stopped_reason(pids: Mapping[int, int],
     return reason
 
 
+@dataclass
+class _Quiet:
+    """How long one rank's process has been idle: its own CPU time has not moved since
+    ``since`` (``ticks`` then), and its whole tree's since ``tree_at`` (``tree`` then; None:
+    not read yet), last read at ``looked``."""
+
+    pid: int
+    since: float
+    ticks: int
+    tree_at: float | None = None
+    tree: int = 0
+    looked: float = 0.0
+
+
 class Activity:
     """Each rank's process seen from outside (`procs`): its
-    latest state and whether its CPU time advanced over the last BUSY_WINDOW_S. Fed one
-    reading per poll; ``read`` is the reader (a test passes a fake)."""
+    latest state, whether its CPU time advanced over the last BUSY_WINDOW_S, since when it
+    has been stopped, and since when it has been idle (its CPU time, and that of every
+    process below it, not moving: `IDLE_CPU_SHARE`). Fed one reading per poll; ``read`` is
+    the reader and ``read_tree`` the reader of a tree's CPU ticks (a test passes fakes; a
+    fake ``read`` alone: a tree is its one process)."""
 
     def __init__(self, read: Callable[[int], ProcStat | None] = read_stat,
-                 ticks_per_s: float | None = None) -> None:
+                 ticks_per_s: float | None = None,
+                 read_tree: Callable[[Iterable[int]], Mapping[int, int]] | None = None) -> None:
         self.read = read
         self.ticks_per_s = ticks_per_s or ticks_per_second()
+        if read_tree is None:
+            read_tree = tree_ticks if read is read_stat else self._own_ticks
+        self.read_tree = read_tree
         self.samples: dict[int, collections.deque[tuple[float, ProcStat]]] = {}
+        self.stopped_at: dict[int, tuple[int, float]] = {}  # rank: (pid, first seen stopped)
+        self.quiet: dict[int, _Quiet] = {}
+
+    def _own_ticks(self, pids: Iterable[int]) -> dict[int, int]:
+        return {pid: got.cpu_ticks for pid in pids if (got := self.read(pid)) is not None}
+
+    def _moved(self, ticks: int, span_s: float) -> bool:
+        return ticks > IDLE_CPU_SHARE * self.ticks_per_s * span_s + IDLE_SLACK_TICKS
 
     def sample(self, pids: Mapping[int, int], now: float) -> None:
         for rank, pid in pids.items():
@@ -147,6 +183,40 @@ class Activity:
             seen.append((now, got))
             while len(seen) > 2 and seen[1][0] <= now - BUSY_WINDOW_S:
                 seen.popleft()
+            if not got.stopped:
+                self.stopped_at.pop(rank, None)
+            elif self.stopped_at.get(rank, (None, 0.0))[0] != pid:
+                self.stopped_at[rank] = (pid, now)
+            q = self.quiet.get(rank)
+            if (q is None or q.pid != pid or got.stopped or got.gone
+                    or self._moved(got.cpu_ticks - q.ticks, now - q.since)):
+                self.quiet[rank] = _Quiet(pid, now, got.cpu_ticks)
+        # the trees of the ranks whose own process has been idle a while, at most once a
+        # TREE_EVERY_S: the one pass over /proc is paid only for a rank that may be asleep
+        due = {rank: q for rank, q in self.quiet.items()
+               if pids.get(rank) == q.pid and now - q.since >= TREE_EVERY_S
+               and (q.tree_at is None or now - q.looked >= TREE_EVERY_S)}
+        if not due:
+            return
+        trees = self.read_tree([q.pid for q in due.values()])
+        for q in due.values():
+            ticks = trees.get(q.pid)
+            if ticks is None:
+                continue
+            if q.tree_at is None or self._moved(ticks - q.tree, now - q.tree_at):
+                q.tree_at, q.tree = now, ticks  # a process below it works: idle from now
+            q.looked = now
+
+    def stopped_for(self, rank: int, now: float) -> float:
+        """Seconds the rank's process has been seen stopped (0: it is not)."""
+        got = self.stopped_at.get(rank)
+        return 0.0 if got is None else now - got[1]
+
+    def idle_for(self, rank: int, now: float) -> float:
+        """Seconds the rank's process, and every process below it, has used no CPU time to
+        speak of (`IDLE_CPU_SHARE`; 0: it works, or its tree was not read yet)."""
+        q = self.quiet.get(rank)
+        return 0.0 if q is None or q.tree_at is None else now - q.tree_at
 
     def state(self, rank: int) -> ProcStat | None:
         seen = self.samples.get(rank)
@@ -180,7 +250,9 @@ class TrainingWatch:
     step time seen in rank 0's records, refined by what each rank's process is doing
     (`Activity`): a stopped rank is named as the one holding the others up; a rank whose
     CPU time advances in its own code (not waiting on its device) while the others wait is busy,
-    not stalled, until ``busy_s`` (``--busy-timeout``). One place owns these deadlines."""
+    not stalled, until ``busy_s`` (``--busy-timeout``). Each rank is also judged by itself,
+    with no peer waiting on it (one process, a Keras job, a job stepped down to one device,
+    a rank in the teardown after its last step): `alone`. One place owns these deadlines."""
 
     def __init__(self, paths: Sequence[str], timeout_s: float | None,
                  clock: Callable[[], float] = time.monotonic, *,
@@ -192,6 +264,9 @@ class TrainingWatch:
         self.step_seconds: list[float] = []
         self._last: tuple[int, float] | None = None  # rank 0's last step record: (k, t)
         self._first: int | None = None  # the first step this attempt reported (after a resume)
+        #: each rank's first step seen in this attempt (a resume's restored step): a rank is
+        #: judged asleep only past it, in its training loop
+        self._seen_first: dict[int, int] = {}
         self.watcher = StallWatcher(paths, training_policy(self.timeout_s()), clock)
 
     def timeout_s(self) -> float:
@@ -208,8 +283,13 @@ class TrainingWatch:
             self.activity.sample(pids, now)
         records = self.watcher.records
         if records and all(r is not None and r.phase == FINISHED for r in records):
-            return None  # finished: the exits are the agent's to see. One rank's "finished"
-            # ends the watch for that rank only (the watcher never blames it for silence)
+            # finished: the exits are the agent's to see, unless a process cannot exit (one
+            # rank's "finished" ends the peers' watch for that rank only: never blamed for
+            # silence)
+            return self.stopped_alone(now) if pids else None
+        for r, seen in enumerate(records):
+            if seen is not None and seen.phase in (STEP_DONE, COLLECTIVE, COLLECTIVE_DONE):
+                self._seen_first.setdefault(r, seen.k)
         rec = records[0] if records else None
         if rec is not None and rec.phase in (STEP_DONE, COLLECTIVE_DONE) and rec.k > 0:
             if self._first is None:
@@ -222,7 +302,62 @@ class TrainingWatch:
         if self.fixed is None:
             self.watcher.policy = training_policy(self.timeout_s())
         stall = self.watcher.judge(now)
-        return None if stall is None else self.refine(stall)
+        if stall is not None:
+            return self.refine(stall)
+        return self.alone(now) if pids else None
+
+    def stopped_alone(self, now: float) -> Stall | None:
+        """The ranks whose process has been stopped longer than the allowance, whoever waits
+        on them (a stopped process never exits: one process, or the teardown after the last
+        step, would wait for it forever), as a `STOPPED` stall; None while there is none."""
+        limit = self.timeout_s()
+        n = len(self.watcher.paths)
+        held = {r: t for r in range(n) if (t := self.activity.stopped_for(r, now)) > limit}
+        if not held:
+            return None
+        return self._own(STOPPED, tuple(sorted(held)), min(held.values()), limit)
+
+    def alone(self, now: float) -> Stall | None:
+        """Each rank judged by its own progress, with no peer waiting on it (the progress
+        judge saw no wait): a rank stopped past the allowance (`stopped_alone`); else ranks
+        asleep in their own code (`ASLEEP`: past their first step here, outside any
+        collective a peer shares, their device not behind, no new record and their process
+        tree's CPU time not moving for the allowance) when no rank of the group is working
+        (a rank that waits on a busy one in a collective the records do not mark, a barrier,
+        is not hung: busy is never a stall). None while every rank is fine."""
+        stopped = self.stopped_alone(now)
+        if stopped is not None:
+            return stopped
+        limit = self.timeout_s()
+        w, act = self.watcher, self.activity
+        n = len(w.paths)
+        quiet: dict[int, float] = {}
+        working = False
+        for r, rec in enumerate(w.records):
+            if rec is None or rec.phase == FINISHED:
+                continue
+            idle = min(act.idle_for(r, now), now - w.changed_at(r))
+            if idle <= limit:
+                working = working or act.stopped_for(r, now) == 0.0
+                continue
+            in_loop = rec.phase in (STEP_DONE, COLLECTIVE_DONE) or (
+                rec.phase == COLLECTIVE and n == 1)
+            if in_loop and rec.k > self._seen_first.get(r, rec.k) and not w.device_behind(r):
+                quiet[r] = idle
+        if working or not quiet:
+            return None
+        return self._own(ASLEEP, tuple(sorted(quiet)), min(quiet.values()), limit)
+
+    def _own(self, kind: str, ranks: tuple[int, ...], waited: float, limit: float) -> Stall:
+        """A stall of ``ranks`` judged by their own progress (`Stall.alone`), where the first
+        of them was."""
+        rec = self.watcher.records[ranks[0]]
+        act = self.activity
+        positions = tuple(f"{p} [{w}]" if (w := act.words(r)) else p
+                          for r, p in enumerate(self.watcher.positions()))
+        return Stall(kind, rec.phase if rec is not None else "started",
+                     rec.k if rec is not None else 0, ranks, round(waited, 3), round(limit, 3),
+                     positions, alone=True)
 
     def refine(self, stall: Stall) -> Stall | None:
         """The judged stall seen with each rank's process: a stopped rank is the one holding

@@ -111,8 +111,10 @@ class ProbeResult:
     def why(self) -> str:
         """One line: the cause in words plus the detail."""
         words = HANG_WORDS if judged_hang(self) else CAUSES.get(self.cause, self.cause)
-        if any(k == "unplaced" for k, _ in self.extra):
-            words += (" (no entry of the signature table places its text; "
+        said = dict(self.extra).get("unplaced")
+        if said is not None:
+            quoted = f': "{said}"' if said and said != "(no output)" else ""
+            words += (f"{quoted} (no entry of the signature table places its text; "
                       "RESILIENT_STRATEGY_SIGNATURES adds one)")
         if self.detail and self.detail not in words:
             return f"{words}: {self.detail}" if words else self.detail
@@ -447,11 +449,54 @@ def _died(o: WorkerOutcome, base: _Make, table: Signatures) -> ProbeResult | Non
 
 
 def _unplaced(table: Signatures, text: str) -> tuple[tuple[str, str], ...]:
-    """``(("unplaced", line),)`` quoting the line of a failure no signature places, else ()."""
+    """``(("unplaced", line),)`` quoting the most telling line of a failure no signature
+    places (`telling_line`), else ()."""
     if table.match(text) is not None:
         return ()
-    line = _first_line(_last_error_line(text))
+    line = telling_line(text)
     return (("unplaced", line),) if line else (("unplaced", "(no output)"),)
+
+
+#: The most characters of a quoted line (`telling_line`): a short line keeps room for it.
+TELLING_CHARS = 120
+_NCCL_WARN = re.compile(r"NCCL WARN\s+(\S.*)")
+#: The last line of a Python traceback: the exception's (qualified) class, then its message.
+_EXCEPTION_LINE = re.compile(
+    r"^\s*((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Fault|Failure))"
+    r"(?::\s*(\S.*))?$")
+
+
+def telling_line(text: str, limit: int = TELLING_CHARS) -> str:
+    """The one line of a failing process's output that tells most, verbatim and short (at
+    most ``limit`` characters, whole words): NCCL's first ``NCCL WARN`` (its message, the
+    root of what follows), else the last exception line of a traceback ("OSError: [Errno 28]
+    No space left on device"), else the last line naming an error (`_last_error_line`,
+    never a framework's INFO or WARNING banner), else the last line; "" for no output. Pure."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if not lines:
+        return ""
+    warned = next((m.group(1) for ln in lines if (m := _NCCL_WARN.search(ln))), None)
+    if warned is not None:
+        found = f"NCCL WARN {warned}"
+    else:
+        found = next((ln for ln in reversed(lines) if _EXCEPTION_LINE.match(ln)
+                      and not _LOG_BANNER.match(ln)), "") or _last_error_line(text).strip()
+    return _short(found, limit)
+
+
+def names_the_error(line: str) -> bool:
+    """Whether a `telling_line` is NCCL's WARN or an exception's line (not merely a last line
+    of output). Pure."""
+    return line.startswith("NCCL WARN") or _EXCEPTION_LINE.match(line) is not None
+
+
+def _short(line: str, limit: int) -> str:
+    """``line`` (one line) cut to ``limit`` characters at a word, "..." where cut."""
+    line = " ".join(line.split())
+    if len(line) <= limit:
+        return line
+    cut = line[: limit - 3].rsplit(" ", 1)[0] if " " in line[: limit - 3] else line[: limit - 3]
+    return cut + "..."
 
 
 _NCCL_LAST_ERROR = re.compile(r"^\s*Last error:\s*\n\s*(\S.*)$", re.M)
@@ -461,6 +506,8 @@ def _summary(err: str) -> str:
     """The error's first line, plus NCCL's "Last error:" line: the one that names the culprit
     (``Unrecognized element token "bogus"``, ``Bootstrap : no socket interface found``)."""
     first = _first_line(err)
+    if first.startswith("Traceback (most recent call last)") or _LOG_BANNER.match(first):
+        first = telling_line(err, 300) or first
     last = _NCCL_LAST_ERROR.search(err)
     return f"{first} [NCCL: {last.group(1).strip()[:200]}]" if last else first
 
