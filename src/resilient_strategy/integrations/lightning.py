@@ -26,13 +26,26 @@ gradient all-reduce of step ``k``, in the backward of its last micro-step, is co
 a rank that hangs there is seen and the job relaunched; it also fires a rehearsed
 ``RESILIENT_STRATEGY_TRAIN_FAULT``. The key is always there: pass your callbacks through it, not
 beside it.
+
+``LightningCLI``: jsonargparse refuses a strategy object among the Trainer's typed arguments
+(``trainer_defaults={"strategy": DDPStrategy(...)}`` is a ``ValueError``), so `lightning_cli`
+passes what `trainer_kwargs` gives to the Trainer when the CLI builds it, outside the parser::
+
+    sel = resilient_strategy.resilient_strategy(framework="torch", global_batch_size=256)
+    from resilient_strategy.integrations.lightning import lightning_cli
+    lightning_cli(sel, MyModel, MyDataModule, batch_size_key="data.batch_size")
+
+A command line or config file that sets one of those Trainer arguments to another value is an
+``InvalidOptionError`` naming it (it would undo the decision); ``--trainer.callbacks`` are kept
+and ours added.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ExtraNotInstalledError
+from ..errors import ExtraNotInstalledError, InvalidOptionError
 from ..frameworks.teardown import end_at_exit
 from . import on_gpu, precision, refuse_one_process_offload, require_torch_selection
 
@@ -110,6 +123,111 @@ def trainer_kwargs(sel: Selection, *, model_parallel: bool = False,
         device = f"cuda:{sel.devices[0]}" if gpu else "cpu"
         kwargs.update(devices=1, num_nodes=1, strategy=single(device=device))
     return kwargs
+
+
+#: The Trainer arguments `trainer_kwargs` sets that a CLI's configuration must leave alone.
+CLI_TRAINER_KEYS = ("accelerator", "devices", "num_nodes", "strategy",
+                    "accumulate_grad_batches", "precision")
+
+
+def lightning_cli(sel: Selection, *args: Any, cli_class: Any = None,
+                  batch_size_key: str | None = None, callbacks: Any = None,
+                  model_parallel: bool = False, shard_modules: Any = None,
+                  announce: bool = True, **cli_kwargs: Any) -> Any:
+    """A ``LightningCLI`` (or your subclass of it, ``cli_class``) that trains on what ``sel``
+    chose: ``args`` and ``cli_kwargs`` are LightningCLI's own (``model_class``,
+    ``datamodule_class``, ``trainer_defaults``, ``args``, ``run`` ...); the Trainer gets
+    `trainer_kwargs` (``callbacks``, ``model_parallel``, ``shard_modules`` and ``announce``
+    as there) when the CLI instantiates it, past jsonargparse, which refuses a strategy object.
+    ``batch_size_key``: the parsed key of this process's batch size (``"data.batch_size"``):
+    left at its default it becomes ``sel.batch_size``; set to another value it is an
+    ``InvalidOptionError`` (the global batch would change). A Trainer argument of
+    `CLI_TRAINER_KEYS` set in the command line or a config file to another value than the
+    decision's is an ``InvalidOptionError`` too. Call it right after ``resilient_strategy()``:
+    a rank the decision leaves idle exits here (status 0), before parsing or any of the CLI's
+    work. Returns the CLI (``.trainer``, ``.model``, ``.datamodule``)."""
+    kwargs = trainer_kwargs(sel, model_parallel=model_parallel, shard_modules=shard_modules,
+                            callbacks=callbacks, announce=announce)
+    cls = _resilient_cli_class(cli_class if cli_class is not None else _cli_base())
+    return cls(*args, resilient_selection=(sel, kwargs, batch_size_key), **cli_kwargs)
+
+
+def _cli_base() -> Any:
+    import importlib
+
+    for name in ("lightning.pytorch.cli", "pytorch_lightning.cli"):
+        try:
+            return importlib.import_module(name).LightningCLI
+        except ImportError:
+            continue
+    raise ExtraNotInstalledError("lightning", "lightning")
+
+
+@functools.cache
+def _resilient_cli_class(base: Any) -> Any:
+    """``base`` (LightningCLI or a subclass) with the selection's Trainer arguments applied."""
+    import inspect
+
+    class ResilientLightningCLI(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, resilient_selection: tuple[Selection, dict[str, Any],
+                                                                  str | None],
+                     **kwargs: Any) -> None:
+            self.resilient_selection, self.resilient_kwargs, self.resilient_batch_key = \
+                resilient_selection
+            super().__init__(*args, **kwargs)
+
+        def _subconfig(self, config: Any) -> Any:
+            return config.get(str(self.subcommand), config) if self.subcommand else config
+
+        def before_instantiate_classes(self) -> None:
+            super().before_instantiate_classes()
+            key = self.resilient_batch_key
+            if key is None:
+                return
+            sel = self.resilient_selection
+            config = self._subconfig(self.config)
+            default = self._parser(self.subcommand).get_defaults().get(key)
+            given = config.get(key)
+            if given not in (default, sel.batch_size):
+                raise InvalidOptionError(
+                    f"{key}={given} would change the global batch: this decision feeds "
+                    f"{sel.batch_size} per process ({sel.num_replicas} replica(s) x "
+                    f"{sel.batch_size} x {sel.accumulation_steps} accumulation step(s) = "
+                    f"{sel.global_batch_size}); leave it out, or change global_batch_size",
+                    key)
+            config[key] = sel.batch_size
+
+        def instantiate_trainer(self, **kwargs: Any) -> Any:
+            config = {**self._get(self.config_init, "trainer", default={})}
+            ours = dict(self.resilient_kwargs)
+            ours_callbacks = list(ours.pop("callbacks", None) or ())
+            try:
+                params = inspect.signature(self.trainer_class).parameters
+            except (TypeError, ValueError):
+                params = {}  # type: ignore[assignment]
+            for name, value in ours.items():
+                if name not in config or name not in params:
+                    continue
+                given = config[name]
+                if given != params[name].default and not _same(given, value):
+                    raise InvalidOptionError(
+                        f"trainer.{name}={given!r} is set in the command line or a config "
+                        f"file, but this decision trains with {name}={_shown(value)}: leave "
+                        "it out (resilient_strategy decides it)", f"trainer.{name}")
+            theirs = config.get("callbacks")
+            theirs = [] if theirs is None else theirs if isinstance(theirs, list) else [theirs]
+            return super().instantiate_trainer(
+                **{**ours, "callbacks": [*theirs, *ours_callbacks], **kwargs})
+
+    return ResilientLightningCLI
+
+
+def _same(given: Any, ours: Any) -> bool:
+    return type(given) is type(ours) and given == ours and isinstance(ours, (str, int))
+
+
+def _shown(value: Any) -> str:
+    return repr(value) if isinstance(value, (str, int)) else type(value).__name__
 
 
 def _callback_base() -> Any:
