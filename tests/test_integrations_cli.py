@@ -145,3 +145,80 @@ def test_lightning_cli_script_trains_alone_on_two_processes_and_on_the_fallback(
     for run in (alone, ddp, fallback):  # 128 samples: 4 optimizer steps of the global batch
         assert run["steps"] == 4 and run["per_step"] == [32, 32, 32, 32]
     assert fallback["weight"] == pytest.approx(alone["weight"], abs=1e-6)
+
+
+HAS_ACCELERATE = importlib.util.find_spec("accelerate") is not None
+needs_accelerate = pytest.mark.skipif(not HAS_ACCELERATE, reason="accelerate is not installed")
+
+
+@pytest.fixture
+def fresh_accelerate() -> Any:
+    """Accelerate keeps its state process-wide: each test's Accelerator starts from none."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _accelerate_loop(sel: Any, by_hand: int | None) -> dict[str, Any]:
+    """128 samples, one epoch, through ``make_accelerator(sel)``: with ``accelerator.accumulate``
+    (``by_hand`` None), or a loop of its own stepping every ``by_hand``-th batch. Returns the
+    optimizer steps really taken, the samples each saw and the final weights."""
+    import torch
+
+    from resilient_strategy.integrations.accelerate import make_accelerator
+
+    accelerator = make_accelerator(sel, announce=False)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(128, 4, generator=g)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)),
+                                         batch_size=sel.batch_size)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    per_step: list[int] = []
+    seen = [0]
+    opt.register_step_post_hook(lambda *_: (per_step.append(seen[0]), seen.__setitem__(0, 0)))
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    for i, (xb, yb) in enumerate(loader):
+        seen[0] += len(xb)
+        if by_hand is None:
+            with accelerator.accumulate(model):
+                accelerator.backward(torch.nn.functional.mse_loss(model(xb), yb))
+                opt.step()
+                opt.zero_grad()
+        else:
+            accelerator.backward(torch.nn.functional.mse_loss(model(xb), yb) / by_hand)
+            if (i + 1) % by_hand == 0:
+                opt.step()
+                opt.zero_grad()
+    return {"per_step": per_step, "weight": model.weight.detach().flatten().tolist()}
+
+
+@needs_accelerate
+@pytest.mark.usefixtures("fresh_accelerate")
+@pytest.mark.parametrize("by_hand", [1, 2])
+def test_accelerate_loop_accumulating_by_hand_is_refused_on_the_fallback(by_hand: int) -> None:
+    from resilient_strategy.errors import AccumulateRequiredError
+
+    sel = _cpu_sel(fallback=True)
+    with pytest.raises(AccumulateRequiredError) as err:  # at the first step, before any update
+        _accelerate_loop(sel, by_hand)
+    assert (err.value.accumulation_steps, err.value.seen, err.value.expected) == (2, 16, 32)
+
+
+@needs_accelerate
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_accelerate_loops_that_keep_the_global_batch_train_as_the_uninterrupted_run() -> None:
+    whole = _accelerate_loop(_cpu_sel(fallback=False), by_hand=1)  # 1 process, batch 32
+    assert whole["per_step"] == [32, 32, 32, 32]
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    fallback = _accelerate_loop(_cpu_sel(fallback=True), by_hand=None)  # accumulate: 2 x 16
+    assert fallback["per_step"] == whole["per_step"]
+    assert fallback["weight"] == pytest.approx(whole["weight"], abs=1e-6)

@@ -357,3 +357,26 @@ class GlobalBatchError(ResilientStrategyError):
             "would not see the global batch it promises. Build the DataLoader with "
             "batch_size=sel.batch_size (this process's micro-batch) and pass it to "
             "sel.adopt(model, optimizer, loader).")
+
+
+class AccumulateRequiredError(ResilientStrategyError):
+    """An Accelerate loop stepped its optimizer outside ``accelerator.accumulate`` (it
+    accumulates by hand, ``if (step + 1) % k == 0: optimizer.step()``, or not at all) while the
+    decision accumulates: Accelerate would step on every call, each step seeing 1/n of the
+    global batch, so the first such step stops training. ``accumulation_steps``: the
+    decision's n; ``expected`` and ``seen``: this process's samples per optimizer step that the
+    decision needs and that such a step would see (None where the batch is unknown). Like
+    `GlobalBatchError`, what "the same global batch" claimed would not hold."""
+
+    def __init__(self, accumulation_steps: int, micro_batch: int | None) -> None:
+        self.accumulation_steps = accumulation_steps
+        self.expected = None if micro_batch is None else micro_batch * accumulation_steps
+        self.seen = micro_batch
+        super().__init__(
+            f"optimizer.step() was called outside `with accelerator.accumulate(model):`, "
+            f"but this decision accumulates {accumulation_steps} micro-batches per optimizer "
+            f"step, so each step would see 1/{accumulation_steps} of the global batch: put each "
+            "micro-batch's forward, accelerator.backward(loss), optimizer.step() and "
+            "optimizer.zero_grad() inside `with accelerator.accumulate(model):` (drop the "
+            "loop's own `% k` test)")
+
