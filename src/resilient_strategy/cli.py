@@ -398,6 +398,8 @@ def _launch_env(facts: Facts, framework: str, sim: Mapping[str, Any] | None,
     """The environment to plan in: the user's, or for a simulation the described machine's plus
     the user's rule settings. PyTorch on 2+ GPUs outside a launcher is planned as rank 0 of
     `torchrun --nproc_per_node N` would plan it: that is how it uses every GPU."""
+    from .core.values.launcher import launcher_from
+
     if sim is None:
         env = dict(real_env)
     else:
@@ -405,6 +407,8 @@ def _launch_env(facts: Facts, framework: str, sim: Mapping[str, Any] | None,
         for name in _SIMULATION_PASSTHROUGH:
             if name in real_env and name not in env:
                 env[name] = real_env[name]
+    if launcher_from(env).kind == "slurm":  # an srun task: its ranks are SLURM's, as it runs
+        return env
     if framework == "torch" and nproc is not None:  # the launch asked for beats a described one
         for name in _LAUNCH_VARS:
             env.pop(name, None)
@@ -424,10 +428,49 @@ def launch_words(sel: Any) -> str:
                 "(one process per worker, as MultiWorkerMirroredStrategy runs)")
     if sel.framework != "torch":
         return "as one process (plain python), as TensorFlow's MirroredStrategy runs"
+    seen = [e for e in sel.plan.events if e.kind == "launcher_seen"]
+    if launch.world_size > 1 and seen and seen[0].launcher == "slurm":
+        return (f"as rank {launch.rank} of the {launch.world_size} tasks of SLURM job "
+                f"{seen[0].job_id} (srun)")
     if launch.world_size > 1:
         return (f"as rank {launch.rank} of `torchrun --nproc_per_node {launch.world_size}` "
                 f"({launch.world_size} processes)")
     return "as plain python (one process)"
+
+
+def _binding_view(facts: Facts, selections: Any) -> dict[str, Any] | None:
+    """doctor: the launcher the decision saw and the GPUs this process was bound to: what it
+    sees by UUID, and the one it would train on (``per_task``: it sees fewer GPUs than there
+    are processes on its node, so its own; otherwise the local rank's, if every local rank sees
+    the same). The other local ranks' GPUs are compared when the job decides (`GpusBound`)."""
+    from .core.values.binding import usable
+
+    for sel in selections:
+        seen = [e for e in sel.plan.events if e.kind == "launcher_seen"]
+        if seen:
+            launch = sel.launch
+            break
+    else:
+        return None
+    uuids = usable([g.uuid or f"ordinal-{g.index}" for g in facts.gpus])
+    local = launch.local_world_size or launch.world_size
+    per_task = local > 1 and 0 < len(uuids) < local
+    ordinal = 0 if per_task or local == 1 else launch.local_rank
+    return {"launcher": seen[0].to_dict(), "sees": list(uuids), "per_task": per_task,
+            "ordinal": ordinal if ordinal < len(uuids) else None,
+            "trains_on": uuids[ordinal] if ordinal < len(uuids) else None}
+
+
+def _launcher_lines(view: Mapping[str, Any] | None) -> list[str]:
+    if view is None:
+        return []
+    out = [str(view["launcher"]["text"])]
+    if view["sees"]:
+        how = ("its own (fewer than the processes on this node)" if view["per_task"]
+               else "the same as every local rank's, if they all see these")
+        out.append(f"Binding: this process sees {', '.join(view['sees'])}; it trains on "
+                   f"{view['trains_on'] or 'none'} (CUDA ordinal {view['ordinal']}): {how}")
+    return out
 
 
 def as_torchrun(facts: Facts, framework: str, env: Mapping[str, str]) -> bool:
@@ -512,12 +555,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             "fingerprint": facts.fingerprint(),
             "decisions": {fw: s.to_dict() for fw, s in selections.items()},
             **({"cache": cached} if cached is not None else {}),
+            **({"binding": _binding_view(facts, selections.values())}
+               if args.command == "doctor" else {}),
         }, indent=2, default=str))
         return EXIT_OK
     lines: list[str] = []
     if args.command == "doctor":
         lines += _facts_text(facts)
         fired = sorted({r for s in selections.values() for r in s.plan.rules_fired})
+        lines += _launcher_lines(_binding_view(facts, selections.values()))
         lines.append("Rules fired: " + (", ".join(fired) if fired else "none"))
         differ = sorted({e.finding.id for s in selections.values() for e in s.plan.events
                          if e.kind == "nodes_differ"})

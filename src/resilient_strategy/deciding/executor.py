@@ -33,11 +33,12 @@ from ..core.measures.probe import (
 )
 from ..core.planning.plan import Candidate, MeasuredStep, Plan, plan
 from ..core.trace.choosing import Chosen, NextProbe
-from ..core.trace.event import Note
+from ..core.trace.event import Event, Note
 from ..core.trace.fitting import FewerDevices, MemoryChecked, OffloadConsidered
-from ..core.trace.inputs import FrameworkPicked
+from ..core.trace.inputs import FrameworkPicked, GpusBound, LauncherSeen
+from ..core.values.binding import Binding, bind
 from ..core.values.candidate import CandidateKey
-from ..core.values.facts import Facts
+from ..core.values.facts import Facts, Visibility, relevant_env
 from ..core.values.human import brief, human_bytes, human_duration
 from ..errors import (
     InvalidOptionError,
@@ -251,20 +252,36 @@ def _decide_and_apply(arguments: Arguments, env: Mapping[str, str] | None,
     """The body of [resilient_strategy][resilient_strategy.resilient_strategy]: inspect,
     validate, decide (or take the decision handed down), apply, and build the Selection."""
     t0 = time.perf_counter()
+    from ..machine.scontrol import detect_launcher
+
     snapshot = machine_env.snapshot(env)
+    launcher = detect_launcher(snapshot)
+    snapshot = launcher.environment(snapshot)  # SLURM's ranks under torchrun's names
+    described = facts is not None
     if facts is None:
         from ..machine.inspect import detect_facts
 
         facts = detect_facts(snapshot)
     _check_visibility(facts)
     opts = options_from(facts, snapshot, arguments)
-    _check_processes_fit(facts, opts)
     prober = as_prober(engine.prober)
     if prober.simulated:  # outcomes from a description: say so everywhere
         opts = replace(opts, simulated=True)
+    if launcher.derived and env is None and not opts.dry_run:
+        # for the framework's env:// rendezvous (torch reads os.environ), never over the user's
+        machine_env.apply(launcher.derived)
     from ..records.handoff import load_decision
 
     handed = None if opts.dry_run else load_decision(snapshot)
+    bound: Bound | None = None
+    if handed is None and not engine.alone and _shares_gpus(facts, opts, launcher.kind,
+                                                            described):
+        bound = _bind_gpus(facts, opts, snapshot)
+        facts = bound.facts
+        if bound.confined and opts.probe != "never":
+            opts = replace(opts, probe="never")
+    elif launcher.kind != "slurm":  # srun binds GPUs per task: compared when the job decides
+        _check_processes_fit(facts, opts)
     if handed is None and not opts.dry_run:
         _check_no_train_fault(snapshot)
     if handed is not None:  # a worker of `resilient-strategy run`: the decision is made
@@ -272,7 +289,9 @@ def _decide_and_apply(arguments: Arguments, env: Mapping[str, str] | None,
         opts, agreed = handed_memory(opts, handed)
         decision = _handed_decision(facts, opts, handed, agreed)
     else:
-        decision = _agreed_decision(facts, opts, snapshot, prober, engine.clock or prober.clock,
+        decision = _agreed_decision(facts, opts, snapshot if bound is None
+                                    else bound.decide_env(snapshot),
+                                    prober, engine.clock or prober.clock,
                                     progress_line_for(opts),
                                     startup_check=prober.starts_processes, alone=engine.alone)
     p, results = decision.plan, decision.results
@@ -284,6 +303,8 @@ def _decide_and_apply(arguments: Arguments, env: Mapping[str, str] | None,
         raise NoWorkingStrategyError(opts.framework, [failure_cause(r) for r in p.ruled_out])
     chosen = p.chosen
     to_set = _env_to_set(facts, chosen, opts, snapshot)
+    if bound is not None and bound.binding.kind != "shared":
+        to_set.pop("CUDA_VISIBLE_DEVICES", None)  # each rank keeps the GPUs it was bound to
     if opts.launch.multi_node:  # per-node values (the interface routing to the master)
         from ..nodes.routes import between_nodes
 
@@ -296,7 +317,19 @@ def _decide_and_apply(arguments: Arguments, env: Mapping[str, str] | None,
     applied = not opts.dry_run and env is None
     if applied:
         to_set = machine_env.apply(to_set)
-    p = replace(p, events=(FrameworkPicked(opts.framework, opts.framework_reason), *p.events))
+    seen = LauncherSeen(launcher.kind, opts.rank, opts.local_rank, opts.world_size,
+                        opts.local_world_size, snapshot.get("MASTER_ADDR"),
+                        _port(snapshot.get("MASTER_PORT")), tuple(sorted(launcher.derived)),
+                        launcher.job_id)
+    bound_events: tuple[Event, ...] = () if bound is None else (bound.event,)
+    if bound is not None and bound.confined:
+        bound_events += (Note("gpus_confined", (
+            "Each task sees only its own GPU (cgroup confinement): no probe started here can "
+            "reach the other tasks' GPUs, so the collective between them is chosen unproven "
+            "(probe='never'); under `resilient-strategy run` a collective that fails mid-run "
+            "steps down.")),)
+    p = replace(p, events=(FrameworkPicked(opts.framework, opts.framework_reason), seen,
+                           *bound_events, *p.events))
     big = batch_notice(chosen)  # a batch no device takes: said, in the trace and the warnings
     if big is not None:
         p = replace(p, events=(*p.events, Note("batch_implausible", big)),
@@ -307,6 +340,8 @@ def _decide_and_apply(arguments: Arguments, env: Mapping[str, str] | None,
         process_group_timeout=opts.process_group_timeout, checkpoint_async=opts.checkpoint_async,
         precision=opts.precision, logical_cpus=opts.logical_cpus, dry_run=opts.dry_run,
         tf_workers=opts.tf_workers, tf_worker_rank=opts.tf_worker_rank,
+        bound_ordinal=None if bound is None or bound.binding.kind == "shared"
+        else bound.binding.ordinals[opts.local_rank],
         decided_in_s=time.perf_counter() - t0,
         advise=_advice(facts, opts, results, chosen), simulated=opts.simulated,
         progress=None if handed is None else _reporter(handed, opts, chosen, snapshot),
@@ -419,6 +454,82 @@ def _check_processes_fit(facts: Facts, opts: Options) -> None:
             f"{local} GPUs visible).", "LOCAL_WORLD_SIZE")
 
 
+def _port(text: str | None) -> int | None:
+    return int(text) if text and text.isdigit() else None
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The GPUs every local rank sees, agreed before the decision: the `Binding`, the facts to
+    plan on (the node's GPUs, one per local rank in rank order, where the ranks were bound to
+    GPUs of their own; this rank's own facts where every rank sees the same), and its event."""
+
+    binding: Binding
+    facts: Facts
+    event: GpusBound
+    #: the tasks' GPUs are confined (cgroups: each task's NVML lists only its own GPUs, so two
+    #: ranks' GPUs share an NVML index): no process can reach another task's GPU, so no probe
+    #: worker started by local rank 0 can prove a collective across them
+    confined: bool = False
+
+    def decide_env(self, env: Mapping[str, str]) -> dict[str, str]:
+        """The environment local rank 0 probes in: the node's GPUs visible by UUID (each task
+        was shown only its own), where a process can reach them."""
+        if self.binding.kind == "shared" or self.confined:
+            return dict(env)
+        return {**env, "CUDA_VISIBLE_DEVICES": ",".join(self.binding.trains_on)}
+
+
+def _shares_gpus(facts: Facts, opts: Options, launcher: str, described: bool) -> bool:
+    """Whether the local ranks tell each other which GPUs they see before deciding: PyTorch,
+    several processes on this node, GPUs seen, not a dry run. A described torchrun launch (a
+    test planning one rank of a launch on described facts) keeps planning on its own GPUs, as
+    before; a described srun task shares them like a real one (tests start one per rank)."""
+    local = opts.local_world_size or opts.world_size
+    return (opts.framework == "torch" and opts.world_size > 1 and local > 1
+            and bool(facts.gpus) and bool(facts.framework("torch").cuda) and not opts.dry_run
+            and (launcher == "slurm" or not (described or opts.simulated)))
+
+
+def _bind_gpus(facts: Facts, opts: Options, env: Mapping[str, str]) -> Bound:
+    """Every local rank's GPUs (by UUID) shared through the agreement's directory, each rank's
+    GPU picked from them (`core.values.binding.bind`), two ranks on one physical GPU refused."""
+    from dataclasses import asdict
+
+    from ..nodes.onenode import GpuExchange
+
+    local = opts.local_world_size or opts.world_size
+    exchange = GpuExchange.for_job(env, opts.cache_dir, opts.local_rank, local)
+    shared = exchange.share([asdict(g) for g in facts.gpus], opts.budget_s + 60.0)
+    per_rank = [Facts.from_dict({"gpus": g}).gpus for g in shared]
+    binding = bind([tuple(g.uuid or f"ordinal-{g.index}" for g in gs) for gs in per_rank])
+    if binding.unbound:
+        twice = ", ".join(f"{u} (local ranks {', '.join(map(str, r))})"
+                          for u, r in binding.shared.items())
+        raise InvalidOptionError(
+            f"{local} processes on this node see {len({u for s in binding.seen for u in s})} "
+            f"distinct GPU(s) between them ({twice or 'none'}): local rank(s) "
+            f"{', '.join(map(str, binding.unbound))} would share a physical GPU with another "
+            f"rank. Bind one GPU per task (srun --gpus-per-task=1, or as many GPUs as tasks "
+            f"per node), or start {local} fewer processes.", "CUDA_VISIBLE_DEVICES")
+    event = GpusBound(binding.kind, binding.seen, binding.trains_on,
+                      binding.ordinals[opts.local_rank])
+    if binding.kind == "shared":  # the relevant environment only, as detect_facts keeps it
+        return Bound(binding, replace(facts, env=relevant_env(dict(facts.env))), event)
+    node_gpus = tuple(replace(next(g for g in per_rank[r] if (g.uuid or f"ordinal-{g.index}")
+                                   == u), index=r)
+                      for r, u in enumerate(binding.trains_on))
+    # links between GPUs of different processes are not this process's to read: none known
+    # and the ranks' own CUDA_VISIBLE_DEVICES left out: every rank plans (and names the
+    # agreement by) the same node, whatever each one's variable says
+    node = replace(facts, gpus=node_gpus, links=(), fabric=None,
+                   env=tuple(kv for kv in relevant_env(dict(facts.env))
+                             if kv[0] != "CUDA_VISIBLE_DEVICES"),
+                   visibility=Visibility(physical=tuple(g.physical_index for g in node_gpus)))
+    physical = [g.physical_index for g in node_gpus if g.physical_index >= 0]
+    return Bound(binding, node, event, confined=len(set(physical)) < len(physical))
+
+
 def _check_visibility(facts: Facts) -> None:
     from ..machine.visible import visible_problem
 
@@ -479,7 +590,12 @@ def _agreed_decision(
             functools.partial(decide, progress=progress, startup_check=startup_check))
     from ..nodes.onenode import Agreement
 
-    agreement = Agreement.for_job(env, facts.fingerprint(), opts.cache_dir)
+    # with no GPU seen, each rank's own CUDA_VISIBLE_DEVICES (srun --gpus-per-task on a node
+    # whose GPUs this build or driver cannot use) changes nothing the ranks decide on
+    # (and of a described machine, the relevant variables only, as detect_facts keeps them)
+    named = replace(facts, env=tuple(kv for kv in relevant_env(dict(facts.env))
+                                     if facts.gpus or kv[0] != "CUDA_VISIBLE_DEVICES"))
+    agreement = Agreement.for_job(env, named.fingerprint(), opts.cache_dir)
     deadline_s = opts.budget_s + 60.0
     if launch.local_rank == 0:
         d = decide(facts, opts, env, prober, clock, progress, startup_check)

@@ -307,3 +307,107 @@ def _checked(data: dict[str, Any], path: Path) -> dict[str, Any]:
             "same version of resilient_strategy on every rank"
         ) from exc
     return data
+
+
+# --------------------------------------------------------------------------------------------
+# The GPUs each local rank sees, shared before the decision (a scheduler binds them per task)
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GpuExchange:
+    """Every local rank writes the GPUs it sees (``<stem>-<local rank>.json``, atomically, in
+    the agreement's directory) and reads every other rank's: SLURM's ``--gpus-per-task`` shows
+    each task its own GPUs, so no rank can assume the others see what it sees. The names carry
+    the launch as the agreement's do (the launcher's process id and start time, its run id,
+    restart count and port), but no machine fingerprint: the ranks' own differ, by the GPUs they
+    see. Each rank marks that it has read them all; the last removes the files and marks."""
+
+    directory: Path
+    stem: str
+    local_rank: int
+    local_world: int
+
+    @classmethod
+    def for_job(cls, env: Mapping[str, str], directory: Path | None, local_rank: int,
+                local_world: int, *, ppid: int | None = None,
+                proc_root: Path = PROC) -> GpuExchange:
+        ppid = os.getppid() if ppid is None else ppid
+        started = process_start_ticks(ppid, proc_root) or "na"
+        run = _name_part(env.get("TORCHELASTIC_RUN_ID") or env.get("SLURM_JOB_ID") or "none")
+        restart = _name_part(env.get("TORCHELASTIC_RESTART_COUNT")
+                             or env.get("SLURM_STEP_ID") or "0")
+        port = _name_part(env.get("MASTER_PORT", "0"))
+        where = Agreement.for_job(env, "gpus", directory, ppid=ppid,
+                                  proc_root=proc_root).path.parent
+        return cls(where, f"agree-gpus-{ppid}-{started}-{run}-{restart}-{port}", local_rank,
+                   local_world)
+
+    def _path(self, rank: int, suffix: str = "json") -> Path:
+        return self.directory / f"{self.stem}-{rank}.{suffix}"
+
+    def share(self, mine: list[dict[str, Any]], timeout_s: float, poll_s: float = 0.05, *,
+              not_before: float | None = None, proc_root: Path = PROC,
+              now: float | None = None) -> list[list[dict[str, Any]]]:
+        """Write this rank's GPUs (``mine``: `Gpu` values as dicts), then wait for every local
+        rank's; per local rank, in order, the GPUs it sees."""
+        floor = not_before
+        if floor is None:
+            started = process_start_time(proc_root)
+            floor = -math.inf if started is None else started - START_SLACK_S
+        try:
+            files.ensure_private_dir(self.directory, fix=f"Remove it, or {_WHERE}.")
+            files.write_json_atomic(self._path(self.local_rank),
+                                    {"gpus": mine, "published_at": time.time() if now is None
+                                     else now}, durable=False)
+        except (UnsafePathError, OSError, ValueError, TypeError) as exc:
+            raise ResilientStrategyError(
+                f"cannot share this rank's GPUs with the other local ranks at "
+                f"{self.directory}: {exc}. {_ADVICE}") from exc
+        deadline = time.monotonic() + timeout_s
+        seen: dict[int, list[dict[str, Any]]] = {}
+        while True:
+            for rank in range(self.local_world):
+                if rank not in seen:
+                    got = self._read(rank, floor)
+                    if got is not None:
+                        seen[rank] = got
+            if len(seen) == self.local_world:
+                self._done()
+                return [seen[r] for r in range(self.local_world)]
+            if time.monotonic() >= deadline:
+                missing = sorted(set(range(self.local_world)) - set(seen))
+                raise AgreementTimeoutError(
+                    f"local rank(s) {missing} did not say which GPUs they see within "
+                    f"{timeout_s:g} s ({self.directory}/{self.stem}-*.json); they may have "
+                    "crashed: see their logs")
+            time.sleep(poll_s)
+
+    def _read(self, rank: int, floor: float) -> list[dict[str, Any]] | None:
+        try:
+            data = files.read_json(self._path(rank), max_bytes=files.MAX_AGREEMENT_BYTES)
+        except (FileNotFoundError, FileFormatError, UnsafePathError):
+            return None
+        except OSError as exc:
+            raise ResilientStrategyError(
+                f"cannot read the GPUs of local rank {rank} at {self._path(rank)}: {exc}") from exc
+        if not isinstance(data, dict) or not _is_number(data.get("published_at")) \
+                or data["published_at"] < floor:
+            return None
+        gpus = data.get("gpus")
+        if not isinstance(gpus, list) or not all(isinstance(g, dict) for g in gpus):
+            raise ResilientStrategyError(
+                f"local rank {rank} wrote GPUs this rank cannot read ({self._path(rank)}); run "
+                "the same version of resilient_strategy on every rank")
+        return gpus
+
+    def _done(self) -> None:
+        try:
+            fd = files.open_lock(self._path(self.local_rank, "json.read"))
+            os.close(fd)
+            marks = list(self.directory.glob(f"{self.stem}-*.json.read"))
+            if len(marks) >= self.local_world:
+                for rank in range(self.local_world):
+                    for suffix in ("json", "json.read"):
+                        with contextlib.suppress(FileNotFoundError):
+                            self._path(rank, suffix).unlink()
+        except OSError as exc:  # pruned by age then
+            log.info("resilient_strategy: cannot clean up %s (%s)", self.directory, exc)

@@ -59,12 +59,16 @@ def gpu(
     free_gb: float | None = None,
     nvlinks_outside: int = 0,
     numa_node: int | None = None,
+    uuid: str | None = None,
 ) -> Gpu:
     """One fake GPU. ``index`` is its NVML (physical) index, and its CUDA ordinal while no
     ``CUDA_VISIBLE_DEVICES`` renumbers it (see `machine`). ``free_gb``: its free memory
     as NVML would report it (None: unknown, so no memory check rules a candidate out on it).
     ``nvlinks_outside``: its active NVLinks to GPUs this container cannot see (a pod given one
-    GPU of an NVLinked host). ``numa_node``: the host NUMA node it hangs off (None: unknown)."""
+    GPU of an NVLinked host). ``numa_node``: the host NUMA node it hangs off (None: unknown).
+    ``uuid``: its UUID (default ``GPU-fake-<index>``); a task confined to one GPU by cgroups
+    sees it as NVML index 0 whichever GPU it is, so ``gpu(0, uuid="GPU-fake-0001")`` is the
+    second GPU of the host as that task sees it."""
     if numa_node is not None:
         _check_int("gpu", "numa_node", numa_node)
     _check_int("gpu", "index", index)
@@ -76,7 +80,8 @@ def gpu(
     return Gpu(
         index=index, name=name, compute_capability=_cc("gpu", cc),
         memory_bytes=int(_number("gpu", "memory_gb", memory_gb) * 2**30),
-        uuid=f"GPU-fake-{index:04d}", pci_bus_id=f"00000000:{index + 1:02x}:00.0",
+        uuid=f"GPU-fake-{index:04d}" if uuid is None else _check_str("gpu", "uuid", uuid),
+        pci_bus_id=f"00000000:{index + 1:02x}:00.0",
         physical_index=index, mig_enabled=_check_bool("gpu", "mig", mig),
         memory_free_bytes=free, nvlinks_outside=_check_int("gpu", "nvlinks_outside",
                                                            nvlinks_outside),

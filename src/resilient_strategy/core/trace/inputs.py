@@ -67,3 +67,50 @@ class CachedFailure(Event):
         return (f"Cached failure of {self.candidate} ({self.status}) trusted: seen in "
                 f"{self.seen} run(s) in a row" + ("." if self.seen >= 2 else
                                                    ", and probing is off."))
+
+
+@dataclass(frozen=True)
+class LauncherSeen(Event):
+    """Who started this process (`core.values.launcher.Launcher`: ``python``, ``torchrun``,
+    ``environment`` (the user's own RANK / WORLD_SIZE), ``slurm`` (an srun task),
+    ``slurm-batch``), where it sits in the job, and the variables derived for the framework from
+    the launcher's own (``derived``: SLURM's ranks and rendezvous under torchrun's names; none
+    the user set)."""
+
+    kind: ClassVar[str] = "launcher_seen"
+    launcher: str
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int | None
+    master_addr: str | None = None
+    master_port: int | None = None
+    derived: tuple[str, ...] = ()
+    job_id: str | None = None
+
+    def text(self) -> str:
+        where = (f"rank {self.rank} of {self.world_size} (local rank {self.local_rank}"
+                 f"{'' if self.local_world_size is None else f' of {self.local_world_size}'})")
+        meet = (f", rendezvous {self.master_addr}:{self.master_port}"
+                if self.master_addr and self.master_port and self.world_size > 1 else "")
+        made = f"; set for the framework: {', '.join(self.derived)}" if self.derived else ""
+        job = f" job {self.job_id}" if self.job_id else ""
+        return f"Launcher: {self.launcher}{job}, {where}{meet}{made}."
+
+
+@dataclass(frozen=True)
+class GpusBound(Event):
+    """The GPUs each local rank of this node was bound to (by UUID, as each rank sees them) and
+    the one each trains on: ``binding`` ``shared`` (every rank sees the same GPUs: rank i takes
+    the i-th), ``per_process`` (each rank its own: it takes its first), ``mixed``; ``trains_on``
+    per local rank, ``ordinal`` this rank's own CUDA ordinal of it."""
+
+    kind: ClassVar[str] = "gpus_bound"
+    binding: str
+    seen: tuple[tuple[str, ...], ...]
+    trains_on: tuple[str, ...]
+    ordinal: int
+
+    def text(self) -> str:
+        each = ", ".join(f"local rank {i}: {u}" for i, u in enumerate(self.trains_on))
+        return f"GPUs as bound ({self.binding}): {each}."
