@@ -126,11 +126,6 @@ class Selection:
     simulated: bool = False
     """Whether the probe outcomes came from a described machine (the testing kit, `--simulate`),
     not from probes run here."""
-    bound_ordinal: int | None = None
-    """Where the scheduler bound this process to GPUs of its own (SLURM's
-    ``--gpus-per-task``): the CUDA ordinal, in this process's own numbering, of the GPU it
-    trains on; `devices` then number the node's GPUs, one per local rank. None where every
-    local rank sees the same GPUs (torchrun: local rank i trains on ``devices[i]``)."""
     advise: Callable[[int], str | None] | None = field(default=None, repr=False, compare=False)
     """Given the model's measured gradient bytes, advice when another candidate would be faster
     (used by `prepare()`); None when the model's size was given up front."""
@@ -547,7 +542,6 @@ class Selection:
             local_rank=self.launch.local_rank if world > 1 else 0, world_size=world,
             timeout_s=self.process_group_timeout, precision=self.precision,
             sharded=self.candidate.sharded, offload=self.candidate.offload,
-            own_device=self.bound_ordinal,
         )
 
     @property
@@ -771,6 +765,29 @@ class Selection:
                             local_ranks=self.launch.local_world_size or self.launch.world_size)
         rt.use_checkpointer(ckpt)
         return ckpt
+
+    def resumed_from(self, step: int) -> None:
+        """For a script that keeps its own checkpoint: report that it has just restored one of
+        ``step`` optimizer steps (call it once, after loading it, before the first step; 0: it
+        starts over). Under ``resilient-strategy run`` this is the proof of the resume: the
+        relaunch is announced as resumed from ``step`` (``attempts.json``'s ``resumed_from``,
+        the goodput's lost work) and the rank's step count goes on from it, so the crash-loop
+        rule sees its progress. Without it such a relaunch counts as a start from step 0. The
+        library's own restores (``sel.checkpoint``, Accelerate ``load_state``, Lightning's
+        ``ckpt_path``, Keras ``BackupAndRestore``) report themselves. Outside ``run``: nothing."""
+        from .errors import InvalidOptionError
+
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise InvalidOptionError(f"sel.resumed_from({step!r}): the optimizer step count of "
+                                     "the restored checkpoint, an int >= 0", "step")
+        rep = self.progress
+        if rep is None or step == 0:
+            return
+        if rep.has_stepped:
+            raise InvalidOptionError(
+                f"sel.resumed_from({step}) after this process's first optimizer step: report "
+                "the restored step right after loading the checkpoint, before training", "step")
+        rep.restored(step)
 
     @property
     def optimizer_steps(self) -> int:

@@ -472,8 +472,9 @@ def progress_callback(reporter: Any, accumulation_steps: int, backup_dir: str | 
         def on_train_begin(self, logs: Any = None) -> None:
             # BackupAndRestore (listed before us) has restored the optimizer: count on from it
             done = getattr(getattr(self.model, "optimizer", None), "iterations", None)
-            try:
-                steps = int(done) if done is not None else 0
+            try:  # a MirroredVariable has no int(): its value through numpy()
+                steps = 0 if done is None else int(done.numpy() if hasattr(done, "numpy")
+                                                   else done)
             except (TypeError, ValueError):
                 steps = 0
             if steps:

@@ -260,6 +260,21 @@ def note_checkpoint(step: int, path: str | Path, state: WorkerState | None = Non
                                 what="the checkpoint note")
 
 
+def restored_step(run_dir: str | Path | RunDir) -> int | None:
+    """The checkpoint step a rank of this attempt restored (`TrainingReporter.restored`: the
+    library's restore paths and ``sel.resumed_from``), None when none did: a checkpoint noted
+    by an earlier attempt is no resume until the script loads it. Bounded, no FIFO, no
+    symlink; an unreadable note is none."""
+    note = RunDir.of(run_dir).restore_note
+    try:
+        data = parse_json(files.read_bytes(note, max_bytes=files.MAX_REPORT_BYTES), str(note),
+                          allow_nan=True)
+        step = int(data["step"])
+    except (OSError, ValueError, KeyError, TypeError, ResilientStrategyError):
+        return None
+    return step if step > 0 else None
+
+
 #: At most this many exceptions of a chain (``__cause__`` / ``__context__``) are recorded, and
 #: at most this many frames of each (the innermost: where it was raised).
 MAX_CHAIN = 8
@@ -364,6 +379,8 @@ class TrainingReporter:
     phase_name: str = STARTED
     #: Where this rank's phase marks go (`phases`; None: not marked).
     phases: str | None = None
+    #: Where a restore is noted for the supervisor (`RunDir.restore_note`; None: not noted).
+    restore_note: str | None = None
     #: Follows each gradient all-reduce to its completion on the device (NCCL, where a
     #: collective returns when enqueued; None: leaving it is completing it). Set once, by the
     #: Selection when the process group is up.
@@ -383,8 +400,22 @@ class TrainingReporter:
         if self.phases is not None:
             phases.mark(self.phases, phase)
 
+    @property
+    def has_stepped(self) -> bool:
+        """Whether this process took an optimizer step (a restore comes before)."""
+        return self._stepped_once
+
     def restored(self, step: int) -> None:
+        """The script restored a checkpoint of ``step`` optimizer steps (before this process's
+        first step; later, or of no step, it is no resume and is ignored): the count goes on
+        from it, and the restore is noted for the supervisor (its only proof of a resume)."""
+        if self._stepped_once or step <= 0:
+            return
         self._mark(phases.RESTORED)
+        if self.restore_note is not None:
+            with contextlib.suppress(OSError, NoSpaceError, ValueError):
+                files.write_json_atomic(self.restore_note, {"step": step, "rank": self.rank},
+                                        durable=False, what="the restore note")
         self.step = step
         self.writer.step(step)
         self.writer.device_done(step)  # the restored steps are complete (no-op off the device)
@@ -483,6 +514,7 @@ class WorkerState:
                 backend=backend, collective=replicas > 1, fault=fault_from(env),
                 attempt=decision.attempt,
                 phases=str(RunDir.of(decision.run_dir).phases(local_rank)),
+                restore_note=str(RunDir.of(decision.run_dir).restore_note),
             ))
         return self.reporters[0]
 

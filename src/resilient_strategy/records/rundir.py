@@ -39,6 +39,12 @@ class RunDir:
         return self.root / CHECKPOINT_NOTE
 
     @property
+    def restore_note(self) -> Path:
+        """Where a rank notes the checkpoint step it restored in this attempt (the one proof of
+        a resume: the supervisor announces none without it)."""
+        return self.root / RESTORE_NOTE
+
+    @property
     def supervisor_phases(self) -> Path:
         """The supervisor's phase marks of this attempt."""
         return self.root / "supervisor.phases.json"
@@ -111,6 +117,8 @@ RANK_FILES = {
 
 #: The checkpoint note's name in a run directory (the supervisor finds the newest one).
 CHECKPOINT_NOTE = "checkpoint.json"
+#: The restore note's name in a run directory (`RunDir.restore_note`).
+RESTORE_NOTE = "restored.json"
 
 
 def _regular(path: Path) -> bool:

@@ -18,7 +18,8 @@ by cause; NVIDIA's resiliency tooling: lost work and the interruption count):
     rank's (the others wait for it at the next collective); Google's goodput measurement calls
     it unproductive checkpoint save time;
   - ``wasted_progress_s``: the steps done after the checkpoint the next attempt resumed from
-    (they are done again), at this attempt's measured step time (its saves' stall excluded:
+    (its ``resumed_from``: the step its script reported restoring; none reported, all of them;
+    they are done again), at this attempt's measured step time (its saves' stall excluded:
     it is counted once, above);
   - ``productive_s``: the rest of the time between the first step and the fault (or the end);
   - ``stop_s``: from the fault seen to the verdict (the workers stopped, the evidence written);

@@ -67,7 +67,7 @@ from ..machine import env as machine_env
 from ..machine import files
 from ..probing.base import Prober
 from ..records import phases
-from ..records.handoff import HandedDecision, binding, write_decision
+from ..records.handoff import HandedDecision, binding, restored_step, write_decision
 from ..records.rundir import CHECKPOINT_NOTE, RUN_PREFIX, RunDir
 from ..records.trainfault import FAULT_VAR, TrainFault, check_rank, parse_fault
 
@@ -168,7 +168,6 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
     first = choice.decision
     check_rank(fault, max(first.processes * first.nodes, _asked_ranks(opts)))
     _say(_allowance_words(opts, snapshot, choice.decision.framework))
-    resumed: int | None = None
     team = choice.link or link  # the nodes that relaunch together (None: node 0 alone)
     changes = [choice.change] if choice.change is not None else []
     for attempt in range(0, 10_000):
@@ -208,6 +207,11 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
         marks = RunDir.of(decision.run_dir).supervisor_phases
         phases.mark(marks, phases.VERDICT)
         label = _label(decision)
+        # a resume is the script's restore, reported by it (never the note an attempt before
+        # left: a script may not load it); its steps count on from there
+        resumed = restored_step(decision.run_dir)
+        if attempt > 0 or resumed is not None:
+            _say(_resume_words(attempt, resumed))
         if not verdict.ok:  # the fault's line first; its evidence is written below
             _say(fault_line(attempt, _backend(decision.chosen), verdict,
                             _shown_path(evidence.path(attempt)), prefix=SAY_PREFIX)[len(SAY_PREFIX):])
@@ -266,7 +270,6 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
             return int(judgement.exit_code if judgement.exit_code is not None
                        else ExitCode.INFRASTRUCTURE)
         ckpt = _last_checkpoint(session)
-        resumed = None if ckpt is None else ckpt[0]
         how = {Action.RETRY: "retrying", Action.FEWER_NODES: "going on with fewer nodes",
                Action.MORE_NODES: "taking a node back"}.get(
             judgement.action, "stepping down")
@@ -274,11 +277,12 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
                      f"({verdict.kind.value}: {one_line(verdict.summary, 160)}).")
         limit = f" of {policy.max_relaunches}" if policy.max_relaunches is not None else ""
         _say(f"relaunch {len(history)}{limit}: {how} on {_label(nxt.decision)} "
-             f"({judgement.reason}) from "
-             + (f"the checkpoint at step {ckpt[0]} ({ckpt[1]})" if ckpt
-                else "the last checkpoint (noted on the node of rank 0)"
+             f"({judgement.reason}); "
+             + (f"the last checkpoint noted is at step {ckpt[0]} ({ckpt[1]})" if ckpt
+                else "the last checkpoint is noted on the node of rank 0"
                 if link is not None and link.node != 0
-                else "the start (no checkpoint was noted)"))
+                else "no checkpoint was noted")
+             + ": a resume is announced once the script has restored one")
         choice = nxt
     raise ResilientStrategyError("too many launch attempts")  # pragma: no cover
 
@@ -658,6 +662,14 @@ def remember_failures(facts: Any, opts: RunOptions, env: Mapping[str, str],
     o, _ = _options(opts, facts, env)
     if o.cache_dir is not None and o.nodes == 1:
         DecisionCache(o.cache_dir, o.cache_ttl_s).store(facts.fingerprint(), results)
+
+
+def _resume_words(attempt: int, resumed: int | None) -> str:
+    """What attempt ``attempt`` (0-based) started from, as its workers reported it."""
+    if resumed is None:
+        return (f"attempt {attempt + 1} started from step 0: its script restored no "
+                "checkpoint (none of the library's restores ran, nor sel.resumed_from)")
+    return f"attempt {attempt + 1} resumed from the checkpoint at step {resumed}, restored by its script"
 
 
 def _last_checkpoint(session: Path) -> tuple[int, str] | None:
