@@ -506,12 +506,13 @@ def _bind_gpus(facts: Facts, opts: Options, env: Mapping[str, str]) -> Bound:
     if binding.unbound:
         twice = ", ".join(f"{u} (local ranks {', '.join(map(str, r))})"
                           for u, r in binding.shared.items())
+        distinct = len({u for s in binding.seen for u in s})
         raise InvalidOptionError(
-            f"{local} processes on this node see {len({u for s in binding.seen for u in s})} "
-            f"distinct GPU(s) between them ({twice or 'none'}): local rank(s) "
-            f"{', '.join(map(str, binding.unbound))} would share a physical GPU with another "
-            f"rank. Bind one GPU per task (srun --gpus-per-task=1, or as many GPUs as tasks "
-            f"per node), or start {local} fewer processes.", "CUDA_VISIBLE_DEVICES")
+            f"{local} processes on this node see {distinct} distinct GPU(s) between them "
+            f"({twice or 'none'}): local rank(s) {', '.join(map(str, binding.unbound))} would "
+            f"share a physical GPU with another rank. Bind one GPU per task (srun "
+            f"--gpus-per-task=1, or as many GPUs as tasks per node), or start at most "
+            f"{distinct} process(es) per node.", "CUDA_VISIBLE_DEVICES")
     event = GpusBound(binding.kind, binding.seen, binding.trains_on,
                       binding.ordinals[opts.local_rank])
     if binding.kind == "shared":  # the relevant environment only, as detect_facts keeps it
