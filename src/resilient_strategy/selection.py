@@ -490,6 +490,7 @@ class Selection:
             None if step is None else step.sample_seconds, m.how, m.gradient_bytes, m.note,
             update))
         if step is None or self.rerank is None or m.samples is None:
+            self._note_measured(m.step_s)
             return
         batch = None if self.global_batch_size else round(
             m.samples / m.steps * self.num_replicas)
@@ -501,6 +502,7 @@ class Selection:
         found = faster_candidate(again.ranked, self.candidate.key, m.step_s, self.results,
                                  FASTER_MARGIN, update)
         if found is None:
+            self._note_measured(m.step_s)
             return
         best, mine = found
         faster = best.estimate.step_seconds + update
@@ -512,6 +514,20 @@ class Selection:
         self._measured.append(event)
         if self.is_main_process:
             log.warning("resilient_strategy: %s", event.text())
+        self._note_measured(m.step_s, best.candidate, faster)
+
+    def _note_measured(self, step_s: float, faster: Candidate | None = None,
+                       faster_step_s: float | None = None) -> None:
+        """Under ``resilient-strategy run``, rank 0: the measured step (and the clearly faster
+        candidate) noted for the supervisor, which may try it (`records.measured`)."""
+        if self.progress is None or not self.is_main_process:
+            return
+        from .records.measured import MeasuredNote, note_measured_here
+
+        note_measured_here(MeasuredNote(
+            self.candidate.key, step_s, self.optimizer_steps,
+            "" if faster is None else faster.key, "" if faster is None else faster.label,
+            faster_step_s))
 
     # ----- the runtime ---------------------------------------------------------------------
     def _build_runtime(self) -> Any:

@@ -45,6 +45,12 @@ class RunDir:
         return self.root / RESTORE_NOTE
 
     @property
+    def measured_note(self) -> Path:
+        """Where rank 0 notes the step it measured and a clearly faster candidate, if any
+        (`records.measured`)."""
+        return self.root / "measured.json"
+
+    @property
     def supervisor_phases(self) -> Path:
         """The supervisor's phase marks of this attempt."""
         return self.root / "supervisor.phases.json"

@@ -61,13 +61,16 @@ T = TypeVar("T")
 
 
 def launch(opts: RunOptions, decision: HandedDecision, env: Mapping[str, str],
-            session: Path, peer: PeerWatch | None = None, *, alone: bool = False) -> Verdict:
+            session: Path, peer: PeerWatch | None = None, *, alone: bool = False,
+            switch: Callable[[], int | None] | None = None) -> Verdict:
     """One attempt. ``peer``: the other nodes' fault records, watched while the workers run;
-    ``alone``: node 0 of a multi-node run trains by itself (one node, its own rendezvous).
+    ``alone``: node 0 of a multi-node run trains by itself (one node, its own rendezvous);
+    ``switch``: asked in the monitoring loop, a checkpoint step when the supervisor stops the
+    healthy group there for a measured switch (a ``switch`` verdict at that step).
     Whatever torch and multiprocessing name through ``tempfile`` in this process meanwhile
     lives in the session's private directory (`private_tempdir`)."""
     with private_tempdir(session / TORCH_TEMP):
-        return _launch(opts, decision, env, session, peer, alone=alone)
+        return _launch(opts, decision, env, session, peer, alone=alone, switch=switch)
 
 
 #: The directory of the session (``<session>/torch-tmp``, 0700) that this process's
@@ -104,7 +107,8 @@ def private_tempdir(directory: Path) -> Iterator[Path]:
 
 
 def _launch(opts: RunOptions, decision: HandedDecision, env: Mapping[str, str],
-            session: Path, peer: PeerWatch | None, *, alone: bool) -> Verdict:
+            session: Path, peer: PeerWatch | None, *, alone: bool,
+            switch: Callable[[], int | None] | None = None) -> Verdict:
     run_dir = Path(decision.run_dir)
     where = RunDir(run_dir)
     marks = where.supervisor_phases
@@ -195,6 +199,7 @@ def _launch(opts: RunOptions, decision: HandedDecision, env: Mapping[str, str],
                       start_method=START_METHOD if warm else config.start_method,
                       watch=watch, peer=peer, run_dir=run_dir, nproc=nproc, warm=warm,
                       **shutdown_grace(config))
+    agent.switch = switch
     from ..machine.versions import detect_frameworks
 
     torch_version = detect_frameworks()[0].version  # metadata: the name this torch expects
@@ -218,6 +223,9 @@ def _launch(opts: RunOptions, decision: HandedDecision, env: Mapping[str, str],
             return heard
         return replace(heard, step=step_in_progress(  # where this node's ranks were
             [read_record(str(where.progress(lr))) for lr in range(nproc)]))
+    if agent.switched is not None and first_raised(where, nproc) is None:
+        return Verdict(VerdictKind.SWITCH, "stopped at the checkpoint of step "
+                       f"{agent.switched} for a measured switch", agent.switched)
     stall: Stall | None = agent.stall
     if stall is not None and raised_before(
             [_read_json(where.error(lr)) for lr in range(nproc)], agent.stall_at):
@@ -593,6 +601,12 @@ def _agent_class() -> type[Any]:
             self.peer_fault: PeerFault | None = None
             self.run_dir = run_dir
             self.flight: list[RankDump] = []
+            #: every rank process this attempt started (each leads a session of its own)
+            self.rank_pids: set[int] = set()
+            #: the supervisor's measured switch (`launch`'s ``switch``) and the checkpoint step
+            #: it stopped the group at
+            self.switch: Callable[[], int | None] | None = None
+            self.switched: int | None = None
 
         def _pids(self) -> dict[int, int]:
             """Each local rank's process (none before the workers start)."""
@@ -723,6 +737,13 @@ def _agent_class() -> type[Any]:
                     if (marks := self._marks()) is not None:
                         phases.mark(marks, phases.EVIDENCE_TAKEN)
                     # as the agent does for a wedged (D-state) worker: no restart, stop the group
+                    self._remaining_restarts = 0
+                    return RunResult(state=WorkerState.UNHEALTHY)
+            if (result.state == WorkerState.HEALTHY and self.switch is not None
+                    and self.switched is None and self.stall is None and self.raised is None):
+                at = self.switch()
+                if at is not None:  # stopped at a checkpoint for a measured switch
+                    self.switched = at
                     self._remaining_restarts = 0
                     return RunResult(state=WorkerState.UNHEALTHY)
             if (result.state == WorkerState.HEALTHY and self.peer is not None

@@ -150,12 +150,13 @@ class Evidence:
 
     def summary(self, history: Sequence[Attempt],
                 membership: Sequence[Mapping[str, Any]] = (),
-                goodput: Mapping[str, Any] | None = None) -> str | None:
-        """``attempts.json`` when there was a fault (the directory exists); its path or None.
+                goodput: Mapping[str, Any] | None = None, *, create: bool = False) -> str | None:
+        """``attempts.json`` when there was a fault (the directory exists) or ``create`` (a
+        measured step to keep: issue 41); its path or None.
         ``membership``: a multi-node run's membership round of each attempt (who was in, who
         left and how it was seen, who joined: `Change`); ``goodput``: the job's productive
         share and its badput by cause (`goodput.Goodput.to_dict`)."""
-        if not self._ready(create=False):  # no fault wrote here (or it is not ours)
+        if not self._ready(create=create):  # no fault wrote here (or it is not ours)
             return None
         path = self.dir / "attempts.json"
         data: dict[str, Any] = {"attempts": [a.to_dict() for a in history]}

@@ -78,6 +78,12 @@ class Action(Enum):
     FEWER_NODES = "fewer_nodes"
     #: a node asked to join: the job relaunches across the larger group from the last checkpoint
     MORE_NODES = "more_nodes"
+    #: the step was measured and a proven candidate would be clearly faster: stopped at a
+    #: checkpoint and relaunched there for a trial (issue 41; `switch_due`, `trial_kept`)
+    TRIAL = "trial"
+    #: the trial was measured slower than the first: stopped at a checkpoint and relaunched
+    #: back on the first candidate
+    SWITCH_BACK = "switch_back"
     STOP = "stop"
 
 
@@ -104,12 +110,17 @@ class Attempt:
     resumed_from: int | None = None  # the checkpoint step it resumed from (None: the start)
     #: When each phase began, the supervisor's and each rank's (`phases`).
     times: Timeline | None = None
+    #: What rank 0 measured of the step in this attempt (`records.measured.MeasuredNote`'s
+    #: dict: the rate and a clearly faster candidate), and what was done with it
+    #: (``measured["outcome"]``: `MEASURED_OUTCOMES`); None: not measured.
+    measured: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"number": self.number, "candidate": self.candidate, "label": self.label,
                 "verdict": self.verdict.to_dict(), **self.judgement.to_dict(),
                 "resumed_from": self.resumed_from,
-                "times": None if self.times is None else self.times.to_dict()}
+                "times": None if self.times is None else self.times.to_dict(),
+                "measured": self.measured}
 
 
 def effective(verdict: Verdict, world_size: int) -> Verdict:
@@ -268,3 +279,50 @@ def relaunch(verdict: Verdict, failed: Rung, history: Sequence[Attempt], policy:
     if refusal is not None:
         return Judgement(Action.STOP, f"not relaunched: {refusal}", ExitCode.INFRASTRUCTURE), None
     return judgement, nxt
+
+
+#: What was done with an attempt's measured step (``Attempt.measured["outcome"]``):
+#: ``tried`` (a clearly faster candidate named: stopped at a checkpoint for a trial of it),
+#: ``told`` (one named, but the job has no checkpoint to resume a trial from, or its trial was
+#: had: said, not relaunched), ``kept`` (a trial measured faster than the first: kept),
+#: ``switched_back`` (a trial measured slower: relaunched back), ``measured`` (nothing faster).
+MEASURED_OUTCOMES = ("tried", "told", "kept", "switched_back", "measured")
+
+
+def trial_kept(first_steps_per_s: float, trial_steps_per_s: float) -> bool:
+    """Whether a trial measured at ``trial_steps_per_s`` optimizer steps a second (the same
+    global batch) is kept over the first candidate measured at ``first_steps_per_s`` (pure):
+    only when it is measured faster; never a slower or an equal one."""
+    return trial_steps_per_s > first_steps_per_s
+
+
+def switch_due(faster: str, measured_at: int, checkpoint_step: int | None, *,
+               trial_of: float | None, trial_steps_per_s: float | None,
+               tried: bool) -> bool:
+    """Whether the supervisor stops the running attempt now (pure), at the first checkpoint
+    noted at or after the measured window (``checkpoint_step`` >= ``measured_at``; None: no
+    checkpoint yet, or none at all):
+
+    - a first attempt (``trial_of`` None) whose measured step named a clearly ``faster``
+      candidate, when no trial was had in this job (``tried``): stopped for the trial;
+    - a trial (``trial_of``: the first attempt's measured steps a second) measured
+      (``trial_steps_per_s``) and not `trial_kept`: stopped to go back.
+
+    Never without a checkpoint at or past the measurement (the relaunch resumes exactly
+    there)."""
+    if checkpoint_step is None or checkpoint_step < measured_at:
+        return False
+    if trial_of is None:
+        return bool(faster) and not tried
+    return trial_steps_per_s is not None and not trial_kept(trial_of, trial_steps_per_s)
+
+
+def measured_outcome(faster: str, checkpointed: bool, *, trial_of: float | None,
+                     trial_steps_per_s: float | None, tried: bool) -> str:
+    """What an attempt's measured step comes to in the end (pure; `MEASURED_OUTCOMES`),
+    given whether the job noted a checkpoint."""
+    if trial_of is not None and trial_steps_per_s is not None:
+        return "kept" if trial_kept(trial_of, trial_steps_per_s) else "switched_back"
+    if not faster:
+        return "measured"
+    return "tried" if checkpointed and not tried else "told"

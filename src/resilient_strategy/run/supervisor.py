@@ -44,7 +44,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -68,6 +68,7 @@ from ..machine import files
 from ..probing.base import Prober
 from ..records import phases
 from ..records.handoff import HandedDecision, binding, restored_step, write_decision
+from ..records.measured import MeasuredNote, read_measured
 from ..records.rundir import CHECKPOINT_NOTE, RUN_PREFIX, RunDir
 from ..records.trainfault import FAULT_VAR, TrainFault, check_rank, parse_fault
 
@@ -89,7 +90,9 @@ from .policy import (
     Rung,
     effective,
     floor_refusal,
+    measured_outcome,
     relaunch,
+    switch_due,
 )
 from .verdicts import PeerFault, Verdict, VerdictKind, fault_line, merge, one_line
 
@@ -110,6 +113,8 @@ class Choice:
     #: that named them (`regroup`)
     link: NodeLink | None = None
     change: Any = None
+    #: the plan's ranked candidates (a measured switch relaunches on one of them)
+    ranked: tuple[Any, ...] = ()
 
 
 def supervise(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
@@ -170,6 +175,10 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
     _say(_allowance_words(opts, snapshot, choice.decision.framework))
     team = choice.link or link  # the nodes that relaunch together (None: node 0 alone)
     changes = [choice.change] if choice.change is not None else []
+    # a measured switch (issue 41 item 4): the first choice and its measured note while a
+    # trial of the faster candidate runs; whether this job had its trial
+    trial: tuple[Choice, MeasuredNote] | None = None
+    tried = False
     for attempt in range(0, 10_000):
         decision = choice.decision
         if link is not None and _alone(decision) and link.node != 0:
@@ -185,7 +194,10 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
         try:
             if torch_launcher():
                 verdict = launch(opts, decision, snapshot, session, peer,
-                                 alone=link is not None and _alone(decision))
+                                 alone=link is not None and _alone(decision),
+                                 switch=None if link is not None else _switch_watch(
+                                     decision.run_dir, None if trial is None
+                                     else trial[1].steps_per_s, tried))
             else:  # no torch: our own agent for the one process of a TensorFlow job
                 from .solo import launch_one
 
@@ -212,7 +224,9 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
         resumed = restored_step(decision.run_dir)
         if attempt > 0 or resumed is not None:
             _say(_resume_words(attempt, resumed))
-        if not verdict.ok:  # the fault's line first; its evidence is written below
+        measured = read_measured(decision.run_dir)
+        switched = verdict.kind is VerdictKind.SWITCH
+        if not verdict.ok and not switched:  # the fault's line first; its evidence below
             _say(fault_line(attempt, _backend(decision.chosen), verdict,
                             _shown_path(evidence.path(attempt)), prefix=SAY_PREFIX)[len(SAY_PREFIX):])
         nxt: Choice | None = None
@@ -224,11 +238,27 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
         planned: list[Choice] = []
         choose = _chooser(opts, facts, snapshot, failures, session, decision.attempt + 1, notes,
                           team, silent, verdict.pinned and not rehearsed, planned)
+        outcome = measured_outcome(
+            "" if measured is None else measured.faster, switched,
+            trial_of=None if trial is None else trial[1].steps_per_s,
+            trial_steps_per_s=None if trial is None or measured is None
+            else measured.steps_per_s, tried=tried)
+        if measured is not None:
+            _say(_measured_words(measured, outcome, None if trial is None else trial[1],
+                                 tried))
         try:
-            # the one ladder the replay runs too: judge, then retry, step down or stop (a node
-            # that asked to join: the same rung again, across the larger group)
-            judgement, to = relaunch(verdict, _rung(choice), history, policy, choose, rehearsed)
-            if to is not None and judgement.action is Action.STEP_DOWN:
+            if switched and measured is not None:  # healthy, stopped at a checkpoint (no fault)
+                judgement, nxt = _switch(choice, measured, trial, session,
+                                         decision.attempt + 1, facts, snapshot, notes)
+                trial, tried = ((choice, measured) if trial is None else None), True
+            else:
+                # the one ladder the replay runs too: judge, then retry, step down or stop (a
+                # node that asked to join: the same rung again, across the larger group)
+                judgement, to = relaunch(verdict, _rung(choice), history, policy, choose,
+                                         rehearsed)
+            if switched:
+                pass
+            elif to is not None and judgement.action is Action.STEP_DOWN:
                 nxt = planned[-1]
             elif to is not None:
                 nxt = _retry(choice, session, decision.attempt + 1, team, opts, facts, snapshot,
@@ -255,15 +285,17 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
             if team is not None:
                 team = nxt.link or team
         done = Attempt(attempt, decision.chosen, label, verdict, judgement, resumed,
-                       phases.Timeline.read(decision.run_dir, decision.processes))
+                       phases.Timeline.read(decision.run_dir, decision.processes),
+                       None if measured is None else {**measured.to_dict(), "outcome": outcome})
         history.append(done)
-        if not verdict.ok and evidence.record(done, Path(decision.run_dir),
+        if not verdict.ok and not switched and evidence.record(done, Path(decision.run_dir),
                                               decision.processes) is None:
             _say(f"the evidence of attempt {attempt + 1} could not be written to "
                  f"{evidence.path(attempt)}")
         if nxt is None:
             goodput = account(history, job_start, time.time())
-            evidence.summary(history, [c.to_dict() for c in changes], goodput.to_dict())
+            evidence.summary(history, [c.to_dict() for c in changes], goodput.to_dict(),
+                             create=any(a.measured is not None for a in history))
             from .peers import nodes_words
 
             _say(_summary(history, judgement) + nodes_words(changes) + f" {goodput.line()}.")
@@ -271,9 +303,13 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
                        else ExitCode.INFRASTRUCTURE)
         ckpt = _last_checkpoint(session)
         how = {Action.RETRY: "retrying", Action.FEWER_NODES: "going on with fewer nodes",
-               Action.MORE_NODES: "taking a node back"}.get(
+               Action.MORE_NODES: "taking a node back",
+               Action.TRIAL: "trying the candidate measured faster",
+               Action.SWITCH_BACK: "going back to the candidate measured faster"}.get(
             judgement.action, "stepping down")
-        notes.append(f"Relaunched ({how}): {label} failed mid-run at step {verdict.step} "
+        notes.append(f"Relaunched ({how}) from the checkpoint at step {verdict.step}: "
+                     f"{judgement.reason}." if switched else
+                     f"Relaunched ({how}): {label} failed mid-run at step {verdict.step} "
                      f"({verdict.kind.value}: {one_line(verdict.summary, 160)}).")
         limit = f" of {policy.max_relaunches}" if policy.max_relaunches is not None else ""
         _say(f"relaunch {len(history)}{limit}: {how} on {_label(nxt.decision)} "
@@ -285,6 +321,94 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
              + ": a resume is announced once the script has restored one")
         choice = nxt
     raise ResilientStrategyError("too many launch attempts")  # pragma: no cover
+
+
+def _switch_watch(run_dir: str, trial_of: float | None, tried: bool
+                  ) -> Callable[[], int | None]:
+    """What the agent asks in its monitoring loop (`agent.launch`'s ``switch``): the step of the
+    checkpoint to stop this attempt at for a measured switch, or None (`switch_due`: a first
+    attempt measured slower than a proven candidate, or a trial measured slower than the
+    first, once a checkpoint is noted at or after the measurement)."""
+
+    def due() -> int | None:
+        note = read_measured(run_dir)
+        if note is None:
+            return None
+        ckpt = _checkpoint_in(Path(run_dir))
+        at = None if ckpt is None else ckpt[0]
+        if switch_due(note.faster, note.at_step, at, trial_of=trial_of,
+                      trial_steps_per_s=note.steps_per_s, tried=tried):
+            return at
+        return None
+
+    return due
+
+
+def _checkpoint_in(run_dir: Path) -> tuple[int, str] | None:
+    """The checkpoint noted in one attempt's directory (step, path), None when none is."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError, UnsafePathError):
+        note = RunDir(run_dir).checkpoint_note
+        data = parse_json(files.read_bytes(note, max_bytes=files.MAX_REPORT_BYTES), str(note),
+                          allow_nan=True)
+        return int(data["step"]), str(data["path"])
+    return None
+
+
+def _switch(choice: Choice, measured: MeasuredNote, trial: tuple[Choice, MeasuredNote] | None,
+            session: Path, attempt: int, facts: Any, env: Mapping[str, str],
+            notes: list[str]) -> tuple[Judgement, Choice | None]:
+    """After an attempt stopped at a checkpoint for a measured switch: the trial of the faster
+    candidate (the same global batch: the same decision, another candidate of its plan), or,
+    after a trial measured slower, the first candidate again."""
+    if trial is not None:
+        first, note = trial
+        back_dir = session / f"attempt{attempt}"
+        back_dir.mkdir()
+        back = replace(first.decision, run_dir=str(back_dir), attempt=attempt,
+                       notes=tuple(notes))
+        write_decision(RunDir(back_dir).decision, back)
+        return (Judgement(Action.SWITCH_BACK, f"{_label(choice.decision)} was measured at "
+                          f"{measured.steps_per_s:.3g} steps/s, slower than "
+                          f"{_label(first.decision)} at {note.steps_per_s:.3g}: the slower "
+                          "one is not kept"), replace(first, decision=back))
+    ranked = next((r for r in choice.ranked if r.candidate.key == measured.faster), None)
+    if ranked is None:  # pragma: no cover - the note names a candidate of this plan
+        raise ResilientStrategyError(f"the measured faster {measured.faster} is not planned")
+    cand = ranked.candidate
+    run_dir = session / f"attempt{attempt}"
+    run_dir.mkdir()
+    devices, visible = binding(cand, facts, env)
+    decision = replace(
+        choice.decision, chosen=cand.key, label=cand.label, run_dir=str(run_dir),
+        attempt=attempt, notes=tuple(notes), nodes=1, devices=devices, visible_devices=visible,
+        processes=max(1, cand.num_replicas) if choice.decision.framework == "torch" else 1)
+    write_decision(RunDir(run_dir).decision, decision)
+    nxt = replace(choice, decision=decision, candidate=cand,
+                  step_seconds=ranked.estimate.step_seconds)
+    return (Judgement(Action.TRIAL, f"{_label(choice.decision)} was measured at "
+                      f"{measured.steps_per_s:.3g} steps/s; {cand.label}, proven here, is "
+                      f"estimated at {1 / (measured.faster_step_s or measured.step_s):.3g} "
+                      "with that compute: a trial of it, the same global batch, resumed from "
+                      "the checkpoint; the faster one is kept"), nxt)
+
+
+def _measured_words(measured: MeasuredNote, outcome: str,
+                    first: MeasuredNote | None, tried: bool = False) -> str:
+    """The attempt's measured step and what came of it, in one line."""
+    rate = (f"measured {measured.steps_per_s:.3g} optimizer steps/s on "
+            f"{measured.candidate} (to step {measured.at_step})")
+    if outcome == "told" and tried:
+        return (f"{rate}; {measured.faster_label or measured.faster} was tried in this job "
+                "and measured slower: not tried again")
+    if outcome == "told":
+        return (f"{rate}; {measured.faster_label or measured.faster}, proven here, would be "
+                f"faster (~{1 / (measured.faster_step_s or measured.step_s):.3g} steps/s), but "
+                "no checkpoint was noted after the measurement to resume a trial from: not "
+                "relaunched (sel.checkpoint(dir) lets run try it)")
+    if first is not None:
+        return (f"{rate}, against {first.steps_per_s:.3g} on {first.candidate}: "
+                + ("kept (faster)" if outcome == "kept" else "not kept (slower)"))
+    return rate + ("; a faster candidate is tried at a checkpoint" if outcome == "tried" else "")
 
 
 def _retry(choice: Choice, session: Path, attempt: int, link: NodeLink | None,
@@ -391,6 +515,8 @@ def _summary(history: Sequence[Attempt], judgement: Judgement) -> str:
     steps = []
     for a in history:
         what = "finished" if a.verdict.ok else f"{a.verdict.kind.value} at step {a.verdict.step}"
+        if a.measured is not None:  # the measured rate (issue 41: both, after a trial)
+            what += f" (measured {float(a.measured['steps_per_s']):.3g} steps/s)"
         steps.append(f"{a.label}: {what} -> {a.judgement.action.value.replace('_', ' ')}")
     code = judgement.exit_code if judgement.exit_code is not None else ExitCode.INFRASTRUCTURE
     return (f"summary: {len(history)} attempt(s): " + "; ".join(steps)
@@ -610,7 +736,7 @@ def _choice(opts: RunOptions, facts: Any, env: Mapping[str, str],
         **_memory_planning(opts, o.framework, facts))
     write_decision(RunDir(run_dir).decision, decision)
     step_s = estimate(p.chosen, facts, results.get(p.chosen.key), o).step_seconds
-    return Choice(decision, p.chosen, step_s, left, link, change)
+    return Choice(decision, p.chosen, step_s, left, link, change, tuple(p.ranked))
 
 
 def _memory_planning(opts: RunOptions, framework: str, facts: Any) -> dict[str, Any]:

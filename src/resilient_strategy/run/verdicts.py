@@ -270,6 +270,10 @@ class VerdictKind(Enum):
     OOM = "oom"
     #: An exception in the user's code.
     USER = "user"
+    #: No fault: the supervisor stopped a healthy attempt at a checkpoint to try a candidate
+    #: measured clearly faster, or to go back from a trial measured slower (issue 41;
+    #: `run.policy.switch_due`). Never stepped down, never cached.
+    SWITCH = "switch"
 
     @classmethod
     def parse(cls, word: str) -> VerdictKind:
@@ -618,7 +622,7 @@ def merge(faults: Sequence[PeerFault]) -> Verdict | None:
     a stall, then a backend's signature; the lowest node among equals. None for no record."""
     order = {VerdictKind.USER: 0, VerdictKind.OOM: 0, VerdictKind.DIVERGED: 0,
              VerdictKind.EXIT: 1, VerdictKind.LOST: 1, VerdictKind.CUT_OFF: 1,
-             VerdictKind.JOIN: 2, VerdictKind.STALL: 3,
+             VerdictKind.JOIN: 2, VerdictKind.SWITCH: 2, VerdictKind.STALL: 3,
              VerdictKind.BACKEND: 4, VerdictKind.OK: 5}
     ranked = sorted(faults, key=lambda f: (order[f.verdict.kind], f.node))
     if not ranked:
@@ -677,6 +681,7 @@ KIND_WORDS = {
     VerdictKind.CUT_OFF: "cut off from the job's store", VerdictKind.DIVERGED: "ranks diverged",
     VerdictKind.OOM: "out of memory", VerdictKind.USER: "the script's error",
     VerdictKind.JOIN: "a node asked to join",
+    VerdictKind.SWITCH: "stopped at a checkpoint for a measured switch",
 }
 _ERROR_TYPE = re.compile(r"^(?:[\w.]*(?:Error|Exception)|Traceback[^:]*): ")
 #: A peer's address in an error ("[127.0.0.1]:34978"): the evidence keeps it.
