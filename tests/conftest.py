@@ -1,17 +1,81 @@
 """Markers that need a framework skip cleanly where it is not installed (a GPU workstation with
 torch only, a TensorFlow-only box): ``@pytest.mark.torch`` / ``@pytest.mark.tensorflow``.
-Installed means importable: ``importlib.util.find_spec`` finds it (it imports nothing)."""
+Installed means importable: ``importlib.util.find_spec`` finds it (it imports nothing).
+
+Two helpers every test module may import (``from conftest import deadline, children_of``):
+`deadline` scales a subprocess's deadline to the machine (a loaded 2-core CI runner is several
+times slower than the machine a deadline was first set on: a deadline only bounds a hang, it is
+never what a test asserts), and `children_of` reads ``/proc`` where processes come and go while
+it is read (one that exits between the listing and the read is simply absent)."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import pytest
 
 _NEEDS = {"torch": "torch", "tensorflow": "tensorflow"}
+
+#: Sets the factor of `deadline` (a number >= 1), instead of the one derived from the machine.
+SCALE_VAR = "RS_TEST_TIMEOUT_SCALE"
+#: The factor's bounds: a deadline only bounds a hang, so a generous one costs nothing on a pass.
+MAX_SCALE = 10.0
+#: The cores the suite's deadlines were set on; a machine with fewer is slower by their ratio.
+REFERENCE_CPUS = 4
+
+
+def timeout_scale(env: dict[str, str] | None = None, cpus: int | None = None,
+                  load: float | None = None) -> float:
+    """The factor `deadline` applies: ``RS_TEST_TIMEOUT_SCALE`` where set (at least 1), else
+    the larger of the machine's shortfall in cores (`REFERENCE_CPUS` / its cores) and its load
+    (1 + runnable processes per core over the last minute, ``os.getloadavg``), within 1 and
+    `MAX_SCALE`. Arguments replace what is read (for its tests)."""
+    env = dict(os.environ) if env is None else env
+    if env.get(SCALE_VAR):
+        try:
+            return min(max(float(env[SCALE_VAR]), 1.0), 100.0)
+        except ValueError:
+            pass
+    cpus = (os.cpu_count() or 1) if cpus is None else cpus
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:
+            load = 0.0
+    cpus = max(cpus, 1)
+    return min(max(REFERENCE_CPUS / cpus, 1.0 + max(load, 0.0) / cpus, 1.0), MAX_SCALE)
+
+
+def deadline(seconds: float) -> float:
+    """``seconds`` scaled to this machine now (`timeout_scale`): the deadline of a subprocess a
+    test starts (``subprocess.run(..., timeout=deadline(120))``)."""
+    return seconds * timeout_scale()
+
+
+def children_of(ppid: int, root: str = "/proc", listing: Iterable[str] | None = None) -> list[int]:
+    """The processes whose parent is ``ppid`` (zombies included), sorted. ``listing`` replaces
+    ``os.listdir(root)`` (for its tests); a process listed that has exited before its ``stat`` is
+    read is not one of them, never an error."""
+    try:
+        names = os.listdir(root) if listing is None else list(listing)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"{root}/{name}/stat", encoding="ascii", errors="replace") as fh:
+                fields = fh.read().rpartition(")")[2].split()
+        except OSError:  # gone since the listing (FileNotFoundError, ProcessLookupError: ESRCH)
+            continue
+        if len(fields) > 1 and fields[1] == str(ppid):
+            found.append(int(name))
+    return sorted(found)
 
 
 def _installed(module: str) -> bool:

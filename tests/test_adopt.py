@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import deadline
 
 torch = pytest.importorskip("torch")
 
@@ -245,7 +246,7 @@ def _torchrun(script: str, out: Path, samples: int, **env: str) -> subprocess.Co
             "2", str(ADOPTED / script), "2", "1", "--batch_size", "16", "--samples",
             str(samples), "--report", str(out)]
     return subprocess.run(argv, cwd=out, env=environ, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=deadline(300))
 
 
 def _reports(out: Path) -> dict[int, dict[str, Any]]:
@@ -294,7 +295,7 @@ def test_ddp_skips_the_sync_on_the_micro_steps_that_only_accumulate(tmp_path: Pa
                 "--nproc_per_node", "2", str(ROOT / "tests" / "_adopt_accumulate.py"), str(per),
                 str(report)]
         done = subprocess.run(argv, cwd=tmp_path, env=environ, capture_output=True, text=True,
-                              timeout=300)
+                              timeout=deadline(300))
         assert done.returncode == 0, done.stderr[-3000:]
         out[per] = json.loads(report.read_text())
     assert (out[16]["accumulation"], out[8]["accumulation"]) == (1, 2)

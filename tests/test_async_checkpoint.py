@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import deadline
 
 torch = pytest.importorskip("torch")
 
@@ -102,11 +103,11 @@ def _start(*args: str) -> subprocess.Popen[str]:
 
 
 def _wait_for(path: Path, proc: subprocess.Popen[str]) -> None:
-    deadline = time.monotonic() + DEADLINE_S
+    until = time.monotonic() + deadline(DEADLINE_S)
     while not path.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
+        if proc.poll() is not None or time.monotonic() > until:
             proc.kill()
-            out, _ = proc.communicate(timeout=DEADLINE_S)
+            out, _ = proc.communicate(timeout=deadline(DEADLINE_S))
             pytest.fail(f"the child never got to {path.name}: {out[-3000:]}")
         time.sleep(0.05)
 
@@ -125,7 +126,7 @@ def test_a_sigkill_during_a_write_resumes_exactly_from_the_previous_checkpoint(
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=DEADLINE_S)
+        proc.communicate(timeout=deadline(DEADLINE_S))
     # the half-written step 4 is a temporary file; the newest checkpoint is step 2's, whole
     left = sorted(p.name for p in directory.iterdir())
     assert left[0].startswith(f".tmp-{proc.pid}-") and left[1:] == ["checkpoint.pt"]
@@ -142,7 +143,7 @@ def test_a_sigkill_during_a_write_resumes_exactly_from_the_previous_checkpoint(
 @pytest.mark.slow
 def test_the_exit_waits_for_the_write_in_flight(tmp_path: Path) -> None:
     proc = _start("_child_exits_after_a_save", str(tmp_path / "ckpt"))
-    out, _ = proc.communicate(timeout=DEADLINE_S)
+    out, _ = proc.communicate(timeout=deadline(DEADLINE_S))
     assert proc.returncode == 0, out[-3000:]
     data = torch.load(tmp_path / "ckpt" / "checkpoint.pt", weights_only=True)
     assert data["optimizer_steps"] == 8

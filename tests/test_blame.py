@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import deadline
 
 from resilient_strategy.core.knowledge.signatures import (
     builtin_signatures,
@@ -340,7 +341,7 @@ def _supervise(tmp: Path, cache: Path, action: str, rank: int, step: int,
         env=_env(tmp, cache, LAUNCHES=str(tmp / "launches"), FAULT_RANK=str(rank),
                  FAULT_STEP=str(step), FAULT_BACKEND=backend,
                  **({"CUDA_VISIBLE_DEVICES": ""} if backend == "gloo" else {})),
-        cwd=tmp, capture_output=True, text=True, timeout=300)
+        cwd=tmp, capture_output=True, text=True, timeout=deadline(300))
     found = list((tmp / "resilient-strategy-evidence").glob("*/attempts.json"))
     assert len(found) == 1, proc.stderr[-3000:]
     attempts = list(json.loads(found[0].read_text())["attempts"])

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import deadline
 
 from resilient_strategy.core.call.options import default_dir
 from resilient_strategy.core.measures.probe import ProbeResult
@@ -182,13 +183,13 @@ def test_concurrent_writers_keep_every_result(tmp_path: Path) -> None:
     ]
     try:
         for p in procs:
-            _, err = p.communicate(timeout=60)
+            _, err = p.communicate(timeout=deadline(60))
             assert p.returncode == 0, err
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-                p.wait(timeout=10)
+                p.wait(timeout=deadline(10))
     got = DecisionCache(tmp_path).load("fp")
     assert sorted(got) == sorted(f"torch:nccl:{w}-{i}" for w in range(4) for i in range(20))
     assert (tmp_path / "fp.lock").exists()
@@ -330,7 +331,7 @@ def test_an_unwritable_directory_degrades_also_for_root() -> None:
         ro.chmod(0o755 if as_nobody else 0o500)  # root's 0755 directory: read-only for nobody
         try:
             p = subprocess.run([sys.executable, "-c", _UNWRITABLE, str(ro)], capture_output=True,
-                               text=True, timeout=60,
+                               text=True, timeout=deadline(60),
                                preexec_fn=_as_nobody if as_nobody else None)
         except PermissionError:
             pytest.skip(f"uid {NOBODY} cannot run {sys.executable} here")

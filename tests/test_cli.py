@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import deadline
 
 from resilient_strategy.cli import main
 
@@ -20,7 +21,7 @@ MACHINES = ROOT / "examples" / "machines"
 def test_doctor_runs_without_a_gpu_in_a_fresh_process(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "RESILIENT_STRATEGY_CACHE_DIR": str(tmp_path)}
     out = subprocess.run([sys.executable, "-m", "resilient_strategy", "doctor"], env=env,
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=deadline(120))
     assert out.returncode == 0, out.stderr
     assert "GPUs the job can see:" in out.stdout and "Rules fired:" in out.stdout
     assert "resilient_strategy chose:" in out.stdout

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import deadline
 
 from resilient_strategy.cli import main
 from resilient_strategy.core.measures.probe import ProbeResult
@@ -115,6 +116,6 @@ def test_the_cli_says_when_the_cache_directory_is_not_safely_yours(tmp_path: Pat
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"),
            "RESILIENT_STRATEGY_CACHE_DIR": str(shared)}
     out = subprocess.run([sys.executable, "-m", "resilient_strategy", "probe", "--framework",
-                          "torch"], env=env, capture_output=True, text=True, timeout=120)
+                          "torch"], env=env, capture_output=True, text=True, timeout=deadline(120))
     assert out.returncode == 0, out.stderr
     assert str(shared) in out.stderr and "refused" in out.stderr

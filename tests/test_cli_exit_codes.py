@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import deadline
 
 from resilient_strategy.cli import EXIT_OK, EXIT_USAGE, link_matrix, main
 from resilient_strategy.testing import machine
@@ -151,7 +152,7 @@ def test_a_reader_that_leaves_early_is_no_error(tmp_path: Path) -> None:
             assert proc.stdout is not None and proc.stderr is not None
             proc.stdout.close()  # `| head` gone before the first line
             err = proc.stderr.read().decode()
-            assert proc.wait(timeout=60) == EXIT_OK, err
+            assert proc.wait(timeout=deadline(60)) == EXIT_OK, err
         assert "Traceback" not in err and "BrokenPipeError" not in err
 
 

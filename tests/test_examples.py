@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import deadline
 
 ROOT = Path(__file__).parents[1]
 
@@ -20,7 +21,7 @@ def _run(argv: list[str], tmp_path: Path) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1",
            "RESILIENT_STRATEGY_CACHE_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2",
            "CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=deadline(300))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
 

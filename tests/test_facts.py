@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import deadline
 
 from resilient_strategy.core.values.facts import Facts, Gpu, relevant_env
 
@@ -88,7 +89,7 @@ def test_a_real_torchrun_sets_nothing_that_changes_the_fingerprint(tmp_path: Pat
     p = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
          "--master_port", "0", str(script), str(tmp_path / "env.json")],
-        env=parent, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env=parent, capture_output=True, text=True, timeout=deadline(120), cwd=tmp_path,
     )
     assert p.returncode == 0, p.stderr
     child = json.loads((tmp_path / "env.json").read_text())

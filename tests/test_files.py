@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import deadline
 
 from resilient_strategy.errors import FileFormatError, ResilientStrategyError, UnsafePathError
 from resilient_strategy.machine import files as _files
@@ -203,7 +204,7 @@ def test_lock_file_is_never_created_through_a_symlink(tmp_path: Path) -> None:
 # ----- sweeping ------------------------------------------------------------------------------
 def _dead_pid() -> int:
     p = subprocess.Popen([sys.executable, "-c", "pass"])
-    p.wait(timeout=30)
+    p.wait(timeout=deadline(30))
     return p.pid
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import deadline
 
 from resilient_strategy.core.measures.probe import OK, TIMEOUT, ProbeSpec
 from resilient_strategy.probing import forkserver as _forkserver
@@ -25,6 +26,7 @@ pytest.importorskip("torch")
 pytestmark = [pytest.mark.slow, pytest.mark.torch]
 FAULT = "RESILIENT_STRATEGY_PROBE_FAULT"
 SRC = str(Path(__file__).resolve().parents[1] / "src")
+TESTS = str(Path(__file__).resolve().parent)
 
 
 @pytest.fixture
@@ -193,9 +195,9 @@ if mode == "thread":
     stop.set()
 servers = len(forkserver.FORK_SERVERS.servers)
 forkserver.close_all()  # as the decision does once its probing is over
-left = [pid for pid in (int(t) for t in os.listdir("/proc") if t.isdigit())
-        if pid != os.getpid() and open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[1]
-        == str(os.getpid())]
+sys.path.insert(0, sys.argv[3])  # tests/: a process that exits while /proc is read is absent
+from conftest import children_of
+left = children_of(os.getpid())
 print(json.dumps({"status": res.status, "parents": parents, "me": os.getpid(), "left": left,
                   "servers": servers,
                   "torch_here": "torch" in sys.modules}))
@@ -212,8 +214,8 @@ def test_probe_workers_fork_from_the_deciding_process_where_it_is_fit(
     script.write_text(HERE)
     env = {k: v for k, v in os.environ.items() if k not in (FAULT, _forkserver.FORKSERVER_VAR)}
     env["PYTHONPATH"] = SRC
-    out = subprocess.run([sys.executable, str(script), str(tmp_path), mode], env=env,
-                         capture_output=True, text=True, timeout=120, check=False)
+    out = subprocess.run([sys.executable, str(script), str(tmp_path), mode, TESTS], env=env,
+                         capture_output=True, text=True, timeout=deadline(120), check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["status"] == (TIMEOUT if mode == "hang" else OK)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import deadline
 
 import resilient_strategy.frameworks.tensorflow as runtime_module
 from resilient_strategy.errors import InvalidOptionError
@@ -174,15 +175,15 @@ def _run_all(cmds: dict[str, list[str]], logs: Path, timeout: float = 100) -> No
     for name, cmd in cmds.items():
         with open(logs / f"{name}.log", "w") as log:
             procs[name] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout
+    until = time.monotonic() + deadline(timeout)
     try:
         for p in procs.values():
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            p.wait(timeout=max(0.1, until - time.monotonic()))
     finally:
         for p in procs.values():
             if p.poll() is None:
                 p.kill()
-                p.wait(timeout=10)
+                p.wait(timeout=deadline(10))
     for name, p in procs.items():
         assert p.returncode == 0, (logs / f"{name}.log").read_text()[-4000:]
 
@@ -284,7 +285,7 @@ def test_importing_the_runtimes_imports_no_framework() -> None:
     )
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=deadline(60)
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import deadline
 
 import resilient_strategy.frameworks.torch as runtime_module
 from resilient_strategy.errors import InvalidOptionError
@@ -162,12 +163,12 @@ def _run_ranks(tmp_path: Path, world: int, timeout: float = 90) -> list[dict[str
             procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
     try:
         for p in procs:
-            p.wait(timeout=timeout)
+            p.wait(timeout=deadline(timeout))
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-                p.wait(timeout=10)
+                p.wait(timeout=deadline(10))
     for r, p in enumerate(procs):
         assert p.returncode == 0, (tmp_path / f"r{r}.log").read_text()
     return [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(world)]

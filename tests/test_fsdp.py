@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import deadline
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -167,12 +168,12 @@ def _two_ranks(tmp_path: Path, timeout: float = 120, *extra: str) -> dict[str, A
                  str(Path(__file__).parent), *extra], env=env, stdout=log, stderr=subprocess.STDOUT))
     try:
         for p in procs:
-            p.wait(timeout=timeout)
+            p.wait(timeout=deadline(timeout))
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-                p.wait(timeout=10)
+                p.wait(timeout=deadline(10))
     for r, p in enumerate(procs):
         assert p.returncode == 0, (tmp_path / f"r{r}.log").read_text()[-3000:]
     result: dict[str, Any] = json.loads((tmp_path / "out.json").read_text())
@@ -209,7 +210,7 @@ def _example(tmp_path: Path, nproc: int, *args: str) -> str:
             "--samples", "2048", "--checkpoint-dir", str(tmp_path / "ckpt"), *args]
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1",
            "RESILIENT_STRATEGY_CACHE_DIR": str(tmp_path / "cache"), "CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=deadline(300))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
 
@@ -283,7 +284,7 @@ def test_one_process_fsdp_with_cpu_offload_joins_a_group_of_one_and_trains() -> 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", ONE_RANK_OFFLOAD], env=env, capture_output=True,
-                         text=True, timeout=120)
+                         text=True, timeout=deadline(120))
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["steps"] == 4 and got["policy"] == "CPUOffloadPolicy"

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import deadline
 
 from resilient_strategy.core.measures.probe import ERROR, OK, TIMEOUT, ProbeResult, ProbeSpec
 from resilient_strategy.deciding.cache import DecisionCache
@@ -37,13 +38,13 @@ def tiny_fs(tmp_path: Path) -> Iterator[Path]:
     mount = shutil.which("mount")
     if mount is None or not hasattr(os, "geteuid") or os.geteuid() != 0 or subprocess.run(
             [mount, "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(target)],
-            capture_output=True, timeout=30).returncode != 0:
+            capture_output=True, timeout=deadline(30)).returncode != 0:
         pytest.skip("a full filesystem needs root and mount(8) (tmpfs)")
     try:
         yield target
     finally:
         subprocess.run([shutil.which("umount") or "umount", "-l", str(target)],
-                       capture_output=True, timeout=30)
+                       capture_output=True, timeout=deadline(30))
 
 
 def _fill(directory: Path, leave_pages: int = 0) -> None:
@@ -166,7 +167,7 @@ def test_torchrun_with_a_full_tmpdir_never_halves_the_job(tiny_fs: Path, tmp_pat
            "RESILIENT_STRATEGY_CACHE_DIR": str(tmp_path / "cache")}
     env.pop("RESILIENT_STRATEGY_PROBE_FAULT", None)
     out = subprocess.run([str(torchrun), "--nproc-per-node", "2", str(script)], cwd=tmp_path,
-                         env=env, capture_output=True, text=True, timeout=300)
+                         env=env, capture_output=True, text=True, timeout=deadline(300))
     said = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert said, out.stderr[-3000:]
     assert all(s.get("replicas") != 1 for s in said), out.stderr[-3000:]  # never halved

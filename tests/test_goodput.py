@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import deadline
 
 from resilient_strategy.records import phases
 from resilient_strategy.records.phases import Timeline
@@ -233,7 +234,7 @@ def test_a_real_job_that_saves_checkpoints_accounts_their_stalls(tmp_path: Path,
     proc = subprocess.run(
         [sys.executable, "-m", "resilient_strategy", "run", "--nproc-per-node", "1",
          str(script), str(tmp_path / "ckpt"), mode, str(saves)],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=deadline(300))
     assert proc.returncode == ExitCode.SUCCESS, proc.stderr[-3000:]
     [record] = (tmp_path / "resilient-strategy-evidence").glob("*/attempts.json")
     data = json.loads(record.read_text())

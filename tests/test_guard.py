@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import deadline
 
 from resilient_strategy.core.values.facts import Facts, FrameworkInfo
 from resilient_strategy.errors import FrameworkInitializedError
@@ -27,7 +28,7 @@ def _python(code: str, *paths: Path, timeout: float = 60) -> str:
     }
     out = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True, text=True, env=env, timeout=timeout, check=False,
+        capture_output=True, text=True, env=env, timeout=deadline(timeout), check=False,
     )
     assert out.returncode == 0, out.stderr
     return out.stdout.strip().splitlines()[-1]

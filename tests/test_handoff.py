@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import deadline
 
 from resilient_strategy.core.measures.probe import OK, ProbeResult
 from resilient_strategy.errors import InvalidOptionError, ResilientStrategyError
@@ -124,7 +125,7 @@ def test_a_decision_the_script_cannot_train_on_is_an_error(tmp_path: Path) -> No
 def test_run_command_line_errors(tmp_path: Path) -> None:
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "resilient_strategy", "run", *args],
-                              capture_output=True, text=True, timeout=120,
+                              capture_output=True, text=True, timeout=deadline(120),
                               env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
 
     pytest.importorskip("torch")

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 from _fake_nvml import a100_mig, a6000x4, h200x2, no_driver, rtx5090x2
+from conftest import deadline
 
 from resilient_strategy.core.values.facts import Facts, Link
 from resilient_strategy.machine import guard
@@ -119,7 +120,7 @@ def test_this_machine_without_gpus_in_a_fresh_process() -> None:
         """
     out = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-        env={**os.environ, "PYTHONPATH": SRC}, timeout=60, check=False,
+        env={**os.environ, "PYTHONPATH": SRC}, timeout=deadline(60), check=False,
     )
     assert out.returncode == 0, out.stderr
     n, error, heavy, visible = json.loads(out.stdout)
@@ -160,7 +161,7 @@ def test_real_nvml_sees_the_gpus_torch_sees() -> None:
             print(json.dumps([[torch.cuda.get_device_name(i),
                                list(torch.cuda.get_device_capability(i))]
                               for i in range(torch.cuda.device_count())]))
-            """)], capture_output=True, text=True, timeout=180, check=False)
+            """)], capture_output=True, text=True, timeout=deadline(180), check=False)
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     f = detect_facts()

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import deadline
 
 from resilient_strategy.errors import InvalidOptionError
 from resilient_strategy.integrations import launcher_hidden, precision
@@ -113,7 +114,7 @@ def _torchrun(script: str, tmp_path: Path, **env: str) -> str:
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
          f"examples/{script}", "--epochs", "2",
          "--samples", "4096"],
-        cwd=ROOT, env=full, capture_output=True, text=True, timeout=300)
+        cwd=ROOT, env=full, capture_output=True, text=True, timeout=deadline(300))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout + out.stderr
 
@@ -156,7 +157,7 @@ def test_integrations_import_nothing_until_called() -> None:
     code = ("import sys\n"
             "import resilient_strategy.integrations.lightning, resilient_strategy.integrations.accelerate\n"
             "print(sorted(m for m in ('torch', 'lightning', 'accelerate') if m in sys.modules))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=deadline(60),
                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
 

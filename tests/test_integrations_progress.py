@@ -18,6 +18,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from conftest import deadline
 
 from resilient_strategy.integrations.lightning import last_micro_step
 from resilient_strategy.run.agent import raised_before
@@ -201,7 +202,7 @@ def _supervised(tmp: Path, example: str, *args: str, fault: str = "hang:1:gloo:2
         [sys.executable, "-m", "resilient_strategy", "run", "--nproc-per-node", "2",
          "--stall-timeout", "3", str(ROOT / "examples" / example), "--samples", "2048",
          "--epochs", "3", "--checkpoint-dir", str(tmp / "ckpt"), *args],
-        env=env, cwd=tmp, capture_output=True, text=True, timeout=400)
+        env=env, cwd=tmp, capture_output=True, text=True, timeout=deadline(400))
     assert proc.returncode == 0, proc.stderr[-3000:]
     [record] = (tmp / "resilient-strategy-evidence").glob("*/attempts.json")
     return ([line for line in proc.stdout.splitlines() if line.startswith("optimizer steps:")],

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import deadline
 
 from resilient_strategy.core.knowledge.clauses import fact_values
 from resilient_strategy.machine.host import parse_master_port_by, parse_port_range
@@ -54,7 +55,7 @@ def _launch(tmp_path: Path, *flags: str) -> list[dict[str, object]]:
                 "CUDA_VISIBLE_DEVICES": ""})
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                         *flags, str(script), str(out)],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=deadline(300))
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import deadline
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.slow, pytest.mark.torch]
@@ -96,7 +97,7 @@ class Pair:
         self.logs: list[str] = ["", ""]
 
     def wait(self) -> list[int]:
-        end = time.monotonic() + LIMIT_S
+        end = time.monotonic() + deadline(LIMIT_S)
         codes = []
         for i, p in enumerate(self.procs):
             try:
@@ -193,7 +194,7 @@ def test_a_hang_between_nodes_falls_back_to_node_0_on_both(tmp_path: Path) -> No
 
 def test_node_1_killed_mid_decision_stops_node_0_with_a_clear_error(tmp_path: Path) -> None:
     with Pair(tmp_path, 60, rdzv_host=True, RESILIENT_STRATEGY_PROBE_FAULT="hang:1:gloo") as pair:
-        end = time.monotonic() + LIMIT_S
+        end = time.monotonic() + deadline(LIMIT_S)
         victim = None
         while victim is None and time.monotonic() < end:  # node 1's cross-node probe is up
             start = pair.read("start")

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import deadline
 
 from resilient_strategy.errors import NoSpaceError
 from resilient_strategy.machine import files as _files
@@ -30,13 +31,13 @@ def _mount(target: Path, *options: str) -> bool:
     if mount is None or not hasattr(os, "geteuid") or os.geteuid() != 0:
         return False
     out = subprocess.run([mount, "-t", "tmpfs", "-o", ",".join(("size=256k", *options)),
-                          "tmpfs", str(target)], capture_output=True, timeout=30)
+                          "tmpfs", str(target)], capture_output=True, timeout=deadline(30))
     return out.returncode == 0
 
 
 def _umount(target: Path) -> None:
     umount = shutil.which("umount") or "umount"
-    subprocess.run([umount, "-l", str(target)], capture_output=True, timeout=30)
+    subprocess.run([umount, "-l", str(target)], capture_output=True, timeout=deadline(30))
 
 
 @pytest.fixture
@@ -71,7 +72,7 @@ def _fill(directory: Path, leave: int = 0) -> None:
 
 def _remount_read_only(target: Path) -> None:
     mount = shutil.which("mount") or "mount"
-    subprocess.run([mount, "-o", "remount,ro", str(target)], check=True, timeout=30)
+    subprocess.run([mount, "-o", "remount,ro", str(target)], check=True, timeout=deadline(30))
 
 
 def _one_line(exc: BaseException) -> None:
@@ -266,7 +267,7 @@ def test_run_with_a_nearly_full_tmpdir_says_one_line(tiny_fs: Path, tmp_path: Pa
         [sys.executable, "-m", "resilient_strategy", "run", "--nproc-per-node", "1",
          "--evidence-dir", str(tmp_path / "evidence"), str(ROOT / "examples" / "torch_train.py"),
          "--samples", "64", "--epochs", "1", "--global-batch-size", "32", "--hidden", "8"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=deadline(300))
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
     assert out.returncode == int(ExitCode.INFRASTRUCTURE), out.stderr[-3000:]
     lines = [line for line in out.stderr.splitlines() if "no space left on device" in line]

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import deadline
 
 from resilient_strategy.core.measures.probe import OK, ProbeResult
 from resilient_strategy.deciding.cache import DecisionCache
@@ -78,7 +79,7 @@ def test_fallback_warning_visible_without_logging_configured(tmp_path: Path) -> 
             "f = machine(2)\n"
             "simulate(f, {'*': 'error:nccl_error'}, framework='torch', global_batch_size=64,\n"
             "         env={**f.env_map, 'WORLD_SIZE': '2', 'RANK': '0', 'LOCAL_RANK': '0'})\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=deadline(60),
                          env={**os.environ, "PYTHONPATH": str(ROOT / "src"),
                               "TMPDIR": str(tmp_path)},  # rank 0's agreement file: no rank 1
                          cwd=tmp_path)

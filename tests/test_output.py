@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import deadline
 
 from resilient_strategy.core.trace.choosing import Ranking
 from resilient_strategy.core.trace.event import Note
@@ -192,7 +193,7 @@ def test_gpu_run_sets_the_recorder_variable_this_torch_reads(tmp_path: Path) -> 
     env["RESILIENT_STRATEGY_CACHE_DIR"] = str(tmp_path / "cache")
     out = subprocess.run([sys.executable, "-m", "resilient_strategy", "run", "--nproc-per-node",
                           "2", "--evidence-dir", str(tmp_path / "ev"), str(script)],
-                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+                         capture_output=True, text=True, timeout=deadline(300), env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(next(ln[4:] for ln in out.stdout.splitlines() if ln.startswith("ENV ")))
     if seen["backend"] != "nccl":

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import deadline
 
 import resilient_strategy
 
@@ -18,7 +19,7 @@ SRC = str(Path(__file__).parents[1] / "src")
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PYTHONPATH": SRC, **env})
+                          timeout=deadline(120), env={**os.environ, "PYTHONPATH": SRC, **env})
 
 
 def test_import_imports_no_framework_and_does_no_gpu_work() -> None:
@@ -91,7 +92,7 @@ def test_the_built_wheel_ships_every_data_file_and_decides(tmp_path: Path) -> No
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
          "-w", str(tmp_path / "dist"), str(tree)],
-        capture_output=True, text=True, timeout=300)
+        capture_output=True, text=True, timeout=deadline(300))
     if built.returncode != 0 and "No module named" in built.stderr:
         pytest.skip(f"cannot build a wheel here: {built.stderr.strip()[-200:]}")
     assert built.returncode == 0, built.stderr
@@ -109,11 +110,11 @@ def test_the_built_wheel_ships_every_data_file_and_decides(tmp_path: Path) -> No
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site"),
            "RESILIENT_STRATEGY_CACHE_DIR": str(tmp_path / "cache")}
     decided = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             timeout=120, env=env, cwd=tmp_path)
+                             timeout=deadline(120), env=env, cwd=tmp_path)
     assert decided.returncode == 0, decided.stderr
     assert json.loads(decided.stdout.strip().splitlines()[-1])["backend"] in {
         "nccl", "gloo", "single_device", "cpu", "hierarchical_copy", "reduction_to_one_device"}
     doctor = subprocess.run([sys.executable, "-m", "resilient_strategy", "doctor", "--json"],
-                            capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+                            capture_output=True, text=True, timeout=deadline(120), env=env, cwd=tmp_path)
     assert doctor.returncode == 0, doctor.stderr
     assert json.loads(doctor.stdout)["facts"]

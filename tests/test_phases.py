@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import deadline
 
 from resilient_strategy.records import phases
 from resilient_strategy.records.handoff import TrainingReporter
@@ -155,7 +156,7 @@ def _stack_ranks(tmp_path: Path) -> Iterator[list[subprocess.Popen[str]]]:
             with contextlib.suppress(OSError):
                 os.kill(p.pid, signal.SIGCONT)
             p.kill()
-            p.wait(timeout=30)
+            p.wait(timeout=deadline(30))
             if p.stdout is not None:
                 p.stdout.close()
 
@@ -180,11 +181,11 @@ def test_a_rank_whose_stacks_never_come_is_named_after_the_bound(tmp_path: Path)
         assert dump_stacks({3: child.pid}, tmp_path, wait_s=0.2) == [3]
     finally:
         child.kill()
-        child.wait(timeout=30)
+        child.wait(timeout=deadline(30))
         if child.stdout is not None:
             child.stdout.close()
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait(timeout=30)
+    gone.wait(timeout=deadline(30))
     assert dump_stacks({0: gone.pid}, tmp_path, wait_s=30.0) == []
 
 
@@ -248,7 +249,7 @@ def test_a_stopped_rank_is_not_asked_for_its_stacks_and_is_killed_at_once(
         assert "<module>" in (tmp_path / "rank0.stacks.txt").read_text()
         assert _pending(procs[1].pid) & (1 << (signal.SIGUSR1 - 1)) == 0
         assert stop_stopped(pids) == [1]
-        assert procs[1].wait(timeout=30) == -signal.SIGKILL
+        assert procs[1].wait(timeout=deadline(30)) == -signal.SIGKILL
         assert procs[0].poll() is None  # the running one is left to the agent's SIGTERM
         os.kill(procs[0].pid, signal.SIGSTOP)  # the check itself, on a signal sent now
         _seen_stopped(procs[0].pid)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import deadline
 
 from resilient_strategy.core.measures.probe import (
     ERROR,
@@ -481,7 +482,7 @@ def _probe_in_a_child(tmp_path: Path, sig: signal.Signals) -> int:
             assert _wait_for(lambda: len(_with_marker(marker)) == 2, 20)
             assert len(list(tmp_path.glob("rs-*"))) == 2  # rs-probe-<pid>-*, rs-proc-<pid>-*
             proc.send_signal(sig)
-            assert proc.wait(timeout=20) == -sig
+            assert proc.wait(timeout=deadline(20)) == -sig
             assert "not reached" not in proc.stdout.read()
             assert _wait_for(lambda: _with_marker(marker) == [], 10)  # no orphan either way
         finally:

@@ -13,6 +13,7 @@ from pathlib import Path
 from types import FrameType
 
 import pytest
+from conftest import deadline
 
 from resilient_strategy.probing import prober
 from resilient_strategy.probing.proc import GroupOutcome, WorkerCommand, run_group
@@ -169,7 +170,7 @@ def test_sigterm_to_the_parent_stops_the_workers_and_still_terminates_it(
             time.sleep(0.05)
         assert len(running(marker)) == 2
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=10) == -signal.SIGTERM
+        assert proc.wait(timeout=deadline(10)) == -signal.SIGTERM
         assert "not reached" not in proc.stdout.read()
     assert gone_soon(marker, within_s=1.0)
     assert not list(tmp_path.glob("rs-proc-*"))
@@ -241,7 +242,7 @@ def test_killed_workers_leave_no_nccl_shm_segments(tmp_path: Path, marker: str) 
         assert sorted(p.name for p in shm.iterdir()) == ["nccl-before", "nccl-held"]
     finally:
         holder.kill()
-        holder.wait(timeout=10)
+        holder.wait(timeout=deadline(10))
     assert running(marker) == []
 
 

@@ -11,6 +11,7 @@ import time
 import uuid
 
 import pytest
+from conftest import deadline
 
 from resilient_strategy.machine.procs import (
     alive,
@@ -57,22 +58,22 @@ def test_a_real_child_is_found_by_its_environment_and_seen_stopped() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                              env={**os.environ, "RS_TEST_TAG": tag, "RANK": "1"})
     try:
-        deadline = time.monotonic() + 10
-        while pids_with_env({"RS_TEST_TAG": tag}) != [child.pid] and time.monotonic() < deadline:
+        until = time.monotonic() + deadline(10)
+        while pids_with_env({"RS_TEST_TAG": tag}) != [child.pid] and time.monotonic() < until:
             time.sleep(0.01)
         assert pids_with_env({"RS_TEST_TAG": tag, "RANK": "1"}) == [child.pid]
         assert pids_with_env({"RS_TEST_TAG": tag, "RANK": "0"}) == []
         before = read_stat(child.pid)
         assert before is not None and not before.stopped
         os.kill(child.pid, signal.SIGSTOP)
-        deadline = time.monotonic() + 10
+        until = time.monotonic() + deadline(10)
         while not (st := read_stat(child.pid)) or not st.stopped:
-            assert time.monotonic() < deadline
+            assert time.monotonic() < until
             time.sleep(0.01)
         os.kill(child.pid, signal.SIGCONT)
     finally:
         child.kill()
-        child.wait(timeout=10)
+        child.wait(timeout=deadline(10))
     assert read_stat(child.pid) is None  # reaped: gone
     assert read_stat(os.getpid()) is not None
 
@@ -82,5 +83,5 @@ def test_alive_is_true_of_this_process_and_false_of_numbers_no_process_has() -> 
     for pid in (0, -1, -os.getpid(), 1 << 31, 10 ** 30):  # 0 and -n would signal a group
         assert not could_be_pid(pid) and not alive(pid)
     child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait(timeout=60)  # reaped: its pid names no process
+    child.wait(timeout=deadline(60))  # reaped: its pid names no process
     assert not alive(child.pid)

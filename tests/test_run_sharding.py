@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import deadline
 
 from resilient_strategy.core.call.options import RunOptions
 from resilient_strategy.core.measures.probe import OK, ProbeResult
@@ -245,7 +246,7 @@ def test_the_worker_wrapper_binds_the_script_before_it_runs(
     out = subprocess.run(
         [sys.executable, "-m", "resilient_strategy.run.worker", "--supervisor", str(os.getpid()),
          str(tmp_path / "decision.json"), str(script)],
-        env=env, capture_output=True, text=True, timeout=60)
+        env=env, capture_output=True, text=True, timeout=deadline(60))
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"visible": expected}
 
@@ -257,7 +258,7 @@ def _run_example(tmp: Path, *run_args: str) -> subprocess.CompletedProcess[str]:
         [sys.executable, "-m", "resilient_strategy", "run", "--nproc-per-node", "2",
          "--evidence-dir", str(tmp / "evidence"), *run_args,
          str(ROOT / "examples" / "torch_fsdp_train.py"), "--samples", "2048", "--epochs", "1"],
-        cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+        cwd=tmp, env=env, capture_output=True, text=True, timeout=deadline(300))
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import deadline
 
 from resilient_strategy.run import cmdline
 
@@ -73,7 +74,7 @@ def test_our_parser_reads_runs_options_without_torch(monkeypatch: pytest.MonkeyP
 def test_run_help_works_without_torch(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "resilient_strategy", "run", "--help"],
                           env=_env(tmp_path), cwd=tmp_path, capture_output=True, text=True,
-                          timeout=60)
+                          timeout=deadline(60))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "--min-throughput" in proc.stdout and "--nnodes" not in proc.stdout
 
@@ -103,7 +104,7 @@ def test_keras_without_torch_retries_an_exit_and_resumes(tmp_path: Path) -> None
         [sys.executable, "-m", "resilient_strategy", "run", "--logical-cpus", "2",
          "--stall-timeout", "60", str(ROOT / "examples" / "keras_train.py"), "--cpu-replicas",
          "2", "--samples", "2048", "--epochs", "3", "--checkpoint-dir", str(tmp_path / "backup")],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=deadline(600),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     chosen = re.findall(r"resilient_strategy chose: (.*?)[.(]", proc.stdout)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import deadline
 
 torch = pytest.importorskip("torch")
 
@@ -342,7 +343,7 @@ def _launch(how: str, tmp: Path, checkpoint_dir: Path) -> Any:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1",
            "RESILIENT_STRATEGY_CACHE_DIR": str(tmp / "cache"), "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run([*launcher, *script], cwd=tmp, env=env, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=deadline(300))
 
 
 @as_root

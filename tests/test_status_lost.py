@@ -20,6 +20,7 @@ from types import FrameType
 from typing import Any
 
 import pytest
+from conftest import deadline
 
 from resilient_strategy.core.measures.probe import ERROR, OK, ProbeResult, ProbeSpec, parse_probe
 from resilient_strategy.core.values.outcome import WorkerOutcome
@@ -191,7 +192,7 @@ def test_a_probe_under_a_reaping_sigchld_handler_passes(tmp_path: Path) -> None:
            if k not in ("RESILIENT_STRATEGY_PROBE_FAULT", forkserver.FORKSERVER_VAR)}
     env.update(PYTHONPATH=SRC, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     out = subprocess.run([sys.executable, str(script), SRC], env=env, capture_output=True,
-                         text=True, timeout=240, check=False)
+                         text=True, timeout=deadline(240), check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert (seen["status"], seen["cause"]) == (OK, "")

@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from conftest import deadline
 
 from resilient_strategy.errors import InvalidOptionError
 from resilient_strategy.records import phases
@@ -265,7 +266,7 @@ def _run(tmp: Path, cache: Path, script: Path, script_args: list[str],
     proc = subprocess.run(
         [sys.executable, "-m", "resilient_strategy", "run", "--nproc-per-node", "2",
          "--stall-timeout", "3", *run_args, str(script), *script_args],
-        env=_env(tmp, cache, **extra), cwd=tmp, capture_output=True, text=True, timeout=300,
+        env=_env(tmp, cache, **extra), cwd=tmp, capture_output=True, text=True, timeout=deadline(300),
     )
     _assert_clean(tmp)
     return proc
@@ -570,8 +571,8 @@ def test_a_sigkilled_supervisor_leaves_no_worker_and_its_run_dir_is_swept(
         env=_env(tmp_path, cache_dir, LAUNCHES=str(launches)), cwd=tmp_path,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (
+        until = time.monotonic() + deadline(120)
+        while time.monotonic() < until and not (
                 launches.exists() and len(launches.read_text().splitlines()) == 2):
             assert sup.poll() is None
             time.sleep(0.2)
@@ -582,9 +583,9 @@ def test_a_sigkilled_supervisor_leaves_no_worker_and_its_run_dir_is_swept(
         assert left == [f for f in left if f.startswith(f"rs-run-{sup.pid}-")] and left
     finally:
         sup.send_signal(signal.SIGKILL)
-        sup.wait(timeout=30)
-    deadline = time.monotonic() + 20
-    while _alive_with(str(tmp_path)) and time.monotonic() < deadline:
+        sup.wait(timeout=deadline(30))
+    until = time.monotonic() + deadline(20)
+    while _alive_with(str(tmp_path)) and time.monotonic() < until:
         time.sleep(0.1)
     assert _alive_with(str(tmp_path)) == []
     assert (tmp_path / "tmp" / left[0]).exists()  # left behind by the kill...

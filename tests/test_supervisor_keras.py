@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import deadline
 
 pytest.importorskip("tensorflow")
 pytest.importorskip("torch")  # the supervisor runs workers through torch's elastic agent
@@ -33,7 +34,7 @@ def test_keras_hang_relaunches_and_backup_and_restore_resumes(tmp_path: Path) ->
         [sys.executable, "-m", "resilient_strategy", "run", "--logical-cpus", "2",
          "--stall-timeout", "5", str(ROOT / "examples" / "keras_train.py"), "--cpu-replicas", "2",
          "--samples", "2048", "--epochs", "3", "--checkpoint-dir", str(tmp_path / "backup")],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=deadline(600),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     chosen = re.findall(r"resilient_strategy chose: (.*?)[.(]", proc.stdout)

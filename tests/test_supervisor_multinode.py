@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import deadline
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.slow, pytest.mark.torch]
@@ -73,7 +74,7 @@ def finish(procs: list[subprocess.Popen[str]]) -> tuple[list[int], list[str]]:
     try:
         for p in procs:
             try:
-                out, _ = p.communicate(timeout=LIMIT_S)
+                out, _ = p.communicate(timeout=deadline(LIMIT_S))
             except subprocess.TimeoutExpired:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
@@ -186,7 +187,7 @@ def test_node_1_killed_mid_decision_stops_node_0_within_the_deadlines(tmp_path: 
     procs = start_pair(tmp_path, JOB, [str(out)], probe_timeout=60,
                        RESILIENT_STRATEGY_PROBE_FAULT="hang:1:gloo")
     try:
-        end = time.monotonic() + LIMIT_S  # until node 1's side of the cross-node probe is up
+        end = time.monotonic() + deadline(LIMIT_S)  # until node 1's side of the cross-node probe is up
         while not processes_of(tmp_path, "torch_worker", "--rank 1"):
             assert time.monotonic() < end and procs[0].poll() is None, finish(procs)
             time.sleep(0.2)
@@ -202,7 +203,7 @@ def test_node_1_killed_mid_decision_stops_node_0_within_the_deadlines(tmp_path: 
     assert "NodeLostError" in logs[0] or "node 1" in logs[0], logs[0][-3000:]
     assert took < 60, took  # the heartbeat's staleness, not the 60 s probe timeout
     assert read(out, "decision") == {} and read(out, "trained") == {}  # no worker started
-    end = time.monotonic() + 15  # node 1's probe workers see their parent gone (watchdog)
+    end = time.monotonic() + deadline(15)  # node 1's probe workers see their parent gone (watchdog)
     while processes_of(tmp_path) and time.monotonic() < end:
         time.sleep(0.2)
     assert_clean(tmp_path, temp_files=False)  # a SIGKILLed node cannot remove its own

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import deadline
 
 from resilient_strategy.frameworks import teardown
 
@@ -62,7 +63,7 @@ def test_a_script_that_forgets_shutdown_ends_its_process_group_at_exit(tmp_path:
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
          "--master_port", str(_free_port()), str(script), str(tmp_path)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=deadline(240))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     seen = {p.name: json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
     assert seen == {"rank0.json": {"initialized": False}, "rank1.json": {"initialized": False}}

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import deadline
 
 pytest.importorskip("tensorflow")
 pytestmark = [pytest.mark.slow, pytest.mark.tensorflow]
@@ -70,7 +71,7 @@ class Workers:
         self.elapsed_s = 0.0
 
     def wait(self) -> list[int | None]:
-        end = self.started + LIMIT_S
+        end = self.started + deadline(LIMIT_S)
         codes = []
         for i, p in enumerate(self.procs):
             try:
@@ -204,7 +205,7 @@ def probe_both(tmp_path: Path, backend: str, fault_on_1: str = "") -> list[dict[
                                       cwd=tmp_path, stdout=subprocess.PIPE,
                                       stderr=subprocess.DEVNULL, start_new_session=True))
     try:
-        results = [json.loads(p.communicate(timeout=LIMIT_S)[0]) for p in procs]
+        results = [json.loads(p.communicate(timeout=deadline(LIMIT_S))[0]) for p in procs]
     finally:
         for p in procs:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -254,7 +255,7 @@ def test_worker_0_alone_trains_under_mirrored_strategy_whatever_tf_config_says(
                TF_CPP_MIN_LOG_LEVEL="2", OMP_NUM_THREADS="1", TMPDIR=str(tmp_path),
                TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": 0}}))
     out = subprocess.run([sys.executable, "-c", CHIEF_ALONE], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=LIMIT_S)
+                         capture_output=True, text=True, timeout=deadline(LIMIT_S))
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got == {"strategy": "MirroredStrategy", "replicas": 2, "updates": 2}

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import deadline
 
 pytest.importorskip("torch")
 
@@ -179,7 +180,7 @@ def test_a_planted_pickle_at_torchs_error_file_name_never_runs(
         proc = subprocess.run(
             [sys.executable, "-m", "resilient_strategy", "run", "--nproc-per-node", "1",
              "--max-relaunches", "0", start, str(script)],
-            env=env, cwd=base, capture_output=True, text=True, timeout=300, check=False)
+            env=env, cwd=base, capture_output=True, text=True, timeout=deadline(300), check=False)
     assert not marker.exists(), f"the other user's pickle ran as root: {saw}"
     assert proc.returncode != 0, proc.stderr[-3000:]  # the rank's exit 1 is the job's failure
     assert saw["seen"], "the watch saw nothing (not even the run's own directory)"

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from conftest import deadline
 
 from resilient_strategy.core.values.facts import FrameworkInfo
 from resilient_strategy.machine import versions
@@ -24,7 +25,7 @@ def _python(code: str, timeout: float = 120) -> subprocess.CompletedProcess[str]
     env = {**os.environ, "PYTHONPATH": SRC, "TF_CPP_MIN_LOG_LEVEL": "3"}
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True, text=True, env=env, timeout=timeout, check=False,
+        capture_output=True, text=True, env=env, timeout=deadline(timeout), check=False,
     )
 
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import deadline
 
 from resilient_strategy.core.call.options import DEFAULT_WARM_START
 from resilient_strategy.errors import InvalidOptionError
@@ -185,7 +186,7 @@ def test_the_fork_server_dies_with_a_sigkilled_supervisor_while_it_imports(
             assert (tmp_path / "importing").exists() and not _gone(server)
     finally:
         parent.kill()
-        parent.wait(timeout=30)  # not its output: a live server holds the pipe open
+        parent.wait(timeout=deadline(30))  # not its output: a live server holds the pipe open
         if parent.stdout is not None:
             parent.stdout.close()
     end = time.monotonic() + 30  # generous on a loaded machine; the import takes 120 s
@@ -210,7 +211,7 @@ def test_the_warm_workers_exit_codes_are_the_scripts(tmp_path: Path) -> None:
            "TMPDIR": str(tmp_path)}
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "_warm_exits.py"),
                            str(tmp_path / "work")], env=env, capture_output=True, text=True,
-                          timeout=240, check=False)
+                          timeout=deadline(240), check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["returns"] == {"exitcode": None, "done": True, "exited": [0],
@@ -340,11 +341,11 @@ def test_a_sigkilled_rank_under_warm_start_is_retried_and_resumes(
         os.kill(pids[0], signal.SIGKILL)
         killed = int((run.marks / "rank1.step").read_text())
         assert pids_with_env({TAG: run.tag, "RANK": "1"}) == []
-        out, _ = run.proc.communicate(timeout=240)
+        out, _ = run.proc.communicate(timeout=deadline(240))
     finally:
         if run.proc.poll() is None:
             run.proc.kill()
-            run.proc.communicate(timeout=30)
+            run.proc.communicate(timeout=deadline(30))
     assert run.proc.returncode == 0, out[-3000:]
     assert run.left() == []
     # nothing left in the temp dir either: the run's directory, the fork server's socket's
@@ -391,5 +392,5 @@ def test_a_sigkilled_supervisor_leaves_no_process_under_warm_start(
         assert len(pids_with_env({TAG: run.tag})) >= 4  # supervisor, fork server, 2 ranks
     finally:
         run.proc.send_signal(signal.SIGKILL)
-        run.proc.communicate(timeout=30)
+        run.proc.communicate(timeout=deadline(30))
     assert run.left() == []

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import deadline
 
 from resilient_strategy.frameworks.tensorflow import TfRuntime
 
@@ -81,7 +82,7 @@ def test_fit_with_jit_compile_on_the_fallback_trains_without_xla(tmp_path: Path)
     out = tmp_path / "out.json"
     env = {**os.environ, "PYTHONPATH": SRC, "KERAS_BACKEND": "tensorflow",
            "TF_CPP_MIN_LOG_LEVEL": "2"}
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(out)], env=env, timeout=300,
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(out)], env=env, timeout=deadline(300),
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(out.read_text())
