@@ -380,3 +380,19 @@ class AccumulateRequiredError(ResilientStrategyError):
             "optimizer.zero_grad() inside `with accelerator.accumulate(model):` (drop the "
             "loop's own `% k` test)")
 
+
+class LaunchFaultError(ResilientStrategyError):
+    """A probe failed for the launch's reason, not its candidate's (a port held, a store that
+    cannot be reached, a name that does not resolve, a library that breaks ``import torch``,
+    CUDA initialised too early: ``core.knowledge.causes.LAUNCH_CAUSES``): every candidate would
+    fail the same way, so the decision stops here rather than fall back to fewer devices, and
+    nothing of it is cached. ``cause``: the cause's key; ``candidate``: what was probed;
+    ``said``: the failing worker's line."""
+
+    def __init__(self, cause: str, candidate: str, words: str, said: str = "") -> None:
+        self.cause = cause
+        self.candidate = candidate
+        self.said = said
+        quoted = f" (the probe of {candidate} said: {said})" if said else ""
+        super().__init__(f"the launch, not a strategy, failed: {words}{quoted}. Every strategy "
+                         "would fail the same way, so none was chosen: fix it and run again.")

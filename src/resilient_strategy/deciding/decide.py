@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..core.call.options import Options
-from ..core.knowledge.causes import RETRY_AFTER_CHECK_CAUSES
+from ..core.knowledge.causes import CAUSES, LAUNCH_CAUSES, RETRY_AFTER_CHECK_CAUSES
 from ..core.measures.memory import model_memory
 from ..core.measures.probe import (
     ENVIRONMENTAL_CAUSES,
@@ -34,6 +34,7 @@ from ..core.values.human import human_bytes
 from ..errors import (
     FailureCause,
     GpuUnusableError,
+    LaunchFaultError,
     NoSpaceError,
     ResilientStrategyError,
 )
@@ -195,6 +196,8 @@ def decide(
                                      retried, progress)
         if res.cause == NO_SPACE:
             raise no_space_error(c, res, temp_root(env))
+        if res.cause in LAUNCH_CAUSES:  # every candidate would meet it: no fallback, no cache
+            raise launch_fault_error(c, res)
         if check is not None and res.cause not in ("budget",):
             spec = spec_for(c, opts, timeout_s)
             due = unproven.after_probe(spec, res, _check_fits(
@@ -399,6 +402,17 @@ def no_space_error(c: Candidate, res: ProbeResult, temp_root: str) -> NoSpaceErr
              res.detail)
     return NoSpaceError(f"{temp_root.rstrip('/') or '/'}/rs-probe-...",
                         f"the files of the probe of {c.label} (unknown: no space)")
+
+
+def launch_fault_error(c: Candidate, res: ProbeResult) -> LaunchFaultError:
+    """A probe that failed for the launch's reason (`LAUNCH_CAUSES`: a library that breaks
+    ``import torch``, a port held, ...): no verdict on ``c``, and every other candidate would
+    fail the same way, so the decision stops here naming it, rather than fall back to one
+    device that dies the same way (nothing of it is cached)."""
+    log.info("resilient_strategy: the probe of %s failed for the launch's reason: %s", c.key,
+             res.detail)
+    return LaunchFaultError(res.cause, c.label, CAUSES.get(res.cause, res.cause),
+                            " ".join(res.detail.split())[:200])
 
 
 def close_fork_servers() -> None:

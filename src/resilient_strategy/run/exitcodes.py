@@ -4,8 +4,10 @@
 A requeue script reads them as: 0 done; 1 the user's code failed (requeueing would fail the
 same way); 75 this machine could not keep the job running (requeue it elsewhere: sysexits'
 ``EX_TEMPFAIL``, "a temporary failure, the user is invited to retry"); 128 + N interrupted by
-signal N (130 for Ctrl-C, 143 for SIGTERM: a scheduler's preemption); 2 the command line or an
-environment variable was wrong (nothing ran).
+signal N (130 for Ctrl-C, 143 for SIGTERM: a scheduler's preemption); 2 the configuration
+is wrong: the command line, an environment variable, or the launch (a port held, a store
+unreachable, a name that does not resolve, a library that breaks ``import torch``): do not
+retry, fix it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ class ExitCode(IntEnum):
     #: The script failed in its own code (an exception, out of memory, ranks that diverged):
     #: do not requeue.
     USER_ERROR = 1
-    #: The command line or a ``RESILIENT_STRATEGY_*`` variable is invalid: nothing ran.
+    #: The configuration is wrong: the command line or a ``RESILIENT_STRATEGY_*`` variable is
+    #: invalid (nothing ran), or the launch itself is (a ``launch`` verdict: a rendezvous port
+    #: already held, a store unreachable, a name that does not resolve, a library that breaks
+    #: ``import torch``, CUDA initialised too early; or one fault that recurs identically on two
+    #: strategies). Do not retry: fix the configuration.
     USAGE = 2
     #: The infrastructure of this machine is exhausted: no strategy works here, a node was lost,
     #: no candidate left, only candidates below the throughput floor, the relaunch limit,

@@ -12,6 +12,11 @@ to the next candidate, or stop with an exit code for the scheduler.
 - A one-device job never blames a backend: a signature there counts as an exit.
 - The script's own faults (an exception, out of memory, diverged ranks) stop with
   `USER_ERROR`: do not requeue.
+- A launch fault (a port held, a store unreachable, a name that does not resolve, a library
+  that breaks ``import torch``, CUDA initialised too early: the ``launch`` verdict) stops with
+  `USAGE`, the configuration's code: every strategy would meet it. So does a fault that recurs
+  identically (the same cause and the same quoted error, numbers aside) on a second strategy
+  (`recurring`): it follows the job, not a strategy. Neither steps down nor reaches the cache.
 - A node cut off from the job's store (multi-node) stops with
   `INFRASTRUCTURE`: the others go on without it.
 - A node lost at a relaunch's agreement is dropped: node 0 goes on alone
@@ -31,6 +36,7 @@ kit's replay (`resilient_strategy.testing.replay`) both run `relaunch`: one ladd
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
@@ -42,6 +48,7 @@ if TYPE_CHECKING:
 from ..core.call.options import DEFAULT_FAULT_WINDOW
 from ..core.measures.estimate import throughput_fraction
 from ..core.measures.probe import ERROR, ProbeResult
+from ..core.values.candidate import CandidateKey
 from ..errors import NoWorkingStrategyError
 from .exitcodes import ExitCode
 from .verdicts import Verdict, VerdictKind, one_line
@@ -157,6 +164,35 @@ def faults_in_window(verdict: Verdict, candidate: str, history: Sequence[Attempt
             and verdict.step - a.verdict.step < window]
 
 
+def fault_signature(verdict: Verdict) -> str | None:
+    """What makes two faults the same fault (pure): a communication error or an exit with a
+    rank's own error (an error record, or a cause the signature table placed), by its cause and
+    its quoted error with the numbers masked (each rank's port, each attempt's pid). None for
+    a fault with nothing quoted to compare (a stall, a bare signal, a lost node)."""
+    if verdict.kind not in (VerdictKind.BACKEND, VerdictKind.EXIT):
+        return None
+    if not verdict.blame and verdict.cause in ("", "crash", "worker_error"):
+        return None
+    quoted = re.sub(r"\d+", "#", " ".join(verdict.detail.split()))
+    return f"{verdict.cause}|{quoted}" if quoted else None
+
+
+def _backend(key: str) -> str:
+    parsed = CandidateKey.read(key)
+    return key if parsed is None else parsed.backend
+
+
+def recurring(verdict: Verdict, candidate: str, history: Sequence[Attempt]) -> Attempt | None:
+    """The earlier attempt on another strategy (another backend: NCCL with a remedy, or with
+    FSDP, is still NCCL) that failed exactly as ``verdict`` says (`fault_signature`), if any
+    (pure): a fault that follows the job from backend to backend is not a backend's."""
+    mine = fault_signature(verdict)
+    if mine is None:
+        return None
+    return next((a for a in reversed(history) if _backend(a.candidate) != _backend(candidate)
+                 and fault_signature(a.verdict) == mine), None)
+
+
 def judge(verdict: Verdict, candidate: str, history: Sequence[Attempt],
           policy: RelaunchPolicy) -> Judgement:
     """What to do after an attempt on ``candidate`` came to ``verdict`` (already
@@ -166,6 +202,17 @@ def judge(verdict: Verdict, candidate: str, history: Sequence[Attempt],
     if verdict.users:
         return Judgement(Action.STOP, "the script's own fault: another attempt or strategy "
                          "would fail the same way", ExitCode.USER_ERROR)
+    if verdict.kind is VerdictKind.LAUNCH:
+        said = f"{verdict.detail} (" if verdict.detail else "a launch fault ("
+        return Judgement(Action.STOP, f"{said}the launch's, not a strategy's: every strategy "
+                         "would meet it; no step-down, do not requeue)", ExitCode.USAGE)
+    again = recurring(verdict, candidate, history)
+    if again is not None:
+        return Judgement(Action.STOP, f"the same fault as on {again.label} (attempt "
+                         f"{again.number + 1}): it follows the job from strategy to strategy, "
+                         "so it is the launch's or the environment's, not a strategy's (no "
+                         "further step-down; fix it and run again, do not requeue)",
+                         ExitCode.USAGE)
     if verdict.kind is VerdictKind.CUT_OFF:
         return Judgement(Action.STOP, "this node is cut off from the job's store: the other "
                          "nodes go on without it (requeue it elsewhere)", ExitCode.INFRASTRUCTURE)

@@ -76,6 +76,7 @@ if TYPE_CHECKING:
     from ..core.values.facts import Facts
     from .peers import NodeLink, PeerWatch
 
+from . import launch as launch_faults
 from .agent import launch
 from .cmdline import node_count, options_from_args, torch_launcher
 from .evidence import Evidence
@@ -204,14 +205,22 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
                 verdict = launch_one(opts, decision)
         except Exception as exc:
             if type(exc).__name__ != "SignalException":  # the agent stopped the workers
-                raise
-            signum = int(getattr(exc, "sigval", 15))
-            _say(f"stopped by signal {signum}; the workers are stopped")
-            return interrupted(signum)
+                # a launch fault before any worker started (the rendezvous store on a held
+                # --master-port): a verdict like any other, never torch's traceback
+                raised = launch_faults.raised(launch_faults.chain_of(exc))
+                if raised is None:
+                    raise
+                verdict = raised
+            else:
+                signum = int(getattr(exc, "sigval", 15))
+                _say(f"stopped by signal {signum}; the workers are stopped")
+                return interrupted(signum)
         finally:
             if peer is not None:
                 peer.close()
         verdict = effective(verdict, choice.candidate.num_replicas)
+        if verdict.kind is VerdictKind.LAUNCH:  # named: the port's holder where /proc shows it
+            verdict = launch_faults.named(verdict, _holders(verdict))
         gone: dict[int, str] = {}
         if peer is not None:
             verdict = verdict_with_peers(peer, decision.chosen, verdict)
@@ -409,6 +418,16 @@ def _measured_words(measured: MeasuredNote, outcome: str,
         return (f"{rate}, against {first.steps_per_s:.3g} on {first.candidate}: "
                 + ("kept (faster)" if outcome == "kept" else "not kept (slower)"))
     return rate + ("; a faster candidate is tried at a checkpoint" if outcome == "tried" else "")
+
+
+def _holders(verdict: Verdict) -> tuple[Any, ...]:
+    """Who holds the port a ``port_in_use`` verdict names (`machine.ports`: ``/proc``)."""
+    port = launch_faults.port_in(verdict.summary)
+    if verdict.cause != "port_in_use" or port is None:
+        return ()
+    from ..machine.ports import port_holders
+
+    return port_holders(port)
 
 
 def _retry(choice: Choice, session: Path, attempt: int, link: NodeLink | None,

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
-from ..core.knowledge.causes import CAUSES
+from ..core.knowledge.causes import CAUSES, LAUNCH_CAUSES
 from ..core.knowledge.signatures import Signatures, builtin_signatures
 from ..core.measures.probe import names_the_error, telling_line
 from ..core.values.human import compose, fit
@@ -270,6 +270,12 @@ class VerdictKind(Enum):
     OOM = "oom"
     #: An exception in the user's code.
     USER = "user"
+    #: The launch's fault, not a strategy's: a rendezvous port already held, a store that cannot
+    #: be reached, a name that does not resolve, a library that breaks ``import torch``, CUDA
+    #: initialised too early (`core.knowledge.causes.LAUNCH_CAUSES`, placed by the signature
+    #: table). Every strategy would meet it: never stepped down, never cached; the run stops
+    #: with the configuration's exit code.
+    LAUNCH = "launch"
     #: No fault: the supervisor stopped a healthy attempt at a checkpoint to try a candidate
     #: measured clearly faster, or to go back from a trial measured slower (issue 41;
     #: `run.policy.switch_due`). Never stepped down, never cached.
@@ -371,6 +377,9 @@ class Verdict:
     #: Seconds from the fault to the verdict where the supervisor knows them (a stall: how long
     #: the others waited); None: seen within the monitor's interval (an exit, an error record).
     detect_s: float | None = None
+    #: A launch fault's port holders where ``/proc`` shows them (`machine.ports`): their pids
+    #: (0: a process of another user, not visible here).
+    held_by: tuple[int, ...] = ()
     #: A stall's kind (`records.progress.Stall.kind`: ``collective``, ``straggler``,
     #: ``setup``, ``quiet``, ``stopped``, ``busy``, ``asleep``); empty for any other verdict.
     stall: str = ""
@@ -420,6 +429,7 @@ class Verdict:
                 "step": self.step, "cause": self.cause, "node": self.node,
                 "ranks": list(self.ranks), "where": self.where, "detail": self.detail,
                 "blame": self.blame, "seen": self.seen, "detect_s": self.detect_s,
+                "held_by": list(self.held_by),
                 "stall": self.stall,
                 **({"flight": self.flight.to_dict()} if self.flight is not None else {})}
 
@@ -437,6 +447,7 @@ class Verdict:
                        else FlightFacts.from_dict(d["flight"]),
                        blame=str(d.get("blame", "") or ""), seen=str(d.get("seen", "") or ""),
                        detect_s=None if d.get("detect_s") is None else float(d["detect_s"]),
+                       held_by=tuple(int(p) for p in d.get("held_by", ()) or ()),
                        stall=str(d.get("stall", "") or ""))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a verdict record: {exc}") from None
@@ -551,10 +562,36 @@ def classify_attempt(stall: Stall | None, exits: Sequence[RankExit],
     return replace(verdict, detail=error_words(named[0].what()))
 
 
+def launch_cause(exits: Sequence[RankExit], signatures: Signatures | None = None) -> str:
+    """The launch cause (`LAUNCH_CAUSES`) the signature table places on a failed rank's error
+    (its chain's messages) or on the end of its output ("": none). Pure."""
+    table = signatures or builtin_signatures()
+    for e in exits:
+        error = e.error or {}
+        chain = error_chain(error) or ()
+        texts = ("\n".join([str(error.get("message", "")), *(r.message for r in chain)]),
+                 e.stderr_tail[-TAIL_SIGNATURE_BYTES:])
+        for text in texts:
+            placed = table.classify(text) if text.strip() else ""
+            if placed in LAUNCH_CAUSES:
+                return placed
+    return ""
+
+
 def _classify_exits(exits: Sequence[RankExit]) -> Verdict:
     step = step_in_progress([e.record for e in exits])
     text = describe_exits(exits)
     kinds = [e.error_kind for e in exits]
+    # the launch's fault first: a port held, a store unreachable, a library that breaks the
+    # import follow the job to every strategy, whoever raised them
+    launch = launch_cause(exits)
+    if launch:
+        table = builtin_signatures()
+        hit = [e for e in exits if launch_cause([e], table) == launch]
+        return Verdict(VerdictKind.LAUNCH, f"a launch fault: {text}", step, launch,
+                       ranks=tuple(e.rank for e in hit),
+                       where=next((e.where() for e in hit if e.where()), ""),
+                       blame=next((b.why for e in hit if (b := e.blamed) is not None), ""))
 
     def blamed(*which: str | None) -> tuple[tuple[int, ...], str]:
         named = [e for e, k in zip(exits, kinds, strict=True) if k in which] or list(exits)
@@ -621,6 +658,7 @@ def merge(faults: Sequence[PeerFault]) -> Verdict | None:
     for it: a connection error or a wait that follows on another node is its consequence), then
     a stall, then a backend's signature; the lowest node among equals. None for no record."""
     order = {VerdictKind.USER: 0, VerdictKind.OOM: 0, VerdictKind.DIVERGED: 0,
+             VerdictKind.LAUNCH: 0,
              VerdictKind.EXIT: 1, VerdictKind.LOST: 1, VerdictKind.CUT_OFF: 1,
              VerdictKind.JOIN: 2, VerdictKind.SWITCH: 2, VerdictKind.STALL: 3,
              VerdictKind.BACKEND: 4, VerdictKind.OK: 5}
@@ -680,7 +718,7 @@ KIND_WORDS = {
     VerdictKind.STALL: "stall", VerdictKind.EXIT: "a rank exited", VerdictKind.LOST: "node lost",
     VerdictKind.CUT_OFF: "cut off from the job's store", VerdictKind.DIVERGED: "ranks diverged",
     VerdictKind.OOM: "out of memory", VerdictKind.USER: "the script's error",
-    VerdictKind.JOIN: "a node asked to join",
+    VerdictKind.JOIN: "a node asked to join", VerdictKind.LAUNCH: "launch fault",
     VerdictKind.SWITCH: "stopped at a checkpoint for a measured switch",
 }
 _ERROR_TYPE = re.compile(r"^(?:[\w.]*(?:Error|Exception)|Traceback[^:]*): ")

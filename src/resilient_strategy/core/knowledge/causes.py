@@ -116,6 +116,26 @@ CAUSES: dict[str, str] = {
     "limit (ulimit -n 65536) or use fewer DataLoader workers, and run again",
     "permission": "a file or directory the run needs is not writable or readable by this user "
     "(Permission denied): fix its owner or mode (or TMPDIR), and run again",
+    # The launch's, not a strategy's: the job stops with the configuration code (LAUNCH_CAUSES).
+    "port_in_use": "the rendezvous port is already in use on this machine (EADDRINUSE: another "
+    "job, or an older job's orphan, holds it): stop that process, or pass a free --master-port "
+    "(under resilient-strategy run, leave --master-port out: a one-node run takes a free port)",
+    "store_unreachable": "the rendezvous store could not be reached (a client timed out "
+    "connecting to MASTER_ADDR:MASTER_PORT, or the store gave up waiting for the ranks): check "
+    "that MASTER_ADDR and MASTER_PORT name the node that hosts it, that it runs, and that no "
+    "firewall is in between; a stale MASTER_ADDR from an older job does this",
+    "name_unresolved": "a host name of the launch does not resolve (MASTER_ADDR, the rendezvous "
+    "endpoint or this node's hostname: 'Name or service not known', 'Temporary failure in name "
+    "resolution'): give an address, or fix /etc/hosts or DNS for that name",
+    "torch_import": "the framework cannot be imported in this environment (a shared library it "
+    "loads is missing or the wrong version: an older libnccl or libcudart first on "
+    "LD_LIBRARY_PATH, or two NCCL packages installed): remove that directory from "
+    "LD_LIBRARY_PATH or the conflicting package (pip list | grep nvidia-nccl), so that torch "
+    "loads the libraries it was built with",
+    "cuda_initialized": "CUDA was initialised before the decision or before a fork (a "
+    "torch.cuda call at import time, or in the parent of forked workers): CUDA cannot be "
+    "re-initialised in a forked process, nor see a new CUDA_VISIBLE_DEVICES; move that call "
+    "below resilient_strategy(), or use the 'spawn' start method",
     # No verdict at all: how the probe ended is unknown (see NO_VERDICT_CAUSES).
     "status_lost": "a probe worker's exit status was taken by another reaper in the deciding "
     "process (a SIGCHLD handler of the script's that waits for every child), so how the probe "
@@ -132,7 +152,16 @@ GPU_WIDE_CAUSES = frozenset({"cuda_init", "driver_too_old"})
 #: permissions), not from the candidate: they say nothing about the backend, so they are never
 #: cached and never rule a candidate out beyond the run that met them.
 ENVIRONMENTAL_CAUSES = frozenset({"no_space", "too_many_files", "permission", "nccl_oom",
-                                  "status_lost"})
+                                  "status_lost", "port_in_use", "store_unreachable",
+                                  "name_unresolved", "torch_import", "cuda_initialized"})
+
+#: Causes that are the launch's, not a strategy's (a port held, a store unreachable, a name
+#: that does not resolve, a library that breaks ``import torch``, CUDA initialised too early):
+#: every strategy would meet them. A probe that fails with one stops the decision with a
+#: `LaunchFaultError` (`deciding.decide`); a training attempt with one is a ``launch``
+#: verdict (`run.verdicts`): no step-down, no cache entry, the configuration's exit code.
+LAUNCH_CAUSES = frozenset({"port_in_use", "store_unreachable", "name_unresolved",
+                           "torch_import", "cuda_initialized"})
 
 #: Causes that are no verdict on the candidate at all, so never a reason to fall back to
 #: another (`deciding.decide`): a probe that could not write its files (``no_space``) stops
