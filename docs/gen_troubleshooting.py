@@ -71,11 +71,34 @@ def _name(entry: Mapping[str, Any]) -> str:
     return "entry"
 
 
+#: The values a rule's message or a remedy's variable shows for the example machine of this page,
+#: where the tool puts the machine's own (``{driver.version}``: `fill_message`): a driver too
+#: old for a CUDA 12 build, a torch bundling an NCCL older than Hopper's, two RDMA devices...
+EXAMPLE: dict[str, Any] = {
+    "driver.version": "470.256.02", "driver.cuda": "11.4", "torch.nccl": "2.14.3",
+    "torch.version": "2.13.0+rocm6.4", "torch.hip": "6.4", "host.amd_gpus": 8,
+    "host.cuda_compat": "12.8", "host.port_range": "32768-60999", "env.MASTER_PORT": "41163",
+    "env.GLOO_SOCKET_IFNAME": "^docker0,lo", "platform.fabric_manager": "470.239.06",
+    "platform.rdma_devices": ("mlx5_0", "mlx5_1"), "gpus.nvlinks_outside": 12,
+}
+
+
+def _shown(value: Any) -> str:
+    return ",".join(value) if isinstance(value, tuple) else str(value)
+
+
+def _filled(text: str) -> str:
+    """``text`` as the tool prints it on the example machine (`EXAMPLE`)."""
+    from resilient_strategy.core.knowledge.clauses import fill_message
+
+    return fill_message(text, EXAMPLE)
+
+
 def _value(v: Any) -> str:
     if isinstance(v, str):
-        return v.replace("\n", " ").strip()
+        return _filled(v.replace("\n", " ").strip())
     if isinstance(v, Mapping):
-        return ", ".join(f"`{k}={x}`" for k, x in v.items())
+        return ", ".join(f"`{k}={_filled(str(x))}`" for k, x in v.items())
     if isinstance(v, Sequence):
         return ", ".join(_value(x) if isinstance(x, Mapping) else f"`{x}`" for x in v)
     return f"`{v}`"
@@ -113,7 +136,7 @@ def _generic(kind: str, entry: Mapping[str, Any], skip: Sequence[str] = ()) -> l
 
 
 def _env(remedy: Mapping[str, str]) -> str:
-    return " ".join(f"`{k}={v}`" for k, v in remedy.items())
+    return " ".join(f"`{k}={_filled(str(v))}`" for k, v in remedy.items())
 
 
 def _remedy_words(r: Mapping[str, Any]) -> str:
@@ -265,7 +288,9 @@ def render(core: Path = CORE) -> str:
              "warning and in `sel.explain()`, and acts on it. This page lists every cause, what "
              "it does about it, and every known-issue rule. What you can do is in each entry's "
              "words; [Reading a decision trace](how-to/decision-trace.md) shows where to find "
-             "them for your run.", ""]
+             "them for your run. Where a message or a variable names a value of the machine "
+             "(a version, a device), it is shown for an example machine: "
+             + ", ".join(f"`{k}` {_shown(v)}" for k, v in EXAMPLE.items()) + ".", ""]
     lines += _causes(sigs, remedy_data)
     from resilient_strategy.core.knowledge.causes import CAUSES
 
