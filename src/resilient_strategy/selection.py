@@ -624,6 +624,16 @@ class Selection:
         self._tensorflow_only("wrap_optimizer")
         return self.runtime.wrap_optimizer(optimizer)
 
+    def load_model(self, path: Any, **kwargs: Any) -> Any:
+        """TensorFlow: ``keras.models.load_model(path, **kwargs)`` in the scope, the loaded
+        optimizer then given this decision's gradient accumulation with its state kept, so a
+        full-model checkpoint saved under another strategy (2 mirrored replicas, or the
+        accumulating fallback) resumes on this one
+        ([TfRuntime.load_model][resilient_strategy.frameworks.tensorflow.TfRuntime.load_model])."""
+        self._tensorflow_only("load_model")
+        self._leave_if_idle()
+        return self.runtime.load_model(path, **kwargs)
+
     def callbacks(self, backup_dir: str | None = None, *,
                   save_freq: str | int = "epoch") -> list[Any]:
         """TensorFlow: Keras callbacks for ``fit`` that check, before the first step, that the

@@ -270,6 +270,81 @@ class TfRuntime:
                 inner.learning_rate = wrapped  # Keras's setter takes a schedule as is
         return optimizer
 
+    def load_model(self, path: Any, **kwargs: Any) -> Any:
+        """``keras.models.load_model(path, **kwargs)`` inside the scope, its optimizer then made
+        to accumulate as this runtime needs (`fit_optimizer`): a full-model checkpoint saved
+        under another strategy (2 mirrored replicas, no accumulation) brings back an optimizer
+        that `check_optimizer` refuses on the fallback, and one saved on the fallback an
+        accumulating optimizer that MirroredStrategy cannot run (keras-team/keras#20582)."""
+        import keras
+
+        update_step_schedule_class()  # registered: a checkpoint of the fallback may hold one
+        with self.scope():
+            model = keras.models.load_model(path, **kwargs)
+            if getattr(model, "optimizer", None) is not None:
+                with keras.saving.CustomObjectScope(kwargs.get("custom_objects") or {}):
+                    self.fit_optimizer(model)
+        return model
+
+    def fit_optimizer(self, model: Any) -> bool:
+        """Give a compiled (loaded) model's optimizer this runtime's gradient accumulation,
+        keeping its state: the optimizer is recompiled from its own configuration with
+        ``gradient_accumulation_steps`` = n (None for 1) and its learning-rate schedule counted
+        per update (`update_step_schedule`), its variables copied by path (momenta, the EMA,
+        ...), and ``iterations`` (micro-steps under accumulation) converted so that the
+        optimizer updates done stay the same; the accumulators start at zero (a partial
+        accumulation saved mid-update is dropped, with a warning). Call it in the scope,
+        before ``fit``. Returns whether it changed anything."""
+        import keras
+
+        old = model.optimizer
+        inner = _innermost(old)
+        if inner is not old:
+            raise InvalidOptionError(
+                f"{type(old).__name__} wraps the optimizer (mixed float16): its accumulation "
+                "cannot be changed after loading; load with compile=False, then compile with "
+                "keras.optimizers.<Name>(..., **sel.optimizer_kwargs(learning_rate=...))")
+        had = getattr(inner, "gradient_accumulation_steps", None) or 1
+        n = self.accumulation_steps
+        schedule = getattr(inner, "_learning_rate", None)
+        base = schedule.schedule if isinstance(schedule, update_step_schedule_class()) \
+            else schedule
+        if had == n and not (_is_schedule(schedule) and
+                             not _is_update_step_schedule(schedule, n) and n > 1):
+            return False
+        if type(model).compile is not keras.Model.compile:
+            raise InvalidOptionError(
+                f"{type(model).__name__} overrides compile(), so its optimizer cannot be "
+                "recompiled here: load with compile=False, then compile it with "
+                "keras.optimizers.<Name>(..., **sel.optimizer_kwargs(learning_rate=...))")
+        state = {v.path: v for v in inner.variables}
+        # Keras counts micro-steps in ``_iterations`` (its schedules read it) and shows
+        # ``iterations`` = updates (3.15: ``_iterations // gradient_accumulation_steps``)
+        micro = getattr(inner, "_iterations", inner.iterations)
+        updates, partial = divmod(int(micro.numpy()), had)
+        config = inner.get_config()
+        config["gradient_accumulation_steps"] = n if n > 1 else None
+        if _is_schedule(base):
+            config["learning_rate"] = update_step_schedule(base, n)
+        compiled = model.get_compile_config()
+        compiled["optimizer"] = keras.optimizers.serialize(type(inner).from_config(config))
+        model.compile_from_config(compiled)  # builds the new optimizer on the model's variables
+        new = model.optimizer
+        if not getattr(new, "built", False):
+            new.build(model.trainable_variables)
+        counter = getattr(new, "_iterations", new.iterations)
+        for variable in new.variables:
+            if variable is counter:
+                variable.assign(updates * n)
+            elif variable.path in state:
+                variable.assign(state[variable.path])
+        if partial:
+            log.warning(
+                "resilient_strategy: the checkpoint was saved %d micro-step(s) into an update of "
+                "%d; that partial accumulation is dropped (the optimizer resumes after update "
+                "%d)", partial, had, updates)
+        return True
+
     def check_optimizer(self, model_or_optimizer: Any) -> None:
         """Raise `InvalidOptionError` if a compiled model's (or an) optimizer does not
         accumulate this selection's ``accumulation_steps``: it would train with 1/n of the global

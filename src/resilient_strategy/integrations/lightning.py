@@ -168,7 +168,7 @@ def _resilient_cli_class(base: Any) -> Any:
     """``base`` (LightningCLI or a subclass) with the selection's Trainer arguments applied."""
     import inspect
 
-    class ResilientLightningCLI(base):  # type: ignore[misc, valid-type]
+    class ResilientLightningCLI(base):  # type: ignore[misc]
         def __init__(self, *args: Any, resilient_selection: tuple[Selection, dict[str, Any],
                                                                   str | None],
                      **kwargs: Any) -> None:
