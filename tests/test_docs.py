@@ -335,8 +335,13 @@ def _check_printed(name: str, printed: str) -> bool:
     return _matches(_quotes(ROOT / QUOTES[name][0])[name].splitlines(), lines)
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
-    _write_quotes()
-elif __name__ == "__main__" and sys.argv[1:2] == ["--check"] and len(sys.argv) == 4:
-    if not _check_printed(sys.argv[2], Path(sys.argv[3]).read_text(encoding="utf-8")):
-        sys.exit(f"{QUOTES[sys.argv[2]][0]}'s quote {sys.argv[2]!r} is not what was printed")
+def _main(argv: list[str]) -> None:
+    if argv == ["--write"]:
+        _write_quotes()
+    elif argv[:1] == ["--check"] and len(argv) == 3 \
+            and not _check_printed(argv[1], Path(argv[2]).read_text(encoding="utf-8")):
+        sys.exit(f"{QUOTES[argv[1]][0]}'s quote {argv[1]!r} is not what was printed")
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
