@@ -629,7 +629,7 @@ class Selection:
         optimizer then given this decision's gradient accumulation with its state kept, so a
         full-model checkpoint saved under another strategy (2 mirrored replicas, or the
         accumulating fallback) resumes on this one
-        ([TfRuntime.load_model][resilient_strategy.frameworks.tensorflow.TfRuntime.load_model])."""
+        (``TfRuntime.load_model`` in ``resilient_strategy.frameworks.tensorflow``)."""
         self._tensorflow_only("load_model")
         self._leave_if_idle()
         return self.runtime.load_model(path, **kwargs)
