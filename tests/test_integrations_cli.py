@@ -222,3 +222,10 @@ def test_accelerate_loops_that_keep_the_global_batch_train_as_the_uninterrupted_
     fallback = _accelerate_loop(_cpu_sel(fallback=True), by_hand=None)  # accumulate: 2 x 16
     assert fallback["per_step"] == whole["per_step"]
     assert fallback["weight"] == pytest.approx(whole["weight"], abs=1e-6)
+
+
+def test_load_model_is_tensorflows() -> None:
+    from resilient_strategy.errors import WrongFrameworkError
+
+    with pytest.raises(WrongFrameworkError):
+        _cpu_sel(fallback=False).load_model("model.keras")
