@@ -126,6 +126,11 @@ class Selection:
     simulated: bool = False
     """Whether the probe outcomes came from a described machine (the testing kit, `--simulate`),
     not from probes run here."""
+    bound_ordinal: int | None = None
+    """Where the scheduler bound this process to GPUs of its own (SLURM's
+    ``--gpus-per-task``): the CUDA ordinal, in this process's own numbering, of the GPU it
+    trains on; `devices` then number the node's GPUs, one per local rank. None where every
+    local rank sees the same GPUs (torchrun: local rank i trains on ``devices[i]``)."""
     advise: Callable[[int], str | None] | None = field(default=None, repr=False, compare=False)
     """Given the model's measured gradient bytes, advice when another candidate would be faster
     (used by `prepare()`); None when the model's size was given up front."""
@@ -558,6 +563,7 @@ class Selection:
             local_rank=self.launch.local_rank if world > 1 else 0, world_size=world,
             timeout_s=self.process_group_timeout, precision=self.precision,
             sharded=self.candidate.sharded, offload=self.candidate.offload,
+            own_device=self.bound_ordinal,
         )
 
     @property
