@@ -1,5 +1,5 @@
-"""Only proof is cached (issue 22.1): a mid-run failure only with a probe that reproduced it,
-never a failure of the candidate of last resort, never a cause of the machine's state."""
+"""Only proof is cached (issue 22.1): never a failure a training process met mid-run, never a
+failure of the candidate of last resort, never a cause of the machine's state."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from resilient_strategy.core.call.arguments import Arguments, options_from
-from resilient_strategy.core.call.options import RunOptions
 from resilient_strategy.core.measures.probe import (
     ENVIRONMENTAL_CAUSES,
     ERROR,
@@ -18,16 +16,14 @@ from resilient_strategy.core.measures.probe import (
 )
 from resilient_strategy.deciding.cache import (
     MID_RUN,
-    REPRODUCES,
     DecisionCache,
     last_resort,
     refusal,
 )
-from resilient_strategy.deciding.decide import LOW_SPACE_BYTES, remember_midrun, space_short
-from resilient_strategy.run.supervisor import remember_failures
-from resilient_strategy.run.verdicts import RankExit, VerdictKind, classify_attempt, one_line
+from resilient_strategy.deciding.decide import LOW_SPACE_BYTES, space_short
+from resilient_strategy.run.policy import mid_run_failure
+from resilient_strategy.run.verdicts import RankExit, VerdictKind, classify_attempt
 from resilient_strategy.testing import machine, simulate
-from resilient_strategy.testing.simulation import SimulatedProber
 
 NCCL = "torch:nccl:0,1"
 
@@ -48,7 +44,6 @@ def _midrun(key: str, step: int = 7, cause: str = "crash") -> ProbeResult:
     (ProbeResult(NCCL, ERROR, 3.0, "too_many_files"), True),
     (ProbeResult(NCCL, ERROR, 3.0, "permission"), True),
     (_midrun(NCCL), True),  # a classification of exception text, unproven
-    (ProbeResult(NCCL, ERROR, 3.0, "nccl_error", extra=((REPRODUCES, "7"),)), False),
     (ProbeResult(NCCL, ERROR, 0.0, "crash", extra=(("rehearsal", "1"),)), True),
 ])
 def test_what_may_be_cached(result: ProbeResult, refused: bool) -> None:
@@ -74,13 +69,13 @@ def test_environmental_causes_are_their_own(text: str, cause: str) -> None:
     assert classify(text) == cause and cause in ENVIRONMENTAL_CAUSES
 
 
-def _user_error_verdict(types: list[str], message: str) -> ProbeResult:
-    """The supervisor's path: a rank's exception record -> verdict -> the mid-run failure."""
+def _user_error_verdict(types: list[str], message: str, key: str = "torch:cpu:cpu"
+                        ) -> ProbeResult:
+    """The supervisor's path: a rank's exception record -> verdict -> the mid-run failure the
+    step-down hands the plan (`policy.mid_run_failure`)."""
     verdict = classify_attempt(None, [RankExit(0, 1, {"types": types, "message": message})])
     assert verdict.kind is VerdictKind.BACKEND  # the classifier takes it for a backend fault...
-    return ProbeResult("torch:cpu:cpu", ERROR, 0.0, verdict.cause,
-                       f"failed mid-run at step {verdict.step}: {one_line(verdict.summary, 500)}",
-                       extra=((MID_RUN, str(verdict.step)),))
+    return mid_run_failure(key, verdict)
 
 
 @pytest.mark.parametrize(("types", "message"), [
@@ -93,11 +88,11 @@ def test_user_exception_that_looks_like_a_network_error_does_not_poison_the_cach
     """Two supervised runs whose script raised such an exception; plain `python train.py`
     (resilient_strategy() with the same cache) still trains on the CPU."""
     facts = machine(0)
-    env = {"RESILIENT_STRATEGY_CACHE_DIR": str(tmp_path)}
-    opts = RunOptions(script="train.py", framework="torch", nproc=1)
     for _ in range(2):
-        failure = _user_error_verdict(types, message)
-        remember_failures(facts, opts, env, {failure.candidate: failure})  # the supervisor's own call
+        for key in ("torch:cpu:cpu", NCCL):  # the last resort, and one that is not
+            failure = _user_error_verdict(types, message, key)
+            assert refusal(failure) is not None
+            DecisionCache(tmp_path).store(facts.fingerprint(), {key: failure})
     assert DecisionCache(tmp_path).all_entries(facts.fingerprint()) == {}
     sel = simulate(facts, framework="torch", cache=True, cache_dir=tmp_path)
     assert sel.backend == "cpu"
@@ -114,41 +109,6 @@ def test_a_poisoned_file_of_an_older_version_is_ignored(tmp_path: Path) -> None:
     assert cache.entries(facts.fingerprint(), now=1e12) == {}
     assert set(cache.all_entries(facts.fingerprint())) == {"torch:cpu:cpu"}  # shown, ignored
     assert simulate(facts, framework="torch", cache=True, cache_dir=tmp_path).backend == "cpu"
-
-
-def test_a_midrun_failure_is_cached_only_as_the_probe_that_reproduced_it(tmp_path: Path) -> None:
-    cache = DecisionCache(tmp_path)
-    failure = _midrun(NCCL, step=12)
-    cache.store("fp", {NCCL: failure}, now=1.0)  # the supervisor's old call: refused
-    assert cache.load("fp", now=1.0) == {}
-    assert not cache.record_midrun("fp", failure, None, now=1.0)
-    assert not cache.record_midrun("fp", failure, ProbeResult(NCCL, "ok", 2.0), now=1.0)
-    assert not cache.record_midrun("fp", failure, ProbeResult(NCCL, ERROR, 2.0, "no_space"),
-                                   now=1.0)
-    assert cache.load("fp", now=1.0) == {}
-    probe = ProbeResult(NCCL, ERROR, 2.0, "nccl_error", "rank 1: ncclSystemError")
-    assert cache.record_midrun("fp", failure, probe, now=1.0)
-    (got,) = cache.load("fp", now=1.0).values()
-    assert got.cause == "nccl_error" and dict(got.extra) == {REPRODUCES: "12"}
-
-
-@pytest.mark.parametrize(("outcome", "cached"), [("error:nccl_error", True), ("ok", False)])
-def test_remember_midrun_probes_before_caching(tmp_path: Path, outcome: str,
-                                               cached: bool) -> None:
-    facts = machine(2, nvlink=18, env={"WORLD_SIZE": "2"})
-    opts = options_from(
-        facts, {"WORLD_SIZE": "2"}, Arguments.from_kwargs(framework="torch", global_batch_size=64, devices=None,
-        probe=None, timeout=None, prefer=None, dry_run=False, model=None, gradient_bytes=None,
-        sample_seconds=None, max_per_replica_batch=None, rules=(), disable_rules=(), cache=True,
-        cache_dir=tmp_path, cache_ttl=None, precision="auto", logical_cpus=0))
-    prober = SimulatedProber({"nccl": outcome})
-    failure = _midrun(NCCL)
-    last = _midrun("torch:single_device:0")
-    got = remember_midrun(facts, opts, {"WORLD_SIZE": "2"}, prober,
-                          {NCCL: failure, last.candidate: last})
-    assert got == {NCCL: cached, last.candidate: False}
-    assert [s.candidate for s in prober.calls] == [NCCL]  # the last resort is not probed
-    assert (NCCL in DecisionCache(tmp_path).load(facts.fingerprint())) == cached
 
 
 def test_a_full_temp_directory_names_itself(tmp_path: Path) -> None:

@@ -9,8 +9,9 @@ on one machine keep separate files instead of setting each other's aside.
 Only proof is cached. A result enters the file only when a probe on this machine produced it
 (`refusal` says why one may not): a failure a training process met mid-run is only a
 classification of its exception text (a ``ConnectionResetError`` of the user's own code reads like
-a network fault), so it is kept for the supervisor's session and enters the cache only through
-`DecisionCache.record_midrun`, with the probe that reproduced it. A failure of a candidate
+a network fault), so it is kept for the supervisor's session only and never enters the cache
+(a real fault of the backend is met again by the next run's probe, which is cached as any
+probe's failure is). A failure of a candidate
 of last resort (one device, the CPU: no collective to prove) is never cached, so nothing cached
 can leave a machine with no way to train; a failure from the machine's state (a full disk, the
 descriptor limit, a permission: `ENVIRONMENTAL_CAUSES`) says
@@ -41,7 +42,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,9 +74,8 @@ class CachedResult:
 
 _Entries = dict[str, CachedResult]
 
-#: ``extra`` keys: a failure met by a training process mid-run (its step), a rehearsed fault,
-#: and the mid-run failure (its step) that a probe of the candidate then reproduced.
-MID_RUN, REHEARSAL, REPRODUCES = "mid_run", "rehearsal", "reproduces_mid_run"
+#: ``extra`` keys: a failure met by a training process mid-run (its step), a rehearsed fault.
+MID_RUN, REHEARSAL = "mid_run", "rehearsal"
 
 
 def last_resort(key: str) -> bool:
@@ -229,25 +229,6 @@ class DecisionCache:
                        "entries": rows}
         return {"directory": str(self.directory), "ttl_s": self.ttl_s,
                 "this_machine": this_machine, "fingerprints": out}
-
-    def record_midrun(self, fingerprint: str, failure: ProbeResult, probe: ProbeResult | None,
-                      now: float | None = None) -> bool:
-        """Cache a mid-run failure only as the probe that reproduced it: ``probe`` is a probe of
-        the same candidate run on this machine after ``failure``. True when it was cached.
-
-        Nothing is cached when no probe ran (``None``), when the probe passed (the failure was
-        the script's, or passing), or when the probe's own failure may not be cached
-        (`refusal`: last resort, the machine's state)."""
-        if probe is None or probe.ok or probe.candidate != failure.candidate:
-            log.info("resilient_strategy: not caching the mid-run failure of %s: no probe "
-                     "reproduced it", failure.candidate)
-            return False
-        step = dict(failure.extra).get(MID_RUN, "?")
-        proof = replace(probe, extra=(*(x for x in probe.extra if x[0] != MID_RUN),
-                                      (REPRODUCES, step)))
-        if refusal(proof) is not None:
-            return False
-        return self.store(fingerprint, {proof.candidate: proof}, now)
 
     def clear(self, fingerprint: str) -> bool:
         """Remove this fingerprint's file (and what was set aside of it). True when one was."""

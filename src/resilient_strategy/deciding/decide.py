@@ -40,7 +40,7 @@ from ..errors import (
 )
 from ..probing.base import ProbeFn, Prober, as_prober
 from ..vocab import MULTI_WORKER_BACKENDS
-from .cache import REHEARSAL, CachedResult, DecisionCache, last_resort
+from .cache import CachedResult, DecisionCache
 from .notices import (
     ProgressLine,
     Startup,
@@ -330,37 +330,6 @@ def _final_check(prober: Prober, check: GpuCheck, u: Unproven, chosen: Candidate
                  f"that is lost or shows errors needs `nvidia-smi --gpu-reset -i <index>`), or "
                  f"run `python -m resilient_strategy.probing.workers.health_worker --framework "
                  f"{framework} --devices {ids} --report health.json`.")]
-
-
-def remember_midrun(facts: Facts, opts: Options, env: Mapping[str, str],
-                    prober: Prober | ProbeFn,
-                    failures: Mapping[str, ProbeResult]) -> dict[str, bool]:
-    """Cache mid-run failures only where a probe proves them: each candidate that failed in
-    training is probed again here, on this machine, and its failure enters the cache only when
-    that probe fails too (`DecisionCache.record_midrun`). A candidate of last resort is
-    never probed for this (its failures are never cached), nor is anything under several nodes,
-    TF_CONFIG workers or a disabled cache. Returns, per candidate, whether it was cached."""
-    if not opts.cache_dir or (opts.framework == "torch" and opts.nodes > 1) or opts.multi_worker:
-        return {}
-    prober = as_prober(prober)
-    cache = DecisionCache(opts.cache_dir, opts.cache_ttl_s)
-    p = plan(facts, opts.rules, {}, opts)
-    known = {r.candidate.key: r.candidate for r in p.ranked}
-    known.update({r.candidate.key: r.candidate for r in p.ruled_out})
-    out: dict[str, bool] = {}
-    for key, failure in sorted(failures.items()):
-        c = known.get(key)
-        if c is None or last_resort(key) or REHEARSAL in dict(failure.extra):
-            out[key] = False
-            continue
-        spec = spec_for(c, opts, opts.timeout_s)
-        res = space_short(prober(spec, env), temp_root(env))
-        if prober.defers_gpu_check and _health().needs_check(spec, res):  # no later probe
-            _check_or_raise(prober.check_gpus, c.framework, _health().gpus_of(spec), env,
-                            _health().Unproven(), f"the hung probe of {key} was killed")
-        close_fork_servers()
-        out[key] = cache.record_midrun(facts.fingerprint(), failure, res)
-    return out
 
 
 #: Below this many free bytes in the temp directory a failed probe is put down to the full disk

@@ -246,7 +246,7 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
         rehearsed = fault is not None and fault.backend == _backend(decision.chosen)
         planned: list[Choice] = []
         choose = _chooser(opts, facts, snapshot, failures, session, decision.attempt + 1, notes,
-                          team, silent, verdict.pinned and not rehearsed, planned)
+                          team, silent, planned)
         outcome = measured_outcome(
             "" if measured is None else measured.faster, switched,
             trial_of=None if trial is None else trial[1].steps_per_s,
@@ -448,17 +448,15 @@ def _retry(choice: Choice, session: Path, attempt: int, link: NodeLink | None,
 
 def _chooser(opts: RunOptions, facts: Any, env: Mapping[str, str],
              failures: dict[str, ProbeResult], session: Path, attempt: int, notes: list[str],
-             link: NodeLink | None, silent: tuple[int, ...], remember: bool,
+             link: NodeLink | None, silent: tuple[int, ...],
              planned: list[Choice]) -> Chooser:
-    """The ladder's chooser (`relaunch`) for a step-down: the failure added to
-    the plan (and to the decision cache when ``remember``: a backend's signature, never a
-    rehearsal), the next candidate decided (probed first when it needs a probe; across nodes,
-    agreed), kept in ``planned``."""
+    """The ladder's chooser (`relaunch`) for a step-down: the failure added to the plan
+    for this session (never to the decision cache: a mid-run failure is unproven), the next
+    candidate decided (probed first when it needs a probe; across nodes, agreed), kept in
+    ``planned``."""
 
     def choose(key: str, failure: ProbeResult) -> Rung:
         failures[key] = failure
-        if remember:
-            remember_failures(facts, opts, env, {key: failure})
         planned.append(_decide(opts, facts, env, failures, session, attempt, tuple(notes), link,
                                silent))
         return _rung(planned[-1])
@@ -798,15 +796,6 @@ class _RunProber(Prober):
 
 #: What proves the candidates of this run's decisions.
 _prober: Prober = _RunProber()
-
-
-def remember_failures(facts: Any, opts: RunOptions, env: Mapping[str, str],
-              results: Mapping[str, ProbeResult]) -> None:
-    from ..deciding.cache import DecisionCache
-
-    o, _ = _options(opts, facts, env)
-    if o.cache_dir is not None and o.nodes == 1:
-        DecisionCache(o.cache_dir, o.cache_ttl_s).store(facts.fingerprint(), results)
 
 
 def _resume_words(attempt: int, resumed: int | None) -> str:
