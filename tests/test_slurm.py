@@ -253,3 +253,126 @@ def test_the_docs_batch_script_runs_as_written(slurm: Slurm, tmp_path: Path) -> 
     assert log.count("epoch 1:") == 1  # rank 0 alone reports: one job, not two
     assert "optimizer steps: 8" in log  # 2048 samples / 256 per global batch
     assert any((tmp_path / f"ckpt-{job}").iterdir())
+
+
+# ----- requeue and preemption (issue 42 item 3) --------------------------------------------------
+
+PREEMPT_TASK = HERE / "preempt_task.py"
+
+
+def _job(slurm: Slurm, job: str) -> dict[str, str]:
+    from resilient_strategy.core.values.requeue import parse_show_job
+
+    return parse_show_job(slurm.run("scontrol", "-o", "show", "job", job, timeout=30).stdout)
+
+
+def _until(slurm: Slurm, job: str, done: Any, what: str) -> dict[str, str]:
+    deadline = time.monotonic() + SRUN_TIMEOUT_S
+    while time.monotonic() < deadline:
+        shown = _job(slurm, job)
+        if done(shown):
+            return shown
+        time.sleep(0.2)
+    raise AssertionError(f"job {job}: {what} not within {SRUN_TIMEOUT_S} s: {_job(slurm, job)}")
+
+
+_ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
+
+
+def _release(slurm: Slurm, job: str) -> None:
+    """A requeued job waits (BeginTime, about two minutes): the test lets it start now."""
+    done = slurm.run("scontrol", "update", f"jobid={job}", "StartTime=now", timeout=30)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(("script", "requeue", "requeued"), [
+    ("die", "--requeue", True),  # exit 75: requeued
+    ("die", "--no-requeue", False),  # exit 75, but the job did not ask
+    ("fail", "--requeue", False),  # exit 1: a retry would fail the same way
+])
+def test_exit_75_requeues_a_job_that_asked_and_exit_1_does_not(
+        slurm: Slurm, tmp_path: Path, script: str, requeue: str, requeued: bool) -> None:
+    body = {"die": "import os, signal\nimport resilient_strategy as rs\n"
+                   "rs.resilient_strategy(framework='torch', global_batch_size=4)\n"
+                   "os.kill(os.getpid(), signal.SIGKILL)\n",  # lost with no relaunch left: 75
+            "fail": "raise SystemExit('the script fails')\n"}[script]
+    (tmp_path / "train.py").write_text(body)
+    (tmp_path / "job.sh").write_text(
+        "#!/bin/bash\n"
+        f"exec {sys.executable} -m resilient_strategy run --nproc-per-node 1 --max-relaunches 0 "
+        "train.py\n")
+    done = slurm.run("sbatch", "--parsable", requeue, "-D", str(tmp_path), "-o",
+                     str(tmp_path / "job.out"), "--open-mode=append", str(tmp_path / "job.sh"),
+                     XDG_RUNTIME_DIR=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    job = done.stdout.strip().split(";")[0]
+    try:
+        shown = _until(slurm, job, lambda j: j.get("Restarts") == "1"
+                       or j.get("JobState") in _ENDED, "a requeue or an end")
+        log = (tmp_path / "job.out").read_text()
+        assert (shown["Restarts"] == "1") is requeued, log
+        if not requeued:
+            assert (shown["JobState"], shown["ExitCode"]) == (
+                "FAILED", "75:0" if script == "die" else "1:0"), log
+    finally:
+        slurm.run("scancel", job, timeout=30)
+
+
+def test_a_preempted_job_checkpoints_requeues_and_resumes_to_the_same_steps(
+        slurm: Slurm, tmp_path: Path) -> None:
+    """SIGUSR1 to the batch script (what ``--signal=B:USR1@90`` sends 90 s before the end) while
+    it trains: the ranks checkpoint at the next step and stop, the job is requeued (exit 75),
+    and its second run resumes there and ends with the uninterrupted run's 40 steps."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "job.sh").write_text(
+        "#!/bin/bash\n"
+        f"exec {sys.executable} -m resilient_strategy run --nproc-per-node 2 {PREEMPT_TASK} "
+        f"--samples 160 --checkpoint-dir {tmp_path / 'ckpt'}\n")
+    done = slurm.run("sbatch", "--parsable", "--requeue", "-D", str(tmp_path), "-o",
+                     str(tmp_path / "job.out"), "--open-mode=append", str(tmp_path / "job.sh"),
+                     OUT_DIR=str(out), XDG_RUNTIME_DIR=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    job = done.stdout.strip().split(";")[0]
+    progress = out / "progress"
+    try:
+        deadline = time.monotonic() + SRUN_TIMEOUT_S
+        while not (progress.is_file() and progress.read_text().strip().isdigit()
+                   and int(progress.read_text()) >= 3):
+            assert time.monotonic() < deadline, (tmp_path / "job.out").read_text()
+            time.sleep(0.1)
+        signalled = slurm.run("scancel", "--signal=USR1", "--batch", job, timeout=30)
+        assert signalled.returncode == 0, signalled.stderr
+        _until(slurm, job, lambda j: (j.get("Restarts"), j.get("JobState")) == ("1", "PENDING")
+               or j.get("JobState") in _ENDED, "the requeue")
+        stopped_at = int(progress.read_text())
+        assert not (out / "done-0.json").exists()  # the first run did not finish
+        _release(slurm, job)
+        shown = _until(slurm, job, lambda j: j.get("JobState") in _ENDED, "the end")
+        log = (tmp_path / "job.out").read_text()
+        assert (shown["JobState"], shown["Restarts"]) == ("COMPLETED", "1"), log
+        resumed = json.loads((out / "done-1.json").read_text())
+        assert resumed["steps"] == 160 // 4  # the uninterrupted run's step count
+        assert resumed["restored"] is not None and 3 <= resumed["restored"] <= stopped_at + 1
+    finally:
+        slurm.run("scancel", job, timeout=30)
+
+
+def test_the_docs_requeue_script_runs_as_written(slurm: Slurm, tmp_path: Path) -> None:
+    """docs/how-to/slurm.md's train-requeue.sbatch as it stands, but for a smaller data set:
+    the supervisor as the batch shell trains to the end (0, not requeued)."""
+    import re
+
+    page = (Path(__file__).parents[1] / "docs" / "how-to" / "slurm.md").read_text()
+    [script] = re.findall(r'```bash title="train-requeue.sbatch"\n(.*?)```', page, re.S)
+    script = script.replace('"ckpt-$SLURM_JOB_ID"', '"ckpt-$SLURM_JOB_ID" --epochs 1 --samples 2048')
+    assert "--samples 2048" in script
+    (tmp_path / "train.sbatch").write_text(script)
+    (tmp_path / "examples").symlink_to(Path(__file__).parents[1] / "examples")
+    path = f"{Path(sys.executable).parent}:{slurm.env.get('PATH', '/usr/bin:/bin')}"
+    job, state = _sbatch(slurm, "-D", str(tmp_path), "train.sbatch", PATH=path,
+                         XDG_RUNTIME_DIR=str(tmp_path))
+    log = (tmp_path / f"train-{job}.out").read_text()
+    assert (state, _job(slurm, job)["Restarts"]) == ("COMPLETED", "0"), log
+    assert "optimizer steps: 8" in log  # 2048 samples / 256 per global batch
+    assert any((tmp_path / f"ckpt-{job}").iterdir())

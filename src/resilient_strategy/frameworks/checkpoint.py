@@ -188,6 +188,7 @@ class Checkpointer:
         self._writer = checkpoint_writer.Writer(self.directory)
         self._async: _Async = _Async()
         self._stall: tuple[int, float] = (0, 0.0)  # saves summed, their stall (`stall_s`)
+        self._preempt_saved = False  # the one save a preemption asks for is done
 
     # ----- what the training loop reads ---------------------------------------------------------
     @property
@@ -276,6 +277,12 @@ class Checkpointer:
                and s.optimizer_steps % self.every_steps == 0) or (
             self.every_seconds is not None
             and self._clock() - s.saved_at >= self.every_seconds)
+        if not due and stepped and not self._preempt_saved and self.rank == 0 and not _sharded(
+                s.model):
+            # the supervisor was preempted (records/preemption): one checkpoint at this step
+            from ..records.preemption import asked_here
+
+            due = self._preempt_saved = asked_here()
         if due:
             self.save()
 

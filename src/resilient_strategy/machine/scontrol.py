@@ -67,4 +67,53 @@ def detect_launcher(env: Mapping[str, str]) -> Launcher:
     return launcher_from(env, expand)
 
 
-__all__ = ["HostlistError", "Launcher", "detect_launcher", "scontrol_hostnames"]
+
+
+def _scontrol(argv: list[str], env: Mapping[str, str],
+              timeout_s: float) -> subprocess.CompletedProcess[str] | None:
+    """``scontrol ARGV`` under a deadline (new session, SIGTERM, SIGKILL); None where scontrol
+    is missing or does not answer in time."""
+    exe = shutil.which("scontrol", path=env.get("PATH"))
+    if exe is None:
+        return None
+    try:
+        proc = subprocess.Popen([exe, *argv], env=dict(env), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True, text=True)
+    except OSError:
+        return None
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _stop(proc)
+        return None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+#: requeue asks slurmctld (show job too): a busy controller answers in seconds, not at once
+SCONTROL_CTLD_TIMEOUT_S = 30.0
+
+
+def show_job(job_id: str, env: Mapping[str, str],
+             timeout_s: float = SCONTROL_CTLD_TIMEOUT_S) -> str | None:
+    """``scontrol -o show job JOB``'s one line, None where it fails or does not answer."""
+    done = _scontrol(["-o", "show", "job", job_id], env, timeout_s)
+    if done is None or done.returncode != 0 or not done.stdout.strip():
+        return None
+    return done.stdout.strip()
+
+
+def requeue(job_id: str, env: Mapping[str, str],
+            timeout_s: float = SCONTROL_CTLD_TIMEOUT_S) -> str | None:
+    """``scontrol requeue JOB``: None when done, else what went wrong in one line."""
+    done = _scontrol(["requeue", job_id], env, timeout_s)
+    if done is None:
+        return f"scontrol requeue {job_id}: scontrol missing or silent for {timeout_s:.0f} s"
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        return f"scontrol requeue {job_id}: {last[:200]}"
+    return None
+
+
+__all__ = ["HostlistError", "Launcher", "detect_launcher", "requeue", "scontrol_hostnames",
+           "show_job"]

@@ -77,6 +77,7 @@ if TYPE_CHECKING:
     from .peers import NodeLink, PeerWatch
 
 from . import launch as launch_faults
+from . import preempt
 from .agent import launch
 from .cmdline import node_count, options_from_args, torch_launcher
 from .evidence import Evidence
@@ -124,6 +125,8 @@ def supervise(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
     Returns the exit status for the command line (`ExitCode`)."""
     snapshot = machine_env.snapshot(env)
     session: Path | None = None
+    preempt.CURRENT = preempt.Preemption(preempt.grace_from(snapshot))
+    unhandled = preempt.CURRENT.install()
     try:
         fault = parse_fault(snapshot.get(FAULT_VAR, ""))
         from ..machine.files import sweep_temp_dirs, writing
@@ -144,6 +147,7 @@ def supervise(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
         _say("interrupted")
         return int(ExitCode.INTERRUPTED)
     finally:
+        unhandled()
         if session is not None:
             shutil.rmtree(session, ignore_errors=True)
 
@@ -196,9 +200,10 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
             if torch_launcher():
                 verdict = launch(opts, decision, snapshot, session, peer,
                                  alone=link is not None and _alone(decision),
-                                 switch=None if link is not None else _switch_watch(
+                                 switch=preempt.CURRENT.watch(decision.run_dir, None if link
+                                                              is not None else _switch_watch(
                                      decision.run_dir, None if trial is None
-                                     else trial[1].steps_per_s, tried))
+                                     else trial[1].steps_per_s, tried), _checkpoint_in))
             else:  # no torch: our own agent for the one process of a TensorFlow job
                 from .solo import launch_one
 
@@ -216,8 +221,12 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
                 _say(f"stopped by signal {signum}; the workers are stopped")
                 return interrupted(signum)
         finally:
+            preempt.CURRENT.attempt_over()
             if peer is not None:
                 peer.close()
+        if preempt.CURRENT.signum is not None and not verdict.ok:  # stopped for a preemption
+            _say(preempt.CURRENT.line())
+            return int(ExitCode.INFRASTRUCTURE)
         verdict = effective(verdict, choice.candidate.num_replicas)
         if verdict.kind is VerdictKind.LAUNCH:  # named: the port's holder where /proc shows it
             verdict = launch_faults.named(verdict, _holders(verdict))
@@ -831,5 +840,5 @@ def main(argv: Sequence[str]) -> int:
         return int(ExitCode.USAGE)
     # the agent's own "failed (exitcode: 1)" lines: each fault gets our one line instead
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    return supervise(replace(opts))
+    return preempt.settle(supervise(replace(opts)), machine_env.snapshot())
 
