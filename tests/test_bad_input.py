@@ -249,7 +249,9 @@ def test_plan_simulate_writes_no_agreement_file(tmp_path: Path,
     path.write_text(json.dumps(data))
     before = sorted(p.name for p in tmp_path.iterdir())
     decided = simulate_file(path)
-    assert decided["torch"].backend != "nccl"
+    # the probed plain NCCL timed out: something else was chosen (NCCL with a remedy, on every
+    # GPU, since issue 41 keeps proven GPUs), after probing
+    assert (decided["torch"].backend, decided["torch"].candidate.env) != ("nccl", ())
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 

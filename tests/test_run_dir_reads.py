@@ -38,9 +38,11 @@ def test_an_error_record_written_by_the_worker_is_read(tmp_path: Path) -> None:
     assert agent._read_json(rec) == {"message": "boom"}
 
 
-def test_a_fresh_socket_directory_is_private_and_short(tmp_path: Path) -> None:
-    made = warm._fresh_dir("rs-run-123-m", fallback=tmp_path)
-    assert made is not None and made.parent == tmp_path
+def test_a_fresh_socket_directory_is_private_and_short(request: pytest.FixtureRequest) -> None:
+    short = Path(tempfile.mkdtemp(prefix="rs-t-", dir="/tmp"))  # pytest's tmp_path may be long
+    request.addfinalizer(lambda: shutil.rmtree(short, ignore_errors=True))
+    made = warm._fresh_dir("rs-run-123-m", fallback=short)
+    assert made is not None and made.parent == short
     assert made.name.startswith("rs-run-123-m-")
     assert stat.S_IMODE(made.stat().st_mode) == 0o700
     assert len(str(made)) + warm.SOCKET_NAME_CHARS <= warm.MAX_SOCKET_PATH
