@@ -529,8 +529,12 @@ class Selection:
             return
         from .records.measured import MeasuredNote, note_measured_here
 
+        # the optimizer step the window ended at: the runtime counts PyTorch's (restored ones
+        # included); TensorFlow's runtime counts none, the reporter does (fit's batches, on
+        # from BackupAndRestore's restored optimizer, `progress_callback`)
+        at_step = self.optimizer_steps if self.framework == "torch" else self.progress.step
         note_measured_here(MeasuredNote(
-            self.candidate.key, step_s, self.optimizer_steps,
+            self.candidate.key, step_s, at_step,
             "" if faster is None else faster.key, "" if faster is None else faster.label,
             faster_step_s))
 
