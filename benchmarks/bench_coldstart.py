@@ -135,7 +135,8 @@ def launch(kind: str, args: argparse.Namespace, work: Path, cache: Path) -> dict
     out = work / f"out-{kind}-{time.monotonic_ns()}"
     out.mkdir()
     script = work / f"{'hand' if kind == 'hand' else 'library'}.py"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")
+                or k == "RESILIENT_STRATEGY_MEASURED_SWITCH"}  # the caller's, as given
     env.update({"PYTHONPATH": args.src, "RS_COLD_OUT": str(out), "RS_COLD_DEVICE": args.device,
                 "RS_COLD_OVERLAP": "1" if kind == "overlap" else "0",
                 "RS_COLD_EARLY": "1" if kind == "early" else "0",

@@ -239,7 +239,8 @@ class Job:
         (self.tmp / "tmp").mkdir(exist_ok=True)
         script = self.tmp / "train.py"
         script.write_text(SCRIPT)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")
+                    or k == "RESILIENT_STRATEGY_MEASURED_SWITCH"}  # the caller's, as given
         env.update({"PYTHONPATH": self.args.src, TAG_VAR: self.tag, "RS_MARKS": str(self.marks),
                     "RS_DEVICE": self.args.device, "RS_BAD_IFNAME": BAD_IFNAME,
                     "RS_MODE": "library" if self.way == "library" else "plain",

@@ -45,7 +45,8 @@ def free_port() -> int:
 
 def launch(nodes: int, per_node: int, timeout_s: float, fault: str = "") -> dict[str, Any]:
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")
+                or k == "RESILIENT_STRATEGY_MEASURED_SWITCH"}  # the caller's, as given
     env.update(PYTHONPATH=os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]),
                RESILIENT_STRATEGY_TIMEOUT=str(timeout_s), RESILIENT_STRATEGY_CACHE="0",
                OMP_NUM_THREADS="1")

@@ -273,7 +273,8 @@ class Run:
         script = self.tmp / "train.py"
         keras = getattr(self.args, "framework", "torch") == "keras"
         script.write_text(SELF_STOP + (KERAS_SCRIPT if keras else SCRIPT))
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")
+                    or k == "RESILIENT_STRATEGY_MEASURED_SWITCH"}  # the caller's, as given
         (self.tmp / "tmp").mkdir(exist_ok=True)
         env.update({"PYTHONPATH": self.args.src, TAG_VAR: self.tag, "RS_MARKS": str(marks),
                     "RS_STEP_S": str(self.args.step_s), "RS_STEPS": str(self.args.steps),

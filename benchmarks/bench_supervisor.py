@@ -126,7 +126,8 @@ def relaunch_gap(fault: str, stall_timeout: float, device: str = "cpu") -> Gap |
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "train.py"
         script.write_text(textwrap.dedent(SCRIPT))
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")
+                    or k == "RESILIENT_STRATEGY_MEASURED_SWITCH"}  # the caller's, as given
         env.update(PYTHONPATH=str(ROOT / "src"), RESILIENT_STRATEGY_TRAIN_FAULT=fault,
                    RESILIENT_STRATEGY_CACHE_DIR=str(Path(tmp) / "cache"))
         if device == "cpu":

@@ -99,7 +99,8 @@ PHASES = (
 
 
 def _src_env(args: argparse.Namespace, tmp: Path, marks: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")
+                or k == "RESILIENT_STRATEGY_MEASURED_SWITCH"}  # the caller's, as given
     (tmp / "tmp").mkdir(exist_ok=True)
     env.update({"PYTHONPATH": str(ROOT / "src"), "RS_MARKS": str(marks),
                 "RS_STEP_S": str(args.step_s), "RS_STEPS": str(args.steps),

@@ -227,7 +227,8 @@ def test_a_real_job_that_saves_checkpoints_accounts_their_stalls(tmp_path: Path,
     script.write_text(textwrap.dedent(_SAVING))
     (tmp_path / "tmp").mkdir()
     saves.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")
+                or k == "RESILIENT_STRATEGY_MEASURED_SWITCH"}
     env.update({"PYTHONPATH": str(ROOT / "src"), "TMPDIR": str(tmp_path / "tmp"),
                 "CUDA_VISIBLE_DEVICES": "", "RESILIENT_STRATEGY_CACHE_DIR": str(tmp_path / "c"),
                 "RESILIENT_STRATEGY_TRAIN_FAULT": "exit:0:cpu:9:1"})

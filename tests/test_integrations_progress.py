@@ -189,7 +189,8 @@ def _supervised(tmp: Path, example: str, *args: str, fault: str = "hang:1:gloo:2
     collective of optimizer step 20 (``fault``: on every gloo attempt by default): its
     ``optimizer steps:`` lines and its attempts."""
     (tmp / "tmp").mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")
+                or k == "RESILIENT_STRATEGY_MEASURED_SWITCH"}
     env.update(PYTHONPATH=str(ROOT / "src"), TMPDIR=str(tmp / "tmp"), CUDA_VISIBLE_DEVICES="",
                RESILIENT_STRATEGY_CACHE_DIR=str(tmp / "cache"),
                RESILIENT_STRATEGY_TIMEOUT="60",

@@ -28,7 +28,8 @@ pytestmark = [
 
 def _jobs(tmp: Path, runs: list[tuple[str, str]]) -> dict[str, dict[str, Any]]:
     """Every ``(variant, checkpoint)`` in one process, in order; their results by variant."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")
+                or k == "RESILIENT_STRATEGY_MEASURED_SWITCH"}
     env.update(PYTHONPATH=str(ROOT / "src"), CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="3",
                OMP_NUM_THREADS="1")
     args = [str(a) for v, ckpt in runs

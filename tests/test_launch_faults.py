@@ -195,7 +195,8 @@ def _run(tmp: Path, run_args: list[str], **extra: str) -> tuple[int, list[dict[s
     script = tmp / "toy.py"
     script.write_text(textwrap.dedent(TOY))
     (tmp / "tmp").mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")
+                or k == "RESILIENT_STRATEGY_MEASURED_SWITCH"}
     env.update({"PYTHONPATH": str(ROOT / "src"), "RESILIENT_STRATEGY_CACHE_DIR": str(tmp / "c"),
                 "TMPDIR": str(tmp / "tmp"), "RESILIENT_STRATEGY_TIMEOUT": "60",
                 "CUDA_VISIBLE_DEVICES": "", **extra})

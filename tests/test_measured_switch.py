@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from resilient_strategy.records.measured import MeasuredNote, note_measured, read_measured
 from resilient_strategy.records.rundir import RunDir
 from resilient_strategy.run.policy import (
@@ -76,13 +78,13 @@ def test_the_measured_note_round_trips_and_a_bad_one_is_none(tmp_path: Path) -> 
     assert read_measured(tmp_path) is None
 
 
-def _run(tmp: Path, checkpoint: bool) -> tuple[subprocess.CompletedProcess[str],
-                                                list[dict[str, object]], list[dict[str, object]]]:
+def _run(tmp: Path, checkpoint: bool, switch: str = "1"
+         ) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")}
-    (tmp / "tmp").mkdir()
+    (tmp / "tmp").mkdir(parents=True)
     env.update({"PYTHONPATH": str(ROOT / "src"), "RESILIENT_STRATEGY_CACHE_DIR": str(tmp / "c"),
                 "TMPDIR": str(tmp / "tmp"), "RESILIENT_STRATEGY_TIMEOUT": "60",
-                "CUDA_VISIBLE_DEVICES": ""})
+                "CUDA_VISIBLE_DEVICES": "", "RESILIENT_STRATEGY_MEASURED_SWITCH": switch})
     out = tmp / "out.jsonl"
     proc = subprocess.run(
         [sys.executable, "-m", "resilient_strategy", "run", "--nproc-per-node", "2",
@@ -94,15 +96,33 @@ def _run(tmp: Path, checkpoint: bool) -> tuple[subprocess.CompletedProcess[str],
     assert len(found) == 1, proc.stderr[-3000:]
     attempts = list(json.loads(found[0].read_text())["attempts"])
     ends = [json.loads(line) for line in out.read_text().splitlines()]
-    return proc, attempts, ends
+    return attempts, ends
 
 
-def test_measured_faster_is_tried_at_a_checkpoint_and_the_faster_kept(tmp_path: Path) -> None:
-    _, attempts, ends = _run(tmp_path, checkpoint=True)
+def _fired(attempts: list[dict[str, object]]) -> bool:
+    """Whether the first attempt measured the one process clearly faster (a loaded machine
+    may measure less than the margin: then nothing is faster, and nothing is switched)."""
+    m0 = attempts[0]["measured"]
+    assert isinstance(m0, dict)
+    assert attempts[0]["candidate"] == "torch:gloo:cpu"
+    return bool(m0["faster"])
+
+
+def _not_fired(attempts: list[dict[str, object]], ends: list[dict[str, object]]) -> None:
+    """Nothing measured faster: one attempt, trained to the end where it started."""
+    (only,) = attempts
+    m = only["measured"]
+    assert isinstance(m, dict)
+    assert (only["action"], m["faster"], m["outcome"]) == ("finish", "", "measured")
+    assert ends == [{"attempt": "", "steps": STEPS, "candidate": "torch:gloo:cpu"}]
+
+
+def _tried(attempts: list[dict[str, object]], ends: list[dict[str, object]]) -> None:
+    """Measured faster, with checkpoints: the trial, and the faster one kept (never a slower)."""
     first, trial = attempts[0], attempts[1]
     m0, m1 = first["measured"], trial["measured"]
     assert isinstance(m0, dict) and isinstance(m1, dict)
-    assert first["candidate"] == "torch:gloo:cpu" and m0["faster"] == "torch:cpu:cpu"
+    assert m0["faster"] == "torch:cpu:cpu"
     assert (first["action"], m0["outcome"]) == ("trial", "tried")
     assert first["verdict"]["kind"] == "switch"  # type: ignore[index]
     stopped_at = first["verdict"]["step"]  # type: ignore[index]
@@ -120,11 +140,69 @@ def test_measured_faster_is_tried_at_a_checkpoint_and_the_faster_kept(tmp_path: 
         assert ends == [{"attempt": "", "steps": STEPS, "candidate": "torch:gloo:cpu"}]
 
 
-def test_without_checkpoints_it_is_told_not_relaunched(tmp_path: Path) -> None:
-    _, attempts, ends = _run(tmp_path, checkpoint=False)
-    assert len(attempts) == 1
+#: Runs of a real job until the measurement fires (a loaded 2-core machine may measure the
+#: gloo step within the margin once); every run's outcome is checked against what it measured.
+RUNS = 2
+
+
+def test_measured_faster_is_tried_at_a_checkpoint_and_the_faster_kept(tmp_path: Path) -> None:
+    for run in range(RUNS):
+        attempts, ends = _run(tmp_path / f"run{run}", checkpoint=True)
+        if _fired(attempts):
+            _tried(attempts, ends)
+            return
+        _not_fired(attempts, ends)
+    raise AssertionError(f"no run of {RUNS} measured the one process clearly faster")
+
+
+def _told(attempts: list[dict[str, object]], ends: list[dict[str, object]]) -> None:
+    """Measured faster but not switched: one attempt to the end, told."""
     (only,) = attempts
     m = only["measured"]
     assert isinstance(m, dict)
     assert (only["action"], m["faster"], m["outcome"]) == ("finish", "torch:cpu:cpu", "told")
     assert ends == [{"attempt": "", "steps": STEPS, "candidate": "torch:gloo:cpu"}]
+
+
+def test_without_checkpoints_it_is_told_not_relaunched(tmp_path: Path) -> None:
+    for run in range(RUNS):
+        attempts, ends = _run(tmp_path / f"run{run}", checkpoint=False)
+        if _fired(attempts):
+            _told(attempts, ends)
+            return
+        _not_fired(attempts, ends)
+    raise AssertionError(f"no run of {RUNS} measured the one process clearly faster")
+
+
+def test_with_the_measured_switch_off_it_is_told_not_relaunched(tmp_path: Path) -> None:
+    """``RESILIENT_STRATEGY_MEASURED_SWITCH=0`` (``--no-measured-switch``): checkpoints and a
+    faster candidate measured, yet one attempt to the end, told."""
+    for run in range(RUNS):
+        attempts, ends = _run(tmp_path / f"run{run}", checkpoint=True, switch="0")
+        if _fired(attempts):
+            _told(attempts, ends)
+            return
+        _not_fired(attempts, ends)
+    raise AssertionError(f"no run of {RUNS} measured the one process clearly faster")
+
+
+def test_the_measured_switch_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On by default; the variable turns it off; the command line wins over it; a malformed
+    value is refused naming the variable."""
+    from resilient_strategy.core.call.options import DEFAULT_MEASURED_SWITCH
+    from resilient_strategy.errors import InvalidOptionError
+    from resilient_strategy.run.cmdline import options_from_args
+
+    assert DEFAULT_MEASURED_SWITCH is True
+    monkeypatch.delenv("RESILIENT_STRATEGY_MEASURED_SWITCH", raising=False)
+    assert options_from_args([str(SCRIPT)]).measured_switch is True
+    assert options_from_args(["--no-measured-switch", str(SCRIPT)]).measured_switch is False
+    monkeypatch.setenv("RESILIENT_STRATEGY_MEASURED_SWITCH", "0")
+    assert options_from_args([str(SCRIPT)]).measured_switch is False
+    assert options_from_args(["--measured-switch", str(SCRIPT)]).measured_switch is True
+    monkeypatch.setenv("RESILIENT_STRATEGY_MEASURED_SWITCH", "1")
+    assert options_from_args([str(SCRIPT)]).measured_switch is True
+    monkeypatch.setenv("RESILIENT_STRATEGY_MEASURED_SWITCH", "soon")
+    with pytest.raises(InvalidOptionError) as err:
+        options_from_args([str(SCRIPT)])
+    assert err.value.option == "RESILIENT_STRATEGY_MEASURED_SWITCH"

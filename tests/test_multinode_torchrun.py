@@ -76,7 +76,8 @@ class Pair:
             self.rdzv_store = dist.TCPStore("127.0.0.1", port, is_master=True,
                                             wait_for_workers=False, multi_tenant=True)
             conf = ["--rdzv-conf", "is_host=0"]
-        base = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")}
+        base = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")
+                     or k == "RESILIENT_STRATEGY_MEASURED_SWITCH"}
         base.update({
             "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
             "RESILIENT_STRATEGY_TIMEOUT": str(timeout_s), "RESILIENT_STRATEGY_CACHE": "0",

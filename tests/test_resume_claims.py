@@ -91,7 +91,8 @@ def _run(tmp: Path, mode: str, kills: str, *run_args: str) -> list[dict[str, Any
     work = tmp / "work"
     work.mkdir()
     (tmp / "tmp").mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")
+                or k == "RESILIENT_STRATEGY_MEASURED_SWITCH"}
     env.update(PYTHONPATH=str(ROOT / "src"), TMPDIR=str(tmp / "tmp"), CUDA_VISIBLE_DEVICES="",
                RESILIENT_STRATEGY_CACHE_DIR=str(tmp / "cache"), RESILIENT_STRATEGY_TIMEOUT="60")
     proc = subprocess.run(

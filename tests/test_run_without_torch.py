@@ -39,7 +39,8 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     shim.mkdir(exist_ok=True)
     (shim / "sitecustomize.py").write_text(_HIDE_TORCH, encoding="utf-8")
     (tmp_path / "tmp").mkdir(exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")
+                or k == "RESILIENT_STRATEGY_MEASURED_SWITCH"}
     env.update({"PYTHONPATH": os.pathsep.join([str(shim), str(ROOT / "src")]),
                 "TMPDIR": str(tmp_path / "tmp"), "TF_CPP_MIN_LOG_LEVEL": "2",
                 "RESILIENT_STRATEGY_CACHE_DIR": str(tmp_path / "cache"), **extra})

@@ -48,7 +48,8 @@ def start_pair(tmp: Path, script: Path, script_args: list[str], probe_timeout: f
                **extra: str) -> list[subprocess.Popen[str]]:
     """The two supervisors (node ranks 0 and 1), started."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")
+                or k == "RESILIENT_STRATEGY_MEASURED_SWITCH"}
     (tmp / "tmp").mkdir(exist_ok=True)
     env.update({"PYTHONPATH": str(ROOT / "src"), "RESILIENT_STRATEGY_CACHE_DIR": str(tmp / "cache"),
                 "RESILIENT_STRATEGY_TIMEOUT": "30", "TMPDIR": str(tmp / "tmp"),

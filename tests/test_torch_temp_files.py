@@ -172,7 +172,8 @@ def test_a_planted_pickle_at_torchs_error_file_name_never_runs(
     marker = base / "planted-pickle-ran"
     script = base / "exit1.py"
     script.write_text(EXIT_1)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")
+                or k == "RESILIENT_STRATEGY_MEASURED_SWITCH"}
     env.update({"PYTHONPATH": str(ROOT / "src"), "TMPDIR": str(shared_tmp),
                 "RESILIENT_STRATEGY_CACHE_DIR": str(base / "cache"),
                 "CUDA_VISIBLE_DEVICES": "", "RESILIENT_STRATEGY_TIMEOUT": "60"})

@@ -280,7 +280,8 @@ class WarmRun:
         (tmp / "tmp").mkdir()
         script = tmp / "train.py"
         script.write_text(SCRIPT)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")
+                    or k == "RESILIENT_STRATEGY_MEASURED_SWITCH"}
         env.update({"PYTHONPATH": str(ROOT / "src"), "RESILIENT_STRATEGY_CACHE_DIR": str(cache),
                     "TMPDIR": str(tmp / "tmp"), "CUDA_VISIBLE_DEVICES": "", TAG: self.tag,
                     "RS_MARKS": str(self.marks), "RS_STEPS": str(steps),

@@ -259,7 +259,8 @@ class Job:
         self.bed, self.work, self.limit_s = bed, work, limit_s
         self.capture = Capture()
         self.started = time.monotonic()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RESILIENT_STRATEGY_")
+                    or k == "RESILIENT_STRATEGY_MEASURED_SWITCH"}
         env.pop("GLOO_SOCKET_IFNAME", None)  # the decision's to set here, the bed's to watch
         env.update({"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1",
                     "RESILIENT_STRATEGY_CACHE_DIR": str(work / "cache"),

@@ -132,6 +132,11 @@ def _ours(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "imported torch once, so that a relaunch does not import torch again "
                         "(default: on; --no-warm-start or RESILIENT_STRATEGY_WARM_START=0 "
                         "starts fresh interpreters)")
+    p.add_argument("--measured-switch", action=argparse.BooleanOptionalAction, default=None,
+                   help="when rank 0 measures another proven candidate clearly faster, stop at "
+                        "the next checkpoint, try it with the same global batch and keep the "
+                        "faster one (default: on; --no-measured-switch or "
+                        "RESILIENT_STRATEGY_MEASURED_SWITCH=0 only tells)")
     p.add_argument("--logical-cpus", type=int, default=0,
                    help="TensorFlow test mode: plan for N logical CPU devices (the script "
                         "passes logical_cpus=N too)")
@@ -174,7 +179,8 @@ def options_from_args(argv: Sequence[str]) -> RunOptions:
         gradient_bytes=ns.gradient_bytes, probe_timeout=ns.probe_timeout,
         logical_cpus=ns.logical_cpus, torchrun=ns if with_torch else None, sharding=ns.sharding,
         param_bytes=ns.param_bytes, optimizer_state_factor=ns.optimizer_state_factor,
-        offload=ns.offload, busy_timeout=ns.busy_timeout, warm_start=warm)
+        offload=ns.offload, busy_timeout=ns.busy_timeout, warm_start=warm,
+        measured_switch=ns.measured_switch)
     return replace(opts, min_throughput=ns.min_throughput, allow_cpu=bool(ns.allow_cpu),
                    max_attempts_without_progress=ns.max_attempts_without_progress,
                    fault_window=ns.fault_window, evidence_dir=ns.evidence_dir)  # validated by RunOptions, as every option

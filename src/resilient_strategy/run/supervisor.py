@@ -200,10 +200,12 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
             if torch_launcher():
                 verdict = launch(opts, decision, snapshot, session, peer,
                                  alone=link is not None and _alone(decision),
-                                 switch=preempt.CURRENT.watch(decision.run_dir, None if link
-                                                              is not None else _switch_watch(
-                                     decision.run_dir, None if trial is None
-                                     else trial[1].steps_per_s, tried), _checkpoint_in))
+                                 switch=preempt.CURRENT.watch(
+                                     decision.run_dir,
+                                     None if link is not None or not opts.measured_switch
+                                     else _switch_watch(decision.run_dir, None if trial is None
+                                                        else trial[1].steps_per_s, tried),
+                                     _checkpoint_in))
             else:  # no torch: our own agent for the one process of a TensorFlow job
                 from .solo import launch_one
 
@@ -263,7 +265,7 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
             else measured.steps_per_s, tried=tried)
         if measured is not None:
             _say(_measured_words(measured, outcome, None if trial is None else trial[1],
-                                 tried))
+                                 tried, opts.measured_switch))
         try:
             if switched and measured is not None:  # healthy, stopped at a checkpoint (no fault)
                 judgement, nxt = _switch(choice, measured, trial, session,
@@ -411,10 +413,16 @@ def _switch(choice: Choice, measured: MeasuredNote, trial: tuple[Choice, Measure
 
 
 def _measured_words(measured: MeasuredNote, outcome: str,
-                    first: MeasuredNote | None, tried: bool = False) -> str:
-    """The attempt's measured step and what came of it, in one line."""
+                    first: MeasuredNote | None, tried: bool = False,
+                    switch_on: bool = True) -> str:
+    """The attempt's measured step and what came of it, in one line (``switch_on``: the
+    run's ``--measured-switch``)."""
     rate = (f"measured {measured.steps_per_s:.3g} optimizer steps/s on "
             f"{measured.candidate} (to step {measured.at_step})")
+    if outcome == "told" and not switch_on:
+        return (f"{rate}; {measured.faster_label or measured.faster}, proven here, would be "
+                f"faster (~{1 / (measured.faster_step_s or measured.step_s):.3g} steps/s): not "
+                "tried (--no-measured-switch or RESILIENT_STRATEGY_MEASURED_SWITCH=0)")
     if outcome == "told" and tried:
         return (f"{rate}; {measured.faster_label or measured.faster} was tried in this job "
                 "and measured slower: not tried again")

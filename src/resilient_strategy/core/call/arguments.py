@@ -39,6 +39,7 @@ from ..values.tfcluster import parse_tf_config
 from .model import gradient_bytes_of, unit_bytes_of
 from .options import (
     CHECKPOINT_ASYNC_VAR,
+    DEFAULT_MEASURED_SWITCH,
     DEFAULT_OPTIMIZER_STATE_FACTOR,
     DEFAULT_PROCESS_GROUP_TIMEOUT,
     DEFAULT_TIMEOUT_S,
@@ -64,9 +65,11 @@ def _env_list(env: Mapping[str, str], name: str, sep: str = ",") -> list[str]:
 
 #: The library's on/off variables: 1 or 0 (true / false too); empty is unset.
 FLAG_VARS = ("RESILIENT_STRATEGY_CACHE", "RESILIENT_STRATEGY_FORKSERVER", CHECKPOINT_ASYNC_VAR,
-             "RESILIENT_STRATEGY_WARM_START")
+             "RESILIENT_STRATEGY_WARM_START", "RESILIENT_STRATEGY_MEASURED_SWITCH")
 #: ``resilient-strategy run``'s warm start of its workers (``--warm-start``), on or off.
 WARM_START_VAR = "RESILIENT_STRATEGY_WARM_START"
+#: ``resilient-strategy run``'s measured switch (``--measured-switch``), on or off.
+MEASURED_SWITCH_VAR = "RESILIENT_STRATEGY_MEASURED_SWITCH"
 #: The library's variables that name files or directories (several, for RULES).
 PATH_VARS = ("RESILIENT_STRATEGY_CACHE_DIR", "RESILIENT_STRATEGY_RULES",
              "RESILIENT_STRATEGY_DECISION", "RESILIENT_STRATEGY_PROGRESS",
@@ -527,9 +530,11 @@ def run_options_from(env: Mapping[str, str], *, script: str, script_args: tuple[
                      param_bytes: int | None = None, optimizer_state_factor: float | None = None,
                      offload: str | None = None,
                      busy_timeout: float | None = None,
-                     warm_start: bool | None = None) -> RunOptions:
+                     warm_start: bool | None = None,
+                     measured_switch: bool | None = None) -> RunOptions:
     """The supervisor's options: the command line > RESILIENT_STRATEGY_STALL_TIMEOUT /
-    RESILIENT_STRATEGY_MAX_RELAUNCHES / RESILIENT_STRATEGY_WARM_START > our defaults.
+    RESILIENT_STRATEGY_MAX_RELAUNCHES / RESILIENT_STRATEGY_WARM_START /
+    RESILIENT_STRATEGY_MEASURED_SWITCH > our defaults.
     ``nproc``: a count or "auto"."""
     if nproc in ("auto", "gpu"):
         count: int | None = None
@@ -553,12 +558,15 @@ def run_options_from(env: Mapping[str, str], *, script: str, script_args: tuple[
                 "RESILIENT_STRATEGY_MAX_RELAUNCHES")
     if warm_start is None:
         warm_start = env_flag(env, WARM_START_VAR, DEFAULT_WARM_START)
+    if measured_switch is None:
+        measured_switch = env_flag(env, MEASURED_SWITCH_VAR, DEFAULT_MEASURED_SWITCH)
     return RunOptions(
         script=script, script_args=script_args, framework=framework, nproc=count,
         max_relaunches=max_relaunches, stall_timeout_s=stall_timeout,
         global_batch_size=global_batch_size, gradient_bytes=gradient_bytes,
         probe_timeout_s=probe_timeout, logical_cpus=logical_cpus, torchrun=torchrun,
         sharding=sharding, param_bytes=param_bytes, optimizer_state_factor=optimizer_state_factor,
-        offload=offload, busy_timeout_s=busy_timeout, warm_start=warm_start)
+        offload=offload, busy_timeout_s=busy_timeout, warm_start=warm_start,
+        measured_switch=measured_switch)
 
 

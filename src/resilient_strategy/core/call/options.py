@@ -312,6 +312,9 @@ MAX_FAULT_WINDOW = 1_000_000_000
 #: Whether ``resilient-strategy run`` starts a torch job's workers warm by default: yes, measured
 #: faster (benchmarks/results/warm-restart-cpu-2026-11-27.md: a restart 9.24 s cold, 0.79 s warm).
 DEFAULT_WARM_START = True
+#: ``resilient-strategy run`` acts on a measured "another candidate is clearly faster" (issue 41
+#: item 4): a trial of it at a checkpoint, the faster one kept.
+DEFAULT_MEASURED_SWITCH = True
 
 
 @dataclass(frozen=True)
@@ -352,6 +355,9 @@ class RunOptions:
     #: Start a torch job's workers warm: forked per rank and per attempt from one server that
     #: imported torch once (``--warm-start``, RESILIENT_STRATEGY_WARM_START; run/warm.py).
     warm_start: bool = DEFAULT_WARM_START
+    #: Act on a measured "another candidate is clearly faster": stop at a checkpoint, try it,
+    #: keep the faster (``--measured-switch``, RESILIENT_STRATEGY_MEASURED_SWITCH; off: told only).
+    measured_switch: bool = DEFAULT_MEASURED_SWITCH
 
     @property
     def planned_sharding(self) -> str:
@@ -397,6 +403,10 @@ class RunOptions:
         if not isinstance(self.warm_start, bool):
             raise InvalidOptionError(f"--warm-start is on or off, not {self.warm_start!r}",
                                      "--warm-start")
+        if not isinstance(self.measured_switch, bool):
+            raise InvalidOptionError(
+                f"--measured-switch is on or off, not {self.measured_switch!r}",
+                "--measured-switch")
         if not self.evidence_dir or "\0" in self.evidence_dir:
             raise InvalidOptionError(f"--evidence-dir must be a path, not {self.evidence_dir!r}",
                                      "--evidence-dir")
