@@ -21,6 +21,7 @@ from resilient_strategy.core.call.arguments import Arguments, options_from, run_
 from resilient_strategy.errors import ResilientStrategyError
 from resilient_strategy.records import handoff
 from resilient_strategy.records.trainfault import parse_fault
+from resilient_strategy.run.preempt import grace_from
 from resilient_strategy.testing import machine
 
 ROOT = Path(__file__).parents[1]
@@ -37,7 +38,7 @@ VARS = ("RESILIENT_STRATEGY_CACHE", "RESILIENT_STRATEGY_CACHE_DIR", "RESILIENT_S
         "RESILIENT_STRATEGY_PROGRESS", "RESILIENT_STRATEGY_SIGNATURES",
         "RESILIENT_STRATEGY_REMEDIES", "RESILIENT_STRATEGY_PROBE_FAULT",
         "RESILIENT_STRATEGY_CHECKPOINT_ASYNC", "RESILIENT_STRATEGY_WARM_START",
-        "RESILIENT_STRATEGY_MEASURED_SWITCH")
+        "RESILIENT_STRATEGY_MEASURED_SWITCH", "RESILIENT_STRATEGY_PREEMPT_GRACE_S")
 #: One malformed value (or more) per variable (issue 32): each is refused where it is read,
 #: with one line naming the variable; none turns a feature off silently.
 MALFORMED = (
@@ -66,6 +67,8 @@ MALFORMED = (
     ("RESILIENT_STRATEGY_TRAIN_FAULT", "explode:0:gloo:3"),
     ("RESILIENT_STRATEGY_WARM_START", "sometimes"),
     ("RESILIENT_STRATEGY_MEASURED_SWITCH", "faster"),
+    ("RESILIENT_STRATEGY_PREEMPT_GRACE_S", "soon"),  # was the default in silence
+    ("RESILIENT_STRATEGY_PREEMPT_GRACE_S", "-5"),
 )
 
 
@@ -81,6 +84,7 @@ def _read_all(env: dict[str, str]) -> None:
                      gradient_bytes=None, probe_timeout=None, logical_cpus=0)
     handoff.load_decision(env, handoff.WorkerState())
     parse_fault(env.get("RESILIENT_STRATEGY_TRAIN_FAULT", ""))
+    grace_from(env)
 
 
 def _one_line_naming(name: str, value: str) -> ResilientStrategyError:

@@ -56,8 +56,13 @@ def test_parse_show_job_keeps_the_first_word_of_each_key() -> None:
 
 def test_grace_from_the_environment() -> None:
     assert grace_from({"RESILIENT_STRATEGY_PREEMPT_GRACE_S": "20"}) == 20.0
-    assert grace_from({"RESILIENT_STRATEGY_PREEMPT_GRACE_S": "x"}) == GRACE_S
     assert grace_from({}) == GRACE_S
+    from resilient_strategy.errors import InvalidOptionError
+
+    for bad in ("x", "0", "nan", "1e9"):  # refused, naming the variable: never a silent default
+        with pytest.raises(InvalidOptionError) as exc:
+            grace_from({"RESILIENT_STRATEGY_PREEMPT_GRACE_S": bad})
+        assert exc.value.option == "RESILIENT_STRATEGY_PREEMPT_GRACE_S"
 
 
 class Clock:

@@ -37,13 +37,23 @@ Handler = Callable[[int, FrameType | None], Any] | int | None
 
 
 def grace_from(env: Mapping[str, str]) -> float:
-    """The preemption grace of this run (`GRACE_VAR`, else `GRACE_S`; a bad value is the
-    default)."""
-    try:
-        value = float(env.get(GRACE_VAR, ""))
-    except ValueError:
+    """The preemption grace of this run (`GRACE_VAR`, else `GRACE_S`). A value that is not a
+    number of seconds in (0, 86400) is an `InvalidOptionError` naming the variable, never the
+    default in silence."""
+    from ..errors import InvalidOptionError
+
+    raw = env.get(GRACE_VAR, "").strip()
+    if not raw:
         return GRACE_S
-    return value if 0 < value < 86_400 else GRACE_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < 86_400:  # nan fails too
+        raise InvalidOptionError(
+            f"{GRACE_VAR}={raw!r} is not a number of seconds between 0 and 86400 (the time "
+            "a preempted run gives its ranks to checkpoint); unset it for 60 s", GRACE_VAR)
+    return value
 
 
 @dataclass
