@@ -16,7 +16,7 @@ from .machine.guard import install_import_watch
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs ~8 ms (mypy knows both)
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 __all__ = [
     "CacheError",
     "ExtraNotInstalledError",
