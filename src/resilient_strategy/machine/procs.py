@@ -243,3 +243,113 @@ def alive(pid: int) -> bool:
     except OSError:  # PermissionError: another user's; anything else: not known to be gone
         return True
     return True
+
+
+@dataclass(frozen=True)
+class ProcIds:
+    """Who a process is beside: its parent, its process group and its session (``stat``'s
+    fields 4, 5 and 6), with its state letter."""
+
+    pid: int
+    ppid: int
+    pgrp: int
+    session: int
+    state: str
+
+    @property
+    def gone(self) -> bool:
+        return self.state in GONE_STATES
+
+
+def parse_ids(text: str) -> ProcIds | None:
+    """The parent, group and session in one ``/proc/<pid>/stat`` line; None when it is not one.
+    Pure."""
+    open_at, close_at = text.find("("), text.rfind(")")
+    if open_at < 1 or close_at < open_at:
+        return None
+    rest = text[close_at + 1:].split()
+    if len(rest) < 4 or len(rest[0]) != 1:
+        return None
+    try:
+        return ProcIds(int(text[:open_at].strip()), int(rest[1]), int(rest[2]), int(rest[3]),
+                       rest[0])
+    except ValueError:
+        return None
+
+
+def read_ids(pid: int, root: str = "/proc") -> ProcIds | None:
+    """``pid``'s parent, group and session now; None when they cannot be read."""
+    try:
+        with open(f"{root}/{int(pid)}/stat", "rb") as fh:
+            return parse_ids(fh.read(MAX_STAT_BYTES).decode("ascii", "replace"))
+    except (OSError, ValueError):
+        return None
+
+
+def in_sessions(sessions: Iterable[int], ids: Iterable[ProcIds],
+                spare: Iterable[int] = ()) -> list[int]:
+    """The live processes among ``ids`` whose session is one of ``sessions`` (each a session
+    leader's pid: a rank started in a session of its own), but those in ``spare``, sorted
+    (pure). A session outlives its leader: what the leader started and left behind, orphaned
+    to init, is still in it, unless it started a session of its own."""
+    wanted = {s for s in sessions if could_be_pid(s)}
+    keep = set(spare)
+    return sorted(i.pid for i in ids
+                  if i.session in wanted and not i.gone and i.pid not in keep)
+
+
+def session_members(sessions: Iterable[int], root: str = "/proc",
+                    spare: Iterable[int] = ()) -> list[int]:
+    """`in_sessions` over every process ``root`` shows now."""
+    return in_sessions(sessions, (i for pid in _pids(root)
+                                  if (i := read_ids(pid, root)) is not None), spare)
+
+
+def parse_oom_kills(text: str) -> int | None:
+    """The ``oom_kill`` counter of a cgroup's ``memory.events`` (v2), ``memory.oom_control``
+    (v1) or of ``/proc/vmstat`` (the host's): the processes the kernel's OOM killer killed;
+    None without one. Pure."""
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) == 2 and fields[0] == "oom_kill":
+            with contextlib.suppress(ValueError):
+                return int(fields[1])
+    return None
+
+
+def memory_cgroup_files(cgroup_text: str, root: str = "/sys/fs/cgroup") -> list[str]:
+    """The files that may hold the ``oom_kill`` counter of the memory cgroup a
+    ``/proc/<pid>/cgroup`` text names, most specific first (the cgroup's own under the v2 or
+    the v1 ``memory`` hierarchy, then the hierarchy's root as a container mounts it). Pure."""
+    out: list[str] = []
+    for line in cgroup_text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        path = parts[2].strip().strip("/")
+        if parts[0] == "0" and parts[1] == "":
+            out += [f"{root}/{path}/memory.events".replace("//", "/"), f"{root}/memory.events"]
+        elif "memory" in parts[1].split(","):
+            out += [f"{root}/memory/{path}/memory.oom_control".replace("//", "/"),
+                    f"{root}/memory/memory.oom_control"]
+    return list(dict.fromkeys(out))
+
+
+def oom_kills(proc_root: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> int | None:
+    """How many processes the kernel's OOM killer has killed so far in this process's memory
+    cgroup (what its children inherit), else on the host (``/proc/vmstat``); None where neither
+    can be read. A rise across an attempt is the kernel's evidence that a SIGKILL was its."""
+    try:
+        with open(f"{proc_root}/self/cgroup", "rb") as fh:
+            cgroup = fh.read(MAX_STAT_BYTES * 4).decode("utf-8", "replace")
+    except OSError:
+        cgroup = ""
+    for path in [*memory_cgroup_files(cgroup, cgroup_root), f"{proc_root}/vmstat"]:
+        try:
+            with open(path, "rb") as fh:
+                found = parse_oom_kills(fh.read(MAX_ENVIRON_BYTES).decode("ascii", "replace"))
+        except OSError:
+            continue
+        if found is not None:
+            return found
+    return None

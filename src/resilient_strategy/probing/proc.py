@@ -279,9 +279,9 @@ def start_worker(cmd: WorkerCommand, out_path: Path, err_path: Path, spawn: Spaw
 SHM_PREFIXES = ("nccl-",)
 
 
-def _shm_segments(shm_dir: str) -> frozenset[str]:
+def _shm_segments(shm_dir: str, prefixes: tuple[str, ...] = SHM_PREFIXES) -> frozenset[str]:
     try:
-        return frozenset(n for n in os.listdir(shm_dir) if n.startswith(SHM_PREFIXES))
+        return frozenset(n for n in os.listdir(shm_dir) if n.startswith(prefixes))
     except OSError:
         return frozenset()
 
@@ -312,23 +312,58 @@ def _paths_in_use(proc_dir: str = "/proc") -> set[str]:
     return used
 
 
-def reap_shm(shm_dir: str, before: frozenset[str]) -> list[str]:
-    """Remove NCCL segments of this user that appeared in ``shm_dir`` during a probe (its workers
-    killed, or exited without tearing their communicators down) and that no live process maps or
-    holds open (so never another job's). Returns them."""
-    new = {name for name in _shm_segments(shm_dir) - before if _mine(os.path.join(shm_dir, name))}
+def shm_entries(shm_dir: str, prefixes: tuple[str, ...] = SHM_PREFIXES) -> frozenset[str]:
+    """The names in ``shm_dir`` that start with one of ``prefixes`` now (none: unreadable)."""
+    return _shm_segments(shm_dir, prefixes)
+
+
+def reap_shm(shm_dir: str, before: frozenset[str],
+             prefixes: tuple[str, ...] = SHM_PREFIXES) -> list[str]:
+    """Remove NCCL segments (or entries starting with ``prefixes``: a training attempt's torch
+    and multiprocessing files) of this user that appeared in ``shm_dir`` during a probe (its
+    workers killed, or exited without tearing their communicators down) and that no live process
+    maps or holds open (so never another job's). Returns them."""
+    new = {name for name in _shm_segments(shm_dir, prefixes) - before
+           if _mine(os.path.join(shm_dir, name))}
     if not new:
         return []
     in_use = _paths_in_use()
+    mapped = _inodes_mapped()
     removed = []
     for name in sorted(new):
         path = os.path.join(shm_dir, name)
-        if path in in_use or f"{path} (deleted)" in in_use:
+        if path in in_use or f"{path} (deleted)" in in_use or _inode(path) in mapped:
             continue
         with contextlib.suppress(OSError):
             os.unlink(path)
             removed.append(name)
     return removed
+
+
+def _inodes_mapped(proc_dir: str = "/proc") -> set[tuple[int, int, int]]:
+    """(device major, minor, inode) of every file some live process maps: a POSIX semaphore is
+    mapped under the temporary name glibc's ``sem_open`` made it by (``sem.XXXXXX (deleted)``),
+    not its own, so only its inode tells it is in use."""
+    found: set[tuple[int, int, int]] = set()
+    with contextlib.suppress(OSError):
+        for pid in (p for p in os.listdir(proc_dir) if p.isdigit()):
+            with contextlib.suppress(OSError, ValueError), open(
+                    os.path.join(proc_dir, pid, "maps"), encoding="utf-8",
+                    errors="replace") as f:
+                for line in f:
+                    fields = line.split(None, 5)
+                    if len(fields) == 6 and fields[4] != "0":
+                        major, _, minor = fields[3].partition(":")
+                        found.add((int(major, 16), int(minor, 16), int(fields[4])))
+    return found
+
+
+def _inode(path: str) -> tuple[int, int, int] | None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return os.major(st.st_dev), os.minor(st.st_dev), st.st_ino
 
 
 def _mine(path: str) -> bool:

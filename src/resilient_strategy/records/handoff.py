@@ -321,14 +321,18 @@ def _message(exc: BaseException, limit: int) -> str:
 
 def exception_chain(exc: BaseException) -> list[dict[str, Any]]:
     """The exception then what caused it (``__cause__``, else ``__context__`` unless
-    suppressed), each with its class's MRO names, its message and its frames (`_frames`)."""
+    suppressed), each with its class's MRO names, its message and its frames (`_frames`), and
+    an `OSError`'s ``errno``."""
     chain: list[dict[str, Any]] = []
     seen: set[int] = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen and len(chain) < MAX_CHAIN:
         seen.add(id(e))
         chain.append({"types": [f"{t.__module__}.{t.__qualname__}" for t in type(e).__mro__],
-                      "message": _message(e, 2000), "frames": _frames(e.__traceback__)})
+                      "message": _message(e, 2000), "frames": _frames(e.__traceback__),
+                      # an OSError's number: ENOSPC is the disk's, whatever the message says
+                      **({"errno": e.errno} if isinstance(e, OSError)
+                         and isinstance(e.errno, int) else {})})
         e = e.__cause__ if e.__cause__ is not None else (
             None if e.__suppress_context__ else e.__context__)
     return chain

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -26,7 +26,8 @@ from ..core.values.bounded import parse_json
 from ..core.values.candidate import CandidateKey
 from ..errors import UnsafePathError
 from ..machine import env as machine_env
-from ..machine import files
+from ..machine import files, procs
+from ..probing.proc import SHM_PREFIXES, reap_shm, shm_entries
 from ..records import flight, phases
 from ..records.flightdump import DumpStatus, RankDump, analyse, divergence
 from ..records.handoff import HandedDecision
@@ -51,6 +52,7 @@ from .verdicts import (
     VerdictKind,
     classify_attempt,
     diverged,
+    memory_killed,
     step_in_progress,
 )
 from .warm import START_METHOD, applies, start_server
@@ -204,6 +206,8 @@ def _launch(opts: RunOptions, decision: HandedDecision, env: Mapping[str, str],
 
     torch_version = detect_frameworks()[0].version  # metadata: the name this torch expects
     # the workers inherit these for the attempt; never one the user set
+    shm_before = shm_entries(SHM_DIR, ATTEMPT_SHM_PREFIXES)
+    oom_before = procs.oom_kills()  # the kernel's OOM kills so far (the evidence of a SIGKILL)
     with machine_env.setting(worker_env(decision, opts, watch.busy_s, env, torch_version)):
         try:
             try:
@@ -214,6 +218,8 @@ def _launch(opts: RunOptions, decision: HandedDecision, env: Mapping[str, str],
                 result = None
             phases.mark(marks, phases.WORKERS_STOPPED)
         finally:
+            with contextlib.suppress(Exception):  # what the ranks left never stops the stop
+                sweep_attempt(agent.rank_pids, str(run_dir / "decision.json"), shm_before)
             if peer is None or peer.reachable():  # a store gone quiet: not forever, not at all
                 within(spec.rdzv_handler.shutdown, RDZV_SHUTDOWN_S)
             machine_env.unset_added(TORCHRUN_VARS, before)
@@ -253,6 +259,8 @@ def _launch(opts: RunOptions, decision: HandedDecision, env: Mapping[str, str],
     # finished only when every rank wrote "finished" after its last step (exit 0 is not enough)
     records = [read_record(str(where.progress(lr))) for lr in range(nproc)]
     verdict = classify_attempt(stall, exits, records)
+    if stall is None and oom_before is not None and (oom_now := procs.oom_kills()) is not None:
+        verdict = memory_killed(verdict, exits, oom_now - oom_before)
     if stall is not None and agent.flight:
         verdict = replace(verdict, flight=analyse(agent.flight))
         if proof := divergence(agent.flight):
@@ -261,6 +269,61 @@ def _launch(opts: RunOptions, decision: HandedDecision, env: Mapping[str, str],
         verdict = replace(verdict, seen=SEEN_ERROR_RECORD if agent.raised is not None
                           else SEEN_STALL if stall is not None else SEEN_EXIT)
     return verdict
+
+
+#: Where the ranks' shared memory lives, and the names an attempt leaves there when its
+#: processes are killed: torch's tensors shared between a DataLoader's workers and the rank
+#: (``torch_*``), multiprocessing's named semaphores (``sem.mp-*``: a queue's, held by a
+#: process killed before it unlinked them), NCCL's segments (``nccl-*``).
+SHM_DIR = "/dev/shm"
+ATTEMPT_SHM_PREFIXES = ("torch_", "sem.mp-", *SHM_PREFIXES)
+#: How long the processes an attempt left are waited for once killed (they hold shared memory
+#: mapped until they are gone).
+SWEEP_WAIT_S = 10.0
+
+
+def left_behind(sessions: Iterable[int], decision: str, root: str = "/proc") -> list[int]:
+    """The live processes of this user that an attempt's ranks started and left: every process
+    of a rank's session (each rank leads one: torch starts a cold worker with
+    ``start_new_session``, a warm one calls ``setsid``; what it forked or spawned stays in it,
+    orphaned or not) and every process started with the attempt's decision in its environment
+    (``RESILIENT_STRATEGY_DECISION``: one that left the session); never this process."""
+    from ..records.handoff import DECISION_VAR
+
+    found = set(procs.session_members(sessions, root, spare=(os.getpid(),)))
+    found.update(procs.pids_with_env({DECISION_VAR: decision}, root))
+    found.discard(os.getpid())
+    mine = []
+    for pid in sorted(found):
+        with contextlib.suppress(OSError):
+            if os.stat(f"{root}/{pid}").st_uid == os.getuid():
+                mine.append(pid)
+    return mine
+
+
+def sweep_attempt(sessions: Iterable[int], decision: str, shm_before: frozenset[str],
+                  shm_dir: str = SHM_DIR, wait_s: float = SWEEP_WAIT_S) -> tuple[list[int],
+                                                                               list[str]]:
+    """After an attempt's workers were stopped: SIGKILL what its ranks left running
+    (`left_behind`: DataLoader workers, a fork server, a resource tracker, anything the script
+    started), wait for them to be gone (at most ``wait_s``), then remove the shared-memory
+    entries of this user that appeared in ``shm_dir`` during the attempt and that no live
+    process maps or holds (`probing.proc.reap_shm`, as after a probe). Returns (the pids killed,
+    the entries removed)."""
+    sessions = list(sessions)
+    killed = left_behind(sessions, decision)
+    for pid in killed:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    until = time.monotonic() + wait_s
+    while killed and time.monotonic() < until and any(
+            (i := procs.read_ids(pid)) is not None and not i.gone for pid in killed):
+        time.sleep(0.05)
+    removed = reap_shm(shm_dir, shm_before, ATTEMPT_SHM_PREFIXES)
+    if killed or removed:
+        log.info("the attempt left %d process(es) running (killed: %s) and %d shared-memory "
+                 "entries (removed)", len(killed), ", ".join(map(str, killed)), len(removed))
+    return killed, removed
 
 
 def first_raised(run_dir: Path | RunDir, nproc: int) -> int | None:
@@ -638,6 +701,7 @@ def _agent_class() -> type[Any]:
                     self._worker_args = tuple(spec.args)
                 spec.args = (dict(os.environ), *self._worker_args)
             started = super()._start_workers(worker_group)
+            self.rank_pids.update(self._pids().values())  # each leads a session (`left_behind`)
             if (marks := self._marks()) is not None:
                 phases.mark(marks, phases.WORKERS_STARTED)
             return started

@@ -199,6 +199,10 @@ def judge(verdict: Verdict, candidate: str, history: Sequence[Attempt],
     `effective`), the attempts before it being ``history``."""
     if verdict.ok:
         return Judgement(Action.FINISH, "the training finished", ExitCode.SUCCESS)
+    if verdict.cause == "no_space":  # the machine's, neither the script's nor a strategy's
+        return Judgement(Action.STOP, "a disk the run writes to is full: the machine's fault, "
+                         "not the script's nor a strategy's (free space or requeue elsewhere)",
+                         ExitCode.INFRASTRUCTURE)
     if verdict.users:
         return Judgement(Action.STOP, "the script's own fault: another attempt or strategy "
                          "would fail the same way", ExitCode.USER_ERROR)

@@ -57,7 +57,7 @@ TAIL_SIGNATURE_BYTES = 4096
 
 #: Placed causes that are the GPU's memory running out: NCCL's own allocations too (mid-run they
 #: compete with the training's tensors; before a run they are checked and retried once)
-_OOM_CAUSES = frozenset({"oom", "nccl_oom"})
+_OOM_CAUSES = frozenset({"oom", "nccl_oom", "host_memory"})
 
 
 #: The most characters of a failing rank's own line quoted in a verdict (`RankExit.what`).
@@ -123,6 +123,7 @@ class Raised:
     types: tuple[str, ...]
     message: str = ""
     frames: tuple[Frame, ...] = ()
+    errno: int = 0  # an OSError's number (0: none recorded)
 
     @property
     def names(self) -> frozenset[str]:
@@ -146,8 +147,9 @@ class Raised:
                                     str(f.get("file", "")), int(f.get("line", 0) or 0),
                                     bool(f.get("distributed", False)),
                                     bool(f.get("library", False))))
+        number = d.get("errno")
         return cls(tuple(str(t) for t in d.get("types", ()) or ()), str(d.get("message", "")),
-                   tuple(frames))
+                   tuple(frames), number if isinstance(number, int) else 0)
 
 
 def error_chain(error: Mapping[str, Any]) -> tuple[Raised, ...] | None:
@@ -171,6 +173,9 @@ BLAME_DISTRIBUTED = "distributed_frame"  # raised in a frame of the distributed 
 BLAME_COLLECTIVE = "collective_region"  # raised in the marked all-reduce of a step, said so
 BLAME_SCRIPT = "script_code"  # raised in the script's own code, outside any collective
 BLAME_TEXT = "text_only"  # a record that says nothing of where: its type and text decide
+BLAME_NO_SPACE = "no_space"  # a full disk (ENOSPC, EDQUOT, a NoSpaceError): the machine's
+#: The numbers of an OSError that say the disk (or the quota) is full: ENOSPC, EDQUOT.
+_FULL_DISK_ERRNOS = frozenset({28, 122})
 #: The types a distributed frame raises when a peer or a link fails (a process group's error is
 #: a RuntimeError; a socket's an OSError; TensorFlow's an OpError). A ValueError or TypeError
 #: from torch.distributed is a call the script got wrong.
@@ -215,6 +220,9 @@ def blame(error: Mapping[str, Any], signatures: Signatures | None = None) -> Bla
     if names & set(_OOM_TYPES) or placed in _OOM_CAUSES or (
             placed == "worker_error" and _OOM_TEXT.search(text)):
         return Blame("oom", BLAME_OOM, at)
+    if placed == "no_space" or any(r.errno in _FULL_DISK_ERRNOS or "NoSpaceError" in r.names
+                                   for r in chain):
+        return Blame("no_space", BLAME_NO_SPACE, at)  # the machine's disk, wherever raised
     in_distributed = [r for r in chain if r.raised_in_distributed(table)]
     if table.blame.script_fault(text, bool(in_distributed)) is not None:
         return Blame("user", BLAME_SCRIPT_TEXT, at)
@@ -468,7 +476,8 @@ class Verdict:
 
 
 _BLAME_WORDS = frozenset({"", BLAME_OOM, BLAME_EXIT, BLAME_SCRIPT_TEXT, BLAME_PROCESS_GROUP,
-                          BLAME_DISTRIBUTED, BLAME_COLLECTIVE, BLAME_SCRIPT, BLAME_TEXT})
+                          BLAME_DISTRIBUTED, BLAME_COLLECTIVE, BLAME_SCRIPT, BLAME_TEXT,
+                          BLAME_NO_SPACE})
 _SEEN_WORDS = frozenset({"", SEEN_ERROR_RECORD, SEEN_EXIT, SEEN_STALL, SEEN_PEER})
 #: Every word `Verdict.stall` may hold ("": not a stall).
 STALL_KINDS = frozenset({"", "setup", "collective", "straggler", "quiet", "stopped", "busy",
@@ -581,7 +590,9 @@ def launch_cause(exits: Sequence[RankExit], signatures: Signatures | None = None
 def _classify_exits(exits: Sequence[RankExit]) -> Verdict:
     step = step_in_progress([e.record for e in exits])
     text = describe_exits(exits)
-    kinds = [e.error_kind for e in exits]
+    # a rank that left no error record but printed a memory signature (torch's "DataLoader
+    # worker (pid N) is killed by signal: Killed", the OOM killer's SIGKILL) ran out of memory
+    kinds = [e.error_kind or ("oom" if _tail_cause(e) in _OOM_CAUSES else None) for e in exits]
     # the launch's fault first: a port held, a store unreachable, a library that breaks the
     # import follow the job to every strategy, whoever raised them
     launch = launch_cause(exits)
@@ -601,10 +612,16 @@ def _classify_exits(exits: Sequence[RankExit]) -> Verdict:
         return next((b.why for e in exits if (b := e.blamed) is not None and b.kind in which),
                     "")
 
+    if "no_space" in kinds:  # the machine's disk: no step-down, no blame on the script
+        ranks, where = blamed("no_space")
+        return Verdict(VerdictKind.EXIT, f"a disk is full: {text}", step, "no_space",
+                       ranks=ranks, where=where, blame=BLAME_NO_SPACE)
     if "oom" in kinds:
         ranks, where = blamed("oom")
-        return Verdict(VerdictKind.OOM, f"out of memory: {text}", step, ranks=ranks, where=where,
-                       blame=why("oom"))
+        placed = error_cause([e for e in exits if e.rank in ranks])
+        return Verdict(VerdictKind.OOM, f"out of memory: {text}", step,
+                       placed if placed in _OOM_CAUSES else "", ranks=ranks, where=where,
+                       blame=why("oom") or BLAME_OOM)
     if "user" in kinds or "exit" in kinds:
         ranks, where = blamed("user", "exit")
         return Verdict(VerdictKind.USER, f"the script failed: {text}", step, ranks=ranks,
@@ -640,6 +657,47 @@ def _classify_exits(exits: Sequence[RankExit]) -> Verdict:
     return Verdict(VerdictKind.BACKEND, f"a rank died with a communication error in its "
                    f"output: {text}", step, error_cause(exits) or "crash", ranks=ranks,
                    where=where)
+
+
+def _tail_cause(e: RankExit) -> str:
+    """The cause the signature table places on the end of a rank's output when it left no
+    error record ("": it left one, or said nothing placed)."""
+    tail = e.stderr_tail[-TAIL_SIGNATURE_BYTES:]
+    if e.error is not None or not tail.strip():
+        return ""
+    placed = builtin_signatures().classify(tail)
+    return "" if placed == "worker_error" else placed
+
+
+#: What torch says of a DataLoader worker killed by SIGKILL, and of one that vanished (the
+#: OOM killer's victim seen by the loader's queue before its SIGCHLD handler).
+_KILLED = re.compile(r"killed by signal: Killed|DataLoader worker \(pid\(s\) [\d, ]+\) exited "
+                     "unexpectedly")
+
+
+def memory_killed(verdict: Verdict, exits: Sequence[RankExit], oom_kills: int) -> Verdict:
+    """``verdict`` when the kernel's OOM killer killed ``oom_kills`` processes of the job's
+    memory cgroup during the attempt (its ``oom_kill`` counter rose: `machine.procs.oom_kills`):
+    a rank killed by SIGKILL, or one whose DataLoader worker was (torch says "killed by signal:
+    Killed"), ran out of the host's memory, whatever else the ranks printed (an OOM verdict,
+    cause ``host_memory``). Unchanged without a kill, for any other verdict, or when no rank was
+    so killed. Pure."""
+    if oom_kills <= 0 or verdict.kind not in (VerdictKind.EXIT, VerdictKind.USER,
+                                              VerdictKind.BACKEND, VerdictKind.OOM):
+        return verdict
+    killed = [e for e in exits if e.exitcode == -9 or _KILLED.search(" ".join(
+        [str((e.error or {}).get("message", "")),
+         *(r.message for r in error_chain(e.error or {}) or ()),
+         e.stderr_tail[-TAIL_SIGNATURE_BYTES:]]))]
+    if not killed:
+        return verdict
+    s = "es" if oom_kills > 1 else ""
+    return Verdict(VerdictKind.OOM, f"out of memory: the kernel's OOM killer killed {oom_kills} "
+                   f"process{s} of this job's memory cgroup: {describe_exits(killed)}",
+                   verdict.step, "host_memory", ranks=tuple(e.rank for e in killed),
+                   where=next((e.where() for e in killed if e.where()), verdict.where),
+                   detail=f"the kernel's OOM killer killed {oom_kills} process{s}",
+                   blame=BLAME_OOM, seen=verdict.seen)
 
 
 def diverged(stalled: Verdict, proof: str) -> Verdict:

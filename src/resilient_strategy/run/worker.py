@@ -78,6 +78,7 @@ def warm_main(environment: Mapping[str, str], *argv: str) -> None:
     os.environ.clear()
     os.environ.update(wanted)
     warm.match_threads(os.environ, warm.SERVER_ENV)
+    _as_a_fresh_process()
     args = _checked(list(argv))
     watch_parent(os.getppid())  # the fork server: it ends with the supervisor
     watch_process(int(args[1]))  # and the supervisor itself
@@ -103,6 +104,25 @@ def warm_main(environment: Mapping[str, str], *argv: str) -> None:
         _at_exit()
         raise
     _at_exit()
+
+
+def _as_a_fresh_process() -> None:
+    """What a cold worker is that a child of multiprocessing's fork server is not: the leader
+    of a session of its own (torch starts a cold worker with ``start_new_session``), so that
+    everything the script starts (DataLoader workers, their fork server, anything it forked)
+    is found by its session and stopped with the attempt (`run.agent.sweep_attempt`); and
+    multiprocessing's start method this Python's default again (the server's ``forkserver``
+    otherwise: a DataLoader with workers in a script without a ``__main__`` guard died at its
+    first batch, "exited unexpectedly", leaving two fork servers, a resource tracker and 28
+    semaphores in /dev/shm behind the run)."""
+    import multiprocessing
+
+    with contextlib.suppress(OSError):  # already a leader: nothing to do
+        os.setsid()
+    with contextlib.suppress(RuntimeError, ValueError):
+        multiprocessing.set_start_method(None, force=True)
+    with contextlib.suppress(AttributeError):  # set by the server's bootstrap of this child
+        del multiprocessing.current_process()._inheriting  # type: ignore[attr-defined]
 
 
 def _checked(args: list[str]) -> list[str]:

@@ -112,6 +112,10 @@ CAUSES: dict[str, str] = {
     # The machine's state, not the backend's: never cached (see ENVIRONMENTAL_CAUSES).
     "no_space": "a disk the run writes to is full (No space left on device, often the temp "
     "directory): free space there, or point TMPDIR at a disk with room, and run again",
+    "host_memory": "the host ran out of memory: the kernel's OOM killer took a process of the "
+    "job (a DataLoader worker, or a rank) by SIGKILL, for the host's or the container's "
+    "memory limit: use fewer DataLoader workers or a smaller prefetch_factor or batch, keep "
+    "the dataset out of each worker's memory, or give the job more memory",
     "too_many_files": "the process ran out of file descriptors (Too many open files): raise the "
     "limit (ulimit -n 65536) or use fewer DataLoader workers, and run again",
     "permission": "a file or directory the run needs is not writable or readable by this user "
@@ -152,6 +156,7 @@ GPU_WIDE_CAUSES = frozenset({"cuda_init", "driver_too_old"})
 #: permissions), not from the candidate: they say nothing about the backend, so they are never
 #: cached and never rule a candidate out beyond the run that met them.
 ENVIRONMENTAL_CAUSES = frozenset({"no_space", "too_many_files", "permission", "nccl_oom",
+                                  "host_memory",
                                   "status_lost", "port_in_use", "store_unreachable",
                                   "name_unresolved", "torch_import", "cuda_initialized"})
 
