@@ -258,7 +258,13 @@ def _supervise(tmp: Path, guarded: bool, steps: int, kill: bool,
     done = subprocess.CompletedProcess(sup.args, sup.returncode, (tmp / "out").read_text(),
                                        (tmp / "err").read_text())
     left = (tmp / "shm-left").read_text().split()
+    # a process SIGKILLed by the sweep may still be dying on a loaded machine; one the run left
+    # behind stays (before the fix: still alive 50 minutes later), so a bounded wait tells them
+    until = time.monotonic() + deadline(20)
     alive = _marked(marker)
+    while alive and time.monotonic() < until:
+        time.sleep(0.2)
+        alive = [p for p in _marked(marker) if procs.alive(p)]
     for pid in alive:  # what the run left: this test's own processes
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
