@@ -324,7 +324,10 @@ def test_a_straggler_shorter_than_the_allowance_is_not_relaunched(
         quiet_run: tuple[tb.Outcome, str]) -> None:
     o, _ = quiet_run
     assert o.codes == (0, 0), o
-    assert o.attempts == ((0,), (0,)) and o.history == (), o
+    # one attempt on each node, never relaunched: attempts.json, written since the step is
+    # measured (issue 41), holds at most that one attempt, finished
+    assert o.attempts == ((0,), (0,)), o
+    assert [(h["number"], h["verdict"]["kind"]) for h in o.history] in ([], [(0, "ok")]), o
     _finished_exactly(o)
 
 
