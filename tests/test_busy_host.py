@@ -119,6 +119,15 @@ def test_a_busy_timeout_is_retried_once_with_its_scaled_deadline() -> None:
     assert dict(again.extra)[BUSY_RETRIED] == "240" and busy_retry_deadline(again) is None
 
 
+def test_a_probe_across_workers_is_not_retried_alone() -> None:
+    """A TF_CONFIG worker's (or a node's) probe is one side of a collective: the others' probes
+    have ended when this one is cut, so a retry here alone meets no one and reads as an error
+    (seen under a loaded suite: worker 0 'error', worker 1 'timeout'). It stays a busy timeout."""
+    first = _busy_timeout()
+    assert busy_retry_deadline(first, workers=1) == 240.0
+    assert busy_retry_deadline(first, workers=2) is None
+
+
 def test_a_deadline_lost_to_load_is_never_cached(tmp_path: Path) -> None:
     busy = ProbeResult(KEY, TIMEOUT, 30.0, "timeout", extra=(("host_busy", "0.12"),))
     assert refusal(busy) is not None

@@ -70,7 +70,7 @@ def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.exec
     decision loop's `DeferredHealthProber`) and must run it before using the GPUs."""
     files.TEMP_SWEEP.once()  # what a killed run of ours left (its pid gone, untouched a while)
     result = _run_once(spec, env, python)
-    timeout = busy_retry_deadline(result)
+    timeout = busy_retry_deadline(result, spec.workers)
     if timeout is not None:
         # load is not a fault: once more, with a deadline scaled to the CPU it got; the result
         # says the host was busy either way (and a failure so marked is never cached)
@@ -84,12 +84,15 @@ def run_probe(spec: ProbeSpec, env: Mapping[str, str], *, python: str = sys.exec
     return result
 
 
-def busy_retry_deadline(result: ProbeResult) -> float | None:
+def busy_retry_deadline(result: ProbeResult, workers: int = 1) -> float | None:
     """The deadline a probe cut on a busy host is retried with (`cost.busy_retry_timeout`), None
     when it is not retried: it did not time out, or the host was not busy, or this was the
-    retry already. Pure."""
+    retry already, or it spans ``workers`` > 1 (TF_CONFIG workers, nodes: the other workers'
+    probes have ended, so a retry here alone would meet no one and read as an error; the
+    result still says the host was busy, so it is never cached). Pure."""
     extra = dict(result.extra)
-    if result.status != TIMEOUT or HOST_BUSY not in extra or BUSY_RETRIED in extra:
+    if (result.status != TIMEOUT or HOST_BUSY not in extra or BUSY_RETRIED in extra
+            or workers > 1):
         return None
     try:
         return float(extra[RETRY_TIMEOUT])
