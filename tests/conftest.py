@@ -116,6 +116,15 @@ def _gpus_only_where_marked(request: pytest.FixtureRequest,
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _no_measured_switch_in_shared_fixtures() -> Iterator[None]:
+    """The same for module- and session-scoped fixtures (a module's reference run starts
+    before any function-scoped fixture): set for the whole session, restored after."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RESILIENT_STRATEGY_MEASURED_SWITCH", "0")
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _no_measured_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every test's ``resilient-strategy run`` acts on no measured "another candidate is

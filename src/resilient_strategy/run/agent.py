@@ -32,6 +32,7 @@ from ..records import flight, phases
 from ..records.flightdump import DumpStatus, RankDump, analyse, divergence
 from ..records.handoff import HandedDecision
 from ..records.progress import (
+    FINISHED,
     Stall,
     read_record,
 )
@@ -229,7 +230,9 @@ def _launch(opts: RunOptions, decision: HandedDecision, env: Mapping[str, str],
             return heard
         return replace(heard, step=step_in_progress(  # where this node's ranks were
             [read_record(str(where.progress(lr))) for lr in range(nproc)]))
-    if agent.switched is not None and first_raised(where, nproc) is None:
+    if (agent.switched is not None and first_raised(where, nproc) is None
+            and not all((r := read_record(str(where.progress(lr)))) is not None
+                        and r.phase == FINISHED for lr in range(nproc))):
         return Verdict(VerdictKind.SWITCH, "stopped at the checkpoint of step "
                        f"{agent.switched} for a measured switch", agent.switched)
     stall: Stall | None = agent.stall
@@ -681,6 +684,16 @@ def _agent_class() -> type[Any]:
         def _marks(self) -> Path | None:
             return None if self.run_dir is None else RunDir(self.run_dir).supervisor_phases
 
+        def _finishing(self) -> bool:
+            """Whether a rank has written "finished" (its last step done): a job that ends on
+            its own is never stopped for a measured switch (it relaunched a finished job at its
+            last checkpoint)."""
+            if self.run_dir is None:
+                return False
+            where = RunDir(self.run_dir)
+            return any((r := read_record(str(where.progress(lr)))) is not None
+                       and r.phase == FINISHED for lr in range(self.nproc))
+
         def _rendezvous(self, worker_group: Any) -> Any:
             """torch's rendezvous, in a thread of its own while this one watches the store: a
             node cut off from it, or another node of the attempt gone silent, ends the wait
@@ -804,7 +817,8 @@ def _agent_class() -> type[Any]:
                     self._remaining_restarts = 0
                     return RunResult(state=WorkerState.UNHEALTHY)
             if (result.state == WorkerState.HEALTHY and self.switch is not None
-                    and self.switched is None and self.stall is None and self.raised is None):
+                    and self.switched is None and self.stall is None and self.raised is None
+                    and not self._finishing()):
                 at = self.switch()
                 if at is not None:  # stopped at a checkpoint for a measured switch
                     self.switched = at
