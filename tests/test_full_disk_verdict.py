@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -173,3 +174,211 @@ def test_torchrun_with_a_full_tmpdir_never_halves_the_job(tiny_fs: Path, tmp_pat
     assert all(s.get("replicas") != 1 for s in said), out.stderr[-3000:]  # never halved
     assert {"error": "NoSpaceError"}.items() <= said[0].items(), out.stderr[-3000:]
     assert said[0]["path"].startswith(str(tiny_fs))
+
+
+# ----- the local ranks' agreement with its cache directory on a full disk ----------------------
+_LAUNCH2 = {"TORCHELASTIC_RUN_ID": "job1", "MASTER_PORT": "29500", "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2"}
+_PAYLOAD = {"chosen": GLOO, "results": {}, "from_cache": False, "proven": True}
+
+
+def _two_ranks(cache_dir: Path, runtime: Path) -> tuple[Any, Any]:
+    from resilient_strategy.nodes.onenode import Agreement
+
+    env = {**_LAUNCH2, "XDG_RUNTIME_DIR": str(runtime)}
+    return tuple(Agreement.for_job({**env, "LOCAL_RANK": str(r)}, "fp", cache_dir, ppid=1)
+                 for r in (0, 1))  # type: ignore[return-value]
+
+
+def _read_only(mount_point: Path) -> None:
+    if subprocess.run([shutil.which("mount") or "mount", "-o", "remount,ro", str(mount_point)],
+                      capture_output=True, timeout=deadline(30)).returncode != 0:
+        pytest.skip("cannot remount the tmpfs read-only")
+
+
+@pytest.mark.parametrize("disk", ["full", "read_only"])
+def test_the_agreement_moves_to_the_private_directory_when_the_cache_disk_refuses_it(
+        tiny_fs: Path, tmp_path: Path, disk: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Before: `Agreement.publish` let the NoSpaceError of the cache's disk out (rank 0 failed
+    after deciding; rank 1 waited to its deadline)."""
+    cache_dir = tiny_fs / "cache"
+    cache_dir.mkdir(mode=0o700)
+    _fill(tiny_fs)
+    if disk == "read_only":
+        _read_only(tiny_fs)
+    runtime = tmp_path / "run"
+    leader, follower = _two_ranks(cache_dir, runtime)
+    assert leader.path.parent == cache_dir  # the cache directory itself passes every check
+    with caplog.at_level(logging.WARNING, logger="resilient_strategy"):
+        written = leader.publish(_PAYLOAD)
+    assert written == leader.fallback == runtime / "resilient_strategy" / leader.path.name
+    assert [r.levelno for r in caplog.records if r.name.startswith("resilient_strategy")] == \
+        [logging.WARNING]  # said once
+    assert follower.wait(5.0, not_before=-math.inf)["chosen"] == GLOO
+    assert os.listdir(runtime / "resilient_strategy") == []  # the last reader cleaned up
+    assert not any(p.name.startswith("agree-") for p in cache_dir.iterdir())
+
+
+def test_a_follower_started_before_the_move_still_finds_the_decision(tiny_fs: Path,
+                                                                     tmp_path: Path) -> None:
+    """The waiting rank polls both places from the start, in another process: it finds the
+    decision rank 0 could only write in the private directory."""
+    cache_dir = tiny_fs / "cache"
+    cache_dir.mkdir(mode=0o700)
+    _fill(tiny_fs)
+    runtime = tmp_path / "run"
+    code = (
+        "import json, math, sys\n"
+        "from pathlib import Path\n"
+        "from resilient_strategy.nodes.onenode import Agreement\n"
+        f"env = {{**{_LAUNCH2!r}, 'XDG_RUNTIME_DIR': {str(runtime)!r}, 'LOCAL_RANK': '1'}}\n"
+        f"ag = Agreement.for_job(env, 'fp', Path({str(cache_dir)!r}), ppid=1)\n"
+        "print('waiting', flush=True)\n"
+        "print(json.dumps(ag.wait(60.0, poll_s=0.05, not_before=-math.inf)), flush=True)\n")
+    follower = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    try:
+        assert follower.stdout is not None and follower.stdout.readline() == "waiting\n"
+        leader, _ = _two_ranks(cache_dir, runtime)
+        assert leader.publish(_PAYLOAD) == leader.fallback
+        out, _ = follower.communicate(timeout=deadline(60))
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.wait(timeout=deadline(10))
+    assert follower.returncode == 0
+    assert json.loads(out)["chosen"] == GLOO
+
+
+OTHER_UID = 65534  # nobody: the second real user (root's setuid), as tests/test_evidence_trust
+
+
+def _as_other_user(action: Any) -> None:
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(OTHER_UID)
+            os.setuid(OTHER_UID)
+            action()
+            code = 0
+        except BaseException as exc:
+            os.write(2, f"as uid {OTHER_UID}: {exc!r}\n".encode())
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_private_directory_planted_by_another_user_is_never_the_fallback(
+        tiny_fs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No XDG_RUNTIME_DIR: the fallback is ``<tempdir>/resilient_strategy-<uid>`` in a shared
+    sticky directory, where a second real user made that name first (mode 0777). Rank 0 then
+    refuses to publish there (one typed error, no NoSpaceError traceback) and the waiting rank
+    never reads a file from it."""
+    import tempfile
+
+    from resilient_strategy.errors import ResilientStrategyError
+    from resilient_strategy.nodes.onenode import Agreement, AgreementTimeoutError
+
+    shared = Path(tempfile.mkdtemp(prefix="rs-test-agree-", dir="/tmp"))
+    try:
+        shared.chmod(0o1777)
+        monkeypatch.setattr(tempfile, "tempdir", str(shared))
+        squatted = shared / f"resilient_strategy-{os.getuid()}"
+        planted = squatted / "planted.json"
+
+        def plant() -> None:
+            squatted.mkdir(mode=0o777)
+            os.chmod(squatted, 0o777)
+
+        _as_other_user(plant)
+        assert squatted.stat().st_uid == OTHER_UID
+        cache_dir = tiny_fs / "cache"
+        cache_dir.mkdir(mode=0o700)
+        _fill(tiny_fs)
+        env = {**_LAUNCH2}
+        leader, follower = (Agreement.for_job({**env, "LOCAL_RANK": str(r)}, "fp", cache_dir,
+                                              ppid=1) for r in (0, 1))
+        assert leader.fallback is not None and leader.fallback.parent == squatted
+        _as_other_user(lambda: planted.parent.joinpath(leader.path.name).write_text(json.dumps(
+            {**_PAYLOAD, "chosen": "cpu", "published_at": 1e12})))
+        with pytest.raises(ResilientStrategyError, match=f"owned by uid {OTHER_UID}") as exc:
+            leader.publish(_PAYLOAD)
+        assert not isinstance(exc.value, NoSpaceError)
+        with pytest.raises(AgreementTimeoutError):  # the planted "cpu" decision is never read
+            follower.wait(0.3, poll_s=0.05, not_before=-math.inf)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+AGREE_SCRIPT = r'''
+import json, logging, os
+logging.basicConfig(level=logging.WARNING)
+import resilient_strategy
+sel = resilient_strategy.resilient_strategy(framework="torch", global_batch_size=32)
+notes = [e.topic for e in sel.plan.events if e.kind == "note" and e.topic == "agreement_moved"]
+print(json.dumps({"rank": int(os.environ["LOCAL_RANK"]), "backend": sel.backend,
+                  "replicas": sel.num_replicas, "notes": notes}), flush=True)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+def test_torchrun_with_its_cache_on_a_full_disk_still_agrees(tiny_fs: Path,
+                                                            tmp_path: Path) -> None:
+    """Issue 46, item 7: a 2-process torchrun job whose cache directory is on a full 16 KiB
+    tmpfs. Before: local rank 0 decided, then its publish of the decision for local rank 1
+    raised the NoSpaceError of the agreement file (rc 1, rank 1 waiting until its deadline).
+    After: rank 0 publishes in this user's private runtime directory, which rank 1 also reads,
+    and both train on the same decision; the degrade is a logged line and rank 0's trace note
+    (``agreement_moved``)."""
+    pytest.importorskip("torch")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed beside this interpreter")
+    cache_dir = tiny_fs / "cache"
+    cache_dir.mkdir(mode=0o700)
+    _fill(tiny_fs)
+    script = tmp_path / "train.py"
+    script.write_text(AGREE_SCRIPT)
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1",
+           "TMPDIR": str(tmp_path), "CUDA_VISIBLE_DEVICES": "", "XDG_RUNTIME_DIR": str(runtime),
+           "RESILIENT_STRATEGY_CACHE_DIR": str(cache_dir)}
+    env.pop("RESILIENT_STRATEGY_PROBE_FAULT", None)
+    out = subprocess.run([str(torchrun), "--nproc-per-node", "2", str(script)], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=deadline(300))
+    said = sorted((json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")),
+                  key=lambda s: s["rank"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [s["rank"] for s in said] == [0, 1], out.stderr[-3000:]
+    assert said[0]["backend"] == said[1]["backend"] and said[0]["replicas"] == 2
+    assert said[0]["notes"] == ["agreement_moved"], out.stderr[-3000:]  # rank 0 published
+    assert said[1]["notes"] == []
+    assert not any(p.name.startswith("agree-") for p in cache_dir.iterdir())
+    assert not any(p.name.startswith("agree-") for p in (runtime / "resilient_strategy").iterdir())
+
+
+def test_the_local_ranks_gpus_are_shared_when_the_cache_disk_is_full(tiny_fs: Path,
+                                                                    tmp_path: Path) -> None:
+    """The GPUs each local rank sees go through the agreement's directory too: on a full cache
+    disk each rank writes them in the private directory, and each reads every rank's there."""
+    import concurrent.futures
+
+    from resilient_strategy.nodes.onenode import GpuExchange
+
+    cache_dir = tiny_fs / "cache"
+    cache_dir.mkdir(mode=0o700)
+    _fill(tiny_fs)
+    env = {**_LAUNCH2, "XDG_RUNTIME_DIR": str(tmp_path / "run")}
+    ranks = [GpuExchange.for_job(env, cache_dir, r, 2, ppid=1) for r in (0, 1)]
+    assert ranks[0].directory == cache_dir and ranks[0].fallback == tmp_path / "run" / \
+        "resilient_strategy"
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        seen = list(pool.map(lambda r: ranks[r].share([{"index": r, "uuid": f"GPU-{r}"}], 10.0,
+                                                      not_before=-math.inf), (0, 1)))
+    assert seen[0] == seen[1] == [[{"index": 0, "uuid": "GPU-0"}], [{"index": 1, "uuid": "GPU-1"}]]
+    assert os.listdir(tmp_path / "run" / "resilient_strategy") == []

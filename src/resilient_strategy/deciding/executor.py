@@ -600,11 +600,17 @@ def _agreed_decision(
     deadline_s = opts.budget_s + 60.0
     if launch.local_rank == 0:
         d = decide(facts, opts, env, prober, clock, progress, startup_check)
-        agreement.publish(
+        written = agreement.publish(
             {"chosen": d.chosen.key if d.chosen else None,
              "results": {k: v.to_dict() for k, v in d.results.items()},
              "from_cache": d.from_cache, "proven": d.proven}
         )
+        if written is not None and written != agreement.path:  # the cache's disk refused it
+            d = replace(d, plan=replace(d.plan, events=(*d.plan.events, Note(
+                "agreement_moved",
+                f"The decision was shared with the other local ranks through {written.parent}: "
+                f"{agreement.path.parent} (the cache directory) is not writable (full or "
+                "read-only)."))))
         return d
     if opts.framework == "torch" and prober.starts_processes:
         import_while_waiting("torch", "torch.distributed")

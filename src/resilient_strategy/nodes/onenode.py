@@ -18,6 +18,12 @@ when group or others can write to it, or when it is another user's symlink. The 
 regular file of this user, opened without following symlinks; its payload is checked like a cache
 entry before any rank acts on it. Every local rank reaches the same directory by the same checks.
 
+A cache directory that passes those checks may still refuse the file when rank 0 publishes: its
+disk is full, its quota spent, its filesystem read-only (`NoSpaceError`), or this user may not
+write into it. That is the cache's logged degrade, never the job's failure: rank 0 publishes the
+same name in the per-user directory above (``fallback``, checked the same way), says so once,
+and every waiting rank reads both places, so the ranks still agree.
+
 Cleanup: each waiting rank marks that it has read the decision (``<file>.read-<local rank>``); the
 last of the ``LOCAL_WORLD_SIZE - 1`` readers removes the file and the marks. With one local rank
 nothing is written. Publishing also prunes agreement files older than a day (launches that died
@@ -40,7 +46,7 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from ..core.measures.probe import ProbeResult
-from ..errors import FileFormatError, ResilientStrategyError, UnsafePathError
+from ..errors import FileFormatError, NoSpaceError, ResilientStrategyError, UnsafePathError
 from ..machine import files
 
 log = logging.getLogger("resilient_strategy")
@@ -63,6 +69,10 @@ class Agreement:
     #: else WORLD_SIZE - 1; None when unknown: the file is then left to the pruning by age).
     local_rank: int = 0
     readers: int | None = None
+    #: the same name in this user's own directory (`default_dir`): where rank 0 publishes when
+    #: ``path``'s directory (the cache's) cannot take the file, and where every reader looks too;
+    #: None when ``path`` is there already
+    fallback: Path | None = None
 
     @classmethod
     def for_job(
@@ -98,26 +108,55 @@ class Agreement:
                 )
         # torchrun sets LOCAL_WORLD_SIZE; without it the planner takes the job for one node
         local = _int(env.get("LOCAL_WORLD_SIZE")) or _int(env.get("WORLD_SIZE"))
+        own = default_dir(env)
         return cls(where / name, local_rank=_int(env.get("LOCAL_RANK")) or 0,
-                   readers=None if local is None else max(0, local - 1))
+                   readers=None if local is None else max(0, local - 1),
+                   fallback=None if where == own else own / name)
 
-    def publish(self, payload: Mapping[str, Any], now: float | None = None) -> None:
+    def publish(self, payload: Mapping[str, Any], now: float | None = None) -> Path | None:
         """Write the decision atomically (stamped ``published_at``) for the other local ranks;
-        nothing when no other local rank reads it."""
+        nothing when no other local rank reads it. Where it was written: ``path``, else (that
+        directory full, read-only or not writable: logged once) ``fallback``; None when nothing
+        was written."""
         if self.readers == 0:
-            return
+            return None
         now = time.time() if now is None else now
-        self._prepare_directory()
         try:
-            for mark in self._marks():  # left by an earlier attempt of the same name
-                mark.unlink()
-            files.write_json_atomic(self.path, {**payload, "published_at": now}, durable=False)
-        except (OSError, ValueError, TypeError) as exc:
+            self._write(self.path, payload, now)
+            return self.path
+        except (NoSpaceError, OSError) as exc:
+            if self.fallback is None:
+                raise ResilientStrategyError(
+                    f"cannot publish the decision for the other ranks at {self.path}: {exc}. "
+                    f"{_ADVICE}") from exc
+            moved = exc
+        try:
+            self._write(self.fallback, payload, now)
+        except (NoSpaceError, OSError) as exc:
             raise ResilientStrategyError(
-                f"cannot publish the decision for the other ranks at {self.path}: {exc}. "
-                f"{_ADVICE}"
-            ) from exc
-        self._prune(now)
+                f"cannot publish the decision for the other ranks at {self.path} ({moved}) nor "
+                f"at {self.fallback} ({exc}). {_ADVICE}") from exc
+        files.warn_once(
+            f"agree-moved:{self.path.parent}",
+            f"cannot write the decision for the other local ranks in {self.path.parent} "
+            f"({moved}); shared through {self.fallback.parent} instead (the cache directory "
+            "is not writable: free space there, or point RESILIENT_STRATEGY_CACHE_DIR at a disk "
+            "with room)")
+        return self.fallback
+
+    def _write(self, path: Path, payload: Mapping[str, Any], now: float) -> None:
+        """``payload`` as the agreement file at ``path``: its directory checked first (an unsafe
+        one is a typed error, never a place to move to), then written atomically. NoSpaceError or
+        OSError when the directory cannot take it."""
+        self._prepare_directory(path.parent, raw=True)
+        for mark in self._marks(path):  # left by an earlier attempt of the same name
+            mark.unlink()
+        try:
+            files.write_json_atomic(path, {**payload, "published_at": now}, durable=False)
+        except (ValueError, TypeError) as exc:  # what JSON cannot hold: no other place helps
+            raise ResilientStrategyError(
+                f"cannot publish the decision for the other ranks at {path}: {exc}") from exc
+        self._prune(path, now)
 
     def wait(
         self,
@@ -137,17 +176,22 @@ class Agreement:
         if floor is None:
             started = process_start_time(proc_root)
             floor = -math.inf if started is None else started - START_SLACK_S
-        self._prepare_directory()
+        self._prepare_directory(self.path.parent)
         deadline = time.monotonic() + timeout_s
         stale: float | None = None
         problem = ""
         while True:
-            data, problem = self._read()
-            if data is not None:
+            for where in self._places():
+                data, problem = self._read(where)
+                if data is None:
+                    continue
                 published = data.get("published_at")
                 if _is_number(published) and published >= floor:
-                    checked = _checked(data, self.path)
-                    self._mark_read()
+                    checked = _checked(data, where)
+                    if where != self.path:
+                        log.info("resilient_strategy: the decision of local rank 0 was shared "
+                                 "through %s (%s could not take it)", where, self.path.parent)
+                    self._mark_read(where)
                     return checked
                 stale = published if _is_number(published) else math.nan
             if time.monotonic() >= deadline:
@@ -164,11 +208,25 @@ class Agreement:
             time.sleep(poll_s)
 
     # ----- internals -------------------------------------------------------------------------
-    def _read(self) -> tuple[dict[str, Any] | None, str]:
+    def _places(self) -> list[Path]:
+        """Where a reader looks: ``path``, then ``fallback`` while its directory is this user's
+        own (absent: nothing there yet; unsafe: said once, never read)."""
+        if self.fallback is None:
+            return [self.path]
+        try:
+            files.check_private_dir(self.fallback.parent)
+        except FileNotFoundError:
+            return [self.path]
+        except (UnsafePathError, OSError) as exc:
+            files.warn_once(f"agree-fallback:{self.fallback.parent}", str(exc))
+            return [self.path]
+        return [self.path, self.fallback]
+
+    def _read(self, path: Path) -> tuple[dict[str, Any] | None, str]:
         """The file's JSON object; None while there is none (or none whole, or none of ours),
         with why when the file there was refused."""
         try:
-            data = files.read_json(self.path, max_bytes=files.MAX_AGREEMENT_BYTES)
+            data = files.read_json(path, max_bytes=files.MAX_AGREEMENT_BYTES)
         except FileNotFoundError:
             return None, ""
         except UnsafePathError as exc:
@@ -176,18 +234,21 @@ class Agreement:
                 raise ResilientStrategyError(
                     f"cannot read the decision of local rank 0: {exc}") from exc
             # another user's file: rank 0's atomic replace will take its place
-            files.warn_once(f"agree:{self.path}", str(exc))
+            files.warn_once(f"agree:{path}", str(exc))
             return None, str(exc)
         except FileFormatError as exc:  # not JSON, too large or too deep: wait for rank 0's file
             return None, str(exc)
         except OSError as exc:
             raise ResilientStrategyError(
-                f"cannot read the decision of local rank 0 at {self.path}: {exc}. {_ADVICE}"
+                f"cannot read the decision of local rank 0 at {path}: {exc}. {_ADVICE}"
             ) from exc
         return (data, "") if isinstance(data, dict) else (None, "not a JSON object")
 
-    def _prepare_directory(self) -> None:
-        directory = self.path.parent
+    @staticmethod
+    def _prepare_directory(directory: Path, *, raw: bool = False) -> None:
+        """``directory`` made (0700) and checked as this user's own. An unsafe one is a typed
+        error; one that cannot be created is too, or (``raw``) the OSError itself, for a caller
+        that has another place to go."""
         try:
             files.ensure_private_dir(directory, fix=f"Remove it, or {_WHERE}.")
         except UnsafePathError as exc:
@@ -195,36 +256,40 @@ class Agreement:
                 f"the decision shared by the local ranks cannot be trusted there: {exc}"
             ) from exc
         except OSError as exc:
+            if raw:
+                raise
             raise ResilientStrategyError(
                 f"cannot use {directory} for the decision shared by the local ranks: {exc}. "
                 f"{_ADVICE}"
             ) from exc
 
-    def _marks(self) -> list[Path]:
-        return list(self.path.parent.glob(f"{self.path.name}.read-*"))
+    @staticmethod
+    def _marks(path: Path) -> list[Path]:
+        return list(path.parent.glob(f"{path.name}.read-*"))
 
-    def _mark_read(self) -> None:
-        """Say that this rank has read the decision; the last reader removes file and marks."""
+    def _mark_read(self, path: Path) -> None:
+        """Say that this rank has read the decision at ``path``; the last reader removes file
+        and marks."""
         if self.readers is None:
             return
         try:
-            fd = files.open_lock(self.path.with_name(f"{self.path.name}.read-{self.local_rank}"))
+            fd = files.open_lock(path.with_name(f"{path.name}.read-{self.local_rank}"))
             os.close(fd)
-            if len(self._marks()) >= self.readers:
-                for leftover in (self.path, *self._marks()):
+            if len(self._marks(path)) >= self.readers:
+                for leftover in (path, *self._marks(path)):
                     with contextlib.suppress(FileNotFoundError):
                         leftover.unlink()
         except OSError as exc:  # the file is pruned by age then
-            log.info("resilient_strategy: cannot clean up %s (%s)", self.path, exc)
+            log.info("resilient_strategy: cannot clean up %s (%s)", path, exc)
 
-    def _prune(self, now: float) -> None:
+    @staticmethod
+    def _prune(path: Path, now: float) -> None:
         """Remove agreement files (and their read marks) older than `PRUNE_AFTER_S`."""
         with contextlib.suppress(OSError):
-            for old in [*self.path.parent.glob("agree-*.json*"),
-                        *self.path.parent.glob(".tmp-*.json")]:
+            for old in [*path.parent.glob("agree-*.json*"), *path.parent.glob(".tmp-*.json")]:
                 with contextlib.suppress(OSError):
                     st = old.lstat()
-                    if (not old.name.startswith(self.path.name) and st.st_uid == os.geteuid()
+                    if (not old.name.startswith(path.name) and st.st_uid == os.geteuid()
                             and now - st.st_mtime > PRUNE_AFTER_S):
                         old.unlink()
 
@@ -319,12 +384,15 @@ class GpuExchange:
     each task its own GPUs, so no rank can assume the others see what it sees. The names carry
     the launch as the agreement's do (the launcher's process id and start time, its run id,
     restart count and port), but no machine fingerprint: the ranks' own differ, by the GPUs they
-    see. Each rank marks that it has read them all; the last removes the files and marks."""
+    see. Each rank marks that it has read them all; the last removes the files and marks. A rank
+    whose file the directory cannot take (a full or read-only cache disk) writes it in this
+    user's own directory (``fallback``), where every rank also looks, as the agreement does."""
 
     directory: Path
     stem: str
     local_rank: int
     local_world: int
+    fallback: Path | None = None
 
     @classmethod
     def for_job(cls, env: Mapping[str, str], directory: Path | None, local_rank: int,
@@ -336,13 +404,38 @@ class GpuExchange:
         restart = _name_part(env.get("TORCHELASTIC_RESTART_COUNT")
                              or env.get("SLURM_STEP_ID") or "0")
         port = _name_part(env.get("MASTER_PORT", "0"))
-        where = Agreement.for_job(env, "gpus", directory, ppid=ppid,
-                                  proc_root=proc_root).path.parent
-        return cls(where, f"agree-gpus-{ppid}-{started}-{run}-{restart}-{port}", local_rank,
-                   local_world)
+        agreement = Agreement.for_job(env, "gpus", directory, ppid=ppid, proc_root=proc_root)
+        return cls(agreement.path.parent, f"agree-gpus-{ppid}-{started}-{run}-{restart}-{port}",
+                   local_rank, local_world,
+                   None if agreement.fallback is None else agreement.fallback.parent)
 
-    def _path(self, rank: int, suffix: str = "json") -> Path:
-        return self.directory / f"{self.stem}-{rank}.{suffix}"
+    def _path(self, rank: int, suffix: str = "json", directory: Path | None = None) -> Path:
+        return (directory or self.directory) / f"{self.stem}-{rank}.{suffix}"
+
+    def _write(self, directory: Path, mine: list[dict[str, Any]], now: float | None) -> None:
+        try:
+            files.ensure_private_dir(directory, fix=f"Remove it, or {_WHERE}.")
+        except UnsafePathError as exc:
+            raise ResilientStrategyError(
+                f"the GPUs shared by the local ranks cannot be trusted there: {exc}") from exc
+        try:
+            files.write_json_atomic(self._path(self.local_rank, directory=directory),
+                                    {"gpus": mine, "published_at": time.time() if now is None
+                                     else now}, durable=False)
+        except (ValueError, TypeError) as exc:
+            raise ResilientStrategyError(
+                f"cannot share this rank's GPUs at {directory}: {exc}") from exc
+
+    def _places(self) -> list[Path]:
+        """Where the ranks' files are looked for: the directory, then the fallback while it is
+        this user's own."""
+        if self.fallback is None:
+            return [self.directory]
+        try:
+            files.check_private_dir(self.fallback)
+        except (UnsafePathError, OSError):
+            return [self.directory]
+        return [self.directory, self.fallback]
 
     def share(self, mine: list[dict[str, Any]], timeout_s: float, poll_s: float = 0.05, *,
               not_before: float | None = None, proc_root: Path = PROC,
@@ -354,14 +447,22 @@ class GpuExchange:
             started = process_start_time(proc_root)
             floor = -math.inf if started is None else started - START_SLACK_S
         try:
-            files.ensure_private_dir(self.directory, fix=f"Remove it, or {_WHERE}.")
-            files.write_json_atomic(self._path(self.local_rank),
-                                    {"gpus": mine, "published_at": time.time() if now is None
-                                     else now}, durable=False)
-        except (UnsafePathError, OSError, ValueError, TypeError) as exc:
-            raise ResilientStrategyError(
-                f"cannot share this rank's GPUs with the other local ranks at "
-                f"{self.directory}: {exc}. {_ADVICE}") from exc
+            self._write(self.directory, mine, now)
+        except (NoSpaceError, OSError) as exc:
+            if self.fallback is None:
+                raise ResilientStrategyError(
+                    f"cannot share this rank's GPUs with the other local ranks at "
+                    f"{self.directory}: {exc}. {_ADVICE}") from exc
+            try:
+                self._write(self.fallback, mine, now)
+            except (NoSpaceError, OSError) as again:
+                raise ResilientStrategyError(
+                    f"cannot share this rank's GPUs with the other local ranks at "
+                    f"{self.directory} ({exc}) nor at {self.fallback} ({again}). {_ADVICE}"
+                ) from again
+            files.warn_once(f"agree-moved:{self.directory}",
+                            f"cannot write this rank's GPUs in {self.directory} ({exc}); shared "
+                            f"through {self.fallback} instead")
         deadline = time.monotonic() + timeout_s
         seen: dict[int, list[dict[str, Any]]] = {}
         while True:
@@ -382,32 +483,49 @@ class GpuExchange:
             time.sleep(poll_s)
 
     def _read(self, rank: int, floor: float) -> list[dict[str, Any]] | None:
+        for where in self._places():
+            got = self._read_at(rank, floor, where)
+            if got is not None:
+                return got
+        return None
+
+    def _read_at(self, rank: int, floor: float, where: Path) -> list[dict[str, Any]] | None:
+        path = self._path(rank, directory=where)
         try:
-            data = files.read_json(self._path(rank), max_bytes=files.MAX_AGREEMENT_BYTES)
+            data = files.read_json(path, max_bytes=files.MAX_AGREEMENT_BYTES)
         except (FileNotFoundError, FileFormatError, UnsafePathError):
             return None
         except OSError as exc:
             raise ResilientStrategyError(
-                f"cannot read the GPUs of local rank {rank} at {self._path(rank)}: {exc}") from exc
+                f"cannot read the GPUs of local rank {rank} at {path}: {exc}") from exc
         if not isinstance(data, dict) or not _is_number(data.get("published_at")) \
                 or data["published_at"] < floor:
             return None
         gpus = data.get("gpus")
         if not isinstance(gpus, list) or not all(isinstance(g, dict) for g in gpus):
             raise ResilientStrategyError(
-                f"local rank {rank} wrote GPUs this rank cannot read ({self._path(rank)}); run "
+                f"local rank {rank} wrote GPUs this rank cannot read ({path}); run "
                 "the same version of resilient_strategy on every rank")
         return gpus
 
     def _done(self) -> None:
-        try:
-            fd = files.open_lock(self._path(self.local_rank, "json.read"))
-            os.close(fd)
-            marks = list(self.directory.glob(f"{self.stem}-*.json.read"))
-            if len(marks) >= self.local_world:
+        """Mark this rank's reading (in the first place that takes the mark); the rank that
+        sees every mark removes the files and marks, wherever they are."""
+        places = self._places()
+        marked = False
+        for where in places:
+            try:
+                os.close(files.open_lock(self._path(self.local_rank, "json.read", where)))
+                marked = True
+                break
+            except OSError as exc:
+                log.info("resilient_strategy: cannot mark the GPUs read in %s (%s)", where, exc)
+        if not marked:  # pruned by age then
+            return
+        marks = {m.name for where in places for m in where.glob(f"{self.stem}-*.json.read")}
+        if len(marks) >= self.local_world:
+            for where in places:
                 for rank in range(self.local_world):
                     for suffix in ("json", "json.read"):
-                        with contextlib.suppress(FileNotFoundError):
-                            self._path(rank, suffix).unlink()
-        except OSError as exc:  # pruned by age then
-            log.info("resilient_strategy: cannot clean up %s (%s)", self.directory, exc)
+                        with contextlib.suppress(OSError):
+                            self._path(rank, suffix, where).unlink()

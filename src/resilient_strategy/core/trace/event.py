@@ -69,7 +69,9 @@ class Note(Event):
     ``retried_after_check`` (a probe whose failure is no verdict by itself, NCCL out of GPU
     memory while setting up: its GPUs checked, then probed once more, and what that gave),
     ``batch_implausible`` (a per-device micro-batch of more than a million samples: a
-    dataset's size passed as the global batch, most likely).
+    dataset's size passed as the global batch, most likely), ``agreement_moved`` (the cache
+    directory could not take the file local rank 0 shares its decision through: full,
+    read-only or not writable; shared through this user's own directory instead).
     """
 
     kind: ClassVar[str] = "note"
