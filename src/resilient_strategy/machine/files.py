@@ -338,6 +338,34 @@ def open_owned(path: Path) -> Any:
     return os.fdopen(fd, "rb")
 
 
+def open_regular(path: Path) -> Any:
+    """``path`` opened for reading as a text stream (errors replaced) when it is a regular file
+    of this user's own: never through a symlink, never blocking on a FIFO (opened with
+    ``O_NONBLOCK``, then checked with ``fstat``); the mode is not asked (a log another process
+    of ours writes, tailed to the console). Raises UnsafePathError, FileNotFoundError,
+    OSError."""
+    where = str(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | _CLOEXEC | _NONBLOCK | _NOFOLLOW)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK) and os.path.islink(path):
+            raise UnsafePathError(where, "is a symbolic link", _fix_file(where)) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePathError(where, NOT_REGULAR, _fix_file(where))
+        if sys.platform != "win32" and st.st_uid != _euid():
+            raise UnsafePathError(
+                where, f"is owned by uid {st.st_uid}, not by this user (uid {_euid()})",
+                _fix_file(where))
+        os.set_blocking(fd, True)  # a regular file: reads never wait anyway
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "r", errors="replace")
+
+
 def _fix_file(where: str) -> str:
     return f"Remove {where} (this package did not write it); it is ignored meanwhile."
 

@@ -109,6 +109,52 @@ def private_tempdir(directory: Path) -> Iterator[Path]:
         tempfile.tempdir = before
 
 
+def tail_regular_file(header: str, file: str, dst: Any, finished: Any, interval_sec: float,
+                      log_line_filter: Callable[[str], bool] | None = None) -> None:
+    """torch's ``tail_logfile`` (``--tee``: a rank's stderr.log copied to the console), but
+    opening only a regular file of this user's own, never through a symlink, never blocking:
+    torch's own ``open(file)`` of a FIFO found at that name waits for a writer forever, and so
+    does the supervisor, whose ``TailLog.stop`` joins every tailer at the attempt's end. Such a
+    file is said once and not copied (the rank's evidence skips it too: `RunDir.stderr_logs`).
+    """
+    while True:
+        try:
+            fp = files.open_regular(Path(file))
+            break
+        except FileNotFoundError:
+            if finished.is_set():
+                return
+            time.sleep(interval_sec)
+        except (UnsafePathError, OSError) as exc:
+            files.warn_once(f"tail:{file}", f"not copying a rank's log to the console: {exc}")
+            return
+    with fp:
+        while True:
+            line = fp.readline()
+            if line:
+                if log_line_filter is None or log_line_filter(line):
+                    dst.write(f"{header}{line}")
+            elif finished.is_set():
+                return
+            else:
+                time.sleep(interval_sec)
+
+
+@contextlib.contextmanager
+def regular_tails() -> Iterator[None]:
+    """Within the block, torch's agent tails its ranks' logs with `tail_regular_file` (its
+    ``TailLog`` submits the module's ``tail_logfile`` when the workers start); torch's own
+    function is put back after."""
+    from torch.distributed.elastic.multiprocessing import tail_log
+
+    before = tail_log.tail_logfile
+    tail_log.tail_logfile = tail_regular_file
+    try:
+        yield
+    finally:
+        tail_log.tail_logfile = before
+
+
 def _launch(opts: RunOptions, decision: HandedDecision, env: Mapping[str, str],
             session: Path, peer: PeerWatch | None, *, alone: bool,
             switch: Callable[[], int | None] | None = None) -> Verdict:
@@ -212,7 +258,8 @@ def _launch(opts: RunOptions, decision: HandedDecision, env: Mapping[str, str],
     with machine_env.setting(worker_env(decision, opts, watch.busy_s, env, torch_version)):
         try:
             try:
-                result = agent.run()
+                with regular_tails():
+                    result = agent.run()
             except Exception as exc:  # a torch without a quiet rendezvous exit raises it
                 if agent.peer_fault is None or type(exc).__name__ == "SignalException":
                     raise
