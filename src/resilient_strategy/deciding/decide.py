@@ -26,6 +26,7 @@ from ..core.measures.probe import (
     judged_hang,
 )
 from ..core.planning.plan import Candidate, RuledOut, plan
+from ..core.planning.shapes import Plan
 from ..core.trace.choosing import Chosen
 from ..core.trace.event import Event, Note
 from ..core.trace.inputs import CachedFailure
@@ -128,24 +129,8 @@ def decide(
     """
     prober = as_prober(prober)
     multi_node = opts.framework == "torch" and opts.nodes > 1
-    # Multi-node: a node's cache cannot speak for the links between nodes; without a prober
-    # that spans the nodes (cross_node), no probe on one node may sway the choice either. The
-    # same holds for the workers of a TF_CONFIG job (their probes span the workers themselves).
-    cache = DecisionCache(opts.cache_dir, opts.cache_ttl_s) \
-        if opts.cache_dir and not multi_node and not opts.multi_worker else None
     fingerprint = facts.fingerprint()
-    results: dict[str, ProbeResult] = {}
-    notes: list[Event] = []
-    fault = env.get(FAULT_VAR, "").strip()
-    if cache is not None and fault:  # a rehearsal must never change a later real decision
-        cache = None
-        notes.append(Note("fault_injection", f"Fault injection is on ({FAULT_VAR}={fault}): the "
-                          "cache is neither read nor written."))
-    if cache is not None and opts.probe != "force" and cache.usable():
-        # "never" still learns from the cache, failures seen once included: nothing re-proves
-        trusted, notes_ = trusted_results(cache.entries(fingerprint), opts.probe != "never")
-        results.update(still_valid(trusted, opts.timeout_s))
-        notes += notes_
+    cache, results, notes = _from_cache(opts, env, fingerprint, multi_node)
     cached_keys = set(results)
     results.update(known or {})
     startup = startup_floor(opts.framework, results)
@@ -170,22 +155,8 @@ def decide(
         left = deadline - clock() - reserve
         timeout_s = min(opts.timeout_s, left)
         if startup_check and not warned:
-            warned = True
-            short = short_timeout_warning(opts.timeout_s, startup, opts.framework)
-            if short:
-                log.warning("resilient_strategy: %s", short)
-        if progress is not None:
-            progress.start(c, timeout_s)
-        if left <= 1.0:
-            res = ProbeResult(c.key, ERROR, 0.0, "budget",
-                              f"the probe budget of {opts.budget_s:g} s is spent")
-        else:
-            res = prober(spec_for(c, opts, timeout_s), env)
-            if startup_check:
-                res = reclassify_short_timeout(res, timeout_s, startup, opts.framework)
-                res = space_short(res, temp_root(env))
-        if progress is not None:
-            progress.end(res)
+            warned = _warn_short_timeout(opts, startup)
+        res = _probe(c, opts, env, prober, left, timeout_s, startup_check, startup, progress)
         if (res.cause in RETRY_AFTER_CHECK_CAUSES or res.cause == STATUS_LOST) \
                 and deadline - clock() > 1.0:
             # no verdict on the candidate yet: its GPUs checked (not for a status another
@@ -194,18 +165,8 @@ def decide(
                                      None if res.cause == STATUS_LOST else check, unproven,
                                      deadline, clock, startup_check, startup, tuple(results),
                                      retried, progress)
-        if res.cause == NO_SPACE:
-            raise no_space_error(c, res, temp_root(env))
-        if res.cause in LAUNCH_CAUSES:  # every candidate would meet it: no fallback, no cache
-            raise launch_fault_error(c, res)
-        if check is not None and res.cause not in ("budget",):
-            spec = spec_for(c, opts, timeout_s)
-            due = unproven.after_probe(spec, res, _check_fits(
-                prober, c.framework, len(_health().gpus_of(spec)), env, deadline - clock()))
-            if due:  # the first hang, or a failure before its devices were ready on a GPU a
-                # killed probe left: checked before any other variant runs on those GPUs
-                _check_or_raise(check, c.framework, due, env, unproven,
-                                f"the probe of {c.key} hung or failed", (*results, c.key))
+        _after_probe(c, res, opts, env, prober, check, unproven, timeout_s, deadline, clock,
+                     tuple(results))
         results[c.key] = res
         # never probed, or cut short before it could start: nothing learned about the machine
         if res.cause not in ("budget", "timeout_short"):
@@ -219,20 +180,97 @@ def decide(
     if cache is not None and fresh:
         cache.store(fingerprint, fresh)
     proven = p.next_probe is None
-    if notes:  # what the cache was trusted with comes before the plan it shaped
-        p = replace(p, events=(*notes, *p.events))
-    if unchecked:  # GPUs the deferred health check left out: after the plan's own events
-        p = replace(p, events=(*p.events, *unchecked))
-    if retried:  # candidates probed again after a GPU check: no verdict from their first try
-        p = replace(p, events=(*p.events, *retried))
-    if p.next_probe is not None:  # probing off, or a dry run: the next candidate, unproven
-        how = ("dry_run" if opts.dry_run else "multi_node" if multi_node and not cross_node
-               else "probing_off" if opts.probe == "never" else "rounds_spent")
-        p = replace(p, chosen=p.next_probe, next_probe=None,
-                    events=(*p.events, Chosen(p.next_probe, how, max_rounds=max_rounds)))
+    p = _finished(p, opts, notes, unchecked, retried, multi_node and not cross_node, max_rounds)
     # "from the cache": nothing was probed now, and a cached result shaped this plan
     used = {r.candidate.key for r in p.ranked} | {r.candidate.key for r in p.ruled_out}
     return Decision(p, results, not fresh and bool(cached_keys & used), proven)
+
+
+def _finished(p: Plan, opts: Options, notes: list[Event], unchecked: list[Event],
+              retried: list[Event], one_node_only: bool, max_rounds: int) -> Plan:
+    """The last plan with the decision's own events, and its next candidate chosen unproven
+    when probing stopped before it (``one_node_only``: a multi-node job with no prober across
+    the nodes)."""
+    if notes or unchecked or retried:  # the cache's notes before the plan they shaped; after
+        # its own events, the GPUs the deferred check left out and the candidates probed again
+        p = replace(p, events=(*notes, *p.events, *unchecked, *retried))
+    if p.next_probe is not None:  # probing off, or a dry run: the next candidate, unproven
+        how = ("dry_run" if opts.dry_run else "multi_node" if one_node_only
+               else "probing_off" if opts.probe == "never" else "rounds_spent")
+        p = replace(p, chosen=p.next_probe, next_probe=None,
+                    events=(*p.events, Chosen(p.next_probe, how, max_rounds=max_rounds)))
+    return p
+
+
+def _warn_short_timeout(opts: Options, startup: Startup) -> bool:
+    """Warn when the timeout is below what a probe needs to start here; True (warned once)."""
+    short = short_timeout_warning(opts.timeout_s, startup, opts.framework)
+    if short:
+        log.warning("resilient_strategy: %s", short)
+    return True
+
+
+def _from_cache(opts: Options, env: Mapping[str, str], fingerprint: str, multi_node: bool
+                ) -> tuple[DecisionCache | None, dict[str, ProbeResult], list[Event]]:
+    """The cache this decision reads and writes (None: none), the results it trusts, and the
+    notes on what it was trusted with."""
+    # Multi-node: a node's cache cannot speak for the links between nodes; without a prober
+    # that spans the nodes (cross_node), no probe on one node may sway the choice either. The
+    # same holds for the workers of a TF_CONFIG job (their probes span the workers themselves).
+    cache = DecisionCache(opts.cache_dir, opts.cache_ttl_s) \
+        if opts.cache_dir and not multi_node and not opts.multi_worker else None
+    results: dict[str, ProbeResult] = {}
+    notes: list[Event] = []
+    fault = env.get(FAULT_VAR, "").strip()
+    if cache is not None and fault:  # a rehearsal must never change a later real decision
+        cache = None
+        notes.append(Note("fault_injection", f"Fault injection is on ({FAULT_VAR}={fault}): the "
+                          "cache is neither read nor written."))
+    if cache is not None and opts.probe != "force" and cache.usable():
+        # "never" still learns from the cache, failures seen once included: nothing re-proves
+        trusted, notes_ = trusted_results(cache.entries(fingerprint), opts.probe != "never")
+        results.update(still_valid(trusted, opts.timeout_s))
+        notes += notes_
+    return cache, results, notes
+
+
+def _probe(c: Candidate, opts: Options, env: Mapping[str, str], prober: Prober, left: float,
+           timeout_s: float, startup_check: bool, startup: Startup,
+           progress: ProgressLine | None) -> ProbeResult:
+    """One probe of ``c`` within ``timeout_s`` (none when the budget has ``left`` no more than a
+    second), told to ``progress``."""
+    if progress is not None:
+        progress.start(c, timeout_s)
+    if left <= 1.0:
+        res = ProbeResult(c.key, ERROR, 0.0, "budget",
+                          f"the probe budget of {opts.budget_s:g} s is spent")
+    else:
+        res = prober(spec_for(c, opts, timeout_s), env)
+        if startup_check:
+            res = reclassify_short_timeout(res, timeout_s, startup, opts.framework)
+            res = space_short(res, temp_root(env))
+    if progress is not None:
+        progress.end(res)
+    return res
+
+
+def _after_probe(c: Candidate, res: ProbeResult, opts: Options, env: Mapping[str, str],
+                 prober: Prober, check: GpuCheck | None, unproven: Unproven, timeout_s: float,
+                 deadline: float, clock: Callable[[], float], probed: tuple[str, ...]) -> None:
+    """What a probe's result ends at once: a full disk or a launch fault (every candidate would
+    meet it), or the GPUs a hang left unproven checked before any other variant runs there."""
+    if res.cause == NO_SPACE:
+        raise no_space_error(c, res, temp_root(env))
+    if res.cause in LAUNCH_CAUSES:  # every candidate would meet it: no fallback, no cache
+        raise launch_fault_error(c, res)
+    if check is not None and res.cause not in ("budget",):
+        spec = spec_for(c, opts, timeout_s)
+        due = unproven.after_probe(spec, res, _check_fits(
+            prober, c.framework, len(_health().gpus_of(spec)), env, deadline - clock()))
+        if due:  # the first hang, or a failure before its devices were ready on a GPU a
+            # killed probe left: checked before any other variant runs on those GPUs
+            _check_or_raise(check, c.framework, due, env, unproven,
+                            f"the probe of {c.key} hung or failed", (*probed, c.key))
 
 
 def _retry_after_check(c: Candidate, first: ProbeResult, opts: Options, env: Mapping[str, str],

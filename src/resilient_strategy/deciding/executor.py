@@ -17,11 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.call.arguments import (
     Arguments,
-    CacheArgs,
-    ModelArgs,
-    ProbingArgs,
-    RuleArgs,
-    TrainingArgs,
     options_from,
     unexpected_keywords,
 )
@@ -60,6 +55,7 @@ from .notices import (
 )
 
 if TYPE_CHECKING:
+    from ..core.values.launcher import Launcher
     from ..records.handoff import HandedDecision, TrainingReporter
 
 from ..probing.base import ProbeFn, Prober, as_prober
@@ -129,34 +125,17 @@ class Engine:
 
 
 def resilient_strategy(
-    framework: str | None = None,
-    *,
-    global_batch_size: int | None = None,
-    devices: Sequence[int] | None = None,
-    probe: str | bool | None = None,
-    timeout: float | None = None,
-    prefer: str | None = None,
-    dry_run: bool = False,
-    model: Any = None,
-    gradient_bytes: int | None = None,
-    sample_seconds: float | None = None,
-    max_per_replica_batch: int | None = None,
-    rules: Sequence[str | Path | Rule] = (),
-    disable_rules: Sequence[str] = (),
-    cache: bool = True,
-    cache_dir: str | Path | None = None,
-    cache_ttl: float | None = None,
-    precision: str = "auto",
-    process_group_timeout: float | None = None,
-    env: Mapping[str, str] | None = None,
-    facts: Facts | None = None,
-    logical_cpus: int = 0,
-    quiet: bool | None = None,
-    sharding: str = "auto",
-    offload: str = "none",
-    param_bytes: int | None = None,
-    optimizer_state_factor: float | None = None,
-    **unknown: Any,
+    framework: str | None = None, *, global_batch_size: int | None = None,
+    devices: Sequence[int] | None = None, probe: str | bool | None = None,
+    timeout: float | None = None, prefer: str | None = None, dry_run: bool = False,
+    model: Any = None, gradient_bytes: int | None = None, sample_seconds: float | None = None,
+    max_per_replica_batch: int | None = None, rules: Sequence[str | Path | Rule] = (),
+    disable_rules: Sequence[str] = (), cache: bool = True, cache_dir: str | Path | None = None,
+    cache_ttl: float | None = None, precision: str = "auto",
+    process_group_timeout: float | None = None, env: Mapping[str, str] | None = None,
+    facts: Facts | None = None, logical_cpus: int = 0, quiet: bool | None = None,
+    sharding: str = "auto", offload: str = "none", param_bytes: int | None = None,
+    optimizer_state_factor: float | None = None, **unknown: Any,
 ) -> Selection:
     """Find the best distributed strategy that works here and return a Selection to train with.
 
@@ -217,21 +196,9 @@ def resilient_strategy(
     """
     if unknown:
         raise TypeError(_unknown_keywords(unknown)) from None
-    # the one options value, field by field (options_from validates it, once)
-    arguments = Arguments(
-        training=TrainingArgs(
-            framework=framework, global_batch_size=global_batch_size, devices=devices,
-            precision=precision, logical_cpus=logical_cpus,
-            process_group_timeout=process_group_timeout, sharding=sharding, offload=offload),
-        model=ModelArgs(
-            model=model, gradient_bytes=gradient_bytes, param_bytes=param_bytes,
-            optimizer_state_factor=optimizer_state_factor, sample_seconds=sample_seconds,
-            max_per_replica_batch=max_per_replica_batch),
-        probing=ProbingArgs(probe=probe, timeout=timeout, prefer=prefer, dry_run=dry_run,
-                            quiet=quiet),
-        cache=CacheArgs(cache=cache, cache_dir=cache_dir, cache_ttl=cache_ttl),
-        rules=RuleArgs(rules=rules, disable_rules=disable_rules),
-    )
+    # the one options value, its groups filled by name (options_from validates it, once)
+    given = {k: v for k, v in locals().items() if k not in ("env", "facts", "unknown")}
+    arguments = Arguments.from_kwargs(**given)
     try:
         return Engine().select(arguments, env=env, facts=facts)
     except (InvalidOptionError, InvalidRuleError) as exc:  # one frame under the caller's line
@@ -295,13 +262,46 @@ def _decide_and_apply(arguments: Arguments, env: Mapping[str, str] | None,
                                     progress_line_for(opts),
                                     startup_check=prober.starts_processes, alone=engine.alone)
     p, results = decision.plan, decision.results
+    chosen = _chosen_or_raise(p, opts)
+    to_set = _variables(facts, chosen, opts, snapshot, bound)
+    _guard(facts, opts.framework, to_set)
+    # Decided on a described environment (env=): nothing of this process is changed.
+    applied = not opts.dry_run and env is None
+    if applied:
+        to_set = machine_env.apply(to_set)
+    p = _with_call_events(p, opts, launcher, snapshot, bound, chosen)
+    sel = Selection(
+        candidate=chosen, plan=p, facts=facts, env=to_set, env_applied=applied, results=results,
+        from_cache=decision.from_cache, proven=decision.proven, launch=opts.launch,
+        process_group_timeout=opts.process_group_timeout, checkpoint_async=opts.checkpoint_async,
+        precision=opts.precision, logical_cpus=opts.logical_cpus, dry_run=opts.dry_run,
+        tf_workers=opts.tf_workers, tf_worker_rank=opts.tf_worker_rank,
+        bound_ordinal=None if bound is None or bound.binding.kind == "shared"
+        else bound.binding.ordinals[opts.local_rank],
+        decided_in_s=time.perf_counter() - t0,
+        advise=_advice(facts, opts, results, chosen), simulated=opts.simulated,
+        progress=None if handed is None else _reporter(handed, opts, chosen, snapshot),
+        rerank=_reranker(facts, opts, results, p.reference_replicas),
+    )
+    _warn(sel, opts, handed is None)
+    return sel
+
+
+def _chosen_or_raise(p: Plan, opts: Options) -> Candidate:
+    """The plan's choice; none is a typed error (the model fits no candidate, or none works)."""
     if p.chosen is None:
         short = _memory_shortfalls(p)
         if short:
             raise ModelDoesNotFitError(opts.framework, [failure_cause(r) for r in p.ruled_out],
                                        short, _offload_would_fit(p))
         raise NoWorkingStrategyError(opts.framework, [failure_cause(r) for r in p.ruled_out])
-    chosen = p.chosen
+    return p.chosen
+
+
+def _variables(facts: Facts, chosen: Candidate, opts: Options, snapshot: Mapping[str, str],
+               bound: Bound | None) -> dict[str, str]:
+    """The variables the choice sets here: never the user's, never a bound rank's GPUs, with
+    the values of this node between nodes."""
     to_set = _env_to_set(facts, chosen, opts, snapshot)
     if bound is not None and bound.binding.kind != "shared":
         to_set.pop("CUDA_VISIBLE_DEVICES", None)  # each rank keeps the GPUs it was bound to
@@ -312,11 +312,13 @@ def _decide_and_apply(arguments: Arguments, env: Mapping[str, str] | None,
         route = ((facts.platform.master_ifname or None, "the described machine's master_ifname")
                  if opts.simulated else None)
         to_set = between_nodes(chosen.backend, to_set, snapshot, route)
-    _guard(facts, opts.framework, to_set)
-    # Decided on a described environment (env=): nothing of this process is changed.
-    applied = not opts.dry_run and env is None
-    if applied:
-        to_set = machine_env.apply(to_set)
+    return to_set
+
+
+def _with_call_events(p: Plan, opts: Options, launcher: Launcher, snapshot: Mapping[str, str],
+                      bound: Bound | None, chosen: Candidate) -> Plan:
+    """The plan with what this call saw first (the framework, the launcher, the GPUs bound)
+    and a batch no device takes last (in the trace and the warnings)."""
     seen = LauncherSeen(launcher.kind, opts.rank, opts.local_rank, opts.world_size,
                         opts.local_world_size, snapshot.get("MASTER_ADDR"),
                         _port(snapshot.get("MASTER_PORT")), tuple(sorted(launcher.derived)),
@@ -334,28 +336,20 @@ def _decide_and_apply(arguments: Arguments, env: Mapping[str, str] | None,
     if big is not None:
         p = replace(p, events=(*p.events, Note("batch_implausible", big)),
                     warnings=(*p.warnings, big))
-    sel = Selection(
-        candidate=chosen, plan=p, facts=facts, env=to_set, env_applied=applied, results=results,
-        from_cache=decision.from_cache, proven=decision.proven, launch=opts.launch,
-        process_group_timeout=opts.process_group_timeout, checkpoint_async=opts.checkpoint_async,
-        precision=opts.precision, logical_cpus=opts.logical_cpus, dry_run=opts.dry_run,
-        tf_workers=opts.tf_workers, tf_worker_rank=opts.tf_worker_rank,
-        bound_ordinal=None if bound is None or bound.binding.kind == "shared"
-        else bound.binding.ordinals[opts.local_rank],
-        decided_in_s=time.perf_counter() - t0,
-        advise=_advice(facts, opts, results, chosen), simulated=opts.simulated,
-        progress=None if handed is None else _reporter(handed, opts, chosen, snapshot),
-        rerank=_reranker(facts, opts, results, p.reference_replicas),
-    )
+    return p
+
+
+def _warn(sel: Selection, opts: Options, deciding_here: bool) -> None:
+    """The plan's warnings, one short line each, and the fallback warning where this process
+    decided (under `resilient-strategy run` the supervisor announced it, in the same words)."""
+    p, chosen = sel.plan, sel.candidate
     for w in p.warnings:  # one short line each: the whole text is in sel.explain(verbose=True)
         log.warning("resilient_strategy: %s", brief(w, WARNING_CHARS, more=WARNING_MORE))
-    # under `resilient-strategy run` the supervisor announced it, in the same words
-    if opts.launch.rank == 0 and opts.tf_worker_rank == 0 and not opts.dry_run and handed is None:
-        fell = fallback_warning(p, results, facts, opts, chosen)
+    if opts.launch.rank == 0 and opts.tf_worker_rank == 0 and not opts.dry_run and deciding_here:
+        fell = fallback_warning(p, sel.results, sel.facts, opts, chosen)
         if fell:
             log.warning("resilient_strategy: %s", fell)
     log.info("resilient_strategy: chose %s in %.2f s", chosen.label, sel.decided_in_s)
-    return sel
 
 
 def _check_no_train_fault(env: Mapping[str, str]) -> None:

@@ -28,13 +28,72 @@ BACKEND = "resilient_solo"
 
 @functools.cache
 def _group_class() -> type[Any]:
+    import torch.distributed as dist
+
+    # torch's stubs type these bases' collectives by overloads a world of one has no use for
+    group_base: Any = dist.ProcessGroup
+    done = _done_class()
+
+    class SoloGroup(_copies_class(done), group_base):  # type: ignore[misc]
+        """The default process group of a world of one (see the module docstring)."""
+
+        def __init__(self) -> None:
+            super().__init__(0, 1)
+
+        def size(self) -> int:
+            return 1
+
+        def getBackendName(self) -> str:  # torch's name
+            return BACKEND
+
+        def allreduce(self, tensors: Any, opts: Any = None) -> Any:
+            _check_op(opts)
+            return done(tensors)
+
+        def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> Any:
+            _check_op(opts)
+            return done(tensors)
+
+        def reduce(self, tensors: Any, opts: Any = None) -> Any:
+            _check_op(opts)
+            return done(tensors)
+
+        def broadcast(self, tensors: Any, opts: Any = None) -> Any:
+            return done(tensors)
+
+        def barrier(self, opts: Any = None) -> Any:
+            return done([])
+
+        def send(self, *args: Any) -> Any:
+            raise RuntimeError("send: a world of one process has no peer")
+
+        def recv(self, *args: Any) -> Any:
+            raise RuntimeError("recv: a world of one process has no peer")
+
+    def create(store: Any, rank: int, size: int, timeout: Any) -> Any:
+        if (rank, size) != (0, 1):
+            raise ValueError(f"{BACKEND} is a world of one process, not rank {rank} of {size}")
+        return SoloGroup()
+
+    dist.Backend.register_backend(BACKEND, create, devices=["cpu", "cuda"])
+    return SoloGroup
+
+
+def _check_op(opts: Any) -> None:
+    """A pre-multiplied sum refused (the one reduction a world of one cannot leave as it is)."""
+    import torch.distributed as dist
+
+    if getattr(opts, "reduceOp", None) == dist.ReduceOp.PREMUL_SUM:
+        raise NotImplementedError("a pre-multiplied sum in a world of one process")
+
+
+def _done_class() -> type[Any]:
+    """torch's ``Work`` of a collective that completed when it was called."""
     import torch
     import torch.distributed as dist
     from torch.futures import Future
 
-    # torch's stubs type these bases' collectives by overloads a world of one has no use for
     work_base: Any = dist.Work
-    group_base: Any = dist.ProcessGroup
 
     class Done(work_base):  # type: ignore[misc]
         """A collective that completed when it was called."""
@@ -62,98 +121,59 @@ def _group_class() -> type[Any]:
             fut.set_result(self._result)
             return fut
 
-    def check_op(opts: Any) -> None:
-        if getattr(opts, "reduceOp", None) == dist.ReduceOp.PREMUL_SUM:
-            raise NotImplementedError("a pre-multiplied sum in a world of one process")
+    return Done
 
-    class SoloGroup(group_base):  # type: ignore[misc]
-        """The default process group of a world of one (see the module docstring)."""
 
-        def __init__(self) -> None:
-            super().__init__(0, 1)
+def _copies_class(done: type[Any]) -> type[Any]:
+    """The collectives of a world of one that move data: each a copy into the one slot."""
 
-        def size(self) -> int:
-            return 1
-
-        def getBackendName(self) -> str:  # torch's name
-            return BACKEND
-
-        def allreduce(self, tensors: Any, opts: Any = None) -> Any:
-            check_op(opts)
-            return Done(tensors)
-
-        def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> Any:
-            check_op(opts)
-            return Done(tensors)
-
-        def reduce(self, tensors: Any, opts: Any = None) -> Any:
-            check_op(opts)
-            return Done(tensors)
-
-        def broadcast(self, tensors: Any, opts: Any = None) -> Any:
-            return Done(tensors)
-
-        def barrier(self, opts: Any = None) -> Any:
-            return Done([])
-
+    class Copies:
         def allgather(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
             for out, inp in zip(outputs, inputs, strict=True):
                 out[0].copy_(inp)
-            return Done(outputs)
+            return done(outputs)
 
         def _allgather_base(self, output: Any, inp: Any, opts: Any = None) -> Any:
             output.copy_(inp.reshape(output.shape))
-            return Done([output])
+            return done([output])
 
         def allgather_into_tensor_coalesced(self, outputs: Any, inputs: Any,
                                             opts: Any = None) -> Any:
             for out, inp in zip(outputs, inputs, strict=True):
                 out.copy_(inp.reshape(out.shape))
-            return Done(outputs)
+            return done(outputs)
 
         def gather(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
             for out, inp in zip(outputs, inputs, strict=False):
                 out[0].copy_(inp)
-            return Done(outputs)
+            return done(outputs)
 
         def scatter(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
             for out, inp in zip(outputs, inputs, strict=False):
                 out.copy_(inp[0])
-            return Done(outputs)
+            return done(outputs)
 
         def reduce_scatter(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
-            check_op(opts)
+            _check_op(opts)
             for out, inp in zip(outputs, inputs, strict=True):
                 out.copy_(inp[0])
-            return Done(outputs)
+            return done(outputs)
 
         def _reduce_scatter_base(self, output: Any, inp: Any, opts: Any = None) -> Any:
-            check_op(opts)
+            _check_op(opts)
             output.copy_(inp.reshape(output.shape))
-            return Done([output])
+            return done([output])
 
         def alltoall(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
             for out, inp in zip(outputs, inputs, strict=True):
                 out.copy_(inp)
-            return Done(outputs)
+            return done(outputs)
 
         def alltoall_base(self, output: Any, inp: Any, *args: Any) -> Any:
             output.copy_(inp.reshape(output.shape))
-            return Done([output])
+            return done([output])
 
-        def send(self, *args: Any) -> Any:
-            raise RuntimeError("send: a world of one process has no peer")
-
-        def recv(self, *args: Any) -> Any:
-            raise RuntimeError("recv: a world of one process has no peer")
-
-    def create(store: Any, rank: int, size: int, timeout: Any) -> Any:
-        if (rank, size) != (0, 1):
-            raise ValueError(f"{BACKEND} is a world of one process, not rank {rank} of {size}")
-        return SoloGroup()
-
-    dist.Backend.register_backend(BACKEND, create, devices=["cpu", "cuda"])
-    return SoloGroup
+    return Copies
 
 
 def start(timeout_s: float) -> None:

@@ -77,32 +77,32 @@ def p99(values: Sequence[float]) -> float:
     return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
 
 
-def stall_ceiling(fixed_s: float | None) -> float:
+def stall_ceiling(stall_timeout_s: float | None) -> float:
     """The most the stall allowance can be: the fixed one, or the automatic one's cap."""
-    return fixed_s if fixed_s is not None else AUTO_STALL_CAP_S
+    return stall_timeout_s if stall_timeout_s is not None else AUTO_STALL_CAP_S
 
 
-def torch_timeouts(fixed_s: float | None, env: Mapping[str, str], default_pg_s: float,
+def torch_timeouts(stall_timeout_s: float | None, env: Mapping[str, str], default_pg_s: float,
                    busy_s: float = DEFAULT_BUSY_S, framework: str = "torch") -> dict[str, str]:
     """The variables that put the training's timeouts just above what the supervisor judges
     by: the process-group timeout (the larger of the stall allowance's ceiling and the busy
     ceiling, plus TORCH_MARGIN_S, at least ``default_pg_s``; ours, read by both frameworks)
     and, for a ``framework="torch"`` job only, NCCL's heartbeat (TORCH_MARGIN_S more). Never
     one the user set (in ``env``)."""
-    pg = max(default_pg_s, max(stall_ceiling(fixed_s), busy_s) + TORCH_MARGIN_S)
+    pg = max(default_pg_s, max(stall_ceiling(stall_timeout_s), busy_s) + TORCH_MARGIN_S)
     wanted = {PG_TIMEOUT_VAR: f"{pg:g}"}
     if framework == "torch":
         wanted[HEARTBEAT_VAR] = f"{pg + TORCH_MARGIN_S:g}"
     return {k: v for k, v in wanted.items() if k not in env}
 
 
-def training_policy(timeout_s: float) -> StallPolicy:
+def training_policy(stall_timeout_s: float) -> StallPolicy:
     """The progress judge's policy for training ranks: one stall timeout for every wait
     (communicator setup, a collective every rank entered, ranks that never arrived), no
     transfer-size allowance (a training step's all-reduce is timed by the step), and no limit
     on time spent in the user's own code (evaluation, data loading: nobody waits on a peer)."""
-    return StallPolicy(setup_grace_s=timeout_s, arrive_grace_s=timeout_s,
-                       collective_base_s=timeout_s, first_collective_extra_s=0.0, safety=0.0,
+    return StallPolicy(setup_grace_s=stall_timeout_s, arrive_grace_s=stall_timeout_s,
+                       collective_base_s=stall_timeout_s, first_collective_extra_s=0.0, safety=0.0,
                        quiet_s=None)
 
 
@@ -254,10 +254,10 @@ class TrainingWatch:
     with no peer waiting on it (one process, a Keras job, a job stepped down to one device,
     a rank in the teardown after its last step): `alone`. One place owns these deadlines."""
 
-    def __init__(self, paths: Sequence[str], timeout_s: float | None,
+    def __init__(self, paths: Sequence[str], stall_timeout_s: float | None,
                  clock: Callable[[], float] = time.monotonic, *,
                  busy_s: float | None = None, activity: Activity | None = None) -> None:
-        self.fixed = timeout_s
+        self.stall_timeout_s = stall_timeout_s  # None: it follows the step time
         self.busy_s = DEFAULT_BUSY_S if busy_s is None else busy_s
         self.clock = clock
         self.activity = activity or Activity()
@@ -270,8 +270,8 @@ class TrainingWatch:
         self.watcher = StallWatcher(paths, training_policy(self.timeout_s()), clock)
 
     def timeout_s(self) -> float:
-        if self.fixed is not None:
-            return self.fixed
+        if self.stall_timeout_s is not None:
+            return self.stall_timeout_s
         return default_stall_timeout(self.step_seconds[-200:])
 
     def poll(self, pids: Mapping[int, int] | None = None) -> Stall | None:
@@ -299,7 +299,7 @@ class TrainingWatch:
                 self.step_seconds.append((rec.t - self._last[1]) / (rec.k - self._last[0]))
             if self._last is None or rec.k != self._last[0]:
                 self._last = (rec.k, rec.t)
-        if self.fixed is None:
+        if self.stall_timeout_s is None:
             self.watcher.policy = training_policy(self.timeout_s())
         stall = self.watcher.judge(now)
         if stall is not None:

@@ -29,6 +29,7 @@ from ..core.values.facts import (
     Host,
     Link,
     Platform,
+    Visibility,
     compact_links,
 )
 from ..core.values.outcome import WorkerOutcome
@@ -90,54 +91,24 @@ def gpu(
 
 
 def machine(
-    gpus: int | Sequence[Gpu | Mapping[str, Any]] = 2,
-    *,
-    name: str = "NVIDIA H200",
-    cc: tuple[int, int] = (9, 0),
-    memory_gb: float = 141,
-    nvlink: int = 0,
+    gpus: int | Sequence[Gpu | Mapping[str, Any]] = 2, *, name: str = "NVIDIA H200",
+    cc: tuple[int, int] = (9, 0), memory_gb: float = 141, nvlink: int = 0,
     links: Mapping[tuple[int, int] | str, int | Mapping[str, Any]] | None = None,
-    p2p: str = "ok",
-    topology: str = "hostbridge",
-    shm_mb: int | None = 65536,
-    container: str = "",
-    wsl2: bool = False,
-    sagemaker: bool = False,
-    aws: bool = False,
-    efa: bool = False,
-    iommu: str = "unknown",
-    infiniband: bool = False,
-    kernel: str = "6.8.0",
-    cpu_count: int = 32,
-    platform: str = "linux",
-    mig: Mapping[int | str, int] | None = None,
-    torch: str | None = "2.11.0",
-    torch_cuda: str | None = "13.0",
-    torch_nccl: str | None = "2.28.9",
-    torch_archs: Sequence[str] = (),
-    tensorflow: str | None = None,
-    tf_cuda: str | None = None,
-    tf_archs: Sequence[str] = (),
-    tf_nccl: str | None = None,
-    keras: str | None = None,
-    driver: str | None = "580.159.04",
-    driver_cuda: str | None = "13.0",
-    env: Mapping[str, str] | None = None,
-    nvml_error: str | None = None,
-    nvml_notes: Sequence[str] = (),
-    imported: Sequence[str] = (),
-    gpu_initialized: Sequence[str] = (),
-    platform_facts: Platform | Mapping[str, Any] | None = None,
-    host_memory_gb: float | None = None,
-    nodes: Sequence[Mapping[str, Any]] | None = None,
-    torch_hip: str | None = None,
-    cpu_arch: str = "",
-    numa_nodes: int | None = None,
-    numa_memory_only: int | None = None,
-    gpu_numa: Sequence[int] | None = None,
-    amd_gpus: int | None = None,
-    cuda_compat: str = "",
-    port_range: str = "",
+    p2p: str = "ok", topology: str = "hostbridge", shm_mb: int | None = 65536,
+    container: str = "", wsl2: bool = False, sagemaker: bool = False, aws: bool = False,
+    efa: bool = False, iommu: str = "unknown", infiniband: bool = False, kernel: str = "6.8.0",
+    cpu_count: int = 32, platform: str = "linux", mig: Mapping[int | str, int] | None = None,
+    torch: str | None = "2.11.0", torch_cuda: str | None = "13.0",
+    torch_nccl: str | None = "2.28.9", torch_archs: Sequence[str] = (),
+    tensorflow: str | None = None, tf_cuda: str | None = None, tf_archs: Sequence[str] = (),
+    tf_nccl: str | None = None, keras: str | None = None, driver: str | None = "580.159.04",
+    driver_cuda: str | None = "13.0", env: Mapping[str, str] | None = None,
+    nvml_error: str | None = None, nvml_notes: Sequence[str] = (), imported: Sequence[str] = (),
+    gpu_initialized: Sequence[str] = (), platform_facts: Platform | Mapping[str, Any] | None = None,
+    host_memory_gb: float | None = None, nodes: Sequence[Mapping[str, Any]] | None = None,
+    torch_hip: str | None = None, cpu_arch: str = "", numa_nodes: int | None = None,
+    numa_memory_only: int | None = None, gpu_numa: Sequence[int] | None = None,
+    amd_gpus: int | None = None, cuda_compat: str = "", port_range: str = "",
 ) -> Facts:
     """Facts for a described machine, as `resilient_strategy.machine.inspect.detect_facts` would
     report them. Every argument is checked: a wrong one is an ``InvalidOptionError`` naming it.
@@ -172,6 +143,7 @@ def machine(
     null value: unset there). The facts then carry every node, as node 0 gathers them through
     the job's store, and the planner compares them before any probe.
     """
+    a: dict[str, Any] = dict(locals())  # the arguments by name, for the helpers below
     env_map = _string_map("env", env)
     plat = _platform_value(platform_facts)
     host_memory = None if host_memory_gb is None else int(
@@ -179,74 +151,121 @@ def machine(
     described: int | Sequence[Any] = gpus
     if isinstance(gpus, Sequence) and not isinstance(gpus, str):
         described = [gpu(**g) if isinstance(g, Mapping) else g for g in gpus]
-    _cc("machine", cc)
-    _number("machine", "memory_gb", memory_gb)
-    _check_int("machine", "nvlink", nvlink)
-    _check_choice("p2p", p2p, P2P_STATUSES)
-    _check_choice("topology", topology, TOPOLOGY_LEVELS)
-    _check_choice("iommu", iommu, ("on", "off", "unknown"))
-    if shm_mb is not None:
-        _check_int("machine", "shm_mb", shm_mb)
-    _check_str("machine", "name", name)
-    _check_str("machine", "container", container)
-    for flag, value in (("wsl2", wsl2), ("sagemaker", sagemaker), ("aws", aws), ("efa", efa),
-                        ("infiniband", infiniband)):
-        _check_bool("machine", flag, value)
-    _check_str("machine", "kernel", kernel)
-    _check_str("machine", "platform", platform)
-    for key, word in (("cpu_arch", cpu_arch), ("cuda_compat", cuda_compat),
-                      ("port_range", port_range)):
-        _check_str("machine", key, word)
-    for key, count in (("numa_nodes", numa_nodes), ("numa_memory_only", numa_memory_only),
-                       ("amd_gpus", amd_gpus)):
-        if count is not None:
-            _check_int("machine", key, count)
-    if torch_hip is not None:
-        _check_str("machine", "torch_hip", torch_hip)
-    _check_int("machine", "cpu_count", cpu_count)
-    for key, names in (("imported", imported), ("gpu_initialized", gpu_initialized),
-                       ("nvml_notes", nvml_notes)):
+    _check_arguments(a)
+    physical = _physical_gpus(gpus, described, name, cc, memory_gb)
+    gs, visible_links, fabric, visibility = _visible(a, physical, env_map)
+    facts = Facts(
+        gpus=gs,
+        links=visible_links,
+        fabric=fabric,
+        driver_version=driver if physical else None,
+        cuda_driver_version=driver_cuda if physical else None,
+        nvml_error=nvml_error if nvml_error or physical else "no GPU in this description",
+        visibility=visibility,
+        host=_host(a, host_memory),
+        frameworks=_frameworks(a),
+        env=tuple(sorted(env_map.items())),
+        nvml_notes=tuple(nvml_notes),
+        platform=plat,
+    )
+    return _with_nodes(facts, nodes) if nodes else facts
+
+
+def _check_arguments(a: Mapping[str, Any]) -> None:
+    """`machine`'s scalar and list arguments checked, in the order they are listed."""
+    _cc("machine", a["cc"])
+    _number("machine", "memory_gb", a["memory_gb"])
+    _check_int("machine", "nvlink", a["nvlink"])
+    _check_choice("p2p", a["p2p"], P2P_STATUSES)
+    _check_choice("topology", a["topology"], TOPOLOGY_LEVELS)
+    _check_choice("iommu", a["iommu"], ("on", "off", "unknown"))
+    if a["shm_mb"] is not None:
+        _check_int("machine", "shm_mb", a["shm_mb"])
+    _check_str("machine", "name", a["name"])
+    _check_str("machine", "container", a["container"])
+    for flag in ("wsl2", "sagemaker", "aws", "efa", "infiniband"):
+        _check_bool("machine", flag, a[flag])
+    for key in ("kernel", "platform", "cpu_arch", "cuda_compat", "port_range"):
+        _check_str("machine", key, a[key])
+    for key in ("numa_nodes", "numa_memory_only", "amd_gpus"):
+        if a[key] is not None:
+            _check_int("machine", key, a[key])
+    if a["torch_hip"] is not None:
+        _check_str("machine", "torch_hip", a["torch_hip"])
+    _check_int("machine", "cpu_count", a["cpu_count"])
+    for key in ("imported", "gpu_initialized", "nvml_notes"):
+        names = a[key]
         if isinstance(names, str) or not all(isinstance(n, str) for n in names):
             raise _bad(key, names, "a list of strings")
-    for key, names in (("imported", imported), ("gpu_initialized", gpu_initialized)):
-        if not set(names) <= {"torch", "tensorflow", "keras"}:
-            raise _bad(key, names, "names out of torch, tensorflow, keras")
-    for key, text in (("torch", torch), ("torch_cuda", torch_cuda), ("torch_nccl", torch_nccl),
-                      ("tensorflow", tensorflow), ("tf_cuda", tf_cuda), ("tf_nccl", tf_nccl),
-                      ("keras", keras), ("driver", driver), ("nvml_error", nvml_error)):
-        if text is not None:
-            _check_str("machine", key, text)
-    for key, archs in (("torch_archs", torch_archs), ("tf_archs", tf_archs)):
+    for key in ("imported", "gpu_initialized"):
+        if not set(a[key]) <= {"torch", "tensorflow", "keras"}:
+            raise _bad(key, a[key], "names out of torch, tensorflow, keras")
+    for key in ("torch", "torch_cuda", "torch_nccl", "tensorflow", "tf_cuda", "tf_nccl", "keras",
+                "driver", "nvml_error"):
+        if a[key] is not None:
+            _check_str("machine", key, a[key])
+    for key in ("torch_archs", "tf_archs"):
+        archs = a[key]
         if isinstance(archs, str) or not isinstance(archs, Sequence) or not all(
-                isinstance(a, str) for a in archs):
+                isinstance(x, str) for x in archs):
             raise _bad(key, archs, 'a list of arch names like ["sm_80", "compute_90"]')
+
+
+def _physical_gpus(gpus: object, described: object, name: str, cc: tuple[int, int],
+                   memory_gb: float) -> tuple[Gpu, ...]:
+    """The physical GPUs of ``gpus`` (a count, or the `gpu` values ``described``), by index."""
     if isinstance(gpus, int) and not isinstance(gpus, bool):
         if gpus < 0:
             raise _bad("gpus", gpus, "a GPU count (0 or more) or a list of gpu() values")
-        physical = tuple(gpu(i, name, cc, memory_gb) for i in range(gpus))
-    elif isinstance(described, Sequence) and not isinstance(described, str) and all(
+        return tuple(gpu(i, name, cc, memory_gb) for i in range(gpus))
+    if isinstance(described, Sequence) and not isinstance(described, str) and all(
         isinstance(g, Gpu) for g in described
     ):
         physical = tuple(sorted(described, key=_physical_index))
         indices = [_physical_index(g) for g in physical]
         if len(set(indices)) != len(indices):
             raise _bad("gpus", indices, "GPUs with distinct indices")
-    else:
-        raise _bad("gpus", gpus, "a GPU count (0 or more) or a list of gpu() values")
+        return physical
+    raise _bad("gpus", gpus, "a GPU count (0 or more) or a list of gpu() values")
 
+
+def _visible(a: Mapping[str, Any], physical: tuple[Gpu, ...], env_map: Mapping[str, str]
+             ) -> tuple[tuple[Gpu, ...], tuple[Link, ...], Link | None, Visibility]:
+    """The GPUs this process sees (``CUDA_VISIBLE_DEVICES`` applied as CUDA does), their links,
+    the fabric link and the visibility, from the physical GPUs and `machine`'s arguments."""
+    nvlink, topology, p2p = a["nvlink"], a["topology"], a["p2p"]
     indices = [_physical_index(g) for g in physical]
-    per_pair = _link_specs(links, indices, nvlink, topology, p2p)
-    instances = _mig_counts(mig, indices)
-    physical_links: list[Link] = []
+    per_pair = _link_specs(a["links"], indices, nvlink, topology, p2p)
+    instances = _mig_counts(a["mig"], indices)
     # a uniform machine past FABRIC_MIN_GPUS: its one kind of link, never N^2 of them
     uniform = not per_pair and not instances and len(physical) > FABRIC_MIN_GPUS
-    for i, a in enumerate(() if uniform else physical):
-        for b in physical[i + 1:]:
-            pa, pb = _physical_index(a), _physical_index(b)
+    physical_links: list[Link] = []
+    for i, ga in enumerate(() if uniform else physical):
+        for gb in physical[i + 1:]:
+            pa, pb = _physical_index(ga), _physical_index(gb)
             n, top, p2p_read = per_pair.get((pa, pb), (nvlink, topology, p2p))
             physical_links.append(Link(pa, pb, topology=top, nvlinks=n, p2p_read=p2p_read,
                                        p2p_nvlink="ok" if n else "not_supported"))
-    parents = [
+    parents = _parents(physical, instances)
+    resolution = resolve_visible_devices(
+        env_map.get("CUDA_VISIBLE_DEVICES"), parents,
+        device_order=env_map.get("CUDA_DEVICE_ORDER"),
+    )
+    by_index = {p.index: p for p in parents}
+    gs = tuple(job_gpu(i, d, by_index[d.physical]) for i, d in enumerate(resolution.devices))
+    numa_of = _gpu_numa(a["gpu_numa"], physical)
+    gs = tuple(replace(g, numa_node=numa_of.get(g.physical_index)) for g in gs)
+    visible_links, fabric = compact_links(len(gs), renumber_links(resolution.devices,
+                                                                  physical_links))
+    if uniform:
+        fabric = Link(0, 0, topology=topology, nvlinks=nvlink, p2p_read=p2p,
+                      p2p_nvlink="ok" if nvlink else "not_supported")
+    return gs, visible_links, fabric, resolution.visibility
+
+
+def _parents(physical: Sequence[Gpu], instances: Mapping[int, int]) -> list[PhysicalGpu]:
+    """The physical GPUs as NVML lists them, with their MIG instances."""
+    return [
         PhysicalGpu(
             index=_physical_index(g), uuid=g.uuid, name=g.name,
             compute_capability=g.compute_capability, memory_bytes=g.memory_bytes,
@@ -261,50 +280,36 @@ def machine(
         )
         for g in physical
     ]
-    resolution = resolve_visible_devices(
-        env_map.get("CUDA_VISIBLE_DEVICES"), parents,
-        device_order=env_map.get("CUDA_DEVICE_ORDER"),
-    )
-    by_index = {p.index: p for p in parents}
-    gs = tuple(job_gpu(i, d, by_index[d.physical]) for i, d in enumerate(resolution.devices))
-    numa_of = _gpu_numa(gpu_numa, physical)
-    gs = tuple(replace(g, numa_node=numa_of.get(g.physical_index)) for g in gs)
-    visible_links, fabric = compact_links(len(gs), renumber_links(resolution.devices,
-                                                                  physical_links))
-    if uniform:
-        fabric = Link(0, 0, topology=topology, nvlinks=nvlink, p2p_read=p2p,
-                      p2p_nvlink="ok" if nvlink else "not_supported")
+
+
+def _host(a: Mapping[str, Any], host_memory: int | None) -> Host:
+    """The host of `machine`'s arguments."""
+    shm_mb = a["shm_mb"]
+    return Host(shm_bytes=None if shm_mb is None else shm_mb << 20, container=a["container"],
+                wsl2=a["wsl2"], sagemaker=a["sagemaker"], aws=a["aws"], efa=a["efa"],
+                iommu=a["iommu"], infiniband=a["infiniband"], kernel=a["kernel"],
+                cpu_count=a["cpu_count"], platform=a["platform"],
+                memory_available_bytes=host_memory, machine=a["cpu_arch"],
+                numa_nodes=a["numa_nodes"], numa_memory_only=a["numa_memory_only"],
+                amd_gpus=a["amd_gpus"], cuda_compat=a["cuda_compat"],
+                port_range=a["port_range"])
+
+
+def _frameworks(a: Mapping[str, Any]) -> tuple[FrameworkInfo, ...]:
+    """The installed frameworks of `machine`'s arguments, with what this process imported."""
     fws = []
-    if torch:
-        fws.append(FrameworkInfo("torch", torch, "torch", torch_cuda, torch_nccl, tuple(torch_archs),
-                                 hip=torch_hip))
-    if tensorflow:
-        dist = "tensorflow" if tf_cuda else "tensorflow-cpu"
-        fws.append(FrameworkInfo("tensorflow", tensorflow, dist, tf_cuda, tf_nccl, tuple(tf_archs)))
-    if keras:
-        fws.append(FrameworkInfo("keras", keras, "keras"))
-    fws = [replace(f, imported=f.name in imported or f.name in gpu_initialized,
-                   gpu_initialized=f.name in gpu_initialized) for f in fws]
-    facts = Facts(
-        gpus=gs,
-        links=visible_links,
-        fabric=fabric,
-        driver_version=driver if physical else None,
-        cuda_driver_version=driver_cuda if physical else None,
-        nvml_error=nvml_error if nvml_error or physical else "no GPU in this description",
-        visibility=resolution.visibility,
-        host=Host(shm_bytes=None if shm_mb is None else shm_mb << 20, container=container,
-                  wsl2=wsl2, sagemaker=sagemaker, aws=aws, efa=efa, iommu=iommu,
-                  infiniband=infiniband, kernel=kernel, cpu_count=cpu_count, platform=platform,
-                  memory_available_bytes=host_memory, machine=cpu_arch, numa_nodes=numa_nodes,
-                  numa_memory_only=numa_memory_only, amd_gpus=amd_gpus,
-                  cuda_compat=cuda_compat, port_range=port_range),
-        frameworks=tuple(fws),
-        env=tuple(sorted(env_map.items())),
-        nvml_notes=tuple(nvml_notes),
-        platform=plat,
-    )
-    return _with_nodes(facts, nodes) if nodes else facts
+    if a["torch"]:
+        fws.append(FrameworkInfo("torch", a["torch"], "torch", a["torch_cuda"], a["torch_nccl"],
+                                 tuple(a["torch_archs"]), hip=a["torch_hip"]))
+    if a["tensorflow"]:
+        dist = "tensorflow" if a["tf_cuda"] else "tensorflow-cpu"
+        fws.append(FrameworkInfo("tensorflow", a["tensorflow"], dist, a["tf_cuda"], a["tf_nccl"],
+                                 tuple(a["tf_archs"])))
+    if a["keras"]:
+        fws.append(FrameworkInfo("keras", a["keras"], "keras"))
+    imported, started = a["imported"], a["gpu_initialized"]
+    return tuple(replace(f, imported=f.name in imported or f.name in started,
+                         gpu_initialized=f.name in started) for f in fws)
 
 
 def _with_nodes(facts: Facts, nodes: Sequence[Mapping[str, Any]]) -> Facts:

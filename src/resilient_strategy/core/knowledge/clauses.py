@@ -20,7 +20,7 @@ from typing import Any
 from packaging.version import InvalidVersion, Version
 
 from ...errors import InvalidRuleError
-from ..values.facts import Facts, Gpu
+from ..values.facts import Facts, Gpu, Host, LinkSummary
 
 _OPS = ("<=", ">=", "==", "!=", "<", ">", "matches", "contains", "in")
 
@@ -177,13 +177,36 @@ def fact_values(facts: Facts, framework: str, replicas: int | None = None,
     """Every name a rule clause can use, computed from the facts (pure); ``replicas`` and
     ``nodes`` are the planner's ``plan.replicas`` / ``plan.nodes`` (None, unknown, outside a
     plan)."""
-    gpus = facts.gpus
-    ccs = [Version(g.cc) for g in gpus if g.compute_capability != (0, 0)]  # (0, 0): unread
-    links = facts.link_summary()
-    h = facts.host
     values: dict[str, FactValue] = {
         "framework": framework,
         "plan.replicas": replicas,
+        **_gpu_values(facts.gpus),
+        **_link_values(facts.link_summary()),
+        "plan.nodes": nodes,
+        "nccl.version": _version(facts.framework(framework).nccl),
+        **_platform_values(facts),
+        "driver.version": _version(facts.driver_version),
+        "driver.cuda": _version(facts.cuda_driver_version),
+        **_host_values(facts.host),
+    }
+    for fw in ("torch", "tensorflow", "keras"):
+        values.update(_framework_values(facts, fw))
+    values.update(_driver_build_values(values, framework))
+    h = facts.host
+    # a port the launcher picked (the kernel gave it, its store already listens there) is no
+    # port the user can move below the range: only one the user chose is named
+    values["host.master_port_ephemeral"] = (
+        False if h.master_port_by == "launcher"
+        else _in_port_range(facts.env_map.get("MASTER_PORT"), h.port_range))
+    for name, value in facts.env:
+        values[f"env.{name}"] = value
+    return values
+
+
+def _gpu_values(gpus: tuple[Gpu, ...]) -> dict[str, FactValue]:
+    """The ``gpus.*`` facts."""
+    ccs = [Version(g.cc) for g in gpus if g.compute_capability != (0, 0)]  # (0, 0): unread
+    return {
         "gpus.count": len(gpus),
         "gpus.names": tuple(g.name for g in gpus),
         "gpus.min_cc": min(ccs) if ccs else None,
@@ -195,6 +218,12 @@ def fact_values(facts: Facts, framework: str, replicas: int | None = None,
         # the NUMA nodes the GPUs hang off (None: some GPU's node is unknown)
         "gpus.numa_nodes": (len({g.numa_node for g in gpus})
                             if gpus and all(g.numa_node is not None for g in gpus) else None),
+    }
+
+
+def _link_values(links: LinkSummary) -> dict[str, FactValue]:
+    """The ``links.*`` facts."""
+    return {
         "links.all_nvlink": links.all_nvlink,
         "links.any_pcie_only": links.any_pcie_only,
         "links.p2p_unsupported": links.p2p_unsupported,
@@ -202,22 +231,31 @@ def fact_values(facts: Facts, framework: str, replicas: int | None = None,
         "links.any_nvlink": links.any_nvlink,
         "links.any_switch": links.any_switch,
         "links.any_host_path": links.any_host_path,
-        "plan.nodes": nodes,
-        "nccl.version": _version(facts.framework(framework).nccl),
-        "platform.nvswitch": facts.platform.nvswitch,
-        "platform.hypervisor": facts.platform.hypervisor,
-        "platform.vm": bool(facts.platform.hypervisor),
-        "platform.rdma_link_layer": facts.platform.rdma_link_layer,
-        "platform.rdma_devices": facts.platform.rdma_devices,
-        "platform.rdma_count": len(facts.platform.rdma_devices),
-        "platform.fabric_manager": facts.platform.fabric_manager,
+    }
+
+
+def _platform_values(facts: Facts) -> dict[str, FactValue]:
+    """The ``platform.*`` facts."""
+    p = facts.platform
+    return {
+        "platform.nvswitch": p.nvswitch,
+        "platform.hypervisor": p.hypervisor,
+        "platform.vm": bool(p.hypervisor),
+        "platform.rdma_link_layer": p.rdma_link_layer,
+        "platform.rdma_devices": p.rdma_devices,
+        "platform.rdma_count": len(p.rdma_devices),
+        "platform.fabric_manager": p.fabric_manager,
         "platform.fabric_manager_mismatch": (
-            None if not facts.platform.fabric_manager or not facts.driver_version
-            else facts.platform.fabric_manager != facts.driver_version),
-        "platform.master_ifname": facts.platform.master_ifname,
-        "platform.hostname_loopback": facts.platform.hostname_loopback,
-        "driver.version": _version(facts.driver_version),
-        "driver.cuda": _version(facts.cuda_driver_version),
+            None if not p.fabric_manager or not facts.driver_version
+            else p.fabric_manager != facts.driver_version),
+        "platform.master_ifname": p.master_ifname,
+        "platform.hostname_loopback": p.hostname_loopback,
+    }
+
+
+def _host_values(h: Host) -> dict[str, FactValue]:
+    """The ``host.*`` facts read from the host (``host.master_port_ephemeral`` apart)."""
+    return {
         "host.shm_mb": None if h.shm_bytes is None else h.shm_bytes // (1 << 20),
         "host.container": h.container,
         "host.in_container": bool(h.container),
@@ -238,35 +276,39 @@ def fact_values(facts: Facts, framework: str, replicas: int | None = None,
         "host.port_range": h.port_range,
         "host.master_port_by": h.master_port_by,
     }
-    for fw in ("torch", "tensorflow", "keras"):
-        info = facts.framework(fw)
-        values[f"{fw}.installed"] = info.installed
-        values[f"{fw}.version"] = _version(info.version)
-        values[f"{fw}.cuda"] = _version(info.cuda)
-        values[f"{fw}.nccl"] = _version(info.nccl)
-        values[f"{fw}.max_arch"] = _max_arch(info.archs)
-        values[f"{fw}.imported"] = info.imported
-        values[f"{fw}.gpu_kernels"] = _kernel_coverage(info.archs, gpus)
-        values[f"{fw}.build"] = info.build
-        values[f"{fw}.hip"] = _version(info.hip)
+
+
+def _framework_values(facts: Facts, fw: str) -> dict[str, FactValue]:
+    """The ``<fw>.*`` facts of one framework."""
+    info = facts.framework(fw)
+    return {
+        f"{fw}.installed": info.installed,
+        f"{fw}.version": _version(info.version),
+        f"{fw}.cuda": _version(info.cuda),
+        f"{fw}.nccl": _version(info.nccl),
+        f"{fw}.max_arch": _max_arch(info.archs),
+        f"{fw}.imported": info.imported,
+        f"{fw}.gpu_kernels": _kernel_coverage(info.archs, facts.gpus),
+        f"{fw}.build": info.build,
+        f"{fw}.hip": _version(info.hip),
+    }
+
+
+def _driver_build_values(values: Mapping[str, FactValue], framework: str
+                         ) -> dict[str, FactValue]:
+    """``driver.older_than_build`` / ``driver.cuda_major_behind``: the driver against the CUDA
+    the framework was built with (None: either unknown)."""
     build = values.get(f"{framework}.cuda") if framework in ("torch", "tensorflow") else None
     driver_cuda = values["driver.cuda"]
-    if isinstance(build, Version) and isinstance(driver_cuda, Version):
-        values["driver.older_than_build"] = driver_cuda < Version(f"{build.major}.{build.minor}")
+    if not (isinstance(build, Version) and isinstance(driver_cuda, Version)):
+        return {"driver.older_than_build": None, "driver.cuda_major_behind": None}
+    return {
+        "driver.older_than_build": driver_cuda < Version(f"{build.major}.{build.minor}"),
         # CUDA 11+ runs a build on any driver of its major release (minor version
         # compatibility); a driver of an older major release cannot run it at all
         # (cudaErrorInsufficientDriver)
-        values["driver.cuda_major_behind"] = driver_cuda.major < build.major
-    else:
-        values["driver.older_than_build"] = values["driver.cuda_major_behind"] = None
-    # a port the launcher picked (the kernel gave it, its store already listens there) is no
-    # port the user can move below the range: only one the user chose is named
-    values["host.master_port_ephemeral"] = (
-        False if h.master_port_by == "launcher"
-        else _in_port_range(facts.env_map.get("MASTER_PORT"), h.port_range))
-    for name, value in facts.env:
-        values[f"env.{name}"] = value
-    return values
+        "driver.cuda_major_behind": driver_cuda.major < build.major,
+    }
 
 
 def _in_port_range(port: str | None, port_range: str) -> bool | None:
