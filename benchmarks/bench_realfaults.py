@@ -68,7 +68,7 @@ SCRIPT = textwrap.dedent("""
     rank = sel.launch.rank
     step_s = float(os.environ.get("RS_STEP_S", "0.05"))
     slow = os.environ.get("RS_SLOW", "")  # "rank:from:to:factor"
-    validate = os.environ.get("RS_VALIDATE", "")  # "rank:at:seconds:busy|sleep"
+    validate = os.environ.get("RS_VALIDATE", "")  # "rank:at:seconds:busy|sleep|lock|flock"
     fault = os.environ.get("RS_RAISE", "")  # "rank:at:urllib|assert|comm"
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 4))
@@ -149,6 +149,29 @@ SCRIPT = textwrap.dedent("""
                     end = time.monotonic() + float(secs)
                     if how == "sleep":
                         time.sleep(float(secs))
+                    elif how == "lock":  # asleep on a lock another thread of its own holds
+                        import threading
+                        lock, held = threading.Lock(), threading.Event()
+                        def hold():
+                            with lock:
+                                held.set()
+                                time.sleep(float(secs))
+                        threading.Thread(target=hold, daemon=True).start()
+                        held.wait()
+                        with lock:
+                            pass
+                    elif how == "flock":  # asleep on a file lock a process it started holds
+                        import subprocess
+                        path = os.path.join(marks, "lockfile")
+                        holder = subprocess.Popen(
+                            [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], "
+                             "'w'); fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); "
+                             "time.sleep(float(sys.argv[2]))", path, secs],
+                            stdout=subprocess.PIPE, text=True)
+                        holder.stdout.readline()
+                        import fcntl
+                        with open(path, "w") as fh:
+                            fcntl.flock(fh, fcntl.LOCK_EX)
                     else:
                         with torch.no_grad():
                             while time.monotonic() < end:

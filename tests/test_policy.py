@@ -23,7 +23,11 @@ POLICY = RelaunchPolicy()
 
 
 def _v(kind: VerdictKind, step: int) -> Verdict:
-    return Verdict(kind, kind.value, step)
+    """A verdict with evidence against the transport where its kind needs one to step down on
+    a repeat (every rank inside a collective: tests/test_ladder_evidence.py has the others)."""
+    inside = {VerdictKind.STALL: {"stall": "collective", "phase": "collective"},
+              VerdictKind.EXIT: {"phase": "collective"}}.get(kind, {})
+    return Verdict(kind, kind.value, step, **inside)
 
 
 def _history(*runs: tuple[str, VerdictKind, int, Action]) -> list[Attempt]:

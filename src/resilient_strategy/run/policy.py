@@ -46,10 +46,12 @@ if TYPE_CHECKING:
     from ..records.phases import Timeline
 
 from ..core.call.options import DEFAULT_FAULT_WINDOW
+from ..core.knowledge.causes import SCRIPT_CAUSES, what_and_fix
 from ..core.measures.estimate import throughput_fraction
 from ..core.measures.probe import ERROR, ProbeResult
 from ..core.values.candidate import CandidateKey
 from ..errors import NoWorkingStrategyError
+from ..records.progress import COLLECTIVE, COMM_SETUP
 from .exitcodes import ExitCode
 from .verdicts import Verdict, VerdictKind, one_line
 
@@ -94,15 +96,54 @@ class Action(Enum):
     STOP = "stop"
 
 
+#: Which rule of `judge` decided (`Judgement.rule`, the word written to records): the
+#: training finished; the machine's storage; the script's fault; the launch's; a fault that
+#: follows the job (recurring); a node cut off; a node that asked to join; a crash loop; the
+#: relaunch limit; a repeat within the fault window with evidence against the strategy's
+#: transport (stepped down); a repeat whose evidence clears the transport (stopped, never
+#: stepped down); a backend signature after a short stretch (stepped down); one after a healthy
+#: stretch (retried); a first fault not pinned on the backend (retried); no candidate left, or
+#: only below the floor, on a step-down (stopped by `relaunch`).
+RULES = ("finished", "storage", "script", "launch", "recurring", "cut_off", "join",
+         "crash_loop", "relaunch_limit", "fault_rate", "not_the_transport", "backend",
+         "healthy_retry", "first_fault", "no_candidate", "floor", "")
+
+
+@dataclass(frozen=True)
+class Looped:
+    """One attempt of a crash loop, as a stop lists it (`Judgement.loop`)."""
+
+    number: int  # 0 for the first launch
+    candidate: str
+    kind: str  # its verdict's kind
+    cause: str  # its verdict's cause ("" when none)
+    stall: str  # its stall's kind ("" for any other verdict)
+    step: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"number": self.number, "candidate": self.candidate, "kind": self.kind,
+                "cause": self.cause, "stall": self.stall, "step": self.step}
+
+    def words(self) -> str:
+        said = self.stall or self.cause
+        return (f"attempt {self.number + 1} {self.kind}{f' ({said})' if said else ''} at step "
+                f"{self.step}")
+
+
 @dataclass(frozen=True)
 class Judgement:
     action: Action
     reason: str  # words: why
     exit_code: ExitCode | None = None  # FINISH and STOP only
+    #: the rule that decided (`RULES`; "" for the supervisor's own: a switch, fewer nodes)
+    rule: str = ""
+    #: a crash-loop stop: every attempt of the loop, oldest first (empty otherwise)
+    loop: tuple[Looped, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {"action": self.action.value, "reason": self.reason,
-                "exit_code": None if self.exit_code is None else int(self.exit_code)}
+                "exit_code": None if self.exit_code is None else int(self.exit_code),
+                "rule": self.rule, "loop": [a.to_dict() for a in self.loop]}
 
 
 @dataclass(frozen=True)
@@ -137,13 +178,24 @@ def effective(verdict: Verdict, world_size: int) -> Verdict:
     return verdict
 
 
+#: Verdicts that end an attempt with no fault: the supervisor stopped a healthy attempt at a
+#: checkpoint (a measured switch, a node that asked to join). Never counted as a fault.
+_NO_FAULT = frozenset({VerdictKind.OK, VerdictKind.SWITCH, VerdictKind.JOIN})
+
+
+def is_fault(verdict: Verdict) -> bool:
+    """Whether an attempt ended in a fault (not finished, not stopped healthy at a
+    checkpoint for a switch or a join). Pure."""
+    return verdict.kind not in _NO_FAULT
+
+
 def without_progress(history: Sequence[Verdict], min_steps: int = 1) -> int:
     """How many of the last attempts in a row completed fewer than ``min_steps`` optimizer
     steps beyond the furthest completed before each of them (an attempt that failed in step k
-    completed k - 1)."""
+    completed k - 1; one stopped healthy at a checkpoint completed its step)."""
     best, idle = 0, 0
     for v in history:
-        done = v.step if v.ok else max(0, v.step - 1)
+        done = v.step if not is_fault(v) else max(0, v.step - 1)
         if done >= best + max(1, min_steps):
             best, idle = done, 0
         else:
@@ -153,14 +205,14 @@ def without_progress(history: Sequence[Verdict], min_steps: int = 1) -> int:
 
 def healthy_steps(verdict: Verdict, history: Sequence[Attempt]) -> int:
     """The optimizer steps since the last fault before this one (or since the start)."""
-    last = max((a.verdict.step for a in history if not a.verdict.ok), default=0)
+    last = max((a.verdict.step for a in history if is_fault(a.verdict)), default=0)
     return max(0, verdict.step - last)
 
 
 def faults_in_window(verdict: Verdict, candidate: str, history: Sequence[Attempt],
                      window: int) -> list[Attempt]:
     """The earlier faults on ``candidate`` within ``window`` steps before this one."""
-    return [a for a in history if a.candidate == candidate and not a.verdict.ok
+    return [a for a in history if a.candidate == candidate and is_fault(a.verdict)
             and verdict.step - a.verdict.step < window]
 
 
@@ -193,61 +245,155 @@ def recurring(verdict: Verdict, candidate: str, history: Sequence[Attempt]) -> A
                  and fault_signature(a.verdict) == mine), None)
 
 
+#: The stall kinds whose evidence points at the strategy's transport (`Verdict.stall`): every
+#: rank inside communicator setup, or inside one collective every rank entered and some never
+#: left. A rank that never arrived, is stopped, busy or asleep in its own code is held up by
+#: the script or the machine: another strategy would not help it, and watches it less.
+TRANSPORT_STALLS = frozenset({"setup", "collective"})
+#: The phases a rank that died without a word was in that are the transport's calls.
+_TRANSPORT_PHASES = frozenset({COMM_SETUP, COLLECTIVE})
+#: The causes that are the machine's storage (a full disk, an I/O error, a stale handle, a
+#: read-only file system): never a strategy's.
+STORAGE_CAUSES = frozenset({"no_space", "storage_error"})
+
+
+def against_transport(verdict: Verdict) -> bool:
+    """Whether a fault's evidence points at the strategy's transport, so that a step-down may
+    help (pure): a backend signature; a stall of every rank inside communicator setup or one
+    collective (`TRANSPORT_STALLS`); a rank that died without a word inside one (`phase`); a
+    node lost (the nodes' regrouping at the relaunch decides). Never an error from storage
+    (`STORAGE_CAUSES`), a stall whose ranks never arrived, are stopped, busy or asleep in their
+    own code, nor an exit outside any collective or communicator setup."""
+    if verdict.cause in STORAGE_CAUSES:
+        return False
+    if verdict.kind in (VerdictKind.BACKEND, VerdictKind.LOST):
+        return True
+    if verdict.kind is VerdictKind.STALL:
+        return verdict.stall in TRANSPORT_STALLS
+    return verdict.kind is VerdictKind.EXIT and verdict.phase in _TRANSPORT_PHASES
+
+
 def judge(verdict: Verdict, candidate: str, history: Sequence[Attempt],
           policy: RelaunchPolicy) -> Judgement:
     """What to do after an attempt on ``candidate`` came to ``verdict`` (already
     `effective`), the attempts before it being ``history``."""
+    return (_settled(verdict, candidate, history) or _bounded(verdict, candidate, history, policy)
+            or _ladder(verdict, candidate, history, policy))
+
+
+def _settled(verdict: Verdict, candidate: str, history: Sequence[Attempt]) -> Judgement | None:
+    """A verdict that decides by itself: finished, the machine's full disk, the script's, the
+    launch's, a fault that follows the job, a node cut off, a node asking to join."""
     if verdict.ok:
-        return Judgement(Action.FINISH, "the training finished", ExitCode.SUCCESS)
+        return Judgement(Action.FINISH, "the training finished", ExitCode.SUCCESS, "finished")
     if verdict.cause == "no_space":  # the machine's, neither the script's nor a strategy's
         return Judgement(Action.STOP, "a disk the run writes to is full: the machine's fault, "
                          "not the script's nor a strategy's (free space or requeue elsewhere)",
-                         ExitCode.INFRASTRUCTURE)
+                         ExitCode.INFRASTRUCTURE, "storage")
     if verdict.users:
         return Judgement(Action.STOP, "the script's own fault: another attempt or strategy "
-                         "would fail the same way", ExitCode.USER_ERROR)
+                         f"would fail the same way{_fix(verdict.cause)}", ExitCode.USER_ERROR,
+                         "script")
     if verdict.kind is VerdictKind.LAUNCH:
         said = f"{verdict.detail} (" if verdict.detail else "a launch fault ("
         return Judgement(Action.STOP, f"{said}the launch's, not a strategy's: every strategy "
-                         "would meet it; no step-down, do not requeue)", ExitCode.USAGE)
+                         "would meet it; no step-down, do not requeue)", ExitCode.USAGE, "launch")
     again = recurring(verdict, candidate, history)
     if again is not None:
         return Judgement(Action.STOP, f"the same fault as on {again.label} (attempt "
                          f"{again.number + 1}): it follows the job from strategy to strategy, "
                          "so it is the launch's or the environment's, not a strategy's (no "
                          "further step-down; fix it and run again, do not requeue)",
-                         ExitCode.USAGE)
+                         ExitCode.USAGE, "recurring")
     if verdict.kind is VerdictKind.CUT_OFF:
         return Judgement(Action.STOP, "this node is cut off from the job's store: the other "
-                         "nodes go on without it (requeue it elsewhere)", ExitCode.INFRASTRUCTURE)
+                         "nodes go on without it (requeue it elsewhere)", ExitCode.INFRASTRUCTURE,
+                         "cut_off")
     if verdict.kind is VerdictKind.JOIN:
         return Judgement(Action.MORE_NODES, "a node asked to join: relaunched across the larger "
-                         "group from the last checkpoint")
+                         "group from the last checkpoint", rule="join")
+    return None
+
+
+def _fix(cause: str) -> str:
+    """The workaround a script's cause names (`SCRIPT_CAUSES`), as a clause ("": none)."""
+    if cause not in SCRIPT_CAUSES:
+        return ""
+    what, fix = what_and_fix(cause)
+    return f" ({what}: {fix})" if fix else f" ({what})"
+
+
+def _bounded(verdict: Verdict, candidate: str, history: Sequence[Attempt],
+             policy: RelaunchPolicy) -> Judgement | None:
+    """The run's bounds: a crash loop (every attempt of it listed), the relaunch limit."""
     idle = without_progress([*(a.verdict for a in history), verdict], policy.min_progress_steps)
     if idle >= policy.max_attempts_without_progress:
-        return Judgement(Action.STOP, f"{idle} attempts in a row got fewer than "
+        loop = crash_loop(verdict, candidate, history, idle)
+        return Judgement(Action.STOP, f"a crash loop: {idle} attempts in a row got fewer than "
                          f"{policy.min_progress_steps} steps further (the bound is "
                          "--max-attempts-without-progress "
-                         f"{policy.max_attempts_without_progress})", ExitCode.INFRASTRUCTURE)
+                         f"{policy.max_attempts_without_progress}): "
+                         + "; ".join(a.words() for a in loop), ExitCode.INFRASTRUCTURE,
+                         "crash_loop", loop)
     if policy.max_relaunches is not None and len(history) >= policy.max_relaunches:
         return Judgement(Action.STOP, f"the relaunch limit ({policy.max_relaunches}) is reached",
-                         ExitCode.INFRASTRUCTURE)
+                         ExitCode.INFRASTRUCTURE, "relaunch_limit")
+    return None
+
+
+def crash_loop(verdict: Verdict, candidate: str, history: Sequence[Attempt],
+               idle: int) -> tuple[Looped, ...]:
+    """The last ``idle`` attempts (the new one on ``candidate`` last), as a crash-loop stop
+    lists them. Pure."""
+    seen = [(a.number, a.candidate, a.verdict) for a in history]
+    seen.append((len(history), candidate, verdict))
+    return tuple(Looped(n, c, v.kind.value, v.cause, v.stall, v.step)
+                 for n, c, v in seen[-idle:] if idle > 0)
+
+
+def _ladder(verdict: Verdict, candidate: str, history: Sequence[Attempt],
+            policy: RelaunchPolicy) -> Judgement:
+    """Retry, step down or stop: a repeat within the fault window steps down only on evidence
+    against the transport (`against_transport`), else stops; a backend signature steps down
+    unless it comes after a healthy stretch; any other first fault is retried."""
     recent = faults_in_window(verdict, candidate, history, policy.fault_window)
     if recent:
         before = recent[-1].verdict
-        return Judgement(Action.STEP_DOWN, f"a second fault ({verdict.kind.value} after "
-                         f"{before.kind.value} at step {before.step}) on this strategy within "
-                         f"{policy.fault_window} steps")
+        said = (f"a second fault ({_kind(verdict)} after {_kind(before)} at step {before.step}) "
+                f"on this strategy within {policy.fault_window} steps")
+        if not against_transport(verdict):
+            return _cleared(verdict, said)
+        return Judgement(Action.STEP_DOWN, said, rule="fault_rate")
     if verdict.pinned:
         healthy = healthy_steps(verdict, history)
         if healthy < policy.fault_window:
             return Judgement(Action.STEP_DOWN, "a communication error pins it on the backend "
-                             f"({healthy} steps since the last fault or the start)")
+                             f"({healthy} steps since the last fault or the start)",
+                             rule="backend")
         return Judgement(Action.RETRY, f"a communication error after {healthy} healthy steps: "
                          "retried once on this strategy from the last checkpoint before any "
-                         "step-down")
-    return Judgement(Action.RETRY, f"a first {verdict.kind.value} on this strategy is not pinned "
-                     "on the backend: retried once from the last checkpoint")
+                         "step-down", rule="healthy_retry")
+    return Judgement(Action.RETRY, f"a first {_kind(verdict)} on this strategy is not pinned "
+                     "on the backend: retried once from the last checkpoint", rule="first_fault")
+
+
+def _kind(verdict: Verdict) -> str:
+    return verdict.kind.value + (f" ({verdict.stall})" if verdict.stall else "")
+
+
+def _cleared(verdict: Verdict, said: str) -> Judgement:
+    """A repeat whose evidence clears the transport: stopped, never stepped down (another
+    strategy would not help, and would watch the job less): a rank busy in the script's own
+    code is the script's (`USER_ERROR`); asleep, stopped, never arrived, storage, an exit
+    outside any collective are the machine's or unknown (`INFRASTRUCTURE`: requeue)."""
+    script = verdict.kind is VerdictKind.STALL and verdict.stall == "busy"
+    whose = ("the script's own code keeps its rank busy" if script
+             else "the machine's storage" if verdict.cause in STORAGE_CAUSES
+             else "the evidence points at the script or the machine")
+    return Judgement(Action.STOP, f"{said}, and nothing in it points at the transport "
+                     f"({whose}): not stepped down, where it would be watched less",
+                     ExitCode.USER_ERROR if script else ExitCode.INFRASTRUCTURE,
+                     "not_the_transport")
 
 
 def floor_refusal(failed_label: str, failed_gpu: bool, failed_step_s: float, next_label: str,
@@ -324,11 +470,12 @@ def relaunch(verdict: Verdict, failed: Rung, history: Sequence[Attempt], policy:
         nxt = choose(failed.key, mid_run_failure(failed.key, verdict, rehearsed))
     except NoWorkingStrategyError as exc:
         return Judgement(Action.STOP, f"no candidate is left: {one_line(str(exc), 400)}",
-                         ExitCode.INFRASTRUCTURE), None
+                         ExitCode.INFRASTRUCTURE, "no_candidate"), None
     refusal = floor_refusal(failed.label, failed.gpu, failed.step_seconds, nxt.label, nxt.cpu,
                             nxt.step_seconds, policy, failed.replicas, nxt.replicas)
     if refusal is not None:
-        return Judgement(Action.STOP, f"not relaunched: {refusal}", ExitCode.INFRASTRUCTURE), None
+        return Judgement(Action.STOP, f"not relaunched: {refusal}", ExitCode.INFRASTRUCTURE,
+                         "floor"), None
     return judgement, nxt
 
 

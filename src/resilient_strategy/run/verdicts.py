@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
-from ..core.knowledge.causes import CAUSES, LAUNCH_CAUSES
+from ..core.knowledge.causes import CAUSES, LAUNCH_CAUSES, SCRIPT_CAUSES
 from ..core.knowledge.signatures import Signatures, builtin_signatures
 from ..core.measures.probe import names_the_error, telling_line
 from ..core.values.human import compose, fit
@@ -29,6 +29,7 @@ from ..records.flightdump import FlightFacts
 from ..records.progress import (
     COLLECTIVE,
     FINISHED,
+    PHASES,
     STEP_DONE,
     Record,
     Stall,
@@ -90,6 +91,10 @@ def classify_error(types: Sequence[str], message: str,
     if names & set(_OOM_TYPES) or placed in _OOM_CAUSES or (
             placed == "worker_error" and _OOM_TEXT.search(message)):
         return "oom"
+    if placed in _MACHINE_STORAGE:
+        return _MACHINE_STORAGE[placed]
+    if placed in SCRIPT_CAUSES:
+        return "user"
     if names & set(_COMM_TYPES):
         return "comm"
     if "SystemExit" in names:
@@ -174,8 +179,14 @@ BLAME_COLLECTIVE = "collective_region"  # raised in the marked all-reduce of a s
 BLAME_SCRIPT = "script_code"  # raised in the script's own code, outside any collective
 BLAME_TEXT = "text_only"  # a record that says nothing of where: its type and text decide
 BLAME_NO_SPACE = "no_space"  # a full disk (ENOSPC, EDQUOT, a NoSpaceError): the machine's
+#: the machine's storage failed (EIO, ESTALE, EROFS, the storage_error signature)
+BLAME_STORAGE = "storage"
 #: The numbers of an OSError that say the disk (or the quota) is full: ENOSPC, EDQUOT.
 _FULL_DISK_ERRNOS = frozenset({28, 122})
+#: The numbers of an OSError that say the storage itself failed: EIO, EROFS, ESTALE.
+_STORAGE_ERRNOS = frozenset({5, 30, 116})
+#: The placed causes of the machine's storage, and the kind of error `blame` gives each.
+_MACHINE_STORAGE = {"no_space": "no_space", "storage_error": "storage"}
 #: The types a distributed frame raises when a peer or a link fails (a process group's error is
 #: a RuntimeError; a socket's an OSError; TensorFlow's an OpError). A ValueError or TypeError
 #: from torch.distributed is a call the script got wrong.
@@ -223,6 +234,8 @@ def blame(error: Mapping[str, Any], signatures: Signatures | None = None) -> Bla
     if placed == "no_space" or any(r.errno in _FULL_DISK_ERRNOS or "NoSpaceError" in r.names
                                    for r in chain):
         return Blame("no_space", BLAME_NO_SPACE, at)  # the machine's disk, wherever raised
+    if placed == "storage_error" or any(r.errno in _STORAGE_ERRNOS for r in chain):
+        return Blame("storage", BLAME_STORAGE, at)  # the machine's storage, wherever raised
     in_distributed = [r for r in chain if r.raised_in_distributed(table)]
     if table.blame.script_fault(text, bool(in_distributed)) is not None:
         return Blame("user", BLAME_SCRIPT_TEXT, at)
@@ -391,6 +404,9 @@ class Verdict:
     #: A stall's kind (`records.progress.Stall.kind`: ``collective``, ``straggler``,
     #: ``setup``, ``quiet``, ``stopped``, ``busy``, ``asleep``); empty for any other verdict.
     stall: str = ""
+    #: Where the named ranks were (`records.progress.PHASES`: ``collective``, ``comm_setup``,
+    #: ``step_done``, ...), from their last progress record; "" when none said.
+    phase: str = ""
 
     @property
     def ok(self) -> bool:
@@ -438,7 +454,7 @@ class Verdict:
                 "ranks": list(self.ranks), "where": self.where, "detail": self.detail,
                 "blame": self.blame, "seen": self.seen, "detect_s": self.detect_s,
                 "held_by": list(self.held_by),
-                "stall": self.stall,
+                "stall": self.stall, "phase": self.phase,
                 **({"flight": self.flight.to_dict()} if self.flight is not None else {})}
 
     @classmethod
@@ -456,7 +472,8 @@ class Verdict:
                        blame=str(d.get("blame", "") or ""), seen=str(d.get("seen", "") or ""),
                        detect_s=None if d.get("detect_s") is None else float(d["detect_s"]),
                        held_by=tuple(int(p) for p in d.get("held_by", ()) or ()),
-                       stall=str(d.get("stall", "") or ""))
+                       stall=str(d.get("stall", "") or ""),
+                       phase=str(d.get("phase", "") or ""))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a verdict record: {exc}") from None
 
@@ -467,7 +484,7 @@ class Verdict:
         if self.cause not in CAUSES:
             raise ValueError(f"cause {fit(quiet(self.cause), 60)!r} is not a known cause")
         if (self.blame not in _BLAME_WORDS or self.seen not in _SEEN_WORDS
-                or self.stall not in STALL_KINDS):
+                or self.stall not in STALL_KINDS or self.phase not in _PHASE_WORDS):
             raise ValueError("a blame or a 'seen' word that is no word of a verdict")
         if self.step < 0 or any(r < 0 for r in self.ranks) or len(self.ranks) > 1 << 16:
             raise ValueError("a step or a rank that is none")
@@ -477,7 +494,8 @@ class Verdict:
 
 _BLAME_WORDS = frozenset({"", BLAME_OOM, BLAME_EXIT, BLAME_SCRIPT_TEXT, BLAME_PROCESS_GROUP,
                           BLAME_DISTRIBUTED, BLAME_COLLECTIVE, BLAME_SCRIPT, BLAME_TEXT,
-                          BLAME_NO_SPACE})
+                          BLAME_NO_SPACE, BLAME_STORAGE})
+_PHASE_WORDS = frozenset({"", *PHASES})
 _SEEN_WORDS = frozenset({"", SEEN_ERROR_RECORD, SEEN_EXIT, SEEN_STALL, SEEN_PEER})
 #: Every word `Verdict.stall` may hold ("": not a stall).
 STALL_KINDS = frozenset({"", "setup", "collective", "straggler", "quiet", "stopped", "busy",
@@ -510,7 +528,8 @@ class PeerFault:
         return Verdict(v.kind, f"node {self.node}: {v.summary}", v.step,
                        v.cause or ("crash" if v.relaunchable else ""), node=self.node,
                        ranks=v.ranks, where=f"node {self.node}" + (f", {v.where}" if v.where
-                                                                    else ""), detail=v.detail)
+                                                                    else ""), detail=v.detail,
+                       stall=v.stall, phase=v.phase)
 
 
 def position(record: Record) -> str:
@@ -554,7 +573,7 @@ def classify_attempt(stall: Stall | None, exits: Sequence[RankExit],
                   else f"waited {stall.waited_s:.0f} s (allowed {stall.limit_s:.0f} s)")
         return Verdict(VerdictKind.STALL, f"stalled: {stall.describe()}", stall.k, "timeout",
                        ranks=stall.ranks, where=stall.where(), detail=waited,
-                       detect_s=stall.waited_s, stall=stall.kind)
+                       detect_s=stall.waited_s, stall=stall.kind, phase=stall.phase)
     if not exits:
         early = unfinished(records)
         if not early:
@@ -568,7 +587,8 @@ def classify_attempt(stall: Stall | None, exits: Sequence[RankExit],
                                    if (rec := records[r]) is not None), ""))
     verdict = _classify_exits(exits)
     named = [e for e in exits if e.rank in verdict.ranks] or list(exits)
-    return replace(verdict, detail=error_words(named[0].what()))
+    return replace(verdict, detail=error_words(named[0].what()),
+                   phase=next((e.record.phase for e in named if e.record is not None), ""))
 
 
 def launch_cause(exits: Sequence[RankExit], signatures: Signatures | None = None) -> str:
@@ -616,6 +636,10 @@ def _classify_exits(exits: Sequence[RankExit]) -> Verdict:
         ranks, where = blamed("no_space")
         return Verdict(VerdictKind.EXIT, f"a disk is full: {text}", step, "no_space",
                        ranks=ranks, where=where, blame=BLAME_NO_SPACE)
+    if "storage" in kinds:  # the machine's storage: retried once, never a step-down
+        ranks, where = blamed("storage")
+        return Verdict(VerdictKind.EXIT, f"the storage failed: {text}", step, "storage_error",
+                       ranks=ranks, where=where, blame=BLAME_STORAGE)
     if "oom" in kinds:
         ranks, where = blamed("oom")
         placed = error_cause([e for e in exits if e.rank in ranks])
@@ -624,7 +648,8 @@ def _classify_exits(exits: Sequence[RankExit]) -> Verdict:
                        blame=why("oom") or BLAME_OOM)
     if "user" in kinds or "exit" in kinds:
         ranks, where = blamed("user", "exit")
-        return Verdict(VerdictKind.USER, f"the script failed: {text}", step, ranks=ranks,
+        return Verdict(VerdictKind.USER, f"the script failed: {text}", step,
+                       _script_cause([e for e in exits if e.rank in ranks]), ranks=ranks,
                        where=where, blame=why("user", "exit"))
     # a rank that died printing a device-side assert (NCCL's watchdog may abort it before
     # Python records the exception): the script's kernel, whatever else it printed
@@ -632,7 +657,7 @@ def _classify_exits(exits: Sequence[RankExit]) -> Verdict:
         e.stderr_tail[-TAIL_SIGNATURE_BYTES:], True) is not None]
     if asserted:
         return Verdict(VerdictKind.USER, f"the script failed: {text}", step,
-                       ranks=tuple(e.rank for e in asserted),
+                       _script_cause(asserted), ranks=tuple(e.rank for e in asserted),
                        where=next((e.where() for e in asserted if e.where()), ""),
                        blame=BLAME_SCRIPT_TEXT)
     # a rank that vanished (no exception, no signature in its output) is the root cause: the
@@ -657,6 +682,20 @@ def _classify_exits(exits: Sequence[RankExit]) -> Verdict:
     return Verdict(VerdictKind.BACKEND, f"a rank died with a communication error in its "
                    f"output: {text}", step, error_cause(exits) or "crash", ranks=ranks,
                    where=where)
+
+
+def _script_cause(exits: Sequence[RankExit]) -> str:
+    """The script's own cause (`SCRIPT_CAUSES`: a CUDA graph capture) the signature table
+    places on these ranks' errors or output, "" for none: the verdict names its workaround."""
+    table = builtin_signatures()
+    for e in exits:
+        error = e.error or {}
+        for text in (str(error.get("message", "")), *(r.message for r in error_chain(error) or ()),
+                     e.stderr_tail[-TAIL_SIGNATURE_BYTES:]):
+            placed = table.classify(text) if text.strip() else ""
+            if placed in SCRIPT_CAUSES:
+                return placed
+    return ""
 
 
 def _tail_cause(e: RankExit) -> str:
@@ -728,7 +767,7 @@ def merge(faults: Sequence[PeerFault]) -> Verdict | None:
     return Verdict(v.kind, v.summary if v.node is not None else f"node {first.node}: {v.summary}",
                    v.step, v.cause, node=first.node, ranks=v.ranks, where=v.where,
                    detail=v.detail, blame=v.blame, seen=v.seen, detect_s=v.detect_s,
-                   stall=v.stall)
+                   stall=v.stall, phase=v.phase)
 
 
 def one_line(text: str, limit: int = 300) -> str:

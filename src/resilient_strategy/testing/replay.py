@@ -34,7 +34,7 @@ from ..core.values.candidate import Candidate
 from ..core.values.facts import Facts
 from ..deciding.decide import decide
 from ..errors import InvalidOptionError, NoWorkingStrategyError
-from ..records.progress import COLLECTIVE, Record, Stall
+from ..records.progress import COLLECTIVE, STEP_DONE, Record, Stall
 from ..records.trainfault import KINDS
 from ..run.exitcodes import ExitCode
 from ..run.policy import (
@@ -53,11 +53,18 @@ REHEARSED = "resilient_strategy.records.trainfault.RehearsedCommunicationError"
 
 
 #: What a replayed fault can be: the rehearsal's kinds ("hang": stuck inside the step's
-#: all-reduce, "exit": leaves without a word, "error": raises), and "stopped" (a stopped process:
-#: its peers wait in the collective it holds up), "never_arrived" (the others wait in a
+#: all-reduce, "exit": leaves without a word inside it, "error": raises), and "stopped" (a stopped
+#: process: its peers wait in the collective it holds up), "never_arrived" (the others wait in a
 #: collective it never enters), "slow" (late to the collective by ``seconds``: a fault only past
-#: the stall allowance), "lost_node" (another node's supervisor vanished).
-REPLAY_KINDS = (*KINDS, "stopped", "never_arrived", "slow", "lost_node")
+#: the stall allowance), "busy" (burning CPU in the script's own code past the busy ceiling while
+#: the others wait), "asleep" (asleep in the script's own code: a lock, storage that stopped
+#: answering; among peers the watch names it a straggler), "exit_outside" (leaves without a word after its step, outside any collective),
+#: "lost_node" (another node's supervisor vanished).
+REPLAY_KINDS = (*KINDS, "stopped", "never_arrived", "slow", "busy", "asleep", "exit_outside",
+                "lost_node")
+#: The stall kind the watch names for each replayed hold-up (`records.progress.Stall.kind`).
+_STALLS = {"hang": "collective", "stopped": "stopped", "never_arrived": "straggler",
+           "slow": "straggler", "busy": "busy", "asleep": "straggler"}
 #: Where a replayed "error" was raised: "collective" (inside the step's marked all-reduce, as
 #: the rehearsal raises it), "distributed" (in a torch.distributed frame), "script" (in the
 #: script's own code, outside any collective).
@@ -133,19 +140,18 @@ class MidRunFault:
         if self.kind == "lost_node":
             return Verdict(VerdictKind.LOST, f"node {self.rank}'s supervisor vanished",
                            self.step, "crash", node=self.rank, where=f"node {self.rank}")
-        if self.kind in ("hang", "stopped"):
-            return classify_attempt(Stall("collective", COLLECTIVE, self.step, (self.rank,),
-                                          allowance_s, allowance_s,
-                                          (f"{self.rank}: collective {self.step}", others)), [])
         if self.kind == "slow" and self.seconds <= allowance_s:
             return None
-        if self.kind in ("never_arrived", "slow"):
-            return classify_attempt(Stall("straggler", COLLECTIVE, self.step, (self.rank,),
-                                          allowance_s, allowance_s,
-                                          (f"{self.rank}: after step {self.step - 1}", others)),
-                                    [])
-        if self.kind == "exit":
-            return classify_attempt(None, [RankExit(self.rank, 1, None, here)])
+        if self.kind in _STALLS:
+            inside = self.kind in ("hang", "stopped")
+            at = f"collective {self.step}" if inside else f"after step {self.step - 1}"
+            return classify_attempt(Stall(_STALLS[self.kind], COLLECTIVE, self.step, (self.rank,),
+                                          allowance_s, allowance_s, (f"{self.rank}: {at}",
+                                                                     others)), [])
+        if self.kind in ("exit", "exit_outside"):
+            rec = here if self.kind == "exit" else Record(seq=3, phase=STEP_DONE, k=self.step,
+                                                          t=0.0)
+            return classify_attempt(None, [RankExit(self.rank, 1, None, rec)])
         error = self._error()
         where = Record(seq=3, phase=str(error.get("phase") or COLLECTIVE), k=self.step, t=0.0)
         return classify_attempt(None, [RankExit(self.rank, 1, error, where)])

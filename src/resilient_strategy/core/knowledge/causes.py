@@ -140,6 +140,18 @@ CAUSES: dict[str, str] = {
     "torch.cuda call at import time, or in the parent of forked workers): CUDA cannot be "
     "re-initialised in a forked process, nor see a new CUDA_VISIBLE_DEVICES; move that call "
     "below resilient_strategy(), or use the 'spawn' start method",
+    # The script's: a CUDA graph capture (torch.compile mode="reduce-overhead", torch.cuda.graph)
+    # met an operation that may not be captured (see SCRIPT_CAUSES).
+    "graph_capture": "a CUDA graph capture met an operation it cannot record (operation not "
+    "permitted when stream is capturing: a collective, a host sync or a stream of its own "
+    "inside the captured region): the script's, not the backend's; compile without CUDA graphs "
+    "(torch.compile mode=\"max-autotune-no-cudagraphs\" or the default mode instead of "
+    "\"reduce-overhead\"), or keep collectives and synchronising calls out of the captured "
+    "region",
+    # The machine's storage (see run.policy.STORAGE_CAUSES), never cached.
+    "storage_error": "the storage the run reads or writes failed (an I/O error, a stale NFS "
+    "file handle, a read-only file system): the machine's, not the script's nor a strategy's; "
+    "check the mount, or requeue the job on another node",
     # No verdict at all: how the probe ended is unknown (see NO_VERDICT_CAUSES).
     "status_lost": "a probe worker's exit status was taken by another reaper in the deciding "
     "process (a SIGCHLD handler of the script's that waits for every child), so how the probe "
@@ -156,7 +168,7 @@ GPU_WIDE_CAUSES = frozenset({"cuda_init", "driver_too_old"})
 #: permissions), not from the candidate: they say nothing about the backend, so they are never
 #: cached and never rule a candidate out beyond the run that met them.
 ENVIRONMENTAL_CAUSES = frozenset({"no_space", "too_many_files", "permission", "nccl_oom",
-                                  "host_memory",
+                                  "host_memory", "storage_error",
                                   "status_lost", "port_in_use", "store_unreachable",
                                   "name_unresolved", "torch_import", "cuda_initialized"})
 
@@ -167,6 +179,12 @@ ENVIRONMENTAL_CAUSES = frozenset({"no_space", "too_many_files", "permission", "n
 #: verdict (`run.verdicts`): no step-down, no cache entry, the configuration's exit code.
 LAUNCH_CAUSES = frozenset({"port_in_use", "store_unreachable", "name_unresolved",
                            "torch_import", "cuda_initialized"})
+
+#: Causes that are the script's own, placed by the signature table where the error names no
+#: class of the script's (a CUDA graph capture of an operation it cannot record): a training
+#: attempt with one is a ``user`` verdict naming the cause and its workaround, never a
+#: step-down (`run.verdicts`, `run.policy`).
+SCRIPT_CAUSES = frozenset({"graph_capture"})
 
 #: Causes that are no verdict on the candidate at all, so never a reason to fall back to
 #: another (`deciding.decide`): a probe that could not write its files (``no_space``) stops
