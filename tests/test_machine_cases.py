@@ -27,7 +27,9 @@ FAMILIES = frozenset({
 #: Issue 31's field sets (public threads): held out while the engine was built, and the ones it
 #: was built from; benchmarks/bench_field_heldout.py prints their table before/after.
 FIXTURES = Path(__file__).parent / "fixtures"
-FIELD_SETS = (FIXTURES / "field_heldout", FIXTURES / "field_training")
+FIELD_SETS = (FIXTURES / "field_heldout", FIXTURES / "field_training",
+              # issue 45.7's held-out reports of kinds named in no earlier issue
+              FIXTURES / "field_heldout2")
 #: case file (relative to examples/machines, or to tests/fixtures for the field sets) -> why it
 #: does not reach its expected decision yet
 XFAIL: dict[str, str] = {
@@ -44,6 +46,10 @@ XFAIL: dict[str, str] = {
     "catalogue cases and lengthens every one-node hang ladder by a hung probe",
     "field_heldout/ib_three_nics_pods_hang.json": "the HCA that is on another fabric is not "
     "a fact (every port reads active): the search ends on IB off, which runs",
+    "field_heldout2/vgpu_uvm_off_operation_not_supported.json": "NCCL fails on every variant "
+    "and gloo would run on both vGPUs, but the planner's estimate ranks one GPU above gloo on "
+    "two without probing gloo (the thread names no gloo run either; the expected gloo is the "
+    "case author's reading, issue 45.7)",
     "field_training/nvls_alltoall_init_hang_16x8.json": "a set-up hang across nodes tries the "
     "network first and NVLS not at all (nccl#913: the bootstrap interface, far more often)",
 }

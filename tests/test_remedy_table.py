@@ -47,11 +47,15 @@ def test_nvls_off_only_with_nvswitch_and_an_nccl_that_has_nvls() -> None:
 def test_p2p_level_comes_before_p2p_off_only_where_nvlink_or_a_switch_exists() -> None:
     pairs = machine(4, links={"0-1": 4, "2-3": 4})
     assert _envs(pairs, "cuda_error")[:2] == [{"NCCL_P2P_LEVEL": "NVL"}, {"NCCL_P2P_DISABLE": "1"}]
+    # NCCL 2.24+ meets 217 on its cuMem host path too (P2P off does not help there): last
+    cumem = {"NCCL_CUMEM_HOST_ENABLE": "0"}
     switch = machine(4, topology="multiple")
     assert _envs(switch, "p2p_unsupported") == [{"NCCL_P2P_LEVEL": "PXB"},
-                                                 {"NCCL_P2P_DISABLE": "1"}]
+                                                 {"NCCL_P2P_DISABLE": "1"}, cumem]
     plain = machine(2, topology="hostbridge")
-    assert _envs(plain, "p2p_unsupported") == [{"NCCL_P2P_DISABLE": "1"}]
+    assert _envs(plain, "p2p_unsupported") == [{"NCCL_P2P_DISABLE": "1"}, cumem]
+    older = machine(2, topology="hostbridge", torch_nccl="2.21.5")  # before cuMem host buffers
+    assert _envs(older, "p2p_unsupported") == [{"NCCL_P2P_DISABLE": "1"}]
 
 
 def test_rdma_remedies_only_with_hcas_and_fill_in_the_facts() -> None:

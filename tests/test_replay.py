@@ -132,3 +132,17 @@ def test_a_described_fault_is_checked() -> None:
     for bad in (("boom", "nccl", 3), ("exit", "NCCL", 3), ("exit", "nccl", 0)):
         with pytest.raises(InvalidOptionError):
             MidRunFault(*bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidOptionError):  # an exit status of 0 is no fault
+        MidRunFault("exit", "nccl", 3, exitcode=0)
+
+
+def test_a_signalled_exit_is_judged_by_what_it_printed() -> None:
+    """An "exit" fault with the signal and the output end a rank left (NCCL's watchdog abort):
+    the classifier reads them as the supervisor does."""
+    said = "terminate called after throwing an instance of 'c10::DistBackendError'\n  what():  " \
+        "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9)\n"
+    job = replay(H200X2, [MidRunFault("exit", "nccl", 3000, rank=1, launches=1, exitcode=-6,
+                                      stderr=said)], steps=5000)
+    assert (job.attempts[0].verdict.kind, job.attempts[0].verdict.cause) == (
+        VerdictKind.BACKEND, "timeout")
+    assert job.actions == ["retry", "finish"]  # after a healthy stretch

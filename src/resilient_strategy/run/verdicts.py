@@ -181,6 +181,7 @@ BLAME_TEXT = "text_only"  # a record that says nothing of where: its type and te
 BLAME_NO_SPACE = "no_space"  # a full disk (ENOSPC, EDQUOT, a NoSpaceError): the machine's
 #: the machine's storage failed (EIO, ESTALE, EROFS, the storage_error signature)
 BLAME_STORAGE = "storage"
+BLAME_GPU = "gpu_fault"  # the GPU itself failed (ECC, NVLink, fallen off the bus): the machine's
 #: The numbers of an OSError that say the disk (or the quota) is full: ENOSPC, EDQUOT.
 _FULL_DISK_ERRNOS = frozenset({28, 122})
 #: The numbers of an OSError that say the storage itself failed: EIO, EROFS, ESTALE.
@@ -194,6 +195,12 @@ _FAILURE_TYPES = frozenset({"RuntimeError", "OSError", "OpError"})
 #: The process group's own error states (torch's ``ErrorType``, ``Backend.get_error()``) that
 #: make an exception raised while it holds one a communication error.
 _PG_ERRORS = frozenset({"COMM_ERROR", "REMOTE_ERROR", "TIMEOUT"})
+#: The process group's own words for a failed or timed-out collective: an exception carrying
+#: them is a communication error wherever it surfaced (torch raises the watchdog's abort as a
+#: plain RuntimeError at the script's next CUDA sync, in the script's own frame).
+_PG_WORDS = re.compile(r"NCCL communicator was aborted|Watchdog caught collective operation "
+                       r"timeout|Process group watchdog thread terminated|ncclRemoteError|"
+                       r"ncclSystemError|ncclInternalError")
 
 
 @dataclass(frozen=True)
@@ -236,10 +243,16 @@ def blame(error: Mapping[str, Any], signatures: Signatures | None = None) -> Bla
         return Blame("no_space", BLAME_NO_SPACE, at)  # the machine's disk, wherever raised
     if placed == "storage_error" or any(r.errno in _STORAGE_ERRNOS for r in chain):
         return Blame("storage", BLAME_STORAGE, at)  # the machine's storage, wherever raised
+    # the machine's GPU, wherever raised; unless the process group was in an error state when
+    # it was raised (an aborted communicator makes the next CUDA sync an "unspecified launch
+    # failure")
+    if placed == "gpu_fault" and str(error.get("pg_error") or "") not in _PG_ERRORS:
+        return Blame("gpu", BLAME_GPU, at)
     in_distributed = [r for r in chain if r.raised_in_distributed(table)]
     if table.blame.script_fault(text, bool(in_distributed)) is not None:
         return Blame("user", BLAME_SCRIPT_TEXT, at)
-    if names & set(_COMM_TYPES) or str(error.get("pg_error") or "") in _PG_ERRORS:
+    if names & set(_COMM_TYPES) or str(error.get("pg_error") or "") in _PG_ERRORS or (
+            top.names & _FAILURE_TYPES and _PG_WORDS.search(text)):
         return Blame("comm", BLAME_PROCESS_GROUP, at)
     if "SystemExit" in top.names:
         return Blame("exit", BLAME_EXIT, at)
@@ -345,19 +358,27 @@ class RankExit:
         judged = self.blamed
         return None if judged is None else judged.kind
 
-    def what(self) -> str:
+    def what(self, first_line: bool = False) -> str:
+        """The rank's error in words: its exception (``first_line``: only the message's first
+        line and NCCL's "Last error:" line, what a short line quotes), or how it ended and the
+        most telling line it printed."""
         if self.error is not None:
             types = list(self.error.get("types", ()))
             name = types[0].rsplit(".", 1)[-1] if types else "error"
-            return one_line(f"{name}: {self.error.get('message', '')}".strip())
+            message = str(self.error.get("message", ""))
+            return one_line(f"{name}: {_lead(message) if first_line else message}".strip())
         # no exception recorded: the most telling line it printed, quoted (`telling_line`:
-        # NCCL's WARN, a traceback's last line; for a signal, only such a line)
+        # NCCL's WARN, a traceback's last line; for a signal, only such a line), else the line
+        # the signature table placed (a CUDA error in a C++ abort, a framework's log line)
         tail = self.stderr_tail[-TAIL_SIGNATURE_BYTES:]
         said = telling_line(tail, QUOTE_CHARS) if tail.strip() else ""
+        telling = names_the_error(said)
+        if not telling and (placed := placed_line(tail, QUOTE_CHARS)):
+            said, telling = placed, True
         if self.exitcode < 0:
             name = _signal_name(-self.exitcode)
             return (f"killed by signal {-self.exitcode}{f' ({name})' if name else ''}"
-                    + (f': "{said}"' if said and names_the_error(said) else ""))
+                    + (f': "{said}"' if said and telling else ""))
         return (f"exited with status {self.exitcode} without a Python exception"
                 + (f': "{said}"' if said else ""))
 
@@ -494,7 +515,7 @@ class Verdict:
 
 _BLAME_WORDS = frozenset({"", BLAME_OOM, BLAME_EXIT, BLAME_SCRIPT_TEXT, BLAME_PROCESS_GROUP,
                           BLAME_DISTRIBUTED, BLAME_COLLECTIVE, BLAME_SCRIPT, BLAME_TEXT,
-                          BLAME_NO_SPACE, BLAME_STORAGE})
+                          BLAME_NO_SPACE, BLAME_STORAGE, BLAME_GPU})
 _PHASE_WORDS = frozenset({"", *PHASES})
 _SEEN_WORDS = frozenset({"", SEEN_ERROR_RECORD, SEEN_EXIT, SEEN_STALL, SEEN_PEER})
 #: Every word `Verdict.stall` may hold ("": not a stall).
@@ -587,7 +608,7 @@ def classify_attempt(stall: Stall | None, exits: Sequence[RankExit],
                                    if (rec := records[r]) is not None), ""))
     verdict = _classify_exits(exits)
     named = [e for e in exits if e.rank in verdict.ranks] or list(exits)
-    return replace(verdict, detail=error_words(named[0].what()),
+    return replace(verdict, detail=error_words(named[0].what(first_line=True)),
                    phase=next((e.record.phase for e in named if e.record is not None), ""))
 
 
@@ -612,7 +633,8 @@ def _classify_exits(exits: Sequence[RankExit]) -> Verdict:
     text = describe_exits(exits)
     # a rank that left no error record but printed a memory signature (torch's "DataLoader
     # worker (pid N) is killed by signal: Killed", the OOM killer's SIGKILL) ran out of memory
-    kinds = [e.error_kind or ("oom" if _tail_cause(e) in _OOM_CAUSES else None) for e in exits]
+    kinds = [e.error_kind or {**dict.fromkeys(_OOM_CAUSES, "oom"), "gpu_fault": "gpu"}.get(
+        _tail_cause(e)) for e in exits]
     # the launch's fault first: a port held, a store unreachable, a library that breaks the
     # import follow the job to every strategy, whoever raised them
     launch = launch_cause(exits)
@@ -640,6 +662,10 @@ def _classify_exits(exits: Sequence[RankExit]) -> Verdict:
         ranks, where = blamed("storage")
         return Verdict(VerdictKind.EXIT, f"the storage failed: {text}", step, "storage_error",
                        ranks=ranks, where=where, blame=BLAME_STORAGE)
+    if "gpu" in kinds:  # the machine's GPU: retried once, never a backend's nor the script's
+        ranks, where = blamed("gpu")
+        return Verdict(VerdictKind.EXIT, f"a GPU failed: {text}", step, "gpu_fault",
+                       ranks=ranks, where=where, blame=BLAME_GPU)
     if "oom" in kinds:
         ranks, where = blamed("oom")
         placed = error_cause([e for e in exits if e.rank in ranks])
@@ -696,6 +722,46 @@ def _script_cause(exits: Sequence[RankExit]) -> str:
             if placed in SCRIPT_CAUSES:
                 return placed
     return ""
+
+
+_LAST_ERROR = re.compile(r"^\s*Last error:\s*\n\s*(\S.*)$", re.M)
+
+
+def _lead(message: str) -> str:
+    """An exception's message as a short line quotes it: its first line, and NCCL's "Last
+    error:" line (the one naming the culprit) where it has one. Pure."""
+    first = next((ln.strip() for ln in message.splitlines() if ln.strip()), "")
+    last = _LAST_ERROR.search(message)
+    return f"{first} (last error: {last.group(1).strip()})" if last else first
+
+
+#: A log line's bracketed prefixes ("[rank5]:[E207 19:37:09.98 ProcessGroupNCCL.cpp:681] [Rank 5]
+#: "), and a C++ source location in parentheses ("(insert_events at .../Allocator.cpp:764)").
+_LOG_PREFIX = re.compile(r"^(?:\[[^\]]*\]:?\s*)+")
+_SOURCE_PAREN = re.compile(r"\s*\([^()]*\.(?:cc|cpp|h|hpp|cu):\d+\)")
+
+
+def placed_line(text: str, limit: int = QUOTE_CHARS) -> str:
+    """The clause of ``text`` where the signature table placed its cause (its line from the
+    last ": " before the match to the first "; " after it, without log prefixes and C++ source
+    locations), at most ``limit`` characters at a word; "" where the table places nothing.
+    Pure."""
+    found = builtin_signatures().match(text)
+    m = found.pattern.search(text) if found is not None and found.pattern is not None else None
+    if m is None:
+        return ""
+    start = text.rfind("\n", 0, m.start()) + 1
+    end = text.find("\n", m.start())
+    line = text[start:end if end >= 0 else len(text)]
+    at = m.start() - start
+    clause = line.rfind(": ", 0, at)
+    stop = line.find("; ", m.end() - start)
+    quoted = line[clause + 2 if clause >= 0 else 0:stop if stop >= 0 else len(line)]
+    quoted = " ".join(_SOURCE_PAREN.sub("", _LOG_PREFIX.sub("", quoted.strip())).split())
+    if len(quoted) <= limit:
+        return quoted
+    cut = quoted[: limit - 3]
+    return (cut.rsplit(" ", 1)[0] if " " in cut else cut) + "..."
 
 
 def _tail_cause(e: RankExit) -> str:
@@ -821,12 +887,15 @@ KIND_WORDS = {
 _ERROR_TYPE = re.compile(r"^(?:[\w.]*(?:Error|Exception)|Traceback[^:]*): ")
 #: A peer's address in an error ("[127.0.0.1]:34978"): the evidence keeps it.
 _PEER_ADDRESS = re.compile(r"\s*\[[0-9a-fA-F.:]+\]:\d+")
+#: Where in torch's sources an error was raised ("NCCL error in: .../NCCLUtils.hpp:268, "): the
+#: evidence keeps it.
+_SOURCE_AT = re.compile(r" in: \S+\.(?:cc|cpp|h|hpp|cu):\d+,")
 
 
 def error_words(what: str) -> str:
     """A rank's error in a few words: `quiet`, without the exception's type (unless that
     is all there is) or the peer's address, up to the end of its first sentence. Pure."""
-    text = _PEER_ADDRESS.sub("", quiet(what))
+    text = _SOURCE_AT.sub(":", _PEER_ADDRESS.sub("", quiet(what)))
     bare = _ERROR_TYPE.sub("", text, count=1)
     text = bare or text
     end = re.search(r"[.!?](?:\s|$)", text)

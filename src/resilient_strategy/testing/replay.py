@@ -88,7 +88,9 @@ class MidRunFault:
     ``raised_in`` (`RAISED_IN`), or is the error record a worker wrote (``record``, e.g.
     `from_record` of an evidence file's copy): classified as the supervisor does. For
     "lost_node", ``rank`` is the node that vanished. ``launches``: in the first that many launch
-    attempts only (None: every one)."""
+    attempts only (None: every one). ``exitcode`` (negative: the signal that killed it, e.g. -6
+    for the SIGABRT of NCCL's watchdog) and ``stderr`` (the end of what the rank printed) are
+    what an "exit" or "error" rank left behind besides its error record (an "exit": none)."""
 
     kind: str
     backend: str
@@ -101,11 +103,13 @@ class MidRunFault:
     raised_in: str = "collective"
     seconds: float = 0.0
     record: Mapping[str, Any] | None = None
+    exitcode: int = 1
+    stderr: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in REPLAY_KINDS or self.backend not in BACKENDS or self.step < 1 or \
                 self.rank < 0 or (self.launches is not None and self.launches < 1) or \
-                self.raised_in not in RAISED_IN or self.seconds < 0:
+                self.raised_in not in RAISED_IN or self.seconds < 0 or self.exitcode == 0:
             raise InvalidOptionError(f"not a mid-run fault: {self!r}")
 
     @classmethod
@@ -151,10 +155,12 @@ class MidRunFault:
         if self.kind in ("exit", "exit_outside"):
             rec = here if self.kind == "exit" else Record(seq=3, phase=STEP_DONE, k=self.step,
                                                           t=0.0)
-            return classify_attempt(None, [RankExit(self.rank, 1, None, rec)])
+            return classify_attempt(None, [RankExit(self.rank, self.exitcode, None, rec,
+                                                    self.stderr)])
         error = self._error()
         where = Record(seq=3, phase=str(error.get("phase") or COLLECTIVE), k=self.step, t=0.0)
-        return classify_attempt(None, [RankExit(self.rank, 1, error, where)])
+        return classify_attempt(None, [RankExit(self.rank, self.exitcode, error, where,
+                                                self.stderr)])
 
 
 @dataclass(frozen=True)

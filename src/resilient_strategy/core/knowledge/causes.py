@@ -120,6 +120,15 @@ CAUSES: dict[str, str] = {
     "limit (ulimit -n 65536) or use fewer DataLoader workers, and run again",
     "permission": "a file or directory the run needs is not writable or readable by this user "
     "(Permission denied): fix its owner or mode (or TMPDIR), and run again",
+    "gpu_fault": "the GPU itself failed (an uncorrectable ECC or NVLink error, a GPU fallen "
+    "off the bus or lost, an unspecified launch failure, a kernel stopped by the display "
+    "watchdog): the machine's, neither the script's nor a backend's; read nvidia-smi -q and the "
+    "kernel log (dmesg | grep -i xid): a new run often recovers, a repeat needs the GPU reset "
+    "or the job requeued on another machine",
+    "gpu_busy": "a GPU is held by another process in compute mode Exclusive_Process (nvidia-smi's "
+    "'E. Process') or is prohibited ('all CUDA-capable devices are busy or unavailable'): free "
+    "that GPU, give each process a GPU of its own (CUDA_VISIBLE_DEVICES), or set the compute "
+    "mode to Default (nvidia-smi -c DEFAULT, as root)",
     # The launch's, not a strategy's: the job stops with the configuration code (LAUNCH_CAUSES).
     "port_in_use": "the rendezvous port is already in use on this machine (EADDRINUSE: another "
     "job, or an older job's orphan, holds it): stop that process, or pass a free --master-port "
@@ -168,7 +177,7 @@ GPU_WIDE_CAUSES = frozenset({"cuda_init", "driver_too_old"})
 #: permissions), not from the candidate: they say nothing about the backend, so they are never
 #: cached and never rule a candidate out beyond the run that met them.
 ENVIRONMENTAL_CAUSES = frozenset({"no_space", "too_many_files", "permission", "nccl_oom",
-                                  "host_memory", "storage_error",
+                                  "host_memory", "storage_error", "gpu_fault", "gpu_busy",
                                   "status_lost", "port_in_use", "store_unreachable",
                                   "name_unresolved", "torch_import", "cuda_initialized"})
 
