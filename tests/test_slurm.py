@@ -376,3 +376,57 @@ def test_the_docs_requeue_script_runs_as_written(slurm: Slurm, tmp_path: Path) -
     assert (state, _job(slurm, job)["Restarts"]) == ("COMPLETED", "0"), log
     assert "optimizer steps: 8" in log  # 2048 samples / 256 per global batch
     assert any((tmp_path / f"ckpt-{job}").iterdir())
+
+
+def test_a_gpu_lost_requeues_the_job_with_its_node_excluded(slurm: Slurm,
+                                                             tmp_path: Path) -> None:
+    """A rank's CUDA reports an uncorrectable ECC error (the node's GPU, not the script's):
+    run stops with 75, requeues the job and adds this node to its ExcNodeList, keeping the
+    user's ``--exclude=ghost1``. With one node the job then stays pending (nowhere to run)."""
+    (tmp_path / "train.py").write_text(
+        "import resilient_strategy as rs\n"
+        "rs.resilient_strategy(framework='torch', global_batch_size=4)\n"
+        "raise RuntimeError('CUDA error: uncorrectable ECC error encountered')\n")
+    (tmp_path / "job.sh").write_text(
+        "#!/bin/bash\n"
+        f"exec {sys.executable} -m resilient_strategy run --nproc-per-node 1 train.py\n")
+    done = slurm.run("sbatch", "--parsable", "--requeue", "--exclude=ghost1", "-D",
+                     str(tmp_path), "-o", str(tmp_path / "job.out"), "--open-mode=append",
+                     str(tmp_path / "job.sh"), XDG_RUNTIME_DIR=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    job = done.stdout.strip().split(";")[0]
+    node = slurm.run("hostname", "-s", timeout=30).stdout.strip()
+    try:
+        shown = _until(slurm, job, lambda j: (j.get("Restarts"), j.get("JobState")) == (
+            "1", "PENDING") or j.get("JobState") in _ENDED, "the requeue")
+        log = (tmp_path / "job.out").read_text()
+        assert (shown["JobState"], shown["Restarts"]) == ("PENDING", "1"), log
+        assert set(expand_hostlist(shown["ExcNodeList"])) == {"ghost1", node}, log
+    finally:
+        slurm.run("scancel", job, timeout=30)
+
+
+def test_a_fault_that_is_not_the_node_s_requeues_without_excluding_it(
+        slurm: Slurm, tmp_path: Path) -> None:
+    """A rank lost with no relaunch left (75, but no cause that blames the node): requeued,
+    ExcNodeList left as the user gave it."""
+    (tmp_path / "train.py").write_text(
+        "import os, signal\nimport resilient_strategy as rs\n"
+        "rs.resilient_strategy(framework='torch', global_batch_size=4)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n")
+    (tmp_path / "job.sh").write_text(
+        "#!/bin/bash\n"
+        f"exec {sys.executable} -m resilient_strategy run --nproc-per-node 1 --max-relaunches 0 "
+        "train.py\n")
+    done = slurm.run("sbatch", "--parsable", "--requeue", "--exclude=ghost1", "-D",
+                     str(tmp_path), "-o", str(tmp_path / "job.out"), "--open-mode=append",
+                     str(tmp_path / "job.sh"), XDG_RUNTIME_DIR=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    job = done.stdout.strip().split(";")[0]
+    try:
+        shown = _until(slurm, job, lambda j: (j.get("Restarts"), j.get("JobState")) == (
+            "1", "PENDING") or j.get("JobState") in _ENDED, "the requeue")
+        assert (shown["Restarts"], shown["ExcNodeList"]) == ("1", "ghost1"), (
+            tmp_path / "job.out").read_text()
+    finally:
+        slurm.run("scancel", job, timeout=30)

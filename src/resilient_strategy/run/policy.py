@@ -10,6 +10,8 @@ to the next candidate, or stop with an exit code for the scheduler.
 - Repeats are a fault rate, not "one more step resets it": a second fault on the same strategy
   within ``fault_window`` steps of the one before steps down, whatever its kind.
 - A one-device job never blames a backend: a signature there counts as an exit.
+- A GPU that failed in hardware (the ``gpu_lost`` cause: an uncorrectable ECC error, a GPU
+  fallen off the bus) stops with `INFRASTRUCTURE`, the node's fault: requeue elsewhere.
 - The script's own faults (an exception, out of memory, diverged ranks) stop with
   `USER_ERROR`: do not requeue.
 - A launch fault (a port held, a store unreachable, a name that does not resolve, a library
@@ -203,6 +205,10 @@ def judge(verdict: Verdict, candidate: str, history: Sequence[Attempt],
         return Judgement(Action.STOP, "a disk the run writes to is full: the machine's fault, "
                          "not the script's nor a strategy's (free space or requeue elsewhere)",
                          ExitCode.INFRASTRUCTURE)
+    if verdict.cause == "gpu_lost":  # the node's hardware: no strategy here would last
+        return Judgement(Action.STOP, "a GPU of this node failed in hardware: the node's "
+                         "fault, neither the script's nor a strategy's (requeue elsewhere; "
+                         "under SLURM the node is excluded)", ExitCode.INFRASTRUCTURE)
     if verdict.users:
         return Judgement(Action.STOP, "the script's own fault: another attempt or strategy "
                          "would fail the same way", ExitCode.USER_ERROR)

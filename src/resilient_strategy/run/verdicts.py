@@ -174,6 +174,7 @@ BLAME_COLLECTIVE = "collective_region"  # raised in the marked all-reduce of a s
 BLAME_SCRIPT = "script_code"  # raised in the script's own code, outside any collective
 BLAME_TEXT = "text_only"  # a record that says nothing of where: its type and text decide
 BLAME_NO_SPACE = "no_space"  # a full disk (ENOSPC, EDQUOT, a NoSpaceError): the machine's
+BLAME_GPU_LOST = "gpu_lost"  # a GPU's hardware failed (ECC, off the bus): the node's
 #: The numbers of an OSError that say the disk (or the quota) is full: ENOSPC, EDQUOT.
 _FULL_DISK_ERRNOS = frozenset({28, 122})
 #: The types a distributed frame raises when a peer or a link fails (a process group's error is
@@ -223,6 +224,8 @@ def blame(error: Mapping[str, Any], signatures: Signatures | None = None) -> Bla
     if placed == "no_space" or any(r.errno in _FULL_DISK_ERRNOS or "NoSpaceError" in r.names
                                    for r in chain):
         return Blame("no_space", BLAME_NO_SPACE, at)  # the machine's disk, wherever raised
+    if placed == "gpu_lost":  # the node's GPU: CUDA reports it at the script's next sync
+        return Blame("gpu_lost", BLAME_GPU_LOST, at)
     in_distributed = [r for r in chain if r.raised_in_distributed(table)]
     if table.blame.script_fault(text, bool(in_distributed)) is not None:
         return Blame("user", BLAME_SCRIPT_TEXT, at)
@@ -477,7 +480,7 @@ class Verdict:
 
 _BLAME_WORDS = frozenset({"", BLAME_OOM, BLAME_EXIT, BLAME_SCRIPT_TEXT, BLAME_PROCESS_GROUP,
                           BLAME_DISTRIBUTED, BLAME_COLLECTIVE, BLAME_SCRIPT, BLAME_TEXT,
-                          BLAME_NO_SPACE})
+                          BLAME_NO_SPACE, BLAME_GPU_LOST})
 _SEEN_WORDS = frozenset({"", SEEN_ERROR_RECORD, SEEN_EXIT, SEEN_STALL, SEEN_PEER})
 #: Every word `Verdict.stall` may hold ("": not a stall).
 STALL_KINDS = frozenset({"", "setup", "collective", "straggler", "quiet", "stopped", "busy",
@@ -592,7 +595,10 @@ def _classify_exits(exits: Sequence[RankExit]) -> Verdict:
     text = describe_exits(exits)
     # a rank that left no error record but printed a memory signature (torch's "DataLoader
     # worker (pid N) is killed by signal: Killed", the OOM killer's SIGKILL) ran out of memory
-    kinds = [e.error_kind or ("oom" if _tail_cause(e) in _OOM_CAUSES else None) for e in exits]
+    # (the same for a rank that died printing a GPU's hardware failure: the node's)
+    kinds = [e.error_kind or ("oom" if _tail_cause(e) in _OOM_CAUSES else
+                              "gpu_lost" if _tail_cause(e) == "gpu_lost" else None)
+             for e in exits]
     # the launch's fault first: a port held, a store unreachable, a library that breaks the
     # import follow the job to every strategy, whoever raised them
     launch = launch_cause(exits)
@@ -616,6 +622,10 @@ def _classify_exits(exits: Sequence[RankExit]) -> Verdict:
         ranks, where = blamed("no_space")
         return Verdict(VerdictKind.EXIT, f"a disk is full: {text}", step, "no_space",
                        ranks=ranks, where=where, blame=BLAME_NO_SPACE)
+    if "gpu_lost" in kinds:  # the node's GPU failed: neither the script's nor a strategy's
+        ranks, where = blamed("gpu_lost")
+        return Verdict(VerdictKind.EXIT, f"a GPU failed in hardware: {text}", step, "gpu_lost",
+                       ranks=ranks, where=where, blame=BLAME_GPU_LOST)
     if "oom" in kinds:
         ranks, where = blamed("oom")
         placed = error_cause([e for e in exits if e.rank in ranks])

@@ -9,6 +9,8 @@ Pure data: no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 _ROUTING = (
     ". The likeliest cause is PCIe peer-to-peer traffic routed through the IOMMU / ACS (PCIe "
     "Access Control Services), whether or not the IOMMU was detected: disable ACS in the BIOS "
@@ -112,6 +114,10 @@ CAUSES: dict[str, str] = {
     # The machine's state, not the backend's: never cached (see ENVIRONMENTAL_CAUSES).
     "no_space": "a disk the run writes to is full (No space left on device, often the temp "
     "directory): free space there, or point TMPDIR at a disk with room, and run again",
+    "gpu_lost": "a GPU of this node failed in hardware (an uncorrectable ECC error, the GPU "
+    "fallen off the bus, NVML's 'GPU is lost'): the node's fault, neither the script's nor a "
+    "strategy's; the GPU needs a reset or the node a repair (nvidia-smi shows its state): run "
+    "elsewhere (under SLURM the requeued job excludes this node)",
     "host_memory": "the host ran out of memory: the kernel's OOM killer took a process of the "
     "job (a DataLoader worker, or a rank) by SIGKILL, for the host's or the container's "
     "memory limit: use fewer DataLoader workers or a smaller prefetch_factor or batch, keep "
@@ -156,9 +162,25 @@ GPU_WIDE_CAUSES = frozenset({"cuda_init", "driver_too_old"})
 #: permissions), not from the candidate: they say nothing about the backend, so they are never
 #: cached and never rule a candidate out beyond the run that met them.
 ENVIRONMENTAL_CAUSES = frozenset({"no_space", "too_many_files", "permission", "nccl_oom",
-                                  "host_memory",
+                                  "host_memory", "gpu_lost",
                                   "status_lost", "port_in_use", "store_unreachable",
                                   "name_unresolved", "torch_import", "cuda_initialized"})
+
+#: Causes that are the node's own fault, its hardware or its driver: a run that ends with 75 on
+#: one of them asks for a requeue elsewhere, with this node excluded (`run/preempt.settle`;
+#: never for any other cause, whose fault may follow the job or be no node's). ``gpu_lost``:
+#: cluster operators drain the node on it (jade-hpc-gpu/jade-hpc-gpu.github.io#194, ECC errors
+#: on one node's jobs; NVIDIA/NVSentinel's gpu-health-monitor quarantines and drains a node on
+#: Xid 79 "GPU has fallen off the bus", NVIDIA/NVSentinel#966); ``cuda_init`` and
+#: ``driver_too_old`` speak for every GPU of the node (`GPU_WIDE_CAUSES`: the fabric manager,
+#: the driver), which another node may not share.
+NODE_CAUSES = frozenset({"gpu_lost", "cuda_init", "driver_too_old"})
+
+
+def node_cause(causes: Iterable[str]) -> str | None:
+    """The first of ``causes`` that blames the node (`NODE_CAUSES`), None when none does."""
+    return next((c for c in causes if c in NODE_CAUSES), None)
+
 
 #: Causes that are the launch's, not a strategy's (a port held, a store unreachable, a name
 #: that does not resolve, a library that breaks ``import torch``, CUDA initialised too early):
