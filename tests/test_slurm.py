@@ -430,3 +430,47 @@ def test_a_fault_that_is_not_the_node_s_requeues_without_excluding_it(
             tmp_path / "job.out").read_text()
     finally:
         slurm.run("scancel", job, timeout=30)
+
+
+# ----- srun resilient-strategy run: one task per node (issue 42 item 1) --------------------------
+
+
+def _srun_run(slurm: Slurm, out: Path, srun: tuple[str, ...], run: tuple[str, ...]
+              ) -> subprocess.CompletedProcess[str]:
+    out.mkdir(exist_ok=True)
+    return slurm.run("srun", *srun, sys.executable, "-m", "resilient_strategy", "run", *run,
+                     "--evidence-dir", str(out / "evidence"), str(TASK),
+                     "--global-batch-size", "8", "--samples", "64",
+                     OUT_DIR=str(out), XDG_RUNTIME_DIR=str(out))
+
+
+@pytest.mark.parametrize(("srun", "run", "nproc_from"), [
+    (("-N1", "-n1"), ("--nproc-per-node", "2"), "the command line"),
+    (("-N1", "-n1", "--gpus-per-task=2"), (), "SLURM_GPUS_ON_NODE"),
+])
+def test_srun_resilient_strategy_run_trains_once_with_its_ranks(
+        slurm: Slurm, tmp_path: Path, srun: tuple[str, ...], run: tuple[str, ...],
+        nproc_from: str) -> None:
+    """One srun task of run starts the node's 2 ranks itself: one job of 2 ranks, each half of
+    the global batch (before the fix, --gpus-per-task=2 alone gave run's default of 1
+    process); the workers' decision says run was launched by srun."""
+    done = _srun_run(slurm, tmp_path, srun, run)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    assert not (tmp_path / "rank-2.json").exists()
+    assert [(r["rank"], r["world_size"], r["group"], r["main"]) for r in ranks] == [
+        (0, 2, 2, True), (1, 2, 2, False)]
+    assert [r["steps"] for r in ranks] == [64 // 8, 64 // 8]  # one training, not two
+    halves = [set(r["samples"]) for r in ranks]
+    assert not halves[0] & halves[1] and halves[0] | halves[1] == set(map(float, range(64)))
+    for r in ranks:
+        assert (r["run_launcher"], r["run_notes"], r["launcher"]["launcher"]) == (
+            "slurm", ["run_launcher"], "torchrun")  # run's agent started the ranks
+
+
+def test_srun_with_two_run_tasks_on_a_node_is_refused(slurm: Slurm, tmp_path: Path) -> None:
+    """``srun -n2 resilient-strategy run``: each task would start the node's ranks and train
+    the job twice; both refuse with the configuration's exit code, nothing trains."""
+    done = _srun_run(slurm, tmp_path, ("-N1", "-n2"), ("--nproc-per-node", "1"))
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert not list(tmp_path.glob("rank-*.json"))

@@ -727,6 +727,8 @@ def _handed_decision(facts: Facts, opts: Options, handed: HandedDecision,
     chosen = found[0]
     # the worker's own plan may end in another choice or probe: the handed one replaces them
     events = [e for e in p.events if not isinstance(e, (Chosen, NextProbe))]
+    if handed.launched_by:  # who started the supervisor (srun): its trace says so
+        events.append(Note("run_launcher", handed.launched_by))
     events += [Note("multi_node", n) for n in handed.node_trace]
     events += [Note("relaunched", n) for n in handed.notes]
     events += [Note("handed_memory", n) for n in agreed]

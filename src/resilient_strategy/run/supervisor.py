@@ -180,6 +180,8 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
     history: list[Attempt] = []
     notes: list[str] = []
     facts = detect_facts(snapshot)
+    if opts.run_launch.words():
+        _say(opts.run_launch.words())
     link = _link(opts, facts)
     if link is not None:
         _say(f"node {link.node} of {link.nodes}: the nodes' supervisors agree through the "
@@ -785,7 +787,8 @@ def _choice(opts: RunOptions, facts: Any, env: Mapping[str, str],
         nodes=1 if o.framework != "torch" or p.chosen.num_replicas == 1 else nodes,
         node_trace=_node_trace(p.events) if agreed is not None else (),
         reference_replicas=p.reference_replicas, devices=devices, visible_devices=visible,
-        **_memory_planning(opts, o.framework, facts))
+        launcher="" if opts.run_launch.launcher == "python" else opts.run_launch.launcher,
+        launched_by=opts.run_launch.words(), **_memory_planning(opts, o.framework, facts))
     write_decision(RunDir(run_dir).decision, decision)
     step_s = estimate(p.chosen, facts, results.get(p.chosen.key), o).step_seconds
     return Choice(decision, p.chosen, step_s, left, link, change, tuple(p.ranked))
