@@ -246,6 +246,51 @@ def test_mig_slices_one_per_task(tmp_path: Path) -> None:
                                                         "MIG-fake-0000-1"]] * 2
 
 
+def _notes(sel: Any) -> list[str]:
+    return [e["topic"] for e in sel.to_dict()["events"] if e["kind"] == "note"]
+
+
+def test_two_ranks_that_see_the_same_mig_list_fall_back_to_one_slice(tmp_path: Path) -> None:
+    """Both tasks see MIG-a,MIG-b (CUDA shows each only MIG-a; NCCL spans no MIG instances):
+    before, refused as two ranks on one physical GPU; now rank 0 trains on the slice with 2
+    accumulation steps, the global batch kept, and rank 1 has nothing to do."""
+    envs = [task(r, XDG_RUNTIME_DIR=str(tmp_path),
+                 CUDA_VISIBLE_DEVICES="MIG-fake-0000-0,MIG-fake-0000-1") for r in range(2)]
+    facts = [machine(1, mig={0: 2}, env=e) for e in envs]
+    sels = _ranks(facts, envs)
+    assert not [s for s in sels if isinstance(s, Exception)], sels
+    assert [(s.backend, s.devices, s.num_replicas, s.accumulation_steps, s.active)
+            for s in sels] == [("single_device", (0,), 1, 2, True),
+                               ("single_device", (0,), 1, 2, False)]
+    assert all("mig_one_slice" in _notes(s) for s in sels)
+
+
+def test_mig_slices_one_per_task_train_on_one(tmp_path: Path) -> None:
+    """Each task its own slice: still no process group across them (the mig-no-multi-gpu
+    rule): rank 0's slice trains, accumulating."""
+    envs = [task(r, XDG_RUNTIME_DIR=str(tmp_path), CUDA_VISIBLE_DEVICES=f"MIG-fake-0000-{r}")
+            for r in range(2)]
+    facts = [machine(1, mig={0: 2}, env=e) for e in envs]
+    sels = _ranks(facts, envs)
+    assert [(s.backend, s.num_replicas, s.accumulation_steps, s.active) for s in sels] == [
+        ("single_device", 1, 2, True), ("single_device", 1, 2, False)]
+    assert all("mig-no-multi-gpu" in s.plan.rules_fired for s in sels)
+
+
+def test_torchrun_over_mig_slices_is_not_refused() -> None:
+    """The described torchrun launch (one rank planning on its facts): 2 processes, one MIG
+    instance visible: one slice, not 'more processes than GPUs'; whole GPUs still refused."""
+    env = {"CUDA_VISIBLE_DEVICES": "MIG-fake-0000-0,MIG-fake-0000-1", "WORLD_SIZE": "2",
+           "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+           "TORCHELASTIC_RUN_ID": "t"}
+    sel = simulate(machine(1, mig={0: 2}, env=env), {}, env=env, global_batch_size=64)
+    assert (sel.backend, sel.accumulation_steps, sel.active) == ("single_device", 2, True)
+    assert "mig_one_slice" in _notes(sel)
+    whole = {**env, "CUDA_VISIBLE_DEVICES": "0"}
+    with pytest.raises(InvalidOptionError):
+        simulate(machine(1, env=whole), {}, env=whole, global_batch_size=64)
+
+
 def test_two_tasks_on_one_physical_gpu_are_refused_by_uuid(tmp_path: Path) -> None:
     facts, envs = _slurm_gpus(tmp_path, ["1", "1"])  # both bound to GPU 1, by mistake
     errors = _ranks(facts, envs)
