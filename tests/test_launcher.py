@@ -246,6 +246,51 @@ def test_mig_slices_one_per_task(tmp_path: Path) -> None:
                                                         "MIG-fake-0000-1"]] * 2
 
 
+def _notes(sel: Any) -> list[str]:
+    return [e["topic"] for e in sel.to_dict()["events"] if e["kind"] == "note"]
+
+
+def test_two_ranks_that_see_the_same_mig_list_fall_back_to_one_slice(tmp_path: Path) -> None:
+    """Both tasks see MIG-a,MIG-b (CUDA shows each only MIG-a; NCCL spans no MIG instances):
+    before, refused as two ranks on one physical GPU; now rank 0 trains on the slice with 2
+    accumulation steps, the global batch kept, and rank 1 has nothing to do."""
+    envs = [task(r, XDG_RUNTIME_DIR=str(tmp_path),
+                 CUDA_VISIBLE_DEVICES="MIG-fake-0000-0,MIG-fake-0000-1") for r in range(2)]
+    facts = [machine(1, mig={0: 2}, env=e) for e in envs]
+    sels = _ranks(facts, envs)
+    assert not [s for s in sels if isinstance(s, Exception)], sels
+    assert [(s.backend, s.devices, s.num_replicas, s.accumulation_steps, s.active)
+            for s in sels] == [("single_device", (0,), 1, 2, True),
+                               ("single_device", (0,), 1, 2, False)]
+    assert all("mig_one_slice" in _notes(s) for s in sels)
+
+
+def test_mig_slices_one_per_task_train_on_one(tmp_path: Path) -> None:
+    """Each task its own slice: still no process group across them (the mig-no-multi-gpu
+    rule): rank 0's slice trains, accumulating."""
+    envs = [task(r, XDG_RUNTIME_DIR=str(tmp_path), CUDA_VISIBLE_DEVICES=f"MIG-fake-0000-{r}")
+            for r in range(2)]
+    facts = [machine(1, mig={0: 2}, env=e) for e in envs]
+    sels = _ranks(facts, envs)
+    assert [(s.backend, s.num_replicas, s.accumulation_steps, s.active) for s in sels] == [
+        ("single_device", 1, 2, True), ("single_device", 1, 2, False)]
+    assert all("mig-no-multi-gpu" in s.plan.rules_fired for s in sels)
+
+
+def test_torchrun_over_mig_slices_is_not_refused() -> None:
+    """The described torchrun launch (one rank planning on its facts): 2 processes, one MIG
+    instance visible: one slice, not 'more processes than GPUs'; whole GPUs still refused."""
+    env = {"CUDA_VISIBLE_DEVICES": "MIG-fake-0000-0,MIG-fake-0000-1", "WORLD_SIZE": "2",
+           "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+           "TORCHELASTIC_RUN_ID": "t"}
+    sel = simulate(machine(1, mig={0: 2}, env=env), {}, env=env, global_batch_size=64)
+    assert (sel.backend, sel.accumulation_steps, sel.active) == ("single_device", 2, True)
+    assert "mig_one_slice" in _notes(sel)
+    whole = {**env, "CUDA_VISIBLE_DEVICES": "0"}
+    with pytest.raises(InvalidOptionError):
+        simulate(machine(1, env=whole), {}, env=whole, global_batch_size=64)
+
+
 def test_two_tasks_on_one_physical_gpu_are_refused_by_uuid(tmp_path: Path) -> None:
     facts, envs = _slurm_gpus(tmp_path, ["1", "1"])  # both bound to GPU 1, by mistake
     errors = _ranks(facts, envs)
@@ -277,3 +322,97 @@ def test_doctor_shows_the_launcher_and_the_binding(tmp_path: Path,
     assert (view["per_task"], view["trains_on"], view["ordinal"]) == (per_task, trains_on, ordinal)
     assert main(["doctor", "--simulate", str(described)]) == 0  # the text says it too
     assert trains_on in capsys.readouterr().out
+
+
+# ----- srun resilient-strategy run (one task per node; issue 42 item 1) -------------------------
+
+#: Node 1 of `srun -N2 --ntasks-per-node=1 --gpus-per-node=4 resilient-strategy run ...`.
+RUN_NODE1 = {
+    "SLURM_JOB_ID": "1234", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NNODES": "2",
+    "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "1",
+    "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_STEP_NUM_NODES": "2",
+    "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+    "SLURM_NTASKS_PER_NODE": "1", "SLURM_GPUS_ON_NODE": "4", "SLURMD_NODENAME": "gpu08",
+}
+
+
+def _run_launch(env: Mapping[str, str], given: frozenset[str] = frozenset()) -> Any:
+    from resilient_strategy.core.values.launcher import run_launch
+
+    return run_launch(launcher_from(env), env, given)
+
+
+def test_srun_run_reads_its_node_options_from_slurm() -> None:
+    launch = _run_launch(RUN_NODE1)
+    assert (launch.launcher, launch.nnodes, launch.node_rank, launch.master_addr,
+            launch.master_port, launch.nproc, launch.refused) == (
+        "slurm", 2, 1, "gpu07", slurm_port(1234), 4, False)
+    assert launch.sources == {"--nnodes": "SLURM_STEP_TASKS_PER_NODE",
+                              "--node-rank": "SLURM_NODEID",
+                              "--master-addr": "first host of SLURM_STEP_NODELIST",
+                              "--master-port": "15000 + SLURM_JOB_ID % 10000",
+                              "--nproc-per-node": "SLURM_GPUS_ON_NODE"}
+
+
+def test_the_user_s_node_options_win_over_slurm() -> None:
+    given = frozenset({"--nnodes", "--node-rank", "--rdzv-endpoint", "--nproc-per-node"})
+    launch = _run_launch(RUN_NODE1, given)
+    assert (launch.nnodes, launch.node_rank, launch.master_addr, launch.master_port,
+            launch.nproc) == (None, None, None, None, None)
+    mine = _run_launch({**RUN_NODE1, "MASTER_ADDR": "head", "MASTER_PORT": "29400"},
+                       frozenset({"--master-port"}))
+    assert (mine.master_addr, mine.master_port, mine.sources["--master-addr"]) == (
+        "head", None, "MASTER_ADDR")  # the user's environment too; their --master-port kept
+
+
+def test_one_node_keeps_a_free_port_and_gpus_per_task_give_the_processes() -> None:
+    env = {**SRUN_TASK0, "SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "1",
+           "SLURM_STEP_TASKS_PER_NODE": "1", "SLURM_GPUS_PER_TASK": "a100:2"}
+    launch = _run_launch(env)
+    assert (launch.nnodes, launch.node_rank, launch.master_addr, launch.master_port,
+            launch.nproc) == (1, 0, None, None, 2)  # one node: run picks a free port itself
+
+
+@pytest.mark.parametrize(("env", "tasks", "source"), [
+    (SRUN_TASK0, 2, "SLURM_STEP_TASKS_PER_NODE"),  # srun -n2 on one node
+    ({**RUN_NODE1, "SLURM_STEP_TASKS_PER_NODE": "1,3"}, 3, "SLURM_STEP_TASKS_PER_NODE"),
+    ({k: v for k, v in RUN_NODE1.items() if k != "SLURM_STEP_TASKS_PER_NODE"}
+     | {"SLURM_NTASKS_PER_NODE": "4"}, 4, "SLURM_NTASKS_PER_NODE"),
+])
+def test_more_than_one_run_task_per_node_is_refused(env: Mapping[str, str], tasks: int,
+                                                    source: str) -> None:
+    from resilient_strategy.errors import SrunTasksError
+    from resilient_strategy.run.cmdline import srun_launch
+
+    launch = _run_launch(env)
+    assert (launch.refused, launch.tasks_per_node, launch.tasks_source) == (True, tasks, source)
+    with pytest.raises(SrunTasksError) as exc:
+        srun_launch(["--nproc-per-node", "2"], env)
+    assert (exc.value.tasks_per_node, exc.value.source, exc.value.option) == (
+        tasks, source, "--ntasks-per-node")
+
+
+@pytest.mark.parametrize("env", [{}, {**SRUN_TASK0, "RANK": "0", "WORLD_SIZE": "2"},
+                                 {"SLURM_JOB_ID": "4", "SLURM_NTASKS": "2"}])
+def test_no_srun_task_reads_nothing(env: Mapping[str, str]) -> None:
+    launch = _run_launch(env)  # plain, torchrun's or the user's ranks, a batch script
+    assert (launch.nnodes, launch.nproc, launch.refused, launch.words()) == (
+        None, None, False, "")
+
+
+def test_run_s_command_line_under_srun(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Through run's own parser (torchrun's): SLURM's values where the user gave none."""
+    from resilient_strategy.run.cmdline import options_from_args
+
+    script = tmp_path / "train.py"
+    script.write_text("import torch\n")
+    for k, v in RUN_NODE1.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("PATH", "")  # no scontrol: the pure node list parser
+    opts = options_from_args([str(script)])
+    ns = opts.torchrun
+    assert (ns.nnodes, ns.node_rank, ns.master_addr, ns.master_port, opts.nproc) == (
+        "2", 1, "gpu07", slurm_port(1234), 4)
+    assert opts.run_launch.launcher == "slurm"
+    opts = options_from_args(["--nproc_per_node=1", "--node-rank", "0", str(script)])
+    assert (opts.nproc, opts.torchrun.node_rank, opts.torchrun.nnodes) == (1, 0, "2")

@@ -117,6 +117,8 @@ def test_machine_case_reaches_its_expected_decision(path: Path) -> None:
     assert {k: causes.get(k) for k in expect.get("causes", {})} == expect.get("causes", {})
     missing_rules = set(expect.get("rules_fired", ())) - set(sel.plan.rules_fired)
     assert not missing_rules, f"rules that did not fire: {sorted(missing_rules)}"
+    noted = {e.topic for e in sel.plan.events if e.kind == "note"}
+    assert sorted(set(expect.get("notes", ())) - noted) == []
     text = sel.explain(verbose=True)  # the whole trace
     assert [w for w in expect.get("explain_contains", ()) if w not in text] == []
 

@@ -163,3 +163,74 @@ def test_rank_0_checkpoints_once_at_the_step_after_the_request(
         ckpt.micro_step(boundary=True, stepped=True)
     assert [s.step for s in ckpt.saves] == [4]  # the next step, once
     assert torch.load(ckpt.path, weights_only=True)["optimizer_steps"] == 4
+
+
+# ----- the node that failed, excluded (issue 42 item 3: "with the node that failed excluded when
+# the fault was the node's") --------------------------------------------------------------------
+
+NODE = {**BATCH, "SLURMD_NODENAME": "gpu7"}
+
+
+@pytest.mark.parametrize(("shown", "fault", "exclude"), [
+    (SHOWN + " ExcNodeList=(null)", "gpu_fault", "gpu7"),
+    (SHOWN + " ExcNodeList=gpu[1-2]", "gpu_fault", "gpu[1-2],gpu7"),  # the user's --exclude kept
+    (SHOWN + " ExcNodeList=gpu[5-8]", "gpu_fault", None),  # excluded already: nothing to add
+    (SHOWN + " ExcNodeList=gpu[1-2]", None, None),  # not the node's fault: never excluded
+])
+def test_the_failed_node_is_added_to_the_job_s_excluded_nodes(
+        shown: str, fault: str | None, exclude: str | None) -> None:
+    decision = requeue_decision(75, NODE, parse_show_job(shown), fault)
+    assert (decision.requeue, decision.exclude) == (True, exclude)
+    assert decision.node == (None if fault is None else "gpu7")
+
+
+def test_no_exclusion_without_a_requeue_or_a_node_name() -> None:
+    shown = parse_show_job(SHOWN.replace("Requeue=1", "Requeue=0"))
+    assert requeue_decision(75, NODE, shown, "gpu_fault").exclude is None  # not requeued
+    assert requeue_decision(1, NODE, parse_show_job(SHOWN), "gpu_fault").exclude is None
+    unnamed = requeue_decision(75, BATCH, parse_show_job(SHOWN), "gpu_fault")
+    assert (unnamed.requeue, unnamed.exclude) == (True, None)
+    hosted = requeue_decision(75, BATCH, parse_show_job(SHOWN + " BatchHost=n3"), "gpu_fault")
+    assert (hosted.exclude, hosted.node) == ("n3", "n3")  # the batch host where no env names it
+
+
+def test_exclusion_keeps_a_list_it_cannot_expand() -> None:
+    from resilient_strategy.core.values.requeue import exclusion
+
+    assert exclusion({"ExcNodeList": "n[1-"}, "n9") == "n[1-,n9"
+    assert exclusion({}, "n9") == "n9"
+
+
+def test_which_causes_blame_the_node() -> None:
+    from resilient_strategy.core.knowledge.causes import CAUSES, NODE_CAUSES, node_cause
+
+    assert set(CAUSES) >= NODE_CAUSES
+    assert node_cause(["crash", "gpu_fault"]) == "gpu_fault"
+    for cause in ("crash", "no_space", "nccl_error", "timeout", "port_in_use", ""):
+        assert node_cause([cause]) is None  # a fault that may follow the job, or no node's
+
+
+def test_a_gpu_failed_in_hardware_is_retried_once_then_stops_for_a_requeue_elsewhere() -> None:
+    """An uncorrectable ECC error raised in the script's own frame (CUDA reports it at the
+    next synchronising call) is the node's, not the script's: 75, not 1."""
+    from resilient_strategy.run.exitcodes import ExitCode
+    from resilient_strategy.run.policy import Action, RelaunchPolicy, judge
+    from resilient_strategy.run.verdicts import BLAME_GPU, VerdictKind, blame
+
+    record = {"types": ["torch.AcceleratorError", "RuntimeError"],
+              "message": "CUDA error: uncorrectable ECC error encountered",
+              "chain": [{"types": ["torch.AcceleratorError", "RuntimeError"],
+                         "message": "CUDA error: uncorrectable ECC error encountered",
+                         "frames": [{"file": "/home/u/train.py", "line": 12,
+                                     "function": "main", "module": "__main__"}]}]}
+    judged = blame(record)
+    assert (judged.kind, judged.why) == ("gpu", BLAME_GPU)
+    from resilient_strategy.run.policy import Attempt
+    from resilient_strategy.run.verdicts import Verdict
+
+    verdict = Verdict(VerdictKind.EXIT, "a GPU failed", 4, "gpu_fault", phase="collective")
+    first = judge(verdict, "torch:nccl:0,1", (), RelaunchPolicy())
+    assert first.action is Action.RETRY  # a new process often recovers; never a step-down
+    again = judge(verdict, "torch:nccl:0,1",
+                  [Attempt(0, "torch:nccl:0,1", "NCCL", verdict, first)], RelaunchPolicy())
+    assert (again.action, again.exit_code) == (Action.STOP, ExitCode.INFRASTRUCTURE)

@@ -376,3 +376,101 @@ def test_the_docs_requeue_script_runs_as_written(slurm: Slurm, tmp_path: Path) -
     assert (state, _job(slurm, job)["Restarts"]) == ("COMPLETED", "0"), log
     assert "optimizer steps: 8" in log  # 2048 samples / 256 per global batch
     assert any((tmp_path / f"ckpt-{job}").iterdir())
+
+
+def test_a_gpu_lost_requeues_the_job_with_its_node_excluded(slurm: Slurm,
+                                                             tmp_path: Path) -> None:
+    """A rank's CUDA reports an uncorrectable ECC error (the node's GPU, not the script's):
+    run stops with 75, requeues the job and adds this node to its ExcNodeList, keeping the
+    user's ``--exclude=ghost1``. With one node the job then stays pending (nowhere to run)."""
+    (tmp_path / "train.py").write_text(
+        "import resilient_strategy as rs\n"
+        "rs.resilient_strategy(framework='torch', global_batch_size=4)\n"
+        "raise RuntimeError('CUDA error: uncorrectable ECC error encountered')\n")
+    (tmp_path / "job.sh").write_text(
+        "#!/bin/bash\n"
+        f"exec {sys.executable} -m resilient_strategy run --nproc-per-node 1 train.py\n")
+    done = slurm.run("sbatch", "--parsable", "--requeue", "--exclude=ghost1", "-D",
+                     str(tmp_path), "-o", str(tmp_path / "job.out"), "--open-mode=append",
+                     str(tmp_path / "job.sh"), XDG_RUNTIME_DIR=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    job = done.stdout.strip().split(";")[0]
+    node = slurm.run("hostname", "-s", timeout=30).stdout.strip()
+    try:
+        shown = _until(slurm, job, lambda j: (j.get("Restarts"), j.get("JobState")) == (
+            "1", "PENDING") or j.get("JobState") in _ENDED, "the requeue")
+        log = (tmp_path / "job.out").read_text()
+        assert (shown["JobState"], shown["Restarts"]) == ("PENDING", "1"), log
+        assert set(expand_hostlist(shown["ExcNodeList"])) == {"ghost1", node}, log
+    finally:
+        slurm.run("scancel", job, timeout=30)
+
+
+def test_a_fault_that_is_not_the_node_s_requeues_without_excluding_it(
+        slurm: Slurm, tmp_path: Path) -> None:
+    """A rank lost with no relaunch left (75, but no cause that blames the node): requeued,
+    ExcNodeList left as the user gave it."""
+    (tmp_path / "train.py").write_text(
+        "import os, signal\nimport resilient_strategy as rs\n"
+        "rs.resilient_strategy(framework='torch', global_batch_size=4)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n")
+    (tmp_path / "job.sh").write_text(
+        "#!/bin/bash\n"
+        f"exec {sys.executable} -m resilient_strategy run --nproc-per-node 1 --max-relaunches 0 "
+        "train.py\n")
+    done = slurm.run("sbatch", "--parsable", "--requeue", "--exclude=ghost1", "-D",
+                     str(tmp_path), "-o", str(tmp_path / "job.out"), "--open-mode=append",
+                     str(tmp_path / "job.sh"), XDG_RUNTIME_DIR=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    job = done.stdout.strip().split(";")[0]
+    try:
+        shown = _until(slurm, job, lambda j: (j.get("Restarts"), j.get("JobState")) == (
+            "1", "PENDING") or j.get("JobState") in _ENDED, "the requeue")
+        assert (shown["Restarts"], shown["ExcNodeList"]) == ("1", "ghost1"), (
+            tmp_path / "job.out").read_text()
+    finally:
+        slurm.run("scancel", job, timeout=30)
+
+
+# ----- srun resilient-strategy run: one task per node (issue 42 item 1) --------------------------
+
+
+def _srun_run(slurm: Slurm, out: Path, srun: tuple[str, ...], run: tuple[str, ...]
+              ) -> subprocess.CompletedProcess[str]:
+    out.mkdir(exist_ok=True)
+    return slurm.run("srun", *srun, sys.executable, "-m", "resilient_strategy", "run", *run,
+                     "--evidence-dir", str(out / "evidence"), str(TASK),
+                     "--global-batch-size", "8", "--samples", "64",
+                     OUT_DIR=str(out), XDG_RUNTIME_DIR=str(out))
+
+
+@pytest.mark.parametrize(("srun", "run", "nproc_from"), [
+    (("-N1", "-n1"), ("--nproc-per-node", "2"), "the command line"),
+    (("-N1", "-n1", "--gpus-per-task=2"), (), "SLURM_GPUS_ON_NODE"),
+])
+def test_srun_resilient_strategy_run_trains_once_with_its_ranks(
+        slurm: Slurm, tmp_path: Path, srun: tuple[str, ...], run: tuple[str, ...],
+        nproc_from: str) -> None:
+    """One srun task of run starts the node's 2 ranks itself: one job of 2 ranks, each half of
+    the global batch (before the fix, --gpus-per-task=2 alone gave run's default of 1
+    process); the workers' decision says run was launched by srun."""
+    done = _srun_run(slurm, tmp_path, srun, run)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    assert not (tmp_path / "rank-2.json").exists()
+    assert [(r["rank"], r["world_size"], r["group"], r["main"]) for r in ranks] == [
+        (0, 2, 2, True), (1, 2, 2, False)]
+    assert [r["steps"] for r in ranks] == [64 // 8, 64 // 8]  # one training, not two
+    halves = [set(r["samples"]) for r in ranks]
+    assert not halves[0] & halves[1] and halves[0] | halves[1] == set(map(float, range(64)))
+    for r in ranks:
+        assert (r["run_launcher"], r["run_notes"], r["launcher"]["launcher"]) == (
+            "slurm", ["run_launcher"], "torchrun")  # run's agent started the ranks
+
+
+def test_srun_with_two_run_tasks_on_a_node_is_refused(slurm: Slurm, tmp_path: Path) -> None:
+    """``srun -n2 resilient-strategy run``: each task would start the node's ranks and train
+    the job twice; both refuse with the configuration's exit code, nothing trains."""
+    done = _srun_run(slurm, tmp_path, ("-N1", "-n2"), ("--nproc-per-node", "1"))
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert not list(tmp_path.glob("rank-*.json"))

@@ -335,6 +335,21 @@ class GpuUnusableError(ResilientStrategyError):
         )
 
 
+class SrunTasksError(InvalidOptionError):
+    """srun started more than one ``resilient-strategy run`` on one node: each would start the
+    node's processes, and they would train the job several times over. ``tasks_per_node``: how
+    many srun started there; ``source``: the variable that says so."""
+
+    def __init__(self, tasks_per_node: int, source: str) -> None:
+        self.tasks_per_node = tasks_per_node
+        self.source = source
+        super().__init__(
+            f"srun started {tasks_per_node} tasks of resilient-strategy run on this node "
+            f"({source}); run starts the node's processes itself: use srun "
+            "--ntasks-per-node=1 (and --nproc-per-node N for the processes per node)",
+            "--ntasks-per-node")
+
+
 class MissingDataFileError(ResilientStrategyError):
     """A data file the package ships is missing from the installation (a broken wheel): say
     which, and how to get a working install."""

@@ -6,6 +6,8 @@
 # exactly the daemons it started (their pid files under DIR). srun/sbatch/scontrol then work
 # against it; CUDA_VISIBLE_DEVICES per task follows --gpus-per-task / --gres as SLURM sets it.
 # SLURMCTLD_PORT / SLURMD_PORT (default 6817 / 6818) let a second one run beside another.
+# Two FUTURE nodes, ghost1 and ghost2, exist only as names (never scheduled): a job may
+# --exclude them, as a user excludes nodes of a larger cluster.
 # The placeholders are not GPUs: inspection on a machine without GPUs still sees none, so pair it
 # with the testing kit's described GPUs when a test needs the GPUs themselves.
 set -euo pipefail
@@ -42,6 +44,7 @@ SelectType=select/cons_tres
 GresTypes=gpu
 ReturnToService=2
 NodeName=$h CPUs=$(nproc) RealMemory=8000 Gres=gpu:4 State=UNKNOWN
+NodeName=ghost[1-2] CPUs=1 RealMemory=100 State=FUTURE
 PartitionName=p Nodes=$h Default=YES MaxTime=INFINITE State=UP
 C
 echo "NodeName=$h Name=gpu File=$d/gpu[0-3]" > "$d/gres.conf"

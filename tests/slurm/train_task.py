@@ -1,5 +1,6 @@
 """One srun task of tests/test_slurm.py: decide, train a few steps on CPU over gloo, and write
-what this task saw as JSON to ``$OUT_DIR/rank-<SLURM_PROCID>.json``.
+what this task saw as JSON to ``$OUT_DIR/rank-<rank>.json`` (SLURM_PROCID for srun python; the
+rank `resilient-strategy run` gave it as a worker, with the launcher run saw).
 
 ``--described-gpus N``: decide through the testing kit on a described machine of N GPUs with
 this task's real environment (SLURM's CUDA_VISIBLE_DEVICES per task), and write the binding
@@ -21,8 +22,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--described-gpus", type=int, default=0)
     args = parser.parse_args()
-    out = Path(os.environ["OUT_DIR"]) / f"rank-{os.environ['SLURM_PROCID']}.json"
     if args.described_gpus:
+        out = Path(os.environ["OUT_DIR"]) / f"rank-{os.environ['SLURM_PROCID']}.json"
         from resilient_strategy.testing import machine, simulate
 
         env = dict(os.environ)
@@ -56,7 +57,13 @@ def main() -> None:
     together = torch.tensor([float(sel.launch.rank)])
     if dist.is_initialized():
         dist.all_reduce(together)
-    [launcher] = [e for e in sel.to_dict()["events"] if e["kind"] == "launcher_seen"]
+    events = sel.to_dict()["events"]
+    [launcher] = [e for e in events if e["kind"] == "launcher_seen"]
+    from resilient_strategy.records.handoff import load_decision
+
+    handed = load_decision(dict(os.environ))  # a worker of `resilient-strategy run`: its decision
+    # (srun python: one rank per task, SLURM_PROCID; under run: the rank run's agent gave it)
+    out = Path(os.environ["OUT_DIR"]) / f"rank-{sel.launch.rank}.json"
     out.write_text(json.dumps({
         "rank": sel.launch.rank, "world_size": sel.launch.world_size, "backend": sel.backend,
         "replicas": sel.num_replicas, "per_replica_batch": sel.per_replica_batch_size,
@@ -64,7 +71,9 @@ def main() -> None:
         "main": sel.is_main_process,
         "samples": seen, "steps": steps, "rank_sum": together.item(),
         "group": dist.get_world_size() if dist.is_initialized() else 0,
-        "launcher": launcher}))
+        "launcher": launcher, "run_launcher": None if handed is None else handed.launcher,
+        "run_notes": [e.get("topic") for e in events if e["kind"] == "note"
+                      and e.get("topic") == "run_launcher"]}))
     sel.shutdown()
 
 

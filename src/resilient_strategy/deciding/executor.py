@@ -438,6 +438,9 @@ def _check_processes_fit(facts: Facts, opts: Options) -> None:
         return
     local = opts.world_size // max(1, opts.nodes)
     gpus = len(facts.gpus)  # visible to the job (devices= may ask for fewer on purpose)
+    if any(g.mig_enabled for g in facts.gpus):
+        return  # MIG: no process group spans MIG instances; rank 0 trains on one slice
+        # with accumulation, the others exit (the planner's mig_one_slice)
     if 0 < gpus < local:
         shown = facts.visibility.raw
         seen = f" (CUDA_VISIBLE_DEVICES={shown})" if shown else ""
@@ -497,6 +500,13 @@ def _bind_gpus(facts: Facts, opts: Options, env: Mapping[str, str]) -> Bound:
     shared = exchange.share([asdict(g) for g in facts.gpus], opts.budget_s + 60.0)
     per_rank = [Facts.from_dict({"gpus": g}).gpus for g in shared]
     binding = bind([tuple(g.uuid or f"ordinal-{g.index}" for g in gs) for gs in per_rank])
+    event = GpusBound(binding.kind, binding.seen, binding.trains_on,
+                      binding.ordinals[opts.local_rank])
+    if binding.unbound and all(u.startswith("MIG-") for s in binding.seen for u in s):
+        # MIG instances: no process group spans them, so nothing is shared between ranks
+        # here: rank 0 trains on its slice with accumulation (the planner's mig_one_slice),
+        # the others exit 0, never two ranks training on one slice
+        return Bound(binding, replace(facts, env=relevant_env(dict(facts.env))), event)
     if binding.unbound:
         twice = ", ".join(f"{u} (local ranks {', '.join(map(str, r))})"
                           for u, r in binding.shared.items())
@@ -507,8 +517,6 @@ def _bind_gpus(facts: Facts, opts: Options, env: Mapping[str, str]) -> Bound:
             f"share a physical GPU with another rank. Bind one GPU per task (srun "
             f"--gpus-per-task=1, or as many GPUs as tasks per node), or start at most "
             f"{distinct} process(es) per node.", "CUDA_VISIBLE_DEVICES")
-    event = GpusBound(binding.kind, binding.seen, binding.trains_on,
-                      binding.ordinals[opts.local_rank])
     if binding.kind == "shared":  # the relevant environment only, as detect_facts keeps it
         return Bound(binding, replace(facts, env=relevant_env(dict(facts.env))), event)
     node_gpus = tuple(replace(next(g for g in per_rank[r] if (g.uuid or f"ordinal-{g.index}")
@@ -727,6 +735,8 @@ def _handed_decision(facts: Facts, opts: Options, handed: HandedDecision,
     chosen = found[0]
     # the worker's own plan may end in another choice or probe: the handed one replaces them
     events = [e for e in p.events if not isinstance(e, (Chosen, NextProbe))]
+    if handed.launched_by:  # who started the supervisor (srun): its trace says so
+        events.append(Note("run_launcher", handed.launched_by))
     events += [Note("multi_node", n) for n in handed.node_trace]
     events += [Note("relaunched", n) for n in handed.notes]
     events += [Note("handed_memory", n) for n in agreed]

@@ -67,8 +67,6 @@ def detect_launcher(env: Mapping[str, str]) -> Launcher:
     return launcher_from(env, expand)
 
 
-
-
 def _scontrol(argv: list[str], env: Mapping[str, str],
               timeout_s: float) -> subprocess.CompletedProcess[str] | None:
     """``scontrol ARGV`` under a deadline (new session, SIGTERM, SIGKILL); None where scontrol
@@ -115,5 +113,20 @@ def requeue(job_id: str, env: Mapping[str, str],
     return None
 
 
-__all__ = ["HostlistError", "Launcher", "detect_launcher", "requeue", "scontrol_hostnames",
-           "show_job"]
+def exclude_nodes(job_id: str, nodes: str, env: Mapping[str, str],
+                  timeout_s: float = SCONTROL_CTLD_TIMEOUT_S) -> str | None:
+    """``scontrol update JobId=JOB ExcNodeList=NODES`` (the whole list: SLURM replaces it):
+    None when done, else what went wrong in one line. SLURM takes it only while the job is
+    pending (after `requeue`)."""
+    done = _scontrol(["update", f"JobId={job_id}", f"ExcNodeList={nodes}"], env, timeout_s)
+    if done is None:
+        return (f"scontrol update JobId={job_id} ExcNodeList={nodes}: scontrol missing or "
+                f"silent for {timeout_s:.0f} s")
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        return f"scontrol update JobId={job_id} ExcNodeList={nodes}: {last[:200]}"
+    return None
+
+
+__all__ = ["HostlistError", "Launcher", "detect_launcher", "exclude_nodes", "requeue",
+           "scontrol_hostnames", "show_job"]

@@ -89,6 +89,10 @@ class HandedDecision:
     #: are the supervisor's.
     free_bytes: tuple[int | None, ...] = ()
     host_available_bytes: int | None = None
+    #: Who started the supervisor (`core.values.launcher.RunLaunch.launcher`: ``slurm`` for an
+    #: srun task; empty: the command line alone) and what it read from it, in one line.
+    launcher: str = ""
+    launched_by: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -104,6 +108,7 @@ class HandedDecision:
             "devices": list(self.devices), "visible_devices": self.visible_devices,
             "free_bytes": list(self.free_bytes),
             "host_available_bytes": self.host_available_bytes,
+            "launcher": self.launcher, "launched_by": self.launched_by,
         }
 
     @classmethod
@@ -129,6 +134,7 @@ class HandedDecision:
             free_bytes=tuple(None if b is None else int(b) for b in d.get("free_bytes", ())),
             host_available_bytes=None if d.get("host_available_bytes") is None
             else int(d["host_available_bytes"]),
+            launcher=str(d.get("launcher", "")), launched_by=str(d.get("launched_by", "")),
         )
 
     def planned_memory(self, facts: Facts) -> Facts:

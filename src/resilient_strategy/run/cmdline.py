@@ -4,6 +4,10 @@ one `RunOptions`; the framework a script uses, guessed from its text.
 Without torch (a TensorFlow-only install) the parser is our own: the script, its arguments,
 ``--nproc-per-node`` and our options, the same names and defaults; torchrun's node options
 (``--nnodes``, ``--rdzv-*``, ...) are torch's and absent there.
+
+Started by srun (one task per node, no torchrun): the node options the user did not give come
+from SLURM (`srun_launch`: nodes, node rank, the rendezvous across nodes, GPUs per node); two
+or more srun tasks of run on one node are refused (`SrunTasksError`).
 """
 
 from __future__ import annotations
@@ -13,14 +17,15 @@ import contextlib
 import functools
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
 from ..core.call.arguments import WARM_START_VAR, env_flag, run_options_from
 from ..core.call.options import DEFAULT_FAULT_WINDOW, RunOptions
-from ..errors import InvalidOptionError
+from ..core.values.launcher import RUN_NODE_OPTIONS, RunLaunch, run_launch
+from ..errors import InvalidOptionError, SrunTasksError
 from ..machine import env
 
 log = logging.getLogger("resilient_strategy")
@@ -161,7 +166,9 @@ def options_from_args(argv: Sequence[str]) -> RunOptions:
         # not given: None, as torch >= 2.12's parser says (2.11's says 29500), so that a
         # one-node run takes a free port (standalone) and two jobs on a machine do not collide
         ns.master_port = None
+    launch = srun_launch(ours, env.snapshot())
     if with_torch:
+        apply_launch(ns, launch)
         check_node_options(ns)
     warm = _warm_start(ns, ours)
     framework = ns.framework
@@ -174,16 +181,50 @@ def options_from_args(argv: Sequence[str]) -> RunOptions:
                                  "supervises TensorFlow scripts", "--framework")
     opts = run_options_from(
         env.snapshot(), script=script, script_args=tuple(ns.training_script_args),
-        framework=framework, nproc=str(ns.nproc_per_node), max_relaunches=ns.max_relaunches,
+        framework=framework,
+        nproc=str(ns.nproc_per_node if launch.nproc is None else launch.nproc),
+        max_relaunches=ns.max_relaunches,
         stall_timeout=ns.stall_timeout, global_batch_size=ns.global_batch_size,
         gradient_bytes=ns.gradient_bytes, probe_timeout=ns.probe_timeout,
         logical_cpus=ns.logical_cpus, torchrun=ns if with_torch else None, sharding=ns.sharding,
         param_bytes=ns.param_bytes, optimizer_state_factor=ns.optimizer_state_factor,
         offload=ns.offload, busy_timeout=ns.busy_timeout, warm_start=warm,
         measured_switch=ns.measured_switch)
-    return replace(opts, min_throughput=ns.min_throughput, allow_cpu=bool(ns.allow_cpu),
+    return replace(opts, run_launch=launch, min_throughput=ns.min_throughput,
+                   allow_cpu=bool(ns.allow_cpu),
                    max_attempts_without_progress=ns.max_attempts_without_progress,
                    fault_window=ns.fault_window, evidence_dir=ns.evidence_dir)  # validated by RunOptions, as every option
+
+
+def given_node_options(ours: Sequence[str]) -> frozenset[str]:
+    """The `RUN_NODE_OPTIONS` on run's own part of the command line (either spelling)."""
+    names = {t.split("=")[0].replace("_", "-") for t in ours if t.startswith("--")}
+    return frozenset(n for n in RUN_NODE_OPTIONS if n in names)
+
+
+def srun_launch(ours: Sequence[str], snapshot: Mapping[str, str]) -> RunLaunch:
+    """Who started run, and the node options SLURM gives where the user gave none
+    (`core.values.launcher.run_launch`); more than one srun task of run on this node is a
+    `SrunTasksError`."""
+    from ..machine.scontrol import detect_launcher
+
+    launch = run_launch(detect_launcher(snapshot), snapshot, given_node_options(ours))
+    if launch.refused:
+        raise SrunTasksError(launch.tasks_per_node, launch.tasks_source)
+    return launch
+
+
+def apply_launch(ns: argparse.Namespace, launch: RunLaunch) -> None:
+    """torchrun's parsed node options with the values read from SLURM (only those the user
+    did not give: `run_launch` leaves theirs None)."""
+    if launch.nnodes is not None:
+        ns.nnodes = str(launch.nnodes)
+    if launch.node_rank is not None:
+        ns.node_rank = launch.node_rank
+    if launch.master_addr is not None:
+        ns.master_addr = launch.master_addr
+    if launch.master_port is not None:
+        ns.master_port = launch.master_port
 
 
 #: The start method of a warm start (run/warm.py): torch's agent starts a function entry point

@@ -10,6 +10,11 @@ to the next candidate, or stop with an exit code for the scheduler.
 - Repeats are a fault rate, not "one more step resets it": a second fault on the same strategy
   within ``fault_window`` steps of the one before steps down, whatever its kind.
 - A one-device job never blames a backend: a signature there counts as an exit.
+- A GPU that failed in hardware (the ``gpu_fault`` cause: an uncorrectable ECC or NVLink
+  error, a GPU fallen off the bus, an unspecified launch failure) is the machine's: retried
+  once (a new process often recovers), never stepped down (the next strategy would run on the
+  same GPU); a repeat stops with `INFRASTRUCTURE`, the node's fault: requeue elsewhere, the
+  node excluded under SLURM.
 - The script's own faults (an exception, out of memory, diverged ranks) stop with
   `USER_ERROR`: do not requeue.
 - A launch fault (a port held, a store unreachable, a name that does not resolve, a library
@@ -255,16 +260,19 @@ _TRANSPORT_PHASES = frozenset({COMM_SETUP, COLLECTIVE})
 #: The causes that are the machine's storage (a full disk, an I/O error, a stale handle, a
 #: read-only file system): never a strategy's.
 STORAGE_CAUSES = frozenset({"no_space", "storage_error"})
+#: The causes that are the machine's own (its storage, its GPU failed in hardware): a repeat
+#: stops for a requeue elsewhere, never a step-down (the next strategy runs on the same GPUs).
+MACHINE_CAUSES = STORAGE_CAUSES | {"gpu_fault"}
 
 
 def against_transport(verdict: Verdict) -> bool:
     """Whether a fault's evidence points at the strategy's transport, so that a step-down may
     help (pure): a backend signature; a stall of every rank inside communicator setup or one
     collective (`TRANSPORT_STALLS`); a rank that died without a word inside one (`phase`); a
-    node lost (the nodes' regrouping at the relaunch decides). Never an error from storage
-    (`STORAGE_CAUSES`), a stall whose ranks never arrived, are stopped, busy or asleep in their
+    node lost (the nodes' regrouping at the relaunch decides). Never an error from storage or a
+    GPU's hardware (`MACHINE_CAUSES`), a stall whose ranks never arrived, are stopped, busy or asleep in their
     own code, nor an exit outside any collective or communicator setup."""
-    if verdict.cause in STORAGE_CAUSES:
+    if verdict.cause in MACHINE_CAUSES:
         return False
     if verdict.kind in (VerdictKind.BACKEND, VerdictKind.LOST):
         return True
@@ -389,6 +397,7 @@ def _cleared(verdict: Verdict, said: str) -> Judgement:
     script = verdict.kind is VerdictKind.STALL and verdict.stall == "busy"
     whose = ("the script's own code keeps its rank busy" if script
              else "the machine's storage" if verdict.cause in STORAGE_CAUSES
+             else "a GPU of this machine failed in hardware" if verdict.cause == "gpu_fault"
              else "the evidence points at the script or the machine")
     return Judgement(Action.STOP, f"{said}, and nothing in it points at the transport "
                      f"({whose}): not stepped down, where it would be watched less",

@@ -11,7 +11,9 @@ usual (0).
 
 Requeue (`settle`): at the end of the run, the exit code, the environment and ``scontrol show
 job`` decide (`core/values/requeue.requeue_decision`, pure) whether ``scontrol requeue`` runs
-(`machine/scontrol`, under a deadline); one line says what was done.
+(`machine/scontrol`, under a deadline), and, when the run ended on a fault of this node's
+(`Ending.node_fault`), ``scontrol update JobId=J ExcNodeList=<the job's + this node>`` after it;
+one line says what was done.
 """
 
 from __future__ import annotations
@@ -143,22 +145,41 @@ class Preemption:
 CURRENT = Preemption()
 
 
-def settle(exit_code: int, env: Mapping[str, str]) -> int:
-    """At the end of the run: requeue the SLURM job when the code and the job ask for it; the
-    exit code unchanged."""
+@dataclass(frozen=True)
+class Ending:
+    """How the run ended: its exit code, and the cause that blames this node for it (one of
+    `core/knowledge/causes.NODE_CAUSES`: a GPU lost, CUDA that cannot start, a driver too old;
+    None: the fault, if any, is not the node's)."""
+
+    code: int
+    node_fault: str | None = None
+
+
+def settle(ending: Ending | int, env: Mapping[str, str]) -> int:
+    """At the end of the run: requeue the SLURM job when the code and the job ask for it, with
+    this node excluded when the fault was the node's (`requeue_decision`); the exit code
+    unchanged."""
     from ..machine import scontrol
 
+    if isinstance(ending, int):
+        ending = Ending(ending)
+    exit_code = ending.code
     decision = requeue_decision(exit_code, env, None)
     if decision.job_id is None or decision.reason is None:
         return exit_code  # not a SLURM job, or a code that asks for no requeue
     shown = scontrol.show_job(decision.job_id, env)
-    decision = requeue_decision(exit_code, env, None if shown is None else parse_show_job(shown))
+    decision = requeue_decision(exit_code, env, None if shown is None else parse_show_job(shown),
+                                ending.node_fault)
     _say(decision.reason or "")
     if decision.requeue and decision.job_id is not None:  # SLURM then stops this batch script (SIGTERM): it ends here anyway
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         failed = scontrol.requeue(decision.job_id, env)
         if failed is not None:
             _say(f"not requeued after all: {failed}")
+        elif decision.exclude is not None:  # SLURM takes ExcNodeList only once it is pending
+            unexcluded = scontrol.exclude_nodes(decision.job_id, decision.exclude, env)
+            if unexcluded is not None:
+                _say(f"requeued, but node {decision.node} is not excluded: {unexcluded}")
     return exit_code
 
 

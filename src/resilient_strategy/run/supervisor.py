@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.call.arguments import Arguments, options_from
 from ..core.call.options import MIN_STALL_S, Options, RunOptions
+from ..core.knowledge.causes import node_cause
 from ..core.measures.probe import ERROR, ProbeResult, ProbeSpec
 from ..core.values.bounded import parse_json
 from ..core.values.candidate import Candidate, CandidateKey
@@ -123,6 +124,13 @@ def supervise(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
     """Run the script to the end: retry a transient fault once on the same strategy, step down
     to the next candidate on a repeat or a backend's signature, stop at the throughput floor.
     Returns the exit status for the command line (`ExitCode`)."""
+    return supervise_ending(opts, env).code
+
+
+def supervise_ending(opts: RunOptions, env: Mapping[str, str] | None = None
+                     ) -> preempt.Ending:
+    """`supervise`, with the cause that blames this node where the run ended on one
+    (`preempt.Ending`: a requeue then excludes the node)."""
     snapshot = machine_env.snapshot(env)
     session: Path | None = None
     preempt.CURRENT = preempt.Preemption(preempt.grace_from(snapshot))
@@ -137,15 +145,22 @@ def supervise(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
                      "the run's directory"):
             session = Path(tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-"))
         return _supervise(opts, snapshot, fault, session)
-    except (NoWorkingStrategyError, MultiNodeError, GpuUnusableError, NoSpaceError) as exc:
+    except GpuUnusableError as exc:  # a GPU of this node no longer works: the node's fault
+        _say(str(exc))
+        return preempt.Ending(int(ExitCode.INFRASTRUCTURE), "gpu_fault")
+    except NoWorkingStrategyError as exc:  # the node's own where a cause says so (its driver)
+        _say(str(exc))
+        return preempt.Ending(int(ExitCode.INFRASTRUCTURE),
+                              node_cause(c.cause for c in exc.causes))
+    except (MultiNodeError, NoSpaceError) as exc:
         _say(str(exc))  # this machine (or node set) cannot run it: requeue elsewhere
-        return int(ExitCode.INFRASTRUCTURE)
+        return preempt.Ending(int(ExitCode.INFRASTRUCTURE))
     except ResilientStrategyError as exc:
         _say(str(exc))
-        return int(ExitCode.USAGE)
+        return preempt.Ending(int(ExitCode.USAGE))
     except KeyboardInterrupt:  # outside an attempt (deciding, probing): nothing is running
         _say("interrupted")
-        return int(ExitCode.INTERRUPTED)
+        return preempt.Ending(int(ExitCode.INTERRUPTED))
     finally:
         unhandled()
         if session is not None:
@@ -153,7 +168,7 @@ def supervise(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
 
 
 def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault | None,
-               session: Path) -> int:
+               session: Path) -> preempt.Ending:
     from ..machine.inspect import detect_facts
 
     job_start = time.time()  # the job's goodput counts from here (deciding included)
@@ -165,6 +180,8 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
     history: list[Attempt] = []
     notes: list[str] = []
     facts = detect_facts(snapshot)
+    if opts.run_launch.words():
+        _say(opts.run_launch.words())
     link = _link(opts, facts)
     if link is not None:
         _say(f"node {link.node} of {link.nodes}: the nodes' supervisors agree through the "
@@ -190,7 +207,7 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
             _say(f"node {link.node}: node 0 trains alone on {_label(decision)} (no backend "
                  "between the nodes beats one node); this node has nothing to run")
             evidence.summary(history)  # what this node saw until then (none: nothing written)
-            return int(ExitCode.SUCCESS)
+            return preempt.Ending(int(ExitCode.SUCCESS))
         peer = None
         if team is not None and not _alone(decision):  # node 0 alone has no peer to hear
             from .peers import PeerWatch
@@ -221,14 +238,14 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
             else:
                 signum = int(getattr(exc, "sigval", 15))
                 _say(f"stopped by signal {signum}; the workers are stopped")
-                return interrupted(signum)
+                return preempt.Ending(interrupted(signum))
         finally:
             preempt.CURRENT.attempt_over()
             if peer is not None:
                 peer.close()
         if preempt.CURRENT.signum is not None and not verdict.ok:  # stopped for a preemption
             _say(preempt.CURRENT.line())
-            return int(ExitCode.INFRASTRUCTURE)
+            return preempt.Ending(int(ExitCode.INFRASTRUCTURE))  # no node's fault
         verdict = effective(verdict, choice.candidate.num_replicas)
         if verdict.kind is VerdictKind.LAUNCH:  # named: the port's holder where /proc shows it
             verdict = launch_faults.named(verdict, _holders(verdict))
@@ -319,8 +336,11 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
             from .peers import nodes_words
 
             _say(_summary(history, judgement) + nodes_words(changes) + f" {goodput.line()}.")
-            return int(judgement.exit_code if judgement.exit_code is not None
+            code = int(judgement.exit_code if judgement.exit_code is not None
                        else ExitCode.INFRASTRUCTURE)
+            blamed = (node_cause(a.verdict.cause for a in history if not a.verdict.ok)
+                      if code == ExitCode.INFRASTRUCTURE else None)
+            return preempt.Ending(code, blamed)
         ckpt = _last_checkpoint(session)
         how = {Action.RETRY: "retrying", Action.FEWER_NODES: "going on with fewer nodes",
                Action.MORE_NODES: "taking a node back",
@@ -767,7 +787,8 @@ def _choice(opts: RunOptions, facts: Any, env: Mapping[str, str],
         nodes=1 if o.framework != "torch" or p.chosen.num_replicas == 1 else nodes,
         node_trace=_node_trace(p.events) if agreed is not None else (),
         reference_replicas=p.reference_replicas, devices=devices, visible_devices=visible,
-        **_memory_planning(opts, o.framework, facts))
+        launcher="" if opts.run_launch.launcher == "python" else opts.run_launch.launcher,
+        launched_by=opts.run_launch.words(), **_memory_planning(opts, o.framework, facts))
     write_decision(RunDir(run_dir).decision, decision)
     step_s = estimate(p.chosen, facts, results.get(p.chosen.key), o).step_seconds
     return Choice(decision, p.chosen, step_s, left, link, change, tuple(p.ranked))
@@ -848,5 +869,5 @@ def main(argv: Sequence[str]) -> int:
         return int(ExitCode.USAGE)
     # the agent's own "failed (exitcode: 1)" lines: each fault gets our one line instead
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    return preempt.settle(supervise(replace(opts)), machine_env.snapshot())
+    return preempt.settle(supervise_ending(replace(opts)), machine_env.snapshot())
 

@@ -694,6 +694,7 @@ FIELD_KINDS = ("silent_hang", "probe_vs_training", "versions", "nodes", "pods_co
 EXPECT_KEYS = frozenset({
     "backend", "devices", "num_replicas", "accumulation_steps", "per_replica_batch_size", "env",
     "probed", "rules_fired", "explain_contains",
+    "notes",  # topics of the trace's notes the decision must say (``mig_one_slice``)
     "causes",  # {probe key: the cause its failure was placed on}, e.g. {"nccl": "nvls_multicast"}
     "sharded", "ladder", "ruled_out_by_memory",
     "offload",  # the chosen candidate offloads its state to the host

@@ -28,6 +28,7 @@ from ...vocab import (
 )
 from ..knowledge.remedies import Remedies, builtin_remedies
 from ..knowledge.rules import Rule
+from ..values.launcher import RunLaunch
 
 __all__ = [
     "BACKENDS", "DEFAULT_PROCESS_GROUP_TIMEOUT", "DEFAULT_TIMEOUT_S", "FRAMEWORKS", "FRAMEWORK_ALIASES",
@@ -358,6 +359,9 @@ class RunOptions:
     #: Act on a measured "another candidate is clearly faster": stop at a checkpoint, try it,
     #: keep the faster (``--measured-switch``, RESILIENT_STRATEGY_MEASURED_SWITCH; off: told only).
     measured_switch: bool = DEFAULT_MEASURED_SWITCH
+    #: Who started run and the node options read from it (`core.values.launcher.RunLaunch`:
+    #: srun's nodes, node rank, rendezvous, GPUs per node where the user gave none).
+    run_launch: RunLaunch = field(default_factory=RunLaunch, compare=False)
 
     @property
     def planned_sharding(self) -> str:

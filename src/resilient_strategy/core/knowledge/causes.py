@@ -9,6 +9,8 @@ Pure data: no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 _ROUTING = (
     ". The likeliest cause is PCIe peer-to-peer traffic routed through the IOMMU / ACS (PCIe "
     "Access Control Services), whether or not the IOMMU was detected: disable ACS in the BIOS "
@@ -180,6 +182,22 @@ ENVIRONMENTAL_CAUSES = frozenset({"no_space", "too_many_files", "permission", "n
                                   "host_memory", "storage_error", "gpu_fault", "gpu_busy",
                                   "status_lost", "port_in_use", "store_unreachable",
                                   "name_unresolved", "torch_import", "cuda_initialized"})
+
+#: Causes that are the node's own fault, its hardware or its driver: a run that ends with 75 on
+#: one of them asks for a requeue elsewhere, with this node excluded (`run/preempt.settle`;
+#: never for any other cause, whose fault may follow the job or be no node's). ``gpu_fault``:
+#: cluster operators drain the node on it (jade-hpc-gpu/jade-hpc-gpu.github.io#194, ECC errors
+#: on one node's jobs; NVIDIA/NVSentinel's gpu-health-monitor quarantines and drains a node on
+#: Xid 79 "GPU has fallen off the bus", NVIDIA/NVSentinel#966); ``cuda_init`` and
+#: ``driver_too_old`` speak for every GPU of the node (`GPU_WIDE_CAUSES`: the fabric manager,
+#: the driver), which another node may not share.
+NODE_CAUSES = frozenset({"gpu_fault", "cuda_init", "driver_too_old"})
+
+
+def node_cause(causes: Iterable[str]) -> str | None:
+    """The first of ``causes`` that blames the node (`NODE_CAUSES`), None when none does."""
+    return next((c for c in causes if c in NODE_CAUSES), None)
+
 
 #: Causes that are the launch's, not a strategy's (a port held, a store unreachable, a name
 #: that does not resolve, a library that breaks ``import torch``, CUDA initialised too early):

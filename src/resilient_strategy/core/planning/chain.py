@@ -40,10 +40,12 @@ def usable_gpus(facts: Facts, policy: Options, b: Build) -> tuple[int, ...]:
 
 def build_chain(
     fw: str, gpus: tuple[int, ...], has_cuda: bool, policy: Options, b: Build,
-    build: str = "",
+    build: str = "", mig: bool = False,
 ) -> tuple[list[Candidate], int]:
     """The static chain for this framework, before rules and results, and the number of
-    devices the best plan would use (the one-device fallbacks accumulate that many steps)."""
+    devices the best plan would use (the one-device fallbacks accumulate that many steps).
+    ``mig``: the GPUs are MIG instances (a launch of more processes than the one instance each
+    sees falls back to one slice on rank 0, said as ``mig_one_slice``)."""
     out: list[Candidate] = []
     n_proc = policy.world_size if fw == "torch" else 1
     nodes = policy.nodes if fw == "torch" else 1
@@ -65,7 +67,13 @@ def build_chain(
                "its own devices alone.")
     if fw == "torch" and n_proc > 1:
         multi_devs = gpus[:local] if len(gpus) >= local else ()
-        if gpus and len(gpus) < local:
+        if gpus and len(gpus) < local and mig:
+            b.note("mig_one_slice", f"The launcher started {local} processes on this node and "
+                   f"they see {len(gpus)} MIG instance(s): CUDA shows each process one MIG "
+                   "instance and NCCL runs no process group across MIG instances, so rank 0 "
+                   f"trains on one slice with {local} accumulation steps (the global batch "
+                   "kept) and the other ranks exit 0.")
+        elif gpus and len(gpus) < local:
             b.note("too_few_gpus", f"The launcher started {local} processes on this node but "
                    f"only {len(gpus)} GPUs are visible.")
         if nodes > 1:

@@ -117,7 +117,8 @@ def plan(
     if gpus and not policy.logical_cpus and any(r.effect == "no_gpu" for r in hits):
         gpus = ()  # the build cannot run on these GPUs at all: planned as without them
     base, reference = build_chain(fw, gpus, info.has_cuda or bool(policy.logical_cpus), policy, b,
-                                  info.build)
+                                  info.build, mig=any(g.mig_enabled for g in facts.gpus
+                                                      if g.index in gpus))
     reference = max(reference, reference_replicas)
     base = shard(base, facts, policy, b)
     cands = _apply_rules(base, hits, policy, b)

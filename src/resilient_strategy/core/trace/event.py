@@ -68,6 +68,9 @@ class Note(Event):
     whose deferred health check did not fit the probe budget: how to check them),
     ``retried_after_check`` (a probe whose failure is no verdict by itself, NCCL out of GPU
     memory while setting up: its GPUs checked, then probed once more, and what that gave),
+    ``mig_one_slice`` (more local processes than the MIG instances they see: rank 0 on one
+    slice with accumulation, the others exit), ``run_launcher`` (a worker of
+    ``resilient-strategy run`` started by srun: the node options read from SLURM),
     ``batch_implausible`` (a per-device micro-batch of more than a million samples: a
     dataset's size passed as the global batch, most likely), ``agreement_moved`` (the cache
     directory could not take the file local rank 0 shares its decision through: full,

@@ -264,3 +264,113 @@ def _slurm(env: Mapping[str, str], expand: Callable[[str], tuple[str, ...]]) -> 
         master_addr=addr, master_port=port, job_id=str(job) if job is not None else None,
         derived=kept, sources={k: v for k, v in sources.items() if k in kept},
         notes=tuple(notes))
+
+
+#: ``resilient-strategy run``'s node options that SLURM may fill (torchrun's spelling).
+RUN_NODE_OPTIONS = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--master-addr",
+                    "--master-port", "--nproc-per-node")
+
+
+@dataclass(frozen=True)
+class RunLaunch:
+    """Who started ``resilient-strategy run`` and the node options read from it where the user
+    gave none (`run_launch`): ``launcher`` (``slurm``: an srun task; else the kind, nothing
+    read), the values taken (None: the command line's), what each came from (``sources``: option
+    -> variable), and the srun tasks on this node (``tasks_per_node``: more than one is refused,
+    run starts the node's processes itself)."""
+
+    launcher: LauncherKind = "python"
+    nnodes: int | None = None
+    node_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    nproc: int | None = None
+    tasks_per_node: int = 1
+    tasks_source: str = ""
+    job_id: str | None = None
+    sources: Mapping[str, str] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def refused(self) -> bool:
+        """srun started more than one ``run`` on this node."""
+        return self.launcher == "slurm" and self.tasks_per_node > 1
+
+    def words(self) -> str:
+        """The launch in one line (empty when run was not started by srun)."""
+        if self.launcher != "slurm":
+            return ""
+        job = f" job {self.job_id}" if self.job_id else ""
+        taken = [f"{opt} {value} from {self.sources[opt]}" for opt, value in (
+            ("--nnodes", self.nnodes), ("--node-rank", self.node_rank),
+            ("--master-addr", self.master_addr), ("--master-port", self.master_port),
+            ("--nproc-per-node", self.nproc)) if value is not None and opt in self.sources]
+        return (f"launched by srun (SLURM{job}, one task per node): "
+                + ("; ".join(taken) if taken else "every node option from the command line"))
+
+
+def _gpu_count(text: str) -> int | None:
+    """A GPU count as SLURM writes it: ``2``, or ``a100:2`` (a type, then the count)."""
+    tail = text.strip().rpartition(":")[2]
+    return int(tail) if tail.isdigit() and int(tail) > 0 else None
+
+
+def run_launch(launcher: Launcher, env: Mapping[str, str],
+               given: frozenset[str] = frozenset()) -> RunLaunch:
+    """``resilient-strategy run``'s node options from SLURM, for an srun task (``launcher``
+    of kind ``slurm``: no torchrun or user ``RANK``), each only where the user gave none
+    (``given``: the `RUN_NODE_OPTIONS` on the command line): ``--nnodes`` from the step's nodes
+    (``SLURM_STEP_NUM_NODES``, ``SLURM_NNODES``), ``--node-rank`` from ``SLURM_NODEID``, and,
+    across nodes, the rendezvous at the first host of the node list on the job's port (as for
+    ``srun python``; neither where the user gave ``--rdzv-endpoint`` or ``--master-addr``; a
+    ``MASTER_ADDR`` / ``MASTER_PORT`` of the user's environment wins as it does there);
+    ``--nproc-per-node`` from ``SLURM_GPUS_ON_NODE``, else ``SLURM_GPUS_PER_TASK`` (one task per
+    node: its GPUs are the node's). The tasks srun started on this node: this node's count in
+    ``SLURM_STEP_TASKS_PER_NODE``, else ``SLURM_NTASKS_PER_NODE``. Pure."""
+    if launcher.kind != "slurm":
+        return RunLaunch(launcher.kind)
+    sources: dict[str, str] = {}
+    notes: list[str] = list(launcher.notes)
+    tasks, tasks_source = 1, ""
+    listed = _first(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
+    if listed is not None:
+        try:
+            counts = expand_tasks_per_node(listed[1])
+        except HostlistError as exc:
+            counts = ()
+            notes.append(f"{listed[0]}: {exc}")
+        if counts:
+            here = launcher.node_rank if launcher.node_rank < len(counts) else 0
+            tasks = counts[here] if listed[0] == "SLURM_STEP_TASKS_PER_NODE" else counts[0]
+            tasks_source = listed[0]
+    nnodes = node_rank = port = nproc = None
+    addr: str | None = None
+    if "--nnodes" not in given:
+        nnodes = launcher.nodes
+        sources["--nnodes"] = ("SLURM_STEP_TASKS_PER_NODE"
+                               if env.get("SLURM_STEP_TASKS_PER_NODE") else
+                               "SLURM_STEP_NUM_NODES" if env.get("SLURM_STEP_NUM_NODES")
+                               else "SLURM_NNODES")
+    if "--node-rank" not in given:
+        node_rank = launcher.node_rank
+        sources["--node-rank"] = "SLURM_NODEID"
+    across = (nnodes if nnodes is not None else 1) > 1 or "--nnodes" in given
+    if across and not given & {"--rdzv-endpoint", "--master-addr"}:
+        addr = launcher.master_addr
+        if addr is not None:
+            sources["--master-addr"] = ("MASTER_ADDR" if env.get("MASTER_ADDR") else
+                                        launcher.sources.get("MASTER_ADDR", "SLURM"))
+        if "--master-port" not in given and launcher.master_port is not None:
+            port = launcher.master_port
+            sources["--master-port"] = ("MASTER_PORT" if env.get("MASTER_PORT") else
+                                        launcher.sources.get("MASTER_PORT", "SLURM_JOB_ID"))
+    if "--nproc-per-node" not in given:
+        gpus = _first(env, "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_TASK")
+        if gpus is not None:
+            nproc = _gpu_count(gpus[1])
+            if nproc is None:
+                notes.append(f"{gpus[0]}={gpus[1]!r} is not a GPU count")
+            else:
+                sources["--nproc-per-node"] = gpus[0]
+    return RunLaunch("slurm", nnodes, node_rank, addr, port, nproc, tasks, tasks_source,
+                     launcher.job_id, sources, tuple(notes))

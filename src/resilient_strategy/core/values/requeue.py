@@ -7,12 +7,23 @@ task 0 of a step; the job is requeueable as SLURM itself says (``Requeue=1``: ``
 --requeue``, or the site's ``JobRequeue=1`` default; ``--no-requeue`` gives ``Requeue=0``);
 and it has been requeued fewer than `MAX_RESTARTS` times (``Restarts=``). A job that cannot be
 shown (scontrol missing, failing, silent) is never requeued: the job did not visibly ask.
+
+The node excluded (`exclusion`): when the run ended on a fault of this node's own
+(``node_fault``: its cause, from `core/knowledge/causes.NODE_CAUSES`, e.g. a GPU lost), the
+requeued job gets this node (``SLURMD_NODENAME``, else the job's ``BatchHost``) added to its
+``ExcNodeList``, the nodes already there kept (the user's ``--exclude``); never for a fault that
+is not the node's, and nothing to add when the node is excluded already. SLURM changes
+``ExcNodeList`` only on a pending job ("Job is no longer pending execution" on a running one,
+measured on slurm-wlm 22.05), so the update follows the requeue (the requeued job waits for its
+``BeginTime`` before it can start again, so the update lands first).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+
+from .launcher import HostlistError, expand_hostlist
 
 #: The exit code that asks for a requeue (`ExitCode.INFRASTRUCTURE`; not imported from run/,
 #: a floor above).
@@ -30,6 +41,10 @@ class RequeueDecision:
     requeue: bool
     job_id: str | None
     reason: str | None
+    #: The job's ``ExcNodeList`` to set once it is requeued (None: left as it is), and the node
+    #: it adds (the one whose fault ended the run).
+    exclude: str | None = None
+    node: str | None = None
 
 
 def parse_show_job(text: str) -> dict[str, str]:
@@ -54,10 +69,37 @@ def batch_job(env: Mapping[str, str]) -> str | None:
     return job
 
 
+def this_node(env: Mapping[str, str], job: Mapping[str, str] | None) -> str | None:
+    """The node this process runs on as SLURM names it: ``SLURMD_NODENAME`` (set for the batch
+    script and each task), else the job's ``BatchHost``."""
+    name = env.get("SLURMD_NODENAME", "").strip()
+    if not name and job is not None:
+        name = job.get("BatchHost", "").strip()
+    return name if name and name != "(null)" else None
+
+
+def exclusion(job: Mapping[str, str], node: str,
+              expand: Callable[[str], tuple[str, ...]] = expand_hostlist) -> str | None:
+    """The ``ExcNodeList`` that adds ``node`` to the job's own (``ExcNodeList=`` of
+    `parse_show_job`; ``(null)``: none), the nodes there kept as written; None when ``node`` is
+    excluded already. A list that cannot be expanded is kept and added to all the same."""
+    before = job.get("ExcNodeList", "").strip()
+    if before in ("", "(null)"):
+        return node
+    try:
+        if node in expand(before):
+            return None
+    except HostlistError:
+        pass
+    return f"{before},{node}"
+
+
 def requeue_decision(exit_code: int, env: Mapping[str, str],
-                     job: Mapping[str, str] | None) -> RequeueDecision:
+                     job: Mapping[str, str] | None,
+                     node_fault: str | None = None) -> RequeueDecision:
     """Requeue the job or not (see the module docstring). ``job``: `parse_show_job` of the
-    job, None when it could not be shown."""
+    job, None when it could not be shown. ``node_fault``: the cause that blames this node for
+    the run's end (None: the fault is not the node's), which excludes the node."""
     job_id = batch_job(env)
     if job_id is None:
         return RequeueDecision(False, None, None)
@@ -73,6 +115,18 @@ def requeue_decision(exit_code: int, env: Mapping[str, str],
     if restarts.isdigit() and int(restarts) >= MAX_RESTARTS:
         return RequeueDecision(False, job_id, f"SLURM job {job_id} was requeued {restarts} "
                                f"times already (at most {MAX_RESTARTS}): not requeued")
-    return RequeueDecision(True, job_id, f"SLURM job {job_id} requeued (exit 75; "
-                           f"restart {int(restarts) + 1 if restarts.isdigit() else 1} of at "
-                           f"most {MAX_RESTARTS})")
+    said = (f"SLURM job {job_id} requeued (exit 75; restart "
+            f"{int(restarts) + 1 if restarts.isdigit() else 1} of at most {MAX_RESTARTS})")
+    if node_fault is None:
+        return RequeueDecision(True, job_id, said)
+    node = this_node(env, job)
+    if node is None:
+        return RequeueDecision(True, job_id, f"{said}; the fault was this node's "
+                               f"({node_fault}), but SLURM names no node here "
+                               "(SLURMD_NODENAME, BatchHost): none excluded")
+    exclude = exclusion(job, node)
+    if exclude is None:
+        return RequeueDecision(True, job_id, f"{said}; node {node} ({node_fault}) is "
+                               "excluded already", node=node)
+    return RequeueDecision(True, job_id, f"{said}, node {node} excluded (its fault: "
+                           f"{node_fault}): ExcNodeList={exclude}", exclude, node)
