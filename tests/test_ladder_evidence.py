@@ -18,6 +18,7 @@ import pytest
 from resilient_strategy.core.knowledge.causes import CAUSES, SCRIPT_CAUSES, what_and_fix
 from resilient_strategy.core.knowledge.signatures import builtin_signatures
 from resilient_strategy.errors import NoWorkingStrategyError
+from resilient_strategy.records.progress import COLLECTIVE, STEP_DONE, Record
 from resilient_strategy.run.exitcodes import ExitCode
 from resilient_strategy.run.policy import (
     Action,
@@ -37,7 +38,6 @@ from resilient_strategy.run.verdicts import (
     blame,
     classify_attempt,
 )
-from resilient_strategy.records.progress import COLLECTIVE, STEP_DONE, Record
 from resilient_strategy.testing import MidRunFault, machine, replay
 
 GLOO = "torch:gloo:0,1"
