@@ -17,7 +17,10 @@ default allowance (no --stall-timeout), then makes its fault once (``--at`` is t
   ``--validate-s`` seconds (longer than the allowance) while the others wait in the next
   all-reduce (no fault: the job must finish);
 - ``sleepy_validation``: the same validation asleep (time.sleep): a rank that neither runs nor
-  progresses is held up: a stall naming rank 0, resumed;
+  progresses is held up: a stall naming rank 0, resumed; ``RS_VALIDATE``'s ``lock`` (asleep on
+  a ``threading.Lock`` another thread of its own holds) and ``flock`` (on a file lock a process
+  it started holds) are the same, asleep in the script's own code (``RS_VALIDATE_EVERY=1``:
+  on every attempt, not once);
 - ``user_connection_reset``: rank ``--rank`` pushes metrics to a server that resets the
   connection, and urllib raises ``ConnectionResetError: [Errno 104] Connection reset by peer``
   in the script's own code: the script's fault, stopped at once with 1 (do not requeue);
@@ -144,7 +147,9 @@ SCRIPT = textwrap.dedent("""
             if validate:
                 r, at, secs, how = validate.split(":")
                 flag = os.path.join(marks, "validated")
-                if int(r) == rank and sel.optimizer_steps == int(at) and not os.path.exists(flag):
+                again = os.environ.get("RS_VALIDATE_EVERY") == "1"  # on every attempt
+                if int(r) == rank and sel.optimizer_steps == int(at) and (
+                        again or not os.path.exists(flag)):
                     open(flag, "w").close()
                     end = time.monotonic() + float(secs)
                     if how == "sleep":

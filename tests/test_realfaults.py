@@ -18,6 +18,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from conftest import deadline
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.slow, pytest.mark.torch]
@@ -165,3 +166,48 @@ def test_the_remaining_rank_after_a_step_down_stopped_is_a_stall_and_resumes(
             for a in attempts] == [("gloo", "backend", "step_down"), ("cpu", "stall", "retry"),
                                    ("cpu", "ok", "finish")], _output(tmp_path)
     assert (row.stall, row.ranks, row.exit_code, row.left) == ("stopped", [0], 0, 0)
+
+
+# ----- four ranks, one asleep on a lock in its own code (issue 45) -----------------------------
+# Rank 2 of 4 gloo ranks, after step 12, waits on a lock of its own code (a threading.Lock another
+# of its threads holds, or a file lock a process it started holds) while the other three wait
+# in the all-reduce. The issue saw no verdict within 115 s with --stall-timeout 15.
+
+
+def _locked(tmp: Path, cache: Path, how: str, *run_args: str, every: bool = False) -> Any:
+    """Rank 2 of 4 locked at step 12 (the checkpoint before it: 10, so that a retry meets the
+    lock again when ``every``)."""
+    env = {"RS_VALIDATE": f"2:12:120:{how}", **({"RS_VALIDATE_EVERY": "1"} if every else {})}
+    args = _args(cache, *run_args, steps=30, nproc=4)
+    args.deadline = deadline(400)
+    run = rf.Run(args, tmp, env)
+    run.start()
+    return run.finish(rf.Row(f"{how}_of_four"), None)
+
+
+def _attempts(tmp: Path) -> list[dict[str, Any]]:
+    found = list((tmp / "resilient-strategy-evidence").glob("*/attempts.json"))
+    assert found, _output(tmp)
+    return list(json.loads(found[0].read_text())["attempts"])
+
+
+@pytest.mark.parametrize(("how", "run_args"), [("lock", ("--stall-timeout", "15")),
+                                               ("flock", ())])
+def test_one_of_four_ranks_asleep_on_a_lock_in_its_own_code_is_a_stall_naming_it(
+        how: str, run_args: tuple[str, ...], tmp_path: Path, cache: Path) -> None:
+    row = _locked(tmp_path, cache, how, *run_args)
+    assert (row.verdict, row.ranks, row.action, row.exit_code, row.left) == (
+        "stall", [2], "retry", 0, 0), _output(tmp_path)
+    first = _attempts(tmp_path)[0]["verdict"]
+    assert first["stall"] in ("straggler", "asleep")  # never arrived: no step-down evidence
+    assert first["detect_s"] >= 15.0  # caught at the allowance, not before
+
+
+def test_a_rank_asleep_on_a_lock_on_every_attempt_is_stopped_never_stepped_down(
+        tmp_path: Path, cache: Path) -> None:
+    row = _locked(tmp_path, cache, "lock", "--stall-timeout", "15", every=True)
+    said = [(a["candidate"].split(":")[1], a["verdict"]["kind"], a["verdict"]["ranks"],
+             a["action"], a["rule"]) for a in _attempts(tmp_path)]
+    assert said == [("gloo", "stall", [2], "retry", "first_fault"),
+                    ("gloo", "stall", [2], "stop", "not_the_transport")], _output(tmp_path)
+    assert (row.exit_code, row.left) == (75, 0)
