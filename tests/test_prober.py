@@ -5,7 +5,9 @@ GPU tests run only with RS_GPU_TESTS=1 on a machine with at least two CUDA GPUs.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import json
 import os
 import re
 import signal
@@ -585,3 +587,54 @@ def test_the_rank_that_found_zeros_is_blamed_when_its_echo_is_seen_exit_first(
     res = run_probe(gloo(train_step=False), {**env, FAULT: "zero:0"})
     assert (res.status, res.cause) == (ERROR, "zero_result"), res.detail
     assert res.detail.startswith("rank 0")
+
+
+def _listening_addresses(port: int) -> list[str]:
+    """The local addresses of the sockets listening on ``port`` (``/proc/net/tcp{,6}``, as the
+    kernel has them: hex, e.g. ``0100007F`` for 127.0.0.1, 32 zeros for ``::``)."""
+    found = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/net/{table}") as fh:
+            for line in fh.read().splitlines()[1:]:
+                fields = line.split()
+                address, _, hex_port = fields[1].rpartition(":")
+                if int(hex_port, 16) == port and fields[3] == "0A":  # 0A: LISTEN
+                    found.append(address)
+    return found
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs /proc/net/tcp")
+@pytest.mark.parametrize("use_libuv", [None, "0"])
+def test_the_probe_store_listens_on_loopback_only(
+        use_libuv: str | None, env: dict[str, str]) -> None:
+    """Issue 46, item 2: every worker of a probe runs on this host, so rank 0's TCPStore takes
+    no connection from another host. Before: torch's server listened on every interface
+    (``::``) whatever its host name said (torch 2.13, both servers). Read while the probe runs
+    (rank 1 hangs in its broadcast: the store stays up until the hang is judged)."""
+    import threading
+
+    env = {k: v for k, v in env.items() if k != "USE_LIBUV"}
+    if use_libuv is not None:
+        env["USE_LIBUV"] = use_libuv
+    mine = set(Path(tempfile.gettempdir()).glob(f"rs-probe-{os.getpid()}-*"))
+    done: list[ProbeResult] = []
+    probe = threading.Thread(target=lambda: done.append(run_probe(
+        gloo(timeout_s=60.0, train_step=False), {**env, FAULT: "hang_broadcast:1"})))
+    probe.start()
+    seen: list[str] = []
+    try:
+        end = time.monotonic() + deadline(120)
+        while not seen and probe.is_alive() and time.monotonic() < end:
+            for where in set(Path(tempfile.gettempdir()).glob(f"rs-probe-{os.getpid()}-*")) - mine:
+                with contextlib.suppress(OSError, ValueError, AttributeError):
+                    port = json.loads((where / "store-port.json").read_text())["port"]
+                    seen = _listening_addresses(port)
+            time.sleep(0.01)
+    finally:
+        probe.join(timeout=deadline(180))
+    assert not probe.is_alive()
+    assert seen == ["0100007F"]  # 127.0.0.1 alone: not 0.0.0.0, not ::
+    assert done and done[0].status == TIMEOUT  # the rehearsed hang, judged as before

@@ -69,6 +69,7 @@ import contextlib
 import inspect
 import math
 import os
+import socket
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -235,18 +236,20 @@ STORE_PORT_FILE = "store-port.json"
 _POLL_S = 0.02
 
 
-def _rendezvous(dist: Any, args: argparse.Namespace, fault: str) -> Any:
+def _rendezvous(dist: Any, args: argparse.Namespace, fault: str) -> tuple[Any, bool | None]:
     """This rank's connection to the probe's TCPStore, hosted by rank 0 on a port the kernel
-    picked and published in ``--rendezvous``; every wait ends by ``--timeout``."""
+    picked (on loopback only where torch takes a listening socket: `_tcp_store`) and published
+    in ``--rendezvous``; every wait ends by ``--timeout``. With it, whether the server listens on
+    loopback only (rank 0), None on the other ranks."""
     timeout = timedelta(seconds=args.timeout)
     libuv = store_uses_libuv(os.environ)
     act_on_fault(fault, args.rank, "hang_rendezvous")  # rank 0: never publishes; others: never join
     published = Path(args.rendezvous) / STORE_PORT_FILE
     if args.rank == 0:
-        store = _tcp_store(dist, 0, args.world_size, True, timeout, libuv)
+        store, loopback = _tcp_store(dist, 0, args.world_size, True, timeout, libuv)
         write_json_atomic(published, {"port": int(store.port)}, durable=False,
                           what="the probe's rendezvous")
-        return store
+        return store, loopback
     deadline = time.monotonic() + args.timeout
     while True:
         try:
@@ -262,10 +265,48 @@ def _rendezvous(dist: Any, args: argparse.Namespace, fault: str) -> Any:
     return _tcp_store(dist, port, args.world_size, False, timeout, libuv)
 
 
+def loopback_listener() -> tuple[int, int]:
+    """A TCP socket bound to 127.0.0.1 on a port the kernel picks, listening: (port, its file
+    descriptor, detached: the store that takes it closes it)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(socket.SOMAXCONN)
+        port = int(sock.getsockname()[1])
+    except BaseException:
+        sock.close()
+        raise
+    return port, sock.detach()
+
+
 def _tcp_store(dist: Any, port: int, world: int, host: bool, timeout: timedelta,
-               libuv: bool) -> Any:
-    """A TCPStore on loopback; ``use_libuv`` where this torch takes it (>= 2.3)."""
-    kwargs: dict[str, Any] = {"wait_for_workers": False} if host else {}
+               libuv: bool) -> tuple[Any, bool | None]:
+    """A TCPStore on loopback, and whether its server listens on loopback only (None: this rank
+    is a client); ``use_libuv`` where this torch takes it (>= 2.3). Every rank of this probe
+    runs on this host and joins rank 0's server at 127.0.0.1, but torch binds its server to
+    every interface whatever ``host_name`` says (seen on torch 2.13, both servers: ``::``), so
+    rank 0 hands it a socket of its own bound to 127.0.0.1 (``master_listen_fd``: both servers
+    take it, and close it with the store). A torch without that argument hosts the store as
+    before, on every interface (False)."""
+    if not host:
+        return _tcp_store_of(dist, port, world, False, timeout, libuv, {}), None
+    port, fd = loopback_listener()
+    try:
+        store = _tcp_store_of(dist, port, world, True, timeout, libuv,
+                              {"wait_for_workers": False, "master_listen_fd": fd})
+    except TypeError:  # no master_listen_fd in this torch: every interface, as before
+        os.close(fd)
+        return _tcp_store_of(dist, 0, world, True, timeout, libuv,
+                             {"wait_for_workers": False}), False
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise
+    return store, True
+
+
+def _tcp_store_of(dist: Any, port: int, world: int, host: bool, timeout: timedelta,
+                  libuv: bool, kwargs: dict[str, Any]) -> Any:
     try:
         return dist.TCPStore("127.0.0.1", port, world, host, timeout, use_libuv=libuv, **kwargs)
     except TypeError:  # a torch older than use_libuv: its one server
@@ -284,9 +325,11 @@ def _init(torch: Any, dist: Any, args: argparse.Namespace, device: Any,
                                timeout=timedelta(seconds=args.timeout), wait_for_workers=False)
         kwargs["store"] = dist.PrefixStore(args.store_prefix, client)
     elif args.rendezvous:
-        store = _rendezvous(dist, args, fault)
+        store, loopback = _rendezvous(dist, args, fault)
         report["rendezvous"] = {"store": "TCPStore",
                                 "libuv": bool(getattr(store, "libuvBackend", False))}
+        if loopback is not None:
+            report["rendezvous"]["loopback_only"] = loopback
         kwargs["store"] = dist.PrefixStore("default_pg", store)  # as init_process_group does
     else:
         raise ProbeFailure("worker_error", "a process group needs --rendezvous or --store")
