@@ -76,8 +76,8 @@ def holders(root: Path = SRC) -> set[tuple[str, str]]:
             if isinstance(fn, ast.FunctionDef) and any(
                     ast.unparse(d).split("(")[0].rsplit(".", 1)[-1] in ("cache", "lru_cache")
                     for d in fn.decorator_list) and not (
-                    fn.name.endswith("_class") or fn.returns is not None
-                    and ast.unparse(fn.returns).startswith("type")):
+                    fn.name.endswith("_class") or (fn.returns is not None
+                    and ast.unparse(fn.returns).startswith("type"))):
                 found.add((where, fn.name))
         for fn in ast.walk(tree):
             if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
