@@ -50,7 +50,7 @@ def test_only_the_testing_kit_imports_the_testing_kit() -> None:
 #: its own; nothing imports up, and rooms on one floor do not import each other. The pure core
 #: is floor 1, stacked in sub-floors of its own, one folder per kind (``core.*``).
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("errors", "vocab"),
+    ("errors", "vocab", "process"),
     ("core", "core.values"),
     ("core.knowledge",),
     ("core.call",),

@@ -16,8 +16,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("run/agent.py", "_agent_class"): _SUPERVISOR,
     ("run/agent.py", "_launch"): _SUPERVISOR,
     ("run/supervisor.py", "_supervise"): _SUPERVISOR,
-    ("core/call/arguments.py", "options_from"): "issue 44 item 2: split with the option fields",
-    ("core/call/options.py", "__post_init__"): "issue 44 item 2: split with the option fields",
 }
 
 

@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from .core.call.fields import CALL
 from .core.values.facts import FABRIC_MIN_GPUS, Facts
 from .core.values.human import human_duration
 from .errors import ResilientStrategyError
@@ -49,7 +50,7 @@ EXIT_USAGE = 2
 EXIT_NOTHING_CACHED = 1
 #: Variables of the user's own environment that a simulation honours (they configure this
 #: library, they do not describe the simulated machine).
-_SIMULATION_PASSTHROUGH = ("RESILIENT_STRATEGY_RULES", "RESILIENT_STRATEGY_DISABLE_RULES")
+_SIMULATION_PASSTHROUGH = (CALL["rules"].env, CALL["disable_rules"].env)
 _LAUNCH_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 _LAUNCH_HINT = {"torch": "; --nproc-per-node N plans another launch", "tensorflow": ""}
 
@@ -200,7 +201,7 @@ def _check_disabled_rules(args: argparse.Namespace, real_env: Mapping[str, str])
         return
     from .core.knowledge.rules import load_rules
 
-    extra: list[str | Path] = [x for x in real_env.get("RESILIENT_STRATEGY_RULES", "").split(
+    extra: list[str | Path] = [x for x in real_env.get(CALL["rules"].env, "").split(
         os.pathsep) if x.strip()]
     known = {r.id for r in load_rules([*extra, *args.rules])}
     unknown = sorted(set(args.disable_rule) - known)

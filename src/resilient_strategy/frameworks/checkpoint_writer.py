@@ -35,6 +35,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ..process import PROCESS
+
 log = logging.getLogger("resilient_strategy")
 
 #: The longest a resume, the exit or a new save waits for a write in flight (seconds).
@@ -243,8 +245,11 @@ def one_line(exc: BaseException) -> str:
 
 
 # ----- the process's writers -----------------------------------------------------------------
-_WRITERS: weakref.WeakSet[Writer] = weakref.WeakSet()
-_HOOKED: list[bool] = []
+_WRITERS: weakref.WeakSet[Writer] = PROCESS.hold(
+    "frameworks.checkpoint_writer.writers", weakref.WeakSet,
+    "the checkpoint writers of this process, waited for at a resume and at the exit")
+_HOOKED: list[bool] = PROCESS.hold(
+    "frameworks.checkpoint_writer.hooked", list, "whether the exit hook is registered")
 
 
 def _register(writer: Writer) -> None:

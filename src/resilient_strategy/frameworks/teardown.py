@@ -22,16 +22,19 @@ import gc
 import sys
 from datetime import timedelta
 
+from ..process import PROCESS
 from . import checkpoint_writer
 
 #: The longest the exit barrier waits for the other ranks.
 EXIT_BARRIER_S = 30.0
 #: Process-wide by nature: the exit hook is registered once per process (`atexit`).
-_REGISTERED: list[bool] = []
+_REGISTERED: list[bool] = PROCESS.hold(
+    "frameworks.teardown.registered", list, "whether the exit hook is registered")
 #: Process-wide by nature: garbage was collected after the last group ended here, and no group
 #: began since (the exit then has nothing of a group left to free: one full collection with
 #: torch imported costs 0.08 s on a CPU and more with CUDA, and it ran three times per exit).
-_COLLECTED: list[bool] = []
+_COLLECTED: list[bool] = PROCESS.hold(
+    "frameworks.teardown.collected", list, "garbage collected since the last group ended")
 
 
 def end_process_group(barrier_s: float | None = EXIT_BARRIER_S) -> bool:
@@ -58,7 +61,8 @@ def end_process_group(barrier_s: float | None = EXIT_BARRIER_S) -> bool:
 
 
 #: Process-wide by nature: whether this process raised (read by the exit hook, at exit).
-_FAILED: list[bool] = []
+_FAILED: list[bool] = PROCESS.hold(
+    "frameworks.teardown.failed", list, "whether this process said it failed")
 
 
 def process_group_error() -> str | None:

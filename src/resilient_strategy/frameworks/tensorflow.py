@@ -62,6 +62,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import InvalidOptionError, ResilientStrategyError
+from ..process import PROCESS
 from ..vocab import ONE_REPLICA_BACKENDS, Backend
 from .stepmeter import StepMeter
 
@@ -134,7 +135,8 @@ class StrategyRegistry:
 
 
 #: This process's strategies (see `StrategyRegistry`).
-STRATEGIES = StrategyRegistry()
+STRATEGIES = PROCESS.hold("frameworks.tensorflow.strategies", StrategyRegistry,
+                          "the tf.distribute strategies of this process, one per key")
 
 
 class TfRuntime:

@@ -46,6 +46,7 @@ from ..core.values.bounded import (
     read_user_file,
 )
 from ..errors import FileFormatError, NoSpaceError, UnsafePathError
+from ..process import PROCESS
 from . import procs
 
 __all__ = ["MAX_DEPTH", "MAX_MACHINE_BYTES", "MAX_RULES_BYTES", "NOT_REGULAR", "check_depth",
@@ -65,7 +66,8 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 #: Process-wide by nature: a warning is said once per process (`warn_once`), whoever asks.
-_warned: set[str] = set()
+_warned: set[str] = PROCESS.hold(
+    "machine.files.warned", set, "the keys of the warnings said once per process (warn_once)")
 
 
 def _euid() -> int:
@@ -574,4 +576,5 @@ class TempSweep:
 
 
 #: This process's sweep (see `TempSweep`).
-TEMP_SWEEP = TempSweep()
+TEMP_SWEEP = PROCESS.hold("machine.files.temp_sweep", TempSweep,
+                          "the temporary entries this process sweeps (TempSweep)")

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from types import FrameType, ModuleType
 
 from ..errors import FrameworkInitializedError
+from ..process import PROCESS
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs ~8 ms (mypy knows both)
 if TYPE_CHECKING:
@@ -77,7 +78,8 @@ class ImportWatch:
 
 
 #: The package's watch, installed when ``resilient_strategy`` is imported.
-IMPORT_WATCH = ImportWatch()
+IMPORT_WATCH = PROCESS.hold("machine.guard.import_watch", ImportWatch,
+                            "where each framework was imported in this process")
 
 
 def install_import_watch() -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..core.values.facts import P2P_STATUSES, Link
+from ..process import PROCESS
 from .visible import MigDevice, PhysicalGpu
 
 #: nvmlGpuTopologyLevel_t values -> facts.TOPOLOGY_LEVELS words.
@@ -67,7 +68,8 @@ NVML_DEADLINE_S = 20.0
 
 #: Readings of this process still waiting in the driver (their thread is abandoned).
 #: Process-wide by nature: the driver call blocks the process's NVML, not one caller's.
-_STUCK: list[threading.Thread] = []
+_STUCK: list[threading.Thread] = PROCESS.hold(
+    "machine.nvml.stuck", list, "the NVML reading threads the driver never returned from")
 
 
 def stalled_error(deadline_s: float) -> str:

@@ -22,6 +22,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from ..errors import MultiNodeError, NodeLostError, StoreValueError
+from ..process import PROCESS
 from .messages import decode
 
 T = TypeVar("T")
@@ -84,7 +85,8 @@ class Job:
 #: Stores this process hosts (non-agent launches): kept alive so that ``init_process_group``
 #: on the same port reuses the server (``multi_tenant=True``) instead of failing to bind.
 #: Process-wide by nature: torch's process group finds the server by port, not through us.
-HOSTED: list[Any] = []
+HOSTED: list[Any] = PROCESS.hold(
+    "nodes.store.hosted", list, "the TCPStores this process hosts, kept alive for the job")
 
 
 def open_store(job: Job, timeout_s: float, *, client: bool = False) -> Any:
@@ -271,7 +273,8 @@ def read_faults(store: Any, job: Job, read: Callable[[int, dict[str, Any]], T], 
 #: The values already said refused in this process, by key (digests): one line per forged
 #: value, at most `_SAID_PER_KEY` values per key and `_SAID_KEYS` keys (a writer that changes
 #: its value at every look is said a few times, never once per look).
-_SAID: dict[str, set[str]] = {}
+_SAID: dict[str, set[str]] = PROCESS.hold(
+    "nodes.store.said", dict, "the forged store values already said, by key (digests)")
 _SAID_PER_KEY = 3
 _SAID_KEYS = 1024
 

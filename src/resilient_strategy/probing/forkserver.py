@@ -38,6 +38,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from ..process import PROCESS
+
 #: Seconds a server waits for the next request before it exits (a decision's probes follow
 #: each other within a second; the next decision starts a fresh server).
 IDLE_EXIT_S = 10.0
@@ -64,7 +66,8 @@ LOST_STATUS = 70
 #: The workers forked here whose exit status another reaper took (process-wide by nature: a
 #: SIGCHLD handler or a thread of this process that waits for any child; once seen, no worker
 #: is forked here again, `why_not_here`).
-_LOST: list[int] = []
+_LOST: list[int] = PROCESS.hold(
+    "probing.forkserver.lost", list, "the workers whose exit status another reaper took")
 
 
 class ForkServerError(OSError):
@@ -348,7 +351,8 @@ class ForkServers:
 
 
 #: This process's fork servers.
-FORK_SERVERS = ForkServers()
+FORK_SERVERS = PROCESS.hold("probing.forkserver.servers", ForkServers,
+                            "the fork servers this process started")
 atexit.register(FORK_SERVERS.close_all)
 
 

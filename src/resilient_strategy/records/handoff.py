@@ -30,6 +30,7 @@ from ..core.values.candidate import Candidate, CandidateKey
 from ..core.values.facts import Facts
 from ..errors import InvalidOptionError, NoSpaceError, ResilientStrategyError
 from ..machine import files
+from ..process import PROCESS
 from . import phases
 from .progress import (
     COLLECTIVE,
@@ -533,7 +534,8 @@ class WorkerState:
 
 
 #: The state of this process (the public functions' default).
-WORKER = WorkerState()
+WORKER = PROCESS.hold("records.handoff.worker", WorkerState,
+                      "this worker's handed decision, loaded once")
 
 
 def reporter_for(decision: HandedDecision, rank: int, local_rank: int, backend: str, replicas: int,

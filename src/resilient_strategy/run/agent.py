@@ -28,6 +28,7 @@ from ..errors import UnsafePathError
 from ..machine import env as machine_env
 from ..machine import files, procs
 from ..probing.proc import SHM_PREFIXES, reap_shm, shm_entries
+from ..process import PROCESS
 from ..records import flight, phases
 from ..records.flightdump import DumpStatus, RankDump, analyse, divergence
 from ..records.handoff import HandedDecision
@@ -632,7 +633,7 @@ def stop_stopped(pids: Mapping[int, int]) -> list[int]:
 
 #: The agent class, built once per process after torch is imported (`_agent_class`): a
 #: cache of a class, not state of a run.
-_AGENT: list[type[Any]] = []
+_AGENT: list[type[Any]] = PROCESS.hold("run.agent.agent_class", list, "the agent class")
 
 
 def _method_name(depth: int = 2) -> str:

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from ..core.call.arguments import WARM_START_VAR, env_flag, run_options_from
-from ..core.call.options import DEFAULT_FAULT_WINDOW, RunOptions
+from ..core.call.fields import RUN_FIELDS
+from ..core.call.options import RunOptions
 from ..core.values.launcher import RUN_NODE_OPTIONS, RunLaunch, run_launch
 from ..errors import InvalidOptionError, SrunTasksError
 from ..machine import env
@@ -88,63 +89,10 @@ def own_parser() -> argparse.ArgumentParser:
 
 
 def _ours(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--max-relaunches", type=int, default=None,
-                   help="relaunches at most, retries included (default: no count; the "
-                        "candidates and --max-attempts-without-progress bound it)")
-    p.add_argument("--min-throughput", type=float, default=0.25,
-                   help="never step down to a candidate estimated below this fraction of the "
-                        "throughput of the one that failed (default 0.25; 0: any)")
-    p.add_argument("--allow-cpu", action="store_true",
-                   help="a GPU job may step down to the CPU (refused by default)")
-    p.add_argument("--max-attempts-without-progress", type=int, default=3,
-                   help="stop after this many attempts in a row that get no further than the "
-                        "furthest step reached before (default 3)")
-    p.add_argument("--fault-window", type=int, default=DEFAULT_FAULT_WINDOW,
-                   help="optimizer steps: a second fault on a strategy within this many steps "
-                        "steps down; a communication error this many steps after the last "
-                        f"fault is retried first (default {DEFAULT_FAULT_WINDOW})")
-    p.add_argument("--evidence-dir", default="resilient-strategy-evidence",
-                   help="where each fault's per-rank tracebacks and the attempts record go "
-                        "(default: ./resilient-strategy-evidence)")
-    p.add_argument("--stall-timeout", type=float, default=None,
-                   help="seconds the ranks may wait on one that makes no progress (stopped, "
-                        "hung, or in a collective that never completes) before a stall is "
-                        "declared (default: max(15, 5 x the p99 step time))")
-    p.add_argument("--busy-timeout", type=float, default=None,
-                   help="seconds a rank busy in the script's own code (its CPU time advancing: "
-                        "validation, checkpointing) may keep the others waiting (default 600)")
-    p.add_argument("--framework", choices=("torch", "tensorflow"), default=None,
-                   help="the script's framework (default: read from the script)")
-    p.add_argument("--global-batch-size", type=int, default=None,
-                   help="for ranking the candidates (the script's own value is used in training)")
-    p.add_argument("--gradient-bytes", type=int, default=None,
-                   help="the model's gradient bytes, for ranking the candidates")
-    p.add_argument("--probe-timeout", type=float, default=None, help="seconds per probe")
-    p.add_argument("--sharding", choices=("auto", "full", "none"), default=None,
-                   help="shard the model (FSDP2): auto (when a replica does not fit; the "
-                        "default), full, none; as the script's resilient_strategy(sharding=), "
-                        "which must agree with it")
-    p.add_argument("--offload", choices=("none", "auto"), default=None,
-                   help="CPU offload of a sharded model's state: none (the default), auto (only "
-                        "where nothing that keeps it on the GPUs fits); as the script's "
-                        "resilient_strategy(offload=), which must agree with it")
-    p.add_argument("--param-bytes", type=int, default=None,
-                   help="the model's parameter bytes, for memory planning")
-    p.add_argument("--optimizer-state-factor", type=float, default=None,
-                   help="optimizer state per gradient byte (AdamW: 2, the default)")
-    p.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=None,
-                   help="fork a torch job's workers, every attempt's, from one server that "
-                        "imported torch once, so that a relaunch does not import torch again "
-                        "(default: on; --no-warm-start or RESILIENT_STRATEGY_WARM_START=0 "
-                        "starts fresh interpreters)")
-    p.add_argument("--measured-switch", action=argparse.BooleanOptionalAction, default=None,
-                   help="when rank 0 measures another proven candidate clearly faster, stop at "
-                        "the next checkpoint, try it with the same global batch and keep the "
-                        "faster one (default: on; --no-measured-switch or "
-                        "RESILIENT_STRATEGY_MEASURED_SWITCH=0 only tells)")
-    p.add_argument("--logical-cpus", type=int, default=0,
-                   help="TensorFlow test mode: plan for N logical CPU devices (the script "
-                        "passes logical_cpus=N too)")
+    """Our flags, each from its field (`core.call.fields.RUN_FIELDS`: flag, type, range,
+    default and help described once)."""
+    for f in RUN_FIELDS:
+        f.add_to(p)
     return p
 
 

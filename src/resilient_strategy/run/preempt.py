@@ -28,6 +28,7 @@ from types import FrameType
 from typing import Any
 
 from ..core.values.requeue import parse_show_job, requeue_decision
+from ..process import PROCESS
 from ..records import preemption as flag
 
 #: Seconds from the signal to the stop when no checkpoint is noted (SLURM's KillWait is 30 s
@@ -142,7 +143,8 @@ class Preemption:
 
 
 #: The supervisor's one preemption state (signal handlers are the process's).
-CURRENT = Preemption()
+CURRENT = PROCESS.hold("run.preempt.current", Preemption,
+                       "the supervisor's preemption state (its signal handlers)")
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ..machine.procs import alive
+from ..process import PROCESS
 from ..records.rundir import RUN_PREFIX
 
 #: The start method of a warm start (torchrun's ``--start-method``).
@@ -68,7 +69,8 @@ PRELOAD = (
 #: environment it started with, before any of `PRELOAD` was imported.
 SERVER_ENV: dict[str, str] = dict(os.environ)
 
-_STARTED: list[bool] = []
+_STARTED: list[bool] = PROCESS.hold(
+    "run.warm.started", list, "whether the warm start's fork server was started")
 
 #: How multiprocessing starts its fork server (``python -c`` with this command, Python
 #: 3.10-3.13): the numbers are the listening socket's descriptor and the read end of the pipe

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from ..core.call.fields import CALL
 from ..core.call.options import MIN_STALL_S
 from ..machine.procs import ProcStat, read_stat, ticks_per_second, tree_ticks
 from ..records.progress import (
@@ -38,7 +39,7 @@ WARMUP_STEPS = 3
 #: longer raises in the worker) and NCCL's heartbeat monitor (kills a rank whose watchdog is
 #: stuck) are set just above what the supervisor judges by (the stall allowance and the busy
 #: ceiling), so the supervisor judges first, with its evidence, and never later than it must.
-PG_TIMEOUT_VAR = "RESILIENT_STRATEGY_PG_TIMEOUT"
+PG_TIMEOUT_VAR = CALL["process_group_timeout"].env
 HEARTBEAT_VAR = "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"
 #: How far torch's timeouts sit above the supervisor's own ceiling (its poll, the evidence it
 #: collects and the stop take seconds; the heartbeat one more margin above the group's).

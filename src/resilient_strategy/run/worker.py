@@ -39,6 +39,7 @@ from typing import IO  # noqa: E402
 from ..errors import NoSpaceError  # noqa: E402
 from ..frameworks.teardown import process_group_error, skip_exit_barrier  # noqa: E402
 from ..probing.workers.watchdog import watch_parent, watch_process  # noqa: E402
+from ..process import PROCESS  # noqa: E402
 from ..records import phases  # noqa: E402
 from ..records.flight import serve  # noqa: E402
 from ..records.handoff import (  # noqa: E402
@@ -52,7 +53,8 @@ from ..records.rundir import RunDir  # noqa: E402
 
 _USAGE = "usage: python -m resilient_strategy.run.worker --supervisor PID DECISION SCRIPT [ARGS...]"
 #: Process-wide by nature: the stacks file stays open for faulthandler as long as the process.
-_KEEP: list[IO[str]] = []
+_KEEP: list[IO[str]] = PROCESS.hold(
+    "run.worker.keep", list, "the stacks file, open for faulthandler as long as the process")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -15,7 +15,6 @@ naming the variable and what it holds.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -24,33 +23,21 @@ from typing import Any, ClassVar, TypeVar
 
 from ...errors import FrameworkNotInstalledError, InvalidOptionError, InvalidRuleError
 from ...vocab import (
-    BACKENDS,
     FRAMEWORK_ALIASES,
     FRAMEWORKS,
-    PROBE_MODES,
 )
 from ..knowledge.remedies import ENV_VAR as REMEDIES_VAR
-from ..knowledge.remedies import load_remedies
+from ..knowledge.remedies import Remedies, load_remedies
 from ..knowledge.rules import Rule, load_rules
 from ..knowledge.signatures import signatures_from_env
 from ..values.facts import Facts
 from ..values.tfcluster import VAR as TF_CONFIG_VAR
 from ..values.tfcluster import parse_tf_config
+from .fields import CALL, RUN, shown
 from .model import gradient_bytes_of, unit_bytes_of
 from .options import (
     CHECKPOINT_ASYNC_VAR,
-    DEFAULT_MEASURED_SWITCH,
-    DEFAULT_OPTIMIZER_STATE_FACTOR,
-    DEFAULT_PROCESS_GROUP_TIMEOUT,
-    DEFAULT_TIMEOUT_S,
-    DEFAULT_TTL_S,
-    DEFAULT_WARM_START,
-    MAX_PROCESS_GROUP_TIMEOUT,
-    MAX_RELAUNCHES,
-    MAX_STALL_TIMEOUT_S,
-    MAX_TIMEOUT_S,
     MAX_WORLD_SIZE,
-    MIN_STALL_S,
     Launch,
     Options,
     RunOptions,
@@ -63,24 +50,19 @@ def _env_list(env: Mapping[str, str], name: str, sep: str = ",") -> list[str]:
     return [x.strip() for x in env.get(name, "").split(sep) if x.strip()]
 
 
-#: The library's on/off variables: 1 or 0 (true / false too); empty is unset.
-FLAG_VARS = ("RESILIENT_STRATEGY_CACHE", "RESILIENT_STRATEGY_FORKSERVER", CHECKPOINT_ASYNC_VAR,
-             "RESILIENT_STRATEGY_WARM_START", "RESILIENT_STRATEGY_MEASURED_SWITCH")
 #: ``resilient-strategy run``'s warm start of its workers (``--warm-start``), on or off.
-WARM_START_VAR = "RESILIENT_STRATEGY_WARM_START"
+WARM_START_VAR = RUN["warm_start"].env
 #: ``resilient-strategy run``'s measured switch (``--measured-switch``), on or off.
-MEASURED_SWITCH_VAR = "RESILIENT_STRATEGY_MEASURED_SWITCH"
+MEASURED_SWITCH_VAR = RUN["measured_switch"].env
+#: The library's on/off variables: 1 or 0 (true / false too); empty is unset.
+FLAG_VARS = (CALL["cache"].env, "RESILIENT_STRATEGY_FORKSERVER", CHECKPOINT_ASYNC_VAR,
+             WARM_START_VAR, MEASURED_SWITCH_VAR)
 #: The library's variables that name files or directories (several, for RULES).
-PATH_VARS = ("RESILIENT_STRATEGY_CACHE_DIR", "RESILIENT_STRATEGY_RULES",
+PATH_VARS = (CALL["cache_dir"].env, CALL["rules"].env,
              "RESILIENT_STRATEGY_DECISION", "RESILIENT_STRATEGY_PROGRESS",
              "RESILIENT_STRATEGY_SIGNATURES", "RESILIENT_STRATEGY_REMEDIES")
 MAX_PATH_CHARS = 4096
 _TRUE, _FALSE = ("1", "true"), ("0", "false")
-
-
-def shown(text: str, limit: int = 120) -> str:
-    """What the user typed, quoted and cut to ``limit`` characters, for an error line."""
-    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} chars)"
 
 
 def env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -122,7 +104,7 @@ def _named(env: Mapping[str, str], name: str, read: Callable[[], _T]) -> _T:
 
 def _env_rules(env: Mapping[str, str]) -> list[str]:
     """RESILIENT_STRATEGY_RULES: rule files (os.pathsep between), each readable and valid."""
-    name = "RESILIENT_STRATEGY_RULES"
+    name = CALL["rules"].env
     files = _env_list(env, name, os.pathsep)
     if files:
         try:
@@ -135,7 +117,7 @@ def _env_rules(env: Mapping[str, str]) -> list[str]:
 def _env_disabled_rules(env: Mapping[str, str], extra: Sequence[str | Path | Rule]) -> list[str]:
     """RESILIENT_STRATEGY_DISABLE_RULES: rule ids (commas between), each one a rule has (as
     ``--disable-rule`` demands: a typo would leave the rule on without a word)."""
-    name = "RESILIENT_STRATEGY_DISABLE_RULES"
+    name = CALL["disable_rules"].env
     ids = _env_list(env, name)
     if ids:
         known = {r.id for r in load_rules(extra)}
@@ -155,20 +137,6 @@ def _env_int(env: Mapping[str, str], name: str, default: int | None) -> int | No
         return int(text)
     except ValueError:
         raise InvalidOptionError(f"{name}={shown(text)}: expected an integer", name) from None
-
-
-def _env_seconds(env: Mapping[str, str], name: str, default: float, top: float) -> float:
-    text = env.get(name)
-    if text is None:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and 0 < value <= top):
-        raise InvalidOptionError(
-            f"{name}={shown(text)}: expected a number of seconds in (0, {top:g}]", name)
-    return value
 
 
 def _launch(env: Mapping[str, str]) -> Launch:
@@ -228,59 +196,64 @@ def _iterable(name: str, value: Any) -> list[Any]:
         raise InvalidOptionError(f"{name} must be a sequence, not {value!r}", name) from None
 
 
+def _d(name: str) -> Any:
+    """The keyword's default, from its field (`fields.CALL`)."""
+    return CALL[name].default
+
+
 @dataclass(frozen=True)
 class TrainingArgs:
     """What trains: the framework, the global batch, the devices, precision, the training
     collectives' timeout and sharding."""
 
-    framework: str | None = None
-    global_batch_size: int | None = None
-    devices: Sequence[int] | None = None
-    precision: str = "auto"
-    logical_cpus: int = 0
-    process_group_timeout: float | None = None
-    sharding: str = "auto"
-    offload: str = "none"
+    framework: str | None = _d("framework")
+    global_batch_size: int | None = _d("global_batch_size")
+    devices: Sequence[int] | None = _d("devices")
+    precision: str = _d("precision")
+    logical_cpus: int = _d("logical_cpus")
+    process_group_timeout: float | None = _d("process_group_timeout")
+    sharding: str = _d("sharding")
+    offload: str = _d("offload")
 
 
 @dataclass(frozen=True)
 class ModelArgs:
     """How big the model is: for the cost model and memory planning."""
 
-    model: Any = field(default=None, compare=False)
-    gradient_bytes: int | None = None
-    param_bytes: int | None = None
-    optimizer_state_factor: float | None = None
-    sample_seconds: float | None = None
-    max_per_replica_batch: int | None = None
+    model: Any = field(default=_d("model"), compare=False)
+    gradient_bytes: int | None = _d("gradient_bytes")
+    param_bytes: int | None = _d("param_bytes")
+    optimizer_state_factor: float | None = _d("optimizer_state_factor")
+    sample_seconds: float | None = _d("sample_seconds")
+    max_per_replica_batch: int | None = _d("max_per_replica_batch")
 
 
 @dataclass(frozen=True)
 class ProbingArgs:
     """How to prove: probe mode, the probe timeout, a preferred backend, dry run, quiet."""
 
-    probe: str | bool | None = None
-    timeout: float | None = None
-    prefer: str | None = None
-    dry_run: bool = False
-    quiet: bool | None = None
+    probe: str | bool | None = _d("probe")
+    timeout: float | None = _d("timeout")
+    prefer: str | None = _d("prefer")
+    dry_run: bool = _d("dry_run")
+    quiet: bool | None = _d("quiet")
 
 
 @dataclass(frozen=True)
 class CacheArgs:
     """Where proofs are kept."""
 
-    cache: bool = True
-    cache_dir: str | Path | None = None
-    cache_ttl: float | None = None
+    cache: bool = _d("cache")
+    cache_dir: str | Path | None = _d("cache_dir")  # noqa: RUF009 (None)
+    cache_ttl: float | None = _d("cache_ttl")
 
 
 @dataclass(frozen=True)
 class RuleArgs:
     """The user's known-issue rules, and the built-in ones they turn off."""
 
-    rules: Sequence[str | Path | Rule] = ()
-    disable_rules: Sequence[str] = ()
+    rules: Sequence[str | Path | Rule] = _d("rules")
+    disable_rules: Sequence[str] = _d("disable_rules")
 
 
 @dataclass(frozen=True)
@@ -395,62 +368,90 @@ def unexpected_keywords(who: str, unknown: Sequence[str], known: Sequence[str]) 
 
 
 def options_from(facts: Facts, env: Mapping[str, str], arguments: Arguments, /) -> Options:
-    """Validate every argument once; environment variables fill what was not passed."""
-    a = arguments
-    t, m, pr, c = a.training, a.model, a.probing, a.cache
-    framework, global_batch_size, devices = t.framework, t.global_batch_size, t.devices
-    precision, logical_cpus, sharding = t.precision, t.logical_cpus, t.sharding
-    offload = t.offload
-    process_group_timeout = t.process_group_timeout
-    model, gradient_bytes, param_bytes = m.model, m.gradient_bytes, m.param_bytes
-    optimizer_state_factor, sample_seconds = m.optimizer_state_factor, m.sample_seconds
-    max_per_replica_batch = m.max_per_replica_batch
-    probe, timeout, prefer, dry_run, quiet = pr.probe, pr.timeout, pr.prefer, pr.dry_run, pr.quiet
-    cache, cache_dir, cache_ttl = c.cache, c.cache_dir, c.cache_ttl
-    rules, disable_rules = a.rules.rules, a.rules.disable_rules
+    """Validate every argument once; environment variables fill what was not passed (each
+    option's variable and our default: its `fields.CALL` field)."""
+    t, m, pr, c = arguments.training, arguments.model, arguments.probing, arguments.cache
     check_environment(env)
-    if framework is not None and not isinstance(framework, str):
+    _check_kinds(t, c)
+    timeout = _number("timeout", pr.timeout)
+    cache_ttl = _number("cache_ttl", c.cache_ttl)
+    sample_seconds = _number("sample_seconds", m.sample_seconds)
+    group_timeout = _number("process_group_timeout", t.process_group_timeout)
+    fw, why = _pick_framework(t.framework, facts)
+    probe = CALL["probe"].given(pr.probe, env)
+    quiet = CALL["quiet"].given(pr.quiet, env)
+    probe = "auto" if probe is True else "never" if probe is False else probe
+    timeout = CALL["timeout"].given(timeout, env)
+    group_timeout = CALL["process_group_timeout"].given(group_timeout, env)
+    gradient_bytes, param_bytes, unit_bytes = _model_sizes(m)
+    launch = _launch(env)
+    prefer = CALL["prefer"].given(pr.prefer, env)
+    rules, remedies = _rules_and_remedies(env, arguments.rules)
+    # a rehearsed probe fault: a typo is refused here, never a rehearsal that injects nothing
+    parse_probe_fault(env.get(PROBE_FAULT_VAR, ""))
+    # The logical-CPU test mode proves nothing about this machine's GPUs: keep it out of the cache.
+    use_cache = c.cache and env_flag(env, CALL["cache"].env, True) and not t.logical_cpus
+    cluster = parse_tf_config(env.get(TF_CONFIG_VAR)) if fw == "tensorflow" else None
+    multi = cluster is not None and cluster.multi_worker
+    return Options(
+        framework=fw,
+        global_batch_size=t.global_batch_size,
+        devices=None if t.devices is None else tuple(int(d) for d in t.devices),
+        prefer=prefer,
+        gradient_bytes=gradient_bytes,
+        sample_seconds=sample_seconds,
+        max_per_replica_batch=m.max_per_replica_batch,
+        rank=launch.rank,
+        local_rank=launch.local_rank,
+        world_size=launch.world_size,
+        local_world_size=launch.local_world_size,
+        user_env=tuple(sorted(env)),
+        logical_cpus=t.logical_cpus,
+        tf_workers=cluster.num_workers if cluster is not None and multi else 1,
+        tf_worker_rank=(cluster.worker_rank or 0) if cluster is not None and multi else 0,
+        tf_task=cluster.task if cluster is not None else "",
+        probe=str(probe),
+        timeout_s=float(timeout),
+        budget_s=4 * float(timeout),
+        process_group_timeout=float(group_timeout),
+        dry_run=pr.dry_run,
+        cache_dir=(Path(c.cache_dir) if c.cache_dir else default_dir(env)) if use_cache else None,
+        cache_ttl_s=CALL["cache_ttl"].fallback if cache_ttl is None else float(cache_ttl),
+        rules=rules,
+        precision=t.precision,
+        framework_reason=why,
+        quiet=quiet,
+        remedies=remedies,
+        sharding=t.sharding,
+        offload=t.offload,
+        param_bytes=param_bytes,
+        optimizer_state_factor=CALL["optimizer_state_factor"].given(m.optimizer_state_factor, {}),
+        shard_unit_bytes=unit_bytes,
+        checkpoint_async=env_flag(env, CHECKPOINT_ASYNC_VAR, True),
+    )
+
+
+def _check_kinds(t: TrainingArgs, c: CacheArgs) -> None:
+    """The arguments whose kind no range check of `Options` can judge: the framework's name,
+    the devices (a sequence of integers) and the cache directory (a path)."""
+    if t.framework is not None and not isinstance(t.framework, str):
         raise InvalidOptionError(
-            f"framework must be 'torch' or 'tensorflow', not {framework!r}", "framework")
-    timeout = _number("timeout", timeout)
-    cache_ttl = _number("cache_ttl", cache_ttl)
-    sample_seconds = _number("sample_seconds", sample_seconds)
-    group_timeout = _number("process_group_timeout", process_group_timeout)
+            f"framework must be 'torch' or 'tensorflow', not {t.framework!r}", "framework")
+    devices = t.devices
     if devices is not None and (isinstance(devices, (str, bytes)) or not all(
         isinstance(d, int) and not isinstance(d, bool) for d in _iterable("devices", devices)
     )):
         raise InvalidOptionError(
             f"devices must be a sequence of GPU indices (ints), not {devices!r}", "devices")
-    if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+    if c.cache_dir is not None and not isinstance(c.cache_dir, (str, os.PathLike)):
         raise InvalidOptionError(
-            f"cache_dir must be a path (str or os.PathLike), not {cache_dir!r}", "cache_dir")
-    if isinstance(rules, (str, Path)):  # one file, not a sequence of characters
-        rules = (rules,)
-    if isinstance(disable_rules, str):
-        disable_rules = (disable_rules,)
-    fw, why = _pick_framework(framework, facts)
-    if probe is None:
-        probe = env.get("RESILIENT_STRATEGY_PROBE", "auto")
-        if probe not in PROBE_MODES:
-            raise InvalidOptionError(
-                f"RESILIENT_STRATEGY_PROBE={shown(probe)}: expected one of {PROBE_MODES}",
-                "RESILIENT_STRATEGY_PROBE")
-    if quiet is None and env.get("RESILIENT_STRATEGY_QUIET", "") != "":
-        flag = env["RESILIENT_STRATEGY_QUIET"].strip().lower()
-        if flag not in ("1", "0", "true", "false"):
-            raise InvalidOptionError(
-                f"RESILIENT_STRATEGY_QUIET={shown(flag)}: expected 1 (no progress line per probe) or "
-                "0 (one even when stderr is not a terminal)", "RESILIENT_STRATEGY_QUIET")
-        quiet = flag in ("1", "true")
-    if probe is True:
-        probe = "auto"
-    if probe is False:
-        probe = "never"
-    if timeout is None:
-        timeout = _env_seconds(env, "RESILIENT_STRATEGY_TIMEOUT", DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S)
-    if group_timeout is None:
-        group_timeout = _env_seconds(env, "RESILIENT_STRATEGY_PG_TIMEOUT", DEFAULT_PROCESS_GROUP_TIMEOUT,
-                                  MAX_PROCESS_GROUP_TIMEOUT)
+            f"cache_dir must be a path (str or os.PathLike), not {c.cache_dir!r}", "cache_dir")
+
+
+def _model_sizes(m: ModelArgs) -> tuple[int | None, int | None, int | None]:
+    """The gradient bytes, the parameter bytes and the largest sharding unit's bytes: as given,
+    else read from the model (a torch module: its parameters and its units)."""
+    model, gradient_bytes, param_bytes = m.model, m.gradient_bytes, m.param_bytes
     if model is not None and gradient_bytes is None:
         gradient_bytes = gradient_bytes_of(model)
     if gradient_bytes is None and param_bytes is not None:
@@ -460,66 +461,26 @@ def options_from(facts: Facts, env: Mapping[str, str], arguments: Arguments, /) 
         if param_bytes is None:
             param_bytes = sum(int(p.numel()) * int(p.element_size()) for p in model.parameters())
         unit_bytes = unit_bytes_of(model) or None
-    launch = _launch(env)
-    if prefer is None:
-        prefer = env.get("RESILIENT_STRATEGY_PREFER") or None
-        if prefer is not None and prefer not in BACKENDS:
-            raise InvalidOptionError(
-                f"RESILIENT_STRATEGY_PREFER={shown(prefer)}: expected one of {BACKENDS}",
-                "RESILIENT_STRATEGY_PREFER")
+    return gradient_bytes, param_bytes, unit_bytes
+
+
+def _rules_and_remedies(env: Mapping[str, str], given: RuleArgs
+                        ) -> tuple[tuple[Rule, ...], Remedies]:
+    """The rules (the variable's files, then the call's; less the ids turned off, the
+    variable's and the call's) and the remedies; the user's signature and remedy files are
+    read here too, so that a bad one fails now, named by its variable."""
+    rules, disable_rules = given.rules, given.disable_rules
+    if isinstance(rules, (str, Path)):  # one file, not a sequence of characters
+        rules = (rules,)
+    if isinstance(disable_rules, str):
+        disable_rules = (disable_rules,)
     extra_rules: list[str | Path | Rule] = [*_env_rules(env)]
     extra_rules += list(rules)
     disabled = [*_env_disabled_rules(env, extra_rules), *disable_rules]
-    # the user's signature and remedy files: a bad one fails here, named by its variable
     _named(env, "RESILIENT_STRATEGY_SIGNATURES", lambda: signatures_from_env(env, os.pathsep))
     remedies = _named(env, REMEDIES_VAR,
                       lambda: load_remedies(_env_list(env, REMEDIES_VAR, os.pathsep)))
-    # a rehearsed probe fault: a typo is refused here, never a rehearsal that injects nothing
-    parse_probe_fault(env.get(PROBE_FAULT_VAR, ""))
-    # The logical-CPU test mode proves nothing about this machine's GPUs: keep it out of the cache.
-    use_cache = cache and env_flag(env, "RESILIENT_STRATEGY_CACHE", True) and not logical_cpus
-    cluster = parse_tf_config(env.get(TF_CONFIG_VAR)) if fw == "tensorflow" else None
-    workers = cluster.num_workers if cluster is not None and cluster.multi_worker else 1
-    worker_rank = (cluster.worker_rank or 0) if cluster is not None and cluster.multi_worker \
-        else 0
-    return Options(
-        framework=fw,
-        global_batch_size=global_batch_size,
-        devices=None if devices is None else tuple(int(d) for d in devices),
-        prefer=prefer,
-        gradient_bytes=gradient_bytes,
-        sample_seconds=sample_seconds,
-        max_per_replica_batch=max_per_replica_batch,
-        rank=launch.rank,
-        local_rank=launch.local_rank,
-        world_size=launch.world_size,
-        local_world_size=launch.local_world_size,
-        user_env=tuple(sorted(env)),
-        logical_cpus=logical_cpus,
-        tf_workers=workers,
-        tf_worker_rank=worker_rank,
-        tf_task=cluster.task if cluster is not None else "",
-        probe=str(probe),
-        timeout_s=float(timeout),
-        budget_s=4 * float(timeout),
-        process_group_timeout=float(group_timeout),
-        dry_run=dry_run,
-        cache_dir=(Path(cache_dir) if cache_dir else default_dir(env)) if use_cache else None,
-        cache_ttl_s=DEFAULT_TTL_S if cache_ttl is None else float(cache_ttl),
-        rules=load_rules(extra_rules, disabled),
-        precision=precision,
-        framework_reason=why,
-        quiet=quiet,
-        remedies=remedies,
-        sharding=sharding,
-        offload=offload,
-        param_bytes=param_bytes,
-        optimizer_state_factor=DEFAULT_OPTIMIZER_STATE_FACTOR if optimizer_state_factor is None
-        else optimizer_state_factor,
-        shard_unit_bytes=unit_bytes,
-        checkpoint_async=env_flag(env, CHECKPOINT_ASYNC_VAR, True),
-    )
-
+    return tuple(load_rules(extra_rules, disabled)), remedies
 
 
 def run_options_from(env: Mapping[str, str], *, script: str, script_args: tuple[str, ...],
@@ -545,21 +506,12 @@ def run_options_from(env: Mapping[str, str], *, script: str, script_args: tuple[
             raise InvalidOptionError(
                 f"--nproc-per-node must be a number or 'auto', not {nproc!r}",
                 "--nproc-per-node") from None
-    if stall_timeout is None and env.get("RESILIENT_STRATEGY_STALL_TIMEOUT"):
-        stall_timeout = _env_seconds(env, "RESILIENT_STRATEGY_STALL_TIMEOUT", MIN_STALL_S,
-                                     MAX_STALL_TIMEOUT_S)
+    # each flag not given: its variable, then our default (its `fields.RUN` field)
+    stall_timeout = RUN["stall_timeout"].given(stall_timeout, env)
     check_environment(env)
-    if max_relaunches is None:
-        max_relaunches = _env_int(env, "RESILIENT_STRATEGY_MAX_RELAUNCHES", None)
-        if max_relaunches is not None and not 0 <= max_relaunches <= MAX_RELAUNCHES:
-            raise InvalidOptionError(
-                f"RESILIENT_STRATEGY_MAX_RELAUNCHES={env['RESILIENT_STRATEGY_MAX_RELAUNCHES']!r}: "
-                f"expected an integer from 0 to {MAX_RELAUNCHES}",
-                "RESILIENT_STRATEGY_MAX_RELAUNCHES")
-    if warm_start is None:
-        warm_start = env_flag(env, WARM_START_VAR, DEFAULT_WARM_START)
-    if measured_switch is None:
-        measured_switch = env_flag(env, MEASURED_SWITCH_VAR, DEFAULT_MEASURED_SWITCH)
+    max_relaunches = RUN["max_relaunches"].given(max_relaunches, env)
+    warm_start = RUN["warm_start"].given(warm_start, env)
+    measured_switch = RUN["measured_switch"].given(measured_switch, env)
     return RunOptions(
         script=script, script_args=script_args, framework=framework, nproc=count,
         max_relaunches=max_relaunches, stall_timeout_s=stall_timeout,

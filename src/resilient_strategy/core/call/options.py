@@ -9,7 +9,6 @@ variable the bad value came from. `arguments` reads the arguments of
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,42 +28,49 @@ from ...vocab import (
 from ..knowledge.remedies import Remedies, builtin_remedies
 from ..knowledge.rules import Rule
 from ..values.launcher import RunLaunch
+from .fields import (
+    CALL,
+    DEFAULT_FAULT_WINDOW,
+    DEFAULT_MEASURED_SWITCH,
+    DEFAULT_OPTIMIZER_STATE_FACTOR,
+    DEFAULT_PROCESS_GROUP_TIMEOUT,
+    DEFAULT_TIMEOUT_S,
+    DEFAULT_TTL_S,
+    DEFAULT_WARM_START,
+    MAX_BATCH,
+    MAX_CACHE_TTL_S,
+    MAX_FAULT_WINDOW,
+    MAX_GRADIENT_BYTES,
+    MAX_LOGICAL_CPUS,
+    MAX_OPTIMIZER_STATE_FACTOR,
+    MAX_PROCESS_GROUP_TIMEOUT,
+    MAX_RELAUNCHES,
+    MAX_SAMPLE_SECONDS,
+    MAX_STALL_TIMEOUT_S,
+    MAX_TIMEOUT_S,
+    MAX_WORLD_SIZE,
+    RUN,
+    OptionField,
+)
 
 __all__ = [
-    "BACKENDS", "DEFAULT_PROCESS_GROUP_TIMEOUT", "DEFAULT_TIMEOUT_S", "FRAMEWORKS", "FRAMEWORK_ALIASES",
-    "MULTI_BACKENDS", "PRECISIONS", "PROBE_MODES", "Launch", "Options", "RunOptions",
-    "default_dir",
+    "BACKENDS", "DEFAULT_FAULT_WINDOW", "DEFAULT_MEASURED_SWITCH", "DEFAULT_OPTIMIZER_STATE_FACTOR",
+    "DEFAULT_PROCESS_GROUP_TIMEOUT", "DEFAULT_TIMEOUT_S", "DEFAULT_TTL_S", "DEFAULT_WARM_START",
+    "FRAMEWORKS", "FRAMEWORK_ALIASES", "MAX_BATCH", "MAX_CACHE_TTL_S", "MAX_FAULT_WINDOW",
+    "MAX_GRADIENT_BYTES", "MAX_LOGICAL_CPUS", "MAX_OPTIMIZER_STATE_FACTOR",
+    "MAX_PROCESS_GROUP_TIMEOUT", "MAX_RELAUNCHES", "MAX_SAMPLE_SECONDS", "MAX_STALL_TIMEOUT_S",
+    "MAX_TIMEOUT_S", "MAX_WORLD_SIZE", "MULTI_BACKENDS", "PRECISIONS", "PROBE_MODES", "Launch",
+    "Options", "RunOptions", "default_dir",
 ]
 
-DEFAULT_TIMEOUT_S = 30.0
-#: Collective timeout of the training process group. Not the probe's 30 s: a rank may rightly
-#: wait minutes for a peer that checkpoints or evaluates; not torch's 10 minutes either.
-DEFAULT_PROCESS_GROUP_TIMEOUT = 300.0
-
-# ----- ranges (inclusive upper bounds) -------------------------------------------------------
-MAX_TIMEOUT_S = 3600.0  # one probe
-MAX_PROCESS_GROUP_TIMEOUT = 7 * 86400.0  # a training collective: a week (timedelta and NCCL take it)
-MAX_CACHE_TTL_S = 366 * 86400.0
-MAX_SAMPLE_SECONDS = 3600.0
-#: Batch sizes fit a 32-bit integer; beyond, the divisor search of the batch split would take
-#: minutes for nothing a DataLoader could feed.
-MAX_BATCH = 2**31 - 1
-MAX_GRADIENT_BYTES = 2**50  # a pebibyte of gradients
-MAX_LOGICAL_CPUS = 1024
-MAX_WORLD_SIZE = 2**20
-MAX_OPTIMIZER_STATE_FACTOR = 64.0
-#: AdamW: two fp32 moments per trainable parameter (SGD with momentum: 1; plain SGD: 0).
-DEFAULT_OPTIMIZER_STATE_FACTOR = 2.0
-
-
-DEFAULT_TTL_S = 7 * 24 * 3600.0
 #: 1 (the default) or 0: PyTorch checkpoints written in the background, or by the step itself.
 CHECKPOINT_ASYNC_VAR = "RESILIENT_STRATEGY_CHECKPOINT_ASYNC"
 
 def default_dir(env: Mapping[str, str]) -> Path:
     """RESILIENT_STRATEGY_CACHE_DIR > $XDG_CACHE_HOME/resilient_strategy > ~/.cache/..."""
-    if env.get("RESILIENT_STRATEGY_CACHE_DIR"):
-        return Path(env["RESILIENT_STRATEGY_CACHE_DIR"])
+    var = CALL["cache_dir"].env
+    if env.get(var):
+        return Path(env[var])
     base = env.get("XDG_CACHE_HOME") or str(Path(env.get("HOME") or Path.home()) / ".cache")
     return Path(base) / "resilient_strategy"
 
@@ -175,149 +181,115 @@ class Options:
         return Launch(self.rank, self.local_rank, self.world_size, self.local_world_size)
 
     def __post_init__(self) -> None:
-        if self.framework not in FRAMEWORKS:
-            raise InvalidOptionError(f"framework must be one of {FRAMEWORKS}, not {self.framework!r}",
-                                     "framework")
-        for name, top in (("global_batch_size", MAX_BATCH), ("gradient_bytes", MAX_GRADIENT_BYTES),
-                          ("param_bytes", MAX_GRADIENT_BYTES),
-                          ("shard_unit_bytes", MAX_GRADIENT_BYTES),
-                          ("max_per_replica_batch", MAX_BATCH), ("world_size", MAX_WORLD_SIZE),
-                          ("local_world_size", MAX_WORLD_SIZE)):
-            value = getattr(self, name)
-            if value is not None and (
-                not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= top
-            ):
-                raise InvalidOptionError(
-                    f"{name} must be a positive integer (at most {top}), not {value!r}", name)
-        if self.prefer is not None and self.prefer not in BACKENDS:
-            raise InvalidOptionError(f"prefer must be one of {BACKENDS}, not {self.prefer!r}", "prefer")
-        if self.devices is not None and (
-            not self.devices or len(set(self.devices)) != len(self.devices)
-            or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in self.devices)
-        ):
-            raise InvalidOptionError(f"devices must be distinct GPU indices, not {self.devices!r}",
-                                     "devices")
-        if isinstance(self.logical_cpus, bool) or not isinstance(self.logical_cpus, int) \
-                or not 0 <= self.logical_cpus <= MAX_LOGICAL_CPUS:
-            raise InvalidOptionError(
-                f"logical_cpus must be a count from 0 to {MAX_LOGICAL_CPUS}, not "
-                f"{self.logical_cpus!r}", "logical_cpus")
-        if self.logical_cpus and self.framework != "tensorflow":
-            raise InvalidOptionError("logical_cpus is a TensorFlow test mode: a positive count",
-                                     "logical_cpus")
-        for name, value, low, top in (("tf_workers", self.tf_workers, 1, MAX_WORLD_SIZE),
-                                      ("tf_worker_rank", self.tf_worker_rank, 0,
-                                       MAX_WORLD_SIZE - 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= top:
-                raise InvalidOptionError(f"{name} must be an integer from {low} to {top}, not "
-                                         f"{value!r}", "TF_CONFIG")
-        if self.tf_worker_rank >= self.tf_workers:
-            raise InvalidOptionError(f"TF_CONFIG: worker {self.tf_worker_rank} of "
-                                     f"{self.tf_workers}", "TF_CONFIG")
-        if self.tf_workers > 1 and self.framework != "tensorflow":
-            raise InvalidOptionError("TF_CONFIG workers are TensorFlow's; torch jobs use "
-                                     "torchrun", "TF_CONFIG")
-        if self.tf_workers > 1 and self.logical_cpus:
-            raise InvalidOptionError(
-                "logical_cpus is a single-process test mode; under a multi-worker TF_CONFIG each "
-                "CPU worker is one replica of MultiWorkerMirroredStrategy: leave logical_cpus 0",
-                "logical_cpus")
-        if not isinstance(self.checkpoint_async, bool):
-            raise InvalidOptionError(
-                f"checkpoint_async must be True or False, not {self.checkpoint_async!r}",
-                CHECKPOINT_ASYNC_VAR)
-        if self.sharding not in SHARDING_MODES:
-            raise InvalidOptionError(
-                f"sharding must be one of {SHARDING_MODES}, not {self.sharding!r}", "sharding")
-        if self.sharding == "full" and self.framework != "torch":
-            raise InvalidOptionError(
-                "sharding='full' is PyTorch's FSDP2; TensorFlow shards through keras.distribution "
-                "(out of scope here, see docs/how-to/large-models.md)", "sharding")
-        if not isinstance(self.offload, str) or self.offload not in OFFLOAD_MODES:
-            raise InvalidOptionError(
-                f"offload must be one of {OFFLOAD_MODES}, not {self.offload!r}", "offload")
-        if self.offload != "none" and self.framework != "torch":
-            raise InvalidOptionError(
-                "offload is PyTorch's FSDP2 CPUOffloadPolicy; TensorFlow has no such option here",
-                "offload")
-        if self.offload != "none" and self.sharding == "none":
-            raise InvalidOptionError(
-                "offload='auto' offloads a sharded (FSDP2) model's state, and sharding='none' "
-                "never shards: drop one of them", "offload")
-        factor = self.optimizer_state_factor
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (
-                math.isfinite(factor) and 0 <= factor <= MAX_OPTIMIZER_STATE_FACTOR):
-            raise InvalidOptionError(
-                f"optimizer_state_factor must be a number from 0 to "
-                f"{MAX_OPTIMIZER_STATE_FACTOR:g} (AdamW: 2, SGD with momentum: 1), not "
-                f"{factor!r}", "optimizer_state_factor")
-        _check_seconds("sample_seconds", self.sample_seconds, MAX_SAMPLE_SECONDS)
-        _check_seconds("timeout", self.timeout_s, MAX_TIMEOUT_S)
-        _check_seconds("process_group_timeout", self.process_group_timeout, MAX_PROCESS_GROUP_TIMEOUT)
-        _check_seconds("cache_ttl", self.cache_ttl_s, MAX_CACHE_TTL_S)
-        if self.probe not in PROBE_MODES:
-            raise InvalidOptionError(
-                f"probe must be one of {PROBE_MODES} (or a bool), not {self.probe!r}", "probe")
-        if self.quiet is not None and not isinstance(self.quiet, bool):
-            raise InvalidOptionError(f"quiet must be True, False or None, not {self.quiet!r}",
-                                     "quiet")
-        if self.precision not in PRECISIONS:
-            raise InvalidOptionError(f"precision must be one of {PRECISIONS}, not {self.precision!r}",
-                                     "precision")
-        if self.local_world_size is not None and (
-            self.local_world_size > self.world_size or self.world_size % self.local_world_size
-        ):
-            raise InvalidOptionError(
-                f"LOCAL_WORLD_SIZE={self.local_world_size} does not divide WORLD_SIZE="
-                f"{self.world_size}: every node must run the same number of processes",
-                "LOCAL_WORLD_SIZE",
-            )
-        for name, value in (("RANK", self.rank), ("LOCAL_RANK", self.local_rank)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise InvalidOptionError(f"{name}={value!r}: expected an integer", name)
-        if not 0 <= self.rank < self.world_size:
-            raise InvalidOptionError(
-                f"RANK={self.rank}: expected 0 to WORLD_SIZE-1 ({self.world_size - 1})", "RANK")
-        local = self.local_world_size or self.world_size
-        if not 0 <= self.local_rank < local:
-            raise InvalidOptionError(
-                f"LOCAL_RANK={self.local_rank}: expected 0 to {local - 1}", "LOCAL_RANK")
-        g, w = self.global_batch_size, self.processes
-        if g is not None and w > 1 and g % w:
-            raise InvalidOptionError(
-                f"global_batch_size={g} cannot be split exactly over the {w} processes the "
-                f"launcher started; use a multiple of {w}", "global_batch_size"
-            )
+        for f in _CHECKED:
+            f.check(getattr(self, f.field), none_ok=f.name not in _REQUIRED)
+        _check_sizes(self)
+        _check_test_modes(self)
+        _check_memory(self)
+        _check_launch(self)
 
 
-def _check_seconds(name: str, value: float | None, top: float) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-        math.isfinite(value) and 0 < value <= top
+#: The options `Options` checks by their fields (`fields.CALL`), and those of them that must be
+#: given (None is not a value there).
+_CHECKED: tuple[OptionField, ...] = tuple(CALL[n] for n in (
+    "framework", "global_batch_size", "gradient_bytes", "param_bytes", "max_per_replica_batch",
+    "prefer", "logical_cpus", "sharding", "offload", "optimizer_state_factor", "sample_seconds",
+    "timeout", "process_group_timeout", "cache_ttl", "probe", "quiet", "precision"))
+_REQUIRED = frozenset({"framework", "logical_cpus", "sharding", "offload",
+                       "optimizer_state_factor", "probe", "precision"})
+
+
+def _check_sizes(o: Options) -> None:
+    """The sizes that are no option of the user's (the largest sharding unit, the launcher's
+    counts) and the devices asked for."""
+    for name, top in (("shard_unit_bytes", MAX_GRADIENT_BYTES), ("world_size", MAX_WORLD_SIZE),
+                      ("local_world_size", MAX_WORLD_SIZE)):
+        value = getattr(o, name)
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= top
+        ):
+            raise InvalidOptionError(
+                f"{name} must be a positive integer (at most {top}), not {value!r}", name)
+    if o.devices is not None and (
+        not o.devices or len(set(o.devices)) != len(o.devices)
+        or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in o.devices)
+    ):
+        raise InvalidOptionError(f"devices must be distinct GPU indices, not {o.devices!r}",
+                                 "devices")
+    if not isinstance(o.checkpoint_async, bool):
+        raise InvalidOptionError(
+            f"checkpoint_async must be True or False, not {o.checkpoint_async!r}",
+            CHECKPOINT_ASYNC_VAR)
+
+
+def _check_test_modes(o: Options) -> None:
+    """TensorFlow's logical CPUs and its ``TF_CONFIG`` workers: TensorFlow's, and apart."""
+    if o.logical_cpus and o.framework != "tensorflow":
+        raise InvalidOptionError("logical_cpus is a TensorFlow test mode: a positive count",
+                                 "logical_cpus")
+    for name, value, low, top in (("tf_workers", o.tf_workers, 1, MAX_WORLD_SIZE),
+                                  ("tf_worker_rank", o.tf_worker_rank, 0, MAX_WORLD_SIZE - 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= top:
+            raise InvalidOptionError(f"{name} must be an integer from {low} to {top}, not "
+                                     f"{value!r}", "TF_CONFIG")
+    if o.tf_worker_rank >= o.tf_workers:
+        raise InvalidOptionError(f"TF_CONFIG: worker {o.tf_worker_rank} of "
+                                 f"{o.tf_workers}", "TF_CONFIG")
+    if o.tf_workers > 1 and o.framework != "tensorflow":
+        raise InvalidOptionError("TF_CONFIG workers are TensorFlow's; torch jobs use "
+                                 "torchrun", "TF_CONFIG")
+    if o.tf_workers > 1 and o.logical_cpus:
+        raise InvalidOptionError(
+            "logical_cpus is a single-process test mode; under a multi-worker TF_CONFIG each "
+            "CPU worker is one replica of MultiWorkerMirroredStrategy: leave logical_cpus 0",
+            "logical_cpus")
+
+
+def _check_memory(o: Options) -> None:
+    """Sharding and offload: PyTorch's FSDP2, and offload only of a sharded model."""
+    if o.sharding == "full" and o.framework != "torch":
+        raise InvalidOptionError(
+            "sharding='full' is PyTorch's FSDP2; TensorFlow shards through keras.distribution "
+            "(out of scope here, see docs/how-to/large-models.md)", "sharding")
+    if o.offload != "none" and o.framework != "torch":
+        raise InvalidOptionError(
+            "offload is PyTorch's FSDP2 CPUOffloadPolicy; TensorFlow has no such option here",
+            "offload")
+    if o.offload != "none" and o.sharding == "none":
+        raise InvalidOptionError(
+            "offload='auto' offloads a sharded (FSDP2) model's state, and sharding='none' "
+            "never shards: drop one of them", "offload")
+
+
+def _check_launch(o: Options) -> None:
+    """The launcher's ranks within its sizes, and the global batch split over its processes."""
+    if o.local_world_size is not None and (
+        o.local_world_size > o.world_size or o.world_size % o.local_world_size
     ):
         raise InvalidOptionError(
-            f"{name} must be a number of seconds in (0, {top:g}], not {value!r}", name)
+            f"LOCAL_WORLD_SIZE={o.local_world_size} does not divide WORLD_SIZE="
+            f"{o.world_size}: every node must run the same number of processes",
+            "LOCAL_WORLD_SIZE",
+        )
+    for name, value in (("RANK", o.rank), ("LOCAL_RANK", o.local_rank)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidOptionError(f"{name}={value!r}: expected an integer", name)
+    if not 0 <= o.rank < o.world_size:
+        raise InvalidOptionError(
+            f"RANK={o.rank}: expected 0 to WORLD_SIZE-1 ({o.world_size - 1})", "RANK")
+    local = o.local_world_size or o.world_size
+    if not 0 <= o.local_rank < local:
+        raise InvalidOptionError(
+            f"LOCAL_RANK={o.local_rank}: expected 0 to {local - 1}", "LOCAL_RANK")
+    g, w = o.global_batch_size, o.processes
+    if g is not None and w > 1 and g % w:
+        raise InvalidOptionError(
+            f"global_batch_size={g} cannot be split exactly over the {w} processes the "
+            f"launcher started; use a multiple of {w}", "global_batch_size"
+        )
 
 
 # ----- `resilient-strategy run` -------------------------------------------------------------
-MAX_STALL_TIMEOUT_S = 7 * 86400.0
-MAX_RELAUNCHES = 1000
-
-
-#: The default fault-rate window of ``resilient-strategy run`` (optimizer steps), and its bound.
-DEFAULT_FAULT_WINDOW = 100
-MAX_FAULT_WINDOW = 1_000_000_000
-
-
-#: Whether ``resilient-strategy run`` starts a torch job's workers warm by default: yes, measured
-#: faster (benchmarks/results/warm-restart-cpu-2026-11-27.md: a restart 9.24 s cold, 0.79 s warm).
-DEFAULT_WARM_START = True
-#: ``resilient-strategy run`` acts on a measured "another candidate is clearly faster" (issue 41
-#: item 4): a trial of it at a checkpoint, the faster one kept.
-DEFAULT_MEASURED_SWITCH = True
-
-
 @dataclass(frozen=True)
 class RunOptions:
     """What ``resilient-strategy run`` was asked (the supervisor's knobs), validated once.
@@ -372,48 +344,26 @@ class RunOptions:
         return self.offload or "none"
 
     def __post_init__(self) -> None:
-        if self.framework is not None and self.framework not in FRAMEWORKS:
-            raise InvalidOptionError(f"--framework must be one of {FRAMEWORKS}, not "
-                                     f"{self.framework!r}", "--framework")
-        for name, value, low, top in (
-                ("--nproc-per-node", self.nproc, 1, MAX_WORLD_SIZE),
-                ("--max-relaunches", self.max_relaunches, 0, MAX_RELAUNCHES),
-                ("--global-batch-size", self.global_batch_size, 1, MAX_BATCH),
-                ("--gradient-bytes", self.gradient_bytes, 1, MAX_GRADIENT_BYTES),
-                ("--param-bytes", self.param_bytes, 1, MAX_GRADIENT_BYTES),
-                ("--logical-cpus", self.logical_cpus, 0, MAX_LOGICAL_CPUS)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or not low <= value <= top):
-                raise InvalidOptionError(
-                    f"{name} must be an integer from {low} to {top}, not {value!r}", name)
-        _check_seconds("--stall-timeout", self.stall_timeout_s, MAX_STALL_TIMEOUT_S)
-        _check_seconds("--busy-timeout", self.busy_timeout_s, MAX_STALL_TIMEOUT_S)
-        _check_seconds("--probe-timeout", self.probe_timeout_s, MAX_TIMEOUT_S)
-        m = self.min_throughput
-        if isinstance(m, bool) or not isinstance(m, (int, float)) or not (
-                math.isfinite(m) and 0 <= m <= 1):
-            raise InvalidOptionError(f"--min-throughput must be a fraction in [0, 1], not {m!r}",
-                                     "--min-throughput")
-        n = self.max_attempts_without_progress
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_RELAUNCHES:
-            raise InvalidOptionError(
-                f"--max-attempts-without-progress must be an integer from 1 to "
-                f"{MAX_RELAUNCHES}, not {n!r}", "--max-attempts-without-progress")
-        w = self.fault_window
-        if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_FAULT_WINDOW:
-            raise InvalidOptionError(f"--fault-window must be an integer from 1 to "
-                                     f"{MAX_FAULT_WINDOW}, not {w!r}", "--fault-window")
+        for f in RUN.values():
+            if f.kind != "onoff":  # --warm-start / --measured-switch: resolved, below
+                f.check(getattr(self, f.field), none_ok=f.name not in _RUN_REQUIRED)
+        if self.nproc is not None and (isinstance(self.nproc, bool) or not isinstance(
+                self.nproc, int) or not 1 <= self.nproc <= MAX_WORLD_SIZE):
+            raise InvalidOptionError(f"--nproc-per-node must be an integer from 1 to "
+                                     f"{MAX_WORLD_SIZE}, not {self.nproc!r}", "--nproc-per-node")
         _check_memory_flags(self.sharding, self.offload, self.framework)
-        if not isinstance(self.warm_start, bool):
-            raise InvalidOptionError(f"--warm-start is on or off, not {self.warm_start!r}",
-                                     "--warm-start")
-        if not isinstance(self.measured_switch, bool):
-            raise InvalidOptionError(
-                f"--measured-switch is on or off, not {self.measured_switch!r}",
-                "--measured-switch")
+        for f in (RUN["warm_start"], RUN["measured_switch"]):
+            value = getattr(self, f.field)
+            if not isinstance(value, bool):
+                raise InvalidOptionError(f"{f.flag} is on or off, not {value!r}", f.flag)
         if not self.evidence_dir or "\0" in self.evidence_dir:
             raise InvalidOptionError(f"--evidence-dir must be a path, not {self.evidence_dir!r}",
                                      "--evidence-dir")
+
+
+#: run's flags that always hold a value (None is not one).
+_RUN_REQUIRED = frozenset({"min_throughput", "max_attempts_without_progress", "fault_window",
+                           "evidence_dir"})
 
 
 def _check_memory_flags(sharding: str | None, offload: str | None, framework: str | None) -> None:

@@ -9,15 +9,39 @@ reads the same bytes a source checkout does (the wheel's package data is
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 
 from ...errors import FileFormatError, InvalidRuleError, MissingDataFileError
+from ...process import PROCESS
 from ..values import bounded
 
 DATA_FILES: tuple[str, ...] = ("known_issues.toml", "signatures.toml", "remedies.toml",
                                "node_differences.toml", "nccl_diagnostics.toml")
+_T = TypeVar("_T")
+#: The user's tables kept parsed at the most (the oldest goes first); the shipped ones stay.
+MAX_USER_TABLES = 16
+_TABLES: dict[tuple[Hashable, ...], Any] = PROCESS.hold(
+    "core.knowledge.data.tables", dict,
+    "every table parsed once per process: a shipped one by its kind, a user's by its paths")
+
+
+def parsed(key: tuple[Hashable, ...], parse: Callable[[], _T], *, shipped: bool = True) -> _T:
+    """``parse()`` once per ``key`` in this process (a table's kind, and the paths of a user's
+    files); a user's (``shipped=False``) are kept `MAX_USER_TABLES` at the most, the oldest
+    going first. A parse that raises keeps nothing."""
+    stored = (shipped, *key)
+    if stored in _TABLES:
+        value: _T = _TABLES[stored]
+        return value
+    value = parse()
+    if not shipped:
+        users = [k for k in _TABLES if not k[0]]
+        for old in users[:max(0, len(users) - MAX_USER_TABLES + 1)]:
+            del _TABLES[old]
+    _TABLES[stored] = value
+    return value
 
 
 def read_data(name: str) -> tuple[str, str]:

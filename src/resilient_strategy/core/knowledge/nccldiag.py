@@ -26,10 +26,9 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from functools import lru_cache
 
 from ...errors import InvalidRuleError
-from .data import data_tables, read_data
+from .data import data_tables, parsed, read_data
 
 #: What marks a line of NCCL's diagnostics reports.
 MARK = "NCCL DIAG"
@@ -127,11 +126,9 @@ def parse_table(text: str, origin: str) -> tuple[Variable, ...]:
     return tuple(out)
 
 
-@lru_cache(maxsize=1)
 def builtin_table() -> tuple[Variable, ...]:
-    """The shipped table (``nccl_diagnostics.toml``)."""
-    text, origin = read_data("nccl_diagnostics.toml")
-    return parse_table(text, origin)
+    """The shipped table (``nccl_diagnostics.toml``), parsed once per process."""
+    return parsed(("nccl_diagnostics",), lambda: parse_table(*read_data("nccl_diagnostics.toml")))
 
 
 def version_tuple(version: object) -> tuple[int, ...] | None:

@@ -19,14 +19,13 @@ node 0's own NCCL, ``nccl/node0``, and gloo between the nodes stay).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ...errors import InvalidRuleError
 from ..values.facts import Facts, NodeFacts
-from .data import read_data
+from .data import parsed, read_data
 
 KINDS = ("differs", "shared", "any")
 EFFECTS = ("warn", "rule_out")
@@ -127,10 +126,10 @@ def parse_differences(text: str, origin: str) -> tuple[Difference, ...]:
     return tuple(out)
 
 
-@functools.lru_cache(maxsize=1)
 def differences() -> tuple[Difference, ...]:
-    """The shipped ``node_differences.toml``, read once."""
-    return parse_differences(*read_data("node_differences.toml"))
+    """The shipped ``node_differences.toml``, read once per process."""
+    return parsed(("node_differences",),
+                  lambda: parse_differences(*read_data("node_differences.toml")))
 
 
 # ----- the comparison ---------------------------------------------------------------------------

@@ -14,7 +14,6 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from ...vocab import BACKENDS
 from ..values import bounded
 from .candidate_env import refusal
 from .clauses import Clause, FactValue, clause_holds, parse_clause
-from .data import data_tables, read_data, table_id
+from .data import data_tables, parsed, read_data, table_id
 
 #: The table format this code reads.
 VERSION = 1
@@ -167,22 +166,23 @@ def merge(base: Remedies, remedies: Iterable[Remedy], causes: Mapping[str, tuple
     return Remedies(tuple(table.values()), tuple(lists.items()))
 
 
-@lru_cache(maxsize=1)
 def builtin_remedies() -> Remedies:
-    """The table shipped with the package (read once)."""
-    text, origin = read_data("remedies.toml")
-    remedies, causes = parse_remedies(text, origin)
-    return merge(Remedies((), ()), remedies, causes)
+    """The table shipped with the package (read once per process)."""
+    def parse() -> Remedies:
+        remedies, causes = parse_remedies(*read_data("remedies.toml"))
+        return merge(Remedies((), ()), remedies, causes)
+
+    return parsed(("remedies",), parse)
 
 
 def load_remedies(extra: Iterable[str | Path] | str | Path = ()) -> Remedies:
     """The built-in table plus the user's files (TOML, the same form)."""
     items = (extra,) if isinstance(extra, (str, Path)) else tuple(extra)
     paths = tuple(str(p) for p in items if str(p))
-    return builtin_remedies() if not paths else _load(paths)
+    return builtin_remedies() if not paths else parsed(("remedies", *paths),
+                                                       lambda: _load(paths), shipped=False)
 
 
-@lru_cache(maxsize=8)
 def _load(paths: tuple[str, ...]) -> Remedies:
     table = builtin_remedies()
     for name in paths:

@@ -14,14 +14,13 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from ...errors import FileFormatError, InvalidRuleError, UnsafePathError
 from ..values import bounded
 from .causes import CAUSES
-from .data import data_tables, read_data, table_id
+from .data import data_tables, parsed, read_data, table_id
 
 #: The table format this code reads; a file of a newer version is refused (it may mean more).
 VERSION = 1
@@ -227,11 +226,13 @@ def merge(builtin: Iterable[Signature], user: Iterable[Signature]) -> Signatures
     return Signatures(tuple(first + base))
 
 
-@lru_cache(maxsize=1)
 def builtin_signatures() -> Signatures:
-    """The table shipped with the package (read once)."""
-    text, origin = read_data("signatures.toml")
-    return Signatures(parse_signatures(text, origin), blame=parse_blame(text, origin))
+    """The table shipped with the package (read once per process)."""
+    def parse() -> Signatures:
+        text, origin = read_data("signatures.toml")
+        return Signatures(parse_signatures(text, origin), blame=parse_blame(text, origin))
+
+    return parsed(("signatures",), parse)
 
 
 def load_signatures(extra: Iterable[str | Path] | str | Path = ()) -> Signatures:
@@ -239,10 +240,10 @@ def load_signatures(extra: Iterable[str | Path] | str | Path = ()) -> Signatures
     an empty name is skipped (an empty ``RESILIENT_STRATEGY_SIGNATURES``)."""
     items = (extra,) if isinstance(extra, (str, Path)) else tuple(extra)
     paths = tuple(str(p) for p in items if str(p))
-    return builtin_signatures() if not paths else _load(paths)
+    return builtin_signatures() if not paths else parsed(("signatures", *paths),
+                                                         lambda: _load(paths), shipped=False)
 
 
-@lru_cache(maxsize=8)
 def _load(paths: tuple[str, ...]) -> Signatures:
     user: list[Signature] = []
     blame = Blame()
