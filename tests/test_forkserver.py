@@ -262,3 +262,22 @@ def test_no_fork_here_beside_another_python_thread() -> None:
     finally:
         stop.set()
         thread.join()
+
+
+def _tasks(root: Path, names: list[str]) -> str:
+    for tid, name in enumerate(names, start=100):
+        (root / str(tid)).mkdir(parents=True)
+        (root / str(tid) / "comm").write_text(name + "\n")
+    return str(root)
+
+
+def test_no_fork_here_once_autograd_s_device_threads_run(tmp_path: Path) -> None:
+    """A backward pass on a torch with an accelerator starts autograd's device threads (named
+    pt_autograd_<device>); a child forked after it dies in its first backward ("Unable to handle
+    autograd's threading in combination with fork-based multiprocessing": a probe failed so,
+    seen on an H200 host, and the decision fell back to one CPU process). Read from the names."""
+    plain = _tasks(tmp_path / "plain", ["python", "python", "python"])  # OpenMP's pool
+    assert _forkserver.autograd_threads(plain) == ""
+    started = _tasks(tmp_path / "started", ["python", "pt_autograd_0", "pt_autograd_1"])
+    assert _forkserver.autograd_threads(started) != ""  # refused (why_not_here asks it)
+    assert _forkserver.autograd_threads(str(tmp_path / "absent")) == ""

@@ -221,10 +221,37 @@ def why_not_here(maps: str = "/proc/self/maps") -> str:
     if _LOST:
         return (f"a worker's exit status was taken by another reaper here (pid {_LOST[0]}): "
                 "the workers are the fork server's children instead")
-    why = framework_threads()
+    why = framework_threads() or autograd_threads()
     if why:
         return why
     return driver_started(maps)
+
+
+#: The name torch gives the autograd engine's device threads (``pt_autograd_<device>``): started
+#: by the first backward pass on a build with an accelerator, even for CPU tensors, and fatal to
+#: a forked child's autograd ("Unable to handle autograd's threading in combination with
+#: fork-based multiprocessing", https://github.com/pytorch/pytorch/wiki/Autograd-and-Fork).
+AUTOGRAD_THREAD = "pt_autograd"
+
+
+def autograd_threads(tasks: str = "/proc/self/task") -> str:
+    """Why autograd rules forking here out ("" when its device threads never started in this
+    process, or the threads cannot be listed): read from each thread's name."""
+    try:
+        names = os.listdir(tasks)
+    except OSError:
+        return ""
+    for tid in names:
+        try:
+            with open(os.path.join(tasks, tid, "comm"), encoding="utf-8",
+                      errors="replace") as f:
+                name = f.read(64).strip()
+        except OSError:
+            continue  # a thread that ended between the listing and the read
+        if name.startswith(AUTOGRAD_THREAD):
+            return ("autograd's device threads run here (a backward pass ran before the "
+                    "decision): a forked child could not use autograd")
+    return ""
 
 
 def framework_threads() -> str:
