@@ -302,9 +302,10 @@ def is_regular(path: Path) -> bool:
         return False
 
 
-def _open_owned_fd(path: Path) -> tuple[int, os.stat_result]:
+def _open_owned_fd(path: Path, *, private: bool = True) -> tuple[int, os.stat_result]:
     """``path`` opened read-only (never through a symlink, never blocking on a FIFO) and checked:
-    a regular file, this user's own, not writable by group or others. The caller closes it."""
+    a regular file, this user's own and, where ``private``, not writable by group or others.
+    The caller closes it."""
     where = str(path)
     try:
         fd = os.open(path, os.O_RDONLY | _CLOEXEC | _NONBLOCK | _NOFOLLOW)
@@ -321,7 +322,7 @@ def _open_owned_fd(path: Path) -> tuple[int, os.stat_result]:
                 raise UnsafePathError(
                     where, f"is owned by uid {st.st_uid}, not by this user (uid {_euid()})",
                     _fix_file(where))
-            if st.st_mode & 0o022:
+            if private and st.st_mode & 0o022:
                 raise UnsafePathError(
                     where, f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})",
                     _fix_file(where))
@@ -346,21 +347,8 @@ def open_regular(path: Path) -> Any:
     ``O_NONBLOCK``, then checked with ``fstat``); the mode is not asked (a log another process
     of ours writes, tailed to the console). Raises UnsafePathError, FileNotFoundError,
     OSError."""
-    where = str(path)
+    fd, _ = _open_owned_fd(path, private=False)
     try:
-        fd = os.open(path, os.O_RDONLY | _CLOEXEC | _NONBLOCK | _NOFOLLOW)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.EMLINK) and os.path.islink(path):
-            raise UnsafePathError(where, "is a symbolic link", _fix_file(where)) from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UnsafePathError(where, NOT_REGULAR, _fix_file(where))
-        if sys.platform != "win32" and st.st_uid != _euid():
-            raise UnsafePathError(
-                where, f"is owned by uid {st.st_uid}, not by this user (uid {_euid()})",
-                _fix_file(where))
         os.set_blocking(fd, True)  # a regular file: reads never wait anyway
     except BaseException:
         os.close(fd)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 LauncherKind = Literal["python", "torchrun", "environment", "slurm", "slurm-batch"]
 LAUNCHER_KINDS: tuple[LauncherKind, ...] = ("python", "torchrun", "environment", "slurm",
@@ -183,6 +183,21 @@ def _first(env: Mapping[str, str], *names: str) -> tuple[str, str] | None:
     return None
 
 
+def _first_list(env: Mapping[str, str], names: tuple[str, ...],
+                parse: Callable[[str], tuple[Any, ...]],
+                notes: list[str]) -> tuple[str, tuple[Any, ...]] | None:
+    """The first of ``names`` set in ``env`` and its value parsed (a malformed one noted in
+    ``notes``, parsed as empty); None where none is set. Pure."""
+    listed = _first(env, *names)
+    if listed is None:
+        return None
+    try:
+        return listed[0], parse(listed[1])
+    except HostlistError as exc:
+        notes.append(f"{listed[0]}: {exc}")
+        return listed[0], ()
+
+
 def launcher_from(env: Mapping[str, str],
                   expand: Callable[[str], tuple[str, ...]] | None = None) -> Launcher:
     """The launcher of a process whose environment is ``env``. ``expand``: a node list's hosts
@@ -231,16 +246,11 @@ def _slurm(env: Mapping[str, str], expand: Callable[[str], tuple[str, ...]]) -> 
         local_world = world
         sources["LOCAL_WORLD_SIZE"] = world_name
     master_addr: str | None = None
-    listed = _first(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
-    if listed is not None:
-        try:
-            hosts = expand(listed[1])
-        except HostlistError as exc:
-            hosts = ()
-            notes.append(f"{listed[0]}: {exc}")
-        if hosts:
-            master_addr = hosts[0]
-            sources["MASTER_ADDR"] = f"first host of {listed[0]}"
+    listed = _first_list(env, ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"),
+                         expand, notes)
+    if listed is not None and listed[1]:
+        master_addr = listed[1][0]
+        sources["MASTER_ADDR"] = f"first host of {listed[0]}"
     job = _int(env, "SLURM_JOB_ID") or _int(env, "SLURM_JOBID")
     master_port = None if job is None else slurm_port(job)
     derived: dict[str, str] = {"RANK": str(rank), "WORLD_SIZE": str(world),
@@ -332,13 +342,10 @@ def run_launch(launcher: Launcher, env: Mapping[str, str],
     sources: dict[str, str] = {}
     notes: list[str] = list(launcher.notes)
     tasks, tasks_source = 1, ""
-    listed = _first(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
+    listed = _first_list(env, ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"),
+                         expand_tasks_per_node, notes)
     if listed is not None:
-        try:
-            counts = expand_tasks_per_node(listed[1])
-        except HostlistError as exc:
-            counts = ()
-            notes.append(f"{listed[0]}: {exc}")
+        counts = listed[1]
         if counts:
             here = launcher.node_rank if launcher.node_rank < len(counts) else 0
             tasks = counts[here] if listed[0] == "SLURM_STEP_TASKS_PER_NODE" else counts[0]
