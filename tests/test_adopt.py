@@ -177,6 +177,60 @@ def test_adopt_is_refused_on_a_sharded_decision_and_twice() -> None:
         rt.shutdown()
 
 
+def _nanogpt_loop(model: Any, opt: Any, data: Any, micro: int, per_step: int, steps: int) -> None:
+    """nanoGPT's loop: ``per_step`` forward/backward passes of ``micro`` samples, each loss
+    divided by ``per_step``, then one step and zero_grad."""
+    x, y = data.tensors
+    at = 0
+    for _ in range(steps):
+        for _ in range(per_step):
+            loss = torch.nn.functional.mse_loss(model(x[at:at + micro]), y[at:at + micro])
+            (loss / per_step).backward()
+            at += micro
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def test_a_loop_that_accumulates_itself_steps_on_every_call_and_each_step_is_checked() -> None:
+    """``accumulates=True`` (nanoGPT): the decision accumulates 2 on one process, the loop itself
+    4 passes of 4 per step (its accumulation divided by the world size it reads, 1): every step
+    applies, with the weights of one 16-sample batch per step; a loop that divides by the
+    launcher's WORLD_SIZE (2 passes: 8 samples) is stopped at its first step."""
+    ref = _model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    _nanogpt_loop(ref, ref_opt, _data(64), 16, 1, 4)
+    rt = TorchRuntime("cpu", (), 2, 16, 8, rank=0, local_rank=0, world_size=1, timeout_s=30)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        model, opt = rt.adopt(model, opt, accumulates=True)
+        _nanogpt_loop(model, opt, _data(64), 4, 4, 4)
+    finally:
+        rt.shutdown()
+    assert rt.optimizer_steps == 4
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(model.module.state_dict()[key], value)
+
+    rt = TorchRuntime("cpu", (), 2, 16, 8, rank=0, local_rank=0, world_size=1, timeout_s=30)
+    try:
+        model, opt = rt.adopt(_model(), torch.optim.SGD(_model().parameters(), lr=0.1),
+                              accumulates=True)
+        with pytest.raises(GlobalBatchError) as err:
+            _nanogpt_loop(model, opt, _data(64), 4, 2, 4)
+    finally:
+        rt.shutdown()
+    assert (err.value.step, err.value.expected, err.value.seen) == (0, 16, 8)
+
+
+def test_a_loop_that_accumulates_itself_needs_the_global_batch() -> None:
+    rt = _runtime(2, None)
+    try:
+        with pytest.raises(InvalidOptionError):
+            rt.adopt(_model(), torch.optim.SGD(_model().parameters(), lr=0.1), accumulates=True)
+    finally:
+        rt.shutdown()
+
+
 # ----- a resume whatever the loop does first --------------------------------------------------
 def _checkpointed(directory: Path, n: int, epochs: int, stop_after: int | None = None,
                   peek: bool = False) -> tuple[int, int, dict[str, Any]]:

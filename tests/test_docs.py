@@ -180,6 +180,11 @@ QUOTES: dict[str, tuple[str, str | None, int, dict[str, str], bool]] = {
     "quick-start": ("docs/getting-started.md", TRAIN, 2, {}, True),
     "fallback": ("README.md", TRAIN, 2, FAULT, True),
     "fallback-trace": ("docs/how-to/decision-trace.md", EXPLAIN, 2, FAULT, True),
+    "adoption-lines": ("docs/how-to/adopt-ddp.md", None, 0, {}, False),
+}
+#: quotes of a program of this repository's own, run as it is (not doctor, not a script above)
+PROGRAMS: dict[str, list[str]] = {
+    "adoption-lines": [sys.executable, str(ROOT / "benchmarks" / "adoption_lines.py")],
 }
 
 
@@ -196,6 +201,11 @@ def _printed(name: str, tmp: Path) -> list[str]:
            "RESILIENT_STRATEGY_CACHE_DIR": str(tmp / "cache"), "CUDA_VISIBLE_DEVICES": ""}
     env.pop("RESILIENT_STRATEGY_PROBE_FAULT", None)
     env.update(extra)
+    if name in PROGRAMS:
+        out = subprocess.run(PROGRAMS[name], cwd=tmp, env=env, capture_output=True, text=True,
+                             timeout=deadline(60))
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        return out.stdout.rstrip("\n").splitlines()
     if code is None:  # README's first command: doctor, its plan for torch (what it installs)
         argv = [sys.executable, "-m", "resilient_strategy", "doctor", "--framework", "torch"]
     else:
@@ -236,6 +246,19 @@ def test_what_ci_saw_readmes_first_command_print_is_checked_against_its_quote() 
     quote = _quotes(ROOT / "README.md")["doctor-plan"]
     assert _check_printed("doctor-plan", "Successfully installed torch\nGPUs...\n" + quote)
     assert not _check_printed("doctor-plan", quote.replace("chose: CPU", "chose: gloo"))
+
+
+def test_the_adoption_line_counts_quoted_are_the_scripts() -> None:
+    """docs/how-to/adopt-ddp.md's table is what benchmarks/adoption_lines.py counts in the
+    public-scripts suite (issue 43 item 5), in process (the slow test runs the program)."""
+    spec = importlib.util.spec_from_file_location("adoption_lines",
+                                                  ROOT / "benchmarks" / "adoption_lines.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    quote = _quotes(ROOT / QUOTES["adoption-lines"][0])["adoption-lines"]
+    assert quote == module.render(module.table())
+    assert len(module.table()) >= 4
 
 
 def test_the_quote_matcher() -> None:

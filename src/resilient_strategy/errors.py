@@ -360,18 +360,21 @@ class GlobalBatchError(ResilientStrategyError):
     samples than the decision's global batch gives it: what was claimed (the same global batch
     on every strategy) would not hold, so training stops at the first such micro-batch.
     ``step``: the optimizer step (counted from 0 in this process); ``expected`` and ``seen``:
-    this process's samples in that micro-batch."""
+    this process's samples in that micro-batch (in that whole step, for a loop that accumulates
+    itself: ``sel.adopt(..., accumulates=True)``)."""
 
-    def __init__(self, step: int, expected: int, seen: int, why: str) -> None:
+    def __init__(self, step: int, expected: int, seen: int, why: str, *,
+                 fix: str | None = None) -> None:
         self.step = step
         self.expected = expected
         self.seen = seen
+        fed = "a micro-batch" if fix is None else "a step"
         super().__init__(
-            f"optimizer step {step} was fed a micro-batch of {seen} sample(s) where the "
+            f"optimizer step {step} was fed {fed} of {seen} sample(s) where the "
             f"decision's global batch needs {expected} on this process ({why}), so each step "
-            "would not see the global batch it promises. Build the DataLoader with "
-            "batch_size=sel.batch_size (this process's micro-batch) and pass it to "
-            "sel.adopt(model, optimizer, loader).")
+            "would not see the global batch it promises. " + (fix or (
+                "Build the DataLoader with batch_size=sel.batch_size (this process's "
+                "micro-batch) and pass it to sel.adopt(model, optimizer, loader).")))
 
 
 class AccumulateRequiredError(ResilientStrategyError):

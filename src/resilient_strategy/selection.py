@@ -737,8 +737,8 @@ class Selection:
         self._init(self.runtime, stand_in=True)
         return self
 
-    def adopt(self, model: Any, optimizer: Any, loader: Any = None,
-              **ddp_kwargs: Any) -> tuple[Any, Any]:
+    def adopt(self, model: Any, optimizer: Any, loader: Any = None, *,
+              accumulates: bool = False, **ddp_kwargs: Any) -> tuple[Any, Any]:
         """PyTorch: ``(model, optimizer)`` for a loop of the script's own, which calls
         ``optimizer.zero_grad()``, ``loss.backward()`` and ``optimizer.step()`` itself: the
         model on this rank's device, a ``DistributedDataParallel`` or (one process alone) a
@@ -748,7 +748,10 @@ class Selection:
         global batch (`GlobalBatchError`, never a smaller or larger step in silence). Starts the
         process group first ([init_process_group][resilient_strategy.selection.Selection.init_process_group]).
         ``loader``: the training loader (its own DistributedSampler kept), so that a step
-        never spans two epochs. ``ddp_kwargs`` go to ``DistributedDataParallel``. See
+        never spans two epochs. ``accumulates=True``: the loop accumulates itself, dividing
+        its accumulation by ``torch.distributed.get_world_size()`` (nanoGPT); every step then
+        applies and each is checked to see ``global_batch_size`` over the processes that train.
+        ``ddp_kwargs`` go to ``DistributedDataParallel``. See
         `resilient_strategy.frameworks.adopted` and the how-to "adopt an existing DDP script"."""
         if self.framework != "torch":
             raise WrongFrameworkError("adopt() is PyTorch's; Keras uses sel.callbacks()")
@@ -760,7 +763,7 @@ class Selection:
         rt = self.runtime
         self._init(rt, stand_in=True)
         model, optimizer = rt.adopt(model, optimizer, loader, reporter=self.progress,
-                                    **ddp_kwargs)
+                                    accumulates=accumulates, **ddp_kwargs)
         return model, optimizer
 
     def _init(self, rt: Any, *, stand_in: bool = False) -> None:

@@ -131,6 +131,7 @@ class _Adopted:
     short: bool = False
     step_seen: int = 0  # this process's samples of the optimizer step under way (no loader)
     last_n: int | None = None  # the samples of this micro-step's first forward
+    own: bool = False  # the loop accumulates itself (adopt(accumulates=True)): every step applies
     params: list[Any] = field(default_factory=list)
 
 
@@ -386,7 +387,7 @@ class TorchRuntime:
 
     # ----- a loop of the script's own -----------------------------------------------------------
     def adopt(self, model: Any, optimizer: Any, loader: Any = None, *, reporter: Any = None,
-              **ddp_kwargs: Any) -> tuple[Any, Any]:
+              accumulates: bool = False, **ddp_kwargs: Any) -> tuple[Any, Any]:
         """Hand a loop that calls ``optimizer.zero_grad()``, ``loss.backward()`` and
         ``optimizer.step()`` itself what it needs to train on this decision; returns
         ``(model, optimizer)`` (`adopted`).
@@ -405,7 +406,16 @@ class TorchRuntime:
         `prepare` made): its length tells where each epoch ends, so that an optimizer step never
         spans two epochs (as under the strategy it replaces) and each micro-batch's samples are
         checked exactly. Without it the epoch's short last micro-batch ends its optimizer step.
-        ``reporter``: the supervisor's progress reports (`Selection.progress`), or None."""
+        ``reporter``: the supervisor's progress reports (`Selection.progress`), or None.
+
+        ``accumulates``: the loop accumulates itself, over as many forward/backward passes per
+        ``optimizer.step()`` as it computes from the world size it reads (nanoGPT's
+        ``gradient_accumulation_steps //= world_size``, with ``dist.get_world_size()``: 1 on a
+        one-device fallback). Then every ``step()`` applies, the loop's own
+        ``require_backward_grad_sync`` / ``no_sync()`` and loss scaling are left alone, and the
+        global batch is checked at each optimizer step: the samples of all its forwards with
+        gradients, times the processes that train, must be the decision's global batch
+        (``global_batch_size=`` is then required), else `GlobalBatchError`."""
         from torch.nn.parallel import DistributedDataParallel
 
         from . import adopted
@@ -418,6 +428,12 @@ class TorchRuntime:
         if p.adopted is not None:
             raise InvalidOptionError("sel.adopt(...) adopts one training loop: call it once")
         self._check_ddp_kwargs(ddp_kwargs)
+        if accumulates and (self.global_batch_size is None or p.checkpointer is not None):
+            raise InvalidOptionError(
+                "sel.adopt(..., accumulates=True) checks each optimizer step against the global "
+                "batch: pass global_batch_size= to resilient_strategy() (the samples of one "
+                "optimizer step over every process), and keep the loop's own checkpoint "
+                "(sel.checkpoint(...) needs the library's accumulation)", "accumulates")
         if p.checkpointer is not None and (loader is None or loader is not p.train_loader):
             raise InvalidOptionError(
                 "with sel.checkpoint(...), pass the training loader through "
@@ -428,9 +444,9 @@ class TorchRuntime:
         ddp = wrapped if isinstance(wrapped, DistributedDataParallel) else None
         if ddp is None:
             wrapped = adopted.alone_class()(wrapped)
-        state = _Adopted(ddp=ddp, expected=self.per_replica_batch_size)
+        state = _Adopted(ddp=ddp, expected=self.per_replica_batch_size, own=accumulates)
         p.adopted = state
-        if loader is not None:
+        if loader is not None and not accumulates:
             batch = getattr(loader, "batch_size", None)
             if self.per_replica_batch_size is not None and batch != self.per_replica_batch_size:
                 from ..errors import GlobalBatchError
@@ -449,7 +465,7 @@ class TorchRuntime:
                                   int(loader.batch_size or 0))
             if reporter is not None and self.optimizer_steps:
                 reporter.restored(self.optimizer_steps)
-        if loader is not None:
+        if loader is not None and not accumulates:
             self._start_epoch()  # after a restore: what is left of its epoch
         wrapped.register_forward_pre_hook(
             functools.partial(self._adopted_forward, reporter), with_kwargs=True)
@@ -467,7 +483,16 @@ class TorchRuntime:
         from . import adopted
 
         p, a = self._progress, self._progress.adopted
-        if a is None or a.seen or not torch.is_grad_enabled():
+        if a is None or not torch.is_grad_enabled():
+            return
+        if a.own:  # every forward of the step counts; the loop's own sync and scaling
+            a.step_seen += adopted.batch_of(tuple(args), dict(kwargs)) or 0
+            a.last_n = a.step_seen  # the step's samples so far (the step measurement's)
+            if not a.seen and reporter is not None:
+                reporter.backward_begin(True)
+            a.seen = True
+            return
+        if a.seen:
             return
         a.seen = True
         if p.train_loader is not None and p.micro == 0 and p.epoch_micro_left == 0:
@@ -529,6 +554,11 @@ class TorchRuntime:
         a = self._progress.adopted or _Adopted()
 
         def apply() -> bool:
+            if a.own:
+                self._check_own_step(a.step_seen)
+                a.step_seen = 0
+                out.append(optimizer.step() if closure is None else optimizer.step(closure))
+                return True
             full = (a.expected or 0) * self.accumulation_steps
             if 0 < a.step_seen < full:  # a short last step (no loader known): its samples'
                 for param in a.params:  # mean, as a full step's
@@ -543,6 +573,22 @@ class TorchRuntime:
             reporter.checkpoint_stalled(self.checkpoint_stall_s)
             reporter.stepped(stepped)
         return out[0] if out else None
+
+    def _check_own_step(self, seen: int) -> None:
+        """`GlobalBatchError` when an optimizer step of a loop that accumulates itself saw
+        other than its share of the global batch (the global batch over the processes that
+        train: the loop's accumulation did not follow the decision's world size)."""
+        from ..errors import GlobalBatchError
+
+        want = (self.global_batch_size or 0) // self.world_size
+        if seen != want:
+            raise GlobalBatchError(
+                self._progress.steps, want, seen,
+                f"the samples of one optimizer step: global batch {self.global_batch_size} over "
+                f"{self.world_size} process(es)",
+                fix="Divide the loop's accumulation by torch.distributed.get_world_size() (the "
+                    "decision's processes: 1 on a one-device fallback), not by the launcher's "
+                    "WORLD_SIZE.")
 
     def use_checkpointer(self, checkpointer: Any) -> None:
         """Checkpoint (and resume) through ``checkpointer`` (before `prepare`): the
@@ -714,6 +760,7 @@ class TorchRuntime:
         backward of such a micro-step: clip or inspect them then, before `step`."""
         p = self._progress
         return (p.micro + 1 >= self.accumulation_steps
+                or (p.adopted is not None and p.adopted.own)
                 or (p.epoch_micro_left is not None and p.epoch_micro_left <= 1)
                 or (p.adopted is not None and p.adopted.short and p.train_loader is None))
 
@@ -844,7 +891,8 @@ class TorchRuntime:
             p.adopted.seen = False
         p.micro += 1
         ckpt = p.checkpointer
-        if p.micro < self.accumulation_steps and not last_of_epoch and not short:
+        by_loop = p.adopted is not None and p.adopted.own
+        if p.micro < self.accumulation_steps and not last_of_epoch and not short and not by_loop:
             if ckpt is not None:
                 ckpt.micro_step(boundary=False, stepped=False, samples=samples)
             if meter is not None:
