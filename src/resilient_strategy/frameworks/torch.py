@@ -421,6 +421,35 @@ class TorchRuntime:
         from . import adopted
 
         p = self._progress
+        self._check_adoption(loader, accumulates, ddp_kwargs)
+        self.init(stand_in=True)
+        wrapped = self._wrap(model, ddp_kwargs)
+        ddp = wrapped if isinstance(wrapped, DistributedDataParallel) else None
+        if ddp is None:
+            wrapped = adopted.alone_class()(wrapped)
+        state = _Adopted(ddp=ddp, expected=self.per_replica_batch_size, own=accumulates)
+        p.adopted = state
+        if loader is not None and not accumulates:
+            self._adopt_loader(loader)
+        module = wrapped.module
+        if p.checkpointer is not None:
+            p.checkpointer.attach(module, optimizer, None, loader.sampler,
+                                  int(loader.batch_size or 0))
+            if reporter is not None and self.optimizer_steps:
+                reporter.restored(self.optimizer_steps)
+        if loader is not None and not accumulates:
+            self._start_epoch()  # after a restore: what is left of its epoch
+        wrapped.register_forward_pre_hook(
+            functools.partial(self._adopted_forward, reporter), with_kwargs=True)
+        state.params = [param for param in module.parameters() if param.requires_grad]
+        for param in state.params:
+            param.register_hook(self._adopted_grad)
+        step = functools.partial(self._adopted_step, optimizer, reporter)
+        return wrapped, adopted.optimizer_class()(optimizer, step, lambda: p.micro == 0)
+
+    def _check_adoption(self, loader: Any, accumulates: bool, ddp_kwargs: dict[str, Any]) -> None:
+        """What `adopt` refuses before it changes anything (`InvalidOptionError`)."""
+        p = self._progress
         if self.sharded:
             raise InvalidOptionError(
                 "this decision shards the model (FSDP2): train it through sel.prepare(...) and "
@@ -439,41 +468,23 @@ class TorchRuntime:
                 "with sel.checkpoint(...), pass the training loader through "
                 "sel.prepare(None, None, loader) first (it resumes mid-epoch there), then that "
                 "loader to sel.adopt(model, optimizer, loader)")
-        self.init(stand_in=True)
-        wrapped = self._wrap(model, ddp_kwargs)
-        ddp = wrapped if isinstance(wrapped, DistributedDataParallel) else None
-        if ddp is None:
-            wrapped = adopted.alone_class()(wrapped)
-        state = _Adopted(ddp=ddp, expected=self.per_replica_batch_size, own=accumulates)
-        p.adopted = state
-        if loader is not None and not accumulates:
-            batch = getattr(loader, "batch_size", None)
-            if self.per_replica_batch_size is not None and batch != self.per_replica_batch_size:
-                from ..errors import GlobalBatchError
 
-                raise GlobalBatchError(0, self.per_replica_batch_size, int(batch or 0),
-                                       "the loader's batch_size")
-            if not p.prepared:
-                p.train_loader = loader
-                p.prepared = True
-            sampler = getattr(loader, "sampler", None)
-            if hasattr(sampler, "set_epoch"):
-                self._register(sampler)
-        module = wrapped.module
-        if p.checkpointer is not None:
-            p.checkpointer.attach(module, optimizer, None, loader.sampler,
-                                  int(loader.batch_size or 0))
-            if reporter is not None and self.optimizer_steps:
-                reporter.restored(self.optimizer_steps)
-        if loader is not None and not accumulates:
-            self._start_epoch()  # after a restore: what is left of its epoch
-        wrapped.register_forward_pre_hook(
-            functools.partial(self._adopted_forward, reporter), with_kwargs=True)
-        state.params = [param for param in module.parameters() if param.requires_grad]
-        for param in state.params:
-            param.register_hook(self._adopted_grad)
-        step = functools.partial(self._adopted_step, optimizer, reporter)
-        return wrapped, adopted.optimizer_class()(optimizer, step, lambda: p.micro == 0)
+    def _adopt_loader(self, loader: Any) -> None:
+        """The adopted loop's training loader: its batch checked against the decision's, kept
+        as the loader the epochs are counted on, its sampler's epochs set (`adopt`)."""
+        p = self._progress
+        batch = getattr(loader, "batch_size", None)
+        if self.per_replica_batch_size is not None and batch != self.per_replica_batch_size:
+            from ..errors import GlobalBatchError
+
+            raise GlobalBatchError(0, self.per_replica_batch_size, int(batch or 0),
+                                   "the loader's batch_size")
+        if not p.prepared:
+            p.train_loader = loader
+            p.prepared = True
+        sampler = getattr(loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            self._register(sampler)
 
     def _adopted_forward(self, reporter: Any, module: Any, args: Any, kwargs: Any) -> None:
         """The first forward with gradients of each micro-step: the epoch, the batch check,
