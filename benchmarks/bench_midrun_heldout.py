@@ -53,12 +53,9 @@ def _fault(d: dict[str, Any]) -> Any:
 
 
 def _facts(m: dict[str, Any]) -> Any:
-    from resilient_strategy.testing import machine
+    from resilient_strategy.testing.simulation import DescribedMachine
 
-    kw = dict(m)
-    if "cc" in kw:
-        kw["cc"] = tuple(kw["cc"])
-    return machine(**kw)
+    return DescribedMachine.from_mapping(m).facts()
 
 
 def run_case(path: Path) -> Any:

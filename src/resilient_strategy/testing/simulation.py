@@ -1,6 +1,7 @@
 """Described machines and simulated probe outcomes: what-if planning without the hardware.
 
-``machine()`` builds the Facts that inspection would report for a described machine;
+`DescribedMachine` is a described machine as one typed value (the ``"machine"`` object of a
+machine case), ``machine()`` its keyword form: each builds the Facts that inspection would report;
 ``SimulatedProber`` answers probes from a table of outcomes; ``load_simulation`` reads the JSON
 files of ``resilient-strategy --simulate`` and ``examples/machines``. The testing kit
 (``resilient_strategy.testing``) builds on this module; production code never imports the kit.
@@ -13,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -90,40 +91,33 @@ def gpu(
     )
 
 
-def machine(
-    gpus: int | Sequence[Gpu | Mapping[str, Any]] = 2, *, name: str = "NVIDIA H200",
-    cc: tuple[int, int] = (9, 0), memory_gb: float = 141, nvlink: int = 0,
-    links: Mapping[tuple[int, int] | str, int | Mapping[str, Any]] | None = None,
-    p2p: str = "ok", topology: str = "hostbridge", shm_mb: int | None = 65536,
-    container: str = "", wsl2: bool = False, sagemaker: bool = False, aws: bool = False,
-    efa: bool = False, iommu: str = "unknown", infiniband: bool = False, kernel: str = "6.8.0",
-    cpu_count: int = 32, platform: str = "linux", mig: Mapping[int | str, int] | None = None,
-    torch: str | None = "2.11.0", torch_cuda: str | None = "13.0",
-    torch_nccl: str | None = "2.28.9", torch_archs: Sequence[str] = (),
-    tensorflow: str | None = None, tf_cuda: str | None = None, tf_archs: Sequence[str] = (),
-    tf_nccl: str | None = None, keras: str | None = None, driver: str | None = "580.159.04",
-    driver_cuda: str | None = "13.0", env: Mapping[str, str] | None = None,
-    nvml_error: str | None = None, nvml_notes: Sequence[str] = (), imported: Sequence[str] = (),
-    gpu_initialized: Sequence[str] = (), platform_facts: Platform | Mapping[str, Any] | None = None,
-    host_memory_gb: float | None = None, nodes: Sequence[Mapping[str, Any]] | None = None,
-    torch_hip: str | None = None, cpu_arch: str = "", numa_nodes: int | None = None,
-    numa_memory_only: int | None = None, gpu_numa: Sequence[int] | None = None,
-    amd_gpus: int | None = None, cuda_compat: str = "", port_range: str = "",
-) -> Facts:
-    """Facts for a described machine, as `resilient_strategy.machine.inspect.detect_facts` would
-    report them. Every argument is checked: a wrong one is an ``InvalidOptionError`` naming it.
+@dataclass(frozen=True)
+class DescribedMachine:
+    """A described machine as one typed value: its fields are exactly the keys of a machine
+    case's ``"machine"`` object (``--simulate`` files, ``examples/machines``), with `machine`'s
+    defaults. Every field is checked when the value is made: a wrong one is an
+    ``InvalidOptionError`` naming it; `facts` is the Facts that
+    `resilient_strategy.machine.inspect.detect_facts` would report for it.
 
     ``gpus`` are the physical GPUs (a count, or `gpu` values with distinct indices, or
-    objects of `gpu` keyword arguments as a JSON file gives them), in NVML order; ``env["CUDA_VISIBLE_DEVICES"]`` picks and renumbers them exactly as CUDA does
+    objects of `gpu` keyword arguments as a JSON file gives them), in NVML order;
+    ``name`` / ``cc`` / ``memory_gb`` describe each GPU of a count. ``env["CUDA_VISIBLE_DEVICES"]``
+    picks and renumbers them exactly as CUDA does
     (`resilient_strategy.machine.visible.resolve_visible_devices`), so
     ``machine(4, env={"CUDA_VISIBLE_DEVICES": "2"})`` has one GPU, ordinal 0, NVML index 2.
-    ``nvlink`` is the number of NVLinks between each pair of GPUs; ``links`` overrides it per
+    ``nvlink`` is the number of NVLinks between each pair of GPUs (``p2p``, ``topology``: their
+    P2P status and PCIe path); ``links`` overrides them per
     pair of physical indices: ``{(0, 1): 4, (2, 3): 4}``, or ``{"0-1": 4, "2-3": 4}`` (JSON); a
     pair's value may also be an object ``{"nvlinks": 0, "topology": "system", "p2p":
     "not_supported"}`` (every field optional) for its PCIe path and P2P status. ``mig`` gives MIG
     instances per physical GPU (``{0: 2}``: GPU 0 has two, ``MIG-fake-0000-0`` and ``-1``, which
-    ``CUDA_VISIBLE_DEVICES`` can name). ``imported`` / ``gpu_initialized`` name frameworks this
-    process imported (and whose GPU runtime started); ``nvml_notes`` are values NVML could not
+    ``CUDA_VISIBLE_DEVICES`` can name). The host: ``shm_mb``, ``container``, ``wsl2``,
+    ``sagemaker``, ``aws``, ``efa``, ``iommu``, ``infiniband``, ``kernel``, ``cpu_count``,
+    ``platform``. The frameworks installed: ``torch`` (``torch_cuda``, ``torch_nccl``,
+    ``torch_archs``), ``tensorflow`` (``tf_cuda``, ``tf_archs``, ``tf_nccl``), ``keras`` (None:
+    not installed); ``imported`` / ``gpu_initialized`` name frameworks this
+    process imported (and whose GPU runtime started). ``driver``: the NVIDIA driver version;
+    ``nvml_error``: why NVML could not be read; ``nvml_notes`` are values NVML could not
     read. ``host_memory_gb``: the host memory available to new processes (None: unknown).
     ``driver_cuda``: the newest CUDA the driver supports (nvidia-smi's header; 535 drivers: 12.2).
     ``torch_hip``: the HIP version of a ROCm build of torch (give ``torch_cuda=None`` with it,
@@ -143,32 +137,119 @@ def machine(
     null value: unset there). The facts then carry every node, as node 0 gathers them through
     the job's store, and the planner compares them before any probe.
     """
-    a: dict[str, Any] = dict(locals())  # the arguments by name, for the helpers below
-    env_map = _string_map("env", env)
-    plat = _platform_value(platform_facts)
-    host_memory = None if host_memory_gb is None else int(
-        _number("machine", "host_memory_gb", host_memory_gb) * 2**30)
-    described: int | Sequence[Any] = gpus
-    if isinstance(gpus, Sequence) and not isinstance(gpus, str):
-        described = [gpu(**g) if isinstance(g, Mapping) else g for g in gpus]
+
+    gpus: int | Sequence[Gpu | Mapping[str, Any]] = 2
+    name: str = "NVIDIA H200"
+    cc: tuple[int, int] = (9, 0)
+    memory_gb: float = 141
+    nvlink: int = 0
+    links: Mapping[tuple[int, int] | str, int | Mapping[str, Any]] | None = None
+    p2p: str = "ok"
+    topology: str = "hostbridge"
+    shm_mb: int | None = 65536
+    container: str = ""
+    wsl2: bool = False
+    sagemaker: bool = False
+    aws: bool = False
+    efa: bool = False
+    iommu: str = "unknown"
+    infiniband: bool = False
+    kernel: str = "6.8.0"
+    cpu_count: int = 32
+    platform: str = "linux"
+    mig: Mapping[int | str, int] | None = None
+    torch: str | None = "2.11.0"
+    torch_cuda: str | None = "13.0"
+    torch_nccl: str | None = "2.28.9"
+    torch_archs: Sequence[str] = ()
+    tensorflow: str | None = None
+    tf_cuda: str | None = None
+    tf_archs: Sequence[str] = ()
+    tf_nccl: str | None = None
+    keras: str | None = None
+    driver: str | None = "580.159.04"
+    driver_cuda: str | None = "13.0"
+    env: Mapping[str, str] | None = None
+    nvml_error: str | None = None
+    nvml_notes: Sequence[str] = ()
+    imported: Sequence[str] = ()
+    gpu_initialized: Sequence[str] = ()
+    platform_facts: Platform | Mapping[str, Any] | None = None
+    host_memory_gb: float | None = None
+    nodes: Sequence[Mapping[str, Any]] | None = None
+    torch_hip: str | None = None
+    cpu_arch: str = ""
+    numa_nodes: int | None = None
+    numa_memory_only: int | None = None
+    gpu_numa: Sequence[int] | None = None
+    amd_gpus: int | None = None
+    cuda_compat: str = ""
+    port_range: str = ""
+    #: the Facts of this description, built (and so every field checked) when it is made
+    _facts: Facts = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_facts", _described_facts(self))
+
+    @classmethod
+    def from_mapping(cls, data: object) -> DescribedMachine:
+        """The ``"machine"`` object of a JSON machine case: a ValueError names a key that is
+        not a field, or a missing ``gpus``; a wrong value is the ``InvalidOptionError`` (a
+        ValueError) naming it."""
+        if not isinstance(data, Mapping):
+            raise ValueError("machine: expected an object of machine() keyword arguments")
+        if "gpus" not in data:
+            raise ValueError('machine: say how many GPUs: "gpus": 2 (0 for none)')
+        unknown = sorted(set(data) - set(MACHINE_KEYS))
+        if unknown:
+            raise ValueError(f"machine: unknown field(s) {unknown}; allowed: {list(MACHINE_KEYS)}")
+        return cls(**data)
+
+    def facts(self) -> Facts:
+        """The Facts that inspection would report for this machine."""
+        return self._facts
+
+
+def machine(gpus: int | Sequence[Gpu | Mapping[str, Any]] = 2, **kw: Any) -> Facts:
+    """Facts for a described machine, as `resilient_strategy.machine.inspect.detect_facts` would
+    report them: the keyword arguments are the fields of `DescribedMachine` (what each means
+    is said there). Every argument is checked: a wrong one is an ``InvalidOptionError`` naming
+    it; an unknown one a ``TypeError``."""
+    return DescribedMachine(gpus, **kw).facts()
+
+
+def _described_facts(m: DescribedMachine) -> Facts:
+    """The Facts of a described machine, its fields checked in the order they are listed."""
+    a: dict[str, Any] = {f.name: getattr(m, f.name) for f in fields(m) if f.init}
+    env_map = _string_map("env", m.env)
+    plat = _platform_value(m.platform_facts)
+    host_memory = None if m.host_memory_gb is None else int(
+        _number("machine", "host_memory_gb", m.host_memory_gb) * 2**30)
+    described: int | Sequence[Any] = m.gpus
+    if isinstance(m.gpus, Sequence) and not isinstance(m.gpus, str):
+        described = [gpu(**g) if isinstance(g, Mapping) else g for g in m.gpus]
     _check_arguments(a)
-    physical = _physical_gpus(gpus, described, name, cc, memory_gb)
+    physical = _physical_gpus(m.gpus, described, m.name, m.cc, m.memory_gb)
     gs, visible_links, fabric, visibility = _visible(a, physical, env_map)
     facts = Facts(
         gpus=gs,
         links=visible_links,
         fabric=fabric,
-        driver_version=driver if physical else None,
-        cuda_driver_version=driver_cuda if physical else None,
-        nvml_error=nvml_error if nvml_error or physical else "no GPU in this description",
+        driver_version=m.driver if physical else None,
+        cuda_driver_version=m.driver_cuda if physical else None,
+        nvml_error=m.nvml_error if m.nvml_error or physical else "no GPU in this description",
         visibility=visibility,
         host=_host(a, host_memory),
         frameworks=_frameworks(a),
         env=tuple(sorted(env_map.items())),
-        nvml_notes=tuple(nvml_notes),
+        nvml_notes=tuple(m.nvml_notes),
         platform=plat,
     )
-    return _with_nodes(facts, nodes) if nodes else facts
+    return _with_nodes(facts, m.nodes) if m.nodes else facts
+
+
+#: The keys a machine case's ``"machine"`` object may hold: the fields of `DescribedMachine`.
+MACHINE_KEYS = tuple(f.name for f in fields(DescribedMachine) if f.init)
 
 
 def _check_arguments(a: Mapping[str, Any]) -> None:
@@ -717,8 +798,8 @@ def load_simulation(path: Path) -> tuple[Facts, dict[str, Any]]:
     described = "machine" in data or "facts" in data
     if not described and "gpus" not in data:
         raise ResilientStrategyError(
-            f'{path}: describe the machine: a "machine" object (keyword arguments of '
-            'resilient_strategy.testing.simulation.machine, at least "gpus") or a "facts" object (the '
+            f'{path}: describe the machine: a "machine" object (the fields of '
+            'resilient_strategy.testing.simulation.DescribedMachine, at least "gpus") or a "facts" object (the '
             'Facts.to_dict() form, at least "gpus" and "frameworks")')
     unknown = sorted(set(data) - SIMULATION_KEYS) if described else []
     if unknown:
@@ -728,11 +809,7 @@ def load_simulation(path: Path) -> tuple[Facts, dict[str, Any]]:
     _check_bounds(path, data)
     try:
         if "machine" in data:
-            if not isinstance(data["machine"], dict):
-                raise ValueError("machine: expected an object of machine() keyword arguments")
-            if "gpus" not in data["machine"]:
-                raise ValueError('machine: say how many GPUs: "gpus": 2 (0 for none)')
-            facts = machine(**data["machine"])
+            facts = DescribedMachine.from_mapping(data["machine"]).facts()
         else:
             raw = data.get("facts", data)
             _check_facts_shape(raw)
