@@ -9,6 +9,8 @@
         sel = simulate(facts, framework="tensorflow", global_batch_size=128)
         assert sel.backend == "hierarchical_copy"
 
+The described machine is one typed value, `DescribedMachine` (the keys of a machine case's
+``"machine"`` object; ``machine(**kw)`` is ``DescribedMachine(**kw).facts()``).
 Probe outcomes are given per candidate: ``{"nccl": "timeout", "nccl+NCCL_P2P_DISABLE=1": "ok"}``
 (see `FakeProber`); a prober of your own (a `Prober`) goes in the same place, or runs the
 whole decision through `Engine` (``Engine(prober).select(Arguments.from_kwargs(...))``).
@@ -31,6 +33,7 @@ from .fakes import (
     simulate,
 )
 from .replay import MidRunFault, Replay, replay
+from .simulation import DescribedMachine
 
-__all__ = ["Arguments", "Engine", "FakeProber", "MidRunFault", "Outcome", "Platform", "Prober",
+__all__ = ["Arguments", "DescribedMachine", "Engine", "FakeProber", "MidRunFault", "Outcome", "Platform", "Prober",
            "Replay", "SimulatedProber", "gpu", "machine", "replay", "simulate"]
