@@ -188,7 +188,6 @@ def main() -> None:
                          "", "", phases[fs]))
     if gpus and facts.framework("torch").installed and not args.only_tf:
         from resilient_strategy.core.measures.probe import ProbeSpec
-        from resilient_strategy.probing.forkserver import close_all
         from resilient_strategy.probing.prober import run_probe
 
         spec = ProbeSpec("torch:nccl:0", "torch", "nccl", (0,), world_size=1, timeout_s=60.0)
@@ -197,7 +196,6 @@ def main() -> None:
             nfloor.append(_torch_floor(1, "nccl", "probe"))
             t = time.perf_counter()
             res = run_probe(spec, env)
-            close_all()  # as a decision does: the next run starts cold, not from a warm server
             nlib.append(time.perf_counter() - t)
         f, lib = _median(nfloor), _median(nlib)
         rows.append(("NCCL floor: 1 interpreter, torch, a 1-rank communicator, checked all-reduce",

@@ -263,15 +263,6 @@ def last_rank(ctx: Ctx) -> int:
     return max(0, len(ctx.devices) - 1) if ctx.gpu else 1
 
 
-def close_fork_servers() -> None:
-    """Stop the probes' fork servers (``run_probe`` called directly keeps one for reuse; the
-    executor closes them when its decision ends)."""
-    with contextlib.suppress(ImportError):
-        from resilient_strategy.probing import forkserver as _forkserver
-
-        _forkserver.close_all()
-
-
 def shm_segments() -> set[str]:
     try:
         return {n for n in os.listdir("/dev/shm") if n.startswith("nccl-")}
@@ -371,7 +362,6 @@ def group_shm(ctx: Ctx) -> None:
     res = run_probe(probe_spec(ctx, 16 * MIB if ctx.gpu else MIB, timeout_s=15.0),
                     ctx.env(**{FAULT: fault}))
     ctx.log(f"hung probe: {res}")
-    close_fork_servers()  # as the executor does at the end of every decision
     ctx.add(g, f"hung {ctx.backend} probe ({len(ctx.devices) or 2} rank(s)) killed at its "
             "deadline", f"{res.status}",
             "timeout", f"{FAULT}={fault}; {res.elapsed_s:.1f} s")

@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from resilient_strategy.core.measures.probe import ProbeSpec
-from resilient_strategy.probing import cost, forkserver, health
+from resilient_strategy.probing import cost, health
 from resilient_strategy.probing.prober import DeferredHealthProber, run_probe
 
 
@@ -45,9 +45,8 @@ def main() -> None:
     prober = DeferredHealthProber()
     t = time.perf_counter()
     found = prober.check_gpus("torch", gpus, env)
-    rows.append(("forked from the warm fork server (the deferred check)",
+    rows.append(("forked here where fit, else fresh (the deferred check)",
                  time.perf_counter() - t, found, prober.check_seconds("torch", len(gpus), env)))
-    forkserver.close_all()
     print(f"\nGPUs {args.gpus}, python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
     print("| health check | seconds | broken GPUs | the kit's figure |\n|---|---|---|---|")
     for what, s, found_, kit in rows:

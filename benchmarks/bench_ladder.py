@@ -29,7 +29,6 @@ sys.path.insert(0, SRC)
 import resilient_strategy  # noqa: E402
 from resilient_strategy.core.values.facts import Facts  # noqa: E402
 from resilient_strategy.machine.inspect import detect_facts  # noqa: E402
-from resilient_strategy.probing import forkserver  # noqa: E402
 from resilient_strategy.probing.cost import Figures  # noqa: E402
 from resilient_strategy.testing.fakes import simulate  # noqa: E402
 from resilient_strategy.testing.simulation import SimulatedProber, machine  # noqa: E402
@@ -97,7 +96,6 @@ def main() -> None:
         reals: list[float] = []
         real_sel: Any = None
         for _ in range(max(1, args.repeat)):
-            forkserver.close_all()
             with tempfile.TemporaryDirectory() as cache:
                 hang = {**env, "RESILIENT_STRATEGY_PROBE_FAULT": "hang_collective:1:gloo"}
                 t = time.perf_counter()

@@ -45,7 +45,6 @@ from pathlib import Path
 out = Path(sys.argv[1])
 from resilient_strategy.core.knowledge import nccldiag
 from resilient_strategy.core.measures.probe import ProbeSpec
-from resilient_strategy.probing.forkserver import close_all
 from resilient_strategy.probing.prober import run_probe
 
 base = {k: v for k, v in os.environ.items()
@@ -63,7 +62,6 @@ for i in range(3):
             env["NCCL_RUNTIME_CONNECT"] = user_rc
         t = time.perf_counter()
         res = run_probe(spec, env)
-        close_all()  # as a decision ends: the next probe starts cold
         dt = time.perf_counter() - t
         costs[mode].append(dt)
         last[mode] = res

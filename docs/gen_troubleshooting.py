@@ -154,7 +154,7 @@ def _remedy_words(r: Mapping[str, Any]) -> str:
 _NO_VERDICT = {
     "no_space": "the decision stops with a `NoSpaceError` naming the temp directory "
     "(under `resilient-strategy run`: one line, exit 75)",
-    "status_lost": "the candidate is probed once more, its workers forked by a fork server "
+    "status_lost": "the candidate is probed once more, its workers started as fresh interpreters "
     "(a second lost status rules it out for this run only)",
 }
 

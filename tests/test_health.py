@@ -174,14 +174,10 @@ def test_the_final_check_covers_the_chosen_gpus_always_and_the_rest_when_afforda
 @pytest.mark.torch
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
-def test_the_deferred_check_forked_from_the_fork_server_reports_what_the_worker_found() -> None:
-    from resilient_strategy.probing import forkserver
+def test_the_deferred_check_started_by_the_starter_reports_what_the_worker_found() -> None:
     from resilient_strategy.probing.prober import DeferredHealthProber
 
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     env["CUDA_VISIBLE_DEVICES"] = ""  # no GPU for torch: the worker names GPU 0 as unusable
-    try:
-        broken = DeferredHealthProber().check_gpus("torch", (0,), env)
-    finally:
-        forkserver.close_all()
+    broken = DeferredHealthProber().check_gpus("torch", (0,), env)
     assert [gpu for gpu, _ in broken] == [0]

@@ -8,7 +8,6 @@ testing kit's replay all use; nothing here applies an environment or builds a ru
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -67,8 +66,6 @@ GpuCheck = Callable[[str, tuple[int, ...], Mapping[str, str]], list[tuple[int, s
 #: The workers' fault injection (probing/workers/common.py): its results are never cached.
 FAULT_VAR = "RESILIENT_STRATEGY_PROBE_FAULT"
 MAX_ROUNDS = 32  # probes per decision, at most (the candidate set is far smaller)
-#: The fork servers' module (closed when a decision's probing is over, if it was loaded).
-FORKSERVER_MODULE = __name__.rpartition(".deciding.")[0] + ".probing.forkserver"
 
 
 
@@ -173,10 +170,9 @@ def decide(
             fresh[c.key] = res
         p = plan(facts, opts.rules, results, opts)
     unchecked: list[Event] = []
-    if check is not None and unproven.gpus:  # before the fork server closes: it checks torch's
+    if check is not None and unproven.gpus:
         unchecked = _final_check(prober, check, unproven, p.chosen or p.next_probe, opts, env,
                                  deadline - clock(), tuple(results))
-    close_fork_servers()  # probing is over (on an exception: idle exit or exit closes them)
     if cache is not None and fresh:
         cache.store(fingerprint, fresh)
     proven = p.next_probe is None
@@ -350,7 +346,7 @@ def _final_check(prober: Prober, check: GpuCheck, u: Unproven, chosen: Candidate
     framework = chosen.framework if chosen is not None else opts.framework
     every = tuple(sorted(u.gpus))
     # what the check typically costs: the prober's own figure (the testing kit's described
-    # machine), else the typical one of a GPU machine (forked from the warm fork server)
+    # machine), else the typical one of a GPU machine (forked from this process)
     seconds = prober.check_seconds(framework, len(every), env)
     affordable = seconds <= budget_left_s
     now, skipped = u.final(chosen.devices if chosen is not None else (), affordable)
@@ -420,13 +416,6 @@ def launch_fault_error(c: Candidate, res: ProbeResult) -> LaunchFaultError:
              res.detail)
     return LaunchFaultError(res.cause, c.label, CAUSES.get(res.cause, res.cause),
                             " ".join(res.detail.split())[:200])
-
-
-def close_fork_servers() -> None:
-    """Stop the probes' fork servers (`probing.forkserver`), if this decision started any."""
-    forkserver = sys.modules.get(FORKSERVER_MODULE)
-    if forkserver is not None:
-        forkserver.close_all()
 
 
 def trusted_results(

@@ -55,8 +55,8 @@ class Prober(ABC):
 
     def check_seconds(self, framework: str, gpus: int, env: Mapping[str, str]) -> float:
         """What a GPU health check of ``gpus`` GPUs typically costs (weighed against the probe
-        budget left); by default the typical figure of a GPU machine, forked from the warm
-        fork server (`probing.cost.health_check_seconds`)."""
+        budget left); by default the typical figure of a GPU machine, forked from the deciding
+        process, torch imported (`probing.cost.health_check_seconds`)."""
         from .cost import health_check_seconds
 
         return health_check_seconds(framework, gpus, forked=True, warm=True)

@@ -7,7 +7,7 @@ it: the start-up of its workers, then the allowance of the same `StallPolicy` th
 cuts it; a hang the progress records cannot judge (TensorFlow across ``TF_CONFIG`` workers, whose
 peers' progress is not seen here) runs to the deadline. A healthy probe is charged its phases at
 the typical figures of its class of machine (`TYPICAL`): start-up (a fresh interpreter that
-imports the framework, or a worker forked from the warm fork server), device and communicator
+imports the framework, or a worker forked from the deciding process), device and communicator
 set-up, the value-checked all-reduces at every checked size, the timed ones for the bandwidth
 figure, and the training step. The GPU health check (`health`: after killed GPU probes,
 once per decision, deferred) is charged by `health_check_seconds`.
@@ -90,7 +90,7 @@ class Figures:
     """Typical seconds of a healthy probe's phases on one class of machine."""
 
     import_s: float  # start an interpreter and import the framework
-    fork_s: float  # a worker forked from the fork server, the framework already imported
+    fork_s: float  # a worker forked from the deciding process, the framework imported
     device_s: float  # choose and initialize the device (a CUDA context)
     setup_s: float  # communicator set-up (torch's NCCL connects lazily: inside collective 1)
     bus_bytes_per_s: float  # all-reduce bus bandwidth of a healthy transport
@@ -101,7 +101,7 @@ class Figures:
     fit_s: float = 0.0
 
 
-#: Sources: torch import 2.6 s and the fork server measured on a 16-core host (issue 21);
+#: Sources: torch import 2.6 s and a forked worker's start measured on a 16-core host (issue 21);
 #: the field run on 2x H100 (benchmarks/results/h100x2-2026-11-25.md): a hung NCCL probe cut
 #: 9.1 s after its workers were forked with collective 1 allowed 8.0 s (so 1.1 s from fork to
 #: every rank inside it), a healthy cold probe 7.2 s, and 22.5 s for a decision of two probes
@@ -152,8 +152,8 @@ def probe_seconds(spec: ProbeSpec, ending: str, *, forked: bool = False,
                   warm: bool = False, figures: Figures | None = None,
                   env: Mapping[str, str] | None = None) -> float:
     """Seconds a probe of ``spec`` runs until it ends as ``ending`` (one of `ENDINGS`),
-    at most its timeout. ``forked``: its workers come from the fork server (torch), which
-    ``warm`` says had already imported the framework for an earlier probe. ``env``: the
+    at most its timeout. ``forked``: its workers are forked from the deciding process (torch),
+    which ``warm`` says had already imported the framework for an earlier probe. ``env``: the
     caller's environment (as `stall_policy` takes it)."""
     if ending not in ENDINGS:
         raise ValueError(f"probe ending {ending!r}: one of {list(ENDINGS)}")
@@ -187,7 +187,7 @@ def probe_seconds(spec: ProbeSpec, ending: str, *, forked: bool = False,
 def health_check_seconds(framework: str, gpus: int, *, forked: bool = False,
                          warm: bool = False, figures: Figures | None = None) -> float:
     """Seconds one GPU health check of ``gpus`` GPUs takes (`health.run_check`): its
-    process starts (forked from the warm fork server for torch when ``forked`` and ``warm``,
+    process starts (forked from the deciding process for torch when ``forked`` and ``warm``,
     else a fresh interpreter importing the framework), then initialises each GPU in turn and
     runs a checked kernel on it (``device_s`` each). Nothing for no GPU."""
     if gpus <= 0:

@@ -1,50 +1,41 @@
-"""The runner's side of the fork server (``probing/workers/fork_server``): import torch once per decision,
-fork each probe worker from it instead of starting a fresh interpreter that imports torch.
+"""How a probe worker starts: `Starter`, the one entry point, with two ways.
 
-`server_for` returns a running server for (python, environment), starting one when none
-is alive; `ForkServer.spawn` forks one worker and returns a `ForkedProc` that the
-process runner (`probing.proc`) drives like a ``subprocess.Popen``: ``pid`` (its own session,
-so ``killpg`` reaches it), ``poll``, ``wait``, ``returncode``. A server exits on its own after
-``IDLE_EXIT_S`` with nothing to do, when this process dies, or at this process's exit.
+- Forked from this process (`fork_here`) where it is fit (`why_not_here`: the caller's main
+  thread and no other Python thread, no TensorFlow or JAX imported, no GPU driver started here,
+  no autograd device thread, SIGCHLD neither ignored nor handled (a script's handler that reaps
+  every child would take a worker's exit status: its probe would read as failed), no worker's
+  status lost before), an OpenMP pool released first (`release_openmp`). A script that trains
+  with torch imports it anyway, so the probe then costs no interpreter importing torch of its
+  own (3.4 s of a 5.6 s NCCL probe on an H200 host). The child is a `ChildProc`: its own
+  session (so ``killpg`` reaches it), reaped here, driven like a ``subprocess.Popen``.
+- Else a fresh interpreter (`probing.proc.start_fresh`): TensorFlow (it starts threads at
+  import: forking it is not safe), another interpreter than this one, a process unfit to fork,
+  or ``RESILIENT_STRATEGY_FORKSERVER=0``.
 
-Only torch is served (TensorFlow starts threads at import; forking it is not safe). Set
-``RESILIENT_STRATEGY_FORKSERVER=0`` to start every worker as a fresh interpreter.
-
-`fork_here` is the server's shortcut: where this process is fit to fork (`why_not_here`: the
-caller's main thread and no other Python thread, no TensorFlow or JAX imported, no GPU driver
-started here, SIGCHLD neither ignored nor handled (a script's handler that reaps every child
-would take a worker's exit status: its probe would read as failed), an OpenMP pool released
-first), the workers are forked from
-it directly. A script that trains with torch imports it anyway, so the probe then costs no
-interpreter importing torch of its own (3.4 s of a 5.6 s NCCL probe on an H200 host). The child is made what the server's child is
-(`probing.workers.fork_server.become_worker`).
+(A server process that imported torch once and forked the workers of a process unfit to fork
+saved 0.2 s a cold decision on 2 cores by 2026-12-02: it is gone; see ARCHITECTURE.md.)
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import ctypes
 import importlib
-import json
+import io
 import logging
 import os
-import select
 import signal
 import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Mapping
-from pathlib import Path
+from typing import Any
 
 from ..process import PROCESS
+from .proc import Proc, WorkerCommand, start_fresh
 
-#: Seconds a server waits for the next request before it exits (a decision's probes follow
-#: each other within a second; the next decision starts a fresh server).
-IDLE_EXIT_S = 10.0
-#: Seconds a new server may take to import its framework.
-START_TIMEOUT_S = 60.0
 FORKSERVER_VAR = "RESILIENT_STRATEGY_FORKSERVER"
 #: OpenMP's ``omp_pause_hard``: ``omp_pause_resource_all`` ends the runtime's thread pool (a child
 #: forked while the pool exists hangs in its first parallel region: measured with torch's libgomp).
@@ -53,8 +44,8 @@ OMP_PAUSE_HARD = 2
 #: initialised the CUDA driver cannot use CUDA) and the OpenMP runtimes whose pool is released.
 CUDA_DRIVER_LIBS = ("libcuda.so", "libamdhip64.so")
 OPENMP_LIBS = ("libgomp", "libiomp5", "libomp.so")
-#: Frameworks that start native threads at import (TensorFlow's, as the server's docstring says;
-#: JAX's runtime): a process that imported one is not forked.
+#: Frameworks that start native threads at import (TensorFlow's, JAX's
+#: runtime): a process that imported one is not forked.
 THREADED_AT_IMPORT = ("tensorflow", "jax")
 
 log = logging.getLogger("resilient_strategy")
@@ -70,114 +61,17 @@ _LOST: list[int] = PROCESS.hold(
     "probing.forkserver.lost", list, "the workers whose exit status another reaper took")
 
 
-class ForkServerError(OSError):
-    """The fork server could not start or answer (the caller falls back to fresh processes)."""
+class ForkRefused(OSError):
+    """This process is not fit to fork a worker (`why_not_here`): the worker starts fresh."""
 
 
-class ForkedProc:
-    """A worker forked by the server, driven like ``subprocess.Popen``."""
-
-    def __init__(self, pid: int, status_path: str) -> None:
-        self.pid = pid
-        self.returncode: int | None = None
-        self._status = status_path
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            try:
-                text = Path(self._status).read_text(encoding="ascii").strip()
-            except OSError:
-                return None
-            if text:
-                self.returncode = int(text)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        end = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if end is not None and time.monotonic() >= end:
-                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
-            time.sleep(0.01)
-        assert self.returncode is not None
-        return self.returncode
-
-
-class ForkServer:
-    """One running server process (its own session)."""
-
-    def __init__(self, python: str, env: Mapping[str, str], framework: str = "torch") -> None:
-        self.proc = subprocess.Popen(
-            [python, "-m", "resilient_strategy.probing.workers.fork_server", "--framework", framework,
-             "--parent-pid", str(os.getpid()), "--idle-exit", f"{IDLE_EXIT_S:g}"],
-            env=dict(env), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL, start_new_session=True, cwd="/",
-        )
-        self._seq = 0
-        try:
-            self._read(START_TIMEOUT_S)  # {"ready": pid} once the framework is imported
-        except BaseException:
-            self.close()
-            raise
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def _read(self, timeout_s: float) -> dict[str, object]:
-        assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        line = b""
-        end = time.monotonic() + timeout_s
-        while not line.endswith(b"\n"):
-            left = end - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise ForkServerError("the fork server did not answer in time")
-            chunk = os.read(fd, 1)
-            if not chunk:
-                raise ForkServerError("the fork server exited")
-            line += chunk
-        data = json.loads(line)
-        if not isinstance(data, dict):
-            raise ForkServerError(f"unexpected answer from the fork server: {line!r}")
-        return data
-
-    def spawn(self, module: str, argv: list[str], env: Mapping[str, str], cwd: str,
-              stdout: str, stderr: str) -> ForkedProc:
-        assert self.proc.stdin is not None
-        self._seq += 1
-        status = f"{stdout}.status"
-        req = {"module": module, "argv": argv, "env": dict(env), "cwd": cwd, "stdout": stdout,
-               "stderr": stderr, "status": status}
-        try:
-            self.proc.stdin.write((json.dumps(req) + "\n").encode())
-            self.proc.stdin.flush()
-        except OSError as exc:
-            raise ForkServerError(f"the fork server is gone: {exc}") from exc
-        pid = self._read(10.0).get("pid")
-        if not isinstance(pid, int):
-            raise ForkServerError(f"the fork server did not fork: {pid!r}")
-        return ForkedProc(pid, status)
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=2.0)
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, 9)
-            self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-
-
-class ChildProc(ForkedProc):
-    """A worker forked from this process (`fork_here`): our own child, reaped here; its status
-    is ``waitpid``'s, not a status file (``returncode`` negative for a signal)."""
+class ChildProc:
+    """A worker forked from this process (`fork_here`), driven like ``subprocess.Popen``: our own
+    child, reaped here; its status is ``waitpid``'s (``returncode`` negative for a signal)."""
 
     def __init__(self, pid: int) -> None:
-        super().__init__(pid, "")
+        self.pid = pid
+        self.returncode: int | None = None
         #: its exit status was taken by another reaper in this process (``waitpid`` answered
         #: ECHILD): ``returncode`` is then `LOST_STATUS`, which says nothing of how it ended
         self.status_lost = False
@@ -192,6 +86,15 @@ class ChildProc(ForkedProc):
                 return self.returncode
             if pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if end is not None and time.monotonic() >= end:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
+            time.sleep(0.01)
+        assert self.returncode is not None
         return self.returncode
 
 
@@ -220,7 +123,7 @@ def why_not_here(maps: str = "/proc/self/maps") -> str:
                 "exit status)")
     if _LOST:
         return (f"a worker's exit status was taken by another reaper here (pid {_LOST[0]}): "
-                "the workers are the fork server's children instead")
+                "the workers start as fresh interpreters instead")
     why = framework_threads() or autograd_threads()
     if why:
         return why
@@ -313,23 +216,85 @@ def release_openmp(maps: str = "/proc/self/maps") -> str:
     return ""
 
 
+#: What this process imports before it forks a torch worker: torch and what every worker imports
+#: next (a training script has most of it imported already).
+PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel",
+           "resilient_strategy.probing.workers.torch_worker")
+
+
+def become_worker(req: dict[str, Any], ready_w: int) -> None:
+    """In the forked child: become the worker the request describes. Never returns."""
+    code = 70
+    try:
+        os.setsid()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)  # a handler of the forking process is not ours
+        os.write(ready_w, b"1")
+        os.close(ready_w)
+        null = os.open(os.devnull, os.O_RDONLY)
+        out = os.open(req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        err = os.open(req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        for fd, target in ((null, 0), (out, 1), (err, 2)):
+            os.dup2(fd, target)
+            os.close(fd)
+        # the forking process's streams may not be its fds (a test's capture, a notebook's)
+        sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True)
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        argv = [str(a) for a in req["argv"]]
+        if "--parent-pid" in argv:  # the watchdog watches the process that forked us
+            argv[argv.index("--parent-pid") + 1] = str(os.getppid())
+        sys.argv = [req["module"], *argv]
+        module = importlib.import_module(req["module"])
+        module.main(argv)  # probe workers end with os._exit
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.write(2, f"forked worker: {type(exc).__name__}: {exc}\n".encode())
+        code = 70
+    finally:
+        os._exit(code)
+
+
+def fork_worker(req: dict[str, Any]) -> int:
+    """Fork the worker ``req`` describes (`become_worker`) and return its pid once it has its
+    own session (so that the runner's ``killpg`` reaches it)."""
+    ready_r, ready_w = os.pipe()
+    with warnings.catch_warnings():
+        # Python >= 3.12 warns of any native thread (torch's CUDA build starts some at import);
+        # `why_not_here` checked what matters: no other Python thread, no GPU driver started
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child ends in os._exit
+        os.close(ready_r)
+        become_worker(req, ready_w)
+    os.close(ready_w)
+    with contextlib.suppress(OSError):
+        os.read(ready_r, 1)  # the child has its own session now
+    os.close(ready_r)
+    return pid
+
+
 def fork_here(module: str, argv: list[str], env: Mapping[str, str], cwd: str, stdout: str,
               stderr: str) -> ChildProc:
-    """Fork one worker from this process (torch and the worker module imported here first, as the
-    server imports them). Raises `ForkServerError` when this process is not fit (`why_not_here`),
-    so that the caller uses the server instead."""
-    from .workers.fork_server import PRELOAD, fork_worker
-
+    """Fork one worker from this process (torch and the worker module imported here first).
+    Raises `ForkRefused` when this process is not fit (`why_not_here`), so that the caller starts
+    a fresh interpreter instead."""
     why = why_not_here()
     if not why:
         try:
-            for name in PRELOAD["torch"]:
+            for name in PRELOAD:
                 importlib.import_module(name)
-        except Exception as exc:  # a broken install: the server or a fresh process says why
+        except Exception as exc:  # a broken install: a fresh process says why
             why = f"torch does not import here: {type(exc).__name__}: {exc}"
     why = why or why_not_here() or release_openmp()  # importing may have started a thread
     if why:
-        raise ForkServerError(why)
+        raise ForkRefused(why)
     for stream in (sys.stdout, sys.stderr):  # or the child writes our buffered text again
         with contextlib.suppress(Exception):
             stream.flush()
@@ -340,54 +305,35 @@ def fork_here(module: str, argv: list[str], env: Mapping[str, str], cwd: str, st
 
 
 def enabled(env: Mapping[str, str]) -> bool:
+    """Whether forking here may be tried at all (``RESILIENT_STRATEGY_FORKSERVER=0``: never)."""
     return (env.get(FORKSERVER_VAR, "1").strip().lower() not in ("0", "false")
             and hasattr(os, "fork"))
 
 
-class ForkServers:
-    """The fork servers one holder started, by interpreter and environment. The prober uses this
-    process's instance (`FORK_SERVERS`, closed at exit); a test may hold its own."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.servers: dict[tuple[str, tuple[tuple[str, str], ...]], ForkServer] = {}
-
-    def server_for(self, python: str, env: Mapping[str, str]) -> ForkServer:
-        """A live torch fork server for this interpreter and environment (started when needed)."""
-        key = (python, tuple(sorted(env.items())))
-        with self.lock:
-            for k, old in list(self.servers.items()):  # reap the ones that exited while idle
-                if k != key and not old.alive:
-                    old.close()
-                    del self.servers[k]
-            server = self.servers.get(key)
-            if server is not None and server.alive:
-                return server
-            if server is not None:
-                server.close()
-            server = ForkServer(python, env)
-            self.servers[key] = server
-            return server
-
-    def close_all(self) -> None:
-        """Stop every server this holder started."""
-        with self.lock:
-            for server in self.servers.values():
-                server.close()
-            self.servers.clear()
+def forks_here(framework: str, env: Mapping[str, str], python: str = sys.executable) -> bool:
+    """Whether `Starter` would fork this framework's workers here now (for a cost estimate)."""
+    return (framework == "torch" and python == sys.executable and enabled(env)
+            and not why_not_here())
 
 
-#: This process's fork servers.
-FORK_SERVERS = PROCESS.hold("probing.forkserver.servers", ForkServers,
-                            "the fork servers this process started")
-atexit.register(FORK_SERVERS.close_all)
+class Starter:
+    """The one way a probe worker starts (a `probing.proc.Spawn`): forked from this process where
+    it is fit (`fork_here`: torch only, this interpreter, switched on), else a fresh interpreter
+    (`probing.proc.start_fresh`). Once refused, the probe's other workers start fresh too."""
 
+    def __init__(self, framework: str, env: Mapping[str, str],
+                 python: str = sys.executable) -> None:
+        self.python = python
+        self.fork = framework == "torch" and python == sys.executable and enabled(env)
+        #: why forking here was refused ("" while it was not)
+        self.refused = ""
 
-def server_for(python: str, env: Mapping[str, str]) -> ForkServer:
-    """A live torch fork server for this interpreter and environment, from `FORK_SERVERS`."""
-    return FORK_SERVERS.server_for(python, env)
-
-
-def close_all() -> None:
-    """Stop every server this process started."""
-    FORK_SERVERS.close_all()
+    def __call__(self, cmd: WorkerCommand, stdout: str, stderr: str) -> Proc:
+        argv = list(cmd.argv)
+        if self.fork and not self.refused and argv[:2] == [self.python, "-m"]:
+            try:  # this process imports torch once (the script trains with it) and forks
+                return fork_here(argv[2], argv[3:], cmd.env, cmd.cwd, stdout, stderr)
+            except ForkRefused as exc:
+                self.refused = str(exc)
+                log.debug("probe workers start as fresh interpreters: %s", exc)
+        return start_fresh(cmd, stdout, stderr)

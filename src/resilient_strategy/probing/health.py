@@ -180,7 +180,7 @@ def run_check(framework: str, devices: Sequence[int], env: Mapping[str, str], *,
               python: str = sys.executable, timeout_s: float = HEALTH_TIMEOUT_S,
               spawn: proc.Spawn | None = None) -> list[tuple[int, str]]:
     """Check each GPU in one process (a fresh one, or one ``spawn`` starts: a worker forked
-    from the probes' fork server, which never touched a GPU); the broken ones with why."""
+    from the deciding process, which never touched a GPU); the broken ones with why."""
     wenv = dict(env)
     existing = env.get("PYTHONPATH", "")
     wenv["PYTHONPATH"] = os.pathsep.join([PACKAGE_ROOT, existing]) if existing else PACKAGE_ROOT

@@ -10,8 +10,8 @@ of this user left (see `files.sweep_temp_dirs`).
 Probes run one at a time. Running independent candidates side by side would disturb each
 other's bandwidth figures (the ranking depends on them), and whether a hung NCCL kernel in one
 probe disturbs another on the same GPUs can only be measured on GPUs, which has not been done:
-until it is, nothing runs concurrently (a later probe saves its framework import through the
-fork server instead, see `forkserver`).
+until it is, nothing runs concurrently (a later probe saves its framework import by forking
+from this process where it is fit, see `forkserver`).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from .cost import (
     judged_by_progress,
     stall_policy,
 )
+from .forkserver import Starter, forks_here
 
 log = logging.getLogger("resilient_strategy")
 
@@ -122,7 +123,7 @@ def _run_once(spec: ProbeSpec, env: Mapping[str, str], python: str) -> ProbeResu
             group = proc.run_group(commands, spec.timeout_s,
                                     stall_policy=stall_policy(spec, env)
                                     if judged_by_progress(spec)
-                                    else None, spawn=_fork_spawner(spec, env, python))
+                                    else None, spawn=Starter(spec.framework, env, python))
         except OSError as exc:
             return ProbeResult(spec.candidate, ERROR, cause="worker_error",
                                detail=f"could not start the probe worker {python!r}: {exc}")
@@ -152,8 +153,8 @@ class RealProber(Prober):
 class DeferredHealthProber(Prober):
     """The real prober of a decision that defers the GPU health check (`health.Unproven`):
     a probe runs without it, and the decision loop calls `check_gpus` when a check is due.
-    Torch's check is forked from the probes' warm fork server (``import torch`` done, no GPU
-    touched there), so it costs a fork and each GPU's initialisation, not another import."""
+    Torch's check is forked from this process where it is fit (``import torch`` done, no GPU
+    touched here), so it costs a fork and each GPU's initialisation, not another import."""
 
     starts_processes = True
     defers_gpu_check = True
@@ -167,48 +168,14 @@ class DeferredHealthProber(Prober):
     def check_gpus(self, framework: str, devices: tuple[int, ...],
                    env: Mapping[str, str]) -> list[tuple[int, str]]:
         """The broken GPUs of ``devices``, each with why (see `health.run_check`)."""
-        # a fork server that is gone or refuses: the runner starts a fresh interpreter instead
-        spawn = _fork_spawner(ProbeSpec("", framework, "", ()), env, self.python)
+        spawn = Starter(framework, env, self.python)  # forked here where fit, else fresh
         return health.run_check(framework, devices, env, python=self.python, spawn=spawn)
 
     def check_seconds(self, framework: str, gpus: int, env: Mapping[str, str]) -> float:
-        """What a check of ``gpus`` GPUs typically costs after the decision's probes (the fork
-        server warm), by `cost.health_check_seconds`."""
-        from . import forkserver
-
-        forked = framework == "torch" and forkserver.enabled(env)
+        """What a check of ``gpus`` GPUs typically costs after the decision's probes (forked
+        here where fit, torch imported by then), by `cost.health_check_seconds`."""
+        forked = forks_here(framework, env, self.python)
         return health_check_seconds(framework, gpus, forked=forked, warm=forked)
-
-
-def _fork_spawner(spec: ProbeSpec, env: Mapping[str, str], python: str) -> proc.Spawn | None:
-    """Fork torch workers from this process where it is fit to (`forkserver.fork_here`), else from
-    a server that imported torch once (see `forkserver`); None for TensorFlow, or when switched
-    off (``RESILIENT_STRATEGY_FORKSERVER=0``)."""
-    from . import forkserver
-
-    if spec.framework != "torch" or not forkserver.enabled(env):
-        return None
-    # the server's own environment: no candidate variables, no fault (each child gets its own)
-    base = {k: v for k, v in worker_env(ProbeSpec("", spec.framework, "", ()), env).items()
-            if k != "RESILIENT_STRATEGY_PROBE_FAULT"}
-    here_refused: list[str] = []
-
-    def spawn(cmd: proc.WorkerCommand, stdout: str, stderr: str) -> proc.Proc:
-        argv = list(cmd.argv)
-        if argv[:2] != [python, "-m"]:
-            raise forkserver.ForkServerError(f"not a module command: {argv[:3]}")
-        if python == sys.executable and not here_refused:
-            try:  # this process imports torch once (the script trains with it) and forks
-                return forkserver.fork_here(argv[2], argv[3:], cmd.env, cmd.cwd, stdout, stderr)
-            except forkserver.ForkServerError as exc:
-                here_refused.append(str(exc))  # once: the server for this probe's other ranks
-                log.debug("probe workers start from a fork server: %s", exc)
-        server = forkserver.server_for(python, base)
-        return server.spawn(argv[2], argv[3:], cmd.env, cmd.cwd, stdout, stderr)
-
-    return spawn
-
-
 
 
 def worker_env(spec: ProbeSpec, env: Mapping[str, str]) -> dict[str, str]:

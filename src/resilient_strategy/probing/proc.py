@@ -47,8 +47,8 @@ class WorkerCommand:
 
 
 class Proc(Protocol):
-    """What the runner needs of a started worker: ``subprocess.Popen`` or a fork server's child
-    (`probing.forkserver.ForkedProc`). ``pid`` is also its process group id."""
+    """What the runner needs of a started worker: ``subprocess.Popen`` or a child forked from
+    this process (`probing.forkserver.ChildProc`). ``pid`` is also its process group id."""
 
     pid: int
     returncode: int | None
@@ -58,7 +58,7 @@ class Proc(Protocol):
     def wait(self, timeout: float | None = None) -> int: ...
 
 
-#: Starts one worker another way (a fork server): the command, its stdout and stderr paths.
+#: Starts one worker (`probing.forkserver.Starter`): the command, its stdout and stderr paths.
 #: An OSError from it makes the runner start that worker as a fresh process instead.
 Spawn = Callable[[WorkerCommand, str, str], Proc]
 
@@ -222,11 +222,8 @@ def _run_group(
                     if stopped_because:
                         break
                     left = min(left, STOP_POLL_S)
-                # a worker forked by the fork server is known to have exited only once the
-                # server has reaped it and written its status file: poll, as with a watcher (on an
-                # H100 host, health checks forked so waited out their whole 30 s deadline twice
-                # in three runs though they had exited 0 within half a second)
-                waiter.wait(left if watcher is None and spawn is None else min(left, poll_s))
+                # every worker is this process's child (fresh or forked here): its pidfd wakes us
+                waiter.wait(left if watcher is None else min(left, poll_s))
             if timed_out or stall is not None:  # read before the stop, while they still run
                 share = cpu_share(procs, time.monotonic() - start, steal_before)
         finally:
@@ -267,7 +264,12 @@ def start_worker(cmd: WorkerCommand, out_path: Path, err_path: Path, spawn: Spaw
         try:
             return spawn(cmd, str(out_path), str(err_path))
         except OSError:
-            pass  # the fork server is gone or refused: a fresh process does the same work
+            pass  # the fork failed (out of processes, memory): a fresh process does the same work
+    return start_fresh(cmd, str(out_path), str(err_path))
+
+
+def start_fresh(cmd: WorkerCommand, out_path: str, err_path: str) -> subprocess.Popen[bytes]:
+    """One worker as a fresh interpreter in a session of its own (so ``killpg`` reaches it)."""
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
         return subprocess.Popen(
             cmd.argv, env=dict(cmd.env), cwd=cmd.cwd, stdin=subprocess.DEVNULL,

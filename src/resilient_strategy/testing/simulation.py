@@ -580,7 +580,7 @@ class SimulatedProber(Prober):
     wins; anything unmatched is ``default``.
 
     Each probe takes the seconds the real prober would spend on it (`probing.cost`): a
-    healthy one its phases at typical figures for its class of machine (the fork server's saving
+    healthy one its phases at typical figures for its class of machine (forking's saving
     included), a hang the start-up plus the allowance of the prober's own stall policy (a hang of
     TF across workers, which progress cannot judge, the whole timeout). The GPU health check is
     deferred exactly as the real prober's decision defers it (`probing.health.Unproven`):
@@ -616,7 +616,7 @@ class SimulatedProber(Prober):
     def check_gpus(self, framework: str, devices: tuple[int, ...],
                    env: Mapping[str, str]) -> list[tuple[int, str]]:
         """The GPU health check of ``devices``, as `probing.prober.DeferredHealthProber`
-        runs it (torch's forked from the warm fork server): charged to `clock`; the
+        runs it (torch's forked from the deciding process): charged to `clock`; the
         broken ones of `broken_gpus` with why."""
         self.elapsed_s += self.check_seconds(framework, len(devices), env)
         self.health_checks.append(tuple(devices))
@@ -634,7 +634,7 @@ class SimulatedProber(Prober):
 
     def probe(self, spec: ProbeSpec, env: Mapping[str, str]) -> ProbeResult:
         """The described outcome of ``spec``'s candidate, charged to `clock`."""
-        warm = any(c.framework == "torch" for c in self.calls)  # the fork server imported torch
+        warm = any(c.framework == "torch" for c in self.calls)  # the deciding process imported torch
         self.calls.append(spec)
         env_key = ",".join(f"{k}={v}" for k, v in spec.env)
         # a sharded candidate's own outcome ("nccl/fsdp") wins over its backend's ("nccl")
