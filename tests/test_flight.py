@@ -115,6 +115,81 @@ def test_nothing_in_flight_names_the_last_completed_collective() -> None:
     assert (facts.last.op, facts.last.seq) == ("gloo:all_reduce", 7)
 
 
+def _gloo_dump(groups: list[tuple[str, str, int, int, int]], slot_ranks: str) -> bytes:
+    """A dump in the shape torch 2.13's gloo writes (measured: ``_dump_fr_trace()`` of a 4-rank
+    gloo job, TORCH_FR_BUFFER_SIZE set): version "2.10"; pg_config's one slot keyed "", name and
+    desc "", with the ranks of the group made last ("[]" for a new_group) while the entries say
+    process_group ("0", "default_pg"), pg_id 0; pg_status keyed by pg_id; every state
+    "scheduled". ``groups``: (name, desc, pg_id, seqs entered, last completed)."""
+    entries: list[dict[str, Any]] = []
+    for name, desc, pg_id, seqs, _ in groups:
+        for s in range(1, seqs + 1):
+            e = _entry(s, "scheduled", op="gloo:all_reduce", pg=name, pg_id=pg_id)
+            e.update(process_group=(name, desc), input_sizes=[[4]], output_sizes=[[4]])
+            entries.append(e)
+    return pickle.dumps({"version": "2.10", "comm_lib_version": "",
+                         "pg_config": {"": {"name": "", "desc": "", "ranks": slot_ranks}},
+                         "pg_status": {str(pg_id): {"last_enqueued_collective": seqs,
+                                                    "last_started_collective": -1,
+                                                    "last_completed_collective": done}
+                                       for _, _, pg_id, seqs, done in groups},
+                         "entries": entries}, protocol=2)
+
+
+def test_a_gloo_dumps_default_group_spans_the_job_its_other_nodes_not_dumped() -> None:
+    """Issue 44: torch 2.13's gloo keys pg_config "" (no name, no desc) while its entries say
+    group "0": nothing in the dump names the group's members, so ranks 2 and 3 (another node)
+    went unlisted. The default group is the job's: with the job's 4 ranks, they are named."""
+    dump = _gloo_dump([("0", "default_pg", 0, 4, 3)], "[0, 1, 2, 3]")
+    assert "0" not in parse_dump(dump).members  # the unnamed slot is not guessed to be "0"
+    here = [_dumped(0, dump), _dumped(1, dump)]
+    facts = analyse(here, world=4)
+    assert facts.stuck is not None
+    assert (facts.stuck.group, facts.stuck.seq, facts.stuck.entered, facts.stuck.missing,
+            facts.stuck.not_dumped) == ("0", 4, (0, 1), (), (2, 3))
+    unknown = analyse(here).stuck  # the job's ranks not known: none named
+    assert unknown is not None and unknown.not_dumped == ()
+
+
+def test_a_gloo_subgroup_is_given_no_members_it_does_not_record() -> None:
+    """A subgroup (desc "undefined", pg_id 1) stuck under gloo: pg_config's slot says "[]" and
+    names no group, and the job's ranks are not the subgroup's: no member is invented."""
+    dump = _gloo_dump([("0", "default_pg", 0, 2, 2), ("1", "undefined", 1, 2, 1)], "[]")
+    facts = analyse([_dumped(0, dump)], world=4)
+    assert facts.stuck is not None
+    assert (facts.stuck.group, facts.stuck.seq, facts.stuck.not_dumped) == ("1", 2, ())
+
+
+def _configured(config: dict[str, Any], groups: list[tuple[str, str, int]]) -> dict[str, Any]:
+    entries = []
+    for name, desc, pg_id in groups:
+        e = _entry(1, "started", pg=name, pg_id=pg_id)
+        e["process_group"] = (name, desc)
+        entries.append(e)
+    return dict(parse_dump(pickle.dumps({"version": "2.4", "pg_config": config,
+                                         "entries": entries}, protocol=2)).members)
+
+
+def test_pg_config_is_matched_to_the_entries_group_by_key_name_desc_or_pg_id() -> None:
+    """torch's analyser (flight_recorder/components/builder.py) looks a group up by the key its
+    entries name; a slot under another key is the group's by its name, else its desc, else the
+    entries' pg_id, only when that names one slot and one group."""
+    slot = {"name": "", "desc": "", "ranks": "[0, 5]"}
+    assert _configured({"0": slot}, [("0", "default_pg", 0)])["0"] == (0, 5)  # by key
+    assert _configured({"h": {**slot, "name": "a"}}, [("a", "x", 3)])["a"] == (0, 5)
+    assert _configured({"h": {**slot, "desc": "tp"}}, [("a", "tp", 3)])["a"] == (0, 5)
+    assert _configured({"3": slot}, [("a", "x", 3)])["a"] == (0, 5)  # by pg_id
+    # never a guess: two groups of one desc, two slots of one name, one slot claimed twice
+    assert "a" not in _configured({"h": {**slot, "desc": "tp"}},
+                                  [("a", "tp", 3), ("b", "tp", 4)])
+    assert "a" not in _configured({"h": {**slot, "name": "a"}, "k": {**slot, "name": "a"}},
+                                  [("a", "x", 3)])
+    two = _configured({"3": {**slot, "name": "b"}}, [("a", "x", 3), ("b", "y", 4)])
+    assert "a" not in two and "b" not in two
+    # a slot with no ranks ("[]") names nobody
+    assert "a" not in _configured({"h": {**slot, "name": "a", "ranks": "[]"}}, [("a", "x", 3)])
+
+
 def test_the_first_dump_format_a_list_and_two_apis_merged() -> None:
     listed = pickle.dumps([_entry(1, "completed"), _entry(2, "scheduled")], protocol=2)
     d = parse_dump(listed)

@@ -380,6 +380,7 @@ def test_a_fault_at_step_20_is_retried_then_steps_down_on_its_repeat(
             stuck = fr["stuck"]
             assert (stuck["op"], stuck["entered"], stuck["missing"]) == (
                 "gloo:all_reduce", [0], [1])
+            assert stuck["not_dumped"] == []  # the job's 2 ranks (the world analyse is given)
             assert stuck["where"].startswith(str(EXAMPLE))  # the script's line that issued it
     # the rehearsed failure never reaches the cache
     cached = "".join(p.read_text() for p in cache_dir.glob("*.json"))

@@ -61,6 +61,12 @@ class Entry:
     dtypes: tuple[str, ...] = ()
     frames: tuple[str, ...] = ()  # "file:line in name", innermost first
     created_ns: int = 0
+    desc: str = ""  # the process group's description ("default_pg" for the default group)
+    pg_id: str = ""  # the recorder's number for the group
+
+
+#: torch's description of the default group, the one every rank of the job is in.
+DEFAULT_PG = "default_pg"
 
 
 @dataclass(frozen=True)
@@ -236,31 +242,56 @@ def parse_dump(data: bytes) -> Dump:
         obj = {"entries": obj}
     if not isinstance(obj, dict) or not isinstance(obj.get("entries", []), list):
         raise ValueError("not a flight-recorder dump: no list of entries")
-    entries: list[Entry] = []
-    pg_names: dict[str, str] = {}  # pg_id -> group name (pg_status is keyed by id)
-    for raw in obj.get("entries", []):
-        if not isinstance(raw, dict):
-            continue
-        e = _entry(raw)
-        if e is None:
-            continue
-        entries.append(e)
-        if "pg_id" in raw:
-            pg_names[str(raw["pg_id"])] = e.group
+    entries = [e for raw in obj.get("entries", []) if isinstance(raw, dict)
+               and (e := _entry(raw)) is not None]
+    pg_names = {e.pg_id: e.group for e in entries if e.pg_id}  # pg_status is keyed by id
     completed: dict[str, int] = {}
     status = obj.get("pg_status")
     if isinstance(status, dict):
         for pg_id, s in status.items():
             if isinstance(s, dict) and isinstance(s.get("last_completed_collective"), int):
                 completed[pg_names.get(str(pg_id), str(pg_id))] = s["last_completed_collective"]
-    members: dict[str, tuple[int, ...]] = {}
     config = obj.get("pg_config")
-    if isinstance(config, dict):
-        for name, c in config.items():
-            ranks = _rank_list(c.get("ranks") if isinstance(c, dict) else c)
-            if ranks is not None:
-                members[str(name)] = ranks
+    members = _members(config if isinstance(config, dict) else {}, entries)
     return Dump(tuple(entries), completed, members, str(obj.get("version", "")))
+
+
+def _members(config: Mapping[Any, Any], entries: Sequence[Entry]) -> dict[str, tuple[int, ...]]:
+    """pg_config's ranks, per group as its entries name it. torch's analyser looks a group up
+    by the key its entries name (``process_group[0]``); a key no entry names (torch 2.13's gloo
+    keys its one slot "", name and desc "", whichever group was made last) is attributed to
+    a group only by the slot's own name, else its description, else the entries' ``pg_id``,
+    when that names exactly one group and one slot with ranks; never otherwise."""
+    slots: dict[str, tuple[dict[str, Any], tuple[int, ...]]] = {}
+    members: dict[str, tuple[int, ...]] = {}
+    for key, c in config.items():
+        ranks = _rank_list(c.get("ranks") if isinstance(c, dict) else c)
+        if ranks is not None:
+            members[str(key)] = ranks
+            if ranks:
+                slots[str(key)] = (c if isinstance(c, dict) else {}, ranks)
+    groups = {e.group: e for e in entries if e.group}
+    free = {k: c for k, (c, _) in slots.items() if k not in groups}
+    descs = [e.desc for e in groups.values()]
+    claimed = {g: k for g, e in groups.items() if g not in members
+               and (k := _claim(g, e, descs.count(e.desc) == 1, free)) is not None}
+    for g, k in claimed.items():
+        if list(claimed.values()).count(k) == 1:
+            members[g] = slots[k][1]
+    return members
+
+
+def _claim(group: str, e: Entry, unique_desc: bool,
+           free: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """The one pg_config slot (no entry names its key) that is ``group``'s, by the slot's name,
+    else its description (one group of that description), else the entries' ``pg_id``."""
+    for claims in ((lambda k, c: str(c.get("name", "")) == group),
+                   (lambda k, c: unique_desc and bool(e.desc) and str(c.get("desc", "")) == e.desc),
+                   (lambda k, c: bool(e.pg_id) and k == e.pg_id)):
+        found = [k for k, c in free.items() if claims(k, c)]
+        if found:
+            return found[0] if len(found) == 1 else None
+    return None
 
 
 def _entry(raw: Mapping[str, Any]) -> Entry | None:
@@ -281,7 +312,9 @@ def _entry(raw: Mapping[str, Any]) -> Entry | None:
     return Entry(group=group, seq=seq, op=str(raw.get("profiling_name", "?")),
                  state=str(raw.get("state", "")), p2p=bool(raw.get("is_p2p", False)),
                  sizes=tuple(sizes), dtypes=tuple(str(d) for d in raw.get("input_dtypes", ()) or ()),
-                 frames=tuple(frames), created_ns=created if isinstance(created, int) else 0)
+                 frames=tuple(frames), created_ns=created if isinstance(created, int) else 0,
+                 desc=str(pg[1]) if isinstance(pg, (tuple, list)) and len(pg) > 1 else "",
+                 pg_id=str(raw.get("pg_id", "")))
 
 
 def _rank_list(value: Any) -> tuple[int, ...] | None:
@@ -312,7 +345,7 @@ def merge_dumps(dumps: Sequence[Dump]) -> Dump:
                 ",".join(d.version for d in dumps if d.version))
 
 
-def analyse(ranks: Sequence[RankDump]) -> FlightFacts:
+def analyse(ranks: Sequence[RankDump], world: int = 0) -> FlightFacts:
     """The collective a stalled group is stuck in, from every rank's dump (pure).
 
     Per process group, a rank *entered* collective ``seq`` when its recorder holds it, and
@@ -320,7 +353,9 @@ def analyse(ranks: Sequence[RankDump]) -> FlightFacts:
     reaches it, or when another rank completed it (no rank completes a collective of its group
     before every rank entered it). The stuck collective is the first one some rank entered and did not complete
     (the oldest, across groups); the ranks whose last entered collective is below it never
-    entered it. With nothing in flight, the last collective every dumped rank completed."""
+    entered it. With nothing in flight, the last collective every dumped rank completed.
+    ``world`` (the job's ranks, 0 when not known) is the default group's membership where no
+    dump names it (torch 2.13's gloo records none it can be matched to: `_members`)."""
     dumped = [r for r in ranks if r.dump is not None]
     if not dumped:
         return FlightFacts(tuple(ranks))
@@ -357,8 +392,7 @@ def analyse(ranks: Sequence[RankDump]) -> FlightFacts:
                       sorted(pending)[0])
         entry = by_rank[holder].get(seq) or by_rank[holder][min(
             s for s in by_rank[holder] if s > done[holder])]
-        members = next((r.dump.members[g] for r in dumped
-                        if r.dump is not None and g in r.dump.members), ())
+        members = _group_members(dumped, g, world)
         here = {r.rank for r in ranks}
         stuck = StuckCollective(
             group=g, seq=entry.seq, op=entry.op,
@@ -371,6 +405,17 @@ def analyse(ranks: Sequence[RankDump]) -> FlightFacts:
             best = (entry.created_ns, stuck)
     return FlightFacts(tuple(ranks), None if best is None else best[1],
                        None if best is not None else last)
+
+
+def _group_members(dumped: Sequence[RankDump], group: str, world: int) -> tuple[int, ...]:
+    """The ranks of ``group`` as a dump names them; else, for the default group, the job's."""
+    known = next((r.dump.members[group] for r in dumped
+                  if r.dump is not None and r.dump.members.get(group)), None)
+    if known is not None:
+        return known
+    default = any(e.group == group and e.desc == DEFAULT_PG
+                  for r in dumped if r.dump is not None for e in r.dump.entries)
+    return tuple(range(world)) if default and world > 0 else ()
 
 
 def _user_frame(frames: Sequence[str]) -> str:

@@ -313,7 +313,7 @@ def _launch(opts: RunOptions, decision: HandedDecision, env: Mapping[str, str],
     if stall is None and oom_before is not None and (oom_now := procs.oom_kills()) is not None:
         verdict = memory_killed(verdict, exits, oom_now - oom_before)
     if stall is not None and agent.flight:
-        verdict = replace(verdict, flight=analyse(agent.flight))
+        verdict = replace(verdict, flight=analyse(agent.flight, world=nnodes * nproc))
         if proof := divergence(agent.flight):
             verdict = diverged(verdict, proof)
     if not verdict.ok:
