@@ -35,7 +35,8 @@ def v(kind: K, step: int, **kw: object) -> Verdict:
 
 _OK = v(K.OK, 300)
 #: (verdicts scripted, in turn) -> (the actions taken, the candidates attempted, exit code,
-#: the cause blaming the node); one row per row of the how-to's verdict table
+#: the cause blaming the node); one row per row of the how-to's verdict table (the machine's
+#: causes raised inside a collective: even there, a repeat never steps down)
 ROWS: dict[str, tuple[list[Verdict], list[str], list[str], int, str | None]] = {
     "ok": ([_OK], ["finish"], [A], 0, None),
     "stall_collective_repeat_steps_down": (
@@ -74,11 +75,13 @@ ROWS: dict[str, tuple[list[Verdict], list[str], list[str], int, str | None]] = {
     "user_stops_1": ([v(K.USER, 50)], ["stop"], [A], 1, None),
     "oom_stops_1": ([v(K.OOM, 50)], ["stop"], [A], 1, None),
     "gpu_fault_repeat_stops_75_blaming_the_node": (
-        [v(K.EXIT, 50, cause="gpu_fault"), v(K.EXIT, 60, cause="gpu_fault")],
+        [v(K.EXIT, 50, cause="gpu_fault", phase="collective"),
+         v(K.EXIT, 60, cause="gpu_fault", phase="collective")],
         ["retry", "stop"], [A, A], 75, "gpu_fault"),
     "no_space_stops_75": ([v(K.EXIT, 50, cause="no_space")], ["stop"], [A], 75, None),
     "storage_error_repeat_stops_75": (
-        [v(K.EXIT, 50, cause="storage_error"), v(K.EXIT, 60, cause="storage_error")],
+        [v(K.EXIT, 50, cause="storage_error", phase="collective"),
+         v(K.EXIT, 60, cause="storage_error", phase="collective")],
         ["retry", "stop"], [A, A], 75, None),
     "launch_stops_2": ([v(K.LAUNCH, 0, cause="port_in_use")], ["stop"], [A], 2, None),
     "same_fault_on_another_backend_stops_2": (
