@@ -39,24 +39,15 @@ _OK = v(K.OK, 300)
 #: causes raised inside a collective: even there, a repeat never steps down)
 ROWS: dict[str, tuple[list[Verdict], list[str], list[str], int, str | None]] = {
     "ok": ([_OK], ["finish"], [A], 0, None),
-    "stall_collective_repeat_steps_down": (
-        [v(K.STALL, 50, stall="collective"), v(K.STALL, 60, stall="collective"), _OK],
-        ["retry", "step_down", "finish"], [A, A, B], 0, None),
-    "stall_setup_repeat_steps_down": (
-        [v(K.STALL, 50, stall="setup"), v(K.STALL, 60, stall="setup"), _OK],
-        ["retry", "step_down", "finish"], [A, A, B], 0, None),
-    "stall_busy_repeat_stops_1": (
-        [v(K.STALL, 50, stall="busy"), v(K.STALL, 60, stall="busy")],
-        ["retry", "stop"], [A, A], 1, None),
-    "stall_stopped_repeat_stops_75": (
-        [v(K.STALL, 50, stall="stopped"), v(K.STALL, 60, stall="stopped")],
-        ["retry", "stop"], [A, A], 75, None),
-    "stall_straggler_repeat_stops_75": (
-        [v(K.STALL, 50, stall="straggler"), v(K.STALL, 60, stall="straggler")],
-        ["retry", "stop"], [A, A], 75, None),
-    "stall_asleep_repeat_stops_75": (
-        [v(K.STALL, 50, stall="asleep"), v(K.STALL, 60, stall="asleep")],
-        ["retry", "stop"], [A, A], 75, None),
+    **{f"stall_{kind}_repeat_steps_down": (
+        [v(K.STALL, 50, stall=kind), v(K.STALL, 60, stall=kind), _OK],
+        ["retry", "step_down", "finish"], [A, A, B], 0, None) for kind in ("collective", "setup")},
+    # a repeat whose evidence clears the transport: busy in the script's own code is the
+    # script's (1); stopped, never arrived, asleep: the machine's or unknown (75)
+    **{f"stall_{kind}_repeat_stops_{code}": (
+        [v(K.STALL, 50, stall=kind), v(K.STALL, 60, stall=kind)], ["retry", "stop"], [A, A],
+        code, None) for kind, code in (("busy", 1), ("stopped", 75), ("straggler", 75),
+                                        ("asleep", 75))},
     "exit_in_a_collective_repeat_steps_down": (
         [v(K.EXIT, 50, phase="collective"), v(K.EXIT, 60, phase="collective"), _OK],
         ["retry", "step_down", "finish"], [A, A, B], 0, None),

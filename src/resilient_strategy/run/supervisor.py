@@ -23,6 +23,9 @@ error records and their last progress into a typed `Verdict`, and
 - each fault gets one line here, and its per-rank tracebacks and stacks go to the evidence file
   (`evidence`); the run ends with a summary line and an exit code (`exitcodes`).
 
+The attempts follow one another in `loop.run_attempts` (pure); `_Run` here is its real hooks
+(start and watch, observe, judge, record, finish, announce a relaunch).
+
 TensorFlow scripts run as one supervised process (one process drives every GPU there); without
 torch, `solo` runs it and `own_parser` reads the command line.
 
