@@ -20,7 +20,7 @@ from resilient_strategy.records.handoff import HandedDecision, write_decision
 from resilient_strategy.records.rundir import RunDir
 from resilient_strategy.run import supervisor
 from resilient_strategy.run.evidence import Evidence
-from resilient_strategy.run.loop import Watched, ending_of, run_attempts
+from resilient_strategy.run.loop import Observed, Watched, ending_of, run_attempts
 from resilient_strategy.run.policy import Action, Judgement, RelaunchPolicy
 from resilient_strategy.run.preempt import Ending
 from resilient_strategy.run.verdicts import Verdict
@@ -184,3 +184,16 @@ def test_a_relaunch_resumes_from_the_step_its_own_script_restored(
     assert [a["action"] for a in summary["attempts"]] == ["retry", "retry", "finish"]
     assert [Path(d).name for d in sorted(str(p) for p in (tmp_path / "session").iterdir())] == [
         "attempt0", "attempt1", "attempt2"]
+
+
+def test_the_real_judge_alone_retries_in_a_fresh_attempt_directory(tmp_path: Path) -> None:
+    """One hook driven alone: a first exit is retried on the same candidate, decided into the
+    next attempt's own directory; a script's fault has no next attempt."""
+    hooks, first = _real_hooks(tmp_path, [])
+    judged = hooks.judge(0, first, Observed(v(K.EXIT, 50)), [])
+    assert judged.judgement.action is Action.RETRY and judged.next is not None
+    assert (judged.next.decision.chosen, judged.next.decision.attempt) == (
+        first.decision.chosen, 1)
+    assert Path(judged.next.decision.run_dir) == tmp_path / "session" / "attempt1"
+    stopped = hooks.judge(1, judged.next, Observed(v(K.USER, 60)), [])
+    assert (stopped.judgement.exit_code, stopped.next) == (1, None)
