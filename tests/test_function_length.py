@@ -15,7 +15,6 @@ _SUPERVISOR = "issue 44 item 1, the supervisor loop, not yet split"
 ALLOWED: dict[tuple[str, str], str] = {
     ("run/agent.py", "_agent_class"): _SUPERVISOR,
     ("run/agent.py", "_launch"): _SUPERVISOR,
-    ("run/supervisor.py", "_supervise"): _SUPERVISOR,
 }
 
 

@@ -23,6 +23,9 @@ error records and their last progress into a typed `Verdict`, and
 - each fault gets one line here, and its per-rank tracebacks and stacks go to the evidence file
   (`evidence`); the run ends with a summary line and an exit code (`exitcodes`).
 
+The attempts follow one another in `loop.run_attempts` (pure); `_Run` here is its real hooks
+(start and watch, observe, judge, record, finish, announce a relaunch).
+
 TensorFlow scripts run as one supervised process (one process drives every GPU there); without
 torch, `solo` runs it and `own_parser` reads the command line.
 
@@ -45,7 +48,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -84,6 +87,7 @@ from .cmdline import node_count, options_from_args, torch_launcher
 from .evidence import Evidence
 from .exitcodes import ExitCode, interrupted
 from .goodput import account
+from .loop import Judged, Observed, Watched, ending_of, exit_code, run_attempts
 from .policy import (
     Action,
     Attempt,
@@ -172,13 +176,8 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
     from ..machine.inspect import detect_facts
 
     job_start = time.time()  # the job's goodput counts from here (deciding included)
-    policy = RelaunchPolicy(opts.min_throughput, opts.allow_cpu,
-                            opts.max_attempts_without_progress, opts.max_relaunches,
-                            fault_window=opts.fault_window)
     evidence = Evidence(Path(os.path.abspath(opts.evidence_dir)), session.name)
     failures: dict[str, ProbeResult] = {}  # candidates stepped down from, by key
-    history: list[Attempt] = []
-    notes: list[str] = []
     facts = detect_facts(snapshot)
     if opts.run_launch.words():
         _say(opts.run_launch.words())
@@ -195,50 +194,87 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
     first = choice.decision
     check_rank(fault, max(first.processes * first.nodes, _asked_ranks(opts)))
     _say(_allowance_words(opts, snapshot, choice.decision.framework))
-    team = choice.link or link  # the nodes that relaunch together (None: node 0 alone)
-    changes = [choice.change] if choice.change is not None else []
+    run = _Run(opts, snapshot, fault, session, job_start, evidence, failures, facts, link,
+               team=choice.link or link,
+               changes=[choice.change] if choice.change is not None else [])
+    return run_attempts(run, choice)
+
+
+@dataclass
+class _Run:
+    """The supervisor's hooks of `loop.run_attempts` (`loop.Hooks`), with what the run keeps
+    from attempt to attempt: the candidates stepped down from, the notes for the next
+    attempt's script, the nodes that relaunch together, the membership changes, and a measured
+    switch's trial."""
+
+    opts: RunOptions
+    snapshot: Mapping[str, str]
+    fault: TrainFault | None
+    session: Path
+    job_start: float
+    evidence: Evidence
+    failures: dict[str, ProbeResult]
+    facts: Any
+    link: NodeLink | None
+    #: the nodes that relaunch together (None: node 0 alone)
+    team: NodeLink | None
+    changes: list[Any]
+    notes: list[str] = field(default_factory=list)
     # a measured switch (issue 41 item 4): the first choice and its measured note while a
     # trial of the faster candidate runs; whether this job had its trial
     trial: tuple[Choice, MeasuredNote] | None = None
-    tried = False
-    for attempt in range(0, 10_000):
-        decision = choice.decision
-        if link is not None and _alone(decision) and link.node != 0:
-            _say(f"node {link.node}: node 0 trains alone on {_label(decision)} (no backend "
-                 "between the nodes beats one node); this node has nothing to run")
-            evidence.summary(history)  # what this node saw until then (none: nothing written)
-            return preempt.Ending(int(ExitCode.SUCCESS))
+    tried: bool = False
+
+    @property
+    def policy(self) -> RelaunchPolicy:
+        o = self.opts
+        return RelaunchPolicy(o.min_throughput, o.allow_cpu, o.max_attempts_without_progress,
+                              o.max_relaunches, fault_window=o.fault_window)
+
+    def sits_out(self, choice: Choice, history: Sequence[Attempt]) -> preempt.Ending | None:
+        """Node 0 trains alone: any other node has nothing to run."""
+        link, decision = self.link, choice.decision
+        if link is None or not _alone(decision) or link.node == 0:
+            return None
+        _say(f"node {link.node}: node 0 trains alone on {_label(decision)} (no backend "
+             "between the nodes beats one node); this node has nothing to run")
+        self.evidence.summary(history)  # what this node saw until then (none: nothing written)
+        return preempt.Ending(int(ExitCode.SUCCESS))
+
+    def start_and_watch(self, attempt: int, choice: Choice) -> Watched | preempt.Ending:
+        """The attempt's workers started and watched to their end (a launch fault before any
+        worker started is a verdict too); an `Ending` when a signal or a preemption stopped it."""
+        opts, decision, link, trial = self.opts, choice.decision, self.link, self.trial
         peer = None
-        if team is not None and not _alone(decision):  # node 0 alone has no peer to hear
+        if self.team is not None and not _alone(decision):  # node 0 alone has no peer to hear
             from .peers import PeerWatch
 
-            peer = PeerWatch(team, decision.attempt, _store_timeout(opts))
+            peer = PeerWatch(self.team, decision.attempt, _store_timeout(opts))
         try:
             if torch_launcher():
-                verdict = launch(opts, decision, snapshot, session, peer,
+                verdict = launch(opts, decision, self.snapshot, self.session, peer,
                                  alone=link is not None and _alone(decision),
                                  switch=preempt.CURRENT.watch(
                                      decision.run_dir,
                                      None if link is not None or not opts.measured_switch
                                      else _switch_watch(decision.run_dir, None if trial is None
-                                                        else trial[1].steps_per_s, tried),
+                                                        else trial[1].steps_per_s, self.tried),
                                      _checkpoint_in))
             else:  # no torch: our own agent for the one process of a TensorFlow job
                 from .solo import launch_one
 
                 verdict = launch_one(opts, decision)
         except Exception as exc:
-            if type(exc).__name__ != "SignalException":  # the agent stopped the workers
-                # a launch fault before any worker started (the rendezvous store on a held
-                # --master-port): a verdict like any other, never torch's traceback
-                raised = launch_faults.raised(launch_faults.chain_of(exc))
-                if raised is None:
-                    raise
-                verdict = raised
-            else:
+            if type(exc).__name__ == "SignalException":  # the agent stopped the workers
                 signum = int(getattr(exc, "sigval", 15))
                 _say(f"stopped by signal {signum}; the workers are stopped")
                 return preempt.Ending(interrupted(signum))
+            # a launch fault before any worker started (the rendezvous store on a held
+            # --master-port): a verdict like any other, never torch's traceback
+            raised = launch_faults.raised(launch_faults.chain_of(exc))
+            if raised is None:
+                raise
+            verdict = raised
         finally:
             preempt.CURRENT.attempt_over()
             if peer is not None:
@@ -246,6 +282,12 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
         if preempt.CURRENT.signum is not None and not verdict.ok:  # stopped for a preemption
             _say(preempt.CURRENT.line())
             return preempt.Ending(int(ExitCode.INFRASTRUCTURE))  # no node's fault
+        return Watched(verdict, peer)
+
+    def observe(self, attempt: int, choice: Choice, watched: Watched) -> Observed:
+        """The verdict as judged (one device, the port's holder, every node's), the step the
+        attempt's own script restored, its measured step; the resume and the fault said."""
+        decision, verdict, peer = choice.decision, watched.verdict, watched.peer
         verdict = effective(verdict, choice.candidate.num_replicas)
         if verdict.kind is VerdictKind.LAUNCH:  # named: the port's holder where /proc shows it
             verdict = launch_faults.named(verdict, _holders(verdict))
@@ -253,114 +295,144 @@ def _supervise(opts: RunOptions, snapshot: Mapping[str, str], fault: TrainFault 
         if peer is not None:
             verdict = verdict_with_peers(peer, decision.chosen, verdict)
             gone = peer.gone()
-        marks = RunDir.of(decision.run_dir).supervisor_phases
-        phases.mark(marks, phases.VERDICT)
-        label = _label(decision)
+        phases.mark(RunDir.of(decision.run_dir).supervisor_phases, phases.VERDICT)
         # a resume is the script's restore, reported by it (never the note an attempt before
         # left: a script may not load it); its steps count on from there
         resumed = restored_step(decision.run_dir)
         if attempt > 0 or resumed is not None:
             _say(_resume_words(attempt, resumed))
-        measured = read_measured(decision.run_dir)
-        switched = verdict.kind is VerdictKind.SWITCH
-        if not verdict.ok and not switched:  # the fault's line first; its evidence below
+        seen = Observed(verdict, gone, resumed, read_measured(decision.run_dir))
+        if not verdict.ok and not seen.switched:  # the fault's line first; its evidence below
             _say(fault_line(attempt, _backend(decision.chosen), verdict,
-                            _shown_path(evidence.path(attempt)), prefix=SAY_PREFIX)[len(SAY_PREFIX):])
-        nxt: Choice | None = None
-        # a node whose verdict never came gets the heartbeat window to join the relaunch
-        silent = (verdict.node,) if (verdict.kind is VerdictKind.LOST
-                                     and verdict.node is not None) else ()
-        silent = tuple(sorted({*silent, *gone}))
-        rehearsed = fault is not None and fault.backend == _backend(decision.chosen)
-        planned: list[Choice] = []
-        choose = _chooser(opts, facts, snapshot, failures, session, decision.attempt + 1, notes,
-                          team, silent, planned)
+                            _shown_path(self.evidence.path(attempt)),
+                            prefix=SAY_PREFIX)[len(SAY_PREFIX):])
+        return seen
+
+    def judge(self, attempt: int, choice: Choice, seen: Observed,
+              history: Sequence[Attempt]) -> Judged[Choice]:
+        """What follows (`policy.relaunch`, the measured switch, a node lost at the relaunch's
+        agreement) and the next attempt's choice, decided (None: the run ends)."""
+        measured, trial = seen.measured, self.trial
         outcome = measured_outcome(
-            "" if measured is None else measured.faster, switched,
+            "" if measured is None else measured.faster, seen.switched,
             trial_of=None if trial is None else trial[1].steps_per_s,
             trial_steps_per_s=None if trial is None or measured is None
-            else measured.steps_per_s, tried=tried)
+            else measured.steps_per_s, tried=self.tried)
         if measured is not None:
             _say(_measured_words(measured, outcome, None if trial is None else trial[1],
-                                 tried, opts.measured_switch))
+                                 self.tried, self.opts.measured_switch))
         try:
-            if switched and measured is not None:  # healthy, stopped at a checkpoint (no fault)
-                judgement, nxt = _switch(choice, measured, trial, session,
-                                         decision.attempt + 1, facts, snapshot, notes)
-                trial, tried = ((choice, measured) if trial is None else None), True
-            else:
-                # the one ladder the replay runs too: judge, then retry, step down or stop (a
-                # node that asked to join: the same rung again, across the larger group)
-                judgement, to = relaunch(verdict, _rung(choice), history, policy, choose,
-                                         rehearsed)
-            if switched:
-                pass
-            elif to is not None and judgement.action is Action.STEP_DOWN:
-                nxt = planned[-1]
-            elif to is not None:
-                nxt = _retry(choice, session, decision.attempt + 1, team, opts, facts, snapshot,
-                             failures, notes, silent)
+            judgement, nxt = self._next(choice, seen, history)
         except NodeLostError as exc:
-            if team is None or team.node != 0 or exc.node is None:
+            if self.team is None or self.team.node != 0 or exc.node is None:
                 raise  # a node other than 0 cannot go on without the store node 0 hosts
-            _say(f"node {exc.node} did not join the relaunch: {one_line(str(exc), 300)}")
-            nxt, refusal = _without_lost_node(opts, facts, snapshot, failures, session,
-                                              decision.attempt + 1, notes, choice, exc.node)
-            judgement = (Judgement(Action.STOP, refusal, ExitCode.INFRASTRUCTURE) if nxt is None
-                         else Judgement(Action.FEWER_NODES, f"node {exc.node} did not join the "
-                                        "relaunch: it is dropped, and node 0 goes on alone with "
-                                        "accumulation keeping the global batch"))
-            team = None
+            judgement, nxt = self._without(choice, exc.node, str(exc))
         if nxt is not None:
-            phases.mark(marks, phases.NEXT_READY)
+            phases.mark(RunDir.of(choice.decision.run_dir).supervisor_phases, phases.NEXT_READY)
             if nxt.change is not None:
-                changes.append(nxt.change)
+                self.changes.append(nxt.change)
                 if nxt.change.line():
                     _say(nxt.change.line())
                 if nxt.change.left and judgement.action is Action.RETRY:
                     judgement = Judgement(Action.FEWER_NODES, _fewer_words(nxt.change))
-            if team is not None:
-                team = nxt.link or team
-        done = Attempt(attempt, decision.chosen, label, verdict, judgement, resumed,
-                       phases.Timeline.read(decision.run_dir, decision.processes),
-                       None if measured is None else {**measured.to_dict(), "outcome": outcome})
-        history.append(done)
-        if not verdict.ok and not switched and evidence.record(done, Path(decision.run_dir),
-                                              decision.processes) is None:
-            _say(f"the evidence of attempt {attempt + 1} could not be written to "
-                 f"{evidence.path(attempt)}")
-        if nxt is None:
-            goodput = account(history, job_start, time.time())
-            evidence.summary(history, [c.to_dict() for c in changes], goodput.to_dict(),
-                             create=any(a.measured is not None for a in history))
-            from .peers import nodes_words
+            if self.team is not None:
+                self.team = nxt.link or self.team
+        return Judged(judgement, nxt, outcome)
 
-            _say(_summary(history, judgement) + nodes_words(changes) + f" {goodput.line()}.")
-            code = int(judgement.exit_code if judgement.exit_code is not None
-                       else ExitCode.INFRASTRUCTURE)
-            blamed = (node_cause(a.verdict.cause for a in history if not a.verdict.ok)
-                      if code == ExitCode.INFRASTRUCTURE else None)
-            return preempt.Ending(code, blamed)
-        ckpt = _last_checkpoint(session)
-        how = {Action.RETRY: "retrying", Action.FEWER_NODES: "going on with fewer nodes",
-               Action.MORE_NODES: "taking a node back",
-               Action.TRIAL: "trying the candidate measured faster",
-               Action.SWITCH_BACK: "going back to the candidate measured faster"}.get(
-            judgement.action, "stepping down")
-        notes.append(f"Relaunched ({how}) from the checkpoint at step {verdict.step}: "
-                     f"{judgement.reason}." if switched else
-                     f"Relaunched ({how}): {label} failed mid-run at step {verdict.step} "
-                     f"({verdict.kind.value}: {one_line(verdict.summary, 160)}).")
-        limit = f" of {policy.max_relaunches}" if policy.max_relaunches is not None else ""
+    def _next(self, choice: Choice, seen: Observed, history: Sequence[Attempt]
+              ) -> tuple[Judgement, Choice | None]:
+        """The judgement and the next choice: the measured switch's, else the ladder's (a
+        retry: the same candidate again; a step-down: the one the chooser planned)."""
+        verdict, decision = seen.verdict, choice.decision
+        attempt = decision.attempt + 1
+        if seen.switched and seen.measured is not None:  # healthy, stopped at a checkpoint
+            judgement, nxt = _switch(choice, seen.measured, self.trial, self.session, attempt,
+                                     self.facts, self.snapshot, self.notes)
+            self.trial = (choice, seen.measured) if self.trial is None else None
+            self.tried = True
+            return judgement, nxt
+        # a node whose verdict never came gets the heartbeat window to join the relaunch
+        silent = (verdict.node,) if (verdict.kind is VerdictKind.LOST
+                                     and verdict.node is not None) else ()
+        silent = tuple(sorted({*silent, *seen.gone}))
+        rehearsed = self.fault is not None and self.fault.backend == _backend(decision.chosen)
+        planned: list[Choice] = []
+        choose = _chooser(self.opts, self.facts, self.snapshot, self.failures, self.session,
+                          attempt, self.notes, self.team, silent, planned)
+        # the one ladder the replay runs too: judge, then retry, step down or stop (a node
+        # that asked to join: the same rung again, across the larger group)
+        judgement, to = relaunch(verdict, _rung(choice), history, self.policy, choose, rehearsed)
+        if seen.switched or to is None:
+            return judgement, None
+        if judgement.action is Action.STEP_DOWN:
+            return judgement, planned[-1]
+        return judgement, _retry(choice, self.session, attempt, self.team, self.opts,
+                                 self.facts, self.snapshot, self.failures, self.notes, silent)
+
+    def _without(self, choice: Choice, lost: int, why: str) -> tuple[Judgement, Choice | None]:
+        """Node 0 after a node did not join the relaunch: alone, or stopped."""
+        _say(f"node {lost} did not join the relaunch: {one_line(why, 300)}")
+        nxt, refusal = _without_lost_node(self.opts, self.facts, self.snapshot, self.failures,
+                                          self.session, choice.decision.attempt + 1,
+                                          self.notes, choice, lost)
+        self.team = None
+        if nxt is None:
+            return Judgement(Action.STOP, refusal, ExitCode.INFRASTRUCTURE), None
+        return Judgement(Action.FEWER_NODES, f"node {lost} did not join the relaunch: it "
+                         "is dropped, and node 0 goes on alone with accumulation keeping the "
+                         "global batch"), nxt
+
+    def record(self, attempt: int, choice: Choice, seen: Observed,
+               judged: Judged[Choice]) -> Attempt:
+        """The attempt as recorded; a fault's evidence file written."""
+        decision, verdict, measured = choice.decision, seen.verdict, seen.measured
+        done = Attempt(attempt, decision.chosen, _label(decision), verdict, judged.judgement,
+                       seen.resumed, phases.Timeline.read(decision.run_dir, decision.processes),
+                       None if measured is None
+                       else {**measured.to_dict(), "outcome": judged.outcome})
+        if not verdict.ok and not seen.switched and self.evidence.record(
+                done, Path(decision.run_dir), decision.processes) is None:
+            _say(f"the evidence of attempt {attempt + 1} could not be written to "
+                 f"{self.evidence.path(attempt)}")
+        return done
+
+    def finish(self, history: Sequence[Attempt], judgement: Judgement) -> preempt.Ending:
+        """The run's end: the summary file and line, the exit code."""
+        from .peers import nodes_words
+
+        goodput = account(history, self.job_start, time.time())
+        self.evidence.summary(history, [c.to_dict() for c in self.changes], goodput.to_dict(),
+                              create=any(a.measured is not None for a in history))
+        _say(_summary(history, judgement) + nodes_words(self.changes) + f" {goodput.line()}.")
+        return ending_of(history, judgement)
+
+    def announce_relaunch(self, history: Sequence[Attempt], choice: Choice, seen: Observed,
+                          judged: Judged[Choice]) -> None:
+        """The relaunch said, and noted for the next attempt's script."""
+        verdict, judgement, nxt = seen.verdict, judged.judgement, judged.next
+        assert nxt is not None
+        ckpt = _last_checkpoint(self.session)
+        how = _HOW.get(judgement.action, "stepping down")
+        self.notes.append(f"Relaunched ({how}) from the checkpoint at step {verdict.step}: "
+                          f"{judgement.reason}." if seen.switched else
+                          f"Relaunched ({how}): {_label(choice.decision)} failed mid-run at "
+                          f"step {verdict.step} ({verdict.kind.value}: "
+                          f"{one_line(verdict.summary, 160)}).")
+        limit = f" of {self.opts.max_relaunches}" if self.opts.max_relaunches is not None else ""
         _say(f"relaunch {len(history)}{limit}: {how} on {_label(nxt.decision)} "
              f"({judgement.reason}); "
              + (f"the last checkpoint noted is at step {ckpt[0]} ({ckpt[1]})" if ckpt
                 else "the last checkpoint is noted on the node of rank 0"
-                if link is not None and link.node != 0
+                if self.link is not None and self.link.node != 0
                 else "no checkpoint was noted")
              + ": a resume is announced once the script has restored one")
-        choice = nxt
-    raise ResilientStrategyError("too many launch attempts")  # pragma: no cover
+
+
+#: How a relaunch goes on, by its action (any other: a step-down).
+_HOW = {Action.RETRY: "retrying", Action.FEWER_NODES: "going on with fewer nodes",
+        Action.MORE_NODES: "taking a node back",
+        Action.TRIAL: "trying the candidate measured faster",
+        Action.SWITCH_BACK: "going back to the candidate measured faster"}
 
 
 def _switch_watch(run_dir: str, trial_of: float | None, tried: bool
@@ -572,7 +644,7 @@ def _summary(history: Sequence[Attempt], judgement: Judgement) -> str:
         if a.measured is not None:  # the measured rate (issue 41: both, after a trial)
             what += f" (measured {float(a.measured['steps_per_s']):.3g} steps/s)"
         steps.append(f"{a.label}: {what} -> {a.judgement.action.value.replace('_', ' ')}")
-    code = judgement.exit_code if judgement.exit_code is not None else ExitCode.INFRASTRUCTURE
+    code = exit_code(judgement)
     return (f"summary: {len(history)} attempt(s): " + "; ".join(steps)
             + f". {judgement.reason}. Exit {int(code)} ({code.name})")
 
