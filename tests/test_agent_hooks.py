@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 
 import pytest
 from conftest import deadline
+from test_phases import _seen_stopped
 
 from resilient_strategy.records import phases
 from resilient_strategy.records.progress import COLLECTIVE, Stall
@@ -28,17 +28,6 @@ from resilient_strategy.run.agent import (
 from resilient_strategy.run.verdicts import PeerFault, Verdict, VerdictKind
 
 linux_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="Linux /proc")
-
-
-def _seen_stopped(pid: int) -> None:
-    from resilient_strategy.machine.procs import read_stat
-
-    for _ in range(1000):  # the kernel stops it within microseconds; bounded all the same
-        got = read_stat(pid)
-        if got is not None and got.stopped:
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"{pid} never seen stopped")
 
 
 @contextmanager

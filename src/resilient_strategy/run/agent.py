@@ -1,7 +1,8 @@
 """One attempt, through torch's elastic agent: a `LocalElasticAgent` subclass starts the
-workers of one decision, adds the progress watch to its monitoring loop, and stops every worker
-(SIGTERM, its shutdown timeout, SIGKILL) when the group is unhealthy. The protected members of
-torch's agent it reaches are isolated here.
+workers of one decision, adds the progress watch to its monitoring loop (`AttemptMonitor`,
+torch-free), and stops every worker (a stopped one SIGKILLed at once: `prepare_stop`; the others
+SIGTERM, its shutdown timeout, SIGKILL) when the group is unhealthy. The protected members of
+torch's agent it reaches are isolated here (`SupervisedHooks`).
 """
 
 from __future__ import annotations
