@@ -1,7 +1,8 @@
 """One attempt, through torch's elastic agent: a `LocalElasticAgent` subclass starts the
-workers of one decision, adds the progress watch to its monitoring loop, and stops every worker
-(SIGTERM, its shutdown timeout, SIGKILL) when the group is unhealthy. The protected members of
-torch's agent it reaches are isolated here.
+workers of one decision, adds the progress watch to its monitoring loop (`AttemptMonitor`,
+torch-free), and stops every worker (a stopped one SIGKILLed at once: `prepare_stop`; the others
+SIGTERM, its shutdown timeout, SIGKILL) when the group is unhealthy. The protected members of
+torch's agent it reaches are isolated here (`SupervisedHooks`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -159,6 +160,8 @@ def regular_tails() -> Iterator[None]:
 def _launch(opts: RunOptions, decision: HandedDecision, env: Mapping[str, str],
             session: Path, peer: PeerWatch | None, *, alone: bool,
             switch: Callable[[], int | None] | None = None) -> Verdict:
+    """`launch`'s attempt: torchrun's configuration (`torchrun_namespace`), the rendezvous
+    (`rendezvous_handler`), the agent run (`run_agent`), its verdict (`attempt_verdict`)."""
     run_dir = Path(decision.run_dir)
     where = RunDir(run_dir)
     marks = where.supervisor_phases
@@ -166,6 +169,7 @@ def _launch(opts: RunOptions, decision: HandedDecision, env: Mapping[str, str],
     nproc = decision.processes
     watch = TrainingWatch([str(where.progress(r)) for r in range(nproc)],
                           opts.stall_timeout_s, busy_s=opts.busy_timeout_s)
+    monitor = AttemptMonitor(watch, peer, run_dir, nproc, switch)
     agent_cls = _agent_class()
     warm = opts.warm_start and applies(decision.framework)
     if warm:  # once per supervisor, before this attempt sets its own variables; its files in
@@ -173,13 +177,54 @@ def _launch(opts: RunOptions, decision: HandedDecision, env: Mapping[str, str],
         start_server(session.with_name(session.name.rpartition("-")[0] + "-m"))
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.agent.server.api import WorkerSpec
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
+    ns, nnodes = torchrun_namespace(opts, decision, peer, alone=alone)
+    before = machine_env.snapshot()  # torchrun sets OMP_NUM_THREADS: ours to remove again
+    try:
+        config, _, _ = torchrun.config_from_args(ns)
+    finally:
+        if nproc == 1:
+            machine_env.unset_added(TORCHRUN_VARS, before)
+    try:  # its store client connects to the endpoint: a node cut off waits here, watched
+        handler, master_addr, master_port = rendezvous_handler(config, nnodes, peer)
+    except LeftRendezvous as left:
+        machine_env.unset_added(TORCHRUN_VARS, before)
+        phases.mark(marks, phases.WORKERS_STOPPED)
+        return _peer_verdict(left.fault, peer)
+    entrypoint, worker_args = worker_entry(run_dir, opts, warm)
+    spec = WorkerSpec(
+        role=config.role, local_world_size=nproc, entrypoint=entrypoint, args=worker_args,
+        rdzv_handler=handler, max_restarts=0,
+        monitor_interval=config.monitor_interval, master_addr=master_addr,
+        master_port=master_port, local_addr=config.local_addr)
+    agent = agent_cls(spec=spec, logs_specs=config.logs_specs,
+                      start_method=START_METHOD if warm else config.start_method,
+                      monitor=monitor, warm=warm, **shutdown_grace(config))
+    from ..machine.versions import detect_frameworks
+
+    torch_version = detect_frameworks()[0].version  # metadata: the name this torch expects
+    # the workers inherit these for the attempt; never one the user set
+    shm_before = shm_entries(SHM_DIR, ATTEMPT_SHM_PREFIXES)
+    oom_before = procs.oom_kills()  # the kernel's OOM kills so far (the evidence of a SIGKILL)
+    with machine_env.setting(worker_env(decision, opts, watch.busy_s, env, torch_version)):
+        try:
+            result = run_agent(agent, monitor, where, spec.rdzv_handler, shm_before)
+        finally:
+            machine_env.unset_added(TORCHRUN_VARS, before)
+    return attempt_verdict(where, monitor, result, oom_before, world=nnodes * monitor.nproc)
+
+
+def torchrun_namespace(opts: RunOptions, decision: HandedDecision, peer: PeerWatch | None, *,
+                       alone: bool) -> tuple[argparse.Namespace, int]:
+    """torchrun's arguments for one attempt (the user's, or the script's alone) as the agent
+    of this supervisor runs it: ``decision``'s process count, no restart of torch's own (a
+    relaunch is ours, on another candidate), the logs in the attempt's directory, stderr teed
+    to a file we can read; one node by itself when ``alone``, else the attempt's nodes and this
+    node's rank among them; a rendezvous id of the attempt's own. Also the node count."""
     ns = argparse.Namespace(**vars(opts.torchrun or parser().parse_args([opts.script])))
-    ns.nproc_per_node = str(nproc)
+    ns.nproc_per_node = str(decision.processes)
     ns.max_restarts = 0  # a relaunch is ours, on another candidate
-    ns.log_dir = str(where.logs)
+    ns.log_dir = str(RunDir(Path(decision.run_dir)).logs)
     if str(getattr(ns, "redirects", "0") or "0") == "0" and str(getattr(ns, "tee", "0")
                                                                 or "0") == "0":
         ns.tee = "2"  # stderr to the console and to a file we can read (torch's default: "0")
@@ -209,12 +254,18 @@ def _launch(opts: RunOptions, decision: HandedDecision, env: Mapping[str, str],
         from ..nodes.routes import route_address
 
         ns.local_addr = route_address(str(ns.rdzv_endpoint).rpartition(":")[0].strip("[]"))
-    before = machine_env.snapshot()  # torchrun sets OMP_NUM_THREADS: ours to remove again
-    try:
-        config, _, _ = torchrun.config_from_args(ns)
-    finally:
-        if nproc == 1:
-            machine_env.unset_added(TORCHRUN_VARS, before)
+    return ns, nnodes
+
+
+def rendezvous_handler(config: Any, nnodes: int,
+                       peer: PeerWatch | None) -> tuple[Any, str | None, int | None]:
+    """torch's rendezvous handler for torchrun's launch ``config`` (its join bounded across
+    nodes: `bounded_join`; its membership fixed: `fixed_membership`), made while ``peer`` is
+    watched (`watched`: raises `LeftRendezvous`), and the static backend's master address and
+    port (else None)."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+
     rdzv = RendezvousParameters(
         backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
         min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
@@ -224,102 +275,112 @@ def _launch(opts: RunOptions, decision: HandedDecision, env: Mapping[str, str],
         from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
         master_addr, master_port = parse_rendezvous_endpoint(rdzv.endpoint, default_port=-1)
-    try:  # its store client connects to the endpoint: a node cut off waits here, watched
-        handler = watched(lambda: rdzv_registry.get_rendezvous_handler(rdzv), peer)
-    except LeftRendezvous as left:
-        machine_env.unset_added(TORCHRUN_VARS, before)
-        phases.mark(marks, phases.WORKERS_STOPPED)
-        return _peer_verdict(left.fault, peer)
+    handler = watched(lambda: rdzv_registry.get_rendezvous_handler(rdzv), peer)
     fixed_membership(handler)
-    worker_args = ("--supervisor", str(os.getpid()), str(run_dir / "decision.json"), opts.script,
-                   *opts.script_args)
-    entrypoint: Any = sys.executable
-    if warm:  # the worker as a function, forked from the fork server (run/warm.py)
+    return handler, master_addr, master_port
+
+
+def worker_entry(run_dir: Path, opts: RunOptions, warm: bool) -> tuple[Any, tuple[str, ...]]:
+    """The workers' entry point and arguments: this Python running `resilient_strategy.run.
+    worker` on the user's script, or (``warm``) the worker as a function, forked from the fork
+    server (run/warm.py)."""
+    worker_args: tuple[str, ...] = ("--supervisor", str(os.getpid()),
+                                    str(run_dir / "decision.json"), opts.script,
+                                    *opts.script_args)
+    if warm:
         from .worker import warm_main
 
-        entrypoint = warm_main
-    else:
-        worker_args = ("-u", "-m", "resilient_strategy.run.worker", *worker_args)
-    spec = WorkerSpec(
-        role=config.role, local_world_size=nproc, entrypoint=entrypoint, args=worker_args,
-        rdzv_handler=handler, max_restarts=0,
-        monitor_interval=config.monitor_interval, master_addr=master_addr,
-        master_port=master_port, local_addr=config.local_addr)
-    agent = agent_cls(spec=spec, logs_specs=config.logs_specs,
-                      start_method=START_METHOD if warm else config.start_method,
-                      watch=watch, peer=peer, run_dir=run_dir, nproc=nproc, warm=warm,
-                      **shutdown_grace(config))
-    agent.switch = switch
-    from ..machine.versions import detect_frameworks
+        return warm_main, worker_args
+    return sys.executable, ("-u", "-m", "resilient_strategy.run.worker", *worker_args)
 
-    torch_version = detect_frameworks()[0].version  # metadata: the name this torch expects
-    # the workers inherit these for the attempt; never one the user set
-    shm_before = shm_entries(SHM_DIR, ATTEMPT_SHM_PREFIXES)
-    oom_before = procs.oom_kills()  # the kernel's OOM kills so far (the evidence of a SIGKILL)
-    with machine_env.setting(worker_env(decision, opts, watch.busy_s, env, torch_version)):
+
+def run_agent(agent: Any, monitor: AttemptMonitor, where: RunDir, rdzv_handler: Any,
+              shm_before: frozenset[str]) -> Any:
+    """``agent.run()`` with its ranks' logs tailed by `tail_regular_file`: torch's run result,
+    or None when the rendezvous was left for another node's fault (a torch without a quiet
+    rendezvous exit raises). Then, whatever happened, what the ranks left is swept
+    (`sweep_attempt`) and the rendezvous shut down (bounded; not at all when the store is out
+    of reach)."""
+    try:
         try:
-            try:
-                with regular_tails():
-                    result = agent.run()
-            except Exception as exc:  # a torch without a quiet rendezvous exit raises it
-                if agent.peer_fault is None or type(exc).__name__ == "SignalException":
-                    raise
-                result = None
-            phases.mark(marks, phases.WORKERS_STOPPED)
-        finally:
-            with contextlib.suppress(Exception):  # what the ranks left never stops the stop
-                sweep_attempt(agent.rank_pids, str(run_dir / "decision.json"), shm_before)
-            if peer is None or peer.reachable():  # a store gone quiet: not forever, not at all
-                within(spec.rdzv_handler.shutdown, RDZV_SHUTDOWN_S)
-            machine_env.unset_added(TORCHRUN_VARS, before)
-    if agent.peer_fault is not None:  # another node saw the fault: this node stopped for it
-        heard = _peer_verdict(agent.peer_fault, peer)
+            with regular_tails():
+                result = agent.run()
+        except Exception as exc:  # a torch without a quiet rendezvous exit raises it
+            if monitor.peer_fault is None or type(exc).__name__ == "SignalException":
+                raise
+            result = None
+        phases.mark(where.supervisor_phases, phases.WORKERS_STOPPED)
+    finally:
+        with contextlib.suppress(Exception):  # what the ranks left never stops the stop
+            sweep_attempt(monitor.rank_pids, str(where.decision), shm_before)
+        if monitor.peer is None or monitor.peer.reachable():  # a store gone quiet: not forever
+            within(rdzv_handler.shutdown, RDZV_SHUTDOWN_S)
+    return result
+
+
+def attempt_verdict(where: RunDir, monitor: AttemptMonitor, result: Any,
+                    oom_before: int | None, world: int | None = None) -> Verdict:
+    """The verdict of an attempt whose agent ended with ``result`` (torch's run result, or
+    None), from what ``monitor`` saw and what the ranks left in ``where``: another node's
+    fault, a measured switch, a stall (unless a rank raised before it: `raised_before`), the
+    ranks' exits (`rank_exits`); the kernel's OOM kills since ``oom_before``, the flight
+    recorder's dumps of a stalled group (``world``: the attempt's ranks, the default group's
+    members where a dump does not name them)."""
+    nproc = monitor.nproc
+    if monitor.peer_fault is not None:  # another node saw the fault: this node stopped for it
+        heard = _peer_verdict(monitor.peer_fault, monitor.peer)
         if heard.step:
             return heard
         return replace(heard, step=step_in_progress(  # where this node's ranks were
             [read_record(str(where.progress(lr))) for lr in range(nproc)]))
-    if (agent.switched is not None and first_raised(where, nproc) is None
+    if (monitor.switched is not None and first_raised(where, nproc) is None
             and not all((r := read_record(str(where.progress(lr)))) is not None
                         and r.phase == FINISHED for lr in range(nproc))):
         return Verdict(VerdictKind.SWITCH, "stopped at the checkpoint of step "
-                       f"{agent.switched} for a measured switch", agent.switched)
-    stall: Stall | None = agent.stall
+                       f"{monitor.switched} for a measured switch", monitor.switched)
+    stall: Stall | None = monitor.stall
     if stall is not None and raised_before(
-            [_read_json(where.error(lr)) for lr in range(nproc)], agent.stall_at):
+            [_read_json(where.error(lr)) for lr in range(nproc)], monitor.stall_at):
         stall = None  # a rank raised and had not exited yet: its error is the story, not a stall
-    exits: list[RankExit] = []
-    if stall is None:
-        for failure in (result.failures.values() if result is not None and result.is_failed()
-                        else ()):
-            lr = failure.local_rank
-            exits.append(RankExit(
-                rank=lr, exitcode=failure.exitcode, error=_read_json(where.error(lr)),
-                record=read_record(str(where.progress(lr))),
-                stderr_tail=_stderr_tail(where, lr)))
-        # ranks that raised but were stopped before the agent saw them exit left records too
-        seen = {e.rank for e in exits}
-        for lr in range(nproc):
-            err = _read_json(where.error(lr))
-            if lr not in seen and err is not None:
-                exits.append(RankExit(rank=lr, exitcode=1, error=err,
-                                      record=read_record(str(where.progress(lr))),
-                                      stderr_tail=_stderr_tail(where, lr)))
-        if not exits and (result is None or result.state.name != "SUCCEEDED"):
-            state = "no state (the rendezvous ended)" if result is None else result.state.name
-            return Verdict(VerdictKind.EXIT, f"the workers ended in state {state}")
+    exits = [] if stall is not None else rank_exits(where, nproc, result)
+    if stall is None and not exits and (result is None or result.state.name != "SUCCEEDED"):
+        state = "no state (the rendezvous ended)" if result is None else result.state.name
+        return Verdict(VerdictKind.EXIT, f"the workers ended in state {state}")
     # finished only when every rank wrote "finished" after its last step (exit 0 is not enough)
     records = [read_record(str(where.progress(lr))) for lr in range(nproc)]
     verdict = classify_attempt(stall, exits, records)
     if stall is None and oom_before is not None and (oom_now := procs.oom_kills()) is not None:
         verdict = memory_killed(verdict, exits, oom_now - oom_before)
-    if stall is not None and agent.flight:
-        verdict = replace(verdict, flight=analyse(agent.flight, world=nnodes * nproc))
-        if proof := divergence(agent.flight):
+    if stall is not None and monitor.flight:
+        verdict = replace(verdict, flight=analyse(monitor.flight, world=world))
+        if proof := divergence(monitor.flight):
             verdict = diverged(verdict, proof)
     if not verdict.ok:
-        verdict = replace(verdict, seen=SEEN_ERROR_RECORD if agent.raised is not None
+        verdict = replace(verdict, seen=SEEN_ERROR_RECORD if monitor.raised is not None
                           else SEEN_STALL if stall is not None else SEEN_EXIT)
     return verdict
+
+
+def rank_exits(where: RunDir, nproc: int, result: Any) -> list[RankExit]:
+    """The ranks that failed in torch's run ``result`` (their exit codes), then those that
+    raised (an error record) but were stopped before the agent saw them exit (exit code 1),
+    each with its error record, progress record and stderr's tail."""
+    exits: list[RankExit] = []
+    for failure in (result.failures.values() if result is not None and result.is_failed()
+                    else ()):
+        lr = failure.local_rank
+        exits.append(RankExit(
+            rank=lr, exitcode=failure.exitcode, error=_read_json(where.error(lr)),
+            record=read_record(str(where.progress(lr))),
+            stderr_tail=_stderr_tail(where, lr)))
+    seen = {e.rank for e in exits}
+    for lr in range(nproc):
+        err = _read_json(where.error(lr))
+        if lr not in seen and err is not None:
+            exits.append(RankExit(rank=lr, exitcode=1, error=err,
+                                  record=read_record(str(where.progress(lr))),
+                                  stderr_tail=_stderr_tail(where, lr)))
+    return exits
 
 
 #: Where the ranks' shared memory lives, and the names an attempt leaves there when its
@@ -683,221 +744,295 @@ def _failed_from_exit_codes(worker_group: Any, procs: list[Any]) -> Any:
     return RunResult(state=WorkerState.FAILED, failures=failures)
 
 
+def prepare_stop(pids: Mapping[int, int]) -> list[int]:
+    """What comes first when an attempt's group is stopped (``{local_rank: pid}``): a stopped
+    worker (SIGSTOP, a debugger, a shell's job control) would hold the agent's SIGTERM pending
+    for the whole grace (30 s) while the other nodes' supervisors wait for this one at the next
+    agreement: killed at once (`stop_stopped`); every other is continued (one stopped since)
+    so that it gets the signal now. Returns the local ranks killed."""
+    killed: list[int] = []
+    with contextlib.suppress(Exception):
+        killed = stop_stopped(pids)
+    for pid in pids.values():
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGCONT)
+    return killed
+
+
+def stop_grace(args: tuple[Any, ...], kwargs: dict[str, Any], takes_timeout: bool,
+               grace: int) -> dict[str, Any]:
+    """The keyword arguments of torch's agent's ``_shutdown(*args, **kwargs)`` with the
+    configured ``grace`` as its timeout when torch gave none: torch's agent stops an unhealthy
+    group with its default grace (30 s), not the configured one (TORCH_ELASTIC_SHUTDOWN_TIMEOUT,
+    --shutdown-timeout). An agent whose ``_shutdown`` takes no timeout (torch 2.11's: not
+    ``takes_timeout``) keeps its own, as before."""
+    if takes_timeout and len(args) < 2 and "timeout" not in kwargs:
+        return {**kwargs, "timeout": grace}
+    return kwargs
+
+
+def finished_without_values(exitcodes: list[int | None], returned: set[int]) -> bool:
+    """Whether forked workers (their ``exitcodes`` in local rank order; ``returned``: the local
+    ranks that handed torch a return value) are all done although one exited 0 without handing
+    back a value (the script's ``os._exit(0)``), which would keep torch waiting for it forever
+    (and the workers that did hand theirs back waiting for torch)."""
+    exited = {i for i, code in enumerate(exitcodes) if code == 0}
+    return bool(exited - returned) and len(exited | returned) == len(exitcodes)
+
+
+@dataclass
+class AttemptMonitor:
+    """The checks the agent's monitoring loop adds to torch's look at its workers, and what they
+    saw (read by `attempt_verdict`); no torch here: each check says whether the group is to be
+    stopped. ``watch``: the ranks' progress (`TrainingWatch.poll`); ``peer``: the other nodes'
+    fault records; ``switch``: `launch`'s measured switch, asked for a checkpoint step."""
+
+    watch: TrainingWatch
+    peer: PeerWatch | None = None
+    run_dir: Path | None = None
+    nproc: int = 0
+    switch: Callable[[], int | None] | None = None
+    #: the local rank whose error record stopped the group (it raised), if one did
+    raised: int | None = None
+    stall: Stall | None = None
+    stall_at: float = float("inf")
+    peer_fault: PeerFault | None = None
+    flight: list[RankDump] = field(default_factory=list)
+    #: every rank process this attempt started (each leads a session of its own)
+    rank_pids: set[int] = field(default_factory=set)
+    #: the checkpoint step the measured switch stopped the group at
+    switched: int | None = None
+
+    def mark(self, phase: str, at: float | None = None) -> None:
+        """``phase`` in the attempt's supervisor phase marks (none without a run directory)."""
+        if self.run_dir is not None:
+            phases.mark(RunDir(self.run_dir).supervisor_phases, phase, at)
+
+    def started(self, pids: Mapping[int, int]) -> None:
+        """The workers (``{local_rank: pid}``) started: each leads a session (`left_behind`)."""
+        self.rank_pids.update(pids.values())
+        self.mark(phases.WORKERS_STARTED)
+
+    def finishing(self) -> bool:
+        """Whether a rank has written "finished" (its last step done): a job that ends on its
+        own is never stopped for a measured switch (it relaunched a finished job at its last
+        checkpoint)."""
+        if self.run_dir is None:
+            return False
+        where = RunDir(self.run_dir)
+        return any((r := read_record(str(where.progress(lr)))) is not None
+                   and r.phase == FINISHED for lr in range(self.nproc))
+
+    def raised_now(self) -> bool:
+        """Whether a rank has just left an error record (`first_raised`): it wrote it before
+        any barrier or teardown (and before its exit), acted on now, not when its peers stall.
+        Looked for until a stall or a record is seen."""
+        if self.stall is not None or self.raised is not None or self.run_dir is None:
+            return False
+        self.raised = first_raised(self.run_dir, self.nproc)
+        if self.raised is None:
+            return False
+        self.mark(phases.FAULT_SEEN)
+        return True
+
+    def stalled(self, pids: Callable[[], Mapping[int, int]],
+                ranks: list[tuple[int, int]]) -> bool:
+        """Whether the watch sees a stall now (``pids``: each local rank's process, read when
+        needed; ``ranks``: ``(local_rank, rank)``); then the evidence is taken before the stop
+        (`take_evidence`)."""
+        if self.stall is not None:
+            return False
+        self.stall = self.watch.poll(pids())
+        if self.stall is None:
+            return False
+        self.stall_at = time.time()  # wall time, as the ranks' error records
+        self.mark(phases.FAULT_SEEN, self.stall_at)
+        self.take_evidence(pids(), ranks)
+        return True
+
+    def take_evidence(self, pids: Mapping[int, int], ranks: list[tuple[int, int]]) -> None:
+        """A stalled group's evidence before the kill: the ranks' Python stacks and torch's
+        flight recorder dumps; a stopped rank (its state is its evidence) is neither asked nor
+        waited for. Never raises."""
+        with contextlib.suppress(Exception):
+            dump_stacks(pids, self.run_dir)
+        if self.run_dir is not None:
+            try:
+                self.flight = dump_flight(self.run_dir, ranks, pids)
+            except Exception as exc:  # evidence never stops the stop
+                log.warning("flight recorder: not collected: %s", exc)
+        self.mark(phases.EVIDENCE_TAKEN)
+
+    def switch_due(self) -> bool:
+        """Whether the supervisor stopped the healthy group at a checkpoint for a measured
+        switch (never after a fault, nor once a rank is finishing: `finishing`)."""
+        if (self.switch is None or self.switched is not None or self.stall is not None
+                or self.raised is not None or self.finishing()):
+            return False
+        self.switched = self.switch()
+        return self.switched is not None
+
+    def peer_failed(self) -> bool:
+        """Whether another node's workers failed (the peer watch): ours are stopped too."""
+        if self.peer is None or self.peer_fault is not None:
+            return False
+        self.peer_fault = self.peer.poll()
+        return self.peer_fault is not None
+
+    def healthy_checks(self, pids: Callable[[], Mapping[int, int]],
+                       ranks: list[tuple[int, int]]) -> bool:
+        """Whether a healthy group is to be stopped: a stall, a switch, a peer's fault."""
+        return self.stalled(pids, ranks) or self.switch_due() or self.peer_failed()
+
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.agent.server.local_elastic_agent import (
+        LocalElasticAgent as _ElasticAgent,
+    )
+else:
+    _ElasticAgent = object
+
+
+def _elastic_api() -> Any:
+    """torch's elastic agent API (``RunResult``, ``WorkerState``)."""
+    from torch.distributed.elastic.agent.server import api
+
+    return api
+
+
+class SupervisedHooks(_ElasticAgent):
+    """The hooks our agent puts in torch's ``LocalElasticAgent`` (`_agent_class` mixes them in
+    first; ``super()`` is torch's agent): its workers' pids and phase marks, the rendezvous
+    watched, a warm start's workers, the monitoring loop's own checks (`AttemptMonitor`), a
+    stop that kills a stopped worker at once (`prepare_stop`) with the configured grace."""
+
+    #: whether torch's ``_shutdown`` takes a timeout (2.13's; 2.11's takes ``is_restart``)
+    takes_timeout = False
+
+    def __init__(self, *args: Any, monitor: AttemptMonitor, warm: bool = False,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.monitor = monitor
+        #: the workers are forked from the fork server (run/warm.py), the entry point a
+        #: function whose arguments start with the environment they must have
+        self.warm = warm
+        self._worker_args: tuple[Any, ...] | None = None
+
+    def _pids(self) -> dict[int, int]:
+        """Each local rank's process (none before the workers start)."""
+        try:
+            return dict(self._pcontext.pids()) if self._pcontext is not None else {}
+        except Exception:  # torch's process context between states
+            return {}
+
+    def _rendezvous(self, worker_group: Any) -> Any:
+        """torch's rendezvous, in a thread of its own while this one watches the store: a node
+        cut off from it, or another node of the attempt gone silent, ends the wait within the
+        heartbeat window (torch's own wait is its join timeout, minutes), and the agent ends
+        as a rendezvous that exited (no worker started)."""
+        parent_rendezvous = super()._rendezvous
+        try:
+            return watched(lambda: parent_rendezvous(worker_group), self.monitor.peer)
+        except LeftRendezvous as left:  # the others are gone, or this node is cut off
+            self.monitor.peer_fault = left.fault
+            self._remaining_restarts = 0
+            raise rendezvous_exit(f"the rendezvous was left: {left}") from None
+
+    def _start_workers(self, worker_group: Any) -> Any:
+        if self.warm:  # a fresh worker's environment: this process's, now (then the agent's)
+            spec = worker_group.spec
+            if self._worker_args is None:
+                self._worker_args = tuple(spec.args)
+            spec.args = (dict(os.environ), *self._worker_args)
+        started = super()._start_workers(worker_group)
+        self.monitor.started(self._pids())
+        return started
+
+    def _monitor_workers(self, worker_group: Any) -> Any:
+        result = self._watched(worker_group)
+        state = _elastic_api().WorkerState
+        if result.state in (state.FAILED, state.UNHEALTHY):
+            self.monitor.mark(phases.FAULT_SEEN)
+        return result
+
+    def _forked(self) -> list[Any]:
+        """A warm start's worker processes (multiprocessing's), or none."""
+        pc = getattr(self._pcontext, "_pc", None) if self.warm else None
+        return list(getattr(pc, "processes", None) or ())
+
+    def _warm_monitor(self, worker_group: Any) -> Any:
+        """torch's look at forked workers, with two differences from started ones smoothed: a
+        worker that failed makes torch stop the others at once (SIGTERM, within this call), so
+        a stopped peer is killed at once and any other continued first to get it
+        (`prepare_stop`, as `_shutdown` does); and once every worker has exited 0 or handed its
+        value back, they succeeded (`finished_without_values`)."""
+        api = _elastic_api()
+        procs = self._forked()
+        if any(p.exitcode not in (None, 0) for p in procs):
+            prepare_stop({i: p.pid for i, p in enumerate(procs) if p.exitcode is None and p.pid})
+        try:
+            result = super()._monitor_workers(worker_group)
+        except (EOFError, pickle.UnpicklingError):
+            # torch's spawn context reads a failed child's traceback from a temporary
+            # file, empty on a full TMPDIR: the failure is the workers' exit codes
+            return _failed_from_exit_codes(worker_group, procs)
+        if result.state != api.WorkerState.HEALTHY or not procs or not finished_without_values(
+                [p.exitcode for p in procs],
+                set(getattr(self._pcontext, "_return_values", None) or ())):
+            return result
+        with contextlib.suppress(Exception):  # the workers that returned may exit
+            self._pcontext._worker_finished_event.set()  # type: ignore[union-attr]
+        with contextlib.suppress(Exception):
+            if self._pcontext is not None:
+                self._pcontext.close()
+        return api.RunResult(state=api.WorkerState.SUCCEEDED, return_values={
+            w.global_rank: None for w in worker_group.workers})
+
+    def _look(self, worker_group: Any) -> Any:
+        """torch's look at the workers (forked ones: `_warm_monitor`)."""
+        return (self._warm_monitor(worker_group) if self.warm
+                else super()._monitor_workers(worker_group))
+
+    def _stop_group(self) -> Any:
+        """An unhealthy group, never restarted (as torch's agent does for a wedged worker)."""
+        self._remaining_restarts = 0
+        return _elastic_api().RunResult(state=_elastic_api().WorkerState.UNHEALTHY)
+
+    def _watched(self, worker_group: Any) -> Any:
+        state = _elastic_api().WorkerState
+        result = self._look(worker_group)
+        if result.state in (state.HEALTHY, state.FAILED) and self.monitor.raised_now():
+            if result.state == state.FAILED:
+                return result  # the exits seen with it are part of the story
+            # a peer that exited before the record was written (the root cause of its
+            # "connection closed") is seen by a second look, after the record
+            again = self._look(worker_group)
+            return again if again.state == state.FAILED else self._stop_group()
+        if result.state == state.HEALTHY and self.monitor.healthy_checks(
+                self._pids, [(w.local_rank, w.global_rank) for w in worker_group.workers]):
+            return self._stop_group()
+        return result
+
+    def _shutdown(self, *args: Any, **kwargs: Any) -> None:
+        with contextlib.suppress(Exception):
+            prepare_stop(self._pids())
+        super()._shutdown(*args, **stop_grace(args, kwargs, self.takes_timeout,
+                                              getattr(self, "_shutdown_timeout", 30)))
+
+
 def _agent_class() -> type[Any]:
-    """LocalElasticAgent plus the stall watch in its monitoring loop (built on first use)."""
+    """LocalElasticAgent with `SupervisedHooks` (built on first use: torch is imported then)."""
     if _AGENT:
         return _AGENT[0]
-    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    import inspect
+
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     _cheap_method_names()
-    import inspect
 
-    # torch 2.13's _shutdown(death_sig, timeout); torch 2.11's (death_sig, is_restart)
-    takes_timeout = "timeout" in inspect.signature(LocalElasticAgent._shutdown).parameters
-
-    class SupervisedAgent(LocalElasticAgent):
-        def __init__(self, *args: Any, watch: TrainingWatch, peer: PeerWatch | None = None,
-                     run_dir: Path | None = None, nproc: int = 0, warm: bool = False,
-                     **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self.nproc = nproc
-            #: the workers are forked from the fork server (run/warm.py), the entry point a
-            #: function whose arguments start with the environment they must have
-            self.warm = warm
-            self._worker_args: tuple[Any, ...] | None = None
-            #: the local rank whose error record stopped the group (it raised), if one did
-            self.raised: int | None = None
-            self.watch = watch
-            self.peer = peer
-            self.stall: Stall | None = None
-            self.stall_at = float("inf")
-            self.peer_fault: PeerFault | None = None
-            self.run_dir = run_dir
-            self.flight: list[RankDump] = []
-            #: every rank process this attempt started (each leads a session of its own)
-            self.rank_pids: set[int] = set()
-            #: the supervisor's measured switch (`launch`'s ``switch``) and the checkpoint step
-            #: it stopped the group at
-            self.switch: Callable[[], int | None] | None = None
-            self.switched: int | None = None
-
-        def _pids(self) -> dict[int, int]:
-            """Each local rank's process (none before the workers start)."""
-            try:
-                return dict(self._pcontext.pids()) if self._pcontext is not None else {}
-            except Exception:  # torch's process context between states
-                return {}
-
-        def _marks(self) -> Path | None:
-            return None if self.run_dir is None else RunDir(self.run_dir).supervisor_phases
-
-        def _finishing(self) -> bool:
-            """Whether a rank has written "finished" (its last step done): a job that ends on
-            its own is never stopped for a measured switch (it relaunched a finished job at its
-            last checkpoint)."""
-            if self.run_dir is None:
-                return False
-            where = RunDir(self.run_dir)
-            return any((r := read_record(str(where.progress(lr)))) is not None
-                       and r.phase == FINISHED for lr in range(self.nproc))
-
-        def _rendezvous(self, worker_group: Any) -> Any:
-            """torch's rendezvous, in a thread of its own while this one watches the store: a
-            node cut off from it, or another node of the attempt gone silent, ends the wait
-            within the heartbeat window (torch's own wait is its join timeout, minutes), and
-            the agent ends as a rendezvous that exited (no worker started)."""
-            parent_rendezvous = super()._rendezvous
-            try:
-                return watched(lambda: parent_rendezvous(worker_group), self.peer)
-            except LeftRendezvous as left:  # the others are gone, or this node is cut off
-                self.peer_fault = left.fault
-                self._remaining_restarts = 0
-                raise rendezvous_exit(f"the rendezvous was left: {left}") from None
-
-        def _start_workers(self, worker_group: Any) -> Any:
-            if self.warm:  # a fresh worker's environment: this process's, now (then the agent's)
-                spec = worker_group.spec
-                if self._worker_args is None:
-                    self._worker_args = tuple(spec.args)
-                spec.args = (dict(os.environ), *self._worker_args)
-            started = super()._start_workers(worker_group)
-            self.rank_pids.update(self._pids().values())  # each leads a session (`left_behind`)
-            if (marks := self._marks()) is not None:
-                phases.mark(marks, phases.WORKERS_STARTED)
-            return started
-
-        def _monitor_workers(self, worker_group: Any) -> Any:
-            result = self._watched(worker_group)
-            if (result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
-                    and (marks := self._marks()) is not None):
-                phases.mark(marks, phases.FAULT_SEEN)
-            return result
-
-        def _forked(self) -> list[Any]:
-            """A warm start's worker processes (multiprocessing's), or none."""
-            pc = getattr(self._pcontext, "_pc", None) if self.warm else None
-            return list(getattr(pc, "processes", None) or ())
-
-        def _warm_monitor(self, worker_group: Any) -> Any:
-            """torch's look at forked workers, with two differences from started ones
-            smoothed: a worker that failed makes torch stop the others at once (SIGTERM,
-            within this call), so a stopped peer is killed at once and any other continued
-            first to get it, as `_shutdown` does; and a worker that exited 0 without handing back a return value (the
-            script's ``os._exit(0)``) would keep torch waiting for it forever (and the workers
-            that did hand theirs back waiting for torch): once every worker has exited 0 or
-            handed its value back, they succeeded."""
-            procs = self._forked()
-            if any(p.exitcode not in (None, 0) for p in procs):
-                stop_stopped({i: p.pid for i, p in enumerate(procs)
-                              if p.exitcode is None and p.pid})
-                for p in procs:
-                    if p.exitcode is None and p.pid:
-                        with contextlib.suppress(OSError):
-                            os.kill(p.pid, signal.SIGCONT)
-            try:
-                result = super()._monitor_workers(worker_group)
-            except (EOFError, pickle.UnpicklingError):
-                # torch's spawn context reads a failed child's traceback from a temporary
-                # file, empty on a full TMPDIR: the failure is the workers' exit codes
-                return _failed_from_exit_codes(worker_group, procs)
-            if result.state != WorkerState.HEALTHY or not procs:
-                return result
-            returned = set(getattr(self._pcontext, "_return_values", None) or ())
-            exited = {i for i, p in enumerate(procs) if p.exitcode == 0}
-            if exited - returned and len(exited | returned) == len(procs):
-                with contextlib.suppress(Exception):  # the workers that returned may exit
-                    self._pcontext._worker_finished_event.set()  # type: ignore[union-attr]
-                with contextlib.suppress(Exception):
-                    if self._pcontext is not None:
-                        self._pcontext.close()
-                return RunResult(state=WorkerState.SUCCEEDED, return_values={
-                    w.global_rank: None for w in worker_group.workers})
-            return result
-
-        def _look(self, worker_group: Any) -> Any:
-            """torch's look at the workers (forked ones: `_warm_monitor`)."""
-            return (self._warm_monitor(worker_group) if self.warm
-                    else super()._monitor_workers(worker_group))
-
-        def _watched(self, worker_group: Any) -> Any:
-            result = self._look(worker_group)
-            if (self.stall is None and self.raised is None and self.run_dir is not None
-                    and result.state in (WorkerState.HEALTHY, WorkerState.FAILED)):
-                # a rank that raised wrote its error record before any barrier or teardown
-                # (and before its exit): act on it now, not when its peers stall
-                raised = first_raised(self.run_dir, self.nproc)
-                if raised is not None:
-                    self.raised = raised
-                    if (marks := self._marks()) is not None:
-                        phases.mark(marks, phases.FAULT_SEEN)
-                    if result.state == WorkerState.FAILED:
-                        return result  # the exits seen with it are part of the story
-                    # a peer that exited before the record was written (the root cause of
-                    # its "connection closed") is seen by a second look, after the record
-                    again = self._look(worker_group)
-                    if again.state == WorkerState.FAILED:
-                        return again
-                    self._remaining_restarts = 0
-                    return RunResult(state=WorkerState.UNHEALTHY)
-            if result.state == WorkerState.HEALTHY and self.stall is None:
-                stall = self.watch.poll(self._pids())
-                if stall is not None:
-                    self.stall = stall
-                    self.stall_at = time.time()  # wall time, as the ranks' error records
-                    if (marks := self._marks()) is not None:
-                        phases.mark(marks, phases.FAULT_SEEN, self.stall_at)
-                    # evidence before the kill; a stopped rank (its state is its evidence)
-                    # is neither asked nor waited for
-                    pids = self._pids()
-                    with contextlib.suppress(Exception):
-                        dump_stacks(pids, self.run_dir)
-                    if self.run_dir is not None:
-                        try:
-                            self.flight = dump_flight(self.run_dir, [
-                                (w.local_rank, w.global_rank) for w in worker_group.workers],
-                                pids)
-                        except Exception as exc:  # evidence never stops the stop
-                            log.warning("flight recorder: not collected: %s", exc)
-                    if (marks := self._marks()) is not None:
-                        phases.mark(marks, phases.EVIDENCE_TAKEN)
-                    # as the agent does for a wedged (D-state) worker: no restart, stop the group
-                    self._remaining_restarts = 0
-                    return RunResult(state=WorkerState.UNHEALTHY)
-            if (result.state == WorkerState.HEALTHY and self.switch is not None
-                    and self.switched is None and self.stall is None and self.raised is None
-                    and not self._finishing()):
-                at = self.switch()
-                if at is not None:  # stopped at a checkpoint for a measured switch
-                    self.switched = at
-                    self._remaining_restarts = 0
-                    return RunResult(state=WorkerState.UNHEALTHY)
-            if (result.state == WorkerState.HEALTHY and self.peer is not None
-                    and self.peer_fault is None):
-                fault = self.peer.poll()
-                if fault is not None:  # another node's workers failed: stop ours too
-                    self.peer_fault = fault
-                    self._remaining_restarts = 0
-                    return RunResult(state=WorkerState.UNHEALTHY)
-            return result
-
-        def _shutdown(self, *args: Any, **kwargs: Any) -> None:
-            # A stopped worker (SIGSTOP, a debugger, a shell's job control) would hold the
-            # agent's SIGTERM pending for the whole grace (30 s) while the other nodes' supervisors
-            # wait for this one at the next agreement: killed at once (`stop_stopped`); any
-            # other is continued (one stopped since) so that it gets the signal now.
-            with contextlib.suppress(Exception):
-                stop_stopped(self._pids())
-            with contextlib.suppress(Exception):
-                for pid in (self._pcontext.pids().values() if self._pcontext else ()):
-                    with contextlib.suppress(OSError):
-                        os.kill(pid, signal.SIGCONT)
-            if takes_timeout and len(args) < 2 and "timeout" not in kwargs:
-                # torch's agent stops an unhealthy group with its default grace (30 s), not the
-                # configured one (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, --shutdown-timeout): use it.
-                # (torch 2.11's _shutdown has no timeout: it keeps its own, as before.)
-                kwargs["timeout"] = getattr(self, "_shutdown_timeout", 30)
-            super()._shutdown(*args, **kwargs)
+    class SupervisedAgent(SupervisedHooks, LocalElasticAgent):
+        # torch 2.13's _shutdown(death_sig, timeout); torch 2.11's (death_sig, is_restart)
+        takes_timeout = "timeout" in inspect.signature(LocalElasticAgent._shutdown).parameters
 
     _AGENT.append(SupervisedAgent)
     return SupervisedAgent
