@@ -319,7 +319,7 @@ def run_agent(agent: Any, monitor: AttemptMonitor, where: RunDir, rdzv_handler: 
 
 
 def attempt_verdict(where: RunDir, monitor: AttemptMonitor, result: Any,
-                    oom_before: int | None, world: int | None = None) -> Verdict:
+                    oom_before: int | None, world: int = 0) -> Verdict:
     """The verdict of an attempt whose agent ended with ``result`` (torch's run result, or
     None), from what ``monitor`` saw and what the ranks left in ``where``: another node's
     fault, a measured switch, a stall (unless a rank raised before it: `raised_before`), the
