@@ -102,6 +102,7 @@ def supervised_kill(tmp: Path, name: str, *args: str, nproc: int = 2, rank: int 
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+        if proc.stdout is not None and not proc.stdout.closed:  # its pipe closed on every path
             proc.communicate(timeout=30)
     assert not _left(report), out[-3000:]
     records = list((tmp / "resilient-strategy-evidence").glob("*/attempts.json"))

@@ -111,7 +111,7 @@ def _torchrun(script: str, tmp_path: Path, **env: str) -> str:
                 **env)
     out = subprocess.run(
         # torchrun itself, run by this interpreter (a `torchrun` script may not be on PATH)
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          f"examples/{script}", "--epochs", "2",
          "--samples", "4096"],
         cwd=ROOT, env=full, capture_output=True, text=True, timeout=deadline(300))

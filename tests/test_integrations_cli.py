@@ -121,7 +121,8 @@ def _cli_job(tmp_path: Path, name: str, processes: int, **env: str) -> dict[str,
                 RESILIENT_STRATEGY_CACHE_DIR=str(tmp_path / f"cache-{name}"), **env)
     out = tmp_path / f"{name}.json"
     launch = [sys.executable] if processes == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+         str(processes)]
     done = subprocess.run(
         [*launch, str(ROOT / "tests" / "_lightning_cli_job.py"), str(out), "fit",
          "--trainer.max_epochs", "1"],

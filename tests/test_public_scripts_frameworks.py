@@ -20,11 +20,22 @@ LIGHTNING_ARGS = ("--trainer.max_epochs=2", "--trainer.enable_progress_bar=false
 LIGHTNING_LAUNCH = ("--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.strategy=ddp")
 
 
+def _needs_lightning_cli() -> None:
+    """Skip where LightningCLI cannot run: Lightning absent, or jsonargparse's signatures extra
+    missing (Lightning's own requirement, checked as Lightning checks it)."""
+    pytest.importorskip("lightning")
+    imports = pytest.importorskip("lightning_utilities.core.imports")
+    need = "jsonargparse[signatures]>=4.27.7"
+    if not imports.RequirementCache(need):
+        pytest.skip(f"LightningCLI needs {need}, not installed here")
+
+
 def test_lightning_cli_healthy_broken_gloo_as_the_original(tmp_path: Path) -> None:
     """2 epochs of 500 samples, 32 per process: 8 optimizer steps an epoch on 2 gloo processes
     (250 samples a rank), the original (its own --trainer flags) and the adopted script alike;
     with gloo broken the adopted one trains on one process, 2 micro-batches a step, the same 16
     steps over all 1000 samples (test and predict are not training)."""
+    _needs_lightning_cli()
     done, original = torchrun(tmp_path / "original", "lightning_cli", "original",
                               *LIGHTNING_ARGS, *LIGHTNING_LAUNCH)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -44,6 +55,7 @@ def test_lightning_cli_a_rank_killed_starts_over_and_says_so(tmp_path: Path) -> 
     """The example keeps no checkpoint to resume from (fit has no ckpt_path): rank 1 SIGKILLed
     under ``run`` mid-run, the relaunch trains all 16 steps again and is announced as a start
     from scratch (no resume claimed); the job ends 0 and leaves nothing running."""
+    _needs_lightning_cli()
     proc, out, attempts, reports = supervised_kill(tmp_path, "lightning_cli", *LIGHTNING_ARGS,
                                                    at=10, step_s=0.1)
     assert proc.returncode == 0, out[-3000:]

@@ -336,7 +336,8 @@ def _launch(how: str, tmp: Path, checkpoint_dir: Path) -> Any:
               str(checkpoint_dir)]
     launcher = {
         "python": [sys.executable],
-        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1"],
+        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                     "--nproc-per-node", "1"],
         "run": [sys.executable, "-m", "resilient_strategy", "run", "--nproc-per-node", "1",
                 "--evidence-dir", str(tmp / "evidence")],
     }[how]
