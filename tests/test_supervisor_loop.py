@@ -69,6 +69,12 @@ ROWS: dict[str, tuple[list[Verdict], list[str], list[str], int, str | None]] = {
         [v(K.EXIT, 50, cause="gpu_fault", phase="collective"),
          v(K.EXIT, 60, cause="gpu_fault", phase="collective")],
         ["retry", "stop"], [A, A], 75, "gpu_fault"),
+    # the same fault recorded by node 1 (this node stopped for it): stopped alike, never this
+    # node's to be excluded for
+    "gpu_fault_of_another_node_repeat_stops_75_blaming_none": (
+        [v(K.EXIT, 50, cause="gpu_fault", phase="collective", node=1),
+         v(K.EXIT, 60, cause="gpu_fault", phase="collective", node=1)],
+        ["retry", "stop"], [A, A], 75, None),
     "no_space_stops_75": ([v(K.EXIT, 50, cause="no_space")], ["stop"], [A], 75, None),
     "storage_error_repeat_stops_75": (
         [v(K.EXIT, 50, cause="storage_error", phase="collective"),

@@ -121,8 +121,11 @@ def exit_code(judgement: Judgement) -> ExitCode:
 def ending_of(history: Sequence[Attempt], judgement: Judgement) -> Ending:
     """How the run ends after ``judgement`` on the last of ``history``: its exit code, and the
     cause that blames this node where an `INFRASTRUCTURE` end is the node's (a requeue then
-    excludes it)."""
+    excludes it). A fault another node recorded (`Verdict.node`: this node stopped for it) never
+    blames this one: under SLURM the task that requeues the job is node 0's, and excluding it
+    for node 1's lost GPU would requeue onto the faulty node and off a healthy one."""
     code = int(exit_code(judgement))
-    blamed = (node_cause(a.verdict.cause for a in history if not a.verdict.ok)
+    blamed = (node_cause(a.verdict.cause for a in history
+                         if not a.verdict.ok and a.verdict.node is None)
               if code == ExitCode.INFRASTRUCTURE else None)
     return Ending(code, blamed)
