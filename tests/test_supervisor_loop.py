@@ -20,8 +20,9 @@ from resilient_strategy.records.handoff import HandedDecision, write_decision
 from resilient_strategy.records.rundir import RunDir
 from resilient_strategy.run import supervisor
 from resilient_strategy.run.evidence import Evidence
+from resilient_strategy.run.exitcodes import ExitCode
 from resilient_strategy.run.loop import Observed, Watched, ending_of, run_attempts
-from resilient_strategy.run.policy import Action, Judgement, RelaunchPolicy
+from resilient_strategy.run.policy import Action, Attempt, Judgement, RelaunchPolicy
 from resilient_strategy.run.preempt import Ending
 from resilient_strategy.run.verdicts import Verdict
 from resilient_strategy.run.verdicts import VerdictKind as K
@@ -128,6 +129,19 @@ def test_an_attempt_stopped_from_outside_ends_the_run_as_it_says() -> None:
     hooks = FakeHooks([v(K.EXIT, 50), Ending(130)])
     assert run_attempts(hooks, LADDER[0]) == Ending(130)
     assert (hooks.finished, [a for _, a, _ in hooks.relaunched]) == ([], ["retry"])
+
+
+def test_across_nodes_only_this_nodes_own_fault_blames_it() -> None:
+    """The merged verdict names the node whose record it is, this node's own number too: a GPU
+    fault recorded by this node (0) blames it; node 1's, which node 0 stopped for, does not."""
+    def stop(on: int) -> list[Attempt]:
+        verdict = v(K.EXIT, 50, cause="gpu_fault", node=on)
+        return [Attempt(0, A, "a", verdict, Judgement(Action.STOP, "x", ExitCode.INFRASTRUCTURE))]
+
+    stopped = Judgement(Action.STOP, "x", ExitCode.INFRASTRUCTURE)
+    assert ending_of(stop(0), stopped, node=0) == Ending(75, "gpu_fault")
+    assert ending_of(stop(1), stopped, node=0) == Ending(75, None)
+    assert ending_of(stop(1), stopped, node=1) == Ending(75, "gpu_fault")
 
 
 def test_an_ending_without_an_exit_code_is_infrastructure() -> None:

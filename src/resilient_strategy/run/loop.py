@@ -118,14 +118,16 @@ def exit_code(judgement: Judgement) -> ExitCode:
     return judgement.exit_code if judgement.exit_code is not None else ExitCode.INFRASTRUCTURE
 
 
-def ending_of(history: Sequence[Attempt], judgement: Judgement) -> Ending:
+def ending_of(history: Sequence[Attempt], judgement: Judgement,
+              node: int | None = None) -> Ending:
     """How the run ends after ``judgement`` on the last of ``history``: its exit code, and the
     cause that blames this node where an `INFRASTRUCTURE` end is the node's (a requeue then
-    excludes it). A fault another node recorded (`Verdict.node`: this node stopped for it) never
-    blames this one: under SLURM the task that requeues the job is node 0's, and excluding it
-    for node 1's lost GPU would requeue onto the faulty node and off a healthy one."""
+    excludes it). ``node``: this node's number across nodes (None: one node). A fault another
+    node recorded (`Verdict.node`, another number: this node stopped for it) never blames this
+    one: under SLURM the task that requeues the job is node 0's, and excluding it for node 1's
+    lost GPU would requeue the job off a healthy node and onto the faulty one."""
     code = int(exit_code(judgement))
     blamed = (node_cause(a.verdict.cause for a in history
-                         if not a.verdict.ok and a.verdict.node is None)
+                         if not a.verdict.ok and a.verdict.node in (None, node))
               if code == ExitCode.INFRASTRUCTURE else None)
     return Ending(code, blamed)

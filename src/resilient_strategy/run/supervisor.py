@@ -404,7 +404,8 @@ class _Run:
         self.evidence.summary(history, [c.to_dict() for c in self.changes], goodput.to_dict(),
                               create=any(a.measured is not None for a in history))
         _say(_summary(history, judgement) + nodes_words(self.changes) + f" {goodput.line()}.")
-        return ending_of(history, judgement)
+        here = self.team or self.link  # this node's number in the last attempt's nodes
+        return ending_of(history, judgement, None if here is None else here.node)
 
     def announce_relaunch(self, history: Sequence[Attempt], choice: Choice, seen: Observed,
                           judged: Judged[Choice]) -> None:
