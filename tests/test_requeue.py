@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import types
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -182,6 +183,37 @@ def test_the_failed_node_is_added_to_the_job_s_excluded_nodes(
     decision = requeue_decision(75, NODE, parse_show_job(shown), fault)
     assert (decision.requeue, decision.exclude) == (True, exclude)
     assert decision.node == (None if fault is None else "gpu7")
+
+
+def test_across_nodes_the_node_whose_own_fault_it_was_is_excluded_by_its_name() -> None:
+    """Node 1 sends its name with its verdict; node 0, which requeues, stopped for it: node 1 is
+    excluded, never node 0; a name that is no node name is refused with the record."""
+    from resilient_strategy.run.loop import ending_of
+    from resilient_strategy.run.policy import Action, Attempt, Judgement
+    from resilient_strategy.run.supervisor import _node_name
+    from resilient_strategy.run.verdicts import PeerFault, Verdict, VerdictKind, merge
+
+    assert (_node_name({"SLURMD_NODENAME": "gpu9"}), _node_name({}),
+            _node_name({"SLURMD_NODENAME": "gpu9;rm -rf"})) == ("gpu9", "", "")
+    sent = PeerFault(1, "torch:nccl", Verdict(VerdictKind.EXIT, "ECC", 50, "gpu_fault",
+                                              host="gpu9"))
+    heard = PeerFault.from_dict(sent.to_dict())
+    merged = merge([PeerFault(0, "torch:nccl", Verdict(VerdictKind.BACKEND, "peer gone", 50)),
+                    heard])
+    assert merged is not None and (merged.node, merged.host) == (1, "gpu9")
+    assert heard.as_seen_here().host == "gpu9"
+    with pytest.raises(ValueError):
+        PeerFault.from_dict({**sent.to_dict(), "host": "gpu9 ExcNodeList=gpu[1-99]"})
+    stop = Judgement(Action.STOP, "repeat", 75)  # type: ignore[arg-type]
+    ending = ending_of([Attempt(0, "torch:nccl", "nccl", merged, stop)], stop, node=0)
+    assert (ending.node_fault, ending.node_name) == ("gpu_fault", "gpu9")
+    decision = requeue_decision(75, NODE, parse_show_job(SHOWN + " ExcNodeList=gpu[1-2]"),
+                                ending.node_fault, ending.node_name)
+    assert (decision.exclude, decision.node) == ("gpu[1-2],gpu9", "gpu9")
+    # node 1's fault without its name: requeued, nobody excluded (before: node 0 itself)
+    unnamed = ending_of([Attempt(0, "torch:nccl", "nccl", replace(merged, host=""), stop)], stop,
+                        node=0)
+    assert (unnamed.node_fault, unnamed.node_name) == (None, None)
 
 
 def test_no_exclusion_without_a_requeue_or_a_node_name() -> None:

@@ -121,13 +121,20 @@ def exit_code(judgement: Judgement) -> ExitCode:
 def ending_of(history: Sequence[Attempt], judgement: Judgement,
               node: int | None = None) -> Ending:
     """How the run ends after ``judgement`` on the last of ``history``: its exit code, and the
-    cause that blames this node where an `INFRASTRUCTURE` end is the node's (a requeue then
-    excludes it). ``node``: this node's number across nodes (None: one node). A fault another
-    node recorded (`Verdict.node`, another number: this node stopped for it) never blames this
-    one: under SLURM the task that requeues the job is node 0's, and excluding it for node 1's
-    lost GPU would requeue the job off a healthy node and onto the faulty one."""
+    node whose fault it was where an `INFRASTRUCTURE` end is a node's (a requeue then excludes
+    it). ``node``: this node's number across nodes (None: one node). This node's own fault
+    (`Verdict.node` None or ``node``) blames this node; a fault another node recorded, which this
+    node stopped for, blames that node by the name it sent (`Verdict.host`), never this one:
+    under SLURM the task that requeues the job is node 0's, and excluding it for node 1's lost
+    GPU would requeue the job off a healthy node and onto the faulty one."""
     code = int(exit_code(judgement))
-    blamed = (node_cause(a.verdict.cause for a in history
-                         if not a.verdict.ok and a.verdict.node in (None, node))
-              if code == ExitCode.INFRASTRUCTURE else None)
-    return Ending(code, blamed)
+    if code != ExitCode.INFRASTRUCTURE:
+        return Ending(code)
+    failed = [a.verdict for a in history if not a.verdict.ok]
+    own = node_cause(v.cause for v in failed if v.node in (None, node))
+    if own is not None:
+        return Ending(code, own)
+    for v in reversed(failed):  # the latest fault of another node that is that node's
+        if v.node not in (None, node) and v.host and node_cause((v.cause,)) is not None:
+            return Ending(code, v.cause, v.host)
+    return Ending(code)

@@ -155,6 +155,9 @@ class Ending:
 
     code: int
     node_fault: str | None = None
+    #: The scheduler's name of the node blamed when it is another node (its own report,
+    #: `Verdict.host`); None: this node.
+    node_name: str | None = None
 
 
 def settle(ending: Ending | int, env: Mapping[str, str]) -> int:
@@ -171,7 +174,7 @@ def settle(ending: Ending | int, env: Mapping[str, str]) -> int:
         return exit_code  # not a SLURM job, or a code that asks for no requeue
     shown = scontrol.show_job(decision.job_id, env)
     decision = requeue_decision(exit_code, env, None if shown is None else parse_show_job(shown),
-                                ending.node_fault)
+                                ending.node_fault, ending.node_name)
     _say(decision.reason or "")
     if decision.requeue and decision.job_id is not None:  # SLURM then stops this batch script (SIGTERM): it ends here anyway
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

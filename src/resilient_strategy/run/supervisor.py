@@ -58,6 +58,7 @@ from ..core.knowledge.causes import node_cause
 from ..core.measures.probe import ERROR, ProbeResult, ProbeSpec
 from ..core.values.bounded import parse_json
 from ..core.values.candidate import Candidate, CandidateKey
+from ..core.values.requeue import this_node
 from ..errors import (
     GpuUnusableError,
     MultiNodeError,
@@ -101,7 +102,7 @@ from .policy import (
     relaunch,
     switch_due,
 )
-from .verdicts import PeerFault, Verdict, VerdictKind, fault_line, merge, one_line
+from .verdicts import NODE_NAME, PeerFault, Verdict, VerdictKind, fault_line, merge, one_line
 
 log = logging.getLogger("resilient_strategy")
 
@@ -293,7 +294,8 @@ class _Run:
             verdict = launch_faults.named(verdict, _holders(verdict))
         gone: dict[int, str] = {}
         if peer is not None:
-            verdict = verdict_with_peers(peer, decision.chosen, verdict)
+            verdict = verdict_with_peers(peer, decision.chosen, verdict,
+                                         host=_node_name(self.snapshot))
             gone = peer.gone()
         phases.mark(RunDir.of(decision.run_dir).supervisor_phases, phases.VERDICT)
         # a resume is the script's restore, reported by it (never the note an attempt before
@@ -751,11 +753,19 @@ def _store_timeout(opts: RunOptions | None) -> float:
     return max(10.0, (opts.probe_timeout_s or 0.0) if opts is not None else 0.0)
 
 
-def verdict_with_peers(peer: PeerWatch, chosen: str, verdict: Verdict) -> Verdict:
+def _node_name(env: Mapping[str, str]) -> str:
+    """This node's name as the scheduler knows it (``SLURMD_NODENAME``), sent with its verdict so
+    that a requeue by node 0 can exclude this node for its own fault; "" when none or not a
+    node name (`verdicts.NODE_NAME`)."""
+    name = this_node(env, None) or ""
+    return name if NODE_NAME.fullmatch(name) else ""
+
+
+def verdict_with_peers(peer: PeerWatch, chosen: str, verdict: Verdict, host: str = "") -> Verdict:
     """Every node's verdict on the attempt, merged the same way on every node (so that all
-    retry, step down or stop together): this node's is recorded for the others, theirs are
-    awaited (a node whose record never comes is lost)."""
-    peer.record(PeerFault(peer.link.node, chosen, verdict))
+    retry, step down or stop together): this node's is recorded for the others (``host``: this
+    node's name, `_node_name`), theirs are awaited (a node whose record never comes is lost)."""
+    peer.record(PeerFault(peer.link.node, chosen, replace(verdict, host=host or verdict.host)))
     if verdict.kind is VerdictKind.CUT_OFF:
         return verdict  # nothing will come from the others: this node stops
     merged = merge(peer.await_all(_store_timeout(opts=None)))

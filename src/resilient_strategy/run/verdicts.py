@@ -428,6 +428,10 @@ class Verdict:
     #: Where the named ranks were (`records.progress.PHASES`: ``collective``, ``comm_setup``,
     #: ``step_done``, ...), from their last progress record; "" when none said.
     phase: str = ""
+    #: The scheduler's name of the node whose verdict this is, as that node sent it (SLURM's
+    #: ``SLURMD_NODENAME``; `NODE_NAME`); "" where unknown or one node. A requeue excludes it when
+    #: the fault was that node's (`run/loop.ending_of`).
+    host: str = ""
 
     @property
     def ok(self) -> bool:
@@ -476,6 +480,7 @@ class Verdict:
                 "blame": self.blame, "seen": self.seen, "detect_s": self.detect_s,
                 "held_by": list(self.held_by),
                 "stall": self.stall, "phase": self.phase,
+                **({"host": self.host} if self.host else {}),
                 **({"flight": self.flight.to_dict()} if self.flight is not None else {})}
 
     @classmethod
@@ -494,7 +499,7 @@ class Verdict:
                        detect_s=None if d.get("detect_s") is None else float(d["detect_s"]),
                        held_by=tuple(int(p) for p in d.get("held_by", ()) or ()),
                        stall=str(d.get("stall", "") or ""),
-                       phase=str(d.get("phase", "") or ""))
+                       phase=str(d.get("phase", "") or ""), host=str(d.get("host", "") or ""))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a verdict record: {exc}") from None
 
@@ -509,10 +514,15 @@ class Verdict:
             raise ValueError("a blame or a 'seen' word that is no word of a verdict")
         if self.step < 0 or any(r < 0 for r in self.ranks) or len(self.ranks) > 1 << 16:
             raise ValueError("a step or a rank that is none")
+        if self.host and not NODE_NAME.fullmatch(self.host):
+            raise ValueError("a node name that is no node name")
         return replace(self, summary=fit(quiet(self.summary), 500),
                        where=fit(quiet(self.where), 300), detail=fit(quiet(self.detail), 500))
 
 
+#: What a node's name may be, as a scheduler writes it (it goes into ``ExcNodeList``): a host
+#: name's letters, digits, dots, dashes and underscores, at most 255.
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 _BLAME_WORDS = frozenset({"", BLAME_OOM, BLAME_EXIT, BLAME_SCRIPT_TEXT, BLAME_PROCESS_GROUP,
                           BLAME_DISTRIBUTED, BLAME_COLLECTIVE, BLAME_SCRIPT, BLAME_TEXT,
                           BLAME_NO_SPACE, BLAME_STORAGE, BLAME_GPU})
@@ -550,7 +560,7 @@ class PeerFault:
                        v.cause or ("crash" if v.relaunchable else ""), node=self.node,
                        ranks=v.ranks, where=f"node {self.node}" + (f", {v.where}" if v.where
                                                                     else ""), detail=v.detail,
-                       stall=v.stall, phase=v.phase)
+                       stall=v.stall, phase=v.phase, host=v.host)
 
 
 def position(record: Record) -> str:
@@ -833,7 +843,7 @@ def merge(faults: Sequence[PeerFault]) -> Verdict | None:
     return Verdict(v.kind, v.summary if v.node is not None else f"node {first.node}: {v.summary}",
                    v.step, v.cause, node=first.node, ranks=v.ranks, where=v.where,
                    detail=v.detail, blame=v.blame, seen=v.seen, detect_s=v.detect_s,
-                   stall=v.stall, phase=v.phase)
+                   stall=v.stall, phase=v.phase, host=v.host)
 
 
 def one_line(text: str, limit: int = 300) -> str:

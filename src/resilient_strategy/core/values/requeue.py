@@ -10,7 +10,8 @@ shown (scontrol missing, failing, silent) is never requeued: the job did not vis
 
 The node excluded (`exclusion`): when the run ended on a fault of this node's own
 (``node_fault``: its cause, from `core/knowledge/causes.NODE_CAUSES`, e.g. a GPU lost), the
-requeued job gets this node (``SLURMD_NODENAME``, else the job's ``BatchHost``) added to its
+requeued job gets this node (``SLURMD_NODENAME``, else the job's ``BatchHost``; across nodes,
+the node whose own fault it was, by the name it sent: ``node_name``) added to its
 ``ExcNodeList``, the nodes already there kept (the user's ``--exclude``); never for a fault that
 is not the node's, and nothing to add when the node is excluded already. SLURM changes
 ``ExcNodeList`` only on a pending job ("Job is no longer pending execution" on a running one,
@@ -96,10 +97,12 @@ def exclusion(job: Mapping[str, str], node: str,
 
 def requeue_decision(exit_code: int, env: Mapping[str, str],
                      job: Mapping[str, str] | None,
-                     node_fault: str | None = None) -> RequeueDecision:
+                     node_fault: str | None = None,
+                     node_name: str | None = None) -> RequeueDecision:
     """Requeue the job or not (see the module docstring). ``job``: `parse_show_job` of the
     job, None when it could not be shown. ``node_fault``: the cause that blames this node for
-    the run's end (None: the fault is not the node's), which excludes the node."""
+    the run's end (None: the fault is not the node's), which excludes the node; ``node_name``:
+    the node it blames when that is another node (None: this one)."""
     job_id = batch_job(env)
     if job_id is None:
         return RequeueDecision(False, None, None)
@@ -119,7 +122,7 @@ def requeue_decision(exit_code: int, env: Mapping[str, str],
             f"{int(restarts) + 1 if restarts.isdigit() else 1} of at most {MAX_RESTARTS})")
     if node_fault is None:
         return RequeueDecision(True, job_id, said)
-    node = this_node(env, job)
+    node = node_name or this_node(env, job)
     if node is None:
         return RequeueDecision(True, job_id, f"{said}; the fault was this node's "
                                f"({node_fault}), but SLURM names no node here "
