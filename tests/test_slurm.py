@@ -279,8 +279,29 @@ def _until(slurm: Slurm, job: str, done: Any, what: str) -> dict[str, str]:
 _ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
 
 
-def _release(slurm: Slurm, job: str) -> None:
-    """A requeued job waits (BeginTime, about two minutes): the test lets it start now."""
+def _running(marker: str) -> bool:
+    """Whether a live process has ``marker`` in its command line (read from /proc)."""
+    word = marker.encode()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if word in (entry / "cmdline").read_bytes():
+                    return True
+            except OSError:  # gone between the listing and the read
+                continue
+    return False
+
+
+def _release(slurm: Slurm, job: str, marker: str = "") -> None:
+    """A requeued job waits (BeginTime, about two minutes): the test lets it start now, once no
+    process of its first run is left (``marker``: a word of their command lines). Released while
+    the first run's batch script was still exiting, the second launch on the same node failed
+    at once (seen once in CI: state FAILED, nothing written by a second run); the two minutes of
+    BeginTime a real requeue waits cover that exit."""
+    deadline = time.monotonic() + SRUN_TIMEOUT_S
+    while marker and _running(marker):
+        assert time.monotonic() < deadline, f"the first run ({marker}) did not exit"
+        time.sleep(0.1)
     done = slurm.run("scontrol", "update", f"jobid={job}", "StartTime=now", timeout=30)
     assert done.returncode == 0, done.stderr
 
@@ -347,7 +368,7 @@ def test_a_preempted_job_checkpoints_requeues_and_resumes_to_the_same_steps(
                or j.get("JobState") in _ENDED, "the requeue")
         stopped_at = int(progress.read_text())
         assert not (out / "done-0.json").exists()  # the first run did not finish
-        _release(slurm, job)
+        _release(slurm, job, str(tmp_path / "ckpt"))
         shown = _until(slurm, job, lambda j: j.get("JobState") in _ENDED, "the end")
         log = (tmp_path / "job.out").read_text()
         assert (shown["JobState"], shown["Restarts"]) == ("COMPLETED", "1"), log
